@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): venv, install with test extras, lint, unit + integration
+# tests under coverage (worker processes included), then the coverage gates.
+#
+#   bash scripts/test.sh              # everything (what CI runs)
+#   bash scripts/test.sh unit         # unit tests only (parallel, xdist)
+#   bash scripts/test.sh integration  # multi-process gloo jobs only
+#   bash scripts/test.sh gpu          # gpu-marked tests (skip with a reason without a GPU)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+TIER=${1:-all}
+case "$TIER" in all | unit | integration | gpu) ;; *)
+  echo "usage: bash scripts/test.sh [all|unit|integration|gpu]" >&2
+  exit 2
+  ;;
+esac
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv with $($PY --version 2>&1)"
+  "$PY" -m venv .venv
+fi
+VPY=$ROOT/.venv/bin/python
+echo "== installing flashcp with test extras"
+"$VPY" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
+  | { grep -v -E "^WARNING: Location|^\s*$" || true; }
+
+echo "== ruff"
+"$VPY" -m ruff check src tests scripts
+
+export OMP_NUM_THREADS=1
+export PYTHONHASHSEED=0
+export COVERAGE_FILE=$ROOT/.coverage
+rm -f .coverage .coverage.* coverage.xml
+
+case "$TIER" in
+  unit) SEL=(tests/unit -m "not integration and not gpu") ;;
+  integration) SEL=(tests/integration -m integration) ;;
+  gpu) SEL=(tests -m gpu) ;;
+  all) SEL=(tests -m "not gpu") ;;
+esac
+
+LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
+echo "== pytest ${SEL[*]}"
+set +e
+# -n 2: unit tests spread over both cores; integration tests share one xdist group so the
+# multi-process jobs run one after another (see tests/conftest.py).
+"$VPY" -m coverage run -m pytest "${SEL[@]}" -n 2 --dist loadgroup -p no:cacheprovider 2>&1 | tee "$LOG"
+status=${PIPESTATUS[0]}
+set -e
+summary=$(grep -E "^=+ .*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" "$LOG" | tail -n 1)
+if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then
+  exit "$status"
+fi
+if [ "$status" -eq 5 ]; then
+  echo "pytest collected no tests for tier '$TIER'" >&2
+  exit 5
+fi
+
+gate_fail=()
+if [ "$TIER" = all ]; then
+  echo "== coverage (workers included)"
+  "$VPY" -m coverage combine --quiet
+  "$VPY" -m coverage xml --quiet -o coverage.xml
+  "$VPY" -m coverage report --skip-covered --sort=cover | tail -n 25
+  echo "== gate 1: src/flashcp/dispatch.py at 100% line and branch coverage"
+  "$VPY" -m coverage report --include="*/flashcp/dispatch.py" --fail-under=100 \
+    || gate_fail+=("dispatch.py below 100% line+branch coverage")
+  TOTAL_MIN=$(cat scripts/coverage_min.txt)
+  echo "== gate 2: project total >= ${TOTAL_MIN}%"
+  "$VPY" -m coverage report --fail-under="$TOTAL_MIN" >/dev/null \
+    || gate_fail+=("project coverage below ${TOTAL_MIN}% ($("$VPY" -m coverage report --format=total)%)")
+  echo "== gate 3: patch coverage >= 90% (diff-cover against the merge base)"
+  BASE_REF=${DIFF_COVER_BASE:-origin/main}
+  if base=$(git merge-base HEAD "$BASE_REF" 2>/dev/null) && [ -n "$base" ]; then
+    "$ROOT/.venv/bin/diff-cover" coverage.xml --compare-branch="$base" --fail-under=90 \
+      || gate_fail+=("patch coverage below 90% against $BASE_REF ($base)")
+  else
+    echo "no merge base with $BASE_REF (fresh clone or no remote): patch gate skipped"
+  fi
+fi
+
+if [ ${#gate_fail[@]} -gt 0 ]; then
+  echo "$summary"
+  for g in "${gate_fail[@]}"; do echo "GATE FAILED: $g"; done
+  exit 1
+fi
+echo "$summary"

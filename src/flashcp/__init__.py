@@ -1,0 +1,3 @@
+"""flashcp: context-parallel FlashMask attention training on PaddlePaddle."""
+
+__version__ = "0.1.0"
