@@ -304,3 +304,69 @@ def test_fa4_probe(monkeypatch, compiled, count, major, importable, available, d
     finally:
         dispatch.probe_fa4.cache_clear()
     assert ok is available and detail in why
+
+
+# ------------------------------------------------------------------ mutants
+
+MUTANTS = {
+    # PR #1396 head: the downgrade keyed on the raw flag, skipping the normalised-to-3 case.
+    "downgrade keyed on raw flag": (
+        "if version == 3 and deterministic:",
+        "if requested == 3 and deterministic:",
+    ),
+    # Pre-#1396: forward falls back but backward is told 4.
+    "fallback keeps 4": ("        version = 3\n", "        version = 4\n"),
+    "off-by-one head_dim": (
+        "head_dim > DETERMINISTIC_MAX_HEAD_DIM",
+        "head_dim >= DETERMINISTIC_MAX_HEAD_DIM",
+    ),
+    "block_mask inverted": ("if not block_mask_api:", "if block_mask_api:"),
+    "deterministic FA4 downgraded": (
+        "if version == 3 and deterministic:",
+        "if version in (3, 4) and deterministic:",
+    ),
+    "no xpu rule": ('if "xpu" in device.lower():', 'if "xpu" == device:'),
+}
+
+
+def _table_failures(resolve) -> int:
+    """Rows (both policies, plus XPU) where `resolve` disagrees with the written-out table."""
+    bad = 0
+    for _, req, fa4, bm, det, hd, fallback, error in TABLE:
+        for policy, expected in (("fallback", fallback), ("error", error)):
+            try:
+                got = resolve(req, fa4_unavailable=policy, **_kwargs(fa4, bm, det, hd))
+            except NotImplementedError:
+                got = R
+            bad += got != expected
+    for req in (2, 3, 4):
+        got = resolve(
+            req,
+            fa4_available=False,
+            block_mask_api=False,
+            deterministic=True,
+            head_dim=256,
+            device="xpu:0",
+        )
+        bad += got != 2
+    return bad
+
+
+def test_real_rule_passes_the_table() -> None:
+    assert _table_failures(resolve_fa_version) == 0
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_broken_rule_fails_the_table(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deliberately broken dispatch rule is caught by the table (the suite would go red)."""
+    import inspect
+    import sys
+    import types
+
+    old, new = MUTANTS[name]
+    source = inspect.getsource(dispatch)
+    assert source.count(old) >= 1, f"mutation site for {name!r} no longer exists"
+    mutant = types.ModuleType("flashcp_dispatch_mutant")
+    monkeypatch.setitem(sys.modules, mutant.__name__, mutant)  # dataclasses look it up
+    exec(compile(source.replace(old, new, 1), "<mutant>", "exec"), mutant.__dict__)
+    assert _table_failures(mutant.resolve_fa_version) > 0, f"mutant {name!r} survived"
