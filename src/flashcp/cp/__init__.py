@@ -1,0 +1,56 @@
+"""Context parallelism over FlashMask: layouts, mask rebasing and workload balancing.
+
+Pure (single-process) pieces: `layout` (which global tokens each rank holds), `rebase` (the
+global mask rewritten for a rank's local query rows) and `balance` (mask-aware chunk
+assignment).
+"""
+
+from flashcp.cp.balance import (
+    assign_chunks,
+    assignment_loads,
+    balanced_assignment,
+    chunk_work,
+    imbalance,
+    rank_work,
+)
+from flashcp.cp.layout import (
+    Assignment,
+    assigned_positions,
+    contiguous_positions,
+    dualchunk_positions,
+    pad_mask,
+    pad_to_multiple,
+    padded_length,
+    shard_assigned,
+    shard_contiguous,
+    shard_dualchunk,
+    unshard_assigned,
+    unshard_contiguous,
+    unshard_dualchunk,
+)
+from flashcp.cp.rebase import local_positions, rebase_mask, rebase_thresholds
+
+__all__ = [
+    "Assignment",
+    "assign_chunks",
+    "assigned_positions",
+    "assignment_loads",
+    "balanced_assignment",
+    "chunk_work",
+    "contiguous_positions",
+    "dualchunk_positions",
+    "imbalance",
+    "local_positions",
+    "pad_mask",
+    "pad_to_multiple",
+    "padded_length",
+    "rank_work",
+    "rebase_mask",
+    "rebase_thresholds",
+    "shard_assigned",
+    "shard_contiguous",
+    "shard_dualchunk",
+    "unshard_assigned",
+    "unshard_contiguous",
+    "unshard_dualchunk",
+]
