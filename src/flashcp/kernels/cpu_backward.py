@@ -1,0 +1,95 @@
+"""CPU reference FlashMask backward: FlashAttention-2 style, recomputing P per tile from LSE.
+
+With scaled scores S = scale * Q Kᵀ (masked entries -inf), P = exp(S - LSE) and
+D = rowsum(dO ∘ O), the gradients are
+
+    dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP - D),   dQ = scale * dS K,   dK = scale * dSᵀ Q.
+
+The same tiling plan as the forward is used (masked tiles skipped, exact mask on partial
+tiles only). Query heads of a KV group are stacked into one matmul, so dK/dV come out already
+summed over the group. Rows with LSE -inf (fully masked) use LSE 0 instead: all their scores
+are -inf, so P = 0 and every gradient contribution is exactly 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashcp.kernels.cpu_plan import TilePlan, head_units, heads_first
+
+
+def flash_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    dout: np.ndarray,
+    plan: TilePlan,
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients `(dq, dk, dv)` in Paddle layout, same dtype as q.
+
+    Shapes as in `flash_forward`; `lse` is `[B, Hq, Sq]` from that forward, `dout` is like
+    `out`.
+    """
+    dtype = q.dtype
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    qh = heads_first(q, scale)  # scaled Q: S = Qs Kᵀ and dK = dSᵀ Qs
+    kh = heads_first(k)
+    vh = heads_first(v)
+    doh = heads_first(dout)
+    delta = np.einsum("bshd,bshd->bhs", dout, out, dtype=dtype)  # D = rowsum(dO ∘ O)
+    lse_safe = np.where(np.isfinite(lse), lse, 0).astype(dtype, copy=False)
+    dqh = np.zeros((B, Hq, Sq, D), dtype=dtype)
+    dkh = np.zeros((B, Hkv, Sk, D), dtype=dtype)
+    dvh = np.zeros((B, Hkv, Sk, Dv), dtype=dtype)
+    scale_t = dtype.type(scale)
+
+    for b in range(B):
+        for unit in head_units(Hq, Hkv, plan.mask_heads):
+            qu = unit.q_view(qh[b])
+            dou = unit.q_view(doh[b])
+            lseu = unit.q_view(lse_safe[b])
+            deltau = unit.q_view(delta[b])
+            dqu = unit.q_view(dqh[b])
+            ku = unit.kv_view(kh[b])
+            vu = unit.kv_view(vh[b])
+            dku = unit.kv_view(dkh[b])
+            dvu = unit.kv_view(dvh[b])
+            n_kv, g = unit.n_kv, unit.group
+            for i in range(plan.num_q_blocks):
+                segments = plan.segments(b, unit.mask_head, i)
+                if not segments:
+                    continue
+                r0, r1 = plan.rows(i)
+                rows = r1 - r0
+                q2 = qu[:, :, r0:r1].reshape(n_kv, g * rows, D)
+                do2 = dou[:, :, r0:r1].reshape(n_kv, g * rows, Dv)
+                lse2 = lseu[:, :, r0:r1].reshape(n_kv, g * rows, 1)
+                delta2 = deltau[:, :, r0:r1].reshape(n_kv, g * rows, 1)
+                dq2 = np.zeros((n_kv, g * rows, D), dtype=dtype)
+                for seg in segments:
+                    kseg = ku[:, seg.k0 : seg.k1]
+                    vseg = vu[:, seg.k0 : seg.k1]
+                    p = np.matmul(q2, kseg.transpose(0, 2, 1))
+                    if seg.partial:
+                        p4 = p.reshape(n_kv, g, rows, -1)
+                        plan.apply_mask(p4, b, unit.mask_head, r0, r1, seg)
+                    p -= lse2
+                    np.exp(p, out=p)  # P, exactly 0 on masked entries
+                    dvu[:, seg.k0 : seg.k1] += np.matmul(p.transpose(0, 2, 1), do2)
+                    ds = np.matmul(do2, vseg.transpose(0, 2, 1))  # dP
+                    ds -= delta2
+                    ds *= p  # dS
+                    dq2 += np.matmul(ds, kseg)
+                    dku[:, seg.k0 : seg.k1] += np.matmul(ds.transpose(0, 2, 1), q2)
+                dq2 *= scale_t
+                dqu[:, :, r0:r1] = dq2.reshape(n_kv, g, rows, D)
+
+    return (
+        np.ascontiguousarray(dqh.transpose(0, 2, 1, 3)),
+        np.ascontiguousarray(dkh.transpose(0, 2, 1, 3)),
+        np.ascontiguousarray(dvh.transpose(0, 2, 1, 3)),
+    )

@@ -1,0 +1,10 @@
+"""Make tests/ importable so unit tests share `reference` (the dense oracle) with workers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_TESTS = str(Path(__file__).resolve().parents[1])
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
