@@ -1,0 +1,336 @@
+"""Collectives that work on gloo (CPU) and NCCL, each with a timeout and byte counters.
+
+All functions take an explicit group (a `paddle.distributed.communication.group.Group`, normally
+one returned by `build_groups`) - never `None`, which Paddle would read as "the whole world".
+A group of one rank is valid and makes every call a local no-op (no traffic, no waiting).
+
+Every call that waits is run under the process watchdog (`watchdog.WATCHDOG`): if it does not
+finish within the timeout (argument, else `FLASHCP_COLLECTIVE_TIMEOUT`, default 300 s) the
+process prints e.g. "all_gather on group cp[0,1] timed out after 30 s on rank 0: rank 1 may be
+dead, hung or skipped this collective" and exits with status 124.
+
+Gloo in Paddle 3.3.1 has no reduce_scatter / alltoall, and a send blocks until the peer posts
+the matching receive, so the point-to-point algorithms here order each send/recv pair (one side
+of every pair sends first) instead of posting both at once.
+
+Results are plain tensors, outside autograd: wrap them in a `PyLayer` to differentiate.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from math import gcd
+from typing import TYPE_CHECKING, Literal
+
+import paddle
+import paddle.distributed as dist
+
+from flashcp.distributed.counters import COUNTERS
+from flashcp.distributed.watchdog import ENV_TIMEOUT, WATCHDOG, resolve_timeout
+from flashcp.log import process_rank
+
+if TYPE_CHECKING:
+    from paddle import Tensor
+    from paddle.distributed.communication.group import Group
+
+ReduceScatterMethod = Literal["auto", "nccl", "allreduce", "ring"]
+REDUCE_SCATTER_METHODS: tuple[str, ...] = ("auto", "nccl", "allreduce", "ring")
+ENV_REDUCE_SCATTER = "FLASHCP_REDUCE_SCATTER"
+
+
+# -- group helpers ----------------------------------------------------------------------------
+
+
+def group_label(group: Group) -> str:
+    """Human label used in messages and counters, e.g. `cp[0,1]`."""
+    label = getattr(group, "label", None)
+    if isinstance(label, str) and label:
+        return label
+    name = group.name or f"group{group.id}"
+    return f"{name}[{','.join(str(r) for r in group.ranks)}]"
+
+
+def group_backend(group: Group) -> str:
+    """Lower-case backend of `group` ("gloo", "nccl", ...) or "none" for a one-rank group."""
+    pg = group.process_group
+    return "none" if pg is None else str(pg.name()).lower()
+
+
+def _check_group(group: Group | None, op: str) -> Group:
+    if group is None:
+        raise TypeError(
+            f"{op} needs an explicit group (e.g. groups.cp); None would mean the whole world"
+        )
+    if group.rank < 0:
+        raise ValueError(
+            f"{op}: rank {process_rank()} is not a member of group {group_label(group)}"
+        )
+    return group
+
+
+def _peers_text(group: Group) -> str:
+    me = process_rank()
+    peers = [r for r in group.ranks if r != me]
+    if len(peers) == 1:
+        return f"rank {peers[0]} may be dead, hung or skipped this collective"
+    return f"one of ranks {', '.join(map(str, peers))} may be dead, hung or skipped this collective"
+
+
+def timeout_message(op: str, group: Group, seconds: float) -> str:
+    """The text printed when `op` on `group` exceeds `seconds`."""
+    return (
+        f"[flashcp] {op} on group {group_label(group)} timed out after {seconds:g} s on rank "
+        f"{process_rank()}: {_peers_text(group)} (set {ENV_TIMEOUT} or pass timeout= to wait "
+        "longer)"
+    )
+
+
+@contextmanager
+def watch(op: str, group: Group, timeout: float | None = None) -> Iterator[None]:
+    """Run the block under the watchdog with the standard message for `op` on `group`."""
+    seconds = resolve_timeout(timeout)
+    with WATCHDOG.watch(seconds, timeout_message(op, group, seconds)):
+        yield
+
+
+def nbytes(x: Tensor) -> int:
+    """Payload size of `x` in bytes."""
+    return int(x.size) * int(x.element_size())
+
+
+def _record(op: str, group: Group, sent: float, received: float) -> None:
+    COUNTERS.record(op, group_label(group), sent=int(sent), received=int(received))
+
+
+# -- library collectives ----------------------------------------------------------------------
+
+
+def barrier(group: Group, *, timeout: float | None = None) -> None:
+    """Block until every rank of `group` arrives."""
+    group = _check_group(group, "barrier")
+    if group.nranks == 1:
+        return
+    with watch("barrier", group, timeout):
+        dist.barrier(group=group)
+    _record("barrier", group, 0, 0)
+
+
+def all_gather_tensor(
+    x: Tensor, group: Group, axis: int = 0, *, timeout: float | None = None
+) -> Tensor:
+    """Concatenate every rank's `x` (same shape everywhere) along `axis`, in group-rank order.
+
+    Bytes: sent = received = (p - 1) · nbytes(x), i.e. (p - 1) / p of the output.
+    """
+    group = _check_group(group, "all_gather")
+    p = group.nranks
+    if p == 1:
+        return x
+    parts: list[Tensor] = []
+    with paddle.no_grad(), watch("all_gather", group, timeout):
+        dist.all_gather(parts, x, group=group)
+    _record("all_gather", group, (p - 1) * nbytes(x), (p - 1) * nbytes(x))
+    with paddle.no_grad():
+        return paddle.concat(parts, axis=axis)
+
+
+def all_reduce_tensor(
+    x: Tensor, group: Group, *, inplace: bool = False, timeout: float | None = None
+) -> Tensor:
+    """Sum `x` over `group`; returns the sum (in `x` itself when `inplace`).
+
+    Bytes: sent = received = 2 (p - 1) / p · nbytes(x) (ring all-reduce model).
+    """
+    group = _check_group(group, "all_reduce")
+    p = group.nranks
+    out = x if inplace else x.clone()
+    if p == 1:
+        return out
+    with paddle.no_grad(), watch("all_reduce", group, timeout):
+        dist.all_reduce(out, group=group)
+    _record("all_reduce", group, 2 * (p - 1) * nbytes(x) / p, 2 * (p - 1) * nbytes(x) / p)
+    return out
+
+
+def broadcast_tensor(x: Tensor, src: int, group: Group, *, timeout: float | None = None) -> Tensor:
+    """Overwrite `x` on every rank with the value on global rank `src`; returns `x`.
+
+    Bytes (flat model): src sends (p - 1) · nbytes(x); every other rank receives nbytes(x).
+    """
+    group = _check_group(group, "broadcast")
+    p = group.nranks
+    if src not in group.ranks:
+        raise ValueError(f"broadcast source rank {src} is not in group {group_label(group)}")
+    if p == 1:
+        return x
+    with paddle.no_grad(), watch("broadcast", group, timeout):
+        dist.broadcast(x, src=src, group=group)
+    if process_rank() == src:
+        _record("broadcast", group, (p - 1) * nbytes(x), 0)
+    else:
+        _record("broadcast", group, 0, nbytes(x))
+    return x
+
+
+# -- ordered point-to-point -------------------------------------------------------------------
+
+
+def sends_first(index: int, shift: int, size: int) -> bool:
+    """Whether group rank `index` sends before receiving in a shift-by-`shift` exchange.
+
+    The permutation i -> i + shift splits into cycles; inside each cycle, ranks at even
+    positions send first and odd positions receive first. Every cycle then has a rank that
+    receives first, so blocking sends (gloo) cannot all wait on each other.
+    """
+    step = shift % size
+    if step == 0:
+        return True
+    start = index % gcd(size, step)
+    position = 0
+    current = start
+    while current != index:
+        current = (current + step) % size
+        position += 1
+    return position % 2 == 0
+
+
+def _exchange(send: Tensor, dst: int, recv: Tensor, src: int, group: Group, first: bool) -> None:
+    if first:
+        dist.send(send, dst=dst, group=group)
+        dist.recv(recv, src=src, group=group)
+    else:
+        dist.recv(recv, src=src, group=group)
+        dist.send(send, dst=dst, group=group)
+
+
+def ring_shift(x: Tensor, group: Group, shift: int = 1, *, timeout: float | None = None) -> Tensor:
+    """Send `x` to group rank (r + shift) mod p and return what group rank (r - shift) sent.
+
+    Every rank must pass a tensor of the same shape and dtype. Bytes: nbytes(x) each way.
+    """
+    group = _check_group(group, "ring_shift")
+    p = group.nranks
+    r = group.rank
+    if p == 1 or shift % p == 0:
+        return x.clone()
+    dst = group.ranks[(r + shift) % p]
+    src = group.ranks[(r - shift) % p]
+    with paddle.no_grad():
+        out = paddle.empty_like(x)
+        with watch(f"ring_shift(shift={shift})", group, timeout):
+            _exchange(x, dst, out, src, group, sends_first(r, shift, p))
+    _record("ring_shift", group, nbytes(x), nbytes(x))
+    return out
+
+
+# -- reduce-scatter ---------------------------------------------------------------------------
+
+
+def _resolve_method(method: str, group: Group) -> str:
+    if method == "auto":
+        method = os.environ.get(ENV_REDUCE_SCATTER, "").strip() or "auto"
+    if method not in REDUCE_SCATTER_METHODS:
+        raise ValueError(
+            f"reduce-scatter method {method!r} is unknown: use one of "
+            f"{', '.join(REDUCE_SCATTER_METHODS)} (env {ENV_REDUCE_SCATTER})"
+        )
+    backend = group_backend(group)
+    if method == "auto":
+        return "nccl" if backend == "nccl" else "ring"
+    if method == "nccl" and backend != "nccl":
+        raise ValueError(
+            f"reduce-scatter method 'nccl' needs an NCCL group, but {group_label(group)} is "
+            f"{backend}: use 'ring' or 'allreduce'"
+        )
+    return method
+
+
+def _check_chunks(chunks: Sequence[Tensor], p: int, group: Group) -> None:
+    if len(chunks) != p:
+        raise ValueError(
+            f"reduce_scatter_chunks got {len(chunks)} chunks for group {group_label(group)} of "
+            f"{p} ranks: pass exactly one chunk per rank"
+        )
+    shape, dtype = list(chunks[0].shape), chunks[0].dtype
+    for i, chunk in enumerate(chunks):
+        if list(chunk.shape) != shape or chunk.dtype != dtype:
+            raise ValueError(
+                f"reduce-scatter chunk {i} has shape {list(chunk.shape)} / {chunk.dtype}, but "
+                f"chunk 0 has {shape} / {dtype}: all chunks must match"
+            )
+
+
+def _ring_reduce_scatter(chunks: Sequence[Tensor], group: Group) -> Tensor:
+    """p - 1 steps; at step s rank r passes its partial sum of chunk (r - 1 - s) to r + 1."""
+    p, r = group.nranks, group.rank
+    right, left = group.ranks[(r + 1) % p], group.ranks[(r - 1) % p]
+    first = sends_first(r, 1, p)
+    acc = list(chunks)
+    buf = paddle.empty_like(chunks[0])
+    for step in range(p - 1):
+        send_idx = (r - 1 - step) % p
+        recv_idx = (r - 2 - step) % p
+        _exchange(acc[send_idx], right, buf, left, group, first)
+        acc[recv_idx] = acc[recv_idx] + buf
+    return acc[r]
+
+
+def reduce_scatter_chunks(
+    chunks: Sequence[Tensor],
+    group: Group,
+    *,
+    method: ReduceScatterMethod = "auto",
+    timeout: float | None = None,
+) -> Tensor:
+    """Sum over ranks of the chunk destined to me: `chunks[i]` goes to group rank i.
+
+    Methods: "nccl" (the library reduce_scatter, NCCL groups only), "ring" (ordered send/recv,
+    p - 1 steps, moves the theoretical (p - 1) / p of the input each way), "allreduce"
+    (all-reduce the stacked chunks and keep mine: simple, 2x the bytes). "auto" picks "nccl" on
+    NCCL and "ring" otherwise; env `FLASHCP_REDUCE_SCATTER` overrides "auto".
+    """
+    group = _check_group(group, "reduce_scatter")
+    p = group.nranks
+    _check_chunks(chunks, p, group)
+    if p == 1:
+        return chunks[0].clone()
+    chosen = _resolve_method(method, group)
+    total = sum(nbytes(c) for c in chunks)
+    with paddle.no_grad(), watch(f"reduce_scatter[{chosen}]", group, timeout):
+        if chosen == "nccl":
+            out = paddle.empty_like(chunks[0])
+            dist.reduce_scatter(out, list(chunks), group=group)
+        elif chosen == "allreduce":
+            stacked = paddle.stack(list(chunks))
+            dist.all_reduce(stacked, group=group)
+            out = stacked[group.rank].clone()
+        else:
+            out = _ring_reduce_scatter(chunks, group)
+    factor = 2 if chosen == "allreduce" else 1
+    _record("reduce_scatter", group, factor * (p - 1) * total / p, factor * (p - 1) * total / p)
+    return out
+
+
+def reduce_scatter(
+    tensor_or_chunks: Tensor | Sequence[Tensor],
+    group: Group,
+    *,
+    axis: int = 0,
+    method: ReduceScatterMethod = "auto",
+    timeout: float | None = None,
+) -> Tensor:
+    """`reduce_scatter_chunks` on a chunk list, or on a tensor cut into p equal parts on `axis`."""
+    if isinstance(tensor_or_chunks, list | tuple):
+        chunks = list(tensor_or_chunks)
+    else:
+        group = _check_group(group, "reduce_scatter")
+        size = tensor_or_chunks.shape[axis]
+        if size % group.nranks:
+            raise ValueError(
+                f"reduce_scatter: axis {axis} has size {size}, not divisible by the "
+                f"{group.nranks} ranks of {group_label(group)}"
+            )
+        chunks = paddle.split(tensor_or_chunks, group.nranks, axis=axis)
+    return reduce_scatter_chunks(chunks, group, method=method, timeout=timeout)

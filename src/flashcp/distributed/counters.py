@@ -1,0 +1,70 @@
+"""Per-rank byte counters for flashcp collectives.
+
+Every wrapped collective adds the payload bytes *this rank* sends and receives, keyed by
+operation and group label, so a benchmark can compare measured traffic with the theoretical
+cost, e.g. (cp - 1) / cp · size for an all-gather or a ring reduce-scatter. Point-to-point
+algorithms (ring reduce-scatter, ring shift) count exactly what they put on the wire; library
+collectives count the standard bandwidth-optimal model (see `docs/distributed.md`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class CommStats:
+    """Totals for one (operation, group) key, or a sum over several."""
+
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+
+    def __iadd__(self, other: CommStats) -> CommStats:
+        self.calls += other.calls
+        self.sent += other.sent
+        self.received += other.received
+        return self
+
+
+class CommCounters:
+    """Thread-safe accumulator of `CommStats` keyed by `(op, group_label)`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: dict[tuple[str, str], CommStats] = {}
+
+    def record(self, op: str, group: str, *, sent: int, received: int) -> None:
+        with self._lock:
+            stats = self._stats.setdefault((op, group), CommStats())
+            stats += CommStats(1, int(sent), int(received))
+
+    def total(self, op: str | None = None, group: str | None = None) -> CommStats:
+        """Sum over keys matching `op` and `group` (None matches everything)."""
+        out = CommStats()
+        with self._lock:
+            for (key_op, key_group), stats in self._stats.items():
+                if (op is None or key_op == op) and (group is None or key_group == group):
+                    out += stats
+        return out
+
+    def snapshot(self) -> dict[tuple[str, str], CommStats]:
+        with self._lock:
+            return {key: CommStats(s.calls, s.sent, s.received) for key, s in self._stats.items()}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._stats.clear()
+
+
+COUNTERS = CommCounters()
+
+
+def comm_stats(op: str | None = None, group: str | None = None) -> CommStats:
+    """Bytes this process sent/received in flashcp collectives (filter by op / group label)."""
+    return COUNTERS.total(op, group)
+
+
+def reset_comm_stats() -> None:
+    COUNTERS.reset()

@@ -1,0 +1,339 @@
+"""Build the dp / pp / cp process groups of a `ParallelDims` layout.
+
+NCCL: plain `paddle.distributed.new_group`, called by every rank for every group in the same
+order (Paddle numbers groups by call order).
+
+Gloo (CPU): `new_group` over gloo shares the job's one TCPStore between all sub-groups and, with
+four processes, fails most runs (connection refused, store timeouts, hangs). Here each gloo
+sub-group gets its *own* TCPStore instead: the group's lowest rank picks a free port, starts the
+store on it, and publishes `host:port` under a per-group key of the world store; the other
+members read the key, wait until the port accepts, and join. The `ProcessGroupGloo` built on that
+store is wrapped as a Paddle `Group`, so `paddle.distributed.all_gather(..., group=g)` and
+friends accept it. Only the members of a group take part in creating it.
+
+A dimension of degree 1 gets a one-rank "trivial" group (never `None`: Paddle reads
+`group=None` as the whole world). A group spanning every rank reuses the world process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import paddle.distributed as dist
+from paddle.distributed.communication.group import Group
+
+from flashcp.distributed.collectives import barrier, group_backend
+from flashcp.distributed.dims import DIM_ORDER, WORLD, ParallelDims
+from flashcp.distributed.watchdog import WATCHDOG, resolve_timeout
+from flashcp.log import logger
+
+GROUP_ID_BASE = 4096
+"""Group ids of flashcp gloo groups start here, far above Paddle's own ring ids."""
+_STORE_KEY = "flashcp/groups/{build}/{dim}/{index}"
+_PORT_ATTEMPTS = 5
+
+
+class NamedGroup(Group):
+    """A Paddle `Group` that also knows which mesh dimension it is (`dim`) and its `label`."""
+
+    def __init__(
+        self,
+        dim: str,
+        rank_in_group: int,
+        group_id: int,
+        ranks: list[int],
+        pg: Any = None,
+        name: str | None = None,
+        store: Any = None,
+    ) -> None:
+        super().__init__(rank_in_group, group_id, list(ranks), pg=pg, name=name or dim)
+        self.dim = dim
+        self._store = store  # keeps a dedicated TCPStore alive as long as the group
+
+    @property
+    def label(self) -> str:
+        return f"{self.dim}[{','.join(str(r) for r in self.ranks)}]"
+
+    @property
+    def is_trivial(self) -> bool:
+        """One rank: every flashcp collective on it is a local no-op."""
+        return self.nranks == 1
+
+    def __repr__(self) -> str:
+        return f"NamedGroup({self.label}, rank {self.rank}, backend {group_backend(self)})"
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's groups: `.world`, `.dp`, `.pp`, `.cp` (trivial when the degree is 1)."""
+
+    dims: ParallelDims
+    rank: int
+    world: NamedGroup
+    dp: NamedGroup
+    pp: NamedGroup
+    cp: NamedGroup
+    backend: str
+    created: list[NamedGroup] = field(default_factory=list)
+
+    def __getitem__(self, dim: str) -> NamedGroup:
+        if dim != WORLD and dim not in DIM_ORDER:
+            raise KeyError(f"unknown parallel dimension {dim!r}")
+        return getattr(self, dim)
+
+    def describe(self) -> str:
+        parts = [self[d].label for d in (WORLD, *DIM_ORDER)]
+        return f"rank {self.rank} ({self.backend}): " + " ".join(parts)
+
+
+_build_counter = itertools.count()
+_live: list[ParallelGroups] = []
+
+
+def _endpoint_host(rank: int) -> str:
+    endpoints = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "")
+    hosts = [e.rsplit(":", 1)[0] for e in endpoints.split(",") if e]
+    return hosts[rank] if rank < len(hosts) else "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float, *, what: str = "server") -> float:
+    """Poll until `host:port` accepts a TCP connection; returns the seconds waited.
+
+    Raises `TimeoutError` naming `what` when it does not within `timeout` seconds.
+    """
+    start = time.monotonic()
+    delay = 0.01
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return time.monotonic() - start
+        except OSError as exc:
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                raise TimeoutError(
+                    f"{what} at {host}:{port} did not accept connections within {timeout:g} s "
+                    f"({exc})"
+                ) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
+def _start_master_store(host: str, size: int, timeout: float) -> tuple[Any, int, threading.Thread]:
+    """Start a master TCPStore on a free port in a thread (its constructor blocks until all
+    `size` members connect); return once the port listens."""
+    from paddle.base import core
+
+    last_error: BaseException | None = None
+    for _ in range(_PORT_ATTEMPTS):
+        port = _free_port()
+        box: dict[str, Any] = {}
+
+        def create(port: int = port, box: dict[str, Any] = box) -> None:
+            try:
+                box["store"] = core.TCPStore(host, port, True, size, int(max(timeout, 1)))
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+                box["error"] = exc
+
+        thread = threading.Thread(target=create, name=f"flashcp-store-{port}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + min(timeout, 30.0)
+        while time.monotonic() < deadline and "error" not in box:
+            try:
+                with socket.create_connection((host, port), timeout=0.5):
+                    return box, port, thread
+            except OSError:
+                time.sleep(0.01)
+        thread.join(timeout=0.5)
+        last_error = box.get("error", TimeoutError(f"store on port {port} never listened"))
+    raise RuntimeError(f"could not start a TCPStore on {host} ({last_error})")
+
+
+def _gloo_group(
+    dim: str, index: int, ranks: list[int], rank: int, build: int, timeout: float
+) -> NamedGroup:
+    """Create the gloo group `ranks` (this rank is a member) on its own TCPStore."""
+    from paddle.base import core
+
+    world_store = core.create_or_get_global_tcp_store()
+    key = _STORE_KEY.format(build=build, dim=dim, index=index)
+    master = ranks[0]
+    size = len(ranks)
+    group_rank = ranks.index(rank)
+    group_id = GROUP_ID_BASE + build * len(DIM_ORDER) + DIM_ORDER.index(dim)
+    if rank == master:
+        host = _endpoint_host(master)
+        box, port, thread = _start_master_store(host, size, timeout)
+        world_store.set(key, f"{host}:{port}")
+        thread.join()  # returns once every member has connected
+        if "error" in box:
+            raise RuntimeError(f"TCPStore for group {dim}{ranks} failed: {box['error']}")
+        store = box["store"]
+    else:
+        endpoint = world_store.get(key).decode()
+        host, port_text = endpoint.rsplit(":", 1)
+        wait_for_port(host, int(port_text), timeout, what=f"store of group {dim}{ranks}")
+        store = core.TCPStore(host, int(port_text), False, size, int(max(timeout, 1)))
+    pg = core.ProcessGroupGloo.create(store, group_rank, size, group_id)
+    name = f"flashcp_{dim}_{index}"
+    return NamedGroup(dim, group_rank, group_id, ranks, pg=pg, name=name, store=store)
+
+
+NewGroupFn = Callable[..., Group]
+
+
+def _nccl_groups(
+    dims: ParallelDims, rank: int, timeout: float, new_group: NewGroupFn
+) -> dict[str, NamedGroup]:
+    """Every rank calls `new_group` for every group of every enabled dimension, in order."""
+    mine: dict[str, NamedGroup] = {}
+    for dim in dims.enabled_dims:
+        for ranks in dims.groups_for(dim):
+            if len(ranks) == dims.world_size:
+                continue  # the world group serves
+            group = new_group(ranks, backend="nccl", timeout=datetime.timedelta(seconds=timeout))
+            if rank in ranks:
+                mine[dim] = NamedGroup(
+                    dim,
+                    ranks.index(rank),
+                    group.id,
+                    ranks,
+                    pg=group.process_group,
+                    name=group.name,
+                )
+    return mine
+
+
+def _trivial(dim: str, rank: int) -> NamedGroup:
+    return NamedGroup(dim, 0, -1, [rank], pg=None, name=f"flashcp_{dim}_self")
+
+
+def world_group() -> NamedGroup:
+    """The whole job as a `NamedGroup` (trivial when not launched or not initialised)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _trivial(WORLD, 0)
+    from paddle.distributed.collective import _get_default_group
+
+    default = _get_default_group()
+    return NamedGroup(
+        WORLD,
+        default.rank,
+        default.id,
+        list(default.ranks),
+        pg=default.process_group,
+        name=default.name,
+    )
+
+
+def build_groups(
+    dims: ParallelDims,
+    *,
+    backend: str = "auto",
+    timeout: float | None = None,
+    new_group: NewGroupFn | None = None,
+) -> ParallelGroups:
+    """Create this rank's process groups for `dims` (collective: every rank must call it).
+
+    `backend` "auto" uses the world group's backend. `timeout` (else `FLASHCP_INIT_TIMEOUT`,
+    default 300 s) bounds the stores and each group's creation; past it the watchdog ends the
+    process with a message naming the group. `new_group` replaces `paddle.distributed.new_group`
+    on the NCCL path (tests use a fake).
+    """
+    seconds = resolve_timeout(timeout, init=True)
+    initialized = dist.is_initialized()
+    world_size = dist.get_world_size() if initialized else 1
+    if world_size != dims.world_size:
+        hint = "" if initialized else " (call flashcp.distributed.init_distributed() first)"
+        raise ValueError(
+            f"ParallelDims is for {dims.world_size} ranks but this process sees a world of "
+            f"{world_size}{hint}"
+        )
+    rank = dist.get_rank() if initialized else 0
+    world = world_group()
+    if backend == "auto":
+        backend = group_backend(world) if world_size > 1 else "none"
+    build = next(_build_counter)
+
+    mine: dict[str, NamedGroup] = {}
+    created: list[NamedGroup] = []
+    if backend == "nccl":
+        mine = _nccl_groups(dims, rank, seconds, new_group or dist.new_group)
+    elif backend == "gloo":
+        for dim in dims.enabled_dims:
+            ranks = dims.group_ranks(dim, rank)
+            if len(ranks) == world_size:
+                continue
+            index = dims.groups_for(dim).index(ranks)
+            message = (
+                f"[flashcp] creating process group {dim}[{','.join(map(str, ranks))}] timed out "
+                f"after {seconds:g} s on rank {rank}: another member did not join (crashed, or "
+                "built a different layout?)"
+            )
+            with WATCHDOG.watch(seconds, message):
+                mine[dim] = _gloo_group(dim, index, ranks, rank, build, seconds)
+            created.append(mine[dim])
+    elif backend != "none":
+        raise ValueError(f"backend {backend!r} is not supported: use 'gloo' or 'nccl'")
+
+    handles: dict[str, NamedGroup] = {}
+    for dim in DIM_ORDER:
+        if dim in mine:
+            handles[dim] = mine[dim]
+        elif dims.enabled(dim):  # spans the whole world
+            handles[dim] = NamedGroup(
+                dim,
+                world.rank,
+                world.id,
+                list(world.ranks),
+                pg=world.process_group,
+                name=world.name,
+            )
+        else:
+            handles[dim] = _trivial(dim, rank)
+    groups = ParallelGroups(
+        dims, rank, world, handles["dp"], handles["pp"], handles["cp"], backend, created
+    )
+    _live.append(groups)
+    logger.debug("built groups: %s", groups.describe())
+    return groups
+
+
+def destroy_groups(groups: ParallelGroups, *, timeout: float | None = None) -> None:
+    """Release the gloo groups and dedicated stores of `groups` (collective over the world).
+
+    Order matters for a clean exit: all ranks meet, the process groups close, member stores
+    disconnect, all ranks meet again, and only then do the master stores stop.
+    """
+    if groups in _live:
+        _live.remove(groups)
+    if not groups.created:
+        return
+    barrier(groups.world, timeout=timeout)
+    masters = []
+    for group in reversed(groups.created):
+        group._pg = None
+        if group.ranks[0] == groups.rank:
+            masters.append(group._store)
+        group._store = None
+    barrier(groups.world, timeout=timeout)
+    masters.clear()
+    groups.created.clear()
+
+
+def destroy_all_groups(*, timeout: float | None = None) -> None:
+    """`destroy_groups` for every `build_groups` result still alive, newest first."""
+    for groups in list(reversed(_live)):
+        destroy_groups(groups, timeout=timeout)
