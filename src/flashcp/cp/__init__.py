@@ -54,3 +54,13 @@ __all__ = [
     "unshard_contiguous",
     "unshard_dualchunk",
 ]
+
+from flashcp.cp.attention import (  # noqa: E402  (after the pure pieces it builds on)
+    MODES,
+    CPPlan,
+    flashmask_attention_cp,
+    make_assignment,
+    plan_cp_attention,
+)
+
+__all__ += ["MODES", "CPPlan", "flashmask_attention_cp", "make_assignment", "plan_cp_attention"]

@@ -1,0 +1,252 @@
+"""All-gather-KV context-parallel FlashMask attention (Llama 3 / PaddleFleet style), one PyLayer.
+
+Forward: all-gather the local K/V shards into global order, rebase the global mask's row
+thresholds onto this rank's local query rows, and run ONE FlashMask call (local Q against all
+keys, causality expressed in the mask, `causal=False`). Every rank sees every key, so output
+and LSE are exact; no LSE merging. The FlashAttention version is resolved once here and saved.
+
+Backward: re-gather K/V (they are not saved), run the backend's backward with the saved
+version (dq is local and final; dK/dV are full-length partial sums) and reduce-scatter dK/dV
+back to their owners in the same layout. LSE is an output for inspection, not differentiated
+(as in FlashAttention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import paddle
+from paddle.autograd import PyLayer
+
+from flashcp import dispatch
+from flashcp.cp.balance import balanced_assignment
+from flashcp.cp.layout import Assignment, shard_assigned, unshard_assigned
+from flashcp.cp.rebase import rebase_mask
+from flashcp.distributed.collectives import all_gather_tensor, reduce_scatter_chunks
+from flashcp.kernels.base import resolve_scale
+from flashcp.kernels.registry import device_of, get_backend
+from flashcp.masks import as_numpy, validate
+
+MODES = ("dualchunk_allgather", "contiguous_allgather", "workload_balanced")
+
+__all__ = ["CPPlan", "MODES", "flashmask_attention_cp", "make_assignment", "plan_cp_attention"]
+
+
+# Measured in docs/cp_balance.md: 4 chunks per rank reach max/mean <= 1.05 on packed masks.
+BALANCED_CHUNKS_PER_RANK = 4
+
+
+def make_assignment(
+    mode: str,
+    world: int,
+    startend_row_indices: Any = None,
+    *,
+    causal: bool = False,
+    chunks_per_rank: int = BALANCED_CHUNKS_PER_RANK,
+) -> Assignment:
+    """The chunk layout of a CP mode; workload_balanced derives it from the global mask."""
+    if mode == "dualchunk_allgather":
+        return Assignment.dualchunk(world)
+    if mode == "contiguous_allgather":
+        return Assignment.contiguous(world)
+    if mode == "workload_balanced":
+        if startend_row_indices is None:
+            raise ValueError("mode='workload_balanced' needs the global mask to balance work")
+        return balanced_assignment(
+            startend_row_indices, causal=causal, world=world, chunks_per_rank=chunks_per_rank
+        )
+    raise ValueError(f"cp mode {mode!r} is not supported: use one of {', '.join(MODES)}")
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """Everything forward decided, reused unchanged by backward."""
+
+    group: Any  # a paddle Group, or None for a single rank
+    rank: int
+    world: int
+    assignment: Assignment
+    local_mask: Any  # paddle int32 [B, Hm, S, C'] for the local rows, non-causal
+    version: int  # the effective FlashAttention version, resolved once
+    device: str
+    scale: float
+
+
+def _gather(x: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
+    """Local shard [B, L, H, D] → global [B, S, H, D] in global token order."""
+    if plan.world == 1:
+        return unshard_assigned([x], plan.assignment, axis=1)
+    gathered = all_gather_tensor(x, plan.group, axis=1)
+    return unshard_assigned(paddle.split(gathered, plan.world, axis=1), plan.assignment, axis=1)
+
+
+def _scatter_grad(full: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
+    """Full-length partial gradient → the sum over ranks of this rank's own chunks."""
+    if plan.world == 1:
+        return shard_assigned(full, 0, plan.assignment, axis=1)
+    chunks = [shard_assigned(full, r, plan.assignment, axis=1) for r in range(plan.world)]
+    return reduce_scatter_chunks(chunks, plan.group)
+
+
+class _AllGatherKV(PyLayer):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: CPPlan):  # type: ignore[override]
+        backend = get_backend(plan.version, plan.device)
+        k_all, v_all = _gather(k, plan), _gather(v, plan)
+        out, lse = backend.forward(
+            q, k_all, v_all, plan.local_mask, causal=False, softmax_scale=plan.scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, *unused):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensor()
+        plan: CPPlan = ctx.plan
+        backend = get_backend(plan.version, plan.device)
+        k_all, v_all = _gather(k, plan), _gather(v, plan)
+        dq, dk_all, dv_all = backend.backward(
+            q,
+            k_all,
+            v_all,
+            out,
+            lse,
+            plan.local_mask,
+            dout,
+            causal=False,
+            softmax_scale=plan.scale,
+        )
+        return dq, _scatter_grad(dk_all, plan), _scatter_grad(dv_all, plan)
+
+
+def _check_inputs(q: Any, k: Any, v: Any, world: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if len(t.shape) != 4:
+            raise ValueError(
+                f"{name} must be rank 4 [batch, local_seq, heads, head_dim] (Paddle layout), "
+                f"got shape {list(t.shape)}"
+            )
+    b, lq, hq, d = q.shape
+    if list(k.shape[:2]) != [b, lq] or list(v.shape[:3]) != list(k.shape[:3]):
+        raise ValueError(
+            f"q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} must share batch and "
+            "local sequence length (k and v also heads): pass this rank's shards of all three"
+        )
+    if k.shape[3] != d:
+        raise ValueError(f"q head_dim {d} != k head_dim {k.shape[3]}")
+    if k.shape[2] == 0 or hq % k.shape[2]:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[2]}) for GQA"
+        )
+
+
+def plan_cp_attention(
+    q: Any,
+    k: Any,
+    startend_row_indices: Any,
+    *,
+    group: Any = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    mode: str = "dualchunk_allgather",
+    assignment: Assignment | None = None,
+    fa4_unavailable: str | None = None,
+) -> CPPlan:
+    """Validate, pick the layout, rebase the mask and resolve the FA version — before compute."""
+    world = 1 if group is None else int(group.nranks)
+    rank = 0 if group is None else int(group.rank)
+    if startend_row_indices is None:
+        raise ValueError(
+            "flashmask_attention_cp needs the global startend_row_indices (every rank keeps "
+            "the whole [B, Hm, S, C] mask); for plain causal attention build one with "
+            "flashcp.masks.causal_mask(batch, seq_len)"
+        )
+    idx = as_numpy(startend_row_indices)
+    seq = int(q.shape[1]) * world
+    if idx.ndim == 4 and idx.shape[2] != seq:
+        raise ValueError(
+            f"startend_row_indices covers {idx.shape[2]} keys but the global sequence is "
+            f"{seq} (local {q.shape[1]} × cp {world}): pass the GLOBAL mask on every rank"
+        )
+    validate(
+        idx,
+        causal=causal,
+        batch=int(q.shape[0]),
+        q_len=seq,
+        k_len=seq,
+        num_q_heads=int(q.shape[2]),
+        num_kv_heads=int(k.shape[2]),
+    )
+    if assignment is None:
+        assignment = make_assignment(mode, world, idx, causal=causal)
+    elif mode not in MODES:
+        raise ValueError(f"cp mode {mode!r} is not supported: use one of {', '.join(MODES)}")
+    if assignment.world != world:
+        raise ValueError(f"assignment is for {assignment.world} ranks but the group has {world}")
+    assignment.chunk_len(seq)  # raises, naming data.seq_len, if S doesn't split evenly
+    local = rebase_mask(idx, causal=causal, assignment_or_positions=assignment, rank=rank)
+    head_dim = int(q.shape[3])
+    version = dispatch.resolve_current(head_dim, policy=fa4_unavailable).version
+    device = device_of(q)
+    return CPPlan(
+        group=group,
+        rank=rank,
+        world=world,
+        assignment=assignment,
+        local_mask=paddle.to_tensor(np.ascontiguousarray(local), dtype="int32", place=q.place),
+        version=version,
+        device=device,
+        scale=resolve_scale(softmax_scale, head_dim),
+    )
+
+
+def flashmask_attention_cp(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    startend_row_indices: Any,
+    *,
+    group: Any = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    mode: str = "dualchunk_allgather",
+    assignment: Assignment | None = None,
+    return_lse: bool = False,
+    dropout: float = 0.0,
+    fixed_seed_offset: Any = None,
+    fa4_unavailable: str | None = None,
+) -> Any:
+    """Exact FlashMask attention of this rank's query shard against the whole sequence.
+
+    q/k/v are this rank's local shards `[B, S/cp, H, D]` in the layout of `mode` (or of
+    `assignment`); `startend_row_indices` is the GLOBAL mask `[B, Hm, S, C]` (O(S), every rank
+    keeps it). Returns the local output `[B, S/cp, Hq, Dv]` (and LSE `[B, Hq, S/cp]`).
+    """
+    if dropout:
+        raise NotImplementedError(
+            f"dropout={dropout}: attention dropout is not supported under context parallelism "
+            "(set model.attention_dropout: 0)"
+        )
+    if fixed_seed_offset is not None:
+        raise NotImplementedError(
+            "fixed_seed_offset is not supported under context parallelism (no dropout RNG)"
+        )
+    world = 1 if group is None else int(group.nranks)
+    _check_inputs(q, k, v, world)
+    plan = plan_cp_attention(
+        q,
+        k,
+        startend_row_indices,
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        mode=mode,
+        assignment=assignment,
+        fa4_unavailable=fa4_unavailable,
+    )
+    out, lse = _AllGatherKV.apply(q, k, v, plan)
+    return (out, lse) if return_lse else out
