@@ -17,6 +17,6 @@ echo "== which FlashAttention version this machine would run"
 .venv/bin/flashcp explain-dispatch --head-dim 64
 echo "== 2-process CP run (python -m paddle.distributed.launch --nproc_per_node 2 src/flashcp/smoke.py)"
 LOG_DIR=$(mktemp -d)
-OMP_NUM_THREADS=1 .venv/bin/python -m paddle.distributed.launch --nproc_per_node 2 \
+OMP_NUM_THREADS=1 .venv/bin/python -m paddle.distributed.launch --nproc_per_node 2 --log_level WARNING \
   --log_dir "$LOG_DIR" src/flashcp/smoke.py
 echo "== done: worker logs in $LOG_DIR"
