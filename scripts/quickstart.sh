@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Paddle warns about ccache (only relevant to building custom C++ ops) in every process.
+export PYTHONWARNINGS="ignore:No ccache found"
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv with $($PY --version 2>&1)"
   "$PY" -m venv .venv
