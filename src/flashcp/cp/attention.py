@@ -31,7 +31,19 @@ from flashcp.masks import as_numpy, validate
 
 MODES = ("dualchunk_allgather", "contiguous_allgather", "workload_balanced")
 
-__all__ = ["CPPlan", "MODES", "flashmask_attention_cp", "make_assignment", "plan_cp_attention"]
+__all__ = [
+    "MODES",
+    "AllGatherKVAttention",
+    "CPPlan",
+    "check_inputs",
+    "cp_backward",
+    "cp_forward",
+    "flashmask_attention_cp",
+    "gather_kv",
+    "make_assignment",
+    "plan_cp_attention",
+    "scatter_grad",
+]
 
 
 # Measured in docs/cp_balance.md: 4 chunks per rank reach max/mean <= 1.05 on packed masks.
@@ -74,30 +86,45 @@ class CPPlan:
     scale: float
 
 
-def _gather(x: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
-    """Local shard [B, L, H, D] → global [B, S, H, D] in global token order."""
+def gather_kv(x: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
+    """Local K or V shard [B, L, H, D] → global [B, S, H, D] in global token order."""
     if plan.world == 1:
         return unshard_assigned([x], plan.assignment, axis=1)
     gathered = all_gather_tensor(x, plan.group, axis=1)
     return unshard_assigned(paddle.split(gathered, plan.world, axis=1), plan.assignment, axis=1)
 
 
-def _scatter_grad(full: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
-    """Full-length partial gradient → the sum over ranks of this rank's own chunks."""
+def scatter_grad(full: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
+    """Full-length partial dK or dV → the sum over ranks of this rank's own chunks."""
     if plan.world == 1:
         return shard_assigned(full, 0, plan.assignment, axis=1)
     chunks = [shard_assigned(full, r, plan.assignment, axis=1) for r in range(plan.world)]
     return reduce_scatter_chunks(chunks, plan.group)
 
 
-class _AllGatherKV(PyLayer):
+def cp_forward(q, k, v, plan: CPPlan) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Gather K/V and run the kernel of the planned version: local (out, lse). No autograd."""
+    backend = get_backend(plan.version, plan.device)
+    k_all, v_all = gather_kv(k, plan), gather_kv(v, plan)
+    return backend.forward(q, k_all, v_all, plan.local_mask, causal=False, softmax_scale=plan.scale)
+
+
+def cp_backward(q, k, v, out, lse, dout, plan: CPPlan) -> tuple[Any, Any, Any]:
+    """Re-gather K/V, run the planned version's backward, reduce-scatter dK/dV to owners."""
+    backend = get_backend(plan.version, plan.device)
+    k_all, v_all = gather_kv(k, plan), gather_kv(v, plan)
+    dq, dk_all, dv_all = backend.backward(
+        q, k_all, v_all, out, lse, plan.local_mask, dout, causal=False, softmax_scale=plan.scale
+    )
+    return dq, scatter_grad(dk_all, plan), scatter_grad(dv_all, plan)
+
+
+class AllGatherKVAttention(PyLayer):
+    """The autograd op: `cp_forward` in forward, `cp_backward` with the saved plan in backward."""
+
     @staticmethod
     def forward(ctx, q, k, v, plan: CPPlan):  # type: ignore[override]
-        backend = get_backend(plan.version, plan.device)
-        k_all, v_all = _gather(k, plan), _gather(v, plan)
-        out, lse = backend.forward(
-            q, k_all, v_all, plan.local_mask, causal=False, softmax_scale=plan.scale
-        )
+        out, lse = cp_forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
@@ -106,24 +133,11 @@ class _AllGatherKV(PyLayer):
     @staticmethod
     def backward(ctx, dout, *unused):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensor()
-        plan: CPPlan = ctx.plan
-        backend = get_backend(plan.version, plan.device)
-        k_all, v_all = _gather(k, plan), _gather(v, plan)
-        dq, dk_all, dv_all = backend.backward(
-            q,
-            k_all,
-            v_all,
-            out,
-            lse,
-            plan.local_mask,
-            dout,
-            causal=False,
-            softmax_scale=plan.scale,
-        )
-        return dq, _scatter_grad(dk_all, plan), _scatter_grad(dv_all, plan)
+        return cp_backward(q, k, v, out, lse, dout, ctx.plan)
 
 
-def _check_inputs(q: Any, k: Any, v: Any, world: int) -> None:
+def check_inputs(q: Any, k: Any, v: Any) -> None:
+    """Shapes of this rank's q/k/v shards: rank 4, matching batch/length/heads, GQA."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if len(t.shape) != 4:
             raise ValueError(
@@ -229,14 +243,13 @@ def flashmask_attention_cp(
     if dropout:
         raise NotImplementedError(
             f"dropout={dropout}: attention dropout is not supported under context parallelism "
-            "(set model.attention_dropout: 0)"
+            "(set the attention dropout to 0)"
         )
     if fixed_seed_offset is not None:
         raise NotImplementedError(
             "fixed_seed_offset is not supported under context parallelism (no dropout RNG)"
         )
-    world = 1 if group is None else int(group.nranks)
-    _check_inputs(q, k, v, world)
+    check_inputs(q, k, v)
     plan = plan_cp_attention(
         q,
         k,
@@ -248,5 +261,5 @@ def flashmask_attention_cp(
         assignment=assignment,
         fa4_unavailable=fa4_unavailable,
     )
-    out, lse = _AllGatherKV.apply(q, k, v, plan)
+    out, lse = AllGatherKVAttention.apply(q, k, v, plan)
     return (out, lse) if return_lse else out

@@ -1,0 +1,159 @@
+"""What every causal LM here shares: embeddings, the layer loop (with recompute), the head.
+
+`CausalLM.forward(input_ids, positions, attn)` takes this rank's tokens `[B, L_local]`, their
+GLOBAL positions `[B, L_local]` and an `AttentionContext`, and returns float32 logits
+`[B, L_local, V]`. Parameter names mirror the Hugging Face layout (`model.embed_tokens`,
+`model.layers.{i}`, `model.norm`, `lm_head`) so checkpoints map by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from flashcp.models.attention import Attention, AttentionContext
+from flashcp.models.config import ModelArgs
+from flashcp.models.layers import RotaryTables, embedding, linear, rotary_tables
+from flashcp.models.recompute import checkpoint
+
+
+class DecoderLayer(nn.Layer):
+    """A layer maps hidden `[B, L, H]` to hidden; subclasses own `self_attn`."""
+
+    self_attn: Attention
+
+    def forward(  # type: ignore[override]
+        self, h: paddle.Tensor, rotary: RotaryTables | None, attn: AttentionContext
+    ) -> paddle.Tensor:
+        raise NotImplementedError
+
+
+class DecoderStack(nn.Layer):
+    """`model.*`: token (and learned position) embeddings, decoder layers, final norm."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        make_layer: Callable[[ModelArgs, int], DecoderLayer],
+        make_norm: Callable[[int, float], nn.Layer],
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = embedding(args.vocab_size, args.hidden_size, std=args.initializer_range)
+        if args.uses_learned_positions:
+            self.embed_positions = embedding(
+                args.max_seq_len, args.hidden_size, std=args.initializer_range
+            )
+        self.layers = nn.LayerList([make_layer(args, i) for i in range(args.num_layers)])
+        self.norm = make_norm(args.hidden_size, args.norm_eps)
+
+    def forward(
+        self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
+    ) -> paddle.Tensor:
+        args = self.args
+        h = self.embed_tokens(input_ids)
+        rotary = None
+        if args.uses_learned_positions:
+            h = h + self.embed_positions(positions)
+        else:
+            rotary = rotary_tables(
+                positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
+            )
+        mode = args.recompute if paddle.is_grad_enabled() else "none"
+        for layer in self.layers:
+            if mode == "none":
+                h = layer(h, rotary, attn)
+            else:
+                h = checkpoint(_bind(layer, rotary, attn), h, mode)
+        return self.norm(h)
+
+
+def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionContext):
+    def run(h: paddle.Tensor) -> paddle.Tensor:
+        return layer(h, rotary, attn)
+
+    return run
+
+
+class CausalLM(nn.Layer):
+    """Backbone (`self.model`) plus LM head (`self.lm_head`, or the tied embedding)."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        make_layer: Callable[[ModelArgs, int], DecoderLayer],
+        make_norm: Callable[[int, float], nn.Layer],
+    ) -> None:
+        super().__init__()
+        self.args = args.check()
+        self.model = DecoderStack(args, make_layer, make_norm)
+        self.lm_head: nn.Linear | None = None
+        if not args.tie_embeddings:
+            self.lm_head = linear(
+                args.hidden_size, args.vocab_size, bias=False, std=args.initializer_range
+            )
+
+    def hidden_states(
+        self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
+    ) -> paddle.Tensor:
+        """Final-norm hidden states `[B, L_local, H]`."""
+        self._check_inputs(input_ids, positions, attn)
+        return self.model(input_ids, positions, attn)
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """LM head on hidden states, as float32 `[B, L, V]`."""
+        if self.lm_head is None:
+            out = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype("float32")
+
+    def forward(  # type: ignore[override]
+        self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
+    ) -> paddle.Tensor:
+        return self.logits(self.hidden_states(input_ids, positions, attn))
+
+    # ------------------------------------------------------------------ helpers
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def _check_inputs(self, input_ids, positions, attn) -> None:
+        if not isinstance(attn, AttentionContext):
+            raise TypeError(f"attn must be an AttentionContext, got {type(attn).__name__}")
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if not isinstance(t, paddle.Tensor) or len(t.shape) != 2:
+                got = list(t.shape) if isinstance(t, paddle.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a [batch, local_seq] int64 tensor, got {got}")
+            if t.dtype not in (paddle.int64, paddle.int32):
+                raise TypeError(f"{name} must be int64, got {t.dtype}")
+        if list(input_ids.shape) != list(positions.shape):
+            raise ValueError(
+                f"positions {list(positions.shape)} must match input_ids {list(input_ids.shape)}"
+                " (one GLOBAL position per local token)"
+            )
+        if self.args.uses_learned_positions:
+            top = int(positions.max())
+            if top >= self.args.max_seq_len:
+                raise ValueError(
+                    f"position {top} >= model.max_seq_len {self.args.max_seq_len}: learned "
+                    "position embeddings only cover max_seq_len positions"
+                )
+
+
+def token_logprobs(
+    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = -100
+) -> paddle.Tensor:
+    """log p(label) per token, float32 `[B, L]`; 0 where `labels == ignore_index`."""
+    lp = -F.cross_entropy(
+        logits.astype("float32"),
+        labels.astype("int64"),
+        reduction="none",
+        ignore_index=ignore_index,
+    )
+    if len(lp.shape) == len(labels.shape) + 1:
+        lp = lp.squeeze(-1)
+    return lp

@@ -1,0 +1,74 @@
+"""GLM-4 dense (`arch="glm"`) and GLM-4.5 mixture-of-experts (`arch="glm_moe"`) decoders.
+
+Both: RMSNorm, partial rotary on the first `head_dim * partial_rotary_factor` dims of each
+head, q/k/v projections with bias, GQA, bias-free o_proj and SwiGLU MLPs.
+
+``glm`` follows HF ``Glm4ForCausalLM`` (GLM-4-0414), including its two extra norms::
+
+    h = h + post_self_attn_layernorm(attn(input_layernorm(h)))
+    h = h + post_mlp_layernorm(mlp(post_attention_layernorm(h)))
+
+with interleaved rotary (pairs (2i, 2i+1)) and a fused ``mlp.gate_up_proj``.
+
+``glm_moe`` follows HF ``Glm4MoeForCausalLM`` (GLM-4.5 / GLM-4.5-Air)::
+
+    h = h + attn(input_layernorm(h))
+    h = h + mlp(post_attention_layernorm(h))
+
+with half-split (NeoX) rotary; `mlp` is a dense SwiGLU (``gate_proj``/``up_proj``/
+``down_proj``, `intermediate_size`) for the first `first_k_dense_replace` layers and a
+`flashcp.models.moe.MoE` after. GLM-4.5's multi-token-prediction layers and QK-norm (off in
+GLM-4.5-Air) are not modelled.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from flashcp.models.attention import Attention, AttentionContext
+from flashcp.models.base import CausalLM, DecoderLayer
+from flashcp.models.config import ModelArgs
+from flashcp.models.layers import RMSNorm, RotaryTables, SwiGLU
+from flashcp.models.moe import MoE
+
+
+class GLMDecoderLayer(DecoderLayer):
+    """One GLM-4 (dense, four norms) or GLM-4.5 (two norms, dense or MoE MLP) layer."""
+
+    def __init__(self, args: ModelArgs, index: int) -> None:
+        super().__init__()
+        self.index = index
+        h, eps, std = args.hidden_size, args.norm_eps, args.initializer_range
+        self.extra_norms = args.arch == "glm"
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp: paddle.nn.Layer
+        if args.is_moe_layer(index):
+            self.mlp = MoE(args)
+        else:
+            self.mlp = SwiGLU(h, args.intermediate_size, fused=args.arch == "glm", std=std)
+        if self.extra_norms:
+            self.post_self_attn_layernorm = RMSNorm(h, eps)
+            self.post_mlp_layernorm = RMSNorm(h, eps)
+
+    def forward(  # type: ignore[override]
+        self, h: paddle.Tensor, rotary: RotaryTables | None, attn: AttentionContext
+    ) -> paddle.Tensor:
+        a = self.self_attn(self.input_layernorm(h), rotary, attn)
+        if self.extra_norms:
+            a = self.post_self_attn_layernorm(a)
+        h = h + a
+        m = self.mlp(self.post_attention_layernorm(h))
+        if self.extra_norms:
+            m = self.post_mlp_layernorm(m)
+        return h + m
+
+
+class GLMForCausalLM(CausalLM):
+    """`ModelArgs(arch="glm" | "glm_moe", ...)`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        if args.arch not in ("glm", "glm_moe"):
+            raise ValueError(f"GLMForCausalLM needs arch 'glm' or 'glm_moe', got {args.arch!r}")
+        super().__init__(args, GLMDecoderLayer, RMSNorm)

@@ -1,0 +1,161 @@
+"""Building blocks shared by the model families: init helpers, norms, rotary, MLPs.
+
+Parameter names follow the Hugging Face layouts (`gate_up_proj`, `down_proj`, ...) so
+`flashcp.models.hf_weights` maps a Paddle name to a checkpoint key by identity; only Linear
+weights differ, by a transpose (Paddle stores `[in, out]`, HF `[out, in]`).
+
+Rotary conventions (`rotary_dim` leading dims of each head rotate, the rest pass through):
+
+* interleaved (HF ``Glm4``, GPT-J style): pair (2i, 2i+1) turns by angle ``pos * f_i``;
+* half-split (HF ``Glm4Moe``/GPT-NeoX/Llama): pair (i, i + rotary_dim/2) turns by ``pos * f_i``;
+
+with ``f_i = base ** (-2i / rotary_dim)``. The angle uses the token's GLOBAL position, so a
+context-parallel shard computes exactly what the unsharded sequence would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+
+def normal_attr(std: float) -> paddle.ParamAttr:
+    """Weights drawn from N(0, std²) (the HF `initializer_range` convention)."""
+    return paddle.ParamAttr(initializer=nn.initializer.Normal(mean=0.0, std=std))
+
+
+def zeros_attr() -> paddle.ParamAttr:
+    return paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
+
+
+def linear(in_features: int, out_features: int, *, bias: bool, std: float) -> nn.Linear:
+    """`nn.Linear` (weight `[in, out]`) with normal weights and zero bias."""
+    return nn.Linear(
+        in_features,
+        out_features,
+        weight_attr=normal_attr(std),
+        bias_attr=zeros_attr() if bias else False,
+    )
+
+
+def embedding(num: int, dim: int, *, std: float) -> nn.Embedding:
+    return nn.Embedding(num, dim, weight_attr=normal_attr(std))
+
+
+# ----------------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Layer):
+    """`x / sqrt(mean(x²) + eps) * weight`, computed in float32 (as HF's GLM RMSNorm)."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = self.create_parameter(
+            [hidden], default_initializer=nn.initializer.Constant(1.0)
+        )
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        dtype = x.dtype
+        h = x.astype("float32")
+        h = h * paddle.rsqrt(h.pow(2).mean(axis=-1, keepdim=True) + self.eps)
+        return self.weight * h.astype(dtype)
+
+
+def layer_norm(hidden: int, eps: float) -> nn.LayerNorm:
+    """LayerNorm with weight 1 and bias 0 (GPT)."""
+    return nn.LayerNorm(hidden, epsilon=eps)
+
+
+# ---------------------------------------------------------------------------------- rotary
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """cos/sin `[B, L, 1, rotary_dim/2]` (float32) for one batch of global positions."""
+
+    cos: paddle.Tensor
+    sin: paddle.Tensor
+    rotary_dim: int
+    interleaved: bool
+
+
+def inverse_frequencies(rotary_dim: int, base: float) -> np.ndarray:
+    """`f_i = base ** (-2i / rotary_dim)`, i < rotary_dim / 2, float32 (HF's formula)."""
+    exponent = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim
+    return (1.0 / (np.float32(base) ** exponent)).astype(np.float32)
+
+
+def rotary_tables(
+    positions: paddle.Tensor, rotary_dim: int, base: float, *, interleaved: bool
+) -> RotaryTables:
+    """Angles for `positions` `[B, L]` (int, global token positions)."""
+    inv = paddle.to_tensor(inverse_frequencies(rotary_dim, base), place=positions.place)
+    angles = positions.astype("float32").unsqueeze(-1) * inv  # [B, L, r/2]
+    angles = angles.unsqueeze(2)  # broadcast over heads
+    return RotaryTables(paddle.cos(angles), paddle.sin(angles), rotary_dim, interleaved)
+
+
+def apply_rotary(x: paddle.Tensor, tables: RotaryTables) -> paddle.Tensor:
+    """Rotate the first `rotary_dim` dims of each head of `x` `[B, L, H, D]`."""
+    r = tables.rotary_dim
+    d = int(x.shape[-1])
+    rot = x[..., :r] if r < d else x
+    cos, sin = tables.cos.astype(x.dtype), tables.sin.astype(x.dtype)
+    if tables.interleaved:
+        pairs = rot.reshape([*rot.shape[:-1], r // 2, 2])
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        turned = paddle.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        turned = turned.reshape(rot.shape)
+    else:
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        turned = paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if r < d:
+        return paddle.concat([turned, x[..., r:]], axis=-1)
+    return turned
+
+
+# ------------------------------------------------------------------------------------ MLPs
+
+
+class GeluMLP(nn.Layer):
+    """GPT MLP: `fc_out(gelu(fc_in(x)))`, exact (erf) GELU, biased projections."""
+
+    def __init__(self, hidden: int, intermediate: int, *, std: float) -> None:
+        super().__init__()
+        self.fc_in = linear(hidden, intermediate, bias=True, std=std)
+        self.fc_out = linear(intermediate, hidden, bias=True, std=std)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class SwiGLU(nn.Layer):
+    """`down_proj(silu(gate) * up)`, bias-free (GLM-4 / GLM-4.5 MLPs and experts).
+
+    `fused=True` keeps gate and up in one `gate_up_proj` (HF ``Glm4MLP``; the gate is the
+    first half of its outputs); `fused=False` uses `gate_proj` and `up_proj` (HF
+    ``Glm4MoeMLP``, dense layers, experts and shared experts of GLM-4.5).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, *, fused: bool, std: float) -> None:
+        super().__init__()
+        self.fused = fused
+        self.intermediate = intermediate
+        if fused:
+            self.gate_up_proj = linear(hidden, 2 * intermediate, bias=False, std=std)
+        else:
+            self.gate_proj = linear(hidden, intermediate, bias=False, std=std)
+            self.up_proj = linear(hidden, intermediate, bias=False, std=std)
+        self.down_proj = linear(intermediate, hidden, bias=False, std=std)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.fused:
+            gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
