@@ -1,0 +1,334 @@
+"""Worker of `scripts/bench_cp.py` (parts `comm` and `scaling`): one launched CP process.
+
+Run under `paddle.distributed.launch` with N processes (N = cp degree; N = 1 is the CP=1
+baseline: the same `flashmask_attention_cp` call on a one-rank cp group, whose gather and
+reduce-scatter are local no-ops). Every rank builds the same global q/k/v/dout (one seed),
+keeps its shard in the layout of the CP mode and runs forward and backward under a global
+causal mask. Results go to `<out>/rank<r>.json`; any error raises (non-zero exit).
+
+Tasks:
+
+* `comm`: for each mode, one forward and one backward, each bracketed by a barrier and a reset
+  of flashcp's byte counters (`comm_stats`), so the bytes of exactly one attention call in
+  each direction are recorded, per collective. The kernel-level bytes this process passed to
+  read/write system calls (`rchar` / `wchar` of `/proc/self/io`, which include gloo's socket
+  traffic and its framing) are recorded alongside as an independent cross-check of the
+  counters (they also include anything else the process reads or writes in that window).
+* `time`: `--warmup` + `--repeats` forward+backward iterations, each started after a barrier.
+  Wall time of forward and of backward, the process's CPU time, and the time spent inside the
+  collectives `flashmask_attention_cp` calls (its module's `all_gather_tensor` and
+  `reduce_scatter_chunks` are wrapped with timers here; that time includes waiting for a
+  slower peer) and in planning (`plan_cp_attention`: validation, mask rebasing). Afterwards
+  the same collectives are timed on their own, each after a barrier (pure transfer cost).
+  Over the timed (non-warm-up) iterations the machine's busy cores (`/proc/stat`, every
+  process on the machine) and this process's CPU time are recorded, to show the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+
+import flashcp.cp.attention as cp_attention
+from flashcp.cp import flashmask_attention_cp, make_assignment, shard_assigned
+from flashcp.distributed import (
+    COUNTERS,
+    ParallelDims,
+    all_gather_tensor,
+    barrier,
+    build_groups,
+    group_label,
+    init_distributed,
+    reduce_scatter_chunks,
+    reset_comm_stats,
+    shutdown,
+)
+from flashcp.masks import causal_mask
+
+
+class SectionTimer:
+    """Accumulates wall seconds per named section; `wrap` times every call of a function."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def total(self, *names: str) -> float:
+        return sum(self.seconds.get(n, 0.0) for n in names)
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.section(name):
+                return fn(*args, **kwargs)
+
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        return timed
+
+
+TIMER = SectionTimer()
+COLLECTIVES = ("all_gather", "reduce_scatter")
+
+
+def install_timers() -> None:
+    """Time the collectives and the planning step `flashmask_attention_cp` calls."""
+    cp_attention.all_gather_tensor = TIMER.wrap("all_gather", cp_attention.all_gather_tensor)
+    cp_attention.reduce_scatter_chunks = TIMER.wrap(
+        "reduce_scatter", cp_attention.reduce_scatter_chunks
+    )
+    cp_attention.plan_cp_attention = TIMER.wrap("plan", cp_attention.plan_cp_attention)
+
+
+def proc_io() -> dict[str, int]:
+    """`rchar` / `wchar` of this process (bytes through read/write-family system calls)."""
+    try:
+        text = Path("/proc/self/io").read_text()
+    except OSError:
+        return {"rchar": -1, "wchar": -1}
+    fields = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+    return {"rchar": int(fields["rchar"]), "wchar": int(fields["wchar"])}
+
+
+def io_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int] | None:
+    if before["rchar"] < 0 or after["rchar"] < 0:
+        return None
+    return {
+        "sent": after["wchar"] - before["wchar"],
+        "received": after["rchar"] - before["rchar"],
+    }
+
+
+def cpu_jiffies() -> tuple[int, int, int]:
+    """Machine-wide (busy, total) CPU jiffies from `/proc/stat` and the number of CPUs."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return -1, -1, 0
+    values = [int(x) for x in lines[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    ncpu = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return sum(values[:8]) - idle, sum(values[:8]), ncpu
+
+
+def counted(group_name: str) -> dict[str, dict[str, int]]:
+    """This rank's counters on the cp group, per collective, plus their `total`."""
+    ops: dict[str, dict[str, int]] = {}
+    total = {"calls": 0, "sent": 0, "received": 0}
+    for (op, group), stats in sorted(COUNTERS.snapshot().items()):
+        if group != group_name or op == "barrier":
+            continue
+        ops[op] = {"calls": stats.calls, "sent": stats.sent, "received": stats.received}
+        for key in total:
+            total[key] += ops[op][key]
+    ops["total"] = total
+    return ops
+
+
+class Problem:
+    """Global inputs (same on every rank) and this rank's shards for one CP mode."""
+
+    def __init__(self, args: argparse.Namespace, group: Any) -> None:
+        self.args = args
+        self.group = group
+        self.world = int(group.nranks)
+        self.rank = int(group.rank)
+        b, s, h, hkv, d = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
+        rng = np.random.default_rng(args.seed)
+        dtype = np.dtype(args.dtype)
+        self.q = rng.standard_normal((b, s, h, d), dtype=np.float32).astype(dtype)
+        self.k = rng.standard_normal((b, s, hkv, d), dtype=np.float32).astype(dtype)
+        self.v = rng.standard_normal((b, s, hkv, d), dtype=np.float32).astype(dtype)
+        self.dout = rng.standard_normal((b, s, h, d), dtype=np.float32).astype(dtype)
+        self.mask = causal_mask(b, s).indices
+
+    def shards(self, mode: str) -> tuple[paddle.Tensor, ...]:
+        """Leaf q, k, v (requiring grad) and dout: this rank's shard in `mode`'s layout."""
+        asg = make_assignment(mode, self.world, self.mask, causal=True)
+        q, k, v = (
+            paddle.to_tensor(shard_assigned(x, self.rank, asg, axis=1), stop_gradient=False)
+            for x in (self.q, self.k, self.v)
+        )
+        dout = paddle.to_tensor(shard_assigned(self.dout, self.rank, asg, axis=1))
+        return q, k, v, dout
+
+    def forward(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mode: str) -> Any:
+        return flashmask_attention_cp(q, k, v, self.mask, group=self.group, causal=True, mode=mode)
+
+
+def sync(group: Any) -> None:
+    if group.nranks > 1:
+        barrier(group)
+
+
+def task_comm(problem: Problem, modes: list[str]) -> list[dict[str, Any]]:
+    """Bytes of one forward and one backward per mode (counters and /proc/self/io)."""
+    label = group_label(problem.group)
+    cases = []
+    for mode in modes:
+        q, k, v, dout = problem.shards(mode)
+        sync(problem.group)
+        reset_comm_stats()
+        io0 = proc_io()
+        out = problem.forward(q, k, v, mode)
+        io1 = proc_io()
+        fwd = counted(label)
+        sync(problem.group)
+        reset_comm_stats()
+        io2 = proc_io()
+        out.backward(dout)
+        io3 = proc_io()
+        bwd = counted(label)
+        assert q.grad is not None and k.grad is not None and v.grad is not None
+        cases.append(
+            {
+                "mode": mode,
+                "forward": {"counters": fwd, "syscalls": io_delta(io0, io1)},
+                "backward": {"counters": bwd, "syscalls": io_delta(io2, io3)},
+                "checksum": float(out.sum()) + float(k.grad.sum()),
+            }
+        )
+        print(f"COMM mode={mode} fwd={fwd['total']} bwd={bwd['total']}", flush=True)
+    return cases
+
+
+def task_time(problem: Problem, mode: str, warmup: int, repeats: int) -> dict[str, Any]:
+    """Per-iteration forward/backward wall time, CPU time, collective and planning time."""
+    install_timers()
+    q, k, v, dout = problem.shards(mode)
+    iterations = []
+    window: dict[str, Any] = {}
+    for it in range(warmup + repeats):
+        if it == warmup:
+            window["start"] = (time.perf_counter(), time.process_time(), cpu_jiffies())
+        sync(problem.group)
+        TIMER.reset()
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = problem.forward(q, k, v, mode)
+        t1 = time.perf_counter()
+        comm_fwd = TIMER.total(*COLLECTIVES)
+        out.backward(dout)
+        t2 = time.perf_counter()
+        c1 = time.process_time()
+        comm_total = TIMER.total(*COLLECTIVES)
+        iterations.append(
+            {
+                "warmup": it < warmup,
+                "forward": t1 - t0,
+                "backward": t2 - t1,
+                "total": t2 - t0,
+                "cpu": c1 - c0,
+                "comm_forward": comm_fwd,
+                "comm_backward": comm_total - comm_fwd,
+                "plan": TIMER.total("plan"),
+            }
+        )
+        print(f"ITER {it} " + json.dumps(iterations[-1]), flush=True)
+        for t in (q, k, v):
+            t.clear_gradient()
+        del out
+    wall0, cpu0, (busy0, total0, ncpu) = window["start"]
+    busy1, total1, _ = cpu_jiffies()
+    machine = {
+        "wall": time.perf_counter() - wall0,
+        "process_cpu": time.process_time() - cpu0,
+        "busy_cores": (busy1 - busy0) / (total1 - total0) * ncpu if total1 > total0 else None,
+        "ncpu": ncpu,
+        "loadavg": list(os.getloadavg()),
+    }
+    return {
+        "mode": mode,
+        "iterations": iterations,
+        "window": machine,
+        "isolated": isolated_collectives(problem),
+    }
+
+
+def isolated_collectives(problem: Problem, repeats: int = 3) -> dict[str, float] | None:
+    """Median seconds of the forward's and the backward's collectives alone, after a barrier."""
+    group = problem.group
+    if group.nranks == 1:
+        return None
+    p = group.nranks
+    local = problem.k.shape[1] // p
+    b, hkv, d = problem.args.batch, problem.args.kv_heads, problem.args.head_dim
+    kv = paddle.to_tensor(np.ones((b, local, hkv, d), dtype=problem.args.dtype))
+    full = [paddle.to_tensor(np.ones((b, local, hkv, d), dtype=problem.args.dtype))] * p
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        barrier(group)
+        t0 = time.perf_counter()
+        all_gather_tensor(kv, group, axis=1)
+        all_gather_tensor(kv, group, axis=1)
+        fwd.append(time.perf_counter() - t0)
+        barrier(group)
+        t0 = time.perf_counter()
+        all_gather_tensor(kv, group, axis=1)
+        all_gather_tensor(kv, group, axis=1)
+        reduce_scatter_chunks(full, group)
+        reduce_scatter_chunks(full, group)
+        bwd.append(time.perf_counter() - t0)
+    return {"forward": float(np.median(fwd)), "backward": float(np.median(bwd))}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--task", choices=("comm", "time"), required=True)
+    p.add_argument("--out", required=True, help="directory for rank<r>.json")
+    p.add_argument("--modes", nargs="+", default=["dualchunk_allgather"])
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error("--warmup must be >= 0 and --repeats >= 1")
+    env = init_distributed()
+    world = env.world_size
+    groups = build_groups(ParallelDims(dp=1, pp=1, cp=world, world_size=world))
+    problem = Problem(args, groups.cp)
+    report: dict[str, Any] = {
+        "rank": problem.rank,
+        "world": world,
+        "task": args.task,
+        "group": group_label(groups.cp),
+    }
+    if args.task == "comm":
+        report["cases"] = task_comm(problem, args.modes)
+    else:
+        report["timing"] = task_time(problem, args.modes[0], args.warmup, args.repeats)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, f"rank{problem.rank}.json").write_text(json.dumps(report, indent=1))
+    print(f"BENCH WORKER DONE rank={problem.rank} task={args.task}", flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
