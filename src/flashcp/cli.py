@@ -1,10 +1,13 @@
-"""The `flashcp` command: sub-commands for users (`explain-dispatch`, more as they land)."""
+"""The `flashcp` command: `train`, `validate`, `plot` and `explain-dispatch`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+CONFIG_DIR = Path("configs")
 
 
 def _explain_dispatch(args: argparse.Namespace) -> int:
@@ -50,6 +53,99 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
+    from flashcp.models import estimate_parameters
+
+    n = estimate_parameters(cfg.model)
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    p = cfg.parallel
+    return (
+        f"{cfg.model.arch} ~{size} params, dp={p.dp} pp={p.pp} cp={p.cp} ({p.cp_mode}, "
+        f"world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
+        f"{cfg.run.device}"
+    )
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from flashcp.config import collect, read_yaml
+    from flashcp.config.errors import ConfigValidationError
+
+    files = [Path(f) for f in args.files]
+    if not files:
+        if not CONFIG_DIR.is_dir():
+            print(f"no files given and no {CONFIG_DIR}/ directory here", file=sys.stderr)
+            return 2
+        files = sorted(CONFIG_DIR.rglob("*.yaml"))
+    failed = 0
+    for path in files:
+        try:
+            cfg, errors = collect(read_yaml(path), source=str(path), world_size=args.world_size)
+        except ConfigValidationError as exc:
+            cfg, errors = None, exc.errors
+        if errors or cfg is None:
+            failed += 1
+            print(f"FAIL  {ConfigValidationError(errors, str(path))}")
+        else:
+            print(f"ok    {path}: {_config_summary(cfg)}")
+    total = len(files)
+    print(f"{total - failed} of {total} config(s) valid")
+    return 1 if failed else 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.trainer.job import run_job
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigValidationError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return run_job(
+        args.config,
+        args.overrides,
+        nproc=cfg.parallel.world_size,
+        output_dir=cfg.run.output_dir,
+    )
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from flashcp.trainer.plot import plot_run
+
+    try:
+        out = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"flashcp plot: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
+    train = sub.add_parser(
+        "train",
+        help="run a config as a paddle.distributed.launch job (dp×pp×cp processes)",
+        description="Validate CONFIG, launch dp×pp×cp processes of flashcp/train.py with "
+        "logs in <run.output_dir>/logs, stream rank 0, exit with the job's code.",
+    )
+    train.add_argument("config", help="YAML run config, e.g. configs/gpt/tiny_cp2.yaml")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides (train.steps=10)")
+    train.set_defaults(func=_train)
+    validate = sub.add_parser(
+        "validate",
+        help="check configs (default: every configs/**/*.yaml); lists every problem",
+    )
+    validate.add_argument("files", nargs="*", help="config files (default: all under configs/)")
+    validate.add_argument(
+        "--world-size", type=int, default=None, help="also check dp×pp×cp against this"
+    )
+    validate.set_defaults(func=_validate)
+    plot = sub.add_parser("plot", help="PNG of a run's loss and throughput (metrics.jsonl)")
+    plot.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
+    plot.set_defaults(func=_plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashcp", description="Context-parallel FlashMask training on PaddlePaddle."
@@ -75,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $FLASHCP_FA4_UNAVAILABLE, else error)",
     )
     explain.set_defaults(func=_explain_dispatch)
+    _add_run_commands(sub)
     return parser
 
 

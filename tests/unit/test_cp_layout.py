@@ -88,7 +88,7 @@ def test_bad_world_and_rank_raise() -> None:
             1001,
             re.escape(
                 "seq_len 1001 is not divisible by 2·cp = 8: set data.seq_len to a multiple of 8 "
-                "(e.g. 1001→1008) or set cp.pad: true"
+                "(e.g. 1001→1008) or set parallel.pad: true"
             ),
         ),
         (
@@ -96,7 +96,7 @@ def test_bad_world_and_rank_raise() -> None:
             1000,
             re.escape(
                 "seq_len 1000 is not divisible by 2·cp = 32: set data.seq_len to a multiple of "
-                "32 (e.g. 1000→1024) or set cp.pad: true"
+                "32 (e.g. 1000→1024) or set parallel.pad: true"
             ),
         ),
         (Assignment.contiguous(3), 1000, "not divisible by cp = 3:.*1000→1002"),

@@ -132,7 +132,7 @@ class Assignment:
             suggestion = max(n, -(-seq_len // n) * n)
             raise ValueError(
                 f"seq_len {seq_len} is not divisible by {self.divisor_text()}: set data.seq_len "
-                f"to a multiple of {n} (e.g. {seq_len}→{suggestion}) or set cp.pad: true"
+                f"to a multiple of {n} (e.g. {seq_len}→{suggestion}) or set parallel.pad: true"
             )
         return seq_len // n
 
@@ -269,7 +269,7 @@ def contiguous_positions(seq_len: int, rank: int, world: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Padding (config `cp.pad: true`).
+# Padding (config `parallel.pad: true`).
 
 
 def padded_length(seq_len: int, multiple: int) -> int:

@@ -1,0 +1,76 @@
+"""Typed run configs: YAML sections → dataclasses, `key=value` overrides, all-at-once validation.
+
+    from flashcp.config import load_config
+    cfg = load_config("configs/gpt/tiny_cp2.yaml", ["train.steps=3"], world_size=2)
+    cfg.parallel.cp, cfg.train.lr, cfg.model.hidden_size
+
+A bad config raises `ConfigValidationError` whose `.errors` lists every problem as
+`ConfigError(key="train.lr", message="expected a number, got 'fast' (a string)")`.
+"""
+
+from flashcp.config.errors import ConfigError, ConfigValidationError
+from flashcp.config.load import (
+    build_config,
+    collect,
+    config_hash,
+    diff_dicts,
+    hashed_dict,
+    load_config,
+    read_yaml,
+    to_dict,
+    to_yaml,
+)
+from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
+from flashcp.config.schema import (
+    CHUNKS_PER_RANK,
+    CP_MODES,
+    IGNORE_INDEX,
+    RECIPES,
+    SECTIONS,
+    AttentionConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DebugConfig,
+    ParallelConfig,
+    RecipeSpec,
+    RunConfig,
+    TrainConfig,
+    register_recipe,
+)
+from flashcp.config.validate import BYTE_VOCAB_SIZE, check_config
+
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "CHUNKS_PER_RANK",
+    "CP_MODES",
+    "IGNORE_INDEX",
+    "RECIPES",
+    "SECTIONS",
+    "AttentionConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "ConfigValidationError",
+    "DataConfig",
+    "DebugConfig",
+    "Override",
+    "ParallelConfig",
+    "RecipeSpec",
+    "RunConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "build_config",
+    "check_config",
+    "collect",
+    "config_hash",
+    "diff_dicts",
+    "hashed_dict",
+    "load_config",
+    "parse_override",
+    "parse_overrides",
+    "read_yaml",
+    "register_recipe",
+    "to_dict",
+    "to_yaml",
+]

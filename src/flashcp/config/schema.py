@@ -1,0 +1,232 @@
+"""The typed config tree: one `kw_only` dataclass per YAML section, defaults and field docs.
+
+A config file is data (YAML), read into these classes by `flashcp.config.load`. Each field's
+docstring (the string under it) says what it does; `flashcp validate` and the loader's error
+messages name fields by their dotted key (`train.lr`). The `model` section is not defined
+here: it is `flashcp.models.ModelArgs` (optionally started from a preset, `model.preset`).
+
+Recipes (`run.recipe`) live in a small registry so later recipes (LoRA, DPO, ...) can add their
+own sections (`register_recipe(RecipeSpec("dpo", sections={"dpo": DPOConfig}))`) without
+touching the core schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+CP_MODES: tuple[str, ...] = ("dualchunk_allgather", "contiguous_allgather", "workload_balanced")
+"""Context-parallel layouts (see `flashcp.cp`); the values `parallel.cp_mode` accepts."""
+
+CHUNKS_PER_RANK: dict[str, int] = {
+    "dualchunk_allgather": 2,
+    "contiguous_allgather": 1,
+    "workload_balanced": 4,  # flashcp.cp.attention.BALANCED_CHUNKS_PER_RANK
+}
+"""How many chunks of the sequence each CP rank holds per mode: seq_len must divide by cp × this."""
+
+IGNORE_INDEX = -100
+"""Label value of a position that has no target (end of a document, prompt, padding)."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the job's ranks are split: dp × pp × cp = number of processes."""
+
+    dp: int = 1
+    """Data-parallel degree: dp ranks train on different sequences, gradients are summed."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages of layers). The pretrain/sft recipes need pp = 1."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split along its length over cp ranks."""
+    cp_mode: Literal["dualchunk_allgather", "contiguous_allgather", "workload_balanced"] = (
+        "dualchunk_allgather"
+    )
+    """Sequence layout over the cp ranks: dual-chunk (rank r holds chunks r and 2cp-1-r),
+    contiguous, or workload-balanced (chunk assignment computed from each batch's mask)."""
+    pad: bool = False
+    """Pad sequences up to the layout's multiple instead of requiring data.seq_len to divide."""
+    grad_bucket_mb: float = 64.0
+    """Gradients are summed over cp/dp in all-reduce buckets of at most this many MiB."""
+
+    @property
+    def world_size(self) -> int:
+        """dp × pp × cp: the number of processes the job needs."""
+        return self.dp * self.pp * self.cp
+
+    @property
+    def seq_divisor(self) -> int:
+        """data.seq_len must be a multiple of this (unless `pad`)."""
+        return self.cp * CHUNKS_PER_RANK[self.cp_mode]
+
+
+@dataclass(kw_only=True)
+class AttentionConfig:
+    """Attention kernel policy."""
+
+    fa4_unavailable: Literal["error", "fallback"] = "error"
+    """When FLAGS_flash_attn_version=4 asks for FA4 and it is missing: fail, or use FA3."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where text comes from and how it becomes fixed-length training sequences."""
+
+    path: str | None = None
+    """JSONL file (one JSON object per line); null = the small corpus shipped with flashcp."""
+    tokenizer: str = "byte"
+    """`byte` (256 byte ids + BOS/EOS/PAD) or the path of a Hugging Face `tokenizer.json`."""
+    text_field: str = "text"
+    """JSONL field holding a document's text (pretrain recipe)."""
+    prompt_field: str = "prompt"
+    """JSONL field of the prompt (sft recipe; its tokens get no loss)."""
+    response_field: str = "response"
+    """JSONL field of the response (sft recipe; only these tokens are trained on)."""
+    seq_len: int = 256
+    """Tokens per training sequence (the global length, before context-parallel sharding)."""
+    micro_batch_size: int = 1
+    """Sequences per dp rank per forward/backward."""
+    packing: bool = True
+    """Pack documents back to back (document-causal mask); false = one document per sequence,
+    truncated or padded to seq_len."""
+    shuffle: bool = True
+    """Shuffle document order each epoch (deterministically from train.seed)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation: steps, AdamW, schedule, precision, determinism."""
+
+    steps: int = 100
+    """Optimizer steps to run (the total, counting steps done before a resume)."""
+    lr: float = 3.0e-4
+    """Peak learning rate, reached after warmup."""
+    min_lr: float = 3.0e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to `lr` over this many steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1.0e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (after summing over cp and dp) to this; 0 = no clipping."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    seed: int = 0
+    """Seeds model init, data order and every RNG."""
+    deterministic: bool = True
+    """Set FLAGS_cudnn_deterministic=1 (the FlashAttention dispatch honours it) and seed all."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: float32 (CPU and GPU) or bfloat16 autocast (GPU only)."""
+    log_every: int = 1
+    """Print a log line every this many steps (metrics.jsonl gets every step)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """NaN/Inf in the loss or gradients: stop with an error, or skip that step's update."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """When to save and where to resume from."""
+
+    every: int = 0
+    """Save every this many steps (and at the last step); 0 = never save."""
+    keep_last: int = 2
+    """Keep only the newest this many checkpoints."""
+    resume: str = "auto"
+    """`auto` (newest intact checkpoint in run.output_dir, if any), `never`, or a checkpoint
+    directory path."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Where outputs go and which recipe runs."""
+
+    output_dir: str = "runs/default"
+    """Metrics, logs, checkpoints and the resolved config are written here."""
+    recipe: str = "pretrain"
+    """Training recipe: `pretrain` (next-token loss on all text) or `sft` (loss on responses)."""
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    """Target device: auto (GPU if Paddle sees one), cpu or gpu. bfloat16 needs gpu."""
+    stop_after_steps: int = 0
+    """Stop this run after this many steps (0: run to train.steps). The LR schedule still spans
+    train.steps, so resuming later continues exactly as an uninterrupted run would."""
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    """Diagnostics for tests and bug hunts (off by default)."""
+
+    dump_grads: bool = False
+    """Rank 0 writes the summed gradients of every step to output_dir/grads/step_N.safetensors
+    (before clipping), so runs with different parallel layouts can be compared."""
+
+
+SECTIONS: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "attention": AttentionConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "run": RunConfig,
+    "debug": DebugConfig,
+}
+"""Core sections besides `model`, in file order."""
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A training recipe known to the config system: its name and any extra sections."""
+
+    name: str
+    description: str
+    sections: dict[str, type] = field(default_factory=dict)
+    """Extra top-level sections this recipe reads (e.g. `lora`, `dpo`), name → dataclass."""
+
+
+RECIPES: dict[str, RecipeSpec] = {}
+
+
+def register_recipe(spec: RecipeSpec) -> RecipeSpec:
+    """Make `spec.name` a valid `run.recipe` and its sections valid top-level keys."""
+    RECIPES[spec.name] = spec
+    return spec
+
+
+register_recipe(RecipeSpec("pretrain", "next-token loss on every token of packed documents"))
+register_recipe(RecipeSpec("sft", "loss on response tokens only (prompt/response JSONL)"))
+
+
+def extra_sections() -> dict[str, type]:
+    """Every section some registered recipe adds, name → dataclass."""
+    out: dict[str, type] = {}
+    for spec in RECIPES.values():
+        out.update(spec.sections)
+    return out
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole run: the model plus every section, resolved and typed."""
+
+    model: Any
+    """`flashcp.models.ModelArgs` (kept untyped here so the schema imports no Paddle)."""
+    model_preset: str | None = None
+    """The preset the model section started from, if any (informational)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Sections added by recipes (`RecipeSpec.sections`), by name."""
+    source: str | None = None
+    """The file this config was read from (None when built in code)."""
+    overrides: tuple[str, ...] = ()
+    """The `key=value` overrides applied on top of the file."""

@@ -1,0 +1,243 @@
+"""Cross-field checks of a typed `Config`: arithmetic, files, device and recipe rules.
+
+Everything here runs without building the model or touching a GPU, so the real-shape configs
+(GLM-4 9B on 8 GPUs) validate on a laptop. Each problem names its dotted key and the change
+that fixes it; checks whose keys already failed type-checking are skipped (no cascades).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from flashcp.config.errors import ConfigError, suggest
+from flashcp.config.schema import CHUNKS_PER_RANK, RECIPES, Config
+
+BYTE_VOCAB_SIZE = 259
+"""256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
+
+
+class _Checks:
+    """Collects errors, dropping those about keys that already have a type error."""
+
+    def __init__(self, skip: Iterable[str]) -> None:
+        self.skip = set(skip)
+        self.errors: list[ConfigError] = []
+
+    def ok(self, *keys: str) -> bool:
+        return not any(k in self.skip for k in keys)
+
+    def add(self, key: str, message: str, *also: str) -> None:
+        if self.ok(key, *also):
+            self.errors.append(ConfigError(key, message))
+            self.skip.add(key)
+
+
+def _positive(c: _Checks, key: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        c.add(key, f"must be {bound}, got {value}")
+
+
+def _check_parallel(cfg: Config, c: _Checks, world_size: int | None) -> None:
+    p = cfg.parallel
+    for dim in ("dp", "pp", "cp"):
+        if getattr(p, dim) < 1:
+            c.add(f"parallel.{dim}", f"must be an integer >= 1, got {getattr(p, dim)}")
+    _positive(c, "parallel.grad_bucket_mb", p.grad_bucket_mb)
+    if not c.ok("parallel.dp", "parallel.pp", "parallel.cp"):
+        return
+    if world_size is not None and p.world_size != world_size:
+        fixes = [
+            f"set parallel.{dim} to {world_size // others}"
+            for dim, others in (("cp", p.dp * p.pp), ("dp", p.pp * p.cp))
+            if world_size % others == 0
+        ]
+        change = " or ".join(fixes) if fixes else "change parallel.dp/pp/cp"
+        c.add(
+            "parallel",
+            f"dp({p.dp}) × pp({p.pp}) × cp({p.cp}) = {p.world_size} but the job has "
+            f"{world_size} process{'es' if world_size != 1 else ''}: {change}, or launch with "
+            f"--nproc_per_node {p.world_size}",
+        )
+    if p.pp > 1:
+        c.add(
+            "parallel.pp",
+            f"the {cfg.run.recipe} recipe runs without pipeline parallelism: set "
+            "parallel.pp: 1 (pipeline stages need the pp recipe)",
+        )
+
+
+def _check_lengths(cfg: Config, c: _Checks) -> None:
+    d, p, m = cfg.data, cfg.parallel, cfg.model
+    if d.seq_len < 2:
+        c.add("data.seq_len", f"must be >= 2 (a sequence needs a next token), got {d.seq_len}")
+        return
+    if d.micro_batch_size < 1:
+        c.add("data.micro_batch_size", f"must be >= 1, got {d.micro_batch_size}")
+    if p.cp < 1:
+        return
+    chunks = CHUNKS_PER_RANK[p.cp_mode]
+    divisor = p.cp * chunks
+    length = d.seq_len
+    if d.seq_len % divisor:
+        up = -(-d.seq_len // divisor) * divisor
+        if p.pad:
+            length = up
+        else:
+            how = {1: "cp", 2: "2·cp", 4: "4·cp"}[chunks]
+            c.add(
+                "data.seq_len",
+                f"{d.seq_len} is not a multiple of {how} = {divisor} (parallel.cp_mode "
+                f"{p.cp_mode}, parallel.cp {p.cp}): set data.seq_len to a multiple of {divisor} "
+                f"(e.g. {d.seq_len}→{up}) or set parallel.pad: true",
+                "parallel.cp",
+                "parallel.cp_mode",
+            )
+    max_len = getattr(m, "max_seq_len", None)
+    if isinstance(max_len, int) and length > max_len:
+        what = f"data.seq_len {d.seq_len}" + (f" (padded to {length})" if length != d.seq_len
+                                              else "")  # fmt: skip
+        c.add(
+            "data.seq_len",
+            f"{what} exceeds model.max_seq_len {max_len}: lower data.seq_len or raise "
+            "model.max_seq_len",
+            "model.max_seq_len",
+        )
+
+
+def _check_model(cfg: Config, c: _Checks) -> None:
+    m = cfg.model
+    validate = getattr(m, "validate", None)
+    reported: set[str] = set()
+    if callable(validate):
+        for key, message in validate():
+            dotted = key if str(key).startswith("model") else f"model.{key}"
+            reported.add(dotted)
+            c.add(dotted, message)
+    heads, kv = getattr(m, "num_heads", None), getattr(m, "num_kv_heads", None)
+    if (
+        isinstance(heads, int)
+        and isinstance(kv, int)
+        and kv > 0
+        and heads % kv
+        and not reported & {"model.num_heads", "model.num_kv_heads"}
+    ):
+        c.add(
+            "model.num_kv_heads",
+            f"model.num_heads ({heads}) must be a multiple of model.num_kv_heads ({kv}) for "
+            "grouped-query attention",
+            "model.num_heads",
+        )
+    layers = getattr(m, "num_layers", None)
+    if isinstance(layers, int) and layers < cfg.parallel.pp:
+        c.add(
+            "model.num_layers",
+            f"{layers} layers cannot fill parallel.pp = {cfg.parallel.pp} pipeline stages: "
+            f"lower parallel.pp to at most {layers} or add layers",
+        )
+    vocab = getattr(m, "vocab_size", None)
+    if cfg.data.tokenizer == "byte" and isinstance(vocab, int) and vocab < BYTE_VOCAB_SIZE:
+        c.add(
+            "model.vocab_size",
+            f"{vocab} is smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} ids: set "
+            f"model.vocab_size >= {BYTE_VOCAB_SIZE}",
+            "data.tokenizer",
+        )
+
+
+def _check_train(cfg: Config, c: _Checks) -> None:
+    t = cfg.train
+    if t.steps < 1:
+        c.add("train.steps", f"must be >= 1, got {t.steps}")
+    _positive(c, "train.lr", t.lr)
+    _positive(c, "train.min_lr", t.min_lr, zero_ok=True)
+    if c.ok("train.lr", "train.min_lr") and t.min_lr > t.lr:
+        c.add("train.min_lr", f"{t.min_lr} is above train.lr {t.lr}: set train.min_lr <= lr")
+    if t.warmup_steps < 0:
+        c.add("train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _positive(c, "train.weight_decay", t.weight_decay, zero_ok=True)
+    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= beta < 1.0:
+            c.add(key, f"must be in [0, 1), got {beta}")
+    _positive(c, "train.eps", t.eps)
+    _positive(c, "train.grad_clip", t.grad_clip, zero_ok=True)
+    if t.grad_accum < 1:
+        c.add("train.grad_accum", f"must be >= 1, got {t.grad_accum}")
+    if t.log_every < 1:
+        c.add("train.log_every", f"must be >= 1, got {t.log_every}")
+    if t.seed < 0:
+        c.add("train.seed", f"must be >= 0, got {t.seed}")
+    if t.dtype == "bfloat16" and cfg.run.device == "cpu":
+        c.add(
+            "train.dtype",
+            "bfloat16 needs a GPU (run.device is cpu): set train.dtype: float32 or "
+            "run.device: gpu",
+            "run.device",
+        )
+
+
+def _check_files(cfg: Config, c: _Checks) -> None:
+    d = cfg.data
+    if d.path is not None and not Path(d.path).is_file():
+        c.add(
+            "data.path",
+            f"no file at {d.path!r}: give a JSONL file, or null for the built-in corpus",
+        )
+    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
+        c.add(
+            "data.tokenizer",
+            f"{d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json file",
+        )
+    if cfg.run.recipe == "sft" and d.path is None:
+        c.add(
+            "data.path",
+            "the sft recipe needs a JSONL file of prompt/response records (data.path); the "
+            "built-in corpus has plain text only",
+            "run.recipe",
+        )
+
+
+def _check_run(cfg: Config, c: _Checks) -> None:
+    if cfg.run.recipe not in RECIPES:
+        c.add("run.recipe", f"unknown recipe {cfg.run.recipe!r}" + suggest(cfg.run.recipe,
+                                                                           RECIPES))  # fmt: skip
+    if cfg.run.stop_after_steps < 0:
+        c.add("run.stop_after_steps", f"must be >= 0 (0 = no early stop), got "
+                                      f"{cfg.run.stop_after_steps}")  # fmt: skip
+    if not cfg.run.output_dir.strip():
+        c.add("run.output_dir", "must be a non-empty directory path")
+    spec = RECIPES.get(cfg.run.recipe)
+    for name in cfg.extras:
+        if spec is None or name not in spec.sections:
+            users = [r for r, s in RECIPES.items() if name in s.sections]
+            c.add(
+                name,
+                f"section is read only by recipe(s) {', '.join(users)}: set run.recipe to one "
+                f"of them or remove the section",
+                "run.recipe",
+            )
+    ck = cfg.checkpoint
+    if ck.every < 0:
+        c.add("checkpoint.every", f"must be >= 0 (0 = never save), got {ck.every}")
+    if ck.keep_last < 1:
+        c.add("checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}")
+    if ck.resume not in ("auto", "never") and not Path(ck.resume).is_dir():
+        c.add(
+            "checkpoint.resume",
+            f"{ck.resume!r} is not 'auto', 'never' or an existing checkpoint directory",
+        )
+
+
+def check_config(
+    cfg: Config, *, world_size: int | None = None, skip: Iterable[str] = ()
+) -> list[ConfigError]:
+    """Every cross-field problem of `cfg` (for a job of `world_size` processes, if known)."""
+    c = _Checks(skip)
+    _check_parallel(cfg, c, world_size)
+    _check_lengths(cfg, c)
+    _check_model(cfg, c)
+    _check_train(cfg, c)
+    _check_files(cfg, c)
+    _check_run(cfg, c)
+    return c.errors

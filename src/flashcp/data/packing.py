@@ -1,0 +1,231 @@
+"""Fixed-length training sequences from documents, with masks, labels and a resumable position.
+
+Packing (`data.packing: true`) lays documents back to back; a document that does not fit is
+continued at the start of the next sequence. Each sequence records its segment lengths
+(`doc_lens`), which give its causal-document FlashMask (`masks.causal_document_mask`): a token
+attends only to earlier tokens of its own segment. Labels are shifted on the FULL sequence,
+before any context-parallel sharding: `labels[i] = tokens[i + 1]` when token i+1 is in the same
+segment and is a target, else `IGNORE_INDEX` (the last token of a segment never predicts the
+next document). Without packing, each sequence is one document, truncated or padded (the padding
+is its own segment, with no targets).
+
+Document order is a permutation per epoch drawn from `(seed, epoch)`, so the stream depends only
+on the seed; `PackedStream.state_dict()` (epoch, document, offset, count) restores it exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flashcp.config.schema import IGNORE_INDEX
+from flashcp.cp.layout import Assignment, shard_assigned
+from flashcp.data.dataset import Document
+from flashcp.masks import Mask, causal_document_mask
+
+
+@dataclass(eq=False)
+class PackedSequence:
+    """One global sequence: tokens, target flags (per token) and segment lengths."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    doc_lens: list[int]
+
+
+@dataclass
+class StreamState:
+    """Where the stream is: `epoch`, index into that epoch's order, offset inside the doc."""
+
+    epoch: int = 0
+    doc: int = 0
+    offset: int = 0
+    sequences: int = 0
+    """Sequences produced so far (informational)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([int(seed), int(epoch), 0x5EED]).permutation(n)
+
+
+class PackedStream:
+    """An endless, deterministic stream of `PackedSequence`s of length `seq_len`."""
+
+    def __init__(
+        self,
+        docs: Sequence[Document],
+        seq_len: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        packing: bool = True,
+        pad_id: int = 0,
+    ) -> None:
+        if not docs:
+            raise ValueError("PackedStream needs at least one document")
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        self.docs = list(docs)
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.packing = bool(packing)
+        self.pad_id = int(pad_id)
+        self.state = StreamState()
+        self._order = _epoch_order(len(self.docs), self.seed, 0, self.shuffle)
+
+    # -- position ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """The stream position, JSON-serialisable."""
+        return self.state.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state_dict()` was taken."""
+        new = StreamState(**{k: int(v) for k, v in state.items()})
+        if not 0 <= new.doc < len(self.docs):
+            raise ValueError(
+                f"data position {state} does not fit this dataset of {len(self.docs)} documents"
+                " (was the checkpoint made with another data.path or tokenizer?)"
+            )
+        self.state = new
+        self._order = _epoch_order(len(self.docs), self.seed, new.epoch, self.shuffle)
+
+    def _advance_doc(self) -> None:
+        self.state.doc += 1
+        self.state.offset = 0
+        if self.state.doc == len(self.docs):
+            self.state.epoch += 1
+            self.state.doc = 0
+            self._order = _epoch_order(len(self.docs), self.seed, self.state.epoch, self.shuffle)
+
+    # -- sequences --------------------------------------------------------------------------
+
+    def next(self) -> PackedSequence:
+        """The next sequence of the stream."""
+        seq = self._next_packed() if self.packing else self._next_single()
+        self.state.sequences += 1
+        return seq
+
+    def _next_packed(self) -> PackedSequence:
+        tokens, targets, lens = [], [], []
+        space = self.seq_len
+        while space:
+            doc = self.docs[self._order[self.state.doc]]
+            start = self.state.offset
+            take = min(len(doc) - start, space)
+            tokens.append(doc.tokens[start : start + take])
+            targets.append(doc.targets[start : start + take])
+            lens.append(take)
+            space -= take
+            self.state.offset += take
+            if self.state.offset == len(doc):
+                self._advance_doc()
+        return PackedSequence(np.concatenate(tokens), np.concatenate(targets), lens)
+
+    def _next_single(self) -> PackedSequence:
+        doc = self.docs[self._order[self.state.doc]]
+        self._advance_doc()
+        n = min(len(doc), self.seq_len)
+        tokens = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        targets = np.zeros(self.seq_len, dtype=bool)
+        tokens[:n] = doc.tokens[:n]
+        targets[:n] = doc.targets[:n]
+        lens = [n] if n == self.seq_len else [n, self.seq_len - n]
+        return PackedSequence(tokens, targets, lens)
+
+
+def shift_labels(tokens: np.ndarray, targets: np.ndarray, doc_lens: Sequence[int]) -> np.ndarray:
+    """Next-token labels of one full sequence: IGNORE_INDEX at segment ends and non-targets."""
+    n = int(tokens.shape[0])
+    if sum(doc_lens) != n:
+        raise ValueError(f"doc_lens {list(doc_lens)} sum to {sum(doc_lens)}, not {n}")
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    labels[:-1] = np.where(targets[1:], tokens[1:], IGNORE_INDEX)
+    ends = np.cumsum(doc_lens) - 1
+    labels[ends] = IGNORE_INDEX
+    return labels
+
+
+@dataclass(eq=False)
+class Batch:
+    """A micro-batch of full (global) sequences, ready to shard.
+
+    `input_ids`, `labels`, `positions`: int64 `[B, S]`; `mask`: the global causal-document
+    FlashMask `[B, 1, S, 1]`; `doc_lens`: segment lengths per row (padding included).
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    positions: np.ndarray
+    mask: Mask
+    doc_lens: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_targets(self) -> int:
+        """Positions with a label (not IGNORE_INDEX)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def collate(seqs: Sequence[PackedSequence], *, pad_to: int | None = None, pad_id: int = 0) -> Batch:
+    """Stack sequences into a `Batch`; `pad_to` appends a padding segment (parallel.pad)."""
+    rows_tok, rows_lab, rows_lens = [], [], []
+    for s in seqs:
+        tokens, labels, lens = s.tokens, shift_labels(s.tokens, s.targets, s.doc_lens), s.doc_lens
+        n = int(tokens.shape[0])
+        if pad_to is not None and pad_to > n:
+            extra = pad_to - n
+            tokens = np.concatenate([tokens, np.full(extra, pad_id, dtype=np.int64)])
+            labels = np.concatenate([labels, np.full(extra, IGNORE_INDEX, dtype=np.int64)])
+            lens = [*lens, extra]
+        rows_tok.append(tokens)
+        rows_lab.append(labels)
+        rows_lens.append([int(x) for x in lens])
+    input_ids = np.stack(rows_tok).astype(np.int64)
+    b, s = input_ids.shape
+    positions = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
+    return Batch(
+        input_ids=input_ids,
+        labels=np.stack(rows_lab).astype(np.int64),
+        positions=positions,
+        mask=causal_document_mask(rows_lens, batch=b),
+        doc_lens=rows_lens,
+    )
+
+
+@dataclass(eq=False)
+class LocalBatch:
+    """One CP rank's part of a `Batch`: its tokens/labels/positions, and the global mask."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    positions: np.ndarray
+    mask: Mask
+    assignment: Assignment
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def shard_batch(batch: Batch, rank: int, assignment: Assignment) -> LocalBatch:
+    """Rank `rank`'s sequence shard under `assignment` (the mask stays global)."""
+    return LocalBatch(
+        input_ids=shard_assigned(batch.input_ids, rank, assignment, axis=1),
+        labels=shard_assigned(batch.labels, rank, assignment, axis=1),
+        positions=shard_assigned(batch.positions, rank, assignment, axis=1),
+        mask=batch.mask,
+        assignment=assignment,
+    )

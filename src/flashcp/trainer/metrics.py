@@ -1,0 +1,159 @@
+"""Per-step metrics: one log line, one JSON object in `metrics.jsonl`, a rank-0 progress bar.
+
+Only rank 0 writes. `metrics.jsonl` is appended one line per step (flushed each time) so a
+crash leaves every finished step on disk; a resumed run first drops lines past the checkpoint's
+step so the file always reads as one run. `flashcp plot` turns it into a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+ENV_PROGRESS = "FLASHCP_PROGRESS"
+"""`1` forces the progress bar on (e.g. when rank 0's log is streamed to a terminal), `0` off."""
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step reports."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    """Tokens processed by the whole job this step (padding included)."""
+    targets: int
+    """Tokens with a label (what the loss averages over), whole job."""
+    tokens_per_s: float
+    step_time_s: float
+    peak_memory_gib: float
+    skipped: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({k: _finite(v) for k, v in asdict(self).items()})
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/Inf; keep it readable
+    return v
+
+
+def peak_memory_gib() -> float:
+    """Peak memory of this process: GPU allocator peak on GPU, else peak RSS (GiB)."""
+    try:
+        import paddle
+
+        if paddle.is_compiled_with_cuda() and "gpu" in str(paddle.get_device()):
+            return float(paddle.device.cuda.max_memory_allocated()) / 2**30
+    except Exception:  # noqa: BLE001 - memory reporting must never break training
+        pass
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return float(kib) / 2**20
+
+
+def format_line(m: StepMetrics, total_steps: int) -> str:
+    """The human log line of a step."""
+    width = len(str(total_steps))
+    text = (
+        f"step {m.step:>{width}}/{total_steps} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
+        f"grad_norm {m.grad_norm:.4f} | tok/s {m.tokens_per_s:,.0f} | "
+        f"mem {m.peak_memory_gib:.2f} GiB | {m.step_time_s:.3f} s"
+    )
+    return text + (" | SKIPPED (non-finite)" if m.skipped else "")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a `metrics.jsonl` (a run directory or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"no {METRICS_FILE} at {p}")
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Appends `StepMetrics` to `<output_dir>/metrics.jsonl` and prints log lines (rank 0)."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        log_every: int = 1,
+        start_step: int = 0,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.total = total_steps
+        self.log_every = max(1, log_every)
+        self.path = Path(output_dir) / METRICS_FILE
+        self.stream = stream or sys.stdout
+        self._bar: Any = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
+        self._bar = _progress(total_steps, start_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """Keep only records of steps <= `step` (all dropped when starting fresh)."""
+        if not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if int(json.loads(line)["step"]) <= step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, m: StepMetrics) -> None:
+        """Record one step (JSON every step, a text line every `log_every` steps)."""
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(m.to_json() + "\n")
+        if m.step % self.log_every == 0 or m.step == self.total or m.skipped:
+            self.echo(format_line(m, self.total))
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{m.loss:.4f}", refresh=False)
+
+    def echo(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _progress(total: int, start: int) -> Any:
+    """A tqdm bar on stderr when it is a terminal (or FLASHCP_PROGRESS=1), else None."""
+    flag = os.environ.get(ENV_PROGRESS, "").strip()
+    show = flag == "1" or (flag != "0" and sys.stderr.isatty())
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+

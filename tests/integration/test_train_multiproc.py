@@ -1,0 +1,221 @@
+"""Launched training jobs on CPU (gloo): CP/DP layouts match one process, resume is exact.
+
+The single-process reference trains `configs/gpt/tiny_cp2.yaml` with `parallel.cp=1` in this
+process; each launched job runs the same model on the same data with another layout and dumps
+its summed gradients every step (`debug.dump_grads`). Losses and gradients must agree to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from launch import MARKER_ENV, _alive, _marked_pids, kill_marked, run_launch
+from safetensors.numpy import load_file
+
+from flashcp import dispatch
+from flashcp.config import load_config
+from flashcp.trainer import Trainer, read_metrics
+from flashcp.trainer.loop import GRADS_DIR
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
+TRAIN = ROOT / "src" / "flashcp" / "train.py"
+EMBEDDING_FLAG = "FLAGS_embedding_deterministic"
+STEPS = 4
+COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "debug.dump_grads=true"]
+
+
+def _losses(run: Path) -> list[float]:
+    return [float(r["loss"]) for r in read_metrics(run)]
+
+
+def _grads(run: Path, step: int) -> dict[str, np.ndarray]:
+    return load_file(str(run / GRADS_DIR / f"step_{step}.safetensors"))
+
+
+def _reference(config: Path, out: Path) -> Path:
+    """CP=1 in this process (no launcher): the run other layouts are compared with."""
+    cfg = load_config(config, [*COMMON, "parallel.cp=1", f"run.output_dir={out}"])
+    saved = {k: os.environ.get(k) for k in (dispatch.FLAG_DETERMINISTIC, EMBEDDING_FLAG)}
+    try:
+        Trainer(cfg).fit()
+    finally:  # the trainer sets deterministic flags in os.environ: don't leak them
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _reference(CONFIG, tmp_path_factory.mktemp("ref"))
+
+
+def _launch(tmp: Path, nproc: int, overrides: list[str], config: Path = CONFIG) -> Path:
+    out = tmp / "run"
+    result = run_launch(
+        TRAIN,
+        nproc,
+        ["--config", str(config), *COMMON, f"run.output_dir={out}", *overrides],
+        timeout=150,
+        log_dir=tmp / "logs",
+    )
+    assert result.ok, result.summary()
+    assert result.leftover == [], result.summary()
+    return out
+
+
+def _assert_matches(run: Path, ref: Path) -> None:
+    np.testing.assert_allclose(_losses(run), _losses(ref), rtol=1e-5, atol=1e-5)
+    mine, want = read_metrics(run), read_metrics(ref)
+    for a, b in zip(mine, want, strict=True):
+        assert a["targets"] == b["targets"] and a["tokens"] == b["tokens"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for step in range(1, STEPS + 1):
+        got, exp = _grads(run, step), _grads(ref, step)
+        assert set(got) == set(exp)
+        for name in exp:
+            np.testing.assert_allclose(got[name], exp[name], rtol=1e-5, atol=1e-5, err_msg=name)
+            rel = np.linalg.norm(got[name] - exp[name]) / max(np.linalg.norm(exp[name]), 1e-12)
+            assert rel < 1e-5, (name, step, rel)
+
+
+@pytest.fixture(scope="module")
+def cp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _launch(tmp_path_factory.mktemp("cp2"), 2, [])
+
+
+@pytest.mark.timeout(180)
+def test_cp2_dualchunk_matches_cp1(cp2_run: Path, reference: Path) -> None:
+    _assert_matches(cp2_run, reference)
+
+
+@pytest.mark.timeout(180)
+def test_cp4_workload_balanced_matches_cp1(tmp_path: Path, reference: Path) -> None:
+    run = _launch(tmp_path, 4, ["parallel.cp=4", "parallel.cp_mode=workload_balanced"])
+    _assert_matches(run, reference)
+
+
+@pytest.mark.timeout(180)
+def test_dp2_cp2_contiguous_matches_cp1(tmp_path: Path, reference: Path) -> None:
+    # dp=2 × micro-batch 1 sees the same two sequences per step as dp=1 × micro-batch 2
+    # (tiny gradient buckets: the all-reduce runs in many pieces)
+    overrides = ["parallel.dp=2", "parallel.cp_mode=contiguous_allgather",
+                 "data.micro_batch_size=1", "parallel.grad_bucket_mb=0.05"]  # fmt: skip
+    run = _launch(tmp_path, 4, overrides)
+    _assert_matches(run, reference)
+
+
+@pytest.mark.timeout(180)
+def test_glm_moe_recompute_cp2_matches_cp1(tmp_path: Path) -> None:
+    # GLM-4.5-style MoE, full activation recompute, contiguous layout (configs/glm/tiny_moe_cp2)
+    config = ROOT / "configs" / "glm" / "tiny_moe_cp2.yaml"
+    ref = _reference(config, tmp_path / "ref")
+    run = _launch(tmp_path, 2, [], config=config)
+    _assert_matches(run, ref)
+
+
+# -- flashcp train ----------------------------------------------------------------------------
+
+
+def _flashcp(args: list[str], marker: str, **kw: Any) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "MASTER_"))}
+    env.update({MARKER_ENV: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "flashcp", "train", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def _run_flashcp(args: list[str], timeout: float = 120) -> tuple[int, str]:
+    marker = uuid.uuid4().hex
+    proc = _flashcp(args, marker)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_marked(marker)
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"flashcp train timed out:\n{out}")
+    finally:
+        kill_marked(marker)
+    return proc.returncode, out
+
+
+@pytest.mark.timeout(240)
+def test_flashcp_train_resume_reproduces_losses_exactly(tmp_path: Path, cp2_run: Path) -> None:
+    out = tmp_path / "resumed"
+    args = [str(CONFIG), f"train.steps={STEPS}", "checkpoint.every=2", f"run.output_dir={out}"]
+    code, text = _run_flashcp([*args, "run.stop_after_steps=2"])
+    assert code == 0, text
+    assert "launching 2 process(es)" in text and "step 2/4" in text
+    assert "LAUNCH INFO" not in text  # the launcher's banner stays in logs/launcher.log
+    assert (out / "checkpoints" / "step_2" / "manifest.json").is_file()
+    assert (out / "logs" / "workerlog.1").is_file() and (out / "logs" / "launcher.log").is_file()
+    code, text = _run_flashcp(args)
+    assert code == 0, text
+    assert "resumed from" in text and "step 4/4" in text
+    assert _losses(out) == _losses(cp2_run)  # bitwise: 2 + 2 steps == 4 uninterrupted steps
+
+
+@pytest.mark.timeout(180)
+def test_flashcp_train_reports_a_broken_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = [str(CONFIG), "train.steps=1", "checkpoint.every=1", f"run.output_dir={out}"]
+    assert _run_flashcp(args)[0] == 0
+    model = out / "checkpoints" / "step_1" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:100])
+    code, text = _run_flashcp([*args, f"checkpoint.resume={model.parent}"])
+    assert code == 4, text
+    assert "is broken and was not loaded" in text and "truncated" in text
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    marker = uuid.uuid4().hex
+    args = [str(CONFIG), "train.steps=5000", "checkpoint.every=0", f"run.output_dir={out}"]
+    proc = _flashcp(args, marker, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and metrics.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0]
+        workers = [p for p in _marked_pids(marker) if _alive(p)]
+        assert len(workers) >= 3, workers  # flashcp, the launcher and its 2 workers
+        proc.send_signal(signal.SIGINT)
+        text, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGINT, text
+        assert "stopping the job" in text
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in _marked_pids(marker)):
+            time.sleep(0.2)
+        assert [p for p in _marked_pids(marker) if _alive(p)] == []
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+        assert 2 <= len(steps) < 5000
+    finally:
+        kill_marked(marker)
+        if proc.poll() is None:
+            proc.kill()

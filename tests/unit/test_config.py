@@ -1,0 +1,354 @@
+"""Config loading: types, unknown keys, overrides, cross-field checks — every error at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flashcp import cli
+from flashcp.config import (
+    CHUNKS_PER_RANK,
+    CP_MODES,
+    RECIPES,
+    ConfigError,
+    ConfigValidationError,
+    RecipeSpec,
+    build_config,
+    collect,
+    config_hash,
+    load_config,
+    parse_override,
+    register_recipe,
+    to_dict,
+    to_yaml,
+)
+
+BASE: dict[str, Any] = {
+    "model": {"preset": "tiny"},
+    "parallel": {"cp": 2},
+    "data": {"seq_len": 64},
+    "train": {"steps": 5},
+}
+
+
+def _raw(**sections: Any) -> dict[str, Any]:
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def _errors(raw: dict[str, Any], overrides: tuple[str, ...] = (), **kw: Any) -> list[ConfigError]:
+    _, errors = collect(raw, overrides=overrides, **kw)
+    return errors
+
+
+def _by_key(errors: list[ConfigError]) -> dict[str, str]:
+    return {e.key: e.message for e in errors}
+
+
+def test_valid_config_types_and_preset() -> None:
+    cfg = build_config(_raw(model={"hidden_size": 32}), world_size=2)
+    assert cfg.model.hidden_size == 32 and cfg.model.num_layers == 2  # preset + override
+    assert cfg.model_preset == "tiny"
+    assert cfg.parallel.world_size == 2 and cfg.parallel.seq_divisor == 4
+    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    raw = {
+        "model": {"preset": "tiny", "hiden_size": 3},
+        "parallel": {"cp": 2, "cp_mode": "dualchunk"},
+        "data": {"seq_len": 64, "micro_batch_size": "two"},
+        "train": {"steps": True, "lr": "fast", "dtype": "float16"},
+        "checkpoint": {"every": 1.5},
+        "trian": {},
+    }
+    with pytest.raises(ConfigValidationError) as info:
+        build_config(raw, source="x.yaml")
+    errors = _by_key(info.value.errors)
+    assert set(errors) == {
+        "model.hiden_size",
+        "parallel.cp_mode",
+        "data.micro_batch_size",
+        "train.steps",
+        "train.lr",
+        "train.dtype",
+        "checkpoint.every",
+        "trian",
+    }
+    text = str(info.value)
+    assert text.startswith("8 config problems in x.yaml:")
+    assert "did you mean hidden_size?" in errors["model.hiden_size"]
+    assert "did you mean train?" in errors["trian"]
+    assert "one of 'dualchunk_allgather'" in errors["parallel.cp_mode"]
+    assert "expected an integer, got 'two' (a string)" in errors["data.micro_batch_size"]
+    assert "expected an integer, got True (a boolean)" in errors["train.steps"]
+    assert "expected a number" in errors["train.lr"]
+    assert "expected an integer, got 1.5" in errors["checkpoint.every"]
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "key", "needle"),
+    [
+        ("train", {"lr": -1.0}, "train.lr", "must be > 0"),
+        ("train", {"min_lr": 1.0, "lr": 0.1}, "train.min_lr", "set train.min_lr <= lr"),
+        ("train", {"beta2": 1.0}, "train.beta2", "[0, 1)"),
+        ("train", {"grad_accum": 0}, "train.grad_accum", ">= 1"),
+        ("train", {"steps": 0}, "train.steps", ">= 1"),
+        ("train", {"grad_clip": -1.0}, "train.grad_clip", ">= 0"),
+        ("train", {"log_every": 0}, "train.log_every", ">= 1"),
+        ("data", {"seq_len": 1}, "data.seq_len", ">= 2"),
+        ("data", {"micro_batch_size": 0}, "data.micro_batch_size", ">= 1"),
+        ("data", {"path": "/no/such.jsonl"}, "data.path", "no file at"),
+        ("data", {"tokenizer": "/no/tok.json"}, "data.tokenizer", "neither 'byte'"),
+        ("checkpoint", {"keep_last": 0}, "checkpoint.keep_last", ">= 1"),
+        ("checkpoint", {"every": -1}, "checkpoint.every", "0 = never"),
+        ("checkpoint", {"resume": "/no/ckpt"}, "checkpoint.resume", "'auto', 'never'"),
+        ("run", {"recipe": "pretrian"}, "run.recipe", "did you mean pretrain?"),
+        ("run", {"output_dir": " "}, "run.output_dir", "non-empty"),
+        ("run", {"stop_after_steps": -2}, "run.stop_after_steps", ">= 0"),
+        ("parallel", {"dp": 0}, "parallel.dp", ">= 1"),
+        ("parallel", {"grad_bucket_mb": 0}, "parallel.grad_bucket_mb", "> 0"),
+        ("parallel", {"pp": 2}, "parallel.pp", "set parallel.pp: 1"),
+        ("model", {"num_heads": 6, "num_kv_heads": 4}, "model.num_heads", "multiple of"),
+        ("model", {"vocab_size": 100}, "model.vocab_size", "byte tokenizer"),
+        ("model", {"max_seq_len": 32}, "data.seq_len", "exceeds model.max_seq_len 32"),
+    ],
+)
+def test_value_checks_name_key_and_fix(
+    section: str, values: dict[str, Any], key: str, needle: str
+) -> None:
+    errors = _by_key(_errors(_raw(**{section: values})))
+    assert key in errors, errors
+    assert needle in errors[key]
+
+
+def test_bfloat16_needs_gpu_device() -> None:
+    errors = _by_key(_errors(_raw(train={"dtype": "bfloat16"}, run={"device": "cpu"})))
+    assert "bfloat16 needs a GPU" in errors["train.dtype"]
+    assert "set train.dtype: float32" in errors["train.dtype"]
+    assert _errors(_raw(train={"dtype": "bfloat16"}, run={"device": "gpu"})) == []
+
+
+def test_num_layers_vs_pipeline_stages() -> None:
+    errors = _by_key(_errors(_raw(model={"num_layers": 2}, parallel={"pp": 3})))
+    assert "cannot fill parallel.pp = 3" in errors["model.num_layers"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "cp", "good", "bad"),
+    [
+        ("dualchunk_allgather", 2, 64, 66),
+        ("contiguous_allgather", 3, 63, 64),
+        ("workload_balanced", 2, 64, 68),
+    ],
+)
+def test_seq_len_divisibility_per_mode(mode: str, cp: int, good: int, bad: int) -> None:
+    def errs(seq: int, pad: bool = False) -> dict[str, str]:
+        raw = _raw(parallel={"cp": cp, "cp_mode": mode, "pad": pad}, data={"seq_len": seq})
+        return _by_key(_errors(raw))
+
+    assert "data.seq_len" not in errs(good)
+    msg = errs(bad)["data.seq_len"]
+    divisor = cp * CHUNKS_PER_RANK[mode]
+    assert f"= {divisor}" in msg and "parallel.pad: true" in msg
+    assert "data.seq_len" not in errs(bad, pad=True)
+
+
+def test_padding_counts_against_max_seq_len() -> None:
+    raw = _raw(parallel={"pad": True}, data={"seq_len": 255})
+    assert _errors(raw) == []
+    raw = _raw(parallel={"pad": True, "cp": 2}, data={"seq_len": 255}, model={"max_seq_len": 255})
+    assert "padded to 256" in _by_key(_errors(raw))["data.seq_len"]
+
+
+def test_world_size_mismatch_suggests_fixes() -> None:
+    msg = _by_key(_errors(_raw(), world_size=4))["parallel"]
+    assert "dp(1) × pp(1) × cp(2) = 2 but the job has 4 processes" in msg
+    assert "set parallel.cp to 4" in msg and "--nproc_per_node 2" in msg
+    assert _errors(_raw(), world_size=2) == []
+
+
+def test_type_errors_suppress_dependent_checks() -> None:
+    errors = _errors(_raw(parallel={"cp_mode": "nope"}, data={"seq_len": 66}))
+    assert [e.key for e in errors] == ["parallel.cp_mode"]
+
+
+def test_sections_must_be_mappings_and_model_required() -> None:
+    errors = _by_key(_errors({"train": 3}))
+    assert "must be a mapping" in errors["train"]
+    assert "model.preset" in errors["model"]
+
+
+def test_unknown_preset_lists_choices() -> None:
+    errors = _by_key(_errors(_raw(model={"preset": "tinyy"})))
+    assert "did you mean tiny" in errors["model.preset"]
+
+
+def test_yaml_one_point_one_float_strings_are_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(BASE) + "\n")
+    with path.open("a") as f:
+        f.write("run: {output_dir: out}\n")
+    text = path.read_text().replace("steps: 5", "steps: 5\n  lr: 1e-4")
+    path.write_text(text)
+    assert yaml.safe_load(text)["train"]["lr"] == "1e-4"  # what PyYAML really reads
+    assert load_config(path).train.lr == pytest.approx(1e-4)
+
+
+# -- overrides --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "value"),
+    [
+        ("train.steps=3", "train.steps", 3),
+        ("train.lr=1e-3", "train.lr", "1e-3"),
+        ("train.lr=0.001", "train.lr", 0.001),
+        ("parallel.pad=true", "parallel.pad", True),
+        ("data.path=null", "data.path", None),
+        ("data.path=", "data.path", None),
+        ("run.output_dir=runs/a b", "run.output_dir", "runs/a b"),
+    ],
+)
+def test_parse_override_yaml_scalars(text: str, key: str, value: Any) -> None:
+    ov = parse_override(text)
+    assert (ov.key, ov.value) == (key, value)
+
+
+@pytest.mark.parametrize("text", ["train.steps", "=3", "train..steps=1", "a.b={x: 1}", "t.s=[1"])
+def test_malformed_overrides(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_override(text)
+
+
+def test_overrides_are_type_checked_and_marked() -> None:
+    raw = _raw()
+    cfg = build_config(raw, overrides=["train.steps=7", "train.lr=2e-3", "model.hidden_size=32"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.model.hidden_size) == (7, 2e-3, 32)
+    assert cfg.overrides == ("train.steps=7", "train.lr=2e-3", "model.hidden_size=32")
+    errors = _by_key(
+        _errors(raw, overrides=("train.stpes=3", "train.steps=many", "train.steps.x=1", "bad"))
+    )
+    assert "did you mean steps" in errors["train.stpes"]
+    assert "[set on the command line: train.stpes=3]" in errors["train.stpes"]
+    assert "train.steps is a str, not a section" in errors["train.steps.x"]
+    assert errors["train.steps.x"].endswith("[set on the command line: train.steps.x=1]")
+    assert "not of the form key.sub=value" in errors["bad"]
+    assert "expected an integer, got 'many'" in errors["train.steps"]
+
+
+def test_override_can_add_a_section() -> None:
+    cfg = build_config({"model": {"preset": "tiny"}}, overrides=["checkpoint.every=5"])
+    assert cfg.checkpoint.every == 5
+
+
+# -- registry, serialisation, hashing ---------------------------------------------------------
+
+
+def test_recipe_registry_adds_sections() -> None:
+    @dataclass(kw_only=True)
+    class LoraConfig:
+        rank: int = 8
+
+    register_recipe(RecipeSpec("lora_test", "test recipe", sections={"lora": LoraConfig}))
+    try:
+        cfg = build_config(_raw(run={"recipe": "lora_test"}, lora={"rank": 4}))
+        assert cfg.extras["lora"].rank == 4
+        errors = _by_key(_errors(_raw(lora={"rank": "x"})))
+        assert "expected an integer" in errors["lora.rank"]
+        errors = _by_key(_errors(_raw(lora={"rank": 2})))
+        assert "read only by recipe(s) lora_test" in errors["lora"]
+    finally:
+        del RECIPES["lora_test"]
+    assert "lora" in _by_key(_errors(_raw(lora={})))  # unknown again
+
+
+def test_sft_recipe_needs_a_data_file() -> None:
+    errors = _by_key(_errors(_raw(run={"recipe": "sft"})))
+    assert "prompt/response" in errors["data.path"]
+
+
+def test_to_yaml_round_trip_and_hash() -> None:
+    cfg = build_config(_raw())
+    again = build_config(yaml.safe_load(to_yaml(cfg)))
+    assert to_dict(again) == to_dict(cfg)
+    assert config_hash(again) == config_hash(cfg)
+    longer = build_config(_raw(), overrides=["train.steps=50", "run.output_dir=elsewhere"])
+    assert config_hash(longer) == config_hash(cfg)  # steps / run keys do not bind checkpoints
+    other = build_config(_raw(), overrides=["train.lr=0.5"])
+    assert config_hash(other) != config_hash(cfg)
+
+
+def test_modes_match_the_cp_package() -> None:
+    from flashcp.cp import MODES
+    from flashcp.cp.attention import BALANCED_CHUNKS_PER_RANK
+
+    assert CP_MODES == MODES
+    assert CHUNKS_PER_RANK["workload_balanced"] == BALANCED_CHUNKS_PER_RANK
+
+
+def test_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigValidationError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1,\n")
+    with pytest.raises(ConfigValidationError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n")
+    with pytest.raises(ConfigValidationError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+# -- flashcp validate -------------------------------------------------------------------------
+
+
+def test_cli_validate_reports_every_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(_raw()))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_raw(train={"lr": "x", "stepz": 1})))
+    assert cli.main(["validate", str(good)]) == 0
+    assert "ok    " in capsys.readouterr().out
+    assert cli.main(["validate", str(good), str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "train.lr: expected a number" in out and "did you mean steps" in out
+    assert "1 of 2 config(s) valid" in out
+    assert cli.main(["validate", "--world-size", "3", str(good)]) == 1
+    assert "the job has 3 processes" in capsys.readouterr().out
+
+
+def test_cli_train_rejects_bad_config_before_launching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_raw(run={"output_dir": str(tmp_path / "out")})))
+    assert cli.main(["train", str(bad), "train.stepz=3"]) == 2
+    assert "did you mean steps" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_required_and_rejected_fields_in_recipe_sections() -> None:
+    @dataclass(kw_only=True)
+    class NeedsBeta:
+        beta: float
+
+        def __post_init__(self) -> None:
+            if self.beta > 1:
+                raise ValueError("beta must be <= 1")
+
+    register_recipe(RecipeSpec("dpo_test", "test recipe", sections={"dpo": NeedsBeta}))
+    try:
+        raw = _raw(run={"recipe": "dpo_test"})
+        assert "required key is missing" in _by_key(_errors({**raw, "dpo": {}}))["dpo.beta"]
+        assert "beta must be <= 1" in _by_key(_errors({**raw, "dpo": {"beta": 2}}))["dpo"]
+        assert "expected a number" in _by_key(_errors({**raw, "dpo": {"beta": None}}))["dpo.beta"]
+    finally:
+        del RECIPES["dpo_test"]

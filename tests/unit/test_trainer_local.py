@@ -1,0 +1,307 @@
+"""The trainer in one process: schedule, learning, bitwise resume, accumulation, NaN handling."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import pytest
+from safetensors.numpy import load_file
+
+from flashcp import cli, dispatch
+from flashcp.config import TrainConfig, build_config, to_dict
+from flashcp.models import build_model
+from flashcp.trainer import (
+    CheckpointError,
+    NonFiniteError,
+    Trainer,
+    build_scheduler,
+    lr_at,
+    read_metrics,
+)
+from flashcp.trainer.loop import GRADS_DIR
+
+
+@pytest.fixture(autouse=True)
+def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer sets deterministic flags in os.environ; undo that after each test."""
+    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
+        monkeypatch.setenv(name, "0")
+
+
+def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
+    raw: dict[str, Any] = {
+        "model": {"preset": "tiny", "max_seq_len": 64},
+        "data": {"seq_len": 64, "micro_batch_size": 2},
+        "train": {"steps": 6, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "seed": 0},
+        "run": {"output_dir": str(tmp / "run")},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_config(raw)
+
+
+def _fit(cfg: Any, **kw: Any) -> tuple[Trainer, Any, str]:
+    out = io.StringIO()
+    trainer = Trainer(cfg, stream=out, **kw)
+    result = trainer.fit()
+    return trainer, result, out.getvalue()
+
+
+def _losses(run_dir: str | Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+# -- schedule ---------------------------------------------------------------------------------
+
+
+def test_lr_schedule_values() -> None:
+    t = TrainConfig(steps=12, lr=1.0, min_lr=0.1, warmup_steps=4)
+    got = [lr_at(i, t) for i in range(14)]
+    assert got[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert got[4] == pytest.approx(1.0)  # cosine starts at the peak
+    assert got[11] == pytest.approx(0.1)  # and ends at min_lr on the last step
+    mid = 4 + (11 - 4) / 2
+    assert lr_at(int(mid), t) > 0.55 > lr_at(int(mid) + 1, t)
+    assert got[12:] == pytest.approx([0.1, 0.1])
+    assert all(a >= b for a, b in zip(got[4:], got[5:], strict=False))
+    assert lr_at(0, TrainConfig(steps=3, lr=2.0, warmup_steps=0)) == pytest.approx(2.0)
+
+
+def test_paddle_scheduler_follows_lr_at() -> None:
+    t = TrainConfig(steps=9, lr=0.5, min_lr=0.05, warmup_steps=3)
+    sched = build_scheduler(t)
+    for i in range(11):
+        assert sched.get_lr() == pytest.approx(lr_at(i, t))
+        sched.step()
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+def test_twenty_steps_learn(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, train={"steps": 20, "warmup_steps": 3})
+    _, result, out = _fit(cfg)
+    losses = [m.loss for m in result.metrics]
+    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(260), abs=0.3)  # ~uniform at init
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.8
+    assert "step 20/20 | loss" in out and "tok/s" in out and "mem" in out
+    records = read_metrics(cfg.run.output_dir)
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert set(records[0]) >= {"loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_gib"}
+    assert records[0]["tokens"] == 2 * 64 and records[0]["targets"] <= 2 * 63
+    assert cli.main(["plot", cfg.run.output_dir]) == 0
+    assert (Path(cfg.run.output_dir) / "metrics.png").stat().st_size > 1000
+    saved = (Path(cfg.run.output_dir) / "config.yaml").read_text()
+    assert "hidden_size: 64" in saved
+
+
+def test_resume_reproduces_losses_bitwise(tmp_path: Path) -> None:
+    full = _cfg(tmp_path / "a")
+    _fit(full)
+    ck = {"every": 2}
+    first = _cfg(tmp_path / "b", checkpoint=ck, run={"stop_after_steps": 3})
+    _, r1, _ = _fit(first)
+    assert r1.final_step == 3 and (Path(first.run.output_dir) / "checkpoints/step_3").is_dir()
+    second = _cfg(tmp_path / "b", checkpoint=ck)
+    t2, r2, out = _fit(second)
+    assert r2.start_step == 3 and r2.resumed_from is not None and "resumed from" in out
+    assert _losses(second.run.output_dir) == _losses(full.run.output_dir)  # exact
+    assert [m.step for m in r2.metrics] == [4, 5, 6]
+
+
+def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
+    debug = {"dump_grads": True}
+    big = _cfg(tmp_path / "big", train={"steps": 2}, debug=debug)
+    acc = _cfg(
+        tmp_path / "acc", data={"micro_batch_size": 1}, train={"steps": 2, "grad_accum": 2},
+        debug=debug,
+    )  # fmt: skip
+    _fit(big)
+    _fit(acc)
+    np.testing.assert_allclose(_losses(acc.run.output_dir), _losses(big.run.output_dir), rtol=1e-6)
+    for step in (1, 2):
+        a = load_file(str(Path(big.run.output_dir) / GRADS_DIR / f"step_{step}.safetensors"))
+        b = load_file(str(Path(acc.run.output_dir) / GRADS_DIR / f"step_{step}.safetensors"))
+        assert set(a) == set(b) and len(a) > 5
+        for name in a:
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+class _NaNAt(paddle.nn.Layer):
+    """The tiny model, but its logits become NaN on forward call number `at`."""
+
+    def __init__(self, cfg: Any, at: int) -> None:
+        super().__init__()
+        self.inner = build_model(cfg.model)
+        self.at, self.calls = at, 0
+
+    def forward(self, ids: Any, pos: Any, ctx: Any) -> Any:
+        self.calls += 1
+        out = self.inner(ids, pos, ctx)
+        return out * float("nan") if self.calls == self.at else out
+
+
+def test_nonfinite_loss_stops_with_step_and_rank(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    with pytest.raises(NonFiniteError, match=r"non-finite loss on rank\(s\) 0 and gradients"
+                                             r" on rank\(s\) 0 at step 2"):  # fmt: skip
+        _fit(cfg, model_factory=lambda c: _NaNAt(c, at=2))
+    assert len(read_metrics(cfg.run.output_dir)) == 1  # step 1 was recorded before the stop
+
+
+def test_nonfinite_step_can_be_skipped(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"})
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c: _NaNAt(c, at=2))
+    trainer.train_step()
+    before = {n: p.numpy().copy() for n, p in trainer.params}
+    skipped = trainer.train_step()
+    assert skipped.skipped and math.isnan(skipped.loss)
+    for n, p in trainer.params:
+        np.testing.assert_array_equal(p.numpy(), before[n], err_msg=n)
+    assert not trainer.train_step().skipped
+    assert "update skipped" in trainer.stream.getvalue()
+
+
+def test_resume_policies(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1})
+    _fit(cfg)
+    never = _cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1, "resume": "never"})
+    with pytest.raises(RuntimeError, match="already holds checkpoints.*checkpoint.resume=auto"):
+        Trainer(never, stream=io.StringIO()).fit()
+    step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
+    (step1 / "model.safetensors").write_bytes(b"broken")
+    explicit = _cfg(tmp_path, checkpoint={"resume": str(step1)})
+    with pytest.raises(CheckpointError, match="broken and was not loaded"):
+        Trainer(explicit, stream=io.StringIO()).fit()
+    changed = _cfg(tmp_path, train={"steps": 3, "lr": 1e-3})
+    _, result, out = _fit(changed)
+    assert result.start_step == 2 and "changed config (train.lr)" in out
+    assert "train.steps changed from 2 to 3" in out
+
+
+def test_deterministic_mode_reaches_the_dispatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert dispatch.probe_deterministic()[0] is False
+    Trainer(_cfg(tmp_path), stream=io.StringIO())
+    assert os.environ[dispatch.FLAG_DETERMINISTIC] == "1"
+    assert dispatch.probe_deterministic()[0] is True
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"parallel": {"cp_mode": "workload_balanced"}},
+        {"parallel": {"pad": True}, "data": {"seq_len": 63}},
+        {"data": {"packing": False}},
+    ],
+    ids=["workload_balanced", "pad", "no_packing"],
+)
+def test_layout_options_run(tmp_path: Path, sections: dict[str, Any]) -> None:
+    cfg = _cfg(tmp_path, train={"steps": 2}, **sections)
+    _, result, _ = _fit(cfg)
+    assert [m.step for m in result.metrics] == [1, 2]
+    assert all(math.isfinite(m.loss) for m in result.metrics)
+
+
+def test_sft_recipe_trains_on_responses(tmp_path: Path) -> None:
+    path = tmp_path / "sft.jsonl"
+    rows = [{"prompt": f"Question {i}? ", "response": f"Answer {i}."} for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(tmp_path, data={"path": str(path)}, run={"recipe": "sft"}, train={"steps": 2})
+    _, result, _ = _fit(cfg)
+    m = result.metrics[0]
+    assert 0 < m.targets < m.tokens // 2  # prompts carry no loss
+
+
+def test_multi_rank_config_needs_a_launcher(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="need a launched job"):
+        Trainer(_cfg(tmp_path, parallel={"cp": 2}))
+
+
+# -- entry point, metrics, helpers ------------------------------------------------------------
+
+
+def _yaml(tmp: Path, **sections: dict[str, Any]) -> str:
+    import yaml
+
+    cfg = _cfg(tmp, **sections)
+    path = tmp / "cfg.yaml"
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(to_dict(cfg)))))
+    return str(path)
+
+
+def test_train_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flashcp import train
+
+    path = _yaml(tmp_path, train={"steps": 2})
+    assert train.main(["--config", path, "train.stepz=1"]) == train.EXIT_CONFIG
+    assert "did you mean steps" in capsys.readouterr().err
+    assert train.main(["--config", path, "checkpoint.every=1"]) == 0
+    assert "step 2/2" in capsys.readouterr().out
+    # a learning rate this large overflows the weights after one update: loss becomes inf/nan
+    run2 = f"run.output_dir={tmp_path / 'nan'}"
+    assert train.main(["--config", path, run2, "train.lr=1e30", "train.steps=4"]) == 3
+    assert "non-finite" in capsys.readouterr().err
+    step1 = tmp_path / "run" / "checkpoints" / "step_1"
+    (step1 / "manifest.json").unlink()
+    broken = ["--config", path, f"checkpoint.resume={step1}", f"run.output_dir={tmp_path / 'b'}"]
+    assert train.main(broken) == train.EXIT_CHECKPOINT
+    assert "manifest.json is missing" in capsys.readouterr().err
+
+
+def test_metrics_writer_progress_and_truncation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flashcp.trainer.metrics import METRICS_FILE, MetricsWriter, StepMetrics
+
+    def m(step: int, loss: float = 1.0, skipped: bool = False) -> StepMetrics:
+        return StepMetrics(step, loss, 1e-3, 0.5, 64, 60, 100.0, 0.1, 0.2, skipped)
+
+    (tmp_path / METRICS_FILE).write_text('{"step": 1}\nnot json\n{"step": 5}\n')
+    monkeypatch.setenv("FLASHCP_PROGRESS", "1")
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, enabled=True, total_steps=4, log_every=2, start_step=1, stream=out)
+    assert w._bar is not None
+    for step in (2, 3):
+        w.log(m(step, loss=float("nan") if step == 3 else 1.0, skipped=step == 3))
+    w.close()
+    records = read_metrics(tmp_path / METRICS_FILE)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[2]["loss"] == "nan"
+    assert "step 2/4" in out.getvalue() and "SKIPPED" in out.getvalue()
+    quiet = MetricsWriter(tmp_path / "q", enabled=False, total_steps=1)
+    quiet.log(m(1))
+    quiet.echo("x")
+    assert not (tmp_path / "q").exists()
+    with pytest.raises(FileNotFoundError):
+        read_metrics(tmp_path / "q")
+
+
+def test_plot_needs_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert "no steps yet" in capsys.readouterr().err
+    assert cli.main(["plot", str(tmp_path / "missing")]) == 2
+
+
+def test_grad_helpers() -> None:
+    from flashcp.trainer.parallel import buckets, squared_norm, sync_grads
+
+    a = paddle.create_parameter([2, 3], "float32")
+    b = paddle.create_parameter([4], "float32")
+    c = paddle.create_parameter([5], "float32")
+    (a.sum() * 2).backward()
+    assert squared_norm([a, b]) == pytest.approx(24.0)  # b has no gradient
+    assert squared_norm([b]) == 0.0
+    assert [len(x) for x in buckets([a, b, c], bucket_bytes=40)] == [2, 1]
+    assert [len(x) for x in buckets([a, b, c], bucket_bytes=8)] == [1, 1, 1]
+    sync_grads([a, b], [None])  # no multi-rank group: nothing to do, nothing created
+    assert b.grad is None
