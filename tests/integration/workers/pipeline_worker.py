@@ -1,0 +1,276 @@
+"""Worker: a pipeline-parallel training step equals the same step on one process.
+
+Run under `paddle.distributed.launch` with `pp × cp` processes (`--pp`, `--cp`). For each case
+(model preset, layer split, schedule, tied embeddings, recompute) every rank builds the model
+from seed 0 and:
+
+* computes the single-process reference (PP = 1, CP = 1): each micro-batch's summed
+  cross-entropy divided by the GLOBAL target count, back-propagated one micro-batch after the
+  other; the gradients accumulate;
+* with CP, also the CP-only reference (PP = 1, CP = cp on this rank's cp group, same shards);
+* the pipeline step: its stage of the model, `train_step_1f1b` on its pp group.
+
+Checks: every stage parameter's gradient is BITWISE equal to the reference gradient of the
+same name (the PP = 1 one without CP; the CP-only one with CP, i.e. before any cp reduction),
+and the micro-batch losses and step loss are bitwise equal; with CP the gradients summed over
+the cp group and the loss summed over cp match the PP = 1, CP = 1 reference within `TOL_CP`
+(CP changes the summation order inside attention and across the sequence). A tied
+embedding/head matrix is compared within `TOL_TIED`: one process adds its embedding and head
+gradients per micro-batch, the pipeline adds the two stages' totals once. Results go to
+`<out>/rank<r>.json`; any mismatch raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import paddle
+
+from flashcp import masks
+from flashcp.cp import make_assignment
+from flashcp.cp.layout import shard_assigned
+from flashcp.distributed import (
+    ParallelDims,
+    all_reduce_tensor,
+    build_groups,
+    comm_stats,
+    init_distributed,
+    reset_comm_stats,
+    shutdown,
+)
+from flashcp.models import AttentionContext, build_model, preset
+from flashcp.parallel import (
+    MicroBatch,
+    PipelineStage,
+    count_targets,
+    sum_cross_entropy,
+    train_step_1f1b,
+)
+
+B, S, VOCAB = 2, 32, 260
+MODE = "dualchunk_allgather"
+TOL_CP = 1e-6
+TOL_TIED = 1e-6
+
+
+@dataclass
+class Case:
+    name: str
+    model: str
+    num_micro: int
+    overrides: dict = field(default_factory=dict)
+    pp_layers: list[int] | None = None
+    kind: str = "1f1b"
+
+
+def cases_for(pp: int, cp: int) -> list[Case]:
+    if cp > 1:
+        return [
+            Case("gpt", "tiny", pp + 1),
+            Case("glm", "tiny_glm", pp),
+            Case("glm_gpipe", "tiny_glm", pp + 1, kind="gpipe"),
+        ]
+    if pp == 2:
+        return [
+            Case("gpt", "tiny", 5),
+            Case("glm", "tiny_glm", 4),
+            Case("gpt_tied", "tiny", 4, {"tie_embeddings": True}),
+            Case(
+                "glm_3layers_recompute",
+                "tiny_glm",
+                3,
+                {"num_layers": 3, "recompute": "full"},
+                pp_layers=[1, 2],
+            ),
+            Case("gpt_gpipe", "tiny", 3, kind="gpipe"),
+        ]
+    layers = pp + 1  # uneven default split: the first stage gets the extra layer
+    return [
+        Case("gpt", "tiny", pp, {"num_layers": layers}),
+        Case("glm", "tiny_glm", 2 * pp + 1, {"num_layers": layers}),
+        Case("gpt_tied", "tiny", pp + 1, {"num_layers": layers, "tie_embeddings": True}),
+    ]
+
+
+def make_micro_batches(num_micro: int) -> list[dict]:
+    """Global (unsharded) micro-batches: ids, labels shifted per document, document mask."""
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(num_micro):
+        ids = rng.integers(0, VOCAB, (B, S))
+        labels = np.roll(ids, -1, axis=1)
+        doc_lens = []
+        for b in range(B):
+            cuts = np.sort(rng.choice(np.arange(4, S - 3), size=2, replace=False))
+            lens = np.diff(np.concatenate([[0], cuts, [S]])).tolist()
+            labels[b, np.cumsum(lens) - 1] = -100
+            doc_lens.append(lens)
+        mask = masks.causal_document_mask(doc_lens).indices
+        positions = np.broadcast_to(np.arange(S), (B, S)).copy()
+        out.append({"ids": ids, "labels": labels, "mask": mask, "positions": positions})
+    return out
+
+
+def local_micro_batches(global_mbs: list[dict], group) -> list[MicroBatch]:
+    """This rank's shards (all of it when `group` is None or has one rank)."""
+    out = []
+    for g in global_mbs:
+        if group is None or group.nranks == 1:
+            ctx = AttentionContext(mask=g["mask"], causal=True)
+            ids, labels, pos = g["ids"], g["labels"], g["positions"]
+        else:
+            asg = make_assignment(MODE, group.nranks, g["mask"], causal=True)
+            ctx = AttentionContext(
+                mask=g["mask"], causal=True, group=group, assignment=asg, mode=MODE
+            )
+            ids = shard_assigned(g["ids"], group.rank, asg)
+            labels = shard_assigned(g["labels"], group.rank, asg)
+            pos = np.ascontiguousarray(g["positions"][:, asg.positions(S, group.rank)])
+        out.append(
+            MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), paddle.to_tensor(labels), ctx)
+        )
+    return out
+
+
+def grads_of(layer) -> dict[str, np.ndarray]:
+    return {n: p.grad.numpy().copy() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+def sequential(case: Case, mbs: list[MicroBatch], count: int):
+    """PP = 1: the whole model, micro-batches forwarded and back-propagated one by one."""
+    paddle.seed(0)
+    model = build_model(preset(case.model, **case.overrides))
+    losses, total = [], paddle.zeros([], dtype="float32")
+    for mb in mbs:
+        loss = sum_cross_entropy(model(mb.input_ids, mb.positions, mb.attn), mb.labels) / float(
+            count
+        )
+        loss.backward()
+        losses.append(float(loss))
+        total = total + loss.detach()
+    return grads_of(model), losses, total
+
+
+def max_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+
+
+def run_case(case: Case, groups, pp: int, cp: int) -> dict:
+    global_mbs = make_micro_batches(case.num_micro)
+    count = sum(count_targets(g["labels"]) for g in global_mbs)
+    ref_grads, ref_losses, ref_total = sequential(
+        case, local_micro_batches(global_mbs, None), count
+    )
+    local = local_micro_batches(global_mbs, groups.cp)
+    if cp > 1:
+        same_grads, same_losses, same_total = sequential(case, local, count)
+    else:
+        same_grads, same_losses, same_total = ref_grads, ref_losses, ref_total
+
+    paddle.seed(0)
+    model = build_model(preset(case.model, **case.overrides))
+    stage = PipelineStage.from_model(model, groups.pp.rank, pp, case.pp_layers)
+    del model
+    reset_comm_stats()
+    result = train_step_1f1b(
+        stage, local, sum_cross_entropy, groups, num_targets=count, kind=case.kind
+    )
+    sent = comm_stats("send").sent
+    got = grads_of(stage)
+    tied = stage.tied_weight
+    tied_names = {n for n, p in stage.named_parameters() if tied is not None and p is tied}
+
+    bitwise = {n: bool(np.array_equal(g, same_grads[n])) for n, g in got.items() if n in same_grads}
+    tied_err = {n: max_err(got[n], same_grads[n]) for n in tied_names}
+    # The loss is broadcast from the last stage: every stage must see the same value.
+    loss_bitwise = float(result.loss) == float(same_total)
+    micro_bitwise = (not stage.is_last) or result.micro_losses == same_losses
+
+    reduced_err = None
+    loss_err = None
+    if cp > 1:
+        reduced = {
+            n: all_reduce_tensor(paddle.to_tensor(g), groups.cp).numpy() for n, g in got.items()
+        }
+        reduced_err = max(max_err(reduced[n], ref_grads[n]) for n in reduced)
+        loss_sum = float(all_reduce_tensor(result.loss, groups.cp))
+        loss_err = abs(loss_sum - float(ref_total))
+
+    non_tied_ok = all(v for n, v in bitwise.items() if n not in tied_names)
+    ok = (
+        set(got) <= set(ref_grads)
+        and non_tied_ok
+        and all(e <= TOL_TIED for e in tied_err.values())
+        and loss_bitwise
+        and micro_bitwise
+        and (reduced_err is None or reduced_err <= TOL_CP)
+        and (loss_err is None or loss_err <= TOL_CP)
+    )
+    return {
+        "case": case.name,
+        "kind": case.kind,
+        "stage": stage.stage,
+        "layers": [stage.layer_range.start, stage.layer_range.stop],
+        "params": sorted(got),
+        "ref_params": sorted(ref_grads),
+        "tied": sorted(tied_names),
+        "not_bitwise": sorted(n for n, v in bitwise.items() if not v),
+        "tied_err": tied_err,
+        "tied_grad_sha": {n: hashlib.sha256(got[n].tobytes()).hexdigest() for n in tied_names},
+        "p2p_bytes_sent": sent,
+        "num_micro": case.num_micro,
+        "tied_embeddings": bool(case.overrides.get("tie_embeddings", False)),
+        "loss": float(result.loss),
+        "loss_bitwise": loss_bitwise,
+        "micro_bitwise": micro_bitwise,
+        "cp_reduced_grad_err": reduced_err,
+        "cp_loss_err": loss_err,
+        "ok": bool(ok),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument(
+        "--hang-stage", type=int, default=None, help="this stage skips the step and sleeps"
+    )
+    args = parser.parse_args()
+    env = init_distributed()
+    dims = ParallelDims(dp=1, pp=args.pp, cp=args.cp, world_size=env.world_size)
+    groups = build_groups(dims)
+    if args.hang_stage is not None:
+        if groups.pp.rank == args.hang_stage:
+            time.sleep(120)  # the other stages' watchdog must end the job first
+        run_case(Case("gpt", "tiny", args.pp), groups, args.pp, args.cp)
+        raise SystemExit("unreachable: the pipeline step should have timed out")
+    results = []
+    for case in cases_for(args.pp, args.cp):
+        res = run_case(case, groups, args.pp, args.cp)
+        results.append(res)
+        brief = {k: res[k] for k in ("layers", "not_bitwise", "tied_err", "cp_reduced_grad_err")}
+        print(f"CASE {case.name} stage {res['stage']} ok={res['ok']} {brief}", flush=True)
+    report = {
+        "rank": env.rank,
+        "pp_rank": groups.pp.rank,
+        "cp_rank": groups.cp.rank,
+        "pp_group": list(groups.pp.ranks),
+        "cases": results,
+    }
+    Path(args.out, f"rank{env.rank}.json").write_text(json.dumps(report, indent=1))
+    bad = [r for r in results if not r["ok"]]
+    if bad:
+        raise SystemExit(f"rank {env.rank}: {len(bad)} failing cases: {bad}")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
