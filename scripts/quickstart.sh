@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Quick start: create .venv if missing, install flashcp, run the main job on CPU
-# (a 2-process context-parallel FlashMask attention run over gloo, checked against one process).
+# Quick start: create .venv if missing, install flashcp, run the main job on CPU: a 2-process
+# context-parallel training run of a tiny GPT over gloo (dual-chunk CP FlashMask attention).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,8 +17,9 @@ echo "== installing flashcp (CPU paddlepaddle from PyPI)"
   | { grep -v -E "^WARNING: Location|^\s*$" || true; }
 echo "== which FlashAttention version this machine would run"
 .venv/bin/flashcp explain-dispatch --head-dim 64
-echo "== 2-process CP run (python -m paddle.distributed.launch --nproc_per_node 2 src/flashcp/smoke.py)"
-LOG_DIR=$(mktemp -d)
-OMP_NUM_THREADS=1 .venv/bin/python -m paddle.distributed.launch --nproc_per_node 2 --log_level WARNING \
-  --log_dir "$LOG_DIR" src/flashcp/smoke.py
-echo "== done: worker logs in $LOG_DIR"
+RUN_DIR=${RUN_DIR:-runs/quickstart}
+echo "== 2-process context-parallel training of a tiny GPT on CPU (configs/gpt/tiny_cp2.yaml)"
+echo "   = python -m paddle.distributed.launch --nproc_per_node 2 src/flashcp/train.py --config ..."
+.venv/bin/flashcp train configs/gpt/tiny_cp2.yaml run.output_dir="$RUN_DIR" checkpoint.resume=never
+.venv/bin/flashcp plot "$RUN_DIR"
+echo "== done: metrics in $RUN_DIR/metrics.jsonl, curves in $RUN_DIR (PNG), logs in $RUN_DIR/logs"
