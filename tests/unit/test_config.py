@@ -114,7 +114,9 @@ def test_every_problem_is_reported_at_once() -> None:
         ("run", {"stop_after_steps": -2}, "run.stop_after_steps", ">= 0"),
         ("parallel", {"dp": 0}, "parallel.dp", ">= 1"),
         ("parallel", {"grad_bucket_mb": 0}, "parallel.grad_bucket_mb", "> 0"),
-        ("parallel", {"pp": 2}, "parallel.pp", "set parallel.pp: 1"),
+        ("parallel", {"pp": 2}, "train.grad_accum", "set train.grad_accum >= 2"),
+        ("parallel", {"pp": 2, "pp_layers": [2, 1]}, "parallel.pp_layers", "sums to 3"),
+        ("parallel", {"pp_layers": [1, 1]}, "parallel.pp_layers", "has 2 entries"),
         ("model", {"num_heads": 6, "num_kv_heads": 4}, "model.num_heads", "multiple of"),
         ("model", {"vocab_size": 100}, "model.vocab_size", "byte tokenizer"),
         ("model", {"max_seq_len": 32}, "data.seq_len", "exceeds model.max_seq_len 32"),
@@ -256,22 +258,60 @@ def test_recipe_registry_adds_sections() -> None:
     class LoraConfig:
         rank: int = 8
 
-    register_recipe(RecipeSpec("lora_test", "test recipe", sections={"lora": LoraConfig}))
+    register_recipe(RecipeSpec("lora_test", "test recipe", sections={"adapter": LoraConfig}))
     try:
-        cfg = build_config(_raw(run={"recipe": "lora_test"}, lora={"rank": 4}))
-        assert cfg.extras["lora"].rank == 4
-        errors = _by_key(_errors(_raw(lora={"rank": "x"})))
-        assert "expected an integer" in errors["lora.rank"]
-        errors = _by_key(_errors(_raw(lora={"rank": 2})))
-        assert "read only by recipe(s) lora_test" in errors["lora"]
+        cfg = build_config(_raw(run={"recipe": "lora_test"}, adapter={"rank": 4}))
+        assert cfg.extras["adapter"].rank == 4
+        errors = _by_key(_errors(_raw(adapter={"rank": "x"})))
+        assert "expected an integer" in errors["adapter.rank"]
+        errors = _by_key(_errors(_raw(adapter={"rank": 2})))
+        assert "read only by recipe(s) lora_test" in errors["adapter"]
     finally:
         del RECIPES["lora_test"]
-    assert "lora" in _by_key(_errors(_raw(lora={})))  # unknown again
+    assert "adapter" in _by_key(_errors(_raw(adapter={})))  # unknown again
+    # the shipped `lora` section belongs to sft and dpo
+    assert "read only by recipe(s) sft, dpo" in _by_key(_errors(_raw(lora={})))["lora"]
 
 
-def test_sft_recipe_needs_a_data_file() -> None:
-    errors = _by_key(_errors(_raw(run={"recipe": "sft"})))
-    assert "prompt/response" in errors["data.path"]
+def test_sft_recipe_defaults_to_the_builtin_instruction_set() -> None:
+    from flashcp.data import TrainData
+
+    cfg = build_config(_raw(run={"recipe": "sft"}))
+    data = TrainData(cfg)
+    assert data.num_documents == 52  # the built-in preference set's prompts + chosen answers
+    batch = data.next_step()[0]
+    assert 0 < batch.num_targets < batch.input_ids.size
+
+
+def test_lora_and_dpo_sections_are_checked() -> None:
+    errors = _by_key(
+        _errors(
+            _raw(
+                run={"recipe": "dpo"},
+                lora={"rank": 0, "alpha": -1.0, "dropout": 1.0, "target_modules": ["(bad"]},
+                dpo={"beta": 0.0, "label_smoothing": 0.6, "max_prompt_len": 1},
+            )
+        )
+    )
+    assert ">= 1" in errors["lora.rank"] and "> 0" in errors["lora.alpha"]
+    assert "[0, 1)" in errors["lora.dropout"]
+    assert "not a regular expression" in errors["lora.target_modules"]
+    assert "> 0" in errors["dpo.beta"] and "[0, 0.5)" in errors["dpo.label_smoothing"]
+    assert ">= 2" in errors["dpo.max_prompt_len"]
+    ipo = {"loss_type": "ipo", "label_smoothing": 0.1}
+    errors = _by_key(_errors(_raw(run={"recipe": "dpo"}, dpo=ipo)))
+    assert "sigmoid loss only" in errors["dpo.label_smoothing"]
+    assert (
+        "expected a list of strings"
+        in _by_key(_errors(_raw(run={"recipe": "sft"}, lora={"target_modules": "q_proj"})))[
+            "lora.target_modules"
+        ]
+    )
+    cfg = build_config(_raw(run={"recipe": "dpo"}, lora={"rank": 4}, dpo={"beta": 0.2}))
+    assert cfg.extras["lora"].target_modules == [".*q_proj", ".*v_proj"]
+    assert cfg.extras["dpo"].beta == 0.2 and cfg.extras["dpo"].loss_type == "sigmoid"
+    overrides = ["parallel.pp=2", "train.grad_accum=2", "parallel.pp_layers=[1,1]"]
+    assert build_config(_raw(), overrides=overrides).parallel.pp_layers == [1, 1]
 
 
 def test_to_yaml_round_trip_and_hash() -> None:
@@ -344,11 +384,12 @@ def test_required_and_rejected_fields_in_recipe_sections() -> None:
             if self.beta > 1:
                 raise ValueError("beta must be <= 1")
 
-    register_recipe(RecipeSpec("dpo_test", "test recipe", sections={"dpo": NeedsBeta}))
+    register_recipe(RecipeSpec("dpo_test", "test recipe", sections={"pref": NeedsBeta}))
     try:
         raw = _raw(run={"recipe": "dpo_test"})
-        assert "required key is missing" in _by_key(_errors({**raw, "dpo": {}}))["dpo.beta"]
-        assert "beta must be <= 1" in _by_key(_errors({**raw, "dpo": {"beta": 2}}))["dpo"]
-        assert "expected a number" in _by_key(_errors({**raw, "dpo": {"beta": None}}))["dpo.beta"]
+        assert "required key is missing" in _by_key(_errors({**raw, "pref": {}}))["pref.beta"]
+        assert "beta must be <= 1" in _by_key(_errors({**raw, "pref": {"beta": 2}}))["pref"]
+        errors = _by_key(_errors({**raw, "pref": {"beta": None}}))
+        assert "expected a number" in errors["pref.beta"]
     finally:
         del RECIPES["dpo_test"]

@@ -13,6 +13,8 @@ from flashcp.config import collect, load_config, read_yaml
 from flashcp.cp import make_assignment
 from flashcp.data import TrainData
 from flashcp.models import AttentionContext, build_model
+from flashcp.recipes.adapters import apply_lora_config
+from flashcp.recipes.dpo_stream import DPOData
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -23,6 +25,12 @@ EXPECTED = {
     "glm/tiny_moe_cp2.yaml",
     "glm/glm4_9b_cp8.yaml",
     "glm/glm45_air_cp8.yaml",
+    "gpt/tiny_sft_packed_cp2.yaml",
+    "glm/tiny_dpo_lora_cp2.yaml",
+    "glm/tiny_dpo_lora_pp2.yaml",
+    "glm/tiny_moe_dpo_lora_pp2_cp2.yaml",
+    "glm/glm45_air_dpo_lora_pp_cp.yaml",
+    "glm/glm4_9b_dpo_lora_pp2_cp4.yaml",
 }
 
 
@@ -71,7 +79,10 @@ def test_config_builds_or_is_marked_gpu(path: Path) -> None:
     assert cfg.train.dtype == "float32"
     paddle.seed(0)
     model = build_model(cfg.model)
-    batch = TrainData(cfg).next_step()[0]
+    if cfg.extras.get("lora") is not None:
+        apply_lora_config(model, cfg.extras["lora"])  # every target pattern matches a layer
+    data = DPOData(cfg) if cfg.run.recipe == "dpo" else TrainData(cfg)
+    batch = data.next_step()[0]
     asg = make_assignment(cfg.parallel.cp_mode, cfg.parallel.cp, batch.mask.indices, causal=True)
     assert asg.world == cfg.parallel.cp
     asg.chunk_len(batch.seq_len)  # the layout splits this config's sequences

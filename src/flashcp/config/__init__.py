@@ -21,6 +21,7 @@ from flashcp.config.load import (
     to_yaml,
 )
 from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
+from flashcp.config.recipes import DPOConfig, LoRAConfig  # registers the dpo recipe
 from flashcp.config.schema import (
     CHUNKS_PER_RANK,
     CP_MODES,
@@ -45,6 +46,7 @@ __all__ = [
     "CHUNKS_PER_RANK",
     "CP_MODES",
     "IGNORE_INDEX",
+    "LoRAConfig",
     "RECIPES",
     "SECTIONS",
     "AttentionConfig",
@@ -52,6 +54,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigValidationError",
+    "DPOConfig",
     "DataConfig",
     "DebugConfig",
     "Override",

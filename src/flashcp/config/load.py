@@ -42,6 +42,9 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return f"a list of {_describe(item).removeprefix('a ').removeprefix('an ')}s"
     names = {
         bool: "true or false",
         int: "an integer",
@@ -55,8 +58,8 @@ def _describe(tp: Any) -> str:
 def _convert(value: Any, tp: Any) -> tuple[bool, Any]:
     """(ok, converted value) for `value` against the annotation `tp`.
 
-    Handles what config fields use: Literal, unions (incl. `X | None`), bool, int, float, str;
-    any other annotation is accepted as is.
+    Handles what config fields use: Literal, unions (incl. `X | None`), `list[X]`, bool, int,
+    float, str; any other annotation is accepted as is.
     """
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -69,6 +72,12 @@ def _convert(value: Any, tp: Any) -> tuple[bool, Any]:
         return False, value
     if tp is type(None):
         return value is None, value
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, list):
+            return False, value
+        items = [_convert(v, item) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:
@@ -125,9 +134,7 @@ def build_section(
     skip = set(ignore)
     for key in raw:
         if key not in fields and key not in skip:
-            errors.append(
-                ConfigError(f"{prefix}.{key}", "unknown key" + suggest(str(key), fields))
-            )
+            errors.append(ConfigError(f"{prefix}.{key}", "unknown key" + suggest(str(key), fields)))
     values: dict[str, Any] = dict(base or {})
     complete = True
     for name, f in fields.items():
@@ -187,9 +194,8 @@ def build_model_args(raw: Any, errors: list[ConfigError]) -> tuple[Any, str | No
             errors.append(
                 ConfigError(
                     "model.preset",
-                    f"unknown preset {preset!r}" + suggest(str(preset), presets).replace(
-                        "valid keys", "presets"
-                    ),
+                    f"unknown preset {preset!r}"
+                    + suggest(str(preset), presets).replace("valid keys", "presets"),
                 )
             )
             preset = None

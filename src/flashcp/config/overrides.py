@@ -2,9 +2,10 @@
 
 `train.steps=3` sets an int, `data.path=null` sets None, `parallel.pad=true` a bool,
 `run.output_dir=runs/x` a string, `train.lr=1e-4` a float (the loader accepts YAML 1.1's
-quirk of reading `1e-4` as a string for float fields). Overrides are applied to the raw YAML
-mapping *before* it is type-checked, so an override gets exactly the same checks (unknown
-keys with suggestions, expected types) as the file; errors on an overridden key say so.
+quirk of reading `1e-4` as a string for float fields), `parallel.pp_layers=[3,2]` a flat list.
+Overrides are applied to the raw YAML mapping *before* it is type-checked, so an override gets
+exactly the same checks (unknown keys with suggestions, expected types) as the file; errors on
+an overridden key say so.
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ def parse_override(text: str) -> Override:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ValueError(f"override {text!r}: the value is not a YAML scalar ({exc})") from None
-    if isinstance(value, (dict, list)):
+    if isinstance(value, dict) or (
+        isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)
+    ):
         raise ValueError(
-            f"override {text!r}: give one key per scalar value (e.g. {key}.field=1), "
-            "not a YAML mapping or list"
+            f"override {text!r}: give one key per scalar value (e.g. {key}.field=1) or a flat "
+            "list of scalars (parallel.pp_layers=[3,2]), not a YAML mapping or nested list"
         )
     return Override(key=key, value=value, text=text)
 

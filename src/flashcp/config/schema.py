@@ -36,7 +36,14 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel degree: dp ranks train on different sequences, gradients are summed."""
     pp: int = 1
-    """Pipeline-parallel degree (stages of layers). The pretrain/sft recipes need pp = 1."""
+    """Pipeline-parallel degree: the model's layers are split into pp stages on pp ranks, run
+    under a 1F1B schedule over the train.grad_accum micro-batches (which must be >= pp)."""
+    pp_layers: list[int] | None = None
+    """Decoder layers per pipeline stage, e.g. [3, 2] (sums to model.num_layers); null splits
+    evenly, extra layers on the earliest stages (the last stage also runs the LM head)."""
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule: 1f1b (at most pp - stage micro-batches in flight) or gpipe (all
+    forwards, then all backwards; more activation memory, same gradients)."""
     cp: int = 1
     """Context-parallel degree: each sequence is split along its length over cp ranks."""
     cp_mode: Literal["dualchunk_allgather", "contiguous_allgather", "workload_balanced"] = (
@@ -73,7 +80,8 @@ class DataConfig:
     """Where text comes from and how it becomes fixed-length training sequences."""
 
     path: str | None = None
-    """JSONL file (one JSON object per line); null = the small corpus shipped with flashcp."""
+    """JSONL file (one JSON object per line); null = the small sets shipped with flashcp: an
+    English corpus (pretrain), prompt/response pairs (sft), preference pairs (dpo)."""
     tokenizer: str = "byte"
     """`byte` (256 byte ids + BOS/EOS/PAD) or the path of a Hugging Face `tokenizer.json`."""
     text_field: str = "text"
@@ -149,7 +157,8 @@ class RunConfig:
     output_dir: str = "runs/default"
     """Metrics, logs, checkpoints and the resolved config are written here."""
     recipe: str = "pretrain"
-    """Training recipe: `pretrain` (next-token loss on all text) or `sft` (loss on responses)."""
+    """Training recipe: `pretrain` (next-token loss on all text), `sft` (loss on responses) or
+    `dpo` (preference pairs, share-question packing; see `flashcp.recipes.dpo`)."""
     device: Literal["auto", "cpu", "gpu"] = "auto"
     """Target device: auto (GPU if Paddle sees one), cpu or gpu. bfloat16 needs gpu."""
     stop_after_steps: int = 0

@@ -7,6 +7,7 @@ that fixes it; checks whose keys already failed type-checking are skipped (no ca
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -60,11 +61,27 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None) -> None:
             f"{world_size} process{'es' if world_size != 1 else ''}: {change}, or launch with "
             f"--nproc_per_node {p.world_size}",
         )
-    if p.pp > 1:
+    _check_pipeline(cfg, c)
+
+
+def _check_pipeline(cfg: Config, c: _Checks) -> None:
+    """The layer split (`parallel.pp_layers`) and enough micro-batches for the schedule."""
+    p = cfg.parallel
+    layers = getattr(cfg.model, "num_layers", None)
+    if p.pp_layers is not None and isinstance(layers, int) and c.ok("parallel.pp_layers"):
+        from flashcp.parallel.split import split_layers
+
+        try:
+            split_layers(layers, p.pp, p.pp_layers)
+        except ValueError as exc:
+            c.add("parallel.pp_layers", str(exc), "model.num_layers")
+    if p.pp > 1 and cfg.train.grad_accum < p.pp:
         c.add(
+            "train.grad_accum",
+            f"{cfg.train.grad_accum} micro-batches cannot fill a {p.pp_schedule} pipeline of "
+            f"parallel.pp = {p.pp} stages: set train.grad_accum >= {p.pp} (the micro-batches "
+            "per step; more shrink the pipeline bubble)",
             "parallel.pp",
-            f"the {cfg.run.recipe} recipe runs without pipeline parallelism: set "
-            "parallel.pp: 1 (pipeline stages need the pp recipe)",
         )
 
 
@@ -171,8 +188,7 @@ def _check_train(cfg: Config, c: _Checks) -> None:
     if t.dtype == "bfloat16" and cfg.run.device == "cpu":
         c.add(
             "train.dtype",
-            "bfloat16 needs a GPU (run.device is cpu): set train.dtype: float32 or "
-            "run.device: gpu",
+            "bfloat16 needs a GPU (run.device is cpu): set train.dtype: float32 or run.device: gpu",
             "run.device",
         )
 
@@ -188,13 +204,6 @@ def _check_files(cfg: Config, c: _Checks) -> None:
         c.add(
             "data.tokenizer",
             f"{d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json file",
-        )
-    if cfg.run.recipe == "sft" and d.path is None:
-        c.add(
-            "data.path",
-            "the sft recipe needs a JSONL file of prompt/response records (data.path); the "
-            "built-in corpus has plain text only",
-            "run.recipe",
         )
 
 
@@ -229,6 +238,46 @@ def _check_run(cfg: Config, c: _Checks) -> None:
         )
 
 
+def _check_lora(cfg: Config, c: _Checks) -> None:
+    lora = cfg.extras.get("lora")
+    if lora is None:
+        return
+    if lora.rank < 1:
+        c.add("lora.rank", f"must be an integer >= 1, got {lora.rank}")
+    _positive(c, "lora.alpha", lora.alpha)
+    if not 0.0 <= lora.dropout < 1.0:
+        c.add("lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    if not c.ok("lora.target_modules"):
+        return
+    if not lora.target_modules:
+        c.add("lora.target_modules", "is empty: give regexes such as ['.*q_proj', '.*v_proj']")
+    for pattern in lora.target_modules:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            c.add("lora.target_modules", f"{pattern!r} is not a regular expression ({exc})")
+
+
+def _check_dpo(cfg: Config, c: _Checks) -> None:
+    dpo = cfg.extras.get("dpo")
+    if dpo is None:
+        return
+    _positive(c, "dpo.beta", dpo.beta)
+    if not 0.0 <= dpo.label_smoothing < 0.5:
+        c.add("dpo.label_smoothing", f"must be in [0, 0.5), got {dpo.label_smoothing}")
+    elif dpo.label_smoothing and dpo.loss_type != "sigmoid":
+        c.add(
+            "dpo.label_smoothing",
+            f"applies to the sigmoid loss only; dpo.loss_type is {dpo.loss_type}: set "
+            "dpo.label_smoothing: 0 or dpo.loss_type: sigmoid",
+            "dpo.loss_type",
+        )
+    if dpo.max_prompt_len is not None and dpo.max_prompt_len < 2:
+        c.add("dpo.max_prompt_len", f"must be >= 2 or null, got {dpo.max_prompt_len}")
+    if cfg.data.seq_len < 3 and c.ok("data.seq_len"):
+        c.add("data.seq_len", f"a DPO row needs >= 3 tokens, got {cfg.data.seq_len}")
+
+
 def check_config(
     cfg: Config, *, world_size: int | None = None, skip: Iterable[str] = ()
 ) -> list[ConfigError]:
@@ -240,4 +289,6 @@ def check_config(
     _check_train(cfg, c)
     _check_files(cfg, c)
     _check_run(cfg, c)
+    _check_lora(cfg, c)
+    _check_dpo(cfg, c)
     return c.errors

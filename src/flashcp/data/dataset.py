@@ -21,6 +21,8 @@ from flashcp.data.tokenizer import Tokenizer
 
 DEFAULT_CORPUS = "default_corpus.jsonl"
 """The small English corpus shipped inside the package (used when data.path is null)."""
+DPO_DEFAULT = "dpo_default.jsonl"
+"""The small preference set shipped inside the package (prompt / chosen / rejected)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +53,18 @@ def parse_jsonl(text: str, source: str) -> Iterator[dict[str, Any]]:
         if not isinstance(record, dict):
             raise ValueError(f"{source}:{number}: expected a JSON object, got {record!r:.60}")
         yield record
+
+
+def builtin_sft_records(
+    prompt_field: str = "prompt", response_field: str = "response"
+) -> list[dict[str, Any]]:
+    """The built-in instruction set: the built-in DPO preference pairs' prompts, each with its
+    preferred ("chosen") answer as the response (used by the sft recipe when data.path is null)."""
+    text = resources.files("flashcp.data").joinpath(DPO_DEFAULT).read_text(encoding="utf-8")
+    return [
+        {prompt_field: r["prompt"], response_field: r["chosen"]}
+        for r in parse_jsonl(text, f"flashcp/data/{DPO_DEFAULT}")
+    ]
 
 
 def read_records(path: str | Path | None) -> list[dict[str, Any]]:

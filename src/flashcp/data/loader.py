@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashcp.config.schema import Config
-from flashcp.data.dataset import read_records, tokenize_records
+from flashcp.data.dataset import builtin_sft_records, read_records, tokenize_records
 from flashcp.data.packing import Batch, PackedStream, collate
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -38,14 +38,21 @@ class TrainData:
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but model.vocab_size is "
                 f"{vocab}: set model.vocab_size >= {self.tokenizer.vocab_size}"
             )
+        if cfg.run.recipe == "sft" and d.path is None:
+            records = builtin_sft_records(d.prompt_field, d.response_field)
+        else:
+            records = read_records(d.path)
         docs = tokenize_records(
-            read_records(d.path),
+            records,
             self.tokenizer,
             recipe=cfg.run.recipe,
             text_field=d.text_field,
             prompt_field=d.prompt_field,
             response_field=d.response_field,
-            source=d.path or "built-in corpus",
+            source=d.path
+            or (
+                "built-in instruction set" if cfg.run.recipe == "sft" else "built-in corpus"
+            ),  # fmt: skip
         )
         self.num_documents = len(docs)
         self.num_tokens = sum(len(doc) for doc in docs)

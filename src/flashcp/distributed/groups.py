@@ -98,7 +98,8 @@ _build_counter = itertools.count()
 _live: list[ParallelGroups] = []
 
 
-def _endpoint_host(rank: int) -> str:
+def endpoint_host(rank: int) -> str:
+    """The host of global rank `rank` (from PADDLE_TRAINER_ENDPOINTS; 127.0.0.1 if unknown)."""
     endpoints = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "")
     hosts = [e.rsplit(":", 1)[0] for e in endpoints.split(",") if e]
     return hosts[rank] if rank < len(hosts) else "127.0.0.1"
@@ -132,7 +133,7 @@ def wait_for_port(host: str, port: int, timeout: float, *, what: str = "server")
             delay = min(delay * 2, 0.2)
 
 
-def _start_master_store(host: str, size: int, timeout: float) -> tuple[Any, int, threading.Thread]:
+def start_group_store(host: str, size: int, timeout: float) -> tuple[Any, int, threading.Thread]:
     """Start a master TCPStore on a free port in a thread (its constructor blocks until all
     `size` members connect); return once the port listens."""
     from paddle.base import core
@@ -162,34 +163,54 @@ def _start_master_store(host: str, size: int, timeout: float) -> tuple[Any, int,
     raise RuntimeError(f"could not start a TCPStore on {host} ({last_error})")
 
 
-def _gloo_group(
-    dim: str, index: int, ranks: list[int], rank: int, build: int, timeout: float
+def store_group(
+    dim: str,
+    key: str,
+    ranks: list[int],
+    rank: int,
+    group_id: int,
+    timeout: float,
+    *,
+    name: str,
 ) -> NamedGroup:
-    """Create the gloo group `ranks` (this rank is a member) on its own TCPStore."""
+    """The gloo group of `ranks` (this `rank` is one of them) on its OWN TCPStore.
+
+    Collective for the members only. The lowest-listed rank starts the store on a free port
+    (`start_group_store`) and publishes `host:port` under `key` in the job's world store; the
+    others read it, wait for the port and join. Used for the mesh groups (`build_groups`) and
+    the two-rank pipeline links (`flashcp.distributed.p2p`); `key` and `group_id` must be
+    unique per group and agree between its members.
+    """
     from paddle.base import core
 
     world_store = core.create_or_get_global_tcp_store()
-    key = _STORE_KEY.format(build=build, dim=dim, index=index)
     master = ranks[0]
     size = len(ranks)
-    group_rank = ranks.index(rank)
-    group_id = GROUP_ID_BASE + build * len(DIM_ORDER) + DIM_ORDER.index(dim)
+    what = f"group {dim}{ranks}"
     if rank == master:
-        host = _endpoint_host(master)
-        box, port, thread = _start_master_store(host, size, timeout)
+        host = endpoint_host(master)
+        box, port, thread = start_group_store(host, size, timeout)
         world_store.set(key, f"{host}:{port}")
         thread.join()  # returns once every member has connected
         if "error" in box:
-            raise RuntimeError(f"TCPStore for group {dim}{ranks} failed: {box['error']}")
+            raise RuntimeError(f"TCPStore for {what} failed: {box['error']}")
         store = box["store"]
     else:
         endpoint = world_store.get(key).decode()
         host, port_text = endpoint.rsplit(":", 1)
-        wait_for_port(host, int(port_text), timeout, what=f"store of group {dim}{ranks}")
+        wait_for_port(host, int(port_text), timeout, what=f"store of {what}")
         store = core.TCPStore(host, int(port_text), False, size, int(max(timeout, 1)))
-    pg = core.ProcessGroupGloo.create(store, group_rank, size, group_id)
-    name = f"flashcp_{dim}_{index}"
-    return NamedGroup(dim, group_rank, group_id, ranks, pg=pg, name=name, store=store)
+    pg = core.ProcessGroupGloo.create(store, ranks.index(rank), size, group_id)
+    return NamedGroup(dim, ranks.index(rank), group_id, ranks, pg=pg, name=name, store=store)
+
+
+def _gloo_group(
+    dim: str, index: int, ranks: list[int], rank: int, build: int, timeout: float
+) -> NamedGroup:
+    """Create the mesh gloo group `ranks` (this rank is a member) on its own TCPStore."""
+    key = _STORE_KEY.format(build=build, dim=dim, index=index)
+    group_id = GROUP_ID_BASE + build * len(DIM_ORDER) + DIM_ORDER.index(dim)
+    return store_group(dim, key, ranks, rank, group_id, timeout, name=f"flashcp_{dim}_{index}")
 
 
 NewGroupFn = Callable[..., Group]

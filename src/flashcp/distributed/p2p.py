@@ -34,13 +34,7 @@ import paddle.distributed as dist
 
 from flashcp.distributed.collectives import group_backend, group_label, nbytes
 from flashcp.distributed.counters import COUNTERS
-from flashcp.distributed.groups import (
-    NamedGroup,
-    ParallelGroups,
-    _endpoint_host,
-    _start_master_store,
-    wait_for_port,
-)
+from flashcp.distributed.groups import NamedGroup, ParallelGroups, store_group
 from flashcp.distributed.watchdog import ENV_TIMEOUT, WATCHDOG, resolve_timeout
 from flashcp.log import logger, process_rank
 
@@ -151,33 +145,9 @@ def _link_id(build: int, a: int, b: int, world: int) -> int:
 
 def _link_group(build: int, a: int, b: int, me: int, world: int, timeout: float) -> NamedGroup:
     """The gloo group {a, b} (a < b, `me` one of them) on its own TCPStore; collective for both."""
-    from paddle.base import core
-
-    world_store = core.create_or_get_global_tcp_store()
     key = _LINK_KEY.format(build=build, a=a, b=b)
     gid = _link_id(build, a, b, world)
-    if me == a:
-        host = _endpoint_host(a)
-        box, port, thread = _start_master_store(host, 2, timeout)
-        world_store.set(key, f"{host}:{port}")
-        thread.join()  # returns once the peer has connected
-        if "error" in box:
-            raise RuntimeError(f"TCPStore for pipeline link [{a},{b}] failed: {box['error']}")
-        store = box["store"]
-    else:
-        host, port_text = world_store.get(key).decode().rsplit(":", 1)
-        wait_for_port(host, int(port_text), timeout, what=f"store of pipeline link [{a},{b}]")
-        store = core.TCPStore(host, int(port_text), False, 2, int(max(timeout, 1)))
-    pg = core.ProcessGroupGloo.create(store, [a, b].index(me), 2, gid)
-    return NamedGroup(
-        "pp_link",
-        [a, b].index(me),
-        gid,
-        [a, b],
-        pg=pg,
-        name=f"flashcp_pp_link_{a}_{b}",
-        store=store,
-    )
+    return store_group("pp_link", key, [a, b], me, gid, timeout, name=f"flashcp_pp_link_{a}_{b}")
 
 
 def pipeline_links(

@@ -31,7 +31,61 @@ class DecoderLayer(nn.Layer):
         raise NotImplementedError
 
 
-class DecoderStack(nn.Layer):
+class DecoderOps:
+    """The compute shared by `DecoderStack` and a pipeline stage's body (`flashcp.parallel`).
+
+    A host defines `args`, `embed_tokens` (and `embed_positions` with learned positions),
+    `norm`, and `layer(i)` returning decoder layer `i` by its GLOBAL index; the methods below
+    then run the embeddings and any contiguous slice of layers exactly as the whole model does,
+    so a pipeline stage computes bitwise the same values as one process.
+    """
+
+    args: ModelArgs
+
+    def layer(self, index: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    def embed(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+        """Token (plus learned position) embeddings `[B, L, H]`; positions are GLOBAL."""
+        h = self.embed_tokens(input_ids)  # type: ignore[attr-defined]
+        if self.args.uses_learned_positions:
+            top = int(positions.max())
+            if top >= self.args.max_seq_len:
+                raise ValueError(
+                    f"position {top} >= model.max_seq_len {self.args.max_seq_len}: learned "
+                    "position embeddings only cover max_seq_len positions"
+                )
+            h = h + self.embed_positions(positions)  # type: ignore[attr-defined]
+        return h
+
+    def run_layers(
+        self,
+        h: paddle.Tensor,
+        positions: paddle.Tensor,
+        attn: AttentionContext,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> paddle.Tensor:
+        """Decoder layers `start .. stop-1` (global indices) on hidden `h`, with the model's
+        recompute mode while gradients are recorded (none under `paddle.no_grad`)."""
+        args = self.args
+        stop = args.num_layers if stop is None else stop
+        rotary = None
+        if not args.uses_learned_positions:
+            rotary = rotary_tables(
+                positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
+            )
+        mode = args.recompute if paddle.is_grad_enabled() else "none"
+        for index in range(start, stop):
+            layer = self.layer(index)
+            if mode == "none":
+                h = layer(h, rotary, attn)
+            else:
+                h = checkpoint(_bind(layer, rotary, attn), h, mode)
+        return h
+
+
+class DecoderStack(DecoderOps, nn.Layer):
     """`model.*`: token (and learned position) embeddings, decoder layers, final norm."""
 
     def __init__(
@@ -50,24 +104,13 @@ class DecoderStack(nn.Layer):
         self.layers = nn.LayerList([make_layer(args, i) for i in range(args.num_layers)])
         self.norm = make_norm(args.hidden_size, args.norm_eps)
 
+    def layer(self, index: int) -> DecoderLayer:
+        return self.layers[index]
+
     def forward(
         self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
     ) -> paddle.Tensor:
-        args = self.args
-        h = self.embed_tokens(input_ids)
-        rotary = None
-        if args.uses_learned_positions:
-            h = h + self.embed_positions(positions)
-        else:
-            rotary = rotary_tables(
-                positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
-            )
-        mode = args.recompute if paddle.is_grad_enabled() else "none"
-        for layer in self.layers:
-            if mode == "none":
-                h = layer(h, rotary, attn)
-            else:
-                h = checkpoint(_bind(layer, rotary, attn), h, mode)
+        h = self.run_layers(self.embed(input_ids, positions), positions, attn)
         return self.norm(h)
 
 
@@ -78,7 +121,28 @@ def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionConte
     return run
 
 
-class CausalLM(nn.Layer):
+class LMHead:
+    """Final norm + LM head (or the tied embedding) as float32 logits, shared by `CausalLM`
+    and the last pipeline stage. The host has `model.norm`, `model.embed_tokens` and
+    `lm_head` (None when embeddings are tied)."""
+
+    model: nn.Layer
+    lm_head: nn.Linear | None
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """LM head on (already normed) hidden states, as float32 `[B, L, V]`."""
+        if self.lm_head is None:
+            out = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype("float32")
+
+    def head(self, h: paddle.Tensor) -> paddle.Tensor:
+        """Final norm, then `logits`: the last layer's output to float32 logits."""
+        return self.logits(self.model.norm(h))
+
+
+class CausalLM(LMHead, nn.Layer):
     """Backbone (`self.model`) plus LM head (`self.lm_head`, or the tied embedding)."""
 
     def __init__(
@@ -102,14 +166,6 @@ class CausalLM(nn.Layer):
         """Final-norm hidden states `[B, L_local, H]`."""
         self._check_inputs(input_ids, positions, attn)
         return self.model(input_ids, positions, attn)
-
-    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """LM head on hidden states, as float32 `[B, L, V]`."""
-        if self.lm_head is None:
-            out = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
-        else:
-            out = self.lm_head(hidden)
-        return out.astype("float32")
 
     def forward(  # type: ignore[override]
         self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
@@ -135,13 +191,6 @@ class CausalLM(nn.Layer):
                 f"positions {list(positions.shape)} must match input_ids {list(input_ids.shape)}"
                 " (one GLOBAL position per local token)"
             )
-        if self.args.uses_learned_positions:
-            top = int(positions.max())
-            if top >= self.args.max_seq_len:
-                raise ValueError(
-                    f"position {top} >= model.max_seq_len {self.args.max_seq_len}: learned "
-                    "position embeddings only cover max_seq_len positions"
-                )
 
 
 def token_logprobs(

@@ -28,7 +28,9 @@ bitwise equal to PP=1 (see `tests/integration/test_pipeline_multiproc.py`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import paddle
@@ -39,6 +41,7 @@ from flashcp.distributed.groups import ParallelGroups
 from flashcp.distributed.p2p import pipeline_links, recv_tensor, send_tensor, swap_tensor
 from flashcp.models.attention import AttentionContext
 from flashcp.parallel.schedule import (
+    FORWARD,
     SCHEDULE_FNS,
     SCHEDULES,
     Op,
@@ -57,12 +60,16 @@ class MicroBatch:
 
     `input_ids` / `positions` (GLOBAL positions) are `[B, L_local]`; `labels` `[B, L_local]`
     (already shifted on the full sequence, `-100` = no target) are needed on the last stage.
+    `loss`, when set, maps the last stage's logits to this micro-batch's loss, already
+    normalised (a recipe's own loss, e.g. DPO); otherwise the schedule's
+    `loss_fn(logits, labels) / num_targets` is used.
     """
 
     input_ids: paddle.Tensor
     positions: paddle.Tensor
     labels: paddle.Tensor | None
     attn: AttentionContext
+    loss: Callable[[paddle.Tensor], paddle.Tensor] | None = None
 
 
 def sum_cross_entropy(
@@ -148,6 +155,7 @@ class PipelineSchedule:
         *,
         kind: ScheduleKind | str = "1f1b",
         timeout: float | None = None,
+        forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         if kind not in SCHEDULE_FNS:
             raise ValueError(
@@ -173,15 +181,18 @@ class PipelineSchedule:
         self.prev = ranks[stage.stage - 1] if not stage.is_first else None
         self.next = ranks[stage.stage + 1] if not stage.is_last else None
         self.links = pipeline_links(groups, tied=stage.tied_weight is not None, timeout=timeout)
-        self._plans: dict[int, list[Op]] = {}
+        self.forward_context = forward_context
+        self._plans: dict[tuple[str, int], list[Op]] = {}
 
-    def plan(self, num_micro: int) -> list[Op]:
-        """This stage's plan for `num_micro` micro-batches (checked deadlock-free once)."""
-        if num_micro not in self._plans:
-            plans = build_plans(self.kind, self.stage.num_stages, num_micro)
+    def plan(self, num_micro: int, kind: str | None = None) -> list[Op]:
+        """This stage's plan for `num_micro` micro-batches under `kind` (default: the
+        schedule's), checked deadlock-free once."""
+        key = (kind or self.kind, num_micro)
+        if key not in self._plans:
+            plans = build_plans(key[0], self.stage.num_stages, num_micro)
             simulate_plans(plans)
-            self._plans[num_micro] = plans[self.stage.stage]
-        return self._plans[num_micro]
+            self._plans[key] = plans[self.stage.stage]
+        return self._plans[key]
 
     def run(
         self,
@@ -207,8 +218,12 @@ class PipelineSchedule:
             raise ValueError(
                 f"num_targets must be the GLOBAL target-token count (>= 1), got {num_targets}"
             )
-        if self.stage.is_last and any(mb.labels is None for mb in micro_batches):
-            raise ValueError("the last pipeline stage needs labels in every micro-batch")
+        if self.stage.is_last and any(
+            mb.labels is None and mb.loss is None for mb in micro_batches
+        ):
+            raise ValueError(
+                "the last pipeline stage needs labels (or a loss) in every micro-batch"
+            )
         plan = self.plan(len(micro_batches))
         return StepState(list(micro_batches), loss_fn, int(num_targets), plan)
 
@@ -224,9 +239,13 @@ class PipelineSchedule:
             state.inputs[m] = x
         elif kind == "F":
             x = mb.input_ids if stage.is_first else state.inputs[m]
-            out = stage(x, mb.positions, mb.attn)
+            with self.forward_context():
+                out = stage(x, mb.positions, mb.attn)
             if stage.is_last:
-                out = state.loss_fn(out, mb.labels) / float(state.num_targets)
+                if mb.loss is not None:
+                    out = mb.loss(out)
+                else:
+                    out = state.loss_fn(out, mb.labels) / float(state.num_targets)
                 state.losses.append(out.detach())
             state.outputs[m] = out
         elif kind == "send_act":
@@ -247,6 +266,51 @@ class PipelineSchedule:
             send_tensor(g, self.prev, links.prev, timeout=t)
         else:
             raise ValueError(f"unknown pipeline step {op}")
+
+    def forward_only(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        out_fn: Callable[[paddle.Tensor, MicroBatch], Any],
+        *,
+        module: PipelineStage | None = None,
+    ) -> list[Any] | None:
+        """Run every micro-batch forward (no gradients) through `module` (default: this
+        schedule's stage; e.g. a frozen reference copy split the same way).
+
+        The last stage returns `[out_fn(logits, micro_batch) for each micro-batch]`; the other
+        stages return None. Activations travel over the same links as in training.
+        """
+        stage = module or self.stage
+        if (stage.stage, stage.num_stages) != (self.stage.stage, self.stage.num_stages):
+            raise ValueError(
+                f"module is stage {stage.stage}/{stage.num_stages} but the schedule runs stage "
+                f"{self.stage.stage}/{self.stage.num_stages}: split both models the same way"
+            )
+        links, t = self.links, self.timeout
+        inputs: dict[int, paddle.Tensor] = {}
+        outputs: dict[int, paddle.Tensor] = {}
+        results: list[Any] = []
+        with paddle.no_grad():
+            for kind, m in self.plan(len(micro_batches), FORWARD):
+                mb = micro_batches[m]
+                if kind == "recv_act":
+                    shape = stage.activation_shape(mb.input_ids.shape)
+                    inputs[m] = recv_tensor(
+                        shape, stage.activation_dtype, self.prev, links.prev, timeout=t
+                    )
+                elif kind == "F":
+                    x = mb.input_ids if stage.is_first else inputs.pop(m)
+                    with self.forward_context():
+                        out = stage(x, mb.positions, mb.attn)
+                    if stage.is_last:
+                        results.append(out_fn(out, mb))
+                    else:
+                        outputs[m] = out
+                elif kind == "send_act":
+                    send_tensor(outputs.pop(m), self.next, links.next, timeout=t)
+                else:
+                    raise ValueError(f"unexpected step {kind} in a forward-only plan")
+        return results if stage.is_last else None
 
     def finish(self, state: StepState, *, broadcast_loss: bool = True) -> PipelineStepResult:
         """Sync tied gradients, sum (and broadcast) the loss."""

@@ -27,6 +27,8 @@ from typing import Literal, NamedTuple
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 ScheduleKind = Literal["1f1b", "gpipe"]
+FORWARD = "forward"
+"""The forward-only plan kind (`schedule_forward`), for passes without gradients."""
 OP_KINDS: tuple[str, ...] = ("F", "B", "recv_act", "send_act", "recv_grad", "send_grad")
 
 
@@ -66,6 +68,21 @@ def schedule_gpipe(pp: int, num_micro: int, stage: int) -> list[Op]:
     """GPipe: every forward, then every backward (ascending, like sequential accumulation)."""
     _check_args(pp, num_micro, stage)
     return [Op("F", m) for m in range(num_micro)] + [Op("B", m) for m in range(num_micro)]
+
+
+def schedule_forward(pp: int, num_micro: int, stage: int) -> list[Op]:
+    """Forward only (no gradients, e.g. DPO reference log-probs): every forward, in order.
+
+    Unlike the training schedules any number of micro-batches >= 1 works: nothing waits for a
+    backward pass, so the stages simply stream the micro-batches through.
+    """
+    if pp < 1:
+        raise ValueError(f"parallel.pp must be >= 1, got {pp}")
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is outside 0..{pp - 1}")
+    if num_micro < 1:
+        raise ValueError(f"a forward pass needs >= 1 micro-batch, got {num_micro}")
+    return [Op("F", m) for m in range(num_micro)]
 
 
 SCHEDULE_FNS: dict[str, Callable[[int, int, int], list[Op]]] = {
@@ -115,12 +132,12 @@ def comm_plan(order: Sequence[Op], stage: int, pp: int) -> list[Op]:
 
 
 def build_plans(kind: str, pp: int, num_micro: int) -> list[list[Op]]:
-    """Every stage's communication plan for schedule `kind`."""
-    if kind not in SCHEDULE_FNS:
+    """Every stage's communication plan for schedule `kind` (or "forward": forward only)."""
+    if kind not in SCHEDULE_FNS and kind != FORWARD:
         raise ValueError(
             f"pipeline schedule {kind!r} is unknown: use one of {', '.join(SCHEDULES)}"
         )
-    fn = SCHEDULE_FNS[kind]
+    fn = schedule_forward if kind == FORWARD else SCHEDULE_FNS[kind]
     return [comm_plan(fn(pp, num_micro, s), s, pp) for s in range(pp)]
 
 

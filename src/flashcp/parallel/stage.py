@@ -31,66 +31,26 @@ import paddle
 from paddle import nn
 
 from flashcp.models.attention import AttentionContext
-from flashcp.models.base import CausalLM, DecoderLayer
-from flashcp.models.layers import RotaryTables, rotary_tables
-from flashcp.models.recompute import checkpoint
+from flashcp.models.base import CausalLM, DecoderLayer, DecoderOps, LMHead
+from flashcp.parallel.split import split_layers
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+class _StageBody(DecoderOps, nn.Layer):
+    """`model.*` of a stage, so parameter names read as in the full model; runs its slice of
+    layers with the same `DecoderOps` code as the full model's `DecoderStack`."""
+
+    def __init__(self, args, layer_range: range) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.args = args
+        self.layer_range = layer_range
+
+    def layer(self, index: int) -> DecoderLayer:
+        if index not in self.layer_range:
+            raise IndexError(f"layer {index} is not on this stage (layers {self.layer_range})")
+        return self.layers[str(index)]
 
 
-def split_layers(
-    num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None
-) -> list[range]:
-    """The global layer indices of each of the `pp` stages, contiguous and in order.
-
-    `layers_per_stage` (config `parallel.pp_layers`) gives the count per stage explicitly;
-    None splits evenly with the extras on the earliest stages (see the module docstring).
-    Raises `ValueError` naming the config key at fault.
-    """
-    if not _is_int(pp) or pp < 1:
-        raise ValueError(f"parallel.pp must be an integer >= 1, got {pp!r}")
-    if not _is_int(num_layers) or num_layers < 1:
-        raise ValueError(f"model.num_layers must be an integer >= 1, got {num_layers!r}")
-    if layers_per_stage is None:
-        if num_layers < pp:
-            raise ValueError(
-                f"num_layers {num_layers} < pp {pp}: each stage needs at least one layer "
-                f"(lower parallel.pp to at most {num_layers} or add layers)"
-            )
-        base, extra = divmod(num_layers, pp)
-        counts = [base + (1 if s < extra else 0) for s in range(pp)]
-    else:
-        counts = list(layers_per_stage)
-        if len(counts) != pp:
-            raise ValueError(
-                f"parallel.pp_layers {counts} has {len(counts)} entries but parallel.pp is "
-                f"{pp}: give one layer count per stage"
-            )
-        for s, n in enumerate(counts):
-            if not _is_int(n) or n < 1:
-                raise ValueError(
-                    f"parallel.pp_layers {counts}: stage {s} has {n!r} layers; each stage "
-                    "needs an integer >= 1"
-                )
-        if sum(counts) != num_layers:
-            raise ValueError(
-                f"parallel.pp_layers {counts} sums to {sum(counts)} but model.num_layers is "
-                f"{num_layers}"
-            )
-    ranges, start = [], 0
-    for n in counts:
-        ranges.append(range(start, start + n))
-        start += n
-    return ranges
-
-
-class _StageBody(nn.Layer):
-    """Holder so parameter names read `model.<...>` as in the full model."""
-
-
-class PipelineStage(nn.Layer):
+class PipelineStage(LMHead, nn.Layer):
     """Stage `stage` of `num_stages`: embeddings (first), layers `layer_range`, head (last).
 
     `forward(x, positions, attn)` takes token ids `[B, L]` on the first stage and the previous
@@ -114,7 +74,7 @@ class PipelineStage(nn.Layer):
         self.num_stages = num_stages
         self.layer_range = layer_range
         stack = model.model
-        self.model = _StageBody()
+        self.model = _StageBody(self.args, layer_range)
         tied = model.lm_head is None
         if self.is_first or (self.is_last and tied):
             self.model.embed_tokens = stack.embed_tokens
@@ -167,43 +127,14 @@ class PipelineStage(nn.Layer):
 
     def embed(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
         """First stage: token (+ learned position) embeddings, as `DecoderStack` computes them."""
-        h = self.model.embed_tokens(input_ids)
-        if self.args.uses_learned_positions:
-            top = int(positions.max())
-            if top >= self.args.max_seq_len:
-                raise ValueError(
-                    f"position {top} >= model.max_seq_len {self.args.max_seq_len}: learned "
-                    "position embeddings only cover max_seq_len positions"
-                )
-            h = h + self.model.embed_positions(positions)
-        return h
+        return self.model.embed(input_ids, positions)
 
     def run_layers(
         self, h: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
     ) -> paddle.Tensor:
         """This stage's decoder layers (with the model's recompute mode) on hidden `h`."""
-        args = self.args
-        rotary = None
-        if not args.uses_learned_positions:
-            rotary = rotary_tables(
-                positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
-            )
-        mode = args.recompute if paddle.is_grad_enabled() else "none"
-        for layer in self.decoder_layers():
-            if mode == "none":
-                h = layer(h, rotary, attn)
-            else:
-                h = checkpoint(_bind(layer, rotary, attn), h, mode)
-        return h
-
-    def head(self, h: paddle.Tensor) -> paddle.Tensor:
-        """Last stage: final norm and LM head (or the tied embedding), float32 logits."""
-        h = self.model.norm(h)
-        if self.lm_head is None:
-            out = paddle.matmul(h, self.model.embed_tokens.weight, transpose_y=True)
-        else:
-            out = self.lm_head(h)
-        return out.astype("float32")
+        r = self.layer_range
+        return self.model.run_layers(h, positions, attn, r.start, r.stop)
 
     def forward(  # type: ignore[override]
         self, x: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
@@ -237,10 +168,3 @@ class PipelineStage(nn.Layer):
     def extra_repr(self) -> str:
         r = self.layer_range
         return f"stage={self.stage}/{self.num_stages}, layers=[{r.start}, {r.stop})"
-
-
-def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionContext):
-    def run(h: paddle.Tensor) -> paddle.Tensor:
-        return layer(h, rotary, attn)
-
-    return run

@@ -107,6 +107,10 @@ class DPOBatch:
         return int(b), int(seq)
 
     @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
     def num_examples(self) -> int:
         return int(self.spans.shape[0])
 
@@ -320,6 +324,20 @@ def pack_dpo(
             f"but max_rows is {max_rows}: use fewer examples per batch or a longer seq_len"
         )
     return _collate_packed(exs, rows, seq_len, pad_id, list(range(len(exs))))
+
+
+def collate_packed(
+    examples: Sequence[DPOExample], rows: Sequence[Sequence[int]], seq_len: int, *, pad_id: int
+) -> DPOBatch:
+    """One `DPOBatch` of `len(rows)` rows, row r holding `examples[i]` for i in `rows[r]` (in
+    order; each row's examples must fit `seq_len`, as `assign_rows` guarantees).
+    `example_ids` are the indices into `examples`."""
+    seq_len = _check_seq_len(seq_len)
+    for r, members in enumerate(rows):
+        need = sum(examples[i].packed_len for i in members)
+        if need > seq_len:
+            raise ValueError(f"row {r} needs {need} tokens > seq_len {seq_len}")
+    return _collate_packed(examples, rows, seq_len, pad_id, list(range(len(examples))))
 
 
 def _collate_packed(

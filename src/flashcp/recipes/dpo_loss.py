@@ -122,7 +122,7 @@ def _as_vector(x: Any, name: str) -> paddle.Tensor:
     return t.astype("float32")
 
 
-def dpo_loss(
+def dpo_terms(
     policy_chosen: paddle.Tensor,
     policy_rejected: paddle.Tensor,
     ref_chosen: paddle.Tensor,
@@ -131,13 +131,12 @@ def dpo_loss(
     beta: float,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
-) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
-    """Mean DPO loss over the examples, and detached scalar metrics.
+) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """Per-example DPO loss `[N]` and the (detached) chosen / rejected rewards `[N]`.
 
-    Inputs are per-example answer log-prob sums `[N]`; the reference ones are treated as
-    constants (detached). Metrics: ``rewards/chosen``, ``rewards/rejected`` (mean
-    ``β (π - ref)``), ``rewards/margin`` (their mean difference) and ``rewards/accuracy``
-    (fraction with chosen reward > rejected reward).
+    The trainer sums the per-example losses and divides by the GLOBAL number of examples of
+    the step, so every parallel layout averages over the same set; `dpo_loss` is the mean.
+    The reference log-probs are treated as constants (detached).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -163,14 +162,47 @@ def dpo_loss(
         per = (h - 1.0 / (2.0 * beta)) ** 2
     else:
         per = F.relu(1.0 - beta * h)
-    loss = per.mean()
     with paddle.no_grad():
         chosen_r = beta * (pc.detach() - rc)
         rejected_r = beta * (pr.detach() - rr)
-        metrics = {
+    return per, chosen_r, rejected_r
+
+
+def reward_metrics(chosen_r: paddle.Tensor, rejected_r: paddle.Tensor) -> dict[str, paddle.Tensor]:
+    """Means over the examples: chosen / rejected rewards, margin, accuracy (chosen wins)."""
+    with paddle.no_grad():
+        return {
             "rewards/chosen": chosen_r.mean(),
             "rewards/rejected": rejected_r.mean(),
             "rewards/margin": (chosen_r - rejected_r).mean(),
             "rewards/accuracy": (chosen_r > rejected_r).astype("float32").mean(),
         }
-    return loss, metrics
+
+
+def dpo_loss(
+    policy_chosen: paddle.Tensor,
+    policy_rejected: paddle.Tensor,
+    ref_chosen: paddle.Tensor,
+    ref_rejected: paddle.Tensor,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
+    """Mean DPO loss over the examples, and detached scalar metrics.
+
+    Inputs are per-example answer log-prob sums `[N]`; the reference ones are treated as
+    constants (detached). Metrics: ``rewards/chosen``, ``rewards/rejected`` (mean
+    ``β (π - ref)``), ``rewards/margin`` (their mean difference) and ``rewards/accuracy``
+    (fraction with chosen reward > rejected reward).
+    """
+    per, chosen_r, rejected_r = dpo_terms(
+        policy_chosen,
+        policy_rejected,
+        ref_chosen,
+        ref_rejected,
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=label_smoothing,
+    )
+    return per.mean(), reward_metrics(chosen_r, rejected_r)

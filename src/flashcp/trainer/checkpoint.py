@@ -30,6 +30,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from flashcp.log import logger
+from flashcp.trainer import faults
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -102,6 +103,7 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_file(_contiguous(model), str(tmp / MODEL_FILE), metadata={"format": str(FORMAT_VERSION)})
+    faults.on_checkpoint_write(step, tmp)  # no-op unless FLASHCP_FAULT asks for a torn write
     save_file(_contiguous(optimizer), str(tmp / OPTIMIZER_FILE))
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1, sort_keys=True))
     files = {}
@@ -141,7 +143,7 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         return [f"{MANIFEST_FILE} is unreadable ({exc})"]
     problems = []
-    for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
+    for name in required_files(manifest):
         if name not in files:
             problems.append(f"{MANIFEST_FILE} does not list {name}")
             continue
@@ -167,13 +169,33 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"checkpoint {p} is broken and was not loaded: " + "; ".join(problems)
         )
     state = json.loads((p / STATE_FILE).read_text())
+    layout = json.loads((p / MANIFEST_FILE).read_text()).get("layout")
+    model_files = layout["model"] if layout else [MODEL_FILE]
+    optimizer_files = layout["optimizer"] if layout else [OPTIMIZER_FILE]
     return Checkpoint(
         path=p,
         step=int(state["step"]),
-        model=load_file(str(p / MODEL_FILE)),
-        optimizer=load_file(str(p / OPTIMIZER_FILE)),
+        model=_load_merged(p, model_files),
+        optimizer=_load_merged(p, optimizer_files),
         state=state,
     )
+
+
+def required_files(manifest: Mapping[str, Any]) -> list[str]:
+    """Files a checkpoint must hold: the classic three, or (a checkpoint written in parts by
+    several ranks, `flashcp.trainer.sharded`) every file its manifest lists."""
+    if manifest.get("layout"):
+        return sorted(set(manifest["files"]) | {STATE_FILE})
+    return [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
+
+
+def _load_merged(path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """The arrays of several safetensors files as one dict (parts hold distinct names, or
+    identical copies: the two stages' copies of a tied embedding)."""
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        out.update(load_file(str(path / name)))
+    return out
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:

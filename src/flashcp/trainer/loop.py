@@ -2,19 +2,26 @@
 
 One optimizer step (`Trainer.train_step`):
 
-1. `TrainData.next_step()` gives this dp rank's `grad_accum` micro-batches of FULL sequences
-   (labels already shifted, global causal-document mask built).
-2. Each is sharded to this cp rank (`shard_batch` with the step's `Assignment`; for
-   `workload_balanced` the assignment is computed from the batch's global mask).
-3. The number of target tokens is summed over cp and dp: the loss of every micro-batch is
-   `sum of local token cross-entropies / GLOBAL target count`, so the job's loss and gradients
-   are those of one big batch, whatever the layout (CP=1 and CP=N agree to float rounding).
-4. Backward per micro-batch (gradients accumulate); the loss and per-rank non-finite flags are
-   all-reduced, then the gradients are summed (bucketed all-reduce) over cp, then dp.
+1. The recipe's data (`flashcp.recipes.base.Recipe.build_data`) gives this dp rank's
+   `grad_accum` micro-batches of FULL sequences (labels shifted, global FlashMask built).
+2. The recipe plans the step (`Recipe.plan`): each micro-batch sharded to this cp rank (the
+   step's `Assignment`; for `workload_balanced` computed from the batch's global mask), with a
+   loss closure normalised by a GLOBAL count (the step's target tokens for pretrain/sft, its
+   preference pairs for DPO), so the job's loss and gradients are those of one big batch
+   whatever the dp / pp / cp layout. Forward-only passes the loss needs (DPO reference
+   log-probs) run next (`Recipe.prepare`).
+3. The executor runs forward, loss and backward per micro-batch: one after the other
+   (`SequentialExecutor`, pp = 1) or under the 1F1B / GPipe pipeline schedule on this rank's
+   stage (`PipelineExecutor`, pp > 1; the losses live on the last stage).
+4. The loss, the recipe's statistics and per-rank non-finite flags are all-reduced (cp, dp,
+   pp); the gradients are summed (bucketed all-reduce) over cp, then dp.
 5. NaN/Inf: `train.on_nonfinite: stop` raises `NonFiniteError` naming the step and rank(s) on
    every rank at once; `skip` drops the update and logs it.
-6. AdamW step (clipping the now-global gradient norm), LR schedule step, metrics on rank 0,
-   checkpoint every `checkpoint.every` steps.
+6. AdamW step (clipping the global gradient norm; over every pipeline stage when pp > 1), LR
+   schedule step, metrics on rank 0, checkpoint every `checkpoint.every` steps.
+
+Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
+those are the adapters (saved in PaddleFormers' format; see `flashcp.recipes.adapters`).
 """
 
 from __future__ import annotations
@@ -30,19 +37,21 @@ from typing import Any, TextIO
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from flashcp import dispatch
-from flashcp.config import IGNORE_INDEX, Config, config_hash, diff_dicts, hashed_dict, to_yaml
+from flashcp.config import Config, config_hash, diff_dicts, hashed_dict, to_yaml
 from flashcp.cp import make_assignment
 from flashcp.cp.layout import Assignment
-from flashcp.data import Batch, LocalBatch, TrainData, shard_batch
 from flashcp.distributed import ParallelDims, ParallelGroups, barrier, build_groups
+from flashcp.recipes.base import Recipe, RecipeContext
 from flashcp.trainer import checkpoint as ckpt
+from flashcp.trainer import sharded
+from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics, peak_memory_gib
 from flashcp.trainer.optim import build_optimizer, build_scheduler
 from flashcp.trainer.parallel import all_reduce_values, squared_norm, sync_grads, trainable
 from flashcp.trainer.state import (
+    SEP,
     load_model_arrays,
     load_optimizer_arrays,
     model_arrays,
@@ -115,11 +124,29 @@ def default_model_factory(cfg: Config) -> paddle.nn.Layer:
     return build_model(cfg.model)
 
 
+def build_recipe(ctx: RecipeContext) -> Recipe:
+    """The recipe object of `run.recipe` (see `flashcp.recipes`)."""
+    from flashcp.recipes.lm import LMRecipe, SFTRecipe
+
+    name = ctx.cfg.run.recipe
+    if name == "dpo":
+        from flashcp.recipes.dpo import DPORecipe
+
+        return DPORecipe(ctx)
+    classes: dict[str, type[Recipe]] = {"pretrain": LMRecipe, "sft": SFTRecipe}
+    if name not in classes:
+        raise ValueError(f"run.recipe {name!r} has no trainer recipe")
+    return classes[name](ctx)
+
+
 class Trainer:
     """Trains `cfg` on this process's share of the job (see the module docstring).
 
     `groups` are this rank's process groups (None: a single process, trivial groups).
-    `model_factory(cfg)` builds the model after seeding (tests pass small stand-ins).
+    `model_factory(cfg)` builds the FULL model after seeding (tests pass small stand-ins); with
+    pp > 1 every rank builds it and keeps its stage, so each stage starts from exactly the
+    weights one process would have. `self.model` is this rank's module (the whole model, or
+    its `PipelineStage`) and `self.params` its trainable `(name, parameter)` pairs.
     """
 
     def __init__(
@@ -143,30 +170,100 @@ class Trainer:
         self.is_main = self.rank == 0
         self.cp_rank, self.cp_size = int(groups.cp.rank), int(groups.cp.nranks)
         self.dp_rank, self.dp_size = int(groups.dp.rank), int(groups.dp.nranks)
+        self.pp_rank, self.pp_size = int(groups.pp.rank), int(groups.pp.nranks)
+        self.is_stage_writer = self.cp_rank == 0 and self.dp_rank == 0
+        """This rank writes its pipeline stage's checkpoint part and gradient dumps."""
         self.reduce_groups = [groups.cp, groups.dp]
+        self.step_groups = [groups.cp, groups.dp, groups.pp]
+        """Step statistics (loss, flags, recipe sums) are summed over these."""
         self.output_dir = Path(cfg.run.output_dir)
         self.ckpt_root = self.output_dir / ckpt.CHECKPOINT_DIR
         self.device = resolve_device(cfg)
         paddle.set_device(self._device_name())
         set_determinism(cfg)
-        self.data = TrainData(cfg, dp_rank=self.dp_rank, dp_size=self.dp_size)
-        self.model = (model_factory or default_model_factory)(cfg)
-        self.model.train()
-        self.params = trainable(self.model)
-        self.scheduler = build_scheduler(cfg.train)
-        self.optimizer = build_optimizer(self.model, cfg.train, self.scheduler)
-        self.step = 0
-        self.resumed_from: Path | None = None
-        self.stream = stream
         self._fixed_assignment: Assignment | None = None
         if cfg.parallel.cp_mode != "workload_balanced":
             self._fixed_assignment = make_assignment(cfg.parallel.cp_mode, self.cp_size)
+        ctx = RecipeContext(cfg=cfg, groups=groups, assignment_for=self.assignment_for)
+        self.recipe = build_recipe(ctx)
+        self.data = self.recipe.build_data()
+        full = (model_factory or default_model_factory)(cfg)
+        full.train()
+        self.recipe.setup_model(full)
+        self.lora = self.recipe.lora
+        """`flashcp.recipes.adapters.LoRASetup` when a `lora` section is set, else None."""
+        self.global_names = [n for n, p in full.named_parameters() if not p.stop_gradient]
+        reference = self.recipe.reference_model()
+        self.model = self._place(full)
+        if reference is not None:
+            self.recipe.set_reference_module(self._place(reference))
+        del full, reference
+        self.params = trainable(self.model)
+        self.shared = self._shared_names()
+        self.scheduler = build_scheduler(cfg.train)
+        self.optimizer = build_optimizer(
+            self.model, cfg.train, self.scheduler, clip=self._pipeline_clip()
+        )
+        if self.pp_size > 1:
+            self.executor: Any = PipelineExecutor(
+                self.model,  # type: ignore[arg-type]
+                groups,
+                kind=cfg.parallel.pp_schedule,
+                forward_context=ctx.autocast,
+            )
+        else:
+            self.executor = SequentialExecutor(self.model, ctx.autocast)
+        self.step = 0
+        self.resumed_from: Path | None = None
+        self.stream = stream
 
     def _device_name(self) -> str:
         if self.device == "cpu":
             return "cpu"
         current = str(paddle.get_device())
         return current if current.startswith("gpu") else "gpu"
+
+    # -- pipeline ---------------------------------------------------------------------------
+
+    def _place(self, model: paddle.nn.Layer) -> paddle.nn.Layer:
+        """The whole model (pp = 1) or this rank's pipeline stage of it."""
+        if self.pp_size == 1:
+            return model
+        from flashcp.parallel import PipelineStage
+
+        return PipelineStage.from_model(
+            model,  # type: ignore[arg-type]
+            self.pp_rank,
+            self.pp_size,
+            self.cfg.parallel.pp_layers,
+        )
+
+    def _shared_names(self) -> set[str]:
+        """Trainable parameters this stage holds but another stage counts (the last stage's
+        copy of a tied embedding): left out of the global gradient norm."""
+        tied = getattr(self.model, "tied_weight", None)
+        if tied is None or getattr(self.model, "is_first", True):
+            return set()
+        return {n for n, p in self.params if p is tied}
+
+    def _pipeline_clip(self) -> Any:
+        """Whole-model gradient clipping for pp > 1 (None: Paddle's own clip, pp = 1)."""
+        if self.pp_size == 1 or self.cfg.train.grad_clip <= 0:
+            return None
+        from flashcp.trainer.clip import PipelineGlobalNormClip
+
+        return PipelineGlobalNormClip(
+            self.cfg.train.grad_clip,
+            global_names=self.global_names,
+            names=self.params,
+            group=self.groups.pp,
+            skip=sorted(self.shared),
+        )
+
+    def _grad_norm(self) -> float:
+        """The global gradient norm (after the cp/dp sums), over every pipeline stage."""
+        own = [p for n, p in self.params if n not in self.shared]
+        return math.sqrt(float(all_reduce_values([squared_norm(own)], [self.groups.pp])[0]))
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -205,8 +302,7 @@ class Trainer:
                 f"note: train.steps changed from {saved_steps} to {self.cfg.train.steps} since "
                 f"{source}: the cosine schedule is recomputed for the new length"
             )
-        load_model_arrays(self.model, loaded.model)
-        load_optimizer_arrays(self.optimizer, self.model, loaded.optimizer)
+        self._load_arrays(loaded)
         self.scheduler.set_state_dict(state["scheduler"])
         self.data.load_state_dict(state["data"])
         set_rng_state(state["rng"])
@@ -214,33 +310,125 @@ class Trainer:
         self.resumed_from = source
         return source
 
+    def _load_arrays(self, loaded: ckpt.Checkpoint) -> None:
+        """Model (or adapters) and optimizer state; a pipeline stage takes the names it holds,
+        so a checkpoint of any pipeline layout loads."""
+        model, optimizer = loaded.model, loaded.optimizer
+        if self.lora is not None:
+            from flashcp.recipes.adapters import load_trainable_arrays
+
+            load_trainable_arrays(self.model, model)
+        else:
+            if self.pp_size > 1:
+                own = set(self.model.state_dict())
+                model = {k: v for k, v in model.items() if k in own}
+            load_model_arrays(self.model, model)
+        if self.pp_size > 1 or self.lora is not None:
+            names = {n for n, _ in self.model.named_parameters()}
+            optimizer = {k: v for k, v in optimizer.items() if k.split(SEP)[0] in names}
+        load_optimizer_arrays(self.optimizer, self.model, optimizer)
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "config_hash": config_hash(self.cfg),
+            "config": hashed_dict(self.cfg),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": rng_state(),
+            "parallel": {"dp": self.dp_size, "pp": self.pp_size, "cp": self.cp_size},
+            "train_steps": self.cfg.train.steps,
+        }
+
     def save(self) -> Path | None:
-        """Rank 0 writes a checkpoint of the current step; every rank waits for it."""
+        """Write a checkpoint of the current step (rank 0 returns its path); every rank waits.
+
+        One writer (rank 0) for a whole model; with pipeline stages or LoRA adapters each
+        stage's writer adds its part (`flashcp.trainer.sharded`).
+        """
+        if self.pp_size > 1 or self.lora is not None:
+            return self._save_parts()
         path = None
         if self.is_main:
-            state = {
-                "config_hash": config_hash(self.cfg),
-                "config": hashed_dict(self.cfg),
-                "scheduler": self.scheduler.state_dict(),
-                "data": self.data.state_dict(),
-                "rng": rng_state(),
-                "parallel": {"dp": self.dp_size, "cp": self.cp_size},
-                "train_steps": self.cfg.train.steps,
-            }
             path = ckpt.save_checkpoint(
                 self.ckpt_root,
                 self.step,
                 model=model_arrays(self.model),
                 optimizer=optimizer_arrays(self.optimizer, self.model),
-                state=state,
+                state=self._state(),
                 keep_last=self.cfg.checkpoint.keep_last,
             )
         barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
         return path
 
+    def _save_parts(self) -> Path | None:
+        world = self.groups.world
+        adapters = self.lora is not None
+        model_files, optimizer_files = sharded.part_names(self.pp_size, adapters=adapters)
+        if self.is_main:
+            sharded.begin(self.ckpt_root, self.step, adapters=adapters)
+        state = self._state() if self.is_main else {}
+        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
+        tmp = sharded.tmp_dir(self.ckpt_root, self.step)
+        if self.is_stage_writer:
+            self._write_model_part(tmp, model_files[self.pp_rank])
+            sharded.write_part(
+                tmp / optimizer_files[self.pp_rank], optimizer_arrays(self.optimizer, self.model)
+            )
+        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
+        path = None
+        if self.is_main:
+            extra = self._write_adapter_meta(tmp / sharded.ADAPTER_DIR, model_files)
+            path = sharded.commit(
+                self.ckpt_root,
+                self.step,
+                state=state,
+                model_files=model_files,
+                optimizer_files=optimizer_files,
+                extra_files=[f"{sharded.ADAPTER_DIR}/{name}" for name in extra],
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
+        return path
+
+    def _write_model_part(self, directory: Path, name: str) -> None:
+        if self.lora is not None:
+            from flashcp.recipes.adapters import write_adapter_part
+
+            write_adapter_part(directory / name, self.model)
+            ckpt._fsync_file(directory / name)
+        else:
+            sharded.write_part(directory / name, model_arrays(self.model))
+
+    def _write_adapter_meta(self, directory: Path, model_files: list[str]) -> list[str]:
+        if self.lora is None:
+            return []
+        from flashcp.recipes.adapters import write_adapter_meta
+
+        prefix = f"{sharded.ADAPTER_DIR}/"
+        shards = [f.removeprefix(prefix) for f in model_files]
+        return write_adapter_meta(directory, shards, self.lora)
+
+    def export_adapters(self) -> Path | None:
+        """Write the adapters in PaddleFormers' format to `<output_dir>/adapters` (collective;
+        each pipeline stage writes its shard); returns the directory (None without LoRA)."""
+        if self.lora is None:
+            return None
+        from flashcp.recipes.adapters import write_adapter_part
+
+        out = self.output_dir / sharded.ADAPTER_DIR
+        files, _ = sharded.part_names(self.pp_size, adapters=True)
+        shard = files[self.pp_rank].removeprefix(f"{sharded.ADAPTER_DIR}/")
+        if self.is_stage_writer:
+            write_adapter_part(out / shard, self.model)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        if self.is_main:
+            self._write_adapter_meta(out, files)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        return out
+
     # -- one step ---------------------------------------------------------------------------
 
-    def assignment_for(self, batch: Batch) -> Assignment:
+    def assignment_for(self, batch: Any) -> Assignment:
         """The step's CP layout: fixed per mode, or balanced from this batch's global mask."""
         if self._fixed_assignment is not None:
             return self._fixed_assignment
@@ -248,59 +436,27 @@ class Trainer:
             "workload_balanced", self.cp_size, batch.mask.indices, causal=batch.mask.causal
         )
 
-    def _forward_loss(self, local: LocalBatch, denom: float) -> paddle.Tensor:
-        from flashcp.models import AttentionContext
-
-        ctx = AttentionContext(
-            mask=local.mask.indices,
-            causal=local.mask.causal,
-            group=self.groups.cp,
-            assignment=local.assignment,
-            mode=self.cfg.parallel.cp_mode,
-            fa4_unavailable=self.cfg.attention.fa4_unavailable,
-        )
-        ids = paddle.to_tensor(local.input_ids)
-        pos = paddle.to_tensor(local.positions)
-        labels = paddle.to_tensor(local.labels)
-        bf16 = self.cfg.train.dtype == "bfloat16"
-        with paddle.amp.auto_cast(enable=bf16, dtype="bfloat16", level="O1"):
-            logits = self.model(ids, pos, ctx)
-        vocab = int(logits.shape[-1])
-        if logits.dtype != paddle.float32:
-            logits = logits.astype("float32")
-        per_token = F.cross_entropy(
-            logits.reshape([-1, vocab]),
-            labels.reshape([-1, 1]),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        )
-        return per_token.sum() / denom
-
     def train_step(self) -> StepMetrics:
         """Run one optimizer step (see the module docstring); returns its metrics."""
         start = time.perf_counter()
         step = self.step + 1
-        batches = self.data.next_step()
-        locals_ = [shard_batch(b, self.cp_rank, self.assignment_for(b)) for b in batches]
-        counts = all_reduce_values([sum(lb.num_targets for lb in locals_)], self.reduce_groups)
-        targets = int(round(counts[0]))
-        denom = float(max(targets, 1))
-        loss_local = 0.0
-        for local in locals_:
-            loss = self._forward_loss(local, denom)
-            loss.backward()
-            loss_local += float(loss)
+        plan = self.recipe.plan(self.data.next_step())
+        self.recipe.prepare(plan, self.executor, self.model)
+        loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
         params = [p for _, p in self.params]
         grads_finite = math.isfinite(squared_norm(params))
         world = int(self.groups.world.nranks)
-        flags = np.zeros(1 + 2 * world)
+        stats = self.recipe.step_stats()
+        flags = np.zeros(1 + 2 * world + len(stats))
         flags[0] = loss_local
         flags[1 + self.rank] = 0.0 if math.isfinite(loss_local) else 1.0
         flags[1 + world + self.rank] = 0.0 if grads_finite else 1.0
-        reduced = all_reduce_values(flags, self.reduce_groups)
+        flags[1 + 2 * world :] = stats
+        reduced = all_reduce_values(flags, self.step_groups)
         loss_value = float(reduced[0])
         bad_loss = [r for r in range(world) if reduced[1 + r] > 0]
         bad_grad = [r for r in range(world) if reduced[1 + world + r] > 0]
+        extra = self.recipe.metrics(reduced[1 + 2 * world :])
         lr = float(self.scheduler.get_lr())
         skipped = False
         if bad_loss or bad_grad:
@@ -310,27 +466,26 @@ class Trainer:
         else:
             bucket = int(self.cfg.parallel.grad_bucket_mb * 2**20)
             sync_grads(params, self.reduce_groups, bucket_bytes=bucket)
-            grad_norm = math.sqrt(squared_norm(params))
-            if self.cfg.debug.dump_grads and self.is_main:
+            grad_norm = self._grad_norm()
+            if self.cfg.debug.dump_grads and self.is_stage_writer:
                 self._dump_grads(step)
             self.optimizer.step()
         self.optimizer.clear_grad()
         self.scheduler.step()
         self.step = step
         elapsed = time.perf_counter() - start
-        seq_len = self.data.seq_len
-        tokens = self.dp_size * self.cfg.train.grad_accum * self.cfg.data.micro_batch_size * seq_len
         return StepMetrics(
             step=step,
             loss=loss_value,
             lr=lr,
             grad_norm=grad_norm,
-            tokens=tokens,
-            targets=targets,
-            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            tokens=plan.tokens,
+            targets=plan.targets,
+            tokens_per_s=plan.tokens / elapsed if elapsed > 0 else 0.0,
             step_time_s=elapsed,
             peak_memory_gib=peak_memory_gib(),
             skipped=skipped,
+            extra=extra,
         )
 
     def _nonfinite(self, step: int, loss: float, bad_loss: list[int], bad_grad: list[int]) -> None:
@@ -348,12 +503,14 @@ class Trainer:
         self.echo(f"warning: non-finite {what} at step {step}: update skipped")
 
     def _dump_grads(self, step: int) -> None:
+        """`grads/step_N.safetensors` (pp = 1) or one `step_N.stageS.safetensors` per stage."""
         from safetensors.numpy import save_file
 
         out = self.output_dir / GRADS_DIR
         out.mkdir(parents=True, exist_ok=True)
         arrays = {n: p.grad.numpy() for n, p in self.params if p.grad is not None}
-        save_file(arrays, str(out / f"step_{step}.safetensors"))
+        suffix = f".stage{self.pp_rank}" if self.pp_size > 1 else ""
+        save_file(arrays, str(out / f"step_{step}{suffix}.safetensors"))
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -364,13 +521,17 @@ class Trainer:
     def describe(self) -> str:
         c = self.cfg
         n = sum(int(np.prod(p.shape)) for _, p in self.params)
-        data = c.data.path or "built-in corpus"
+        what = "trainable parameters (LoRA adapters)" if self.lora is not None else "parameters"
+        stage = ""
+        if self.pp_size > 1:
+            r = self.model.layer_range  # type: ignore[attr-defined]
+            stage = f", stage 0 layers [{r.start}, {r.stop}) {c.parallel.pp_schedule}"
         return (
-            f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M parameters | "
-            f"dp={self.dp_size} pp=1 cp={self.cp_size} ({c.parallel.cp_mode}) | seq_len "
-            f"{self.data.seq_len} × micro-batch {c.data.micro_batch_size} × accum "
-            f"{c.train.grad_accum} | {self.device} {c.train.dtype} | data {data}: "
-            f"{self.data.num_documents} docs, {self.data.num_tokens} tokens"
+            f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
+            f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size} ({c.parallel.cp_mode}"
+            f"{stage}) | seq_len {self.data.seq_len} × micro-batch {c.data.micro_batch_size} × "
+            f"accum {c.train.grad_accum} | {self.device} {c.train.dtype} | "
+            f"{self.data.describe()}"
         )
 
     def fit(self) -> TrainResult:
@@ -407,6 +568,21 @@ class Trainer:
                     path = self.save()
                     if path is not None:
                         writer.echo(f"saved checkpoint {path}")
+            if self.lora is not None and self.step >= cfg.train.steps:
+                self._finish_lora(writer)
         finally:
             writer.close()
         return result
+
+    def _finish_lora(self, writer: MetricsWriter) -> None:
+        """Export the adapters (and the merged model when `lora.merge_at_end`)."""
+        out = self.export_adapters()
+        writer.echo(f"saved LoRA adapters (PaddleFormers format) to {out}")
+        section = self.cfg.extras["lora"]
+        if section.merge_at_end and out is not None:
+            from flashcp.recipes.adapters import MERGED_DIR, export_merged
+
+            if self.is_main:
+                merged = export_merged(self.cfg, out, self.output_dir / MERGED_DIR)
+                writer.echo(f"saved the merged model to {merged}")
+            barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)

@@ -12,11 +12,13 @@ import math
 import os
 import resource
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 METRICS_FILE = "metrics.jsonl"
+LOGGED_EXTRAS: tuple[str, ...] = ("rewards/margin", "rewards/accuracy")
+"""Recipe metrics that also appear in the human log line (all go to metrics.jsonl)."""
 ENV_PROGRESS = "FLASHCP_PROGRESS"
 """`1` forces the progress bar on (e.g. when rank 0's log is streamed to a terminal), `0` off."""
 
@@ -37,9 +39,15 @@ class StepMetrics:
     step_time_s: float
     peak_memory_gib: float
     skipped: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+    """Recipe metrics (DPO: `rewards/chosen`, `rewards/accuracy`, ...), written as top-level
+    keys of the JSON record."""
 
     def to_json(self) -> str:
-        return json.dumps({k: _finite(v) for k, v in asdict(self).items()})
+        record = asdict(self)
+        extra = record.pop("extra")
+        record.update(extra)
+        return json.dumps({k: _finite(v) for k, v in record.items()})
 
 
 def _finite(v: Any) -> Any:
@@ -69,6 +77,9 @@ def format_line(m: StepMetrics, total_steps: int) -> str:
         f"grad_norm {m.grad_norm:.4f} | tok/s {m.tokens_per_s:,.0f} | "
         f"mem {m.peak_memory_gib:.2f} GiB | {m.step_time_s:.3f} s"
     )
+    for key in LOGGED_EXTRAS:
+        if key in m.extra:
+            text += f" | {key.rsplit('/', 1)[-1]} {m.extra[key]:.4f}"
     return text + (" | SKIPPED (non-finite)" if m.skipped else "")
 
 

@@ -55,12 +55,17 @@ def decay_parameter_names(model: paddle.nn.Layer) -> set[str]:
 
 
 def build_optimizer(
-    model: paddle.nn.Layer, train: TrainConfig, scheduler: Any
+    model: paddle.nn.Layer, train: TrainConfig, scheduler: Any, *, clip: Any = None
 ) -> paddle.optimizer.AdamW:
-    """AdamW over `model`'s trainable parameters, clipping by global norm when grad_clip > 0."""
+    """AdamW over `model`'s trainable parameters, clipping by global norm when grad_clip > 0.
+
+    `clip` replaces Paddle's `ClipGradByGlobalNorm(train.grad_clip)` (pipeline stages pass
+    `flashcp.trainer.clip.PipelineGlobalNormClip`, which clips by the whole model's norm).
+    """
     decay = decay_parameter_names(model)
     params = [p for p in model.parameters() if not p.stop_gradient]
-    clip = paddle.nn.ClipGradByGlobalNorm(train.grad_clip) if train.grad_clip > 0 else None
+    if clip is None and train.grad_clip > 0:
+        clip = paddle.nn.ClipGradByGlobalNorm(train.grad_clip)
     return paddle.optimizer.AdamW(
         learning_rate=scheduler,
         parameters=params,

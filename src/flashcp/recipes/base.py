@@ -1,0 +1,156 @@
+"""What a training recipe supplies to the trainer: data, model setup, loss and extra metrics.
+
+The trainer (`flashcp.trainer.loop.Trainer`) owns everything a recipe shares: process groups,
+the model (and its pipeline split), the optimizer, gradient synchronisation, clipping,
+non-finite handling, checkpoints and the metrics file. A recipe owns what differs:
+
+* `build_data()`: the step source (`next_step()` gives this dp rank's micro-batches of FULL
+  sequences; `state_dict()` / `load_state_dict()` make it resumable);
+* `setup_model(model)`: changes to the freshly built FULL model before the pipeline split
+  (LoRA adapters; a frozen reference copy for DPO);
+* `plan(batches)`: this rank's `MicroBatch`es (cp shards) with a `loss` closure each, plus the
+  step's global token counts. A micro-batch's loss must already be normalised by a GLOBAL
+  count (all micro-batches, all dp / cp ranks), so summing gradients over ranks gives the
+  gradient of one big batch whatever the layout;
+* `prepare(plan, executor)`: forward-only passes the loss needs first (DPO reference log-probs);
+* `loss_value(micro_losses)`, `step_stats()`, `metrics(stats)`: this rank's share of the step
+  loss and of extra statistics, which the trainer sums over every rank, and the metrics made
+  from the sums.
+
+The executor (`flashcp.trainer.executor`) runs `plan.micro` forward and backward: one after the
+other in one process (pp = 1), or under the pipeline schedule (pp > 1), where each closure runs
+on the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import paddle
+
+from flashcp.config import Config
+from flashcp.distributed import ParallelGroups
+from flashcp.parallel import MicroBatch
+
+
+class StepSource(Protocol):
+    """A recipe's data: this dp rank's micro-batches per step, resumable."""
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def next_step(self) -> list[Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+class Executor(Protocol):
+    """Runs micro-batches through this rank's module (see `flashcp.trainer.executor`)."""
+
+    def forward_only(
+        self,
+        micro: Sequence[MicroBatch],
+        out_fn: Callable[[paddle.Tensor, MicroBatch], Any],
+        module: paddle.nn.Layer | None = None,
+    ) -> list[Any] | None: ...
+
+
+@dataclass
+class RecipeContext:
+    """What a recipe may know about the run: config, groups, device and how to shard."""
+
+    cfg: Config
+    groups: ParallelGroups
+    assignment_for: Callable[[Any], Any]
+    """The CP layout (`flashcp.cp.layout.Assignment`) of a batch with a global `.mask`."""
+
+    @property
+    def cp_rank(self) -> int:
+        return int(self.groups.cp.rank)
+
+    @property
+    def cp_size(self) -> int:
+        return int(self.groups.cp.nranks)
+
+    @property
+    def dp_rank(self) -> int:
+        return int(self.groups.dp.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return int(self.groups.dp.nranks)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return int(self.groups.pp.rank) == int(self.groups.pp.nranks) - 1
+
+    def autocast(self) -> Any:
+        """The forward pass's autocast context (bfloat16 O1 when train.dtype asks for it)."""
+        bf16 = self.cfg.train.dtype == "bfloat16"
+        return paddle.amp.auto_cast(enable=bf16, dtype="bfloat16", level="O1")
+
+
+@dataclass
+class StepPlan:
+    """One optimizer step as this rank runs it."""
+
+    micro: list[MicroBatch]
+    tokens: int
+    """Tokens the whole job processes this step (padding included)."""
+    targets: int
+    """Target tokens (labels) of the whole job this step."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Recipe-private per-step data (e.g. DPO reference log-probs)."""
+
+
+class Recipe:
+    """Base recipe: override `build_data`, `plan` and, where needed, the other hooks."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, ctx: RecipeContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.lora: Any = None
+        """`flashcp.recipes.adapters.LoRASetup` once `setup_model` applied a `lora` section."""
+
+    def build_data(self) -> StepSource:
+        raise NotImplementedError
+
+    def setup_model(self, model: paddle.nn.Layer) -> None:
+        """Change the full model before the pipeline split (default: nothing)."""
+
+    def reference_model(self) -> paddle.nn.Layer | None:
+        """A frozen model the pipeline must split like the policy (default: none)."""
+        return None
+
+    def set_reference_module(self, module: paddle.nn.Layer | None) -> None:
+        """This rank's part of `reference_model()` after the split."""
+
+    def plan(self, batches: list[Any]) -> StepPlan:
+        raise NotImplementedError
+
+    def prepare(self, plan: StepPlan, executor: Executor, module: paddle.nn.Layer) -> None:
+        """Forward-only work before the training passes (default: nothing)."""
+
+    def loss_value(self, micro_losses: Sequence[float]) -> float:
+        """This rank's share of the step loss, summed over every rank by the trainer."""
+        total = 0.0
+        for x in micro_losses:
+            total += x
+        return total
+
+    def step_stats(self) -> list[float]:
+        """This rank's share of the recipe's statistics (summed over every rank)."""
+        return []
+
+    def metrics(self, stats: np.ndarray) -> dict[str, float]:
+        """Extra metrics of the step from the summed `step_stats` (default: none)."""
+        return {}

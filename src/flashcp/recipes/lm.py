@@ -1,0 +1,105 @@
+"""The language-modelling recipes: `pretrain` (every token) and `sft` (response tokens).
+
+Data: `flashcp.data.TrainData` (documents packed into causal-document sequences, labels shifted
+on the full sequence). Loss of a micro-batch: the SUM of this rank's token cross-entropies
+divided by the GLOBAL target count of the step (every micro-batch, summed over cp and dp), so
+the micro-batch losses of all ranks add up to the mean loss of one big batch. With a `lora`
+section (sft) only the adapters train.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+
+from flashcp.config import IGNORE_INDEX
+from flashcp.data import TrainData, shard_batch
+from flashcp.models import AttentionContext
+from flashcp.parallel import MicroBatch
+from flashcp.recipes.base import Recipe, StepPlan
+from flashcp.trainer.parallel import all_reduce_values
+
+
+def summed_cross_entropy(logits: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
+    """Cross-entropy summed over the tokens with a label (`IGNORE_INDEX` excluded)."""
+    vocab = int(logits.shape[-1])
+    if logits.dtype != paddle.float32:
+        logits = logits.astype("float32")
+    per_token = F.cross_entropy(
+        logits.reshape([-1, vocab]),
+        labels.reshape([-1, 1]),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    return per_token.sum()
+
+
+def normalised_ce(logits: paddle.Tensor, *, labels: paddle.Tensor, denom: float) -> paddle.Tensor:
+    """`summed_cross_entropy / denom` (denom: the step's global target count)."""
+    return summed_cross_entropy(logits, labels) / denom
+
+
+class LMData(TrainData):
+    """`TrainData` with the `describe()` the trainer's banner uses."""
+
+    def describe(self) -> str:
+        data = self.cfg.data.path or "built-in corpus"
+        return f"data {data}: {self.num_documents} docs, {self.num_tokens} tokens"
+
+
+class LMRecipe(Recipe):
+    """Next-token cross-entropy on the targets of packed documents (pretrain / sft)."""
+
+    name = "pretrain"
+
+    def build_data(self) -> LMData:
+        ctx = self.ctx
+        return LMData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+
+    def setup_model(self, model: paddle.nn.Layer) -> None:
+        from flashcp.recipes.adapters import apply_lora_config
+
+        section = self.cfg.extras.get("lora")
+        if section is not None:
+            self.lora = apply_lora_config(model, section)
+
+    def plan(self, batches: list[Any]) -> StepPlan:
+        ctx, cfg = self.ctx, self.cfg
+        locals_ = [shard_batch(b, ctx.cp_rank, ctx.assignment_for(b)) for b in batches]
+        counts = all_reduce_values(
+            [sum(lb.num_targets for lb in locals_)], [ctx.groups.cp, ctx.groups.dp]
+        )
+        targets = int(round(counts[0]))
+        denom = float(max(targets, 1))
+        micro = []
+        for local in locals_:
+            labels = paddle.to_tensor(local.labels)
+            attn = AttentionContext(
+                mask=local.mask.indices,
+                causal=local.mask.causal,
+                group=ctx.groups.cp,
+                assignment=local.assignment,
+                mode=cfg.parallel.cp_mode,
+                fa4_unavailable=cfg.attention.fa4_unavailable,
+            )
+            micro.append(
+                MicroBatch(
+                    paddle.to_tensor(local.input_ids),
+                    paddle.to_tensor(local.positions),
+                    labels,
+                    attn,
+                    loss=partial(normalised_ce, labels=labels, denom=denom),
+                )
+            )
+        seq_len = batches[0].seq_len if batches else 0
+        tokens = ctx.dp_size * cfg.train.grad_accum * cfg.data.micro_batch_size * seq_len
+        return StepPlan(micro=micro, tokens=tokens, targets=targets)
+
+
+class SFTRecipe(LMRecipe):
+    """Cross-entropy on response tokens only (prompt/response JSONL; see `flashcp.data`)."""
+
+    name = "sft"

@@ -1,0 +1,208 @@
+"""Fault injection for reliability tests, driven by the `FLASHCP_FAULT` environment variable.
+
+Faults make the failure paths of a real launched job reproducible: a NaN at a chosen step on a
+chosen rank, a rank killed in the middle of a step, a crash while a checkpoint is half written.
+Nothing here runs unless `FLASHCP_FAULT` is set; a malformed value is an error (never ignored).
+
+    FLASHCP_FAULT=nan_loss@step3:rank1                  # rank 1's logits are NaN at step 3
+    FLASHCP_FAULT=nan_grad@step2:rank0,inf_loss@step4   # several faults, comma separated
+    FLASHCP_FAULT=sigkill@step3:rank1                   # rank 1 SIGKILLs itself mid-step 3
+    FLASHCP_FAULT=crash_in_checkpoint_write@step4       # rank 0 dies inside step_4.tmp/
+
+Each fault is `KIND@stepN[:rankR]` (no rank: every rank). Kinds:
+
+* `nan_loss` / `inf_loss`: the model's output is multiplied by NaN / +Inf on that step, so the
+  rank's loss (and its gradients) are non-finite; the trainer must report or skip the step.
+* `nan_grad`: the rank's gradient of its first trainable parameter becomes NaN (loss finite).
+* `sigkill`: the rank sends itself SIGKILL right after its forward pass of that step, while its
+  peers are inside the step's collectives.
+* `crash_in_checkpoint_write`: the rank writing checkpoint `step_N` SIGKILLs itself after
+  `model.safetensors` is in `step_N.tmp/` and before the manifest: a torn write.
+
+Wiring: `install(trainer)` (called by `flashcp/train.py` after building the trainer) adds the
+forward/gradient hooks; `checkpoint.save_checkpoint` calls `on_checkpoint_write` at its fault
+point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENV_FAULT = "FLASHCP_FAULT"
+KINDS: tuple[str, ...] = (
+    "nan_loss",
+    "inf_loss",
+    "nan_grad",
+    "sigkill",
+    "crash_in_checkpoint_write",
+)
+_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
+
+
+class FaultSpecError(ValueError):
+    """`FLASHCP_FAULT` does not parse; the message shows the expected form."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: what, at which optimizer step (1-based), on which rank (None: all)."""
+
+    kind: str
+    step: int
+    rank: int | None = None
+
+    def hits(self, step: int, rank: int) -> bool:
+        return step == self.step and (self.rank is None or self.rank == rank)
+
+
+def parse_faults(text: str | None) -> list[Fault]:
+    """The faults of a `FLASHCP_FAULT` value (empty or None: no faults)."""
+    if text is None or not text.strip():
+        return []
+    faults = []
+    for item in (part.strip() for part in text.split(",")):
+        m = _SPEC.match(item)
+        if m is None:
+            raise FaultSpecError(
+                f"{ENV_FAULT}: cannot parse {item!r}: expected KIND@stepN or KIND@stepN:rankR "
+                f"(e.g. nan_loss@step3:rank1) with KIND one of {', '.join(KINDS)}"
+            )
+        kind = m.group("kind")
+        if kind not in KINDS:
+            raise FaultSpecError(
+                f"{ENV_FAULT}: unknown fault kind {kind!r} in {item!r}: use one of "
+                f"{', '.join(KINDS)}"
+            )
+        step = int(m.group("step"))
+        if step < 1:
+            raise FaultSpecError(f"{ENV_FAULT}: {item!r}: steps count from 1")
+        rank = m.group("rank")
+        faults.append(Fault(kind, step, None if rank is None else int(rank)))
+    return faults
+
+
+def active_faults() -> list[Fault]:
+    """The faults `FLASHCP_FAULT` asks for in this process."""
+    return parse_faults(os.environ.get(ENV_FAULT))
+
+
+def _rank() -> int:
+    from flashcp.log import process_rank
+
+    return process_rank()
+
+
+def _announce(fault: Fault, rank: int, what: str) -> None:
+    print(
+        f"[flashcp fault] rank {rank} step {fault.step}: {fault.kind} ({what})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _kill_self() -> None:
+    """SIGKILL this process (no cleanup, no exit line): what a crash or OOM kill looks like."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _poison(output: Any, factor: float) -> Any:
+    """`output` times `factor`: a tensor, or the floating tensors of a tuple/list/dict."""
+    if isinstance(output, (tuple, list)):
+        return type(output)(_poison(o, factor) for o in output)
+    if isinstance(output, dict):
+        return {k: _poison(v, factor) for k, v in output.items()}
+    if hasattr(output, "is_floating_point") and output.is_floating_point():
+        return output * factor
+    return output
+
+
+def forward_hook(
+    faults: list[Fault], rank: int, current_step: Callable[[], int]
+) -> Callable[[Any, Any, Any], Any]:
+    """A forward post-hook applying `nan_loss`, `inf_loss` and `sigkill` to the model output."""
+    announced: set[Fault] = set()
+
+    def hook(_layer: Any, _inputs: Any, output: Any) -> Any:
+        step = current_step()
+        for fault in faults:
+            if not fault.hits(step, rank):
+                continue
+            if fault.kind == "sigkill":
+                _announce(fault, rank, "SIGKILL after the forward pass")
+                _kill_self()
+            if fault.kind in ("nan_loss", "inf_loss"):
+                if fault not in announced:
+                    _announce(fault, rank, "model output made non-finite")
+                    announced.add(fault)
+                output = _poison(output, math.nan if fault.kind == "nan_loss" else math.inf)
+        return output
+
+    return hook
+
+
+def grad_hook(
+    faults: list[Fault], rank: int, current_step: Callable[[], int]
+) -> Callable[[Any], Any]:
+    """A gradient hook turning the gradient NaN at the steps of `nan_grad` faults."""
+    announced: set[Fault] = set()
+
+    def hook(grad: Any) -> Any:
+        step = current_step()
+        for fault in faults:
+            if fault.kind == "nan_grad" and fault.hits(step, rank):
+                if fault not in announced:
+                    _announce(fault, rank, "gradient made NaN")
+                    announced.add(fault)
+                return grad * math.nan
+        return grad
+
+    return hook
+
+
+def install(trainer: Any, faults: list[Fault] | None = None) -> list[Fault]:
+    """Hook `trainer`'s model for the forward/gradient faults that apply to its rank.
+
+    Uses only `trainer.model`, `trainer.step` (steps done; the running step is step + 1),
+    `trainer.rank` and `trainer.params` (`(name, parameter)` pairs). Returns the faults installed
+    (empty, and nothing touched, when `FLASHCP_FAULT` is unset).
+    """
+    faults = active_faults() if faults is None else faults
+    rank = int(getattr(trainer, "rank", _rank()))
+    mine = [f for f in faults if f.rank is None or f.rank == rank]
+    if not mine:
+        return []
+
+    def current_step() -> int:
+        return int(trainer.step) + 1
+
+    if any(f.kind in ("nan_loss", "inf_loss", "sigkill") for f in mine):
+        trainer.model.register_forward_post_hook(forward_hook(mine, rank, current_step))
+    if any(f.kind == "nan_grad" for f in mine):
+        params = list(getattr(trainer, "params", []))
+        if not params:
+            raise FaultSpecError(f"{ENV_FAULT}: nan_grad needs a trainable parameter")
+        params[0][1].register_hook(grad_hook(mine, rank, current_step))
+    return mine
+
+
+def on_checkpoint_write(step: int, tmp_dir: Path) -> None:
+    """Fault point inside `save_checkpoint`: model written, manifest not yet (a torn write)."""
+    if ENV_FAULT not in os.environ:
+        return
+    rank = _rank()
+    for fault in active_faults():
+        if fault.kind == "crash_in_checkpoint_write" and fault.hits(step, rank):
+            _announce(fault, rank, f"SIGKILL while writing {tmp_dir}")
+            _kill_self()

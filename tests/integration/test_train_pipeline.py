@@ -1,0 +1,148 @@
+"""Pipeline parallelism through the trainer (`parallel.pp`): PP = 2 trains exactly like one
+process, resumes exactly, and its checkpoints load into another pipeline layout.
+
+The single-process reference runs in this process with `parallel.pp=1`; the launched jobs split
+the same model into stages (every rank builds it from the same seed and keeps its stage), run
+the 1F1B (or GPipe) schedule over `train.grad_accum` micro-batches and dump each stage's summed
+gradients every step (`debug.dump_grads`: `grads/step_N.stageS.safetensors`).
+
+* PP = 2 (tiny GPT, untied): each stage runs the single-process operations in the same order,
+  the loss lives on the last stage, and clipping uses the whole model's norm with the
+  single-process arithmetic (`flashcp.trainer.clip`), so losses, gradient norms and gradients
+  are BITWISE equal, clipping active;
+* PP = 2 × CP = 2 (tiny GLM, tied embeddings, uneven split [1, 2], GPipe): within 1e-5 (CP
+  reorders sums; the tied matrix adds the two stages' gradients once per step).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from launch import run_launch
+from safetensors.numpy import load_file
+
+from flashcp import dispatch
+from flashcp.config import load_config
+from flashcp.trainer import Trainer, read_metrics
+from flashcp.trainer.loop import GRADS_DIR
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "src" / "flashcp" / "train.py"
+GPT = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
+GLM = ROOT / "configs" / "glm" / "tiny_cp2.yaml"
+STEPS = 4
+COMMON = [
+    f"train.steps={STEPS}",
+    "checkpoint.every=0",
+    "debug.dump_grads=true",
+    "train.grad_accum=2",
+    "data.micro_batch_size=1",
+    "parallel.cp=1",
+]
+FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
+
+
+def in_process(config: Path, out: Path, overrides: list[str]) -> Path:
+    """Train `config` in this process (pp = cp = 1); restores the flags the trainer sets."""
+    cfg = load_config(config, [*COMMON, *overrides, f"run.output_dir={out}"])
+    saved = {k: os.environ.get(k) for k in FLAGS}
+    try:
+        Trainer(cfg).fit()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return out
+
+
+def launch(config: Path, out: Path, nproc: int, overrides: list[str]) -> Path:
+    result = run_launch(
+        TRAIN,
+        nproc,
+        ["--config", str(config), *COMMON, f"run.output_dir={out}", *overrides],
+        timeout=150,
+        log_dir=out.parent / f"{out.name}_logs",
+    )
+    assert result.ok, result.summary()
+    assert result.leftover == [], result.summary()
+    return out
+
+
+def losses(run: Path) -> list[float]:
+    return [float(r["loss"]) for r in read_metrics(run)]
+
+
+def stage_grads(run: Path, step: int, pp: int) -> dict[str, np.ndarray]:
+    """The whole model's gradients of `step`, merged from the stages' dumps."""
+    out: dict[str, np.ndarray] = {}
+    for s in range(pp):
+        part = load_file(str(run / GRADS_DIR / f"step_{step}.stage{s}.safetensors"))
+        for name, value in part.items():
+            if name in out:  # the tied matrix: both copies carry the same summed gradient
+                np.testing.assert_array_equal(out[name], value, err_msg=name)
+            out[name] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return in_process(GPT, tmp_path_factory.mktemp("pp1") / "run", [])
+
+
+@pytest.fixture(scope="module")
+def gpt_pp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(GPT, tmp_path_factory.mktemp("pp2") / "run", 2, ["parallel.pp=2"])
+
+
+@pytest.mark.timeout(200)
+def test_pp2_equals_pp1_bitwise(gpt_pp2: Path, gpt_reference: Path) -> None:
+    assert losses(gpt_pp2) == losses(gpt_reference)
+    mine, want = read_metrics(gpt_pp2), read_metrics(gpt_reference)
+    assert [r["grad_norm"] for r in mine] == [r["grad_norm"] for r in want]
+    assert all(r["grad_norm"] > 1.0 for r in want)  # train.grad_clip 1.0 was active
+    for step in range(1, STEPS + 1):
+        ref = load_file(str(gpt_reference / GRADS_DIR / f"step_{step}.safetensors"))
+        got = stage_grads(gpt_pp2, step, 2)
+        assert set(got) == set(ref)
+        for name in ref:
+            np.testing.assert_array_equal(got[name], ref[name], err_msg=f"{name} step {step}")
+
+
+@pytest.mark.timeout(200)
+def test_pp2_resumes_exactly_and_loads_into_pp1(
+    tmp_path: Path, gpt_pp2: Path, gpt_reference: Path
+) -> None:
+    run = tmp_path / "run"
+    ck = ["parallel.pp=2", "checkpoint.every=2"]
+    launch(GPT, run, 2, [*ck, "run.stop_after_steps=2"])
+    step2 = run / "checkpoints" / "step_2"
+    assert (step2 / "model-00002-of-00002.safetensors").is_file()
+    assert (step2 / "optimizer-00001-of-00002.safetensors").is_file()
+    launch(GPT, run, 2, ck)
+    assert losses(run) == losses(gpt_pp2)  # 2 + 2 steps == 4 uninterrupted steps, bitwise
+    # The stage parts merge by parameter name: the PP = 2 checkpoint resumes at PP = 1.
+    single = in_process(GPT, tmp_path / "pp1", [f"checkpoint.resume={step2}"])
+    assert losses(single) == losses(gpt_reference)[2:]
+
+
+@pytest.mark.timeout(200)
+def test_pp2_cp2_tied_gpipe_matches_one_process(tmp_path: Path) -> None:
+    shape = ["model.tie_embeddings=true", "model.num_layers=3"]
+    ref = in_process(GLM, tmp_path / "ref", shape)
+    layout = ["parallel.pp=2", "parallel.cp=2", "parallel.pp_layers=[1,2]"]
+    run = launch(GLM, tmp_path / "run", 4, [*shape, *layout, "parallel.pp_schedule=gpipe"])
+    np.testing.assert_allclose(losses(run), losses(ref), rtol=1e-5, atol=1e-5)
+    for step in range(1, STEPS + 1):
+        want = load_file(str(ref / GRADS_DIR / f"step_{step}.safetensors"))
+        got = stage_grads(run, step, 2)
+        assert set(got) == set(want)
+        for name in want:
+            err = np.linalg.norm(got[name] - want[name]) / max(np.linalg.norm(want[name]), 1e-12)
+            assert err < 1e-5, (name, step, err)

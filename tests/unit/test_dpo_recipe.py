@@ -1,0 +1,183 @@
+"""The DPO recipe in one process: learning, metrics, the reference, LoRA checkpoints, data."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import pytest
+
+from flashcp import dispatch
+from flashcp.config import build_config
+from flashcp.models import build_model
+from flashcp.models.hf_weights import load_hf_checkpoint
+from flashcp.recipes.dpo_stream import DPOData
+from flashcp.trainer import Trainer, read_metrics
+
+pytest.importorskip("paddleformers.peft")
+
+from flashcp.recipes.lora import disable_adapters, load_adapters  # noqa: E402
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
+
+
+@pytest.fixture(autouse=True)
+def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer sets deterministic flags in os.environ; undo that after each test."""
+    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
+        monkeypatch.setenv(name, "0")
+
+
+def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
+    raw: dict[str, Any] = {
+        "model": {"preset": "tiny_glm"},
+        "data": {"seq_len": 128, "micro_batch_size": 1},
+        "train": {"steps": 4, "lr": 3e-3, "warmup_steps": 0, "grad_accum": 2},
+        "checkpoint": {"every": 0},
+        "run": {"recipe": "dpo", "output_dir": str(tmp / "run")},
+        "dpo": {"beta": 0.1},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_config(raw)
+
+
+def _fit(cfg: Any) -> tuple[Trainer, list[dict[str, Any]]]:
+    trainer = Trainer(cfg, stream=io.StringIO())
+    trainer.fit()
+    return trainer, read_metrics(cfg.run.output_dir)
+
+
+def _logits(model: paddle.nn.Layer, batch: Any) -> np.ndarray:
+    from flashcp.models import AttentionContext
+
+    attn = AttentionContext(mask=batch.mask.indices, causal=True)
+    with paddle.no_grad():
+        out = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), attn)
+    return out.numpy()
+
+
+def test_dpo_learns_the_builtin_set_and_logs_rewards(tmp_path: Path) -> None:
+    # two epochs in file order: 25 rows of 256 tokens (52 pairs), one row per step
+    cfg = _cfg(
+        tmp_path,
+        data={"shuffle": False, "seq_len": 256},
+        train={"steps": 50, "warmup_steps": 2, "grad_accum": 1},
+    )
+    _, records = _fit(cfg)
+    losses = [r["loss"] for r in records]
+    assert losses[0] == pytest.approx(math.log(2))  # policy == reference at step 1
+    assert all(math.isfinite(x) for x in losses)
+    first, second = np.mean(losses[:25]), np.mean(losses[25:])
+    assert second < first - 0.05, (first, second)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
+        assert key in records[-1]
+    assert records[0]["rewards/margin"] == 0.0 and records[0]["rewards/accuracy"] == 0.0
+    assert np.mean([r["rewards/accuracy"] for r in records[25:]]) > 0.7
+    assert np.mean([r["rewards/margin"] for r in records[25:]]) > 0.0
+    assert sum(r["examples"] for r in records[:25]) == 52  # each pair once per epoch
+
+
+def test_frozen_reference_copy_stays_the_initial_policy(tmp_path: Path) -> None:
+    trainer, _ = _fit(_cfg(tmp_path))
+    reference = trainer.recipe.reference
+    assert reference is not None and reference is not trainer.model
+    assert all(p.stop_gradient for p in reference.parameters())
+    paddle.seed(trainer.cfg.train.seed)
+    initial = build_model(trainer.cfg.model)
+    ref_state = reference.state_dict()
+    moved = 0
+    for name, value in initial.state_dict().items():
+        np.testing.assert_array_equal(ref_state[name].numpy(), value.numpy(), err_msg=name)
+        moved += not np.array_equal(trainer.model.state_dict()[name].numpy(), value.numpy())
+    assert moved > 10  # the policy trained
+
+
+def test_lora_reference_is_the_base_model(tmp_path: Path) -> None:
+    trainer, _ = _fit(_cfg(tmp_path, lora=LORA))
+    assert trainer.recipe.reference is None  # no copy: the adapters are switched off
+    assert all(n.endswith(("lora_A", "lora_B")) for n, _ in trainer.params)
+    batch = trainer.data.next_step()[0]
+    paddle.seed(trainer.cfg.train.seed)
+    base = build_model(trainer.cfg.model)
+    with disable_adapters(trainer.model):
+        off = _logits(trainer.model, batch)
+    np.testing.assert_array_equal(off, _logits(base, batch))
+    assert not np.allclose(_logits(trainer.model, batch), off)  # the adapters did train
+    # the recipe's reference log-probs are the base model's
+    plan = trainer.recipe.plan([batch])
+    trainer.recipe.prepare(plan, trainer.executor, trainer.model)
+    (ref_c, ref_r), = trainer.recipe._ref  # fmt: skip
+    base_exec = type(trainer.executor)(base, trainer.recipe.ctx.autocast)
+    (want_c, want_r), = base_exec.forward_only(plan.micro, trainer.recipe.answer_logps)  # fmt: skip
+    np.testing.assert_array_equal(ref_c.numpy(), want_c.numpy())
+    np.testing.assert_array_equal(ref_r.numpy(), want_r.numpy())
+
+
+def test_lora_checkpoints_resume_exactly_and_export(tmp_path: Path) -> None:
+    full = _cfg(tmp_path / "a", lora={**LORA, "merge_at_end": True})
+    trainer, want = _fit(full)
+    ck = {"every": 2}
+    _fit(_cfg(tmp_path / "b", lora=LORA, checkpoint=ck, run={"stop_after_steps": 2}))
+    step2 = tmp_path / "b" / "run" / "checkpoints" / "step_2"
+    files = sorted(p.name for p in (step2 / "adapters").iterdir())
+    assert files == [
+        "config.json",
+        "lora_config.json",
+        "peft_model-00001-of-00001.safetensors",
+        "peft_model.safetensors.index.json",
+    ]
+    assert not (step2 / "model.safetensors").exists()  # adapters only, no base weights
+    _, got = _fit(_cfg(tmp_path / "b", lora=LORA, checkpoint=ck))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bitwise
+    # PaddleFormers loads the exported adapters; the merged export equals base + adapters
+    out = Path(full.run.output_dir)
+    paddle.seed(full.train.seed)
+    loaded = load_adapters(build_model(full.model), out / "adapters")
+    batch = trainer.data.next_step()[0]
+    np.testing.assert_array_equal(_logits(loaded, batch), _logits(trainer.model, batch))
+    merged = build_model(full.model)
+    load_hf_checkpoint(merged, out / "merged")
+    np.testing.assert_allclose(
+        _logits(merged, batch), _logits(trainer.model, batch), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_frozen_reference_run_resumes_exactly(tmp_path: Path) -> None:
+    _, want = _fit(_cfg(tmp_path / "a"))
+    ck = {"every": 2}
+    _fit(_cfg(tmp_path / "b", checkpoint=ck, run={"stop_after_steps": 3}))
+    _, got = _fit(_cfg(tmp_path / "b", checkpoint=ck))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "hinge"])
+def test_other_losses_train(tmp_path: Path, loss_type: str) -> None:
+    _, records = _fit(_cfg(tmp_path, dpo={"loss_type": loss_type, "beta": 0.5}))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    # at step 1 h = 0: ipo (0 - 1/(2·0.5))² = 1, hinge relu(1 - 0) = 1
+    assert records[0]["loss"] == pytest.approx(1.0)
+
+
+def test_dpo_data_stream_splits_over_dp_and_resumes(tmp_path: Path) -> None:
+    one = DPOData(_cfg(tmp_path, data={"micro_batch_size": 2}))
+    halves = [DPOData(_cfg(tmp_path, data={"micro_batch_size": 1}), dp_rank=r, dp_size=2)
+              for r in range(2)]  # fmt: skip
+    for _ in range(30):  # past an epoch boundary
+        whole = one.next_step()
+        parts = [h.next_step() for h in halves]
+        for m, batch in enumerate(whole):
+            ids = np.concatenate([parts[r][m].input_ids for r in range(2)])
+            np.testing.assert_array_equal(ids, batch.input_ids)
+    assert one.epoch >= 1
+    state = one.state_dict()
+    again = DPOData(_cfg(tmp_path, data={"micro_batch_size": 2}))
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(again.next_step()[0].input_ids, one.next_step()[0].input_ids)
+    unpacked = DPOData(_cfg(tmp_path, data={"packing": False}))
+    assert unpacked.next_step()[0].num_examples == 1
+    assert "52 preference pairs" in one.describe()
