@@ -7,7 +7,10 @@
 flag. `flashcp train CONFIG` finds this file through `flashcp.train.__file__`.)
 
 Exit codes: 0 done, 2 bad config (every problem printed by rank 0), 3 non-finite loss or
-gradients, 4 a broken checkpoint was asked for, 1 anything else.
+gradients, 4 a broken checkpoint was asked for, 1 anything else. Every rank's last line is
+`[flashcp] rank R exit CODE` (after the process groups are torn down), so a supervisor can tell
+a rank that finished from one that was killed (`flashcp.trainer.job` reads it after a failure).
+`FLASHCP_FAULT` injects faults for reliability tests (`flashcp.trainer.faults`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Sequence  # noqa: E402
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_CHECKPOINT = 4
+EXIT_LINE = "[flashcp] rank {rank} exit {code}"
+"""Each rank's last line in its log (see the module docstring)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown
     from flashcp.log import process_rank
-    from flashcp.trainer import CheckpointError, NonFiniteError, Trainer
+    from flashcp.trainer import CheckpointError, NonFiniteError, Trainer, faults
 
     rank = process_rank()
     try:
@@ -52,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         world = launch_env().world_size
         cfg = load_config(args.config, args.overrides, world_size=world)
-    except ConfigValidationError as exc:
+        injected = faults.active_faults()
+    except (ConfigValidationError, faults.FaultSpecError) as exc:
         if rank == 0:
             print(exc, file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -61,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = build_groups(ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size))
     code = 0
     try:
-        Trainer(cfg, groups).fit()
+        trainer = Trainer(cfg, groups)
+        faults.install(trainer, injected)  # FLASHCP_FAULT (tests); nothing when unset
+        trainer.fit()
     except NonFiniteError as exc:
         print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
@@ -74,9 +82,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def run(argv: Sequence[str] | None = None) -> int:
+    """`main`, then this rank's exit line (also when `main` raises: code 1, then the traceback)."""
+    from flashcp.log import process_rank
+
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = exc.code if isinstance(exc.code, int) else 1
+        raise
+    finally:
+        print(EXIT_LINE.format(rank=process_rank(), code=code), flush=True)
+    return code
+
+
 if __name__ == "__main__":
     # Run the importable `flashcp.train` rather than this `__main__` copy, so there is one
     # module identity (and coverage, which matches by module name, measures the workers).
-    from flashcp.train import main as _main
+    from flashcp.train import run as _run
 
-    sys.exit(_main())
+    sys.exit(_run())

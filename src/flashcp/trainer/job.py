@@ -7,28 +7,48 @@ the launcher echoes rank 0; its configuration banner and Paddle's C++ INFO lines
 job's. Ctrl-C / SIGTERM stops everything: the launcher runs in its own process group, which is
 sent SIGTERM (then SIGKILL after a grace period), and any worker the launcher moved to another
 session is found by the job's unique `FLASHCP_JOB_ID` environment marker and stopped too.
+
+Before launching, `run_job` checks what the config cannot (`check_dispatch`, `master_port`,
+`check_output_dir`): the FlashAttention flags in the environment resolve for this model,
+`FLASHCP_MASTER_PORT` (an optional fixed port for the launcher's master) is free, and
+`run.output_dir` can be written. A problem is printed and the exit code is 2, with nothing
+launched and nothing written (the output directory is created by the last check).
+
+When the job fails, `diagnose` reads each rank's log (the part written by this launch) and the
+launcher's output and prints which rank failed first and how — killed without a word (SIGKILL,
+the OOM killer), crashed on a signal, exited with its own error, timed out in a collective — and
+which ranks only went down with it, followed by the failed rank's last log lines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 JOB_MARKER = "FLASHCP_JOB_ID"
+ENV_MASTER_PORT = "FLASHCP_MASTER_PORT"
+"""A fixed port for the launcher's master (default: the launcher picks a free one)."""
 GRACE_SECONDS = 10.0
+EXIT_PREFLIGHT = 2
+TAIL_LINES = 12
 _HIDDEN_PREFIXES = ("LAUNCH INFO", "FLAGS(name=", "=====")
 _NOISE = ("No ccache found", "warnings.warn(warning_message)", "Modified FLAGS detected")
 _GLOG_INFO = re.compile(r"^I\d{4} ")  # glog INFO lines from Paddle's C++ side
+EXIT_LINE = re.compile(r"^\[flashcp\] rank (\d+) exit (-?\d+)\s*$", re.M)
+"""A rank's last line (`flashcp.train.EXIT_LINE`)."""
 
 
 def train_script() -> Path:
@@ -39,13 +59,19 @@ def train_script() -> Path:
 
 
 def launch_command(
-    config: str | Path, overrides: Sequence[str], nproc: int, log_dir: Path
+    config: str | Path,
+    overrides: Sequence[str],
+    nproc: int,
+    log_dir: Path,
+    master_port: int | None = None,
 ) -> list[str]:
     """The `python -m paddle.distributed.launch ...` command for a job."""
+    master = ["--master", f"127.0.0.1:{master_port}"] if master_port else []
     return [
         sys.executable, "-m", "paddle.distributed.launch",
         "--nproc_per_node", str(nproc),
         "--log_dir", str(log_dir),
+        *master,
         str(train_script()), "--config", str(config), *overrides,
     ]  # fmt: skip
 
@@ -91,14 +117,235 @@ def stop_job(proc: subprocess.Popen[bytes], marker: str, grace: float = GRACE_SE
             time.sleep(0.1)
 
 
+# -- preflight --------------------------------------------------------------------------------
+
+
+class PreflightError(RuntimeError):
+    """The job cannot start; the message names the problem and the fix."""
+
+
+def master_port(environ: Mapping[str, str] | None = None) -> int | None:
+    """`FLASHCP_MASTER_PORT` as a port number that is free on 127.0.0.1 (None when unset)."""
+    raw = (os.environ if environ is None else environ).get(ENV_MASTER_PORT, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        raise PreflightError(
+            f"{ENV_MASTER_PORT}={raw!r} is not a port number (1-65535): set a free port or "
+            "unset it to let the launcher choose"
+        )
+    port = int(raw)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            why = "is already in use" if exc.errno == errno.EADDRINUSE else f"failed: {exc}"
+            raise PreflightError(
+                f"{ENV_MASTER_PORT}={port}: binding 127.0.0.1:{port} {why} (another job or "
+                f"service holds it): pick a free port or unset {ENV_MASTER_PORT} to let the "
+                "launcher choose"
+            ) from None
+    return port
+
+
+def check_output_dir(output_dir: str | Path) -> Path:
+    """Create `<output_dir>/logs` and prove a file can be written there; returns the log dir."""
+    out = Path(output_dir)
+    logs = out / "logs"
+    probe = logs / f".flashcp-write-test-{os.getpid()}"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise PreflightError(
+            f"run.output_dir {out} is not a writable directory: {exc.strerror or exc}{where}; "
+            "set run.output_dir to a directory you can write"
+        ) from None
+    return logs
+
+
+def check_dispatch(config: str | Path, overrides: Sequence[str]) -> None:
+    """The FlashAttention version the workers will resolve: env flags parse, FA4 policy holds."""
+    from flashcp import dispatch
+    from flashcp.config import load_config
+
+    cfg = load_config(config, overrides)
+    try:
+        inputs = dispatch.probe_inputs(
+            policy=cfg.attention.fa4_unavailable, deterministic=cfg.train.deterministic
+        )
+        dispatch.explain_fa_version(
+            inputs.requested,
+            fa4_available=inputs.fa4_available,
+            block_mask_api=inputs.block_mask_api,
+            deterministic=inputs.deterministic,
+            head_dim=int(cfg.model.head_size),
+            device=inputs.device,
+            fa4_unavailable=inputs.fa4_unavailable,
+        )
+    except (ValueError, NotImplementedError) as exc:
+        raise PreflightError(f"FlashAttention dispatch: {exc}") from None
+
+
+# -- failure diagnosis ------------------------------------------------------------------------
+
+_CONTAINER = re.compile(r"Container rank (\d+) status \w+ .*? code (-?\d+) log ")
+_WATCHDOG = re.compile(r"^\[flashcp\] .* timed out after .*$", re.M)
+_FATAL = re.compile(r"\*\*\* (SIG[A-Z]+) \(@0x[0-9a-f]+\) received by PID")
+_ABORT = re.compile(r"^.*(?:Assertion .* failed|terminate called|core dumped).*$", re.M)
+_PEER_LOST = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed|"
+    r"Connection refused|ECONNRESET|EPIPE|TIMEOUT self_rank = \d+ pair_rank",
+    re.I,
+)
+_ERROR = re.compile(
+    r"^(\[rank \d+\] error: .*|(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b: .+)$", re.M
+)
+_PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.M)
+_RANK_TAG = re.compile(r"\[rank \d+\] ")
+_LAUNCHER_FAILED = "Container failed !!!"
+"""After this line the launcher re-prints the failed rank's log tail (`failure_report` says it)."""
+# Most telling first: the rank to blame for a failed job.
+_SEVERITY = ("killed", "signal", "error", "timeout", "peer", "stopped", "finished", "unknown")
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of a failed job ended, as its log and the launcher tell it."""
+
+    rank: int
+    kind: str
+    """One of `_SEVERITY`: killed (no word: SIGKILL, OOM), signal (fatal signal), error (own
+    non-zero exit), timeout (watchdog), peer (lost a peer), stopped (by the launcher), finished
+    (exit 0), unknown (no log)."""
+    text: str
+    """The sentence that explains it."""
+
+
+def _signal_name(code: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-code).name
+    return f"signal {-code}"
+
+
+def classify_rank(rank: int, log: str | None, launcher_code: int | None = None) -> RankOutcome:
+    """What `log` (this launch's part of `workerlog.<rank>`) says about how the rank ended.
+
+    `launcher_code` is the rank's exit code when the launcher reported it (negative: signal).
+    """
+    if log is None:
+        return RankOutcome(rank, "unknown", "wrote no log")
+    exits = EXIT_LINE.findall(log)
+    code = int(exits[-1][1]) if exits else None
+    fatal = [name for name in _FATAL.findall(log) if name != "SIGTERM"]
+    abort = _ABORT.search(log)
+    if fatal or abort:
+        what = f"crashed with {fatal[-1]}" if fatal else f"aborted ({abort.group(0).strip()})"
+        when = " after finishing its work (at exit)" if code == 0 else ""
+        return RankOutcome(rank, "signal", what + when)
+    if code is None and (timeout := _WATCHDOG.findall(log)):
+        return RankOutcome(rank, "timeout", f"was ended by the watchdog: {timeout[-1].strip()}")
+    if code == 0:
+        return RankOutcome(rank, "finished", "finished (exit 0)")
+    tracebacks = [m.start() for m in _PY_TRACEBACK.finditer(log)]
+    if code is not None or tracebacks:
+        # The exception line that ends the last Python traceback, else the rank's last error.
+        failure = log[tracebacks[-1] :] if tracebacks else log
+        errors = _ERROR.findall(failure)
+        last_error = (errors[0] if tracebacks else errors[-1]).strip() if errors else ""
+        if lost := _PEER_LOST.search(failure):
+            start = failure.rfind("\n", 0, lost.start()) + 1
+            end = failure.find("\n", lost.end())
+            line = failure[start : end if end >= 0 else None].strip()
+            return RankOutcome(rank, "peer", f"lost its connection to a peer ({line})")
+        what = f"exited with code {code}" if code is not None else "raised an exception"
+        return RankOutcome(rank, "error", what + (f": {last_error}" if last_error else ""))
+    if _FATAL.search(log):  # SIGTERM, and nothing of its own before it
+        return RankOutcome(rank, "stopped", "was stopped by the launcher (SIGTERM)")
+    if launcher_code is not None and launcher_code > 0:
+        return RankOutcome(rank, "error", f"exited with code {launcher_code} without an error")
+    how = (
+        f"the launcher saw exit code {launcher_code}: {_signal_name(launcher_code)}"
+        if launcher_code is not None and launcher_code < 0
+        else "killed from outside: SIGKILL or the out-of-memory killer?"
+    )
+    return RankOutcome(rank, "killed", f"died without writing an error ({how})")
+
+
+def launcher_codes(launcher_output: str) -> dict[int, int]:
+    """Exit codes of failed ranks reported by the launcher (`Container rank N ... code C`)."""
+    return {int(r): int(c) for r, c in _CONTAINER.findall(launcher_output)}
+
+
+def diagnose(logs: Mapping[int, str | None], launcher_output: str = "") -> list[RankOutcome]:
+    """Every rank's outcome, the rank to blame first (then by rank)."""
+    codes = launcher_codes(launcher_output)
+    outcomes = [classify_rank(r, logs[r], codes.get(r)) for r in sorted(logs)]
+    return sorted(outcomes, key=lambda o: (_SEVERITY.index(o.kind), o.rank))
+
+
+def _tail(text: str, lines: int) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+def failure_report(
+    code: int, logs: Mapping[int, str | None], launcher_output: str, log_dir: Path
+) -> str:
+    """The text printed after a failed job: the rank to blame, the others, its last lines."""
+    outcomes = diagnose(logs, launcher_output)
+    if not outcomes:
+        return f"flashcp: the job failed (exit {code})"
+    first = outcomes[0]
+    lines = [f"flashcp: the job failed (exit {code}): rank {first.rank} {first.text}"]
+    for other in outcomes[1:]:
+        same = _RANK_TAG.sub("", other.text) == _RANK_TAG.sub("", first.text)
+        lines.append(f"flashcp:   rank {other.rank} " + ("the same" if same else other.text))
+    log = logs.get(first.rank)
+    if log and (first.rank != 0 or first.kind == "killed"):  # rank 0's log was streamed
+        lines.append(f"flashcp: last lines of rank {first.rank}'s log "
+                     f"({log_dir / f'workerlog.{first.rank}'}):")  # fmt: skip
+        lines += [f"    {line}" for line in _tail(log, TAIL_LINES)]
+    return "\n".join(lines)
+
+
+def _log_sizes(log_dir: Path, nproc: int) -> dict[int, int]:
+    """Current sizes of the rank logs: the launcher appends, so a run's part starts there."""
+    sizes = {}
+    for rank in range(nproc):
+        path = log_dir / f"workerlog.{rank}"
+        sizes[rank] = path.stat().st_size if path.is_file() else 0
+    return sizes
+
+
+def read_rank_logs(log_dir: Path, offsets: Mapping[int, int]) -> dict[int, str | None]:
+    """Each rank's log written since `offsets` (None when the rank wrote none)."""
+    logs: dict[int, str | None] = {}
+    for rank, offset in offsets.items():
+        path = log_dir / f"workerlog.{rank}"
+        if not path.is_file():
+            logs[rank] = None
+            continue
+        with open(path, "rb") as f:
+            f.seek(offset)
+            logs[rank] = f.read().decode("utf-8", "replace")
+    return logs
+
+
 def _pump(src: TextIO, log: TextIO, out: TextIO) -> None:
     """Copy the launcher's output to `launcher.log`, and all but its banner to `out`."""
+    failed = False
     for line in src:
         log.write(line)
         log.flush()
+        failed = failed or _LAUNCHER_FAILED in line
         if (
-            line.startswith(_HIDDEN_PREFIXES)
+            failed
+            or line.startswith(_HIDDEN_PREFIXES)
             or _GLOG_INFO.match(line)
+            or EXIT_LINE.match(line)
             or any(n in line for n in _NOISE)
         ):
             continue
@@ -117,8 +364,14 @@ def run_job(
 ) -> int:
     """Launch the job, stream rank 0, return its exit code (130 after Ctrl-C, 143 SIGTERM)."""
     out = out or sys.stdout
-    log_dir = Path(output_dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        check_dispatch(config, overrides)
+        port = master_port()
+        log_dir = check_output_dir(output_dir)
+    except PreflightError as exc:
+        print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)
+        return EXIT_PREFLIGHT
+    offsets = _log_sizes(log_dir, nproc)
     marker = uuid.uuid4().hex
     env = dict(os.environ)
     for key in [k for k in env if k.startswith(("PADDLE_TRAINER", "PADDLE_MASTER", "MASTER_"))]:
@@ -128,7 +381,7 @@ def run_job(
     if progress is None:
         progress = out.isatty() if hasattr(out, "isatty") else False
     env.setdefault("FLASHCP_PROGRESS", "1" if progress else "0")
-    cmd = launch_command(config, overrides, nproc, log_dir)
+    cmd = launch_command(config, overrides, nproc, log_dir, port)
     print(f"flashcp: launching {nproc} process(es); logs in {log_dir}", file=out, flush=True)
     proc = subprocess.Popen(
         cmd,
@@ -162,4 +415,9 @@ def run_job(
             signal.signal(s, handler)
     if received:
         return 128 + received[0]
-    return int(proc.returncode)
+    code = int(proc.returncode)
+    if code != 0:
+        launcher_output = (log_dir / "launcher.log").read_text(errors="replace")
+        report = failure_report(code, read_rank_logs(log_dir, offsets), launcher_output, log_dir)
+        print(report, file=out, flush=True)
+    return code

@@ -1,0 +1,285 @@
+"""Run shipped configs through `flashcp train` and judge the result: golden losses, log hygiene.
+
+Shared by `test_jobs.py`, `test_faults.py`, `test_stress_quick.py`, `scripts/update_golden.py`
+and `scripts/stress_launch.py`, so "a clean job" and "the golden losses" mean one thing:
+
+* `run_flashcp(config, overrides)` runs `python -m flashcp train` (launcher and workers marked
+  with `FLASHCP_LAUNCH_ID`, so nothing outlives the timeout) and returns a `JobRun`.
+* `hygiene_problems(run)` lists why a finished job is not clean: exit code, a rank without its
+  `exit 0` line (written after process-group teardown), abort/assertion/crash text in any
+  log, a process left behind.
+* Golden losses (`tests/golden/losses.json`) are keyed by config path (relative to the repo):
+  `{"nproc", "steps", "overrides", "losses": {"1": ..., "2": ..., "4": ...}}`, read from each
+  run's `metrics.jsonl`; `compare_losses` checks them at `TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+from launch import MARKER_ENV, _alive, _marked_pids, kill_marked  # noqa: E402
+
+ROOT = _HERE.parents[1]
+GOLDEN_FILE = ROOT / "tests" / "golden" / "losses.json"
+GOLDEN_STEPS = 4
+"""Every golden job runs this many optimizer steps..."""
+CHECK_STEPS = (1, 2, 4)
+"""...and its losses at these steps are compared."""
+TOLERANCE = 1e-5
+"""Relative and absolute tolerance of a golden loss (CPU, deterministic mode)."""
+JOB_TIMEOUT = 180.0
+UPDATE_HINT = "run `python scripts/update_golden.py --write` and commit tests/golden/losses.json"
+
+BAD_LOG = re.compile(
+    r"Traceback|Assertion|assert(ion)? failed|Abort|core dumped|Segmentation fault|FatalError|"
+    r"terminate called|uv__|Error Message Summary|SIGSEGV|SIGABRT|SIGBUS|SIGTERM|SIGKILL",
+)
+"""Text that must never appear in a clean job's logs (upstream's GLM-4.5 DPO-LoRA-PP job died
+at shutdown with a libuv `uv__finish_close` assertion)."""
+EXIT_LINE = re.compile(r"^\[flashcp\] rank (\d+) exit (-?\d+)\s*$", re.M)
+
+
+def discover_configs(root: Path = ROOT) -> list[str]:
+    """Every shipped tiny config, `configs/**/tiny_*.yaml`, as repo-relative paths."""
+    return sorted(str(p.relative_to(root)) for p in (root / "configs").rglob("tiny_*.yaml"))
+
+
+def world_size(config: str | Path) -> int:
+    """The number of processes `flashcp train` launches for `config`."""
+    from flashcp.config import load_config
+
+    return int(load_config(ROOT / config).parallel.world_size)
+
+
+def golden_overrides(steps: int = GOLDEN_STEPS) -> list[str]:
+    """Overrides of a golden job (besides `run.output_dir`): short, deterministic, fresh."""
+    return [
+        f"train.steps={steps}",
+        "train.deterministic=true",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+    ]
+
+
+@dataclass
+class JobRun:
+    """One finished `flashcp train` job."""
+
+    config: str
+    nproc: int
+    returncode: int
+    output: str
+    """What `flashcp train` printed (stdout and stderr)."""
+    out_dir: Path
+    duration: float
+    timed_out: bool = False
+    leftover: list[int] = field(default_factory=list)
+    """Job processes still alive a few seconds after `flashcp train` exited (then killed)."""
+    log_offsets: dict[int, int] = field(default_factory=dict)
+    """Sizes of the rank logs before this job: the launcher appends to a reused output dir."""
+
+    @property
+    def log_dir(self) -> Path:
+        return self.out_dir / "logs"
+
+    def log(self, rank: int) -> str:
+        """What `rank` wrote to its log during this job."""
+        path = self.log_dir / f"workerlog.{rank}"
+        if not path.is_file():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(self.log_offsets.get(rank, 0))
+            return f.read().decode("utf-8", "replace")
+
+    def launcher_log(self) -> str:
+        path = self.log_dir / "launcher.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    def losses(self) -> dict[int, float]:
+        """Loss per step from `metrics.jsonl` (not grepped from a log)."""
+        from flashcp.trainer import read_metrics
+
+        return {int(r["step"]): float(r["loss"]) for r in read_metrics(self.out_dir)}
+
+    def summary(self, tail: int = 30) -> str:
+        """Output and each rank's log tail, for assertion messages."""
+        parts = [
+            f"{self.config}: returncode={self.returncode} timed_out={self.timed_out} "
+            f"duration={self.duration:.1f}s leftover={self.leftover}",
+            "--- flashcp train ---",
+            *self.output.splitlines()[-tail:],
+        ]
+        for rank in range(self.nproc):
+            parts += [f"--- rank {rank} ---", *self.log(rank).splitlines()[-tail:]]
+        return "\n".join(parts)
+
+
+def job_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment minus any surrounding job's identity, plus the launch marker."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "MASTER_"))}
+    env.pop("FLASHCP_FAULT", None)
+    env.update({MARKER_ENV: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+def start_flashcp(
+    config: str | Path, overrides: Sequence[str], marker: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """Start `python -m flashcp train CONFIG OVERRIDES` in the repo root (its own session)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "flashcp", "train", str(config), *overrides],
+        cwd=ROOT,
+        env=job_env(marker, env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+
+
+def leftover_after(marker: str, settle: float = 10.0) -> list[int]:
+    """Job processes still alive `settle` s after the job ended (they are then killed)."""
+    deadline = time.monotonic() + settle
+    while time.monotonic() < deadline and any(_alive(p) for p in _marked_pids(marker)):
+        time.sleep(0.1)
+    left = [p for p in _marked_pids(marker) if _alive(p)]
+    if left:
+        kill_marked(marker)
+    return left
+
+
+def run_flashcp(
+    config: str | Path,
+    overrides: Sequence[str],
+    out_dir: Path,
+    *,
+    nproc: int | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = JOB_TIMEOUT,
+) -> JobRun:
+    """Run a `flashcp train` job writing to `out_dir`; never outlives `timeout` s."""
+    marker = uuid.uuid4().hex
+    nproc = world_size(config) if nproc is None else nproc
+    logs = Path(out_dir) / "logs"
+    offsets = {
+        r: (logs / f"workerlog.{r}").stat().st_size
+        for r in range(nproc)
+        if (logs / f"workerlog.{r}").is_file()
+    }
+    start = time.monotonic()
+    proc = start_flashcp(config, [*overrides, f"run.output_dir={out_dir}"], marker, env)
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill_marked(marker)
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    duration = time.monotonic() - start
+    return JobRun(
+        config=str(config),
+        nproc=nproc,
+        returncode=-9 if timed_out else proc.returncode,
+        output=output,
+        out_dir=Path(out_dir),
+        duration=duration,
+        timed_out=timed_out,
+        leftover=leftover_after(marker),
+        log_offsets=offsets,
+    )
+
+
+def rank_exit_codes(log: str) -> list[int]:
+    """The exit codes a rank's log reports (`[flashcp] rank R exit C`), in order."""
+    return [int(code) for _, code in EXIT_LINE.findall(log)]
+
+
+def hygiene_problems(run: JobRun, *, expect_code: int = 0) -> list[str]:
+    """Why `run` is not a clean job (empty when it is)."""
+    found = []
+    if run.timed_out:
+        found.append(f"timed out after {run.duration:.0f} s")
+    elif run.returncode != expect_code:
+        found.append(f"exit code {run.returncode} (expected {expect_code})")
+    if run.leftover:
+        found.append(f"processes left behind: {run.leftover}")
+    for rank in range(run.nproc):
+        log = run.log(rank)
+        codes = rank_exit_codes(log)
+        if codes != [expect_code]:
+            found.append(
+                f"rank {rank} reported exit codes {codes} (expected [{expect_code}] after a "
+                "clean process-group teardown)"
+            )
+        if m := BAD_LOG.search(log):
+            found.append(f"rank {rank} log contains {m.group(0)!r}")
+    if m := BAD_LOG.search(run.launcher_log()):
+        found.append(f"launcher log contains {m.group(0)!r}")
+    return found
+
+
+# -- golden losses ----------------------------------------------------------------------------
+
+
+def load_golden(path: Path = GOLDEN_FILE) -> dict[str, Any]:
+    """The golden file (`{"jobs": {}}` when absent)."""
+    if not path.is_file():
+        return {"tolerance": TOLERANCE, "jobs": {}}
+    return json.loads(path.read_text())
+
+
+def golden_entry(run: JobRun, steps: int = GOLDEN_STEPS) -> dict[str, Any]:
+    """The golden record of a finished job."""
+    losses = run.losses()
+    return {
+        "nproc": run.nproc,
+        "steps": steps,
+        "overrides": golden_overrides(steps),
+        "losses": {str(s): losses[s] for s in CHECK_STEPS if s in losses},
+    }
+
+
+def close(a: float, b: float, tol: float = TOLERANCE) -> bool:
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def compare_losses(
+    config: str, want: Mapping[str, Any] | None, got: Mapping[str, Any], tol: float = TOLERANCE
+) -> list[str]:
+    """Differences between a golden entry and a new one (empty when they agree)."""
+    if want is None:
+        return [f"{config}: no golden losses: {UPDATE_HINT}"]
+    problems = []
+    for key in ("nproc", "steps", "overrides"):
+        if want.get(key) != got.get(key):
+            problems.append(
+                f"{config}: golden {key} {want.get(key)!r} != {got.get(key)!r}: {UPDATE_HINT}"
+            )
+    old, new = want.get("losses", {}), got.get("losses", {})
+    for step in sorted(set(old) | set(new), key=int):
+        if step not in old or step not in new:
+            problems.append(f"{config}: step {step} only in {'new' if step in new else 'golden'}")
+        elif not close(float(new[step]), float(old[step]), tol):
+            problems.append(
+                f"{config}: step {step} loss {new[step]!r} != golden {old[step]!r} "
+                f"(diff {float(new[step]) - float(old[step]):+.3e}, tolerance {tol:g})"
+            )
+    return problems

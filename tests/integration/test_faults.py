@@ -1,0 +1,194 @@
+"""Faults in real `flashcp train` jobs: a killed rank, a torn checkpoint, NaN/Inf.
+
+* A rank SIGKILLed mid-step: the job exits non-zero well within 60 s, names the dead rank, and
+  leaves no process behind (checked through the launch marker).
+* A crash while rank 0 writes `step_N.tmp/`: the previous checkpoint stays intact and
+  `checkpoint.resume: auto` continues from it, reproducing the golden losses; a corrupted
+  checkpoint is refused naming the file and its checksum (exit 4), or skipped by `auto`.
+* NaN in the loss: exit 3 naming the step and the rank; with `train.on_nonfinite: skip` the
+  job continues, says which steps it skipped, and `metrics.jsonl` marks them.
+
+Faults are injected with `FLASHCP_FAULT` (`flashcp.trainer.faults`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import jobs
+import pytest
+from launch import _alive, _marked_pids, kill_marked
+
+from flashcp.trainer import verify_checkpoint
+
+pytestmark = pytest.mark.integration
+
+GPT2 = "configs/gpt/tiny_cp2.yaml"
+GPT4 = "configs/gpt/tiny_cp4.yaml"
+DEAD_RANK_DEADLINE = 60.0
+
+
+def _rank_pid(marker: str, rank: int) -> int | None:
+    """The worker process of `rank` in the job marked `marker` (from its environment)."""
+    for pid in _marked_pids(marker):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"PADDLE_TRAINER_ID={rank}".encode() in environ and b"train.py" in cmdline:
+            return pid
+    return None
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_of_a_rank_mid_step_fails_fast_and_names_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    marker = uuid.uuid4().hex
+    args = ["train.steps=5000", "checkpoint.every=0", "checkpoint.resume=never",
+            f"run.output_dir={out}"]  # fmt: skip
+    proc = jobs.start_flashcp(GPT2, args, marker)
+    try:
+        deadline = time.monotonic() + 90
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.1)
+        pid = _rank_pid(marker, 1)
+        assert proc.poll() is None and pid is not None, proc.communicate()[0]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        text, _ = proc.communicate(timeout=DEAD_RANK_DEADLINE)
+        elapsed = time.monotonic() - killed
+        assert proc.returncode != 0, text
+        assert elapsed < DEAD_RANK_DEADLINE, elapsed
+        assert "the job failed" in text and "rank 1 died without writing an error" in text, text
+        assert "SIGKILL" in text, text
+        # rank 0 goes down with it: its next collective fails, or the launcher stops it
+        assert "rank 0 lost its connection to a peer" in text or "rank 0 was stopped" in text
+        assert jobs.leftover_after(marker) == []
+    finally:
+        kill_marked(marker)
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_fault_in_a_four_process_job(tmp_path: Path) -> None:
+    run = jobs.run_flashcp(
+        GPT4,
+        ["train.steps=4", "checkpoint.every=0", "checkpoint.resume=never"],
+        tmp_path / "run",
+        env={"FLASHCP_FAULT": "sigkill@step2:rank2"},
+    )
+    assert run.returncode != 0 and not run.timed_out, run.summary()
+    assert run.duration < DEAD_RANK_DEADLINE + 30, run.summary()
+    assert "rank 2 died without writing an error" in run.output, run.output
+    assert "[flashcp fault] rank 2 step 2: sigkill" in run.output  # its last log lines
+    assert run.leftover == []
+    assert [r["step"] for r in _metrics(run.out_dir)] == [1]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(240)
+def test_crash_during_checkpoint_write_then_resume_and_corruption(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    args = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=2"]
+
+    # 1. rank 0 dies inside step_4.tmp/: step_2 must stay intact, step_4 must not appear
+    crashed = jobs.run_flashcp(
+        GPT2, args, out, env={"FLASHCP_FAULT": "crash_in_checkpoint_write@step4"}
+    )
+    assert crashed.returncode != 0 and not crashed.timed_out, crashed.summary()
+    assert "rank 0 died without writing an error" in crashed.output, crashed.output
+    assert crashed.leftover == []
+    assert (ckpts / "step_4.tmp" / "model.safetensors").is_file()
+    assert not (ckpts / "step_4").exists()
+    assert verify_checkpoint(ckpts / "step_2") == []
+
+    # 2. resume: auto picks step_2 and the run ends on the golden losses
+    resumed = jobs.run_flashcp(GPT2, args, out)
+    assert jobs.hygiene_problems(resumed) == [], resumed.summary()
+    assert f"resumed from {ckpts / 'step_2'} at step 2" in resumed.output
+    golden = jobs.load_golden()["jobs"][GPT2]["losses"]
+    losses = resumed.losses()
+    for step, want in golden.items():
+        assert jobs.close(losses[int(step)], want), (step, losses, golden)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_4"]  # .tmp cleaned
+
+    # 3. a corrupted file (same size, one byte flipped) is refused, naming file and checksum
+    _flip_byte(ckpts / "step_4" / "optimizer.safetensors")
+    refused = jobs.run_flashcp(GPT2, [*args, f"checkpoint.resume={ckpts / 'step_4'}"], out)
+    assert refused.returncode == 4, refused.summary()
+    assert "is broken and was not loaded" in refused.output
+    assert "optimizer.safetensors does not match its sha256 checksum" in refused.output
+    assert refused.leftover == []
+
+    # 4. resume: auto skips it with a warning and continues from the intact step_2
+    fallback = jobs.run_flashcp(GPT2, ["train.steps=6", *args[1:]], out)
+    assert jobs.hygiene_problems(fallback) == [], fallback.summary()
+    assert "skipping broken checkpoint" in fallback.output
+    assert "optimizer.safetensors does not match its sha256 checksum" in fallback.output
+    assert f"resumed from {ckpts / 'step_2'} at step 2" in fallback.output
+
+
+@pytest.mark.timeout(180)
+def test_nan_loss_stops_naming_step_and_rank(tmp_path: Path) -> None:
+    run = jobs.run_flashcp(
+        GPT2,
+        ["train.steps=4", "checkpoint.every=0", "checkpoint.resume=never"],
+        tmp_path / "run",
+        env={"FLASHCP_FAULT": "nan_loss@step3:rank1"},
+    )
+    # every rank stops at the same step with exit 3, through a clean teardown
+    assert jobs.hygiene_problems(run, expect_code=3) == [], run.summary()
+    assert "non-finite loss on rank(s) 1" in run.output and "at step 3" in run.output
+    assert "flashcp: the job failed (exit 3)" in run.output
+    assert [r["step"] for r in _metrics(run.out_dir)] == [1, 2]  # nothing trained on garbage
+
+
+@pytest.mark.timeout(180)
+def test_nonfinite_skip_continues_and_reports(tmp_path: Path) -> None:
+    run = jobs.run_flashcp(
+        GPT2,
+        [
+            "train.steps=4",
+            "checkpoint.every=0",
+            "checkpoint.resume=never",
+            "train.on_nonfinite=skip",
+        ],  # fmt: skip
+        tmp_path / "run",
+        env={"FLASHCP_FAULT": "inf_loss@step2:rank1,nan_grad@step3:rank0"},
+    )
+    assert jobs.hygiene_problems(run) == [], run.summary()
+    assert "non-finite loss on rank(s) 1" in run.output
+    assert "at step 2: update skipped" in run.output
+    assert "non-finite gradients on rank(s) 0 at step 3: update skipped" in run.output
+    records = _metrics(run.out_dir)
+    assert [r["skipped"] for r in records] == [False, True, True, False]
+    assert records[1]["loss"] in ("nan", "inf")
+    assert isinstance(records[3]["loss"], float)
+    # steps 2-3 changed nothing: step 1's update is the last one before step 4
+    golden = jobs.load_golden()["jobs"][GPT2]["losses"]
+    assert jobs.close(records[0]["loss"], golden["1"])
+
+
+def test_rank_pid_ignores_unknown_jobs() -> None:
+    assert _rank_pid(uuid.uuid4().hex, 0) is None
+    assert not any(_alive(p) for p in _marked_pids(uuid.uuid4().hex))

@@ -1,0 +1,64 @@
+"""Every shipped tiny config as a real `flashcp train` job: clean, and on its golden losses.
+
+Each `configs/**/tiny_*.yaml` (found automatically, so new ones are covered the day they ship)
+runs with its own dp×pp×cp processes over gloo on CPU, deterministic, for 4 steps. The job must
+exit 0, every rank must report `exit 0` after tearing its process groups down, no log may hold
+abort/assertion/crash text, no process may be left behind, and the losses at steps 1, 2 and 4
+(read from `metrics.jsonl`) must match `tests/golden/losses.json` to 1e-5. A config without a
+golden entry FAILS, naming `scripts/update_golden.py`.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import jobs
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CONFIGS = jobs.discover_configs()
+
+
+def test_tiny_configs_are_discovered() -> None:
+    assert {"configs/gpt/tiny_cp2.yaml", "configs/gpt/tiny_cp4.yaml"} <= set(CONFIGS)
+    sizes = {jobs.world_size(c) for c in CONFIGS}
+    assert {2, 4} <= sizes, sizes  # both 2- and 4-process jobs are exercised
+
+
+def test_golden_file_has_no_stale_entries() -> None:
+    stale = sorted(set(jobs.load_golden()["jobs"]) - set(CONFIGS))
+    assert not stale, f"golden entries for configs that no longer ship: {stale}; " + (
+        jobs.UPDATE_HINT
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_tiny_config_job_is_clean_and_golden(config: str, tmp_path: Path) -> None:
+    run = jobs.run_flashcp(config, jobs.golden_overrides(), tmp_path / "run")
+    assert jobs.hygiene_problems(run) == [], run.summary()
+    assert f"launching {run.nproc} process(es)" in run.output
+    assert "[flashcp] rank" not in run.output  # exit lines stay in the logs
+    losses = run.losses()
+    assert sorted(losses) == list(range(1, jobs.GOLDEN_STEPS + 1)), losses
+    want = jobs.load_golden()["jobs"].get(config)
+    problems = jobs.compare_losses(config, want, jobs.golden_entry(run))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(180)
+def test_fixed_master_port(tmp_path: Path) -> None:
+    """`FLASHCP_MASTER_PORT` pins the launcher's master port; the job runs as usual."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = jobs.run_flashcp(
+        "configs/gpt/tiny_cp2.yaml",
+        jobs.golden_overrides(steps=2),
+        tmp_path / "run",
+        env={"FLASHCP_MASTER_PORT": str(port)},
+    )
+    assert jobs.hygiene_problems(run) == [], run.summary()
+    assert f"master: 127.0.0.1:{port}" in run.launcher_log()
