@@ -148,6 +148,10 @@ class CheckpointConfig:
     resume: str = "auto"
     """`auto` (newest intact checkpoint in run.output_dir, if any), `never`, or a checkpoint
     directory path."""
+    init_from: str | None = None
+    """A Hugging Face-layout safetensors checkpoint (file, or directory with
+    `model.safetensors[.index.json]`) the model starts from; null = seeded random init. A
+    resumed run restores its own checkpoint instead."""
 
 
 @dataclass(kw_only=True)

@@ -231,6 +231,12 @@ def _check_run(cfg: Config, c: _Checks) -> None:
         c.add("checkpoint.every", f"must be >= 0 (0 = never save), got {ck.every}")
     if ck.keep_last < 1:
         c.add("checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}")
+    if ck.init_from is not None and not Path(ck.init_from).exists():
+        c.add(
+            "checkpoint.init_from",
+            f"no checkpoint at {ck.init_from!r}: give a safetensors file or a directory with "
+            "model.safetensors (or its index), or null for random init",
+        )
     if ck.resume not in ("auto", "never") and not Path(ck.resume).is_dir():
         c.add(
             "checkpoint.resume",

@@ -105,11 +105,13 @@ def export_merged(cfg: Any, adapters: Path, out: Path) -> Path:
     """The base model of `cfg` (built from its seed, as the trainer does) with the adapters in
     `adapters` merged in, saved as a Hugging Face safetensors checkpoint in `out`."""
     from flashcp.models import build_model
-    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
     from flashcp.recipes.lora import load_adapters, merge_adapters
 
     paddle.seed(cfg.train.seed)
     model = build_model(cfg.model)
+    if cfg.checkpoint.init_from is not None:
+        load_hf_checkpoint(model, cfg.checkpoint.init_from)
     merged = merge_adapters(load_adapters(model, adapters))
     save_hf_checkpoint(merged, out)
     return out

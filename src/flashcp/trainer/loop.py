@@ -118,10 +118,21 @@ def set_determinism(cfg: Config) -> None:
 
 
 def default_model_factory(cfg: Config) -> paddle.nn.Layer:
-    """Build the configured model (seeded by the caller)."""
+    """Build the configured model (seeded by the caller), then load `checkpoint.init_from`."""
     from flashcp.models import build_model
 
-    return build_model(cfg.model)
+    model = build_model(cfg.model)
+    init_weights(model, cfg)
+    return model
+
+
+def init_weights(model: paddle.nn.Layer, cfg: Config) -> None:
+    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes)."""
+    if cfg.checkpoint.init_from is None:
+        return
+    from flashcp.models.hf_weights import load_hf_checkpoint
+
+    load_hf_checkpoint(model, cfg.checkpoint.init_from)
 
 
 def build_recipe(ctx: RecipeContext) -> Recipe:
