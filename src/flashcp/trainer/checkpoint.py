@@ -97,7 +97,6 @@ def save_checkpoint(
     """Write checkpoint `step` under `root` atomically; prune to `keep_last`. Returns its path."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = step_dir(root, step)
     tmp = root / f"step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -110,10 +109,28 @@ def save_checkpoint(
     for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
         _fsync_file(tmp / name)
         files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-    manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+    return publish(root, tmp, step, files, keep_last=keep_last)
+
+
+def publish(
+    root: Path,
+    tmp: Path,
+    step: int,
+    files: Mapping[str, Any],
+    *,
+    keep_last: int | None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the checksum manifest into `tmp`, then atomically rename it to `step_N`.
+
+    A step saved again swaps out the old directory first; `keep_last` then prunes. The one
+    commit path for single-file and per-stage (sharded) checkpoints.
+    """
+    manifest = {"format": FORMAT_VERSION, "step": step, "files": dict(files), **(extra or {})}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     _fsync_file(tmp / MANIFEST_FILE)
     _fsync_dir(tmp)
+    final = step_dir(root, step)
     old = None
     if final.exists():  # re-saving a step (e.g. after a fresh start): swap, then drop the old
         old = root / f"step_{step}.old"

@@ -32,14 +32,11 @@ from safetensors.numpy import save_file
 from flashcp.trainer import faults
 from flashcp.trainer.checkpoint import (
     FORMAT_VERSION,
-    MANIFEST_FILE,
     STATE_FILE,
     _contiguous,
-    _fsync_dir,
     _fsync_file,
     _sha256,
-    prune_checkpoints,
-    step_dir,
+    publish,
 )
 
 ADAPTER_DIR = "adapters"
@@ -91,7 +88,6 @@ def commit(
     root = Path(root)
     tmp = tmp_dir(root, step)
     faults.on_checkpoint_write(step, tmp)  # parts written, manifest not yet: a torn write
-    faults.on_checkpoint_write(step, tmp)
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1, sort_keys=True))
     _fsync_file(tmp / STATE_FILE)
     files = {}
@@ -101,21 +97,4 @@ def commit(
             raise FileNotFoundError(f"checkpoint part {f} was not written")
         files[name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
     layout = {"model": list(model_files), "optimizer": list(optimizer_files)}
-    manifest = {"format": FORMAT_VERSION, "step": step, "files": files, "layout": layout}
-    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    _fsync_file(tmp / MANIFEST_FILE)
-    _fsync_dir(tmp)
-    final = step_dir(root, step)
-    old = None
-    if final.exists():
-        old = root / f"step_{step}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-    tmp.rename(final)
-    _fsync_dir(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    if keep_last is not None:
-        prune_checkpoints(root, keep_last)
-    return final
+    return publish(root, tmp, step, files, keep_last=keep_last, extra={"layout": layout})
