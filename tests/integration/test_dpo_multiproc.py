@@ -26,53 +26,32 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from launch import MARKER_ENV, kill_marked, run_launch
+from launch import MARKER_ENV, kill_marked
 from safetensors.numpy import load_file
+from trainruns import train_in_process, train_launched
 
-from flashcp import dispatch
 from flashcp.config import load_config
 from flashcp.models import build_model
-from flashcp.trainer import Trainer, read_metrics
+from flashcp.trainer import read_metrics
 from flashcp.trainer.loop import GRADS_DIR
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = ROOT / "src" / "flashcp" / "train.py"
 CONFIGS = ROOT / "configs"
 STEPS = 3
 COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "debug.dump_grads=true"]
-FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
 ONE_PROCESS = ["parallel.pp=1", "parallel.cp=1", "parallel.pp_layers=null"]
 
 
 def in_process(config: Path, out: Path, overrides: Sequence[str] = ()) -> Path:
-    """`config` trained here with pp = cp = 1 (restores the flags the trainer sets)."""
-    cfg = load_config(config, [*COMMON, *ONE_PROCESS, *overrides, f"run.output_dir={out}"])
-    saved = {k: os.environ.get(k) for k in FLAGS}
-    try:
-        Trainer(cfg).fit()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return out
+    """`config` trained here with pp = cp = 1."""
+    return train_in_process(config, out, [*COMMON, *ONE_PROCESS, *overrides])
 
 
 def launch(config: Path, out: Path, nproc: int, overrides: Sequence[str] = ()) -> Path:
-    """`python -m paddle.distributed.launch --nproc_per_node N src/flashcp/train.py ...`."""
-    result = run_launch(
-        TRAIN,
-        nproc,
-        ["--config", str(config), *COMMON, f"run.output_dir={out}", *overrides],
-        timeout=150,
-        log_dir=out.parent / f"{out.name}_logs",
-    )
-    assert result.ok, result.summary()
-    assert result.leftover == [], result.summary()
-    return out
+    """`config` launched on `nproc` processes."""
+    return train_launched(config, out, nproc, [*COMMON, *overrides])
 
 
 def flashcp_train(config: Path, out: Path, timeout: float = 150) -> str:

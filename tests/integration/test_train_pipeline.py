@@ -16,23 +16,19 @@ gradients every step (`debug.dump_grads`: `grads/step_N.stageS.safetensors`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import run_launch
 from safetensors.numpy import load_file
+from trainruns import train_in_process, train_launched
 
-from flashcp import dispatch
-from flashcp.config import load_config
-from flashcp.trainer import Trainer, read_metrics
+from flashcp.trainer import read_metrics
 from flashcp.trainer.loop import GRADS_DIR
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = ROOT / "src" / "flashcp" / "train.py"
 GPT = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 GLM = ROOT / "configs" / "glm" / "tiny_cp2.yaml"
 STEPS = 4
@@ -44,35 +40,15 @@ COMMON = [
     "data.micro_batch_size=1",
     "parallel.cp=1",
 ]
-FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
 
 
 def in_process(config: Path, out: Path, overrides: list[str]) -> Path:
-    """Train `config` in this process (pp = cp = 1); restores the flags the trainer sets."""
-    cfg = load_config(config, [*COMMON, *overrides, f"run.output_dir={out}"])
-    saved = {k: os.environ.get(k) for k in FLAGS}
-    try:
-        Trainer(cfg).fit()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return out
+    """Train `config` in this process (pp = cp = 1)."""
+    return train_in_process(config, out, [*COMMON, *overrides])
 
 
 def launch(config: Path, out: Path, nproc: int, overrides: list[str]) -> Path:
-    result = run_launch(
-        TRAIN,
-        nproc,
-        ["--config", str(config), *COMMON, f"run.output_dir={out}", *overrides],
-        timeout=150,
-        log_dir=out.parent / f"{out.name}_logs",
-    )
-    assert result.ok, result.summary()
-    assert result.leftover == [], result.summary()
-    return out
+    return train_launched(config, out, nproc, [*COMMON, *overrides])
 
 
 def losses(run: Path) -> list[float]:
