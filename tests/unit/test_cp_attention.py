@@ -14,6 +14,7 @@ from flashcp.cp import MODES, Assignment, flashmask_attention_cp
 from flashcp.cp import attention as cp_attention
 from flashcp.dispatch import FlashAttnUnavailableError
 from flashcp.kernels.registry import get_backend
+from maskcases import overshoot
 from reference import dense_reference
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
@@ -41,6 +42,21 @@ def test_single_rank_matches_dense(family: str, mode: str) -> None:
     want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_values_beyond_seq_equal_the_clipped_mask(mode: str) -> None:
+    """Global thresholds >= S (upstream's "through the last row") give bit-identical results
+    to the same mask with S: same rebased local mask, same kernel call."""
+    q, k, v, dout = _inputs(1)
+    for family in ("causal", "document", "qk_sparse"):
+        mask = masks.FAMILIES[family](B, S, 1, 5)
+        over = overshoot(mask.indices, S, seed=2)
+        assert (over > S).any()
+        got = _run(q, k, v, dout, over, mask.causal, mode=mode)
+        want = _run(q, k, v, dout, mask.indices, mask.causal, mode=mode)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+            assert np.array_equal(a, b), f"{family}: {name} differs"
 
 
 # ------------------------------------------------------- one version, forward and backward
