@@ -337,12 +337,16 @@ ROWS = [
     call("mask_noncausal_1_column", _validate(_idx(1, 1, 8, 1), causal=False),
          ValueError, r"has C=1 columns \(shape \(1, 1, 8, 1\)\), which is not valid with "
                      r"causal=False: it needs C in \(2, 4\)\..*\(to_noncausal converts\)"),
-    call("mask_value_above_sq",
-         _validate(_idx(1, 1, 8, 1, at=(0, 0, 3, 0), value=9), causal=True),
-         ValueError, r"value 9 is outside \[0, Sq=8\]"),
+    call("mask_range_unordered_beyond_sq",  # 300 reads as Sq = 8 (upstream), still > LTE 5
+         _validate(_idx(1, 1, 8, 2, fill=5, at=(0, 0, 3, 0), value=300), causal=True),
+         ValueError, r"LTS > LTE \(300 > 5, first at \[b, h, j, c\] = \[0, 0, 3, 0\], 1 bad "
+                     r"entries in all\); a masked range is \[LTS, LTE\), write an empty one as "
+                     r"LTS = LTE"),
     call("mask_value_negative",
          _validate(_idx(1, 1, 8, 2, at=(0, 0, 1, 1), value=-1), causal=False),
-         ValueError, r"value -1 is outside"),
+         ValueError, r"value -1 is negative \(first at \[b, h, j, c\] = \[0, 0, 1, 1\], 1 bad "
+                     r"entries in all\); values are query-row thresholds >= 0 .*: write 0 for "
+                     r"the first row"),
     call("mask_range_unordered",
          _validate(_idx(1, 1, 8, 2, fill=5, at=(0, 0, 2, 0), value=7), causal=True),
          ValueError, r"has LTS > LTE \(7 > 5, first at \[b, h, j, c\] = \[0, 0, 2, 0\], 1 bad "
