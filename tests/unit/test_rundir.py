@@ -190,3 +190,51 @@ def test_run_job_overwrite_refuses_to_move_the_current_directory(
     assert code == job.EXIT_PREFLIGHT
     assert "which holds the current directory" in capsys.readouterr().err
     assert _files(out) == before
+
+
+def test_run_from_step_0_over_earlier_metrics_is_refused(tmp_path: Path) -> None:
+    """No checkpoint to continue from (every=0 runs) but metrics.jsonl has records: starting
+    again would truncate them, under `auto` as under `never`; `overwrite` is the way out."""
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 5.1}\n')
+    want = (
+        f"run.output_dir {out} holds metrics.jsonl of an earlier run (2 step record(s)) and no "
+        "checkpoint to continue from, so this run would start from step 0 and overwrite it: "
+        "set run.overwrite=true to move the earlier run aside and start over, or choose "
+        "another run.output_dir"
+    )
+    for resume in ("never", "auto"):
+        assert rundir.metrics_conflict(out, resume) == want
+        assert rundir.start_conflict(out, resume, False) == want
+        with pytest.raises(rundir.RunDirError, match="would start from step 0"):
+            rundir.check_start(out, resume, False)
+    assert rundir.metrics_conflict(out, str(out / "checkpoints" / "step_2")) is None
+    assert rundir.start_conflict(out, "auto", True) is not None  # ranks never move a run
+    (out / "metrics.jsonl").write_text("\n")  # an empty file holds no run
+    assert rundir.metrics_conflict(out, "never") is None
+    assert rundir.metrics_conflict(tmp_path / "missing", "auto") is None
+
+
+def test_resume_auto_over_checkpoints_and_metrics_continues(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _earlier_run(out)
+    assert rundir.metrics_conflict(out, "auto") is None  # the checkpoint continues the run
+    assert rundir.fresh_start_conflict(out, "auto") is None
+    assert rundir.fresh_start_conflict(out, "never") == rundir.checkpoint_conflict(out, "never")
+
+
+def test_run_job_refuses_run_over_earlier_metrics_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _quiet_job(monkeypatch)
+    monkeypatch.setattr(job, "launch_command", lambda *a, **k: pytest.fail("launched"))
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    before = _files(out)
+    code = job.run_job(CONFIG, [], nproc=2, output_dir=out, resume="auto", out=io.StringIO())
+    assert code == job.EXIT_PREFLIGHT
+    err = capsys.readouterr().err
+    assert err == f"flashcp: cannot launch: {rundir.metrics_conflict(out, 'auto')}\n"
+    assert _files(out) == before

@@ -173,11 +173,12 @@ def check_output_dir(output_dir: str | Path) -> Path:
 
 
 def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> None:
-    """A fresh run (`resume` never) may not start over checkpoints, unless `overwrite` (then
-    `_move_aside` moves them away after every other check has passed)."""
+    """A fresh run (`resume` never) may not start over checkpoints, nor a run from step 0 over
+    an earlier run's metrics, unless `overwrite` (then `_move_aside` moves the earlier run away
+    after every other check has passed)."""
     if overwrite:
         return
-    if (problem := rundir.checkpoint_conflict(output_dir, resume)) is not None:
+    if (problem := rundir.fresh_start_conflict(output_dir, resume)) is not None:
         raise PreflightError(problem)
 
 

@@ -4,7 +4,9 @@ A run writes `checkpoints/`, `metrics.jsonl`, `config.yaml` and `logs/` to `run.
 A fresh run (`checkpoint.resume: never`) in a directory that already holds checkpoints would mix
 two runs, so it is refused, with the three ways out (`start_conflict`): continue the run
 (`checkpoint.resume=auto`), start over in the same place (`run.overwrite=true`), or write
-elsewhere (another `run.output_dir`). `flashcp train` checks this before launching; every rank
+elsewhere (another `run.output_dir`). A run that would start from step 0 (no checkpoint to
+continue from, whatever `checkpoint.resume` says) over the `metrics.jsonl` of an earlier run would
+truncate it, so it is refused too (`metrics_conflict`), with the two ways out that apply. `flashcp train` checks this before launching; every rank
 (`flashcp/train.py`) and the `Trainer` check it again with the same message, for jobs started
 by `paddle.distributed.launch` directly and for in-process use.
 
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from flashcp.trainer.checkpoint import CHECKPOINT_DIR, list_checkpoints
+from flashcp.trainer.metrics import METRICS_FILE
 
 LOG_DIR = "logs"
 ASIDE = ".old-"
@@ -57,6 +60,36 @@ def checkpoint_conflict(output_dir: str | Path, resume: str) -> str | None:
     )
 
 
+def metrics_conflict(output_dir: str | Path, resume: str) -> str | None:
+    """The refusal of a run that would start from step 0 over an earlier run's metrics.
+
+    None when `resume` names a checkpoint, when there is a checkpoint to continue from (resume
+    `auto`; `never` over checkpoints is `checkpoint_conflict`), or when `metrics.jsonl` is
+    missing or empty.
+    """
+    out = Path(output_dir)
+    if resume not in ("never", "auto") or list_checkpoints(out / CHECKPOINT_DIR):
+        return None
+    metrics = out / METRICS_FILE
+    try:
+        records = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not records:
+        return None
+    return (
+        f"run.output_dir {output_dir} holds {METRICS_FILE} of an earlier run ({records} "
+        "step record(s)) and no checkpoint to continue from, so this run would start from step "
+        f"0 and overwrite it: set run.overwrite=true to move the earlier run aside and start "
+        "over, or choose another run.output_dir"
+    )
+
+
+def fresh_start_conflict(output_dir: str | Path, resume: str) -> str | None:
+    """`checkpoint_conflict`, else `metrics_conflict`: why a run may not write here."""
+    return checkpoint_conflict(output_dir, resume) or metrics_conflict(output_dir, resume)
+
+
 def holds_cwd(output_dir: str | Path) -> bool:
     """Whether the current directory is `output_dir` or inside it (it cannot be moved away)."""
     out = Path(output_dir).resolve()
@@ -76,7 +109,7 @@ def start_conflict(output_dir: str | Path, resume: str, overwrite: bool) -> str 
             "of a job started by paddle.distributed.launch do not: run `flashcp train CONFIG "
             f"run.overwrite=true`, or move {output_dir} away yourself"
         )
-    return checkpoint_conflict(output_dir, resume)
+    return fresh_start_conflict(output_dir, resume)
 
 
 def check_start(output_dir: str | Path, resume: str, overwrite: bool) -> None:
