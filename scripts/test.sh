@@ -25,6 +25,9 @@ VPY=$ROOT/.venv/bin/python
 echo "== installing flashcp with test extras"
 "$VPY" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
   | { grep -v -E "^WARNING: Location|^\s*$" || true; }
+# The stamp scripts/quickstart.sh checks: this install covers its own (no reinstall needed).
+"$VPY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())' \
+  >.venv/flashcp-install.sha256
 
 echo "== ruff"
 "$VPY" -m ruff check src tests scripts

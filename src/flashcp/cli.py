@@ -107,6 +107,8 @@ def _train(args: argparse.Namespace) -> int:
         args.overrides,
         nproc=cfg.parallel.world_size,
         output_dir=cfg.run.output_dir,
+        resume=cfg.checkpoint.resume,
+        overwrite=cfg.run.overwrite,
     )
 
 

@@ -14,6 +14,15 @@ False        4     [LTS, LTE, UTS, UTE]        LTS[j] <= i < LTE[j]   or  UTS[j]
 
 (`causal` is aligned to the bottom-right corner when Sq != Sk, as in FlashAttention >= 2.1.)
 
+Values are >= 0 and have no upper bound: any value >= Sq means "through the last row" (as a
+range end) and "no row" (as a range start), exactly what Sq itself means (`clip_rows` writes
+them as Sq). This follows upstream: Paddle's `flashmask_attention` docstring
+(python/paddle/nn/functional/flash_attention.py, Paddle 3.3.1) defines each value as the row
+from which "the startend_row_indices[..., 0]-th row downwards (inclusive)" is masked, bounded
+by nothing but the rows that exist, and upstream code builds an all-visible causal mask for
+fewer query rows than keys (a CP rank's local rows, Sq != Sk) with
+`paddle.full([b, 1, Sk, 1], fill_value=Sk)`.
+
 Also here: `to_noncausal` (move causality into the indices, as CP needs), `validate`, one
 builder per mask family of the FlashMask docs (each returns a `Mask`), and `FAMILIES`, one
 seeded generator per family for parametrized kernel, CP and benchmark runs.
@@ -40,6 +49,18 @@ def as_numpy(startend_row_indices: Any) -> np.ndarray:
     if hasattr(startend_row_indices, "numpy"):
         return np.asarray(startend_row_indices.numpy())
     return np.asarray(startend_row_indices)
+
+
+def clip_rows(startend_row_indices: Any, q_len: int) -> np.ndarray:
+    """The same mask with every value >= `q_len` written as `q_len` (a new int32 array).
+
+    The canonical form of a mask for Sq = `q_len` query rows: a row threshold at or past the
+    last row means "through the last row" whatever its value (see the module docstring), so
+    `to_dense`, the tile classes and the kernel's output are the same for the mask and its
+    clipped form. Negative values are left as they are (`validate` refuses them).
+    """
+    idx = as_numpy(startend_row_indices)
+    return np.minimum(idx, int(q_len)).astype(np.int32)
 
 
 def _intervals(idx: np.ndarray, causal: bool, q_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -107,6 +128,7 @@ def classify_tiles(
     idx = as_numpy(startend_row_indices)
     b, hm, sk, _ = idx.shape
     sq = sk if q_len is None else int(q_len)
+    idx = clip_rows(idx, sq)  # values >= Sq mean Sq: keeps the per-block min/max exact
     nq = -(-sq // block_q)
     nk = -(-sk // block_k)
     pad = nk * block_k - sk
@@ -209,10 +231,12 @@ def validate(
 ) -> np.ndarray:
     """Check a mask against what FlashMask needs; return it as numpy. Raises `ValueError`.
 
-    Checks: rank 4, int32, B, Sk, Hm in {1, H_kv, H_q}, column count for `causal`, values in
-    [0, Sq] (Sq = q_len, else Sk), and each range ordered (LTS <= LTE, UTS <= UTE). The lower
-    and upper ranges may overlap (e.g. a converted causal mask): the kernel masks their union.
-    Arguments left as None are not checked.
+    Checks: rank 4, int32, B, Sk, Hm in {1, H_kv, H_q}, column count for `causal`, values
+    >= 0, and each range ordered (LTS <= LTE, UTS <= UTE) once values >= Sq (Sq = q_len, else
+    Sk) are read as Sq. Values above Sq are valid: as upstream FlashMask reads them, any value
+    >= Sq means "through the last row" (e.g. a causal mask for Sq != Sk filled with Sk). The
+    lower and upper ranges may overlap (e.g. a converted causal mask): the kernel masks their
+    union. Arguments left as None are not checked.
     """
     idx = as_numpy(startend_row_indices)
     if idx.ndim != 4:
@@ -251,19 +275,21 @@ def validate(
             "(to_noncausal converts)."
         )
     sq = sk if q_len is None else int(q_len)
-    bad = (idx < 0) | (idx > sq)
+    bad = idx < 0
     if bad.any():
         v = int(idx[tuple(np.argwhere(bad)[0])])
         raise ValueError(
-            f"startend_row_indices value {v} is outside [0, Sq={sq}] ({_first_bad(bad)}); "
-            "values are query-row thresholds, so clip them to [0, Sq]."
+            f"startend_row_indices value {v} is negative ({_first_bad(bad)}); values are "
+            f"query-row thresholds >= 0 (0 is the first row; any value >= Sq={sq} means "
+            "through the last row): write 0 for the first row."
         )
+    clipped = clip_rows(idx, sq)
     pairs = [(0, 1, "LTS", "LTE")] if (causal and ncol == 2) else []
     if ncol == 4:
         pairs = [(0, 1, "LTS", "LTE"), (2, 3, "UTS", "UTE")]
     for lo, hi, lo_name, hi_name in pairs:
         bad = np.zeros(idx.shape, dtype=bool)
-        bad[..., lo] = idx[..., lo] > idx[..., hi]
+        bad[..., lo] = clipped[..., lo] > clipped[..., hi]
         if bad.any():
             b0, h0, j0, _ = (int(p) for p in np.argwhere(bad)[0])
             raise ValueError(

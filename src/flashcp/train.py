@@ -6,7 +6,9 @@
 (Paddle's launcher takes a script path, not `-m module`: `-m` abbreviates its `--master`
 flag. `flashcp train CONFIG` finds this file through `flashcp.train.__file__`.)
 
-Exit codes: 0 done, 2 bad config (every problem printed by rank 0), 3 non-finite loss or
+Exit codes: 0 done, 2 bad config or a run directory the run may not start in (every problem
+printed by rank 0, before the distributed runtime starts: `flashcp.trainer.rundir`; this path
+never moves an earlier run aside for `run.overwrite`, `flashcp train` does), 3 non-finite loss or
 gradients, 4 a broken checkpoint was asked for, 1 anything else. Every rank's last line is
 `[flashcp] rank R exit CODE` (after the process groups are torn down), so a supervisor can tell
 a rank that finished from one that was killed (`flashcp.trainer.job` reads it after a failure).
@@ -49,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown
     from flashcp.log import process_rank
-    from flashcp.trainer import CheckpointError, NonFiniteError, Trainer, faults
+    from flashcp.trainer import CheckpointError, NonFiniteError, Trainer, faults, rundir
 
     rank = process_rank()
     try:
@@ -58,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = launch_env().world_size
         cfg = load_config(args.config, args.overrides, world_size=world)
         injected = faults.active_faults()
-    except (ConfigValidationError, faults.FaultSpecError) as exc:
+        rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
+    except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError) as exc:
         if rank == 0:
             print(exc, file=sys.stderr, flush=True)
         return EXIT_CONFIG

@@ -23,6 +23,7 @@ from flashcp import attention, dispatch, masks
 from flashcp.attention import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import CpuReferenceBackend, registry
 from flashcp.kernels.cpu_plan import TilePlan, head_units
+from maskcases import overshoot
 from reference import NAMES, compare_attention, dense_reference
 
 BLOCKS = [(16, 16), (32, 8)]  # (block_q, block_k): neither divides the odd sizes used
@@ -402,9 +403,9 @@ BAD_INPUTS = {
         "mask heads",
     ),
     "mask_values": (
-        lambda q, k, v, m, kw: (q, k, v, _mask(9, (2, 1, 8, 1)), kw),
+        lambda q, k, v, m, kw: (q, k, v, _mask(-1, (2, 1, 8, 1)), kw),
         ValueError,
-        "outside",
+        r"value -1 is negative \(first at \[b, h, j, c\] = \[0, 0, 0, 0\]",
     ),
     "dropout_negative": (
         lambda q, k, v, m, kw: (q, k, v, m, {**kw, "dropout": -0.1}),
@@ -497,3 +498,56 @@ def test_backend_and_plan_errors() -> None:
         TilePlan(idx, batch=2, q_len=4, k_len=4, causal=False)
     with pytest.raises(ValueError, match="align"):
         head_units(12, 4, 3)  # 4 query heads per mask head straddle KV groups of 3
+
+
+# ------------------------------------------------------ values >= Sq ("through the last row")
+
+
+def assert_bitwise(got, want) -> None:
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        assert np.array_equal(a, b), f"{name} differs"
+
+
+@pytest.mark.parametrize("blocks", [(8, 8, 16), (16, 8, 1024)], indirect=True)
+@pytest.mark.parametrize("sq", [45, 29])
+@pytest.mark.parametrize("family", sorted(masks.FAMILIES))
+def test_values_beyond_sq_equal_the_clipped_mask(family: str, sq: int, blocks) -> None:
+    """Upstream reads any value >= Sq as Sq: same output, LSE and grads, bit for bit.
+
+    The mask is built for Sk = 45 keys; with Sq = 29 its own "to the end" values (45) already
+    exceed Sq, and every value >= Sq is then replaced by a random one up to 2**31 - 1. Same
+    process, same tiles, same order, so the comparison with the clipped mask is bitwise; the
+    dense float64 oracle checks that both are right.
+    """
+    sk = 45
+    rng = np.random.default_rng(sq * 1000 + sorted(masks.FAMILIES).index(family))
+    mask = masks.FAMILIES[family](2, sk, 1, 3)
+    over = overshoot(mask.indices, sq, seed=sq)
+    clipped = masks.clip_rows(over, sq)
+    assert (over > sq).any() and not np.array_equal(over, clipped)
+    q, k, v, dout = make_inputs(rng, 2, sq, sk, 2, 1, 8)
+    got = run_front_door(q, k, v, dout, over, causal=mask.causal)
+    assert_bitwise(got, run_front_door(q, k, v, dout, clipped, causal=mask.causal))
+    assert_matches(got, dense_reference(q, k, v, dout, over, causal=mask.causal))
+
+
+def test_upstream_causal_idiom_sq_192_sk_256() -> None:
+    """The reported case: causal, Sq=192, Sk=256, indices filled with Sk. It used to be refused
+    ("value 256 is outside [0, Sq=192]"); now it is plain bottom-right causal attention."""
+    sq, sk = 192, 256
+    rng = np.random.default_rng(192)
+    q, k, v, dout = make_inputs(rng, 1, sq, sk, 2, 1, 16)
+    fill = {n: np.full((1, 1, sk, 1), n, np.int32) for n in (sk, sq, sq - 1)}
+    got = run_front_door(q, k, v, dout, fill[sk], causal=True)
+    assert_bitwise(got, run_front_door(q, k, v, dout, fill[sq], causal=True))
+    assert_bitwise(got, run_front_door(q, k, v, dout, None, causal=True))
+    assert_matches(got, dense_reference(q, k, v, dout, None, causal=True))
+    # Negative control: a real change of the mask (last row masked) does change the result.
+    other = run_front_door(q, k, v, dout, fill[sq - 1], causal=True)
+    assert not np.array_equal(got[0], other[0])
+    plans = [
+        TilePlan(fill[n], batch=1, q_len=sq, k_len=sk, causal=True, block_q=32, block_k=32)
+        for n in (sk, sq)
+    ]
+    np.testing.assert_array_equal(plans[0].tiles, plans[1].tiles)
+    assert plans[0].stats() == plans[1].stats()

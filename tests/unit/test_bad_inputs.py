@@ -4,17 +4,22 @@ Every row is (id, where the input enters, the input, the exception or exit code,
 message must match). Entry points, all public:
 
 * `cli`: `flashcp train CONFIG OVERRIDES` (`flashcp.cli.main`) with an environment; the job is
-  never launched (`launch_command` would fail the test) and the output directory holds nothing
-  but, at most, a log.
+  never launched (`launch_command` would fail the test).
 * `worker`: one rank of a launched job (`flashcp.train.main`) under a fake launcher environment;
   it must return before the distributed runtime starts (`init_distributed` would fail the test).
+* For both, `run.output_dir` already holds a real earlier run (trained once per module: a
+  checkpoint, metrics.jsonl, config.yaml, its log), and nothing may be lost: after the refusal
+  it and everything else in the test's directory are byte-identical to before, no file or
+  directory added. The current directory is the test's (`{tmp}` in patterns; `{out}`: the run).
 * `call`: a library call (masks, attention, CP attention, dispatch, fault specs); the kernel and
   the FlashAttention dispatch must not be reached (both replaced by failing stand-ins).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,9 +35,10 @@ import flashcp.train
 from flashcp import cli as flashcp_cli
 from flashcp import dispatch, masks
 from flashcp.attention import flashmask_attention
+from flashcp.config import load_config
 from flashcp.cp import flashmask_attention_cp
 from flashcp.kernels import registry
-from flashcp.trainer import faults, job
+from flashcp.trainer import Trainer, faults, job, read_metrics, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "gpt" / "tiny_cp2.yaml")
@@ -48,7 +54,8 @@ class Row:
     entry: str
     """`cli`, `worker` or `call`."""
     args: Any
-    """cli/worker: overrides (`{tmp}` is the test's directory); call: a zero-argument callable."""
+    """cli/worker: overrides (`{tmp}`: the test's directory, `{out}`: the default
+    run.output_dir); call: a zero-argument callable."""
     expect: type[BaseException] | int
     """The exception (call) or exit code (cli, worker)."""
     match: str
@@ -148,156 +155,245 @@ W2 = {"PADDLE_TRAINERS_NUM": "2"}
 ROWS = [
     # -- configs: keys, types, values ----------------------------------------------------------
     cli("unknown_key", ["train.stepz=3"],
-        r"train\.stepz: unknown key \(did you mean steps\?\)"),
+        r"train\.stepz: unknown key \(did you mean steps\?\) "
+        r"\[set on the command line: train\.stepz=3\]"),
     cli("unknown_section", ["trian.steps=3"],
         r"trian: unknown section \(did you mean train\?\)"),
     cli("type_number", ["train.lr=fast"],
-        r"train\.lr: expected a number, got 'fast'"),
+        r"train\.lr: expected a number, got 'fast' \(a string\) "
+        r"\[set on the command line: train\.lr=fast\]"),
     cli("type_integer", ["train.steps=2.5"],
-        r"train\.steps: expected an integer, got 2\.5"),
+        r"train\.steps: expected an integer, got 2\.5 \(a number\) "
+        r"\[set on the command line: train\.steps=2\.5\]"),
     cli("type_bool", ["train.deterministic=maybe"],
-        r"train\.deterministic: expected true or false"),
+        r"train\.deterministic: expected true or false, got 'maybe' \(a string\)"),
     cli("bad_cp_mode", ["parallel.cp_mode=ring"],
-        r"parallel\.cp_mode: expected one of 'dualchunk_allgather'"),
+        r"parallel\.cp_mode: expected one of 'dualchunk_allgather', 'contiguous_allgather', "
+        r"'workload_balanced', got 'ring'"),
     cli("seq_len_vs_2cp", ["data.seq_len=250"],
-        r"data\.seq_len: 250 is not a multiple of 2·cp = 4"),
+        r"data\.seq_len: 250 is not a multiple of 2·cp = 4 \(parallel\.cp_mode "
+        r"dualchunk_allgather, parallel\.cp 2\): set data\.seq_len to a multiple of 4 "
+        r"\(e\.g\. 250→252\) or set parallel\.pad: true"),
     cli("seq_len_vs_4cp_balanced", ["parallel.cp_mode=workload_balanced", "data.seq_len=252"],
-        r"data\.seq_len: 252 is not a multiple of 4·cp = 8"),
+        r"data\.seq_len: 252 is not a multiple of 4·cp = 8 \(parallel\.cp_mode workload_balanced, "
+        r"parallel\.cp 2\): set data\.seq_len to a multiple of 8 \(e\.g\. 252→256\)"),
     cli("seq_len_vs_cp_contiguous", ["parallel.cp_mode=contiguous_allgather", "parallel.cp=3"],
-        r"data\.seq_len: 256 is not a multiple of cp = 3"),
+        r"data\.seq_len: 256 is not a multiple of cp = 3 \(parallel\.cp_mode contiguous_allgather, "
+        r"parallel\.cp 3\): set data\.seq_len to a multiple of 3 \(e\.g\. 256→258\)"),
     cli("heads_vs_gqa", ["model.num_heads=8", "model.num_kv_heads=3"],
-        r"num_heads 8 is not a multiple of num_kv_heads 3"),
+        r"model\.num_heads: num_heads 8 is not a multiple of num_kv_heads 3: grouped-query "
+        r"attention shares each KV head among num_heads / num_kv_heads query heads"),
     cli("layers_vs_stages", ["parallel.pp=3"],
-        r"model\.num_layers: 2 layers cannot fill parallel\.pp = 3 pipeline stages"),
+        r"model\.num_layers: 2 layers cannot fill parallel\.pp = 3 pipeline stages: lower "
+        r"parallel\.pp to at most 2 or add layers"),
     cli("bad_fa_policy", ["attention.fa4_unavailable=maybe"],
         r"attention\.fa4_unavailable: expected one of 'error', 'fallback', got 'maybe'"),
     cli("bad_on_nonfinite", ["train.on_nonfinite=ignore"],
         r"train\.on_nonfinite: expected one of 'stop', 'skip', got 'ignore'"),
     cli("negative_lr", ["train.lr=-1"],
-        r"train\.lr: must be > 0, got -1"),
+        r"train\.lr: must be > 0, got -1\.0 \[set on the command line: train\.lr=-1\]"),
     cli("min_lr_above_lr", ["train.min_lr=1.0"],
-        r"train\.min_lr: 1\.0 is above train\.lr"),
+        r"train\.min_lr: 1\.0 is above train\.lr 0\.003: set train\.min_lr <= lr"),
     cli("zero_dp", ["parallel.dp=0"],
-        r"parallel\.dp: must be an integer >= 1, got 0"),
+        r"parallel\.dp: must be an integer >= 1, got 0 "
+        r"\[set on the command line: parallel\.dp=0\]"),
     cli("zero_micro_batch", ["data.micro_batch_size=0"],
-        r"data\.micro_batch_size: must be >= 1"),
+        r"data\.micro_batch_size: must be >= 1, got 0"),
     cli("vocab_vs_tokenizer", ["model.vocab_size=100"],
-        r"model\.vocab_size: 100 is smaller than the byte tokenizer"),
+        r"model\.vocab_size: 100 is smaller than the byte tokenizer's 259 ids: set "
+        r"model\.vocab_size >= 259"),
     cli("seq_len_vs_max", ["data.seq_len=4096"],
-        r"data\.seq_len 4096 exceeds model\.max_seq_len 256"),
+        r"data\.seq_len: data\.seq_len 4096 exceeds model\.max_seq_len 256: lower data\.seq_len "
+        r"or raise model\.max_seq_len"),
     cli("bf16_on_cpu", ["train.dtype=bfloat16", "run.device=cpu"],
-        r"train\.dtype: bfloat16 needs a GPU"),
+        r"train\.dtype: bfloat16 needs a GPU \(run\.device is cpu\): set train\.dtype: float32 "
+        r"or run\.device: gpu"),
     cli("unknown_recipe", ["run.recipe=pretrian"],
         r"run\.recipe: unknown recipe 'pretrian' \(did you mean pretrain\?\)"),
     cli("unknown_preset", ["model.preset=huge"],
-        r"model\.preset: unknown preset 'huge' \(presets: .*tiny"),
+        r"model\.preset: unknown preset 'huge' \(presets: glm45_air, .*\btiny\b"),
     cli("malformed_override", ["train.steps"],
-        r"override 'train\.steps' is not of the form key\.sub=value"),
+        r"train\.steps: override 'train\.steps' is not of the form key\.sub=value "
+        r"\(e\.g\. train\.steps=10\)"),
     cli("resume_missing", ["checkpoint.resume={tmp}/no_ckpt"],
-        r"checkpoint\.resume: '.*no_ckpt' is not 'auto', 'never' or an existing checkpoint"),
+        r"checkpoint\.resume: '{tmp}/no_ckpt' is not 'auto', 'never' or an existing checkpoint "
+        r"directory"),
     cli("tokenizer_missing", ["data.tokenizer={tmp}/tok.json"],
-        r"data\.tokenizer: '.*tok\.json' is neither 'byte'"),
-    cli("config_missing", [], r"cannot read", config="missing"),
-    cli("config_not_yaml", [], r"not valid YAML", config="model: [1,\n"),
-    cli("config_not_mapping", [], r"top level must be a mapping", config="- 1\n"),
-    cli("config_no_model", [], r"model: required", config="train:\n  steps: 2\n"),
+        r"data\.tokenizer: '{tmp}/tok\.json' is neither 'byte' nor an existing tokenizer\.json "
+        r"file"),
+    cli("config_missing", [],
+        r"<file>: cannot read {tmp}/missing\.yaml: No such file or directory", config="missing"),
+    cli("config_not_yaml", [],
+        r"config problem in {tmp}/config\.yaml:\n  - <file>: not valid YAML: while parsing a "
+        r"flow node", config="model: [1,\n"),
+    cli("config_not_mapping", [],
+        r"<file>: the top level must be a mapping of sections, got a list", config="- 1\n"),
+    cli("config_no_model", [],
+        r"model: required section is missing: give model\.preset \(one of .*\btiny\b.*\) and/or "
+        r"every ModelArgs field", config="train:\n  steps: 2\n"),
+    cli("overwrite_not_bool", ["run.overwrite=maybe"],
+        r"run\.overwrite: expected true or false, got 'maybe' \(a string\)"),
+    cli("overwrite_resume_inside_output_dir",
+        ["run.overwrite=true", "checkpoint.resume={out}/checkpoints/step_2"],
+        r"run\.overwrite: true moves run\.output_dir {out} aside before the run, but "
+        r"checkpoint\.resume '{out}/checkpoints/step_2' is inside it: resume from a checkpoint "
+        r"outside run\.output_dir, or set run\.overwrite=false"),
     # -- launch: data file, output dir, port, FlashAttention flags (before launching) ----------
     cli("missing_data_file", ["data.path={tmp}/no_such.jsonl"],
-        r"data\.path: no file at '.*no_such\.jsonl'"),
+        r"data\.path: no file at '{tmp}/no_such\.jsonl': give a JSONL file, or null for the "
+        r"built-in corpus"),
     cli("data_path_is_dir", ["data.path={tmp}"],
-        r"data\.path: no file at"),
+        r"data\.path: no file at '{tmp}': give a JSONL file, or null for the built-in corpus"),
     cli("output_dir_under_a_file", ["run.output_dir={tmp}/a_file/out"],
-        r"run\.output_dir .*a_file/out is not a writable directory: Not a directory"),
+        r"run\.output_dir {tmp}/a_file/out is not a writable directory: Not a directory "
+        r"\({tmp}/a_file/out/logs\); set run\.output_dir to a directory you can write"),
     cli("output_dir_is_a_file", ["run.output_dir={tmp}/a_file"],
-        r"run\.output_dir .*a_file is not a writable directory"),
+        r"run\.output_dir {tmp}/a_file is not a writable directory: Not a directory "
+        r"\({tmp}/a_file/logs\); set run\.output_dir to a directory you can write"),
     cli("output_dir_read_only_fs", ["run.output_dir=/proc/flashcp-out"],
-        r"run\.output_dir /proc/flashcp-out is not a writable directory"),
+        r"run\.output_dir /proc/flashcp-out is not a writable directory: [^;\n]+; set "
+        r"run\.output_dir to a directory you can write"),
+    cli("fresh_run_over_checkpoints", ["checkpoint.resume=never"],
+        r"\Aflashcp: cannot launch: run\.output_dir {out} already holds checkpoints \(step_2\) "
+        r"and checkpoint\.resume is never: set checkpoint\.resume=auto to continue that run, "
+        r"run\.overwrite=true to move it aside and start over, or choose another "
+        r"run\.output_dir\n\Z"),
+    cli("overwrite_would_move_the_cwd", ["run.overwrite=true", "run.output_dir={tmp}"],
+        r"\Aflashcp: cannot launch: run\.overwrite=true would move run\.output_dir {tmp}, which "
+        r"holds the current directory: run from another directory or choose another "
+        r"run\.output_dir\n\Z"),
     cli("port_in_use", [],
-        r"FLASHCP_MASTER_PORT=\d+: binding 127\.0\.0\.1:\d+ is already in use",
+        r"FLASHCP_MASTER_PORT=(\d+): binding 127\.0\.0\.1:\1 is already in use \(another job or "
+        r"service holds it\): pick a free port or unset FLASHCP_MASTER_PORT",
         env={"FLASHCP_MASTER_PORT": PORT}),
     cli("port_not_a_number", [],
-        r"FLASHCP_MASTER_PORT='http' is not a port number",
-        env={"FLASHCP_MASTER_PORT": "http"}),
+        r"FLASHCP_MASTER_PORT='http' is not a port number \(1-65535\): set a free port or unset "
+        r"it", env={"FLASHCP_MASTER_PORT": "http"}),
     cli("port_out_of_range", [],
-        r"FLASHCP_MASTER_PORT='70000' is not a port number",
-        env={"FLASHCP_MASTER_PORT": "70000"}),
+        r"FLASHCP_MASTER_PORT='70000' is not a port number \(1-65535\): set a free port or unset "
+        r"it", env={"FLASHCP_MASTER_PORT": "70000"}),
     cli("fa_version_unknown", [],
-        r"FlashAttention dispatch: FLAGS_flash_attn_version=7 is not a FlashAttention version",
-        env={"FLAGS_flash_attn_version": "7"}),
+        r"FlashAttention dispatch: FLAGS_flash_attn_version=7 is not a FlashAttention version: "
+        r"set it to 2, 3 or 4", env={"FLAGS_flash_attn_version": "7"}),
     cli("fa_version_not_int", [],
-        r"FLAGS_flash_attn_version='three' is not an integer",
+        r"FLAGS_flash_attn_version='three' is not an integer: set it to 2, 3 or 4",
         env={"FLAGS_flash_attn_version": "three"}),
     cli("fa4_unavailable", [],
-        r"FLAGS_flash_attn_version=4 asks for FA4",
+        r"FLAGS_flash_attn_version=4 asks for FA4, .* Set FLAGS_flash_attn_version to 3 or 2 "
+        r"on this card \(or FLASHCP_FA4_UNAVAILABLE=fallback",
         env={"FLAGS_flash_attn_version": "4"}),
     # -- one rank of a launched job ------------------------------------------------------------
     worker("world_size_mismatch", {"PADDLE_TRAINERS_NUM": "4"},
-           r"dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 4 processes: set parallel\.cp to 4"),
+           r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 4 processes: set "
+           r"parallel\.cp to 4 or set parallel\.dp to 2, or launch with --nproc_per_node 2"),
     worker("world_size_indivisible", {"PADDLE_TRAINERS_NUM": "3"},
-           r"the job has 3 processes: .*--nproc_per_node 2"),
-    worker("worker_bad_override", W2, r"train\.lr: expected a number", ["train.lr=fast"]),
+           r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 3 processes: set "
+           r"parallel\.cp to 3, or launch with --nproc_per_node 2"),
+    worker("worker_bad_override", W2,
+           r"train\.lr: expected a number, got 'fast' \(a string\) \[set on the command line: "
+           r"train\.lr=fast\]", ["train.lr=fast"]),
     worker("fault_unknown_kind", {**W2, "FLASHCP_FAULT": "explode@step1"},
-           r"FLASHCP_FAULT: unknown fault kind 'explode'"),
+           r"FLASHCP_FAULT: unknown fault kind 'explode' in 'explode@step1': use one of "
+           r"nan_loss, inf_loss, nan_grad, sigkill, crash_in_checkpoint_write"),
     worker("fault_bad_syntax", {**W2, "FLASHCP_FAULT": "nan_loss:step3"},
-           r"FLASHCP_FAULT: cannot parse 'nan_loss:step3'"),
+           r"FLASHCP_FAULT: cannot parse 'nan_loss:step3': expected KIND@stepN or "
+           r"KIND@stepN:rankR \(e\.g\. nan_loss@step3:rank1\)"),
+    worker("worker_fresh_run_over_checkpoints", W2,
+           r"\Arun\.output_dir {out} already holds checkpoints \(step_2\) and checkpoint\.resume "
+           r"is never: set checkpoint\.resume=auto to continue that run, run\.overwrite=true to "
+           r"move it aside and start over, or choose another run\.output_dir\n\Z",
+           ["checkpoint.resume=never"]),
+    worker("worker_overwrite_over_an_earlier_run", W2,
+           r"\Arun\.overwrite is true and run\.output_dir {out} holds an earlier run "
+           r"\(checkpoints, config\.yaml, metrics\.jsonl\): `flashcp train` moves it aside before "
+           r"launching, the ranks of a job started by paddle\.distributed\.launch do not: run "
+           r"`flashcp train CONFIG run\.overwrite=true`, or move {out} away yourself\n\Z",
+           ["run.overwrite=true"]),
     # -- masks (flashcp.masks.validate, CP attention's global mask) ----------------------------
     call("mask_int64", _validate(_idx(1, 1, 8, 1, dtype=np.int64), causal=True),
-         ValueError, r"must be int32, got int64; cast it"),
+         ValueError, r"startend_row_indices must be int32, got int64; cast it with "
+                     r"\.astype\(np\.int32\)"),
     call("mask_float", _validate(_idx(1, 1, 8, 1, dtype=np.float32), causal=True),
-         ValueError, r"must be int32, got float32"),
+         ValueError, r"startend_row_indices must be int32, got float32; cast it with "
+                     r"\.astype\(np\.int32\)"),
     call("mask_rank3", _validate(_idx(1, 8, 1), causal=True),
-         ValueError, r"must be rank 4 \[B, Hm, Sk, C\]"),
+         ValueError, r"startend_row_indices must be rank 4 \[B, Hm, Sk, C\], got shape "
+                     r"\(1, 8, 1\); add the missing axes"),
     call("mask_rank5", _validate(_idx(1, 1, 8, 1, 1), causal=True),
-         ValueError, r"must be rank 4"),
+         ValueError, r"startend_row_indices must be rank 4 \[B, Hm, Sk, C\], got shape "
+                     r"\(1, 1, 8, 1, 1\)"),
     call("mask_batch", _validate(_idx(1, 1, 8, 1), causal=True, batch=2),
-         ValueError, r"query batch is 2"),
+         ValueError, r"startend_row_indices has batch 1 \(shape \(1, 1, 8, 1\)\) but the query "
+                     r"batch is 2; build one mask row per sequence"),
     call("mask_key_len", _validate(_idx(1, 1, 8, 1), causal=True, k_len=12),
-         ValueError, r"key length is 12"),
+         ValueError, r"has Sk=8 key columns \(shape \(1, 1, 8, 1\)\) but the key length is 12; "
+                     r"it needs one entry per key position"),
     call("mask_heads", _validate(_idx(1, 3, 8, 1), causal=True, num_q_heads=8, num_kv_heads=2),
-         ValueError, r"Hm=3 mask heads"),
+         ValueError, r"has Hm=3 mask heads \(shape \(1, 3, 8, 1\)\); it must be one of "
+                     r"\[1, 2, 8\]"),
     call("mask_causal_4_columns", _validate(_idx(1, 1, 8, 4), causal=True),
-         ValueError, r"C=4 columns .*causal=True"),
+         ValueError, r"has C=4 columns \(shape \(1, 1, 8, 4\)\), which is not valid with "
+                     r"causal=True: it needs C in \(1, 2\)"),
     call("mask_noncausal_1_column", _validate(_idx(1, 1, 8, 1), causal=False),
-         ValueError, r"C=1 columns .*to_noncausal"),
-    call("mask_value_above_sq",
-         _validate(_idx(1, 1, 8, 1, at=(0, 0, 3, 0), value=9), causal=True),
-         ValueError, r"value 9 is outside \[0, Sq=8\]"),
+         ValueError, r"has C=1 columns \(shape \(1, 1, 8, 1\)\), which is not valid with "
+                     r"causal=False: it needs C in \(2, 4\)\..*\(to_noncausal converts\)"),
+    call("mask_range_unordered_beyond_sq",  # 300 reads as Sq = 8 (upstream), still > LTE 5
+         _validate(_idx(1, 1, 8, 2, fill=5, at=(0, 0, 3, 0), value=300), causal=True),
+         ValueError, r"LTS > LTE \(300 > 5, first at \[b, h, j, c\] = \[0, 0, 3, 0\], 1 bad "
+                     r"entries in all\); a masked range is \[LTS, LTE\), write an empty one as "
+                     r"LTS = LTE"),
     call("mask_value_negative",
          _validate(_idx(1, 1, 8, 2, at=(0, 0, 1, 1), value=-1), causal=False),
-         ValueError, r"value -1 is outside"),
+         ValueError, r"value -1 is negative \(first at \[b, h, j, c\] = \[0, 0, 1, 1\], 1 bad "
+                     r"entries in all\); values are query-row thresholds >= 0 .*: write 0 for "
+                     r"the first row"),
     call("mask_range_unordered",
          _validate(_idx(1, 1, 8, 2, fill=5, at=(0, 0, 2, 0), value=7), causal=True),
-         ValueError, r"LTS > LTE"),
+         ValueError, r"has LTS > LTE \(7 > 5, first at \[b, h, j, c\] = \[0, 0, 2, 0\], 1 bad "
+                     r"entries in all\); a masked range is \[LTS, LTE\), write an empty one as "
+                     r"LTS = LTE"),
     call("cp_mask_local_not_global", _cp(mask=masks.causal_mask(2, 4).indices),
-         ValueError, r"covers 4 keys but the global sequence is 8"),
+         ValueError, r"covers 4 keys but the global sequence is 8 \(local 8 × cp 1\): pass the "
+                     r"GLOBAL mask on every rank"),
     call("cp_mask_missing", _cp(mask=None),
-         ValueError, r"needs the global startend_row_indices"),
+         ValueError, r"flashmask_attention_cp needs the global startend_row_indices .*build one "
+                     r"with flashcp\.masks\.causal_mask\(batch, seq_len\)"),
     # -- tensors (flashmask_attention, flashmask_attention_cp) ---------------------------------
     call("fp16_on_cpu", _attn(q_={"dtype": "float16"}, k_={"dtype": "float16"}),
-         TypeError, r"float32"),
+         TypeError, r"q, k, v dtypes \{'q': 'float16', 'k': 'float16', 'v': 'float16'\} on "
+                    r"cpu: they must share one dtype from \('float32', 'float64'\) \(the CPU "
+                    r"reference kernel\); cast with x\.astype"),
     call("gqa_heads", _attn(q_={"hq": 4}, k_={"hkv": 3}),
-         ValueError, r"multiple of the KV heads"),
+         ValueError, r"q has 4 heads and k/v have 3: the query heads must be a multiple of the "
+                     r"KV heads \(GQA\)"),
     call("head_dim_mismatch", _attn(k_={"d": 4}),
-         ValueError, r"head_dim differ"),
+         ValueError, r"q and k head_dim differ: q \(2, 8, 4, 8\), k \(2, 8, 2, 4\) \(axis 3 must "
+                     r"match\)"),
     call("batch_mismatch", _attn(k_={"b": 1}),
-         ValueError, r"batch sizes differ"),
+         ValueError, r"batch sizes differ: q \(2, 8, 4, 8\), k \(1, 8, 2, 8\), v \(1, 8, 2, 8\) "
+                     r"\(axis 0 must match\)"),
     call("attention_mask_int64", _attn(mask=_idx(2, 1, 8, 1, fill=8, dtype=np.int64)),
-         ValueError, r"int32"),
+         ValueError, r"startend_row_indices must be int32, got int64; cast it with "
+                     r"\.astype\(np\.int32\)"),
     call("attention_dropout", _attn(dropout=0.1),
-         NotImplementedError, r"dropout"),
+         NotImplementedError, r"dropout=0\.1: flashcp's FlashMask attention does not implement "
+                              r"attention dropout .*Use dropout=0\.0"),
     call("cp_gqa_heads", _cp(q_={"hq": 4}, k_={"hkv": 3}),
-         ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)"),
+         ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\) for GQA"),
     call("cp_dropout", _cp(dropout=0.1),
-         NotImplementedError, r"not supported under context parallelism"),
+         NotImplementedError, r"dropout=0\.1: attention dropout is not supported under context "
+                              r"parallelism \(set the attention dropout to 0\)"),
     # -- FlashAttention dispatch, fault specs --------------------------------------------------
     call("fa_version_5", _explain(5),
-         ValueError, r"FLAGS_flash_attn_version=5 is not a FlashAttention version"),
+         ValueError, r"FLAGS_flash_attn_version=5 is not a FlashAttention version: set it to "
+                     r"2, 3 or 4"),
     call("fa_policy_unknown", _explain(policy="maybe"),
-         ValueError, r"fa4_unavailable='maybe' is not a policy"),
+         ValueError, r"fa4_unavailable='maybe' is not a policy: use one of error, fallback"),
     call("fa_head_dim_zero", _explain(head_dim=0),
-         ValueError, r"head_dim=0 must be a positive int"),
+         ValueError, r"head_dim=0 must be a positive int \(q\.shape\[-1\]\)"),
     call("fault_step_zero", lambda: faults.parse_faults("nan_loss@step0"),
-         faults.FaultSpecError, r"steps count from 1"),
+         faults.FaultSpecError, r"FLASHCP_FAULT: 'nan_loss@step0': steps count from 1 "
+                                r"\(use @step1 or later\)"),
 ]
 # fmt: on
 
@@ -318,12 +414,46 @@ def _fail(what: str) -> Callable[..., Any]:
     return boom
 
 
-def _written(out: Path) -> list[str]:
-    """Files under `out`, except logs (the only thing a refused job may write)."""
-    if not out.exists():
-        return []
-    files = [p for p in out.rglob("*") if p.is_file()]
-    return [str(p.relative_to(out)) for p in files if p.relative_to(out).parts[0] != "logs"]
+def _tree(root: Path) -> dict[str, bytes | str | None]:
+    """Everything under `root` by relative path: a file's bytes, a link's target, None for a
+    directory (so a new empty directory counts as a change too)."""
+    tree: dict[str, bytes | str | None] = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            tree[rel] = str(path.readlink())
+        elif path.is_dir():
+            tree[rel] = None
+        else:
+            tree[rel] = path.read_bytes()
+    return tree
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real earlier run each refused launch must leave untouched: the tiny GPT config trained
+    for 2 steps in this process (cp=1), with its checkpoint (step_2), metrics.jsonl, config.yaml
+    and its log (`logs/workerlog.0`: what the run printed)."""
+    out = tmp_path_factory.mktemp("earlier") / "run"
+    cfg = load_config(
+        CONFIG, ["parallel.cp=1", "train.steps=2", "checkpoint.every=2", f"run.output_dir={out}"]
+    )
+    (out / "logs").mkdir(parents=True)
+    flags = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
+    saved = {k: os.environ.get(k) for k in flags}  # the Trainer exports deterministic flags
+    try:
+        with open(out / "logs" / "workerlog.0", "w") as log:
+            Trainer(cfg, stream=log).fit()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert verify_checkpoint(out / "checkpoints" / "step_2") == []
+    assert "step 2/2" in (out / "logs" / "workerlog.0").read_text()
+    return out
 
 
 def _config_path(row: Row, tmp: Path) -> str:
@@ -336,10 +466,14 @@ def _config_path(row: Row, tmp: Path) -> str:
     return str(path)
 
 
-def test_table_is_big_and_covers_every_entry() -> None:
-    assert len(ROWS) >= 40
+COUNTS = {"cli": 44, "worker": 7, "call": 26}
+"""Rows per entry point (docs/reliability.md quotes the total)."""
+
+
+def test_table_size_is_exact_and_covers_every_entry() -> None:
+    assert len(ROWS) == sum(COUNTS.values()) == 77
+    assert {e: sum(r.entry == e for r in ROWS) for e in COUNTS} == COUNTS
     assert len({r.id for r in ROWS}) == len(ROWS)
-    assert {r.entry for r in ROWS} == {"cli", "worker", "call"}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
@@ -349,6 +483,7 @@ def test_bad_input(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     busy_port: int,
+    earlier_run: Path,
 ) -> None:
     # nothing may get as far as compute: launching, distributed init, the kernel, dispatch
     monkeypatch.setattr(job, "launch_command", _fail("launching the job"))
@@ -366,11 +501,16 @@ def test_bad_input(
             row.args()
         return
 
+    # run.output_dir holds a real earlier run; the job starts in the test's directory
     out = tmp_path / "out"
-    args = [a.replace("{tmp}", str(tmp_path)) for a in row.args]
+    shutil.copytree(earlier_run, out, symlinks=True)
+    monkeypatch.chdir(tmp_path)
+    where = {"{tmp}": str(tmp_path), "{out}": str(out)}
+    args = [_fill(a, where) for a in row.args]
     if not any(a.startswith("run.output_dir=") for a in args):
         args.append(f"run.output_dir={out}")
     config = _config_path(row, tmp_path)
+    before = _tree(tmp_path)
     if row.entry == "cli":
         code = flashcp_cli.main(["train", config, *args])
     else:
@@ -379,10 +519,15 @@ def test_bad_input(
     captured = capsys.readouterr()
     message = captured.err + captured.out
     assert code == row.expect, message
-    assert re.search(row.match, message), f"{row.match!r} not in:\n{message}"
-    assert _written(out) == []
-    for arg in args:  # also for rows that point run.output_dir elsewhere
-        if arg.startswith("run.output_dir="):
-            target = Path(arg.split("=", 1)[1])
-            if target.is_dir() and target != tmp_path:
-                assert _written(target) == []
+    pattern = _fill(row.match, {k: re.escape(v) for k, v in where.items()})
+    assert re.search(pattern, message), f"{pattern!r} not in:\n{message}"
+    assert "Traceback" not in message
+    # nothing lost, nothing written: the earlier run (and all else here) byte for byte
+    assert _tree(tmp_path) == before
+    assert _tree(out) == _tree(earlier_run)
+
+
+def _fill(text: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        text = text.replace(key, value)
+    return text

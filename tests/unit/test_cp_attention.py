@@ -13,7 +13,9 @@ from flashcp import dispatch, masks
 from flashcp.cp import MODES, Assignment, flashmask_attention_cp
 from flashcp.cp import attention as cp_attention
 from flashcp.dispatch import FlashAttnUnavailableError
+from flashcp.distributed import WORLD, NamedGroup
 from flashcp.kernels.registry import get_backend
+from maskcases import overshoot
 from reference import compare_attention, dense_reference
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
@@ -41,6 +43,21 @@ def test_single_rank_matches_dense(family: str, mode: str) -> None:
     want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
     bad = [c.describe() for c in compare_attention(got, want) if not c.ok]  # tests/numerics.py
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_values_beyond_seq_equal_the_clipped_mask(mode: str) -> None:
+    """Global thresholds >= S (upstream's "through the last row") give bit-identical results
+    to the same mask with S: same rebased local mask, same kernel call."""
+    q, k, v, dout = _inputs(1)
+    for family in ("causal", "document", "qk_sparse"):
+        mask = masks.FAMILIES[family](B, S, 1, 5)
+        over = overshoot(mask.indices, S, seed=2)
+        assert (over > S).any()
+        got = _run(q, k, v, dout, over, mask.causal, mode=mode)
+        want = _run(q, k, v, dout, mask.indices, mask.causal, mode=mode)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+            assert np.array_equal(a, b), f"{family}: {name} differs"
 
 
 # ------------------------------------------------------- one version, forward and backward
@@ -176,3 +193,39 @@ def test_workload_balanced_needs_a_mask() -> None:
     with pytest.raises(ValueError, match="needs the global mask"):
         cp_attention.make_assignment("workload_balanced", 2, None)
     assert cp_attention.make_assignment("contiguous_allgather", 2).ranks == ((0,), (1,))
+
+
+# ------------------------------------------------------- group=None means the world group
+
+
+def test_group_none_is_a_single_rank_without_a_distributed_world() -> None:
+    assert cp_attention.resolve_group(None) is None  # this process is not launched
+    g = NamedGroup("cp", 0, -1, [0], pg=None, name="one")
+    assert cp_attention.resolve_group(g) is g
+
+
+def test_group_none_plans_over_the_world_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a world of 2 (faked here; real launches in test_cp_default_group.py), None plans
+    for rank/world of the world group, and a local mask gets a message saying what None meant.
+    """
+    world = NamedGroup(WORLD, 1, 0, [0, 1], pg=None, name="_default_pg")
+    monkeypatch.setattr(cp_attention, "world_group", lambda: world)
+    q, k, _ = _tensors(S // 2)
+    plan = cp_attention.plan_cp_attention(q, k, masks.causal_mask(B, S).indices, causal=True)
+    assert (plan.group, plan.rank, plan.world) == (world, 1, 2)
+    np.testing.assert_array_equal(plan.assignment.positions(S, 1), plan_positions(S, 1))
+    with pytest.raises(ValueError, match=r"group=None means the world group \(2 ranks"):
+        cp_attention.plan_cp_attention(q, k, masks.causal_mask(B, S // 2).indices, causal=True)
+    explicit = NamedGroup("cp", 0, -1, [1], pg=None, name="one")
+    with pytest.raises(ValueError, match=r"pass the GLOBAL mask on every rank$"):
+        cp_attention.plan_cp_attention(
+            q, k, masks.causal_mask(B, S).indices, causal=True, group=explicit
+        )
+
+
+def plan_positions(seq: int, rank: int) -> np.ndarray:
+    """Dual-chunk positions of `rank` among 2 ranks: chunks rank and 3 - rank of 4."""
+    c = seq // 4
+    return np.concatenate(
+        [np.arange(rank * c, (rank + 1) * c), np.arange((3 - rank) * c, (4 - rank) * c)]
+    )

@@ -26,6 +26,7 @@ from flashcp.cp.layout import (
     unshard_dualchunk,
 )
 from flashcp.masks import FAMILIES, to_dense, validate
+from maskcases import overshoot
 
 
 @st.composite
@@ -246,6 +247,18 @@ def test_pad_mask_keeps_real_rows_and_masks_padding_columns(family: str, seq_len
     dense = to_dense(padded, causal=mask.causal)
     np.testing.assert_array_equal(dense[:, :, :seq_len, :seq_len], mask.dense())
     assert dense[:, :, :, seq_len:].all()  # no row ever sees a padding key
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pad_mask_reads_values_beyond_seq_as_the_end(family: str) -> None:
+    """A threshold > S means "through the last row" like S itself (upstream), so it must also
+    become `new_len`: padded rows then see exactly what they see for the S-valued mask."""
+    mask = FAMILIES[family](2, 37, 2, 3)
+    over = overshoot(mask.indices, 37, seed=4)
+    assert (over > 37).any()
+    np.testing.assert_array_equal(
+        pad_mask(over, 48, causal=mask.causal), pad_mask(mask.indices, 48, causal=mask.causal)
+    )
 
 
 def test_pad_mask_rejects_bad_input() -> None:

@@ -12,6 +12,7 @@ from flashcp.cp.balance import balanced_assignment
 from flashcp.cp.layout import Assignment
 from flashcp.cp.rebase import local_positions, rebase_mask, rebase_thresholds
 from flashcp.masks import FAMILIES, to_dense
+from maskcases import overshoot
 
 SEQ_LEN = 96  # divisible by 2·cp for every cp in CPS
 CPS = (1, 2, 4, 8)
@@ -57,6 +58,25 @@ def test_rebased_rows_equal_global_rows(family: str, world: int) -> None:
         for a in layouts(world, mask.indices, mask.causal).values():
             for rank in range(world):
                 assert_rebase_matches(mask.indices, mask.causal, a, rank)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("world", [2, 4])
+def test_values_beyond_global_seq_mean_through_the_last_local_row(family: str, world: int) -> None:
+    """Upstream's "any value >= S" form rebases to exactly the same local mask: every such
+    threshold counts all L local rows, i.e. "through the last local row"."""
+    mask = FAMILIES[family](2, SEQ_LEN, 2, 1)
+    over = overshoot(mask.indices, SEQ_LEN, seed=world)
+    assert (over > SEQ_LEN).any()
+    for a in layouts(world, over, mask.causal).values():
+        for rank in range(world):
+            got = rebase_mask(over, causal=mask.causal, assignment_or_positions=a, rank=rank)
+            want = rebase_mask(
+                mask.indices, causal=mask.causal, assignment_or_positions=a, rank=rank
+            )
+            np.testing.assert_array_equal(got, want)
+            assert got.max() <= a.positions(SEQ_LEN, rank).size
+            assert_rebase_matches(over, mask.causal, a, rank)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

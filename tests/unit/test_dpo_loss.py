@@ -8,14 +8,13 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
+from paddleformers.nn.criterion import dpo_loss as pf_dpo
 
 import numerics
 from flashcp.cp import Assignment, assigned_positions, shard_assigned
 from flashcp.models import token_logprobs
 from flashcp.recipes.dpo_data import DPOExample, pack_dpo
 from flashcp.recipes.dpo_loss import dpo_loss, sequence_logps
-
-pf_dpo = pytest.importorskip("paddleformers.nn.criterion.dpo_loss")
 
 
 def _logps(seed: int = 0, n: int = 8) -> list[paddle.Tensor]:

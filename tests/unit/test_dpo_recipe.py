@@ -16,11 +16,8 @@ from flashcp.config import build_config
 from flashcp.models import build_model
 from flashcp.models.hf_weights import load_hf_checkpoint
 from flashcp.recipes.dpo_stream import DPOData
+from flashcp.recipes.lora import disable_adapters, load_adapters
 from flashcp.trainer import Trainer, read_metrics
-
-pytest.importorskip("paddleformers.peft")
-
-from flashcp.recipes.lora import disable_adapters, load_adapters  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
 

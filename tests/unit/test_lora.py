@@ -7,10 +7,7 @@ import paddle
 import pytest
 
 from flashcp.models import AttentionContext, build_model, preset, token_logprobs
-
-pytest.importorskip("paddleformers.peft")
-
-from flashcp.recipes.lora import (  # noqa: E402  (after the importorskip)
+from flashcp.recipes.lora import (
     apply_lora,
     disable_adapters,
     load_adapters,

@@ -38,6 +38,7 @@ from flashcp.masks import (
     to_noncausal,
     validate,
 )
+from maskcases import INT32_MAX, overshoot
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -589,7 +590,8 @@ def test_validate_accepts_every_family(name: str, b: int, s: int, h: int, seed: 
 
 
 def test_validate_accepts_paddle_tensor() -> None:
-    paddle = pytest.importorskip("paddle")
+    import paddle  # a required dependency: a broken install must fail, not skip
+
     idx = causal_document_mask([4, 6]).indices
     out = validate(paddle.to_tensor(idx), causal=True, batch=1, k_len=10)
     np.testing.assert_array_equal(out, idx)
@@ -627,16 +629,20 @@ def _with(idx: np.ndarray, pos: tuple[int, ...], value: int) -> np.ndarray:
         (_idx(1, 1, 10, 1), {"causal": False}, r"C=1 columns .*causal=False.*to_noncausal"),
         (_idx(1, 1, 10, 3), {"causal": False}, r"C=3 columns"),
         (
-            _with(_idx(1, 1, 10, 1), (0, 0, 7, 0), 11),
+            _with(_idx(1, 1, 10, 1), (0, 0, 7, 0), -3),
             {"causal": True},
-            r"value 11 is outside \[0, Sq=10\] \(first at \[b, h, j, c\] = \[0, 0, 7, 0\]",
+            r"value -3 is negative \(first at \[b, h, j, c\] = \[0, 0, 7, 0\], 1 bad entries",
         ),
         (
-            _with(_idx(1, 1, 10, 2), (0, 0, 2, 1), -1),
+            _with(_idx(1, 1, 10, 2, fill=99), (0, 0, 2, 1), -1),
             {"causal": False},
-            r"value -1 is outside .*\[0, 0, 2, 1\]",
+            r"value -1 is negative .*\[0, 0, 2, 1\].*>= Sq=10 means through the last row",
         ),
-        (_idx(1, 1, 10, 1, fill=6), {"causal": True, "q_len": 5}, r"value 6 .*Sq=5.*clip"),
+        (
+            _with(_idx(1, 1, 10, 2, fill=5), (0, 0, 3, 0), 300),
+            {"causal": True, "q_len": 8},
+            r"LTS > LTE \(300 > 5, first at \[b, h, j, c\] = \[0, 0, 3, 0\]",
+        ),
         (
             _with(_idx(1, 1, 10, 2, fill=5), (0, 0, 3, 0), 7),
             {"causal": True},
@@ -721,3 +727,107 @@ def test_per_head_family_differs_by_head() -> None:
 def test_module_exports() -> None:
     for name in ("Mask", "to_noncausal", "validate", "FAMILIES", "to_dense", "classify_tiles"):
         assert hasattr(masks, name)
+
+
+# ------------------------------------------------------------------------------------------
+# Values >= Sq: upstream FlashMask reads any of them as "through the last row" (= Sq)
+# ------------------------------------------------------------------------------------------
+
+BIG = INT32_MAX
+
+
+@st.composite
+def overshooting_masks(draw: st.DrawFn) -> tuple[np.ndarray, bool, int]:
+    """Arbitrary masks, Sq possibly != Sk, with values up to far beyond Sq (never negative)."""
+    idx, causal, sq = draw(random_masks(ordered=True))
+    extra = draw(arrays(np.int32, idx.shape, elements=st.integers(0, 3 * sq + 5)))
+    big = draw(arrays(np.bool_, idx.shape))
+    over = np.where(idx == sq, np.where(big, BIG, sq + extra), idx).astype(np.int32)
+    return over, causal, sq
+
+
+def test_clip_rows_is_an_int32_copy() -> None:
+    idx = np.array([0, 3, 8, 9, BIG], dtype=np.int32).reshape(1, 1, 5, 1)
+    out = masks.clip_rows(idx, 8)
+    assert out.dtype == np.int32 and out is not idx
+    np.testing.assert_array_equal(out.ravel(), [0, 3, 8, 8, 8])
+    np.testing.assert_array_equal(idx.ravel(), [0, 3, 8, 9, BIG])  # input untouched
+
+
+@FAST
+@given(overshooting_masks(), st.integers(1, 8), st.integers(1, 8))
+def test_values_beyond_sq_mean_sq(case: tuple[np.ndarray, bool, int], bq: int, bk: int) -> None:
+    """Dense mask, tile classes, to_noncausal and validate agree with the clipped mask."""
+    over, causal, sq = case
+    clipped = masks.clip_rows(over, sq)
+    assert clipped.max(initial=0) <= sq
+    np.testing.assert_array_equal(
+        to_dense(over, causal=causal, q_len=sq), to_dense(clipped, causal=causal, q_len=sq)
+    )
+    np.testing.assert_array_equal(
+        classify_tiles(over, causal=causal, q_len=sq, block_q=bq, block_k=bk),
+        classify_tiles(clipped, causal=causal, q_len=sq, block_q=bq, block_k=bk),
+    )
+    np.testing.assert_array_equal(
+        to_dense(to_noncausal(over, causal=causal, q_len=sq), causal=False, q_len=sq),
+        to_dense(clipped, causal=causal, q_len=sq),
+    )
+    assert validate(over, causal=causal, q_len=sq) is over
+    validate(clipped, causal=causal, q_len=sq)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_accepts_values_beyond_sq(name: str) -> None:
+    """Each family's "to the end" entries written as random values >= Sq: same mask."""
+    s, b, h = 37, 2, 2
+    m = FAMILIES[name](b, s, h, 5)
+    over = overshoot(m.indices, s)
+    assert (over > s).any(), f"{name}: no entry at Sq, the test would be vacuous"
+    validate(over, causal=m.causal, batch=b, q_len=s, k_len=s, num_q_heads=h)
+    np.testing.assert_array_equal(to_dense(over, causal=m.causal), m.dense())
+    np.testing.assert_array_equal(masks.clip_rows(over, s), m.indices)
+    for bq, bk in ((8, 4), (5, 16)):
+        _check_tiles(over, m.causal, s, bq, bk)
+        np.testing.assert_array_equal(
+            classify_tiles(over, causal=m.causal, block_q=bq, block_k=bk),
+            classify_tiles(m.indices, causal=m.causal, block_q=bq, block_k=bk),
+        )
+
+
+def test_upstream_causal_idiom_for_fewer_queries_than_keys() -> None:
+    """The issue's case: causal, Sq=192, Sk=256, indices filled with Sk (upstream's idiom)."""
+    sq, sk = 192, 256
+    over = _idx(1, 1, sk, 1, fill=sk)
+    validate(over, causal=True, batch=1, q_len=sq, k_len=sk)
+    dense = to_dense(over, causal=True, q_len=sq)
+    np.testing.assert_array_equal(
+        dense, to_dense(_idx(1, 1, sk, 1, fill=sq), causal=True, q_len=sq)
+    )
+    rows, cols = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    np.testing.assert_array_equal(dense[0, 0], cols > rows + (sk - sq))  # bottom-right causal
+
+
+def test_ranges_are_ordered_after_reading_values_as_sq() -> None:
+    """[LTS, LTE] = [300, 250] with Sq = 8 is the empty range [8, 8): valid. [300, 5] is not."""
+    validate(_with(_idx(1, 1, 10, 2, fill=250), (0, 0, 3, 0), 300), causal=True, q_len=8)
+    validate(_with(_idx(1, 1, 10, 4, fill=9), (0, 0, 1, 2), BIG), causal=False, q_len=8)
+    with pytest.raises(ValueError, match=r"UTS > UTE \(2147483647 > 3, "):
+        validate(_with(_idx(1, 1, 10, 4, fill=3), (0, 0, 1, 2), BIG), causal=False, q_len=8)
+
+
+@pytest.mark.parametrize(
+    ("idx", "match"),
+    [
+        (
+            _with(_idx(1, 1, 10, 1, fill=BIG), (0, 0, 4, 0), -1),
+            r"value -1 is negative .*\[0, 0, 4, 0\]",
+        ),
+        (_idx(1, 1, 10, 1, fill=11).astype(np.int64), r"must be int32, got int64; cast it"),
+        (_idx(1, 1, 10, 1, fill=11).astype(np.float32), r"must be int32, got float32"),
+        (_idx(1, 10, 1, fill=11), r"rank 4 .*got shape \(1, 10, 1\)"),
+        (_idx(1, 1, 10, 3, fill=11), r"C=3 columns"),
+    ],
+)
+def test_values_beyond_sq_do_not_hide_other_errors(idx: np.ndarray, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate(idx, causal=True, q_len=10)

@@ -184,8 +184,16 @@ def test_resume_policies(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1})
     _fit(cfg)
     never = _cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1, "resume": "never"})
-    with pytest.raises(RuntimeError, match="already holds checkpoints.*checkpoint.resume=auto"):
+    with pytest.raises(RuntimeError, match=r"already holds checkpoints \(step_2\) and "
+                       r"checkpoint\.resume is never: set checkpoint\.resume=auto to continue "
+                       r"that run, run\.overwrite=true to move it aside and start over, or "
+                       r"choose another run\.output_dir"):  # fmt: skip
         Trainer(never, stream=io.StringIO()).fit()
+    # the Trainer never moves a run aside (that is `flashcp train`'s job, before launch)
+    overwrite = _cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
+    with pytest.raises(RuntimeError, match=r"run\.overwrite is true and .* holds an earlier "
+                       r"run \(checkpoints, config\.yaml, metrics\.jsonl\)"):  # fmt: skip
+        Trainer(overwrite, stream=io.StringIO()).fit()
     step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
     (step1 / "model.safetensors").write_bytes(b"broken")
     explicit = _cfg(tmp_path, checkpoint={"resume": str(step1)})

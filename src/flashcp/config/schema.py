@@ -160,6 +160,11 @@ class RunConfig:
 
     output_dir: str = "runs/default"
     """Metrics, logs, checkpoints and the resolved config are written here."""
+    overwrite: bool = False
+    """Start over in output_dir: `flashcp train` first renames an earlier run there to
+    `<output_dir>.old-<YYYYmmdd-HHMMSS>` (printed; nothing is deleted), then trains from scratch
+    (or from a checkpoint.resume directory outside output_dir). Only `flashcp train` moves it:
+    ranks started by paddle.distributed.launch directly refuse to start over an earlier run."""
     recipe: str = "pretrain"
     """Training recipe: `pretrain` (next-token loss on all text), `sft` (loss on responses) or
     `dpo` (preference pairs, share-question packing; see `flashcp.recipes.dpo`)."""

@@ -242,6 +242,16 @@ def _check_run(cfg: Config, c: _Checks) -> None:
             "checkpoint.resume",
             f"{ck.resume!r} is not 'auto', 'never' or an existing checkpoint directory",
         )
+    elif cfg.run.overwrite and ck.resume not in ("auto", "never"):
+        out, source = Path(cfg.run.output_dir).resolve(), Path(ck.resume).resolve()
+        if source == out or out in source.parents:
+            c.add(
+                "run.overwrite",
+                f"true moves run.output_dir {cfg.run.output_dir} aside before the run, but "
+                f"checkpoint.resume {ck.resume!r} is inside it: resume from a checkpoint "
+                "outside run.output_dir, or set run.overwrite=false (keep the directory)",
+                "run.output_dir",
+            )
 
 
 def _check_lora(cfg: Config, c: _Checks) -> None:

@@ -25,6 +25,7 @@ from flashcp.cp.balance import balanced_assignment
 from flashcp.cp.layout import Assignment, shard_assigned, unshard_assigned
 from flashcp.cp.rebase import rebase_mask
 from flashcp.distributed.collectives import all_gather_tensor, reduce_scatter_chunks
+from flashcp.distributed.groups import world_group
 from flashcp.kernels.base import resolve_scale
 from flashcp.kernels.registry import device_of, get_backend
 from flashcp.masks import as_numpy, validate
@@ -42,6 +43,7 @@ __all__ = [
     "gather_kv",
     "make_assignment",
     "plan_cp_attention",
+    "resolve_group",
     "scatter_grad",
 ]
 
@@ -76,7 +78,7 @@ def make_assignment(
 class CPPlan:
     """Everything forward decided, reused unchanged by backward."""
 
-    group: Any  # a paddle Group, or None for a single rank
+    group: Any  # a paddle Group (resolved by `resolve_group`), or None for a single rank
     rank: int
     world: int
     assignment: Assignment
@@ -158,6 +160,24 @@ def check_inputs(q: Any, k: Any, v: Any) -> None:
         )
 
 
+def resolve_group(group: Any) -> Any:
+    """The group CP attention runs on: `group` itself, or for None the world group.
+
+    None follows `paddle.distributed`'s convention (its collectives read `group=None` as the
+    default group of every rank): the whole job when `paddle.distributed` is initialised with
+    more than one rank (after plain `paddle.distributed.init_parallel_env()` or flashcp's
+    `init_distributed()`), and a single rank otherwise (returned as None). The world group is
+    `flashcp.distributed.world_group()`: Paddle's default process group wrapped as a
+    `NamedGroup` labelled `world[0,1,...]`, the same handle `build_groups(...).world` holds and
+    the one a cp group spanning every rank reuses, so the all-gather, the ordered ring
+    reduce-scatter on gloo, the watchdog and the byte counters work on it unchanged.
+    """
+    if group is not None:
+        return group
+    world = world_group()
+    return None if world.is_trivial else world
+
+
 def plan_cp_attention(
     q: Any,
     k: Any,
@@ -170,7 +190,12 @@ def plan_cp_attention(
     assignment: Assignment | None = None,
     fa4_unavailable: str | None = None,
 ) -> CPPlan:
-    """Validate, pick the layout, rebase the mask and resolve the FA version — before compute."""
+    """Validate, pick the layout, rebase the mask and resolve the FA version — before compute.
+
+    `group=None` means the world group (see `resolve_group`).
+    """
+    implicit = group is None
+    group = resolve_group(group)
     world = 1 if group is None else int(group.nranks)
     rank = 0 if group is None else int(group.rank)
     if startend_row_indices is None:
@@ -182,9 +207,17 @@ def plan_cp_attention(
     idx = as_numpy(startend_row_indices)
     seq = int(q.shape[1]) * world
     if idx.ndim == 4 and idx.shape[2] != seq:
+        hint = ""
+        if implicit and world > 1:
+            hint = (
+                f"; group=None means the world group ({world} ranks, as in "
+                "paddle.distributed): pass group= your cp group, or use "
+                "flashcp.attention.flashmask_attention for attention on this rank alone"
+            )
         raise ValueError(
             f"startend_row_indices covers {idx.shape[2]} keys but the global sequence is "
             f"{seq} (local {q.shape[1]} × cp {world}): pass the GLOBAL mask on every rank"
+            f"{hint}"
         )
     validate(
         idx,
@@ -238,7 +271,15 @@ def flashmask_attention_cp(
 
     q/k/v are this rank's local shards `[B, S/cp, H, D]` in the layout of `mode` (or of
     `assignment`); `startend_row_indices` is the GLOBAL mask `[B, Hm, S, C]` (O(S), every rank
-    keeps it). Returns the local output `[B, S/cp, Hq, Dv]` (and LSE `[B, Hq, S/cp]`).
+    keeps it; any value >= S means "through the last row", as upstream FlashMask reads it).
+    Returns the local output `[B, S/cp, Hq, Dv]` (and LSE `[B, Hq, S/cp]`).
+
+    `group` is the CP group (a Paddle `Group`, e.g. `build_groups(...).cp`). As everywhere in
+    `paddle.distributed`, `group=None` means the world group: every rank of the job when
+    `paddle.distributed` is initialised with more than one rank (plain
+    `paddle.distributed.init_parallel_env()` is enough), a single rank otherwise. For attention
+    over this rank's data alone inside a multi-rank job, call
+    `flashcp.attention.flashmask_attention` (or pass a one-rank group).
     """
     if dropout:
         raise NotImplementedError(

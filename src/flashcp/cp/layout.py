@@ -308,8 +308,9 @@ def pad_mask(indices: Any, new_len: int, *, causal: bool) -> np.ndarray:
     * padded columns (keys j >= S) are masked for every row, so padding keys are never seen;
     * the causal / non-causal form and the column count are kept.
 
-    Thresholds equal to S ("to the end of the sequence") become `new_len`; no other value
-    changes, and for real rows i < S the tests `i >= S` and `i >= new_len` agree. Padded
+    Thresholds >= S ("through the last row", whatever the value, as upstream FlashMask reads
+    them) become `new_len`; no other value changes, and for real rows i < S the tests `i >= S`
+    and `i >= new_len` agree. Padded
     columns get ranges that follow FlashMask's conventions (LTS >= j, UTE <= j + 1):
     causal `[j]` / `[j, new_len]`, non-causal `[j, j]` / `[j, new_len, 0, j]`. Padded rows
     see the real columns whose ranges ran to the end; they may be fully masked (FlashMask
@@ -324,7 +325,7 @@ def pad_mask(indices: Any, new_len: int, *, causal: bool) -> np.ndarray:
         raise ValueError(f"new_len {new_len} is shorter than the mask's sequence length {s}")
     if (causal and ncol not in (1, 2)) or (not causal and ncol not in (2, 4)):
         raise ValueError(f"a mask with {ncol} columns is not valid with causal={causal}")
-    real = np.where(idx == s, new_len, idx).astype(np.int32)
+    real = np.where(idx >= s, new_len, idx).astype(np.int32)
     j = np.arange(s, new_len, dtype=np.int32)
     full = np.full_like(j, new_len)
     zero = np.zeros_like(j)

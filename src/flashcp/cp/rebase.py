@@ -11,7 +11,9 @@ rows l >= t and "global row < g" for l < t, where
 
     t = #{ l : p_l < g }          (a binary search: `np.searchsorted(p, g)`)
 
-so every column (LTS, LTE, UTS, UTE) maps element-wise and exactly. For the dual-chunk layout
+so every column (LTS, LTE, UTS, UTE) maps element-wise and exactly. A threshold g >= S (upstream
+FlashMask's "through the last row", e.g. a mask filled with Sk; see `flashcp.masks`) counts
+every local row, t = L: through the last local row, the same as g = S. For the dual-chunk layout
 this is PaddleFleet's `preprocess_index_dual_chunks` ("max of two clips, keep 0", reference §2.2)
 and for the contiguous layout `clip(g − r·L, 0, L)`; the tests check both equalities.
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcp.masks import TILE_MASKED, TILE_PARTIAL, classify_tiles
+from flashcp.masks import TILE_MASKED, TILE_PARTIAL, classify_tiles, clip_rows
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -152,7 +152,11 @@ class TilePlan:
                 idx[..., 1] = 0
             self.ranges: list[tuple[np.ndarray | None, np.ndarray | None]] = []
         else:
-            idx = np.asarray(startend_row_indices)
+            # Upstream FlashMask reads any value >= Sq as "through the last row" (Paddle's
+            # `flashmask_attention` docstring; see `flashcp.masks`), e.g. a causal mask for
+            # Sq != Sk filled with Sk. Writing such values as Sq once, here, means the mask and
+            # its clipped form take the same code path and give bitwise-equal results.
+            idx = clip_rows(np.asarray(startend_row_indices), q_len)
             self.ranges = column_ranges(idx, causal, q_len)
         self.mask_batch = idx.shape[0]
         if self.mask_batch not in (1, batch):

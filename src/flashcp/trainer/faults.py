@@ -84,7 +84,7 @@ def parse_faults(text: str | None) -> list[Fault]:
             )
         step = int(m.group("step"))
         if step < 1:
-            raise FaultSpecError(f"{ENV_FAULT}: {item!r}: steps count from 1")
+            raise FaultSpecError(f"{ENV_FAULT}: {item!r}: steps count from 1 (use @step1 or later)")
         rank = m.group("rank")
         faults.append(Fault(kind, step, None if rank is None else int(rank)))
     return faults

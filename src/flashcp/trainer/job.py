@@ -9,10 +9,13 @@ sent SIGTERM (then SIGKILL after a grace period), and any worker the launcher mo
 session is found by the job's unique `FLASHCP_JOB_ID` environment marker and stopped too.
 
 Before launching, `run_job` checks what the config cannot (`check_dispatch`, `master_port`,
-`check_output_dir`): the FlashAttention flags in the environment resolve for this model,
-`FLASHCP_MASTER_PORT` (an optional fixed port for the launcher's master) is free, and
-`run.output_dir` can be written. A problem is printed and the exit code is 2, with nothing
-launched and nothing written (the output directory is created by the last check).
+`check_run_dir`, `check_output_dir`): the FlashAttention flags in the environment resolve for
+this model, `FLASHCP_MASTER_PORT` (an optional fixed port for the launcher's master) is free,
+the run may start in `run.output_dir` (no fresh run over an earlier run's checkpoints, see
+`flashcp.trainer.rundir`), and `run.output_dir` can be written. A problem is printed as one
+line and the exit code is 2, with nothing launched and nothing written or moved. Then, with
+`run.overwrite: true`, an earlier run in `run.output_dir` is moved aside (`rundir.move_aside`,
+printed), and the last check creates the output directory.
 
 When the job fails, `diagnose` reads each rank's log (the part written by this launch) and the
 launcher's output and prints which rank failed first and how — killed without a word (SIGKILL,
@@ -37,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
+
+from flashcp.trainer import rundir
 
 JOB_MARKER = "FLASHCP_JOB_ID"
 ENV_MASTER_PORT = "FLASHCP_MASTER_PORT"
@@ -167,6 +172,16 @@ def check_output_dir(output_dir: str | Path) -> Path:
     return logs
 
 
+def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> None:
+    """A fresh run (`resume` never) may not start over checkpoints, nor a run from step 0 over
+    an earlier run's metrics, unless `overwrite` (then `_move_aside` moves the earlier run away
+    after every other check has passed)."""
+    if overwrite:
+        return
+    if (problem := rundir.fresh_start_conflict(output_dir, resume)) is not None:
+        raise PreflightError(problem)
+
+
 def check_dispatch(config: str | Path, overrides: Sequence[str]) -> None:
     """The FlashAttention version the workers will resolve: env flags parse, FA4 policy holds."""
     from flashcp import dispatch
@@ -188,6 +203,14 @@ def check_dispatch(config: str | Path, overrides: Sequence[str]) -> None:
         )
     except (ValueError, NotImplementedError) as exc:
         raise PreflightError(f"FlashAttention dispatch: {exc}") from None
+
+
+def _move_aside(output_dir: str | Path) -> Path | None:
+    """`rundir.move_aside`, its refusals (checked before anything moves) as `PreflightError`."""
+    try:
+        return rundir.move_aside(output_dir)
+    except rundir.RunDirError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 # -- failure diagnosis ------------------------------------------------------------------------
@@ -359,14 +382,22 @@ def run_job(
     *,
     nproc: int,
     output_dir: str | Path,
+    resume: str = "auto",
+    overwrite: bool = False,
     out: TextIO | None = None,
     progress: bool | None = None,
 ) -> int:
-    """Launch the job, stream rank 0, return its exit code (130 after Ctrl-C, 143 SIGTERM)."""
+    """Launch the job, stream rank 0, return its exit code (130 after Ctrl-C, 143 SIGTERM).
+
+    `resume` and `overwrite` are the config's `checkpoint.resume` and `run.overwrite`."""
     out = out or sys.stdout
     try:
         check_dispatch(config, overrides)
         port = master_port()
+        check_run_dir(output_dir, resume=resume, overwrite=overwrite)
+        if overwrite and (moved := _move_aside(output_dir)) is not None:
+            print(f"flashcp: run.overwrite: moved the earlier run in {output_dir} to {moved}",
+                  file=out, flush=True)  # fmt: skip
         log_dir = check_output_dir(output_dir)
     except PreflightError as exc:
         print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)

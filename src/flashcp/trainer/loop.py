@@ -45,7 +45,7 @@ from flashcp.cp.layout import Assignment
 from flashcp.distributed import ParallelDims, ParallelGroups, barrier, build_groups
 from flashcp.recipes.base import Recipe, RecipeContext
 from flashcp.trainer import checkpoint as ckpt
-from flashcp.trainer import sharded
+from flashcp.trainer import rundir, sharded
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics, peak_memory_gib
 from flashcp.trainer.optim import build_optimizer, build_scheduler
@@ -63,6 +63,8 @@ from flashcp.trainer.state import (
 GRADS_DIR = "grads"
 SAVE_BARRIER_TIMEOUT = 3600.0
 """Other ranks wait this long (s) for rank 0 to write a checkpoint."""
+START_BARRIER_TIMEOUT = 3600.0
+"""Ranks wait this long (s) at the start of `fit` for the slowest one to build and resume."""
 
 
 class NonFiniteError(RuntimeError):
@@ -280,15 +282,9 @@ class Trainer:
 
     def _resume_source(self) -> Path | None:
         policy = self.cfg.checkpoint.resume
+        # the check `flashcp train` and every rank made before; here for in-process use
+        rundir.check_start(self.cfg.run.output_dir, policy, self.cfg.run.overwrite)
         if policy == "never":
-            existing = [p for _, p in ckpt.list_checkpoints(self.ckpt_root)]
-            if existing:
-                raise RuntimeError(
-                    f"run.output_dir {self.output_dir} already holds checkpoints "
-                    f"({existing[-1].name}) and checkpoint.resume is never: set "
-                    "checkpoint.resume=auto to continue that run, or choose another "
-                    "run.output_dir"
-                )
             return None
         if policy == "auto":
             return ckpt.latest_checkpoint(self.ckpt_root, warn=self.is_main)
@@ -550,6 +546,8 @@ class Trainer:
         cfg = self.cfg
         source = self.resume()
         start = self.step
+        # Every rank has checked the run directory (`resume`) before rank 0 writes to it.
+        barrier(self.groups.world, timeout=START_BARRIER_TIMEOUT)
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
