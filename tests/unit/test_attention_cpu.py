@@ -26,6 +26,8 @@ from flashcp.kernels.cpu_plan import TilePlan, head_units
 from maskcases import overshoot
 from reference import NAMES, compare_attention, dense_reference
 
+pytestmark = pytest.mark.equivalence  # float32 kernel vs the float64 oracle (tests/numerics.py)
+
 BLOCKS = [(16, 16), (32, 8)]  # (block_q, block_k): neither divides the odd sizes used
 
 
@@ -69,12 +71,12 @@ def run_front_door(q, k, v, dout, idx, *, causal, scale=None, **kwargs):
     return out.numpy(), lse.numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
 
 
-def assert_matches(got, want):
+def assert_matches(got, want, label: str = ""):
     """float32 kernel results vs the float64 oracle under the rule of `tests/numerics.py`
     (`reference.compare_attention`)."""
     for name, a in zip(NAMES, got, strict=True):
         assert not np.isnan(a).any(), f"{name} has NaN"
-    bad = [c.describe() for c in compare_attention(got, want) if not c.ok]
+    bad = [c.describe() for c in compare_attention(got, want, label=label) if not c.ok]
     assert not bad, "\n".join(bad)
 
 
@@ -214,7 +216,7 @@ def test_tolerance_is_meaningful() -> None:
     for bad_idx in (wrong, np.minimum(mask.indices + 1, 37).astype(np.int32)):
         want = dense_reference(q, k, v, dout, bad_idx, causal=True)
         with pytest.raises(AssertionError):
-            assert_matches(got, want)
+            assert_matches(got, want, label="negative control ")
     # and the wrong reference is off by far more than the allowance (not just beyond it)
     bad = dense_reference(q, k, v, dout, wrong, causal=True)
     numerics.assert_rejects(got[0], bad[0], n=37, margin=100)

@@ -188,11 +188,11 @@ def test_unpacked_baseline_layout_and_buckets() -> None:
 # ---------------------------------------------------------------------------- real model
 
 
-def _answer_units(got, want, lengths) -> float:
+def _answer_units(got, want, lengths, what: str = "answer log-prob sum") -> float:
     """The largest per-answer error in units of the rule (`tests/numerics.py`): each sum is a
     reduction over its answer's tokens, scale = its |log-prob sum| (one sign throughout)."""
     return max(
-        numerics.compare(g, w, n=max(int(n), 1), what="answer log-prob sum").units
+        numerics.compare(g, w, n=max(int(n), 1), what=what).units
         for g, w, n in zip(got, want, lengths, strict=True)
     )
 
@@ -208,6 +208,7 @@ def _unpacked_sums(model, exs, buckets):
     return np.array([[got[(i, a)] for a in (0, 1)] for i in range(len(exs))])
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("name", ["tiny_glm", "tiny"])
 def test_packed_logps_equal_unpacked(name: str) -> None:
     """Sum of answer log-probs on the packed sequence == on the two unpacked sequences."""
@@ -235,12 +236,14 @@ def test_packed_logps_equal_unpacked(name: str) -> None:
         # (a random-init model barely uses positions: measured 9x (tiny) to 34x (tiny_glm) the
         # allowance, while the packing itself stays below 0.3 of it)
         wide = 4 * numerics.FACTOR
-        assert _answer_units(r_wrong.numpy(), expect[order, 1], lengths[:, 1]) > wide
+        control = "negative control: rejected positions"
+        assert _answer_units(r_wrong.numpy(), expect[order, 1], lengths[:, 1], control) > wide
         # control: a plain causal mask (rejected sees chosen, examples see each other) differs
         leaky = pack_dpo(exs, 160, pad_id=PAD)
         leaky.mask = causal_mask(*leaky.shape)
         _, r_leaky = answer_logps(model, leaky)
-        assert _answer_units(r_leaky.numpy(), expect[order, 1], lengths[:, 1]) > wide
+        control = "negative control: leaky mask"
+        assert _answer_units(r_leaky.numpy(), expect[order, 1], lengths[:, 1], control) > wide
 
 
 # ---------------------------------------------------------------------------- errors

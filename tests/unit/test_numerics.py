@@ -33,6 +33,14 @@ GOLDEN_CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 STEPS = 4
 
 
+@pytest.fixture(autouse=True)
+def _log_only_the_controls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule's own arithmetic tests compare made-up numbers: keep them out of a
+    `FLASHCP_NUMERICS_LOG` (the golden-scale negative controls stay in)."""
+    if request.node.get_closest_marker("equivalence") is None:
+        monkeypatch.delenv(numerics.LOG_ENV, raising=False)
+
+
 # -- the rule ---------------------------------------------------------------------------------
 
 
@@ -171,12 +179,16 @@ def _max_units(run: Path, ref: Path) -> dict[str, float]:
         assert a["targets"] == b["targets"]  # the bugs keep the counts: the tolerance decides
         for key in ("loss", "grad_norm"):
             n, scale = numerics.metric_basis(b, key)
-            cmp = numerics.compare(a[key], b[key], n=n, scale=scale, steps=step, what=key)
+            what = f"negative control {key}"
+            cmp = numerics.compare(a[key], b[key], n=n, scale=scale, steps=step, what=what)
             worst[key] = max(worst[key], cmp.units)
         got = load_file(str(run / GRADS_DIR / f"step_{step}.safetensors"))
         want = load_file(str(ref / GRADS_DIR / f"step_{step}.safetensors"))
         for name in want:
-            cmp = numerics.compare(got[name], want[name], n=b["targets"], steps=step, norm="l2")
+            cmp = numerics.compare(
+                got[name], want[name], n=b["targets"], steps=step, norm="l2",
+                what=f"negative control grad {name}",
+            )  # fmt: skip
             worst["grads"] = max(worst["grads"], cmp.units)
     return worst
 
@@ -187,6 +199,7 @@ def golden_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return _train(tmp_path_factory.mktemp("ref") / "run", mp, None)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize(
     ("bug", "loss_rejects"),
     [(_label_shift, True), (_swapped_positions, False)],
@@ -206,3 +219,27 @@ def test_rule_rejects_cp_bugs_at_golden_scale(
     assert worst["grads"] > 100 * numerics.FACTOR, worst
     if loss_rejects:
         assert worst["loss"] > 2 * numerics.FACTOR, worst
+
+
+def test_numerics_report_summarises_agreements_and_controls(tmp_path: Path) -> None:
+    """`scripts/numerics_report.py` (the tables of docs/portability.md) from a log."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report", ROOT / "scripts" / "numerics_report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    node = "tests/integration/test_x.py::test_a[2]"
+    rows = [
+        {"test": node, "what": "grad w step 1", "units": 0.5, "ok": True},
+        {"test": node, "what": "grad b step 2", "units": 2.0, "ok": True},
+        {"test": node, "what": "label-shift grad w", "units": 0.1, "ok": True},
+        {"test": node, "what": "label-shift grad b", "units": 900.0, "ok": False},
+        {"test": node + "x", "what": "label-shift grad w", "units": 500.0, "ok": False},
+    ]
+    agree, reject = report.summarise(rows)
+    assert agree == {("test_x.py", "grad"): [2, 2.0]}
+    assert reject == {("test_x.py", "label-shift grad"): [2, 500.0]}
+    log = tmp_path / "n.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(log), "--markdown"]) == 0

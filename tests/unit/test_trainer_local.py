@@ -118,6 +118,7 @@ def test_resume_reproduces_losses_bitwise(tmp_path: Path) -> None:
     assert [m.step for m in r2.metrics] == [4, 5, 6]
 
 
+@pytest.mark.equivalence
 def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     """2 micro-batches of 1 row accumulated == 1 micro-batch of 2 rows: the same sums in
     another order, so within the float32 rule of `tests/numerics.py` (not bitwise)."""
@@ -141,7 +142,7 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
         assert set(got) == set(exp) and len(exp) > 5
         for name in exp:
             numerics.assert_close(
-                got[name], exp[name], n=b["targets"], steps=step, norm="l2", what=name
+                got[name], exp[name], n=b["targets"], steps=step, norm="l2", what=f"grad {name}"
             )
 
 
