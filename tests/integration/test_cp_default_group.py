@@ -22,7 +22,7 @@ from launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "cp_default_group_worker.py"
 FAST_FAIL = {"FLASHCP_COLLECTIVE_TIMEOUT": "60", "FLASHCP_INIT_TIMEOUT": "60"}
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.equivalence]
 
 
 @pytest.mark.timeout(150)

@@ -20,7 +20,7 @@ from flashcp.cp import MODES
 from numerics import FACTOR
 
 WORKER = Path(__file__).resolve().parent / "workers" / "cp_parity_worker.py"
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.equivalence]
 
 
 def _expected_cases() -> int:

@@ -105,6 +105,7 @@ def assert_bitwise(run: Path, ref: Path, *, pp: int) -> None:
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} step {step}")
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(200)
 def test_dpo_lora_cp2_matches_cp1(tmp_path: Path) -> None:
     config = CONFIGS / "glm" / "tiny_dpo_lora_cp2.yaml"
@@ -115,6 +116,7 @@ def test_dpo_lora_cp2_matches_cp1(tmp_path: Path) -> None:
     assert losses(ref)[0] == pytest.approx(np.log(2))  # policy == reference at step 1
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(200)
 def test_dpo_lora_dp2_matches_one_process(tmp_path: Path) -> None:
     # dp = 2 × 1 row per rank trains on the rows of dp = 1 × 2 rows; the loss is averaged
@@ -143,6 +145,7 @@ def test_dpo_frozen_reference_pp2_equals_pp1_bitwise(tmp_path: Path) -> None:
     assert len(grads(ref, 1)) > 20  # every parameter trains
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(240)
 def test_combined_moe_dpo_lora_pp2_cp2_via_flashcp_train(tmp_path: Path) -> None:
     config = CONFIGS / "glm" / "tiny_moe_dpo_lora_pp2_cp2.yaml"
@@ -181,6 +184,7 @@ def test_combined_moe_dpo_lora_pp2_cp2_via_flashcp_train(tmp_path: Path) -> None
         )  # fmt: skip
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(200)
 def test_sft_packed_cp2_matches_cp1(tmp_path: Path) -> None:
     config = CONFIGS / "gpt" / "tiny_sft_packed_cp2.yaml"

@@ -35,6 +35,7 @@ def test_golden_file_has_no_stale_entries() -> None:
     )
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_tiny_config_job_is_clean_and_golden(config: str, tmp_path: Path) -> None:

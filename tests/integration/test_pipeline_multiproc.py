@@ -45,6 +45,7 @@ def _expected_sent(case: dict, pp: int, cp: int) -> int:
     return sent
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("pp", "cp"), [(2, 1), (3, 1), (2, 2)], ids=["pp2", "pp3", "cp2xpp2"])
 def test_pipeline_equals_single_process(pp: int, cp: int, tmp_path: Path) -> None:

@@ -93,17 +93,20 @@ def cp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _launch(tmp_path_factory.mktemp("cp2"), 2, [])
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_cp2_dualchunk_matches_cp1(cp2_run: Path, reference: Path) -> None:
     _assert_matches(cp2_run, reference)
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_cp4_workload_balanced_matches_cp1(tmp_path: Path, reference: Path) -> None:
     run = _launch(tmp_path, 4, ["parallel.cp=4", "parallel.cp_mode=workload_balanced"])
     _assert_matches(run, reference)
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_dp2_cp2_contiguous_matches_cp1(tmp_path: Path, reference: Path) -> None:
     # dp=2 × micro-batch 1 sees the same two sequences per step as dp=1 × micro-batch 2
@@ -114,6 +117,7 @@ def test_dp2_cp2_contiguous_matches_cp1(tmp_path: Path, reference: Path) -> None
     _assert_matches(run, reference)
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_glm_moe_recompute_cp2_matches_cp1(tmp_path: Path) -> None:
     # GLM-4.5-style MoE, full activation recompute, contiguous layout (configs/glm/tiny_moe_cp2)

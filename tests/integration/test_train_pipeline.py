@@ -98,6 +98,7 @@ def test_pp2_resumes_exactly_and_loads_into_pp1(
     assert losses(single) == losses(gpt_reference)[2:]
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(200)
 def test_pp2_cp2_tied_gpipe_matches_one_process(tmp_path: Path) -> None:
     shape = ["model.tie_embeddings=true", "model.num_layers=3"]

@@ -34,6 +34,7 @@ def _run(q, k, v, dout, idx, causal, **kwargs):
     return out.numpy(), lse.numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", ["causal", "causal_document", "share_question", "document"])
 def test_single_rank_matches_dense(family: str, mode: str) -> None:

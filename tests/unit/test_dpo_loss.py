@@ -148,6 +148,7 @@ def test_sequence_logps_sums_average_and_grad() -> None:
     np.testing.assert_allclose(ca.numpy(), c.numpy() / lens, rtol=1e-6)
 
 
+@pytest.mark.equivalence
 def test_sequence_logps_cp_shards_add_up() -> None:
     """Per-rank partial sums over a CP shard's global columns add up to the full sums."""
     batch, logits = _packed_case(2)

@@ -156,6 +156,7 @@ def test_arch_rotary_defaults() -> None:
     assert preset("tiny", position="learned").rotary_dim == 0
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize(
     ("name", "overrides"),
     [("tiny", {}), ("tiny", {"position": "learned"}), ("tiny_glm", {}), ("tiny_glm_moe", {})],
@@ -204,6 +205,7 @@ def test_mask_as_paddle_tensor_or_numpy() -> None:
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.equivalence
 def test_forced_cp_path_single_rank_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CP call path (plan, all-gather-KV PyLayer) at one rank equals the plain path."""
     model = _model("tiny_glm_moe")
@@ -304,6 +306,7 @@ def test_validate_reports_every_problem_and_moe_fields_on_dense() -> None:
     assert preset("tiny").validate() == []
 
 
+@pytest.mark.equivalence
 def test_no_mask_means_causal_flag_alone() -> None:
     model = _model("tiny_glm")
     a = model(_ids(), _pos(B, 0, S), _causal()).numpy()
