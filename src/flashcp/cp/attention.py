@@ -204,7 +204,9 @@ def plan_cp_attention(
     assignment.chunk_len(seq)  # raises, naming data.seq_len, if S doesn't split evenly
     local = rebase_mask(idx, causal=causal, assignment_or_positions=assignment, rank=rank)
     head_dim = int(q.shape[3])
-    version = dispatch.resolve_current(head_dim, policy=fa4_unavailable).version
+    version = dispatch.resolve_current(  # FA4's per-call limits see the rebased local mask
+        head_dim, policy=fa4_unavailable, mask_shape=local.shape, num_kv_heads=int(k.shape[2])
+    ).version
     device = device_of(q)
     return CPPlan(
         group=group,
