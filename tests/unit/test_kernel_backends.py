@@ -2,7 +2,30 @@
 guarantee that backward runs the version the forward resolved, whatever the flags say later.
 
 Paddle's `_C_ops` functions and the CuTe FA4 entry points are replaced by recorders, so the
-positional layouts of reference §1.6 are asserted argument by argument.
+positional layouts of reference §1.6 are asserted argument by argument. Where the expected
+layouts come from:
+
+* forward ops: the paddlepaddle 3.3.1 wheel's stubs,
+  `paddle/_typing/libs/libpaddle/eager/ops/__init__.pyi` - `flash_attn(q, k, v,
+  fixed_seed_offset, attn_mask, dropout, causal, return_softmax, is_test, rng_name)`,
+  `flashmask_attention(q, k, v, startend_row_indices, fixed_seed_offset, dropout, causal,
+  return_softmax, is_test, rng_name)`, `flashmask_attention_v2(q, k, v, startend_row_indices,
+  block_mask, softmax_scale, is_causal)`, `flash_attn_v3(q, k, v, q_v_, q_descale_, k_descale_,
+  v_descale_, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+  num_splits, manual_set_pack_gqa, pack_gqa_, sm_margin)`;
+* grad ops (stubbed as `*args` in the wheel): Paddle's `paddle/phi/ops/yaml/backward.yaml` as
+  summarised in ../shared/reference/gpu-path-facts.md - `flashmask_attention_grad(q, k, v,
+  startend_row_indices, out, softmax_lse, seed_offset, out_grad, dropout, causal)`,
+  `flashmask_attention_v2_grad` with the optional block_mask before out_grad,
+  `flash_attn_v3_grad` ending in (softmax_scale, is_causal, window left, window right,
+  softcap, sm_margin); `test_op_binding.py` checks every one of these against the real
+  binding of the installed Paddle;
+* the "group" and "legacy" FA3 variants: reference §1.6 (paddlefleet-cp-and-dispatch.md);
+* FA4: PaddlePaddle/flash-attention `flashmask/flash_mask/cute/interface.py` at
+  9985af538d20bd7a56c7a5f5ea13294d454a011a - `_flash_attn_fwd(q, k, v, ..., softmax_scale,
+  causal, ..., pack_gqa, ..., return_lse, ..., startend_row_indices, ...)` and
+  `_flash_attn_bwd(q, k, v, out, dout, lse, flashmask_info, softmax_scale, causal, ...,
+  deterministic, ...)` returning `(dq, dk, dv, dsink)` (`CUTE_FWD_PARAMS` / `CUTE_BWD_PARAMS`).
 """
 
 from __future__ import annotations
@@ -226,6 +249,20 @@ def test_fa3_no_mask_layout(ops, causal: bool) -> None:
 # ------------------------------------------------------------------------------ FA4
 
 
+# Parameter names of the upstream CuTe entry points (interface.py @ 9985af5, see the module
+# docstring): every keyword the FA4 backend passes must be one of them.
+CUTE_FWD_PARAMS = (
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table",
+    "softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
+    "learnable_sink", "m_block_size", "n_block_size", "num_threads", "num_splits", "pack_gqa",
+    "_compute_capability", "score_mod", "mask_mod", "block_sparse_tensors", "return_lse", "out",
+    "lse", "aux_tensors", "startend_row_indices", "block_logit", "block_size", "block_bos",
+    "group",
+)  # fmt: skip
+CUTE_BWD_POSITIONAL = ("q", "k", "v", "out", "dout", "lse", "flashmask_info")
+CUTE_BWD_KEYWORDS = ("softmax_scale", "causal", "softcap", "learnable_sink", "deterministic")
+
+
 class FakeInfo:
     def __init__(self, *, startend_row_indices: Any, is_causal: bool) -> None:
         self.startend_row_indices = startend_row_indices
@@ -260,9 +297,11 @@ def test_fa4_layout(cute, monkeypatch, causal: bool) -> None:
     args, kwargs = bwd.only
     same(args[:6], (Q, K, V, OUT, DOUT, LSE))
     info = args[6]  # flashmask_info goes positionally in slot 7
-    assert len(args) == 7 and isinstance(info, FakeInfo)
+    assert len(args) == len(CUTE_BWD_POSITIONAL) and isinstance(info, FakeInfo)
     assert info.startend_row_indices is IDX and info.is_causal is causal
     assert kwargs == {"softmax_scale": 0.5, "causal": causal, "deterministic": True}
+    assert set(kwargs) <= set(CUTE_BWD_KEYWORDS)
+    assert set(fwd.only[1]) <= set(CUTE_FWD_PARAMS[3:])  # keywords only after q, k, v
 
 
 def test_fa4_no_mask_and_three_tuple(cute, monkeypatch) -> None:
