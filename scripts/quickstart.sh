@@ -13,7 +13,7 @@ else
   echo "== reusing .venv"
 fi
 echo "== installing flashcp (CPU paddlepaddle from PyPI)"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e . 2>&1 \
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[cpu]" 2>&1 \
   | { grep -v -E "^WARNING: Location|^\s*$" || true; }
 echo "== which FlashAttention version this machine would run"
 .venv/bin/flashcp explain-dispatch --head-dim 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -216,9 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NO_PADDLE = (
+    "flashcp needs PaddlePaddle, which is an extra: install flashcp with "
+    'pip install -e ".[cpu]" (CPU, from PyPI) or pip install -e ".[gpu]" --extra-index-url '
+    "https://www.paddlepaddle.org.cn/packages/stable/cu126/ (CUDA; cu129 for SM100 cards)"
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("paddle") is None:
+        print(f"flashcp: {NO_PADDLE}", file=sys.stderr)
+        return 2
     return int(args.func(args))
 
 

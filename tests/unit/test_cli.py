@@ -105,3 +105,16 @@ def test_no_subcommand_is_usage_error(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as info:
         cli.main([])
     assert info.value.code == 2
+
+
+def test_missing_paddle_names_the_extras(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Paddle is an extra ([cpu] / [gpu]): without it the CLI says how to install it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "paddle" else real(name, *a)
+    )
+    assert cli.main(["explain-dispatch"]) == 2
+    err = capsys.readouterr().err
+    assert '".[cpu]"' in err and '".[gpu]"' in err and "paddlepaddle.org.cn" in err
