@@ -267,8 +267,9 @@ def flashmask_attention(
     Returns out `[B, Sq, Hq, Dv]`, or `(out, lse)` with lse `[B, Hq, Sq]` (natural log,
     non-differentiable; float32, or float64 for float64 CPU inputs) when `return_lse`. Fully
     masked rows give out 0; their LSE is -inf on CPU (+inf from Paddle's CUDA kernels).
-    Raises `FlashAttnUnavailableError` when FA4 is requested without a backend under the
-    "error" policy, on every device.
+    Raises `FlashAttnUnavailableError` under the "error" policy, on every device, when the
+    requested FA4 has no backend or this call is beyond its kernel's limits (mask columns and
+    heads, head dims), or when an effective FA3 meets a card that is not SM90.
     """
     validate_attention_inputs(
         q, k, v, startend_row_indices, causal=causal, softmax_scale=softmax_scale, dropout=dropout

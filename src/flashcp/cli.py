@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fa4-unavailable",
         choices=["error", "fallback"],
         default=None,
-        help="policy when FA4 is requested but unavailable "
+        help="policy when the requested FA4 (or FA3) is unavailable on this card or call "
         "(default: $FLASHCP_FA4_UNAVAILABLE, else error)",
     )
     explain.add_argument(

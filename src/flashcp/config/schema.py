@@ -72,7 +72,9 @@ class AttentionConfig:
     """Attention kernel policy."""
 
     fa4_unavailable: Literal["error", "fallback"] = "error"
-    """When FLAGS_flash_attn_version=4 asks for FA4 and it is missing: fail, or use FA3."""
+    """When FLAGS_flash_attn_version asks for a version this card (or call) cannot run - FA4
+    without SM100 + CuTe kernels or beyond their mask limits, FA3 off SM90: fail (error), or fall
+    back FA4 → FA3 → FA2 with one warning (fallback)."""
 
 
 @dataclass(kw_only=True)
