@@ -4,8 +4,9 @@ All functions take an explicit group (a `paddle.distributed.communication.group.
 one returned by `build_groups`) - never `None`, which Paddle would read as "the whole world".
 A group of one rank is valid and makes every call a local no-op (no traffic, no waiting).
 
-Every call that waits is run under the process watchdog (`watchdog.WATCHDOG`): if it does not
-finish within the timeout (argument, else `FLASHCP_COLLECTIVE_TIMEOUT`, default 300 s) the
+Every call that waits is run under the process watchdog (`watchdog.WATCHDOG`), on NCCL up to
+the end of the collective on the device (`wait_on_device`): if it does not finish within the
+timeout (argument, else `FLASHCP_COLLECTIVE_TIMEOUT`, default 300 s) the
 process prints e.g. "all_gather on group cp[0,1] timed out after 30 s on rank 0: rank 1 may be
 dead, hung or skipped this collective" and exits with status 124.
 
@@ -87,12 +88,32 @@ def timeout_message(op: str, group: Group, seconds: float) -> str:
     )
 
 
+def wait_on_device(group: Group) -> None:
+    """Block the host until the communication just queued on `group` has run (NCCL only).
+
+    An NCCL call returns once the collective is enqueued: with `sync_op=True` Paddle's
+    `task.wait()` only makes the compute stream wait for the communication stream
+    (`ProcessGroupNCCL::NCCLTask::Wait`; it blocks the host only under
+    FLAGS_nccl_blocking_wait). A hung collective would surface at some later host sync, outside
+    any watchdog. `paddle.device.synchronize()` (cudaDeviceSynchronize on the current device)
+    inside the watched block makes the timeout fire at the collective itself. Gloo calls are
+    synchronous already.
+    """
+    if group_backend(group) == "nccl":
+        paddle.device.synchronize()
+
+
 @contextmanager
 def watch(op: str, group: Group, timeout: float | None = None) -> Iterator[None]:
-    """Run the block under the watchdog with the standard message for `op` on `group`."""
+    """Run the block under the watchdog with the standard message for `op` on `group`.
+
+    On NCCL the block's communication is waited for on the device before the watchdog is
+    disarmed (`wait_on_device`), so a hung collective times out here, naming it.
+    """
     seconds = resolve_timeout(timeout)
     with WATCHDOG.watch(seconds, timeout_message(op, group, seconds)):
         yield
+        wait_on_device(group)
 
 
 def nbytes(x: Tensor) -> int:
