@@ -138,6 +138,22 @@ def dense_bias(mask: Any):
     return np.where(masked, np.float32(-np.inf), np.float32(0.0))
 
 
+def _dense_columns(mask: Any, block: int = 512):
+    """(c0, allowed[S, c1 - c0]) for successive column blocks of the mask (True = attend).
+
+    Built from the non-causal form of the indices one column block at a time, so no S x S
+    array exists: this runs in the parent process, whose peak RSS a forked worker inherits
+    (Linux keeps `ru_maxrss` across fork and exec), so it must stay small.
+    """
+    from flashcp import masks
+
+    nc = masks.to_noncausal(mask.indices, causal=mask.causal)
+    s = nc.shape[2]
+    for c0 in range(0, s, block):
+        cols = nc[:, :, c0 : c0 + block]
+        yield c0, ~masks.to_dense(cols, causal=False, q_len=s)[0, 0]
+
+
 def document_segments(mask: Any) -> dict[str, Any] | None:
     """Documents of a block-diagonal mask, from the dense oracle; None if it is not one.
 
@@ -147,21 +163,30 @@ def document_segments(mask: Any) -> dict[str, Any] | None:
     """
     import numpy as np
 
-    from flashcp import masks
-
     if mask.indices.shape[1] != 1:
         return None
-    allowed = ~masks.to_dense(mask.indices, causal=mask.causal)[0, 0]
-    s = allowed.shape[0]
-    # a document starts where a row cannot see the previous column nor the previous row it
-    starts = [0] + [j for j in range(1, s) if not allowed[j, j - 1] and not allowed[j - 1, j]]
+    s = mask.indices.shape[2]
+    up = np.zeros(s, dtype=bool)  # allowed[j - 1, j]
+    down = np.zeros(s, dtype=bool)  # allowed[j + 1, j]
+    for c0, allowed in _dense_columns(mask):
+        j = np.arange(c0, c0 + allowed.shape[1])
+        up[j[j > 0]] = allowed[j[j > 0] - 1, j[j > 0] - c0]
+        down[j[j < s - 1]] = allowed[j[j < s - 1] + 1, j[j < s - 1] - c0]
+    # a document starts where a row sees neither its left neighbour nor is seen from above
+    starts = [0] + [j for j in range(1, s) if not down[j - 1] and not up[j]]
     bounds = [*starts, s]
     lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
     doc = np.repeat(np.arange(len(lengths)), lengths)
-    same = doc[:, None] == doc[None, :]
+    rows = np.arange(s)[:, None]
     for causal in (True, False):
-        want = same & np.tri(s, dtype=bool) if causal else same
-        if np.array_equal(allowed, want):
+        for c0, allowed in _dense_columns(mask):
+            cols = np.arange(c0, c0 + allowed.shape[1])[None, :]
+            want = doc[rows] == doc[cols]
+            if causal:
+                want &= rows >= cols
+            if not np.array_equal(allowed, want):
+                break
+        else:
             return {"lengths": lengths, "causal": causal}
     return None
 

@@ -736,7 +736,7 @@ def render_cp_balance(model: dict[str, Any] | None, timed: dict[str, Any] | None
     if model is not None:
         text = tiles_vs_pairs(model)
         if text:
-            lines += [f"The difference matters in the model: {text}", ""]
+            lines += [f"The difference matters (figures from the model run below). {text}", ""]
     lines += [
         "`chunk_work` tiles each chunk on its own, which equals the kernel's tiling when the "
         "chunk length is a multiple of the block. `rank_work` rebases the mask onto the rank's "
