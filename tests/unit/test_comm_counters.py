@@ -147,3 +147,37 @@ def test_tap_flags_collectives_it_does_not_measure(
     assert tap.other_calls == 1 and tap.sent == tap.received == 0
     # on exit the tap puts back what it wrapped (here the fake)
     assert isinstance(getattr(dist.all_reduce, "__self__", None), FakeTransport)
+
+
+class _NcclPG:
+    """Enough of a process group for `group_backend` to report NCCL."""
+
+    def name(self) -> str:
+        return "NCCL"
+
+
+def test_library_reduce_scatters_count_their_documented_model(
+    monkeypatch: pytest.MonkeyPatch, group: NamedGroup
+) -> None:
+    """The "nccl" and "allreduce" variants hand the whole transfer to the library, which does
+    not report its traffic: they count (p - 1)/p resp. 2 (p - 1)/p of the tensors handed."""
+    worker = _load_worker()
+    fake = FakeTransport()
+    _install(monkeypatch, fake)
+
+    def reduce_scatter(out: Any, chunks: list[Any], group: Any = None, **_: Any) -> None:
+        paddle.assign(paddle.add_n(chunks), output=out)
+
+    monkeypatch.setattr(dist, "reduce_scatter", reduce_scatter)
+    nccl = NamedGroup("cp", RANKS.index(ME), 8, RANKS, pg=_NcclPG())
+    chunks = [paddle.full([5], float(i), dtype="float32") for i in range(len(RANKS))]
+    total = sum(nbytes(c) for c in chunks)
+    p = len(RANKS)
+    with worker.TransportTap() as tap:
+        reset_comm_stats()
+        reduce_scatter_chunks(chunks, nccl, method="nccl")
+        assert _counted(nccl) == ((p - 1) * total // p,) * 2
+        reset_comm_stats()
+        reduce_scatter_chunks(chunks, group, method="allreduce")
+        assert _counted(group) == (2 * (p - 1) * total // p,) * 2
+    assert tap.other_calls == 2 and tap.sent == tap.received == 0  # flagged as untapped
