@@ -37,7 +37,7 @@ launch failed).
 
     python scripts/bench_cp.py --part balance            # S = 16384, cp in {2, 4, 8}: ~30 s
     python scripts/bench_cp.py --part balance_time       # S = 8192, cp in {2, 4}: few min
-    python scripts/bench_cp.py --part comm               # S = 8192, cp in {2, 4}: ~30 s
+    python scripts/bench_cp.py --part comm               # S = 8192, cp in {2, 4}: ~1 min
     python scripts/bench_cp.py --part scaling            # S = 8192, CP=2 vs CP=1: ~3 min
     python scripts/bench_cp.py --part docs               # pages from the JSON, no run
     python scripts/bench_cp.py --part comm --quick --comm-cp 2 4 --out-dir /tmp/x   # smoke

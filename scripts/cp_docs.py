@@ -324,7 +324,7 @@ def render_cp_bench(
         "or counters different from the transport; speed-up below `--speedup-target`), or 2 on "
         "an error (a launch failed or timed out).",
         "",
-        "    python scripts/bench_cp.py --part comm        # cp 2 and 4, about 30 s",
+        "    python scripts/bench_cp.py --part comm        # cp 2 and 4, about 1 min",
         "    python scripts/bench_cp.py --part scaling     # CP=2 vs CP=1, about 2-3 min",
         "",
         "## Communication per attention call",
