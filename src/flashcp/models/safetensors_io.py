@@ -120,7 +120,9 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str], counter: ReadCounter) -> None:
         self.path = Path(path)
         self.counter = counter
-        self._fh = open(self.path, "rb")  # noqa: SIM115 (closed by close / __exit__)
+        # Unbuffered: each counted readinto is one read of the OS file, no read-ahead buffer
+        # pulling in (uncounted) bytes of neighbouring tensors.
+        self._fh = open(self.path, "rb", buffering=0)  # noqa: SIM115 (closed by close/__exit__)
         try:
             self.tensors, self.metadata = self._parse_header()
         except BaseException:
