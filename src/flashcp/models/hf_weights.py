@@ -8,11 +8,19 @@ The one difference is orientation: Paddle `Linear` (and the MoE router) store `[
 HF `[out, in]`, so those weights are transposed on the way in and out.
 
 `load_hf_checkpoint` reads a single ``.safetensors`` file or a directory holding either
-``model.safetensors`` or shards listed in ``model.safetensors.index.json``. It checks every
-key and shape from the file headers before reading any tensor, then loads one tensor at a
-time (casting to the parameter's dtype). Skipped, never errors: ``lm_head.weight`` when the
-embeddings are tied, ``*.rotary_emb.inv_freq`` (old exports), and for ``glm_moe`` the
-multi-token-prediction layers GLM-4.5 ships after its last decoder layer.
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``, into a whole model
+or ONE PIPELINE STAGE of it (its parameter names are the full model's): the module reads only
+the tensors it holds — the index, the headers of the shards holding them, and each tensor's
+own byte range (`flashcp.models.safetensors_io`, which counts every byte it reads) — so no
+rank touches the weights of another stage. Keys of other stages (decoder layers it does not
+hold; embeddings, which go with layer 0; final norm and head, which go with the last layer)
+are left to their stage, which checks them. Every key, shape and dtype is checked from the
+headers before any tensor is read; then each tensor is read, cast to the parameter's own
+storage dtype (float32 or bfloat16: bf16 files fill bf16 parameters bit for bit) and
+assigned. `on_tensor` / `read_hf_float32` give the file's float32 values for master weights.
+Skipped, never errors: ``lm_head.weight`` when the embeddings are tied,
+``*.rotary_emb.inv_freq`` (old exports), and for ``glm_moe`` the multi-token-prediction
+layers GLM-4.5 ships after its last decoder layer.
 
 `save_hf_checkpoint` writes the same layout (sharded above `max_shard_bytes`) plus an
 HF-style ``config.json`` that also records the exact `ModelArgs`; `args_from_hf_config`
@@ -25,7 +33,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -239,19 +247,31 @@ def _dtype_name(tensor: paddle.Tensor) -> str:
 
 
 def _plan(
-    module: nn.Layer, ckpt: _Checkpoint, counter: ReadCounter, report: LoadReport, strict: bool
+    module: nn.Layer,
+    ckpt: _Checkpoint,
+    counter: ReadCounter,
+    report: LoadReport,
+    strict: bool,
+    names: Collection[str] | None,
 ) -> dict[Path, list[tuple[HFEntry, TensorInfo]]]:
     """Check every key, shape and dtype this module needs; file → what to read from it.
 
-    Reads the index (done) and the headers of the files holding this module's tensors, no
-    tensor data. Raises `CheckpointMismatchError` listing every problem.
+    `names`: only these of the module's tensors (None: all). Reads the index (done) and the
+    headers of the files holding the tensors to read, no tensor data. Raises
+    `CheckpointMismatchError` listing every problem.
     """
     args: ModelArgs = module.args  # type: ignore[attr-defined]
-    entries = hf_state_map(module)
-    held = {int(m.group(1)) for k in entries if (m := _LAYER_RE.match(k))}
+    held_entries = hf_state_map(module)
+    held = {int(m.group(1)) for k in held_entries if (m := _LAYER_RE.match(k))}
+    entries = held_entries
+    if names is not None:
+        unknown = sorted(set(names) - set(held_entries))
+        if unknown:
+            raise KeyError(f"not tensors of this module: {unknown[:_SHOW]}")
+        entries = {k: held_entries[k] for k in names}
     missing = sorted(set(entries) - set(ckpt.key_files))
     unexpected: list[str] = []
-    for key in sorted(set(ckpt.key_files) - set(entries)):
+    for key in sorted(set(ckpt.key_files) - set(held_entries)):
         if _skippable(key, args):
             report.skipped.append(key)
         elif _foreign(key, args, held):
@@ -318,6 +338,35 @@ def _plan(
     return plan
 
 
+def _read_tensors(
+    module: nn.Layer,
+    path: str | os.PathLike[str],
+    report: LoadReport,
+    *,
+    strict: bool,
+    names: Collection[str] | None = None,
+) -> Iterator[tuple[HFEntry, TensorInfo, np.ndarray]]:
+    """Check, then yield (entry, header info, raw file data) of each tensor to load.
+
+    Fills `report` as it goes; the byte counts once the generator is finished or closed.
+    """
+    counter = ReadCounter()
+    ckpt = _open_checkpoint(path, counter)
+    try:
+        plan = _plan(module, ckpt, counter, report, strict, names)
+        for f in sorted(plan):
+            for entry, info in plan[f]:
+                yield entry, info, ckpt.opened[f].read(info.key)
+                report.loaded.append(info.key)
+                report.share_bytes += info.nbytes
+    finally:
+        for handle in ckpt.opened.values():
+            handle.close()
+        report.files = [str(f) for f in sorted(ckpt.opened)]
+        report.bytes_read = counter.total
+        report.bytes_by_file = dict(counter.by_file)
+
+
 def load_hf_checkpoint(
     module: nn.Layer,
     path: str | os.PathLike[str],
@@ -341,33 +390,45 @@ def load_hf_checkpoint(
     and a `Float32Source` of the file's values (e.g. to fill float32 master weights, or just
     this rank's flat slice of them, without a bf16 round trip and without a second read).
     """
-    counter = ReadCounter()
-    with contextlib.ExitStack() as stack:
-        ckpt = _open_checkpoint(path, counter)
-        stack.callback(lambda: [f.close() for f in ckpt.opened.values()])
-        report = LoadReport(files=[])
-        plan = _plan(module, ckpt, counter, report, strict)
-        for f in sorted(plan):
-            handle = ckpt.opened[f]
-            for entry, info in plan[f]:
-                raw = handle.read(info.key)
-                value = cast_raw(raw, info.dtype, _dtype_name(entry.tensor))
-                if entry.transposed:
-                    value = value.T
-                tensor = paddle.to_tensor(np.ascontiguousarray(value), place=entry.tensor.place)
-                if tensor.dtype != entry.tensor.dtype:  # numpy has no bf16: uint16 → bf16
-                    raise AssertionError(f"{info.key}: {tensor.dtype} != {entry.tensor.dtype}")
-                with paddle.no_grad():
-                    paddle.assign(tensor, output=entry.tensor)
-                del tensor, value
-                if on_tensor is not None:
-                    on_tensor(info.key, Float32Source(raw, info.dtype, entry.transposed))
-                report.loaded.append(info.key)
-                report.share_bytes += info.nbytes
-        report.files = [str(f) for f in sorted(ckpt.opened)]
-    report.bytes_read = counter.total
-    report.bytes_by_file = dict(counter.by_file)
+    report = LoadReport(files=[])
+    with contextlib.closing(_read_tensors(module, path, report, strict=strict)) as tensors:
+        for entry, info, raw in tensors:
+            value = cast_raw(raw, info.dtype, _dtype_name(entry.tensor))
+            if entry.transposed:
+                value = value.T
+            tensor = paddle.to_tensor(np.ascontiguousarray(value), place=entry.tensor.place)
+            if tensor.dtype != entry.tensor.dtype:  # numpy has no bf16: uint16 → bf16
+                raise AssertionError(f"{info.key}: {tensor.dtype} != {entry.tensor.dtype}")
+            with paddle.no_grad():
+                paddle.assign(tensor, output=entry.tensor)
+            del tensor, value
+            if on_tensor is not None:
+                on_tensor(info.key, Float32Source(raw, info.dtype, entry.transposed))
     return report
+
+
+def read_hf_float32(
+    module: nn.Layer,
+    path: str | os.PathLike[str],
+    slices: Mapping[str, tuple[int, int]],
+) -> tuple[dict[str, np.ndarray], LoadReport]:
+    """The checkpoint's float32 values of flat slices of some of `module`'s tensors.
+
+    `slices[name] = (start, stop)` over the row-major flattened Paddle-layout tensor `name`
+    (e.g. this rank's ZeRO shard of the float32 master weights, filled from the file rather
+    than from bf16 parameters). Only the named tensors are read, each whole (a flat shard cuts
+    at most two tensors partially); keys, shapes and dtypes are checked as in
+    `load_hf_checkpoint`; nothing is assigned. Returns the slices and the `LoadReport`.
+    """
+    report = LoadReport(files=[])
+    out: dict[str, np.ndarray] = {}
+    reader = _read_tensors(module, path, report, strict=True, names=list(slices))
+    with contextlib.closing(reader) as tensors:
+        for entry, info, raw in tensors:
+            out[info.key] = Float32Source(raw, info.dtype, entry.transposed).float32(
+                *slices[info.key]
+            )
+    return out, report
 
 
 # -------------------------------------------------------------------------------- saving
