@@ -171,8 +171,12 @@ def test_single_file_form_stage(tmp_path: Path) -> None:
     args = _args("glm")
     paddle.seed(3)
     save_hf_checkpoint(build_model(args), tmp_path)
+    tensors = np_load_file(str(tmp_path / "model.safetensors"))  # + an old export's buffer
+    tensors["model.layers.3.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    np_save_file(tensors, str(tmp_path / "model.safetensors"))
     module = _stage(args, 1, 2, "float32")
     report = load_hf_checkpoint(module, tmp_path)
+    assert report.skipped == ["model.layers.3.self_attn.rotary_emb.inv_freq"]
     size = (tmp_path / "model.safetensors").stat().st_size
     assert report.bytes_read == _header_bytes(tmp_path / "model.safetensors") + report.share_bytes
     assert report.bytes_read < 0.7 * size
