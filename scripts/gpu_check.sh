@@ -1,35 +1,48 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a CUDA machine (H20, H100, ...): install, test, benchmark, one summary.
+# One-shot GPU check for a CUDA machine (H20, H100, B200, ...): install, test, benchmark, one
+# summary to paste into an issue.
 #
 #   bash scripts/gpu_check.sh [WHEEL_FILE_OR_DIR ...]
 #   bash scripts/gpu_check.sh --print-deps    # flashcp's non-paddle deps + test extras, then exit
+#   bash scripts/gpu_check.sh --print-plan    # the card, CUDA build and index it would use, exit
 #
+# 0. Reads the card with `nvidia-smi` (name, compute capability, driver) and picks Paddle's
+#    wheel index for it: CUDA 12.6 (cu126) for SM80/SM90, CUDA 12.9 (cu129) for SM100 and newer
+#    (B200-class cards need a CUDA >= 12.8 build). $PADDLE_GPU_INDEX overrides the choice.
 # 1. Creates .venv-gpu (separate from the CPU .venv: `paddlepaddle` and `paddlepaddle-gpu` both
 #    provide the `paddle` module) and installs into it
-#    - paddlepaddle-gpu from the given .whl files and/or directories of wheels (directories are
-#      used with `--no-index --find-links DIR`); with no arguments from Paddle's index
-#      $PADDLE_GPU_INDEX, version $PADDLE_GPU_VERSION;
-#    - flashcp itself (`pip install -e . --no-deps`) and its dependencies and test extras as
-#      listed in pyproject.toml, minus `paddlepaddle` (read with tomllib, so the list never
-#      drifts from the project's). When directories were given these are looked up there first,
-#      then on the package index.
-# 2. Checks that Paddle sees a CUDA GPU; exits 3 with "no CUDA GPU: ..." otherwise.
-# 3. Prints `flashcp explain-dispatch --head-dim 128`, as configured and with --deterministic.
+#    - with no arguments, the documented one command: `pip install -e ".[gpu,test]"
+#      --extra-index-url $PADDLE_GPU_INDEX` (paddlepaddle-gpu from Paddle's index, everything
+#      else from PyPI); $PADDLE_GPU_VERSION pins another paddlepaddle-gpu version;
+#    - with arguments, paddlepaddle-gpu from the given .whl files and/or directories of wheels
+#      (directories are used with `--no-index --find-links DIR`), then `-e ".[test]"` (its
+#      dependencies looked up in the directories first, then on the package index);
+#    - the FA4 CuTe kernels (`paddlefleet_ops`, not on PyPI) from $FLASHCP_FA4_WHEEL (a wheel or
+#      a directory of wheels) when it is set.
+# 2. Checks that Paddle sees a CUDA GPU (exits 3 with "no CUDA GPU: ..." otherwise) and that its
+#    CUDA build can run this card (exits 4 when an SM100 card meets a CUDA < 12.8 build).
+# 3. Reports FA3 (SM90 only) and FA4 (SM100 + CuTe kernels) availability - an SM100 card
+#    without the CuTe kernels is reported, never silently skipped - and prints
+#    `flashcp explain-dispatch --head-dim 128`, as configured and with --deterministic.
 # 4. Runs `pytest -m gpu tests` with FLAGS_cudnn_deterministic=1.
 # 5. Runs `scripts/bench_kernel.py --device gpu --full --head-dim 128`, writing
 #    $FLASHCP_GPU_CHECK_OUT/bench_kernel_gpu.{json,md} (never the CPU docs/bench_kernel.*).
-# 6. Prints one summary block (install source, GPU, effective fa_version, pytest counts,
-#    benchmark speed-ups) and exits non-zero if any step failed.
+# 6. Prints one summary block (flashcp commit, card, CUDA build, install source, FA3/FA4,
+#    effective fa_version, pytest counts, benchmark speed-ups) and exits non-zero if any step
+#    failed.
 #
 # Environment:
-#   PADDLE_GPU_INDEX       wheel index used without arguments
-#                          (default https://www.paddlepaddle.org.cn/packages/stable/cu126/)
-#   PADDLE_GPU_VERSION     paddlepaddle-gpu version (default 3.3.1 from the index; unpinned
-#                          when installing from given directories unless set)
+#   PADDLE_GPU_INDEX       wheel index (default: chosen from the card, see step 0)
+#   PADDLE_GPU_VERSION     paddlepaddle-gpu version (default: the `gpu` extra's pin, 3.3.1;
+#                          unpinned when installing from given directories unless set)
+#   FLASHCP_FA4_WHEEL      paddlefleet_ops wheel file or directory (FA4 CuTe kernels, SM100)
 #   PYTHON                 interpreter that creates the venv (default python3, >= 3.10)
 #   FLASHCP_GPU_VENV       the venv (default .venv-gpu)
 #   FLASHCP_GPU_CHECK_OUT  logs and benchmark results (default build/gpu_check)
 #   FLASHCP_GPU_BENCH_ARGS extra bench_kernel.py arguments, split on spaces (e.g. "--repeats 3")
+#   FLASHCP_GPU_CHECK_COMPUTE_CAP
+#                          the compute capability to plan for (e.g. 10.0) instead of asking
+#                          nvidia-smi (machines without it; the unit test)
 #   FLASHCP_GPU_CHECK_SKIP_INSTALL=1
 #                          install nothing; run steps 2-6 with $FLASHCP_GPU_CHECK_PYTHON, else
 #                          the venv's python if it exists, else .venv/bin/python. The unit test
@@ -45,6 +58,7 @@ WHEELS=()
 DIRS=()
 LINKS=()
 PRINT_DEPS=0
+PRINT_PLAN=0
 for arg in "$@"; do
   case "$arg" in
     -h | --help)
@@ -53,6 +67,9 @@ for arg in "$@"; do
       ;;
     --print-deps)
       PRINT_DEPS=1
+      ;;
+    --print-plan)
+      PRINT_PLAN=1
       ;;
     *)
       if [ -d "$arg" ]; then
@@ -74,8 +91,43 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=${FLASHCP_GPU_VENV:-$ROOT/.venv-gpu}
 OUT=${FLASHCP_GPU_CHECK_OUT:-$ROOT/build/gpu_check}
-PADDLE_GPU_INDEX=${PADDLE_GPU_INDEX:-https://www.paddlepaddle.org.cn/packages/stable/cu126/}
+PADDLE_INDEX_BASE=https://www.paddlepaddle.org.cn/packages/stable
 HEAD_DIM=128
+
+# ------------------------------------------------- 0. the card and the CUDA build it needs
+CARD="(nvidia-smi not found)"
+CAP=${FLASHCP_GPU_CHECK_COMPUTE_CAP:-}
+if [ -n "$CAP" ]; then
+  CARD="compute capability $CAP (FLASHCP_GPU_CHECK_COMPUTE_CAP)"
+elif command -v nvidia-smi >/dev/null 2>&1; then
+  if SMI=$(nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader \
+    2>/dev/null | head -n 1) && [ -n "$SMI" ]; then
+    CARD="$SMI (name, compute capability, driver)"
+    CAP=$(cut -d, -f2 <<<"$SMI" | tr -d ' ')
+  else
+    CARD="(nvidia-smi found no GPU)"
+  fi
+fi
+CAP_MAJOR=${CAP%%.*}
+if [[ "$CAP_MAJOR" =~ ^[0-9]+$ ]] && [ "$CAP_MAJOR" -ge 10 ]; then
+  CUDA_TAG=cu129
+  CUDA_WHY="SM${CAP/./} needs a CUDA >= 12.8 build"
+else
+  CUDA_TAG=cu126
+  CUDA_WHY="CUDA 12.6 build${CAP:+ for SM${CAP/./}}"
+fi
+if [ -n "${PADDLE_GPU_INDEX:-}" ]; then
+  CUDA_WHY="PADDLE_GPU_INDEX given; the card alone would pick $CUDA_TAG: $CUDA_WHY"
+else
+  PADDLE_GPU_INDEX=$PADDLE_INDEX_BASE/$CUDA_TAG/
+fi
+
+if [ "$PRINT_PLAN" = 1 ]; then
+  echo "card: $CARD"
+  echo "index: $PADDLE_GPU_INDEX ($CUDA_WHY)"
+  echo "install: python -m pip install -e \".[gpu,test]\" --extra-index-url $PADDLE_GPU_INDEX"
+  exit 0
+fi
 PIP_OPTS=(--disable-pip-version-check --progress-bar off)
 
 # flashcp's dependencies and test extras from pyproject.toml, without paddlepaddle; one a line.
@@ -94,7 +146,7 @@ reqs = list(project.get("dependencies", []))
 reqs += list(project.get("optional-dependencies", {}).get("test", []))
 for req in reqs:
     name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req).group(1)
-    if re.sub(r"[-_.]+", "-", name).lower() != "paddlepaddle":
+    if not re.sub(r"[-_.]+", "-", name).lower().startswith("paddlepaddle"):
         print(req.strip())
 EOF
 }
@@ -108,6 +160,12 @@ fi
 STEP="start"
 INSTALL_SRC="(not run)"
 GPU_DESC="(not checked)"
+FA3_DESC="(not checked)"
+FA4_DESC="(not checked)"
+COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown")
+if ! git -C "$ROOT" diff --quiet HEAD 2>/dev/null; then
+  COMMIT="$COMMIT (with local changes)"
+fi
 FA_CONFIGURED="(not run)"
 FA_DETERMINISTIC="(not run)"
 PYTEST_DESC="(not run)"
@@ -122,8 +180,13 @@ summary() {
   fi
   echo
   echo "==================== flashcp GPU check: summary ===================="
+  printf '  %-20s %s\n' "flashcp" "$COMMIT"
+  printf '  %-20s %s\n' "card" "$CARD"
+  printf '  %-20s %s\n' "CUDA build" "$PADDLE_GPU_INDEX ($CUDA_WHY)"
   printf '  %-20s %s\n' "install" "$INSTALL_SRC"
   printf '  %-20s %s\n' "GPU" "$GPU_DESC"
+  printf '  %-20s %s\n' "FA3" "$FA3_DESC"
+  printf '  %-20s %s\n' "FA4 (CuTe)" "$FA4_DESC"
   printf '  %-20s %s\n' "fa_version" "$FA_CONFIGURED (as configured), $FA_DETERMINISTIC (deterministic), head_dim $HEAD_DIM"
   printf '  %-20s %s\n' "pytest -m gpu" "$PYTEST_DESC"
   printf '  %-20s %s\n' "kernel benchmark" "$BENCH_DESC"
@@ -179,9 +242,9 @@ install_paddle() {
     INSTALL_SRC="paddlepaddle-gpu from ${WHEELS[*]}"
     "$VPY" -m pip install "${PIP_OPTS[@]}" "${WHEELS[@]}"
   else
-    local version=${PADDLE_GPU_VERSION:-3.3.1}
-    INSTALL_SRC="paddlepaddle-gpu==$version from $PADDLE_GPU_INDEX"
-    "$VPY" -m pip install "${PIP_OPTS[@]}" "paddlepaddle-gpu==$version" -i "$PADDLE_GPU_INDEX"
+    INSTALL_SRC="paddlepaddle-gpu==$PADDLE_GPU_VERSION from $PADDLE_GPU_INDEX"
+    "$VPY" -m pip install "${PIP_OPTS[@]}" "paddlepaddle-gpu==$PADDLE_GPU_VERSION" \
+      --extra-index-url "$PADDLE_GPU_INDEX"
   fi
 }
 
@@ -220,20 +283,30 @@ else
     echo "           delete $VENV and run this script again" >&2
     exit 1
   fi
-  STEP="install: paddlepaddle-gpu"
-  echo "== installing paddlepaddle-gpu"
-  install_paddle
-  STEP="install: flashcp dependencies"
-  if ! "$VPY" -c "import tomllib" 2>/dev/null; then
-    pip_deps tomli
+  if [ ${#WHEELS[@]} -eq 0 ] && [ ${#LINKS[@]} -eq 0 ] && [ -z "${PADDLE_GPU_VERSION:-}" ]; then
+    # The README's one command: paddlepaddle-gpu (the `gpu` extra) from Paddle's index.
+    STEP="install: flashcp[gpu,test]"
+    INSTALL_SRC="pip install -e \".[gpu,test]\" --extra-index-url $PADDLE_GPU_INDEX"
+    echo "== $INSTALL_SRC"
+    "$VPY" -m pip install "${PIP_OPTS[@]}" -e ".[gpu,test]" --extra-index-url "$PADDLE_GPU_INDEX"
+  else
+    STEP="install: paddlepaddle-gpu"
+    echo "== installing paddlepaddle-gpu"
+    install_paddle
+    STEP="install: flashcp"
+    echo "== installing flashcp with its dependencies and test extras (paddle already there)"
+    pip_deps -e ".[test]"
   fi
-  DEPS_TXT=$(read_deps "$VPY")
-  mapfile -t DEPS <<<"$DEPS_TXT"
-  echo "== installing flashcp's dependencies and test extras: ${DEPS[*]}"
-  pip_deps "${DEPS[@]}"
-  STEP="install: flashcp"
-  echo "== installing flashcp (editable, --no-deps)"
-  pip_deps -e . --no-deps
+  if [ -n "${FLASHCP_FA4_WHEEL:-}" ]; then
+    STEP="install: FA4 CuTe kernels"
+    echo "== installing the FA4 CuTe kernels (paddlefleet_ops) from $FLASHCP_FA4_WHEEL"
+    if [ -d "$FLASHCP_FA4_WHEEL" ]; then
+      "$VPY" -m pip install "${PIP_OPTS[@]}" --find-links "$FLASHCP_FA4_WHEEL" paddlefleet_ops
+    else
+      "$VPY" -m pip install "${PIP_OPTS[@]}" "$FLASHCP_FA4_WHEEL"
+    fi
+    INSTALL_SRC="$INSTALL_SRC; FA4 kernels from $FLASHCP_FA4_WHEEL"
+  fi
 fi
 
 # ------------------------------------------------------------------------------ 2. CUDA GPU
@@ -259,10 +332,18 @@ if count == 0:
     sys.exit(3)
 major, minor = paddle.device.cuda.get_device_capability()
 name = paddle.device.cuda.get_device_name()
+cuda = paddle.version.cuda()
 print(
     f"{name} (SM {major}.{minor}), {count} device(s), Paddle {paddle.__version__}, "
-    f"CUDA {paddle.version.cuda()}"
+    f"CUDA {cuda}"
 )
+cuda_version = tuple(int(x) for x in str(cuda).split(".")[:2] if x.isdigit())
+if major >= 10 and cuda_version < (12, 8):
+    print(
+        f"this Paddle is a CUDA {cuda} build, which cannot run SM{major}{minor} kernels: "
+        "reinstall paddlepaddle-gpu from the cu129 index (CUDA >= 12.8)"
+    )
+    sys.exit(4)
 EOF
 ); then
   GPU_DESC=$GPU_INFO
@@ -273,12 +354,47 @@ else
     GPU_INFO="no CUDA GPU: importing paddle failed ($(tail -n 1 "$OUT/gpu_check.err"))"
   fi
   GPU_DESC="none"
+  if [ "$rc" -ne 3 ] && [ "$(wc -l <<<"$GPU_INFO")" -gt 1 ]; then
+    GPU_DESC=$(head -n 1 <<<"$GPU_INFO")
+    GPU_INFO=$(tail -n 1 <<<"$GPU_INFO")
+  fi
   FAILURES+=("$GPU_INFO")
   echo "gpu_check: $GPU_INFO" >&2
   exit $((rc == 3 ? 3 : 4))
 fi
 
-# ------------------------------------------------------------------------ 3. explain-dispatch
+# ------------------------------------------------------------ 3. FA3 / FA4 availability
+STEP="FA3/FA4 availability"
+if AVAIL=$("$VPY" - 2>>"$OUT/gpu_check.err" <<'EOF'
+from flashcp import dispatch
+
+fa3, why3 = dispatch.probe_fa3()
+fa4, why4 = dispatch.probe_fa4()
+cap = dispatch.probe_capability()
+print(("available: " if fa3 else "unavailable: ") + why3)
+if fa4:
+    print("available: " + why4)
+elif cap is not None and cap[0] == dispatch.FA4_CAPABILITY_MAJOR:
+    print(
+        "NOT INSTALLED on this SM100 card: " + why4 + " - the FA4 tests and benchmark rows "
+        "are skipped; paddlefleet_ops is not on PyPI: set FLASHCP_FA4_WHEEL=<wheel or dir> "
+        "and run this script again"
+    )
+else:
+    print("not applicable: " + why4)
+EOF
+); then
+  FA3_DESC=$(sed -n 1p <<<"$AVAIL")
+  FA4_DESC=$(sed -n 2p <<<"$AVAIL")
+else
+  FA3_DESC="probe failed (see $OUT/gpu_check.err)"
+  FA4_DESC="probe failed (see $OUT/gpu_check.err)"
+  FAILURES+=("the FA3/FA4 probe failed (see $OUT/gpu_check.err)")
+fi
+echo "   FA3: $FA3_DESC"
+echo "   FA4: $FA4_DESC"
+
+# ------------------------------------------------------------------------ 3b. explain-dispatch
 STEP="explain-dispatch"
 EXPLAIN_RESULT=""
 explain() {

@@ -31,7 +31,7 @@ sys.exit(not os.path.realpath(flashcp.__file__).startswith(here))' 2>/dev/null; 
   echo "== flashcp is installed in .venv (this checkout, same pyproject.toml): not reinstalling"
 else
   echo "== installing flashcp (CPU paddlepaddle from PyPI)"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e . 2>&1 \
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[cpu]" 2>&1 \
     | { grep -v -E "^WARNING: Location|^\s*$" || true; }
   echo "$want" >"$STAMP"
 fi

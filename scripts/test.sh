@@ -24,8 +24,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=$ROOT/.venv/bin/python
-echo "== installing flashcp with test extras"
-"$VPY" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
+echo "== installing flashcp with CPU paddlepaddle and the test extras"
+"$VPY" -m pip install --quiet --disable-pip-version-check -e ".[cpu,test]" 2>&1 \
   | { grep -v -E "^WARNING: Location|^\s*$" || true; }
 # The stamp scripts/quickstart.sh checks: this install covers its own (no reinstall needed).
 "$VPY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())' \

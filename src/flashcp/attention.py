@@ -140,6 +140,15 @@ def validate_attention_inputs(
     return device
 
 
+def dispatch_call_shape(k: Any, v: Any, startend_row_indices: Any) -> dict[str, Any]:
+    """The call's shape as `dispatch.resolve_current` checks it against FA4's kernel limits."""
+    return {
+        "mask_shape": None if startend_row_indices is None else _shape(startend_row_indices),
+        "num_kv_heads": int(k.shape[2]),
+        "head_dim_v": int(v.shape[-1]),
+    }
+
+
 def _grad_needed(*tensors: Any) -> bool:
     return paddle.is_grad_enabled() and any(not t.stop_gradient for t in tensors)
 
@@ -258,13 +267,18 @@ def flashmask_attention(
     Returns out `[B, Sq, Hq, Dv]`, or `(out, lse)` with lse `[B, Hq, Sq]` (natural log,
     non-differentiable; float32, or float64 for float64 CPU inputs) when `return_lse`. Fully
     masked rows give out 0; their LSE is -inf on CPU (+inf from Paddle's CUDA kernels).
-    Raises `FlashAttnUnavailableError` when FA4 is requested without a backend under the
-    "error" policy, on every device.
+    Raises `FlashAttnUnavailableError` under the "error" policy, on every device, when the
+    requested FA4 has no backend or this call is beyond its kernel's limits (mask columns and
+    heads, head dims), or when an effective FA3 meets a card that is not SM90.
     """
     validate_attention_inputs(
         q, k, v, startend_row_indices, causal=causal, softmax_scale=softmax_scale, dropout=dropout
     )
-    resolution = dispatch.resolve_current(int(q.shape[-1]), policy=fa4_unavailable)
+    resolution = dispatch.resolve_current(
+        int(q.shape[-1]),
+        policy=fa4_unavailable,
+        **dispatch_call_shape(k, v, startend_row_indices),
+    )
     return flashmask_attention_with_version(
         q,
         k,

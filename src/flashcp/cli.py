@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,11 +11,20 @@ from pathlib import Path
 CONFIG_DIR = Path("configs")
 
 
+def _parse_capability(text: str) -> tuple[int, int]:
+    major, sep, minor = text.strip().partition(".")
+    if not (major.isdigit() and (not sep or minor.isdigit())):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability such as 9.0")
+    return int(major), int(minor or 0)
+
+
 def _explain_dispatch(args: argparse.Namespace) -> int:
     from flashcp import dispatch
 
     inputs = dispatch.probe_inputs(
-        policy=args.fa4_unavailable, deterministic=True if args.deterministic else None
+        policy=args.fa4_unavailable,
+        deterministic=True if args.deterministic else None,
+        capability=args.capability,
     )
     print("Inputs probed:")
     rows = [
@@ -24,24 +34,33 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
             inputs.deterministic,
             inputs.sources[dispatch.FLAG_DETERMINISTIC],
         ),
+        (
+            "compute capability",
+            "none" if inputs.capability is None else "{}.{}".format(*inputs.capability),
+            inputs.sources["capability"],
+        ),
+        ("fa3_available", inputs.fa3_available, inputs.sources["fa3_available"]),
         ("fa4_available", inputs.fa4_available, inputs.sources["fa4_available"]),
         ("block_mask_api", inputs.block_mask_api, inputs.sources["block_mask_api"]),
         ("device", inputs.device, inputs.sources["device"]),
         ("fa4_unavailable policy", inputs.fa4_unavailable, inputs.sources["fa4_unavailable"]),
         ("head_dim", args.head_dim, "--head-dim"),
     ]
+    limit = None
+    if args.mask_columns is not None:
+        heads = args.mask_heads
+        rows.append(("mask [B, Hm, S, C]", f"Hm={heads} C={args.mask_columns}", "--mask-*"))
+        rows.append(("kv heads", args.kv_heads, "--kv-heads"))
+        limit = dispatch.fa4_call_limit(
+            mask_shape=(1, heads, 1, args.mask_columns),
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+        )
+        rows.append(("FA4 limit for this call", limit or "none", "fa4_call_limit"))
     for name, value, source in rows:
         print(f"  {name:<28} {value!s:<8} ({source})")
     try:
-        res = dispatch.explain_fa_version(
-            inputs.requested,
-            fa4_available=inputs.fa4_available,
-            block_mask_api=inputs.block_mask_api,
-            deterministic=inputs.deterministic,
-            head_dim=args.head_dim,
-            device=inputs.device,
-            fa4_unavailable=inputs.fa4_unavailable,
-        )
+        res = dispatch.explain_inputs(inputs, args.head_dim, fa4_limit=limit)
     except (ValueError, NotImplementedError) as exc:
         print(f"Effective fa_version: none: {exc}")
         return 2
@@ -49,7 +68,8 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
     print(f"Why: {res.reason}")
     if inputs.device.startswith("cpu"):
         print("Kernel: flashcp's CPU reference FlashMask kernel (no GPU on this machine); the")
-        print("version above is what a GPU with these flags would run, and is checked the same.")
+        print("version above is what a GPU with these flags (and this compute capability)")
+        print("would run, and is checked the same.")
     return 0
 
 
@@ -170,17 +190,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--fa4-unavailable",
         choices=["error", "fallback"],
         default=None,
-        help="policy when FA4 is requested but unavailable "
+        help="policy when the requested FA4 (or FA3) is unavailable on this card or call "
         "(default: $FLASHCP_FA4_UNAVAILABLE, else error)",
+    )
+    explain.add_argument(
+        "--capability",
+        type=_parse_capability,
+        default=None,
+        help="resolve as if the card had this compute capability, e.g. 8.0 (A100), 9.0 "
+        "(H100/H20), 10.0 (B200); default: the probed card",
+    )
+    explain.add_argument(
+        "--mask-columns",
+        type=int,
+        choices=[1, 2, 4],
+        default=None,
+        help="check a call whose startend_row_indices has this many columns against FA4's "
+        "limits (under CP a causal 2-column mask becomes 4 columns)",
+    )
+    explain.add_argument(
+        "--mask-heads", type=int, default=1, help="mask heads Hm of that call (default 1)"
+    )
+    explain.add_argument(
+        "--kv-heads", type=int, default=1, help="key/value heads of that call (default 1)"
     )
     explain.set_defaults(func=_explain_dispatch)
     _add_run_commands(sub)
     return parser
 
 
+NO_PADDLE = (
+    "flashcp needs PaddlePaddle, which is an extra: install flashcp with "
+    'pip install -e ".[cpu]" (CPU, from PyPI) or pip install -e ".[gpu]" --extra-index-url '
+    "https://www.paddlepaddle.org.cn/packages/stable/cu126/ (CUDA; cu129 for SM100 cards)"
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("paddle") is None:
+        print(f"flashcp: {NO_PADDLE}", file=sys.stderr)
+        return 2
     return int(args.func(args))
 
 

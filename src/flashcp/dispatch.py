@@ -1,8 +1,13 @@
 """Which FlashAttention kernel family (FA2, FA3, FA4) runs: one pure rule plus one probe.
 
 The rule fixes the PaddleFleet PR #1396 bug: the *effective* version is computed once
-(unavailable FA4 is refused or normalised to 3, then the deterministic downgrade is applied to
-that effective value) and the caller hands this one value to both forward and backward.
+(unavailable FA4 is refused or normalised to 3, an unavailable FA3 is refused or normalised to
+2, then the deterministic downgrade is applied to that effective value) and the caller hands
+this one value to both forward and backward.
+
+Availability is per card and per call: FA3 kernels exist for SM90 (Hopper) only ("FlashAttention-3
+only supports Hopper GPUs"); FA4 needs SM100 and the CuTe kernels, and upstream's own CuTe
+wrapper refuses some masks (`fa4_call_limit`), which makes FA4 unavailable for that call.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ FLAG_DETERMINISTIC = "FLAGS_cudnn_deterministic"
 ENV_FA4_POLICY = "FLASHCP_FA4_UNAVAILABLE"
 DEFAULT_FA_VERSION = 2  # Paddle's own default for FLAGS_flash_attn_version
 DETERMINISTIC_MAX_HEAD_DIM = 128
+FA3_CAPABILITY_MAJOR = 9  # FA3 kernels: SM90 (Hopper) only
+FA4_CAPABILITY_MAJOR = 10  # CuTe FA4 kernels: SM100 (Blackwell B200/B300) only
 
 # The CuTe-DSL FlashMask kernels ("FA4"), SM100 only.
 CUTE_INTERFACE_MODULE = "paddlefleet_ops.flash_mask.cute.interface"
@@ -30,7 +37,15 @@ CUTE_UTILS_MODULE = "paddlefleet_ops.flash_mask.cute.flashmask_utils"
 
 
 class FlashAttnUnavailableError(NotImplementedError):
-    """The requested FlashAttention version has no backend on this machine."""
+    """The requested FlashAttention version has no backend on this machine (or for this call)."""
+
+
+def capability_text(capability: tuple[int, int] | None) -> str:
+    """`SM80 (compute capability 8.0)`, or "no CUDA device" when there is no card."""
+    if capability is None:
+        return "no CUDA device (compute capability: none)"
+    major, minor = capability
+    return f"SM{major}{minor} (compute capability {major}.{minor})"
 
 
 @dataclass(frozen=True)
@@ -64,8 +79,16 @@ def explain_fa_version(
     head_dim: int,
     device: str = "gpu",
     fa4_unavailable: str = "error",
+    fa3_available: bool = True,
+    capability: tuple[int, int] | None = None,
+    fa4_limit: str | None = None,
 ) -> Resolution:
-    """Resolve the effective FA version and say which rule fired (see `resolve_fa_version`)."""
+    """Resolve the effective FA version and say which rule fired (see `resolve_fa_version`).
+
+    `capability` (the card's compute capability) and `fa4_limit` (why this call's mask is
+    beyond the CuTe kernel, from `fa4_call_limit`) only feed the messages, except that a
+    `fa4_limit` makes FA4 unavailable for this call like `fa4_available=False`.
+    """
     if (
         isinstance(requested, bool)
         or not isinstance(requested, int)
@@ -83,25 +106,53 @@ def explain_fa_version(
 
     rules: list[str] = []
     version = requested
-    if version == 4 and not fa4_available:
+    fa4_usable = fa4_available and fa4_limit is None
+    if version == 4 and not fa4_usable:
+        why = (
+            f"this call is beyond the SM100 CuTe kernel: {fa4_limit}"
+            if fa4_available
+            else f"it needs the CuTe FlashMask backend ({CUTE_INTERFACE_MODULE}) on an SM100 "
+            f"GPU, and this machine has {capability_text(capability)}"
+            + ("" if fa4_limit is None else f"; also {fa4_limit}")
+        )
         if fa4_unavailable == "error":
             raise FlashAttnUnavailableError(
-                f"{FLAG_VERSION}=4 asks for FA4, which needs the CuTe FlashMask backend "
-                f"({CUTE_INTERFACE_MODULE}) on an SM100 GPU, and it is not available here. "
-                f"Set {FLAG_VERSION} to 3 or 2 on this card (or {ENV_FA4_POLICY}=fallback "
-                "to fall back to FA3 with a warning)."
+                f"{FLAG_VERSION}=4 asks for FA4, which is unavailable: {why}. Set "
+                f"{FLAG_VERSION} to 3 or 2 on this card (or {ENV_FA4_POLICY}=fallback / "
+                "attention.fa4_unavailable: fallback to fall back to FA3 with a warning)."
             )
         log_once(
-            "dispatch:fa4-fallback",
-            "FA4 requested but the CuTe backend is unavailable: falling back to FA3 "
+            f"dispatch:fa4-fallback:{fa4_limit or ''}",
+            f"FA4 requested but unavailable ({why}): falling back to FA3 "
             f"({ENV_FA4_POLICY}=fallback)",
             level=logging.WARNING,
             rank0_only=False,
         )
         version = 3
-        rules.append("FA4 requested but unavailable: normalised to 3 (policy 'fallback')")
+        rules.append(f"FA4 requested but unavailable ({why}): normalised to 3 (policy 'fallback')")
     else:
         rules.append(f"requested {requested}")
+
+    if version == 3 and not fa3_available:
+        why = (
+            f"FA3 kernels exist for SM{FA3_CAPABILITY_MAJOR}0 (Hopper) only and this machine "
+            f"has {capability_text(capability)}"
+        )
+        if fa4_unavailable == "error":
+            raise FlashAttnUnavailableError(
+                f"{FLAG_VERSION}={requested} asks for FA3 (effective version 3), which is "
+                f"unavailable: {why}. Set {FLAG_VERSION}=2 on this card (or "
+                f"{ENV_FA4_POLICY}=fallback / attention.fa4_unavailable: fallback to fall back "
+                "to FA2 with a warning)."
+            )
+        log_once(
+            "dispatch:fa3-fallback",
+            f"FA3 unavailable ({why}): falling back to FA2 ({ENV_FA4_POLICY}=fallback)",
+            level=logging.WARNING,
+            rank0_only=False,
+        )
+        version = 2
+        rules.append(f"FA3 unavailable ({why}): normalised to 2 (policy 'fallback')")
 
     if version == 3 and deterministic:
         if not block_mask_api:
@@ -128,12 +179,17 @@ def resolve_fa_version(
     head_dim: int,
     device: str = "gpu",
     fa4_unavailable: str = "error",
+    fa3_available: bool = True,
+    capability: tuple[int, int] | None = None,
+    fa4_limit: str | None = None,
 ) -> int:
     """The effective FlashAttention version; pass the same value to forward and backward.
 
-    XPU → 2. Requested must be 2, 3 or 4. FA4 without its backend raises
-    `FlashAttnUnavailableError` (policy "error") or becomes 3 (policy "fallback"). An effective
-    3 is downgraded to 2 when deterministic and (no `block_mask` API or head_dim > 128).
+    XPU → 2. Requested must be 2, 3 or 4. FA4 without its backend (or with a `fa4_limit` for
+    this call) raises `FlashAttnUnavailableError` (policy "error") or becomes 3 (policy
+    "fallback"). An effective 3 without FA3 (not SM90) raises under "error" or becomes 2
+    under "fallback". An effective 3 is then downgraded to 2 when deterministic and (no
+    `block_mask` API or head_dim > 128).
     """
     return explain_fa_version(
         requested,
@@ -143,7 +199,56 @@ def resolve_fa_version(
         head_dim=head_dim,
         device=device,
         fa4_unavailable=fa4_unavailable,
+        fa3_available=fa3_available,
+        capability=capability,
+        fa4_limit=fa4_limit,
     ).version
+
+
+# ------------------------------------------------------------------- per-call FA4 limits
+
+# The CuTe FA4 wrapper's own support check, mirrored (PaddlePaddle/flash-attention
+# `flashmask/flash_mask/cute/interface.py` at 9985af538d20bd7a56c7a5f5ea13294d454a011a:
+# `_is_cutedsl_kernel_supported` / `_is_valid_flash_dims` / `_is_non_4vec_startend`, and the
+# `startend_row_indices.shape[1] in [1, key.shape[2]]` assertion of its `flashmask_attention`).
+# flashcp calls the private `_flash_attn_fwd/_bwd` directly, which skips that check.
+FA4_HEAD_DIMS: tuple[tuple[int, int], ...] = ((192, 128), (256, 256), (512, 512), (576, 512))
+"""(q/k head_dim, v head_dim) pairs above 128 the SM100 kernels take (all of <= 128 work)."""
+
+
+def fa4_call_limit(
+    *,
+    mask_shape: tuple[int, ...] | None,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int | None = None,
+) -> str | None:
+    """Why the SM100 CuTe kernel cannot run this call, or None when it can.
+
+    `mask_shape` is the `startend_row_indices` shape `[B, Hm, Sk, C]` handed to the kernel
+    (under CP: the rebased local mask) or None. Upstream sends 4-column masks to FA2/FA3
+    instead, and refuses mask head counts other than 1 and the number of KV heads.
+    """
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if not (max(head_dim, dv) <= 128 or (head_dim, dv) in FA4_HEAD_DIMS):
+        return (
+            f"head_dim {head_dim} / value head_dim {dv} (the SM100 kernels take <= 128 or "
+            f"{', '.join(f'{a}/{b}' for a, b in FA4_HEAD_DIMS)})"
+        )
+    if mask_shape is None:
+        return None
+    heads, columns = int(mask_shape[1]), int(mask_shape[-1])
+    if columns == 4:
+        return (
+            "a 4-column startend_row_indices (LTS, LTE, UTS, UTE; CP rebasing makes one from "
+            "a causal 2-column mask), which the SM100 CuTe kernel does not support"
+        )
+    if heads not in (1, num_kv_heads):
+        return (
+            f"startend_row_indices has {heads} mask heads; the SM100 CuTe kernel takes 1 or "
+            f"the number of KV heads ({num_kv_heads})"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- probe
@@ -160,6 +265,9 @@ class DispatchInputs:
     device: str
     fa4_unavailable: str
     sources: dict[str, str] = field(default_factory=dict)
+    fa3_available: bool = True
+    capability: tuple[int, int] | None = None
+    """The CUDA card's compute capability (major, minor), None without a CUDA device."""
 
 
 def _read_flag(name: str) -> tuple[str | None, str]:
@@ -223,20 +331,53 @@ def import_cute_fa4() -> tuple[object, object, object]:
 
 
 @functools.cache
-def probe_fa4() -> tuple[bool, str]:
-    """FA4 is available on a CUDA device of capability major 10 whose CuTe import succeeds."""
+def probe_capability() -> tuple[int, int] | None:
+    """The current CUDA card's compute capability (major, minor); None without a CUDA device.
+
+    Read with `paddle.device.cuda.get_device_capability()` (the current device).
+    """
     import paddle
 
     if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+        return None
+    major, minor = paddle.device.cuda.get_device_capability()
+    return int(major), int(minor)
+
+
+def probe_fa3(capability: tuple[int, int] | None = None) -> tuple[bool, str]:
+    """FA3 is available on a CUDA device of capability major 9 (SM90, Hopper) only."""
+    cap = probe_capability() if capability is None else capability
+    if cap is None:
         return False, "no CUDA device"
-    major = paddle.device.cuda.get_device_capability()[0]
-    if major != 10:
-        return False, f"CUDA capability major {major} (FA4 needs 10, SM100)"
+    if cap[0] != FA3_CAPABILITY_MAJOR:
+        return False, f"{capability_text(cap)}: FA3 needs SM90 (Hopper)"
+    return True, capability_text(cap)
+
+
+def probe_fa4(capability: tuple[int, int] | None = None) -> tuple[bool, str]:
+    """FA4 is available on a CUDA device of capability major 10 whose CuTe import succeeds."""
+    cap = probe_capability() if capability is None else capability
+    if cap is None:
+        return False, "no CUDA device"
+    if cap[0] != FA4_CAPABILITY_MAJOR:
+        return False, f"{capability_text(cap)}: FA4 needs SM100"
+    ok, detail = _probe_cute()
+    return ok, f"{capability_text(cap)}, {detail}"
+
+
+@functools.cache
+def _probe_cute() -> tuple[bool, str]:
     try:
         import_cute_fa4()
     except (ImportError, AttributeError) as exc:
         return False, f"CuTe FlashMask import failed: {exc}"
-    return True, "SM100 and CuTe FlashMask importable"
+    return True, "CuTe FlashMask importable"
+
+
+def clear_probe_caches() -> None:
+    """Forget cached probes (capability, CuTe import, block_mask API); tests use this."""
+    for fn in (probe_capability, _probe_cute, probe_block_mask_api):
+        fn.cache_clear()
 
 
 def resolve_policy(policy: str | None = None) -> tuple[str, str]:
@@ -251,8 +392,17 @@ def resolve_policy(policy: str | None = None) -> tuple[str, str]:
     return "error", "default"
 
 
-def probe_inputs(*, policy: str | None = None, deterministic: bool | None = None) -> DispatchInputs:
-    """Gather the rule's inputs from Paddle and the environment."""
+def probe_inputs(
+    *,
+    policy: str | None = None,
+    deterministic: bool | None = None,
+    capability: tuple[int, int] | None = None,
+) -> DispatchInputs:
+    """Gather the rule's inputs from Paddle and the environment.
+
+    `capability` stands in for the probed compute capability (`flashcp explain-dispatch
+    --capability 9.0` rehearses a Hopper card's dispatch on any machine).
+    """
     import paddle
 
     requested, req_src = probe_requested_version()
@@ -260,7 +410,12 @@ def probe_inputs(*, policy: str | None = None, deterministic: bool | None = None
         deterministic, det_src = probe_deterministic()
     else:
         det_src = "argument"
-    fa4, fa4_src = probe_fa4()
+    if capability is None:
+        cap, cap_src = probe_capability(), "paddle.device.cuda.get_device_capability()"
+        (fa3, fa3_src), (fa4, fa4_src) = probe_fa3(), probe_fa4()
+    else:
+        cap, cap_src = capability, "argument"
+        (fa3, fa3_src), (fa4, fa4_src) = probe_fa3(cap), probe_fa4(cap)
     pol, pol_src = resolve_policy(policy)
     return DispatchInputs(
         requested=requested,
@@ -269,9 +424,13 @@ def probe_inputs(*, policy: str | None = None, deterministic: bool | None = None
         deterministic=deterministic,
         device=paddle.get_device(),
         fa4_unavailable=pol,
+        fa3_available=fa3,
+        capability=cap,
         sources={
             FLAG_VERSION: req_src,
             FLAG_DETERMINISTIC: det_src,
+            "capability": cap_src,
+            "fa3_available": fa3_src,
             "fa4_available": fa4_src,
             "fa4_unavailable": pol_src,
             "block_mask_api": "inspect.signature(paddle.nn.functional.flashmask_attention)",
@@ -280,9 +439,11 @@ def probe_inputs(*, policy: str | None = None, deterministic: bool | None = None
     )
 
 
-def resolve_from_inputs(inputs: DispatchInputs, head_dim: int) -> Resolution:
-    """Apply the rule to probed inputs and log the outcome once per process on rank 0."""
-    res = explain_fa_version(
+def explain_inputs(
+    inputs: DispatchInputs, head_dim: int, *, fa4_limit: str | None = None
+) -> Resolution:
+    """Apply the rule to probed inputs (no logging; `resolve_from_inputs` logs)."""
+    return explain_fa_version(
         inputs.requested,
         fa4_available=inputs.fa4_available,
         block_mask_api=inputs.block_mask_api,
@@ -290,7 +451,17 @@ def resolve_from_inputs(inputs: DispatchInputs, head_dim: int) -> Resolution:
         head_dim=head_dim,
         device=inputs.device,
         fa4_unavailable=inputs.fa4_unavailable,
+        fa3_available=inputs.fa3_available,
+        capability=inputs.capability,
+        fa4_limit=fa4_limit,
     )
+
+
+def resolve_from_inputs(
+    inputs: DispatchInputs, head_dim: int, *, fa4_limit: str | None = None
+) -> Resolution:
+    """Apply the rule to probed inputs and log the outcome once per process on rank 0."""
+    res = explain_inputs(inputs, head_dim, fa4_limit=fa4_limit)
     log_once(
         f"dispatch:{res.requested}:{res.version}:{res.reason}",
         f"fa_version={res.version} (requested {res.requested}, head_dim {head_dim}): {res.reason}",
@@ -298,6 +469,27 @@ def resolve_from_inputs(inputs: DispatchInputs, head_dim: int) -> Resolution:
     return res
 
 
-def resolve_current(head_dim: int, *, policy: str | None = None) -> Resolution:
-    """Probe the environment and resolve: what an attention forward calls, once per call."""
-    return resolve_from_inputs(probe_inputs(policy=policy), head_dim)
+def resolve_current(
+    head_dim: int,
+    *,
+    policy: str | None = None,
+    mask_shape: tuple[int, ...] | None = None,
+    num_kv_heads: int | None = None,
+    head_dim_v: int | None = None,
+) -> Resolution:
+    """Probe the environment and resolve: what an attention forward calls, once per call.
+
+    With `num_kv_heads` given, the call's shape (`mask_shape` of the mask handed to the kernel,
+    `head_dim_v`) is checked against the FA4 kernel's limits (`fa4_call_limit`); a call beyond
+    them treats FA4 as unavailable.
+    """
+    inputs = probe_inputs(policy=policy)
+    limit = None
+    if num_kv_heads is not None and inputs.requested == 4:
+        limit = fa4_call_limit(
+            mask_shape=mask_shape,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+        )
+    return resolve_from_inputs(inputs, head_dim, fa4_limit=limit)

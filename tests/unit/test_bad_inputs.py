@@ -207,7 +207,7 @@ ROWS = [
         r"or raise model\.max_seq_len"),
     cli("bf16_on_cpu", ["train.dtype=bfloat16", "run.device=cpu"],
         r"train\.dtype: bfloat16 needs a GPU \(run\.device is cpu\): set train\.dtype: float32 "
-        r"or run\.device: gpu"),
+        r"\(or auto\) or run\.device: gpu"),
     cli("unknown_recipe", ["run.recipe=pretrian"],
         r"run\.recipe: unknown recipe 'pretrian' \(did you mean pretrain\?\)"),
     cli("unknown_preset", ["model.preset=huge"],

@@ -28,10 +28,28 @@ def test_explain_dispatch_deterministic_downgrade(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
-    assert cli.main(["explain-dispatch", "--head-dim", "192", "--deterministic"]) == 0
+    args = ["explain-dispatch", "--head-dim", "192", "--deterministic", "--capability", "9.0"]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "Effective fa_version: 2" in out
     assert "head_dim <= 128" in out
+    assert "compute capability" in out and "9.0" in out and "(argument)" in out
+
+
+def test_explain_dispatch_fa3_needs_hopper(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FA3 on an A100 (or with no card at all) is refused, naming the compute capability."""
+    monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
+    assert cli.main(["explain-dispatch", "--capability", "8.0"]) == 2
+    out = capsys.readouterr().out
+    assert "Effective fa_version: none" in out and "compute capability 8.0" in out
+    assert "SM90" in out and "FLAGS_flash_attn_version" in out
+    assert cli.main(["explain-dispatch"]) == 2  # this CPU machine: no CUDA device
+    assert "no CUDA device" in capsys.readouterr().out
+    assert cli.main(["explain-dispatch", "--capability", "8", "--fa4-unavailable", "fallback"]) == 0
+    out = capsys.readouterr().out
+    assert "Effective fa_version: 2" in out and "FA3 unavailable" in out
 
 
 def test_explain_dispatch_fa4_unavailable(
@@ -41,7 +59,35 @@ def test_explain_dispatch_fa4_unavailable(
     assert cli.main(["explain-dispatch"]) == 2
     assert "needs the CuTe FlashMask backend" in capsys.readouterr().out
     assert cli.main(["explain-dispatch", "--fa4-unavailable", "fallback"]) == 0
+    assert "Effective fa_version: 2" in capsys.readouterr().out  # no card: no FA3 either
+    args = ["explain-dispatch", "--fa4-unavailable", "fallback", "--capability", "9.0"]
+    assert cli.main(args) == 0
     assert "Effective fa_version: 3" in capsys.readouterr().out
+
+
+def test_explain_dispatch_fa4_mask_limit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 4-column mask is beyond the SM100 CuTe kernel: FA4 is unavailable for that call."""
+    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
+    monkeypatch.setattr(dispatch, "_probe_cute", lambda: (True, "CuTe FlashMask importable"))
+    base = ["explain-dispatch", "--capability", "10.0", "--kv-heads", "2"]
+    assert cli.main([*base, "--mask-columns", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Effective fa_version: 4" in out and "FA4 limit for this call" in out
+    assert cli.main([*base, "--mask-columns", "4"]) == 2
+    out = capsys.readouterr().out
+    assert "Effective fa_version: none" in out and "4-column" in out
+    assert cli.main([*base, "--mask-columns", "2", "--mask-heads", "4", "--fa4-unavailable",
+                     "fallback"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Effective fa_version: 2" in out and "4 mask heads" in out
+
+
+def test_explain_dispatch_bad_capability(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["explain-dispatch", "--capability", "hopper"])
+    assert "not a compute capability" in capsys.readouterr().err
 
 
 def test_python_dash_m_flashcp() -> None:
@@ -59,3 +105,16 @@ def test_no_subcommand_is_usage_error(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as info:
         cli.main([])
     assert info.value.code == 2
+
+
+def test_missing_paddle_names_the_extras(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Paddle is an extra ([cpu] / [gpu]): without it the CLI says how to install it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "paddle" else real(name, *a)
+    )
+    assert cli.main(["explain-dispatch"]) == 2
+    err = capsys.readouterr().err
+    assert '".[cpu]"' in err and '".[gpu]"' in err and "paddlepaddle.org.cn" in err

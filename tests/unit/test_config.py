@@ -137,6 +137,66 @@ def test_bfloat16_needs_gpu_device() -> None:
     assert _errors(_raw(train={"dtype": "bfloat16"}, run={"device": "gpu"})) == []
 
 
+def test_float32_refused_on_gpu_naming_train_dtype(tmp_path: Path, capsys) -> None:
+    """Static (no GPU needed): float32 with run.device gpu cannot reach the FlashAttention
+    kernels, which exist for fp16/bf16 only; auto and bfloat16 are fine there."""
+    errors = _by_key(_errors(_raw(train={"dtype": "float32"}, run={"device": "gpu"})))
+    message = errors["train.dtype"]
+    assert "float32 cannot run on a GPU" in message
+    assert "FlashAttention" in message and "train.dtype: auto" in message
+    for dtype in ("auto", "bfloat16"):
+        assert _errors(_raw(train={"dtype": dtype}, run={"device": "gpu"})) == []
+    for device in ("cpu", "auto"):
+        assert _errors(_raw(train={"dtype": "float32"}, run={"device": device})) == []
+    assert build_config(_raw()).train.dtype == "auto"  # the default
+    path = tmp_path / "fp32_gpu.yaml"
+    path.write_text(yaml.safe_dump(_raw(train={"dtype": "float32"}, run={"device": "gpu"})))
+    assert cli.main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "train.dtype" in out and "float16/bfloat16 only" in out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "want"),
+    [
+        ("auto", "cpu", "float32"),
+        ("auto", "gpu", "bfloat16"),
+        ("float32", "cpu", "float32"),
+        ("bfloat16", "gpu", "bfloat16"),
+        ("float32", "gpu", "float16/bfloat16 only"),
+        ("bfloat16", "cpu", "needs a GPU"),
+    ],
+)
+def test_resolve_dtype(dtype: str, device: str, want: str) -> None:
+    from flashcp.trainer import resolve_dtype
+
+    cfg = build_config(_raw(train={"dtype": dtype}))
+    if want in ("float32", "bfloat16"):
+        assert resolve_dtype(cfg, device) == want
+    else:
+        with pytest.raises(RuntimeError, match=want) as info:
+            resolve_dtype(cfg, device)
+        assert "train.dtype" in str(info.value)
+
+
+def test_resolve_device_auto_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.device auto + a visible GPU: auto dtype runs bf16, an explicit float32 is refused."""
+    import paddle
+
+    from flashcp.trainer import resolve_device
+
+    class _Cuda:
+        @staticmethod
+        def device_count() -> int:
+            return 1
+
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device, "cuda", _Cuda)
+    assert resolve_device(build_config(_raw())) == "gpu"
+    with pytest.raises(RuntimeError, match="train.dtype float32 cannot run"):
+        resolve_device(build_config(_raw(train={"dtype": "float32"})))
+
+
 def test_num_layers_vs_pipeline_stages() -> None:
     errors = _by_key(_errors(_raw(model={"num_layers": 2}, parallel={"pp": 3})))
     assert "cannot fill parallel.pp = 3" in errors["model.num_layers"]

@@ -94,7 +94,8 @@ VERSION_ROWS = [
     (3, False, False, 8, "error", 3),
     (3, False, True, 8, "error", 3),
     (3, False, True, 192, "error", 2),
-    (4, True, True, 192, "error", 4),
+    (4, True, True, 256, "error", 4),  # FA4 takes 256/256 (not 192/192: its kernel limits)
+    (4, True, False, 192, "fallback", 3),
     (4, False, False, 8, "error", None),
     (4, False, False, 8, "fallback", 3),
     (4, False, True, 192, "fallback", 2),
@@ -109,6 +110,7 @@ def test_backward_uses_the_version_forward_saved(
     recorder = _Recorder()
     monkeypatch.setattr(cp_attention, "get_backend", recorder)
     monkeypatch.setattr(dispatch, "probe_fa4", lambda: (fa4, "test"))
+    monkeypatch.setattr(dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
     monkeypatch.setenv(dispatch.FLAG_VERSION, str(req))
     monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "1" if det else "0")
     rng = np.random.default_rng(1)

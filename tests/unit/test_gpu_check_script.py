@@ -84,3 +84,41 @@ def test_no_cuda_gpu_exits_early_with_clear_error(tmp_path: Path) -> None:
     assert "skipped (FLASHCP_GPU_CHECK_SKIP_INSTALL=1)" in proc.stdout
     assert "pytest -m gpu        (not run)" in proc.stdout
     assert not (tmp_path / "out" / "pytest_gpu.log").exists()
+    # the summary a user pastes into an issue names the commit, the card and the CUDA build
+    for field in ("flashcp", "card", "CUDA build", "FA3", "FA4 (CuTe)"):
+        assert f"\n  {field:<20} " in proc.stdout, field
+
+
+@pytest.mark.parametrize(
+    ("cap", "tag"),
+    [("8.0", "cu126"), ("9.0", "cu126"), ("10.0", "cu129"), ("10.3", "cu129"), ("12.0", "cu129")],
+)
+def test_plan_picks_a_cuda_build_for_the_card(cap: str, tag: str) -> None:
+    """SM100 (B200-class) cards need a CUDA >= 12.8 Paddle build: the cu129 index."""
+    proc = _run("--print-plan", env={"FLASHCP_GPU_CHECK_COMPUTE_CAP": cap, "PADDLE_GPU_INDEX": ""})
+    assert proc.returncode == 0, proc.stderr
+    index = f"https://www.paddlepaddle.org.cn/packages/stable/{tag}/"
+    assert f"index: {index}" in proc.stdout
+    if tag == "cu129":
+        assert "CUDA >= 12.8" in proc.stdout
+    # the install is the README's one GPU command (plus the test extra)
+    assert f'pip install -e ".[gpu,test]" --extra-index-url {index}' in proc.stdout
+    readme = (ROOT / "README.md").read_text()
+    gpu_command = 'pip install -e ".[gpu]" --extra-index-url https://www.paddlepaddle.org.cn/'
+    assert gpu_command in readme
+
+
+def test_plan_honours_an_explicit_index() -> None:
+    proc = _run(
+        "--print-plan",
+        env={"FLASHCP_GPU_CHECK_COMPUTE_CAP": "10.0", "PADDLE_GPU_INDEX": "https://example/x/"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "index: https://example/x/ (PADDLE_GPU_INDEX given; the card alone would pick cu129" in (
+        proc.stdout
+    )
+
+
+def test_script_reports_fa4_absence_instead_of_skipping_silently() -> None:
+    text = SCRIPT.read_text()
+    assert "NOT INSTALLED on this SM100 card" in text and "FLASHCP_FA4_WHEEL" in text

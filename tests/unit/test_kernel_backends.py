@@ -2,12 +2,36 @@
 guarantee that backward runs the version the forward resolved, whatever the flags say later.
 
 Paddle's `_C_ops` functions and the CuTe FA4 entry points are replaced by recorders, so the
-positional layouts of reference §1.6 are asserted argument by argument.
+positional layouts of reference §1.6 are asserted argument by argument. Where the expected
+layouts come from:
+
+* forward ops: the paddlepaddle 3.3.1 wheel's stubs,
+  `paddle/_typing/libs/libpaddle/eager/ops/__init__.pyi` - `flash_attn(q, k, v,
+  fixed_seed_offset, attn_mask, dropout, causal, return_softmax, is_test, rng_name)`,
+  `flashmask_attention(q, k, v, startend_row_indices, fixed_seed_offset, dropout, causal,
+  return_softmax, is_test, rng_name)`, `flashmask_attention_v2(q, k, v, startend_row_indices,
+  block_mask, softmax_scale, is_causal)`, `flash_attn_v3(q, k, v, q_v_, q_descale_, k_descale_,
+  v_descale_, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+  num_splits, manual_set_pack_gqa, pack_gqa_, sm_margin)`;
+* grad ops (stubbed as `*args` in the wheel): Paddle's `paddle/phi/ops/yaml/backward.yaml` as
+  summarised in ../shared/reference/gpu-path-facts.md - `flashmask_attention_grad(q, k, v,
+  startend_row_indices, out, softmax_lse, seed_offset, out_grad, dropout, causal)`,
+  `flashmask_attention_v2_grad` with the optional block_mask before out_grad,
+  `flash_attn_v3_grad` ending in (softmax_scale, is_causal, window left, window right,
+  softcap, sm_margin); `test_op_binding.py` checks every one of these against the real
+  binding of the installed Paddle;
+* the "group" and "legacy" FA3 variants: reference §1.6 (paddlefleet-cp-and-dispatch.md);
+* FA4: PaddlePaddle/flash-attention `flashmask/flash_mask/cute/interface.py` at
+  9985af538d20bd7a56c7a5f5ea13294d454a011a - `_flash_attn_fwd(q, k, v, ..., softmax_scale,
+  causal, ..., pack_gqa, ..., return_lse, ..., startend_row_indices, ...)` and
+  `_flash_attn_bwd(q, k, v, out, dout, lse, flashmask_info, softmax_scale, causal, ...,
+  deterministic, ...)` returning `(dq, dk, dv, dsink)` (`CUTE_FWD_PARAMS` / `CUTE_BWD_PARAMS`).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import numpy as np
@@ -15,7 +39,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from flashcp import dispatch
+from flashcp import dispatch, masks
 from flashcp.attention import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import (
     AttentionBackend,
@@ -44,15 +68,23 @@ Q, K, V, IDX, OUT, LSE, DOUT = (FakeTensor(n) for n in ("q", "k", "v", "idx", "o
 DQ, DK, DV, DSINK, SOFTMAX, SEED = (FakeTensor(n) for n in ("dq", "dk", "dv", "dsink", "sm", "so"))
 
 
+def flag_now() -> str | None:
+    """`FLAGS_flash_attn_version` as an op would read it right now (CPU build: environment)."""
+    return os.environ.get(dispatch.FLAG_VERSION)
+
+
 class Recorder:
-    """Records every call; returns `result` (or `result(*args, **kwargs)` when callable)."""
+    """Records every call and the FLAGS_flash_attn_version it saw; returns `result` (or
+    `result(*args, **kwargs)` when callable)."""
 
     def __init__(self, result: Any) -> None:
         self.result = result
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.flags: list[str | None] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls.append((args, kwargs))
+        self.flags.append(flag_now())
         return self.result(*args, **kwargs) if callable(self.result) else self.result
 
     @property
@@ -217,6 +249,20 @@ def test_fa3_no_mask_layout(ops, causal: bool) -> None:
 # ------------------------------------------------------------------------------ FA4
 
 
+# Parameter names of the upstream CuTe entry points (interface.py @ 9985af5, see the module
+# docstring): every keyword the FA4 backend passes must be one of them.
+CUTE_FWD_PARAMS = (
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table",
+    "softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
+    "learnable_sink", "m_block_size", "n_block_size", "num_threads", "num_splits", "pack_gqa",
+    "_compute_capability", "score_mod", "mask_mod", "block_sparse_tensors", "return_lse", "out",
+    "lse", "aux_tensors", "startend_row_indices", "block_logit", "block_size", "block_bos",
+    "group",
+)  # fmt: skip
+CUTE_BWD_POSITIONAL = ("q", "k", "v", "out", "dout", "lse", "flashmask_info")
+CUTE_BWD_KEYWORDS = ("softmax_scale", "causal", "softcap", "learnable_sink", "deterministic")
+
+
 class FakeInfo:
     def __init__(self, *, startend_row_indices: Any, is_causal: bool) -> None:
         self.startend_row_indices = startend_row_indices
@@ -251,9 +297,11 @@ def test_fa4_layout(cute, monkeypatch, causal: bool) -> None:
     args, kwargs = bwd.only
     same(args[:6], (Q, K, V, OUT, DOUT, LSE))
     info = args[6]  # flashmask_info goes positionally in slot 7
-    assert len(args) == 7 and isinstance(info, FakeInfo)
+    assert len(args) == len(CUTE_BWD_POSITIONAL) and isinstance(info, FakeInfo)
     assert info.startend_row_indices is IDX and info.is_causal is causal
     assert kwargs == {"softmax_scale": 0.5, "causal": causal, "deterministic": True}
+    assert set(kwargs) <= set(CUTE_BWD_KEYWORDS)
+    assert set(fwd.only[1]) <= set(CUTE_FWD_PARAMS[3:])  # keywords only after q, k, v
 
 
 def test_fa4_no_mask_and_three_tuple(cute, monkeypatch) -> None:
@@ -280,6 +328,80 @@ def test_fa4_unavailable_import_error_propagates(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "import_cute_fa4", missing)
     with pytest.raises(ImportError, match="paddlefleet_ops"):
         FA4Backend().forward(Q, K, V, IDX, causal=False, softmax_scale=None)
+
+
+# ------------------------------------------------------- FLAGS_flash_attn_version in the op
+
+BACKENDS = {2: FA2Backend, 3: FA3Backend, 4: FA4Backend}
+
+
+def _run_both(be: Any, idx: Any) -> None:
+    be.forward(Q, K, V, idx, causal=True, softmax_scale=None)
+    be.backward(Q, K, V, OUT, LSE, idx, DOUT, causal=True, softmax_scale=None)
+
+
+@pytest.mark.parametrize("before", [None, "2", "3", "4"])
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_op_sees_the_effective_version_in_the_flag(
+    ops, cute, monkeypatch, version: int, before: str | None
+) -> None:
+    """Paddle's FA2 ops read FLAGS_flash_attn_version themselves: inside every op call of
+    every backend the flag says the backend's (effective) version, and it is restored after."""
+    monkeypatch.setattr(F, "flashmask_attention", _api_block_mask)
+    if before is not None:
+        monkeypatch.setenv(dispatch.FLAG_VERSION, before)
+    be = BACKENDS[version]()
+    for idx in (IDX, None):
+        _run_both(be, idx)
+    recorders = [*ops.values(), *cute]
+    seen = [f for rec in recorders for f in rec.flags]
+    assert len(seen) == 4  # forward and backward, with and without a mask
+    assert set(seen) == {str(version)}
+    assert flag_now() == before
+
+
+def test_flag_restored_when_the_op_raises(ops, monkeypatch) -> None:
+    monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
+
+    def boom(*args: Any) -> Any:
+        assert flag_now() == "2"
+        raise RuntimeError("kernel failed")
+
+    from paddle import _C_ops
+
+    monkeypatch.setattr(_C_ops, "flashmask_attention", boom)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        FA2Backend().forward(Q, K, V, IDX, causal=True, softmax_scale=None)
+    assert flag_now() == "3"
+
+
+def test_flag_held_through_paddles_registry(ops, monkeypatch) -> None:
+    """On a GPU build the flag lives in Paddle's registry (get_flags / set_flags)."""
+    import paddle
+
+    registry_flags = {dispatch.FLAG_VERSION: 3}
+    sets: list[dict[str, Any]] = []
+
+    def get_flags(names: list[str]) -> dict[str, Any]:
+        return {n: registry_flags[n] for n in names}
+
+    def set_flags(values: dict[str, Any]) -> None:
+        sets.append(dict(values))
+        registry_flags.update(values)
+
+    monkeypatch.setattr(paddle, "get_flags", get_flags)
+    monkeypatch.setattr(paddle, "set_flags", set_flags)
+    rec = ops["flashmask_attention"]
+    rec.result = lambda *a: (registry_flags[dispatch.FLAG_VERSION], None, LSE, SEED)
+    out, _ = FA2Backend().forward(Q, K, V, IDX, causal=True, softmax_scale=None)
+    assert out == 2  # what the op saw
+    assert registry_flags[dispatch.FLAG_VERSION] == 3  # restored
+    assert sets == [{dispatch.FLAG_VERSION: 2}, {dispatch.FLAG_VERSION: 3}]
+    # already the effective version: left alone
+    sets.clear()
+    FA3Backend().forward(Q, K, V, IDX, causal=True, softmax_scale=None)
+    assert sets == []
+    assert ops["flashmask_attention_v2"].calls
 
 
 # ------------------------------------------------------------------------------ registry
@@ -400,6 +522,7 @@ def _qkv(hq: int = 4, hkv: int = 2):
 def test_backward_uses_forward_version(spy, monkeypatch, flag, policy, expect, later_flag) -> None:
     """Flags changed between forward and backward never change the backward's version."""
     q, k, v = _qkv()
+    monkeypatch.setattr(dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
     monkeypatch.setenv(dispatch.FLAG_VERSION, flag)
     out = flashmask_attention(q, k, v, causal=True, fa4_unavailable=policy)
     monkeypatch.setenv(dispatch.FLAG_VERSION, later_flag)  # would resolve differently now
@@ -420,8 +543,13 @@ def test_fa4_unavailable_raises_before_any_kernel(spy, monkeypatch) -> None:
 # ------------------------------------------------------ GPU backends end to end, faked
 
 
+flags_seen: list[str | None] = []
+"""FLAGS_flash_attn_version as each faked GPU op saw it (`_fake_gpu_ops`)."""
+
+
 def _fake_gpu_ops(monkeypatch, cpu: CpuReferenceBackend) -> list[str]:
     """Make the FA ops compute with the CPU reference, so the GPU paths run end to end."""
+    flags_seen.clear()
     from paddle import _C_ops
 
     ran: list[str] = []
@@ -429,6 +557,7 @@ def _fake_gpu_ops(monkeypatch, cpu: CpuReferenceBackend) -> list[str]:
     def logged(name, fn):
         def wrapper(*args, **kwargs):
             ran.append(name)
+            flags_seen.append(flag_now())
             return fn(*args, **kwargs)
 
         return wrapper
@@ -490,6 +619,93 @@ def test_gpu_backends_through_pylayer(monkeypatch, version: int) -> None:
     monkeypatch.setenv(dispatch.FLAG_VERSION, "2" if version != 2 else "3")
     out.sum().backward()
     assert ran == [f"fa{version}", f"fa{version}_grad"]
+    assert flags_seen == [str(version)] * 2  # the ops saw the version they belong to
     np.testing.assert_array_equal(out.numpy(), ref.numpy())
     for t, want in zip((q, k, v), ref_grads, strict=True):
         np.testing.assert_array_equal(t.grad.numpy(), want)
+
+
+@pytest.mark.parametrize(
+    ("flag", "fa3_card", "det", "head_dim", "policy"),
+    [
+        ("3", True, "1", 192, None),  # deterministic FA3 with head_dim > 128 -> 2
+        ("3", False, "0", 64, "fallback"),  # no FA3 on this card -> 2
+        ("4", False, "0", 64, "fallback"),  # no FA4, no FA3 -> 2
+    ],
+)
+def test_fa2_op_sees_2_when_the_flag_says_otherwise(
+    monkeypatch, flag, fa3_card, det, head_dim, policy
+) -> None:
+    """Issue 13 point 4: effective version 2 while the user's flag says 3 (or 4): the FA2 ops,
+    which read the flag themselves, must see 2; the user's flag is back afterwards."""
+    cpu = CpuReferenceBackend(block_q=8, block_k=8)
+    ran = _fake_gpu_ops(monkeypatch, cpu)
+    monkeypatch.setattr(dispatch, "probe_fa3", lambda: (fa3_card, "test"))
+    monkeypatch.setenv(dispatch.FLAG_VERSION, flag)
+    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, det)
+    rng = np.random.default_rng(3)
+    q, k, v = (
+        paddle.to_tensor(rng.standard_normal((1, 16, 2, head_dim)).astype("float32"),
+                         stop_gradient=False)
+        for _ in range(3)
+    )  # fmt: skip
+    version = dispatch.resolve_current(head_dim, policy=policy).version
+    assert version == 2
+    monkeypatch.setattr(registry, "device_of", lambda t: "gpu:0")
+    idx = paddle.to_tensor(np.full((1, 1, 16, 1), 16, dtype=np.int32))
+    out = flashmask_attention_with_version(
+        q, k, v, idx, causal=True, fa_version=version, validate=False
+    )
+    out.sum().backward()
+    assert ran == ["fa2", "fa2_grad"] and flags_seen == ["2", "2"]
+    assert flag_now() == flag
+
+
+# ------------------------------------------------------ FA4 kernel limits, per call
+
+
+@pytest.fixture
+def sm100(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Pretend an SM100 card with the CuTe kernels importable, FLAGS_flash_attn_version=4."""
+    monkeypatch.setattr(dispatch, "probe_capability", lambda: (10, 0))
+    monkeypatch.setattr(dispatch, "_probe_cute", lambda: (True, "test"))
+    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
+    return monkeypatch
+
+
+def test_cp_rebasing_makes_fa4_unavailable_for_causal_two_column_masks(sm100) -> None:
+    """Under CP a causal 2-column mask becomes a 4-column one, which the SM100 CuTe kernel
+    refuses (upstream sends such masks to FA2/FA3): the plan must not pick FA4 for it."""
+    from flashcp.cp.attention import plan_cp_attention
+    from flashcp.cp.layout import Assignment
+
+    class Rank0Of2:
+        nranks, rank = 2, 0
+
+    rng = np.random.default_rng(0)
+    q = paddle.to_tensor(rng.standard_normal((1, 16, 2, 8)).astype("float32"))
+    k = paddle.to_tensor(rng.standard_normal((1, 16, 2, 8)).astype("float32"))
+    asg = Assignment.dualchunk(2)
+    one_col = masks.FAMILIES["causal_document"](1, 32, 1, 0)
+    plan = plan_cp_attention(q, k, one_col.indices, group=Rank0Of2(), causal=True, assignment=asg)
+    assert plan.version == 4 and plan.local_mask.shape[-1] == 2
+    two_col = masks.FAMILIES["causal_blockwise"](1, 32, 1, 0)
+    assert two_col.causal and two_col.indices.shape[-1] == 2
+    with pytest.raises(dispatch.FlashAttnUnavailableError, match="4-column"):
+        plan_cp_attention(q, k, two_col.indices, group=Rank0Of2(), causal=True, assignment=asg)
+    plan = plan_cp_attention(
+        q, k, two_col.indices, group=Rank0Of2(), causal=True, assignment=asg,
+        fa4_unavailable="fallback",
+    )  # fmt: skip
+    assert plan.local_mask.shape[-1] == 4 and plan.version == 2  # SM100 has no FA3 either
+
+
+def test_front_door_checks_mask_heads_against_fa4(sm100) -> None:
+    """Mask heads = query heads != KV heads: beyond the CuTe kernel, refused before compute."""
+    q, k, v = _qkv(hq=4, hkv=2)
+    per_q_head = paddle.to_tensor(np.full((1, 4, 16, 1), 16, dtype=np.int32))
+    with pytest.raises(dispatch.FlashAttnUnavailableError, match="4 mask heads"):
+        flashmask_attention(q, k, v, per_q_head, causal=True)
+    per_kv_head = paddle.to_tensor(np.full((1, 2, 16, 1), 16, dtype=np.int32))
+    out = flashmask_attention(q, k, v, per_kv_head, causal=True)  # FA4 -> CPU reference here
+    assert list(out.shape) == [1, 16, 4, 8]

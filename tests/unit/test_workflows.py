@@ -47,6 +47,19 @@ def test_gpu_workflow_targets_self_hosted_h20() -> None:
     assert job["env"]["FLAGS_cudnn_deterministic"] == "1"
 
 
+def test_gpu_workflow_runs_on_every_pull_request_touching_src() -> None:
+    """The gpu tier runs on every PR that touches src/ - not only under a label."""
+    doc = yaml.safe_load((WORKFLOWS / "multi-card-gpu.yml").read_text())
+    on = doc.get("on", doc.get(True))
+    pr = on["pull_request"]
+    assert "src/**" in pr["paths"]
+    assert {"opened", "synchronize", "reopened"} <= set(pr["types"])
+    assert "labeled" not in pr["types"]
+    job = doc["jobs"]["h20-multi-card"]
+    assert "if" not in job or "label" not in str(job["if"]), job.get("if")
+    assert any("scripts/gpu_check.sh" in step.get("run", "") for step in job["steps"])
+
+
 def test_ci_run_calls_the_readme_test_command() -> None:
     root = WORKFLOWS.parents[1]
     ci = (root / ".ci" / "run").read_text()

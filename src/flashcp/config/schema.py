@@ -72,7 +72,9 @@ class AttentionConfig:
     """Attention kernel policy."""
 
     fa4_unavailable: Literal["error", "fallback"] = "error"
-    """When FLAGS_flash_attn_version=4 asks for FA4 and it is missing: fail, or use FA3."""
+    """When FLAGS_flash_attn_version asks for a version this card (or call) cannot run - FA4
+    without SM100 + CuTe kernels or beyond their mask limits, FA3 off SM90: fail (error), or fall
+    back FA4 → FA3 → FA2 with one warning (fallback)."""
 
 
 @dataclass(kw_only=True)
@@ -129,8 +131,10 @@ class TrainConfig:
     """Seeds model init, data order and every RNG."""
     deterministic: bool = True
     """Set FLAGS_cudnn_deterministic=1 (the FlashAttention dispatch honours it) and seed all."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype: float32 (CPU and GPU) or bfloat16 autocast (GPU only)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (CPU only: Paddle's
+    FlashAttention/FlashMask GPU kernels exist for fp16/bf16 only) or bfloat16 O1 autocast (GPU
+    only; parameters, gradients and AdamW stay float32)."""
     log_every: int = 1
     """Print a log line every this many steps (metrics.jsonl gets every step)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -169,7 +173,8 @@ class RunConfig:
     """Training recipe: `pretrain` (next-token loss on all text), `sft` (loss on responses) or
     `dpo` (preference pairs, share-question packing; see `flashcp.recipes.dpo`)."""
     device: Literal["auto", "cpu", "gpu"] = "auto"
-    """Target device: auto (GPU if Paddle sees one), cpu or gpu. bfloat16 needs gpu."""
+    """Target device: auto (GPU if Paddle sees one), cpu or gpu. bfloat16 needs gpu; float32
+    cannot run on gpu (see train.dtype)."""
     stop_after_steps: int = 0
     """Stop this run after this many steps (0: run to train.steps). The LR schedule still spans
     train.steps, so resuming later continues exactly as an uninterrupted run would."""

@@ -188,7 +188,16 @@ def _check_train(cfg: Config, c: _Checks) -> None:
     if t.dtype == "bfloat16" and cfg.run.device == "cpu":
         c.add(
             "train.dtype",
-            "bfloat16 needs a GPU (run.device is cpu): set train.dtype: float32 or run.device: gpu",
+            "bfloat16 needs a GPU (run.device is cpu): set train.dtype: float32 (or auto) or "
+            "run.device: gpu",
+            "run.device",
+        )
+    if t.dtype == "float32" and cfg.run.device == "gpu":
+        c.add(
+            "train.dtype",
+            "float32 cannot run on a GPU (run.device is gpu): every attention layer calls "
+            "Paddle's FlashAttention/FlashMask kernels, which exist for float16/bfloat16 only. "
+            "Set train.dtype: auto (bfloat16 on GPU) or bfloat16, or run.device: cpu",
             "run.device",
         )
 

@@ -96,12 +96,24 @@ def gather_kv(x: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
     return unshard_assigned(paddle.split(gathered, plan.world, axis=1), plan.assignment, axis=1)
 
 
+REDUCE_DTYPE = "float32"
+"""dK/dV partial sums are reduced over CP ranks in this dtype (as PaddleFormers does)."""
+
+
 def scatter_grad(full: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
-    """Full-length partial dK or dV → the sum over ranks of this rank's own chunks."""
+    """Full-length partial dK or dV → the sum over ranks of this rank's own chunks.
+
+    Half-precision partials (bf16/fp16 from the GPU kernels) are widened to float32 before
+    the reduce-scatter and the sum is cast back once, so the reduction adds float32 rounding
+    (about cp · 2^-24 relative), not one bf16 rounding (2^-9) per rank.
+    """
     if plan.world == 1:
         return shard_assigned(full, 0, plan.assignment, axis=1)
-    chunks = [shard_assigned(full, r, plan.assignment, axis=1) for r in range(plan.world)]
-    return reduce_scatter_chunks(chunks, plan.group)
+    dtype = full.dtype
+    wide = full if dtype in (paddle.float32, paddle.float64) else full.astype(REDUCE_DTYPE)
+    chunks = [shard_assigned(wide, r, plan.assignment, axis=1) for r in range(plan.world)]
+    summed = reduce_scatter_chunks(chunks, plan.group)
+    return summed if summed.dtype == dtype else summed.astype(dtype)
 
 
 def cp_forward(q, k, v, plan: CPPlan) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -237,7 +249,9 @@ def plan_cp_attention(
     assignment.chunk_len(seq)  # raises, naming data.seq_len, if S doesn't split evenly
     local = rebase_mask(idx, causal=causal, assignment_or_positions=assignment, rank=rank)
     head_dim = int(q.shape[3])
-    version = dispatch.resolve_current(head_dim, policy=fa4_unavailable).version
+    version = dispatch.resolve_current(  # FA4's per-call limits see the rebased local mask
+        head_dim, policy=fa4_unavailable, mask_shape=local.shape, num_kv_heads=int(k.shape[2])
+    ).version
     device = device_of(q)
     return CPPlan(
         group=group,

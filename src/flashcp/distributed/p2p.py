@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import paddle
 import paddle.distributed as dist
 
-from flashcp.distributed.collectives import group_backend, group_label, nbytes
+from flashcp.distributed.collectives import group_backend, group_label, nbytes, wait_on_device
 from flashcp.distributed.counters import COUNTERS
 from flashcp.distributed.groups import NamedGroup, ParallelGroups, store_group
 from flashcp.distributed.watchdog import ENV_TIMEOUT, WATCHDOG, resolve_timeout
@@ -71,6 +71,7 @@ def send_tensor(x: Tensor, dst: int, group: Group, *, timeout: float | None = No
     seconds = resolve_timeout(timeout)
     with paddle.no_grad(), WATCHDOG.watch(seconds, p2p_timeout_message(op, dst, group, seconds)):
         dist.send(x, dst=dst, group=group)
+        wait_on_device(group)  # NCCL: the timeout fires at the send, not at a later sync
     COUNTERS.record("send", group_label(group), sent=nbytes(x), received=0)
 
 
@@ -90,6 +91,7 @@ def recv_tensor(
         out = paddle.empty(list(shape), dtype=dtype)
         with WATCHDOG.watch(seconds, p2p_timeout_message(op, src, group, seconds)):
             dist.recv(out, src=src, group=group)
+            wait_on_device(group)
     COUNTERS.record("recv", group_label(group), sent=0, received=nbytes(out))
     return out
 

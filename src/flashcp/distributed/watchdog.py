@@ -6,6 +6,10 @@ blocking call registers a deadline and a message (`watch`), and when a deadline 
 writes the message plus every thread's stack to stderr and calls `os._exit(TIMEOUT_EXIT_CODE)`.
 The launcher sees the non-zero exit and tears the rest of the job down, so a hang becomes a fast
 failure that names the collective and the group.
+
+NCCL calls return before the collective has run; the collectives therefore wait for the
+device inside the watched block (`flashcp.distributed.collectives.wait_on_device`), so a hung
+NCCL collective is caught here too, at the collective, not at some later synchronisation.
 """
 
 from __future__ import annotations

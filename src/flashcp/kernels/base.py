@@ -16,6 +16,9 @@ over the query heads of each KV group.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 Tensor = Any  # paddle.Tensor; kept loose so importing this module never imports paddle
@@ -72,3 +75,57 @@ def is_default_scale(softmax_scale: float | None, head_dim: int) -> bool:
     if softmax_scale is None:
         return True
     return math.isclose(float(softmax_scale), default_scale(head_dim), rel_tol=1e-6)
+
+
+def _flag_store() -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """(get, set) of `FLAGS_flash_attn_version`: Paddle's registry, else the environment.
+
+    GPU builds register the flag (`paddle.get_flags` / `paddle.set_flags`); the CPU build does
+    not (get_flags raises ValueError), and then the environment value is the one that counts
+    (`flashcp.dispatch` reads it there too).
+    """
+    import paddle
+
+    from flashcp.dispatch import FLAG_VERSION
+
+    def env_get() -> Any:
+        return os.environ.get(FLAG_VERSION)
+
+    def env_set(value: Any) -> None:
+        if value is None:
+            os.environ.pop(FLAG_VERSION, None)
+        else:
+            os.environ[FLAG_VERSION] = str(value)
+
+    def paddle_get() -> Any:
+        return paddle.get_flags([FLAG_VERSION])[FLAG_VERSION]
+
+    def paddle_set(value: Any) -> None:
+        paddle.set_flags({FLAG_VERSION: int(value)})
+
+    try:
+        paddle_get()
+    except (ValueError, KeyError):
+        return env_get, env_set
+    return paddle_get, paddle_set
+
+
+@contextmanager
+def flash_attn_version_flag(version: int) -> Iterator[None]:
+    """Hold `FLAGS_flash_attn_version` at `version` for the duration of one op call.
+
+    Paddle's FA2 ops branch on the flag internally (an older kernel revision refuses FlashMask
+    when it says 3 on SM90), so when flashcp's effective version differs from the flag
+    (deterministic head_dim > 128, a fallback, FA3 unavailable) the op must see the effective
+    version. The previous value is restored afterwards, even when the op raises.
+    """
+    get, put = _flag_store()
+    previous = get()
+    if previous is not None and str(previous).strip() == str(version):
+        yield
+        return
+    put(version)
+    try:
+        yield
+    finally:
+        put(previous)

@@ -8,6 +8,9 @@ FA2 has no softmax-scale argument in its grad ops (Paddle's own `flashmask_atten
 `softmax_scale is None` for FA2), so a non-default `softmax_scale` raises NotImplementedError
 here rather than silently using `head_dim ** -0.5`.
 
+Paddle's FA2 ops read `FLAGS_flash_attn_version` internally, so every op call runs with the
+flag held at 2 (`flash_attn_version_flag`), whatever the user set it to.
+
 The forward's `seed_offset` output is not part of the backend contract; with dropout 0.0 its
 value does not matter, so the backward passes a dummy `[2]` int64 host tensor (the grad
 kernels read two int64 values from host memory).
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashcp.kernels.base import is_default_scale
+from flashcp.kernels.base import flash_attn_version_flag, is_default_scale
 
 DROPOUT = 0.0
 
@@ -62,14 +65,15 @@ class FA2Backend:
     ) -> tuple[Any, Any]:
         check_scale(softmax_scale, int(q.shape[-1]))
         ops = _c_ops()
-        if startend_row_indices is None:
-            out, _softmax, lse, _seed_offset = ops.flash_attn(
-                q, k, v, None, None, DROPOUT, causal, False, False, ""
-            )
-        else:
-            out, _softmax, lse, _seed_offset = ops.flashmask_attention(
-                q, k, v, startend_row_indices, None, DROPOUT, causal, False, False, ""
-            )
+        with flash_attn_version_flag(self.version):  # the op reads the flag: it must say 2
+            if startend_row_indices is None:
+                out, _softmax, lse, _seed_offset = ops.flash_attn(
+                    q, k, v, None, None, DROPOUT, causal, False, False, ""
+                )
+            else:
+                out, _softmax, lse, _seed_offset = ops.flashmask_attention(
+                    q, k, v, startend_row_indices, None, DROPOUT, causal, False, False, ""
+                )
         return out, lse
 
     def backward(
@@ -88,12 +92,13 @@ class FA2Backend:
         check_scale(softmax_scale, int(q.shape[-1]))
         ops = _c_ops()
         seed_offset = _dummy_seed_offset()
-        if startend_row_indices is None:
-            dq, dk, dv = ops.flash_attn_grad(
-                q, k, v, out, lse, seed_offset, None, dout, DROPOUT, causal
-            )
-        else:
-            dq, dk, dv = ops.flashmask_attention_grad(
-                q, k, v, startend_row_indices, out, lse, seed_offset, dout, DROPOUT, causal
-            )
+        with flash_attn_version_flag(self.version):
+            if startend_row_indices is None:
+                dq, dk, dv = ops.flash_attn_grad(
+                    q, k, v, out, lse, seed_offset, None, dout, DROPOUT, causal
+                )
+            else:
+                dq, dk, dv = ops.flashmask_attention_grad(
+                    q, k, v, startend_row_indices, out, lse, seed_offset, dout, DROPOUT, causal
+                )
         return dq, dk, dv

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from flashcp.kernels.base import resolve_scale
+from flashcp.kernels.base import flash_attn_version_flag, resolve_scale
 
 VARIANT_GROUP = "group"
 VARIANT_BLOCK_MASK = "block_mask"
@@ -70,23 +70,8 @@ class FA3Backend:
         causal: bool,
         softmax_scale: float | None,
     ) -> tuple[Any, Any]:
-        scale = resolve_scale(softmax_scale, int(q.shape[-1]))
-        ops = _c_ops()
-        if startend_row_indices is None:
-            out, lse = ops.flash_attn_v3(
-                q, k, v, None, None, None, None, scale, causal,
-                *_NO_WINDOW, _SOFTCAP, _NUM_SPLITS, False, False, _SM_MARGIN,
-            )  # fmt: skip
-            return out, lse
-        idx = startend_row_indices
-        variant = flashmask_v2_variant()
-        if variant == VARIANT_GROUP:
-            out, lse = ops.flashmask_attention_v2(q, k, v, idx, None, None, scale, causal, 0, 1)
-        elif variant == VARIANT_BLOCK_MASK:
-            out, lse = ops.flashmask_attention_v2(q, k, v, idx, None, scale, causal)
-        else:
-            out, lse = ops.flashmask_attention_v2(q, k, v, idx, scale, causal)
-        return out, lse
+        with flash_attn_version_flag(self.version):  # hold the flag at 3 around the op
+            return _forward(q, k, v, startend_row_indices, causal, softmax_scale)
 
     def backward(
         self,
@@ -101,20 +86,57 @@ class FA3Backend:
         causal: bool,
         softmax_scale: float | None,
     ) -> tuple[Any, Any, Any]:
-        scale = resolve_scale(softmax_scale, int(q.shape[-1]))
-        ops = _c_ops()
-        if startend_row_indices is None:
-            dq, dk, dv = ops.flash_attn_v3_grad(
-                q, k, v, out, lse, dout, scale, causal, *_NO_WINDOW, _SOFTCAP, _SM_MARGIN
-            )
-            return dq, dk, dv
-        idx = startend_row_indices
-        variant = flashmask_v2_variant()
-        grad = ops.flashmask_attention_v2_grad
-        if variant == VARIANT_GROUP:
-            dq, dk, dv = grad(q, k, v, out, lse, idx, None, dout, scale, causal, 0, 1)
-        elif variant == VARIANT_BLOCK_MASK:
-            dq, dk, dv = grad(q, k, v, out, lse, idx, None, dout, scale, causal)
-        else:
-            dq, dk, dv = grad(q, k, v, out, lse, idx, dout, scale, causal)
+        with flash_attn_version_flag(self.version):
+            return _backward(q, k, v, out, lse, startend_row_indices, dout, causal, softmax_scale)
+
+
+def _forward(
+    q: Any, k: Any, v: Any, startend_row_indices: Any, causal: bool, softmax_scale: float | None
+) -> tuple[Any, Any]:
+    scale = resolve_scale(softmax_scale, int(q.shape[-1]))
+    ops = _c_ops()
+    if startend_row_indices is None:
+        out, lse = ops.flash_attn_v3(
+            q, k, v, None, None, None, None, scale, causal,
+            *_NO_WINDOW, _SOFTCAP, _NUM_SPLITS, False, False, _SM_MARGIN,
+        )  # fmt: skip
+        return out, lse
+    idx = startend_row_indices
+    variant = flashmask_v2_variant()
+    if variant == VARIANT_GROUP:
+        out, lse = ops.flashmask_attention_v2(q, k, v, idx, None, None, scale, causal, 0, 1)
+    elif variant == VARIANT_BLOCK_MASK:
+        out, lse = ops.flashmask_attention_v2(q, k, v, idx, None, scale, causal)
+    else:
+        out, lse = ops.flashmask_attention_v2(q, k, v, idx, scale, causal)
+    return out, lse
+
+
+def _backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    startend_row_indices: Any,
+    dout: Any,
+    causal: bool,
+    softmax_scale: float | None,
+) -> tuple[Any, Any, Any]:
+    scale = resolve_scale(softmax_scale, int(q.shape[-1]))
+    ops = _c_ops()
+    if startend_row_indices is None:
+        dq, dk, dv = ops.flash_attn_v3_grad(
+            q, k, v, out, lse, dout, scale, causal, *_NO_WINDOW, _SOFTCAP, _SM_MARGIN
+        )
         return dq, dk, dv
+    idx = startend_row_indices
+    variant = flashmask_v2_variant()
+    grad = ops.flashmask_attention_v2_grad
+    if variant == VARIANT_GROUP:
+        dq, dk, dv = grad(q, k, v, out, lse, idx, None, dout, scale, causal, 0, 1)
+    elif variant == VARIANT_BLOCK_MASK:
+        dq, dk, dv = grad(q, k, v, out, lse, idx, None, dout, scale, causal)
+    else:
+        dq, dk, dv = grad(q, k, v, out, lse, idx, dout, scale, causal)
+    return dq, dk, dv

@@ -11,6 +11,9 @@ Calls (reference §1.6):
   is passed **positionally** as the 7th argument (that slot was renamed upstream; everything
   else goes by keyword). Newer builds return `(dq, dk, dv, dsink)`; the first three are used.
 
+Every call runs with `FLAGS_flash_attn_version` held at 4 (`flash_attn_version_flag`), like
+the FA2/FA3 backends hold it at their own version.
+
 `deterministic` defaults to `FLAGS_cudnn_deterministic` read at backward time: it selects
 FA4's deterministic backward and never changes which kernel family runs.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashcp.kernels.base import resolve_scale
+from flashcp.kernels.base import flash_attn_version_flag, resolve_scale
 
 
 def _cute() -> tuple[Any, Any, Any]:
@@ -51,16 +54,17 @@ class FA4Backend:
         softmax_scale: float | None,
     ) -> tuple[Any, Any]:
         fwd, _bwd, _info = _cute()
-        result = fwd(
-            q,
-            k,
-            v,
-            causal=causal,
-            return_lse=True,
-            startend_row_indices=startend_row_indices,
-            softmax_scale=resolve_scale(softmax_scale, int(q.shape[-1])),
-            pack_gqa=False,
-        )
+        with flash_attn_version_flag(self.version):
+            result = fwd(
+                q,
+                k,
+                v,
+                causal=causal,
+                return_lse=True,
+                startend_row_indices=startend_row_indices,
+                softmax_scale=resolve_scale(softmax_scale, int(q.shape[-1])),
+                pack_gqa=False,
+            )
         return result[0], result[1]
 
     def backward(
@@ -83,16 +87,18 @@ class FA4Backend:
             if startend_row_indices is None
             else info_cls(startend_row_indices=startend_row_indices, is_causal=causal)
         )
-        result = bwd(
-            q,
-            k,
-            v,
-            out,
-            dout,
-            lse,
-            info,
-            softmax_scale=resolve_scale(softmax_scale, int(q.shape[-1])),
-            causal=causal,
-            deterministic=_deterministic() if deterministic is None else bool(deterministic),
-        )
+        det = _deterministic() if deterministic is None else bool(deterministic)
+        with flash_attn_version_flag(self.version):
+            result = bwd(
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                info,
+                softmax_scale=resolve_scale(softmax_scale, int(q.shape[-1])),
+                causal=causal,
+                deterministic=det,
+            )
         return result[0], result[1], result[2]

@@ -38,7 +38,11 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from flashcp import dispatch
-from flashcp.attention import flashmask_attention_with_version, validate_attention_inputs
+from flashcp.attention import (
+    dispatch_call_shape,
+    flashmask_attention_with_version,
+    validate_attention_inputs,
+)
 from flashcp.cp import attention as cp_attention
 from flashcp.kernels import registry
 
@@ -207,7 +211,9 @@ def pin_attention(
             plan.version, plan.device, False, plan.local_mask, plan.scale, plan, shape
         )
     device = validate_attention_inputs(q, k, v, mask, causal=causal)
-    version = dispatch.resolve_current(int(q.shape[-1]), policy=fa4_unavailable).version
+    version = dispatch.resolve_current(
+        int(q.shape[-1]), policy=fa4_unavailable, **dispatch_call_shape(k, v, mask)
+    ).version
     return PinnedAttention(version, device, causal, mask, None, None, shape)
 
 

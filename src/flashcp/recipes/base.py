@@ -70,6 +70,8 @@ class RecipeContext:
     groups: ParallelGroups
     assignment_for: Callable[[Any], Any]
     """The CP layout (`flashcp.cp.layout.Assignment`) of a batch with a global `.mask`."""
+    dtype: str = "float32"
+    """The compute dtype, `train.dtype` resolved for the device (`trainer.loop.resolve_dtype`)."""
 
     @property
     def cp_rank(self) -> int:
@@ -92,8 +94,8 @@ class RecipeContext:
         return int(self.groups.pp.rank) == int(self.groups.pp.nranks) - 1
 
     def autocast(self) -> Any:
-        """The forward pass's autocast context (bfloat16 O1 when train.dtype asks for it)."""
-        bf16 = self.cfg.train.dtype == "bfloat16"
+        """The forward pass's autocast context (bfloat16 O1 when the compute dtype is bf16)."""
+        bf16 = self.dtype == "bfloat16"
         return paddle.amp.auto_cast(enable=bf16, dtype="bfloat16", level="O1")
 
 

@@ -14,7 +14,13 @@ from flashcp.trainer.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from flashcp.trainer.loop import NonFiniteError, Trainer, TrainResult, resolve_device
+from flashcp.trainer.loop import (
+    NonFiniteError,
+    Trainer,
+    TrainResult,
+    resolve_device,
+    resolve_dtype,
+)
 from flashcp.trainer.metrics import METRICS_FILE, MetricsWriter, StepMetrics, read_metrics
 from flashcp.trainer.optim import build_optimizer, build_scheduler, lr_at, lr_factor
 
@@ -37,6 +43,7 @@ __all__ = [
     "prune_checkpoints",
     "read_metrics",
     "resolve_device",
+    "resolve_dtype",
     "save_checkpoint",
     "verify_checkpoint",
 ]

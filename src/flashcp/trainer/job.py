@@ -192,15 +192,8 @@ def check_dispatch(config: str | Path, overrides: Sequence[str]) -> None:
         inputs = dispatch.probe_inputs(
             policy=cfg.attention.fa4_unavailable, deterministic=cfg.train.deterministic
         )
-        dispatch.explain_fa_version(
-            inputs.requested,
-            fa4_available=inputs.fa4_available,
-            block_mask_api=inputs.block_mask_api,
-            deterministic=inputs.deterministic,
-            head_dim=int(cfg.model.head_size),
-            device=inputs.device,
-            fa4_unavailable=inputs.fa4_unavailable,
-        )
+        # FA3/FA4 availability on this card included (`dispatch.probe_inputs`).
+        dispatch.explain_inputs(inputs, int(cfg.model.head_size))
     except (ValueError, NotImplementedError) as exc:
         raise PreflightError(f"FlashAttention dispatch: {exc}") from None
 

@@ -91,11 +91,31 @@ def resolve_device(cfg: Config) -> str:
             "run.device: cpu (or auto)"
         )
     device = "gpu" if wanted == "gpu" or (wanted == "auto" and has_gpu) else "cpu"
-    if cfg.train.dtype == "bfloat16" and device != "gpu":
-        raise RuntimeError(
-            "train.dtype bfloat16 needs a GPU and this run is on CPU: set train.dtype=float32"
-        )
+    resolve_dtype(cfg, device)
     return device
+
+
+def resolve_dtype(cfg: Config, device: str) -> str:
+    """The compute dtype on `device`: `train.dtype`, with auto = bfloat16 on GPU, float32 on CPU.
+
+    float32 on a GPU is refused: Paddle's FlashAttention/FlashMask CUDA kernels are registered
+    for float16/bfloat16 only, so the first attention call would fail.
+    """
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        return "bfloat16" if device == "gpu" else "float32"
+    if dtype == "bfloat16" and device != "gpu":
+        raise RuntimeError(
+            "train.dtype bfloat16 needs a GPU and this run is on CPU: set train.dtype=float32 "
+            "(or auto)"
+        )
+    if dtype == "float32" and device == "gpu":
+        raise RuntimeError(
+            "train.dtype float32 cannot run on this GPU: Paddle's FlashAttention/FlashMask "
+            "kernels exist for float16/bfloat16 only. Set train.dtype=auto (bfloat16 on GPU) "
+            "or bfloat16, or run.device=cpu"
+        )
+    return dtype
 
 
 def set_determinism(cfg: Config) -> None:
@@ -128,13 +148,18 @@ def default_model_factory(cfg: Config) -> paddle.nn.Layer:
     return model
 
 
-def init_weights(model: paddle.nn.Layer, cfg: Config) -> None:
-    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes)."""
+def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) -> Any:
+    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes).
+
+    `model` is the whole model or one pipeline stage: a stage reads only its own tensors.
+    `on_tensor` and the returned `LoadReport` (None without init_from): see
+    `flashcp.models.hf_weights.load_hf_checkpoint`.
+    """
     if cfg.checkpoint.init_from is None:
-        return
+        return None
     from flashcp.models.hf_weights import load_hf_checkpoint
 
-    load_hf_checkpoint(model, cfg.checkpoint.init_from)
+    return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
 
 
 def build_recipe(ctx: RecipeContext) -> Recipe:
@@ -192,12 +217,16 @@ class Trainer:
         self.output_dir = Path(cfg.run.output_dir)
         self.ckpt_root = self.output_dir / ckpt.CHECKPOINT_DIR
         self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        """The compute dtype (`train.dtype` resolved: auto = bfloat16 on GPU, float32 on CPU)."""
         paddle.set_device(self._device_name())
         set_determinism(cfg)
         self._fixed_assignment: Assignment | None = None
         if cfg.parallel.cp_mode != "workload_balanced":
             self._fixed_assignment = make_assignment(cfg.parallel.cp_mode, self.cp_size)
-        ctx = RecipeContext(cfg=cfg, groups=groups, assignment_for=self.assignment_for)
+        ctx = RecipeContext(
+            cfg=cfg, groups=groups, assignment_for=self.assignment_for, dtype=self.dtype
+        )
         self.recipe = build_recipe(ctx)
         self.data = self.recipe.build_data()
         full = (model_factory or default_model_factory)(cfg)
@@ -537,7 +566,7 @@ class Trainer:
             f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
             f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size} ({c.parallel.cp_mode}"
             f"{stage}) | seq_len {self.data.seq_len} × micro-batch {c.data.micro_batch_size} × "
-            f"accum {c.train.grad_accum} | {self.device} {c.train.dtype} | "
+            f"accum {c.train.grad_accum} | {self.device} {self.dtype} | "
             f"{self.data.describe()}"
         )
 
