@@ -243,3 +243,27 @@ def test_numerics_report_summarises_agreements_and_controls(tmp_path: Path) -> N
     log = tmp_path / "n.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert report.main([str(log), "--markdown"]) == 0
+
+
+def test_golden_compare_uses_the_rule_and_its_stored_basis() -> None:
+    """`tests/integration/jobs.py`: goldens carry (n, scale) per step; another dtype has its
+    own relative tolerance (a bf16 GPU job against the float32 goldens)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    import jobs
+
+    want = {"nproc": 2, "steps": 4, "overrides": [], "losses": {"1": 5.5, "4": 5.0},
+            "basis": {"1": [512.0, 5.5], "4": [512.0, 5.0]}}  # fmt: skip
+    allowed_4 = numerics.tolerance(512, 5.0, steps=4)
+    near = {**want, "losses": {"1": 5.5 + 1e-6, "4": 5.0 + 0.9 * allowed_4}}
+    far = {**want, "losses": {"1": 5.5, "4": 5.0 + 1.1 * allowed_4}}
+    assert jobs.compare_losses("c", want, near) == []
+    (problem,) = jobs.compare_losses("c", want, far)
+    assert problem.startswith("c: step 4 loss") and "units" in problem
+    assert jobs.close(want, "4", 5.0 + 0.9 * allowed_4) and not jobs.close(want, "4", 5.1)
+    old = {k: v for k, v in want.items() if k != "basis"}
+    assert "no tolerance basis" in jobs.compare_losses("c", old, near)[-1]
+    bf16 = {**want, "losses": {"1": 5.5 * 1.01, "4": 5.0 * 1.03}}
+    (problem,) = jobs.compare_losses("c", old, bf16, tol=0.02)
+    assert "step 4" in problem and "cross-dtype tolerance 0.02" in problem
