@@ -84,13 +84,14 @@ if [ ${#SEL2[@]} -gt 0 ]; then
   status=${PIPESTATUS[0]}
   set -e
   summary2=$(grep -E "^=+ .*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" "$LOG" | tail -n 1)
-  if [ "$status" -ne 0 ]; then
-    echo "second pass under ${MATH_ENV[*]} failed: $summary2" >&2
-    echo "$summary"
+  if [ "$status" -ne 0 ]; then  # the failing pass's pytest summary stays the last line
+    echo "main run: $summary"
+    echo "second pass under ${MATH_ENV[*]} FAILED:"
+    echo "$summary2"
     exit "$status"
   fi
   summary2="second pass under ${MATH_ENV[*]}: ${summary2//=/}"
-  summary2=$(echo "$summary2" | tr -s ' ')
+  summary2=$(echo "$summary2" | tr -s ' ' | sed -e 's/ *$//')
 fi
 
 gate_fail=()
