@@ -8,6 +8,10 @@ Layout of `<output_dir>/checkpoints/step_<N>/`:
 * `trainer_state.json`    step, LR scheduler, data position, RNG states, config hash
 * `manifest.json`         sha256 and size of each file above, written last
 
+Pipeline stages, LoRA adapters and float32 master weights (bf16 storage, ZeRO-1) write the
+model and optimizer in parts instead (`flashcp.trainer.sharded`): the manifest's `layout` lists
+them, and optimizer shards are handed to the optimizer as files (`Checkpoint.optimizer_shards`).
+
 A checkpoint is written into `step_N.tmp/`, every file fsynced, then renamed to `step_N/` (and
 the parent directory fsynced), so a crash never leaves a half-written `step_N/`. Loading checks
 the manifest first: a missing, truncated or altered file is refused with the reason, and
