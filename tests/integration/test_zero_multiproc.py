@@ -10,7 +10,7 @@ the 2-rank runs in another, `workers/zero_worker.py`, to keep start-up cost down
   unsharded run's step 10, and from the one-process checkpoint; bf16 storage (`bf16toy`)
   unsharded and sharded;
 * 2 ranks: CP=2 unsharded and sharded; the DP×CP sharded step-10 checkpoint resumed at CP=2,
-  sharded and unsharded;
+  sharded and unsharded; a bf16 tied matrix's float32 `main_grad` summed over pp = 2 stages;
 * one process: the DP×CP sharded step-10 checkpoint resumed here.
 
 Tolerances. Sharded vs unsharded in the same layout: the gradients are reduce-scattered over
@@ -91,14 +91,18 @@ def in_process(out: Path, overrides: list[str]) -> Path:
     return out
 
 
-def launch_plan(tmp: Path, nproc: int, runs: dict[str, tuple[list[str], bool]]) -> dict[str, Path]:
-    """Launch one job of `nproc` ranks running `runs` (name -> (overrides, toy)) in order."""
+def launch_plan(
+    tmp: Path, nproc: int, runs: dict[str, tuple[list[str], bool]], extra: list[dict] | None = None
+) -> dict[str, Path]:
+    """Launch one job of `nproc` ranks running `runs` (name -> (overrides, toy)) in order,
+    then the `extra` worker entries."""
     out = {name: tmp / name for name in runs}
-    plan = [
+    plan: list[dict] = [
         {"config": str(GPT), "toy": toy,
          "overrides": [*BASE, *overrides, f"run.output_dir={out[name]}"]}
         for name, (overrides, toy) in runs.items()
     ]  # fmt: skip
+    plan += extra or []
     (tmp / "plan.json").write_text(json.dumps(plan, indent=1))
     result = run_launch(
         WORKER, nproc, ["--plan", str(tmp / "plan.json")], timeout=420, log_dir=tmp / "logs"
@@ -145,7 +149,10 @@ def two(tmp_path_factory: pytest.TempPathFactory, four: dict[str, Path]) -> dict
         "cp_zero_from_dp": ([*CP2, *ZERO, step10(four["dp_zero"])], False),
         "cp_plain_from_dp": ([*CP2, step10(four["dp_zero"])], False),
     }
-    return launch_plan(tmp, 2, runs)
+    (tmp / "tied").mkdir()
+    out = launch_plan(tmp, 2, runs, [{"check": "tied_main_grad", "out": str(tmp / "tied")}])
+    out["tied"] = tmp / "tied"
+    return out
 
 
 @pytest.mark.timeout(600)
@@ -196,3 +203,15 @@ def test_resume_across_layouts_and_sharding(
     assert all(v <= CROSS for v in cross.values()), cross
     # negative control: resuming from the wrong step is far outside the tolerance
     assert rel(losses(four["dp_zero_from_one"]), dp_zero[:10]) > 100 * CROSS
+
+
+@pytest.mark.timeout(600)
+def test_tied_matrix_sums_float32_main_grads_across_stages(two: dict[str, Path]) -> None:
+    """bf16 tied embedding under pp = 2: `sync_tied_gradients` adds the stages' float32
+    `main_grad`s (2.5 + 1.5 each element per step; a stage without one counts zeros)."""
+    ranks = [json.loads((two["tied"] / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for both, first_only in ranks:
+        assert both["dtype"] == first_only["dtype"] == "paddle.float32"
+        assert both["grad_is_none"] and first_only["grad_is_none"]
+        np.testing.assert_array_equal(both["main_grad"], np.full([3, 2], 4.0))
+        np.testing.assert_array_equal(first_only["main_grad"], np.full([3, 2], 1.5))
