@@ -152,13 +152,18 @@ def default_model_factory(cfg: Config) -> paddle.nn.Layer:
     return model
 
 
-def init_weights(model: paddle.nn.Layer, cfg: Config) -> None:
-    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes)."""
+def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) -> Any:
+    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes).
+
+    `model` is the whole model or one pipeline stage: a stage reads only its own tensors.
+    `on_tensor` and the returned `LoadReport` (None without init_from): see
+    `flashcp.models.hf_weights.load_hf_checkpoint`.
+    """
     if cfg.checkpoint.init_from is None:
-        return
+        return None
     from flashcp.models.hf_weights import load_hf_checkpoint
 
-    load_hf_checkpoint(model, cfg.checkpoint.init_from)
+    return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
 
 
 def build_recipe(ctx: RecipeContext) -> Recipe:
