@@ -643,3 +643,37 @@ def test_incomplete_or_mismatched_saved_state_is_refused() -> None:
                                   "w::moment2_0": np.zeros([3, 4], np.float32)}))  # fmt: skip
     with pytest.raises(ValueError, match="has 6 elements, the model's parameter at least 12"):
         state.load(ClassicSource({"w::moment1_0": np.zeros([6], np.float32)}))
+
+
+def test_init_from_fills_bf16_masters_with_the_files_float32_values(tmp_path: Path) -> None:
+    """bf16 storage + `checkpoint.init_from` (a float32 HF checkpoint): the parameters are the
+    file's values rounded to bf16, the float32 masters the file's values themselves."""
+    from flashcp.models import build_model
+    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.trainer.loop import init_weights
+
+    hf = tmp_path / "hf"
+    cfg0 = _cfg(tmp_path)
+    paddle.seed(11)
+    source = build_model(cfg0.model)
+    save_hf_checkpoint(source, hf)
+    want = {n: p.numpy().reshape(-1) for n, p in source.named_parameters()}
+    cfg = _cfg(tmp_path, checkpoint={"init_from": str(hf)})
+
+    def bf16_model(c: Any) -> paddle.nn.Layer:
+        model = build_model(c.model)
+        model.to(dtype="bfloat16")
+        init_weights(model, c)
+        return model
+
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=bf16_model)
+    opt = trainer.optimizer
+    assert isinstance(opt, MasterOptimizer) and opt.low_precision == "bfloat16"
+    rounded = 0
+    for seg, m in zip(opt.shard.segments, opt.shard.masters, strict=True):
+        np.testing.assert_array_equal(m.numpy(), want[seg.name][seg.start : seg.start + seg.length])
+        param = dict(trainer.params)[seg.name].astype("float32").numpy().reshape(-1)
+        rounded += int(np.sum(param != m.numpy()))
+    assert rounded > 1000  # the bf16 parameters alone would have given other masters
+    with pytest.raises(ValueError, match="have 3 elements, this rank holds"):
+        opt.set_masters({opt.shard.segments[0].name: np.zeros(3, np.float32)})

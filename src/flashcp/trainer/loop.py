@@ -263,6 +263,7 @@ class Trainer:
         or on float32 master weights (bf16 storage), sharded under parallel.shard_optimizer."""
         self.sharded_state = isinstance(self.optimizer, MasterOptimizer)
         """Optimizer state is saved as per-rank shards (`flashcp.trainer.zero_state`)."""
+        self._init_masters()
         if self.pp_size > 1:
             self.executor: Any = PipelineExecutor(
                 self.model,  # type: ignore[arg-type]
@@ -296,6 +297,22 @@ class Trainer:
             self.pp_size,
             self.cfg.parallel.pp_layers,
         )
+
+    def _init_masters(self) -> None:
+        """With `checkpoint.init_from` and parameters stored in bfloat16/float16, the float32
+        master weights this rank holds start from the checkpoint's own values (its slices
+        only, `flashcp.models.hf_weights.read_hf_float32`), not from the rounded parameters.
+        (A resumed run then overwrites them with the checkpoint's masters.)"""
+        opt = self.optimizer
+        path = self.cfg.checkpoint.init_from
+        if path is None or not isinstance(opt, MasterOptimizer) or opt.low_precision is None:
+            return
+        if self.lora is not None:
+            return  # the trained parameters are the adapters, which the checkpoint lacks
+        from flashcp.models.hf_weights import read_hf_float32
+
+        values, _ = read_hf_float32(self.model, path, opt.master_slices())
+        opt.set_masters(values)
 
     def _shared_names(self) -> set[str]:
         """Trainable parameters this stage holds but another stage counts (the last stage's

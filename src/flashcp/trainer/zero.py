@@ -38,7 +38,7 @@ as shards anyway.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -489,6 +489,25 @@ class MasterOptimizer:
         }
 
     # -- state ------------------------------------------------------------------------------
+
+    def master_slices(self) -> dict[str, tuple[int, int]]:
+        """`[start, stop)` of each flattened parameter this rank holds masters for."""
+        return {s.name: (s.start, s.start + s.length) for s in self.shard.segments}
+
+    @paddle.no_grad()
+    def set_masters(self, values: Mapping[str, np.ndarray]) -> None:
+        """Overwrite the masters of the parameters in `values` (each the float32 elements of
+        `master_slices()[name]`), e.g. a checkpoint's own float32 values instead of the
+        parameters rounded to their storage dtype."""
+        for seg, m in zip(self.shard.segments, self.shard.masters, strict=True):
+            if seg.name in values:
+                value = np.asarray(values[seg.name], np.float32).reshape(-1)
+                if value.size != seg.length:
+                    raise ValueError(
+                        f"master values of {seg.name!r} have {value.size} elements, this rank "
+                        f"holds {seg.length}"
+                    )
+                m.set_value(value)
 
     def state_arrays(self) -> ShardArrays:
         return self.shard.arrays()
