@@ -677,3 +677,16 @@ def test_init_from_fills_bf16_masters_with_the_files_float32_values(tmp_path: Pa
     assert rounded > 1000  # the bf16 parameters alone would have given other masters
     with pytest.raises(ValueError, match="have 3 elements, this rank holds"):
         opt.set_masters({opt.shard.segments[0].name: np.zeros(3, np.float32)})
+
+
+def test_a_shard_of_padding_only_steps_saves_and_gathers_zeros() -> None:
+    """More shards than elements: shard 3 of 4 over 2 elements owns only padding."""
+    rng = np.random.default_rng(8)
+    params = {"a": _param([2], rng)}
+    state = MasterShard(shard_layout([("a", 2)], 4, 3, 100), params, TrainConfig(), 0.01)
+    assert state.segments == [] and state.layout.piece(0) == 1
+    state.set_grads(0, paddle.ones([1]), None)
+    state.step()
+    np.testing.assert_array_equal(state.piece(0).numpy(), np.zeros(1, np.float32))
+    arrays = state.arrays()
+    assert arrays.segments == [] and arrays.master.size == 0
