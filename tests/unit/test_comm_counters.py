@@ -169,6 +169,8 @@ def test_library_reduce_scatters_count_their_documented_model(
         paddle.assign(paddle.add_n(chunks), output=out)
 
     monkeypatch.setattr(dist, "reduce_scatter", reduce_scatter)
+    synced: list[int] = []  # the NCCL path waits on the device inside the watchdog (no GPU here)
+    monkeypatch.setattr(paddle.device, "synchronize", lambda *a, **k: synced.append(1))
     nccl = NamedGroup("cp", RANKS.index(ME), 8, RANKS, pg=_NcclPG())
     chunks = [paddle.full([5], float(i), dtype="float32") for i in range(len(RANKS))]
     total = sum(nbytes(c) for c in chunks)
@@ -181,3 +183,4 @@ def test_library_reduce_scatters_count_their_documented_model(
         reduce_scatter_chunks(chunks, group, method="allreduce")
         assert _counted(group) == (2 * (p - 1) * total // p,) * 2
     assert tap.other_calls == 2 and tap.sent == tap.received == 0  # flagged as untapped
+    assert synced, "the NCCL reduce-scatter did not wait on the device under the watchdog"
