@@ -7,6 +7,7 @@ import paddle
 import pytest
 
 from flashcp.models import AttentionContext, build_model, preset, token_logprobs
+from flashcp.models.layers import Linear
 from flashcp.recipes.lora import (
     apply_lora,
     disable_adapters,
@@ -100,7 +101,7 @@ def test_merge_equals_base_plus_adapters() -> None:
     merged = merge_adapters(lora)
     assert not lora_layers(merged)
     projections = [layer for name, layer in merged.named_sublayers() if name.endswith("proj")]
-    assert projections and all(type(layer) is paddle.nn.Linear for layer in projections)
+    assert projections and all(type(layer) is Linear for layer in projections)
     assert all(not p.stop_gradient for p in merged.parameters())
     # same parameter names and shapes as the base model (no extra zero biases)
     assert {k: list(v.shape) for k, v in merged.state_dict().items()} == base_keys

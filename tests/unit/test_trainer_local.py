@@ -153,13 +153,13 @@ def test_nonfinite_loss_stops_with_step_and_rank(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     with pytest.raises(NonFiniteError, match=r"non-finite loss on rank\(s\) 0 and gradients"
                                              r" on rank\(s\) 0 at step 2"):  # fmt: skip
-        _fit(cfg, model_factory=lambda c: _NaNAt(c, at=2))
+        _fit(cfg, model_factory=lambda c, s: _NaNAt(c, at=2))
     assert len(read_metrics(cfg.run.output_dir)) == 1  # step 1 was recorded before the stop
 
 
 def test_nonfinite_step_can_be_skipped(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"})
-    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c: _NaNAt(c, at=2))
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c, s: _NaNAt(c, at=2))
     trainer.train_step()
     before = {n: p.numpy().copy() for n, p in trainer.params}
     skipped = trainer.train_step()
@@ -182,7 +182,8 @@ def test_resume_policies(tmp_path: Path) -> None:
     # the Trainer never moves a run aside (that is `flashcp train`'s job, before launch)
     overwrite = _cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
     with pytest.raises(RuntimeError, match=r"run\.overwrite is true and .* holds an earlier "
-                       r"run \(checkpoints, config\.yaml, metrics\.jsonl\)"):  # fmt: skip
+                       r"run \(checkpoints, config\.yaml, metrics\.jsonl, "
+                       r"run_info\.json\)"):  # fmt: skip
         Trainer(overwrite, stream=io.StringIO()).fit()
     step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
     (step1 / "model.safetensors").write_bytes(b"broken")
