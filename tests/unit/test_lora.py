@@ -142,6 +142,17 @@ def test_errors_are_clear(tmp_path) -> None:
         apply_lora(_model(), rank=4, alpha=8, target_modules=["(q_proj"])
     with pytest.raises(ValueError, match="rank must be"):
         apply_lora(_model(), rank=0, alpha=8, target_modules=TARGETS)
+    # pipeline stages pool their matches: a pattern need only match on some stage
+    from flashcp.parallel import build_stage
+    from flashcp.recipes.lora import check_targets, target_summary
+
+    stages = [build_stage(preset("tiny_glm"), s, 2, seed=0) for s in range(2)]
+    head = ["lm_head", ".*q_proj"]
+    assert check_targets([target_summary(st, head) for st in stages]) == head
+    with pytest.raises(ValueError, match=r"pattern 'lm_head' matches no layer"):
+        check_targets([target_summary(stages[0], head)])
+    with pytest.raises(ValueError, match=r"matches 'model.norm' \(RMSNorm\), which is not"):
+        check_targets([target_summary(st, ["model.norm", ".*q_proj"]) for st in stages])
     lora = apply_lora(_model(), rank=4, alpha=8, target_modules=TARGETS)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_lora(lora.model, rank=4, alpha=8, target_modules=TARGETS)

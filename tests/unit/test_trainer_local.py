@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from flashcp import cli, dispatch
 from flashcp.config import TrainConfig, build_config, to_dict
-from flashcp.models import build_model
+from flashcp.models import build_model, estimate_parameters
 from flashcp.trainer import (
     CheckpointError,
     NonFiniteError,
@@ -101,6 +101,20 @@ def test_twenty_steps_learn(tmp_path: Path) -> None:
     assert (Path(cfg.run.output_dir) / "metrics.png").stat().st_size > 1000
     saved = (Path(cfg.run.output_dir) / "config.yaml").read_text()
     assert "hidden_size: 64" in saved
+    # what the run built (run_info.json) and its memory, from Paddle's allocator
+    info = json.loads((Path(cfg.run.output_dir) / "run_info.json").read_text())
+    n = estimate_parameters(cfg.model)
+    assert info["world"] == 1 and info["degrees"] == {"dp": 1, "pp": 1, "cp": 1}
+    assert info["param_dtype"] == "float32" and info["plan"] is None
+    (rank,) = info["ranks"]
+    assert rank["rank"] == 0 and rank["stage"] == 0 and rank["layers"] == [0, 2]
+    assert rank["params_local"] == rank["trainable_params_local"] == n
+    assert rank["param_bytes_local"] == 4 * n and rank["reference_params_local"] == 0
+    assert rank["allocated_bytes"] >= 4 * n
+    peaks = [r["peak_memory_gib"] for r in records]
+    assert all(r["peak_memory_rank"] == 0 for r in records)
+    assert peaks == sorted(peaks) and peaks[-1] * 2**30 >= 3 * 4 * n  # + AdamW's two moments
+    assert records[-1]["peak_rss_gib"] > peaks[-1]
 
 
 def test_resume_reproduces_losses_bitwise(tmp_path: Path) -> None:

@@ -5,13 +5,14 @@
      "ranks": [{"rank": 0, "stage": 0, "layers": [0, 1], "params_local": ...,
                 "param_bytes_local": ..., "trainable_params_local": ...,
                 "reference_params_local": 0, "reference_param_bytes_local": 0,
-                "allocated_bytes": ...}, ...],
+                "allocated_bytes": ..., "peak_bytes": ...}, ...],
      "plan": null}
 
 `params_local` / `param_bytes_local` count the parameters this rank materialised for the
 trained module (its pipeline stage, LoRA adapters included); a frozen DPO reference copy is
 counted apart (`reference_*`). `allocated_bytes` is the allocator's count of live Paddle tensors
-after the build (`flashcp.trainer.memory`). `plan` is the memory planner's prediction for the
+after the build and `peak_bytes` its peak so far (`flashcp.trainer.memory`): a rank that built
+more than its stage, even briefly, shows it there. `plan` is the memory planner's prediction for the
 config (`plan_summary`), null until a planner is available.
 """
 
@@ -58,6 +59,7 @@ def rank_record(trainer: Any) -> dict[str, Any]:
         "reference_params_local": ref_params,
         "reference_param_bytes_local": ref_bytes,
         "allocated_bytes": memory.allocated_bytes(),
+        "peak_bytes": memory.peak_bytes(),
     }
 
 
