@@ -89,6 +89,23 @@ def test_bf16_storage_equals_float32_on_rounded_weights(name: str, overrides: di
         assert np.linalg.norm(g - h) <= 2.0**-7 * np.linalg.norm(h), n
 
 
+def test_cast_linear_is_the_plain_kernel_when_dtypes_agree() -> None:
+    rng = np.random.default_rng(0)
+    x, w, b = (
+        paddle.to_tensor(rng.standard_normal(s).astype("float32")) for s in [(3, 8), (8, 5), (5,)]
+    )
+    np.testing.assert_array_equal(
+        precision_mod.cast_linear(x, w, b).numpy(), F.linear(x, w, b).numpy()
+    )
+    wt = paddle.to_tensor(w.numpy().T.copy())
+    np.testing.assert_array_equal(
+        precision_mod.cast_linear(x, wt, b, transpose=True).numpy(),
+        (paddle.matmul(x, wt, transpose_y=True) + b).numpy(),
+    )
+    assert not precision_mod.needs_cast(x, w, None)
+    assert precision_mod.needs_cast(x, w.astype("bfloat16"))
+
+
 def test_lora_on_a_bf16_base_computes_the_float32_math() -> None:
     """Frozen bf16 base + float32 adapters (CastingLoRALinear): forward bitwise equal to the
     float32 model on rounded weights; adapter gradients equal up to float32 reordering."""
