@@ -7,6 +7,7 @@ import paddle
 import pytest
 
 from flashcp.models import AttentionContext, build_model, preset, token_logprobs
+from flashcp.models.layers import Linear
 from flashcp.recipes.lora import (
     apply_lora,
     disable_adapters,
@@ -100,7 +101,7 @@ def test_merge_equals_base_plus_adapters() -> None:
     merged = merge_adapters(lora)
     assert not lora_layers(merged)
     projections = [layer for name, layer in merged.named_sublayers() if name.endswith("proj")]
-    assert projections and all(type(layer) is paddle.nn.Linear for layer in projections)
+    assert projections and all(type(layer) is Linear for layer in projections)
     assert all(not p.stop_gradient for p in merged.parameters())
     # same parameter names and shapes as the base model (no extra zero biases)
     assert {k: list(v.shape) for k, v in merged.state_dict().items()} == base_keys
@@ -141,6 +142,17 @@ def test_errors_are_clear(tmp_path) -> None:
         apply_lora(_model(), rank=4, alpha=8, target_modules=["(q_proj"])
     with pytest.raises(ValueError, match="rank must be"):
         apply_lora(_model(), rank=0, alpha=8, target_modules=TARGETS)
+    # pipeline stages pool their matches: a pattern need only match on some stage
+    from flashcp.parallel import build_stage
+    from flashcp.recipes.lora import check_targets, target_summary
+
+    stages = [build_stage(preset("tiny_glm"), s, 2, seed=0) for s in range(2)]
+    head = ["lm_head", ".*q_proj"]
+    assert check_targets([target_summary(st, head) for st in stages]) == head
+    with pytest.raises(ValueError, match=r"pattern 'lm_head' matches no layer"):
+        check_targets([target_summary(stages[0], head)])
+    with pytest.raises(ValueError, match=r"matches 'model.norm' \(RMSNorm\), which is not"):
+        check_targets([target_summary(st, ["model.norm", ".*q_proj"]) for st in stages])
     lora = apply_lora(_model(), rank=4, alpha=8, target_modules=TARGETS)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_lora(lora.model, rank=4, alpha=8, target_modules=TARGETS)

@@ -141,7 +141,12 @@ class TrainConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (CPU only: Paddle's
     FlashAttention/FlashMask GPU kernels exist for fp16/bf16 only) or bfloat16 O1 autocast (GPU
-    only; parameters, gradients and AdamW stay float32)."""
+    only)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage dtype of the parameters, created directly in it: bfloat16 halves the weights'
+    memory (frozen LoRA base weights, the DPO reference copy, trained weights). On CPU the
+    layers upcast bf16 weights to float32 for compute (no bf16 matmul kernel there). LoRA
+    adapters stay float32."""
     log_every: int = 1
     """Print a log line every this many steps (metrics.jsonl gets every step)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"

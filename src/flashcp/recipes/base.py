@@ -6,8 +6,8 @@ non-finite handling, checkpoints and the metrics file. A recipe owns what differ
 
 * `build_data()`: the step source (`next_step()` gives this dp rank's micro-batches of FULL
   sequences; `state_dict()` / `load_state_dict()` make it resumable);
-* `setup_model(model)`: changes to the freshly built FULL model before the pipeline split
-  (LoRA adapters; a frozen reference copy for DPO);
+* `setup_model(model)`: changes to this rank's freshly built model — its pipeline stage, built
+  stage-only (LoRA adapters; a frozen reference copy for DPO, of the stage only);
 * `plan(batches)`: this rank's `MicroBatch`es (cp shards) with a `loss` closure each, plus the
   step's global token counts. A micro-batch's loss must already be normalised by a GLOBAL
   count (all micro-batches, all dp / cp ranks), so summing gradients over ranks gives the
@@ -127,14 +127,20 @@ class Recipe:
         raise NotImplementedError
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
-        """Change the full model before the pipeline split (default: nothing)."""
+        """Change this rank's model (its pipeline stage) before training (default: nothing)."""
 
-    def reference_model(self) -> paddle.nn.Layer | None:
-        """A frozen model the pipeline must split like the policy (default: none)."""
-        return None
+    def apply_lora(self, model: paddle.nn.Layer) -> bool:
+        """Apply the `lora` section, if any, to this rank's stage (target patterns checked over
+        every stage, adapters keyed by `train.seed`); returns whether it did."""
+        section = self.cfg.extras.get("lora")
+        if section is None:
+            return False
+        from flashcp.recipes.adapters import apply_lora_config
 
-    def set_reference_module(self, module: paddle.nn.Layer | None) -> None:
-        """This rank's part of `reference_model()` after the split."""
+        self.lora = apply_lora_config(
+            model, section, group=self.ctx.groups.pp, seed=self.cfg.train.seed
+        )
+        return True
 
     def plan(self, batches: list[Any]) -> StepPlan:
         raise NotImplementedError

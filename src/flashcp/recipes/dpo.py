@@ -96,8 +96,8 @@ class DPORecipe(Recipe):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.dpo: DPOConfig = self.cfg.extras.get("dpo") or DPOConfig()
-        self._reference_full: paddle.nn.Layer | None = None
         self.reference: paddle.nn.Layer | None = None
+        """The frozen reference copy of this rank's stage (None with LoRA: adapters off)."""
         self._micro: dict[int, _Micro] = {}
         self._ref: list[tuple[paddle.Tensor, paddle.Tensor]] = []
         self._sums = np.zeros(len(STATS))
@@ -110,25 +110,15 @@ class DPORecipe(Recipe):
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
         """LoRA: adapters on the policy (the reference is the same model, adapters off).
-        Otherwise the reference is a frozen copy of the initial policy."""
-        section = self.cfg.extras.get("lora")
-        if section is not None:
-            from flashcp.recipes.adapters import apply_lora_config
-
-            self.lora = apply_lora_config(model, section)
+        Otherwise the reference is a frozen copy of this rank's initial stage, in the same
+        storage dtype (`train.param_dtype`): no rank holds more than its stage twice."""
+        if self.apply_lora(model):
             return
         reference = copy.deepcopy(model)
         for p in reference.parameters():
             p.stop_gradient = True
         reference.eval()
-        self._reference_full = reference
-
-    def reference_model(self) -> paddle.nn.Layer | None:
-        return self._reference_full
-
-    def set_reference_module(self, module: paddle.nn.Layer | None) -> None:
-        self.reference = module
-        self._reference_full = None
+        self.reference = reference
 
     # -- one step ---------------------------------------------------------------------------
 

@@ -60,11 +60,7 @@ class LMRecipe(Recipe):
         return LMData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
-        from flashcp.recipes.adapters import apply_lora_config
-
-        section = self.cfg.extras.get("lora")
-        if section is not None:
-            self.lora = apply_lora_config(model, section)
+        self.apply_lora(model)
 
     def plan(self, batches: list[Any]) -> StepPlan:
         ctx, cfg = self.ctx, self.cfg
