@@ -249,9 +249,21 @@ def test_lora_dpo_trains_on_a_bf16_base_like_float32_on_its_rounded_weights(
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 
 
-def test_training_bf16_weights_is_refused_until_master_weights_exist(tmp_path: Path) -> None:
+def test_training_bf16_weights_steps_float32_masters(tmp_path: Path) -> None:
+    """Trained weights stored in bf16 (no lora section: the whole policy trains) get float32
+    master weights from the optimizer (`flashcp.trainer.zero.MasterOptimizer`); the
+    parameters stay bf16 and move after a step."""
+    from flashcp.trainer.zero import MasterOptimizer
+
     cfg = _dpo(tmp_path, param_dtype="bfloat16")
     cfg.extras.pop("lora")
-    with pytest.raises(ValueError, match="train.param_dtype bfloat16 would train .* stored in "
-                       "bfloat16 .* needs float32 master weights"):  # fmt: skip
-        Trainer(cfg, stream=io.StringIO())
+    trainer = Trainer(cfg, stream=io.StringIO())
+    assert isinstance(trainer.optimizer, MasterOptimizer)
+    assert trainer.optimizer.low_precision == "bfloat16"
+    assert {str(p.dtype) for _, p in trainer.params} == {"paddle.bfloat16"}
+    before = {n: p.astype("float32").numpy() for n, p in trainer.params}
+    m = trainer.train_step()
+    assert np.isfinite(m.loss) and np.isfinite(m.grad_norm)
+    after = {n: p.astype("float32").numpy() for n, p in trainer.params}
+    moved = [n for n in after if not np.array_equal(after[n], before[n])]
+    assert moved and {str(p.dtype) for _, p in trainer.params} == {"paddle.bfloat16"}
