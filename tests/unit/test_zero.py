@@ -603,7 +603,8 @@ def test_lora_dpo_with_sharded_optimizer_resumes_exactly(tmp_path: Path) -> None
     optimizer shard, the adapters to PaddleFormers' files; one process and no clipping, so the
     losses equal the unsharded run's bitwise, through a resume. (With clipping active the
     global norm is summed from the shards in another order than Paddle's clip sums it: equal
-    to ~1 ulp, not bitwise — `test_master_clip_uses_the_global_norm_like_paddles_clip` covers that path.)"""
+    to ~1 ulp, not bitwise — `test_master_clip_uses_the_global_norm_like_paddles_clip` covers
+    that path.)"""
     lora = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
     raw = {
         "model": {"preset": "tiny_glm"},
