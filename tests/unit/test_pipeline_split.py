@@ -2,7 +2,7 @@
 
 `split_layers` validation messages name the config keys; `PipelineStage` slices keep the full
 model's parameter names and partition its parameters; chaining the stages' forwards gives the
-full model's logits bitwise.
+full model's final hidden states and logits bitwise.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def test_chained_stages_equal_full_model_bitwise(name, overrides, pp, pp_layers)
         if not stage.is_last:
             assert list(h.shape) == stage.activation_shape(ids.shape)
             assert h.dtype == stage.activation_dtype
-    np.testing.assert_array_equal(h.numpy(), want.numpy())
+    np.testing.assert_array_equal(h.numpy(), want.numpy())  # final-norm hidden states
+    np.testing.assert_array_equal(stages[-1].logits(h).numpy(), full.logits(want).numpy())
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -3,7 +3,9 @@ attention (context-parallel when a CP group is given), activation recompute and 
 
     args = preset("tiny_glm")
     model = build_model(args)
-    logits = model(input_ids, positions, AttentionContext(mask=mask.indices, causal=True))
+    hidden = model(input_ids, positions, AttentionContext(mask=mask.indices, causal=True))
+    logp = model.token_logprobs(hidden, labels)   # log p(label) [B, L], chunked over tokens
+    logits = model.logits(hidden)                 # or the full float32 logits [B, L, V]
 """
 
 from __future__ import annotations
@@ -11,10 +13,16 @@ from __future__ import annotations
 import paddle
 
 from flashcp.models.attention import Attention, AttentionContext
-from flashcp.models.base import CausalLM, token_logprobs
+from flashcp.models.base import CausalLM
 from flashcp.models.config import ARCHS, RECOMPUTE_MODES, ModelArgs, estimate_parameters
 from flashcp.models.glm import GLMForCausalLM
 from flashcp.models.gpt import GPTForCausalLM
+from flashcp.models.head import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    HeadInput,
+    chunked_token_logprobs,
+    token_logprobs,
+)
 from flashcp.models.sizes import PRESETS, preset
 
 # Above this many parameters `build_model` refuses a CPU device (the real GLM shapes).
@@ -38,6 +46,7 @@ def build_model(args: ModelArgs, *, allow_large_on_cpu: bool = False) -> CausalL
 __all__ = [
     "ARCHS",
     "CPU_MAX_PARAMETERS",
+    "DEFAULT_LOSS_CHUNK_TOKENS",
     "PRESETS",
     "RECOMPUTE_MODES",
     "Attention",
@@ -45,8 +54,10 @@ __all__ = [
     "CausalLM",
     "GLMForCausalLM",
     "GPTForCausalLM",
+    "HeadInput",
     "ModelArgs",
     "build_model",
+    "chunked_token_logprobs",
     "estimate_parameters",
     "preset",
     "token_logprobs",

@@ -1,9 +1,18 @@
 """What every causal LM here shares: embeddings, the layer loop (with recompute), the head.
 
 `CausalLM.forward(input_ids, positions, attn)` takes this rank's tokens `[B, L_local]`, their
-GLOBAL positions `[B, L_local]` and an `AttentionContext`, and returns float32 logits
-`[B, L_local, V]`. Parameter names mirror the Hugging Face layout (`model.embed_tokens`,
-`model.layers.{i}`, `model.norm`, `lm_head`) so checkpoints map by name.
+GLOBAL positions `[B, L_local]` and an `AttentionContext`, and returns the FINAL-NORM hidden
+states `[B, L_local, H]`, not logits. The LM head is applied by whoever needs it (`LMHead`):
+
+    hidden = model(input_ids, positions, attn)
+    logp = model.token_logprobs(hidden, labels, chunk_tokens=4096)  # [B, L_local], chunked
+    logits = model.logits(hidden)                                    # full float32 [B, L_local, V]
+
+Training losses use `token_logprobs`, which never holds more than one chunk of float32 logits
+(`flashcp.models.head`); the last pipeline stage returns the same hidden states and the
+executor hands them, with the stage as the head, to the recipe's loss (`HeadInput`).
+Parameter names mirror the Hugging Face layout (`model.embed_tokens`, `model.layers.{i}`,
+`model.norm`, `lm_head`) so checkpoints map by name.
 """
 
 from __future__ import annotations
@@ -11,11 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from flashcp.models.attention import Attention, AttentionContext
 from flashcp.models.config import ModelArgs
+from flashcp.models.head import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    chunked_token_logprobs,
+)
 from flashcp.models.layers import RotaryTables, embedding, linear, rotary_tables
 from flashcp.models.recompute import checkpoint
 
@@ -122,24 +135,38 @@ def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionConte
 
 
 class LMHead:
-    """Final norm + LM head (or the tied embedding) as float32 logits, shared by `CausalLM`
-    and the last pipeline stage. The host has `model.norm`, `model.embed_tokens` and
-    `lm_head` (None when embeddings are tied)."""
+    """The LM head (a Linear `lm_head`, or the tied embedding matrix when `lm_head` is None) on
+    final-norm hidden states, shared by `CausalLM` and the last pipeline stage. The host has
+    `model.embed_tokens` and `lm_head`."""
 
     model: nn.Layer
     lm_head: nn.Linear | None
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """LM head on (already normed) hidden states, as float32 `[B, L, V]`."""
+        """LM head on final-norm hidden states `[..., H]`, as float32 logits `[..., V]`."""
         if self.lm_head is None:
-            out = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+            weight = self.model.embed_tokens.weight
+            if weight.dtype != hidden.dtype:  # e.g. bf16-stored weights, float32 compute
+                weight = weight.astype(hidden.dtype)
+            out = paddle.matmul(hidden, weight, transpose_y=True)
         else:
             out = self.lm_head(hidden)
         return out.astype("float32")
 
-    def head(self, h: paddle.Tensor) -> paddle.Tensor:
-        """Final norm, then `logits`: the last layer's output to float32 logits."""
-        return self.logits(self.model.norm(h))
+    def token_logprobs(
+        self,
+        hidden: paddle.Tensor,
+        labels: paddle.Tensor,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> paddle.Tensor:
+        """log p(label) per token, float32 `[B, L]` (0 where `labels == ignore_index`), over
+        chunks of `chunk_tokens` target tokens whose logits are recomputed in backward, so no
+        `[tokens, V]` float32 tensor exists (`flashcp.models.head`); 0 = the full logits."""
+        return chunked_token_logprobs(
+            self.logits, hidden, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index
+        )
 
 
 class CausalLM(LMHead, nn.Layer):
@@ -170,7 +197,8 @@ class CausalLM(LMHead, nn.Layer):
     def forward(  # type: ignore[override]
         self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
     ) -> paddle.Tensor:
-        return self.logits(self.hidden_states(input_ids, positions, attn))
+        """Final-norm hidden states `[B, L_local, H]` (apply `logits` / `token_logprobs`)."""
+        return self.hidden_states(input_ids, positions, attn)
 
     # ------------------------------------------------------------------ helpers
 
@@ -191,18 +219,3 @@ class CausalLM(LMHead, nn.Layer):
                 f"positions {list(positions.shape)} must match input_ids {list(input_ids.shape)}"
                 " (one GLOBAL position per local token)"
             )
-
-
-def token_logprobs(
-    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = -100
-) -> paddle.Tensor:
-    """log p(label) per token, float32 `[B, L]`; 0 where `labels == ignore_index`."""
-    lp = -F.cross_entropy(
-        logits.astype("float32"),
-        labels.astype("int64"),
-        reduction="none",
-        ignore_index=ignore_index,
-    )
-    if len(lp.shape) == len(labels.shape) + 1:
-        lp = lp.squeeze(-1)
-    return lp

@@ -54,9 +54,11 @@ class PipelineStage(LMHead, nn.Layer):
     """Stage `stage` of `num_stages`: embeddings (first), layers `layer_range`, head (last).
 
     `forward(x, positions, attn)` takes token ids `[B, L]` on the first stage and the previous
-    stage's hidden states `[B, L, H]` elsewhere; it returns hidden states `[B, L, H]`, or on
-    the last stage float32 logits `[B, L, V]`. `positions` are the GLOBAL positions of the
-    local tokens (every stage needs them for rotary); `attn` carries the mask and CP group.
+    stage's hidden states `[B, L, H]` elsewhere; it returns hidden states `[B, L, H]`, on the
+    last stage after the final norm (as `CausalLM.forward`): the LM head runs in the loss, over
+    token chunks (`LMHead.token_logprobs`, reached through `flashcp.models.HeadInput`).
+    `positions` are the GLOBAL positions of the local tokens (every stage needs them for
+    rotary); `attn` carries the mask and CP group.
     """
 
     def __init__(self, model: CausalLM, stage: int, num_stages: int, layer_range: range) -> None:
@@ -151,7 +153,7 @@ class PipelineStage(LMHead, nn.Layer):
             )
         h = self.embed(x, positions) if self.is_first else x
         h = self.run_layers(h, positions, attn)
-        return self.head(h) if self.is_last else h
+        return self.model.norm(h) if self.is_last else h
 
     @classmethod
     def from_model(

@@ -67,7 +67,7 @@ def main() -> None:
         paddle.seed(0)
         ref = build_model(preset(name))
         ref_ctx = AttentionContext(mask=mask, causal=True)
-        ref_logits = ref(paddle.to_tensor(ids), paddle.to_tensor(positions), ref_ctx)
+        ref_logits = ref.logits(ref(paddle.to_tensor(ids), paddle.to_tensor(positions), ref_ctx))
         loss_sum(ref_logits, labels, count).backward()
         ref_logits, ref_grads = ref_logits.numpy(), grads(ref)
         for mode in MODES:
@@ -79,11 +79,12 @@ def main() -> None:
                 ctx = AttentionContext(
                     mask=mask, causal=True, group=group, assignment=asg, mode=mode
                 )
-                logits = model(
+                hidden = model(
                     paddle.to_tensor(shard_assigned(ids, rank, asg)),
                     paddle.to_tensor(np.ascontiguousarray(positions[:, pos])),
                     ctx,
                 )
+                logits = model.logits(hidden)
                 loss_sum(logits, shard_assigned(labels, rank, asg), count).backward()
                 got = {
                     k: all_reduce_tensor(paddle.to_tensor(g), group).numpy()

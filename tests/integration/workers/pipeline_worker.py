@@ -44,7 +44,7 @@ from flashcp.distributed import (
     reset_comm_stats,
     shutdown,
 )
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import AttentionContext, HeadInput, build_model, preset
 from flashcp.parallel import (
     MicroBatch,
     PipelineStage,
@@ -148,9 +148,8 @@ def sequential(case: Case, mbs: list[MicroBatch], count: int):
     model = build_model(preset(case.model, **case.overrides))
     losses, total = [], paddle.zeros([], dtype="float32")
     for mb in mbs:
-        loss = sum_cross_entropy(model(mb.input_ids, mb.positions, mb.attn), mb.labels) / float(
-            count
-        )
+        out = HeadInput(model(mb.input_ids, mb.positions, mb.attn), model)
+        loss = sum_cross_entropy(out, mb.labels) / float(count)
         loss.backward()
         losses.append(float(loss))
         total = total + loss.detach()
