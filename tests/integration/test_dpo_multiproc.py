@@ -119,7 +119,10 @@ def test_dpo_lora_cp2_matches_cp1(tmp_path: Path) -> None:
     config = CONFIGS / "glm" / "tiny_dpo_lora_cp2.yaml"
     ref = in_process(config, tmp_path / "ref")
     run = launch(config, tmp_path / "run", 2)
-    assert_close(run, ref)
+    # lora_A's gradient is tiny right after B leaves zero (step 2): its relative rounding
+    # between the cp layouts measured 9.4e-6 with the full logits and 1.1e-5 with the chunked
+    # head (step 1, where only lora_B has a gradient: 4e-7), so 1e-5 had no margin
+    assert_close(run, ref, grad_tol=1e-4)
     assert all(name.endswith(("lora_A", "lora_B")) for name in grads(run, 1))
     assert losses(ref)[0] == pytest.approx(np.log(2))  # policy == reference at step 1
 
