@@ -34,6 +34,7 @@ from flashcp.models import (
     build_model,
     chunked_token_logprobs,
     preset,
+    token_logprobs,
 )
 from flashcp.models import head as head_mod
 from flashcp.parallel import MicroBatch, PipelineStage, sum_cross_entropy, train_step_1f1b
@@ -202,6 +203,19 @@ def _lm_step(model: paddle.nn.Layer, chunk: int) -> tuple[float, dict[str, np.nd
     loss = normalised_ce(out, labels=labels, denom=denom, chunk_tokens=chunk)
     loss.backward()
     return float(loss), _grads(model)
+
+
+def test_chunk_zero_is_the_full_logits_path() -> None:
+    """`loss_chunk_tokens: 0` is exactly today's expression on the full float32 logits."""
+    model = _model("tiny_glm")
+    ids, pos, labels, attn = _tokens()
+    out = HeadInput(model(ids, pos, attn), model)
+    logits = out.logits()
+    assert list(logits.shape) == [B, S, 260] and logits.dtype == paddle.float32
+    np.testing.assert_array_equal(logits.numpy(), model.logits(out.hidden).numpy())
+    want = token_logprobs(logits, labels).numpy()
+    np.testing.assert_array_equal(out.token_logprobs(labels, chunk_tokens=0).numpy(), want)
+    assert_rel(out.token_logprobs(labels).numpy(), want, "default chunking")
 
 
 MODELS = [
