@@ -15,6 +15,9 @@ that bound them (`tests/unit/test_loss_chunking.py` asserts the same bounds):
 * chunked <= 3·n·V·4 + 2·H·V·4 + 4·T·H·4: one chunk's logits, softmax and gradient, the head
   weight's gradient plus the chunk's partial being added to it, and hidden-sized tensors.
 
+The machine's 1-minute load average before and after is recorded (other jobs may share the
+cores: the peaks do not depend on them, the times do).
+
 Writes `--json` (default docs/loss_memory.json) and `--markdown` (default: the JSON path with
 .md, i.e. docs/loss_memory.md).
 
@@ -142,6 +145,7 @@ def run_size(size: Size, repeats: int, seed: int) -> dict[str, Any]:
         out[name] = {
             "peak_bytes": statistics.median(peaks),
             "peak_bytes_all": peaks,
+            "seconds_all": secs,
             "seconds_median": statistics.median(secs),
             "seconds_min": min(secs),
             "seconds_max": max(secs),
@@ -149,7 +153,12 @@ def run_size(size: Size, repeats: int, seed: int) -> dict[str, Any]:
         }
     u, c = out["unchunked"], out["chunked"]
     out["peak_ratio"] = c["peak_bytes"] / u["peak_bytes"]
-    out["time_ratio"] = c["seconds_median"] / u["seconds_median"]
+    paired = [
+        rc["seconds"] / ru["seconds"]
+        for ru, rc in zip(runs["unchunked"], runs["chunked"], strict=True)
+    ]
+    out["time_ratio"] = statistics.median(paired)
+    out["time_ratio_min"], out["time_ratio_max"] = min(paired), max(paired)
     out["loss_rel_diff"] = abs(c["loss"] - u["loss"]) / abs(u["loss"])
     out["within_bounds"] = bool(
         u["peak_bytes"] >= size.unchunked_floor() and c["peak_bytes"] <= size.chunked_bound()
@@ -159,6 +168,13 @@ def run_size(size: Size, repeats: int, seed: int) -> dict[str, Any]:
 
 def _mib(x: float) -> str:
     return f"{x / MIB:,.1f}"
+
+
+def load_text(env: dict[str, Any]) -> str:
+    if "loadavg_before" not in env:
+        return "load not recorded"
+    before, after = env["loadavg_before"][0], env["loadavg_after"][0]
+    return f"load average {before:.2f} before, {after:.2f} after (1 minute)"
 
 
 def steady(rec: dict[str, Any]) -> bool:
@@ -199,7 +215,8 @@ def markdown(rec: dict[str, Any]) -> str:
             f"| {_mib(r['chunked_bound_bytes'])} "
             f"| {u['seconds_median']:.2f} ({u['seconds_min']:.2f}–{u['seconds_max']:.2f}) "
             f"| {c['seconds_median']:.2f} ({c['seconds_min']:.2f}–{c['seconds_max']:.2f}) "
-            f"| {r['time_ratio']:.2f} | {r['loss_rel_diff']:.1e} |"
+            f"| {r['time_ratio']:.2f} ({r['time_ratio_min']:.2f}–{r['time_ratio_max']:.2f}) "
+            f"| {r['loss_rel_diff']:.1e} |"
         )
     env = rec["environment"]
     return "\n".join(
@@ -222,7 +239,7 @@ def markdown(rec: dict[str, Any]) -> str:
             "(`tests/unit/test_loss_chunking.py` asserts both at T = 2048, V = 32,768).",
             "",
             "| T | V | H | n | one [T, V] f32 | unchunked peak | chunked peak | ratio "
-            "| floor | bound | unchunked s (min–max) | chunked s (min–max) | time ratio "
+            "| floor | bound | unchunked s (min–max) | chunked s (min–max) | time ratio (min–max) "
             "| loss rel. diff |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
@@ -230,15 +247,20 @@ def markdown(rec: dict[str, Any]) -> str:
             "Every measured peak is within its bounds: "
             f"{'yes' if all(r['within_bounds'] for r in rec['cases']) else 'NO'}; each peak "
             f"was {'the same in every repeat' if steady(rec) else 'NOT the same in every repeat'}"
-            ". Time: the chunked pass runs four head GEMMs instead "
-            "of three (the no-grad forward, its recompute in backward, and the two backward "
-            "GEMMs, against one forward and two backward), so about 4/3 of the head's time; "
-            "the loss itself agrees to float rounding.",
+            ". Time (the median of the per-repeat ratios chunked / unchunked, each pair run back "
+            "to back): the chunked pass runs four head GEMMs instead of three (the no-grad "
+            "forward, its recompute in backward and the two backward GEMMs, against one forward "
+            "and two backward), so about 4/3 of the head's time plus a per-chunk overhead that "
+            "matters for small chunks; on a shared machine the spread shows how far the timings "
+            "can be trusted. The loss agrees to float rounding (relative difference in the last "
+            "column).",
             "",
             scale_note(),
             "",
             f"Environment: Python {env['python']}, {env['cpus']} CPUs, "
-            f"OMP_NUM_THREADS={env['omp_threads']}, paddle {env['paddle']}.",
+            f"OMP_NUM_THREADS={env['omp_threads']}, paddle {env['paddle']}; {load_text(env)}. "
+            "Other jobs may share the machine: the peaks do not depend on them, the times do "
+            "(each repeat runs both variants back to back).",
             "",
             f"Reproduce: `{rec['command']}`.",
             "",
@@ -258,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     paddle.set_device("cpu")
     sizes = [Size.parse(s) for s in args.sizes.split(",") if s.strip()]
+    load_before = list(os.getloadavg())
     cases = []
     for size in sizes:
         case = run_size(size, args.repeats, args.seed)
@@ -277,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "omp_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
             "paddle": paddle.__version__,
+            "loadavg_before": load_before,
+            "loadavg_after": list(os.getloadavg()),
         },
     }
     out.parent.mkdir(parents=True, exist_ok=True)
