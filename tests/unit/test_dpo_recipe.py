@@ -55,7 +55,7 @@ def _logits(model: paddle.nn.Layer, batch: Any) -> np.ndarray:
     attn = AttentionContext(mask=batch.mask.indices, causal=True)
     with paddle.no_grad():
         out = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), attn)
-    return out.numpy()
+        return model.logits(out).numpy()
 
 
 def test_dpo_learns_the_builtin_set_and_logs_rewards(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.models import AttentionContext, build_model, preset, token_logprobs
+from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.layers import Linear
 from flashcp.recipes.lora import (
     apply_lora,
@@ -44,7 +44,7 @@ def _randomize_adapters(lora, seed: int = 2) -> None:
 
 def _run(model) -> np.ndarray:
     with paddle.no_grad():
-        return model(*_inputs()).numpy()
+        return model.logits(model(*_inputs())).numpy()
 
 
 def test_only_adapters_train_and_get_gradients() -> None:
@@ -55,9 +55,9 @@ def test_only_adapters_train_and_get_gradients() -> None:
     assert all(("q_proj" in n) or ("v_proj" in n) for n in names)
     _randomize_adapters(lora)
     ids, positions, attn = _inputs()
-    logits = lora(ids, positions, attn)
+    hidden = lora(ids, positions, attn)
     labels = paddle.concat([ids[:, 1:], paddle.full([2, 1], -100, "int64")], axis=1)
-    (-token_logprobs(logits, labels).mean()).backward()
+    (-lora.token_logprobs(hidden, labels).mean()).backward()
     for name, p in lora.named_parameters():
         has_grad = p.grad is not None and bool(np.any(p.grad.numpy() != 0))
         assert has_grad == name.endswith(("lora_A", "lora_B")), name
@@ -72,7 +72,7 @@ def test_frozen_base_unchanged_after_adamw_steps() -> None:
     ids, positions, attn = _inputs()
     labels = paddle.concat([ids[:, 1:], paddle.full([2, 1], -100, "int64")], axis=1)
     for _ in range(3):
-        loss = -token_logprobs(lora(ids, positions, attn), labels).mean()
+        loss = -lora.token_logprobs(lora(ids, positions, attn), labels).mean()
         loss.backward()
         opt.step()
         opt.clear_grad()

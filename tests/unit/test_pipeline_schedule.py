@@ -21,7 +21,7 @@ from flashcp.distributed.p2p import (
     send_tensor,
     swap_tensor,
 )
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import AttentionContext, HeadInput, build_model, preset
 from flashcp.parallel import (
     MicroBatch,
     Op,
@@ -238,7 +238,8 @@ def test_interleaved_stages_equal_sequential_bitwise(
     ref = _build(name, overrides)
     ref_losses = []
     for mb in mbs:
-        loss = sum_cross_entropy(ref(mb.input_ids, mb.positions, mb.attn), mb.labels) / count
+        out = HeadInput(ref(mb.input_ids, mb.positions, mb.attn), ref)
+        loss = sum_cross_entropy(out, mb.labels) / count
         loss.backward()
         ref_losses.append(float(loss))
     want = _grads(ref)
@@ -288,7 +289,8 @@ def test_single_stage_step_equals_model_bitwise() -> None:
     ref = _build("tiny_glm", {})
     total = paddle.zeros([], dtype="float32")
     for mb in mbs:
-        loss = sum_cross_entropy(ref(mb.input_ids, mb.positions, mb.attn), mb.labels) / count
+        out = HeadInput(ref(mb.input_ids, mb.positions, mb.attn), ref)
+        loss = sum_cross_entropy(out, mb.labels) / count
         loss.backward()
         total = total + loss.detach()
     stage = _stage("tiny_glm", {}, 0, 1)

@@ -2,7 +2,8 @@
 
 `split_layers` validation messages name the config keys; stages built alone (`build_stage`:
 no full model anywhere) keep the full model's parameter names, hold bitwise its initial values
-and only their share of them, and chaining their forwards gives the full model's logits bitwise.
+and only their share of them, and chaining their forwards gives the full model's final hidden
+states and logits bitwise.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ CASES = [
 @pytest.mark.parametrize(("name", "overrides", "pp", "pp_layers"), CASES)
 def test_stages_built_alone_equal_the_full_model_bitwise(name, overrides, pp, pp_layers) -> None:
     """Every parameter of every stage built alone equals the one-process model's of the same
-    name, and chaining the stages' forwards gives its logits bitwise."""
+    name, and chaining the stages' forwards gives its hidden states and logits bitwise."""
     ids, pos, ctx = _inputs()
     full = _model(name, **overrides)
     weights = {n: p.numpy() for n, p in full.named_parameters()}
@@ -117,7 +118,8 @@ def test_stages_built_alone_equal_the_full_model_bitwise(name, overrides, pp, pp
         if not stage.is_last:
             assert list(h.shape) == stage.activation_shape(ids.shape)
             assert h.dtype == stage.activation_dtype
-    np.testing.assert_array_equal(h.numpy(), want.numpy())
+    np.testing.assert_array_equal(h.numpy(), want.numpy())  # final-norm hidden states
+    np.testing.assert_array_equal(stages[-1].logits(h).numpy(), full.logits(want).numpy())
     # negative control: another seed gives other weights, so the equality above is not vacuous
     other = build_stage(preset(name, **overrides), 0, pp, pp_layers, seed=1)
     first = next(iter(other.named_parameters()))

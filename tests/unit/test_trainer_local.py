@@ -160,18 +160,17 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
             )
 
 
-class _NaNAt(paddle.nn.Layer):
-    """The tiny model, but its logits become NaN on forward call number `at`."""
+def _NaNAt(cfg: Any, at: int) -> paddle.nn.Layer:
+    """The tiny model, but its output (final hidden states) becomes NaN on forward call `at`."""
+    model = build_model(cfg.model)
+    calls = [0]
 
-    def __init__(self, cfg: Any, at: int) -> None:
-        super().__init__()
-        self.inner = build_model(cfg.model)
-        self.at, self.calls = at, 0
+    def poison(_layer: Any, _inputs: Any, out: Any) -> Any:
+        calls[0] += 1
+        return out * float("nan") if calls[0] == at else out
 
-    def forward(self, ids: Any, pos: Any, ctx: Any) -> Any:
-        self.calls += 1
-        out = self.inner(ids, pos, ctx)
-        return out * float("nan") if self.calls == self.at else out
+    model.register_forward_post_hook(poison)
+    return model
 
 
 def test_nonfinite_loss_stops_with_step_and_rank(tmp_path: Path) -> None:

@@ -266,8 +266,8 @@ def test_bf16_params_get_float32_main_grad_and_masters_stepped_like_adamw() -> N
         q.set_value(p.astype("float32"))
     want_grads: dict[str, np.ndarray] = {}
     for x in ids:
-        model(x).sum().backward()
-        ref(x).sum().backward()
+        model.logits(model(x)).sum().backward()
+        ref.logits(ref(x)).sum().backward()
         for n, q in ref.named_parameters():
             rounded = q.grad.astype("bfloat16").astype("float32").numpy()
             want_grads[n] = want_grads.get(n, 0) + rounded
@@ -556,20 +556,19 @@ def test_trainer_bf16_masters_resume_exactly(tmp_path: Path) -> None:
         assert _losses(second) == _losses(full)
 
 
-class _NaNAt(paddle.nn.Layer):
-    """The tiny model, but its logits become NaN on forward call number `at`."""
+def _NaNAt(cfg: Any, at: int) -> paddle.nn.Layer:
+    """The tiny model, but its output (final hidden states) becomes NaN on forward call `at`."""
+    from flashcp.models import build_model
 
-    def __init__(self, cfg: Any, at: int) -> None:
-        super().__init__()
-        from flashcp.models import build_model
+    model = build_model(cfg.model)
+    calls = [0]
 
-        self.inner = build_model(cfg.model)
-        self.at, self.calls = at, 0
+    def poison(_layer: Any, _inputs: Any, out: Any) -> Any:
+        calls[0] += 1
+        return out * float("nan") if calls[0] == at else out
 
-    def forward(self, ids: Any, pos: Any, ctx: Any) -> Any:
-        self.calls += 1
-        out = self.inner(ids, pos, ctx)
-        return out * float("nan") if self.calls == self.at else out
+    model.register_forward_post_hook(poison)
+    return model
 
 
 def test_nonfinite_step_is_skipped_under_sharding(tmp_path: Path) -> None:

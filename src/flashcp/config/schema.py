@@ -151,6 +151,12 @@ class TrainConfig:
     """Print a log line every this many steps (metrics.jsonl gets every step)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """NaN/Inf in the loss or gradients: stop with an error, or skip that step's update."""
+    loss_chunk_tokens: int = 4096
+    """The LM head and loss run over chunks of this many target tokens, each chunk's float32
+    logits recomputed in backward, so no `[tokens, vocab]` logits tensor exists (at a 151k
+    vocabulary a chunk of 4096 is 2.5 GB, the whole 16k local tokens ~10 GB per copy); the
+    loss equals the unchunked one up to float summation order. 0 = unchunked (the full logits
+    at once). Also used by the DPO answer log-probs."""
 
 
 @dataclass(kw_only=True)

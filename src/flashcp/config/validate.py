@@ -193,6 +193,11 @@ def _check_train(cfg: Config, c: _Checks) -> None:
         c.add("train.log_every", f"must be >= 1, got {t.log_every}")
     if t.seed < 0:
         c.add("train.seed", f"must be >= 0, got {t.seed}")
+    if t.loss_chunk_tokens < 0:
+        c.add(
+            "train.loss_chunk_tokens",
+            f"must be >= 0 (0 = unchunked), got {t.loss_chunk_tokens}: e.g. 4096",
+        )
     if t.dtype == "bfloat16" and cfg.run.device == "cpu":
         c.add(
             "train.dtype",

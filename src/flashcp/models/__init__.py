@@ -4,7 +4,9 @@ attention (context-parallel when a CP group is given), activation recompute and 
     args = preset("tiny_glm")
     model = build_model(args, seed=0)                   # or one pipeline stage of it:
     stage = build_model(args, stage=StageSpec(1, 2, range(1, 2)), seed=0, param_dtype="bfloat16")
-    logits = model(input_ids, positions, AttentionContext(mask=mask.indices, causal=True))
+    hidden = model(input_ids, positions, AttentionContext(mask=mask.indices, causal=True))
+    logp = model.token_logprobs(hidden, labels)   # log p(label) [B, L], chunked over tokens
+    logits = model.logits(hidden)                 # or the full float32 logits [B, L, V]
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from __future__ import annotations
 import paddle
 
 from flashcp.models.attention import Attention, AttentionContext
-from flashcp.models.base import CausalLM, StageSpec, token_logprobs
+from flashcp.models.base import CausalLM, StageSpec
 from flashcp.models.config import ARCHS, RECOMPUTE_MODES, ModelArgs, estimate_parameters
 from flashcp.models.glm import GLMForCausalLM
 from flashcp.models.gpt import GPTForCausalLM
+from flashcp.models.head import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    HeadInput,
+    chunked_token_logprobs,
+    token_logprobs,
+)
 from flashcp.models.init import default_dtype, deferred_init, draw_seed, init_parameters
 from flashcp.models.precision import PARAM_DTYPES
 from flashcp.models.sizes import PRESETS, preset
@@ -62,6 +70,7 @@ def build_model(
 __all__ = [
     "ARCHS",
     "CPU_MAX_PARAMETERS",
+    "DEFAULT_LOSS_CHUNK_TOKENS",
     "PRESETS",
     "RECOMPUTE_MODES",
     "StageSpec",
@@ -71,8 +80,10 @@ __all__ = [
     "GLMForCausalLM",
     "GPTForCausalLM",
     "PARAM_DTYPES",
+    "HeadInput",
     "ModelArgs",
     "build_model",
+    "chunked_token_logprobs",
     "estimate_parameters",
     "preset",
     "token_logprobs",

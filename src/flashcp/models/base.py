@@ -3,9 +3,18 @@ and the pipeline-stage view of all that (a `CausalLM` built for a `StageSpec` ho
 stage's parts; a one-stage pipeline is the whole model).
 
 `CausalLM.forward(input_ids, positions, attn)` takes this rank's tokens `[B, L_local]`, their
-GLOBAL positions `[B, L_local]` and an `AttentionContext`, and returns float32 logits
-`[B, L_local, V]`. Parameter names mirror the Hugging Face layout (`model.embed_tokens`,
-`model.layers.{i}`, `model.norm`, `lm_head`) so checkpoints map by name.
+GLOBAL positions `[B, L_local]` and an `AttentionContext`, and returns the FINAL-NORM hidden
+states `[B, L_local, H]` (on the last stage; earlier stages return the hidden states they pass
+on), not logits. The LM head is applied by whoever needs it (`LMHead`):
+
+    hidden = model(input_ids, positions, attn)
+    logp = model.token_logprobs(hidden, labels, chunk_tokens=4096)  # [B, L_local], chunked
+    logits = model.logits(hidden)                                    # full float32 [B, L_local, V]
+
+Training losses use `token_logprobs`, which never holds more than one chunk of float32 logits
+(`flashcp.models.head`); the executor hands the last stage's hidden states, with the stage as
+the head, to the recipe's loss (`HeadInput`). Parameter names mirror the Hugging Face layout
+(`model.embed_tokens`, `model.layers.{i}`, `model.norm`, `lm_head`) so checkpoints map by name.
 """
 
 from __future__ import annotations
@@ -14,11 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from flashcp.models.attention import Attention, AttentionContext
 from flashcp.models.config import ModelArgs
+from flashcp.models.head import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    chunked_token_logprobs,
+)
 from flashcp.models.layers import RotaryTables, embedding, linear, rotary_tables
 from flashcp.models.precision import cast_linear
 from flashcp.models.recompute import checkpoint
@@ -196,23 +209,35 @@ def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionConte
 
 
 class LMHead:
-    """Final norm + LM head (or the tied embedding) as float32 logits, on the last stage. The
-    host has `model.norm`, `model.embed_tokens` and `lm_head` (None when embeddings are tied)."""
+    """The LM head (a Linear `lm_head`, or the tied embedding matrix when `lm_head` is None) on
+    final-norm hidden states, shared by `CausalLM` and the last pipeline stage. The host has
+    `model.embed_tokens` and `lm_head`."""
 
     model: nn.Layer
     lm_head: nn.Linear | None
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """LM head on (already normed) hidden states, as float32 `[B, L, V]`."""
+        """LM head on final-norm hidden states `[..., H]`, as float32 logits `[..., V]`."""
         if self.lm_head is None:
             out = cast_linear(hidden, self.model.embed_tokens.weight, transpose=True)
         else:
             out = self.lm_head(hidden)
         return out.astype("float32")
 
-    def head(self, h: paddle.Tensor) -> paddle.Tensor:
-        """Final norm, then `logits`: the last layer's output to float32 logits."""
-        return self.logits(self.model.norm(h))
+    def token_logprobs(
+        self,
+        hidden: paddle.Tensor,
+        labels: paddle.Tensor,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> paddle.Tensor:
+        """log p(label) per token, float32 `[B, L]` (0 where `labels == ignore_index`), over
+        chunks of `chunk_tokens` target tokens whose logits are recomputed in backward, so no
+        `[tokens, V]` float32 tensor exists (`flashcp.models.head`); 0 = the full logits."""
+        return chunked_token_logprobs(
+            self.logits, hidden, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index
+        )
 
 
 class CausalLM(LMHead, nn.Layer):
@@ -225,9 +250,10 @@ class CausalLM(LMHead, nn.Layer):
     `lm_head.weight`), so checkpoints and gradient comparisons map by name.
 
     `forward(x, positions, attn)` takes token ids `[B, L]` on the first stage and the previous
-    stage's hidden states `[B, L, H]` elsewhere; it returns float32 logits `[B, L, V]` on the
-    last stage, hidden states `[B, L, H]` elsewhere. `positions` are the GLOBAL positions of
-    the local tokens (every stage needs them for rotary); `attn` carries the mask and CP group.
+    stage's hidden states `[B, L, H]` elsewhere; it returns hidden states `[B, L, H]`: after the
+    final norm on the last stage (apply `logits` / `token_logprobs`), the layers' output
+    elsewhere. `positions` are the GLOBAL positions of the local tokens (every stage needs them
+    for rotary); `attn` carries the mask and CP group.
 
     Tied embeddings (`tie_embeddings`) under pp > 1: the first stage uses the matrix as the
     embedding and the last stage as the LM head, each holding its own copy (equal at build time:
@@ -348,7 +374,7 @@ class CausalLM(LMHead, nn.Layer):
             self._check_hidden(x, positions, attn)
             h = x
         h = self.run_layers(h, positions, attn)
-        return self.head(h) if self.is_last else h
+        return self.model.norm(h) if self.is_last else h
 
     def extra_repr(self) -> str:
         r = self.layer_range
@@ -390,17 +416,3 @@ class CausalLM(LMHead, nn.Layer):
                 f"positions {list(positions.shape)} must match the tokens {list(x.shape[:2])}"
             )
 
-
-def token_logprobs(
-    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = -100
-) -> paddle.Tensor:
-    """log p(label) per token, float32 `[B, L]`; 0 where `labels == ignore_index`."""
-    lp = -F.cross_entropy(
-        logits.astype("float32"),
-        labels.astype("int64"),
-        reduction="none",
-        ignore_index=ignore_index,
-    )
-    if len(lp.shape) == len(labels.shape) + 1:
-        lp = lp.squeeze(-1)
-    return lp

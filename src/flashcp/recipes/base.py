@@ -12,7 +12,14 @@ non-finite handling, checkpoints and the metrics file. A recipe owns what differ
   step's global token counts. A micro-batch's loss must already be normalised by a GLOBAL
   count (all micro-batches, all dp / cp ranks), so summing gradients over ranks gives the
   gradient of one big batch whatever the layout;
-* `prepare(plan, executor)`: forward-only passes the loss needs first (DPO reference log-probs);
+* the loss closure's input: `loss(out)` receives a `flashcp.models.HeadInput`, the final-norm
+  hidden states `[B, L_local, H]` of the model (pp = 1) or of the last pipeline stage, with
+  that module as the LM head. Recipes never see full logits: they call
+  `out.token_logprobs(labels, chunk_tokens=cfg.train.loss_chunk_tokens)` (log p(label) per
+  local token, 0 on ignored labels), which runs the head over token chunks and recomputes each
+  chunk's logits in backward (`flashcp.models.head`);
+* `prepare(plan, executor)`: forward-only passes the loss needs first (DPO reference log-probs;
+  `executor.forward_only(micro, out_fn, module)` calls `out_fn(HeadInput, mb)` likewise);
 * `loss_value(micro_losses)`, `step_stats()`, `metrics(stats)`: this rank's share of the step
   loss and of extra statistics, which the trainer sums over every rank, and the metrics made
   from the sums.
@@ -33,6 +40,7 @@ import paddle
 
 from flashcp.config import Config
 from flashcp.distributed import ParallelGroups
+from flashcp.models import HeadInput
 from flashcp.parallel import MicroBatch
 
 
@@ -57,7 +65,7 @@ class Executor(Protocol):
     def forward_only(
         self,
         micro: Sequence[MicroBatch],
-        out_fn: Callable[[paddle.Tensor, MicroBatch], Any],
+        out_fn: Callable[[HeadInput, MicroBatch], Any],
         module: paddle.nn.Layer | None = None,
     ) -> list[Any] | None: ...
 

@@ -1,9 +1,10 @@
 """LoRA adapters on a flashcp `CausalLM`, through PaddleFormers' `LoRAModel`.
 
     lora = apply_lora(model, rank=8, alpha=16, target_modules=[".*q_proj", ".*v_proj"])
-    logits = lora(input_ids, positions, attn)          # base + adapters; only adapters train
+    hidden = lora(input_ids, positions, attn)          # base + adapters; only adapters train
+    logp = lora.token_logprobs(hidden, labels)         # the (chunked) head, see flashcp.models
     with disable_adapters(lora):
-        ref_logits = lora(input_ids, positions, attn)  # the frozen base model (DPO reference)
+        ref_hidden = lora(input_ids, positions, attn)  # the frozen base model (DPO reference)
     save_adapters(lora, "out/adapters")                # PaddleFormers' own format
     lora2 = load_adapters(build_model(args), "out/adapters")
     merged = merge_adapters(lora)                      # a plain CausalLM with W + s·A·B

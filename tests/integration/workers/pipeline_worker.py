@@ -50,7 +50,7 @@ from flashcp.distributed import (  # noqa: E402
     reset_comm_stats,
     shutdown,
 )
-from flashcp.models import AttentionContext, build_model, preset  # noqa: E402
+from flashcp.models import AttentionContext, HeadInput, build_model, preset  # noqa: E402
 from flashcp.parallel import (  # noqa: E402
     MicroBatch,
     build_stage,
@@ -159,9 +159,8 @@ def sequential(case: Case, mbs: list[MicroBatch], count: int):
     model = build_model(preset(case.model, **case.overrides), seed=0)
     losses, total = [], paddle.zeros([], dtype="float32")
     for mb in mbs:
-        loss = sum_cross_entropy(model(mb.input_ids, mb.positions, mb.attn), mb.labels) / float(
-            count
-        )
+        out = HeadInput(model(mb.input_ids, mb.positions, mb.attn), model)
+        loss = sum_cross_entropy(out, mb.labels) / float(count)
         loss.backward()
         losses.append(float(loss))
         total = total + loss.detach()
