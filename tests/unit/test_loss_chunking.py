@@ -24,6 +24,7 @@ import numpy as np
 import paddle
 import pytest
 
+import numerics
 from flashcp import dispatch
 from flashcp.config import ConfigValidationError, TrainConfig, build_config
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
@@ -37,7 +38,7 @@ from flashcp.models import (
     token_logprobs,
 )
 from flashcp.models import head as head_mod
-from flashcp.parallel import MicroBatch, PipelineStage, sum_cross_entropy, train_step_1f1b
+from flashcp.parallel import MicroBatch, sum_cross_entropy, train_step_1f1b
 from flashcp.recipes.dpo_data import DPOExample, pack_dpo
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import normalised_ce
@@ -334,7 +335,7 @@ def test_negative_control_misaligned_chunk_is_caught(
     assert calls["n"] == 5  # 80 targets in chunks of 16: 5 chunks, nothing else gathers
     with pytest.raises(AssertionError, match="loss"):
         assert_rel(loss, want_loss, "loss")
-    assert abs(loss - want_loss) > 1e-3 * abs(want_loss)
+    assert abs(loss - want_loss) > 100 * 1e-6 * abs(want_loss)  # 100x the tolerance at least
     with pytest.raises(AssertionError):
         assert_rel(got["lm_head.weight"], want["lm_head.weight"], "d head weight")
 
@@ -357,7 +358,7 @@ def test_pipeline_default_loss_and_chunk_sizes_agree() -> None:
     mbs = [MicroBatch(ids, pos, labels, attn)]
     results = {}
     for chunk in (0, 24, DEFAULT_LOSS_CHUNK_TOKENS):
-        stage = PipelineStage.from_model(_model("tiny_glm"), 0, 1)
+        stage = _model("tiny_glm")  # a one-stage pipeline is the whole model
         loss_fn = partial(sum_cross_entropy, chunk_tokens=chunk)
         result = train_step_1f1b(stage, mbs, loss_fn, _solo_groups(), num_targets=count)
         results[chunk] = (float(result.loss), _grads(stage))
@@ -380,7 +381,7 @@ def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, "0")
 
 
-def _train(tmp: Path, recipe: str, chunk: int) -> list[float]:
+def _train(tmp: Path, recipe: str, chunk: int) -> list[dict[str, Any]]:
     raw: dict[str, Any] = {
         "model": {"preset": "tiny_glm"},
         "data": {"seq_len": 128, "micro_batch_size": 1},
@@ -390,7 +391,7 @@ def _train(tmp: Path, recipe: str, chunk: int) -> list[float]:
     }
     raw["train"]["loss_chunk_tokens"] = chunk
     Trainer(build_config(raw), stream=io.StringIO()).fit()
-    return [m["loss"] for m in read_metrics(raw["run"]["output_dir"])]
+    return read_metrics(raw["run"]["output_dir"])
 
 
 @pytest.mark.equivalence
@@ -400,7 +401,9 @@ def test_trainer_losses_equal_unchunked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str
 ) -> None:
     """The recipes read `train.loss_chunk_tokens`: 3 optimizer steps chunked (16 tokens, so
-    several chunks per micro-batch) and unchunked give the same losses."""
+    several chunks per micro-batch) and unchunked give the same losses — step 1 bitwise, later
+    steps within the float32 rule of `tests/numerics.py` (the gradients differ by summation
+    order, ~3e-7 relative, and the optimizer carries that into the next losses)."""
     sizes: list[int] = []
     real = head_mod.chunk_bounds
     monkeypatch.setattr(head_mod, "chunk_bounds", lambda n, c: sizes.append(c) or real(n, c))
@@ -409,8 +412,15 @@ def test_trainer_losses_equal_unchunked(
     got = _train(tmp_path, recipe, 16)
     assert set(sizes) == {16} and len(sizes) >= 6  # every micro-batch, training and reference
     assert len(want) == 3
-    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
-        assert_rel(a, b, f"{recipe} loss at step {step}")
+    assert got[0]["loss"] == want[0]["loss"]
+    beta = 0.1 if recipe == "dpo" else None  # the DPO section's default beta
+    for a, b in zip(got, want, strict=True):
+        n, scale = numerics.metric_basis(b, "loss", beta=beta)
+        cmp = numerics.compare(
+            a["loss"], b["loss"], n=n, scale=scale, steps=int(b["step"]),
+            what=f"{recipe} loss at step {b['step']}",
+        )  # fmt: skip
+        assert cmp.ok, cmp.describe()
 
 
 # ------------------------------------------------------------------------- peak memory

@@ -202,9 +202,10 @@ def test_dpo_reference_copy_is_frozen_bf16_of_the_stage() -> None:
 
     mb = MicroBatch(ids, pos, None, ctx)
     (out,) = SequentialExecutor(policy, recipe.ctx.autocast).forward_only(
-        [mb], lambda logits, _: logits.numpy(), ref
+        [mb], lambda head, _: head.logits().numpy(), ref
     )
-    np.testing.assert_array_equal(out, _rounded_float32("tiny_glm")(ids, pos, ctx).numpy())
+    rounded = _rounded_float32("tiny_glm")
+    np.testing.assert_array_equal(out, rounded.logits(rounded(ids, pos, ctx)).numpy())
 
 
 def _dpo(tmp: Path, **train: Any) -> Any:
