@@ -80,9 +80,10 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     p = cfg.parallel
     recipe = cfg.run.recipe + (" + LoRA" if "lora" in cfg.extras else "")
+    source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
-        f"{recipe}, {cfg.model.arch} ~{size} params, dp={p.dp} pp={p.pp} cp={p.cp} ({p.cp_mode}, "
-        f"world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
+        f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
+        f"({p.cp_mode}, world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
         f"{cfg.run.device}"
     )
 
