@@ -318,3 +318,61 @@ def test_tokenizer_files_and_shard_plan(tmp_path: Path) -> None:
     middle = estimate_parameters(ARGS, layers=range(0, 2), first=True, last=False)
     assert plan_shards(ARGS, 1, middle) == [range(0, 2), range(2, 3)]
     assert layer > 0
+
+
+def test_sources_and_staging(base_dir: Path, tmp_path: Path) -> None:
+    """LoRA without kept checkpoints (the final adapters directory), an explicit checkpoint,
+    broken or mismatched checkpoints, a stale partial export; a failing export leaves nothing."""
+    start = tmp_path / "start"  # a starting directory without generation_config.json
+    start.mkdir()
+    for f in base_dir.iterdir():
+        if f.name != "generation_config.json":
+            (start / f.name).write_bytes(f.read_bytes())
+    lora_run = tmp_path / "lora"
+    trainer = _train(lora_run, {"from_pretrained": str(start)}, run={"recipe": "sft"},
+                     lora=LORA, checkpoint={"every": 0})  # fmt: skip
+    assert not (lora_run / "run" / "checkpoints").exists()
+    out = tmp_path / "out"
+    out.mkdir()  # an empty OUT is fine
+    (tmp_path / "out.partial").mkdir()  # a stale partial export is replaced
+    report = export_run(lora_run / "run", out, merge_lora=True)
+    assert report.source == lora_run / "run" / "adapters"
+    assert json.loads((out / "generation_config.json").read_text()) == TOKEN_IDS
+    want = _logits(trainer.model, IDS)
+    np.testing.assert_allclose(_logits(_reload(out), IDS), want, atol=1e-5 * np.abs(want).max())
+
+    full_run = tmp_path / "full"
+    _train(full_run, ARGS.to_dict(), train={"steps": 1}, checkpoint={"every": 1})
+    step = full_run / "run" / "checkpoints" / "step_1"
+    report = export_run(full_run / "run", tmp_path / "a", checkpoint=step, max_shard_bytes=10**9)
+    assert report.source == step and not report.generation_config  # seeded: no token ids
+    with pytest.raises(ExportError, match="max_shard_bytes must be >= 1"):
+        export_run(full_run / "run", tmp_path / "b", max_shard_bytes=0)
+    small = tmp_path / "small"  # a checkpoint of a smaller model lacks tensors of this one
+    _train(small, {**ARGS.to_dict(), "num_layers": 2}, train={"steps": 1}, checkpoint={"every": 1})
+    with pytest.raises(ExportError, match=r"lack \d+ tensors of this model"):
+        export_run(full_run / "run", tmp_path / "c", checkpoint=small / "run/checkpoints/step_1")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.partial").exists()
+    with pytest.raises(ExportError, match="does not hold full model weights"):
+        lora_ckpt = tmp_path / "lora2"
+        _train(lora_ckpt, ARGS.to_dict(), run={"recipe": "sft"}, lora=LORA,
+               train={"steps": 1}, checkpoint={"every": 1})  # fmt: skip
+        export_run(
+            full_run / "run", tmp_path / "d", checkpoint=lora_ckpt / "run/checkpoints/step_1"
+        )
+    (step / "model.safetensors").write_bytes(b"torn")
+    with pytest.raises(ExportError, match="is broken: model.safetensors has 4 bytes"):
+        export_run(full_run / "run", tmp_path / "e", checkpoint=step)
+
+
+def test_gpt_run_exports_for_from_pretrained(tmp_path: Path) -> None:
+    """flashcp's own GPT: the export carries its exact ModelArgs, so from_pretrained rebuilds
+    it (transformers has no such class: noted)."""
+    args = preset("tiny", max_seq_len=64, position="learned", tie_embeddings=True)
+    trainer = _train(tmp_path, args.to_dict(), train={"steps": 1}, checkpoint={"every": 1})
+    report = export_run(tmp_path / "run", tmp_path / "out")
+    assert any("transformers does not" in n for n in report.notes)
+    ids = IDS % 259
+    reloaded = _reload(tmp_path / "out")
+    assert reloaded.args == args
+    np.testing.assert_array_equal(_logits(reloaded, ids), _logits(trainer.model, ids))

@@ -114,6 +114,7 @@ def test_contradicting_keys_are_refused_naming_both_values(model_dir: Path) -> N
     )
     assert "architectures ['Glm4MoeForCausalLM']" in errors["model.rotary_interleaved"]
     assert _errors(_raw(model_dir, {"num_layers": 2, "arch": "glm_moe"})) == {}  # agreeing
+    assert "unknown key" in _errors(_raw(model_dir, {"num_layer": 2}))["model.num_layer"]
 
 
 def test_preset_and_other_init_from_are_refused(model_dir: Path, tmp_path: Path) -> None:

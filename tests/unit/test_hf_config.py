@@ -113,6 +113,8 @@ def test_rope_parameters_alone_without_top_level_keys() -> None:
             {"partial_rotary_factor": 1.0},
             "rope_parameters.partial_rotary_factor: 0.5 contradicts the top-level",
         ),
+        ({"rope_theta": "5e4"}, "contradicts the top-level rope_theta '5e4'"),
+        ({"rope_parameters": [1]}, "rope_parameters: [1] must be an object"),
         ({"hidden_act": "gelu"}, "hidden_act: 'gelu'"),
         ({"attention_dropout": 0.1}, "attention_dropout: 0.1: attention dropout is not"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),

@@ -234,9 +234,7 @@ def read_config_json(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        if isinstance(a, bool) or isinstance(b, bool):
-            return a is b
+    if _number(a) and _number(b):
         return float(a) == float(b)
     return bool(a == b)
 
