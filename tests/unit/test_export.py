@@ -376,3 +376,38 @@ def test_gpt_run_exports_for_from_pretrained(tmp_path: Path) -> None:
     reloaded = _reload(tmp_path / "out")
     assert reloaded.args == args
     np.testing.assert_array_equal(_logits(reloaded, ids), _logits(trainer.model, ids))
+
+
+def test_pipeline_checkpoint_parts_export(tmp_path: Path) -> None:
+    """A pp = 2 checkpoint (one model part per stage, written by the trainer's own part
+    writer; the tied embedding in both parts) exports the stages' values under full names."""
+    from flashcp.config import to_yaml
+    from flashcp.parallel import build_stage
+    from flashcp.trainer import sharded
+    from flashcp.trainer.state import model_arrays
+
+    args = preset("tiny_glm", vocab_size=300, max_seq_len=64, num_layers=3, tie_embeddings=True)
+    raw = {
+        "model": args.to_dict(),
+        "parallel": {"pp": 2},
+        "data": {"seq_len": 32, "tokenizer": "byte"},
+        "train": {"grad_accum": 2, "seed": 1},
+        "run": {"output_dir": str(tmp_path / "run")},
+    }
+    cfg = build_config(raw)
+    stages = [build_stage(args, s, 2, seed=42) for s in range(2)]  # not train.seed's values
+    root = tmp_path / "run" / "checkpoints"
+    models, optimizers = sharded.part_names(2, adapters=False)
+    tmp = sharded.begin(root, 4)
+    for stage, model_file, optimizer_file in zip(stages, models, optimizers, strict=True):
+        sharded.write_part(tmp / model_file, model_arrays(stage))
+        sharded.write_part(tmp / optimizer_file, {"unused": np.zeros(1, np.float32)})
+    sharded.commit(root, 4, state={}, model_files=models, optimizer_files=optimizers)
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
+    report = export_run(tmp_path / "run", tmp_path / "out", max_shard_bytes=1)
+    assert report.source.name == "step_4" and len(report.shards) == 3
+    reloaded = _reload(tmp_path / "out").state_dict()
+    held = {**stages[1].state_dict(), **stages[0].state_dict()}
+    assert set(reloaded) == set(held)
+    for name, t in held.items():
+        np.testing.assert_array_equal(reloaded[name].numpy(), t.numpy(), err_msg=name)
