@@ -57,8 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from flashcp.distributed import launch_env
 
-        world = launch_env().world_size
-        cfg = load_config(args.config, args.overrides, world_size=world)
+        launched = launch_env()
+        cfg = load_config(
+            args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes
+        )
         injected = faults.active_faults()
         rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
     except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError) as exc:
