@@ -260,7 +260,11 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "--nnodes", type=int, default=1, help="also check that dp×pp×cp splits over this many nodes"
     )
     validate.set_defaults(func=_validate)
-    plot = sub.add_parser("plot", help="PNG of a run's loss and throughput (metrics.jsonl)")
+    plot = sub.add_parser(
+        "plot",
+        help="PNG of a run's metrics.jsonl: loss (and eval), lr, grad norm, throughput/MFU, "
+        "memory, DPO, eval, MoE panels, as present",
+    )
     plot.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=_plot)
