@@ -105,3 +105,21 @@ def mark_aliases(errors: Sequence[ConfigError], used: dict[str, str]) -> list[Co
             err = ConfigError(err.key, f"{err.message} [given as {alias}]")
         out.append(err)
     return out
+
+
+def explain_misplaced(errors: Sequence[ConfigError]) -> list[ConfigError]:
+    """An alias written inside a section (`train.max_steps`) is an unknown key there; say
+    where it is accepted instead."""
+    out = []
+    for err in errors:
+        name = err.key.rpartition(".")[2]
+        dotted = ALIASES.get(name)
+        if "." in err.key and dotted is not None and err.message.startswith("unknown key"):
+            err = ConfigError(
+                err.key,
+                f"unknown key: {name} is an alias of {dotted}, accepted at the top level of the "
+                f"file or as the override {name}=VALUE, not inside a section: write {dotted} "
+                f"(or a top-level {name})",
+            )
+        out.append(err)
+    return out

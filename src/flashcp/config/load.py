@@ -23,7 +23,12 @@ from typing import Any, Literal
 
 import yaml
 
-from flashcp.config.aliases import mark_aliases, resolve_file_aliases, resolve_override_aliases
+from flashcp.config.aliases import (
+    explain_misplaced,
+    mark_aliases,
+    resolve_file_aliases,
+    resolve_override_aliases,
+)
 from flashcp.config.errors import ConfigError, ConfigValidationError, suggest
 from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.schema import SECTIONS, Config, extra_sections
@@ -408,6 +413,7 @@ def collect(
         for name, cls in extras.items()
         if name in data
     }
+    errors = explain_misplaced(errors)
     if model is None or any(v is None for v in sections.values()):
         return None, _mark_overrides(mark_aliases(errors, aliased), parsed)
     if pretrained is not None:
