@@ -325,8 +325,9 @@ ROWS = [
         r"flashcp train: --nnodes 2 needs --master HOST:PORT: node 0's address and a free port, "
         r"given the same on every node"),
     cli("master_not_host_port", ["--nnodes", "2", "--master", "node0"],
-        r"flashcp: cannot launch: --master 'node0' is not HOST:PORT \(a port 1-65535\): give "
-        r"node 0's address and a free port, the same on every node"),
+        r"flashcp: cannot launch: --master 'node0' is not HOST:PORT \(a port 1-65535; a "
+        r"hostname or IPv4 address, as Paddle's launcher reads it\): give node 0's address and "
+        r"a free port, the same on every node"),
     cli("master_unreachable", ["--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:1"],
         r"flashcp: cannot launch: node 1: node 0's launcher \(--master 127\.0\.0\.1:1\) at "
         r"127\.0\.0\.1:1 did not accept connections within 0\.5 s .*: start node 0 first "

@@ -85,10 +85,12 @@ class Nodes:
     def endpoint(self) -> tuple[str, int]:
         """`master` as (host, port); `PreflightError` when it is not HOST:PORT."""
         host, sep, port = (self.master or "").rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        ok = sep and host and ":" not in host and port.isdigit() and 1 <= int(port) <= 65535
+        if not ok:
             raise PreflightError(
-                f"--master {self.master!r} is not HOST:PORT (a port 1-65535): give node 0's "
-                "address and a free port, the same on every node, e.g. --master 10.0.0.1:29500"
+                f"--master {self.master!r} is not HOST:PORT (a port 1-65535; a hostname or "
+                "IPv4 address, as Paddle's launcher reads it): give node 0's address and a free "
+                "port, the same on every node, e.g. --master 10.0.0.1:29500"
             )
         return host, int(port)
 
