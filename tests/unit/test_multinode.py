@@ -9,9 +9,13 @@ rendezvous watch, job ranks in a failure report, the degree check naming the nod
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +105,29 @@ def test_other_nodes_wait_for_node0(listening: int) -> None:
 
 def test_rendezvous_watch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not job.workers_started("no-such-job")
+    # the launcher has the training script among its arguments, a worker runs it
+    marker = uuid.uuid4().hex
+    env = {**os.environ, job.JOB_MARKER: marker}
+    sleep = "import time; time.sleep(30)"
+    script = str(job.train_script())
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", sleep, "paddle.distributed.launch", script], env=env
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not job.job_pids(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.job_pids(marker) == [launcher.pid]
+        assert not job.workers_started(marker)
+        worker = subprocess.Popen([sys.executable, "-c", sleep, script], env=env)
+        try:
+            assert job.workers_started(marker)
+        finally:
+            worker.kill()
+            worker.wait()
+    finally:
+        launcher.kill()
+        launcher.wait()
     monkeypatch.setenv("FLASHCP_INIT_TIMEOUT", "7")
     assert job.rendezvous_timeout() == 7.0
     text = job.rendezvous_lost(Nodes(count=3, rank=0, master="h:1"))

@@ -441,10 +441,12 @@ def workers_started(marker: str) -> bool:
     script = str(train_script()).encode()
     for pid in job_pids(marker):
         try:
-            if script in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return True
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        # a worker runs the script itself; the launcher only has it among its arguments
+        if script in argv and b"paddle.distributed.launch" not in argv:
+            return True
     return False
 
 
