@@ -17,6 +17,14 @@ line and the exit code is 2, with nothing launched and nothing written or moved.
 `run.overwrite: true`, an earlier run in `run.output_dir` is moved aside (`rundir.move_aside`,
 printed), and the last check creates the output directory.
 
+More than one node (`Nodes`: `flashcp train --nnodes N --node-rank R --master HOST:PORT`):
+each node's `flashcp train` launches dp·pp·cp / N processes with the launcher's `--nnodes N
+--rank R --master HOST:PORT`, logging to `<run.output_dir>/logs/node<R>`. Node 0 checks the
+master port is free (its launcher serves the rendezvous there) and alone moves an earlier run
+aside; the other nodes first wait for that port (`check_master`, `FLASHCP_INIT_TIMEOUT`). The
+launchers wait for each other without a limit of their own, so `run_job` stops a node whose
+training processes have not started within the same timeout (`rendezvous_lost`).
+
 When the job fails, `diagnose` reads each rank's log (the part written by this launch) and the
 launcher's output and prints which rank failed first and how — killed without a word (SIGKILL,
 the OOM killer), crashed on a signal, exited with its own error, timed out in a collective — and
