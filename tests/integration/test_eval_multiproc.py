@@ -5,9 +5,10 @@
   token-weighted mean as in one process (dp = cp = 1, micro-batch 2: the same rows per batch)
   within the float32 rule of `tests/numerics.py`, the counts exactly; a wrong eval (one step
   stale) is rejected by the same rule.
-* DPO + LoRA, pp = 2: the reference and the policy run forward through the pipeline, the DPO
-  terms on the last stage: each stage runs the one-process operations in the same order, so
-  the eval metrics are BITWISE those of pp = 1 (the sums add exact zeros from the other stage).
+* MoE + DPO + LoRA, pp = 2 × cp = 2 (4 processes): the reference (adapters off) and the
+  policy run forward through the pipeline, each answer's log-prob sum all-reduced over cp, the
+  DPO terms on the last stage (reported by cp rank 0): loss, rewards and log-prob sums within
+  the rule's DPO basis (answer tokens per pair, β·|log π|), counts and accuracy exactly.
 """
 
 from __future__ import annotations
@@ -65,20 +66,32 @@ def test_lm_eval_dp2_cp2_equals_one_process(tmp_path: Path) -> None:
         numerics.assert_close(a["loss"], b["loss"], n=n, scale=scale, steps=int(b["step"]))
 
 
-@pytest.mark.timeout(240)
-def test_dpo_lora_eval_pp2_equals_pp1_bitwise(tmp_path: Path) -> None:
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_dpo_lora_eval_pp2_cp2_equals_one_process(tmp_path: Path) -> None:
     lines = (ROOT / "src" / "flashcp" / "data" / "dpo_default.jsonl").read_text().splitlines()
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(lines[-7:]) + "\n")
-    config = CONFIGS / "glm" / "tiny_dpo_lora_pp2.yaml"
+    config = CONFIGS / "glm" / "tiny_moe_dpo_lora_pp2_cp2.yaml"
     common = [*COMMON, f"eval.path={path}"]
-    run = train_launched(config, tmp_path / "run", 2, common)
-    ref = train_in_process(
-        config, tmp_path / "ref", [*common, "parallel.pp=1", "parallel.pp_layers=null"]
-    )
+    run = train_launched(config, tmp_path / "run", 4, common)
+    one = ["parallel.pp=1", "parallel.cp=1", "parallel.pp_layers=null"]
+    ref = train_in_process(config, tmp_path / "ref", [*common, *one])
     got, want = _evals(run), _evals(ref)
-    assert want[-1]["eval/examples"] == 7
-    for a, b in zip(got, want, strict=True):
-        a.pop("eval/time_s")
-        b.pop("eval/time_s")
-        assert a == b
+    beta = 0.1
+    for step, (a, b) in enumerate(zip(got, want, strict=True), start=1):
+        for key in ("eval/examples", "eval/targets", "eval/rows", "eval/rewards/accuracy"):
+            assert a[key] == b[key], (key, step)
+        assert b["eval/examples"] == 7
+        # the rule's DPO basis: answer tokens per pair, β·(|log π(chosen)| + |log π(rejected)|)
+        n = b["eval/targets"] / b["eval/examples"]
+        scale = beta * (abs(b["eval/logps/chosen"]) + abs(b["eval/logps/rejected"]))
+        for key in ("eval/loss", "eval/rewards/chosen", "eval/rewards/rejected",
+                    "eval/rewards/margin"):  # fmt: skip
+            numerics.assert_close(a[key], b[key], n=n, scale=scale, steps=step, what=key)
+        for key in ("eval/logps/chosen", "eval/logps/rejected"):
+            numerics.assert_close(a[key], b[key], n=n, scale=abs(b[key]), steps=step, what=key)
+    # a stale eval (step 1's policy) is rejected by the same rule
+    numerics.assert_rejects(
+        got[0]["eval/rewards/margin"], want[1]["eval/rewards/margin"], n=n, scale=scale, steps=2
+    )

@@ -264,13 +264,35 @@ def test_data_epoch_and_a_source_without_epochs() -> None:
         Evaluator(Recipe(), "x.jsonl", max_batches=None, groups=[])  # type: ignore[arg-type]
 
 
+def test_a_pass_too_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flashcp.trainer.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "MAX_PASS_ROWS", 5)
+    with pytest.raises(ValueError, match=r"more than 5 rows: set eval\.max_batches"):
+        pass_rows(_Rows(9, lazy=False), {"epoch": 0, "row": 0})
+
+
+def test_a_recipe_without_evaluation_says_so() -> None:
+    from types import SimpleNamespace
+
+    from flashcp.recipes.base import Recipe
+
+    recipe = Recipe(SimpleNamespace(cfg=None))  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="has no evaluation"):
+        recipe.eval_sums([], None, None)  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="has no evaluation"):
+        recipe.eval_metrics(np.zeros(1))
+
+
 def test_format_eval() -> None:
     line = format_eval(
         4, {"eval/loss": 2.5, "eval/targets": 1200.0, "eval/batches": 3.0, "eval/time_s": 0.25}
     )
     assert line == "eval step 4 | loss 2.5000 | 3 batches, 1,200 targets | 0.250 s"
-    dpo = format_eval(2, {"eval/loss": 0.6, "eval/rewards/accuracy": 0.75, "eval/examples": 8.0})
-    assert "rewards/accuracy 0.7500" in dpo and "8 pairs" in dpo
+    dpo = format_eval(2, {"eval/loss": 0.6, "eval/rewards/accuracy": 0.75,
+                          "eval/logps/chosen": -80.0, "eval/examples": 8.0,
+                          "eval/targets": 300.0})  # fmt: skip
+    assert "rewards/accuracy 0.7500" in dpo and "8 pairs" in dpo and "logps" not in dpo
 
 
 # -- DPO ---------------------------------------------------------------------------------------
@@ -307,6 +329,7 @@ def test_dpo_eval_equals_dpo_terms_on_policy_and_reference(tmp_path: Path) -> No
     model = trainer.model
     model.eval()
     per, chosen_r, rejected_r, logps, tokens = [], [], [], [], 0
+    policy: list[tuple[np.ndarray, np.ndarray]] = []
     with paddle.no_grad():
         for _ in range(int(last["eval/rows"])):
             for batch in data.next_step():
@@ -318,6 +341,7 @@ def test_dpo_eval_equals_dpo_terms_on_policy_and_reference(tmp_path: Path) -> No
                 chosen_r += cr.numpy().tolist()
                 rejected_r += rj.numpy().tolist()
                 logps += (np.abs(pc.numpy()) + np.abs(pr.numpy())).tolist()
+                policy.append((pc.numpy(), pr.numpy()))
                 tokens += int((batch.labels != -100).sum())
     assert len(per) == 9
     c, r = np.asarray(chosen_r), np.asarray(rejected_r)
@@ -326,9 +350,12 @@ def test_dpo_eval_equals_dpo_terms_on_policy_and_reference(tmp_path: Path) -> No
         "eval/rewards/chosen": float(c.mean()),
         "eval/rewards/rejected": float(r.mean()),
         "eval/rewards/margin": float((c - r).mean()),
+        "eval/logps/chosen": float(np.mean(np.concatenate([p[0] for p in policy]))),
+        "eval/logps/rejected": float(np.mean(np.concatenate([p[1] for p in policy]))),
     }
     n, scale = tokens / 9, 0.1 * float(np.mean(logps))  # the rule's basis for DPO values
     for key, value in want.items():
         numerics.assert_close(last[key], value, n=n, scale=scale, what=key)
     assert last["eval/rewards/accuracy"] == float(np.mean(c > r))
+    assert last["eval/targets"] == tokens
     assert abs(last["eval/rewards/margin"]) > 1e-3  # the policy moved: a real comparison

@@ -56,8 +56,11 @@ from flashcp.trainer.parallel import all_reduce_values
 STATS = ("chosen", "rejected", "wins", "examples", "logps_chosen", "logps_rejected")
 """Per-step sums the recipe reports (this rank's share): rewards, wins, examples, and the
 policy's answer log-prob sums."""
-EVAL_STATS = ("loss", "chosen", "rejected", "wins", "examples")
-"""Per-eval-batch sums (this rank's share): DPO losses, rewards, wins, examples."""
+EVAL_STATS = (
+    "loss", "chosen", "rejected", "wins", "examples", "logps_chosen", "logps_rejected", "targets"
+)  # fmt: skip
+"""Per-eval-batch sums (this rank's share): DPO losses, rewards, wins, examples, the policy's
+answer log-prob sums, and the answer tokens (labels) of this rank's shard."""
 
 
 class _ReplicatedSum(PyLayer):
@@ -253,21 +256,25 @@ class DPORecipe(Recipe):
             loss_type=self.dpo.loss_type,
             label_smoothing=self.dpo.label_smoothing,
         )
-        if self.ctx.cp_rank != 0:
-            return np.zeros(len(EVAL_STATS))
+        out = np.zeros(len(EVAL_STATS))
+        out[-1] = float((self._micro[id(mb)].labels != IGNORE_INDEX).astype("int64").sum())
+        if self.ctx.cp_rank != 0:  # the rest is replicated over cp: cp rank 0 reports it
+            return out
         wins = (chosen_r > rejected_r).astype("float32")
-        return np.array(
-            [
-                float(per.sum()),
-                float(chosen_r.sum()),
-                float(rejected_r.sum()),
-                float(wins.sum()),
-                float(per.shape[0]),
-            ]
-        )
+        out[:-1] = [
+            float(per.sum()),
+            float(chosen_r.sum()),
+            float(rejected_r.sum()),
+            float(wins.sum()),
+            float(per.shape[0]),
+            float(chosen.sum()),
+            float(rejected.sum()),
+        ]
+        return out
 
     def eval_metrics(self, sums: np.ndarray) -> dict[str, float]:
-        """Mean DPO loss, rewards, margin and accuracy over the eval set's pairs."""
+        """Mean DPO loss, rewards, margin and accuracy over the eval set's pairs, the policy's
+        mean answer log-prob sums, the pair and answer-token counts."""
         s = dict(zip(EVAL_STATS, (float(x) for x in sums), strict=True))
         n = max(s["examples"], 1.0)
         return {
@@ -276,7 +283,10 @@ class DPORecipe(Recipe):
             "rewards/rejected": s["rejected"] / n,
             "rewards/margin": (s["chosen"] - s["rejected"]) / n,
             "rewards/accuracy": s["wins"] / n,
+            "logps/chosen": s["logps_chosen"] / n,
+            "logps/rejected": s["logps_rejected"] / n,
             "examples": s["examples"],
+            "targets": s["targets"],
         }
 
     # -- reporting --------------------------------------------------------------------------

@@ -22,7 +22,8 @@ What is reported (`eval/` + the recipe's `eval_metrics`), in the record of the s
   (token-weighted, counted over every dp/cp rank like training), `eval/perplexity`,
   `eval/targets`;
 * dpo: `eval/loss` (mean DPO loss over the pairs), `eval/rewards/chosen`, `/rejected`,
-  `/margin`, `/accuracy`, `eval/examples`;
+  `/margin`, `/accuracy`, `eval/logps/chosen`, `/rejected` (the policy's mean answer log-prob
+  sums), `eval/examples`, `eval/targets` (answer tokens);
 * `eval/batches`, `eval/rows` and `eval/time_s`.
 """
 
@@ -142,8 +143,6 @@ class Evaluator:
         limit = None if max_batches is None else max_batches * self.rows_per_batch
         self.rows = pass_rows(self.data, self.start, limit)
         """Rows per evaluation: one pass, or `eval.max_batches` batches of them."""
-        if self.rows == 0:
-            raise ValueError(f"eval.path {path}: the eval set has no rows")
         self.batches = -(-self.rows // self.rows_per_batch)
         """Eval batches per evaluation (the last may be short)."""
 
@@ -181,7 +180,7 @@ class Evaluator:
             mine = [batch for row in rows[first : first + self.rows_per_rank] for batch in row]
             sums = np.asarray(self.recipe.eval_sums(mine, executor, module), dtype=np.float64)
             totals = sums if totals is None else totals + sums
-        assert totals is not None  # at least one batch (checked in __init__)
+        assert totals is not None  # at least one row: a data source has one, max_batches >= 1
         return totals
 
 
@@ -190,11 +189,12 @@ def format_eval(step: int, metrics: Mapping[str, float]) -> str:
     parts = [f"eval step {step}"]
     for key, value in metrics.items():
         name = key.removeprefix(PREFIX)
-        if name in ("batches", "rows", "time_s", "targets", "examples"):
+        if name in ("batches", "rows", "time_s", "targets", "examples") or "logps/" in name:
             continue
         parts.append(f"{name} {value:.4f}")
-    count = metrics.get(PREFIX + "targets", metrics.get(PREFIX + "examples", 0.0))
-    what = "targets" if PREFIX + "targets" in metrics else "pairs"
+    pairs = PREFIX + "examples" in metrics
+    count = metrics.get(PREFIX + ("examples" if pairs else "targets"), 0.0)
+    what = "pairs" if pairs else "targets"
     parts.append(
         f"{int(metrics.get(PREFIX + 'batches', 0))} batches, {int(count):,} {what} | "
         f"{metrics.get(PREFIX + 'time_s', 0.0):.3f} s"

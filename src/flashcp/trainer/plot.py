@@ -28,6 +28,16 @@ def _prefixed(prefix: str, skip: tuple[str, ...] = ()) -> Callable[[str], bool]:
     return lambda key: key.startswith(prefix) and key not in skip
 
 
+def _eval_panel(key: str) -> bool:
+    """`eval/...` metrics of the eval panel: not the loss (on the loss panel), not counts, not
+    the DPO log-prob sums (hundreds, next to rewards near 0)."""
+    return (
+        key.startswith("eval/")
+        and key not in ("eval/loss", *EVAL_COUNTS)
+        and not key.startswith("eval/logps/")
+    )
+
+
 GROUPS: list[tuple[str, str, Callable[[str], bool]]] = [
     ("loss", "loss", lambda k: k in ("loss", "eval/loss")),
     ("lr", "learning rate", lambda k: k == "lr"),
@@ -35,7 +45,7 @@ GROUPS: list[tuple[str, str, Callable[[str], bool]]] = [
     ("throughput", "tokens / s", lambda k: k in ("tokens_per_s", "mfu")),
     ("memory", "GiB", lambda k: k in ("peak_memory_gib", "peak_rss_gib")),
     ("dpo", "DPO", _prefixed("rewards/")),
-    ("eval", "eval", _prefixed("eval/", ("eval/loss", *EVAL_COUNTS))),
+    ("eval", "eval", lambda k: _eval_panel(k)),
     ("moe", "MoE", _prefixed("moe/")),
 ]
 """(group, y-axis label, which metric keys it draws), in panel order."""
