@@ -243,7 +243,7 @@ def test_plot_draws_every_group_present(tmp_path: Path, capsys: pytest.CaptureFi
         row = {
             "step": step, "loss": 1.0 / step, "lr": 1e-3, "grad_norm": 2.0, "tokens": 512,
             "tokens_per_s": 900.0 + step, "mfu": 0.3, "peak_memory_gib": 1.5,
-            "peak_rss_gib": 2.0, "skipped": False, "rewards/chosen": 0.1 * step,
+            "peak_rss_gib": 2.0, "skipped": False, "note": "text", "rewards/chosen": 0.1 * step,
             "rewards/rejected": -0.1 * step, "rewards/accuracy": 0.75,
             "moe/load_max": 1.2, "moe/load_cv": 0.3,
         }  # fmt: skip
