@@ -28,6 +28,11 @@ One optimizer step (`Trainer.train_step`):
    under ZeRO-1, all-gathered into the parameters after), LR schedule step, metrics on rank 0,
    checkpoint every `checkpoint.every` steps.
 
+After a step, every `eval.every` steps and after the last, the eval set runs forward only
+under the same layout (`flashcp.trainer.evaluate`); its `eval/...` metrics join the step's
+record, which rank 0 writes to metrics.jsonl and every `run.report_to` backend
+(`flashcp.trainer.tracking`), with `mfu` (`flashcp.trainer.flops`) and `consumed_tokens`.
+
 Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
 those are the adapters (saved in PaddleFormers' format; see `flashcp.recipes.adapters`).
 """
