@@ -1,4 +1,4 @@
-"""The `flashcp` command: `train`, `validate`, `plot`, `export` and `explain-dispatch`."""
+"""The `flashcp` command: `train`, `validate`, `plot`, `export`, `explain-dispatch`, `--version`."""
 
 from __future__ import annotations
 
@@ -101,7 +101,9 @@ def _validate(args: argparse.Namespace) -> int:
     failed = 0
     for path in files:
         try:
-            cfg, errors = collect(read_yaml(path), source=str(path), world_size=args.world_size)
+            cfg, errors = collect(
+                read_yaml(path), source=str(path), world_size=args.world_size, nnodes=args.nnodes
+            )
         except ConfigValidationError as exc:
             cfg, errors = None, exc.errors
         if errors or cfg is None:
@@ -114,12 +116,33 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _node_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with `--nnodes/--node-rank/--master` (None when they fit together)."""
+    if args.nnodes < 1:
+        return f"--nnodes must be >= 1, got {args.nnodes}"
+    if not 0 <= args.node_rank < args.nnodes:
+        return (
+            f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes "
+            f"{args.nnodes}): number the nodes 0, 1, ... and start node 0 first"
+        )
+    if args.nnodes > 1 and not args.master:
+        return (
+            f"--nnodes {args.nnodes} needs --master HOST:PORT: node 0's address and a free "
+            "port, given the same on every node"
+        )
+    return None
+
+
 def _train(args: argparse.Namespace) -> int:
     from flashcp.config import ConfigValidationError, load_config
-    from flashcp.trainer.job import run_job
+    from flashcp.trainer.job import Nodes, run_job
 
+    problem = _node_problem(args)
+    if problem is not None:
+        print(f"flashcp train: {problem}", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, nnodes=args.nnodes)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -130,6 +153,7 @@ def _train(args: argparse.Namespace) -> int:
         output_dir=cfg.run.output_dir,
         resume=cfg.checkpoint.resume,
         overwrite=cfg.run.overwrite,
+        nodes=Nodes(count=args.nnodes, rank=args.node_rank, master=args.master),
     )
 
 
@@ -202,7 +226,27 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "logs in <run.output_dir>/logs, stream rank 0, exit with the job's code.",
     )
     train.add_argument("config", help="YAML run config, e.g. configs/gpt/tiny_cp2.yaml")
-    train.add_argument("overrides", nargs="*", help="key.sub=value overrides (train.steps=10)")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.sub=value overrides (train.steps=10; aliases such as max_steps=10 too)",
+    )
+    nodes = train.add_argument_group(
+        "more than one node",
+        "Run the same command on every node, each with its --node-rank; the dp·pp·cp "
+        "processes are split evenly over the nodes. run.output_dir should be one shared "
+        "directory (checkpoints are written by rank 0 and read by every rank on resume).",
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    nodes.add_argument(
+        "--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)"
+    )
+    nodes.add_argument(
+        "--master",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address and a free port where the nodes' launchers meet",
+    )
     train.set_defaults(func=_train)
     validate = sub.add_parser(
         "validate",
@@ -212,8 +256,15 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
     validate.add_argument(
         "--world-size", type=int, default=None, help="also check dp×pp×cp against this"
     )
+    validate.add_argument(
+        "--nnodes", type=int, default=1, help="also check that dp×pp×cp splits over this many nodes"
+    )
     validate.set_defaults(func=_validate)
-    plot = sub.add_parser("plot", help="PNG of a run's loss and throughput (metrics.jsonl)")
+    plot = sub.add_parser(
+        "plot",
+        help="PNG of a run's metrics.jsonl: loss (and eval), lr, grad norm, throughput/MFU, "
+        "memory, DPO, eval, MoE panels, as present",
+    )
     plot.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=_plot)
@@ -251,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashcp", description="Context-parallel FlashMask training on PaddlePaddle."
     )
+    parser.add_argument("--version", action="version", version=f"flashcp {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     explain = sub.add_parser(
         "explain-dispatch",
@@ -304,9 +356,24 @@ NO_PADDLE = (
 )
 
 
+def package_version() -> str:
+    """flashcp's version from the installed package's metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashcp")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed; pip install -e .)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `flashcp train CONFIG --nnodes 2 key=value`: overrides may follow the options too
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "train" or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if importlib.util.find_spec("paddle") is None:
         print(f"flashcp: {NO_PADDLE}", file=sys.stderr)
         return 2

@@ -23,6 +23,12 @@ from typing import Any, Literal
 
 import yaml
 
+from flashcp.config.aliases import (
+    explain_misplaced,
+    mark_aliases,
+    resolve_file_aliases,
+    resolve_override_aliases,
+)
 from flashcp.config.errors import ConfigError, ConfigValidationError, suggest
 from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.schema import SECTIONS, Config, extra_sections
@@ -350,16 +356,19 @@ def build_config(
     source: str | None = None,
     overrides: Sequence[str] = (),
     world_size: int | None = None,
+    nnodes: int = 1,
     check: bool = True,
 ) -> Config:
     """A validated `Config` from a raw mapping plus `key=value` overrides.
 
     Raises `ConfigValidationError` with every problem: parse errors of the overrides, unknown
     sections or keys, wrong types, and (when `check`) the cross-field checks of
-    `flashcp.config.validate.check_config` (for `world_size`, when given).
+    `flashcp.config.validate.check_config` (for `world_size` processes on `nnodes` nodes).
+    Top-level aliases (`max_steps`, ...; `flashcp.config.aliases`) are accepted in `raw` and
+    in `overrides`.
     """
     cfg, errors = collect(raw, source=source, overrides=overrides, world_size=world_size,
-                          check=check)  # fmt: skip
+                          nnodes=nnodes, check=check)  # fmt: skip
     if errors or cfg is None:
         raise ConfigValidationError(errors, source)
     return cfg
@@ -371,12 +380,18 @@ def collect(
     source: str | None = None,
     overrides: Sequence[str] = (),
     world_size: int | None = None,
+    nnodes: int = 1,
     check: bool = True,
 ) -> tuple[Config | None, list[ConfigError]]:
     """`(config or None, every problem)` without raising: what `flashcp validate` reports."""
     data: dict[str, Any] = json.loads(json.dumps(dict(raw), default=str))  # deep copy
-    parsed, errors = parse_overrides(overrides)
+    aliased, errors = resolve_file_aliases(data)
+    parsed, bad = parse_overrides(overrides)
+    parsed, alias_errors = resolve_override_aliases(parsed)
+    errors += bad + alias_errors
     errors += apply_overrides(data, parsed)
+    for ov in parsed:  # the command line replaced what the file gave through an alias
+        aliased.pop(ov.key, None)
     extras = extra_sections()
     known = ["model", *SECTIONS, *extras]
     for key in data:
@@ -398,8 +413,9 @@ def collect(
         for name, cls in extras.items()
         if name in data
     }
+    errors = explain_misplaced(errors)
     if model is None or any(v is None for v in sections.values()):
-        return None, _mark_overrides(errors, parsed)
+        return None, _mark_overrides(mark_aliases(errors, aliased), parsed)
     if pretrained is not None:
         _pretrained_weights(sections["checkpoint"], pretrained, errors)
     cfg = Config(
@@ -414,9 +430,9 @@ def collect(
     if check:
         from flashcp.config.validate import check_config
 
-        bad = {e.key for e in errors}
-        errors += check_config(cfg, world_size=world_size, skip=bad)
-    return cfg, _mark_overrides(errors, parsed)
+        failed = {e.key for e in errors}
+        errors += check_config(cfg, world_size=world_size, nnodes=nnodes, skip=failed)
+    return cfg, _mark_overrides(mark_aliases(errors, aliased), parsed)
 
 
 def _pretrained_path(data: Mapping[str, Any]) -> str | None:
@@ -446,11 +462,17 @@ def load_config(
     overrides: Sequence[str] = (),
     *,
     world_size: int | None = None,
+    nnodes: int = 1,
     check: bool = True,
 ) -> Config:
     """Read, override, type-check and validate the YAML config at `path` (see `build_config`)."""
     return build_config(
-        read_yaml(path), source=str(path), overrides=overrides, world_size=world_size, check=check
+        read_yaml(path),
+        source=str(path),
+        overrides=overrides,
+        world_size=world_size,
+        nnodes=nnodes,
+        check=check,
     )
 
 
@@ -481,6 +503,8 @@ HASH_EXCLUDE: tuple[str, ...] = (
     "run",
     "checkpoint",
     "debug",
+    "eval",
+    "hardware",
     "train.steps",
     "train.log_every",
 )

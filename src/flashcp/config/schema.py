@@ -18,6 +18,14 @@ from typing import Any, Literal
 CP_MODES: tuple[str, ...] = ("dualchunk_allgather", "contiguous_allgather", "workload_balanced")
 """Context-parallel layouts (see `flashcp.cp`); the values `parallel.cp_mode` accepts."""
 
+REPORT_BACKENDS: dict[str, tuple[str, str] | None] = {
+    "jsonl": None,
+    "visualdl": ("visualdl", "visualdl"),
+    "wandb": ("wandb", "wandb"),
+    "tensorboard": ("tensorboardX", "tensorboardX"),
+}
+"""`run.report_to` values → (module to import, pip package) they need (None: built in)."""
+
 CHUNKS_PER_RANK: dict[str, int] = {
     "dualchunk_allgather": 2,
     "contiguous_allgather": 1,
@@ -198,6 +206,37 @@ class RunConfig:
     stop_after_steps: int = 0
     """Stop this run after this many steps (0: run to train.steps). The LR schedule still spans
     train.steps, so resuming later continues exactly as an uninterrupted run would."""
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where rank 0 reports the step scalars (`flashcp.trainer.tracking`): `jsonl`
+    (metrics.jsonl, always written), `visualdl` (VisualDL logs in output_dir/visualdl; installed
+    with paddleformers), `wandb` (needs `pip install wandb`), `tensorboard` (event files in
+    output_dir/tensorboard; needs `pip install tensorboardX`). Every backend gets the same
+    scalars, named as in metrics.jsonl."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation during training (`flashcp.trainer.evaluate`)."""
+
+    path: str | None = None
+    """Eval data in the training data's format (`data.*` fields and tokenizer apply); null =
+    no evaluation."""
+    every: int = 0
+    """Evaluate every this many optimizer steps, and after the last step (train.steps);
+    0 = only after the last step."""
+    max_batches: int | None = None
+    """At most this many eval batches, each the rows of one optimizer step (dp ×
+    train.grad_accum × data.micro_batch_size sequences); null = one pass over the eval set,
+    every row once."""
+
+
+@dataclass(kw_only=True)
+class HardwareConfig:
+    """What the devices can do, for the metrics derived from it."""
+
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of ONE device in the compute dtype (e.g. 989 for an H100 SXM in
+    bf16, 312 for an A100): the denominator of the `mfu` metric. null = no `mfu` reported."""
 
 
 @dataclass(kw_only=True)
@@ -216,6 +255,8 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "run": RunConfig,
+    "eval": EvalConfig,
+    "hardware": HardwareConfig,
     "debug": DebugConfig,
 }
 """Core sections besides `model`, in file order."""
@@ -269,6 +310,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     extras: dict[str, Any] = field(default_factory=dict)
     """Sections added by recipes (`RecipeSpec.sections`), by name."""

@@ -28,6 +28,11 @@ One optimizer step (`Trainer.train_step`):
    under ZeRO-1, all-gathered into the parameters after), LR schedule step, metrics on rank 0,
    checkpoint every `checkpoint.every` steps.
 
+After a step, every `eval.every` steps and after the last, the eval set runs forward only
+under the same layout (`flashcp.trainer.evaluate`); its `eval/...` metrics join the step's
+record, which rank 0 writes to metrics.jsonl and every `run.report_to` backend
+(`flashcp.trainer.tracking`), with `mfu` (`flashcp.trainer.flops`) and `consumed_tokens`.
+
 Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
 those are the adapters (saved in PaddleFormers' format; see `flashcp.recipes.adapters`).
 """
@@ -61,7 +66,8 @@ from flashcp.models.base import StageSpec
 from flashcp.parallel import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
 from flashcp.trainer import checkpoint as ckpt
-from flashcp.trainer import memory, rundir, sharded
+from flashcp.trainer import flops, memory, rundir, sharded, tracking
+from flashcp.trainer.evaluate import Evaluator, format_eval, is_due
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics
 from flashcp.trainer.optim import build_scheduler
@@ -290,8 +296,29 @@ class Trainer:
         else:
             self.executor = SequentialExecutor(self.model, ctx.autocast)
         self.step = 0
+        self.consumed_tokens = 0
+        """Tokens (padding included) the whole job has trained on, counting resumed steps."""
         self.resumed_from: Path | None = None
         self.stream = stream
+        self.evaluator: Evaluator | None = None
+        """Held-out evaluation (`eval.path`; `flashcp.trainer.evaluate`), None without."""
+        if cfg.eval.path is not None:
+            self.evaluator = Evaluator(
+                self.recipe,
+                cfg.eval.path,
+                max_batches=cfg.eval.max_batches,
+                groups=self.step_groups,
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
+            )
+        self.flops_per_token = flops.flops_per_token(
+            cfg.model,
+            self.data.seq_len,
+            lora=self.lora is not None,
+            reference=cfg.run.recipe == "dpo",
+        )
+        """Model FLOPs of one trained token (`flashcp.trainer.flops`), for the `mfu` metric."""
 
     def _device_name(self) -> str:
         if self.device == "cpu":
@@ -377,6 +404,9 @@ class Trainer:
         self.data.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.step = loaded.step
+        self.consumed_tokens = int(
+            state.get("consumed_tokens", loaded.step * self.global_batch()["tokens"])
+        )
         self.resumed_from = source
         return source
 
@@ -412,6 +442,7 @@ class Trainer:
                 "shard_optimizer": self.cfg.parallel.shard_optimizer,
             },
             "train_steps": self.cfg.train.steps,
+            "consumed_tokens": self.consumed_tokens,
         }
 
     def save(self) -> Path | None:
@@ -568,7 +599,9 @@ class Trainer:
         self.optimizer.clear_grad()
         self.scheduler.step()
         self.step = step
+        self.consumed_tokens += plan.tokens
         elapsed = time.perf_counter() - start
+        tokens_per_s = plan.tokens / elapsed if elapsed > 0 else 0.0
         return StepMetrics(
             step=step,
             loss=loss_value,
@@ -576,14 +609,30 @@ class Trainer:
             grad_norm=grad_norm,
             tokens=plan.tokens,
             targets=plan.targets,
-            tokens_per_s=plan.tokens / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=tokens_per_s,
             step_time_s=elapsed,
             peak_memory_gib=float(peaks[peak_rank]) / 2**30,
             peak_memory_rank=peak_rank,
             peak_rss_gib=peak_rss / 2**30,
             skipped=skipped,
             extra=extra,
+            consumed_tokens=self.consumed_tokens,
+            mfu=self._mfu(tokens_per_s),
         )
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation of the step (None without `hardware.peak_tflops`)."""
+        peak = self.cfg.hardware.peak_tflops
+        if peak is None:
+            return None
+        devices = int(self.groups.world.nranks)
+        return flops.mfu(self.flops_per_token, tokens_per_s, peak, devices)
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate on `eval.path` now (collective); returns the `eval/...` metrics."""
+        if self.evaluator is None:
+            raise ValueError("no eval set: set eval.path")
+        return self.evaluator.run(self.executor, self.model)
 
     def _nonfinite(self, step: int, loss: float, bad_loss: list[int], bad_grad: list[int]) -> None:
         parts = []
@@ -623,14 +672,51 @@ class Trainer:
         if self.pp_size > 1:
             r = self.model.layer_range  # type: ignore[attr-defined]
             stage = f", stage 0 layers [{r.start}, {r.stop}) {c.parallel.pp_schedule}"
+        b = self.global_batch()
         return (
             f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
             f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size} ({c.parallel.cp_mode}"
-            f"{stage}) | seq_len {self.data.seq_len} × micro-batch {c.data.micro_batch_size} × "
-            f"accum {c.train.grad_accum} | {self.device} {self.dtype} | "
+            f"{stage}) | global batch {b['sequences']} seq × {b['seq_len']} = "
+            f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
+            f"{b['grad_accum']} × dp {b['dp']}) | {self.device} {self.dtype} | "
             f"{self.data.describe()}"
             + (f" | {self.optimizer.describe()}" if self.sharded_state else "")
+            + f" | {self._describe_extras()}"
         )
+
+    def _describe_extras(self) -> str:
+        """MFU basis and evaluation, for the start line."""
+        c = self.cfg
+        peak = c.hardware.peak_tflops
+        parts = [
+            f"reporting to {tracking.describe(c.run.report_to)}",
+            f"mfu vs {peak:g} TFLOP/s per device ({self.flops_per_token / 1e9:.3g} GFLOP/token)"
+            if peak is not None
+            else "mfu not reported (set hardware.peak_tflops)"
+        ]
+        if self.evaluator is not None:
+            when = f"every {c.eval.every} steps and " if c.eval.every else ""
+            parts.append(
+                f"eval {c.eval.path}: {self.evaluator.rows} rows in {self.evaluator.batches} "
+                f"batches {when}after step {c.train.steps}"
+            )
+        return " | ".join(parts)
+
+    def global_batch(self) -> dict[str, int]:
+        """What one optimizer step consumes, the whole job: `sequences` = micro_batch_size ×
+        grad_accum × dp (packed rows for DPO) of `seq_len` tokens, `tokens` their product
+        (padding included); with the three factors."""
+        c = self.cfg
+        sequences = c.data.micro_batch_size * c.train.grad_accum * self.dp_size
+        seq_len = int(self.data.seq_len)
+        return {
+            "sequences": sequences,
+            "seq_len": seq_len,
+            "tokens": sequences * seq_len,
+            "micro_batch_size": c.data.micro_batch_size,
+            "grad_accum": c.train.grad_accum,
+            "dp": self.dp_size,
+        }
 
     def fit(self) -> TrainResult:
         """Resume if configured, then train until `train.steps`; returns what ran."""
@@ -653,16 +739,23 @@ class Trainer:
             log_every=cfg.train.log_every,
             start_step=start,
             stream=self.stream,
+            reporters=tracking.build_reporters(cfg) if self.is_main else (),
         )
         result = TrainResult(start_step=start, final_step=start, resumed_from=source)
         every = cfg.checkpoint.every
-        end = cfg.train.steps
+        end = end_all = cfg.train.steps
         if cfg.run.stop_after_steps:
             end = min(end, start + cfg.run.stop_after_steps)
         try:
             while self.step < end:
                 m = self.train_step()
+                results = {}
+                if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
+                    results = self.evaluate()
+                    m.extra.update(results)  # the step's record carries its eval/... values
                 writer.log(m)
+                if results:
+                    writer.echo(format_eval(self.step, results))
                 result.metrics.append(m)
                 result.final_step = self.step
                 if every > 0 and (self.step % every == 0 or self.step == end):
