@@ -104,7 +104,7 @@ def test_every_problem_is_reported_at_once() -> None:
         ("train", {"log_every": 0}, "train.log_every", ">= 1"),
         ("data", {"seq_len": 1}, "data.seq_len", ">= 2"),
         ("data", {"micro_batch_size": 0}, "data.micro_batch_size", ">= 1"),
-        ("data", {"path": "/no/such.jsonl"}, "data.path", "no file at"),
+        ("data", {"path": "/no/such.jsonl"}, "data.path", "no file or directory at"),
         ("data", {"tokenizer": "/no/tok.json"}, "data.tokenizer", "neither 'byte'"),
         ("checkpoint", {"keep_last": 0}, "checkpoint.keep_last", ">= 1"),
         ("checkpoint", {"every": -1}, "checkpoint.every", "0 = never"),
