@@ -170,9 +170,9 @@ class DocumentBuilder:
         if not has_field(record, self.prompt_field):
             raise BadRecordError(
                 f"missing field {self.messages_field!r}",
-                f"an sft record needs {self.messages_field!r} or {self.prompt_field!r} and "
-                f"{self.response_field!r}; its keys: {', '.join(sorted(record)) or 'none'} "
-                "(data.messages_field, data.prompt_field and data.response_field name them)",
+                f"an sft record needs {self.messages_field!r}, or {self.prompt_field!r} and "
+                f"{self.response_field!r} (named by data.messages_field, data.prompt_field, "
+                f"data.response_field); its keys: {', '.join(sorted(record)) or 'none'}",
             )
         prompt = tok.encode(string_field(record, self.prompt_field, key="data.prompt_field"))
         response = tok.encode(

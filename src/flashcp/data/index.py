@@ -141,7 +141,7 @@ def build_index(
     if bad_rows and on_bad_record == "error":
         _, where, reason, detail = bad_rows[0]
         raise ValueError(
-            f"bad record at {where}: {reason}" + (f" ({detail})" if detail else "") + ". "
+            f"bad record at {where}: {reason}" + (f": {detail}" if detail else "") + ". "
             "data.on_bad_record is 'error': fix the record, or set data.on_bad_record: skip to "
             "leave bad records out (they are counted and reported at the start)"
         )

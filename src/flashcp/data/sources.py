@@ -111,6 +111,7 @@ class JsonlSource:
     """JSON Lines files as one sequence of rows (the non-blank lines, file by file)."""
 
     def __init__(self, paths: Sequence[Path], name: str) -> None:
+        self._handles: dict[int, Any] = {}
         self.paths = [Path(p) for p in paths]
         self.name = name
         self._spans = []
@@ -123,7 +124,6 @@ class JsonlSource:
             self._first.append(total)
             total += len(starts)
         self._len = total
-        self._handles: dict[int, Any] = {}
 
     def __len__(self) -> int:
         return self._len
