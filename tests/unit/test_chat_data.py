@@ -78,7 +78,22 @@ def test_directory_tokenizer_takes_special_tokens_and_template_from_its_config(
     assert (tok.eos_id, tok.pad_id, tok.bos_id) == (_id(glm, "<eop>"),) * 2 + (_id(glm, "<sop>"),)
     plain = HFTokenizer(glm.path / "tokenizer.json")
     assert plain.chat_template is None and plain.eos_id == glm.eos_id
+    assert repr(plain).endswith("tokenizer.json', vocab_size=384)")
+    assert repr(ByteTokenizer()) == "ByteTokenizer(vocab_size=259)"
     assert config["chat_template"] == GLM4_CHAT_TEMPLATE
+
+
+def test_directory_tokenizer_leaves_the_environment_alone(
+    glm: HFTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "0")
+    HFTokenizer(glm.path)
+    assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "0"
+    monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    HFTokenizer(glm.path)
+    assert "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ
 
 
 def test_directory_tokenizer_errors(tmp_path: Path, glm: HFTokenizer) -> None:
@@ -159,6 +174,9 @@ def test_segments_join_to_the_full_rendering(glm: HFTokenizer, chatml: HFTokeniz
             assert "".join(t for t, _ in segs) == tok.render_chat(record["messages"])
             answers = [t for t, a in segs if a]
             assert len(answers) == sum(m["role"] == "assistant" for m in record["messages"])
+    # a conversation ending with a user turn: its rendering after the last answer is context
+    segs = chat_segments(glm, CONV[1:4])
+    assert segs[-1] == ("<|user|>\nHow many legs does a spider have?", False)
 
 
 def test_bad_conversations_are_bad_records(tmp_path: Path, glm: HFTokenizer) -> None:
@@ -168,6 +186,7 @@ def test_bad_conversations_are_bad_records(tmp_path: Path, glm: HFTokenizer) -> 
         ({"messages": "hi"}, "field 'messages' is not a list of messages"),
         ({"messages": []}, "field 'messages' is not a list of messages"),
         ({"messages": [{"role": "user", "content": 3}]}, "a message's 'content' is not a string"),
+        ({"messages": [CONV[1], "hi"]}, "field 'messages' is not a list of messages"),
         ({"messages": CONV[:3] + [{"role": "assistant", "content": " "}]}, "empty answer"),
         ({"messages": CONV[:4]}, "conversation does not end with an assistant turn"),
         ({"messages": [{"role": "tool", "content": "x"}, CONV[2]]},
@@ -194,6 +213,32 @@ def test_bad_conversations_are_bad_records(tmp_path: Path, glm: HFTokenizer) -> 
     )
     with pytest.raises(BadRecordError, match="renders turns inconsistently"):
         DocumentBuilder(HFTokenizer(odd), recipe="sft")({"messages": CONV[1:3]})
+    # a template that renders the assistant as nothing, or adds text after the last turn
+    silent = tmp_path / "silent"
+    write_tokenizer_files(
+        silent,
+        chat_template="{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}"
+        "{% endif %}{% endfor %}",
+    )
+    with pytest.raises(BadRecordError, match="renders message 1 as nothing"):
+        DocumentBuilder(HFTokenizer(silent), recipe="sft")({"messages": CONV[1:3]})
+    with pytest.raises(BadRecordError, match="renders the answer as nothing"):
+        DPORecords(HFTokenizer(silent), budget=64)(preference_records(1, as_messages=True)[0])
+    with pytest.raises(BadRecordError, match="renders turns inconsistently"):
+        DPORecords(HFTokenizer(odd), budget=64)(preference_records(1, as_messages=True)[0])
+    # a template's text after the last turn belongs to that turn's answer (trained)
+    tail = tmp_path / "tail"
+    write_tokenizer_files(
+        tail,
+        chat_template=GLM4_CHAT_TEMPLATE.replace(
+            "<|assistant|>\n{%- endif %}", "<|assistant|>\n{%- else %}<eop>{%- endif %}"
+        ),
+    )
+    tailed = HFTokenizer(tail)
+    doc = DocumentBuilder(tailed, recipe="sft")({"messages": CONV[1:3]})
+    assert doc.tokens.tolist()[-2:] == [_id(tailed, "<eop>"), tailed.eos_id]
+    assert tailed.decode(doc.tokens[doc.targets].tolist()) == "\nThe capital of France is Paris."
+    assert doc.targets.tolist()[-3:] == [True, True, True]
     with pytest.raises(ValueError, match="byte tokenizer has no chat template"):
         DocumentBuilder(ByteTokenizer(), recipe="sft")({"messages": CONV[1:3]})
     broken = tmp_path / "broken"

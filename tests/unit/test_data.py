@@ -104,6 +104,8 @@ def test_jsonl_errors_name_the_line() -> None:
         tokenize_records([{"body": "x"}], ByteTokenizer())
     with pytest.raises(ValueError, match="record 2: empty text"):
         tokenize_records([{"text": "a"}, {"text": ""}], ByteTokenizer())
+    with pytest.raises(ValueError, match="data: no records"):
+        tokenize_records([], ByteTokenizer())
 
 
 def test_default_corpus_is_shipped_and_clean() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from flashcp.config import build_config
 from flashcp.data import Document, HFTokenizer, PackedStream, TrainData
-from flashcp.data.index import build_index
+from flashcp.data.index import LazyItems, build_index
 from flashcp.data.peers import Peers
 from flashcp.data.sources import JsonlSource, ListSource, data_files, open_source
 from flashcp.recipes.dpo_stream import DPOData
@@ -127,6 +127,18 @@ def test_source_errors(tmp_path: Path) -> None:
         data_files(tmp_path / "x.csv")
     with pytest.raises(FileNotFoundError, match="no file or directory"):
         data_files(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n \n")
+    empty = open_source(tmp_path / "empty.jsonl")
+    assert len(empty) == 0
+    with pytest.raises(ValueError, match="empty.jsonl: no usable records .*it is empty"):
+        build_index(empty, len)
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n{"text": "ok"}\n')
+    latin = open_source(tmp_path / "latin.jsonl")
+    with pytest.raises(Exception, match="not UTF-8 text") as info:
+        latin.row(0)
+    assert info.type.__name__ == "BadRecordError" and latin.row(1) == {"text": "ok"}
+    with pytest.raises(IndexError, match="row 2 of 2"):
+        latin.row(2)
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match="could not read the Parquet data"):
         open_source(tmp_path / "bad.parquet", cache_dir=str(tmp_path / "c"))
@@ -241,6 +253,16 @@ def test_index_errors_and_reports(tmp_path: Path) -> None:
         build_index(ListSource([], "numbers"), measure)
     with pytest.raises(ValueError, match="on_bad_record must be one of"):
         build_index(source, measure, on_bad_record="ignore")
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
+        Peers(2, 2)
+    # an item rebuilt with another length than indexed: the data changed under the run
+    records = [{"n": 0}, {"n": 2}]
+    changing = ListSource(records, "numbers")
+    items = LazyItems(changing, build_index(changing, measure), measure, lambda n: n)
+    assert items[1] == 3 and items[1] == 3 and items.built == 1  # cached
+    records[0]["n"] = 4
+    with pytest.raises(RuntimeError, match="numbers record 1 gives 5 tokens now but gave 1"):
+        items[0]
 
     def crash(r: dict[str, Any]) -> int:
         if r["n"] == 7:

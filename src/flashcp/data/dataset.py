@@ -97,13 +97,10 @@ def _document(
     if not chat and tokenizer.bos_id is not None:
         tokens.insert(0, tokenizer.bos_id)
         targets.insert(0, False)
-    last = len(targets) - 1
-    while last >= 0 and not targets[last]:
-        last -= 1
-    start = last
+    start = len(targets)  # where the trailing run of targets (the last answer) begins
     while start > 0 and targets[start - 1]:
         start -= 1
-    if not chat or tokenizer.eos_id not in tokens[start : last + 1]:
+    if not chat or tokenizer.eos_id not in tokens[start:]:
         tokens.append(tokenizer.eos_id)
         targets.append(True)
     return Document(np.asarray(tokens, dtype=np.int64), np.asarray(targets, dtype=bool))
