@@ -1,4 +1,4 @@
-"""The `flashcp` command: `train`, `validate`, `plot` and `explain-dispatch`."""
+"""The `flashcp` command: `train`, `validate`, `plot`, `export` and `explain-dispatch`."""
 
 from __future__ import annotations
 
@@ -80,9 +80,10 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     p = cfg.parallel
     recipe = cfg.run.recipe + (" + LoRA" if "lora" in cfg.extras else "")
+    source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
-        f"{recipe}, {cfg.model.arch} ~{size} params, dp={p.dp} pp={p.pp} cp={p.cp} ({p.cp_mode}, "
-        f"world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
+        f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
+        f"({p.cp_mode}, world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
         f"{cfg.run.device}"
     )
 
@@ -144,6 +145,55 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+               "MIB": 2**20, "GIB": 2**30}  # fmt: skip
+
+
+def _parse_size(text: str) -> int:
+    """Bytes of `5GB`, `500MB`, `2GiB` or a plain integer."""
+    t = text.strip().upper()
+    digits = t.rstrip("KMGIB")
+    unit = t[len(digits) :]
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB or 500MB")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def _export(args: argparse.Namespace) -> int:
+    from flashcp.config import ConfigValidationError
+    from flashcp.models.hf_weights import CheckpointMismatchError
+    from flashcp.trainer.export import ExportError, export_run
+
+    try:
+        report = export_run(
+            args.run_dir,
+            args.out,
+            merge_lora=args.merge_lora,
+            dtype=args.dtype,
+            checkpoint=args.checkpoint,
+            max_shard_bytes=args.max_shard_size,
+        )
+    except (ExportError, ConfigValidationError, CheckpointMismatchError, OSError) as exc:
+        print(f"flashcp export: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {report.out}: {len(report.shards)} shard(s) in {report.dtype} from "
+        f"{report.source} (at most {report.max_shard_parameters / 1e6:.2f}M parameters held at "
+        "once)"
+    )
+    extras = report.tokenizer_files + (["generation_config.json"] if report.generation_config
+                                       else [])  # fmt: skip
+    if extras:
+        print(f"  with {', '.join(extras)}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    return 0
+
+
 def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
     train = sub.add_parser(
         "train",
@@ -167,6 +217,34 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
     plot.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=_plot)
+    export = sub.add_parser(
+        "export",
+        help="write a run's model as a Hugging Face directory (config.json, safetensors)",
+        description="Stream a run's newest checkpoint into OUT as a Hugging Face model "
+        "directory (config.json, sharded safetensors + index, tokenizer files, "
+        "generation_config.json), one shard built at a time.",
+    )
+    export.add_argument("run_dir", help="a run's output_dir (config.yaml + checkpoints/)")
+    export.add_argument("out", help="the new directory to write (must not exist or be empty)")
+    export.add_argument(
+        "--merge-lora", action="store_true", help="fold a LoRA run's adapters into the weights"
+    )
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype of the exported weights (default: the run's train.param_dtype)",
+    )
+    export.add_argument(
+        "--checkpoint", default=None, help="a checkpoint directory (default: the newest intact)"
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=_parse_size,
+        default="5GB",
+        help="largest shard, e.g. 5GB (default) or 500MB; one shard is built at a time",
+    )
+    export.set_defaults(func=_export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from flashcp.models import ModelArgs, build_model
 from flashcp.models.hf_weights import (
     CheckpointMismatchError,
     Float32Source,
+    args_from_hf_config,
     load_hf_checkpoint,
     read_hf_float32,
     save_hf_checkpoint,
@@ -307,7 +308,7 @@ def test_index_key_absent_from_its_shard(checkpoints: dict[str, Path], tmp_path:
 
 
 def _arch_of(directory: Path) -> str:
-    return json.loads((directory / "config.json").read_text())["flashcp_model_args"]["arch"]
+    return args_from_hf_config(directory).arch
 
 
 def test_shape_mismatch_names_key_file_and_shapes(

@@ -102,7 +102,8 @@ class DataConfig:
     tokenizer: str = "byte"
     """`byte` (256 byte ids + BOS/EOS/PAD), a Hugging Face `tokenizer.json` file, or a
     Hugging Face tokenizer/model directory (`tokenizer.json` + `tokenizer_config.json`): its
-    special tokens and chat template are used (needed for `messages` data)."""
+    special tokens and chat template are used (needed for `messages` data). With
+    `model.from_pretrained` the default is that model directory (its tokenizer)."""
     text_field: str = "text"
     """Field holding a document's text (pretrain recipe)."""
     prompt_field: str = "prompt"
@@ -200,8 +201,9 @@ class CheckpointConfig:
     directory path."""
     init_from: str | None = None
     """A Hugging Face-layout safetensors checkpoint (file, or directory with
-    `model.safetensors[.index.json]`) the model starts from; null = seeded random init. A
-    resumed run restores its own checkpoint instead."""
+    `model.safetensors[.index.json]`) the model starts from; null = seeded random init, or the
+    `model.from_pretrained` directory when that is set (another path is refused). A resumed run
+    restores its own checkpoint instead."""
 
 
 @dataclass(kw_only=True)
@@ -286,6 +288,9 @@ class Config:
     """`flashcp.models.ModelArgs` (kept untyped here so the schema imports no Paddle)."""
     model_preset: str | None = None
     """The preset the model section started from, if any (informational)."""
+    model_from_pretrained: str | None = None
+    """`model.from_pretrained`: the Hugging Face model directory whose config.json gave the
+    model section (and whose weights `checkpoint.init_from` then loads), if any."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     data: DataConfig = field(default_factory=DataConfig)

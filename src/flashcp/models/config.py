@@ -8,7 +8,8 @@
   (``post_self_attn_layernorm``, ``post_mlp_layernorm``).
 * ``glm_moe``: GLM-4.5 (HF ``Glm4MoeForCausalLM``): RMSNorm, partial *half-split* (NeoX)
   rotary, QKV bias, GQA, sigmoid top-k routed experts with a selection-only correction bias,
-  shared experts, the first ``first_k_dense_replace`` layers dense.
+  shared experts, the first ``first_k_dense_replace`` layers dense; optionally QK-norm
+  (`use_qk_norm`: RMSNorm over each head of q and k before rotary, as the full GLM-4.5).
 
 `validate()` returns every problem as ``(key, message)`` pairs (keys are ``model.<field>``)
 so the config layer can report them all at once; `check()` raises on the first batch.
@@ -48,6 +49,7 @@ class ModelArgs:
     partial_rotary_factor: float = 1.0  # GLM uses 0.5: rotary on the first half of each head
     rotary_interleaved: bool | None = None  # None: per arch (glm True, gpt/glm_moe False)
     qkv_bias: bool = False
+    use_qk_norm: bool = False  # glm_moe only: RMSNorm(head_dim) on each q and k head, pre-rotary
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     # MoE (glm_moe only)
@@ -128,6 +130,12 @@ class ModelArgs:
         elif self.arch in ("glm", "glm_moe") and self.position != "rotary":
             err("position", f"arch {self.arch} always uses rotary positions; set position: rotary")
         self._validate_rotary(err)
+        if self.use_qk_norm and self.arch != "glm_moe":
+            err(
+                "use_qk_norm",
+                f"use_qk_norm is GLM-4.5's QK-norm (arch glm_moe); arch {self.arch} has none: "
+                "set use_qk_norm: false",
+            )
         if not self.norm_eps > 0:
             err("norm_eps", f"norm_eps {self.norm_eps} must be > 0")
         if not self.initializer_range > 0:
@@ -235,6 +243,7 @@ def estimate_parameters(
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if args.qkv_bias else 0)
+    attn += 2 * hd if args.use_qk_norm else 0
     if args.arch == "gpt":
         norms, dense_mlp = 2 * 2 * h, 2 * h * args.intermediate_size + args.intermediate_size + h
     else:

@@ -22,9 +22,9 @@ Skipped, never errors: ``lm_head.weight`` when the embeddings are tied,
 ``*.rotary_emb.inv_freq`` (old exports), and for ``glm_moe`` the multi-token-prediction
 layers GLM-4.5 ships after its last decoder layer.
 
-`save_hf_checkpoint` writes the same layout (sharded above `max_shard_bytes`) plus an
-HF-style ``config.json`` that also records the exact `ModelArgs`; `args_from_hf_config`
-reads either kind of ``config.json`` back.
+`save_hf_checkpoint` writes the same layout (sharded above `max_shard_bytes`) plus the HF
+``config.json`` (`flashcp.models.hf_config.hf_config`); `args_from_hf_config` reads it, or a
+transformers-written one, back.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,14 @@ from paddle import nn
 from safetensors.paddle import save_file
 
 from flashcp.models.config import ModelArgs
+from flashcp.models.hf_config import (  # noqa: F401 - re-exported
+    ARGS_KEY,
+    CONFIG_FILE,
+    HF_ARCH,
+    HFConfigError,
+    args_from_hf_config,
+    hf_config,
+)
 from flashcp.models.moe import TopkRouter
 from flashcp.models.safetensors_io import (
     RAW_DTYPES,
@@ -57,19 +65,11 @@ from flashcp.models.safetensors_io import (
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
-ARGS_KEY = "flashcp_model_args"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _SHOW = 12  # keys listed per kind of error
 _FIRST_STAGE = ("model.embed_tokens.", "model.embed_positions.")  # held with layer 0
 _LAST_STAGE = ("model.norm.", "lm_head.")  # held with the last layer
-
-HF_ARCH = {
-    "gpt": ("FlashcpGPTForCausalLM", "flashcp_gpt"),
-    "glm": ("Glm4ForCausalLM", "glm4"),
-    "glm_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
-}
 
 
 class CheckpointMismatchError(ValueError):
@@ -432,103 +432,6 @@ def read_hf_float32(
 
 
 # -------------------------------------------------------------------------------- saving
-
-
-def hf_config(args: ModelArgs, dtype: str = "float32") -> dict[str, Any]:
-    """An HF-style `config.json` for `args`, plus the exact `ModelArgs` under ARGS_KEY."""
-    architecture, model_type = HF_ARCH[args.arch]
-    cfg: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rotary_base,
-        "partial_rotary_factor": args.partial_rotary_factor,
-        "attention_bias": args.qkv_bias,
-        "tie_word_embeddings": args.tie_embeddings,
-        "initializer_range": args.initializer_range,
-        "torch_dtype": dtype,
-    }
-    if args.arch == "gpt":
-        cfg.update(layer_norm_eps=args.norm_eps, hidden_act="gelu", position=args.position)
-    else:
-        cfg.update(rms_norm_eps=args.norm_eps, hidden_act="silu", rope_scaling=None)
-    if args.arch == "glm_moe":
-        cfg.update(
-            n_routed_experts=args.num_experts,
-            num_experts_per_tok=args.num_experts_per_tok,
-            moe_intermediate_size=args.moe_intermediate_size,
-            n_shared_experts=args.num_shared_experts,
-            first_k_dense_replace=args.first_k_dense_replace,
-            routed_scaling_factor=args.routed_scaling_factor,
-            norm_topk_prob=args.norm_topk_prob,
-            n_group=1,
-            topk_group=1,
-            num_nextn_predict_layers=0,
-            use_qk_norm=False,
-        )
-    cfg[ARGS_KEY] = args.to_dict()
-    return cfg
-
-
-def args_from_hf_config(
-    config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
-) -> ModelArgs:
-    """`ModelArgs` from a `config.json` (path or dict): ours exactly, or HF GLM-4 / GLM-4.5."""
-    if not isinstance(config, Mapping):
-        p = Path(config)
-        config = json.loads((p / CONFIG_FILE if p.is_dir() else p).read_text())
-    if ARGS_KEY in config:
-        names = {f.name for f in fields(ModelArgs)}
-        values = {k: v for k, v in config[ARGS_KEY].items() if k in names}
-        return ModelArgs(**{**values, **overrides}).check()
-    model_type = config.get("model_type")
-    arch = {"glm4": "glm", "glm4_moe": "glm_moe"}.get(str(model_type))
-    if arch is None:
-        raise ValueError(
-            f"config.json model_type {model_type!r} is not supported: flashcp reads glm4, "
-            "glm4_moe and its own configs"
-        )
-    if config.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not implemented")
-    if config.get("use_qk_norm"):
-        raise ValueError("use_qk_norm=true (GLM-4.5 full size) is not implemented; Air is fine")
-    if int(config.get("n_group", 1)) > 1 and config.get("topk_group") != config.get("n_group"):
-        raise ValueError("group-limited expert routing (n_group > topk_group) is not implemented")
-    values: dict[str, Any] = dict(
-        arch=arch,
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        head_dim=config.get("head_dim"),
-        intermediate_size=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings", 4096),
-        rotary_base=float(config.get("rope_theta", 10000.0)),
-        partial_rotary_factor=float(config.get("partial_rotary_factor", 0.5)),
-        qkv_bias=bool(config.get("attention_bias", True)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        initializer_range=float(config.get("initializer_range", 0.02)),
-    )
-    if arch == "glm_moe":
-        values.update(
-            num_experts=config.get("n_routed_experts", config.get("num_experts")),
-            num_experts_per_tok=config["num_experts_per_tok"],
-            moe_intermediate_size=config["moe_intermediate_size"],
-            num_shared_experts=config.get("n_shared_experts", 0),
-            first_k_dense_replace=config.get("first_k_dense_replace", 0),
-            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        )
-    return ModelArgs(**{**values, **overrides}).check()
 
 
 def _atomic_json(path: Path, obj: Any) -> None:

@@ -39,28 +39,35 @@ def merged_shard_name(stage: int, num_stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
-def _merged(layer: Any, transposed: bool) -> np.ndarray:
+def _merged(layer: Any, transposed: bool, dtype: str | None = None) -> np.ndarray:
     if getattr(layer, "merged", False):
         raise RuntimeError("the adapters are already merged into the base weights")
     with paddle.no_grad():
         w = layer.weight.astype("float32")
         delta = paddle.matmul(layer.lora_A.astype("float32"), layer.lora_B.astype("float32"))
-        out = (w + delta * float(layer.scaling)).astype(layer.weight.dtype)
+        out = (w + delta * float(layer.scaling)).astype(dtype or layer.weight.dtype)
         if transposed:
             out = out.transpose([1, 0])
         return out.numpy()
 
 
-def _plain(tensor: paddle.Tensor, transposed: bool) -> np.ndarray:
+def _plain(tensor: paddle.Tensor, transposed: bool, dtype: str | None = None) -> np.ndarray:
     with paddle.no_grad():
         t = tensor.detach()
+        if dtype is not None:
+            t = t.astype("float32").astype(dtype)  # widen exactly, then one rounding
         return (t.transpose([1, 0]) if transposed else t).numpy()
 
 
-def merged_specs(module: paddle.nn.Layer) -> list[TensorSpec]:
-    """What this stage writes: every HF key it owns, adapted weights merged (lazily)."""
+def merged_specs(module: paddle.nn.Layer, dtype: str | None = None) -> list[TensorSpec]:
+    """What this stage writes: every HF key it owns, adapted weights merged (lazily).
+
+    `dtype` (float32 / bfloat16) casts every parameter on the way out (a merged weight is
+    rounded once, from its float32 sum); buffers keep their dtype (GLM-4.5's float32
+    `e_score_correction_bias`, as its own checkpoints store it); None keeps every dtype."""
     adapted = dict(lora_layers(module))
     skip_tied = bool(getattr(module, "num_stages", 1) > 1 and not module.is_first)  # type: ignore[attr-defined]
+    params = {name for name, _ in module.named_parameters()}
     specs = []
     for key, entry in hf_state_map(module).items():
         if key.endswith((".lora_A", ".lora_B")):
@@ -69,13 +76,15 @@ def merged_specs(module: paddle.nn.Layer) -> list[TensorSpec]:
             continue
         owner = key.rsplit(".", 1)[0]
         layer = adapted.get(owner) if key.endswith(".weight") else None
+        cast = dtype if key in params else None
         if layer is not None:
-            produce = lambda layer=layer, t=entry.transposed: _merged(layer, t)  # noqa: E731
+            produce = lambda layer=layer, t=entry.transposed, c=cast: _merged(layer, t, c)  # noqa: E731
         else:
-            produce = lambda e=entry: _plain(e.tensor, e.transposed)  # noqa: E731
-        specs.append(
-            TensorSpec(key, safetensors_dtype(entry.tensor.dtype), entry.hf_shape, produce)
-        )
+            produce = lambda e=entry, c=cast: _plain(e.tensor, e.transposed, c)  # noqa: E731
+        code = safetensors_dtype(entry.tensor.dtype)
+        if cast is not None:
+            code = safetensors_dtype(f"paddle.{cast}")
+        specs.append(TensorSpec(key, code, entry.hf_shape, produce))
     return specs
 
 
@@ -89,9 +98,12 @@ def write_merged_stage(module: paddle.nn.Layer, out: Path) -> Path:
     return path
 
 
-def write_merged_index(out: Path, args: Any, num_stages: int, dtype: str) -> list[str]:
-    """After every stage wrote its shard: the index, `config.json`, and the removal of weight
-    files an earlier export (another layout) left; returns the shard names."""
+def write_merged_index(
+    out: Path, args: Any, num_stages: int, dtype: str, *, token_ids: Any = None
+) -> list[str]:
+    """After every stage wrote its shard: the index, `config.json` (with `token_ids`, see
+    `flashcp.models.hf_config.hf_config`), and the removal of weight files an earlier export
+    (another layout) left; returns the shard names."""
     names = [merged_shard_name(s, num_stages) for s in range(num_stages)]
     weight_map: dict[str, str] = {}
     total = 0
@@ -103,7 +115,8 @@ def write_merged_index(out: Path, args: Any, num_stages: int, dtype: str) -> lis
                 total += int(np.prod(meta.get_shape())) * ITEM_SIZE[meta.get_dtype()]
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    config = hf_config(args, dtype, token_ids=token_ids)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     for stale in out.iterdir():
         if (stale.name == SINGLE_FILE or _SHARD_RE.match(stale.name)) and stale.name not in names:
             stale.unlink()

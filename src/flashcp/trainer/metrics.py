@@ -61,13 +61,19 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def format_memory(gib: float) -> str:
+    """A peak for the log line: GiB from 1 GiB up, MiB below (tiny models stay readable)."""
+    return f"{gib:.2f} GiB" if gib >= 1.0 else f"{gib * 1024:.1f} MiB"
+
+
 def format_line(m: StepMetrics, total_steps: int) -> str:
     """The human log line of a step."""
     width = len(str(total_steps))
     text = (
         f"step {m.step:>{width}}/{total_steps} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
         f"grad_norm {m.grad_norm:.4f} | tok/s {m.tokens_per_s:,.0f} | "
-        f"mem {m.peak_memory_gib:.2f} GiB (rank {m.peak_memory_rank}) | {m.step_time_s:.3f} s"
+        f"mem {format_memory(m.peak_memory_gib)} (rank {m.peak_memory_rank}) | "
+        f"{m.step_time_s:.3f} s"
     )
     for key in LOGGED_EXTRAS:
         if key in m.extra:
