@@ -106,6 +106,7 @@ def test_every_problem_is_reported_at_once() -> None:
         ("data", {"micro_batch_size": 0}, "data.micro_batch_size", ">= 1"),
         ("data", {"path": "/no/such.jsonl"}, "data.path", "no file or directory at"),
         ("data", {"tokenizer": "/no/tok.json"}, "data.tokenizer", "neither 'byte'"),
+        ("data", {"tokenizer": "/"}, "data.tokenizer", "the directory '/' has no tokenizer.json"),
         ("checkpoint", {"keep_last": 0}, "checkpoint.keep_last", ">= 1"),
         ("checkpoint", {"every": -1}, "checkpoint.every", "0 = never"),
         ("checkpoint", {"resume": "/no/ckpt"}, "checkpoint.resume", "'auto', 'never'"),

@@ -239,7 +239,14 @@ def _check_files(cfg: Config, c: _Checks) -> None:
             "file or a directory of them, or null for the built-in data",
         )
     tok = Path(d.tokenizer)
-    if d.tokenizer != "byte" and not (tok.is_file() or (tok / "tokenizer.json").is_file()):
+    if d.tokenizer != "byte" and tok.is_dir() and not (tok / "tokenizer.json").is_file():
+        c.add(
+            "data.tokenizer",
+            f"the directory {d.tokenizer!r} has no tokenizer.json (with model.from_pretrained "
+            "the model directory is the default): set data.tokenizer to a tokenizer directory, "
+            "a tokenizer.json file, or byte",
+        )
+    elif d.tokenizer != "byte" and not (tok.is_file() or tok.is_dir()):
         c.add(
             "data.tokenizer",
             f"{d.tokenizer!r} is neither 'byte', a tokenizer.json file nor a directory holding "
