@@ -305,5 +305,7 @@ def test_bad_dpo_records(glm: HFTokenizer) -> None:
     strict = DPORecords(glm, budget=12, truncation="error")
     with pytest.raises(ValueError, match="needs .* tokens packed .* data.seq_len is 12"):
         strict(record)
+    with pytest.raises(ValueError, match="truncation must be one of"):
+        DPORecords(glm, budget=24, truncation="drop")
     fitted = DPORecords(glm, budget=24)(record)
     assert fitted.packed_len <= 24 and fitted.prompt == build(record).prompt
