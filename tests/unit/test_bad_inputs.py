@@ -219,8 +219,8 @@ ROWS = [
         r"checkpoint\.resume: '{tmp}/no_ckpt' is not 'auto', 'never' or an existing checkpoint "
         r"directory"),
     cli("tokenizer_missing", ["data.tokenizer={tmp}/tok.json"],
-        r"data\.tokenizer: '{tmp}/tok\.json' is neither 'byte' nor an existing tokenizer\.json "
-        r"file"),
+        r"data\.tokenizer: '{tmp}/tok\.json' is neither 'byte', a tokenizer\.json file nor a "
+        r"directory holding one"),
     cli("config_missing", [],
         r"<file>: cannot read {tmp}/missing\.yaml: No such file or directory", config="missing"),
     cli("config_not_yaml", [],
@@ -245,10 +245,17 @@ ROWS = [
         r"outside run\.output_dir, or set run\.overwrite=false"),
     # -- launch: data file, output dir, port, FlashAttention flags (before launching) ----------
     cli("missing_data_file", ["data.path={tmp}/no_such.jsonl"],
-        r"data\.path: no file at '{tmp}/no_such\.jsonl': give a JSONL file, or null for the "
-        r"built-in corpus"),
+        r"data\.path: no file or directory at '{tmp}/no_such\.jsonl': give a JSON Lines or "
+        r"Parquet file \(or a directory of them\), or null for the built-in data"),
     cli("data_path_is_dir", ["data.path={tmp}"],
-        r"data\.path: no file at '{tmp}': give a JSONL file, or null for the built-in corpus"),
+        r"data\.path: the directory '{tmp}' holds no \.jsonl, \.json or \.parquet files: give a "
+        r"data file or a directory of them, or null for the built-in data"),
+    cli("data_path_not_jsonl_or_parquet", ["data.path={tmp}/a_file"],
+        r"data\.path: '{tmp}/a_file' is not a JSON Lines \(\.jsonl, \.json\) or Parquet "
+        r"\(\.parquet\) file: give one of those, a directory of them, or null for the built-in "
+        r"data"),
+    cli("on_bad_record_unknown", ["data.on_bad_record=ignore"],
+        r"data\.on_bad_record: expected one of"),
     cli("output_dir_under_a_file", ["run.output_dir={tmp}/a_file/out"],
         r"run\.output_dir {tmp}/a_file/out is not a writable directory: Not a directory "
         r"\({tmp}/a_file/out/logs\); set run\.output_dir to a directory you can write"),
@@ -522,12 +529,12 @@ def _config_path(row: Row, tmp: Path) -> str:
     return str(path)
 
 
-COUNTS = {"cli": 59, "worker": 8, "call": 26}
+COUNTS = {"cli": 61, "worker": 8, "call": 26}
 """Rows per entry point (docs/reliability.md quotes the total)."""
 
 
 def test_table_size_is_exact_and_covers_every_entry() -> None:
-    assert len(ROWS) == sum(COUNTS.values()) == 93
+    assert len(ROWS) == sum(COUNTS.values()) == 95
     assert {e: sum(r.entry == e for r in ROWS) for e in COUNTS} == COUNTS
     assert len({r.id for r in ROWS}) == len(ROWS)
 

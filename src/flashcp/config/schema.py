@@ -33,6 +33,11 @@ CHUNKS_PER_RANK: dict[str, int] = {
 }
 """How many chunks of the sequence each CP rank holds per mode: seq_len must divide by cp × this."""
 
+JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".json")
+PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
+DATA_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
+"""File name endings data.path may have (JSON Lines, Parquet); a directory holds such files."""
+
 IGNORE_INDEX = -100
 """Label value of a position that has no target (end of a document, prompt, padding)."""
 
@@ -97,17 +102,40 @@ class DataConfig:
     """Where text comes from and how it becomes fixed-length training sequences."""
 
     path: str | None = None
-    """JSONL file (one JSON object per line); null = the small sets shipped with flashcp: an
-    English corpus (pretrain), prompt/response pairs (sft), preference pairs (dpo)."""
+    """The data: a JSON Lines (.jsonl/.json, one object per line) or Parquet (.parquet) file,
+    or a directory whose files of one of those formats are read in name order (not its
+    subdirectories); null = the small sets shipped with flashcp: an English corpus (pretrain),
+    prompt/response pairs (sft), preference pairs (dpo). Rows are read lazily (see
+    `flashcp.data.index`)."""
     tokenizer: str = "byte"
-    """`byte` (256 byte ids + BOS/EOS/PAD) or the path of a Hugging Face `tokenizer.json`.
-    With `model.from_pretrained` the default is that model directory (its tokenizer)."""
+    """`byte` (256 byte ids + BOS/EOS/PAD), a Hugging Face `tokenizer.json` file, or a
+    Hugging Face tokenizer/model directory (`tokenizer.json` + `tokenizer_config.json`): its
+    special tokens and chat template are used (needed for `messages` data). With
+    `model.from_pretrained` the default is that model directory (its tokenizer)."""
     text_field: str = "text"
-    """JSONL field holding a document's text (pretrain recipe)."""
+    """Field holding a document's text (pretrain recipe)."""
     prompt_field: str = "prompt"
-    """JSONL field of the prompt (sft recipe; its tokens get no loss)."""
+    """Field of the prompt (sft: a string, its tokens get no loss; dpo: a string or a list of
+    messages)."""
     response_field: str = "response"
-    """JSONL field of the response (sft recipe; only these tokens are trained on)."""
+    """Field of the response (sft recipe with prompt/response strings: only these tokens are
+    trained on)."""
+    messages_field: str = "messages"
+    """Field of a conversation, a list of {"role", "content"} messages (sft recipe): rendered
+    with the tokenizer's chat template, loss on the assistant turns only."""
+    chosen_field: str = "chosen"
+    """Field of the preferred answer (dpo): a string, or the assistant turn (a message or a
+    one-message list) when the prompt is a list of messages."""
+    rejected_field: str = "rejected"
+    """Field of the dispreferred answer (dpo), like chosen_field."""
+    on_bad_record: Literal["skip", "error"] = "skip"
+    """A record that cannot be used (missing field, wrong type, empty answer, too long after
+    truncation, not JSON): skip it — bad records are counted by reason and reported with
+    their first rows in the start line and run_info.json — or stop before training, naming
+    the row and the reason."""
+    cache_dir: str | None = None
+    """Where the `datasets` library keeps the Arrow cache of Parquet data (null: its default,
+    $HF_DATASETS_CACHE or ~/.cache/huggingface/datasets)."""
     seq_len: int = 256
     """Tokens per training sequence (the global length, before context-parallel sharding)."""
     micro_batch_size: int = 1

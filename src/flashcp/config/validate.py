@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from flashcp.config.errors import ConfigError, suggest
-from flashcp.config.schema import CHUNKS_PER_RANK, RECIPES, REPORT_BACKENDS, Config
+from flashcp.config.schema import CHUNKS_PER_RANK, DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
 
 BYTE_VOCAB_SIZE = 259
 """256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
@@ -230,15 +230,40 @@ def _check_train(cfg: Config, c: _Checks) -> None:
 
 def _check_files(cfg: Config, c: _Checks) -> None:
     d = cfg.data
-    if d.path is not None and not Path(d.path).is_file():
+    path = None if d.path is None else Path(d.path)
+    if path is not None and not path.exists():
         c.add(
             "data.path",
-            f"no file at {d.path!r}: give a JSONL file, or null for the built-in corpus",
+            f"no file or directory at {d.path!r}: give a JSON Lines or Parquet file (or a "
+            "directory of them), or null for the built-in data",
         )
-    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
+    elif path is not None and path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
+        c.add(
+            "data.path",
+            f"{d.path!r} is not a JSON Lines (.jsonl, .json) or Parquet (.parquet) file: give "
+            "one of those, a directory of them, or null for the built-in data",
+        )
+    elif path is not None and path.is_dir() and not any(
+        f.suffix.lower() in DATA_SUFFIXES for f in path.iterdir() if f.is_file()
+    ):
+        c.add(
+            "data.path",
+            f"the directory {d.path!r} holds no .jsonl, .json or .parquet files: give a data "
+            "file or a directory of them, or null for the built-in data",
+        )
+    tok = Path(d.tokenizer)
+    if d.tokenizer != "byte" and tok.is_dir() and not (tok / "tokenizer.json").is_file():
         c.add(
             "data.tokenizer",
-            f"{d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json file",
+            f"the directory {d.tokenizer!r} has no tokenizer.json (with model.from_pretrained "
+            "the model directory is the default): set data.tokenizer to a tokenizer directory, "
+            "a tokenizer.json file, or byte",
+        )
+    elif d.tokenizer != "byte" and not (tok.is_file() or tok.is_dir()):
+        c.add(
+            "data.tokenizer",
+            f"{d.tokenizer!r} is neither 'byte', a tokenizer.json file nor a directory holding "
+            "one",
         )
 
 

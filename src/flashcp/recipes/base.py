@@ -37,13 +37,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import paddle
 
 from flashcp.config import Config
-from flashcp.distributed import ParallelGroups
+from flashcp.data.peers import Peers
+from flashcp.distributed import ParallelGroups, all_gather_object
 from flashcp.models import HeadInput
 from flashcp.parallel import MicroBatch
 
@@ -72,6 +74,11 @@ class Executor(Protocol):
         out_fn: Callable[[HeadInput, MicroBatch], Any],
         module: paddle.nn.Layer | None = None,
     ) -> list[Any] | None: ...
+
+
+DATA_INDEX_TIMEOUT = 3600.0
+"""Seconds a rank waits for the others to finish indexing their share of the data rows
+(`flashcp.data.index`): tokenizing a large dataset's share can take minutes."""
 
 
 @dataclass
@@ -104,6 +111,12 @@ class RecipeContext:
     @property
     def is_last_stage(self) -> bool:
         return int(self.groups.pp.rank) == int(self.groups.pp.nranks) - 1
+
+    def data_peers(self) -> Peers:
+        """Every rank of the job, to index the data rows together (`flashcp.data.index`)."""
+        world = self.groups.world
+        gather = partial(all_gather_object, group=world, timeout=DATA_INDEX_TIMEOUT)
+        return Peers(rank=int(world.rank), size=int(world.nranks), gather=gather)
 
     def autocast(self) -> Any:
         """The forward pass's autocast context (bfloat16 O1 when the compute dtype is bf16)."""

@@ -113,7 +113,8 @@ class DPORecipe(Recipe):
     # -- setup ------------------------------------------------------------------------------
 
     def build_data(self) -> DPOData:
-        return DPOData(self.cfg, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size)
+        ctx = self.ctx
+        return DPOData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, peers=ctx.data_peers())
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
         """LoRA: adapters on the policy (the reference is the same model, adapters off).

@@ -46,8 +46,9 @@ class LMData(TrainData):
     """`TrainData` with the `describe()` the trainer's banner uses."""
 
     def describe(self) -> str:
-        data = self.cfg.data.path or "built-in corpus"
-        return f"data {data}: {self.num_documents} docs, {self.num_tokens} tokens"
+        out = f"data {self.source.name}: {self.num_documents} docs, {self.num_tokens} tokens"
+        skipped = self.bad_records.summary()
+        return f"{out} ({skipped})" if skipped else out
 
 
 class LMRecipe(Recipe):
@@ -57,7 +58,7 @@ class LMRecipe(Recipe):
 
     def build_data(self) -> LMData:
         ctx = self.ctx
-        return LMData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+        return LMData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, peers=ctx.data_peers())
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
         self.apply_lora(model)
