@@ -22,7 +22,14 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
-from flashcp.models.hf_weights import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, hf_config, hf_state_map
+from flashcp.models.hf_weights import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    HFEntry,
+    hf_config,
+    hf_state_map,
+)
 from flashcp.models.safetensors_stream import (
     ITEM_SIZE,
     TensorSpec,
@@ -30,6 +37,7 @@ from flashcp.models.safetensors_stream import (
     write_streaming,
 )
 from flashcp.recipes.lora import lora_layers
+from flashcp.recipes.lora_experts import is_expert_lora, merged_piece
 
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
@@ -51,28 +59,31 @@ def _merged(layer: Any, transposed: bool) -> np.ndarray:
         return out.numpy()
 
 
-def _plain(tensor: paddle.Tensor, transposed: bool) -> np.ndarray:
-    with paddle.no_grad():
-        t = tensor.detach()
-        return (t.transpose([1, 0]) if transposed else t).numpy()
+def _merged_expert(layer: Any, entry: HFEntry) -> np.ndarray:
+    proj = entry.name.rsplit(".", 1)[1]
+    piece = merged_piece(layer, proj, int(entry.expert), entry.columns)  # type: ignore[arg-type]
+    return piece.transpose([1, 0]).contiguous().numpy()
 
 
 def merged_specs(module: paddle.nn.Layer) -> list[TensorSpec]:
-    """What this stage writes: every HF key it owns, adapted weights merged (lazily)."""
+    """What this stage writes: every HF key it owns, adapted weights merged (lazily; an
+    adapted expert's pieces one expert at a time)."""
     adapted = dict(lora_layers(module))
     skip_tied = bool(getattr(module, "num_stages", 1) > 1 and not module.is_first)  # type: ignore[attr-defined]
     specs = []
     for key, entry in hf_state_map(module).items():
-        if key.endswith((".lora_A", ".lora_B")):
+        if key.endswith(("lora_A", "lora_B")):  # `.lora_A` (Linear), `_lora_A` (experts)
             continue
         if skip_tied and key == "model.embed_tokens.weight":
             continue
-        owner = key.rsplit(".", 1)[0]
-        layer = adapted.get(owner) if key.endswith(".weight") else None
-        if layer is not None:
+        owner = entry.name.rsplit(".", 1)[0]
+        layer = adapted.get(owner) if key.endswith(".weight") or entry.is_piece else None
+        if layer is not None and entry.is_piece and is_expert_lora(layer):
+            produce = lambda layer=layer, e=entry: _merged_expert(layer, e)  # noqa: E731
+        elif layer is not None:
             produce = lambda layer=layer, t=entry.transposed: _merged(layer, t)  # noqa: E731
         else:
-            produce = lambda e=entry: _plain(e.tensor, e.transposed)  # noqa: E731
+            produce = entry.hf_array
         specs.append(
             TensorSpec(key, safetensors_dtype(entry.tensor.dtype), entry.hf_shape, produce)
         )
