@@ -122,12 +122,18 @@ class _GroupedMatmul(PyLayer):
 
 def _assemble(w: paddle.Tensor, parts: list[tuple[tuple[int, ...], paddle.Tensor, Any]]) -> Any:
     """The `[E, K, N]` gradient from per-chunk parts (experts absent from every chunk: zeros),
-    each expert written once: in place into zeros (float32), or (dtypes CPU `scatter` lacks,
-    e.g. bf16) the parts and zero blocks concatenated and put in expert order by a gather."""
+    each expert block written once, in place into a zero tensor. CPU `scatter` has no bf16
+    kernel, so 2-byte dtypes are scattered as bit copies through an int32 view (N even);
+    otherwise the parts and zero blocks are concatenated and put in order by a gather."""
+    dw = paddle.zeros(w.shape, dtype=w.dtype)
     if w.dtype in (paddle.float32, paddle.float64):
-        dw = paddle.zeros(w.shape, dtype=w.dtype)
         for _, index, part in parts:
             dw.scatter_(index, part, overwrite=True)
+        return dw
+    if dw.element_size() == 2 and int(w.shape[-1]) % 2 == 0:
+        bits = dw.view("int32")
+        for _, index, part in parts:
+            bits.scatter_(index, part.contiguous().view("int32"), overwrite=True)
         return dw
     held = [e for experts, _, _ in parts for e in experts]
     missing = sorted(set(range(int(w.shape[0]))) - set(held))
@@ -136,8 +142,6 @@ def _assemble(w: paddle.Tensor, parts: list[tuple[tuple[int, ...], paddle.Tensor
         blocks.append(paddle.zeros([len(missing), *w.shape[1:]], dtype=w.dtype))
     order = np.argsort(np.asarray(held + missing), kind="stable")
     stacked = blocks[0] if len(blocks) == 1 else paddle.concat(blocks, axis=0)
-    if np.array_equal(order, np.arange(len(order))):
-        return stacked
     return paddle.gather(stacked, paddle.to_tensor(order, dtype="int64"), axis=0)
 
 
