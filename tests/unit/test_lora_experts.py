@@ -5,7 +5,6 @@ weights), and save/load, merge and disable behave as for linear layers."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +20,7 @@ from flashcp.recipes.lora import (
     merge_adapters,
     save_adapters,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_reference import LoopMoE  # noqa: E402
+from moe_reference import LoopMoE
 
 TARGETS = [r".*mlp\.experts", ".*q_proj"]
 PROJ = ("gate_up_proj", "down_proj")
