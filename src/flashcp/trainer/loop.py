@@ -27,6 +27,10 @@ One optimizer step (`Trainer.train_step`):
    the parameters, or on float32 master weights (bf16-stored parameters; this rank's shard
    under ZeRO-1, all-gathered into the parameters after), LR schedule step, metrics on rank 0,
    checkpoint every `checkpoint.every` steps.
+7. MoE models: the routers' expert loads (and dropped entries, balance-loss values) ride in
+   step 4's all-reduce; after an applied step the correction biases move toward the
+   under-loaded experts (`model.router_bias_update_rate`), and the summarised loads go to the
+   metrics (`flashcp.trainer.moe_stats`).
 
 Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
 those are the adapters (saved in PaddleFormers' format; see `flashcp.recipes.adapters`).
