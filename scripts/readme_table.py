@@ -270,6 +270,44 @@ def loss_memory_rows(docs: Path) -> list[Row]:
     ]
 
 
+def moe_rows(docs: Path) -> list[Row]:
+    rep = _load(docs, "moe.json")
+    if rep is None:
+        return []
+    where = "`docs/moe.md`"
+    balanced = [c for c in rep["cases"] if not c["skewed"]]
+    rows: list[Row] = []
+    if balanced:
+        speed = {c["case"]: c["variants"]["grouped"]["speedup"] for c in balanced}
+        lo, hi = min(speed, key=speed.__getitem__), max(speed, key=speed.__getitem__)
+        met = [c for c, s in speed.items() if s >= rep["target"]]
+        verdict = (f"≥ {rep['target']:.0f}× in {len(met)} of {len(speed)} cases"
+                   if met else f"target {rep['target']:.0f}× not reached")  # fmt: skip
+        rows.append(
+            (
+                f"GLM-4.5-shaped MoE layer ({rep['experts']} experts, top-{rep['top_k']}, "
+                "shared expert) fwd+bwd, grouped experts vs the per-expert loop, T×H×I from "
+                f"{lo} to {hi}, CPU time, {rep['repeats']} interleaved rounds",
+                f"{speed[lo]:.2f}× – {speed[hi]:.2f}× ({verdict})",
+                where,
+            )
+        )
+    bal = rep.get("balance")
+    if bal:
+        n = min(8, len(bal["on"]))
+        on, off = (sum(bal[k][-n:]) / n for k in ("on", "off"))
+        rows.append(
+            (
+                f"router bias update (γ = {bal['rate']:g}) on a skewed router, tiny MoE "
+                f"({bal['experts']} experts, top-{bal['top_k']}): expert-load max/mean, mean of "
+                f"the last {n} of {len(bal['on'])} steps",
+                f"{on:.2f} with vs {off:.2f} without (start {bal['on'][0]:.2f})",
+                where,
+            )
+        )
+    return rows
+
+
 SECTIONS: list[Callable[[Path], list[Row]]] = [
     kernel_rows,
     balance_rows,
@@ -278,6 +316,7 @@ SECTIONS: list[Callable[[Path], list[Row]]] = [
     launch_rows,
     dpo_rows,
     loss_memory_rows,
+    moe_rows,
 ]
 
 

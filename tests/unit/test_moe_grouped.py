@@ -291,3 +291,22 @@ def test_batched_gemm_on_gpu_equals_the_grouped_cpu_path() -> None:
     paddle.set_device("cpu")
     for a, b in zip(*results, strict=True):
         assert _rel(b, a) <= 1e-5
+
+
+@pytest.mark.parametrize(("dtype", "n"), [("float32", 5), ("bfloat16", 4), ("bfloat16", 5)])
+def test_weight_gradient_assembly_puts_each_expert_in_place(dtype: str, n: int) -> None:
+    """Parts for experts (3, 0) and (1,), expert 2 absent: every path (in-place float32
+    scatter, bf16 through an int32 view, the odd-width concat + gather) gives the same."""
+    rng = np.random.default_rng(0)
+    parts_np = {3: rng.standard_normal((2, n)), 0: rng.standard_normal((2, n)),
+                1: rng.standard_normal((2, n))}  # fmt: skip
+    w = paddle.zeros([4, 2, n], dtype=dtype)
+    parts = []
+    for experts in ((3, 0), (1,)):
+        block = paddle.to_tensor(np.stack([parts_np[e] for e in experts]).astype("float32"))
+        parts.append((experts, paddle.to_tensor(list(experts)), block.astype(dtype)))
+    got = gm._assemble(w, parts).astype("float32").numpy()
+    want = np.zeros((4, 2, n), np.float32)
+    for e, v in parts_np.items():
+        want[e] = paddle.to_tensor(v.astype("float32")).astype(dtype).astype("float32").numpy()
+    np.testing.assert_array_equal(got, want)
