@@ -100,7 +100,7 @@ class TopkRouter(nn.Layer):
 
 
 @dataclass
-class RouterStats:
+class RoutingStats:
     """What a layer's calls under gradient recording accumulated (see the module docstring)."""
 
     load: np.ndarray
@@ -140,10 +140,10 @@ class MoE(nn.Layer):
         self._dropped = 0
         self._aux: paddle.Tensor | None = None
 
-    def take_stats(self) -> RouterStats:
+    def take_stats(self) -> RoutingStats:
         """The accumulated statistics (then reset)."""
         aux = 0.0 if self._aux is None else float(self._aux)
-        stats = RouterStats(self._load.copy(), self._dropped, aux)
+        stats = RoutingStats(self._load.copy(), self._dropped, aux)
         self._reset_stats()
         return stats
 

@@ -7,25 +7,29 @@ The router picks `k` experts per token (`ids` `[T, k]`). The three steps of an M
    expert-sorted buffer, and for every entry its row in that buffer (`slot`). Everything is
    computed on the device; the counts reach the host once per call (`Dispatch.counts`, needed
    for buffer shapes), never once per expert.
-2. `permute(x, d)` → the buffer `[M, H]`: row `r` is token `d.source[r]`, expert `e`'s rows
-   contiguous (`d.counts[e]` of them, experts in index order) — what
+2. `permute(x, d)` → the buffer `[M, H]`: row `r` holds token `d.entry[r] // k`, expert
+   `e`'s rows contiguous (`d.counts[e]` of them, experts in index order) — what
    `flashcp.models.experts.GroupedExperts` evaluates.
 3. `combine(y, d, weights)` → `[T, H]` float32: ``out[t] = Σ_j weights[t, j] · y[slot[t, j]]``,
    summed over `j` in order, in float32 (as HF's Glm4Moe accumulates).
+
+`relayout(d, row_index, rows)` moves the buffer's rows to other positions of a larger buffer
+(the experts' padded groups, `flashcp.models.experts.ExpertLayout.row_index`): `permute` then
+writes the tokens straight into that layout, zero rows between, and `combine` reads from it.
 
 Expert parallelism inserts its all-to-all exchanges between 1/2 (send each expert's rows to
 the rank holding it; the buffer is already grouped by expert, hence by destination rank) and
 between the experts and 3 (send them back, same order), without changing these pieces.
 
 Capacity (`model.moe_capacity_factor` > 0): at most `capacity` rows per expert; an entry past
-its expert's capacity (the later tokens, in token order) is dropped — its slot is the zero row
-`M`, so it contributes nothing and gets no gradient — and counted in `Dispatch.dropped`.
-Dropless (capacity None) keeps every entry: the default.
+its expert's capacity (the later tokens, in token order) is dropped — it has no buffer row,
+`Dispatch.keep` is 0 for it, so it contributes nothing and gets no gradient — and counted in
+`Dispatch.dropped`. Dropless (capacity None) keeps every entry: the default.
 
-Both data movements are PyLayers with gather-only forward and backward passes (the permute
-backward sums each token's `k` buffer rows by a gather and a fixed-order sum; the combine
-backward writes each entry's gradient to its own unique row), so the results are
-deterministic on every device, with no atomic scatter-add.
+Both data movements are PyLayers whose forward and backward passes are gathers and fixed-order
+sums (the permute backward sums each token's `k` buffer rows; the combine backward gives each
+buffer row its own entry's gradient), so the results are deterministic on every device, with
+no atomic scatter-add.
 """
 
 from __future__ import annotations
