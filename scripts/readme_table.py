@@ -283,12 +283,14 @@ def moe_rows(docs: Path) -> list[Row]:
         met = [c for c, s in speed.items() if s >= rep["target"]]
         verdict = (f"≥ {rep['target']:.0f}× in {len(met)} of {len(speed)} cases"
                    if met else f"target {rep['target']:.0f}× not reached")  # fmt: skip
+        hidden = sorted({c["hidden"] for c in balanced})
+        scale = "–".join(f"1/{4096 // h}" for h in (hidden[-1], hidden[0]) if 4096 % h == 0)
         rows.append(
             (
                 f"GLM-4.5-shaped MoE layer ({rep['experts']} experts, top-{rep['top_k']}, "
-                "shared expert) fwd+bwd, grouped experts vs the per-expert loop, T×H×I from "
-                f"{lo} to {hi}, CPU time, {rep['repeats']} interleaved rounds",
-                f"{speed[lo]:.2f}× – {speed[hi]:.2f}× ({verdict})",
+                f"shared expert; hidden {scale} of GLM-4.5-Air) fwd+bwd, grouped experts vs "
+                f"the per-expert loop, CPU time, {rep['repeats']} interleaved rounds",
+                f"{speed[lo]:.2f}× (T×H×I {lo}) to {speed[hi]:.2f}× ({hi}); {verdict}",
                 where,
             )
         )
