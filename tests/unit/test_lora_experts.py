@@ -217,3 +217,18 @@ def test_bf16_base_with_expert_adapters_runs_the_float32_math() -> None:
     got, want = _hidden(b16), _hidden(f32)
     assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)
     assert np.abs(got - _hidden(_adapted(seed=0))).max() > 1e-4  # unrounded: differs
+
+
+def test_merge_then_unmerge_restores_the_stacked_weights() -> None:
+    lora = _adapted()
+    _, layer = _experts(lora)[0]
+    before = {p: getattr(layer, p).numpy().copy() for p in PROJ}
+    adapted = _hidden(lora)
+    layer.merge()
+    assert layer.merged
+    merged = _hidden(lora)  # the adapters are in W now (and skipped in forward)
+    np.testing.assert_allclose(merged, adapted, rtol=0, atol=1e-5 * np.abs(adapted).max())
+    layer.unmerge()
+    assert not layer.merged
+    for p in PROJ:  # float32 W + d - d: back within rounding
+        np.testing.assert_allclose(getattr(layer, p).numpy(), before[p], rtol=0, atol=1e-6)

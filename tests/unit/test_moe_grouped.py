@@ -310,3 +310,34 @@ def test_weight_gradient_assembly_puts_each_expert_in_place(dtype: str, n: int) 
     for e, v in parts_np.items():
         want[e] = paddle.to_tensor(v.astype("float32")).astype(dtype).astype("float32").numpy()
     np.testing.assert_array_equal(got, want)
+
+
+def test_ragged_buffer_through_enter_and_leave_equals_the_relayout_path() -> None:
+    """The route expert parallelism takes (rows arrive as an expert-ordered ragged buffer):
+    `ExpertLayout.enter` / `leave` around the experts give what `relayout` gives, values and
+    gradients."""
+    paddle.seed(5)
+    moe = MoE(_args(num_shared_experts=0))
+    x = _x(rows=1, length=20, seed=8)
+    flat = x.reshape([-1, H])
+    probe = paddle.to_tensor(np.random.default_rng(2).standard_normal((20, H)).astype("float32"))
+    routing = moe.gate.route(flat)
+    d = build_dispatch(routing.ids, 16)
+    layout = moe.experts.plan(d.counts, flat)
+    assert layout.rows > d.rows  # padded groups
+    ragged = permute(flat, d)
+    via_enter = combine(layout.leave(moe.experts(layout.enter(ragged), layout)), d, routing.weights)
+    (via_enter * probe).sum().backward()
+    g1 = [x.grad.numpy(), moe.experts.gate_up_proj.grad.numpy(), moe.gate.weight.grad.numpy()]
+    for p in (x, moe.experts.gate_up_proj, moe.experts.down_proj, moe.gate.weight):
+        p.clear_gradient()
+    laid = relayout(d, layout.row_index(), layout.rows)
+    flat = x.reshape([-1, H])  # a fresh graph for the second pass
+    direct = combine(moe.experts(permute(flat, laid), layout), laid, moe.gate.route(flat).weights)
+    (direct * probe).sum().backward()
+    g2 = [x.grad.numpy(), moe.experts.gate_up_proj.grad.numpy(), moe.gate.weight.grad.numpy()]
+    np.testing.assert_array_equal(via_enter.numpy(), direct.numpy())
+    for a, b in zip(g1, g2, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
+    with pytest.raises(ValueError, match="3 row counts for 16 experts"):
+        moe.experts.plan([1, 2, 3], flat)

@@ -276,3 +276,30 @@ def test_config_refuses_bias_updates_under_lora_and_bad_values() -> None:
         assert any(k == f"model.{field}" and ">= 0" in m for k, m in errs)
         dense = preset("tiny_glm").__class__(arch="glm", **{field: 0.5}).validate()
         assert any(k == f"model.{field}" and "only used by arch glm_moe" in m for k, m in dense)
+
+
+def test_a_pipeline_stage_packs_and_updates_only_its_layers() -> None:
+    """Stage 0 of 2 holds MoE layer 1 of layers 1, 2: its vector has layer 2's slot empty
+    (another stage fills it in the all-reduce) and it moves only its own router's bias."""
+    from flashcp.parallel import build_stage
+    from flashcp.trainer.moe_stats import RouterStats
+
+    args = preset("tiny_glm_moe", num_layers=3, router_bias_update_rate=0.5)
+    stage = build_stage(args, 0, 2, seed=0)
+    stats = RouterStats(stage, args)
+    assert stats.layers == [1, 2] and sorted(stats.local) == [1]
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 64, (1, 8)).astype("int64"))
+    pos = paddle.to_tensor(np.arange(8)[None].astype("int64"))
+    from flashcp.models import AttentionContext
+
+    stage(ids, pos, AttentionContext(mask=None, causal=True)).sum().backward()
+    vec = stats.local_vector()
+    e = args.num_experts
+    assert vec[:e].sum() == 8 * args.num_experts_per_tok and not vec[e : 2 * e].any()
+    other = np.zeros_like(vec)
+    other[e : 2 * e] = [5, 0, 0, 3]  # what stage 1 adds for layer 2
+    stats.update_biases(vec + other)
+    bias = stats.local[1].gate.e_score_correction_bias.numpy()
+    np.testing.assert_array_equal(bias, mb.bias_step(vec[:e], 0.5))
+    metrics = stats.metrics(vec + other)
+    assert metrics["moe/max_over_mean_max"] == 2.5  # layer 2: 5 / mean 2
