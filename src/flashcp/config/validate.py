@@ -353,6 +353,14 @@ def _check_lora(cfg: Config, c: _Checks) -> None:
     lora = cfg.extras.get("lora")
     if lora is None:
         return
+    rate = getattr(cfg.model, "router_bias_update_rate", 0.0)
+    if isinstance(rate, (int, float)) and rate > 0:
+        c.add(
+            "model.router_bias_update_rate",
+            f"is {rate}, but with a lora section the router is frozen and only the adapters "
+            "are trained and saved (the moved biases would be lost at resume): set "
+            "model.router_bias_update_rate: 0, or train without lora",
+        )
     if lora.rank < 1:
         c.add("lora.rank", f"must be an integer >= 1, got {lora.rank}")
     _positive(c, "lora.alpha", lora.alpha)

@@ -17,6 +17,7 @@ so the config layer can report them all at once; `check()` raises on the first b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -60,6 +61,9 @@ class ModelArgs:
     first_k_dense_replace: int = 0
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
+    moe_capacity_factor: float = 0.0  # 0: dropless; else rows per expert = ceil(f·T·k/E)
+    router_bias_update_rate: float = 0.0  # γ of the aux-loss-free bias update; 0: off
+    router_aux_loss_coef: float = 0.0  # α of the sequence-wise balance loss; 0: off
     # training
     recompute: Recompute = "none"
     initializer_range: float = 0.02
@@ -170,11 +174,16 @@ class ModelArgs:
 
     def _validate_moe(self, err: ErrFn) -> None:
         moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        options = ("moe_capacity_factor", "router_bias_update_rate", "router_aux_loss_coef")
         if self.arch != "glm_moe":
-            for name in (*moe_fields, "num_shared_experts", "first_k_dense_replace"):
+            for name in (*moe_fields, "num_shared_experts", "first_k_dense_replace", *options):
                 if getattr(self, name):
                     err(name, f"{name} is only used by arch glm_moe (arch is {self.arch}); set 0")
             return
+        for name in options:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                err(name, f"{name} {value!r} must be a finite number >= 0 (0 turns it off)")
         for name in moe_fields:
             _positive_int(err, name, getattr(self, name))
         k_over = _all_pos(self.num_experts, self.num_experts_per_tok) and (

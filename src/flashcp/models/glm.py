@@ -60,7 +60,8 @@ class GLMDecoderLayer(DecoderLayer):
         if self.extra_norms:
             a = self.post_self_attn_layernorm(a)
         h = h + a
-        m = self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        m = self.mlp(x, attn.group) if isinstance(self.mlp, MoE) else self.mlp(x)
         if self.extra_norms:
             m = self.post_mlp_layernorm(m)
         return h + m

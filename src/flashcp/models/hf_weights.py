@@ -78,29 +78,101 @@ class CheckpointMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class HFEntry:
-    """One checkpoint key: the model tensor it fills and whether HF stores it transposed."""
+    """One checkpoint key: the model tensor it fills (all of it, or one expert's piece of a
+    stacked expert weight) and whether HF stores it transposed.
+
+    A piece is ``tensor[expert][:, columns[0]:columns[1]]`` in the Paddle layout (`[in, out]`,
+    columns = output features); `name` is the state-dict name of `tensor`.
+    """
 
     key: str
     tensor: paddle.Tensor
     transposed: bool
+    name: str = ""
+    expert: int | None = None
+    columns: tuple[int, int] | None = None
+
+    @property
+    def is_piece(self) -> bool:
+        return self.expert is not None
+
+    @property
+    def shape(self) -> list[int]:
+        """The Paddle-layout shape of what this key fills."""
+        shape = [int(s) for s in self.tensor.shape]
+        if self.expert is None:
+            return shape
+        shape = shape[1:]
+        if self.columns is not None:
+            shape[-1] = self.columns[1] - self.columns[0]
+        return shape
 
     @property
     def hf_shape(self) -> list[int]:
-        shape = [int(s) for s in self.tensor.shape]
+        shape = self.shape
         return shape[::-1] if self.transposed else shape
+
+    def value(self) -> paddle.Tensor:
+        """What this key fills, in the Paddle layout (a copy for a piece)."""
+        if self.expert is None:
+            return self.tensor
+        t = self.tensor[self.expert]
+        if self.columns is not None:
+            t = t[:, self.columns[0] : self.columns[1]]
+        return t
+
+    def hf_array(self) -> np.ndarray:
+        """This key's values as HF stores them (transposed back if need be), numpy."""
+        with paddle.no_grad():
+            t = self.value().detach()
+            return (t.transpose([1, 0]) if self.transposed else t).contiguous().numpy()
+
+    @paddle.no_grad()
+    def assign(self, value: paddle.Tensor) -> None:
+        """Write `value` (Paddle layout, the tensor's dtype) into what this key fills."""
+        if self.expert is None:
+            paddle.assign(value, output=self.tensor)
+        elif self.columns is None:
+            self.tensor[self.expert] = value
+        else:
+            self.tensor[self.expert, :, self.columns[0] : self.columns[1]] = value
+
+
+def _expert_pieces(prefix: str, layer: nn.Layer, state: Mapping[str, Any]) -> list[HFEntry]:
+    """The per-expert HF keys of a stacked-experts layer (`flashcp.models.experts`): expert
+    `first_expert + e`'s ``gate_proj`` / ``up_proj`` are the two column halves of
+    ``gate_up_proj[e]``, its ``down_proj`` is ``down_proj[e]``; all HF `[out, in]`."""
+    inter = int(layer.intermediate_size)
+    gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    out = []
+    for e in range(int(layer.num_experts)):
+        key = f"{prefix}.{int(layer.first_expert) + e}"
+        out += [
+            HFEntry(f"{key}.gate_proj.weight", state[gate_up], True, gate_up, e, (0, inter)),
+            HFEntry(f"{key}.up_proj.weight", state[gate_up], True, gate_up, e, (inter, 2 * inter)),
+            HFEntry(f"{key}.down_proj.weight", state[down], True, down, e, None),
+        ]
+    return out
 
 
 def hf_state_map(model: nn.Layer) -> dict[str, HFEntry]:
-    """Checkpoint key → `HFEntry` for every parameter and persistent buffer of `model`."""
-    transposed = {
-        f"{name}.weight"
-        for name, layer in model.named_sublayers()
-        if isinstance(layer, (nn.Linear, TopkRouter))
-    }
-    return {
-        name: HFEntry(name, tensor, name in transposed)
-        for name, tensor in model.state_dict().items()
-    }
+    """Checkpoint key → `HFEntry` for every parameter and persistent buffer of `model`; a
+    stacked-experts layer's two weights become their per-expert HF keys (`_expert_pieces`)."""
+    state = model.state_dict()
+    transposed = set()
+    entries: dict[str, HFEntry] = {}
+    stacked: set[str] = set()
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, (nn.Linear, TopkRouter)):
+            transposed.add(f"{name}.weight")
+        if getattr(layer, "STACKED_EXPERTS", False):
+            for entry in _expert_pieces(name, layer, state):
+                entries[entry.key] = entry
+                stacked.add(entry.name)
+    for name, tensor in state.items():
+        if name not in stacked:
+            entries[name] = HFEntry(name, tensor, name in transposed, name)
+    return entries
 
 
 # ------------------------------------------------------------------------------- loading
@@ -111,7 +183,8 @@ class Float32Source:
 
     Handed to `load_hf_checkpoint`'s `on_tensor` callback so float32 master weights can be
     filled from the file's values rather than from parameters rounded to bf16. Valid only
-    during the callback (it holds the tensor's raw bytes as read, nothing converted yet).
+    during the callback (it holds the tensor's raw bytes as read, nothing converted yet). For
+    a per-expert key of a stacked expert weight it is that expert's piece (`HFEntry`).
     """
 
     def __init__(self, raw: np.ndarray, code: str, transposed: bool) -> None:
@@ -386,8 +459,9 @@ def load_hf_checkpoint(
     key, unexpected key (only when `strict`), shape mismatch (key, file, checkpoint shape,
     model shape) and uncastable dtype, so a bad checkpoint leaves the module untouched.
 
-    `on_tensor(name, source)` is called after each tensor is assigned, with its state-dict name
-    and a `Float32Source` of the file's values (e.g. to fill float32 master weights, or just
+    `on_tensor(key, source)` is called after each tensor is assigned, with its checkpoint key
+    (the state-dict name, except for the per-expert keys of stacked expert weights) and a
+    `Float32Source` of the file's values (e.g. to fill float32 master weights, or just
     this rank's flat slice of them, without a bf16 round trip and without a second read).
     """
     report = LoadReport(files=[])
@@ -399,8 +473,7 @@ def load_hf_checkpoint(
             tensor = paddle.to_tensor(np.ascontiguousarray(value), place=entry.tensor.place)
             if tensor.dtype != entry.tensor.dtype:  # numpy has no bf16: uint16 → bf16
                 raise AssertionError(f"{info.key}: {tensor.dtype} != {entry.tensor.dtype}")
-            with paddle.no_grad():
-                paddle.assign(tensor, output=entry.tensor)
+            entry.assign(tensor)
             del tensor, value
             if on_tensor is not None:
                 on_tensor(info.key, Float32Source(raw, info.dtype, entry.transposed))
@@ -415,19 +488,52 @@ def read_hf_float32(
     """The checkpoint's float32 values of flat slices of some of `module`'s tensors.
 
     `slices[name] = (start, stop)` over the row-major flattened Paddle-layout tensor `name`
-    (e.g. this rank's ZeRO shard of the float32 master weights, filled from the file rather
-    than from bf16 parameters). Only the named tensors are read, each whole (a flat shard cuts
-    at most two tensors partially); keys, shapes and dtypes are checked as in
+    (a state-dict name; e.g. this rank's ZeRO shard of the float32 master weights, filled from
+    the file rather than from bf16 parameters). Only the checkpoint keys of the named tensors
+    are read, each whole — for a stacked expert weight only the experts the slice touches (a
+    flat shard cuts at most two tensors partially); keys, shapes and dtypes are checked as in
     `load_hf_checkpoint`; nothing is assigned. Returns the slices and the `LoadReport`.
     """
+    held = hf_state_map(module)
+    keys: list[str] = []
+    for name, (start, stop) in slices.items():
+        mine = [e for e in held.values() if e.name == name]
+        if not mine:
+            raise KeyError(f"not tensors of this module: {[name]}")
+        for entry in mine:
+            if entry.is_piece:
+                size = int(np.prod(entry.tensor.shape[1:]))
+                lo, hi = entry.expert * size, (entry.expert + 1) * size  # type: ignore[operator]
+                if hi <= start or lo >= stop:
+                    continue
+            keys.append(entry.key)
     report = LoadReport(files=[])
-    out: dict[str, np.ndarray] = {}
-    reader = _read_tensors(module, path, report, strict=True, names=list(slices))
+    out = {name: np.empty(stop - start, dtype=np.float32) for name, (start, stop) in slices.items()}
+    blocks: dict[tuple[str, int], tuple[np.ndarray, int]] = {}  # experts being assembled
+    reader = _read_tensors(module, path, report, strict=True, names=keys)
     with contextlib.closing(reader) as tensors:
         for entry, info, raw in tensors:
-            out[info.key] = Float32Source(raw, info.dtype, entry.transposed).float32(
-                *slices[info.key]
-            )
+            source = Float32Source(raw, info.dtype, entry.transposed)
+            start, stop = slices[entry.name]
+            if not entry.is_piece:
+                out[entry.name][:] = source.float32(start, stop)
+                continue
+            shape = [int(d) for d in entry.tensor.shape[1:]]
+            key = (entry.name, int(entry.expert))  # type: ignore[arg-type]
+            block, filled = blocks.get(key, (np.empty(shape, np.float32), 0))
+            c0, c1 = entry.columns or (0, shape[-1])
+            block[:, c0:c1] = source.float32().reshape(source.shape)
+            filled += c1 - c0
+            if filled < shape[-1]:
+                blocks[key] = (block, filled)
+                continue
+            blocks.pop(key, None)
+            size = block.size
+            lo = max(start, key[1] * size)
+            hi = min(stop, (key[1] + 1) * size)
+            out[entry.name][lo - start : hi - start] = block.reshape(-1)[
+                lo - key[1] * size : hi - key[1] * size
+            ]
     return out, report
 
 
@@ -463,7 +569,7 @@ def save_hf_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, paddle.Tensor] = {}
     for key, entry in hf_state_map(model).items():
-        t = entry.tensor.detach()
+        t = entry.value().detach()
         if entry.transposed:
             t = t.transpose([1, 0])
         if dtype is not None:

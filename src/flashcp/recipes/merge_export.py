@@ -22,7 +22,14 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
-from flashcp.models.hf_weights import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, hf_config, hf_state_map
+from flashcp.models.hf_weights import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    HFEntry,
+    hf_config,
+    hf_state_map,
+)
 from flashcp.models.safetensors_stream import (
     ITEM_SIZE,
     TensorSpec,
@@ -30,6 +37,7 @@ from flashcp.models.safetensors_stream import (
     write_streaming,
 )
 from flashcp.recipes.lora import lora_layers
+from flashcp.recipes.lora_experts import is_expert_lora, merged_piece
 
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
@@ -51,16 +59,26 @@ def _merged(layer: Any, transposed: bool, dtype: str | None = None) -> np.ndarra
         return out.numpy()
 
 
-def _plain(tensor: paddle.Tensor, transposed: bool, dtype: str | None = None) -> np.ndarray:
+def _cast(t: paddle.Tensor, dtype: str | None) -> paddle.Tensor:
+    """`t` in `dtype` (widened exactly to float32 first, then one rounding); None keeps it."""
+    return t if dtype is None else t.astype("float32").astype(dtype)
+
+
+def _plain(entry: HFEntry, dtype: str | None = None) -> np.ndarray:
     with paddle.no_grad():
-        t = tensor.detach()
-        if dtype is not None:
-            t = t.astype("float32").astype(dtype)  # widen exactly, then one rounding
-        return (t.transpose([1, 0]) if transposed else t).numpy()
+        t = _cast(entry.value().detach(), dtype)
+        return (t.transpose([1, 0]) if entry.transposed else t).contiguous().numpy()
+
+
+def _merged_expert(layer: Any, entry: HFEntry, dtype: str | None = None) -> np.ndarray:
+    proj = entry.name.rsplit(".", 1)[1]
+    piece = merged_piece(layer, proj, int(entry.expert), entry.columns)  # type: ignore[arg-type]
+    return _cast(piece, dtype).transpose([1, 0]).contiguous().numpy()
 
 
 def merged_specs(module: paddle.nn.Layer, dtype: str | None = None) -> list[TensorSpec]:
-    """What this stage writes: every HF key it owns, adapted weights merged (lazily).
+    """What this stage writes: every HF key it owns, adapted weights merged (lazily; an
+    adapted expert's pieces one expert at a time).
 
     `dtype` (float32 / bfloat16) casts every parameter on the way out (a merged weight is
     rounded once, from its float32 sum); buffers keep their dtype (GLM-4.5's float32
@@ -70,17 +88,19 @@ def merged_specs(module: paddle.nn.Layer, dtype: str | None = None) -> list[Tens
     params = {name for name, _ in module.named_parameters()}
     specs = []
     for key, entry in hf_state_map(module).items():
-        if key.endswith((".lora_A", ".lora_B")):
+        if key.endswith(("lora_A", "lora_B")):  # `.lora_A` (Linear), `_lora_A` (experts)
             continue
         if skip_tied and key == "model.embed_tokens.weight":
             continue
-        owner = key.rsplit(".", 1)[0]
-        layer = adapted.get(owner) if key.endswith(".weight") else None
-        cast = dtype if key in params else None
-        if layer is not None:
+        owner = entry.name.rsplit(".", 1)[0]
+        layer = adapted.get(owner) if key.endswith(".weight") or entry.is_piece else None
+        cast = dtype if entry.name in params else None
+        if layer is not None and entry.is_piece and is_expert_lora(layer):
+            produce = lambda layer=layer, e=entry, c=cast: _merged_expert(layer, e, c)  # noqa: E731
+        elif layer is not None:
             produce = lambda layer=layer, t=entry.transposed, c=cast: _merged(layer, t, c)  # noqa: E731
         else:
-            produce = lambda e=entry, c=cast: _plain(e.tensor, e.transposed, c)  # noqa: E731
+            produce = lambda e=entry, c=cast: _plain(e, c)  # noqa: E731
         code = safetensors_dtype(entry.tensor.dtype)
         if cast is not None:
             code = safetensors_dtype(f"paddle.{cast}")

@@ -27,6 +27,10 @@ One optimizer step (`Trainer.train_step`):
    the parameters, or on float32 master weights (bf16-stored parameters; this rank's shard
    under ZeRO-1, all-gathered into the parameters after), LR schedule step, metrics on rank 0,
    checkpoint every `checkpoint.every` steps.
+7. MoE models: the routers' expert loads (and dropped entries, balance-loss values) ride in
+   step 4's all-reduce; after an applied step the correction biases move toward the
+   under-loaded experts (`model.router_bias_update_rate`), and the summarised loads go to the
+   metrics (`flashcp.trainer.moe_stats`).
 
 After a step, every `eval.every` steps and after the last, the eval set runs forward only
 under the same layout (`flashcp.trainer.evaluate`); its `eval/...` metrics join the step's
@@ -63,6 +67,7 @@ from flashcp.distributed import (
     build_groups,
 )
 from flashcp.models.base import StageSpec
+from flashcp.models.moe_balance import loss_scale_context
 from flashcp.parallel import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
 from flashcp.trainer import checkpoint as ckpt
@@ -70,6 +75,7 @@ from flashcp.trainer import flops, memory, rundir, sharded, tracking
 from flashcp.trainer.evaluate import Evaluator, format_eval, is_due
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics
+from flashcp.trainer.moe_stats import RouterStats
 from flashcp.trainer.optim import build_scheduler
 from flashcp.trainer.parallel import all_reduce_values, trainable
 from flashcp.trainer.runinfo import write_run_info
@@ -261,6 +267,10 @@ class Trainer:
         """This rank's pipeline stage (the whole model when pp = 1)."""
         self.model = (model_factory or default_model_factory)(cfg, self.spec)
         self.model.train()
+        self.router: RouterStats | None = None
+        """Expert-load statistics and the router bias update (MoE models only)."""
+        if getattr(cfg.model, "arch", None) == "glm_moe":
+            self.router = RouterStats(self.model, cfg.model)
         self.recipe.setup_model(self.model)
         self.lora = self.recipe.lora
         """`flashcp.recipes.adapters.LoRASetup` when a `lora` section is set, else None."""
@@ -564,18 +574,24 @@ class Trainer:
         step = self.step + 1
         plan = self.recipe.plan(self.data.next_step())
         self.recipe.prepare(plan, self.executor, self.model)
-        loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
+        # the sequence-balance loss of MoE layers: a mean over the step's sequences
+        with loss_scale_context(1.0 / (len(plan.micro) * self.dp_size)):
+            loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
         grads_finite = math.isfinite(self.optimizer.local_squares())
         world = int(self.groups.world.nranks)
         stats = self.recipe.step_stats()
-        # one all-reduce: loss, per-rank non-finite flags, per-rank memory peaks, recipe sums
-        flags = np.zeros(1 + 4 * world + len(stats))
+        routing = self.router.local_vector() if self.router is not None else np.zeros(0)
+        # one all-reduce: loss, per-rank non-finite flags, per-rank memory peaks, recipe sums,
+        # expert loads
+        base = 1 + 4 * world
+        flags = np.zeros(base + len(stats) + len(routing))
         flags[0] = loss_local
         flags[1 + self.rank] = 0.0 if math.isfinite(loss_local) else 1.0
         flags[1 + world + self.rank] = 0.0 if grads_finite else 1.0
         flags[1 + 2 * world + self.rank] = memory.peak_bytes()
         flags[1 + 3 * world + self.rank] = memory.peak_rss_bytes()
-        flags[1 + 4 * world :] = stats
+        flags[base : base + len(stats)] = stats
+        flags[base + len(stats) :] = routing
         reduced = all_reduce_values(flags, self.step_groups)
         loss_value = float(reduced[0])
         bad_loss = [r for r in range(world) if reduced[1 + r] > 0]
@@ -583,7 +599,9 @@ class Trainer:
         peaks = reduced[1 + 2 * world : 1 + 3 * world]
         peak_rank = int(np.argmax(peaks))
         peak_rss = float(np.max(reduced[1 + 3 * world : 1 + 4 * world]))
-        extra = self.recipe.metrics(reduced[1 + 4 * world :])
+        extra = self.recipe.metrics(reduced[base : base + len(stats)])
+        if self.router is not None:
+            extra.update(self.router.metrics(reduced[base + len(stats) :]))
         lr = float(self.scheduler.get_lr())
         skipped = False
         if bad_loss or bad_grad:
@@ -596,6 +614,8 @@ class Trainer:
             if self.cfg.debug.dump_grads and self.is_stage_writer:
                 self._dump_grads(step)
             self.optimizer.step()
+            if self.router is not None:  # after the update, from the step's summed loads
+                self.router.update_biases(reduced[base + len(stats) :])
         self.optimizer.clear_grad()
         self.scheduler.step()
         self.step = step

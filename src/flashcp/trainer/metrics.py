@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 METRICS_FILE = "metrics.jsonl"
-LOGGED_EXTRAS: tuple[str, ...] = ("rewards/margin", "rewards/accuracy")
+LOGGED_EXTRAS: tuple[str, ...] = ("rewards/margin", "rewards/accuracy", "moe/max_over_mean_max")
 """Recipe metrics that also appear in the human log line (all go to metrics.jsonl)."""
 ENV_PROGRESS = "FLASHCP_PROGRESS"
 """`1` forces the progress bar on (e.g. when rank 0's log is streamed to a terminal), `0` off."""
