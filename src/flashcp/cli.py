@@ -83,7 +83,8 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
         f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
-        f"({p.cp_mode}, world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
+        + (f"ep={p.ep} " if p.ep > 1 else "")
+        + f"({p.cp_mode}, world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
         f"{cfg.run.device}"
     )
 

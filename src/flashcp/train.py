@@ -71,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     env = init_distributed()
     p = cfg.parallel
-    groups = build_groups(ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size))
+    dims = ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size, ep=p.ep)
+    groups = build_groups(dims)
     code = 0
     try:
         trainer = Trainer(cfg, groups)

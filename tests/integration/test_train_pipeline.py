@@ -115,7 +115,7 @@ def check_run_info(run: Path, ref: Path, *, layers: list[range]) -> None:
     share of the one-process model (counted by name from the reference's gradient dump), and
     metrics.jsonl's peak memory is the maximum over the ranks."""
     info = json.loads((run / "run_info.json").read_text())
-    assert info["world"] == 4 and info["degrees"] == {"dp": 1, "pp": 2, "cp": 2}
+    assert info["world"] == 4 and info["degrees"] == {"dp": 1, "pp": 2, "cp": 2, "ep": 1}
     assert info["plan"] is None and info["param_dtype"] == "float32"
     whole = {
         n: int(v.size) for n, v in load_file(str(ref / GRADS_DIR / "step_1.safetensors")).items()

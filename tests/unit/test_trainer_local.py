@@ -105,7 +105,7 @@ def test_twenty_steps_learn(tmp_path: Path) -> None:
     # what the run built (run_info.json) and its memory, from Paddle's allocator
     info = json.loads((Path(cfg.run.output_dir) / "run_info.json").read_text())
     n = estimate_parameters(cfg.model)
-    assert info["world"] == 1 and info["degrees"] == {"dp": 1, "pp": 1, "cp": 1}
+    assert info["world"] == 1 and info["degrees"] == {"dp": 1, "pp": 1, "cp": 1, "ep": 1}
     assert info["param_dtype"] == "float32" and info["plan"] is None
     (rank,) = info["ranks"]
     assert rank["rank"] == 0 and rank["stage"] == 0 and rank["layers"] == [0, 2]

@@ -57,6 +57,7 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int
         )
     if not c.ok("parallel.dp", "parallel.pp", "parallel.cp"):
         return
+    _check_ep(cfg, c)
     degrees = f"dp({p.dp}) × pp({p.pp}) × cp({p.cp}) = {p.world_size}"
     if world_size is not None and p.world_size != world_size:
         fixes = [
@@ -83,6 +84,38 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int
             f"their product is a multiple of {nnodes}, or use another --nnodes",
         )
     _check_pipeline(cfg, c)
+
+
+def _check_ep(cfg: Config, c: _Checks) -> None:
+    """`parallel.ep`: divides dp × cp and model.num_experts, on a MoE model only."""
+    p, m = cfg.parallel, cfg.model
+    if isinstance(p.ep, bool) or not isinstance(p.ep, int) or p.ep < 1:
+        c.add("parallel.ep", f"must be an integer >= 1, got {p.ep!r}")
+        return
+    if p.ep == 1:
+        return
+    arch = getattr(m, "arch", None)
+    if arch != "glm_moe":
+        c.add(
+            "parallel.ep",
+            f"parallel.ep={p.ep} splits the routed experts of a MoE model, but model.arch is "
+            f"{arch} (no experts): set parallel.ep=1 or use a glm_moe model",
+            "model.arch",
+        )
+        return
+    if (p.dp * p.cp) % p.ep:
+        from flashcp.distributed.dims import ep_divides_message
+
+        c.add("parallel.ep", ep_divides_message(p.ep, p.dp, p.cp))
+    experts = getattr(m, "num_experts", None)
+    if isinstance(experts, int) and experts > 0 and experts % p.ep:
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and (p.dp * p.cp) % d == 0]
+        c.add(
+            "parallel.ep",
+            f"model.num_experts={experts} % parallel.ep={p.ep} = {experts % p.ep}: every ep "
+            f"rank holds the same number of experts; set parallel.ep to one of {fits}",
+            "model.num_experts",
+        )
 
 
 def _check_pipeline(cfg: Config, c: _Checks) -> None:

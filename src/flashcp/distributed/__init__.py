@@ -12,6 +12,7 @@ Typical use inside a launched worker::
 See `docs/distributed.md` for the layout, the gloo workarounds and the timeout behaviour.
 """
 
+from flashcp.distributed.alltoall import Exchange, all_to_all, gather_rows
 from flashcp.distributed.bootstrap import (
     DistEnv,
     init_distributed,
@@ -69,11 +70,13 @@ __all__ = [
     "WORLD",
     "CommStats",
     "DistEnv",
+    "Exchange",
     "NamedGroup",
     "ParallelDims",
     "ParallelGroups",
     "Watchdog",
     "all_gather_object",
+    "all_to_all",
     "all_gather_tensor",
     "all_reduce_tensor",
     "barrier",
@@ -83,6 +86,7 @@ __all__ = [
     "destroy_all_groups",
     "destroy_groups",
     "endpoint_host",
+    "gather_rows",
     "group_backend",
     "group_label",
     "init_distributed",

@@ -11,6 +11,17 @@ Rank layout (row-major, outermost first)::
 `cp` is innermost, so the ranks of one cp group are adjacent (on a GPU node they share the
 fastest links, which the per-layer K/V exchange of context parallelism needs most); `pp` comes
 next and `dp` is outermost (its gradient all-reduce runs once per step).
+
+Expert parallelism (`ep`, MoE models) is not a mesh dimension of its own: as in Megatron-Core
+and DeepSeek-V3, the expert-parallel groups are carved from the dp × cp ranks of one pipeline
+stage. Inside a stage the ranks are numbered by their stage index ``j = dp_index · cp +
+cp_index`` (their global rank order); the ep group of rank `j` is the `ep` consecutive indices
+``j - j % ep .. j - j % ep + ep - 1`` (so with ep <= cp it lies inside one cp group, on the
+fastest links), its place in it is ``j % ep`` (it holds experts ``[(j % ep)·E/ep,
+(j % ep + 1)·E/ep)``), and the ranks holding the SAME experts — the ``edp`` ("expert data
+parallel") group, over which expert gradients are summed — are the ``dp·cp/ep`` indices with
+equal ``j % ep``. Rule: ep divides dp × cp (and the number of routed experts; see
+`flashcp.config.schema.ParallelConfig.ep`).
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ class ParallelDims:
     pp: int
     cp: int
     world_size: int
+    ep: int = 1
+    """Expert-parallel degree (see the module docstring); 1 = every rank holds every expert."""
 
     def __post_init__(self) -> None:
         for dim in DIM_ORDER:
@@ -55,6 +68,12 @@ class ParallelDims:
         product = prod(self.degree(dim) for dim in DIM_ORDER)
         if product != self.world_size:
             raise ValueError(self._mismatch_message(product))
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(
+                f"ep must be an integer >= 1, got {self.ep!r} (config key `parallel.ep`)"
+            )
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(ep_divides_message(self.ep, self.dp, self.cp))
 
     def _mismatch_message(self, product: int) -> str:
         factors = " × ".join(f"{dim}({self.degree(dim)})" for dim in DIM_ORDER)
@@ -182,7 +201,60 @@ class ParallelDims:
         stage = self.coords(rank)["pp"]
         return [self.rank_at(dp=i, pp=stage, cp=j) for j in range(self.cp) for i in range(self.dp)]
 
+    # -- expert parallelism -------------------------------------------------------------------
+
+    def stage_index(self, rank: int) -> int:
+        """`rank`'s index among the dp × cp ranks of its pipeline stage: dp_index · cp + cp_index
+        (the stage's ranks in global rank order)."""
+        c = self.coords(rank)
+        return c["dp"] * self.cp + c["cp"]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The dp × cp ranks of pipeline stage `stage`, by stage index."""
+        return [self.rank_at(dp=i, pp=stage, cp=j) for i in range(self.dp) for j in range(self.cp)]
+
+    def ep_rank(self, rank: int) -> int:
+        """`rank`'s place in its ep group: which 1/ep of the routed experts it holds."""
+        return self.stage_index(rank) % self.ep
+
+    def ep_group_ranks(self, rank: int) -> list[int]:
+        """The ep ranks `rank` exchanges tokens with (itself included), by ep rank."""
+        j = self.stage_index(rank)
+        stage = self.stage_ranks(self.coords(rank)["pp"])
+        return stage[j - j % self.ep : j - j % self.ep + self.ep]
+
+    def edp_group_ranks(self, rank: int) -> list[int]:
+        """The ranks of `rank`'s stage holding the same experts (itself included): expert
+        gradients are summed over these dp·cp/ep ranks only."""
+        j = self.stage_index(rank)
+        stage = self.stage_ranks(self.coords(rank)["pp"])
+        return stage[j % self.ep :: self.ep]
+
+    def expert_groups_for(self, kind: str) -> list[list[int]]:
+        """All `ep` or `edp` rank lists of the job, ordered by their lowest rank."""
+        if kind not in ("ep", "edp"):
+            raise KeyError(f"unknown expert group kind {kind!r}: use 'ep' or 'edp'")
+        of = self.ep_group_ranks if kind == "ep" else self.edp_group_ranks
+        found: list[list[int]] = []
+        for rank in range(self.world_size):
+            ranks = of(rank)
+            if ranks not in found:
+                found.append(ranks)
+        return sorted(found)
+
     def describe(self) -> str:
-        """One line, e.g. `dp=1 pp=2 cp=2 (world 4, cp innermost)`."""
+        """One line, e.g. `dp=1 pp=2 cp=2 (world 4, cp innermost)` (`ep=2` added when > 1)."""
         body = " ".join(f"{dim}={self.degree(dim)}" for dim in DIM_ORDER)
+        if self.ep > 1:
+            body += f" ep={self.ep}"
         return f"{body} (world {self.world_size}, {DIM_ORDER[-1]} innermost)"
+
+
+def ep_divides_message(ep: int, dp: int, cp: int) -> str:
+    """The message when `parallel.ep` does not divide the dp × cp ranks of a stage."""
+    fits = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
+    return (
+        f"parallel.ep={ep} does not divide dp×cp={dp * cp} (parallel.dp={dp}, parallel.cp={cp}): "
+        f"the expert-parallel groups are carved from the dp × cp ranks of a pipeline stage; "
+        f"set parallel.ep to one of {fits}"
+    )

@@ -13,6 +13,16 @@ friends accept it. Only the members of a group take part in creating it.
 
 A dimension of degree 1 gets a one-rank "trivial" group (never `None`: Paddle reads
 `group=None` as the whole world). A group spanning every rank reuses the world process group.
+
+Expert parallelism (`ParallelDims.ep` > 1) adds two groups per rank, built the same way after
+the mesh groups: `ep` (the ranks exchanging tokens, `flashcp.distributed.alltoall`) and `edp`
+(the ranks holding the same experts, over which expert gradients are summed). On gloo with an
+ep group of more than two ranks, every pair of its ranks also gets a two-rank group on its own
+store (`ParallelGroups.ep_links`): Paddle's gloo gives each operation on a group the group's
+next tag and a receive only matches a send of the same tag, so pairwise exchanges inside a
+larger group hang whenever the pairs' operation counts drift (an odd cycle of a shifted
+exchange; measured: `ring_shift` over 3 gloo ranks times out). Pair groups keep both ends of
+every transfer in step, whatever the group size.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import Any
 import paddle.distributed as dist
 from paddle.distributed.communication.group import Group
 
+from flashcp.distributed.alltoall import Exchange
 from flashcp.distributed.collectives import barrier, group_backend
 from flashcp.distributed.dims import DIM_ORDER, WORLD, ParallelDims
 from flashcp.distributed.watchdog import WATCHDOG, resolve_timeout
@@ -39,6 +50,12 @@ GROUP_ID_BASE = 4096
 """Group ids of flashcp gloo groups start here, far above Paddle's own ring ids."""
 _STORE_KEY = "flashcp/groups/{build}/{dim}/{index}"
 _PORT_ATTEMPTS = 5
+GROUP_KINDS: tuple[str, ...] = (*DIM_ORDER, "ep", "edp")
+"""Every kind of group `build_groups` makes, in creation order (mesh dimensions, then the
+expert-parallel groups)."""
+EP_LINK_ID_BASE = 1 << 26
+"""Group ids of the ep pair groups (gloo) start here, above the pipeline links' ids."""
+_EP_LINK_KEY = "flashcp/ep_link/{build}/{a}-{b}"
 
 
 class NamedGroup(Group):
@@ -73,7 +90,8 @@ class NamedGroup(Group):
 
 @dataclass
 class ParallelGroups:
-    """This rank's groups: `.world`, `.dp`, `.pp`, `.cp` (trivial when the degree is 1)."""
+    """This rank's groups: `.world`, `.dp`, `.pp`, `.cp` (trivial when the degree is 1), and
+    for expert parallelism `.ep`, `.edp` and the gloo pair groups `.ep_links` (module doc)."""
 
     dims: ParallelDims
     rank: int
@@ -83,14 +101,31 @@ class ParallelGroups:
     cp: NamedGroup
     backend: str
     created: list[NamedGroup] = field(default_factory=list)
+    ep: NamedGroup = None  # type: ignore[assignment]  # set in __post_init__ when None
+    edp: NamedGroup = None  # type: ignore[assignment]
+    ep_links: dict[int, NamedGroup] = field(default_factory=dict)
+    """Peer global rank → the two-rank group for transfers with it (gloo, ep > 2 only)."""
+
+    def __post_init__(self) -> None:
+        # ep = 1: no expert parallelism; the expert groups are trivial and unused (expert
+        # weights are then ordinary parameters, summed over cp and dp)
+        if self.ep is None:
+            self.ep = _trivial("ep", self.rank)
+        if self.edp is None:
+            self.edp = _trivial("edp", self.rank)
 
     def __getitem__(self, dim: str) -> NamedGroup:
-        if dim != WORLD and dim not in DIM_ORDER:
+        if dim != WORLD and dim not in GROUP_KINDS:
             raise KeyError(f"unknown parallel dimension {dim!r}")
         return getattr(self, dim)
 
+    def ep_exchange(self) -> Exchange:
+        """The ep group with its pair groups, for `flashcp.distributed.alltoall`."""
+        return Exchange(self.ep, dict(self.ep_links))
+
     def describe(self) -> str:
-        parts = [self[d].label for d in (WORLD, *DIM_ORDER)]
+        kinds = (WORLD, *DIM_ORDER, *(("ep", "edp") if self.dims.ep > 1 else ()))
+        parts = [self[d].label for d in kinds]
         return f"rank {self.rank} ({self.backend}): " + " ".join(parts)
 
 
@@ -207,10 +242,33 @@ def store_group(
 def _gloo_group(
     dim: str, index: int, ranks: list[int], rank: int, build: int, timeout: float
 ) -> NamedGroup:
-    """Create the mesh gloo group `ranks` (this rank is a member) on its own TCPStore."""
+    """Create the gloo group `ranks` of kind `dim` (this rank is a member) on its own
+    TCPStore."""
     key = _STORE_KEY.format(build=build, dim=dim, index=index)
-    group_id = GROUP_ID_BASE + build * len(DIM_ORDER) + DIM_ORDER.index(dim)
+    group_id = GROUP_ID_BASE + build * len(GROUP_KINDS) + GROUP_KINDS.index(dim)
     return store_group(dim, key, ranks, rank, group_id, timeout, name=f"flashcp_{dim}_{index}")
+
+
+def kind_groups(dims: ParallelDims, kind: str) -> list[list[int]]:
+    """Every rank list of group kind `kind` (a mesh dimension, `ep` or `edp`); none for a
+    trivial kind (one rank per group)."""
+    if kind in DIM_ORDER:
+        return dims.groups_for(kind) if dims.enabled(kind) else []
+    if dims.ep == 1:
+        return []
+    groups = dims.expert_groups_for(kind)
+    return [] if len(groups[0]) == 1 else groups
+
+
+def ep_link_pairs(dims: ParallelDims, backend: str) -> list[tuple[int, int]]:
+    """The pairs `(a, b)`, a < b, that get their own two-rank group: every pair of every ep
+    group of more than two ranks, on gloo only; sorted, the order every rank creates them in
+    (the earliest incomplete pair always has both ranks waiting on it: no deadlock)."""
+    if backend != "gloo" or dims.ep <= 2:
+        return []
+    return sorted(
+        (a, b) for ranks in dims.expert_groups_for("ep") for a in ranks for b in ranks if a < b
+    )
 
 
 NewGroupFn = Callable[..., Group]
@@ -219,10 +277,10 @@ NewGroupFn = Callable[..., Group]
 def _nccl_groups(
     dims: ParallelDims, rank: int, timeout: float, new_group: NewGroupFn
 ) -> dict[str, NamedGroup]:
-    """Every rank calls `new_group` for every group of every enabled dimension, in order."""
+    """Every rank calls `new_group` for every group of every enabled kind, in order."""
     mine: dict[str, NamedGroup] = {}
-    for dim in dims.enabled_dims:
-        for ranks in dims.groups_for(dim):
+    for dim in GROUP_KINDS:
+        for ranks in kind_groups(dims, dim):
             if len(ranks) == dims.world_size:
                 continue  # the world group serves
             group = new_group(ranks, backend="nccl", timeout=datetime.timedelta(seconds=timeout))
@@ -290,30 +348,43 @@ def build_groups(
 
     mine: dict[str, NamedGroup] = {}
     created: list[NamedGroup] = []
+    links: dict[int, NamedGroup] = {}
     if backend == "nccl":
         mine = _nccl_groups(dims, rank, seconds, new_group or dist.new_group)
     elif backend == "gloo":
-        for dim in dims.enabled_dims:
-            ranks = dims.group_ranks(dim, rank)
-            if len(ranks) == world_size:
+        for dim in GROUP_KINDS:
+            lists = kind_groups(dims, dim)
+            ranks = next((r for r in lists if rank in r), None)
+            if ranks is None or len(ranks) == world_size:
                 continue
-            index = dims.groups_for(dim).index(ranks)
             message = (
                 f"[flashcp] creating process group {dim}[{','.join(map(str, ranks))}] timed out "
                 f"after {seconds:g} s on rank {rank}: another member did not join (crashed, or "
                 "built a different layout?)"
             )
             with WATCHDOG.watch(seconds, message):
-                mine[dim] = _gloo_group(dim, index, ranks, rank, build, seconds)
+                mine[dim] = _gloo_group(dim, lists.index(ranks), ranks, rank, build, seconds)
             created.append(mine[dim])
+        for a, b in ep_link_pairs(dims, backend):
+            if rank not in (a, b):
+                continue
+            message = (
+                f"[flashcp] creating expert-parallel link [{a},{b}] timed out after {seconds:g} "
+                f"s on rank {rank}: the peer did not join (crashed, or a different parallel.ep?)"
+            )
+            with WATCHDOG.watch(seconds, message):
+                link = _ep_link(build, a, b, rank, world_size, seconds)
+            links[b if rank == a else a] = link
+            created.append(link)
     elif backend != "none":
         raise ValueError(f"backend {backend!r} is not supported: use 'gloo' or 'nccl'")
 
     handles: dict[str, NamedGroup] = {}
-    for dim in DIM_ORDER:
+    for dim in GROUP_KINDS:
+        spans = kind_groups(dims, dim)
         if dim in mine:
             handles[dim] = mine[dim]
-        elif dims.enabled(dim):  # spans the whole world
+        elif spans:  # spans the whole world
             handles[dim] = NamedGroup(
                 dim,
                 world.rank,
@@ -325,11 +396,30 @@ def build_groups(
         else:
             handles[dim] = _trivial(dim, rank)
     groups = ParallelGroups(
-        dims, rank, world, handles["dp"], handles["pp"], handles["cp"], backend, created
+        dims,
+        rank,
+        world,
+        handles["dp"],
+        handles["pp"],
+        handles["cp"],
+        backend,
+        created,
+        ep=handles["ep"],
+        edp=handles["edp"],
+        ep_links=links,
     )
     _live.append(groups)
     logger.debug("built groups: %s", groups.describe())
     return groups
+
+
+def _ep_link(build: int, a: int, b: int, me: int, world: int, timeout: float) -> NamedGroup:
+    """The gloo pair group {a, b} (a < b, `me` one of them) of an ep group, on its own store."""
+    gid = EP_LINK_ID_BASE + (build * world + a) * world + b
+    if gid >= 2**31:
+        raise ValueError(f"expert-parallel link group id {gid} overflows: world {world} too large")
+    key = _EP_LINK_KEY.format(build=build, a=a, b=b)
+    return store_group("ep_link", key, [a, b], me, gid, timeout, name=f"flashcp_ep_link_{a}_{b}")
 
 
 def destroy_groups(groups: ParallelGroups, *, timeout: float | None = None) -> None:

@@ -43,7 +43,8 @@ def build_model(
     """Build the model `args` describe, or only pipeline stage `stage` of it, initialised.
 
     Only the stage's parts are ever created (embeddings on the first stage, its decoder layers
-    by GLOBAL index, final norm + head on the last), directly in `param_dtype` (`float32` or
+    by GLOBAL index, final norm + head on the last; with `stage.ep_size` > 1 only its ep rank's
+    routed experts), directly in `param_dtype` (`float32` or
     `bfloat16`) on Paddle's current device. Every parameter's value is a function of (`seed`,
     its name) only (`flashcp.models.init`), so a stage equals the same slice of the whole model
     bitwise. `seed` None draws one from Paddle's global generator (`paddle.seed(k)` first makes
@@ -53,7 +54,14 @@ def build_model(
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {param_dtype!r}")
     spec = (stage or StageSpec.whole(args.num_layers)).check(args.num_layers)
-    n = estimate_parameters(args, layers=spec.layers, first=spec.is_first, last=spec.is_last)
+    if spec.ep_size > 1 and args.arch != "glm_moe":
+        raise ValueError(
+            f"parallel.ep={spec.ep_size} splits the routed experts of a MoE model, but arch "
+            f"{args.arch} has none: set parallel.ep=1"
+        )
+    n = estimate_parameters(
+        args, layers=spec.layers, first=spec.is_first, last=spec.is_last, ep_size=spec.ep_size
+    )
     if n > CPU_MAX_PARAMETERS and not allow_large_on_cpu and paddle.get_device() == "cpu":
         raise ValueError(
             f"this model has ~{n / 1e9:.1f}B parameters: real-size presets are built only on "

@@ -106,15 +106,26 @@ class DecoderOps:
 class StageSpec:
     """The part of the model one process builds: pipeline stage `index` of `count`, running
     decoder layers `layers` (GLOBAL indices, contiguous). The first stage also holds the
-    embeddings, the last the final norm and the LM head; `StageSpec.whole` is everything."""
+    embeddings, the last the final norm and the LM head; `StageSpec.whole` is everything.
+
+    Under expert parallelism (`ep_size` > 1, MoE models) the stage's MoE layers hold only ep
+    rank `ep_rank`'s share of the routed experts (`flashcp.models.expert_parallel`)."""
 
     index: int
     count: int
     layers: range
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @classmethod
     def whole(cls, num_layers: int) -> StageSpec:
         return cls(0, 1, range(0, num_layers))
+
+    def experts(self, num_experts: int) -> range:
+        """The routed experts (GLOBAL indices) this stage's MoE layers hold."""
+        from flashcp.models.expert_parallel import expert_range
+
+        return expert_range(num_experts, self.ep_size, self.ep_rank)
 
     @property
     def is_first(self) -> bool:
@@ -136,6 +147,8 @@ class StageSpec:
             )
         if self.count == 1 and len(r) != num_layers:
             raise ValueError(f"a single stage runs all {num_layers} layers, not {r}")
+        if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep rank {self.ep_rank} is outside 0..{self.ep_size - 1}")
         return self
 
 

@@ -245,10 +245,12 @@ def estimate_parameters(
     layers: range | None = None,
     first: bool = True,
     last: bool = True,
+    ep_size: int = 1,
 ) -> int:
     """Parameter count of the model `args` builds (buffers excluded), without building it; or
     of one pipeline stage: decoder `layers` (GLOBAL indices), the embeddings when `first`, the
-    final norm and LM head when `last` (its own copy of a tied embedding when not `first`)."""
+    final norm and LM head when `last` (its own copy of a tied embedding when not `first`);
+    under expert parallelism (`ep_size` > 1) with 1/ep_size of the routed experts."""
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if args.qkv_bias else 0)
@@ -261,7 +263,8 @@ def estimate_parameters(
     moe_mlp = 0
     if args.arch == "glm_moe":
         expert = 3 * h * args.moe_intermediate_size
-        moe_mlp = args.num_experts * (expert + h) + args.num_shared_experts * expert
+        held = args.num_experts // max(ep_size, 1)
+        moe_mlp = held * expert + args.num_experts * h + args.num_shared_experts * expert
     total = 0
     for layer in range(args.num_layers) if layers is None else layers:
         total += attn + norms + (moe_mlp if args.is_moe_layer(layer) else dense_mlp)

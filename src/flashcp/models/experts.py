@@ -79,14 +79,28 @@ class ExpertLayout:
                 index[starts[e] : starts[e] + n] = g.start + i * g.capacity + np.arange(n)
         return paddle.to_tensor(index)
 
-    def enter(self, x: paddle.Tensor) -> paddle.Tensor:
-        """A ragged buffer `[M, H]` (expert order) laid out: `[rows, H]`, zero padding."""
+    def rows_of(self, order: np.ndarray | None = None) -> paddle.Tensor | None:
+        """`[M]` int64: the laid-out row of each row of a ragged buffer whose row `i` is the
+        expert-order ragged row `order[i]` (None: the buffer is in expert order); None when
+        that buffer already is the layout."""
         index = self.row_index()
+        if order is None:
+            return index
+        order = np.asarray(order, dtype=np.int64)
+        if index is None:
+            return paddle.to_tensor(order)
+        return paddle.gather(index, paddle.to_tensor(order))
+
+    def enter(self, x: paddle.Tensor, order: np.ndarray | None = None) -> paddle.Tensor:
+        """A ragged buffer `[M, H]` laid out: `[rows, H]`, zero padding. Its rows are in expert
+        order, or (`order` given, e.g. rows received from other ranks, source-major) row `i` is
+        the expert-order row `order[i]` (a permutation of `range(M)`)."""
+        index = self.rows_of(order)
         return x if index is None else _ScatterRows.apply(x, index, self.rows)
 
-    def leave(self, y: paddle.Tensor) -> paddle.Tensor:
-        """Laid-out rows back to the ragged buffer's `[M, N]`."""
-        index = self.row_index()
+    def leave(self, y: paddle.Tensor, order: np.ndarray | None = None) -> paddle.Tensor:
+        """Laid-out rows back to the ragged buffer's `[M, N]` (in the row order `enter` took)."""
+        index = self.rows_of(order)
         return y if index is None else _GatherRows.apply(y, index)
 
     def matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
@@ -173,7 +187,8 @@ class _ScatterRows(PyLayer):
 
 
 class GroupedExperts(nn.Layer):
-    """Experts ``first_expert .. first_expert + num_experts - 1`` of one MoE layer (module doc).
+    """Experts ``first_expert .. first_expert + num_experts - 1`` of one MoE layer's
+    `total_experts` (module doc; a subset under expert parallelism).
 
     `layout` ("auto", or a forced one of `LAYOUTS`) is what `plan` uses.
     """
@@ -189,12 +204,16 @@ class GroupedExperts(nn.Layer):
         *,
         std: float,
         first_expert: int = 0,
+        total_experts: int | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.first_expert = first_expert
+        self.total_experts = num_experts if total_experts is None else int(total_experts)
+        """The layer's routed experts in all (more than `num_experts` under expert parallelism:
+        `flashcp.models.expert_parallel`)."""
         self.act_fn = F.silu  # read by PaddleFormers' LoRAMoeExperts
         self.layout = "auto"
         attr = normal_attr(std, keyed_rows=True, first_row=first_expert)

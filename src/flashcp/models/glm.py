@@ -24,6 +24,8 @@ layers are not modelled (HF ``Glm4MoeForCausalLM`` ignores them too).
 
 from __future__ import annotations
 
+from functools import partial
+
 import paddle
 
 from flashcp.models.attention import Attention, AttentionContext
@@ -36,7 +38,7 @@ from flashcp.models.moe import MoE
 class GLMDecoderLayer(DecoderLayer):
     """One GLM-4 (dense, four norms) or GLM-4.5 (two norms, dense or MoE MLP) layer."""
 
-    def __init__(self, args: ModelArgs, index: int) -> None:
+    def __init__(self, args: ModelArgs, index: int, experts: range | None = None) -> None:
         super().__init__()
         self.index = index
         h, eps, std = args.hidden_size, args.norm_eps, args.initializer_range
@@ -46,7 +48,7 @@ class GLMDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp: paddle.nn.Layer
         if args.is_moe_layer(index):
-            self.mlp = MoE(args)
+            self.mlp = MoE(args, experts)
         else:
             self.mlp = SwiGLU(h, args.intermediate_size, fused=args.arch == "glm", std=std)
         if self.extra_norms:
@@ -68,9 +70,12 @@ class GLMDecoderLayer(DecoderLayer):
 
 
 class GLMForCausalLM(CausalLM):
-    """`ModelArgs(arch="glm" | "glm_moe", ...)`."""
+    """`ModelArgs(arch="glm" | "glm_moe", ...)`; a stage with `ep_size` > 1 holds its ep
+    rank's share of every MoE layer's routed experts."""
 
     def __init__(self, args: ModelArgs, *, stage: StageSpec | None = None) -> None:
         if args.arch not in ("glm", "glm_moe"):
             raise ValueError(f"GLMForCausalLM needs arch 'glm' or 'glm_moe', got {args.arch!r}")
-        super().__init__(args, GLMDecoderLayer, RMSNorm, stage=stage)
+        spec = stage or StageSpec.whole(args.num_layers)
+        experts = spec.experts(args.num_experts) if args.arch == "glm_moe" else None
+        super().__init__(args, partial(GLMDecoderLayer, experts=experts), RMSNorm, stage=stage)

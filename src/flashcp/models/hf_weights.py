@@ -67,6 +67,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.")
 _SHOW = 12  # keys listed per kind of error
 _FIRST_STAGE = ("model.embed_tokens.", "model.embed_positions.")  # held with layer 0
 _LAST_STAGE = ("model.norm.", "lm_head.")  # held with the last layer
@@ -223,7 +224,8 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)
     """Keys ignored on purpose (tied head, inv_freq, MTP layers, unexpected with strict=False)."""
     foreign: list[str] = field(default_factory=list)
-    """Keys of other pipeline stages: neither read nor checked here (their stage checks them)."""
+    """Keys of other pipeline stages (or other ep ranks' experts): neither read nor checked
+    here (their stage / ep rank checks them)."""
     bytes_read: int = 0
     """Every byte read from the checkpoint: index, headers and tensor data."""
     bytes_by_file: dict[str, int] = field(default_factory=dict)
@@ -292,13 +294,31 @@ def _skippable(key: str, args: ModelArgs) -> bool:
     return args.arch == "glm_moe" and m is not None and int(m.group(1)) >= args.num_layers
 
 
-def _foreign(key: str, args: ModelArgs, held: set[int]) -> bool:
-    """Whether `key` belongs to another pipeline stage than the module holding layers `held`.
+def held_experts(module: nn.Layer) -> dict[str, tuple[range, int]]:
+    """Stacked-experts layer name → (the experts it holds, its layer's experts in all)."""
+    out = {}
+    for name, layer in module.named_sublayers():
+        if getattr(layer, "STACKED_EXPERTS", False):
+            first, count = int(layer.first_expert), int(layer.num_experts)
+            total = int(getattr(layer, "total_experts", count))
+            out[name] = (range(first, first + count), total)
+    return out
+
+
+def _foreign(
+    key: str, args: ModelArgs, held: set[int], experts: Mapping[str, tuple[range, int]]
+) -> bool:
+    """Whether `key` belongs to another pipeline stage than the module holding layers `held`,
+    or to routed experts another ep rank holds (`experts`: `held_experts`).
 
     Stages split the decoder layers; the embeddings go with layer 0 and the final norm and
     head with the last layer (`flashcp.parallel.stage`). The whole model holds every layer,
     so nothing is foreign to it.
     """
+    e = _EXPERT_RE.match(key)
+    if e is not None and e.group(1) in experts:
+        mine, total = experts[e.group(1)]
+        return int(e.group(2)) < total and int(e.group(2)) not in mine
     m = _LAYER_RE.match(key)
     if m is not None:
         return int(m.group(1)) < args.num_layers and int(m.group(1)) not in held
@@ -336,6 +356,7 @@ def _plan(
     args: ModelArgs = module.args  # type: ignore[attr-defined]
     held_entries = hf_state_map(module)
     held = {int(m.group(1)) for k in held_entries if (m := _LAYER_RE.match(k))}
+    experts = held_experts(module)
     entries = held_entries
     if names is not None:
         unknown = sorted(set(names) - set(held_entries))
@@ -347,7 +368,7 @@ def _plan(
     for key in sorted(set(ckpt.key_files) - set(held_entries)):
         if _skippable(key, args):
             report.skipped.append(key)
-        elif _foreign(key, args, held):
+        elif _foreign(key, args, held, experts):
             report.foreign.append(key)
         else:
             unexpected.append(key)

@@ -13,6 +13,10 @@ The layer output is ``sum_k w_k · expert_k(x) + shared_experts(x)``, the routed
 GLM-4.5-Air uses one expert group (``n_group = topk_group = 1``), so group-limited selection is
 not implemented.
 
+Expert parallelism (`parallel.ep` > 1): a rank holds only its ep rank's share of the routed
+experts; between the sort and the combine the rows travel to the experts' ranks and back
+(`flashcp.models.expert_parallel`). The router and the shared experts are replicated.
+
 The routed experts run grouped: the (token, choice) entries are sorted by expert once
 (`flashcp.models.moe_dispatch.build_dispatch`: one host sync per call for the counts), the
 sorted tokens go through every expert together (`flashcp.models.experts.GroupedExperts`:
@@ -39,6 +43,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from flashcp.models.config import ModelArgs
+from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import GroupedExperts
 from flashcp.models.init import normal_attr
 from flashcp.models.layers import SwiGLU
@@ -113,14 +118,35 @@ class RoutingStats:
 
 class MoE(nn.Layer):
     """Routed experts (`GroupedExperts`) plus `num_shared_experts` shared experts fused into
-    one SwiGLU."""
+    one SwiGLU.
 
-    def __init__(self, args: ModelArgs) -> None:
+    `experts`: the routed experts this rank holds (GLOBAL indices; default all). Under expert
+    parallelism (`flashcp.models.expert_parallel`) they are ep rank `ep_rank`'s share of
+    `ep_size`, and the layer exchanges tokens over `exchange` (set by
+    `expert_parallel.attach_exchange` before the first call)."""
+
+    def __init__(self, args: ModelArgs, experts: range | None = None) -> None:
         super().__init__()
         std = args.initializer_range
+        held = range(args.num_experts) if experts is None else experts
+        size = len(held)
+        if size < 1 or args.num_experts % size or held.start % size or held.step != 1:
+            raise ValueError(
+                f"experts {held} are not one ep rank's share of model.num_experts="
+                f"{args.num_experts} (equal contiguous blocks)"
+            )
+        self.ep_size = args.num_experts // size
+        self.ep_rank = held.start // size
+        self.exchange: Any = None
+        """The ep group's `flashcp.distributed.Exchange` (ep_size > 1)."""
         self.gate = TopkRouter(args)
         self.experts = GroupedExperts(
-            args.num_experts, args.hidden_size, args.moe_intermediate_size, std=std
+            size,
+            args.hidden_size,
+            args.moe_intermediate_size,
+            std=std,
+            first_expert=held.start,
+            total_experts=args.num_experts,
         )
         self.shared_experts: SwiGLU | None = None
         if args.num_shared_experts > 0:
@@ -157,10 +183,16 @@ class MoE(nn.Layer):
         num_experts, top_k = self.gate.num_experts, self.gate.top_k
         capacity = capacity_for(self.capacity_factor, int(flat.shape[0]), top_k, num_experts)
         dispatch = build_dispatch(routing.ids, num_experts, capacity)
-        layout = self.experts.plan(dispatch.counts, flat)
-        laid = relayout(dispatch, layout.row_index(), layout.rows)  # tokens straight to layout
-        y = self.experts(permute(flat, laid), layout)
-        out = combine(y, laid, routing.weights).astype(x.dtype).reshape(shape)
+        if self.ep_size > 1:
+            rows, _ = expert_parallel_rows(
+                self.experts, permute(flat, dispatch), dispatch.counts, self._exchange()
+            )
+            out = combine(rows, dispatch, routing.weights).astype(x.dtype).reshape(shape)
+        else:
+            layout = self.experts.plan(dispatch.counts, flat)
+            laid = relayout(dispatch, layout.row_index(), layout.rows)  # tokens to the layout
+            y = self.experts(permute(flat, laid), layout)
+            out = combine(y, laid, routing.weights).astype(x.dtype).reshape(shape)
         self.last_tokens_per_expert = dispatch.routed
         if paddle.is_grad_enabled():
             self._load += dispatch.routed
@@ -170,6 +202,17 @@ class MoE(nn.Layer):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _exchange(self) -> Any:
+        if self.exchange is None:
+            raise RuntimeError(
+                f"this MoE layer holds experts {self.experts.first_expert}.."
+                f"{self.experts.first_expert + self.experts.num_experts - 1} of "
+                f"{self.gate.num_experts} (ep rank {self.ep_rank} of {self.ep_size}) but has no "
+                "expert-parallel group: call flashcp.models.expert_parallel.attach_exchange("
+                "model, groups.ep_exchange()) first"
+            )
+        return self.exchange
 
     def _balance(self, out: paddle.Tensor, routing: Routing, shape: Any, group: Any) -> Any:
         rows = int(shape[0]) if len(shape) == 3 else 1

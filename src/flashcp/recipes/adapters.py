@@ -14,7 +14,7 @@ the directory loads with PaddleFormers' `LoRAModel.from_pretrained`
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,9 +101,15 @@ def load_trainable_arrays(module: paddle.nn.Layer, arrays: dict[str, np.ndarray]
 
 def write_adapter_part(path: Path, module: paddle.nn.Layer) -> None:
     """One stage's adapters as a PaddleFormers shard at `path`."""
+    write_adapter_arrays(path, trainable_arrays(module))
+
+
+def write_adapter_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Adapter arrays (e.g. a stage's, expert adapters collected whole from its ep group) as a
+    PaddleFormers shard at `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {k: np.ascontiguousarray(v) for k, v in trainable_arrays(module).items()}
-    save_file(arrays, str(path), metadata={"format": "np"})
+    out = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    save_file(out, str(path), metadata={"format": "np"})
 
 
 def write_adapter_meta(directory: Path, shards: Sequence[str], setup: LoRASetup) -> list[str]:

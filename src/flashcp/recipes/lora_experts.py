@@ -36,6 +36,8 @@ from flashcp.models.experts import ExpertLayout, GroupedExperts
 from flashcp.models.init import InitRule, fill_parameter
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
+EXPERT_ATTRS = ("hidden_size", "intermediate_size", "first_expert", "total_experts", "layout")
+"""What a wrapper keeps of the `GroupedExperts` it adapts (besides `num_experts`)."""
 _CLASSES: dict[str, type] = {}
 
 
@@ -59,7 +61,7 @@ def _classes() -> dict[str, type]:
 
         def __init__(self, base_layer: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(base_layer, *args, **kwargs)
-            for attr in ("hidden_size", "intermediate_size", "first_expert", "layout"):
+            for attr in EXPERT_ATTRS:
                 setattr(self, attr, getattr(base_layer, attr))
             p = float(kwargs.get("lora_dropout", 0.0))
             self.lora_dropout = nn.Dropout(p) if p > 0 else (lambda x: x)
@@ -139,7 +141,7 @@ def plain_experts(layer: nn.Layer) -> GroupedExperts:
     creating weights of its own)."""
     out = GroupedExperts.__new__(GroupedExperts)
     nn.Layer.__init__(out)
-    for attr in ("num_experts", "hidden_size", "intermediate_size", "first_expert", "layout"):
+    for attr in ("num_experts", *EXPERT_ATTRS):
         setattr(out, attr, getattr(layer, attr))
     out.act_fn = layer.act_fn
     for proj in PROJECTIONS:

@@ -9,6 +9,11 @@ writes `model.safetensors.index.json` (read from the shards' headers) and `confi
 directory loads with `flashcp.models.hf_weights.load_hf_checkpoint` (or Hugging Face's
 loaders) whatever the pipeline layout was. A tied embedding is written once, by the first
 stage (the last stage's copy is equal).
+
+Expert parallelism: HF keys are per expert (``mlp.experts.{e}.gate_proj.weight``), so each ep
+rank's writer streams its own experts as a shard of its own — shard ``s·ep + r`` of ``pp·ep``
+for ep rank r of stage s — and only ep rank 0 adds the stage's other tensors; nothing is
+gathered.
 """
 
 from __future__ import annotations
@@ -76,9 +81,12 @@ def _merged_expert(layer: Any, entry: HFEntry, dtype: str | None = None) -> np.n
     return _cast(piece, dtype).transpose([1, 0]).contiguous().numpy()
 
 
-def merged_specs(module: paddle.nn.Layer, dtype: str | None = None) -> list[TensorSpec]:
+def merged_specs(
+    module: paddle.nn.Layer, dtype: str | None = None, *, experts_only: bool = False
+) -> list[TensorSpec]:
     """What this stage writes: every HF key it owns, adapted weights merged (lazily; an
-    adapted expert's pieces one expert at a time).
+    adapted expert's pieces one expert at a time); `experts_only`: only the routed experts'
+    keys (ep ranks > 0 under expert parallelism).
 
     `dtype` (float32 / bfloat16) casts every parameter on the way out (a merged weight is
     rounded once, from its float32 sum); buffers keep their dtype (GLM-4.5's float32
@@ -91,6 +99,8 @@ def merged_specs(module: paddle.nn.Layer, dtype: str | None = None) -> list[Tens
         if key.endswith(("lora_A", "lora_B")):  # `.lora_A` (Linear), `_lora_A` (experts)
             continue
         if skip_tied and key == "model.embed_tokens.weight":
+            continue
+        if experts_only and not entry.is_piece:
             continue
         owner = entry.name.rsplit(".", 1)[0]
         layer = adapted.get(owner) if key.endswith(".weight") or entry.is_piece else None
@@ -108,13 +118,17 @@ def merged_specs(module: paddle.nn.Layer, dtype: str | None = None) -> list[Tens
     return specs
 
 
-def write_merged_stage(module: paddle.nn.Layer, out: Path) -> Path:
-    """Write this stage's merged shard into directory `out`; returns the file."""
+def write_merged_stage(
+    module: paddle.nn.Layer, out: Path, *, ep_rank: int = 0, ep: int = 1
+) -> Path:
+    """Write this stage's merged shard into directory `out` (under expert parallelism: ep rank
+    `ep_rank`'s of `ep`, see the module docstring); returns the file."""
     out.mkdir(parents=True, exist_ok=True)
     stage = int(getattr(module, "stage", 0))
     num_stages = int(getattr(module, "num_stages", 1))
-    path = out / merged_shard_name(stage, num_stages)
-    write_streaming(path, merged_specs(module), metadata={"format": "pt"})
+    path = out / merged_shard_name(stage * ep + ep_rank, num_stages * ep)
+    specs = merged_specs(module, experts_only=ep_rank > 0)
+    write_streaming(path, specs, metadata={"format": "pt"})
     return path
 
 
@@ -123,7 +137,8 @@ def write_merged_index(
 ) -> list[str]:
     """After every stage wrote its shard: the index, `config.json` (with `token_ids`, see
     `flashcp.models.hf_config.hf_config`), and the removal of weight files an earlier export
-    (another layout) left; returns the shard names."""
+    (another layout) left; returns the shard names. `num_stages`: the number of shards (pp,
+    or pp × ep under expert parallelism)."""
     names = [merged_shard_name(s, num_stages) for s in range(num_stages)]
     weight_map: dict[str, str] = {}
     total = 0

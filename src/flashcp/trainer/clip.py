@@ -13,6 +13,11 @@ process would have built, and sums it the same way. A matrix held by two stages 
 embeddings: both copies carry the same, already summed gradient) is counted once, by its first
 holder. The clipped gradients therefore equal the single-process ones bitwise (tested in
 `tests/unit/test_trainer_clip.py` against Paddle's clip).
+
+Expert parallelism: an expert-parallel tensor (`experts`) is held in parts, each ep rank its
+own experts' rows, so its squared norm is the SUM of the ep ranks' parts: those entries are
+all-reduced over the ep group first (the other entries are equal on every ep rank and are left
+alone). The result is the whole tensor's norm up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class PipelineGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
     `named_parameters()` order (the optimizer order of one process). `names`: this stage's
     `(structured name, parameter)` pairs. `skip`: names held here but counted by another stage
     (the last stage's copy of a tied embedding). `group`: the pp group (trivial: one process).
+    `experts`: names of expert-parallel tensors, whose squares are summed over `ep_group`.
     """
 
     def __init__(
@@ -44,6 +50,8 @@ class PipelineGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
         names: Sequence[tuple[str, paddle.Tensor]],
         group: Any,
         skip: Sequence[str] = (),
+        experts: Sequence[str] = (),
+        ep_group: Any = None,
     ) -> None:
         super().__init__(clip_norm)
         self.index = {name: i for i, name in enumerate(global_names)}
@@ -53,6 +61,11 @@ class PipelineGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
             raise ValueError(f"parameters {unknown[:3]} are not in the full model's list")
         self.group = group
         self.skip = set(skip)
+        self.ep_group = ep_group
+        self.experts = np.zeros(len(self.index), dtype=bool)
+        for name in experts:
+            if name in self.index:
+                self.experts[self.index[name]] = True
 
     def global_squares(self, params_grads: Sequence[tuple[Any, Any]]) -> np.ndarray:
         """The float32 squared norm of every clipped gradient of the whole model, in the
@@ -69,6 +82,9 @@ class PipelineGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
             i = self.index[name]
             values[i] = float(_C_ops.squared_l2_norm(g).reshape([-1]).numpy()[0])
             present[i] = 1.0
+        if self.ep_group is not None and int(self.ep_group.nranks) > 1 and self.experts.any():
+            parts = all_reduce_tensor(paddle.to_tensor(values[self.experts]), self.ep_group)
+            values[self.experts] = parts.numpy()
         both = paddle.to_tensor(np.concatenate([values, present]))
         if self.group is not None and int(self.group.nranks) > 1:
             both = all_reduce_tensor(both, self.group)

@@ -111,7 +111,8 @@ class Evaluator:
 
     `dp_rank` / `dp_size` deal the rows, `rows_per_rank` (train.grad_accum ×
     data.micro_batch_size) of them to each dp rank per eval batch; `groups` are the step
-    groups (cp, dp, pp) the sums are all-reduced over.
+    groups (cp, dp, pp) the sums are all-reduced over. `lockstep` (a reason, e.g. expert-parallel
+    groups spanning dp ranks) refuses a pass whose last batch is short.
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class Evaluator:
         dp_rank: int = 0,
         dp_size: int = 1,
         rows_per_rank: int = 1,
+        lockstep: str | None = None,
     ) -> None:
         self.recipe = recipe
         self.path = path
@@ -145,6 +147,15 @@ class Evaluator:
         """Rows per evaluation: one pass, or `eval.max_batches` batches of them."""
         self.batches = -(-self.rows // self.rows_per_batch)
         """Eval batches per evaluation (the last may be short)."""
+        if lockstep is not None and self.rows % self.rows_per_batch:
+            whole = self.rows // self.rows_per_batch
+            fix = f"set eval.max_batches to at most {whole}" if whole else "add rows"
+            raise ValueError(
+                f"{path}: {self.rows} eval rows leave the last eval batch short (it deals "
+                f"{self.rows_per_batch} rows to {self.dp_size} dp ranks), so some dp ranks would "
+                f"run fewer forward passes than others; {lockstep}, whose ranks must run the same "
+                f"passes: {fix}, or choose a layout whose ep groups stay inside cp groups"
+            )
 
     def run(self, executor: Any, module: paddle.nn.Layer) -> dict[str, float]:
         """One evaluation; returns the `eval/...` metrics (the same on every rank)."""

@@ -44,6 +44,7 @@ those are the adapters (saved in PaddleFormers' format; see `flashcp.recipes.ada
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -67,6 +68,7 @@ from flashcp.distributed import (
     build_groups,
 )
 from flashcp.models.base import StageSpec
+from flashcp.models.expert_parallel import attach_exchange
 from flashcp.models.moe_balance import loss_scale_context
 from flashcp.parallel import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
@@ -74,6 +76,7 @@ from flashcp.trainer import checkpoint as ckpt
 from flashcp.trainer import flops, memory, rundir, sharded, tracking
 from flashcp.trainer.evaluate import Evaluator, format_eval, is_due
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
+from flashcp.trainer.expert_state import ExpertArrays
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics
 from flashcp.trainer.moe_stats import RouterStats
 from flashcp.trainer.optim import build_scheduler
@@ -244,6 +247,12 @@ class Trainer:
         self.cp_rank, self.cp_size = int(groups.cp.rank), int(groups.cp.nranks)
         self.dp_rank, self.dp_size = int(groups.dp.rank), int(groups.dp.nranks)
         self.pp_rank, self.pp_size = int(groups.pp.rank), int(groups.pp.nranks)
+        self.ep_rank, self.ep_size = int(groups.ep.rank), int(groups.ep.nranks)
+        if self.ep_size != cfg.parallel.ep:
+            raise ValueError(
+                f"parallel.ep={cfg.parallel.ep} but the process groups were built with ep="
+                f"{self.ep_size}: build them from the same config (ParallelDims(..., ep=...))"
+            )
         self.is_stage_writer = self.cp_rank == 0 and self.dp_rank == 0
         """This rank writes its pipeline stage's checkpoint part and gradient dumps."""
         self.step_groups = [groups.cp, groups.dp, groups.pp]
@@ -263,9 +272,13 @@ class Trainer:
         )
         self.recipe = build_recipe(ctx)
         self.data = self.recipe.build_data()
-        self.spec = stage_spec(cfg.model, self.pp_rank, self.pp_size, cfg.parallel.pp_layers)
-        """This rank's pipeline stage (the whole model when pp = 1)."""
+        spec = stage_spec(cfg.model, self.pp_rank, self.pp_size, cfg.parallel.pp_layers)
+        self.spec = dataclasses.replace(spec, ep_rank=self.ep_rank, ep_size=self.ep_size)
+        """This rank's pipeline stage (the whole model when pp = 1), with its ep rank's share
+        of the routed experts (`parallel.ep`)."""
         self.model = (model_factory or default_model_factory)(cfg, self.spec)
+        if self.ep_size > 1:
+            attach_exchange(self.model, groups.ep_exchange())
         self.model.train()
         self.router: RouterStats | None = None
         """Expert-load statistics and the router bias update (MoE models only)."""
@@ -275,6 +288,8 @@ class Trainer:
         self.lora = self.recipe.lora
         """`flashcp.recipes.adapters.LoRASetup` when a `lora` section is set, else None."""
         self.params = trainable(self.model)
+        self.expert_arrays = ExpertArrays(self.model, groups)
+        """Gathers / slices the expert-parallel tensors' rows for checkpoints (ep > 1)."""
         self.global_names = self._global_names()
         self.shared = self._shared_names()
         self.scheduler = build_scheduler(cfg.train)
@@ -289,6 +304,8 @@ class Trainer:
                 bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
                 global_names=self.global_names,
                 shared=self.shared,
+                experts=self.expert_arrays.slices,
+                expert_arrays=self.expert_arrays,
             )
         )
         """This rank's optimizer (`flashcp.trainer.zero`): Paddle's AdamW on the parameters,
@@ -321,6 +338,7 @@ class Trainer:
                 dp_rank=self.dp_rank,
                 dp_size=self.dp_size,
                 rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
+                lockstep=self._ep_lockstep(),
             )
         self.flops_per_token = flops.flops_per_token(
             cfg.model,
@@ -329,6 +347,16 @@ class Trainer:
             reference=cfg.run.recipe == "dpo",
         )
         """Model FLOPs of one trained token (`flashcp.trainer.flops`), for the `mfu` metric."""
+
+    def _ep_lockstep(self) -> str | None:
+        """Why every dp rank must run the same forward passes (None: no need): expert-parallel
+        groups that span dp ranks exchange tokens in every MoE call."""
+        if self.ep_size == 1 or self.cp_size % self.ep_size == 0:
+            return None
+        return (
+            f"parallel.ep={self.ep_size} with parallel.cp={self.cp_size} puts ranks of different "
+            "dp indices in one ep group"
+        )
 
     def _device_name(self) -> str:
         if self.device == "cpu":
@@ -427,12 +455,14 @@ class Trainer:
         if self.lora is not None:
             from flashcp.recipes.adapters import load_trainable_arrays
 
-            load_trainable_arrays(self.model, model)
+            names = {n for n, _ in self.params}
+            model = {k: v for k, v in model.items() if k in names}
+            load_trainable_arrays(self.model, self.expert_arrays.slice(model))
         else:
             if self.pp_size > 1:
                 own = set(self.model.state_dict())
                 model = {k: v for k, v in model.items() if k in own}
-            load_model_arrays(self.model, model)
+            load_model_arrays(self.model, self.expert_arrays.slice(model))
         if self.pp_size > 1 or self.lora is not None:
             names = {n for n, _ in self.model.named_parameters()}
             optimizer = {k: v for k, v in optimizer.items() if k.split(SEP)[0] in names}
@@ -449,6 +479,7 @@ class Trainer:
                 "dp": self.dp_size,
                 "pp": self.pp_size,
                 "cp": self.cp_size,
+                "ep": self.ep_size,
                 "shard_optimizer": self.cfg.parallel.shard_optimizer,
             },
             "train_steps": self.cfg.train.steps,
@@ -462,7 +493,7 @@ class Trainer:
         stage's writer adds its part, and float32 master weights (sharded or not) are written
         as one optimizer shard per rank that owns one (`flashcp.trainer.sharded`).
         """
-        if self.pp_size > 1 or self.lora is not None or self.sharded_state:
+        if self.pp_size > 1 or self.lora is not None or self.sharded_state or self.ep_size > 1:
             return self._save_parts()
         path = None
         if self.is_main:
@@ -484,18 +515,21 @@ class Trainer:
         shard_files: list[list[str]] = []
         if self.sharded_state:
             optimizer_files = []
-            shard_files = sharded.shard_names(self.pp_size, self.optimizer.shards)
+            shard_files = sharded.shard_names(self.pp_size, self.optimizer.files)
         if self.is_main:
             sharded.begin(self.ckpt_root, self.step, adapters=adapters)
         state = self._state() if self.is_main else {}
         barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
         tmp = sharded.tmp_dir(self.ckpt_root, self.step)
-        if self.is_stage_writer:
-            self._write_model_part(tmp, model_files[self.pp_rank])
+        self._write_model_part(tmp, model_files[self.pp_rank])
         if self.sharded_state:
             self._write_optimizer_shard(tmp, shard_files[self.pp_rank])
-        elif self.is_stage_writer:
-            sharded.write_part(tmp / optimizer_files[self.pp_rank], self.optimizer.state_arrays())
+        else:
+            from flashcp.trainer.expert_state import optimizer_key
+
+            arrays = self.expert_arrays.collect(self.optimizer.state_arrays, optimizer_key)
+            if arrays is not None:  # the stage writer
+                sharded.write_part(tmp / optimizer_files[self.pp_rank], arrays)
         barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
         path = None
         if self.is_main:
@@ -514,22 +548,29 @@ class Trainer:
         return path
 
     def _write_optimizer_shard(self, directory: Path, names: list[str]) -> None:
-        """This rank's optimizer shard, if it owns one (unsharded masters: the stage writer)."""
+        """This rank's optimizer shard, if it writes one (unsharded masters: the stage writer;
+        with trainable experts under ep, each ep rank's first edp rank)."""
         optimizer = self.optimizer
         assert isinstance(optimizer, MasterOptimizer)
-        if optimizer.shards == 1 and not self.is_stage_writer:
+        if not optimizer.writes_file:
             return
         arrays = optimizer.state_arrays()
         sharded.write_part(directory / names[arrays.index], arrays.tensors(), arrays.metadata())
 
     def _write_model_part(self, directory: Path, name: str) -> None:
+        """The stage writer writes its stage's model (or adapter) part, expert tensors whole
+        (collected from its ep group, `flashcp.trainer.expert_state`)."""
         if self.lora is not None:
-            from flashcp.recipes.adapters import write_adapter_part
+            from flashcp.recipes.adapters import trainable_arrays, write_adapter_arrays
 
-            write_adapter_part(directory / name, self.model)
-            ckpt._fsync_file(directory / name)
+            arrays = self.expert_arrays.collect(lambda: trainable_arrays(self.model))
+            if arrays is not None:
+                write_adapter_arrays(directory / name, arrays)
+                ckpt._fsync_file(directory / name)
         else:
-            sharded.write_part(directory / name, model_arrays(self.model))
+            arrays = self.expert_arrays.collect(lambda: model_arrays(self.model))
+            if arrays is not None:
+                sharded.write_part(directory / name, arrays)
 
     def _write_adapter_meta(self, directory: Path, model_files: list[str]) -> list[str]:
         if self.lora is None:
@@ -545,13 +586,14 @@ class Trainer:
         each pipeline stage writes its shard); returns the directory (None without LoRA)."""
         if self.lora is None:
             return None
-        from flashcp.recipes.adapters import write_adapter_part
+        from flashcp.recipes.adapters import trainable_arrays, write_adapter_arrays
 
         out = self.output_dir / sharded.ADAPTER_DIR
         files, _ = sharded.part_names(self.pp_size, adapters=True)
         shard = files[self.pp_rank].removeprefix(f"{sharded.ADAPTER_DIR}/")
-        if self.is_stage_writer:
-            write_adapter_part(out / shard, self.model)
+        arrays = self.expert_arrays.collect(lambda: trainable_arrays(self.model))
+        if arrays is not None:  # the stage writer, experts whole
+            write_adapter_arrays(out / shard, arrays)
         barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
         if self.is_main:
             self._write_adapter_meta(out, files)
@@ -611,7 +653,7 @@ class Trainer:
         else:
             self.optimizer.reduce_grads()
             grad_norm = self.optimizer.grad_norm()
-            if self.cfg.debug.dump_grads and self.is_stage_writer:
+            if self.cfg.debug.dump_grads:
                 self._dump_grads(step)
             self.optimizer.step()
             if self.router is not None:  # after the update, from the step's summed loads
@@ -669,12 +711,15 @@ class Trainer:
         self.echo(f"warning: non-finite {what} at step {step}: update skipped")
 
     def _dump_grads(self, step: int) -> None:
-        """`grads/step_N.safetensors` (pp = 1) or one `step_N.stageS.safetensors` per stage."""
+        """`grads/step_N.safetensors` (pp = 1) or one `step_N.stageS.safetensors` per stage,
+        written by the stage writer (expert gradients whole, collected from its ep group)."""
         from safetensors.numpy import save_file
 
+        arrays = self.expert_arrays.collect(self.optimizer.full_grads)
+        if arrays is None:
+            return
         out = self.output_dir / GRADS_DIR
         out.mkdir(parents=True, exist_ok=True)
-        arrays = self.optimizer.full_grads()
         suffix = f".stage{self.pp_rank}" if self.pp_size > 1 else ""
         save_file(arrays, str(out / f"step_{step}{suffix}.safetensors"))
 
@@ -695,7 +740,9 @@ class Trainer:
         b = self.global_batch()
         return (
             f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
-            f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size} ({c.parallel.cp_mode}"
+            f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size}"
+            + (f" ep={self.ep_size}" if self.ep_size > 1 else "")
+            + f" ({c.parallel.cp_mode}"
             f"{stage}) | global batch {b['sequences']} seq × {b['seq_len']} = "
             f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
             f"{b['grad_accum']} × dp {b['dp']}) | {self.device} {self.dtype} | "
@@ -712,7 +759,7 @@ class Trainer:
             f"reporting to {tracking.describe(c.run.report_to)}",
             f"mfu vs {peak:g} TFLOP/s per device ({self.flops_per_token / 1e9:.3g} GFLOP/token)"
             if peak is not None
-            else "mfu not reported (set hardware.peak_tflops)"
+            else "mfu not reported (set hardware.peak_tflops)",
         ]
         if self.evaluator is not None:
             when = f"every {c.eval.every} steps and " if c.eval.every else ""
@@ -800,15 +847,19 @@ class Trainer:
     def export_merged(self) -> Path:
         """Write base + adapters as an HF safetensors checkpoint in `<output_dir>/merged`,
         streamed stage by stage (collective: each stage's writer merges and writes its own
-        shard, rank 0 the index; no rank holds more than its stage)."""
+        shard — under ep each ep rank's writer its experts' — rank 0 the index; no rank holds
+        more than its stage)."""
         from flashcp.recipes.adapters import MERGED_DIR
         from flashcp.recipes.merge_export import write_merged_index, write_merged_stage
 
         out = self.output_dir / MERGED_DIR
-        if self.is_stage_writer:
+        if self.ep_size == 1 and self.is_stage_writer:
             write_merged_stage(self.model, out)
+        elif self.ep_size > 1 and int(self.groups.edp.rank) == 0:  # each ep rank its experts
+            write_merged_stage(self.model, out, ep_rank=self.ep_rank, ep=self.ep_size)
         barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
         if self.is_main:
-            write_merged_index(out, self.cfg.model, self.pp_size, self.cfg.train.param_dtype)
+            shards = self.pp_size * self.ep_size
+            write_merged_index(out, self.cfg.model, shards, self.cfg.train.param_dtype)
         barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
         return out

@@ -1,6 +1,6 @@
 """`run_info.json`: what each rank of a run built, written by rank 0 at the start of `fit`.
 
-    {"world": 4, "degrees": {"dp": 1, "pp": 2, "cp": 2}, "device": "cpu",
+    {"world": 4, "degrees": {"dp": 1, "pp": 2, "cp": 2, "ep": 1}, "device": "cpu",
      "param_dtype": "float32", "compute_dtype": "float32",
      "global_batch": {"sequences": 4, "seq_len": 256, "tokens": 1024,
                       "micro_batch_size": 1, "grad_accum": 4, "dp": 1},
@@ -13,7 +13,8 @@
 `global_batch` is what one optimizer step consumes, the whole job (`Trainer.global_batch`:
 micro_batch_size × grad_accum × dp sequences of seq_len tokens). `params_local` /
 `param_bytes_local` count the parameters this rank materialised for the
-trained module (its pipeline stage, LoRA adapters included); a frozen DPO reference copy is
+trained module (its pipeline stage — under parallel.ep with its share of the routed experts —
+LoRA adapters included); a frozen DPO reference copy is
 counted apart (`reference_*`). `allocated_bytes` is the allocator's count of live Paddle tensors
 after the build and `peak_bytes` its peak so far (`flashcp.trainer.memory`): a rank that built
 more than its stage, even briefly, shows it there. `plan` is the memory planner's prediction for the
@@ -77,7 +78,12 @@ def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, A
     """The `run_info.json` document from every rank's `rank_record`."""
     return {
         "world": int(trainer.groups.world.nranks),
-        "degrees": {"dp": trainer.dp_size, "pp": trainer.pp_size, "cp": trainer.cp_size},
+        "degrees": {
+            "dp": trainer.dp_size,
+            "pp": trainer.pp_size,
+            "cp": trainer.cp_size,
+            "ep": getattr(trainer, "ep_size", 1),
+        },
         "device": trainer.device,
         "param_dtype": cfg.train.param_dtype,
         "compute_dtype": trainer.dtype,

@@ -33,6 +33,16 @@ Why own master weights instead of Paddle's `multi_precision`: Paddle 3.3.1's Ada
 `multi_precision=True` (and fleet's `MixPrecisionOptimizer`) does not step bfloat16 parameters
 on CPU ("kernel adamw ... bfloat16 is not registered"), and ZeRO-1 needs masters that exist only
 as shards anyway.
+
+Expert parallelism (`parallel.ep` > 1; `OptimizerSetup.experts` names the expert-parallel
+tensors, `flashcp.models.expert_parallel`): a rank holds only its experts' rows, equal on the
+dp·cp/ep ranks of its `edp` group, so those gradients are summed over `edp` alone (bucketed
+all-reduce, or reduce-scatter under ZeRO-1, which then shards the expert masters over `edp`:
+`MasterOptimizer` keeps two parts, the replicated parameters over dp × cp and the expert
+parameters over edp); everything else as above. The global norm adds the experts' squares over
+the ep group (each ep rank holds other experts). Expert masters are saved in the FULL tensors'
+element coordinates (`_Part.offsets`), so the shard files of a stage cover every expert once and
+load into any ep; without ZeRO-1 each ep rank's first edp rank writes its experts' file.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from flashcp.distributed import (
     all_reduce_tensor,
     reduce_scatter,
 )
+from flashcp.models.expert_parallel import ExpertSlice
 from flashcp.trainer.optim import build_optimizer
 from flashcp.trainer.parallel import all_reduce_values, squared_norm, sync_grads
 from flashcp.trainer.state import load_optimizer_arrays, optimizer_arrays
@@ -118,6 +129,15 @@ class OptimizerSetup:
     bucket_bytes: int = 64 * 2**20
     global_names: list[str] = field(default_factory=list)
     shared: set[str] = field(default_factory=set)
+    experts: Mapping[str, ExpertSlice] = field(default_factory=dict)
+    """Expert-parallel tensors (`flashcp.models.expert_parallel.expert_tensors`; empty at
+    ep = 1): their rows on this rank, of the full tensor."""
+    expert_arrays: Any = None
+    """`flashcp.trainer.expert_state.ExpertArrays` (slices saved optimizer state under ep)."""
+
+    def expert_names(self) -> set[str]:
+        """Trainable expert-parallel parameter names (empty without expert parallelism)."""
+        return {n for n, _ in self.params if n in self.experts}
 
 
 class DistributedOptimizer(Protocol):
@@ -152,14 +172,18 @@ class ParamOptimizer:
     def __init__(self, setup: OptimizerSetup) -> None:
         self.setup = setup
         self.tensors = [p for _, p in setup.params]
+        self.experts = setup.expert_names()
+        self.dense = [p for n, p in setup.params if n not in self.experts]
+        self.expert_tensors = [p for n, p in setup.params if n in self.experts]
         self.inner = build_optimizer(
             setup.model, setup.train, setup.scheduler, clip=self._pipeline_clip()
         )
 
     def _pipeline_clip(self) -> Any:
-        """Whole-model gradient clipping for pp > 1 (None: Paddle's own clip, pp = 1)."""
+        """Whole-model gradient clipping for pp > 1 or expert parallelism (None: Paddle's own
+        clip, one stage holding every parameter whole)."""
         s = self.setup
-        if int(s.groups.pp.nranks) == 1 or s.train.grad_clip <= 0:
+        if (int(s.groups.pp.nranks) == 1 and not self.experts) or s.train.grad_clip <= 0:
             return None
         from flashcp.trainer.clip import PipelineGlobalNormClip
 
@@ -169,6 +193,8 @@ class ParamOptimizer:
             names=s.params,
             group=s.groups.pp,
             skip=sorted(s.shared),
+            experts=sorted(self.experts),
+            ep_group=s.groups.ep,
         )
 
     def local_squares(self) -> float:
@@ -176,14 +202,26 @@ class ParamOptimizer:
         return squared_norm(self.tensors)
 
     def reduce_grads(self) -> None:
-        g = self.setup.groups
-        sync_grads(self.tensors, [g.cp, g.dp], bucket_bytes=self.setup.bucket_bytes)
+        g, bucket = self.setup.groups, self.setup.bucket_bytes
+        if not self.experts:
+            sync_grads(self.tensors, [g.cp, g.dp], bucket_bytes=bucket)
+            return
+        sync_grads(self.dense, [g.cp, g.dp], bucket_bytes=bucket)
+        if int(g.cp.nranks) * int(g.dp.nranks) > 1:  # as the dp × cp sum would: zeros, stepped
+            for p in self.expert_tensors:
+                if p.grad is None:
+                    p.grad = paddle.zeros_like(p)
+        sync_grads(self.expert_tensors, [g.edp], bucket_bytes=bucket)
 
     def grad_norm(self) -> float:
-        """The global gradient norm (after the cp/dp sums), over every pipeline stage."""
-        own = [p for n, p in self.setup.params if n not in self.setup.shared]
-        pp = self.setup.groups.pp
-        return math.sqrt(float(all_reduce_values([squared_norm(own)], [pp])[0]))
+        """The global gradient norm (after the cp/dp sums), over every pipeline stage (and
+        every ep rank's experts)."""
+        s = self.setup
+        own = [p for n, p in s.params if n not in s.shared and n not in self.experts]
+        local = squared_norm(own)
+        if self.experts:
+            local += float(all_reduce_values([squared_norm(self.expert_tensors)], [s.groups.ep])[0])
+        return math.sqrt(float(all_reduce_values([local], [s.groups.pp])[0]))
 
     def step(self) -> None:
         self.inner.step()
@@ -200,7 +238,14 @@ class ParamOptimizer:
 
     def load_state(self, source: OptimizerSource) -> None:
         shapes = {n: list(p.shape) for n, p in self.setup.params}
-        load_optimizer_arrays(self.inner, self.setup.model, source.classic(shapes))
+        arrays = self.setup.expert_arrays
+        if arrays is None or not self.experts:
+            load_optimizer_arrays(self.inner, self.setup.model, source.classic(shapes))
+            return
+        from flashcp.trainer.expert_state import optimizer_key
+
+        full = source.classic(arrays.global_shapes(shapes))
+        load_optimizer_arrays(self.inner, self.setup.model, arrays.slice(full, optimizer_key))
 
     def describe(self) -> str:
         return "AdamW on the float32 parameters"
@@ -230,11 +275,18 @@ class MasterShard:
         params: dict[str, paddle.Tensor],
         train: TrainConfig,
         scheduler: Any,
+        offsets: Mapping[str, int] | None = None,
+        totals: Mapping[str, int] | None = None,
     ) -> None:
         self.layout = layout
         self.train = train
         self.segments: list[Segment] = layout.segments()
         self.params = params
+        self.offsets = dict(offsets or {})
+        """Where a parameter's elements start in the full tensor's (expert rows: the first
+        expert held × elements per expert); saved segments use those coordinates."""
+        self.totals = dict(totals or {})
+        """Elements of the full tensor, for parameters holding only part of it."""
         self.masters: list[paddle.Tensor] = []
         decay: set[str] = set()
         for seg in self.segments:
@@ -318,8 +370,11 @@ class MasterShard:
 
         zeros = [np.zeros(s.length, np.float32) for s in self.segments]
         return ShardArrays(
-            segments=[(s.name, s.start, s.length, s.offset) for s in self.segments],
-            numel={n: _numel(p) for n, p in self.params.items()},
+            segments=[
+                (s.name, s.start + self.offsets.get(s.name, 0), s.length, s.offset)
+                for s in self.segments
+            ],
+            numel={n: self.totals.get(n, _numel(p)) for n, p in self.params.items()},
             shards=self.layout.shards,
             index=self.layout.index,
             master=cat([m.numpy() for m in self.masters]),
@@ -335,12 +390,13 @@ class MasterShard:
         parameter without any saved state starts fresh, as Paddle's AdamW would."""
         state: dict[str, paddle.Tensor] = {}
         for seg, m in zip(self.segments, self.masters, strict=True):
-            master = source.read(seg.name, "master", seg.start, seg.length)
+            start = seg.start + self.offsets.get(seg.name, 0)
+            master = source.read(seg.name, "master", start, seg.length)
             if master is None:
                 master = _flat_slice(self.params[seg.name], seg.start, seg.length).numpy()
             m.set_value(master.astype(np.float32, copy=False))
-            m1 = source.read(seg.name, "moment1", seg.start, seg.length)
-            m2 = source.read(seg.name, "moment2", seg.start, seg.length)
+            m1 = source.read(seg.name, "moment1", start, seg.length)
+            m2 = source.read(seg.name, "moment2", start, seg.length)
             betas = source.beta_pows(seg.name)
             if m1 is None and m2 is None and betas is None:
                 continue
@@ -355,6 +411,23 @@ class MasterShard:
             state[f"{m.name}_beta2_pow_acc_0"] = paddle.to_tensor(betas[1].reshape([1]))
         if state:
             self.inner.set_state_dict(state)
+
+
+@dataclass
+class _Part:
+    """The parameters one `MasterShard` covers and the groups its gradients and masters move
+    over: the replicated parameters (reduce over cp then dp, gather over dp then cp) or the
+    expert-parallel ones (over edp; their squares also summed over ep for the norm)."""
+
+    shard: MasterShard
+    reduce: list[Any]
+    gather: list[Any]
+    norm: list[Any]
+    """Groups the shard's squared gradient norm is summed over (before pp)."""
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self.shard.layout
 
 
 class MasterOptimizer:
@@ -375,14 +448,59 @@ class MasterOptimizer:
         if low_precision is not None:
             self.hooks = attach_main_grad(setup.model, low_precision)
         self.params = dict(setup.params)
-        self.layout = shard_layout(
-            [(n, _numel(p)) for n, p in setup.params],
-            self.shards,
-            index,
-            max(1, setup.bucket_bytes // 4),
-        )
-        self.shard = MasterShard(self.layout, self.params, setup.train, setup.scheduler)
+        experts = setup.expert_names()
+        bucket = max(1, setup.bucket_bytes // 4)
+
+        def shard_of(names: list[str], shards: int, at: int, **kw: Any) -> MasterShard:
+            layout = shard_layout([(n, _numel(self.params[n])) for n in names], shards, at, bucket)
+            return MasterShard(layout, self.params, setup.train, setup.scheduler, **kw)
+
+        dense = [n for n, _ in setup.params if n not in experts]
+        self.shard = shard_of(dense, self.shards, index)
+        self.layout = self.shard.layout
+        """The replicated parameters' shard and layout (all parameters without ep)."""
+        norm = [self.cp, self.dp] if self.sharded else []
+        self.parts = [_Part(self.shard, [self.cp, self.dp], [self.dp, self.cp], norm)]
+        self.ep, self.edp = g.ep, g.edp
+        if experts:
+            held = [n for n, _ in setup.params if n in experts]
+            rows = {n: _numel(self.params[n]) // setup.experts[n].count for n in held}
+            shard = shard_of(
+                held,
+                int(g.edp.nranks) if self.sharded else 1,
+                int(g.edp.rank) if self.sharded else 0,
+                offsets={n: setup.experts[n].first * rows[n] for n in held},
+                totals={n: setup.experts[n].total * rows[n] for n in held},
+            )
+            norm = ([self.edp] if self.sharded else []) + [self.ep]
+            self.parts.append(_Part(shard, [self.edp], [self.edp], norm))
         self._norm: float | None = None
+
+    # -- checkpoint files -------------------------------------------------------------------
+
+    @property
+    def per_ep_rank(self) -> bool:
+        """Unsharded under expert parallelism: one file per ep rank (the same count on every
+        stage, whether or not it trains experts)."""
+        return not self.sharded and int(self.ep.nranks) > 1
+
+    @property
+    def files(self) -> int:
+        """Optimizer shard files per pipeline stage: one per rank (ZeRO-1), one per ep rank
+        (unsharded under ep: its experts, the first also the replicated parameters), else
+        one."""
+        if self.sharded:
+            return self.shards
+        return int(self.ep.nranks) if self.per_ep_rank else 1
+
+    @property
+    def writes_file(self) -> bool:
+        """Whether this rank writes an optimizer shard file (`state_arrays`)."""
+        if self.sharded:
+            return True
+        if self.per_ep_rank:
+            return int(self.edp.rank) == 0
+        return int(self.cp.rank) == 0 and int(self.dp.rank) == 0
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -398,38 +516,40 @@ class MasterOptimizer:
         return float(np.sum(paddle.stack(parts).numpy().astype(np.float64)))
 
     @paddle.no_grad()
-    def _flat(self, b: int) -> paddle.Tensor:
-        bucket = self.layout.buckets[b]
+    def _flat(self, part: _Part, b: int) -> paddle.Tensor:
+        bucket = part.layout.buckets[b]
         parts = []
         for name, size in zip(bucket.names, bucket.sizes, strict=True):
             g = grad_of(self.params[name])
             parts.append(
                 paddle.zeros([size], "float32") if g is None else g.astype("float32").reshape([-1])
             )
-        pad = bucket.padded(self.shards) - bucket.numel
+        pad = bucket.padded(part.layout.shards) - bucket.numel
         if pad:
             parts.append(paddle.zeros([pad], "float32"))
         return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
 
     @paddle.no_grad()
     def reduce_grads(self) -> None:
-        """Sum the gradients over cp, then dp: all of them (unsharded), or each rank's shard
-        (reduce-scatter). The parameters' own gradients are released bucket by bucket."""
+        """Sum the gradients over cp, then dp (expert-parallel ones over edp): all of them
+        (unsharded), or each rank's shard (reduce-scatter). The parameters' own gradients are
+        released bucket by bucket."""
         present = None
         if not self.reducing:
             present = {n for n, p in self.setup.params if grad_of(p) is not None}
-        for b, bucket in enumerate(self.layout.buckets):
-            flat = self._flat(b)
-            for name in bucket.names:
-                self._release(self.params[name])
-            for group in (self.cp, self.dp):
-                if int(group.nranks) == 1:
-                    continue
-                if self.sharded:
-                    flat = reduce_scatter(flat, group)
-                else:
-                    all_reduce_tensor(flat, group, inplace=True)
-            self.shard.set_grads(b, flat, present)
+        for part in self.parts:
+            for b, bucket in enumerate(part.layout.buckets):
+                flat = self._flat(part, b)
+                for name in bucket.names:
+                    self._release(self.params[name])
+                for group in part.reduce:
+                    if int(group.nranks) == 1:
+                        continue
+                    if self.sharded:
+                        flat = reduce_scatter(flat, group)
+                    else:
+                        all_reduce_tensor(flat, group, inplace=True)
+                part.shard.set_grads(b, flat, present)
         self._norm = None
 
     @staticmethod
@@ -440,11 +560,20 @@ class MasterOptimizer:
             p.clear_gradient(False)
 
     def grad_norm(self) -> float:
-        """The global gradient norm: this shard's squares summed over its ranks and stages."""
+        """The global gradient norm: this shard's squares summed over its ranks and stages (the
+        expert part's also over the ep ranks)."""
         if self._norm is None:
-            local = self.shard.squares(self.setup.shared)
-            groups = [self.cp, self.dp, self.pp] if self.sharded else [self.pp]
-            self._norm = math.sqrt(float(all_reduce_values([local], groups)[0]))
+            shared = self.setup.shared
+            if len(self.parts) == 1:
+                local = self.shard.squares(shared)
+                groups = [self.cp, self.dp, self.pp] if self.sharded else [self.pp]
+                self._norm = math.sqrt(float(all_reduce_values([local], groups)[0]))
+            else:
+                total = sum(
+                    float(all_reduce_values([part.shard.squares(shared)], part.norm)[0])
+                    for part in self.parts
+                )
+                self._norm = math.sqrt(float(all_reduce_values([total], [self.pp])[0]))
         return self._norm
 
     # -- update -----------------------------------------------------------------------------
@@ -456,35 +585,43 @@ class MasterOptimizer:
         if clip > 0:
             norm = paddle.full([1], self.grad_norm(), dtype="float32")
             limit = paddle.full([1], clip, dtype="float32")
-            self.shard.scale_grads(paddle.divide(limit, paddle.maximum(norm, limit)))
-        self.shard.step()
+            scale = paddle.divide(limit, paddle.maximum(norm, limit))
+            for part in self.parts:
+                part.shard.scale_grads(scale)
+        for part in self.parts:
+            part.shard.step()
         self._write_back()
 
     @paddle.no_grad()
     def _write_back(self) -> None:
-        for b, bucket in enumerate(self.layout.buckets):
-            full = self.shard.piece(b)
-            if self.sharded:
-                for group in (self.dp, self.cp):
-                    full = all_gather_tensor(full, group)
-            for name, size, start in zip(bucket.names, bucket.sizes, bucket.starts(), strict=True):
-                p = self.params[name]
-                value = full[start : start + size].reshape(list(p.shape))
-                paddle.assign(value.astype(p.dtype) if dtype_name(p) != "float32" else value, p)
+        for part in self.parts:
+            for b, bucket in enumerate(part.layout.buckets):
+                full = part.shard.piece(b)
+                if self.sharded:
+                    for group in part.gather:
+                        full = all_gather_tensor(full, group)
+                starts = bucket.starts()
+                for name, size, start in zip(bucket.names, bucket.sizes, starts, strict=True):
+                    p = self.params[name]
+                    value = full[start : start + size].reshape(list(p.shape))
+                    paddle.assign(value.astype(p.dtype) if dtype_name(p) != "float32" else value, p)
 
     def clear_grad(self) -> None:
         for _, p in self.setup.params:
             self._release(p)
-        self.shard.clear_grads()
+        for part in self.parts:
+            part.shard.clear_grads()
         self._norm = None
 
     def full_grads(self) -> dict[str, np.ndarray]:
-        """The summed gradients by name (unsharded only: a shard holds a slice of them)."""
+        """The summed gradients by name (unsharded only: a shard holds a slice of them); an
+        expert-parallel tensor's are this rank's rows."""
         if self.shards > 1:
             raise ValueError("the full gradients do not exist under parallel.shard_optimizer")
         return {
             seg.name: m.grad.numpy().reshape(self.params[seg.name].shape)
-            for seg, m in zip(self.shard.segments, self.shard.masters, strict=True)
+            for part in self.parts
+            for seg, m in zip(part.shard.segments, part.shard.masters, strict=True)
             if m.grad is not None
         }
 
@@ -492,28 +629,56 @@ class MasterOptimizer:
 
     def master_slices(self) -> dict[str, tuple[int, int]]:
         """`[start, stop)` of each flattened parameter this rank holds masters for."""
-        return {s.name: (s.start, s.start + s.length) for s in self.shard.segments}
+        segments = [seg for part in self.parts for seg in part.shard.segments]
+        return {seg.name: (seg.start, seg.start + seg.length) for seg in segments}
 
     @paddle.no_grad()
     def set_masters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite the masters of the parameters in `values` (each the float32 elements of
         `master_slices()[name]`), e.g. a checkpoint's own float32 values instead of the
         parameters rounded to their storage dtype."""
-        for seg, m in zip(self.shard.segments, self.shard.masters, strict=True):
-            if seg.name in values:
-                value = np.asarray(values[seg.name], np.float32).reshape(-1)
-                if value.size != seg.length:
-                    raise ValueError(
-                        f"master values of {seg.name!r} have {value.size} elements, this rank "
-                        f"holds {seg.length}"
-                    )
-                m.set_value(value)
+        for part in self.parts:
+            for seg, m in zip(part.shard.segments, part.shard.masters, strict=True):
+                if seg.name in values:
+                    value = np.asarray(values[seg.name], np.float32).reshape(-1)
+                    if value.size != seg.length:
+                        raise ValueError(
+                            f"master values of {seg.name!r} have {value.size} elements, this "
+                            f"rank holds {seg.length}"
+                        )
+                    m.set_value(value)
 
     def state_arrays(self) -> ShardArrays:
-        return self.shard.arrays()
+        """This rank's optimizer shard file: its segments of every part (without ZeRO-1 under
+        ep, only the first ep rank adds the replicated parameters, which every ep rank holds)."""
+        if int(self.ep.nranks) == 1:
+            return self.shard.arrays()
+        parts = self.parts[1:] if self.per_ep_rank and int(self.ep.rank) > 0 else self.parts
+        arrays = [part.shard.arrays() for part in parts]
+        segments: list[tuple[str, int, int, int]] = []
+        numel: dict[str, int] = {}
+        offset = 0
+        for a in arrays:
+            segments += [(n, start, length, off + offset) for n, start, length, off in a.segments]
+            numel.update(a.numel)
+            offset += int(a.master.size)
+
+        def cat(key: str) -> np.ndarray:
+            found = [getattr(a, key) for a in arrays]
+            return np.concatenate(found) if found else np.zeros(0, np.float32)
+
+        index = self.layout.index if self.sharded else int(self.ep.rank)  # per_ep_rank
+        return ShardArrays(
+            segments=segments,
+            numel=numel,
+            shards=self.files,
+            index=index,
+            **{key: cat(key) for key in ("master", "moment1", "moment2", "beta1_pow", "beta2_pow")},
+        )
 
     def load_state(self, source: OptimizerSource) -> None:
-        self.shard.load(source)
+        for part in self.parts:
+            part.shard.load(source)
 
     def describe(self) -> str:
         what = "float32 master weights" + (
@@ -521,14 +686,20 @@ class MasterOptimizer:
             if self.low_precision
             else ""
         )
+        experts = ""
+        if len(self.parts) > 1:
+            experts = (
+                f"; expert parameters over their edp group of {int(self.edp.nranks)} rank(s)"
+                f" ({self.parts[1].layout.owned} elements here)"
+            )
         if not self.sharded:
-            return f"AdamW on {what}"
+            return f"AdamW on {what}{experts}"
         if self.shards == 1:
             return (
                 f"AdamW on {what}; parallel.shard_optimizer: 1 shard (dp × cp = 1: nothing to "
-                "shard)"
+                f"shard){experts}"
             )
         return (
             f"AdamW on {what}, ZeRO-1 sharded over dp × cp = {self.shards} ranks "
-            f"({self.layout.owned} of the stage's elements on this rank)"
+            f"({self.layout.owned} of the stage's elements on this rank){experts}"
         )
