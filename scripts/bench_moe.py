@@ -32,11 +32,21 @@ correction bias can move, once without and once with the bias update
 (`model.router_bias_update_rate` = ``--rate``), and records each step's expert-load
 max/mean (`moe/max_over_mean_max`): the load-balancing effect.
 
+``--ep-cases`` (default ``512x128x44,2048x256x88``; empty skips it) measures expert
+parallelism: the same layer split over ``--ep`` (2) launched gloo processes, each holding
+E/ep experts (`flashcp.models.expert_parallel`), one forward + backward per rank on its own
+tokens (`scripts/bench_moe_ep_worker.py`). Per rank: the bytes the all-to-all counters
+recorded at the transfer (`flashcp.distributed.all_to_all`, dispatch + combine, forward +
+backward), against the expectation from the call's own routing counts and against the
+uniform-routing theory ``4 · T·k·(ep-1)/ep · H · 4`` bytes, and the largest relative
+difference of the outputs and gradients from the whole (ep = 1) layer.
+
 Writes ``--json`` (default docs/moe.json) and the markdown page (default: the JSON path with
 .md, i.e. docs/moe.md); the README row comes from the JSON (`scripts/readme_table.py`).
 
 Usage:
     python scripts/bench_moe.py --skew                   # what docs/moe.md shows
+    python scripts/bench_moe.py --ep-only                # the ep part alone, into docs/moe.json
     python scripts/bench_moe.py --cases 256x64x22 --repeats 3 --json /tmp/m.json
     python scripts/bench_moe.py --report-only            # rewrite the .md from the JSON
 """
@@ -62,6 +72,9 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+EP_WORKER = ROOT / "scripts" / "bench_moe_ep_worker.py"
+LAUNCH_HELPERS = ROOT / "tests" / "integration"
+DEFAULT_EP_CASES = "512x128x44,2048x256x88"
 EXPERTS, TOP_K = 128, 8
 """GLM-4.5-Air's routed experts and experts per token."""
 AIR_HIDDEN, AIR_INTER = 4096, 1408
@@ -103,16 +116,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--balance-steps", type=int, default=20, help="0: no training comparison")
     p.add_argument("--rate", type=float, default=0.01, help="γ of the training comparison")
+    p.add_argument("--ep-cases", default=DEFAULT_EP_CASES, help="TxHxI cases of the ep part")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel degree (processes)")
+    p.add_argument("--launch-timeout", type=float, default=300.0)
     p.add_argument("--json", default=str(ROOT / "docs" / "moe.json"))
     p.add_argument("--markdown", default=None, help="default: the JSON path with .md")
     p.add_argument(
         "--report-only", action="store_true", help="only rewrite the markdown from --json"
+    )
+    p.add_argument(
+        "--ep-only",
+        action="store_true",
+        help="only run the ep part and merge it into the existing --json (bytes are "
+        "deterministic; the timed parts keep their run)",
     )
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.balance_steps < 0 or not args.rate > 0:
         raise SystemExit("--balance-steps must be >= 0 and --rate > 0")
+    if args.ep < 2 or EXPERTS % args.ep:
+        raise SystemExit(f"--ep must be >= 2 and divide {EXPERTS} experts, got {args.ep}")
     return args
 
 
@@ -285,6 +309,104 @@ def balance_run(steps: int, rate: float, seed: int) -> dict[str, Any]:
     return out
 
 
+def ep_bytes(cases: Sequence[Case], ep: int, seed: int, timeout: float) -> list[dict[str, Any]]:
+    """Launch the ep worker once per case on `ep` processes; every rank's record."""
+    import tempfile
+
+    if str(LAUNCH_HELPERS) not in sys.path:
+        sys.path.insert(0, str(LAUNCH_HELPERS))
+    from launch import run_launch  # tests/integration/launch.py: kills the job on timeout
+
+    out = []
+    for case in cases:
+        with tempfile.TemporaryDirectory(prefix="flashcp-bench-moe-ep-") as tmp:
+            worker_args = ["--case", f"{case.tokens}x{case.hidden}x{case.inter}",
+                           "--experts", str(EXPERTS), "--top-k", str(TOP_K),
+                           "--seed", str(seed), "--out", str(Path(tmp) / "out")]  # fmt: skip
+            result = run_launch(
+                EP_WORKER, ep, worker_args, timeout=timeout, log_dir=Path(tmp) / "logs"
+            )
+            if not result.ok:
+                raise SystemExit(f"the ep worker failed:\n{result.summary()}")
+            ranks = [json.loads((Path(tmp) / "out" / f"rank{r}.json").read_text())
+                     for r in range(ep)]  # fmt: skip
+        out.append({"case": case.label, "ep": ep, "ranks": ranks})
+        sent = [r["sent_bytes"] / r["expected_sent_bytes"] for r in ranks]
+        print(f"{case.label} ep={ep}: all-to-all bytes / expected {min(sent):.4f}–"
+              f"{max(sent):.4f}", flush=True)  # fmt: skip
+    return out
+
+
+def _ep_section(rec: dict[str, Any]) -> list[str]:
+    parts = rec.get("ep_bytes")
+    if not parts:
+        return []
+    mib = 2**20
+    rows = [
+        "| case (T×H×I) | ep rank (experts) | rows sent / received (dispatch) | sent MiB "
+        "(measured) | expected from counts | measured / expected | uniform theory MiB | "
+        "measured / uniform | counts all-gather B | max rel diff vs ep = 1 |",
+        "|" + "---|" * 10,
+    ]
+    for part in parts:
+        for r in part["ranks"]:
+            a, b = r["experts_held"]
+            rows.append(
+                f"| {part['case']} | {r['rank']} ({a}–{b - 1}) | {r['rows_sent_dispatch']} / "
+                f"{r['rows_received_dispatch']} | {r['sent_bytes'] / mib:.3f} | "
+                f"{r['expected_sent_bytes'] / mib:.3f} | "
+                f"{r['sent_bytes'] / r['expected_sent_bytes']:.4f} | "
+                f"{r['uniform_bytes'] / mib:.3f} | {r['sent_bytes'] / r['uniform_bytes']:.3f} | "
+                f"{r['counts_all_gather_bytes']} | {r['max_rel_diff']:.1e} |"
+            )
+    ep = parts[0]["ep"]
+    return [
+        f"## Expert parallelism: all-to-all bytes per rank (ep = {ep})",
+        "",
+        f"The same layer ({EXPERTS} experts, top-{TOP_K}) split over {ep} launched gloo "
+        f"processes, each holding {EXPERTS // ep} experts, one forward + backward per rank on "
+        "its own T tokens (`scripts/bench_moe_ep_worker.py`). *sent MiB (measured)*: what the "
+        "all-to-all byte counters recorded at the transfer (`flashcp.distributed.all_to_all`: "
+        "the nbytes of the row blocks handed to the send calls, the local block excluded) over "
+        "the four exchanges of one pass — dispatch and combine forward, their reverses "
+        "backward. *expected from counts*: the same from the call's routing counts "
+        "(`DispatchPlan`): 2 × (rows this rank routes to other ranks' experts + rows it "
+        "receives for its own) × H × 4 bytes. *uniform theory*: routing spread evenly, "
+        f"4 · T·k·(ep−1)/ep · H · 4 bytes. The counts themselves travel in one all-gather of "
+        f"{EXPERTS} int64 per rank and call. *max rel diff*: the largest norm-wise relative "
+        "difference of the output, the input gradient and the expert gradients (summed over "
+        "the ranks) from the whole layer's.",
+        "",
+        *rows,
+        "",
+        "The measured bytes equal the expectation from the counts exactly (payload only, "
+        "nothing padded); their ratio to the uniform theory is the router's imbalance "
+        "between the two halves of the experts for that batch.",
+        "",
+        *_planner_notes(),
+    ]
+
+
+def _planner_notes() -> list[str]:
+    return [
+        "### What the memory planner needs (per rank, per MoE layer)",
+        "",
+        "* expert weights: `E/ep · 3 · H · I` parameters (gate, up, down) instead of "
+        "`E · 3 · H · I`; the router (`H · E`) and the shared experts stay whole on every "
+        "rank; expert gradients, AdamW moments and float32 masters follow the weights (under "
+        "ZeRO-1 the expert ones shard over the dp·cp/ep ranks holding the same experts);",
+        "* all-to-all buffers, forward (kept for backward unless recomputed): the sorted "
+        "send buffer `T·k × H`, the receive buffer `R × H` and its laid-out copy (`R` rows "
+        "received for the local experts; `T·k` in expectation, up to `ep · T·k` when every "
+        "token of the ep group picks this rank's experts), the experts' `R × 2I` and `R × I` "
+        "activations, the returned `R × H`, and the combined `T·k × H`; all in the compute "
+        "dtype (bf16 on GPU);",
+        "* traffic per rank and layer: `2 · T·k·(ep−1)/ep · H · itemsize` bytes forward and "
+        "the same backward (uniform routing), plus `E · 8 · (ep−1)` bytes of counts.",
+        "",
+    ]
+
+
 def _loadavg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -324,7 +446,12 @@ def markdown(rec: dict[str, Any]) -> str:
         else f"The target (≥ {TARGET:.0f}× at 128 experts) is not met in any case here."
     )
     return "\n".join(
-        [*_grouped_section(rec, rows, worst, best, verdict), *_balance_section(rec), *_env(rec)]
+        [
+            *_grouped_section(rec, rows, worst, best, verdict),
+            *_balance_section(rec),
+            *_ep_section(rec),
+            *_env(rec),
+        ]
     )
 
 
@@ -380,6 +507,11 @@ def _env(rec: dict[str, Any]) -> list[str]:
             f" --balance-steps {rec['balance']['steps']} --rate {rec['balance']['rate']:g}"
             if rec.get("balance")
             else " --balance-steps 0"
+        )
+        + (
+            f" --ep-cases {rec['ep_cases_arg']} --ep {rec['ep_bytes'][0]['ep']}"
+            if rec.get("ep_bytes")
+            else ' --ep-cases ""'
         )
         + "`",
         "",
@@ -438,6 +570,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         md.write_text(markdown(json.loads(out.read_text())))
         print(f"wrote {md}")
         return 0
+    if args.ep_only:
+        rec = json.loads(out.read_text())
+        ep_cases = [Case.parse(c) for c in args.ep_cases.split(",") if c.strip()]
+        if not ep_cases:
+            raise SystemExit("--ep-only needs --ep-cases")
+        rec["ep_bytes"] = ep_bytes(ep_cases, args.ep, args.seed, args.launch_timeout)
+        rec["ep_cases_arg"] = args.ep_cases
+        out.write_text(json.dumps(rec, indent=2) + "\n")
+        md.write_text(markdown(rec))
+        print(f"wrote {out} and {md}")
+        return 0
     cases = [Case.parse(c) for c in args.cases.split(",") if c.strip()]
     if args.skew:
         cases += [Case(c.tokens, c.hidden, c.inter, True) for c in cases]
@@ -453,8 +596,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({g['speedup_min']:.2f}–{g['speedup_max']:.2f})", flush=True)  # fmt: skip
         results.append(res)
     balance = balance_run(args.balance_steps, args.rate, args.seed) if args.balance_steps else None
+    ep_cases = [Case.parse(c) for c in args.ep_cases.split(",") if c.strip()]
+    ep = ep_bytes(ep_cases, args.ep, args.seed, args.launch_timeout) if ep_cases else None
     rec = {
         "balance": balance,
+        "ep_bytes": ep,
+        "ep_cases_arg": args.ep_cases,
         "repeats": args.repeats,
         "cases_arg": args.cases,
         "skew": args.skew,

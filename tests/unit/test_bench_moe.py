@@ -31,7 +31,7 @@ def test_bench_moe_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     bench = _load()
     out = tmp_path / "m.json"
     argv = ["--cases", "64x16x8", "--repeats", "2", "--skew", "--balance-steps", "2",
-            "--json", str(out)]  # fmt: skip
+            "--ep-cases", "", "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     rec = json.loads(out.read_text())
     assert [c["case"] for c in rec["cases"]] == ["64x16x8", "64x16x8 skewed"]
@@ -59,3 +59,5 @@ def test_bench_moe_rejects_bad_arguments() -> None:
         bench.main(["--repeats", "0"])
     with pytest.raises(SystemExit, match="--rate > 0"):
         bench.main(["--rate", "0"])
+    with pytest.raises(SystemExit, match="--ep must be >= 2 and divide 128"):
+        bench.main(["--ep", "3"])

@@ -218,7 +218,7 @@ def attach_exchange(module: Layer, exchange: Any) -> int:
     (an `flashcp.distributed.Exchange`, e.g. `ParallelGroups.ep_exchange()`); returns how many.
     Raises when the group's size or this rank's place in it do not match the experts built."""
     count = 0
-    for name, layer in module.named_sublayers():
+    for name, layer in module.named_sublayers(include_self=True):
         ep_size = getattr(layer, "ep_size", None)
         if ep_size is None or getattr(layer, "ep_rank", None) is None:
             continue
