@@ -509,7 +509,8 @@ def _env(rec: dict[str, Any]) -> list[str]:
             else " --balance-steps 0"
         )
         + (
-            f" --ep-cases {rec['ep_cases_arg']} --ep {rec['ep_bytes'][0]['ep']}"
+            f" --ep-cases {','.join(part['case'] for part in rec['ep_bytes'])}"
+            f" --ep {rec['ep_bytes'][0]['ep']}"
             if rec.get("ep_bytes")
             else ' --ep-cases ""'
         )
@@ -576,7 +577,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not ep_cases:
             raise SystemExit("--ep-only needs --ep-cases")
         rec["ep_bytes"] = ep_bytes(ep_cases, args.ep, args.seed, args.launch_timeout)
-        rec["ep_cases_arg"] = args.ep_cases
         out.write_text(json.dumps(rec, indent=2) + "\n")
         md.write_text(markdown(rec))
         print(f"wrote {out} and {md}")
@@ -601,7 +601,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec = {
         "balance": balance,
         "ep_bytes": ep,
-        "ep_cases_arg": args.ep_cases,
         "repeats": args.repeats,
         "cases_arg": args.cases,
         "skew": args.skew,
