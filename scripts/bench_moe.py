@@ -379,12 +379,29 @@ def _ep_section(rec: dict[str, Any]) -> list[str]:
         "",
         *rows,
         "",
-        "The measured bytes equal the expectation from the counts exactly (payload only, "
-        "nothing padded); their ratio to the uniform theory is the router's imbalance "
-        "between the two halves of the experts for that batch.",
+        _ep_verdict(parts),
         "",
         *_planner_notes(),
     ]
+
+
+def _ep_verdict(parts: list[dict[str, Any]]) -> str:
+    ranks = [r for part in parts for r in part["ranks"]]
+    exact = all(
+        r["sent_bytes"] == r["expected_sent_bytes"]
+        and r["received_bytes"] == r["expected_received_bytes"]
+        for r in ranks
+    )
+    first = (
+        "The measured bytes equal the expectation from the counts exactly, on every rank and in "
+        "both directions (payload only, nothing padded)"
+        if exact
+        else "The measured bytes DIFFER from the expectation from the counts on some rank"
+    )
+    return (
+        f"{first}; their ratio to the uniform theory is the router's imbalance between the "
+        "ranks' halves of the experts for that batch."
+    )
 
 
 def _planner_notes() -> list[str]:

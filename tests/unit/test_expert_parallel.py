@@ -388,7 +388,11 @@ def test_a_valid_ep_config() -> None:
 
 
 def test_eval_refuses_a_short_last_batch_when_ep_spans_dp() -> None:
-    from flashcp.trainer.evaluate import Evaluator
+    from flashcp.trainer.evaluate import Evaluator, ep_lockstep
+
+    assert ep_lockstep(1, 3) is None and ep_lockstep(2, 4) is None
+    assert "parallel.ep=4 with parallel.cp=2" in str(ep_lockstep(4, 2))
+    assert ep_lockstep(2, 3) is not None  # cp = 3: the group {2, 3} holds dp 0 and dp 1
 
     class Rows:
         def __init__(self) -> None:

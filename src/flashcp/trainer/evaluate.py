@@ -101,6 +101,18 @@ def pass_rows(data: StepSource, start: Any, limit: int | None = None) -> int:
     return rows
 
 
+def ep_lockstep(ep: int, cp: int) -> str | None:
+    """Why every dp rank must run the same forward passes under expert parallelism (None: no
+    need): ep groups are consecutive ranks of a stage in dp-major order, so unless cp is a
+    multiple of ep an ep group holds ranks of different dp indices, which exchange tokens in
+    every MoE call."""
+    if ep == 1 or cp % ep == 0:
+        return None
+    return (
+        f"parallel.ep={ep} with parallel.cp={cp} puts ranks of different dp indices in one ep group"
+    )
+
+
 def is_due(step: int, every: int, total: int) -> bool:
     """Whether to evaluate after `step`: every `every` steps (0: never) and after the last."""
     return step == total or (every > 0 and step % every == 0)

@@ -74,7 +74,7 @@ from flashcp.parallel import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
 from flashcp.trainer import checkpoint as ckpt
 from flashcp.trainer import flops, memory, rundir, sharded, tracking
-from flashcp.trainer.evaluate import Evaluator, format_eval, is_due
+from flashcp.trainer.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
 from flashcp.trainer.expert_state import ExpertArrays
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics
@@ -338,7 +338,7 @@ class Trainer:
                 dp_rank=self.dp_rank,
                 dp_size=self.dp_size,
                 rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
-                lockstep=self._ep_lockstep(),
+                lockstep=ep_lockstep(self.ep_size, self.cp_size),
             )
         self.flops_per_token = flops.flops_per_token(
             cfg.model,
@@ -347,16 +347,6 @@ class Trainer:
             reference=cfg.run.recipe == "dpo",
         )
         """Model FLOPs of one trained token (`flashcp.trainer.flops`), for the `mfu` metric."""
-
-    def _ep_lockstep(self) -> str | None:
-        """Why every dp rank must run the same forward passes (None: no need): expert-parallel
-        groups that span dp ranks exchange tokens in every MoE call."""
-        if self.ep_size == 1 or self.cp_size % self.ep_size == 0:
-            return None
-        return (
-            f"parallel.ep={self.ep_size} with parallel.cp={self.cp_size} puts ranks of different "
-            "dp indices in one ep group"
-        )
 
     def _device_name(self) -> str:
         if self.device == "cpu":
