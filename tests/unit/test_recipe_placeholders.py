@@ -50,8 +50,10 @@ def test_what_to_put_follows_the_recipe_and_its_field_names() -> None:
     assert what_to_put("run.output_dir", {}) == "a real path"
     assert what_to_put("eval.path", {}).startswith("held-out data in the training data's format")
     message = placeholder_message("data.path", "/path/to/x.jsonl", {})
-    assert message.startswith("'/path/to/x.jsonl' is a placeholder still to fill in (in the "
-                              "file, or as data.path=PATH on the command line) with a JSON")  # fmt: skip
+    assert message.startswith(
+        "'/path/to/x.jsonl' is a placeholder still to fill in (in the file, or as "
+        "data.path=PATH on the command line) with a JSON"
+    )
 
 
 def test_refused_with_every_key_named_and_nothing_else_about_them() -> None:
