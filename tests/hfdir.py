@@ -191,15 +191,17 @@ def write_parquet(path: str | Path, records: list[dict[str, Any]]) -> Path:
     return p
 
 
-def chat_records(n: int) -> list[dict[str, Any]]:
+def chat_records(n: int, *, start: int = 0) -> list[dict[str, Any]]:
     """`n` deterministic SFT conversations (`messages`), alternately one and two turns, some
-    with a system message; answers drawn from the shipped preference set."""
+    with a system message; answers drawn from the shipped preference set (conversation i uses
+    its pairs i and i + 7, modulo its 52: `start` past another set's last pair + 7 gives
+    records sharing no pair with it, e.g. a held-out set)."""
     from importlib import resources
 
     text = resources.files("flashcp.data").joinpath("dpo_default.jsonl").read_text("utf-8")
     pairs = [json.loads(line) for line in text.splitlines() if line.strip()]
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         a, b = pairs[i % len(pairs)], pairs[(i + 7) % len(pairs)]
         messages = [{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []
         messages += [
@@ -215,15 +217,16 @@ def chat_records(n: int) -> list[dict[str, Any]]:
     return out
 
 
-def preference_records(n: int, *, as_messages: bool) -> list[dict[str, Any]]:
-    """`n` deterministic DPO records from the shipped preference set: strings, or TRL's
-    conversational form (prompt = messages, chosen/rejected = one assistant message each)."""
+def preference_records(n: int, *, as_messages: bool, start: int = 0) -> list[dict[str, Any]]:
+    """`n` deterministic DPO records from the shipped preference set (its pairs `start`,
+    `start` + 1, ... modulo its 52): strings, or TRL's conversational form (prompt = messages,
+    chosen/rejected = one assistant message each)."""
     from importlib import resources
 
     text = resources.files("flashcp.data").joinpath("dpo_default.jsonl").read_text("utf-8")
     pairs = [json.loads(line) for line in text.splitlines() if line.strip()]
     out: list[dict[str, Any]] = []
-    for i in range(n):
+    for i in range(start, start + n):
         p = pairs[i % len(pairs)]
         if not as_messages:
             out.append(dict(p))

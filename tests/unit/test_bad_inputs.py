@@ -62,8 +62,8 @@ class Row:
     """Regex the error message must match."""
     env: dict[str, str] = field(default_factory=dict)
     config: str | None = None
-    """cli/worker: config file text (written to `{tmp}/config.yaml`), `missing`, or the tiny
-    GPT config when None."""
+    """cli/worker: config file text (written to `{tmp}/config.yaml`), `missing`, `@<path>` (a
+    shipped config, relative to the repository), or the tiny GPT config when None."""
 
 
 # -- inputs for `call` rows -------------------------------------------------------------------
@@ -139,9 +139,10 @@ def cli(id: str, overrides: list[str], match: str, env: dict[str, str] | None = 
     return Row(id, "cli", overrides, E, match, env or {}, config)
 
 
-def worker(id: str, env: dict[str, str], match: str, overrides: list[str] | None = None) -> Row:
+def worker(id: str, env: dict[str, str], match: str, overrides: list[str] | None = None,
+           config: str | None = None) -> Row:  # fmt: skip
     """One launched rank (`flashcp/train.py`) must exit 2 before distributed init."""
-    return Row(id, "worker", overrides or [], E, match, env)
+    return Row(id, "worker", overrides or [], E, match, env, config)
 
 
 def call(id: str, fn: Callable[[], Any], exc: type[BaseException], match: str) -> Row:
@@ -320,6 +321,28 @@ ROWS = [
         r"wandb\)"),
     cli("peak_tflops_zero", ["hardware.peak_tflops=0"],
         r"hardware\.peak_tflops: must be > 0 or null \(no MFU\), got 0\.0"),
+    # -- shipped GPU recipes: their /path/to/... placeholders, still to fill in ----------------
+    cli("recipe_model_placeholder", [],
+        r"model\.from_pretrained: '/path/to/GLM-4-9B-0414' is a placeholder still to fill in "
+        r"\(in the file, or as model\.from_pretrained=DIR on the command line\) with a Hugging "
+        r"Face model directory holding config\.json, the safetensors weights "
+        r"\(model\.safetensors, or model\.safetensors\.index\.json and its shards\) and "
+        r"tokenizer\.json \+ tokenizer_config\.json", config="@configs/glm/glm4_9b_cp8.yaml"),
+    cli("recipe_sft_data_placeholder", [],
+        r"data\.path: '/path/to/sft_messages\.jsonl' is a placeholder still to fill in \(in the "
+        r"file, or as data\.path=PATH on the command line\) with a JSON Lines \(\.jsonl\) or "
+        r"Parquet \(\.parquet\) file \(or a directory of them\) of conversations, a 'messages' "
+        r"list of \{\"role\", \"content\"\} messages per record \(loss on the assistant turns",
+        config="@configs/glm/glm45_air_cp8.yaml"),
+    cli("recipe_dpo_data_placeholder_override", ["data.path=/path/to/my_prefs.jsonl"],
+        r"data\.path: '/path/to/my_prefs\.jsonl' is a placeholder still to fill in .* of "
+        r"preference records, 'prompt', 'chosen' and 'rejected' strings .* \[set on the command "
+        r"line: data\.path=/path/to/my_prefs\.jsonl\]",
+        config="@configs/glm/glm4_9b_dpo_lora_pp2_cp4.yaml"),
+    cli("eval_path_placeholder", ["eval.path=/path/to/heldout.jsonl"],
+        r"eval\.path: '/path/to/heldout\.jsonl' is a placeholder still to fill in .* with "
+        r"held-out data in the training data's format \(a JSON Lines .* of documents with a "
+        r"'text' field\), or null"),
     # -- more than one node (before launching) -------------------------------------------------
     cli("nnodes_indivisible", ["--nnodes", "3", "--master", "127.0.0.1:29500"],
         r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 processes cannot be split over --nnodes 3 "
@@ -372,6 +395,9 @@ ROWS = [
            r"paddle\.distributed\.launch do not: run "
            r"`flashcp train CONFIG run\.overwrite=true`, or move {out} away yourself\n\Z",
            ["run.overwrite=true"]),
+    worker("worker_recipe_placeholder", {"PADDLE_TRAINERS_NUM": "16"},
+           r"model\.from_pretrained: '/path/to/GLM-4\.5-Air' is a placeholder still to fill in",
+           config="@configs/glm/glm45_air_dpo_lora_pp_cp.yaml"),
     # -- masks (flashcp.masks.validate, CP attention's global mask) ----------------------------
     call("mask_int64", _validate(_idx(1, 1, 8, 1, dtype=np.int64), causal=True),
          ValueError, r"startend_row_indices must be int32, got int64; cast it with "
@@ -524,17 +550,19 @@ def _config_path(row: Row, tmp: Path) -> str:
         return CONFIG
     if row.config == "missing":
         return str(tmp / "missing.yaml")
+    if row.config.startswith("@"):
+        return str(ROOT / row.config[1:])
     path = tmp / "config.yaml"
     path.write_text(row.config)
     return str(path)
 
 
-COUNTS = {"cli": 61, "worker": 8, "call": 26}
+COUNTS = {"cli": 65, "worker": 9, "call": 26}
 """Rows per entry point (docs/reliability.md quotes the total)."""
 
 
 def test_table_size_is_exact_and_covers_every_entry() -> None:
-    assert len(ROWS) == sum(COUNTS.values()) == 95
+    assert len(ROWS) == sum(COUNTS.values()) == 100
     assert {e: sum(r.entry == e for r in ROWS) for e in COUNTS} == COUNTS
     assert len({r.id for r in ROWS}) == len(ROWS)
 

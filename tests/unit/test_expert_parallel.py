@@ -210,9 +210,11 @@ def test_uniform_theory_and_expert_ranges() -> None:
         expert_range(4, 2, 2)
 
 
-def test_one_rank_expert_parallel_path_equals_the_grouped_path() -> None:
+@pytest.mark.parametrize("capacity", [None, 5])
+def test_one_rank_expert_parallel_path_equals_the_grouped_path(capacity: int | None) -> None:
     """`expert_parallel_rows` over a one-rank group (counts, exchange, local layout with an
-    order, reverse exchange) gives the grouped path's outputs and gradients exactly."""
+    order, reverse exchange) gives the grouped path's outputs and gradients exactly, dropless
+    or with a capacity that drops entries."""
     args = preset("tiny_glm_moe", num_experts=8, num_experts_per_tok=2)
     paddle.seed(0)
     moe = MoE(args)
@@ -224,7 +226,8 @@ def test_one_rank_expert_parallel_path_equals_the_grouped_path() -> None:
         xt = x.clone()
         xt.stop_gradient = False
         ids, weights = moe.gate(x)
-        d = build_dispatch(ids, 8)
+        d = build_dispatch(ids, 8, capacity)
+        assert (d.dropped > 0) == (capacity is not None)
         if ep:
             rows, plan = expert_parallel_rows(moe.experts, permute(xt, d), d.counts, solo)
             out = combine(rows, d, weights)

@@ -117,6 +117,17 @@ def test_contradicting_keys_are_refused_naming_both_values(model_dir: Path) -> N
     assert "unknown key" in _errors(_raw(model_dir, {"num_layer": 2}))["model.num_layer"]
 
 
+def test_training_side_keys_are_free_and_equal_keys_fine(model_dir: Path) -> None:
+    """How the run trains (recompute, MoE capacity, router balancing) is not in config.json;
+    a shape key that restates config.json's value is accepted."""
+    free = {"recompute": "full", "moe_capacity_factor": 1.25, "router_bias_update_rate": 0.001,
+            "router_aux_loss_coef": 0.0001}  # fmt: skip
+    cfg = build_config(_raw(model_dir, free))
+    assert {k: getattr(cfg.model, k) for k in free} == free
+    same = {"hidden_size": 64, "rotary_base": 50000, "norm_eps": "1e-5", "use_qk_norm": True}
+    assert build_config(_raw(model_dir, same)).model == build_config(_raw(model_dir)).model
+
+
 def test_preset_and_other_init_from_are_refused(model_dir: Path, tmp_path: Path) -> None:
     errors = _errors(_raw(model_dir, {"preset": "tiny"}))
     assert "cannot be combined with model.from_pretrained" in errors["model.preset"]

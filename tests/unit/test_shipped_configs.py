@@ -1,7 +1,13 @@
-"""Every file under configs/ validates, documents its launch command, and (CPU ones) builds."""
+"""Every file under configs/ validates, documents its launch command, and (CPU ones) builds;
+the GPU recipes point at a model directory and a dataset (placeholders to fill in) whose
+filled-in form gives the model the file states."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -9,10 +15,12 @@ import paddle
 import pytest
 
 from flashcp import cli
-from flashcp.config import collect, load_config, read_yaml
+from flashcp.config import ConfigValidationError, collect, load_config, read_yaml
+from flashcp.config.placeholders import find_placeholders
 from flashcp.cp import make_assignment
 from flashcp.data import TrainData
-from flashcp.models import AttentionContext, build_model
+from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models.hf_config import TRAINING_FIELDS, hf_config
 from flashcp.recipes.adapters import apply_lora_config
 from flashcp.recipes.dpo_stream import DPOData
 from flashcp.trainer import resolve_dtype
@@ -46,18 +54,18 @@ def test_expected_configs_ship() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=_rel)
 def test_config_validates_for_its_world_size(path: Path) -> None:
     raw = read_yaml(path)
-    cfg, errors = collect(raw, source=_rel(path))
+    cfg, errors = collect(raw, source=_rel(path), allow_placeholders=True)
     assert cfg is not None and errors == [], "\n".join(map(str, errors))
     world = cfg.parallel.world_size
-    _, errors = collect(raw, source=_rel(path), world_size=world)
+    _, errors = collect(raw, source=_rel(path), world_size=world, allow_placeholders=True)
     assert errors == []
-    _, errors = collect(raw, source=_rel(path), world_size=world + 1)
+    _, errors = collect(raw, source=_rel(path), world_size=world + 1, allow_placeholders=True)
     assert [e.key for e in errors] == ["parallel"]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_rel)
 def test_header_shows_launch_commands(path: Path) -> None:
-    cfg = load_config(path)
+    cfg = load_config(path, allow_placeholders=True)
     lines = path.read_text().splitlines()
     header = []
     for line in lines:
@@ -73,7 +81,7 @@ def test_header_shows_launch_commands(path: Path) -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_rel)
 def test_config_builds_or_is_marked_gpu(path: Path) -> None:
-    cfg = load_config(path)
+    cfg = load_config(path, allow_placeholders=True)
     if cfg.run.device == "gpu":
         assert cfg.train.dtype == "bfloat16"
         return  # real shapes: schema and arithmetic only (checked above)
@@ -102,4 +110,115 @@ def test_flashcp_validate_all(monkeypatch: pytest.MonkeyPatch, capsys) -> None: 
     assert cli.main(["validate"]) == 0
     out = capsys.readouterr().out
     assert f"{len(CONFIGS)} of {len(CONFIGS)} config(s) valid" in out
-    assert "glm_moe ~106.9B params" in out
+    assert "glm_moe ~106.9B params from /path/to/GLM-4.5-Air" in out
+    assert out.count("fill in before training: model.from_pretrained (/path/to/") == len(GPU)
+
+
+# -- the GPU recipes: a model directory and a dataset to fill in ------------------------------
+
+GPU = {  # recipe → (preset with the public config.json shape, run.recipe)
+    "glm/glm4_9b_cp8.yaml": ("glm4_9b", "sft"),
+    "glm/glm4_9b_dpo_lora_pp2_cp4.yaml": ("glm4_9b", "dpo"),
+    "glm/glm45_air_cp8.yaml": ("glm45_air", "sft"),
+    "glm/glm45_air_dpo_lora_pp_cp.yaml": ("glm45_air", "dpo"),
+}
+
+
+def _model_dir(root: Path, config_json: dict) -> Path:
+    """A model directory as `model.from_pretrained` checks it before launch: config.json, a
+    weight index and tokenizer.json (the weights themselves are read only by the trainer)."""
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(config_json, indent=1))
+    (root / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
+    (root / "tokenizer.json").write_text("{}")
+    return root
+
+
+def test_every_gpu_config_is_a_gpu_recipe() -> None:
+    gpu = {str(p.relative_to(ROOT / "configs")) for p in CONFIGS
+           if load_config(p, allow_placeholders=True).run.device == "gpu"}  # fmt: skip
+    assert gpu == set(GPU)
+
+
+@pytest.mark.parametrize("name", sorted(GPU))
+def test_gpu_recipe_needs_its_model_directory_and_data(name: str, tmp_path: Path) -> None:
+    path = ROOT / "configs" / name
+    shape, recipe = GPU[name]
+    raw = read_yaml(path)
+    assert dict(find_placeholders(raw)).keys() == {"model.from_pretrained", "data.path"}
+    static = load_config(path, allow_placeholders=True)  # what `flashcp validate` and a
+    assert static.run.recipe == recipe  # pre-launch memory plan see
+    assert static.data.tokenizer == raw["model"]["from_pretrained"]  # the directory's own
+    assert "tokenizer" not in raw["data"]  # no byte tokenizer, no toy corpus
+    # the model section restates the real model's config.json (the preset's public shape)
+    training = {k: getattr(static.model, k) for k in TRAINING_FIELDS}
+    assert static.model == dataclasses.replace(preset(shape), **training)
+
+    with pytest.raises(ConfigValidationError) as refused:  # unfilled: refused, both named
+        load_config(path)
+    assert [e.key for e in refused.value.errors] == ["model.from_pretrained", "data.path"]
+    wants = {"sft": "'messages' list", "dpo": "'prompt', 'chosen' and 'rejected'"}[recipe]
+    assert wants in refused.value.errors[1].message
+
+    # filled in with that model's directory (config.json as transformers 4.x writes it for the
+    # checkpoint, with its multi-token-prediction layer and token ids): the same model
+    ids = {"eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329}
+    config = hf_config(preset(shape), "bfloat16", token_ids=ids)
+    if shape == "glm45_air":
+        config["num_nextn_predict_layers"] = 1
+    model_dir = _model_dir(tmp_path / "model", config)
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    fill = [f"model.from_pretrained={model_dir}", f"data.path={data}"]
+    filled = load_config(path, fill)
+    assert filled.model == static.model
+    assert filled.checkpoint.init_from == filled.data.tokenizer == str(model_dir)
+    # negative control: a directory of another depth is refused, naming the key and both values
+    config["num_hidden_layers"] = static.model.num_layers - 1
+    other = _model_dir(tmp_path / "other", config)
+    with pytest.raises(ConfigValidationError, match=(
+        rf"model\.num_layers: {static.model.num_layers} contradicts config\.json "
+        rf"num_hidden_layers {static.model.num_layers - 1} in {other}"
+    )):  # fmt: skip
+        load_config(path, [f"model.from_pretrained={other}", f"data.path={data}"])
+
+
+def _header_commands(path: Path) -> list[list[str]]:
+    """The shell commands in a config's header comment (continuation lines joined)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].strip())
+    text = "\n".join(lines).replace("\\\n", " ")
+    return [shlex.split(t) for t in text.splitlines() if t.startswith(("flashcp ", "python "))]
+
+
+def test_air_recipe_header_shows_the_two_node_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both two-node forms, with flags their own parsers accept and a node split that fits."""
+    # (`paddle.distributed.launch` is also a function name there: import the module by path)
+    launch_args = importlib.import_module("paddle.distributed.launch.context.args_envs")
+
+    path = ROOT / "configs" / "glm" / "glm45_air_dpo_lora_pp_cp.yaml"
+    world = load_config(path, allow_placeholders=True).parallel.world_size
+    two_node = [c for c in _header_commands(path) if "--nnodes" in c]
+    assert [c[0] for c in two_node] == ["flashcp", "python"]
+    for rank in ("0", "1"):
+        argv = [rank if a == "R" else "10.0.0.1:29500" if a == "HOST:PORT" else a
+                for a in two_node[0][1:]]  # fmt: skip
+        args, extra = cli.build_parser().parse_known_args(argv)
+        assert (args.command, args.nnodes, args.node_rank) == ("train", 2, int(rank))
+        assert args.master == "10.0.0.1:29500" and args.config == _rel(path)
+        assert cli._node_problem(args) is None
+        assert {o.split("=")[0] for o in args.overrides + extra} == {
+            "model.from_pretrained", "data.path"}  # fmt: skip
+    launch = two_node[1]
+    assert launch[:3] == ["python", "-m", "paddle.distributed.launch"]
+    # Paddle's launcher's own parser (it reads sys.argv; PADDLE_TRAINER_ID would set the rank)
+    monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
+    monkeypatch.setattr("sys.argv", ["launch", *["1" if a == "R" else a for a in launch[3:]]])
+    parsed, _ = launch_args.parse_args()
+    assert (parsed.nnodes, parsed.rank, parsed.master) == ("2", 1, "HOST:PORT")
+    assert int(parsed.nproc_per_node) * 2 == world
+    assert parsed.training_script == "src/flashcp/train.py"
+    assert parsed.training_script_args[:2] == ["--config", _rel(path)]

@@ -31,6 +31,7 @@ from flashcp.config.aliases import (
 )
 from flashcp.config.errors import ConfigError, ConfigValidationError, suggest
 from flashcp.config.overrides import Override, apply_overrides, parse_overrides
+from flashcp.config.placeholders import find_placeholders, is_placeholder, placeholder_message
 from flashcp.config.schema import SECTIONS, Config, extra_sections
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -188,8 +189,9 @@ def build_model_args(raw: Any, errors: list[ConfigError]) -> tuple[Any, str | No
 
     The section starts from `preset: <name>` or `from_pretrained: <HF directory>` (its
     `config.json`, `flashcp.models.hf_config`), plus the fields to change. A key that
-    contradicts that config.json is refused naming both values (only the training-side
-    `recompute` may be set freely)."""
+    contradicts that config.json is refused naming both values; one that equals it is fine
+    (only the training-side fields, `flashcp.models.hf_config.TRAINING_FIELDS`, may be set
+    freely)."""
     ModelArgs, presets = _model_api()
     if raw is None:
         errors.append(
@@ -358,17 +360,20 @@ def build_config(
     world_size: int | None = None,
     nnodes: int = 1,
     check: bool = True,
+    allow_placeholders: bool = False,
 ) -> Config:
     """A validated `Config` from a raw mapping plus `key=value` overrides.
 
     Raises `ConfigValidationError` with every problem: parse errors of the overrides, unknown
-    sections or keys, wrong types, and (when `check`) the cross-field checks of
-    `flashcp.config.validate.check_config` (for `world_size` processes on `nnodes` nodes).
-    Top-level aliases (`max_steps`, ...; `flashcp.config.aliases`) are accepted in `raw` and
-    in `overrides`.
+    sections or keys, wrong types, placeholders still to fill in (`/path/to/...`,
+    `flashcp.config.placeholders`; unless `allow_placeholders`), and (when `check`) the
+    cross-field checks of `flashcp.config.validate.check_config` (for `world_size` processes
+    on `nnodes` nodes). Top-level aliases (`max_steps`, ...; `flashcp.config.aliases`) are
+    accepted in `raw` and in `overrides`.
     """
     cfg, errors = collect(raw, source=source, overrides=overrides, world_size=world_size,
-                          nnodes=nnodes, check=check)  # fmt: skip
+                          nnodes=nnodes, check=check,
+                          allow_placeholders=allow_placeholders)  # fmt: skip
     if errors or cfg is None:
         raise ConfigValidationError(errors, source)
     return cfg
@@ -382,8 +387,14 @@ def collect(
     world_size: int | None = None,
     nnodes: int = 1,
     check: bool = True,
+    allow_placeholders: bool = False,
 ) -> tuple[Config | None, list[ConfigError]]:
-    """`(config or None, every problem)` without raising: what `flashcp validate` reports."""
+    """`(config or None, every problem)` without raising: what `flashcp validate` reports.
+
+    A placeholder path (`/path/to/...`, `flashcp.config.placeholders`) is a problem naming its
+    key and what to put there, unless `allow_placeholders` (`flashcp validate`'s static check
+    of a shipped recipe): then it is accepted unchecked, and a placeholder
+    `model.from_pretrained` leaves the model to the section's other keys."""
     data: dict[str, Any] = json.loads(json.dumps(dict(raw), default=str))  # deep copy
     aliased, errors = resolve_file_aliases(data)
     parsed, bad = parse_overrides(overrides)
@@ -397,7 +408,13 @@ def collect(
     for key in data:
         if key not in known:
             errors.append(ConfigError(str(key), "unknown section" + suggest(str(key), known)))
+    placeholders = find_placeholders(data)
+    if not allow_placeholders:
+        errors += [ConfigError(k, placeholder_message(k, v, data)) for k, v in placeholders]
     pretrained = _pretrained_path(data)
+    unfilled = is_placeholder(pretrained)
+    if unfilled:  # the model section's own keys give the model; nothing to read or load
+        data["model"] = {k: v for k, v in data["model"].items() if k != "from_pretrained"}
     if pretrained is not None:
         section = data.get("data")
         if section is None:
@@ -416,7 +433,7 @@ def collect(
     errors = explain_misplaced(errors)
     if model is None or any(v is None for v in sections.values()):
         return None, _mark_overrides(mark_aliases(errors, aliased), parsed)
-    if pretrained is not None:
+    if pretrained is not None and not unfilled:
         _pretrained_weights(sections["checkpoint"], pretrained, errors)
     cfg = Config(
         model=model,
@@ -430,7 +447,9 @@ def collect(
     if check:
         from flashcp.config.validate import check_config
 
-        failed = {e.key for e in errors}
+        failed = {e.key for e in errors} | {k for k, _ in placeholders}
+        if unfilled and cfg.data.tokenizer == pretrained:
+            failed.add("data.tokenizer")  # the placeholder directory's tokenizer
         errors += check_config(cfg, world_size=world_size, nnodes=nnodes, skip=failed)
     return cfg, _mark_overrides(mark_aliases(errors, aliased), parsed)
 
@@ -464,6 +483,7 @@ def load_config(
     world_size: int | None = None,
     nnodes: int = 1,
     check: bool = True,
+    allow_placeholders: bool = False,
 ) -> Config:
     """Read, override, type-check and validate the YAML config at `path` (see `build_config`)."""
     return build_config(
@@ -473,6 +493,7 @@ def load_config(
         world_size=world_size,
         nnodes=nnodes,
         check=check,
+        allow_placeholders=allow_placeholders,
     )
 
 

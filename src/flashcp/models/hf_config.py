@@ -139,8 +139,14 @@ FIELD_KEYS: dict[str, str] = {
     "initializer_range": "initializer_range",
 }
 """`ModelArgs` field → the config.json key that defines it (for messages)."""
-TRAINING_FIELDS = ("recompute",)
-"""`ModelArgs` fields config.json does not define: a run config sets them freely."""
+TRAINING_FIELDS = (
+    "recompute",
+    "moe_capacity_factor",
+    "router_bias_update_rate",
+    "router_aux_loss_coef",
+)
+"""`ModelArgs` fields config.json does not define — how the run trains (recompute, MoE token
+capacity, the router's load balancing), not which model it is: a run config sets them freely."""
 
 _MODEL_KEYS = {
     "architectures",
