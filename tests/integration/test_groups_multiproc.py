@@ -62,6 +62,17 @@ def test_four_processes_subgroups_on_dedicated_stores() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_three_processes_odd_ring_collectives_exact() -> None:
+    """An odd gloo ring (cp=3): gloo pairs a send with the receive of the same per-group tag,
+    which an odd cycle of send/recv pairs cannot give (it timed out); ring_shift goes through
+    all_gather and the reduce-scatter through all-reduce there, with exact values."""
+    result = run_launch(WORKER, 3, ["check", "--topology", "1x1x3"], timeout=90, env=FAST_FAIL)
+    _assert_clean(result, 3)
+    for rank in range(3):
+        assert _checked(result, rank) == {"1x1x3 world[0,1,2]", "1x1x3 cp[0,1,2]"}
+
+
+@pytest.mark.timeout(120)
 def test_collective_timeout_names_group_and_ends_job() -> None:
     """Rank 1 skips an all_gather and hangs: rank 0 must exit non-zero after ~3 s with a
     message naming the collective, the group and the missing peer; nothing may survive."""

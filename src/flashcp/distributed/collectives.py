@@ -247,16 +247,36 @@ def _exchange(
     return nbytes(send), nbytes(recv)
 
 
+def odd_gloo_cycle(group: Group, shift: int = 1) -> bool:
+    """Whether a shift-by-`shift` exchange over `group` has cycles of odd length > 1 on gloo.
+
+    Paddle's gloo tags every operation on a group with the group's next sequence number and
+    matches a receive only to a send of the same tag. In a cycle each rank makes one send and
+    one receive, so the send of rank i and the receive of rank i + shift must share a position
+    (first or second): the positions alternate around the cycle, which an odd cycle cannot do
+    (measured: `ring_shift` over 3 gloo ranks times out). NCCL matches by order per peer.
+    """
+    p = group.nranks
+    length = p // gcd(p, shift % p) if shift % p else 1
+    return length > 1 and length % 2 == 1 and group_backend(group) != "nccl"
+
+
 def ring_shift(x: Tensor, group: Group, shift: int = 1, *, timeout: float | None = None) -> Tensor:
     """Send `x` to group rank (r + shift) mod p and return what group rank (r - shift) sent.
 
-    Every rank must pass a tensor of the same shape and dtype. Bytes: nbytes(x) each way.
+    Every rank must pass a tensor of the same shape and dtype. Bytes: nbytes(x) each way
+    (ordered send/recv pairs). On gloo, a shift whose cycles have odd length cannot be paired
+    (`odd_gloo_cycle`): it goes through `all_gather_tensor` instead, counted as that.
     """
     group = _check_group(group, "ring_shift")
     p = group.nranks
     r = group.rank
     if p == 1 or shift % p == 0:
         return x.clone()
+    if odd_gloo_cycle(group, shift):
+        parts = all_gather_tensor(x.unsqueeze(0), group, timeout=timeout)
+        with paddle.no_grad():
+            return parts[(r - shift) % p].clone()
     dst = group.ranks[(r + shift) % p]
     src = group.ranks[(r - shift) % p]
     with paddle.no_grad():
@@ -280,7 +300,15 @@ def _resolve_method(method: str, group: Group) -> str:
         )
     backend = group_backend(group)
     if method == "auto":
-        return "nccl" if backend == "nccl" else "ring"
+        if backend == "nccl":
+            return "nccl"
+        return "allreduce" if odd_gloo_cycle(group) else "ring"
+    if method == "ring" and odd_gloo_cycle(group):
+        raise ValueError(
+            f"reduce-scatter method 'ring' cannot pair the send/recv of {group_label(group)} "
+            f"({group.nranks} gloo ranks, an odd ring): use 'allreduce' or 'auto' "
+            f"(env {ENV_REDUCE_SCATTER})"
+        )
     if method == "nccl" and backend != "nccl":
         raise ValueError(
             f"reduce-scatter method 'nccl' needs an NCCL group, but {group_label(group)} is "
@@ -336,7 +364,8 @@ def reduce_scatter_chunks(
     Methods: "nccl" (the library reduce_scatter, NCCL groups only), "ring" (ordered send/recv,
     p - 1 steps, moves the theoretical (p - 1) / p of the input each way), "allreduce"
     (all-reduce the stacked chunks and keep mine: simple, 2x the bytes). "auto" picks "nccl" on
-    NCCL and "ring" otherwise; env `FLASHCP_REDUCE_SCATTER` overrides "auto".
+    NCCL, "ring" on gloo, and "allreduce" on an odd gloo group (`odd_gloo_cycle`); env
+    `FLASHCP_REDUCE_SCATTER` overrides "auto".
 
     Bytes: "ring" counts the nbytes of every tensor its send/recv calls move; "nccl" and
     "allreduce" hand the whole transfer to the library, so they count its bandwidth-optimal
