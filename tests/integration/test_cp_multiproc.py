@@ -45,3 +45,4 @@ def test_cp_parity_every_family_every_mode(nproc: int, tmp_path: Path) -> None:
             assert case["ok"] and max(case["units"].values()) <= FACTOR, case
             assert case["wrong_shard_rejected"] and case["wrong_units"] > 10 * FACTOR, case
         assert report["bitwise"], f"rank {rank}: two identical runs differ"
+        assert report["frozen_k"], f"rank {rank}: a frozen k changed the other gradients"

@@ -141,13 +141,17 @@ class AllGatherKVAttention(PyLayer):
         out, lse = cp_forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
+        # Paddle wants None for an input without gradient (e.g. LoRA on q_proj, v_proj only):
+        # the collectives still run on every rank (the same model: the same flags everywhere).
+        ctx.needs_grad = tuple(not t.stop_gradient for t in (q, k, v))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, *unused):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensor()
-        return cp_backward(q, k, v, out, lse, dout, ctx.plan)
+        grads = cp_backward(q, k, v, out, lse, dout, ctx.plan)
+        return tuple(g if need else None for g, need in zip(grads, ctx.needs_grad, strict=True))
 
 
 def check_inputs(q: Any, k: Any, v: Any) -> None:

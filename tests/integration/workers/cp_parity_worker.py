@@ -36,20 +36,23 @@ B, HQ, HKV, D = 2, 4, 2, 16
 PER_HEAD = {"sliding_window_per_head": (HKV, HQ), "random_eviction": (HKV, HQ)}
 
 
-def run_cp(q, k, v, dout, idx, causal, mode, group, rank, world):
-    """Local shards → CP forward/backward → numpy (out, lse, dq, dk, dv, positions)."""
+def run_cp(q, k, v, dout, idx, causal, mode, group, rank, world, frozen=""):
+    """Local shards → CP forward/backward → numpy (out, lse, dq, dk, dv, positions).
+
+    `frozen` names inputs created with stop_gradient (e.g. "k": LoRA on q_proj and v_proj
+    only); their gradient is returned as None and must not exist."""
     asg = make_assignment(mode, world, idx, causal=causal)
     pos = asg.positions(q.shape[1], rank)
     tq, tk, tv = (
-        paddle.to_tensor(shard_assigned(x, rank, asg, axis=1), stop_gradient=False)
-        for x in (q, k, v)
+        paddle.to_tensor(shard_assigned(x, rank, asg, axis=1), stop_gradient=name in frozen)
+        for name, x in zip("qkv", (q, k, v), strict=True)
     )
     out, lse = flashmask_attention_cp(
         tq, tk, tv, idx, group=group, causal=causal, mode=mode, return_lse=True
     )
     out.backward(paddle.to_tensor(shard_assigned(dout, rank, asg, axis=1)))
-    got = (out.numpy(), lse.numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy())
-    return got, pos
+    grads = tuple(None if t.grad is None else t.grad.numpy() for t in (tq, tk, tv))
+    return (out.numpy(), lse.numpy(), *grads), pos
 
 
 def local_rows(ref, pos):
@@ -108,12 +111,23 @@ def main() -> None:
     first, _ = run_cp(q, k, v, dout, mask.indices, True, "dualchunk_allgather", group, rank, world)
     second, _ = run_cp(q, k, v, dout, mask.indices, True, "dualchunk_allgather", group, rank, world)
     bitwise = all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+    # k frozen (LoRA on q_proj and v_proj only): no dk, the rest as with every gradient.
+    part, _ = run_cp(
+        q, k, v, dout, mask.indices, True, "dualchunk_allgather", group, rank, world, frozen="k"
+    )
+    frozen_k = part[3] is None and all(
+        np.array_equal(a, b) for i, (a, b) in enumerate(zip(first, part, strict=True)) if i != 3
+    )
 
     report = {"rank": rank, "world": world, "seq": seq, "cases": results, "bitwise": bitwise}
+    report["frozen_k"] = frozen_k
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     bad = [c for c in results if not c["ok"] or not c.get("wrong_shard_rejected", True)]
-    if bad or not bitwise:
-        raise SystemExit(f"rank {rank}: {len(bad)} failing cases, bitwise={bitwise}: {bad[:3]}")
+    if bad or not bitwise or not frozen_k:
+        raise SystemExit(
+            f"rank {rank}: {len(bad)} failing cases, bitwise={bitwise}, frozen_k={frozen_k}: "
+            f"{bad[:3]}"
+        )
     print(f"CP PARITY DONE rank={rank} cases={len(results)}", flush=True)
     shutdown()
 
