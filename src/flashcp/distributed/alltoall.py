@@ -107,9 +107,11 @@ def _check_splits(
 
 
 def _blocks(x: Tensor, splits: Sequence[int]) -> list[Tensor]:
+    """Row blocks of `x`, each contiguous (gloo's send refuses a strided view, which a slice of
+    a non-contiguous `x` is: seen under full recompute)."""
     out, start = [], 0
     for n in splits:
-        out.append(x[start : start + n])
+        out.append(x[start : start + n].contiguous())
         start += n
     return out
 
