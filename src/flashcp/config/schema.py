@@ -55,6 +55,9 @@ class ParallelConfig:
     """Pad sequences up to the layout's multiple instead of requiring data.seq_len to divide."""
     grad_bucket_mb: float = 64.0
     """Gradients are summed over cp/dp in all-reduce buckets of at most this many MiB."""
+    shard_optimizer: bool = False
+    """ZeRO-1: shard the float32 master weights and AdamW moments over the ranks that hold the
+    same parameters (the dp × cp ranks of a pipeline stage)."""
 
     @property
     def world_size(self) -> int:
@@ -135,6 +138,13 @@ class TrainConfig:
     """Compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (CPU only: Paddle's
     FlashAttention/FlashMask GPU kernels exist for fp16/bf16 only) or bfloat16 O1 autocast (GPU
     only; parameters, gradients and AdamW stay float32)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage dtype of the parameters. bfloat16: frozen weights (LoRA base, DPO reference)
+    are stored in bf16; trained weights too, with float32 master weights, float32 Adam moments
+    and float32 gradient accumulation (main_grad)."""
+    loss_chunk_tokens: int = 4096
+    """LM head + loss over chunks of this many tokens, each chunk's logits recomputed in
+    backward (no [tokens, vocab] float32 tensor); 0 = unchunked."""
     log_every: int = 1
     """Print a log line every this many steps (metrics.jsonl gets every step)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -181,6 +191,15 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
+class HardwareConfig:
+    """The devices a run is planned for (`flashcp plan`, `flashcp validate`)."""
+
+    memory_gib: float | None = None
+    """Per-device memory budget in GiB the memory plan must fit (`flashcp plan`); null = no
+    budget check (CPU configs). The GPU configs set 96 (an H20)."""
+
+
+@dataclass(kw_only=True)
 class DebugConfig:
     """Diagnostics for tests and bug hunts (off by default)."""
 
@@ -196,6 +215,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "run": RunConfig,
+    "hardware": HardwareConfig,
     "debug": DebugConfig,
 }
 """Core sections besides `model`, in file order."""
@@ -246,6 +266,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     extras: dict[str, Any] = field(default_factory=dict)
     """Sections added by recipes (`RecipeSpec.sections`), by name."""

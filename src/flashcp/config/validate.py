@@ -185,6 +185,14 @@ def _check_train(cfg: Config, c: _Checks) -> None:
         c.add("train.log_every", f"must be >= 1, got {t.log_every}")
     if t.seed < 0:
         c.add("train.seed", f"must be >= 0, got {t.seed}")
+    if t.loss_chunk_tokens < 0:
+        c.add(
+            "train.loss_chunk_tokens",
+            f"must be >= 0 (0 = unchunked loss), got {t.loss_chunk_tokens}",
+        )
+    gib = cfg.hardware.memory_gib
+    if gib is not None and not gib > 0:
+        c.add("hardware.memory_gib", f"must be > 0 GiB or null (no budget), got {gib}")
     if t.dtype == "bfloat16" and cfg.run.device == "cpu":
         c.add(
             "train.dtype",
