@@ -174,6 +174,7 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
 
     with tempfile.TemporaryDirectory(prefix=f"memcheck-{case['name']}-") as tmp:
         out = Path(tmp)
+        steps = int(case.get("steps", steps))
         cfg = resolve(case, out, steps)
         p = plan(cfg, device="cpu")
         world = cfg.parallel.world_size

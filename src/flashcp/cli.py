@@ -1,4 +1,4 @@
-"""The `flashcp` command: `train`, `validate`, `plot` and `explain-dispatch`."""
+"""The `flashcp` command: `train`, `validate`, `plan`, `plot` and `explain-dispatch`."""
 
 from __future__ import annotations
 
@@ -87,8 +87,18 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     )
 
 
+def _memory_refusal(cfg) -> str | None:  # type: ignore[no-untyped-def]
+    """The over-budget message of `cfg`'s memory plan (None: fits, or no hardware.memory_gib)."""
+    if cfg.hardware.memory_gib is None:
+        return None
+    from flashcp.plan import plan
+    from flashcp.plan.report import refusal
+
+    return refusal(cfg, plan(cfg))
+
+
 def _validate(args: argparse.Namespace) -> int:
-    from flashcp.config import collect, read_yaml
+    from flashcp.config import ConfigError, collect, read_yaml
     from flashcp.config.errors import ConfigValidationError
 
     files = [Path(f) for f in args.files]
@@ -103,6 +113,8 @@ def _validate(args: argparse.Namespace) -> int:
             cfg, errors = collect(read_yaml(path), source=str(path), world_size=args.world_size)
         except ConfigValidationError as exc:
             cfg, errors = None, exc.errors
+        if not errors and cfg is not None and (message := _memory_refusal(cfg)) is not None:
+            errors = [ConfigError("hardware.memory_gib", message)]
         if errors or cfg is None:
             failed += 1
             print(f"FAIL  {ConfigValidationError(errors, str(path))}")
@@ -130,6 +142,26 @@ def _train(args: argparse.Namespace) -> int:
         resume=cfg.checkpoint.resume,
         overwrite=cfg.run.overwrite,
     )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.plan import plan
+    from flashcp.plan.report import format_plan
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigValidationError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    p = plan(cfg, device=args.device, budget_gib=args.device_memory)
+    if args.json:
+        print(json.dumps(p.to_json()))
+    else:
+        print(format_plan(p, cfg, source=str(args.config)))
+    return 0 if p.fits else 1
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -163,6 +195,34 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "--world-size", type=int, default=None, help="also check dp×pp×cp against this"
     )
     validate.set_defaults(func=_validate)
+    plan = sub.add_parser(
+        "plan",
+        help="memory plan: bytes per rank (stage) at its peak, against the device budget",
+        description="Plan CONFIG's memory per rank before launch: parameters, gradients, "
+        "master weights, optimizer states, activations, logits/loss, communication buffers, "
+        "against hardware.memory_gib (or --device-memory). Exit 1 when a rank does not fit.",
+    )
+    plan.add_argument("config", help="YAML run config")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    plan.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="per-device budget in GiB (default: hardware.memory_gib)",
+    )
+    plan.add_argument(
+        "--device",
+        choices=["cpu", "gpu"],
+        default=None,
+        help="plan for this device (default: run.device; auto counts as cpu)",
+    )
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits"}',
+    )
+    plan.set_defaults(func=_plan)
     plot = sub.add_parser("plot", help="PNG of a run's loss and throughput (metrics.jsonl)")
     plot.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")

@@ -102,6 +102,8 @@ def test_every_problem_is_reported_at_once() -> None:
         ("train", {"steps": 0}, "train.steps", ">= 1"),
         ("train", {"grad_clip": -1.0}, "train.grad_clip", ">= 0"),
         ("train", {"log_every": 0}, "train.log_every", ">= 1"),
+        ("train", {"loss_chunk_tokens": -1}, "train.loss_chunk_tokens", "0 = unchunked"),
+        ("hardware", {"memory_gib": 0}, "hardware.memory_gib", "> 0 GiB or null"),
         ("data", {"seq_len": 1}, "data.seq_len", ">= 2"),
         ("data", {"micro_batch_size": 0}, "data.micro_batch_size", ">= 1"),
         ("data", {"path": "/no/such.jsonl"}, "data.path", "no file at"),

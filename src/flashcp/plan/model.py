@@ -36,7 +36,7 @@ from flashcp.config.schema import CHUNKS_PER_RANK, Config
 from flashcp.models.config import ModelArgs
 from flashcp.parallel.split import split_layers
 from flashcp.plan import activations as act
-from flashcp.plan.params import stage_buffers, stage_parameters
+from flashcp.plan.params import layer_parameters, stage_buffers, stage_parameters
 
 GIB = 2**30
 
@@ -257,6 +257,21 @@ def _numel(specs: list[Any], trained: bool | None = None) -> int:
     return sum(x.numel for x in specs if trained is None or x.trained == trained)
 
 
+def weight_copies(args: ModelArgs, index: int, tokens: int, dt: act.Dtypes) -> int:
+    """Bytes of the compute-dtype copies of layer `index`'s weight matrices a matmul saves when
+    the compute dtype differs from the storage dtype (bf16 O1 autocast over float32 weights;
+    float32 compute over bf16 storage on CPU): every matmul casts its weight and keeps the
+    copy for backward. Experts count when a token reaches them (all, once T·k ≥ E)."""
+    if dt.c == dt.param:
+        return 0
+    total = 0.0
+    hit = min(1.0, tokens * args.num_experts_per_tok / max(args.num_experts, 1))
+    for spec in layer_parameters(args, index):
+        if len(spec.shape) == 2:
+            total += spec.numel * (hit if ".experts." in spec.name else 1.0)
+    return int(total * dt.c)
+
+
 def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     """Every moment's items (bytes) for `stage`; see the module docstring."""
     args = s.args
@@ -304,8 +319,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
         attn_t = act.attention_backward_transient(args).bytes(dt) * T
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
+        copies = weight_copies(args, index, T, dt)
         if mode == "none":
-            kept.append(saved.bytes(dt) * T - cut * T + cp_mask)
+            kept.append(saved.bytes(dt) * T - cut * T + cp_mask + copies)
             rerun = 0.0
         else:
             keep = act.layer_output(args)
@@ -314,15 +330,13 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             kept.append(keep.bytes(dt) * T + cp_mask)
             rerun = (
                 saved.bytes(dt) - keep.bytes(dt) + act.recompute_replay_extra(args).bytes(dt)
-            ) * T
+            ) * T + copies
         if mlp_t >= attn_t + kv_gather:
             work.append((rerun + mlp_t, 0.0))
         else:
             work.append((rerun + attn_t, float(kv_gather)))
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
     fixed_bytes = fixed.bytes(dt) * T
-    if first and lora is not None and mode == "none" and layers:
-        fixed_bytes -= H * dt.res * T  # counted in frozen_input_savings
     micro_acts = int(fixed_bytes + sum(kept)) + norm_bytes
     # The worst moment of a micro-batch's layer backward: layers above i are freed already.
     best = (0.0, 0.0, 0.0)  # (activations, working set, K/V gather)
@@ -350,6 +364,13 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     )
     emb_trained = first and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
     head_grad = H * V * P if head_trained else 0
+    # The head matmul's compute-dtype copy of its weight: kept per in-flight micro-batch when
+    # unchunked (saved for backward), transient per chunk when chunked.
+    head_copy = H * V * dt.c if (last and dt.c != P) else 0
+    if s.chunk > 0:
+        loss_peak += head_copy
+    else:
+        micro_acts += head_copy
     emb_grad = V * H * P if emb_trained else 0
     p2p = T * H * dt.res if s.pp > 1 and not last else 0
 

@@ -1,0 +1,271 @@
+"""The memory planner: exact parameter inventory, plans against the allocator, knobs, reports."""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import pytest
+
+from flashcp import cli, dispatch
+from flashcp.config import build_config, load_config
+from flashcp.models import build_model, preset
+from flashcp.parallel import PipelineStage
+from flashcp.plan import GIB, ITEMS, plan
+from flashcp.plan.params import stage_buffers, stage_parameters
+from flashcp.plan.report import fit_options, format_plan, refusal
+from flashcp.recipes.lora import apply_lora
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer sets deterministic flags in os.environ; undo that after each test."""
+    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
+        monkeypatch.setenv(name, os.environ.get(name, "0"))
+
+
+def _cfg(tmp: Path | None = None, **sections: dict[str, Any]) -> Any:
+    raw: dict[str, Any] = {
+        "model": {"preset": "tiny_glm"},
+        "data": {"seq_len": 128, "micro_batch_size": 1},
+        "train": {"steps": 3, "warmup_steps": 1, "loss_chunk_tokens": 0, "log_every": 100},
+        "checkpoint": {"resume": "never"},
+        "run": {"output_dir": str((tmp or Path("/nonexistent")) / "run")},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_config(raw)
+
+
+# -- the parameter inventory is the real model's --------------------------------------------
+
+
+INVENTORY = [
+    ("tiny", {}, None),
+    ("tiny", {"tie_embeddings": True}, None),
+    ("tiny", {"position": "learned"}, [".*q_proj", ".*fc_in"]),
+    ("tiny_glm", {}, [".*q_proj", ".*gate_up_proj", "lm_head"]),
+    ("tiny_glm_moe", {"num_layers": 3}, None),
+    ("tiny_glm_moe", {}, [".*o_proj", ".*experts\\.1\\.up_proj"]),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "lora"), INVENTORY)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_parameters_match_the_built_model(
+    name: str, overrides: dict[str, Any], lora: list[str] | None, pp: int
+) -> None:
+    args = preset(name, **overrides)
+    for stage in range(pp):
+        paddle.seed(0)
+        model = build_model(args)
+        if lora:
+            apply_lora(model, rank=4, alpha=8.0, target_modules=lora)
+        module = model if pp == 1 else PipelineStage.from_model(model, stage, pp)
+        real = {n: (tuple(p.shape), not p.stop_gradient) for n, p in module.named_parameters()}
+        mine = {
+            s.name: (s.shape, s.trained)
+            for s in stage_parameters(args, stage, pp, lora_targets=lora, lora_rank=4)
+        }
+        assert mine == real
+        buffers = {n: tuple(b.shape) for n, b in module.named_buffers()}
+        assert {b.name: b.shape for b in stage_buffers(args, stage, pp)} == buffers
+
+
+def test_plan_parameter_bytes_equal_the_model() -> None:
+    cfg = build_config(
+        {
+            "model": {"preset": "tiny_glm_moe"},
+            "run": {"recipe": "dpo"},
+            "lora": {"rank": 4},
+            "train": {"loss_chunk_tokens": 0},
+        }
+    )
+    paddle.seed(0)
+    model = build_model(cfg.model)
+    apply_lora(model, rank=4, alpha=16.0, target_modules=cfg.extras["lora"].target_modules)
+    trained = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if not p.stop_gradient)
+    frozen = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if p.stop_gradient)
+    items = plan(cfg).ranks[0].items
+    assert (items["params_trained"], items["params_frozen"]) == (trained, frozen)
+    assert items["dpo_reference"] == 0  # LoRA: the reference is the model, adapters off
+
+
+# -- the plan against Paddle's allocator, in this process -----------------------------------
+
+
+def _measured_peak(cfg: Any) -> int:
+    """The allocator peak (above what was live before) of building and training `cfg`."""
+    from flashcp.trainer import Trainer
+
+    core = paddle.base.core
+    gc.collect()  # an earlier test's trainer (reference cycles) must not be freed mid-run
+    before = core.host_memory_stat_current_value("Allocated", 0)
+    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    trainer = Trainer(cfg, stream=open(os.devnull, "w"))  # noqa: SIM115
+    trainer.fit()
+    peak = core.host_memory_stat_peak_value("Allocated", 0) - before
+    del trainer
+    return int(peak)
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"model": {"preset": "tiny"}, "data": {"micro_batch_size": 2}},
+        {
+            "model": {"preset": "tiny_glm_moe", "recompute": "full"},
+            "train": {"grad_accum": 2},
+            "run": {"recipe": "dpo"},
+            "lora": {"rank": 8},
+        },
+    ],
+    ids=["gpt", "moe-dpo-lora-full-recompute"],
+)
+def test_plan_within_15_percent_of_measured_peak(tmp_path: Path, sections: dict) -> None:
+    cfg = _cfg(tmp_path, **sections)
+    predicted = plan(cfg).ranks[0].total_bytes
+    measured = _measured_peak(cfg)
+    assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
+    # Negative control: the plan of another recompute mode is far from what ran.
+    other = "none" if cfg.model.recompute != "none" else "full"
+    wrong = plan(_cfg(tmp_path, **{**sections, "model": {**sections["model"], "recompute": other}}))
+    assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
+
+
+# -- what the knobs do ----------------------------------------------------------------------
+
+
+def test_pipeline_schedules_hold_their_micro_batches() -> None:
+    base = {"model": {"preset": "tiny_glm", "num_layers": 4}, "train": {"grad_accum": 4}}
+    f1b, gpipe = (
+        plan(_cfg(**base, parallel={"pp": 2, "pp_schedule": schedule}))
+        for schedule in ("1f1b", "gpipe")
+    )
+    a0 = f1b.ranks[0].items["activations"]
+    assert gpipe.ranks[0].items["activations"] > 1.9 * a0  # 4 micro-batches in flight, not 2
+    assert f1b.ranks[1].items["activations"] < a0  # the last stage holds one
+
+
+def test_zero_bf16_and_chunking_items() -> None:
+    big = {"model": {"preset": "small_glm", "vocab_size": 32768}}
+    plain = plan(_cfg(**big, parallel={"dp": 2, "cp": 2})).ranks[0].items
+    assert plain["master_weights"] == plain["main_grads"] == 0
+    zero = plan(_cfg(**big, parallel={"dp": 2, "cp": 2, "shard_optimizer": True})).ranks[0].items
+    assert zero["optimizer_states"] < plain["optimizer_states"] / 3.9  # ÷ dp×cp = 4
+    assert zero["master_weights"] == pytest.approx(plain["params_trained"] / 4, abs=4)
+    bf16 = plan(_cfg(**big, train={"param_dtype": "bfloat16"})).ranks[0].items
+    assert bf16["params_trained"] * 2 == plain["params_trained"]
+    assert bf16["main_grads"] == bf16["master_weights"] == plain["params_trained"]
+    seq = {"data": {"seq_len": 1024}}
+    full = plan(_cfg(**big, **seq)).ranks[0]
+    chunked = plan(_cfg(**big, **seq, train={"loss_chunk_tokens": 128})).ranks[0]
+    assert chunked.moments["forward: loss"] < full.moments["forward: loss"]
+
+
+def test_dpo_reference_copy_only_without_lora() -> None:
+    dpo = {"run": {"recipe": "dpo"}}
+    copy = plan(_cfg(**dpo)).ranks[0].items
+    assert copy["dpo_reference"] == copy["params_trained"]
+    lora = plan(_cfg(**dpo, lora={"rank": 4})).ranks[0].items
+    assert lora["dpo_reference"] == 0 and lora["params_frozen"] > 0
+
+
+def test_json_shape_and_budget() -> None:
+    cfg = _cfg(parallel={"cp": 2}, hardware={"memory_gib": 1.0})
+    out = plan(cfg).to_json()
+    assert set(out) == {"ranks", "budget_bytes", "fits"}
+    assert out["budget_bytes"] == GIB and out["fits"] is True
+    assert [r["rank"] for r in out["ranks"]] == [0, 1]
+    for r in out["ranks"]:
+        assert set(r) == {"rank", "stage", "total_bytes", "items"}
+        assert set(r["items"]) == set(ITEMS) and sum(r["items"].values()) == r["total_bytes"]
+    tight = plan(cfg, budget_gib=1e-4)
+    assert tight.fits is False
+    assert plan(_cfg()).budget_bytes is None and plan(_cfg()).fits is True
+
+
+# -- refusal and what to change -------------------------------------------------------------
+
+
+def _glm9b(**overrides: Any) -> Any:
+    return load_config(
+        ROOT / "configs/glm/glm4_9b_cp8.yaml", [f"{k}={v}" for k, v in overrides.items()]
+    )
+
+
+def test_refusal_names_rank_item_and_a_change_that_fits() -> None:
+    cfg = _glm9b(**{"hardware.memory_gib": 96})
+    p = plan(cfg)
+    assert not p.fits
+    message = refusal(cfg, p)
+    assert message is not None
+    assert "rank" in message and "stage 0" in message and "optimizer_states" in message
+    assert "To fit, set:" in message and "parallel.shard_optimizer=true" in message
+    options = fit_options(cfg, budget_gib=96)
+    assert options
+    for option in options:  # every suggestion really fits
+        fixed = load_config(ROOT / "configs/glm/glm4_9b_cp8.yaml", list(option.overrides))
+        assert plan(fixed, budget_gib=96).fits
+    assert refusal(cfg, plan(cfg, budget_gib=10_000)) is None
+
+
+def test_format_plan_lists_items_per_stage() -> None:
+    cfg = _cfg(parallel={"pp": 2}, train={"grad_accum": 2})
+    text = format_plan(plan(cfg, budget_gib=1e-4), cfg, source="x.yaml")
+    assert "stage 0 (rank 0)" in text and "stage 1 (rank 1)" in text
+    assert "DOES NOT FIT" in text and "fits: NO" in text and "optimizer_states" in text
+
+
+# -- the CLI --------------------------------------------------------------------------------
+
+
+def test_cli_plan_json_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(ROOT / "configs/glm/tiny_cp2.yaml")
+    assert cli.main(["plan", config, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ranks"]) == 2 and out["budget_bytes"] is None and out["fits"] is True
+    assert cli.main(["plan", config, "train.grad_accum=2", "--device-memory", "0.001"]) == 1
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "budget: 0.00 GiB" in text
+    assert cli.main(["plan", config, "train.steps=0"]) == 2
+    assert "train.steps" in capsys.readouterr().err
+
+
+def test_cli_validate_refuses_over_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = (ROOT / "configs/glm/glm4_9b_cp8.yaml").read_text()
+    over = tmp_path / "over.yaml"
+    over.write_text(src + "hardware:\n  memory_gib: 96\n")
+    assert cli.main(["validate", str(over)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "hardware.memory_gib" in out and "exceeds 96.00 GiB" in out
+    fits = tmp_path / "fits.yaml"
+    fits.write_text(src + "hardware:\n  memory_gib: 4096\n")
+    assert cli.main(["validate", str(fits)]) == 0
+
+
+def test_train_preflight_refuses_over_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flashcp.trainer import job
+
+    monkeypatch.setattr(job, "launch_command", lambda *a, **k: pytest.fail("launched"))
+    config = ROOT / "configs/gpt/tiny_cp2.yaml"
+    out = tmp_path / "run"
+    overrides = ["hardware.memory_gib=0.001", f"run.output_dir={out}"]
+    code = job.run_job(config, overrides, nproc=2, output_dir=out, out=io.StringIO())
+    err = capsys.readouterr().err
+    assert code == job.EXIT_PREFLIGHT and not out.exists()
+    assert err.startswith("flashcp: cannot launch: the memory plan exceeds 0.00 GiB")
+    assert "hardware.memory_gib=null" in err
+    job.check_memory(config, ["hardware.memory_gib=1"])  # fits: no error
