@@ -6,9 +6,9 @@ tensor has:
 
 * ``f``: always float32 — RMSNorm's normalised input and its rsqrt, LayerNorm's mean/var, the
   attention LSE, the MoE router (it computes in float32, `flashcp.models.moe`);
-* ``res``: the residual stream and norm outputs — float32 when parameters are stored in
-  float32 (bf16 O1 autocast keeps them float32), the compute dtype when parameters are stored
-  in bf16;
+* ``res``: the residual stream and norm outputs — float32 always: O1 autocast keeps them
+  float32, and with bf16 storage the embedding outputs float32 and norms return their input's
+  dtype (`flashcp.models.layers`), so pipeline stages exchange float32 too;
 * ``c``: the compute dtype (train.dtype resolved: bf16 on GPU, float32 on CPU) — matmul
   outputs: q/k/v projections, rotated q/k, the attention output, MLP intermediates.
 
@@ -68,9 +68,19 @@ class Dtypes:
     def of(cls, compute: str, param_dtype: str) -> Dtypes:
         c = 2 if compute == "bfloat16" else 4
         p = 2 if param_dtype == "bfloat16" else 4
-        # Float32 storage under O1 autocast keeps the residual stream float32; bf16 storage
-        # makes it the compute dtype (float32 on CPU, where compute upcasts per layer).
-        return cls(c=c, res=4 if p == 4 else c, param=p)
+        return cls(c=c, res=4, param=p)
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 O1 autocast: matmuls cast their float32 inputs (and float32 weights) to bf16
+        and save those copies for backward."""
+        return self.c < 4
+
+    @property
+    def upcast(self) -> bool:
+        """bf16 storage with float32 compute (CPU): each matmul upcasts its weight without
+        saving the copy (`flashcp.models.precision.cast_linear`), so copies are transient."""
+        return self.param < self.c
 
 
 def _attention(args: ModelArgs, counts: Counts) -> None:
@@ -92,19 +102,16 @@ def layer_saved(args: ModelArgs, index: int, dt: Dtypes) -> Counts:
     is not counted again.
 
     Norms: RMSNorm keeps its normalised input (`h * rsqrt`, saved by the weight multiply) and
-    rsqrt `[1]`; a new input (not the layer input) is also kept, by `pow` — with a bf16
-    residual the float32 upcast of the input instead. LayerNorm keeps mean/var `[2]` and a new
-    input. A norm's output counts when a matmul consumes it (it is then saved as the matmul's
-    input), not when it is added to the residual (`add` saves nothing).
+    rsqrt `[1]`; a new input (not the layer input) is also kept, by `pow`. LayerNorm keeps
+    mean/var `[2]` and a new input. A norm's output counts when a matmul consumes it (it is
+    then saved as the matmul's input), not when it is added to the residual (`add` saves
+    nothing). Under bf16 autocast every matmul on a float32 input also saves its bf16 copy.
     """
     h = args.hidden_size
-    bf16_res = dt.res != 4
     n = Counts()
 
     def norm(name: str, *, new_input: bool, out_saved: bool, rms: bool = True) -> None:
-        if bf16_res:
-            n.add(f"{name}: float32 upcast of its input", "f", h)
-        elif new_input:
+        if new_input:
             n.add(f"{name}: input", "res", h)
         if rms:
             n.add(f"{name}: normalised input", "res", h)
@@ -118,8 +125,6 @@ def layer_saved(args: ModelArgs, index: int, dt: Dtypes) -> Counts:
     if gpt:
         n.add("input_layernorm: output (matmul input)", "res", h)
         n.add("input_layernorm: mean, variance", "f", 2)
-        if bf16_res:
-            n.add("input_layernorm: float32 upcast of its input", "f", h)
     else:
         norm("input_layernorm", new_input=False, out_saved=True)
     _attention(args, n)
@@ -137,7 +142,21 @@ def layer_saved(args: ModelArgs, index: int, dt: Dtypes) -> Counts:
     if args.arch == "glm":
         norm("post_mlp_layernorm", new_input=True, out_saved=False)
     n.add("layer output", "res", h)
+    if dt.autocast:
+        n.add("bf16 copies of float32 matmul inputs", "c", h * _float32_matmul_inputs(args, index))
     return n
+
+
+def _float32_matmul_inputs(args: ModelArgs, index: int) -> float:
+    """Matmuls of a layer whose input is a float32 norm output (per token, in rows of H): q, k
+    and v; the MLP's first projection(s), or per routed row the expert's gate and up plus the
+    router and the shared expert's gate and up."""
+    if args.arch == "gpt":
+        return 3 + 1
+    if args.is_moe_layer(index):
+        shared = 2 if args.num_shared_experts else 0
+        return 3 + 1 + 2 * args.num_experts_per_tok + shared
+    return 3 + (1 if args.arch == "glm" else 2)
 
 
 def _moe(args: ModelArgs, n: Counts) -> None:
@@ -191,8 +210,6 @@ def frozen_input_savings(
     else:
         n.add("input_layernorm normalised input (not saved)", "res", h)
         n.add("input_layernorm rsqrt (not saved)", "f", 1)
-    if dt.res != 4:
-        n.add("input_layernorm float32 upcast (not saved)", "f", h)
     if not args.uses_learned_positions:
         patterns = [re.compile(t) for t in targets or []]
         p = f"model.layers.{index}.self_attn"

@@ -108,9 +108,14 @@ class RankPlan:
     stage: int
     items: dict[str, int]
     moment: str
-    moments: dict[str, int] = field(default_factory=dict)
-    """Every evaluated moment's total (bytes), for reports."""
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Every evaluated moment's items (bytes); `items` is the largest one's."""
     layers: range = range(0)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Every moment's total bytes."""
+        return {name: int(sum(items.values())) for name, items in self.moments.items()}
 
     @property
     def total_bytes(self) -> int:
@@ -258,11 +263,11 @@ def _numel(specs: list[Any], trained: bool | None = None) -> int:
 
 
 def weight_copies(args: ModelArgs, index: int, tokens: int, dt: act.Dtypes) -> int:
-    """Bytes of the compute-dtype copies of layer `index`'s weight matrices a matmul saves when
-    the compute dtype differs from the storage dtype (bf16 O1 autocast over float32 weights;
-    float32 compute over bf16 storage on CPU): every matmul casts its weight and keeps the
-    copy for backward. Experts count when a token reaches them (all, once T·k ≥ E)."""
-    if dt.c == dt.param:
+    """Bytes of the bf16 copies of layer `index`'s weight matrices that matmuls save under bf16
+    O1 autocast over float32 weights: every matmul casts its weight and keeps the copy for
+    backward. Experts count when a token reaches them (all, once T·k ≥ E). (bf16 storage with
+    float32 compute upcasts without saving the copy: transient, `upcast_transient`.)"""
+    if not (dt.autocast and dt.c < dt.param):
         return 0
     total = 0.0
     hit = min(1.0, tokens * args.num_experts_per_tok / max(args.num_experts, 1))
@@ -270,6 +275,17 @@ def weight_copies(args: ModelArgs, index: int, tokens: int, dt: act.Dtypes) -> i
         if len(spec.shape) == 2:
             total += spec.numel * (hit if ".experts." in spec.name else 1.0)
     return int(total * dt.c)
+
+
+def upcast_transient(args: ModelArgs, index: int, dt: act.Dtypes, *, frozen: bool) -> int:
+    """bf16 storage with float32 compute (CPU): the largest weight of layer `index` upcast for
+    one matmul and, in its backward, upcast again for dx plus (trained) its float32 gradient,
+    that gradient's bf16 cast and the main_grad hook's float32 cast: 4 (+ 10) bytes each."""
+    if not dt.upcast:
+        return 0
+    largest = max((x.numel for x in layer_parameters(args, index) if len(x.shape) == 2),
+                  default=0)  # fmt: skip
+    return largest * (4 if frozen else 4 + 4 + 2 + 4)
 
 
 def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
@@ -292,7 +308,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         "params_trained": n_trained * P,
         "params_frozen": n_frozen * P,
         "buffers": _numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
-        "gradients": n_trained * P,
+        # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
+        # release the bf16 `.grad` (`flashcp.trainer.zero.attach_main_grad`).
+        "gradients": n_trained * P if P == 4 else 0,
         "main_grads": n_trained * 4 if P != 4 else 0,
         "master_weights": math.ceil(n_trained / n_shard) * 4 if master else 0,
         "optimizer_states": 2 * 4 * math.ceil(n_trained / n_shard) + 8 * len(trained),
@@ -320,6 +338,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         attn_t = act.attention_backward_transient(args).bytes(dt) * T
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
         copies = weight_copies(args, index, T, dt)
+        upcast = upcast_transient(args, index, dt, frozen=lora is not None)
+        mlp_t += upcast
+        attn_t += upcast
         if mode == "none":
             kept.append(saved.bytes(dt) * T - cut * T + cp_mask + copies)
             rerun = 0.0
@@ -366,11 +387,14 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     head_grad = H * V * P if head_trained else 0
     # The head matmul's compute-dtype copy of its weight: kept per in-flight micro-batch when
     # unchunked (saved for backward), transient per chunk when chunked.
-    head_copy = H * V * dt.c if (last and dt.c != P) else 0
+    head_copy = H * V * dt.c if (last and dt.autocast and dt.c < P) else 0
     if s.chunk > 0:
         loss_peak += head_copy
     else:
         micro_acts += head_copy
+    # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs.
+    head_upcast = H * V * 4 if (last and dt.upcast) else 0
+    loss_peak += head_upcast
     emb_grad = V * H * P if emb_trained else 0
     p2p = T * H * dt.res if s.pp > 1 and not last else 0
 
@@ -398,7 +422,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         moment(
             "backward: head",
             activations=all_acts,
-            logits_loss=held_bwd + (rows * V * 4 if s.chunk > 0 else softmax_kept),
+            # unchunked: the softmax turned gradient in place; chunked: a chunk's recomputed
+            # logits and softmax (and the upcast head weight, bf16 storage on CPU)
+            logits_loss=held_bwd + (loss_peak if s.chunk > 0 else softmax_kept + head_upcast),
             weight_grad_transient=head_grad + T * H * dt.c,
         )
         moment(
@@ -431,23 +457,35 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             logits_loss=loss_peak if last else 0,
         )
     largest = max((x.numel for x in trained), default=0)
-    buckets = 0
-    if s.dp * s.cp > 1 and n_trained and not s.shard:
-        buckets = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
-    zero = 0
-    if s.shard and n_trained:
-        flat = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
-        zero = 2 * flat + min(n_trained * P, max(s.bucket_bytes, largest * P))
-    clip_copy = n_trained * (4 if master else P) // (n_shard if s.shard else 1)
-    step_transient = largest * 4
-    if s.pp > 1 and s.grad_clip > 0:
-        step_transient += clip_copy
-    moment(
-        "optimizer step",
-        grad_buckets=buckets,
-        zero_buffers=zero,
-        optimizer_step_transient=step_transient,
-    )
+    bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
+    if not master:
+        # Paddle's AdamW on the parameters (`flashcp.trainer.zero.ParamOptimizer`): the bucketed
+        # all-reduce over cp/dp, the squared-norm temporaries (one parameter at a time), and
+        # under pp > 1 the pipeline clip's copy of every gradient (Paddle's own clip, pp = 1,
+        # scales in place).
+        step_transient = largest * 4
+        if s.pp > 1 and s.grad_clip > 0:
+            step_transient += n_trained * 4
+        moment(
+            "optimizer step",
+            grad_buckets=bucket if s.dp * s.cp > 1 and n_trained else 0,
+            optimizer_step_transient=step_transient,
+        )
+    elif n_trained:
+        # Float32 masters (`MasterOptimizer`): per bucket the float32 gradients are flattened
+        # and all-reduced / reduce-scattered (`zero_buffers`) while the parameters' gradients
+        # are released; then the shard's gradients (÷ N) are clipped into a scaled copy and
+        # AdamW steps the masters; the updated shards are all-gathered per bucket.
+        shard_grads = math.ceil(n_trained / n_shard) * 4
+        moment("optimizer step: reduce", zero_buffers=2 * bucket)
+        copies = shard_grads * (2 if s.grad_clip > 0 else 1)
+        moment(
+            "optimizer step: update",
+            gradients=0,
+            main_grads=0,
+            optimizer_step_transient=copies,
+            zero_buffers=2 * bucket + bucket // n_shard,
+        )
     if s.device == "gpu":
         for items in moments.values():
             tensors = sum(v for k, v in items.items() if k != "fixed_overhead")
@@ -469,12 +507,12 @@ def plan(cfg: Config, *, device: str | None = None, budget_gib: float | None = N
         moments, layers = stage_plan(s, stage)
         totals = {name: sum(items.values()) for name, items in moments.items()}
         name = max(totals, key=lambda k: totals[k])
-        per_stage[stage] = (moments[name], name, totals, layers)
+        per_stage[stage] = (name, moments, layers)
     ranks = []
     for rank in range(s.dp * s.pp * s.cp):
         stage = (rank // s.cp) % s.pp
-        items, name, totals, layers = per_stage[stage]
-        ranks.append(RankPlan(rank, stage, dict(items), name, dict(totals), layers))
+        name, moments, layers = per_stage[stage]
+        ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers))
     notes = []
     if s.device == "gpu" and s.compute == "bfloat16":
         notes.append(

@@ -1,14 +1,16 @@
 """A plan as text, the over-budget message `flashcp validate` prints, and changes that fit.
 
-`fit_options(cfg, budget_gib)` searches the knobs that lower the peak, cheapest first: loss
-chunking, full recompute, ZeRO-1 sharding, bf16 parameter storage (each alone, then together),
-then more GPUs — the pipeline or context-parallel degree doubled until the plan fits (with
-`train.grad_accum` raised to pp when the schedule needs it). Every candidate is a valid config
+`fit_options(cfg, budget_gib)` searches the knobs that lower the peak without more devices —
+loss chunking, full recompute, ZeRO-1 sharding, bf16 parameter storage — and reports the
+smallest sets of them that fit; when none does, all of them together with the pipeline and/or
+context-parallel degree multiplied, fewest devices first (with `train.grad_accum` raised to pp
+when the schedule needs it). Every candidate is a valid config
 (`flashcp.config.collect`), planned like the original.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,12 +75,11 @@ def _cheap_knobs(cfg: Config) -> list[str]:
     return out
 
 
-def _scaled(cfg: Config, dim: str, factor: int) -> list[str] | None:
-    """Overrides multiplying parallel.`dim` by `factor`, or None when impossible."""
+def _degree(cfg: Config, dim: str, value: int) -> list[str] | None:
+    """Overrides setting parallel.`dim` to `value`, or None when that layout is impossible."""
     p = cfg.parallel
-    value = getattr(p, dim) * factor
-    if p.world_size * factor > MAX_WORLD:
-        return None
+    if value == getattr(p, dim):
+        return []
     out = [f"parallel.{dim}={value}"]
     if dim == "pp":
         if value > cfg.model.num_layers:
@@ -87,18 +88,18 @@ def _scaled(cfg: Config, dim: str, factor: int) -> list[str] | None:
             out.append("parallel.pp_layers=null")
         if cfg.train.grad_accum < value:
             out.append(f"train.grad_accum={value}")
-    else:
-        if cfg.data.seq_len % (value * CHUNKS_PER_RANK[p.cp_mode]) and not p.pad:
-            return None
+    elif cfg.data.seq_len % (value * CHUNKS_PER_RANK[p.cp_mode]) and not p.pad:
+        return None
     return out
 
 
 def fit_options(
     cfg: Config, *, budget_gib: float, device: str | None = None, limit: int = 4
 ) -> list[FitOption]:
-    """Changes (override lists) under which every rank's plan fits `budget_gib`."""
+    """Changes (override lists) under which every rank's plan fits `budget_gib`: the smallest
+    sets of the cheap knobs that fit on the same devices; failing those, all knobs with the
+    pipeline and/or context-parallel degree multiplied, fewest devices first."""
     budget = budget_gib * GIB
-    found: list[FitOption] = []
 
     def attempt(overrides: list[str]) -> FitOption | None:
         new = variant(cfg, overrides)
@@ -109,23 +110,33 @@ def fit_options(
         return option if peak <= budget else None
 
     knobs = _cheap_knobs(cfg)
-    for knob in knobs:
-        if (o := attempt([knob])) is not None:
-            found.append(o)
-    combined: list[str] = []
-    for knob in knobs:
-        combined.append(knob)
-        if len(combined) > 1 and (o := attempt(list(combined))) is not None:
-            found.append(o)
-            break
+    found: list[FitOption] = []
+    for size in range(1, len(knobs) + 1):
+        for combo in itertools.combinations(knobs, size):
+            if any(set(o.overrides) <= set(combo) for o in found):
+                continue  # a smaller set already fits
+            if (o := attempt(list(combo))) is not None:
+                found.append(o)
     if not found:
-        for dim in ("pp", "cp"):
-            factor = 2
-            while (extra := _scaled(cfg, dim, factor)) is not None:
-                if (o := attempt([*knobs, *extra])) is not None:
-                    found.append(o)
-                    break
-                factor *= 2
+        p = cfg.parallel
+        grid = []
+        for pp in (p.pp * f for f in (1, 2, 4, 8, 16, 32)):
+            for cp in sorted(
+                {max(1, p.cp // 4), max(1, p.cp // 2), *(p.cp * f for f in (1, 2, 4))}
+            ):
+                world = p.dp * pp * cp
+                if (pp, cp) == (p.pp, p.cp) or world > MAX_WORLD:
+                    continue
+                a, b = _degree(cfg, "pp", pp), _degree(cfg, "cp", cp)
+                if a is not None and b is not None:
+                    grid.append((world, pp, a + b))
+        best_world = None
+        for world, _, extra in sorted(grid, key=lambda g: (g[0], g[1])):
+            if best_world is not None and world > best_world:
+                break
+            if (o := attempt([*knobs, *extra])) is not None:
+                found.append(o)
+                best_world = world
     found.sort(key=lambda o: (o.world, len(o.overrides), o.peak_bytes))
     return found[:limit]
 
@@ -192,7 +203,7 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
         for name, size in sorted(r.items.items(), key=lambda kv: -kv[1]):
             if size:
                 lines.append(f"  {name:<26} {size / GIB:>10.3f} GiB  {ITEM_DOCS[name]}")
-        others = ", ".join(f"{m} {t / GIB:.2f}" for m, t in r.moments.items() if m != r.moment)
+        others = ", ".join(f"{m} {t / GIB:.2f}" for m, t in r.totals.items() if m != r.moment)
         if others:
             lines.append(f"  (other moments, GiB: {others})")
     for note in p.notes:
