@@ -1,32 +1,46 @@
-"""Context-parallel benchmarks, in parts: `balance`, `comm` and `scaling`.
+"""Context-parallel benchmarks, in parts: `balance`, `balance_time`, `comm`, `scaling`, `docs`.
 
-* `balance`: per-rank attention work under each CP layout. For every mask family, cp degree
-  and layout (contiguous, dual-chunk, workload-balanced) it computes each rank's work from the
-  mask alone (no processes, no kernels): the number of (128 x 128) tiles the FlashMask kernel
-  computes for the rank's local queries against all keys (`flashcp.cp.balance.rank_work`), and
-  reports the imbalance max/mean. The workload-balanced layout is swept over
-  `chunks_per_rank`; the smallest value reaching the target is reported. Writes
-  `docs/cp_balance.json` and the generated section of `docs/cp_balance.md`.
-* `comm`: bytes each rank sends and receives in one CP attention forward and one backward,
-  measured with flashcp's byte counters in real gloo launches (cp in {2, 4}, every CP mode),
-  against the theoretical (cp - 1)/cp · 2·B·S·H_kv·D·bytes per direction in the forward
-  (K and V all-gathered) and twice that in the backward (K and V re-gathered, dK and dV
-  reduce-scattered). Writes `docs/cp_comm.json` and a section of `docs/cp_bench.md`.
+* `balance` (computed, model): per-rank attention work under each CP layout. For every mask
+  family, cp degree and layout (contiguous, dual-chunk, workload-balanced) it computes each
+  rank's work from the mask alone (no processes, no kernels): the number of (128 x 128) tiles
+  the FlashMask kernel computes for the rank's local queries against all keys
+  (`flashcp.cp.balance.rank_work`, the model the balancer optimises), and reports the
+  imbalance max/mean. The workload-balanced layout is swept over `chunks_per_rank`; the
+  smallest value reaching the target is reported. Writes `docs/cp_balance.json`.
+* `balance_time` (measured): the same layouts in real gloo launches (cp in {2, 4}); every rank
+  times its own local FlashMask attention forward + backward (local queries against all keys,
+  rebased mask, no communication), the cases interleaved over `--balance-rounds` rounds;
+  reports max/mean over ranks of the per-rank median wall (and CPU) time next to the model's
+  tile imbalance for the same mask and layout. Writes `docs/cp_balance_time.json`.
+* `comm`: bytes each rank sends and receives in one CP attention forward and one backward, in
+  real gloo launches (cp in {2, 4}, every CP mode): flashcp's counters (incremented at each
+  transfer by the nbytes of the tensors handed to `paddle.distributed`), the same bytes seen
+  by a tap around `paddle.distributed.send/recv/all_gather`, and the socket-level bytes
+  written, against the theoretical (cp - 1)/cp · 2·B·S·H_kv·D·bytes per direction in the
+  forward (K and V all-gathered) and twice that in the backward (K and V re-gathered, dK and
+  dV reduce-scattered). Writes `docs/cp_comm.json`.
 * `scaling`: CP=2 (2 processes) vs. CP=1 (1 process) attention forward+backward on CPU, one
   thread per process, causal mask; both run `flashmask_attention_cp` (CP=1 on a one-rank cp
   group), alternating launches for `--rounds` rounds; medians after warm-up, per-rank compute
-  vs. collective time. Writes `docs/cp_scaling.json` and a section of `docs/cp_bench.md`.
+  vs. collective time. Writes `docs/cp_scaling.json`.
+* `docs`: no measurement; regenerate the pages from the JSON files.
+
+Every part that writes then regenerates `docs/cp_bench.md` and `docs/cp_balance.md` entirely
+from the JSON files in `--out-dir` (`scripts/cp_docs.py`), so no figure on those pages can
+disagree with the data.
 
 The launched processes run `scripts/bench_cp_worker.py` through the integration tests'
 `run_launch` helper (`tests/integration/launch.py`: kills the job on timeout). Exit codes:
-0 ok, 1 a target was missed (balance imbalance, comm bytes ratio outside [0.99, 1.01],
-scaling speed-up), 2 an error (bad arguments, a launch failed).
+0 ok, 1 a target was missed (balance imbalance, comm bytes ratio outside [0.99, 1.01] or
+counters different from the transport, scaling speed-up), 2 an error (bad arguments, a
+launch failed).
 
-    python scripts/bench_cp.py --part balance            # S = 16384, cp in {2, 4, 8}
-    python scripts/bench_cp.py --part balance --seq-len 4096 --no-write
-    python scripts/bench_cp.py --part comm               # S = 8192, cp in {2, 4}: ~30 s
+    python scripts/bench_cp.py --part balance            # S = 16384, cp in {2, 4, 8}: ~30 s
+    python scripts/bench_cp.py --part balance_time       # S = 8192, cp in {2, 4}: few min
+    python scripts/bench_cp.py --part comm               # S = 8192, cp in {2, 4}: ~1 min
     python scripts/bench_cp.py --part scaling            # S = 8192, CP=2 vs CP=1: ~3 min
-    python scripts/bench_cp.py --part comm --quick --comm-cp 2 --out-dir /tmp/x   # smoke
+    python scripts/bench_cp.py --part docs               # pages from the JSON, no run
+    python scripts/bench_cp.py --part comm --quick --comm-cp 2 4 --out-dir /tmp/x   # smoke
 
 Parts are registered in `PARTS` (name -> runner(args) -> exit code), each with its own flags
 in `build_parser`.
@@ -53,25 +67,29 @@ from flashcp.cp.layout import Assignment
 from flashcp.masks import FAMILIES, Mask, causal_document_mask, share_question_mask
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import cp_docs  # noqa: E402  (scripts/cp_docs.py, next to this file)
+from cp_docs import (  # noqa: E402
+    TARGET_FAMILIES,
+    UNCONTENDED_SHARE,
+    render_balance_table,
+    render_balance_time_table,
+    render_comm_table,
+    render_scaling_table,
+    summarize_rounds,
+)
+
 DOCS = ROOT / "docs"
-DOC_MD = DOCS / "cp_balance.md"
-DOC_JSON = DOCS / "cp_balance.json"
-BENCH_MD = DOCS / "cp_bench.md"
-COMM_JSON = DOCS / "cp_comm.json"
-SCALING_JSON = DOCS / "cp_scaling.json"
-WORKER = ROOT / "scripts" / "bench_cp_worker.py"
+DOC_JSON = DOCS / cp_docs.BALANCE_JSON
+BALANCE_TIME_JSON = DOCS / cp_docs.BALANCE_TIME_JSON
+COMM_JSON = DOCS / cp_docs.COMM_JSON
+SCALING_JSON = DOCS / cp_docs.SCALING_JSON
+WORKER = SCRIPTS / "bench_cp_worker.py"
 LAUNCH_HELPERS = ROOT / "tests" / "integration"
 
-
-def markers(part: str) -> tuple[str, str]:
-    """The begin/end comments around the generated section of `part` in its markdown file."""
-    return (
-        f"<!-- bench_cp:{part}:begin (generated by scripts/bench_cp.py; do not edit) -->",
-        f"<!-- bench_cp:{part}:end -->",
-    )
-
-
-BEGIN, END = markers("balance")
 
 # --------------------------------------------------------------------------------------------
 # Scenarios: the FlashMask families, plus realistic packings (many documents / DPO examples),
@@ -116,13 +134,6 @@ SCENARIOS: dict[str, Callable[[int, int, int, int], Mask]] = {
     "causal_document_packed": packed_causal_document,
     "share_question_packed": packed_share_question,
 }
-# The families the balanced layout is held to the target on.
-TARGET_FAMILIES = (
-    "causal_document",
-    "share_question",
-    "causal_document_packed",
-    "share_question_packed",
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,86 +267,6 @@ def run_balance(
     }
 
 
-def render_balance_markdown(result: dict[str, Any]) -> str:
-    """Markdown tables for the generated section of docs/cp_balance.md."""
-    cfg = result["config"]
-    rows = result["rows"]
-    target = cfg["target"]
-
-    def get(family: str, cp: int, mode: str, k: int | None = None) -> dict[str, Any] | None:
-        for r in rows:
-            if (r["family"], r["cp"], r["mode"]) == (family, cp, mode) and (
-                k is None or r["chunks_per_rank"] == k
-            ):
-                return r
-        return None
-
-    lines = [
-        f"S = {cfg['seq_len']}, batch = {cfg['batch']}, seed = {cfg['seed']}, "
-        f"tile = {cfg['block']}×{cfg['block']}; work = computed tiles per rank; "
-        f"imbalance = max/mean (1.00 is perfect). Balanced: workload_balanced with "
-        f'chunks_per_rank k; "best" is the smallest k in {cfg["chunks_per_rank"]} reaching '
-        f"≤ {target:.2f} (else the lowest imbalance, marked ✗).",
-        "",
-        "| family | cp | contiguous | dual-chunk | balanced k=2 | balanced best (k) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    families = list(dict.fromkeys(r["family"] for r in rows))
-    for family in families:
-        for cp in cfg["cps"]:
-            cont = get(family, cp, "contiguous")
-            dual = get(family, cp, "dualchunk")
-            k2 = get(family, cp, "workload_balanced", 2)
-            balanced = [
-                r
-                for r in rows
-                if (r["family"], r["cp"], r["mode"]) == (family, cp, "workload_balanced")
-            ]
-            k_ok = result["needed_chunks_per_rank"][family][str(cp)]
-            if k_ok is not None:
-                best = get(family, cp, "workload_balanced", k_ok)
-                best_txt = f"{best['imbalance']:.3f} ({k_ok})" if best else "–"
-            elif balanced:
-                best = min(balanced, key=lambda r: r["imbalance"])
-                best_txt = f"{best['imbalance']:.3f} ({best['chunks_per_rank']}) ✗"
-            else:
-                best_txt = "–"
-            name = f"**{family}**" if family in TARGET_FAMILIES else family
-            cells = " | ".join(f"{c['imbalance']:.3f}" if c else "–" for c in (cont, dual, k2))
-            lines.append(f"| {name} | {cp} | {cells} | {best_txt} |")
-    lines += [
-        "",
-        "Same runs, work counted as unmasked (row, column) pairs instead of tiles (what a "
-        "pair-based estimate would balance; the kernel does not skip work at that grain):",
-        "",
-        "| family | cp | contiguous | dual-chunk | balanced k=2 |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for family in families:
-        for cp in cfg["cps"]:
-            cells = [
-                get(family, cp, m, k)
-                for m, k in (("contiguous", None), ("dualchunk", None), ("workload_balanced", 2))
-            ]
-            txt = " | ".join(f"{c['imbalance_pairs']:.3f}" if c else "–" for c in cells)
-            lines.append(f"| {family} | {cp} | {txt} |")
-    if result.get("ablation"):
-        lines += [
-            "",
-            "Ablation (tile imbalance): the balanced layout vs. greedy LPT without the swap "
-            "search, and vs. chunks weighed by unmasked pairs instead of tiles:",
-            "",
-            "| family | cp | k | balanced | LPT only | weighed by pairs |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in result["ablation"]:
-            lines.append(
-                f"| {r['family']} | {r['cp']} | {r['chunks_per_rank']} | {r['balanced']:.3f} | "
-                f"{r['lpt_only']:.3f} | {r['by_pairs']:.3f} |"
-            )
-    return "\n".join(lines)
-
-
 def dumps_compact(result: dict[str, Any]) -> str:
     """JSON with one line per list entry (rows, ablation), for readable diffs."""
     parts = []
@@ -346,22 +277,6 @@ def dumps_compact(result: dict[str, Any]) -> str:
         else:
             parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
     return "{\n" + ",\n".join(parts) + "\n}\n"
-
-
-def write_section(
-    path: Path, section: str, part: str = "balance", title: str = "# CP load balance"
-) -> None:
-    """Replace the generated section of `part` in `path` (create the file if it does not exist)."""
-    begin, end = markers(part)
-    block = f"{begin}\n{section}\n{end}"
-    text = path.read_text() if path.exists() else f"{title}\n\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        tail = rest.split(end, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def shown(path: Path) -> str:
@@ -392,14 +307,9 @@ def part_balance(args: argparse.Namespace) -> int:
         target=args.target,
     )
     result["config"]["seconds"] = round(time.perf_counter() - t0, 2)
-    markdown = render_balance_markdown(result)
-    print(markdown)
+    print(render_balance_table(result))
     if args.write:
-        doc_json, doc_md = args.out_dir / DOC_JSON.name, args.out_dir / DOC_MD.name
-        doc_json.parent.mkdir(parents=True, exist_ok=True)
-        doc_json.write_text(dumps_compact(result))
-        write_section(doc_md, markdown)
-        print(f"\nwrote {shown(doc_json)} and {shown(doc_md)}")
+        write_outputs(args.out_dir, DOC_JSON.name, result)
     missed = [
         f"{family} cp={cp}"
         for family in families
@@ -471,6 +381,150 @@ def problem_args(seq_len: int, batch: int, heads: int, kv_heads: int, head_dim: 
 
 
 # --------------------------------------------------------------------------------------------
+# Part: balance_time (measured per-rank attention time of the balance layouts)
+
+BALANCE_TIME_FAMILIES = ["causal", "causal_document_packed", "share_question_packed"]
+BALANCE_LAYOUTS = ["contiguous", "dualchunk", "workload_balanced"]
+QUICK_BALANCE_TIME = {"seq_len": 1024, "batch": 1, "heads": 2, "head_dim": 32}
+
+
+def summarize_balance_job(
+    job: Launched, cp: int, *, seq_len: int, batch: int, seed: int, block: int, k: int
+) -> list[dict[str, Any]]:
+    """Per (family, layout): per-rank medians, max/mean over ranks, and the model's imbalance."""
+    reports = sorted(job.reports, key=lambda r: r["rank"])
+    rows = []
+    for i, case in enumerate(reports[0]["cases"]):
+        family, mode = case["family"], case["mode"]
+        walls = [r["cases"][i]["wall"] for r in reports]  # [rank][round]
+        cpus = [r["cases"][i]["cpu"] for r in reports]
+        assert all(r["cases"][i]["family"] == family for r in reports)
+        wall_med = [_median(w) for w in walls]
+        cpu_med = [_median(c) for c in cpus]
+        per_round = [
+            imbalance([w[j] for w in walls]) for j in range(len(walls[0]))
+        ]  # same round on every rank: they start together after a barrier
+        mask = SCENARIOS[family](batch, seq_len, 1, seed)
+        model = measure(family, mask, cp, mode, k, block)
+        rows.append(
+            {
+                "cp": cp,
+                "family": family,
+                "mode": mode,
+                "chunks_per_rank": case["chunks_per_rank"],
+                "model_imbalance": model.imbalance,
+                "model_work_per_rank": model.work_per_rank,
+                "wall_median_per_rank": wall_med,
+                "cpu_median_per_rank": cpu_med,
+                "imbalance_wall": imbalance(wall_med),
+                "imbalance_cpu": imbalance(cpu_med),
+                "round_imbalance_wall": per_round,
+                "wall_samples": walls,
+                "cpu_samples": cpus,
+            }
+        )
+    return rows
+
+
+def run_balance_time(
+    *,
+    cps: list[int],
+    families: list[str],
+    seq_len: int,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    seed: int,
+    block: int,
+    chunks_per_rank: int,
+    warmup: int,
+    rounds: int,
+    timeout: float,
+) -> dict[str, Any]:
+    """One launch per cp degree; every rank times its local attention for every case."""
+    rows: list[dict[str, Any]] = []
+    load: list[dict[str, Any]] = []
+    for cp in cps:
+        job = launch_worker(
+            cp,
+            ["--task", "balance", "--families", *families, "--layouts", *BALANCE_LAYOUTS,
+             "--chunks-per-rank", str(chunks_per_rank), "--block", str(block),
+             "--seed", str(seed), "--warmup", str(warmup), "--repeats", str(rounds),
+             *problem_args(seq_len, batch, heads, heads, head_dim)],
+            timeout=timeout,
+        )  # fmt: skip
+        load.append({"cp": cp, "before": job.loadavg_before, "after": job.loadavg_after})
+        rows += summarize_balance_job(
+            job, cp, seq_len=seq_len, batch=batch, seed=seed, block=block, k=chunks_per_rank
+        )
+        print(f"balance_time cp={cp}: {job.duration:.0f} s", flush=True)
+    return {
+        "config": {
+            "cps": cps,
+            "families": families,
+            "layouts": BALANCE_LAYOUTS,
+            "seq_len": seq_len,
+            "batch": batch,
+            "heads": heads,
+            "head_dim": head_dim,
+            "dtype": "float32",
+            "seed": seed,
+            "block": block,
+            "chunks_per_rank": chunks_per_rank,
+            "warmup": warmup,
+            "rounds": rounds,
+            "threads_per_process": 1,
+            "cpu_count": os.cpu_count(),
+            "timed": "each rank: its local FlashMask attention forward + backward (CPU backend, "
+            "local queries vs all keys, rebased mask, no communication), after a barrier",
+            "loadavg": load,
+        },
+        "rows": rows,
+    }
+
+
+def part_balance_time(args: argparse.Namespace) -> int:
+    """Run the measured balance part; 2 if a launch fails or a family is unknown."""
+    t0 = time.perf_counter()
+    unknown = sorted(set(args.balance_families) - set(SCENARIOS))
+    if unknown:
+        print(f"unknown families {unknown}; choose from {sorted(SCENARIOS)}", file=sys.stderr)
+        return 2
+    size = dict(QUICK_BALANCE_TIME) if args.quick else {
+        "seq_len": args.balance_seq_len, "batch": 1, "heads": args.balance_heads,
+        "head_dim": args.balance_head_dim,
+    }  # fmt: skip
+    try:
+        result = run_balance_time(
+            cps=args.balance_cp,
+            families=args.balance_families,
+            seed=args.seed,
+            block=args.block,
+            chunks_per_rank=args.balance_chunks_per_rank,
+            warmup=args.warmup,
+            rounds=1 if args.quick else args.balance_rounds,
+            timeout=args.launch_timeout,
+            **size,
+        )
+    except LaunchError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    result["config"]["seconds"] = round(time.perf_counter() - t0, 2)
+    result["config"]["quick"] = bool(args.quick)
+    print(render_balance_time_table(result))
+    if args.write:
+        write_outputs(args.out_dir, BALANCE_TIME_JSON.name, result)
+    return 0
+
+
+def part_docs(args: argparse.Namespace) -> int:
+    """Regenerate the pages from the JSON files in --out-dir; no measurement."""
+    pages = cp_docs.write_cp_docs(args.out_dir)
+    print(f"wrote {', '.join(shown(p) for p in pages)}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # Part: comm
 
 COMM_TOLERANCE = 0.01  # measured/theoretical must lie in [1 - tol, 1 + tol]
@@ -503,6 +557,7 @@ def run_comm(
 ) -> dict[str, Any]:
     """Launch one comm job per cp degree; per (cp, mode, rank, direction) bytes and ratios."""
     rows: list[dict[str, Any]] = []
+    load: list[dict[str, Any]] = []
     for cp in cps:
         job = launch_worker(
             cp,
@@ -510,6 +565,9 @@ def run_comm(
              *problem_args(seq_len, batch, heads, kv_heads, head_dim)],
             timeout=timeout,
         )  # fmt: skip
+        load.append(
+            {"cp": cp, "loadavg_before": job.loadavg_before, "loadavg_after": job.loadavg_after}
+        )
         theory = theoretical_bytes(
             cp, seq_len=seq_len, batch=batch, kv_heads=kv_heads, head_dim=head_dim
         )
@@ -518,6 +576,7 @@ def run_comm(
                 for direction in ("forward", "backward"):
                     measured = case[direction]
                     total = measured["counters"]["total"]
+                    tap = measured["transport"]
                     wire = measured["syscalls"]
                     rows.append(
                         {
@@ -530,6 +589,10 @@ def run_comm(
                             "received": total["received"],
                             "ratio_sent": total["sent"] / theory[direction],
                             "ratio_received": total["received"] / theory[direction],
+                            "transport_sent": tap["sent"],
+                            "transport_received": tap["received"],
+                            "transport_calls": tap["calls"],
+                            "transport_other_calls": tap["other_calls"],
                             "wire_sent": wire["sent"] if wire else None,
                             "ratio_wire_sent": wire["sent"] / theory[direction] if wire else None,
                             "per_op": {
@@ -550,60 +613,41 @@ def run_comm(
             "modes": modes,
             "tolerance": COMM_TOLERANCE,
             "theory": "per rank and direction: forward (cp-1)/cp*2*B*S*Hkv*D*4, backward twice",
+            "counters": "flashcp comm_stats on the cp group, counted at each transfer from the "
+            "tensors handed to paddle.distributed (send/recv of the ring reduce-scatter, "
+            "all_gather's input and returned parts)",
+            "transport": "TransportTap in the worker: paddle.distributed.send/recv/all_gather "
+            "wrapped, nbytes of the tensors they were handed / returned summed",
             "wire": "wchar delta of /proc/self/io (bytes written by write/writev, gloo framing "
             "included); gloo's socket reads are not counted in rchar, so only 'sent' is shown",
+            "load": load,
         },
         "rows": rows,
     }
 
 
 def comm_misses(result: dict[str, Any]) -> list[str]:
-    """Rows whose counted sent or received bytes are off the theory by more than the tolerance."""
+    """Rows off the theory by more than the tolerance, or whose counters differ from the tap.
+
+    The counters must equal, byte for byte, what the wrapped `paddle.distributed` calls were
+    handed (sent) and returned (received), and no other collective may have run.
+    """
     tol = result["config"]["tolerance"]
-    return [
-        f"cp={r['cp']} {r['mode']} rank {r['rank']} {r['direction']}: "
-        f"sent x{r['ratio_sent']:.4f}, received x{r['ratio_received']:.4f}"
-        for r in result["rows"]
-        if max(abs(r["ratio_sent"] - 1), abs(r["ratio_received"] - 1)) > tol
-    ]
-
-
-def _span(values: list[float], fmt: str = "{:.4f}") -> str:
-    """`lo–hi` of `values` formatted with `fmt`, or one number when both format the same."""
-    lo, hi = fmt.format(min(values)), fmt.format(max(values))
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
-def render_comm_markdown(result: dict[str, Any]) -> str:
-    """One table row per (cp, mode, direction); ratios as min–max over ranks."""
-    cfg = result["config"]
-    lines = [
-        f"B = {cfg['batch']}, S = {cfg['seq_len']}, H = {cfg['heads']}, "
-        f"H_kv = {cfg['kv_heads']}, D = {cfg['head_dim']}, float32, causal mask; one forward "
-        "and one backward per (cp, mode), gloo on CPU. Theory per rank and direction: forward "
-        "(cp−1)/cp · 2·B·S·H_kv·D·4 bytes, backward twice that. Ratios are measured/theory, "
-        "min–max over ranks; *wire* is the bytes each rank wrote to its sockets (`wchar`).",
-        "",
-        "| cp | mode | direction | collectives (calls) | theory (bytes/rank) | sent / theory "
-        "| received / theory | wire sent / theory |",
-        "|---:|---|---|---|---:|---:|---:|---:|",
-    ]
-    keys = list(dict.fromkeys((r["cp"], r["mode"], r["direction"]) for r in result["rows"]))
-    for cp, mode, direction in keys:
-        rows = [
-            r
-            for r in result["rows"]
-            if (r["cp"], r["mode"], r["direction"]) == (cp, mode, direction)
-        ]
-        ops = ", ".join(f"{op} ({v['calls']})" for op, v in rows[0]["per_op"].items())
-        wire = [r["ratio_wire_sent"] for r in rows if r["ratio_wire_sent"] is not None]
-        lines.append(
-            f"| {cp} | {mode} | {direction} | {ops} | {rows[0]['theoretical']:,.0f} | "
-            f"{_span([r['ratio_sent'] for r in rows])} | "
-            f"{_span([r['ratio_received'] for r in rows])} | "
-            f"{_span(wire) if wire else '–'} |"
-        )
-    return "\n".join(lines)
+    misses = []
+    for r in result["rows"]:
+        where = f"cp={r['cp']} {r['mode']} rank {r['rank']} {r['direction']}"
+        if max(abs(r["ratio_sent"] - 1), abs(r["ratio_received"] - 1)) > tol:
+            misses.append(
+                f"{where}: sent x{r['ratio_sent']:.4f}, received x{r['ratio_received']:.4f}"
+            )
+        counted = (r["sent"], r["received"])
+        tapped = (r["transport_sent"], r["transport_received"])
+        if counted != tapped or r["transport_other_calls"]:
+            misses.append(
+                f"{where}: counters sent/received {counted} but the transport was handed "
+                f"{tapped} ({r['transport_other_calls']} untapped collective calls)"
+            )
+    return misses
 
 
 def part_comm(args: argparse.Namespace) -> int:
@@ -625,10 +669,9 @@ def part_comm(args: argparse.Namespace) -> int:
         return 2
     result["config"]["seconds"] = round(time.perf_counter() - t0, 2)
     result["config"]["quick"] = bool(args.quick)
-    markdown = render_comm_markdown(result)
-    print(markdown)
+    print(render_comm_table(result))
     if args.write:
-        write_bench_outputs(args.out_dir, "comm", COMM_JSON.name, result, markdown)
+        write_outputs(args.out_dir, COMM_JSON.name, result)
     missed = comm_misses(result)
     if missed:
         print("bytes off the theory: " + "; ".join(missed), file=sys.stderr)
@@ -636,15 +679,13 @@ def part_comm(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_bench_outputs(
-    out_dir: Path, part: str, json_name: str, result: dict[str, Any], markdown: str
-) -> None:
-    """`<out_dir>/<json_name>` and the `part` section of `<out_dir>/cp_bench.md`."""
+def write_outputs(out_dir: Path, json_name: str, result: dict[str, Any]) -> None:
+    """`<out_dir>/<json_name>`, then both pages regenerated from every JSON in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc_json, doc_md = out_dir / json_name, out_dir / BENCH_MD.name
+    doc_json = out_dir / json_name
     doc_json.write_text(dumps_compact(result))
-    write_section(doc_md, markdown, part=part, title="# CP communication and scaling")
-    print(f"\nwrote {shown(doc_json)} and {shown(doc_md)}")
+    pages = cp_docs.write_cp_docs(out_dir)
+    print(f"\nwrote {shown(doc_json)}, {', '.join(shown(p) for p in pages)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,30 +750,6 @@ def summarize_job(job: Launched) -> dict[str, Any]:
         "loadavg_after": job.loadavg_after,
         "launch_seconds": job.duration,
     }
-
-
-UNCONTENDED_SHARE = 0.9
-"""A round counts as uncontended when every process of both launches got at least this
-fraction of a core (median CPU time / wall time over its timed iterations)."""
-
-
-def summarize_rounds(launches: list[dict[str, Any]], cp: int) -> list[dict[str, Any]]:
-    """Per round: both launches' median step, their ratio, the load and the lowest CPU share."""
-    rows = []
-    for round_ in sorted({x["round"] for x in launches}):
-        one = next(x for x in launches if x["round"] == round_ and x["cp"] == 1)
-        many = next(x for x in launches if x["round"] == round_ and x["cp"] == cp)
-        rows.append(
-            {
-                "round": round_,
-                "cp1": one["step"]["total"],
-                f"cp{cp}": many["step"]["total"],
-                "speedup": one["step"]["total"] / many["step"]["total"],
-                "other_cores": [one["other_cores"], many["other_cores"]],
-                "min_cpu_share": min(r["cpu_share"] for x in (one, many) for r in x["ranks"]),
-            }
-        )
-    return rows
 
 
 def run_scaling(
@@ -801,86 +818,6 @@ def run_scaling(
     }
 
 
-def render_scaling_markdown(result: dict[str, Any], target: float) -> str:
-    """Side-by-side medians, per-rank compute vs. collectives, per-round ratios and load."""
-    cfg = result["config"]
-    cp = cfg["cp"]
-    med1, medp, speed = result["median"]["cp1"], result["median"][f"cp{cp}"], result["speedup"]
-    ok = "met" if speed["total"] >= target else "**missed**"
-    lines = [
-        f"B = {cfg['batch']}, S = {cfg['seq_len']}, H = {cfg['heads']}, "
-        f"H_kv = {cfg['kv_heads']}, D = {cfg['head_dim']}, float32, causal mask, mode "
-        f"`{cfg['mode']}`; one thread per process; {cfg['warmup']} warm-up + "
-        f"{cfg['repeats']} timed iterations per launch, CP=1 and CP={cp} launches alternating "
-        f"for {cfg['rounds']} rounds; medians over all timed iterations. CP=1 baseline: "
-        f"{cfg['baseline']}. Step = slowest rank.",
-        "",
-        f"| median (s) | CP=1 | CP={cp} | speed-up |",
-        "|---|---:|---:|---:|",
-    ]
-    for key in ("forward", "backward", "total"):
-        name = "forward + backward" if key == "total" else key
-        lines.append(f"| {name} | {med1[key]:.3f} | {medp[key]:.3f} | {speed[key]:.2f}× |")
-    lines += [
-        f"| *CPU seconds of forward + backward* | *{med1['cpu']:.3f}* | *{medp['cpu']:.3f}* | "
-        f"*{speed['cpu']:.2f}×* |",
-        "",
-        f"Target ≥ {target:.2f}× on forward + backward (wall time): {ok} "
-        f"({speed['total']:.2f}×). The italic row is process CPU time per step (slowest rank), "
-        "not wall time: its ratio is the speed-up to expect if every process had a core of its "
-        "own, an estimate for when other jobs take CPU from the run, not a measurement.",
-        "",
-        "Per rank and launch (medians over timed iterations): compute = step − collectives − "
-        "planning; collectives = wall time inside `all_gather` / `reduce_scatter` as "
-        "`flashmask_attention_cp` calls them, waiting for the peer included; isolated = the "
-        "same collectives alone after a barrier (pure transfer); CPU share = process CPU time / "
-        "wall time; other load = machine-wide busy cores (`/proc/stat`) minus this job's.",
-        "",
-        "| round | cp | rank | fwd+bwd (s) | compute (s) | collectives fwd / bwd (s) | "
-        "isolated fwd / bwd (s) | planning (s) | CPU share | other load (cores) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for launch in result["launches"]:
-        other = launch["other_cores"]
-        for r in launch["ranks"]:
-            iso = r["isolated_comm"]
-            iso_txt = f"{iso['forward']:.3f} / {iso['backward']:.3f}" if iso else "–"
-            lines.append(
-                f"| {launch['round']} | {launch['cp']} | {r['rank']} | {r['total']:.3f} | "
-                f"{r['compute']:.3f} | {r['comm_forward']:.3f} / {r['comm_backward']:.3f} | "
-                f"{iso_txt} | {r['plan']:.3f} | {r['cpu_share']:.2f} | "
-                f"{'–' if other is None else f'{other:.2f}'} |"
-            )
-    lines += [
-        "",
-        f"| round | CP=1 (s) | CP={cp} (s) | speed-up | other load during CP=1 / CP={cp} "
-        "(cores) | lowest CPU share |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in summarize_rounds(result["launches"], cp):
-        load = " / ".join("–" if c is None else f"{c:.2f}" for c in r["other_cores"])
-        lines.append(
-            f"| {r['round']} | {r['cp1']:.3f} | {r[f'cp{cp}']:.3f} | {r['speedup']:.2f}× | "
-            f"{load} | {r['min_cpu_share']:.2f} |"
-        )
-    clean = [
-        r["speedup"]
-        for r in summarize_rounds(result["launches"], cp)
-        if r["min_cpu_share"] >= UNCONTENDED_SHARE
-    ]
-    lines += [
-        "",
-        f"Uncontended rounds (every process of both launches at ≥ {UNCONTENDED_SHARE:.2f} CPU "
-        "share): "
-        + (
-            "none in this run."
-            if not clean
-            else f"{len(clean)}, median speed-up {_median(clean):.2f}× on forward + backward."
-        ),
-    ]
-    return "\n".join(lines)
-
-
 def part_scaling(args: argparse.Namespace) -> int:
     """Run the scaling part; 2 if a launch fails, 1 if the speed-up misses the target."""
     t0 = time.perf_counter()
@@ -905,10 +842,9 @@ def part_scaling(args: argparse.Namespace) -> int:
     result["config"]["seconds"] = round(time.perf_counter() - t0, 2)
     result["config"]["quick"] = bool(args.quick)
     result["config"]["target"] = args.speedup_target
-    markdown = render_scaling_markdown(result, args.speedup_target)
-    print(markdown)
+    print(render_scaling_table(result, args.speedup_target))
     if args.write:
-        write_bench_outputs(args.out_dir, "scaling", SCALING_JSON.name, result, markdown)
+        write_outputs(args.out_dir, SCALING_JSON.name, result)
     if result["speedup"]["total"] < args.speedup_target:
         print(
             f"speed-up {result['speedup']['total']:.2f}x below the target "
@@ -925,9 +861,13 @@ def part_scaling(args: argparse.Namespace) -> int:
 
 PARTS: dict[str, Callable[[argparse.Namespace], int]] = {
     "balance": part_balance,
+    "balance_time": part_balance_time,
     "comm": part_comm,
     "scaling": part_scaling,
+    "docs": part_docs,
 }
+MEASURING = ("balance", "balance_time", "comm", "scaling")
+"""What `--part all` runs."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -945,6 +885,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunks-per-rank", type=int, nargs="+", default=[2, 4, 8, 16])
     g.add_argument("--target", type=float, default=1.05, help="max/mean target for balanced")
     g.add_argument("--families", nargs="*", help=f"subset of {sorted(SCENARIOS)}")
+    g = p.add_argument_group("balance_time (launched processes, one thread each)")
+    g.add_argument("--balance-cp", type=int, nargs="+", default=[2, 4])
+    g.add_argument("--balance-families", nargs="+", default=BALANCE_TIME_FAMILIES)
+    g.add_argument("--balance-seq-len", type=int, default=8192)
+    g.add_argument("--balance-heads", type=int, default=4, help="query = key/value heads")
+    g.add_argument("--balance-head-dim", type=int, default=64)
+    g.add_argument("--balance-chunks-per-rank", type=int, default=4, help="workload_balanced k")
+    g.add_argument("--balance-rounds", type=int, default=5, help="interleaved timed rounds")
     g = p.add_argument_group("comm (launched processes, gloo)")
     g.add_argument("--comm-cp", type=int, nargs="+", default=[2, 4])
     g.add_argument("--comm-modes", nargs="+", choices=MODES, default=list(MODES))
@@ -977,7 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    parts = list(PARTS) if args.part == "all" else [args.part]
+    parts = list(MEASURING) if args.part == "all" else [args.part]
     return max(PARTS[name](args) for name in parts)
 
 

@@ -10,10 +10,12 @@ Tasks:
 
 * `comm`: for each mode, one forward and one backward, each bracketed by a barrier and a reset
   of flashcp's byte counters (`comm_stats`), so the bytes of exactly one attention call in
-  each direction are recorded, per collective. The kernel-level bytes this process passed to
-  read/write system calls (`rchar` / `wchar` of `/proc/self/io`, which include gloo's socket
-  traffic and its framing) are recorded alongside as an independent cross-check of the
-  counters (they also include anything else the process reads or writes in that window).
+  each direction are recorded, per collective. Two independent instruments run alongside:
+  a `TransportTap` wrapping `paddle.distributed.send` / `recv` / `all_gather` (the calls that
+  move the data) sums the nbytes of the tensors actually handed to and returned by them, and
+  the kernel-level bytes this process passed to write system calls (`wchar` of
+  `/proc/self/io`: gloo's socket traffic with its framing, plus anything else the process
+  writes in that window).
 * `time`: `--warmup` + `--repeats` forward+backward iterations, each started after a barrier.
   Wall time of forward and of backward, the process's CPU time, and the time spent inside the
   collectives `flashmask_attention_cp` calls (its module's `all_gather_tensor` and
@@ -22,6 +24,12 @@ Tasks:
   the same collectives are timed on their own, each after a barrier (pure transfer cost).
   Over the timed (non-warm-up) iterations the machine's busy cores (`/proc/stat`, every
   process on the machine) and this process's CPU time are recorded, to show the load.
+* `balance`: for each mask family (`bench_cp.SCENARIOS`) and CP layout, this rank's OWN
+  attention work: its local queries against all keys with the rebased local mask, forward +
+  backward through the CPU FlashMask backend, no communication (the K/V a CP rank would gather
+  are built locally). `--warmup` + `--repeats` rounds; in each round every case runs once,
+  after a barrier, in an order rotated by one case per round (interleaved, so slow periods of
+  the machine spread over all cases). Wall and process-CPU seconds per case and round.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import paddle
+import paddle.distributed as dist
 
 import flashcp.cp.attention as cp_attention
 from flashcp.cp import flashmask_attention_cp, make_assignment, shard_assigned
@@ -53,6 +62,79 @@ from flashcp.distributed import (
     shutdown,
 )
 from flashcp.masks import causal_mask
+
+
+def tensor_nbytes(x: Any) -> int:
+    """Bytes of one tensor's payload, from its own shape and dtype."""
+    return int(np.prod(x.shape, dtype=np.int64)) * int(x.element_size())
+
+
+class TransportTap:
+    """Sums the bytes handed to the `paddle.distributed` calls that move tensors.
+
+    While installed (a context manager), `dist.send` / `dist.recv` / `dist.all_gather` are
+    wrapped: a send adds its tensor's nbytes to `sent`, a receive the nbytes of the tensor it
+    filled to `received`; an all-gather adds the parts it returned from the other ranks to
+    `received` and its input once per such part to `sent`. Any other collective
+    (`all_reduce`, `broadcast`, `reduce_scatter`, `alltoall`) is counted in `other_calls`, so
+    a caller can assert that nothing bypassed the tapped calls.
+    """
+
+    MOVING = ("send", "recv", "all_gather")
+    OTHER = ("all_reduce", "broadcast", "reduce_scatter", "alltoall")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+        self.calls: dict[str, int] = {}
+        self.other_calls = 0
+        self._saved: dict[str, Callable[..., Any]] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def tapped(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            self._count(name)
+            if name == "send":
+                self.sent += tensor_nbytes(args[0] if args else kwargs["tensor"])
+            elif name == "recv":
+                self.received += tensor_nbytes(args[0] if args else kwargs["tensor"])
+            elif name == "all_gather":
+                parts = args[0] if args else kwargs["tensor_list"]
+                x = args[1] if len(args) > 1 else kwargs["tensor"]
+                group = kwargs.get("group", args[2] if len(args) > 2 else None)
+                mine = int(group.rank) if group is not None else dist.get_rank()
+                peers = [t for i, t in enumerate(parts) if i != mine]
+                self.received += sum(tensor_nbytes(t) for t in peers)
+                self.sent += tensor_nbytes(x) * len(peers)
+            else:
+                self.other_calls += 1
+            return result
+
+        return tapped
+
+    def __enter__(self) -> TransportTap:
+        for name in (*self.MOVING, *self.OTHER):
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent,
+            "received": self.received,
+            "calls": dict(sorted(self.calls.items())),
+            "other_calls": self.other_calls,
+        }
 
 
 class SectionTimer:
@@ -179,7 +261,7 @@ def sync(group: Any) -> None:
 
 
 def task_comm(problem: Problem, modes: list[str]) -> list[dict[str, Any]]:
-    """Bytes of one forward and one backward per mode (counters and /proc/self/io)."""
+    """Bytes of one forward and one backward per mode: counters, transport tap, syscalls."""
     label = group_label(problem.group)
     cases = []
     for mode in modes:
@@ -187,21 +269,31 @@ def task_comm(problem: Problem, modes: list[str]) -> list[dict[str, Any]]:
         sync(problem.group)
         reset_comm_stats()
         io0 = proc_io()
-        out = problem.forward(q, k, v, mode)
+        with TransportTap() as tap_fwd:
+            out = problem.forward(q, k, v, mode)
         io1 = proc_io()
         fwd = counted(label)
         sync(problem.group)
         reset_comm_stats()
         io2 = proc_io()
-        out.backward(dout)
+        with TransportTap() as tap_bwd:
+            out.backward(dout)
         io3 = proc_io()
         bwd = counted(label)
         assert q.grad is not None and k.grad is not None and v.grad is not None
         cases.append(
             {
                 "mode": mode,
-                "forward": {"counters": fwd, "syscalls": io_delta(io0, io1)},
-                "backward": {"counters": bwd, "syscalls": io_delta(io2, io3)},
+                "forward": {
+                    "counters": fwd,
+                    "transport": tap_fwd.totals(),
+                    "syscalls": io_delta(io0, io1),
+                },
+                "backward": {
+                    "counters": bwd,
+                    "transport": tap_bwd.totals(),
+                    "syscalls": io_delta(io2, io3),
+                },
                 "checksum": float(out.sum()) + float(k.grad.sum()),
             }
         )
@@ -288,9 +380,64 @@ def isolated_collectives(problem: Problem, repeats: int = 3) -> dict[str, float]
     return {"forward": float(np.median(fwd)), "backward": float(np.median(bwd))}
 
 
+def task_balance(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
+    """Per (family, layout): this rank's local attention fwd+bwd seconds in every round."""
+    from bench_cp import SCENARIOS, layout_for  # scripts/ is this script's directory
+    from flashcp.cp.rebase import rebase_mask
+    from flashcp.kernels.base import resolve_scale
+    from flashcp.kernels.registry import get_backend
+
+    world, rank = int(group.nranks), int(group.rank)
+    b, s, h, d = args.batch, args.seq_len, args.heads, args.head_dim
+    rng = np.random.default_rng(args.seed)
+    q, k, v, dout = (rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(4))
+    k_all, v_all = paddle.to_tensor(k), paddle.to_tensor(v)
+    backend = get_backend(2, "cpu")
+    scale = resolve_scale(None, d)
+    cases = []
+    for family in args.families:
+        mask = SCENARIOS[family](b, s, 1, args.seed)
+        for mode in args.layouts:
+            asg = layout_for(mode, mask, world, args.chunks_per_rank, args.block)
+            local = rebase_mask(
+                mask.indices, causal=mask.causal, assignment_or_positions=asg, rank=rank
+            )
+            cases.append(
+                {
+                    "family": family,
+                    "mode": mode,
+                    "chunks_per_rank": asg.chunks_per_rank,
+                    "q": paddle.to_tensor(shard_assigned(q, rank, asg, axis=1)),
+                    "dout": paddle.to_tensor(shard_assigned(dout, rank, asg, axis=1)),
+                    "mask": np.ascontiguousarray(local, dtype=np.int32),
+                    "wall": [],
+                    "cpu": [],
+                }
+            )
+    for round_ in range(args.warmup + args.repeats):
+        shift = round_ % len(cases)
+        for case in cases[shift:] + cases[:shift]:
+            barrier(group)
+            c0, t0 = time.process_time(), time.perf_counter()
+            out, lse = backend.forward(
+                case["q"], k_all, v_all, case["mask"], causal=False, softmax_scale=scale
+            )
+            backend.backward(
+                case["q"], k_all, v_all, out, lse, case["mask"], case["dout"],
+                causal=False, softmax_scale=scale,
+            )  # fmt: skip
+            t1, c1 = time.perf_counter(), time.process_time()
+            if round_ >= args.warmup:
+                case["wall"].append(t1 - t0)
+                case["cpu"].append(c1 - c0)
+        print(f"BALANCE round {round_} done", flush=True)
+    keep = ("family", "mode", "chunks_per_rank", "wall", "cpu")
+    return [{key: case[key] for key in keep} for case in cases]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--task", choices=("comm", "time"), required=True)
+    p.add_argument("--task", choices=("comm", "time", "balance"), required=True)
     p.add_argument("--out", required=True, help="directory for rank<r>.json")
     p.add_argument("--modes", nargs="+", default=["dualchunk_allgather"])
     p.add_argument("--seq-len", type=int, required=True)
@@ -301,7 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed iterations (balance: rounds)")
+    p.add_argument("--families", nargs="+", default=["causal"], help="balance: mask families")
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "dualchunk", "workload_balanced"])
+    p.add_argument("--chunks-per-rank", type=int, default=4, help="balance: workload_balanced k")
+    p.add_argument("--block", type=int, default=128, help="balance: tile size of the model")
     return p
 
 
@@ -313,20 +464,24 @@ def main(argv: list[str] | None = None) -> None:
     env = init_distributed()
     world = env.world_size
     groups = build_groups(ParallelDims(dp=1, pp=1, cp=world, world_size=world))
-    problem = Problem(args, groups.cp)
+    rank = int(groups.cp.rank)
     report: dict[str, Any] = {
-        "rank": problem.rank,
+        "rank": rank,
         "world": world,
         "task": args.task,
         "group": group_label(groups.cp),
     }
-    if args.task == "comm":
-        report["cases"] = task_comm(problem, args.modes)
+    if args.task == "balance":
+        report["cases"] = task_balance(args, groups.cp)
+    elif args.task == "comm":
+        report["cases"] = task_comm(Problem(args, groups.cp), args.modes)
     else:
+        problem = Problem(args, groups.cp)
         report["timing"] = task_time(problem, args.modes[0], args.warmup, args.repeats)
+    report["loadavg"] = list(os.getloadavg())
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    Path(args.out, f"rank{problem.rank}.json").write_text(json.dumps(report, indent=1))
-    print(f"BENCH WORKER DONE rank={problem.rank} task={args.task}", flush=True)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    print(f"BENCH WORKER DONE rank={rank} task={args.task}", flush=True)
     shutdown()
 
 

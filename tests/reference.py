@@ -2,14 +2,38 @@
 
 `softmax(Q·Kᵀ·scale + M)·V` with M = −inf where `flashcp.masks.to_dense` says masked, and its
 gradients written out by hand, one head at a time. Fully masked rows give zero output and
-gradients, and LSE −inf.
+gradients, and LSE −inf. `compare_attention` measures float32 results against it under the
+rule of `tests/numerics.py`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+import numerics
 from flashcp import masks
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def compare_attention(
+    got, want, *, n: int | None = None, label: str = ""
+) -> list[numerics.Comparison]:
+    """(out, lse, dq, dk, dv) of a float32 kernel vs the float64 reference, under the rule.
+
+    n = the longest reduction (keys for out / dq, queries for dk / dv, head_dim for scores);
+    pass it when `want` holds only some rows (a CP rank's shard of a longer sequence).
+    out and lse are scaled by their own max |value|; the three gradients by the largest of
+    them: dS = P ∘ (dP − δ) cancels (with one visible key, dq is exactly 0 but its float32
+    rounding is that of dP ≈ δ), so each gradient's rounding is of the backward's size.
+    """
+    out, _, dq, dk, dv = (np.asarray(x) for x in want)
+    n = max(out.shape[1], dk.shape[1], dk.shape[3]) if n is None else n
+    grad_scale = max(float(np.max(np.abs(x))) if x.size else 0.0 for x in (dq, dk, dv))
+    return [
+        numerics.compare(a, b, n=n, scale=grad_scale if name[0] == "d" else None, what=label + name)
+        for name, a, b in zip(NAMES, got, want, strict=True)
+    ]
 
 
 def dense_reference(q, k, v, dout, idx, *, causal, scale=None):

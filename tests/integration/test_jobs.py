@@ -4,8 +4,9 @@ Each `configs/**/tiny_*.yaml` (found automatically, so new ones are covered the 
 runs with its own dp×pp×cp processes over gloo on CPU, deterministic, for 4 steps. The job must
 exit 0, every rank must report `exit 0` after tearing its process groups down, no log may hold
 abort/assertion/crash text, no process may be left behind, and the losses at steps 1, 2 and 4
-(read from `metrics.jsonl`) must match `tests/golden/losses.json` to 1e-5. A config without a
-golden entry FAILS, naming `scripts/update_golden.py`.
+(read from `metrics.jsonl`) must match `tests/golden/losses.json` within the float32 rule of
+`tests/numerics.py` (the goldens were written on one CPU; another sums in another order). A
+config without a golden entry FAILS, naming `scripts/update_golden.py`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def test_golden_file_has_no_stale_entries() -> None:
     )
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_tiny_config_job_is_clean_and_golden(config: str, tmp_path: Path) -> None:

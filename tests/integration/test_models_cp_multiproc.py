@@ -15,7 +15,7 @@ from launch import run_launch
 from flashcp.cp import MODES
 
 WORKER = Path(__file__).resolve().parent / "workers" / "model_cp_worker.py"
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.equivalence]
 
 
 @pytest.mark.timeout(240)

@@ -4,14 +4,15 @@ The worker (`workers/pipeline_worker.py`) runs the tiny GPT and tiny GLM presets
 causal-document masks under the 1F1B (and GPipe) schedule and compares every stage
 parameter's gradient and the losses with the single-process step built from the same seed:
 
-* without CP the comparison is BITWISE: each stage runs exactly the operations one process
-  runs, activations / gradients travel as raw float32, and every stage accumulates the
-  micro-batches' gradients in the same (ascending) order;
+* without CP the comparison is BITWISE by construction: each stage runs exactly the
+  operations one process runs, activations / gradients travel as raw float32, and every stage
+  accumulates the micro-batches' gradients in the same (ascending) order;
 * with CP it is bitwise against CP = 2 × PP = 1 (the pipeline adds no arithmetic), and within
-  1e-6 against CP = 1 × PP = 1 after summing over the cp group (CP reorders sums);
-* a tied embedding/head matrix is within 1e-6 (one process adds embedding and head gradients
-  per micro-batch, the pipeline adds the two stages' totals once) and bitwise equal on the
-  first and last stage.
+  the float32 rule of `tests/numerics.py` against CP = 1 × PP = 1 after summing over the cp
+  group (CP reorders sums) — while labels shifted after sharding miss it by a wide margin;
+* a tied embedding/head matrix is within the rule (one process adds embedding and head
+  gradients per micro-batch, the pipeline adds the two stages' totals once) and bitwise equal
+  on the first and last stage.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from launch import run_launch
+
+from numerics import FACTOR
 
 WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
 pytestmark = pytest.mark.integration
@@ -42,6 +45,7 @@ def _expected_sent(case: dict, pp: int, cp: int) -> int:
     return sent
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("pp", "cp"), [(2, 1), (3, 1), (2, 2)], ids=["pp2", "pp3", "cp2xpp2"])
 def test_pipeline_equals_single_process(pp: int, cp: int, tmp_path: Path) -> None:
@@ -61,9 +65,10 @@ def test_pipeline_equals_single_process(pp: int, cp: int, tmp_path: Path) -> Non
             assert case["loss_bitwise"] and case["micro_bitwise"], case
             assert case["not_bitwise"] == case["tied"], case  # only the tied matrix may differ
             assert case["p2p_bytes_sent"] == _expected_sent(case, pp, cp), case
-            if cp > 1:
-                assert case["cp_reduced_grad_err"] <= 1e-6, case
-                assert case["cp_loss_err"] <= 1e-6, case
+            if cp > 1:  # errors in units of the rule, which allows FACTOR
+                assert case["cp_reduced_grad_err"] <= FACTOR, case
+                assert case["cp_loss_err"] <= FACTOR, case
+                assert case["label_shift_units"] > 10 * FACTOR, case
     for i, name in enumerate(names):
         for c in range(cp):
             stages = sorted(
@@ -82,7 +87,7 @@ def test_pipeline_equals_single_process(pp: int, cp: int, tmp_path: Path) -> Non
             assert len({s["loss"] for s in stages}) == 1, name  # broadcast from the last stage
             if tied:
                 assert stages[0]["tied_grad_sha"] == stages[-1]["tied_grad_sha"], name
-                assert max(stages[0]["tied_err"].values()) <= 1e-6, name
+                assert max(stages[0]["tied_err"].values()) <= FACTOR, name
 
 
 @pytest.mark.timeout(90)

@@ -2,7 +2,11 @@
 
 The single-process reference trains `configs/gpt/tiny_cp2.yaml` with `parallel.cp=1` in this
 process; each launched job runs the same model on the same data with another layout and dumps
-its summed gradients every step (`debug.dump_grads`). Losses and gradients must agree to 1e-5.
+its summed gradients every step (`debug.dump_grads`). Another layout sums in another order, so
+losses, gradient norms and gradients (norm-wise) must agree within the float32 rule of
+`tests/numerics.py` (reduction over the step's target tokens, growing with the step); the
+token counts exactly. Resuming in the SAME layout repeats the same operations in the same
+order: bitwise.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import pytest
 from launch import MARKER_ENV, _alive, _marked_pids, kill_marked, run_launch
 from safetensors.numpy import load_file
+from trainruns import assert_training_matches
 
 from flashcp import dispatch
 from flashcp.config import load_config
@@ -80,18 +85,7 @@ def _launch(tmp: Path, nproc: int, overrides: list[str], config: Path = CONFIG) 
 
 
 def _assert_matches(run: Path, ref: Path) -> None:
-    np.testing.assert_allclose(_losses(run), _losses(ref), rtol=1e-5, atol=1e-5)
-    mine, want = read_metrics(run), read_metrics(ref)
-    for a, b in zip(mine, want, strict=True):
-        assert a["targets"] == b["targets"] and a["tokens"] == b["tokens"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    for step in range(1, STEPS + 1):
-        got, exp = _grads(run, step), _grads(ref, step)
-        assert set(got) == set(exp)
-        for name in exp:
-            np.testing.assert_allclose(got[name], exp[name], rtol=1e-5, atol=1e-5, err_msg=name)
-            rel = np.linalg.norm(got[name] - exp[name]) / max(np.linalg.norm(exp[name]), 1e-12)
-            assert rel < 1e-5, (name, step, rel)
+    assert_training_matches(run, ref, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +93,20 @@ def cp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _launch(tmp_path_factory.mktemp("cp2"), 2, [])
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_cp2_dualchunk_matches_cp1(cp2_run: Path, reference: Path) -> None:
     _assert_matches(cp2_run, reference)
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_cp4_workload_balanced_matches_cp1(tmp_path: Path, reference: Path) -> None:
     run = _launch(tmp_path, 4, ["parallel.cp=4", "parallel.cp_mode=workload_balanced"])
     _assert_matches(run, reference)
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_dp2_cp2_contiguous_matches_cp1(tmp_path: Path, reference: Path) -> None:
     # dp=2 × micro-batch 1 sees the same two sequences per step as dp=1 × micro-batch 2
@@ -120,6 +117,7 @@ def test_dp2_cp2_contiguous_matches_cp1(tmp_path: Path, reference: Path) -> None
     _assert_matches(run, reference)
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_glm_moe_recompute_cp2_matches_cp1(tmp_path: Path) -> None:
     # GLM-4.5-style MoE, full activation recompute, contiguous layout (configs/glm/tiny_moe_cp2)

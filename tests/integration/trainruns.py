@@ -1,21 +1,29 @@
 """Run one training config two ways for equivalence tests: in this process, or launched.
 
-Both tests of the trainer's layouts (`test_train_pipeline.py`, `test_dpo_multiproc.py`) train
-the same config once here (the reference) and once under `paddle.distributed.launch`, then
-compare `metrics.jsonl` and the dumped gradients.
+The tests of the trainer's layouts (`test_train_multiproc.py`, `test_train_pipeline.py`,
+`test_dpo_multiproc.py`) train the same config once here (the reference) and once under
+`paddle.distributed.launch`, then compare `metrics.jsonl` and the dumped gradients with
+`assert_training_matches` (the float32 rule of `tests/numerics.py`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from launch import run_launch
+from safetensors.numpy import load_file
 
 from flashcp import dispatch
 from flashcp.config import load_config
-from flashcp.trainer import Trainer
+from flashcp.trainer import Trainer, read_metrics
+from flashcp.trainer.loop import GRADS_DIR
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `numerics`
+import numerics  # noqa: E402
 
 TRAIN = Path(__file__).resolve().parents[2] / "src" / "flashcp" / "train.py"
 # Flags the trainer's deterministic mode exports; restored after an in-process run.
@@ -49,3 +57,65 @@ def train_launched(config: Path, out: Path, nproc: int, overrides: Sequence[str]
     assert result.ok, result.summary()
     assert result.leftover == [], result.summary()
     return out
+
+
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin")
+EXACT = ("targets", "tokens", "examples", "rewards/accuracy")
+"""Counts (and the fraction of pairs won, whose margins are far from zero here): exact."""
+
+
+def load_grads(run: Path, step: int, pp: int = 1) -> dict[str, np.ndarray]:
+    """The whole model's summed gradients of `step` (`debug.dump_grads`), stages merged."""
+    if pp == 1:
+        return load_file(str(run / GRADS_DIR / f"step_{step}.safetensors"))
+    out: dict[str, np.ndarray] = {}
+    for s in range(pp):
+        part = load_file(str(run / GRADS_DIR / f"step_{step}.stage{s}.safetensors"))
+        for name, value in part.items():
+            if name in out:  # the tied matrix: both copies carry the same summed gradient
+                np.testing.assert_array_equal(out[name], value, err_msg=name)
+            out[name] = value
+    return out
+
+
+def assert_training_matches(
+    run: Path, ref: Path, *, steps: int, pp: int = 1, beta: float | None = None
+) -> list[numerics.Comparison]:
+    """`run` (another layout) trained like `ref` (one process) under the float32 rule.
+
+    Per step s: the counts exactly; the loss, the gradient norm (and, for DPO — `beta` given
+    — the rewards) within `numerics.tolerance(n, scale, steps=s)` with n and scale from the
+    reference's metrics (`numerics.metric_basis`); every parameter's gradient norm-wise with
+    n = the step's target tokens. Returns the comparisons (the tests' negative controls feed
+    them wrong runs).
+    """
+    mine, want = read_metrics(run), read_metrics(ref)
+    assert [r["step"] for r in mine] == [r["step"] for r in want] == list(range(1, steps + 1))
+    done = []
+    for a, b in zip(mine, want, strict=True):
+        step = int(b["step"])
+        for key in EXACT:
+            if key in b:
+                assert a[key] == b[key], (key, step, a[key], b[key])
+        keys = ("loss", "grad_norm", *(REWARDS if beta is not None else ()))
+        for key in keys:
+            basis = "grad_norm" if key == "grad_norm" else "loss"
+            n, scale = numerics.metric_basis(b, basis, beta=beta)
+            what = f"{key} step {step}"
+            done.append(
+                numerics.assert_close(a[key], b[key], n=n, scale=scale, steps=step, what=what)
+            )
+        got, exp = load_grads(run, step, pp), load_grads(ref, step)
+        assert set(got) == set(exp) and exp, (step, sorted(set(got) ^ set(exp)))
+        for name in exp:
+            done.append(
+                numerics.assert_close(
+                    got[name],
+                    exp[name],
+                    n=float(b["targets"]),
+                    steps=step,
+                    norm="l2",
+                    what=f"grad {name} step {step}",
+                )  # fmt: skip
+            )
+    return done

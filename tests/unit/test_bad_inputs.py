@@ -231,6 +231,11 @@ ROWS = [
     cli("config_no_model", [],
         r"model: required section is missing: give model\.preset \(one of .*\btiny\b.*\) and/or "
         r"every ModelArgs field", config="train:\n  steps: 2\n"),
+    cli("shard_optimizer_vs_dump_grads",
+        ["parallel.shard_optimizer=true", "debug.dump_grads=true"],
+        r"debug\.dump_grads: needs the full summed gradients, but under "
+        r"parallel\.shard_optimizer: true each rank keeps only its shard of them: set "
+        r"debug\.dump_grads: false or parallel\.shard_optimizer: false"),
     cli("overwrite_not_bool", ["run.overwrite=maybe"],
         r"run\.overwrite: expected true or false, got 'maybe' \(a string\)"),
     cli("overwrite_resume_inside_output_dir",
@@ -466,12 +471,12 @@ def _config_path(row: Row, tmp: Path) -> str:
     return str(path)
 
 
-COUNTS = {"cli": 44, "worker": 7, "call": 26}
+COUNTS = {"cli": 45, "worker": 7, "call": 26}
 """Rows per entry point (docs/reliability.md quotes the total)."""
 
 
 def test_table_size_is_exact_and_covers_every_entry() -> None:
-    assert len(ROWS) == sum(COUNTS.values()) == 77
+    assert len(ROWS) == sum(COUNTS.values()) == 78
     assert {e: sum(r.entry == e for r in ROWS) for e in COUNTS} == COUNTS
     assert len({r.id for r in ROWS}) == len(ROWS)
 

@@ -273,13 +273,14 @@ def test_bench_balance_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     abl = result["ablation"]
     assert abl and {"balanced", "lpt_only", "by_pairs"} <= set(abl[0])
     assert all(r["balanced"] <= r["lpt_only"] + 1e-9 for r in abl)
-    md = bench.render_balance_markdown(result)
+    md = bench.render_balance_table(result)
     assert "| causal | 4 | " in md and "share_question_packed" in md
-    doc = tmp_path / "doc.md"
-    doc.write_text(f"# Title\n\nprose\n\n{bench.BEGIN}\nold\n{bench.END}\n\nafter\n")
-    bench.write_section(doc, "new table")
-    text = doc.read_text()
-    assert "old" not in text and "new table" in text and text.endswith("after\n")
+    # the page is generated from the JSON alone: written, then regenerated identically
+    bench.write_outputs(tmp_path, "cp_balance.json", result)
+    page = (tmp_path / "cp_balance.md").read_text()
+    assert md in page and "computed (model)" in page and "Not run yet" in page
+    assert bench.main(["--part", "docs", "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "cp_balance.md").read_text() == page
     assert (
         bench.main(
             [

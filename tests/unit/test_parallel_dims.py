@@ -133,3 +133,21 @@ def test_frozen() -> None:
     dims = ParallelDims(dp=1, pp=1, cp=1, world_size=1)
     with pytest.raises(AttributeError):
         dims.cp = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("degrees", [(2, 2, 2), (1, 2, 2), (3, 1, 2), (2, 3, 1), (1, 1, 1)])
+def test_optimizer_shards_are_the_stage_dp_cp_ranks_cp_major(degrees: tuple[int, int, int]) -> None:
+    dp, pp, cp = degrees
+    dims = ParallelDims(dp=dp, pp=pp, cp=cp, world_size=dp * pp * cp)
+    assert dims.optimizer_shards == dp * cp
+    for rank in range(dims.world_size):
+        ranks = dims.optimizer_shard_ranks(rank)
+        c = dims.coords(rank)
+        # the same stage, every (dp, cp) pair once, listed by shard index cp·dp + dp
+        assert sorted(ranks) == sorted(r for r in range(dims.world_size)
+                                       if dims.coords(r)["pp"] == c["pp"])  # fmt: skip
+        assert ranks[dims.optimizer_shard_index(rank)] == rank
+        assert dims.optimizer_shard_index(rank) == c["cp"] * dp + c["dp"]
+    # dp=2, pp=1, cp=2: ranks (dp,cp) = 0:(0,0) 1:(0,1) 2:(1,0) 3:(1,1); cp-major shard order
+    four = ParallelDims(dp=2, pp=1, cp=2, world_size=4)
+    assert four.optimizer_shard_ranks(3) == [0, 2, 1, 3]

@@ -56,8 +56,12 @@ class ParallelConfig:
     grad_bucket_mb: float = 64.0
     """Gradients are summed over cp/dp in all-reduce buckets of at most this many MiB."""
     shard_optimizer: bool = False
-    """ZeRO-1: shard the float32 master weights and AdamW moments over the ranks that hold the
-    same parameters (the dp × cp ranks of a pipeline stage)."""
+    """ZeRO-1: shard the float32 master weights and both AdamW moments over the ranks that hold
+    the same parameters (the dp × cp ranks of one pipeline stage). Gradients are then
+    reduce-scattered in float32 buckets (parallel.grad_bucket_mb) instead of all-reduced, each
+    rank updates its 1/(dp·cp) slice, and the updated slices are all-gathered into the
+    parameters. Same losses as unsharded (to float32 rounding); checkpoints hold one optimizer
+    shard per rank and load onto any dp × cp. With dp × cp = 1 there is nothing to shard."""
 
     @property
     def world_size(self) -> int:

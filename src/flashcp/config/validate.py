@@ -46,6 +46,14 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None) -> None:
         if getattr(p, dim) < 1:
             c.add(f"parallel.{dim}", f"must be an integer >= 1, got {getattr(p, dim)}")
     _positive(c, "parallel.grad_bucket_mb", p.grad_bucket_mb)
+    if p.shard_optimizer and cfg.debug.dump_grads:
+        c.add(
+            "debug.dump_grads",
+            "needs the full summed gradients, but under parallel.shard_optimizer: true each "
+            "rank keeps only its shard of them: set debug.dump_grads: false or "
+            "parallel.shard_optimizer: false",
+            "parallel.shard_optimizer",
+        )
     if not c.ok("parallel.dp", "parallel.pp", "parallel.cp"):
         return
     if world_size is not None and p.world_size != world_size:

@@ -143,7 +143,9 @@ def all_gather_tensor(
 ) -> Tensor:
     """Concatenate every rank's `x` (same shape everywhere) along `axis`, in group-rank order.
 
-    Bytes: sent = received = (p - 1) · nbytes(x), i.e. (p - 1) / p of the output.
+    Bytes, counted from the tensors of the transfer itself: received = the nbytes of the parts
+    the call returned from the other ranks; sent = nbytes of the `x` handed to the call, once
+    per other rank it was delivered to. (With equal shapes both are (p - 1) · nbytes(x).)
     """
     group = _check_group(group, "all_gather")
     p = group.nranks
@@ -152,7 +154,8 @@ def all_gather_tensor(
     parts: list[Tensor] = []
     with paddle.no_grad(), watch("all_gather", group, timeout):
         dist.all_gather(parts, x, group=group)
-    _record("all_gather", group, (p - 1) * nbytes(x), (p - 1) * nbytes(x))
+    peers = [part for i, part in enumerate(parts) if i != group.rank]
+    _record("all_gather", group, nbytes(x) * len(peers), sum(nbytes(t) for t in peers))
     with paddle.no_grad():
         return paddle.concat(parts, axis=axis)
 
@@ -217,13 +220,17 @@ def sends_first(index: int, shift: int, size: int) -> bool:
     return position % 2 == 0
 
 
-def _exchange(send: Tensor, dst: int, recv: Tensor, src: int, group: Group, first: bool) -> None:
+def _exchange(
+    send: Tensor, dst: int, recv: Tensor, src: int, group: Group, first: bool
+) -> tuple[int, int]:
+    """One ordered send/recv pair; returns the (sent, received) nbytes of the two tensors."""
     if first:
         dist.send(send, dst=dst, group=group)
         dist.recv(recv, src=src, group=group)
     else:
         dist.recv(recv, src=src, group=group)
         dist.send(send, dst=dst, group=group)
+    return nbytes(send), nbytes(recv)
 
 
 def ring_shift(x: Tensor, group: Group, shift: int = 1, *, timeout: float | None = None) -> Tensor:
@@ -241,8 +248,8 @@ def ring_shift(x: Tensor, group: Group, shift: int = 1, *, timeout: float | None
     with paddle.no_grad():
         out = paddle.empty_like(x)
         with watch(f"ring_shift(shift={shift})", group, timeout):
-            _exchange(x, dst, out, src, group, sends_first(r, shift, p))
-    _record("ring_shift", group, nbytes(x), nbytes(x))
+            sent, received = _exchange(x, dst, out, src, group, sends_first(r, shift, p))
+    _record("ring_shift", group, sent, received)
     return out
 
 
@@ -283,19 +290,24 @@ def _check_chunks(chunks: Sequence[Tensor], p: int, group: Group) -> None:
             )
 
 
-def _ring_reduce_scatter(chunks: Sequence[Tensor], group: Group) -> Tensor:
-    """p - 1 steps; at step s rank r passes its partial sum of chunk (r - 1 - s) to r + 1."""
+def _ring_reduce_scatter(chunks: Sequence[Tensor], group: Group) -> tuple[Tensor, int, int]:
+    """p - 1 steps; at step s rank r passes its partial sum of chunk (r - 1 - s) to r + 1.
+
+    Returns my reduced chunk and the (sent, received) nbytes of every send/recv it made.
+    """
     p, r = group.nranks, group.rank
     right, left = group.ranks[(r + 1) % p], group.ranks[(r - 1) % p]
     first = sends_first(r, 1, p)
     acc = list(chunks)
     buf = paddle.empty_like(chunks[0])
+    sent = received = 0
     for step in range(p - 1):
         send_idx = (r - 1 - step) % p
         recv_idx = (r - 2 - step) % p
-        _exchange(acc[send_idx], right, buf, left, group, first)
+        s, n = _exchange(acc[send_idx], right, buf, left, group, first)
+        sent, received = sent + s, received + n
         acc[recv_idx] = acc[recv_idx] + buf
-    return acc[r]
+    return acc[r], sent, received
 
 
 def reduce_scatter_chunks(
@@ -311,6 +323,10 @@ def reduce_scatter_chunks(
     p - 1 steps, moves the theoretical (p - 1) / p of the input each way), "allreduce"
     (all-reduce the stacked chunks and keep mine: simple, 2x the bytes). "auto" picks "nccl" on
     NCCL and "ring" otherwise; env `FLASHCP_REDUCE_SCATTER` overrides "auto".
+
+    Bytes: "ring" counts the nbytes of every tensor its send/recv calls move; "nccl" and
+    "allreduce" hand the whole transfer to the library, so they count its bandwidth-optimal
+    model ((p - 1) / p, resp. 2 (p - 1) / p, of the tensors handed to it).
     """
     group = _check_group(group, "reduce_scatter")
     p = group.nranks
@@ -318,19 +334,19 @@ def reduce_scatter_chunks(
     if p == 1:
         return chunks[0].clone()
     chosen = _resolve_method(method, group)
-    total = sum(nbytes(c) for c in chunks)
     with paddle.no_grad(), watch(f"reduce_scatter[{chosen}]", group, timeout):
         if chosen == "nccl":
             out = paddle.empty_like(chunks[0])
             dist.reduce_scatter(out, list(chunks), group=group)
+            sent = received = (p - 1) * sum(nbytes(c) for c in chunks) / p
         elif chosen == "allreduce":
             stacked = paddle.stack(list(chunks))
             dist.all_reduce(stacked, group=group)
             out = stacked[group.rank].clone()
+            sent = received = 2 * (p - 1) * nbytes(stacked) / p
         else:
-            out = _ring_reduce_scatter(chunks, group)
-    factor = 2 if chosen == "allreduce" else 1
-    _record("reduce_scatter", group, factor * (p - 1) * total / p, factor * (p - 1) * total / p)
+            out, sent, received = _ring_reduce_scatter(chunks, group)
+    _record("reduce_scatter", group, sent, received)
     return out
 
 

@@ -2,9 +2,15 @@
 
 Every wrapped collective adds the payload bytes *this rank* sends and receives, keyed by
 operation and group label, so a benchmark can compare measured traffic with the theoretical
-cost, e.g. (cp - 1) / cp · size for an all-gather or a ring reduce-scatter. Point-to-point
-algorithms (ring reduce-scatter, ring shift) count exactly what they put on the wire; library
-collectives count the standard bandwidth-optimal model (see `docs/distributed.md`).
+cost, e.g. (cp - 1) / cp · size for an all-gather or a ring reduce-scatter.
+
+Counted at the transfer (from the tensors handed to the `paddle.distributed` call, never from
+a formula of the problem size): `send` / `recv`, `ring_shift` and the ring reduce-scatter (the
+nbytes of every tensor their send/recv calls move), and `all_gather` (received: the nbytes of
+the parts the call returned from the other ranks; sent: the input's nbytes once per other rank
+it was delivered to). Collectives whose algorithm runs inside the library (`all_reduce`,
+`broadcast`, the NCCL and all-reduce reduce-scatter variants) count its bandwidth-optimal
+model applied to the tensors handed to it (see `docs/distributed.md`).
 """
 
 from __future__ import annotations

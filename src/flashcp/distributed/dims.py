@@ -158,6 +158,30 @@ class ParallelDims:
                 return ranks
         raise AssertionError("unreachable: every rank is in one group")
 
+    # -- optimizer shards (ZeRO-1) ------------------------------------------------------------
+
+    @property
+    def optimizer_shards(self) -> int:
+        """dp × cp: the ranks holding the same parameters (one pipeline stage's), over which
+        `parallel.shard_optimizer` splits the optimizer state."""
+        return self.dp * self.cp
+
+    def optimizer_shard_index(self, rank: int) -> int:
+        """Which optimizer shard `rank` owns: `cp_index · dp + dp_index`.
+
+        Gradients are reduce-scattered over the cp group first (rank j of it keeps chunk j),
+        then over the dp group (rank i keeps sub-chunk i of that), so the sums run in the same
+        order as the unsharded all-reduce over cp, then dp (`flashcp.trainer.zero`).
+        """
+        c = self.coords(rank)
+        return c["cp"] * self.dp + c["dp"]
+
+    def optimizer_shard_ranks(self, rank: int) -> list[int]:
+        """The ranks sharing `rank`'s parameters (its stage's dp × cp ranks), listed by shard
+        index."""
+        stage = self.coords(rank)["pp"]
+        return [self.rank_at(dp=i, pp=stage, cp=j) for j in range(self.cp) for i in range(self.dp)]
+
     def describe(self) -> str:
         """One line, e.g. `dp=1 pp=2 cp=2 (world 4, cp innermost)`."""
         body = " ".join(f"{dim}={self.degree(dim)}" for dim in DIM_ORDER)

@@ -8,11 +8,19 @@ The one difference is orientation: Paddle `Linear` (and the MoE router) store `[
 HF `[out, in]`, so those weights are transposed on the way in and out.
 
 `load_hf_checkpoint` reads a single ``.safetensors`` file or a directory holding either
-``model.safetensors`` or shards listed in ``model.safetensors.index.json``. It checks every
-key and shape from the file headers before reading any tensor, then loads one tensor at a
-time (casting to the parameter's dtype). Skipped, never errors: ``lm_head.weight`` when the
-embeddings are tied, ``*.rotary_emb.inv_freq`` (old exports), and for ``glm_moe`` the
-multi-token-prediction layers GLM-4.5 ships after its last decoder layer.
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``, into a whole model
+or ONE PIPELINE STAGE of it (its parameter names are the full model's): the module reads only
+the tensors it holds — the index, the headers of the shards holding them, and each tensor's
+own byte range (`flashcp.models.safetensors_io`, which counts every byte it reads) — so no
+rank touches the weights of another stage. Keys of other stages (decoder layers it does not
+hold; embeddings, which go with layer 0; final norm and head, which go with the last layer)
+are left to their stage, which checks them. Every key, shape and dtype is checked from the
+headers before any tensor is read; then each tensor is read, cast to the parameter's own
+storage dtype (float32 or bfloat16: bf16 files fill bf16 parameters bit for bit) and
+assigned. `on_tensor` / `read_hf_float32` give the file's float32 values for master weights.
+Skipped, never errors: ``lm_head.weight`` when the embeddings are tied,
+``*.rotary_emb.inv_freq`` (old exports), and for ``glm_moe`` the multi-token-prediction
+layers GLM-4.5 ships after its last decoder layer.
 
 `save_hf_checkpoint` writes the same layout (sharded above `max_shard_bytes`) plus an
 HF-style ``config.json`` that also records the exact `ModelArgs`; `args_from_hf_config`
@@ -21,21 +29,31 @@ reads either kind of ``config.json`` back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import paddle
 from paddle import nn
-from safetensors import safe_open
 from safetensors.paddle import save_file
 
 from flashcp.models.config import ModelArgs
 from flashcp.models.moe import TopkRouter
+from flashcp.models.safetensors_io import (
+    RAW_DTYPES,
+    CastError,
+    ReadCounter,
+    SafetensorsFile,
+    TensorInfo,
+    cast_raw,
+    to_float32,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,6 +62,8 @@ ARGS_KEY = "flashcp_model_args"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _SHOW = 12  # keys listed per kind of error
+_FIRST_STAGE = ("model.embed_tokens.", "model.embed_positions.")  # held with layer 0
+_LAST_STAGE = ("model.norm.", "lm_head.")  # held with the last layer
 
 HF_ARCH = {
     "gpt": ("FlashcpGPTForCausalLM", "flashcp_gpt"),
@@ -70,15 +90,6 @@ class HFEntry:
         return shape[::-1] if self.transposed else shape
 
 
-@dataclass
-class LoadReport:
-    """What `load_hf_checkpoint` did."""
-
-    files: list[str]
-    loaded: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-
 def hf_state_map(model: nn.Layer) -> dict[str, HFEntry]:
     """Checkpoint key → `HFEntry` for every parameter and persistent buffer of `model`."""
     transposed = {
@@ -95,23 +106,96 @@ def hf_state_map(model: nn.Layer) -> dict[str, HFEntry]:
 # ------------------------------------------------------------------------------- loading
 
 
-def _checkpoint_files(path: str | os.PathLike[str]) -> tuple[dict[str, Path], list[Path]]:
-    """(key → file, files) for a file, a single-file directory or a sharded directory."""
+class Float32Source:
+    """The checkpoint's own values of one tensor, in the Paddle layout, as float32 on demand.
+
+    Handed to `load_hf_checkpoint`'s `on_tensor` callback so float32 master weights can be
+    filled from the file's values rather than from parameters rounded to bf16. Valid only
+    during the callback (it holds the tensor's raw bytes as read, nothing converted yet).
+    """
+
+    def __init__(self, raw: np.ndarray, code: str, transposed: bool) -> None:
+        self._raw, self._code, self._transposed = raw, code, transposed
+        self.shape = list(raw.shape[::-1] if transposed else raw.shape)
+        """Shape in the Paddle layout (`[in, out]` for a Linear weight)."""
+        self.size = int(raw.size)
+
+    def float32(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Elements `[start, stop)` of the row-major flattened Paddle-layout tensor, float32.
+
+        Converts only the rows the slice covers (a new array; exact for F32/BF16/F16 files).
+        """
+        stop = self.size if stop is None else stop
+        if not 0 <= start <= stop <= self.size:
+            raise IndexError(f"slice [{start}, {stop}) is outside a tensor of {self.size}")
+        if not self._transposed or self._raw.ndim != 2:
+            return to_float32(self._raw.reshape(-1)[start:stop], self._code).copy()
+        cols = self.shape[1]
+        first, last = start // cols, -(-stop // cols)
+        rows = np.ascontiguousarray(self._raw.T[first:last]).reshape(-1)
+        offset = first * cols
+        return to_float32(rows[start - offset : stop - offset], self._code).copy()
+
+
+OnTensor = Callable[[str, Float32Source], None]
+
+
+@dataclass
+class LoadReport:
+    """What `load_hf_checkpoint` did, and the bytes it read (measured at the read calls)."""
+
+    files: list[str]
+    """Weight files this load opened (read a header and tensors from)."""
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Keys ignored on purpose (tied head, inv_freq, MTP layers, unexpected with strict=False)."""
+    foreign: list[str] = field(default_factory=list)
+    """Keys of other pipeline stages: neither read nor checked here (their stage checks them)."""
+    bytes_read: int = 0
+    """Every byte read from the checkpoint: index, headers and tensor data."""
+    bytes_by_file: dict[str, int] = field(default_factory=dict)
+    share_bytes: int = 0
+    """Sum of the file sizes (nbytes) of the loaded tensors: this module's share."""
+
+
+@dataclass
+class _Checkpoint:
+    """Key → file of a checkpoint, and its files opened so far (headers parsed)."""
+
+    source: str
+    key_files: dict[str, Path]
+    files: list[Path]
+    opened: dict[Path, SafetensorsFile]
+    index: Path | None = None
+
+
+def _open_checkpoint(path: str | os.PathLike[str], counter: ReadCounter) -> _Checkpoint:
+    """A file, a single-file directory or a sharded directory (only the index is read)."""
     p = Path(path)
-    if p.is_file():
-        files = [p]
-    elif p.is_dir() and (p / INDEX_FILE).is_file():
-        index = json.loads((p / INDEX_FILE).read_text())
-        weight_map = index.get("weight_map")
+    if p.is_dir() and (p / INDEX_FILE).is_file():
+        index_path = p / INDEX_FILE
+        try:
+            index = json.loads(counter.read_text(index_path))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{index_path} is not JSON ({exc}): re-download it") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{p / INDEX_FILE} has no 'weight_map' object")
-        files = sorted({p / name for name in weight_map.values()})
+            raise ValueError(f"{index_path} has no 'weight_map' object")
+        key_files = {k: p / v for k, v in weight_map.items()}
+        files = sorted(set(key_files.values()))
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(f"{p / INDEX_FILE} lists {f.name}, which does not exist")
-        return {k: p / v for k, v in weight_map.items()}, files
+                keys = sorted(k for k, v in key_files.items() if v == f)
+                raise FileNotFoundError(
+                    f"{index_path} maps {len(keys)} tensors (e.g. {keys[0]}) to {f.name}, which "
+                    f"does not exist in {p}: download the missing shard, or point "
+                    "checkpoint.init_from at a complete checkpoint"
+                )
+        return _Checkpoint(str(p), key_files, files, {}, index_path)
+    if p.is_file():
+        file = p
     elif p.is_dir() and (p / SINGLE_FILE).is_file():
-        files = [p / SINGLE_FILE]
+        file = p / SINGLE_FILE
     elif p.is_dir():
         found = sorted(p.glob("*.safetensors"))
         if len(found) != 1:
@@ -119,14 +203,11 @@ def _checkpoint_files(path: str | os.PathLike[str]) -> tuple[dict[str, Path], li
                 f"{p} has no {SINGLE_FILE} or {INDEX_FILE} and {len(found)} other .safetensors "
                 "files: point at one file or add the index"
             )
-        files = found
+        file = found[0]
     else:
         raise FileNotFoundError(f"checkpoint {p} does not exist")
-    keys: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="paddle") as handle:
-            keys.update({k: f for k in handle.keys()})  # noqa: SIM118 (safe_open is not a dict)
-    return keys, files
+    opened = SafetensorsFile(file, counter)
+    return _Checkpoint(str(p), {k: file for k in opened.tensors}, [file], {file: opened})
 
 
 def _skippable(key: str, args: ModelArgs) -> bool:
@@ -138,69 +219,216 @@ def _skippable(key: str, args: ModelArgs) -> bool:
     return args.arch == "glm_moe" and m is not None and int(m.group(1)) >= args.num_layers
 
 
+def _foreign(key: str, args: ModelArgs, held: set[int]) -> bool:
+    """Whether `key` belongs to another pipeline stage than the module holding layers `held`.
+
+    Stages split the decoder layers; the embeddings go with layer 0 and the final norm and
+    head with the last layer (`flashcp.parallel.stage`). The whole model holds every layer,
+    so nothing is foreign to it.
+    """
+    m = _LAYER_RE.match(key)
+    if m is not None:
+        return int(m.group(1)) < args.num_layers and int(m.group(1)) not in held
+    if key.startswith(_FIRST_STAGE):
+        return 0 not in held
+    if key.startswith(_LAST_STAGE):
+        return args.num_layers - 1 not in held
+    return False
+
+
 def _listing(title: str, items: list[str], hint: str = "") -> str:
     shown = "\n".join(f"    {s}" for s in items[:_SHOW])
     more = f"\n    ... and {len(items) - _SHOW} more" if len(items) > _SHOW else ""
     return f"  {title} ({len(items)}){hint}:\n{shown}{more}"
 
 
-def load_hf_checkpoint(
-    model: nn.Layer, path: str | os.PathLike[str], *, strict: bool = True
-) -> LoadReport:
-    """Fill `model` from an HF-layout safetensors checkpoint (file, directory or shards).
+def _dtype_name(tensor: paddle.Tensor) -> str:
+    return str(tensor.dtype).replace("paddle.", "")
 
-    Raises `CheckpointMismatchError` naming every missing key, unexpected key (only when
-    `strict`) and shape mismatch (key, checkpoint shape, model shape) before loading any
-    tensor, so a bad checkpoint leaves the model untouched.
+
+def _plan(
+    module: nn.Layer,
+    ckpt: _Checkpoint,
+    counter: ReadCounter,
+    report: LoadReport,
+    strict: bool,
+    names: Collection[str] | None,
+) -> dict[Path, list[tuple[HFEntry, TensorInfo]]]:
+    """Check every key, shape and dtype this module needs; file → what to read from it.
+
+    `names`: only these of the module's tensors (None: all). Reads the index (done) and the
+    headers of the files holding the tensors to read, no tensor data. Raises
+    `CheckpointMismatchError` listing every problem.
     """
-    args: ModelArgs = model.args  # type: ignore[attr-defined]
-    entries = hf_state_map(model)
-    key_files, files = _checkpoint_files(path)
-    report = LoadReport(files=[str(f) for f in files])
-    missing = sorted(set(entries) - set(key_files))
-    unexpected, mismatched = [], []
-    for key in sorted(set(key_files) - set(entries)):
+    args: ModelArgs = module.args  # type: ignore[attr-defined]
+    held_entries = hf_state_map(module)
+    held = {int(m.group(1)) for k in held_entries if (m := _LAYER_RE.match(k))}
+    entries = held_entries
+    if names is not None:
+        unknown = sorted(set(names) - set(held_entries))
+        if unknown:
+            raise KeyError(f"not tensors of this module: {unknown[:_SHOW]}")
+        entries = {k: held_entries[k] for k in names}
+    missing = sorted(set(entries) - set(ckpt.key_files))
+    unexpected: list[str] = []
+    for key in sorted(set(ckpt.key_files) - set(held_entries)):
         if _skippable(key, args):
             report.skipped.append(key)
+        elif _foreign(key, args, held):
+            report.foreign.append(key)
         else:
             unexpected.append(key)
-    by_file: dict[Path, list[str]] = {}
-    for key in sorted(set(entries) & set(key_files)):
-        by_file.setdefault(key_files[key], []).append(key)
-    for f, keys in by_file.items():
-        with safe_open(str(f), framework="paddle") as handle:
-            for key in keys:
-                shape = list(handle.get_slice(key).get_shape())
-                want = entries[key].hf_shape
-                if shape != want:
-                    layout = " (HF [out, in] layout)" if entries[key].transposed else ""
-                    mismatched.append(f"{key}: checkpoint {shape} vs model {want}{layout}")
+    plan: dict[Path, list[tuple[HFEntry, TensorInfo]]] = {}
+    absent, mismatched, uncastable = [], [], []
+    for key in sorted(set(entries) & set(ckpt.key_files)):
+        f = ckpt.key_files[key]
+        if f not in ckpt.opened:
+            ckpt.opened[f] = SafetensorsFile(f, counter)
+        info = ckpt.opened[f].tensors.get(key)
+        entry = entries[key]
+        if info is None:
+            absent.append(f"{key}: not in {f.name}")
+            continue
+        if list(info.shape) != entry.hf_shape:
+            layout = " (HF [out, in] layout)" if entry.transposed else ""
+            mismatched.append(
+                f"{key}: checkpoint {list(info.shape)} vs model {entry.hf_shape}{layout} "
+                f"in {f.name}"
+            )
+            continue
+        try:
+            cast_raw(np.empty(0, RAW_DTYPES[info.dtype]), info.dtype, _dtype_name(entry.tensor))
+        except CastError as exc:
+            uncastable.append(f"{key} in {f.name}: {exc}")
+            continue
+        plan.setdefault(f, []).append((entry, info))
     problems = []
     if missing:
-        problems.append(_listing("missing from the checkpoint", missing))
+        problems.append(
+            _listing(
+                "missing from the checkpoint",
+                missing,
+                " [this module needs them: is checkpoint.init_from a checkpoint of this model "
+                "(arch, layers, sizes in its config.json)?]",
+            )
+        )
+    if absent:
+        problems.append(
+            _listing("listed in the index but not in their shard", absent, " [re-download]")
+        )
     if unexpected and strict:
         problems.append(
             _listing("unexpected in the checkpoint", unexpected, " [strict=False skips them]")
         )
     if mismatched:
         problems.append(_listing("shape mismatches", mismatched))
+    if uncastable:
+        problems.append(
+            _listing(
+                "dtypes that cannot be loaded",
+                uncastable,
+                " [floating parameters take F32/BF16/F16/F64: convert the checkpoint]",
+            )
+        )
     if problems:
         raise CheckpointMismatchError(
-            f"checkpoint {path} does not fit the {args.arch} model:\n" + "\n".join(problems)
+            f"checkpoint {ckpt.source} does not fit the {args.arch} model:\n" + "\n".join(problems)
         )
     report.skipped.extend(unexpected)
-    for f, keys in by_file.items():
-        with safe_open(str(f), framework="paddle") as handle:
-            for key in keys:
-                entry = entries[key]
-                value = handle.get_tensor(key)
-                if entry.transposed:
-                    value = value.transpose([1, 0])
-                value = value.astype(entry.tensor.dtype).contiguous()
-                with paddle.no_grad():
-                    paddle.assign(value.to(entry.tensor.place), output=entry.tensor)
-                report.loaded.append(key)
+    return plan
+
+
+def _read_tensors(
+    module: nn.Layer,
+    path: str | os.PathLike[str],
+    report: LoadReport,
+    *,
+    strict: bool,
+    names: Collection[str] | None = None,
+) -> Iterator[tuple[HFEntry, TensorInfo, np.ndarray]]:
+    """Check, then yield (entry, header info, raw file data) of each tensor to load.
+
+    Fills `report` as it goes; the byte counts once the generator is finished or closed.
+    """
+    counter = ReadCounter()
+    ckpt = _open_checkpoint(path, counter)
+    try:
+        plan = _plan(module, ckpt, counter, report, strict, names)
+        for f in sorted(plan):
+            for entry, info in plan[f]:
+                yield entry, info, ckpt.opened[f].read(info.key)
+                report.loaded.append(info.key)
+                report.share_bytes += info.nbytes
+    finally:
+        for handle in ckpt.opened.values():
+            handle.close()
+        report.files = [str(f) for f in sorted(ckpt.opened)]
+        report.bytes_read = counter.total
+        report.bytes_by_file = dict(counter.by_file)
+
+
+def load_hf_checkpoint(
+    module: nn.Layer,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    on_tensor: OnTensor | None = None,
+) -> LoadReport:
+    """Fill `module` from an HF-layout safetensors checkpoint (file, directory or shards).
+
+    `module` is a whole `CausalLM` or one pipeline stage of it (parameter names are the full
+    model's): it reads only the tensors it holds, from the files holding them, each tensor's
+    byte range alone, cast on read to the tensor's own dtype (`cast_raw`: a bf16 file fills
+    bf16 parameters bit for bit, float32 rounds to nearest even into bf16, bf16 widens
+    exactly into float32). Keys of other stages are left alone (`LoadReport.foreign`).
+
+    Before reading any tensor data it raises `CheckpointMismatchError` naming every missing
+    key, unexpected key (only when `strict`), shape mismatch (key, file, checkpoint shape,
+    model shape) and uncastable dtype, so a bad checkpoint leaves the module untouched.
+
+    `on_tensor(name, source)` is called after each tensor is assigned, with its state-dict name
+    and a `Float32Source` of the file's values (e.g. to fill float32 master weights, or just
+    this rank's flat slice of them, without a bf16 round trip and without a second read).
+    """
+    report = LoadReport(files=[])
+    with contextlib.closing(_read_tensors(module, path, report, strict=strict)) as tensors:
+        for entry, info, raw in tensors:
+            value = cast_raw(raw, info.dtype, _dtype_name(entry.tensor))
+            if entry.transposed:
+                value = value.T
+            tensor = paddle.to_tensor(np.ascontiguousarray(value), place=entry.tensor.place)
+            if tensor.dtype != entry.tensor.dtype:  # numpy has no bf16: uint16 → bf16
+                raise AssertionError(f"{info.key}: {tensor.dtype} != {entry.tensor.dtype}")
+            with paddle.no_grad():
+                paddle.assign(tensor, output=entry.tensor)
+            del tensor, value
+            if on_tensor is not None:
+                on_tensor(info.key, Float32Source(raw, info.dtype, entry.transposed))
     return report
+
+
+def read_hf_float32(
+    module: nn.Layer,
+    path: str | os.PathLike[str],
+    slices: Mapping[str, tuple[int, int]],
+) -> tuple[dict[str, np.ndarray], LoadReport]:
+    """The checkpoint's float32 values of flat slices of some of `module`'s tensors.
+
+    `slices[name] = (start, stop)` over the row-major flattened Paddle-layout tensor `name`
+    (e.g. this rank's ZeRO shard of the float32 master weights, filled from the file rather
+    than from bf16 parameters). Only the named tensors are read, each whole (a flat shard cuts
+    at most two tensors partially); keys, shapes and dtypes are checked as in
+    `load_hf_checkpoint`; nothing is assigned. Returns the slices and the `LoadReport`.
+    """
+    report = LoadReport(files=[])
+    out: dict[str, np.ndarray] = {}
+    reader = _read_tensors(module, path, report, strict=True, names=list(slices))
+    with contextlib.closing(reader) as tensors:
+        for entry, info, raw in tensors:
+            out[info.key] = Float32Source(raw, info.dtype, entry.transposed).float32(
+                *slices[info.key]
+            )
+    return out, report
 
 
 # -------------------------------------------------------------------------------- saving

@@ -122,17 +122,25 @@ def sync_tied_gradients(stage: PipelineStage, group, *, timeout: float | None = 
 
     `group` holds both the first and the last stage's rank (`pipeline_links(...).ends`).
     Both stages end with `embedding_grad + head_grad` (float addition commutes, so the two
-    copies stay bitwise equal).
+    copies stay bitwise equal). A weight with float32 gradient accumulation (`main_grad`,
+    `flashcp.trainer.zero.attach_main_grad`: low-precision storage) adds those instead.
     """
     weight = stage.tied_weight
     if weight is None:
         return
     peer = group.ranks[-1] if stage.is_first else group.ranks[0]
+    hooked = hasattr(weight, "main_grad")
+    current = weight.main_grad if hooked else weight.grad
     with paddle.no_grad():
-        mine = weight.grad if weight.grad is not None else paddle.zeros_like(weight)
+        if current is not None:
+            mine = current
+        else:
+            mine = paddle.zeros(weight.shape, "float32" if hooked else weight.dtype)
         other = swap_tensor(mine, peer, group, send_first=stage.is_first, timeout=timeout)
         total = mine + other
-    if weight.grad is None:
+    if hooked:
+        weight.main_grad = total
+    elif weight.grad is None:
         weight.grad = total  # type: ignore[misc]
     else:
         paddle.assign(total, weight.grad)

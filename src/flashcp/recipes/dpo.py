@@ -51,8 +51,9 @@ from flashcp.recipes.dpo_loss import dpo_terms, sequence_logps
 from flashcp.recipes.dpo_stream import DPOData
 from flashcp.trainer.parallel import all_reduce_values
 
-STATS = ("chosen", "rejected", "wins", "examples")
-"""Per-step sums the recipe reports (this rank's share): rewards, wins, examples."""
+STATS = ("chosen", "rejected", "wins", "examples", "logps_chosen", "logps_rejected")
+"""Per-step sums the recipe reports (this rank's share): rewards, wins, examples, and the
+policy's answer log-prob sums."""
 
 
 class _ReplicatedSum(PyLayer):
@@ -223,6 +224,8 @@ class DPORecipe(Recipe):
                 float(rejected_r.sum()),
                 float(wins.sum()),
                 float(per.shape[0]),
+                float(chosen.sum()),
+                float(rejected.sum()),
             ]
         return loss
 
@@ -235,8 +238,9 @@ class DPORecipe(Recipe):
         return [float(x) for x in self._sums]
 
     def metrics(self, stats: np.ndarray) -> dict[str, float]:
-        """Rewards (β·(log π − log π_ref)) averaged over the step's examples, their margin and
-        the fraction of pairs where the chosen answer wins."""
+        """Rewards (β·(log π − log π_ref)) averaged over the step's examples, their margin,
+        the fraction of pairs where the chosen answer wins, and the policy's mean answer
+        log-prob sums (`logps/*`: the magnitude the rewards are small differences of)."""
         sums = dict(zip(STATS, (float(x) for x in stats), strict=True))
         n = max(sums["examples"], 1.0)
         return {
@@ -245,4 +249,6 @@ class DPORecipe(Recipe):
             "rewards/margin": (sums["chosen"] - sums["rejected"]) / n,
             "rewards/accuracy": sums["wins"] / n,
             "examples": sums["examples"],
+            "logps/chosen": sums["logps_chosen"] / n,
+            "logps/rejected": sums["logps_rejected"] / n,
         }

@@ -8,6 +8,10 @@ Layout of `<output_dir>/checkpoints/step_<N>/`:
 * `trainer_state.json`    step, LR scheduler, data position, RNG states, config hash
 * `manifest.json`         sha256 and size of each file above, written last
 
+Pipeline stages, LoRA adapters and float32 master weights (bf16 storage, ZeRO-1) write the
+model and optimizer in parts instead (`flashcp.trainer.sharded`): the manifest's `layout` lists
+them, and optimizer shards are handed to the optimizer as files (`Checkpoint.optimizer_shards`).
+
 A checkpoint is written into `step_N.tmp/`, every file fsynced, then renamed to `step_N/` (and
 the parent directory fsynced), so a crash never leaves a half-written `step_N/`. Loading checks
 the manifest first: a missing, truncated or altered file is refused with the reason, and
@@ -22,7 +26,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,9 @@ class Checkpoint:
     model: dict[str, np.ndarray]
     optimizer: dict[str, np.ndarray]
     state: dict[str, Any]
+    optimizer_shards: list[list[Path]] = field(default_factory=list)
+    """Per pipeline stage, the ZeRO-1 optimizer shard files (read lazily by
+    `flashcp.trainer.zero_state.ShardSource`); empty for unsharded checkpoints."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -189,12 +196,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     layout = json.loads((p / MANIFEST_FILE).read_text()).get("layout")
     model_files = layout["model"] if layout else [MODEL_FILE]
     optimizer_files = layout["optimizer"] if layout else [OPTIMIZER_FILE]
+    shards = layout.get("optimizer_shards", []) if layout else []
     return Checkpoint(
         path=p,
         step=int(state["step"]),
         model=_load_merged(p, model_files),
         optimizer=_load_merged(p, optimizer_files),
         state=state,
+        optimizer_shards=[[p / name for name in stage] for stage in shards],
     )
 
 

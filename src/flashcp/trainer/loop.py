@@ -14,11 +14,15 @@ One optimizer step (`Trainer.train_step`):
    (`SequentialExecutor`, pp = 1) or under the 1F1B / GPipe pipeline schedule on this rank's
    stage (`PipelineExecutor`, pp > 1; the losses live on the last stage).
 4. The loss, the recipe's statistics and per-rank non-finite flags are all-reduced (cp, dp,
-   pp); the gradients are summed (bucketed all-reduce) over cp, then dp.
+   pp); the gradients are summed (bucketed all-reduce) over cp, then dp - or, under
+   `parallel.shard_optimizer`, reduce-scattered so each rank keeps its shard's sum
+   (`flashcp.trainer.zero`).
 5. NaN/Inf: `train.on_nonfinite: stop` raises `NonFiniteError` naming the step and rank(s) on
    every rank at once; `skip` drops the update and logs it.
-6. AdamW step (clipping the global gradient norm; over every pipeline stage when pp > 1), LR
-   schedule step, metrics on rank 0, checkpoint every `checkpoint.every` steps.
+6. AdamW step (clipping the global gradient norm; over every pipeline stage when pp > 1) on
+   the parameters, or on float32 master weights (bf16-stored parameters; this rank's shard
+   under ZeRO-1, all-gathered into the parameters after), LR schedule step, metrics on rank 0,
+   checkpoint every `checkpoint.every` steps.
 
 Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
 those are the adapters (saved in PaddleFormers' format; see `flashcp.recipes.adapters`).
@@ -48,17 +52,17 @@ from flashcp.trainer import checkpoint as ckpt
 from flashcp.trainer import rundir, sharded
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics, peak_memory_gib
-from flashcp.trainer.optim import build_optimizer, build_scheduler
-from flashcp.trainer.parallel import all_reduce_values, squared_norm, sync_grads, trainable
+from flashcp.trainer.optim import build_scheduler
+from flashcp.trainer.parallel import all_reduce_values, trainable
 from flashcp.trainer.state import (
     SEP,
     load_model_arrays,
-    load_optimizer_arrays,
     model_arrays,
-    optimizer_arrays,
     rng_state,
     set_rng_state,
 )
+from flashcp.trainer.zero import MasterOptimizer, OptimizerSetup, build_distributed_optimizer
+from flashcp.trainer.zero_state import source_for
 
 GRADS_DIR = "grads"
 SAVE_BARRIER_TIMEOUT = 3600.0
@@ -148,13 +152,18 @@ def default_model_factory(cfg: Config) -> paddle.nn.Layer:
     return model
 
 
-def init_weights(model: paddle.nn.Layer, cfg: Config) -> None:
-    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes)."""
+def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) -> Any:
+    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes).
+
+    `model` is the whole model or one pipeline stage: a stage reads only its own tensors.
+    `on_tensor` and the returned `LoadReport` (None without init_from): see
+    `flashcp.models.hf_weights.load_hf_checkpoint`.
+    """
     if cfg.checkpoint.init_from is None:
-        return
+        return None
     from flashcp.models.hf_weights import load_hf_checkpoint
 
-    load_hf_checkpoint(model, cfg.checkpoint.init_from)
+    return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
 
 
 def build_recipe(ctx: RecipeContext) -> Recipe:
@@ -206,7 +215,6 @@ class Trainer:
         self.pp_rank, self.pp_size = int(groups.pp.rank), int(groups.pp.nranks)
         self.is_stage_writer = self.cp_rank == 0 and self.dp_rank == 0
         """This rank writes its pipeline stage's checkpoint part and gradient dumps."""
-        self.reduce_groups = [groups.cp, groups.dp]
         self.step_groups = [groups.cp, groups.dp, groups.pp]
         """Step statistics (loss, flags, recipe sums) are summed over these."""
         self.output_dir = Path(cfg.run.output_dir)
@@ -238,9 +246,24 @@ class Trainer:
         self.params = trainable(self.model)
         self.shared = self._shared_names()
         self.scheduler = build_scheduler(cfg.train)
-        self.optimizer = build_optimizer(
-            self.model, cfg.train, self.scheduler, clip=self._pipeline_clip()
+        self.optimizer = build_distributed_optimizer(
+            OptimizerSetup(
+                model=self.model,
+                params=self.params,
+                train=cfg.train,
+                scheduler=self.scheduler,
+                groups=groups,
+                shard=cfg.parallel.shard_optimizer,
+                bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
+                global_names=self.global_names,
+                shared=self.shared,
+            )
         )
+        """This rank's optimizer (`flashcp.trainer.zero`): Paddle's AdamW on the parameters,
+        or on float32 master weights (bf16 storage), sharded under parallel.shard_optimizer."""
+        self.sharded_state = isinstance(self.optimizer, MasterOptimizer)
+        """Optimizer state is saved as per-rank shards (`flashcp.trainer.zero_state`)."""
+        self._init_masters()
         if self.pp_size > 1:
             self.executor: Any = PipelineExecutor(
                 self.model,  # type: ignore[arg-type]
@@ -275,6 +298,22 @@ class Trainer:
             self.cfg.parallel.pp_layers,
         )
 
+    def _init_masters(self) -> None:
+        """With `checkpoint.init_from` and parameters stored in bfloat16/float16, the float32
+        master weights this rank holds start from the checkpoint's own values (its slices
+        only, `flashcp.models.hf_weights.read_hf_float32`), not from the rounded parameters.
+        (A resumed run then overwrites them with the checkpoint's masters.)"""
+        opt = self.optimizer
+        path = self.cfg.checkpoint.init_from
+        if path is None or not isinstance(opt, MasterOptimizer) or opt.low_precision is None:
+            return
+        if self.lora is not None:
+            return  # the trained parameters are the adapters, which the checkpoint lacks
+        from flashcp.models.hf_weights import read_hf_float32
+
+        values, _ = read_hf_float32(self.model, path, opt.master_slices())
+        opt.set_masters(values)
+
     def _shared_names(self) -> set[str]:
         """Trainable parameters this stage holds but another stage counts (the last stage's
         copy of a tied embedding): left out of the global gradient norm."""
@@ -282,25 +321,6 @@ class Trainer:
         if tied is None or getattr(self.model, "is_first", True):
             return set()
         return {n for n, p in self.params if p is tied}
-
-    def _pipeline_clip(self) -> Any:
-        """Whole-model gradient clipping for pp > 1 (None: Paddle's own clip, pp = 1)."""
-        if self.pp_size == 1 or self.cfg.train.grad_clip <= 0:
-            return None
-        from flashcp.trainer.clip import PipelineGlobalNormClip
-
-        return PipelineGlobalNormClip(
-            self.cfg.train.grad_clip,
-            global_names=self.global_names,
-            names=self.params,
-            group=self.groups.pp,
-            skip=sorted(self.shared),
-        )
-
-    def _grad_norm(self) -> float:
-        """The global gradient norm (after the cp/dp sums), over every pipeline stage."""
-        own = [p for n, p in self.params if n not in self.shared]
-        return math.sqrt(float(all_reduce_values([squared_norm(own)], [self.groups.pp])[0]))
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -357,7 +377,7 @@ class Trainer:
         if self.pp_size > 1 or self.lora is not None:
             names = {n for n, _ in self.model.named_parameters()}
             optimizer = {k: v for k, v in optimizer.items() if k.split(SEP)[0] in names}
-        load_optimizer_arrays(self.optimizer, self.model, optimizer)
+        self.optimizer.load_state(source_for(optimizer, loaded.optimizer_shards))
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -366,7 +386,12 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "data": self.data.state_dict(),
             "rng": rng_state(),
-            "parallel": {"dp": self.dp_size, "pp": self.pp_size, "cp": self.cp_size},
+            "parallel": {
+                "dp": self.dp_size,
+                "pp": self.pp_size,
+                "cp": self.cp_size,
+                "shard_optimizer": self.cfg.parallel.shard_optimizer,
+            },
             "train_steps": self.cfg.train.steps,
         }
 
@@ -374,9 +399,10 @@ class Trainer:
         """Write a checkpoint of the current step (rank 0 returns its path); every rank waits.
 
         One writer (rank 0) for a whole model; with pipeline stages or LoRA adapters each
-        stage's writer adds its part (`flashcp.trainer.sharded`).
+        stage's writer adds its part, and float32 master weights (sharded or not) are written
+        as one optimizer shard per rank that owns one (`flashcp.trainer.sharded`).
         """
-        if self.pp_size > 1 or self.lora is not None:
+        if self.pp_size > 1 or self.lora is not None or self.sharded_state:
             return self._save_parts()
         path = None
         if self.is_main:
@@ -384,7 +410,7 @@ class Trainer:
                 self.ckpt_root,
                 self.step,
                 model=model_arrays(self.model),
-                optimizer=optimizer_arrays(self.optimizer, self.model),
+                optimizer=self.optimizer.state_arrays(),
                 state=self._state(),
                 keep_last=self.cfg.checkpoint.keep_last,
             )
@@ -395,6 +421,10 @@ class Trainer:
         world = self.groups.world
         adapters = self.lora is not None
         model_files, optimizer_files = sharded.part_names(self.pp_size, adapters=adapters)
+        shard_files: list[list[str]] = []
+        if self.sharded_state:
+            optimizer_files = []
+            shard_files = sharded.shard_names(self.pp_size, self.optimizer.shards)
         if self.is_main:
             sharded.begin(self.ckpt_root, self.step, adapters=adapters)
         state = self._state() if self.is_main else {}
@@ -402,9 +432,10 @@ class Trainer:
         tmp = sharded.tmp_dir(self.ckpt_root, self.step)
         if self.is_stage_writer:
             self._write_model_part(tmp, model_files[self.pp_rank])
-            sharded.write_part(
-                tmp / optimizer_files[self.pp_rank], optimizer_arrays(self.optimizer, self.model)
-            )
+        if self.sharded_state:
+            self._write_optimizer_shard(tmp, shard_files[self.pp_rank])
+        elif self.is_stage_writer:
+            sharded.write_part(tmp / optimizer_files[self.pp_rank], self.optimizer.state_arrays())
         barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
         path = None
         if self.is_main:
@@ -415,11 +446,21 @@ class Trainer:
                 state=state,
                 model_files=model_files,
                 optimizer_files=optimizer_files,
+                optimizer_shards=shard_files,
                 extra_files=[f"{sharded.ADAPTER_DIR}/{name}" for name in extra],
                 keep_last=self.cfg.checkpoint.keep_last,
             )
         barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
         return path
+
+    def _write_optimizer_shard(self, directory: Path, names: list[str]) -> None:
+        """This rank's optimizer shard, if it owns one (unsharded masters: the stage writer)."""
+        optimizer = self.optimizer
+        assert isinstance(optimizer, MasterOptimizer)
+        if optimizer.shards == 1 and not self.is_stage_writer:
+            return
+        arrays = optimizer.state_arrays()
+        sharded.write_part(directory / names[arrays.index], arrays.tensors(), arrays.metadata())
 
     def _write_model_part(self, directory: Path, name: str) -> None:
         if self.lora is not None:
@@ -474,8 +515,7 @@ class Trainer:
         plan = self.recipe.plan(self.data.next_step())
         self.recipe.prepare(plan, self.executor, self.model)
         loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
-        params = [p for _, p in self.params]
-        grads_finite = math.isfinite(squared_norm(params))
+        grads_finite = math.isfinite(self.optimizer.local_squares())
         world = int(self.groups.world.nranks)
         stats = self.recipe.step_stats()
         flags = np.zeros(1 + 2 * world + len(stats))
@@ -495,9 +535,8 @@ class Trainer:
             skipped = True
             grad_norm = float("nan")
         else:
-            bucket = int(self.cfg.parallel.grad_bucket_mb * 2**20)
-            sync_grads(params, self.reduce_groups, bucket_bytes=bucket)
-            grad_norm = self._grad_norm()
+            self.optimizer.reduce_grads()
+            grad_norm = self.optimizer.grad_norm()
             if self.cfg.debug.dump_grads and self.is_stage_writer:
                 self._dump_grads(step)
             self.optimizer.step()
@@ -539,7 +578,7 @@ class Trainer:
 
         out = self.output_dir / GRADS_DIR
         out.mkdir(parents=True, exist_ok=True)
-        arrays = {n: p.grad.numpy() for n, p in self.params if p.grad is not None}
+        arrays = self.optimizer.full_grads()
         suffix = f".stage{self.pp_rank}" if self.pp_size > 1 else ""
         save_file(arrays, str(out / f"step_{step}{suffix}.safetensors"))
 
@@ -563,6 +602,7 @@ class Trainer:
             f"{stage}) | seq_len {self.data.seq_len} × micro-batch {c.data.micro_batch_size} × "
             f"accum {c.train.grad_accum} | {self.device} {self.dtype} | "
             f"{self.data.describe()}"
+            + (f" | {self.optimizer.describe()}" if self.sharded_state else "")
         )
 
     def fit(self) -> TrainResult:

@@ -20,6 +20,7 @@ import numpy as np
 import paddle
 
 from flashcp.distributed import all_reduce_tensor
+from flashcp.trainer.zero_layout import group_buckets
 
 BUCKET_BYTES = 64 * 2**20
 """Default gradient bucket size (bytes) for the all-reduce."""
@@ -36,16 +37,8 @@ def _numel(p: paddle.Tensor) -> int:
 
 def buckets(params: Sequence[paddle.Tensor], bucket_bytes: int) -> list[list[paddle.Tensor]]:
     """Consecutive parameters grouped so each group's gradients fit `bucket_bytes` (float32)."""
-    out: list[list[paddle.Tensor]] = []
-    size = 0
-    for p in params:
-        nbytes = 4 * _numel(p)
-        if not out or (size + nbytes > bucket_bytes and out[-1]):
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += nbytes
-    return out
+    groups = group_buckets([4 * _numel(p) for p in params], bucket_bytes)
+    return [[params[i] for i in group] for group in groups]
 
 
 def squared_norm(params: Sequence[paddle.Tensor]) -> float:

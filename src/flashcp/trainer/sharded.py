@@ -9,7 +9,10 @@ checksummed, pruned). The manifest's `layout` lists the model and optimizer part
 into any pipeline layout (each stage keeps the names it holds).
 
 Part names: `model-0000s-of-0000n.safetensors` / `optimizer-0000s-of-0000n.safetensors`
-(s = stage + 1); with LoRA the model parts are the adapters in PaddleFormers' own format,
+(s = stage + 1). Float32 master weights (bf16 storage or `parallel.shard_optimizer`) are saved
+as optimizer shards instead, `optimizer-0000s-of-0000n.shard-0000i-of-0000N.safetensors` (i =
+shard index + 1; one per rank when sharded, with its segment map: `flashcp.trainer.zero_state`).
+With LoRA the model parts are the adapters in PaddleFormers' own format,
 `adapters/peft_model-0000s-of-0000n.safetensors` plus its index and configs, so a checkpoint's
 `adapters/` directory loads with `flashcp.recipes.lora.load_adapters`.
 
@@ -53,6 +56,19 @@ def part_names(num_parts: int, *, adapters: bool) -> tuple[list[str], list[str]]
     return [name(model_prefix, s) for s in range(n)], [name("optimizer", s) for s in range(n)]
 
 
+def shard_names(num_stages: int, shards: int) -> list[list[str]]:
+    """Optimizer shard files (`flashcp.trainer.zero_state`), per stage, one per shard index:
+    `optimizer-0000s-of-0000n.shard-0000i-of-0000N.safetensors`."""
+    return [
+        [
+            f"optimizer-{s + 1:05d}-of-{num_stages:05d}.shard-{i + 1:05d}-of-{shards:05d}"
+            ".safetensors"
+            for i in range(shards)
+        ]
+        for s in range(num_stages)
+    ]
+
+
 def tmp_dir(root: str | Path, step: int) -> Path:
     """Where checkpoint `step`'s parts are written before the commit."""
     return Path(root) / f"step_{step}.tmp"
@@ -67,10 +83,13 @@ def begin(root: str | Path, step: int, *, adapters: bool = False) -> Path:
     return tmp
 
 
-def write_part(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """One writer: a safetensors part, fsynced."""
+def write_part(
+    path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> None:
+    """One writer: a safetensors part (with extra string `metadata`), fsynced."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(_contiguous(arrays), str(path), metadata={"format": str(FORMAT_VERSION)})
+    meta = {"format": str(FORMAT_VERSION), **(metadata or {})}
+    save_file(_contiguous(arrays), str(path), metadata=meta)
     _fsync_file(path)
 
 
@@ -82,19 +101,26 @@ def commit(
     model_files: Sequence[str],
     optimizer_files: Sequence[str],
     extra_files: Sequence[str] = (),
+    optimizer_shards: Sequence[Sequence[str]] = (),
     keep_last: int | None = None,
 ) -> Path:
-    """Rank 0, after every part is written: state + manifest, then the atomic rename."""
+    """Rank 0, after every part is written: state + manifest, then the atomic rename.
+
+    `optimizer_shards`: per stage, the ZeRO-1 optimizer shard files (`shard_names`), listed in
+    the manifest's layout so `load_checkpoint` hands them to the optimizer."""
+    shard_files = [name for stage in optimizer_shards for name in stage]
     root = Path(root)
     tmp = tmp_dir(root, step)
     faults.on_checkpoint_write(step, tmp)  # parts written, manifest not yet: a torn write
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1, sort_keys=True))
     _fsync_file(tmp / STATE_FILE)
     files = {}
-    for name in [*model_files, *optimizer_files, *extra_files, STATE_FILE]:
+    for name in [*model_files, *optimizer_files, *shard_files, *extra_files, STATE_FILE]:
         f = tmp / name
         if not f.is_file():
             raise FileNotFoundError(f"checkpoint part {f} was not written")
         files[name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
-    layout = {"model": list(model_files), "optimizer": list(optimizer_files)}
+    layout: dict[str, Any] = {"model": list(model_files), "optimizer": list(optimizer_files)}
+    if shard_files:
+        layout["optimizer_shards"] = [list(stage) for stage in optimizer_shards]
     return publish(root, tmp, step, files, keep_last=keep_last, extra={"layout": layout})

@@ -12,11 +12,14 @@ from seed 0 and:
 
 Checks: every stage parameter's gradient is BITWISE equal to the reference gradient of the
 same name (the PP = 1 one without CP; the CP-only one with CP, i.e. before any cp reduction),
-and the micro-batch losses and step loss are bitwise equal; with CP the gradients summed over
-the cp group and the loss summed over cp match the PP = 1, CP = 1 reference within `TOL_CP`
-(CP changes the summation order inside attention and across the sequence). A tied
-embedding/head matrix is compared within `TOL_TIED`: one process adds its embedding and head
-gradients per micro-batch, the pipeline adds the two stages' totals once. Results go to
+and the micro-batch losses and step loss are bitwise equal (same operations, same order:
+bitwise by construction); with CP the gradients summed over the cp group and the loss summed
+over cp match the PP = 1, CP = 1 reference within the float32 rule of `tests/numerics.py`
+(CP changes the summation order inside attention and across the sequence; gradients
+norm-wise, n = the step's target tokens). A tied embedding/head matrix is compared under the
+same rule: one process adds its embedding and head gradients per micro-batch, the pipeline
+adds the two stages' totals once. Negative control (with CP): the same CP-only step with
+labels shifted after sharding must miss the allowance by a wide margin. Results go to
 `<out>/rank<r>.json`; any mismatch raises.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +36,12 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from flashcp import masks
-from flashcp.cp import make_assignment
-from flashcp.cp.layout import shard_assigned
-from flashcp.distributed import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
+
+from flashcp import masks  # noqa: E402
+from flashcp.cp import make_assignment  # noqa: E402
+from flashcp.cp.layout import shard_assigned  # noqa: E402
+from flashcp.distributed import (  # noqa: E402
     ParallelDims,
     all_reduce_tensor,
     build_groups,
@@ -44,19 +50,20 @@ from flashcp.distributed import (
     reset_comm_stats,
     shutdown,
 )
-from flashcp.models import AttentionContext, build_model, preset
-from flashcp.parallel import (
+from flashcp.models import AttentionContext, build_model, preset  # noqa: E402
+from flashcp.parallel import (  # noqa: E402
     MicroBatch,
     PipelineStage,
     count_targets,
     sum_cross_entropy,
     train_step_1f1b,
 )
+from numerics import FACTOR, compare, labels_shifted_after_sharding  # noqa: E402
 
 B, S, VOCAB = 2, 32, 260
 MODE = "dualchunk_allgather"
-TOL_CP = 1e-6
-TOL_TIED = 1e-6
+WRONG_MARGIN = 10.0
+"""The negative control must miss the allowance by at least this factor."""
 
 
 @dataclass
@@ -117,8 +124,11 @@ def make_micro_batches(num_micro: int) -> list[dict]:
     return out
 
 
-def local_micro_batches(global_mbs: list[dict], group) -> list[MicroBatch]:
-    """This rank's shards (all of it when `group` is None or has one rank)."""
+def local_micro_batches(
+    global_mbs: list[dict], group, *, shift_bug: bool = False
+) -> list[MicroBatch]:
+    """This rank's shards (all of it when `group` is None or has one rank); `shift_bug`: with
+    labels shifted after sharding (the negative control)."""
     out = []
     for g in global_mbs:
         if group is None or group.nranks == 1:
@@ -131,6 +141,8 @@ def local_micro_batches(global_mbs: list[dict], group) -> list[MicroBatch]:
             )
             ids = shard_assigned(g["ids"], group.rank, asg)
             labels = shard_assigned(g["labels"], group.rank, asg)
+            if shift_bug:
+                labels = labels_shifted_after_sharding(ids, labels)
             pos = np.ascontiguousarray(g["positions"][:, asg.positions(S, group.rank)])
         out.append(
             MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), paddle.to_tensor(labels), ctx)
@@ -157,8 +169,14 @@ def sequential(case: Case, mbs: list[MicroBatch], count: int):
     return grads_of(model), losses, total
 
 
-def max_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+def grad_units(
+    got: dict[str, np.ndarray], want: dict[str, np.ndarray], count: int, label: str = "grad"
+) -> float:
+    """The largest per-parameter gradient error in units of the rule (ok when <= FACTOR)."""
+    return max(
+        (compare(got[n], want[n], n=count, norm="l2", what=f"{label} {n}").units for n in got),
+        default=0.0,
+    )
 
 
 def run_case(case: Case, groups, pp: int, cp: int) -> dict:
@@ -187,30 +205,38 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
     tied_names = {n for n, p in stage.named_parameters() if tied is not None and p is tied}
 
     bitwise = {n: bool(np.array_equal(g, same_grads[n])) for n, g in got.items() if n in same_grads}
-    tied_err = {n: max_err(got[n], same_grads[n]) for n in tied_names}
+    tied_err = {n: grad_units({n: got[n]}, same_grads, count, "tied grad") for n in tied_names}
     # The loss is broadcast from the last stage: every stage must see the same value.
     loss_bitwise = float(result.loss) == float(same_total)
     micro_bitwise = (not stage.is_last) or result.micro_losses == same_losses
 
     reduced_err = None
     loss_err = None
+    shift_units = None
     if cp > 1:
         reduced = {
             n: all_reduce_tensor(paddle.to_tensor(g), groups.cp).numpy() for n, g in got.items()
         }
-        reduced_err = max(max_err(reduced[n], ref_grads[n]) for n in reduced)
+        reduced_err = grad_units(reduced, ref_grads, count, "cp-reduced grad")
         loss_sum = float(all_reduce_tensor(result.loss, groups.cp))
-        loss_err = abs(loss_sum - float(ref_total))
+        loss_err = compare(loss_sum, float(ref_total), n=count, what="cp loss").units
+        # negative control: the CP-only step with labels shifted after sharding
+        bad, _, _ = sequential(
+            case, local_micro_batches(global_mbs, groups.cp, shift_bug=True), count
+        )
+        bad = {n: all_reduce_tensor(paddle.to_tensor(g), groups.cp).numpy() for n, g in bad.items()}
+        shift_units = grad_units(bad, ref_grads, count, "label-shift grad")
 
     non_tied_ok = all(v for n, v in bitwise.items() if n not in tied_names)
     ok = (
         set(got) <= set(ref_grads)
         and non_tied_ok
-        and all(e <= TOL_TIED for e in tied_err.values())
+        and all(e <= FACTOR for e in tied_err.values())
         and loss_bitwise
         and micro_bitwise
-        and (reduced_err is None or reduced_err <= TOL_CP)
-        and (loss_err is None or loss_err <= TOL_CP)
+        and (reduced_err is None or reduced_err <= FACTOR)
+        and (loss_err is None or loss_err <= FACTOR)
+        and (shift_units is None or shift_units > WRONG_MARGIN * FACTOR)
     )
     return {
         "case": case.name,
@@ -231,6 +257,7 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
         "micro_bitwise": micro_bitwise,
         "cp_reduced_grad_err": reduced_err,
         "cp_loss_err": loss_err,
+        "label_shift_units": shift_units,
         "ok": bool(ok),
     }
 

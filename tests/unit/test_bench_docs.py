@@ -1,0 +1,76 @@
+"""Every benchmark page and the README's "Measured here" table are generated from the committed
+JSON: regenerating them from docs/*.json must reproduce the committed text exactly, so no figure
+in prose or tables can drift from its data. Negative control: changing one number in the data
+changes the page."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def _script(name: str) -> ModuleType:
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _json(name: str) -> dict:
+    return json.loads((DOCS / name).read_text())
+
+
+def test_cp_pages_match_their_json() -> None:
+    docs = _script("cp_docs")
+    comm, scaling = _json("cp_comm.json"), _json("cp_scaling.json")
+    assert (DOCS / "cp_bench.md").read_text() == docs.render_cp_bench(comm, scaling)
+    model, timed = _json("cp_balance.json"), _json("cp_balance_time.json")
+    assert (DOCS / "cp_balance.md").read_text() == docs.render_cp_balance(model, timed)
+    changed = copy.deepcopy(scaling)
+    changed["speedup"]["total"] += 0.5
+    assert docs.render_cp_bench(comm, changed) != docs.render_cp_bench(comm, scaling)
+
+
+def test_kernel_page_matches_its_json() -> None:
+    bench = _script("bench_kernel")
+    report = _json("bench_kernel.json")
+    assert (DOCS / "bench_kernel.md").read_text() == bench.markdown(report)
+
+
+def test_dpo_page_matches_its_json() -> None:
+    bench = _script("bench_dpo")
+    rec = _json("bench_dpo.json")
+    assert (DOCS / "bench_dpo.md").read_text() == bench.markdown(rec)
+    changed = copy.deepcopy(rec)
+    changed["speedup"]["median"] *= 2
+    assert bench.markdown(changed) != bench.markdown(rec)
+
+
+def test_readme_table_matches_the_json(tmp_path: Path) -> None:
+    tables = _script("readme_table")
+    text = (ROOT / "README.md").read_text()
+    assert tables.readme_with_table(text) == text, "run python scripts/readme_table.py --write"
+    assert tables.main(["--check"]) == 0
+    # negative control: one changed figure in the data makes the README stale
+    for name in ("cp_scaling.json", "bench_kernel.json", "cp_comm.json", "bench_dpo.json"):
+        (tmp_path / name).write_text((DOCS / name).read_text())
+    scaling = json.loads((tmp_path / "cp_scaling.json").read_text())
+    scaling["speedup"]["total"] += 0.5
+    (tmp_path / "cp_scaling.json").write_text(json.dumps(scaling))
+    assert tables.main(["--check", "--docs", str(tmp_path)]) == 1
+    with pytest.raises(ValueError, match="lacks the markers"):
+        tables.readme_with_table("# no table here\n")
