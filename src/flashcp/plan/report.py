@@ -50,6 +50,11 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _size(n: float) -> str:
+    """GiB from 1 GiB up, MiB below (tiny CPU configs)."""
+    return f"{n / GIB:8.3f} GiB" if n >= GIB else f"{n / 2**20:8.3f} MiB"
+
+
 def variant(cfg: Config, overrides: Sequence[str]) -> Config | None:
     """`cfg` with `overrides` applied, or None when that config is invalid."""
     raw = to_dict(cfg)
@@ -191,21 +196,23 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
     for r in p.stages():
         ranks = [x.rank for x in p.ranks if x.stage == r.stage]
         span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
+        first, last = r.layers.start, r.layers.stop - 1
+        layers = f"layers {first}-{last}" if last > first else f"layer {first}"
         verdict = ""
         if p.budget_bytes is not None:
             verdict = "  fits" if r.total_bytes <= p.budget_bytes else "  DOES NOT FIT"
         lines += [
             "",
-            f"stage {r.stage} (rank{'s' if len(ranks) > 1 else ''} {span}), layers "
-            f"{r.layers.start}-{r.layers.stop - 1}: peak {_gib(r.total_bytes)} at "
+            f"stage {r.stage} (rank{'s' if len(ranks) > 1 else ''} {span}), {layers}: peak "
+            f"{_size(r.total_bytes).strip()} at "
             f"'{r.moment}'{verdict}",
         ]
         for name, size in sorted(r.items.items(), key=lambda kv: -kv[1]):
             if size:
-                lines.append(f"  {name:<26} {size / GIB:>10.3f} GiB  {ITEM_DOCS[name]}")
-        others = ", ".join(f"{m} {t / GIB:.2f}" for m, t in r.totals.items() if m != r.moment)
+                lines.append(f"  {name:<26} {_size(size)}  {ITEM_DOCS[name]}")
+        others = ", ".join(f"{m} {_size(t).strip()}" for m, t in r.totals.items() if m != r.moment)
         if others:
-            lines.append(f"  (other moments, GiB: {others})")
+            lines.append(f"  (other moments: {others})")
     for note in p.notes:
         lines.append(f"note: {note}")
     if p.budget_bytes is not None:
