@@ -20,7 +20,8 @@ Writes `--json` (default docs/memory.json) and `--markdown` (default docs/memory
 Usage:
     python scripts/memory_check.py                       # every case, then the report
     python scripts/memory_check.py --only gpt_tiny glm_tiny_cp2
-    python scripts/memory_check.py --report-only         # rewrite docs/memory.md from the JSON
+    python scripts/memory_check.py --report-only         # re-plan the measured cases, rewrite
+    python scripts/memory_check.py --update --only NAME  # run NAME, keep the other records
     python scripts/memory_check.py --cases my_cases.yaml --json /tmp/m.json --markdown /tmp/m.md
 """
 
@@ -157,6 +158,17 @@ def resolve(case: dict[str, Any], out_dir: Path, steps: int) -> Any:
     return build_config(raw, source=case["config"], overrides=overrides)
 
 
+def _commit() -> str:
+    """The checked-out commit (the code that was measured), or '' outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip()
+
+
 def _available_gib() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -186,6 +198,7 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
             "note": case.get("note", ""),
             "world": world,
             "steps": steps,
+            "commit": _commit(),
             "plan": p.to_json(),
             "moments": {str(r.stage): r.moment for r in p.stages()},
         }
@@ -236,6 +249,22 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
         record["ranks"] = ranks
         record["within"] = all(abs(m["ratio"] - 1) <= TOLERANCE for m in ranks)
         return record
+
+
+def replan(case: dict[str, Any]) -> None:
+    """Refresh a measured case's prediction with the current planner (measurements stay)."""
+    from flashcp.plan import plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = resolve(case, Path(tmp), int(case.get("steps", 3)))
+    p = plan(cfg, device="cpu")
+    case["plan"] = p.to_json()
+    case["moments"] = {str(r.stage): r.moment for r in p.stages()}
+    for m in case.get("ranks", []):
+        m["predicted_bytes"] = p.ranks[m["rank"]].total_bytes
+        m["ratio"] = m["peak_bytes"] / m["predicted_bytes"]
+    if "ranks" in case:
+        case["within"] = all(abs(m["ratio"] - 1) <= TOLERANCE for m in case["ranks"])
 
 
 def gpu_plans() -> list[dict[str, Any]]:
@@ -401,7 +430,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=ROOT / "docs" / "memory.json")
     parser.add_argument("--markdown", type=Path, default=ROOT / "docs" / "memory.md")
-    parser.add_argument("--report-only", action="store_true", help="rewrite the markdown")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="no runs: re-plan the measured cases with the current planner, rewrite the report",
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the other cases of --json, replacing those run now (same name)",
+    )
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -409,7 +447,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker(args.worker, args.worker_out)
     if args.report_only:
         data = json.loads(args.json.read_text())
-        data["gpu_plans"] = gpu_plans()
     else:
         import paddle
 
@@ -436,6 +473,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if key in result:
                     print(f"   {key}: {result[key]}", flush=True)
             results.append(result)
+        if args.update and args.json.is_file():
+            # keep the other cases' measurements; new results replace same-named ones
+            old = json.loads(args.json.read_text())["cases"]
+            fresh = {r["name"]: r for r in results}
+            names = [c["name"] for c in load_cases(args.cases)]
+            merged = {c["name"]: c for c in old}
+            merged.update(fresh)
+            results = sorted(
+                merged.values(),
+                key=lambda c: names.index(c["name"]) if c["name"] in names else len(names),
+            )
         data = {
             "date": datetime.date.today().isoformat(),
             "steps": args.steps,
@@ -446,8 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "cpus": os.cpu_count(),
             },
             "cases": results,
-            "gpu_plans": gpu_plans(),
         }
+    for case in data["cases"]:
+        replan(case)
+    data["gpu_plans"] = gpu_plans()
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     args.markdown.write_text(markdown(data))
     print(f"wrote {args.json} and {args.markdown}")

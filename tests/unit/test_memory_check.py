@@ -52,3 +52,7 @@ def test_memory_check_smoke(tmp_path: Path) -> None:
     md.unlink()
     assert check.main(["--json", str(out), "--markdown", str(md), "--report-only"]) == 0
     assert md.is_file()
+    # --update runs one case again and keeps the other's record
+    assert check.main([*args, "--max-gib", "4", "--update", "--only", "tiny"]) == 0
+    again = json.loads(out.read_text())["cases"]
+    assert [c["name"] for c in again] == ["tiny", "huge"] and "skipped" in again[1]
