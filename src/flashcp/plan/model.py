@@ -320,8 +320,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     # -- activations of one micro-batch on this stage ------------------------------------
     mode = args.recompute
     lora = s.lora_targets
-    fixed = act.stage_extras(args)
-    fixed.add("stage input (embedding output / received activation)", "res", H)
+    extras = act.stage_extras(args)
+    extras.add("stage input (embedding output / received activation)", "res", H)
     kv = args.num_kv_heads * args.head_size
     kv_gather = 0
     if s.cp > 1:
@@ -357,7 +357,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         else:
             work.append((rerun + attn_t, float(kv_gather)))
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
-    fixed_bytes = fixed.bytes(dt) * T
+    fixed_bytes = extras.bytes(dt) * T
     micro_acts = int(fixed_bytes + sum(kept)) + norm_bytes
     # The worst moment of a micro-batch's layer backward: layers above i are freed already.
     best = (0.0, 0.0, 0.0)  # (activations, working set, K/V gather)
@@ -384,7 +384,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
     )
     emb_trained = first and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
-    head_grad = H * V * P if head_trained else 0
+    # A weight gradient being formed: in its storage dtype, plus (bf16 storage) the float32
+    # cast the main_grad hook adds into main_grad.
+    grad_bytes = P + (4 if P != 4 else 0)
+    head_grad = H * V * grad_bytes if head_trained else 0
     # The head matmul's compute-dtype copy of its weight: kept per in-flight micro-batch when
     # unchunked (saved for backward), transient per chunk when chunked.
     head_copy = H * V * dt.c if (last and dt.autocast and dt.c < P) else 0
@@ -395,11 +398,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs.
     head_upcast = H * V * 4 if (last and dt.upcast) else 0
     loss_peak += head_upcast
-    emb_grad = V * H * P if emb_trained else 0
+    emb_grad = V * H * grad_bytes if emb_trained else 0
     p2p = T * H * dt.res if s.pp > 1 and not last else 0
 
-    fixed = GPU_FIXED_BYTES if s.device == "gpu" else 0
-    base = {**persistent, "inputs": inputs, "fixed_overhead": fixed}
+    overhead = GPU_FIXED_BYTES if s.device == "gpu" else 0
+    base = {**persistent, "inputs": inputs, "fixed_overhead": overhead}
     moments: dict[str, dict[str, int]] = {}
 
     def moment(name: str, **extra: int) -> None:
