@@ -381,8 +381,10 @@ def test_to_yaml_round_trip_and_hash() -> None:
     again = build_config(yaml.safe_load(to_yaml(cfg)))
     assert to_dict(again) == to_dict(cfg)
     assert config_hash(again) == config_hash(cfg)
-    longer = build_config(_raw(), overrides=["train.steps=50", "run.output_dir=elsewhere"])
-    assert config_hash(longer) == config_hash(cfg)  # steps / run keys do not bind checkpoints
+    longer = build_config(
+        _raw(), overrides=["train.steps=50", "run.output_dir=elsewhere", "hardware.memory_gib=80"]
+    )
+    assert config_hash(longer) == config_hash(cfg)  # steps / run / budget do not bind checkpoints
     other = build_config(_raw(), overrides=["train.lr=0.5"])
     assert config_hash(other) != config_hash(cfg)
 

@@ -350,6 +350,7 @@ def to_yaml(cfg: Config) -> str:
 HASH_EXCLUDE: tuple[str, ...] = (
     "run",
     "checkpoint",
+    "hardware",
     "debug",
     "train.steps",
     "train.log_every",

@@ -329,13 +329,16 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         # for the reduce-scatter, and the per-rank chunk copies of them.
         kv_gather = s.batch * s.seq * kv * (2 * dt.c + 2 * 4 + 2 * 4)
     cp_mask = s.batch * s.seq * CP_MASK_COLUMNS * 4 if s.cp > 1 else 0
+    # GPU FlashAttention backward: a float32 dQ accumulator and the softmax row sums (D).
+    q = args.num_heads * args.head_size
+    fa_workspace = T * (q + args.num_heads) * 4 if s.device == "gpu" else 0
     kept: list[float] = []  # bytes each layer keeps per micro-batch
     work: list[tuple[float, float]] = []  # (working set w/o K/V gather, K/V gather) in backward
     for pos, index in enumerate(layers):
         saved = act.layer_saved(args, index, dt) + act.lora_saved(args, index, lora, s.lora_rank)
         frozen_input = first and pos == 0 and lora is not None and mode == "none"
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
-        attn_t = act.attention_backward_transient(args).bytes(dt) * T
+        attn_t = act.attention_backward_transient(args).bytes(dt) * T + fa_workspace
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
