@@ -19,7 +19,7 @@ from flashcp.models import build_model, preset
 from flashcp.parallel import PipelineStage
 from flashcp.plan import GIB, ITEMS, plan
 from flashcp.plan.params import stage_buffers, stage_parameters
-from flashcp.plan.report import fit_options, format_plan, refusal
+from flashcp.plan.report import fit_options, format_plan, refusal, variant
 from flashcp.recipes.lora import apply_lora
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,3 +272,26 @@ def test_train_preflight_refuses_over_budget(
     assert err.startswith("flashcp: cannot launch: the memory plan exceeds 0.00 GiB")
     assert "hardware.memory_gib=null" in err
     job.check_memory(config, ["hardware.memory_gib=1"])  # fits: no error
+
+
+def test_fit_options_add_devices_when_the_knobs_are_not_enough() -> None:
+    cfg = _cfg(model={"preset": "small_glm", "vocab_size": 32768}, data={"seq_len": 1024})
+    knobs = [
+        "train.loss_chunk_tokens=1024",
+        "model.recompute=full",
+        "train.param_dtype=bfloat16",
+    ]
+    one = variant(cfg, knobs)
+    two = variant(cfg, [*knobs, "parallel.pp=2", "train.grad_accum=2"])
+    assert one is not None and two is not None
+    lo, hi = plan(two).peak.total_bytes, plan(one).peak.total_bytes
+    assert lo < hi
+    budget = (lo + hi) / 2 / GIB
+    options = fit_options(cfg, budget_gib=budget)
+    assert options and all(o.world == 2 for o in options)
+    for o in options:
+        assert {"parallel.pp=2", "parallel.cp=2"} & set(o.overrides)
+        assert o.peak_bytes <= budget * GIB
+        fixed = variant(cfg, list(o.overrides))
+        assert fixed is not None and plan(fixed, budget_gib=budget).fits
+    assert fit_options(cfg, budget_gib=1e-6) == []  # nothing fits a budget this small
