@@ -249,12 +249,31 @@ def mlp_backward_transient(args: ModelArgs, index: int) -> Counts:
     return Counts().add("MLP backward: activation gradients", "c", n)
 
 
-def attention_backward_transient(args: ModelArgs) -> Counts:
-    """Gradient tensors of the attention block's backward: dq, dk, dv and the hidden gradients
-    (``q + kv + 2·H``; under CP the full-sequence K/V terms are counted apart)."""
+def attention_backward_transient(args: ModelArgs, *, cp: bool) -> Counts:
+    """Tensors of the FlashMask backward beyond what the layer keeps, measured on CPU: the
+    output gradient, dq and its accumulation ``5·q`` per token, and without CP ``4·kv`` (dk,
+    dv and their accumulation). Under CP the K/V terms are full-sequence instead (re-gathered
+    K/V, dK/dV partial sums, reduce-scatter chunks: `CP_KV_UNITS` · S · kv, counted apart)."""
     hd = args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    return Counts().add("attention backward: gradients", "c", q + kv + 2 * args.hidden_size)
+    return Counts().add("attention backward", "c", 5 * q + (0 if cp else 4 * kv))
+
+
+CP_KV_UNITS = 6
+"""Full-sequence `[S, kv]` tensors alive in a CP attention backward (measured on CPU, float32:
+the re-gathered K and V, the dK/dV partial sums, their per-rank chunks)."""
+
+
+def attention_part(saved: Counts) -> Counts:
+    """The part of a layer's saved set the attention backward still needs (the input norm, the
+    projections, rotated q/k, the attention output and LSE, LoRA's `x @ A`): everything after
+    the attention output is freed by the time the backward reaches attention."""
+    keep = ("input_layernorm", "q/k/v", "rotated", "attention ", "LoRA", "bf16 copies")
+    out = Counts()
+    for what, cls, n in saved.parts:
+        if what.startswith(keep):
+            out.add(what, cls, n)
+    return out
 
 
 def recompute_replay_extra(args: ModelArgs) -> Counts:

@@ -325,50 +325,54 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     kv = args.num_kv_heads * args.head_size
     kv_gather = 0
     if s.cp > 1:
-        # k_all, v_all gathered (compute dtype), dK/dV full-length partials widened to float32
-        # for the reduce-scatter, and the per-rank chunk copies of them.
-        kv_gather = s.batch * s.seq * kv * (2 * dt.c + 2 * 4 + 2 * 4)
+        # re-gathered K, V (compute dtype), dK/dV partial sums and their chunks (float32)
+        kv_gather = s.batch * s.seq * kv * (2 * dt.c + (act.CP_KV_UNITS - 2) * 4)
     cp_mask = s.batch * s.seq * CP_MASK_COLUMNS * 4 if s.cp > 1 else 0
     # GPU FlashAttention backward: a float32 dQ accumulator and the softmax row sums (D).
     q = args.num_heads * args.head_size
     fa_workspace = T * (q + args.num_heads) * 4 if s.device == "gpu" else 0
     kept: list[float] = []  # bytes each layer keeps per micro-batch
-    work: list[tuple[float, float]] = []  # (working set w/o K/V gather, K/V gather) in backward
+    # per layer, the two moments of its backward: (activations besides the layers below,
+    # working set, K/V gather) while its MLP back-propagates, and while its attention does
+    mlp_moment: list[tuple[float, float, float]] = []
+    attn_moment: list[tuple[float, float, float]] = []
     for pos, index in enumerate(layers):
         saved = act.layer_saved(args, index, dt) + act.lora_saved(args, index, lora, s.lora_rank)
         frozen_input = first and pos == 0 and lora is not None and mode == "none"
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
-        attn_t = act.attention_backward_transient(args).bytes(dt) * T + fa_workspace
+        attn_part = act.attention_part(saved).bytes(dt) * T
+        attn_t = act.attention_backward_transient(args, cp=s.cp > 1).bytes(dt) * T
+        attn_t += fa_workspace
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
-        mlp_t += upcast
-        attn_t += upcast
         if mode == "none":
-            kept.append(saved.bytes(dt) * T - cut * T + cp_mask + copies)
-            rerun = 0.0
+            own = saved.bytes(dt) * T - cut * T + cp_mask + copies
+            kept.append(own)
+            mlp_moment.append((own, mlp_t + upcast, 0.0))
+            attn_moment.append((attn_part - cut * T + cp_mask + copies, attn_t + upcast,
+                                float(kv_gather)))  # fmt: skip
         else:
             keep = act.layer_output(args)
             if mode == "refined":
                 keep = keep + act.refined_extra(args)
-            kept.append(keep.bytes(dt) * T + cp_mask)
-            rerun = (
-                saved.bytes(dt) - keep.bytes(dt) + act.recompute_replay_extra(args).bytes(dt)
-            ) * T + copies
-        if mlp_t >= attn_t + kv_gather:
-            work.append((rerun + mlp_t, 0.0))
-        else:
-            work.append((rerun + attn_t, float(kv_gather)))
+            own = keep.bytes(dt) * T + cp_mask
+            kept.append(own)
+            replay = act.recompute_replay_extra(args).bytes(dt) * T + copies
+            rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
+            mlp_moment.append((own, rerun + mlp_t + upcast, 0.0))
+            attn_moment.append((own, attn_part + replay + attn_t + upcast, float(kv_gather)))
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
     fixed_bytes = extras.bytes(dt) * T
     micro_acts = int(fixed_bytes + sum(kept)) + norm_bytes
-    # The worst moment of a micro-batch's layer backward: layers above i are freed already.
+    # The worst moment of a micro-batch's layer backward (layers above i are freed already).
     best = (0.0, 0.0, 0.0)  # (activations, working set, K/V gather)
     for i in range(len(kept)):
-        acts_i = fixed_bytes + sum(kept[: i + 1])
-        cand = (acts_i, work[i][0], work[i][1])
-        if sum(cand) > sum(best):
-            best = cand
+        below = fixed_bytes + sum(kept[:i])
+        for acts_i, work_i, gather_i in (mlp_moment[i], attn_moment[i]):
+            cand = (below + acts_i, work_i, gather_i)
+            if sum(cand) > sum(best):
+                best = cand
     flight = in_flight(s, stage)
 
     # inputs: all micro-batches of the step are planned at once (ids, positions, labels int64)
