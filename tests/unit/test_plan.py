@@ -295,3 +295,16 @@ def test_fit_options_add_devices_when_the_knobs_are_not_enough() -> None:
         fixed = variant(cfg, list(o.overrides))
         assert fixed is not None and plan(fixed, budget_gib=budget).fits
     assert fit_options(cfg, budget_gib=1e-6) == []  # nothing fits a budget this small
+
+
+def test_logits_held_only_while_the_executor_gets_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashcp.plan import model
+
+    cfg = _cfg()  # pp = 1, unchunked
+    tv = cfg.data.seq_len * cfg.model.vocab_size * 4
+    monkeypatch.setattr(model, "HEAD_INPUT", False)
+    assert plan(cfg).ranks[0].moments["backward: layer"]["logits_loss"] == tv
+    monkeypatch.setattr(model, "HEAD_INPUT", True)  # the loss takes hidden states
+    assert plan(cfg).ranks[0].moments["backward: layer"]["logits_loss"] == 0
+    chunked = plan(_cfg(train={"loss_chunk_tokens": 32})).ranks[0].moments
+    assert chunked["forward: loss"]["logits_loss"] == 32 * cfg.model.vocab_size * 8

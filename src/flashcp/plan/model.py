@@ -28,6 +28,7 @@ sharding and no loss chunking it models exactly what the code before those featu
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,11 @@ ITEM_DOCS: dict[str, str] = {
     "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, NCCL "
     "buffers, allocator slack (GPU); 0 on CPU (the allocator counts tensors only)",
 }
+
+HEAD_INPUT = importlib.util.find_spec("flashcp.models.head") is not None
+"""Whether this flashcp's losses take the final hidden states (`flashcp.models.head`, the
+chunked-loss change): then no executor holds `[T, V]` logits through backward; before it, the
+pp = 1 executor keeps the whole logits alive until the micro-batch's backward ends."""
 
 GPU_FIXED_BYTES = 2 * GIB
 """CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers (not tensors)."""
@@ -384,8 +390,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     bf16_copy = 2 if s.compute == "bfloat16" else 0
     rows = min(s.chunk, T) if s.chunk > 0 else T
     loss_peak = rows * V * (4 + 4 + bf16_copy)  # logits (float32), softmax (+ bf16 matmul out)
-    held_seq = 0 if s.chunk > 0 else T * V * 4  # pp = 1: the executor holds the logits
-    softmax_kept = 0 if s.chunk > 0 else T * V * 4  # pp > 1: the loss keeps its softmax
+    # pp = 1 before the loss took hidden states: the executor holds the logits through backward
+    held_seq = T * V * 4 if (s.chunk == 0 and not HEAD_INPUT) else 0
+    softmax_kept = 0 if s.chunk > 0 else T * V * 4  # the loss keeps its softmax for backward
     head_trained = any(x.trained and x.name in ("lm_head.weight",) for x in specs) or (
         args.tie_embeddings
         and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
@@ -400,6 +407,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     head_copy = H * V * dt.c if (last and dt.autocast and dt.c < P) else 0
     if s.chunk > 0:
         loss_peak += head_copy
+        # each chunk's gathered hidden rows (saved by its recompute) and the [T] log-probs
+        micro_acts += T * (H * dt.res + 2 * 4)
     else:
         micro_acts += head_copy
     # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs.
