@@ -358,7 +358,12 @@ def markdown(data: dict[str, Any]) -> str:
     for case in data["cases"]:
         ov = " ".join(case["overrides"])
         drop = f" (sections dropped: {', '.join(case['drop'])})" if case.get("drop") else ""
-        lines.append(f"* `{case['name']}`: {case['note']} — `{case['config']}` `{ov}`{drop}")
+        steps = f"{case.get('steps', data['steps'])} steps"
+        commit = f", commit {case['commit']}" if case.get("commit") else ""
+        lines.append(
+            f"* `{case['name']}`: {case['note']} — `{case['config']}` `{ov}`{drop} "
+            f"({steps}{commit})"
+        )
     lines += [
         "",
         "## What the plan counts",
@@ -407,8 +412,7 @@ def markdown(data: dict[str, Any]) -> str:
     env = data["environment"]
     lines += [
         f"Environment: paddlepaddle {env['paddle']}, Python {env['python']}, "
-        f"{env['cpus']} CPUs, OMP_NUM_THREADS=1 per rank, {data['steps']} steps per case, "
-        f"{data['date']}.",
+        f"{env['cpus']} CPUs, OMP_NUM_THREADS=1 per rank, {data['date']}.",
         "",
         "Reproduce: `python scripts/memory_check.py` (cases in `scripts/memory_cases.yaml`).",
         "",
