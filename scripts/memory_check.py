@@ -376,7 +376,19 @@ def markdown(data: dict[str, Any]) -> str:
         "|---|---|",
     ]
     lines += [f"| `{k}` | {v} |" for k, v in ITEM_DOCS.items()]
-    lines += ["", "## The shipped GPU configs on H20 (96 GiB per GPU)", ""]
+    lines += [
+        "",
+        "What the CPU comparison does not check: the bf16 sizes (Paddle's O1 autocast copies of "
+        "matmul inputs and float32 weights, bf16 matmul outputs) and the GPU-only terms "
+        "(FlashAttention's backward workspace, `fixed_overhead`: 2 GiB of CUDA context, "
+        "cuBLAS/NCCL buffers plus 5 % allocator slack) follow the code and Paddle's AMP lists "
+        "but were not measured on a GPU; MoE routing makes the router's per-expert bookkeeping "
+        "vary by a few bytes per token; the CPU attention kernel's numpy scratch (bounded by "
+        "heads × 128 × 1024 floats) is outside Paddle's allocator.",
+        "",
+        "## The shipped GPU configs on H20 (96 GiB per GPU)",
+        "",
+    ]
     lines.append(
         "Planned as designed for issue 11 (stage-only build; `train.param_dtype`, "
         "`parallel.shard_optimizer` and `train.loss_chunk_tokens` as each config sets them — "
