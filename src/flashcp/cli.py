@@ -80,10 +80,16 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     p = cfg.parallel
     recipe = cfg.run.recipe + (" + LoRA" if "lora" in cfg.extras else "")
+    memory = ""
+    if cfg.hardware.memory_gib is not None:
+        from flashcp.plan import GIB, plan
+
+        peak = plan(cfg).peak.total_bytes / GIB
+        memory = f", planned peak {peak:.1f} of {cfg.hardware.memory_gib:g} GiB per device"
     return (
         f"{recipe}, {cfg.model.arch} ~{size} params, dp={p.dp} pp={p.pp} cp={p.cp} ({p.cp_mode}, "
         f"world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
-        f"{cfg.run.device}"
+        f"{cfg.run.device}{memory}"
     )
 
 
