@@ -135,7 +135,7 @@ def work_model() -> dict[str, np.ndarray]:
     ids = rng.integers(0, 260, (2, 64))
     pos = np.broadcast_to(np.arange(64), (2, 64)).copy()
     ctx = AttentionContext(mask=masks.causal_document_mask([[20, 44], [64]]).indices, causal=True)
-    logits = model(paddle.to_tensor(ids), paddle.to_tensor(pos), ctx)
+    logits = model.logits(model(paddle.to_tensor(ids), paddle.to_tensor(pos), ctx))
     (logits * logits).mean().backward()
     grads = [p.grad.numpy().ravel() for _, p in model.named_parameters() if p.grad is not None]
     return {"model_logits": logits.numpy(), "model_grads": np.concatenate(grads)}

@@ -251,6 +251,25 @@ def dpo_rows(docs: Path) -> list[Row]:
     ]
 
 
+def loss_memory_rows(docs: Path) -> list[Row]:
+    rep = _load(docs, "loss_memory.json")
+    if rep is None:
+        return []
+    case = max(rep["cases"], key=lambda c: (c["vocab"], c["tokens"]))  # the largest vocabulary
+    u, c = case["unchunked"]["peak_bytes"], case["chunked"]["peak_bytes"]
+    gib = 2**30
+    return [
+        (
+            f"LM head + loss fwd+bwd allocator peak, chunks of {case['chunk']:,} tokens vs the "
+            f"full float32 logits, {case['tokens']:,} tokens, V = {case['vocab']:,}, "
+            f"{rep['repeats']} interleaved passes",
+            f"{case['peak_ratio']:.2f}× ({c / gib:.2f} vs {u / gib:.2f} GiB), loss rel. diff "
+            f"{case['loss_rel_diff']:.0e}",
+            "`docs/loss_memory.md`",
+        )
+    ]
+
+
 SECTIONS: list[Callable[[Path], list[Row]]] = [
     kernel_rows,
     balance_rows,
@@ -258,6 +277,7 @@ SECTIONS: list[Callable[[Path], list[Row]]] = [
     scaling_rows,
     launch_rows,
     dpo_rows,
+    loss_memory_rows,
 ]
 
 

@@ -4,7 +4,9 @@ Paddle 3.3.1 has no bfloat16 matmul on CPU, so the parameters (bfloat16 storage)
 float32 inside `forward`: their gradients come back through the casts in bfloat16, which is
 what the float32 `main_grad` accumulation and master weights of `flashcp.trainer.zero` exist
 for. Position-wise (no attention), so any context-parallel split of a sequence gives the same
-per-token losses; same call signature as flashcp's models (`ids, positions, attention`).
+per-token losses; same call signature and contract as flashcp's models (`ids, positions,
+attention` to the final hidden states; `logits` / `token_logprobs` apply the head, the latter
+over token chunks like `flashcp.models.LMHead`).
 Parameters: a 2-D embedding, hidden matrix and head (weight decay) and a 1-D bias and scale
 (no weight decay).
 """
@@ -40,7 +42,15 @@ class Bf16ToyLM(paddle.nn.Layer):
             setattr(self, name, p)
 
     def forward(self, ids: paddle.Tensor, positions: Any = None, attn: Any = None) -> paddle.Tensor:
-        f32 = {n: p.astype("float32") for n, p in self.named_parameters()}
-        h = F.embedding(ids, f32["embed"])
-        h = paddle.tanh(paddle.matmul(h, f32["w"]) + f32["b"]) * f32["scale"]
-        return paddle.matmul(h, f32["head"])
+        """The final hidden states `[B, L, hidden]` (float32)."""
+        h = F.embedding(ids, self.embed.astype("float32"))
+        w, b = self.w.astype("float32"), self.b.astype("float32")
+        return paddle.tanh(paddle.matmul(h, w) + b) * self.scale.astype("float32")
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(hidden, self.head.astype("float32"))
+
+    def token_logprobs(self, hidden: paddle.Tensor, labels: paddle.Tensor, **kw: Any):  # type: ignore[no-untyped-def]
+        from flashcp.models import chunked_token_logprobs
+
+        return chunked_token_logprobs(self.logits, hidden, labels, **kw)

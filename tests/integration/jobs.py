@@ -266,7 +266,9 @@ def dpo_beta(config: str | Path) -> float | None:
 
 
 def golden_entry(run: JobRun, steps: int = GOLDEN_STEPS) -> dict[str, Any]:
-    """The golden record of a finished job: losses and the rule's basis at the check steps."""
+    """The golden record of a finished job at the check steps: losses and gradient norms, each
+    with the rule's basis. The gradient norm is the stronger check (a label shift moves it by
+    ~10x what it moves the loss, in the rule's units; `tests/unit/test_numerics.py`)."""
     from flashcp.trainer import read_metrics
 
     rows = {int(r["step"]): r for r in read_metrics(run.out_dir)}
@@ -278,6 +280,8 @@ def golden_entry(run: JobRun, steps: int = GOLDEN_STEPS) -> dict[str, Any]:
         "overrides": golden_overrides(steps),
         "losses": {str(s): float(rows[s]["loss"]) for s in checked},
         "basis": {str(s): list(numerics.metric_basis(rows[s], "loss", beta=beta)) for s in checked},
+        "grad_norms": {str(s): float(rows[s]["grad_norm"]) for s in checked},
+        "grad_basis": {str(s): list(numerics.metric_basis(rows[s], "grad_norm")) for s in checked},
     }
 
 
@@ -287,6 +291,15 @@ def compare_loss(entry: Mapping[str, Any], step: str, value: float) -> numerics.
     return numerics.compare(
         value, float(entry["losses"][step]), n=n, scale=scale, steps=int(step),
         what=f"loss step {step}",
+    )  # fmt: skip
+
+
+def compare_grad_norm(entry: Mapping[str, Any], step: str, value: float) -> numerics.Comparison:
+    """`value` against the golden gradient norm of `step` under the rule."""
+    n, scale = entry["grad_basis"][step]
+    return numerics.compare(
+        value, float(entry["grad_norms"][step]), n=n, scale=scale, steps=int(step),
+        what=f"grad_norm step {step}",
     )  # fmt: skip
 
 
@@ -335,4 +348,16 @@ def compare_losses(
                 f"{config}: step {step} loss {a!r} != golden {b!r} "
                 f"(diff {a - b:+.3e}; {result.describe()})"
             )
+        norms = got.get("grad_norms", {})
+        if tol is None and step in want.get("grad_norms", {}):
+            if step not in norms:
+                problems.append(f"{config}: step {step} has no gradient norm to compare")
+                continue
+            g, h = float(norms[step]), float(want["grad_norms"][step])
+            result = compare_grad_norm(want, step, g)
+            if not result.ok:
+                problems.append(
+                    f"{config}: step {step} grad_norm {g!r} != golden {h!r} "
+                    f"(diff {g - h:+.3e}; {result.describe()})"
+                )
     return problems

@@ -30,6 +30,7 @@ import numpy as np
 import paddle
 import pytest
 from launch import MARKER_ENV, kill_marked
+from safetensors.numpy import load_file
 from trainruns import assert_training_matches, load_grads, train_in_process, train_launched
 
 import numerics
@@ -130,7 +131,31 @@ def test_dpo_lora_dp2_matches_one_process(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_dpo_lora_pp2_equals_pp1_bitwise(tmp_path: Path) -> None:
     config = CONFIGS / "glm" / "tiny_dpo_lora_pp2.yaml"
-    assert_bitwise(launch(config, tmp_path / "run", 2), in_process(config, tmp_path / "ref"), pp=2)
+    merge = ["lora.merge_at_end=true"]
+    run = launch(config, tmp_path / "run", 2, merge)
+    ref = in_process(config, tmp_path / "ref", merge)
+    assert_bitwise(run, ref, pp=2)
+    # the merged export, streamed stage by stage (one shard per stage + the index), holds
+    # exactly the one-process export's tensors
+    got, want = merged_tensors(run / "merged"), merged_tensors(ref / "merged")
+    assert sorted(p.name for p in (run / "merged").glob("model-*.safetensors")) == [
+        f"model-0000{s}-of-00002.safetensors" for s in (1, 2)
+    ]
+    assert got.keys() == want.keys() and "lm_head.weight" in want
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def merged_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a merged export, through its index."""
+    import json
+
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(directory / name)))
+    assert set(out) == set(index["weight_map"])
+    return out
 
 
 @pytest.mark.timeout(200)

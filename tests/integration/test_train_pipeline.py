@@ -18,6 +18,7 @@ gradients every step (`debug.dump_grads`: `grads/step_N.stageS.safetensors`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,40 @@ def test_pp2_cp2_tied_gpipe_matches_one_process(tmp_path: Path) -> None:
     layout = ["parallel.pp=2", "parallel.cp=2", "parallel.pp_layers=[1,2]"]
     run = launch(GLM, tmp_path / "run", 4, [*shape, *layout, "parallel.pp_schedule=gpipe"])
     assert_training_matches(run, ref, steps=STEPS, pp=2)
+    check_run_info(run, ref, layers=[range(0, 1), range(1, 3)])
+
+
+def check_run_info(run: Path, ref: Path, *, layers: list[range]) -> None:
+    """run_info.json of the PP = 2 × CP = 2 job: every rank materialised only its stage's
+    share of the one-process model (counted by name from the reference's gradient dump), and
+    metrics.jsonl's peak memory is the maximum over the ranks."""
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["world"] == 4 and info["degrees"] == {"dp": 1, "pp": 2, "cp": 2}
+    assert info["plan"] is None and info["param_dtype"] == "float32"
+    whole = {
+        n: int(v.size) for n, v in load_file(str(ref / GRADS_DIR / "step_1.safetensors")).items()
+    }
+    ranks = info["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert sorted(r["stage"] for r in ranks) == [0, 0, 1, 1]
+    for r in ranks:
+        s, mine = r["stage"], layers[r["stage"]]
+
+        def held(name: str, s: int = s, mine: range = mine) -> bool:
+            if name.startswith("model.layers."):
+                return int(name.split(".")[2]) in mine
+            if name == "model.embed_tokens.weight":  # tied: the last stage has its own copy
+                return True
+            return s == 1  # final norm
+
+        share = sum(v for n, v in whole.items() if held(n))
+        assert r["layers"] == [mine.start, mine.stop]
+        assert r["params_local"] == r["trainable_params_local"] == share
+        assert r["param_bytes_local"] == 4 * share
+        assert r["params_local"] < sum(whole.values())  # nobody built the whole model
+        assert r["allocated_bytes"] >= r["param_bytes_local"]
+        assert r["peak_bytes"] < 4 * sum(whole.values())  # not even briefly
+    records = read_metrics(run)
+    for rec in records:
+        assert rec["peak_memory_rank"] in range(4)
+        assert rec["peak_memory_gib"] * 2**30 >= max(r["allocated_bytes"] for r in ranks)

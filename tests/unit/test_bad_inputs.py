@@ -310,8 +310,9 @@ ROWS = [
            ["checkpoint.resume=never"]),
     worker("worker_overwrite_over_an_earlier_run", W2,
            r"\Arun\.overwrite is true and run\.output_dir {out} holds an earlier run "
-           r"\(checkpoints, config\.yaml, metrics\.jsonl\): `flashcp train` moves it aside before "
-           r"launching, the ranks of a job started by paddle\.distributed\.launch do not: run "
+           r"\(checkpoints, config\.yaml, metrics\.jsonl, run_info\.json\): `flashcp train` "
+           r"moves it aside before launching, the ranks of a job started by "
+           r"paddle\.distributed\.launch do not: run "
            r"`flashcp train CONFIG run\.overwrite=true`, or move {out} away yourself\n\Z",
            ["run.overwrite=true"]),
     # -- masks (flashcp.masks.validate, CP attention's global mask) ----------------------------

@@ -60,6 +60,15 @@ def test_dpo_page_matches_its_json() -> None:
     assert bench.markdown(changed) != bench.markdown(rec)
 
 
+def test_loss_memory_page_matches_its_json() -> None:
+    bench = _script("bench_loss_memory")
+    rec = _json("loss_memory.json")
+    assert (DOCS / "loss_memory.md").read_text() == bench.markdown(rec)
+    changed = copy.deepcopy(rec)
+    changed["cases"][0]["peak_ratio"] *= 2
+    assert bench.markdown(changed) != bench.markdown(rec)
+
+
 def test_readme_table_matches_the_json(tmp_path: Path) -> None:
     tables = _script("readme_table")
     text = (ROOT / "README.md").read_text()

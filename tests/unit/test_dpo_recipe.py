@@ -55,7 +55,7 @@ def _logits(model: paddle.nn.Layer, batch: Any) -> np.ndarray:
     attn = AttentionContext(mask=batch.mask.indices, causal=True)
     with paddle.no_grad():
         out = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), attn)
-    return out.numpy()
+        return model.logits(out).numpy()
 
 
 def test_dpo_learns_the_builtin_set_and_logs_rewards(tmp_path: Path) -> None:
@@ -86,8 +86,7 @@ def test_frozen_reference_copy_stays_the_initial_policy(tmp_path: Path) -> None:
     reference = trainer.recipe.reference
     assert reference is not None and reference is not trainer.model
     assert all(p.stop_gradient for p in reference.parameters())
-    paddle.seed(trainer.cfg.train.seed)
-    initial = build_model(trainer.cfg.model)
+    initial = build_model(trainer.cfg.model, seed=trainer.cfg.train.seed)
     ref_state = reference.state_dict()
     moved = 0
     for name, value in initial.state_dict().items():
@@ -101,8 +100,7 @@ def test_lora_reference_is_the_base_model(tmp_path: Path) -> None:
     assert trainer.recipe.reference is None  # no copy: the adapters are switched off
     assert all(n.endswith(("lora_A", "lora_B")) for n, _ in trainer.params)
     batch = trainer.data.next_step()[0]
-    paddle.seed(trainer.cfg.train.seed)
-    base = build_model(trainer.cfg.model)
+    base = build_model(trainer.cfg.model, seed=trainer.cfg.train.seed)
     with disable_adapters(trainer.model):
         off = _logits(trainer.model, batch)
     np.testing.assert_array_equal(off, _logits(base, batch))
@@ -135,8 +133,7 @@ def test_lora_checkpoints_resume_exactly_and_export(tmp_path: Path) -> None:
     assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bitwise
     # PaddleFormers loads the exported adapters; the merged export equals base + adapters
     out = Path(full.run.output_dir)
-    paddle.seed(full.train.seed)
-    loaded = load_adapters(build_model(full.model), out / "adapters")
+    loaded = load_adapters(build_model(full.model, seed=full.train.seed), out / "adapters")
     batch = trainer.data.next_step()[0]
     np.testing.assert_array_equal(_logits(loaded, batch), _logits(trainer.model, batch))
     merged = build_model(full.model)

@@ -181,7 +181,8 @@ def _forward(model, ids: np.ndarray) -> np.ndarray:
     b, s = ids.shape
     pos = paddle.arange(s, dtype="int64").unsqueeze(0).expand([b, s])
     ctx = AttentionContext(mask=masks.causal_mask(b, s).indices, causal=True)
-    return model(paddle.to_tensor(ids, dtype="int64"), pos, ctx).numpy()
+    hidden = model(paddle.to_tensor(ids, dtype="int64"), pos, ctx)
+    return model.logits(hidden).numpy()
 
 
 def _ids(vocab: int = 40) -> np.ndarray:

@@ -6,7 +6,8 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.models import AttentionContext, build_model, preset, token_logprobs
+from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models.layers import Linear
 from flashcp.recipes.lora import (
     apply_lora,
     disable_adapters,
@@ -43,7 +44,7 @@ def _randomize_adapters(lora, seed: int = 2) -> None:
 
 def _run(model) -> np.ndarray:
     with paddle.no_grad():
-        return model(*_inputs()).numpy()
+        return model.logits(model(*_inputs())).numpy()
 
 
 def test_only_adapters_train_and_get_gradients() -> None:
@@ -54,9 +55,9 @@ def test_only_adapters_train_and_get_gradients() -> None:
     assert all(("q_proj" in n) or ("v_proj" in n) for n in names)
     _randomize_adapters(lora)
     ids, positions, attn = _inputs()
-    logits = lora(ids, positions, attn)
+    hidden = lora(ids, positions, attn)
     labels = paddle.concat([ids[:, 1:], paddle.full([2, 1], -100, "int64")], axis=1)
-    (-token_logprobs(logits, labels).mean()).backward()
+    (-lora.token_logprobs(hidden, labels).mean()).backward()
     for name, p in lora.named_parameters():
         has_grad = p.grad is not None and bool(np.any(p.grad.numpy() != 0))
         assert has_grad == name.endswith(("lora_A", "lora_B")), name
@@ -71,7 +72,7 @@ def test_frozen_base_unchanged_after_adamw_steps() -> None:
     ids, positions, attn = _inputs()
     labels = paddle.concat([ids[:, 1:], paddle.full([2, 1], -100, "int64")], axis=1)
     for _ in range(3):
-        loss = -token_logprobs(lora(ids, positions, attn), labels).mean()
+        loss = -lora.token_logprobs(lora(ids, positions, attn), labels).mean()
         loss.backward()
         opt.step()
         opt.clear_grad()
@@ -100,7 +101,7 @@ def test_merge_equals_base_plus_adapters() -> None:
     merged = merge_adapters(lora)
     assert not lora_layers(merged)
     projections = [layer for name, layer in merged.named_sublayers() if name.endswith("proj")]
-    assert projections and all(type(layer) is paddle.nn.Linear for layer in projections)
+    assert projections and all(type(layer) is Linear for layer in projections)
     assert all(not p.stop_gradient for p in merged.parameters())
     # same parameter names and shapes as the base model (no extra zero biases)
     assert {k: list(v.shape) for k, v in merged.state_dict().items()} == base_keys
@@ -141,6 +142,17 @@ def test_errors_are_clear(tmp_path) -> None:
         apply_lora(_model(), rank=4, alpha=8, target_modules=["(q_proj"])
     with pytest.raises(ValueError, match="rank must be"):
         apply_lora(_model(), rank=0, alpha=8, target_modules=TARGETS)
+    # pipeline stages pool their matches: a pattern need only match on some stage
+    from flashcp.parallel import build_stage
+    from flashcp.recipes.lora import check_targets, target_summary
+
+    stages = [build_stage(preset("tiny_glm"), s, 2, seed=0) for s in range(2)]
+    head = ["lm_head", ".*q_proj"]
+    assert check_targets([target_summary(st, head) for st in stages]) == head
+    with pytest.raises(ValueError, match=r"pattern 'lm_head' matches no layer"):
+        check_targets([target_summary(stages[0], head)])
+    with pytest.raises(ValueError, match=r"matches 'model.norm' \(RMSNorm\), which is not"):
+        check_targets([target_summary(st, ["model.norm", ".*q_proj"]) for st in stages])
     lora = apply_lora(_model(), rank=4, alpha=8, target_modules=TARGETS)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_lora(lora.model, rank=4, alpha=8, target_modules=TARGETS)

@@ -52,10 +52,13 @@ def _causal(batch: int = B, seq: int = S) -> AttentionContext:
 @pytest.mark.parametrize("name", ARCH_PRESETS)
 def test_forward_shapes_and_dtype(name: str) -> None:
     model = _model(name)
-    logits = model(_ids(), _pos(B, 0, S), _causal())
-    assert list(logits.shape) == [B, S, 260] and logits.dtype == paddle.float32
-    hidden = model.hidden_states(_ids(), _pos(B, 0, S), _causal())
+    hidden = model(_ids(), _pos(B, 0, S), _causal())  # final-norm hidden states
     assert list(hidden.shape) == [B, S, 64]
+    np.testing.assert_array_equal(
+        hidden.numpy(), model.hidden_states(_ids(), _pos(B, 0, S), _causal()).numpy()
+    )
+    logits = model.logits(hidden)
+    assert list(logits.shape) == [B, S, 260] and logits.dtype == paddle.float32
     assert np.isfinite(logits.numpy()).all()
 
 
@@ -67,13 +70,13 @@ def test_gqa_projection_shapes(heads: int, kv: int) -> None:
     assert list(attn.q_proj.weight.shape) == [64, heads * hd]
     assert list(attn.k_proj.weight.shape) == [64, kv * hd]
     assert list(attn.v_proj.weight.shape) == [64, kv * hd]
-    assert list(model(_ids(), _pos(B, 0, S), _causal()).shape) == [B, S, 260]
+    assert list(model.logits(model(_ids(), _pos(B, 0, S), _causal())).shape) == [B, S, 260]
 
 
 def test_explicit_head_dim() -> None:
     model = _model("tiny_glm", head_dim=32)
     assert list(model.model.layers[0].self_attn.q_proj.weight.shape) == [64, 4 * 32]
-    assert list(model(_ids(), _pos(B, 0, S), _causal()).shape) == [B, S, 260]
+    assert list(model.logits(model(_ids(), _pos(B, 0, S), _causal())).shape) == [B, S, 260]
 
 
 def test_tied_embeddings_share_one_matrix() -> None:
@@ -84,7 +87,7 @@ def test_tied_embeddings_share_one_matrix() -> None:
     hidden = model.hidden_states(_ids(), _pos(B, 0, S), _causal())
     want = hidden.numpy() @ model.model.embed_tokens.weight.numpy().T
     np.testing.assert_allclose(model.logits(hidden).numpy(), want, rtol=1e-5, atol=1e-5)
-    model(_ids(), _pos(B, 0, S), _causal()).mean().backward()
+    model.logits(model(_ids(), _pos(B, 0, S), _causal())).mean().backward()
     assert model.model.embed_tokens.weight.grad is not None
 
 

@@ -21,13 +21,13 @@ from flashcp.distributed.p2p import (
     send_tensor,
     swap_tensor,
 )
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import AttentionContext, HeadInput, build_model, preset
 from flashcp.parallel import (
     MicroBatch,
     Op,
     PipelineSchedule,
-    PipelineStage,
     build_plans,
+    build_stage,
     comm_plan,
     count_targets,
     max_in_flight,
@@ -211,8 +211,12 @@ def _micro_batches(num_micro: int, seq: int = 32) -> tuple[list[MicroBatch], int
 
 
 def _build(name: str, overrides: dict):
-    paddle.seed(0)
-    return build_model(preset(name, **overrides))
+    return build_model(preset(name, **overrides), seed=0)
+
+
+def _stage(name: str, overrides: dict, s: int, pp: int):
+    """Stage `s` of `pp` built alone (same seed: the one-process model's weights)."""
+    return build_stage(preset(name, **overrides), s, pp, seed=0)
 
 
 def _grads(layer) -> dict[str, np.ndarray]:
@@ -234,7 +238,8 @@ def test_interleaved_stages_equal_sequential_bitwise(
     ref = _build(name, overrides)
     ref_losses = []
     for mb in mbs:
-        loss = sum_cross_entropy(ref(mb.input_ids, mb.positions, mb.attn), mb.labels) / count
+        out = HeadInput(ref(mb.input_ids, mb.positions, mb.attn), ref)
+        loss = sum_cross_entropy(out, mb.labels) / count
         loss.backward()
         ref_losses.append(float(loss))
     want = _grads(ref)
@@ -252,7 +257,7 @@ def test_interleaved_stages_equal_sequential_bitwise(
 
     monkeypatch.setattr(pipeline_mod, "send_tensor", fake_send)
     monkeypatch.setattr(pipeline_mod, "recv_tensor", fake_recv)
-    stages = [PipelineStage.from_model(_build(name, overrides), s, pp) for s in range(pp)]
+    stages = [_stage(name, overrides, s, pp) for s in range(pp)]
     schedules = [
         PipelineSchedule(st, _fake_groups(pp, s), kind=kind) for s, st in enumerate(stages)
     ]
@@ -284,10 +289,11 @@ def test_single_stage_step_equals_model_bitwise() -> None:
     ref = _build("tiny_glm", {})
     total = paddle.zeros([], dtype="float32")
     for mb in mbs:
-        loss = sum_cross_entropy(ref(mb.input_ids, mb.positions, mb.attn), mb.labels) / count
+        out = HeadInput(ref(mb.input_ids, mb.positions, mb.attn), ref)
+        loss = sum_cross_entropy(out, mb.labels) / count
         loss.backward()
         total = total + loss.detach()
-    stage = PipelineStage.from_model(_build("tiny_glm", {}), 0, 1)
+    stage = _stage("tiny_glm", {}, 0, 1)
     before = comm_stats("send").sent
     result = train_step_1f1b(stage, mbs, sum_cross_entropy, _fake_groups(1, 0), num_targets=count)
     assert comm_stats("send").sent == before  # pp = 1: nothing travels
@@ -300,7 +306,7 @@ def test_single_stage_step_equals_model_bitwise() -> None:
 
 def test_schedule_errors() -> None:
     mbs, count = _micro_batches(2)
-    stage = PipelineStage.from_model(_build("tiny", {}), 1, 2)
+    stage = _stage("tiny", {}, 1, 2)
     with pytest.raises(ValueError, match="pp group pp\\[0\\] has 1 ranks"):
         PipelineSchedule(stage, _fake_groups(1, 0))
     with pytest.raises(ValueError, match="pp index 0 of pp\\[0,1\\] but holds stage 1"):

@@ -35,7 +35,7 @@ def _batch(seq: int = S, seed: int = 0):
 
 def _step(model, seq: int = S, seed: int = 0):
     ids, pos, ctx = _batch(seq, seed)
-    logits = model(ids, pos, ctx)
+    logits = model.logits(model(ids, pos, ctx))
     return F.cross_entropy(logits, ids.unsqueeze(-1)).mean()
 
 

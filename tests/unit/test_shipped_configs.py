@@ -91,7 +91,8 @@ def test_config_builds_or_is_marked_gpu(path: Path) -> None:
     assert asg.world == cfg.parallel.cp
     asg.chunk_len(batch.seq_len)  # the layout splits this config's sequences
     ctx = AttentionContext(mask=batch.mask.indices, causal=True)  # whole sequence, no CP group
-    logits = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), ctx)
+    hidden = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), ctx)
+    logits = model.logits(hidden)
     assert list(logits.shape) == [*batch.input_ids.shape, cfg.model.vocab_size]
     assert np.isfinite(logits.numpy()).all()
 

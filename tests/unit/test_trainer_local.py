@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 import numerics
 from flashcp import cli, dispatch
 from flashcp.config import TrainConfig, build_config, to_dict
-from flashcp.models import build_model
+from flashcp.models import build_model, estimate_parameters
 from flashcp.trainer import (
     CheckpointError,
     NonFiniteError,
@@ -102,6 +102,20 @@ def test_twenty_steps_learn(tmp_path: Path) -> None:
     assert (Path(cfg.run.output_dir) / "metrics.png").stat().st_size > 1000
     saved = (Path(cfg.run.output_dir) / "config.yaml").read_text()
     assert "hidden_size: 64" in saved
+    # what the run built (run_info.json) and its memory, from Paddle's allocator
+    info = json.loads((Path(cfg.run.output_dir) / "run_info.json").read_text())
+    n = estimate_parameters(cfg.model)
+    assert info["world"] == 1 and info["degrees"] == {"dp": 1, "pp": 1, "cp": 1}
+    assert info["param_dtype"] == "float32" and info["plan"] is None
+    (rank,) = info["ranks"]
+    assert rank["rank"] == 0 and rank["stage"] == 0 and rank["layers"] == [0, 2]
+    assert rank["params_local"] == rank["trainable_params_local"] == n
+    assert rank["param_bytes_local"] == 4 * n and rank["reference_params_local"] == 0
+    assert rank["allocated_bytes"] >= 4 * n
+    peaks = [r["peak_memory_gib"] for r in records]
+    assert all(r["peak_memory_rank"] == 0 for r in records)
+    assert peaks == sorted(peaks) and peaks[-1] * 2**30 >= 3 * 4 * n  # + AdamW's two moments
+    assert records[-1]["peak_rss_gib"] > peaks[-1]
 
 
 def test_resume_reproduces_losses_bitwise(tmp_path: Path) -> None:
@@ -146,31 +160,30 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
             )
 
 
-class _NaNAt(paddle.nn.Layer):
-    """The tiny model, but its logits become NaN on forward call number `at`."""
+def _NaNAt(cfg: Any, at: int) -> paddle.nn.Layer:
+    """The tiny model, but its output (final hidden states) becomes NaN on forward call `at`."""
+    model = build_model(cfg.model)
+    calls = [0]
 
-    def __init__(self, cfg: Any, at: int) -> None:
-        super().__init__()
-        self.inner = build_model(cfg.model)
-        self.at, self.calls = at, 0
+    def poison(_layer: Any, _inputs: Any, out: Any) -> Any:
+        calls[0] += 1
+        return out * float("nan") if calls[0] == at else out
 
-    def forward(self, ids: Any, pos: Any, ctx: Any) -> Any:
-        self.calls += 1
-        out = self.inner(ids, pos, ctx)
-        return out * float("nan") if self.calls == self.at else out
+    model.register_forward_post_hook(poison)
+    return model
 
 
 def test_nonfinite_loss_stops_with_step_and_rank(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     with pytest.raises(NonFiniteError, match=r"non-finite loss on rank\(s\) 0 and gradients"
                                              r" on rank\(s\) 0 at step 2"):  # fmt: skip
-        _fit(cfg, model_factory=lambda c: _NaNAt(c, at=2))
+        _fit(cfg, model_factory=lambda c, s: _NaNAt(c, at=2))
     assert len(read_metrics(cfg.run.output_dir)) == 1  # step 1 was recorded before the stop
 
 
 def test_nonfinite_step_can_be_skipped(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"})
-    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c: _NaNAt(c, at=2))
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c, s: _NaNAt(c, at=2))
     trainer.train_step()
     before = {n: p.numpy().copy() for n, p in trainer.params}
     skipped = trainer.train_step()
@@ -193,7 +206,8 @@ def test_resume_policies(tmp_path: Path) -> None:
     # the Trainer never moves a run aside (that is `flashcp train`'s job, before launch)
     overwrite = _cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
     with pytest.raises(RuntimeError, match=r"run\.overwrite is true and .* holds an earlier "
-                       r"run \(checkpoints, config\.yaml, metrics\.jsonl\)"):  # fmt: skip
+                       r"run \(checkpoints, config\.yaml, metrics\.jsonl, "
+                       r"run_info\.json\)"):  # fmt: skip
         Trainer(overwrite, stream=io.StringIO()).fit()
     step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
     (step1 / "model.safetensors").write_bytes(b"broken")

@@ -266,8 +266,8 @@ def test_bf16_params_get_float32_main_grad_and_masters_stepped_like_adamw() -> N
         q.set_value(p.astype("float32"))
     want_grads: dict[str, np.ndarray] = {}
     for x in ids:
-        model(x).sum().backward()
-        ref(x).sum().backward()
+        model.logits(model(x)).sum().backward()
+        ref.logits(ref(x)).sum().backward()
         for n, q in ref.named_parameters():
             rounded = q.grad.astype("bfloat16").astype("float32").numpy()
             want_grads[n] = want_grads.get(n, 0) + rounded
@@ -527,7 +527,7 @@ def test_trainer_shard_optimizer_degree_one_and_cross_resume(tmp_path: Path) -> 
     assert _losses(b) == _losses(plain)[3:]
 
 
-def _toy(cfg: Any) -> paddle.nn.Layer:
+def _toy(cfg: Any, stage: Any = None) -> paddle.nn.Layer:
     return Bf16ToyLM(vocab=int(cfg.model.vocab_size), seed=cfg.train.seed)
 
 
@@ -556,26 +556,25 @@ def test_trainer_bf16_masters_resume_exactly(tmp_path: Path) -> None:
         assert _losses(second) == _losses(full)
 
 
-class _NaNAt(paddle.nn.Layer):
-    """The tiny model, but its logits become NaN on forward call number `at`."""
+def _NaNAt(cfg: Any, at: int) -> paddle.nn.Layer:
+    """The tiny model, but its output (final hidden states) becomes NaN on forward call `at`."""
+    from flashcp.models import build_model
 
-    def __init__(self, cfg: Any, at: int) -> None:
-        super().__init__()
-        from flashcp.models import build_model
+    model = build_model(cfg.model)
+    calls = [0]
 
-        self.inner = build_model(cfg.model)
-        self.at, self.calls = at, 0
+    def poison(_layer: Any, _inputs: Any, out: Any) -> Any:
+        calls[0] += 1
+        return out * float("nan") if calls[0] == at else out
 
-    def forward(self, ids: Any, pos: Any, ctx: Any) -> Any:
-        self.calls += 1
-        out = self.inner(ids, pos, ctx)
-        return out * float("nan") if self.calls == self.at else out
+    model.register_forward_post_hook(poison)
+    return model
 
 
 def test_nonfinite_step_is_skipped_under_sharding(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"},
                parallel={"shard_optimizer": True})  # fmt: skip
-    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c: _NaNAt(c, at=2))
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c, s: _NaNAt(c, at=2))
     trainer.train_step()
     before = {n: p.numpy().copy() for n, p in trainer.params}
     masters = [m.numpy().copy() for m in trainer.optimizer.shard.masters]
@@ -594,19 +593,22 @@ def test_nonfinite_stop_names_the_step_under_sharding(tmp_path: Path) -> None:
 
     cfg = _cfg(tmp_path, parallel={"shard_optimizer": True})
     with pytest.raises(NonFiniteError, match=r"at step 2"):
-        _fit(cfg, model_factory=lambda c: _NaNAt(c, at=2))
+        _fit(cfg, model_factory=lambda c, s: _NaNAt(c, at=2))
     assert os.path.exists(Path(cfg.run.output_dir) / "metrics.jsonl")
 
 
 def test_lora_dpo_with_sharded_optimizer_resumes_exactly(tmp_path: Path) -> None:
     """LoRA adapters are the trainable parameters: their masters and moments go to the
-    optimizer shard, the adapters to PaddleFormers' files; one process, so the losses equal the
-    unsharded run's bitwise, through a resume."""
+    optimizer shard, the adapters to PaddleFormers' files; one process and no clipping, so the
+    losses equal the unsharded run's bitwise, through a resume. (With clipping active the
+    global norm is summed from the shards in another order than Paddle's clip sums it: equal
+    to ~1 ulp, not bitwise — `test_master_clip_uses_the_global_norm_like_paddles_clip` covers
+    that path.)"""
     lora = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
     raw = {
         "model": {"preset": "tiny_glm"},
         "data": {"seq_len": 128, "micro_batch_size": 1},
-        "train": {"steps": 4, "lr": 3e-3, "warmup_steps": 0, "grad_accum": 2},
+        "train": {"steps": 4, "lr": 3e-3, "warmup_steps": 0, "grad_accum": 2, "grad_clip": 0.0},
         "run": {"recipe": "dpo"},
         "dpo": {"beta": 0.1},
         "lora": lora,
@@ -660,9 +662,8 @@ def test_init_from_fills_bf16_masters_with_the_files_float32_values(tmp_path: Pa
     want = {n: p.numpy().reshape(-1) for n, p in source.named_parameters()}
     cfg = _cfg(tmp_path, checkpoint={"init_from": str(hf)})
 
-    def bf16_model(c: Any) -> paddle.nn.Layer:
-        model = build_model(c.model)
-        model.to(dtype="bfloat16")
+    def bf16_model(c: Any, stage: Any) -> paddle.nn.Layer:
+        model = build_model(c.model, stage=stage, param_dtype="bfloat16")
         init_weights(model, c)
         return model
 

@@ -141,18 +141,22 @@ class TrainConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (CPU only: Paddle's
     FlashAttention/FlashMask GPU kernels exist for fp16/bf16 only) or bfloat16 O1 autocast (GPU
-    only; parameters, gradients and AdamW stay float32)."""
+    only)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Storage dtype of the parameters. bfloat16: frozen weights (LoRA base, DPO reference)
-    are stored in bf16; trained weights too, with float32 master weights, float32 Adam moments
-    and float32 gradient accumulation (main_grad)."""
-    loss_chunk_tokens: int = 4096
-    """LM head + loss over chunks of this many tokens, each chunk's logits recomputed in
-    backward (no [tokens, vocab] float32 tensor); 0 = unchunked."""
+    """Storage dtype of the parameters, created directly in it: bfloat16 halves the weights'
+    memory (frozen LoRA base weights, the DPO reference copy, trained weights). On CPU the
+    layers upcast bf16 weights to float32 for compute (no bf16 matmul kernel there). LoRA
+    adapters stay float32."""
     log_every: int = 1
     """Print a log line every this many steps (metrics.jsonl gets every step)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """NaN/Inf in the loss or gradients: stop with an error, or skip that step's update."""
+    loss_chunk_tokens: int = 4096
+    """The LM head and loss run over chunks of this many target tokens, each chunk's float32
+    logits recomputed in backward, so no `[tokens, vocab]` logits tensor exists (at a 151k
+    vocabulary a chunk of 4096 is 2.5 GB, the whole 16k local tokens ~10 GB per copy); the
+    loss equals the unchunked one up to float summation order. 0 = unchunked (the full logits
+    at once). Also used by the DPO answer log-probs."""
 
 
 @dataclass(kw_only=True)

@@ -196,7 +196,7 @@ def _check_train(cfg: Config, c: _Checks) -> None:
     if t.loss_chunk_tokens < 0:
         c.add(
             "train.loss_chunk_tokens",
-            f"must be >= 0 (0 = unchunked loss), got {t.loss_chunk_tokens}",
+            f"must be >= 0 (0 = unchunked), got {t.loss_chunk_tokens}: e.g. 4096",
         )
     gib = cfg.hardware.memory_gib
     if gib is not None and not gib > 0:

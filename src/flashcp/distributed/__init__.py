@@ -21,6 +21,7 @@ from flashcp.distributed.bootstrap import (
 )
 from flashcp.distributed.collectives import (
     REDUCE_SCATTER_METHODS,
+    all_gather_object,
     all_gather_tensor,
     all_reduce_tensor,
     barrier,
@@ -72,6 +73,7 @@ __all__ = [
     "ParallelDims",
     "ParallelGroups",
     "Watchdog",
+    "all_gather_object",
     "all_gather_tensor",
     "all_reduce_tensor",
     "barrier",

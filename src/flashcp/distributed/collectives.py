@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from math import gcd
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import paddle
 import paddle.distributed as dist
@@ -158,6 +158,20 @@ def all_gather_tensor(
     _record("all_gather", group, nbytes(x) * len(peers), sum(nbytes(t) for t in peers))
     with paddle.no_grad():
         return paddle.concat(parts, axis=axis)
+
+
+def all_gather_object(obj: Any, group: Group, *, timeout: float | None = None) -> list[Any]:
+    """Every rank's picklable `obj`, in group-rank order (small metadata: names, run info).
+
+    Bytes are not counted (the pickled size is not known to the caller).
+    """
+    group = _check_group(group, "all_gather_object")
+    if group.nranks == 1:
+        return [obj]
+    out: list[Any] = []
+    with watch("all_gather_object", group, timeout):
+        dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def all_reduce_tensor(

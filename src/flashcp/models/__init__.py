@@ -2,8 +2,11 @@
 attention (context-parallel when a CP group is given), activation recompute and HF weights.
 
     args = preset("tiny_glm")
-    model = build_model(args)
-    logits = model(input_ids, positions, AttentionContext(mask=mask.indices, causal=True))
+    model = build_model(args, seed=0)                   # or one pipeline stage of it:
+    stage = build_model(args, stage=StageSpec(1, 2, range(1, 2)), seed=0, param_dtype="bfloat16")
+    hidden = model(input_ids, positions, AttentionContext(mask=mask.indices, causal=True))
+    logp = model.token_logprobs(hidden, labels)   # log p(label) [B, L], chunked over tokens
+    logits = model.logits(hidden)                 # or the full float32 logits [B, L, V]
 """
 
 from __future__ import annotations
@@ -11,42 +14,76 @@ from __future__ import annotations
 import paddle
 
 from flashcp.models.attention import Attention, AttentionContext
-from flashcp.models.base import CausalLM, token_logprobs
+from flashcp.models.base import CausalLM, StageSpec
 from flashcp.models.config import ARCHS, RECOMPUTE_MODES, ModelArgs, estimate_parameters
 from flashcp.models.glm import GLMForCausalLM
 from flashcp.models.gpt import GPTForCausalLM
+from flashcp.models.head import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    HeadInput,
+    chunked_token_logprobs,
+    token_logprobs,
+)
+from flashcp.models.init import default_dtype, deferred_init, draw_seed, init_parameters
+from flashcp.models.precision import PARAM_DTYPES
 from flashcp.models.sizes import PRESETS, preset
 
-# Above this many parameters `build_model` refuses a CPU device (the real GLM shapes).
+# Above this many parameters (of the part built) `build_model` refuses a CPU device.
 CPU_MAX_PARAMETERS = 1_000_000_000
 
 
-def build_model(args: ModelArgs, *, allow_large_on_cpu: bool = False) -> CausalLM:
-    """Build (and initialise from Paddle's global seed) the model `args` describe."""
+def build_model(
+    args: ModelArgs,
+    *,
+    stage: StageSpec | None = None,
+    param_dtype: str = "float32",
+    seed: int | None = None,
+    allow_large_on_cpu: bool = False,
+) -> CausalLM:
+    """Build the model `args` describe, or only pipeline stage `stage` of it, initialised.
+
+    Only the stage's parts are ever created (embeddings on the first stage, its decoder layers
+    by GLOBAL index, final norm + head on the last), directly in `param_dtype` (`float32` or
+    `bfloat16`) on Paddle's current device. Every parameter's value is a function of (`seed`,
+    its name) only (`flashcp.models.init`), so a stage equals the same slice of the whole model
+    bitwise. `seed` None draws one from Paddle's global generator (`paddle.seed(k)` first makes
+    the build reproducible).
+    """
     args.check()
-    n = estimate_parameters(args)
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {param_dtype!r}")
+    spec = (stage or StageSpec.whole(args.num_layers)).check(args.num_layers)
+    n = estimate_parameters(args, layers=spec.layers, first=spec.is_first, last=spec.is_last)
     if n > CPU_MAX_PARAMETERS and not allow_large_on_cpu and paddle.get_device() == "cpu":
         raise ValueError(
             f"this model has ~{n / 1e9:.1f}B parameters: real-size presets are built only on "
             "GPU (the CPU build would need tens of GB); use a tiny/small preset on CPU"
         )
-    if args.arch == "gpt":
-        return GPTForCausalLM(args)
-    return GLMForCausalLM(args)
+    seed = draw_seed() if seed is None else int(seed)
+    cls = GPTForCausalLM if args.arch == "gpt" else GLMForCausalLM
+    with default_dtype(param_dtype), deferred_init():
+        model = cls(args, stage=spec)
+    init_parameters(model, seed)
+    return model
 
 
 __all__ = [
     "ARCHS",
     "CPU_MAX_PARAMETERS",
+    "DEFAULT_LOSS_CHUNK_TOKENS",
     "PRESETS",
     "RECOMPUTE_MODES",
+    "StageSpec",
     "Attention",
     "AttentionContext",
     "CausalLM",
     "GLMForCausalLM",
     "GPTForCausalLM",
+    "PARAM_DTYPES",
+    "HeadInput",
     "ModelArgs",
     "build_model",
+    "chunked_token_logprobs",
     "estimate_parameters",
     "preset",
     "token_logprobs",

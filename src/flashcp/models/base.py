@@ -1,22 +1,39 @@
-"""What every causal LM here shares: embeddings, the layer loop (with recompute), the head.
+"""What every causal LM here shares: embeddings, the layer loop (with recompute), the head,
+and the pipeline-stage view of all that (a `CausalLM` built for a `StageSpec` holds only its
+stage's parts; a one-stage pipeline is the whole model).
 
 `CausalLM.forward(input_ids, positions, attn)` takes this rank's tokens `[B, L_local]`, their
-GLOBAL positions `[B, L_local]` and an `AttentionContext`, and returns float32 logits
-`[B, L_local, V]`. Parameter names mirror the Hugging Face layout (`model.embed_tokens`,
-`model.layers.{i}`, `model.norm`, `lm_head`) so checkpoints map by name.
+GLOBAL positions `[B, L_local]` and an `AttentionContext`, and returns the FINAL-NORM hidden
+states `[B, L_local, H]` (on the last stage; earlier stages return the hidden states they pass
+on), not logits. The LM head is applied by whoever needs it (`LMHead`):
+
+    hidden = model(input_ids, positions, attn)
+    logp = model.token_logprobs(hidden, labels, chunk_tokens=4096)  # [B, L_local], chunked
+    logits = model.logits(hidden)                                    # full float32 [B, L_local, V]
+
+Training losses use `token_logprobs`, which never holds more than one chunk of float32 logits
+(`flashcp.models.head`); the executor hands the last stage's hidden states, with the stage as
+the head, to the recipe's loss (`HeadInput`). Parameter names mirror the Hugging Face layout
+(`model.embed_tokens`, `model.layers.{i}`, `model.norm`, `lm_head`) so checkpoints map by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from flashcp.models.attention import Attention, AttentionContext
 from flashcp.models.config import ModelArgs
+from flashcp.models.head import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    chunked_token_logprobs,
+)
 from flashcp.models.layers import RotaryTables, embedding, linear, rotary_tables
+from flashcp.models.precision import cast_linear
 from flashcp.models.recompute import checkpoint
 
 
@@ -32,7 +49,7 @@ class DecoderLayer(nn.Layer):
 
 
 class DecoderOps:
-    """The compute shared by `DecoderStack` and a pipeline stage's body (`flashcp.parallel`).
+    """The compute of `DecoderStack` (the whole model's or a pipeline stage's `model.*`).
 
     A host defines `args`, `embed_tokens` (and `embed_positions` with learned positions),
     `norm`, and `layer(i)` returning decoder layer `i` by its GLOBAL index; the methods below
@@ -85,24 +102,94 @@ class DecoderOps:
         return h
 
 
+@dataclass(frozen=True)
+class StageSpec:
+    """The part of the model one process builds: pipeline stage `index` of `count`, running
+    decoder layers `layers` (GLOBAL indices, contiguous). The first stage also holds the
+    embeddings, the last the final norm and the LM head; `StageSpec.whole` is everything."""
+
+    index: int
+    count: int
+    layers: range
+
+    @classmethod
+    def whole(cls, num_layers: int) -> StageSpec:
+        return cls(0, 1, range(0, num_layers))
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def check(self, num_layers: int) -> StageSpec:
+        """Raise `ValueError` unless this is a valid stage of a `num_layers`-layer model."""
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"stage {self.index} is outside 0..{self.count - 1}")
+        r = self.layers
+        if r.step != 1 or not 0 <= r.start < r.stop <= num_layers:
+            raise ValueError(
+                f"layer range {r} is not a non-empty contiguous slice of the model's "
+                f"{num_layers} layers"
+            )
+        if self.count == 1 and len(r) != num_layers:
+            raise ValueError(f"a single stage runs all {num_layers} layers, not {r}")
+        return self
+
+
+class LayerMap(nn.Layer):
+    """Decoder layers keyed by their GLOBAL index (`model.layers.7...` on whichever stage holds
+    layer 7); indexing, `len` and iteration work as on the `LayerList` of a whole model."""
+
+    def __init__(self, layers: dict[int, DecoderLayer]) -> None:
+        super().__init__()
+        self.indices = sorted(layers)
+        for i in self.indices:
+            self.add_sublayer(str(i), layers[i])
+
+    def __getitem__(self, index: int) -> DecoderLayer:
+        if index not in self.indices:
+            raise IndexError(f"layer {index} is not on this stage (layers {self.indices})")
+        return self._sub_layers[str(index)]  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (self._sub_layers[str(i)] for i in self.indices)
+
+
 class DecoderStack(DecoderOps, nn.Layer):
-    """`model.*`: token (and learned position) embeddings, decoder layers, final norm."""
+    """`model.*`: token (and learned position) embeddings, decoder layers, final norm — or the
+    subset a pipeline stage holds (`layers`, `embed`, `norm`)."""
 
     def __init__(
         self,
         args: ModelArgs,
         make_layer: Callable[[ModelArgs, int], DecoderLayer],
         make_norm: Callable[[int, float], nn.Layer],
+        *,
+        layers: range | None = None,
+        embed: bool = True,
+        positions: bool = True,
+        norm: bool = True,
     ) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = embedding(args.vocab_size, args.hidden_size, std=args.initializer_range)
-        if args.uses_learned_positions:
+        self.layer_range = range(0, args.num_layers) if layers is None else layers
+        if embed:
+            self.embed_tokens = embedding(
+                args.vocab_size, args.hidden_size, std=args.initializer_range
+            )
+        if positions and args.uses_learned_positions:
             self.embed_positions = embedding(
                 args.max_seq_len, args.hidden_size, std=args.initializer_range
             )
-        self.layers = nn.LayerList([make_layer(args, i) for i in range(args.num_layers)])
-        self.norm = make_norm(args.hidden_size, args.norm_eps)
+        self.layers = LayerMap({i: make_layer(args, i) for i in self.layer_range})
+        if norm:
+            self.norm = make_norm(args.hidden_size, args.norm_eps)
 
     def layer(self, index: int) -> DecoderLayer:
         return self.layers[index]
@@ -122,60 +209,178 @@ def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionConte
 
 
 class LMHead:
-    """Final norm + LM head (or the tied embedding) as float32 logits, shared by `CausalLM`
-    and the last pipeline stage. The host has `model.norm`, `model.embed_tokens` and
-    `lm_head` (None when embeddings are tied)."""
+    """The LM head (a Linear `lm_head`, or the tied embedding matrix when `lm_head` is None) on
+    final-norm hidden states, shared by `CausalLM` and the last pipeline stage. The host has
+    `model.embed_tokens` and `lm_head`."""
 
     model: nn.Layer
     lm_head: nn.Linear | None
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """LM head on (already normed) hidden states, as float32 `[B, L, V]`."""
+        """LM head on final-norm hidden states `[..., H]`, as float32 logits `[..., V]`."""
         if self.lm_head is None:
-            out = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+            out = cast_linear(hidden, self.model.embed_tokens.weight, transpose=True)
         else:
             out = self.lm_head(hidden)
         return out.astype("float32")
 
-    def head(self, h: paddle.Tensor) -> paddle.Tensor:
-        """Final norm, then `logits`: the last layer's output to float32 logits."""
-        return self.logits(self.model.norm(h))
+    def token_logprobs(
+        self,
+        hidden: paddle.Tensor,
+        labels: paddle.Tensor,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> paddle.Tensor:
+        """log p(label) per token, float32 `[B, L]` (0 where `labels == ignore_index`), over
+        chunks of `chunk_tokens` target tokens whose logits are recomputed in backward, so no
+        `[tokens, V]` float32 tensor exists (`flashcp.models.head`); 0 = the full logits."""
+        return chunked_token_logprobs(
+            self.logits, hidden, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index
+        )
 
 
 class CausalLM(LMHead, nn.Layer):
-    """Backbone (`self.model`) plus LM head (`self.lm_head`, or the tied embedding)."""
+    """A causal LM, or one pipeline stage of it (a one-stage pipeline IS the model).
+
+    `stage` (a `StageSpec`; None = the whole model) decides what is built: embeddings on the
+    first stage, decoder layers `stage.layers` by GLOBAL index, final norm and LM head
+    (`self.lm_head`, or the tied embedding) on the last. Parameter names are the full model's
+    (`model.embed_tokens.weight`, `model.layers.3.mlp...`, `model.norm.weight`,
+    `lm_head.weight`), so checkpoints and gradient comparisons map by name.
+
+    `forward(x, positions, attn)` takes token ids `[B, L]` on the first stage and the previous
+    stage's hidden states `[B, L, H]` elsewhere; it returns hidden states `[B, L, H]`: after the
+    final norm on the last stage (apply `logits` / `token_logprobs`), the layers' output
+    elsewhere. `positions` are the GLOBAL positions of the local tokens (every stage needs them
+    for rotary); `attn` carries the mask and CP group.
+
+    Tied embeddings (`tie_embeddings`) under pp > 1: the first stage uses the matrix as the
+    embedding and the last stage as the LM head, each holding its own copy (equal at build time:
+    same name, same init). `tied_weight` names that copy and the pipeline schedule adds the two
+    stages' gradients (`flashcp.parallel.pipeline.sync_tied_gradients`) so both copies receive
+    the full gradient and stay equal under any optimizer step (the Megatron approach).
+    """
 
     def __init__(
         self,
         args: ModelArgs,
         make_layer: Callable[[ModelArgs, int], DecoderLayer],
         make_norm: Callable[[int, float], nn.Layer],
+        *,
+        stage: StageSpec | None = None,
     ) -> None:
         super().__init__()
         self.args = args.check()
-        self.model = DecoderStack(args, make_layer, make_norm)
+        spec = (stage or StageSpec.whole(args.num_layers)).check(args.num_layers)
+        self.spec = spec
+        tied = args.tie_embeddings
+        self.model = DecoderStack(
+            args,
+            make_layer,
+            make_norm,
+            layers=spec.layers,
+            embed=spec.is_first or (spec.is_last and tied),
+            positions=spec.is_first,
+            norm=spec.is_last,
+        )
         self.lm_head: nn.Linear | None = None
-        if not args.tie_embeddings:
+        if spec.is_last and not tied:
             self.lm_head = linear(
                 args.hidden_size, args.vocab_size, bias=False, std=args.initializer_range
             )
 
+    # ------------------------------------------------------------------ stage facts
+
+    @property
+    def stage(self) -> int:
+        return self.spec.index
+
+    @property
+    def num_stages(self) -> int:
+        return self.spec.count
+
+    @property
+    def layer_range(self) -> range:
+        return self.spec.layers
+
+    @property
+    def is_first(self) -> bool:
+        return self.spec.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.spec.is_last
+
+    @property
+    def tied_weight(self) -> paddle.Tensor | None:
+        """The embedding/head matrix whose gradient the first and last stages must add.
+
+        None unless embeddings are tied, pp > 1 and this is the first or last stage.
+        """
+        if self.num_stages == 1 or not self.args.tie_embeddings:
+            return None
+        if self.is_first or self.is_last:
+            return self.model.embed_tokens.weight
+        return None
+
+    @property
+    def activation_dtype(self) -> paddle.dtype:
+        """dtype of the hidden states passed between stages: float32, whatever the storage
+        dtype (the embeddings output float32, see `flashcp.models.layers.Embedding`)."""
+        return paddle.float32
+
+    def activation_shape(self, tokens_shape: Sequence[int]) -> list[int]:
+        """`[B, L, H]` of the hidden states for a micro-batch of token shape `[B, L]`."""
+        batch, length = (int(d) for d in tokens_shape)
+        return [batch, length, int(self.args.hidden_size)]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """This stage's decoder layers, in order."""
+        return list(self.model.layers)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    # ------------------------------------------------------------------ compute
+
+    def embed(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+        """First stage: token (+ learned position) embeddings."""
+        return self.model.embed(input_ids, positions)
+
+    def run_layers(
+        self, h: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
+    ) -> paddle.Tensor:
+        """This stage's decoder layers (with the model's recompute mode) on hidden `h`."""
+        r = self.layer_range
+        return self.model.run_layers(h, positions, attn, r.start, r.stop)
+
     def hidden_states(
         self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
     ) -> paddle.Tensor:
-        """Final-norm hidden states `[B, L_local, H]`."""
+        """Final-norm hidden states `[B, L_local, H]` (the whole model only)."""
+        if self.num_stages != 1:
+            raise ValueError("hidden_states needs the whole model; a pipeline stage has forward")
         self._check_inputs(input_ids, positions, attn)
         return self.model(input_ids, positions, attn)
 
     def forward(  # type: ignore[override]
-        self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
+        self, x: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
     ) -> paddle.Tensor:
-        return self.logits(self.hidden_states(input_ids, positions, attn))
+        if self.is_first:
+            self._check_inputs(x, positions, attn)
+            h = self.embed(x, positions)
+        else:
+            self._check_hidden(x, positions, attn)
+            h = x
+        h = self.run_layers(h, positions, attn)
+        return self.model.norm(h) if self.is_last else h
 
-    # ------------------------------------------------------------------ helpers
+    def extra_repr(self) -> str:
+        r = self.layer_range
+        return f"stage={self.stage}/{self.num_stages}, layers=[{r.start}, {r.stop})"
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+    # ------------------------------------------------------------------ input checks
 
     def _check_inputs(self, input_ids, positions, attn) -> None:
         if not isinstance(attn, AttentionContext):
@@ -183,7 +388,14 @@ class CausalLM(LMHead, nn.Layer):
         for name, t in (("input_ids", input_ids), ("positions", positions)):
             if not isinstance(t, paddle.Tensor) or len(t.shape) != 2:
                 got = list(t.shape) if isinstance(t, paddle.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be a [batch, local_seq] int64 tensor, got {got}")
+                where = (
+                    f" (stage 0 of {self.num_stages} takes token ids)"
+                    if (self.num_stages > 1 and name == "input_ids")
+                    else ""
+                )
+                raise ValueError(
+                    f"{name} must be a [batch, local_seq] int64 tensor{where}, got {got}"
+                )
             if t.dtype not in (paddle.int64, paddle.int32):
                 raise TypeError(f"{name} must be int64, got {t.dtype}")
         if list(input_ids.shape) != list(positions.shape):
@@ -192,17 +404,15 @@ class CausalLM(LMHead, nn.Layer):
                 " (one GLOBAL position per local token)"
             )
 
+    def _check_hidden(self, x, positions, attn) -> None:
+        if not isinstance(attn, AttentionContext):
+            raise TypeError(f"attn must be an AttentionContext, got {type(attn).__name__}")
+        if len(x.shape) != 3:
+            raise ValueError(
+                f"stage {self.stage} takes hidden states [B, L, H], got shape {list(x.shape)}"
+            )
+        if list(positions.shape) != list(x.shape[:2]):
+            raise ValueError(
+                f"positions {list(positions.shape)} must match the tokens {list(x.shape[:2])}"
+            )
 
-def token_logprobs(
-    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = -100
-) -> paddle.Tensor:
-    """log p(label) per token, float32 `[B, L]`; 0 where `labels == ignore_index`."""
-    lp = -F.cross_entropy(
-        logits.astype("float32"),
-        labels.astype("int64"),
-        reduction="none",
-        ignore_index=ignore_index,
-    )
-    if len(lp.shape) == len(labels.shape) + 1:
-        lp = lp.squeeze(-1)
-    return lp

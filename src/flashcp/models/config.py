@@ -222,8 +222,16 @@ def _positive_int(err: ErrFn, name: str, value: object) -> None:
         err(name, f"{name} {value!r} must be a positive integer")
 
 
-def estimate_parameters(args: ModelArgs) -> int:
-    """Parameter count of the model `args` builds (buffers excluded), without building it."""
+def estimate_parameters(
+    args: ModelArgs,
+    *,
+    layers: range | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> int:
+    """Parameter count of the model `args` builds (buffers excluded), without building it; or
+    of one pipeline stage: decoder `layers` (GLOBAL indices), the embeddings when `first`, the
+    final norm and LM head when `last` (its own copy of a tied embedding when not `first`)."""
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if args.qkv_bias else 0)
@@ -237,11 +245,13 @@ def estimate_parameters(args: ModelArgs) -> int:
         expert = 3 * h * args.moe_intermediate_size
         moe_mlp = args.num_experts * (expert + h) + args.num_shared_experts * expert
     total = 0
-    for layer in range(args.num_layers):
+    for layer in range(args.num_layers) if layers is None else layers:
         total += attn + norms + (moe_mlp if args.is_moe_layer(layer) else dense_mlp)
-    total += args.vocab_size * h + (2 * h if args.arch == "gpt" else h)
-    if args.uses_learned_positions:
-        total += args.max_seq_len * h
-    if not args.tie_embeddings:
-        total += args.vocab_size * h
+    embed = args.vocab_size * h
+    if first:
+        total += embed + (args.max_seq_len * h if args.uses_learned_positions else 0)
+    if last:
+        total += 2 * h if args.arch == "gpt" else h
+        if not args.tie_embeddings or not first:
+            total += embed
     return total

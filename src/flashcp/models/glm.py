@@ -26,7 +26,7 @@ from __future__ import annotations
 import paddle
 
 from flashcp.models.attention import Attention, AttentionContext
-from flashcp.models.base import CausalLM, DecoderLayer
+from flashcp.models.base import CausalLM, DecoderLayer, StageSpec
 from flashcp.models.config import ModelArgs
 from flashcp.models.layers import RMSNorm, RotaryTables, SwiGLU
 from flashcp.models.moe import MoE
@@ -68,7 +68,7 @@ class GLMDecoderLayer(DecoderLayer):
 class GLMForCausalLM(CausalLM):
     """`ModelArgs(arch="glm" | "glm_moe", ...)`."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, *, stage: StageSpec | None = None) -> None:
         if args.arch not in ("glm", "glm_moe"):
             raise ValueError(f"GLMForCausalLM needs arch 'glm' or 'glm_moe', got {args.arch!r}")
-        super().__init__(args, GLMDecoderLayer, RMSNorm)
+        super().__init__(args, GLMDecoderLayer, RMSNorm, stage=stage)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import paddle
 
 from flashcp.models.attention import Attention, AttentionContext
-from flashcp.models.base import CausalLM, DecoderLayer
+from flashcp.models.base import CausalLM, DecoderLayer, StageSpec
 from flashcp.models.config import ModelArgs
 from flashcp.models.layers import GeluMLP, RotaryTables, layer_norm
 
@@ -37,7 +37,7 @@ class GPTDecoderLayer(DecoderLayer):
 class GPTForCausalLM(CausalLM):
     """`ModelArgs(arch="gpt", ...)`."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, *, stage: StageSpec | None = None) -> None:
         if args.arch != "gpt":
             raise ValueError(f"GPTForCausalLM needs arch 'gpt', got {args.arch!r}")
-        super().__init__(args, GPTDecoderLayer, layer_norm)
+        super().__init__(args, GPTDecoderLayer, layer_norm, stage=stage)

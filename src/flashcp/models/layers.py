@@ -1,4 +1,8 @@
-"""Building blocks shared by the model families: init helpers, norms, rotary, MLPs.
+"""Building blocks shared by the model families: linear/embedding, norms, rotary, MLPs.
+
+Every parameter is created with a recorded init rule (`flashcp.models.init`) so
+`build_model` can give it its (seed, name)-keyed value, and every layer accepts weights stored
+in another dtype than its activations (`flashcp.models.precision`: bf16 storage on CPU).
 
 Parameter names follow the Hugging Face layouts (`gate_up_proj`, `down_proj`, ...) so
 `flashcp.models.hf_weights` maps a Paddle name to a checkpoint key by identity; only Linear
@@ -22,19 +26,32 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-
-def normal_attr(std: float) -> paddle.ParamAttr:
-    """Weights drawn from N(0, std²) (the HF `initializer_range` convention)."""
-    return paddle.ParamAttr(initializer=nn.initializer.Normal(mean=0.0, std=std))
+from flashcp.models.init import normal_attr, ones_attr, zeros_attr
+from flashcp.models.precision import as_dtype, cast_linear, needs_cast
 
 
-def zeros_attr() -> paddle.ParamAttr:
-    return paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
+class Linear(nn.Linear):
+    """`nn.Linear` whose weight may be stored in another dtype than the activations (bf16
+    storage on CPU): it is upcast inside `forward` by `cast_linear` (a no-op when equal)."""
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if not needs_cast(x, self.weight, self.bias):
+            return super().forward(x)
+        return cast_linear(x, self.weight, self.bias)
 
 
-def linear(in_features: int, out_features: int, *, bias: bool, std: float) -> nn.Linear:
-    """`nn.Linear` (weight `[in, out]`) with normal weights and zero bias."""
-    return nn.Linear(
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose output is float32 whatever the storage dtype: the residual stream
+    (and what pipeline stages exchange) stays float32, as with float32 weights."""
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        out = super().forward(x)
+        return out if out.dtype == paddle.float32 else out.astype("float32")
+
+
+def linear(in_features: int, out_features: int, *, bias: bool, std: float) -> Linear:
+    """`Linear` (weight `[in, out]`) with normal weights and zero bias."""
+    return Linear(
         in_features,
         out_features,
         weight_attr=normal_attr(std),
@@ -42,8 +59,8 @@ def linear(in_features: int, out_features: int, *, bias: bool, std: float) -> nn
     )
 
 
-def embedding(num: int, dim: int, *, std: float) -> nn.Embedding:
-    return nn.Embedding(num, dim, weight_attr=normal_attr(std))
+def embedding(num: int, dim: int, *, std: float) -> Embedding:
+    return Embedding(num, dim, weight_attr=normal_attr(std))
 
 
 # ----------------------------------------------------------------------------------- norms
@@ -55,20 +72,33 @@ class RMSNorm(nn.Layer):
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
         self.eps = float(eps)
-        self.weight = self.create_parameter(
-            [hidden], default_initializer=nn.initializer.Constant(1.0)
-        )
+        self.weight = self.create_parameter([hidden], attr=ones_attr())
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         dtype = x.dtype
         h = x.astype("float32")
         h = h * paddle.rsqrt(h.pow(2).mean(axis=-1, keepdim=True) + self.eps)
-        return self.weight * h.astype(dtype)
+        return as_dtype(self.weight, dtype) * h.astype(dtype)
 
 
-def layer_norm(hidden: int, eps: float) -> nn.LayerNorm:
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` with its scale and shift cast to the input dtype (bf16 storage)."""
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if all(t is None or t.dtype == x.dtype for t in (self.weight, self.bias)):
+            return super().forward(x)
+        return F.layer_norm(
+            x,
+            normalized_shape=self._normalized_shape,
+            weight=as_dtype(self.weight, x.dtype),
+            bias=as_dtype(self.bias, x.dtype),
+            epsilon=self._epsilon,
+        )
+
+
+def layer_norm(hidden: int, eps: float) -> LayerNorm:
     """LayerNorm with weight 1 and bias 0 (GPT)."""
-    return nn.LayerNorm(hidden, epsilon=eps)
+    return LayerNorm(hidden, epsilon=eps, weight_attr=ones_attr(), bias_attr=zeros_attr())
 
 
 # ---------------------------------------------------------------------------------- rotary

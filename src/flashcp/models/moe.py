@@ -25,11 +25,14 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from flashcp.models.config import ModelArgs
-from flashcp.models.layers import SwiGLU, normal_attr
+from flashcp.models.init import normal_attr
+from flashcp.models.layers import SwiGLU
+from flashcp.models.precision import as_dtype
 
 
 class TopkRouter(nn.Layer):
-    """The gate: weight `[hidden, E]` (Paddle orientation; HF stores `[E, hidden]`)."""
+    """The gate: weight `[hidden, E]` (Paddle orientation; HF stores `[E, hidden]`), stored in
+    the parameter dtype and used in float32; the correction bias is a float32 buffer."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -40,7 +43,6 @@ class TopkRouter(nn.Layer):
         self.weight = self.create_parameter(
             [args.hidden_size, args.num_experts],
             attr=normal_attr(args.initializer_range),
-            dtype="float32",
         )
         self.register_buffer(
             "e_score_correction_bias",
@@ -50,7 +52,7 @@ class TopkRouter(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """`x` `[T, hidden]` → (expert ids `[T, k]` int64, weights `[T, k]` float32)."""
-        logits = paddle.matmul(x.astype("float32"), self.weight.astype("float32"))
+        logits = paddle.matmul(x.astype("float32"), as_dtype(self.weight, "float32"))
         scores = F.sigmoid(logits)
         choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)
         _, ids = paddle.topk(choice, k=self.top_k, axis=-1)

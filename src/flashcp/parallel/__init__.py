@@ -1,11 +1,11 @@
 """Pipeline parallelism: split a model into stages and run them under a 1F1B schedule.
 
-    stage = PipelineStage.from_model(build_model(args), groups.pp.rank, groups.pp.nranks)
+    stage = build_stage(args, groups.pp.rank, groups.pp.nranks, seed=0)  # this stage only
     result = train_step_1f1b(stage, micro_batches, sum_cross_entropy, groups, num_targets=n)
 
 `flashcp.parallel.schedule`: the order of passes and transfers (pure, unit-tested);
 `flashcp.parallel.pipeline`: running it (and why the schedule is flashcp's own, not fleet's);
-`flashcp.parallel.stage`: the layer split, the per-stage module and tied embeddings.
+`flashcp.parallel.stage`: the layer split and building one stage alone.
 """
 
 from flashcp.parallel.pipeline import (
@@ -28,7 +28,7 @@ from flashcp.parallel.schedule import (
     schedule_gpipe,
     simulate_plans,
 )
-from flashcp.parallel.stage import PipelineStage, split_layers
+from flashcp.parallel.stage import PipelineStage, build_stage, split_layers, stage_spec
 
 __all__ = [
     "SCHEDULES",
@@ -39,6 +39,7 @@ __all__ = [
     "PipelineStepResult",
     "StepState",
     "build_plans",
+    "build_stage",
     "comm_plan",
     "count_targets",
     "max_in_flight",
@@ -46,6 +47,7 @@ __all__ = [
     "schedule_gpipe",
     "simulate_plans",
     "split_layers",
+    "stage_spec",
     "sum_cross_entropy",
     "sync_tied_gradients",
     "train_step_1f1b",

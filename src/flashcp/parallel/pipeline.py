@@ -17,12 +17,15 @@ groups when pp > 2, because of gloo's per-group tags; see `flashcp.distributed.p
 shape follows from the micro-batch's token shape and the hidden size, so only payload travels.
 CP stays inside each stage: the micro-batch's `AttentionContext` carries the cp group.
 
-Loss: the last stage computes `loss_fn(logits, labels)` (a SUM over this rank's target
-tokens) divided by `num_targets`, the GLOBAL target-token count of the whole step (all
-micro-batches, all cp / dp ranks), so the micro-batch losses sum to the single-process mean
-loss and the gradients match. Backward runs micro-batches in ascending order on every stage,
-as a single process accumulating micro-batches one by one does: on CPU the PP=2 gradients are
-bitwise equal to PP=1 (see `tests/integration/test_pipeline_multiproc.py`).
+Loss: the last stage returns final-norm hidden states; the schedule hands them, with the stage
+as the LM head, to the loss as a `flashcp.models.HeadInput` (`out.token_logprobs(labels)`
+computes log p(label) over token chunks without the full logits). The loss is a micro-batch's
+own closure (`MicroBatch.loss`, what the trainer's recipes set) or `loss_fn(out, labels)` (a
+SUM over this rank's target tokens) divided by `num_targets`, the GLOBAL target-token count of
+the whole step (all micro-batches, all cp / dp ranks), so the micro-batch losses sum to the
+single-process mean loss and the gradients match. Backward runs micro-batches in ascending
+order on every stage, as a single process accumulating micro-batches one by one does: on CPU
+the PP=2 gradients are bitwise equal to PP=1 (see `tests/integration/test_pipeline_multiproc.py`).
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ from typing import Any
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from flashcp.distributed.collectives import broadcast_tensor, group_label
 from flashcp.distributed.groups import ParallelGroups
 from flashcp.distributed.p2p import pipeline_links, recv_tensor, send_tensor, swap_tensor
 from flashcp.models.attention import AttentionContext
+from flashcp.models.head import DEFAULT_LOSS_CHUNK_TOKENS, HeadInput
 from flashcp.parallel.schedule import (
     FORWARD,
     SCHEDULE_FNS,
@@ -60,24 +63,30 @@ class MicroBatch:
 
     `input_ids` / `positions` (GLOBAL positions) are `[B, L_local]`; `labels` `[B, L_local]`
     (already shifted on the full sequence, `-100` = no target) are needed on the last stage.
-    `loss`, when set, maps the last stage's logits to this micro-batch's loss, already
-    normalised (a recipe's own loss, e.g. DPO); otherwise the schedule's
-    `loss_fn(logits, labels) / num_targets` is used.
+    `loss`, when set, maps the last stage's output (a `HeadInput`: final-norm hidden states
+    and the stage's LM head) to this micro-batch's loss, already normalised (a recipe's own
+    loss, e.g. DPO); otherwise the schedule's `loss_fn(out, labels) / num_targets` is used.
+    The executors call it under the forward context (autocast), like the head it runs.
     """
 
     input_ids: paddle.Tensor
     positions: paddle.Tensor
     labels: paddle.Tensor | None
     attn: AttentionContext
-    loss: Callable[[paddle.Tensor], paddle.Tensor] | None = None
+    loss: Callable[[HeadInput], paddle.Tensor] | None = None
 
 
 def sum_cross_entropy(
-    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = IGNORE_INDEX
+    out: HeadInput,
+    labels: paddle.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    *,
+    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> paddle.Tensor:
-    """Cross-entropy SUMMED over the target tokens (labels == ignore_index excluded)."""
-    target = labels.astype("int64").unsqueeze(-1)
-    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    """Cross-entropy SUMMED over the target tokens (labels == ignore_index excluded), from the
+    last stage's output over chunks of `chunk_tokens` tokens (0: the full logits)."""
+    logp = out.token_logprobs(labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index)
+    return -logp.sum()
 
 
 def count_targets(labels: paddle.Tensor | np.ndarray, ignore_index: int = IGNORE_INDEX) -> int:
@@ -86,7 +95,7 @@ def count_targets(labels: paddle.Tensor | np.ndarray, ignore_index: int = IGNORE
     return int((arr != ignore_index).sum())
 
 
-LossFn = Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]
+LossFn = Callable[[HeadInput, paddle.Tensor], paddle.Tensor]
 
 
 @dataclass
@@ -249,11 +258,13 @@ class PipelineSchedule:
             x = mb.input_ids if stage.is_first else state.inputs[m]
             with self.forward_context():
                 out = stage(x, mb.positions, mb.attn)
+                if stage.is_last:
+                    head = HeadInput(out, stage)
+                    if mb.loss is not None:
+                        out = mb.loss(head)
+                    else:
+                        out = state.loss_fn(head, mb.labels) / float(state.num_targets)
             if stage.is_last:
-                if mb.loss is not None:
-                    out = mb.loss(out)
-                else:
-                    out = state.loss_fn(out, mb.labels) / float(state.num_targets)
                 state.losses.append(out.detach())
             state.outputs[m] = out
         elif kind == "send_act":
@@ -285,8 +296,9 @@ class PipelineSchedule:
         """Run every micro-batch forward (no gradients) through `module` (default: this
         schedule's stage; e.g. a frozen reference copy split the same way).
 
-        The last stage returns `[out_fn(logits, micro_batch) for each micro-batch]`; the other
-        stages return None. Activations travel over the same links as in training.
+        The last stage returns `[out_fn(HeadInput(hidden, module), micro_batch) for each
+        micro-batch]` (final-norm hidden states with the module's LM head); the other stages
+        return None. Activations travel over the same links as in training.
         """
         stage = module or self.stage
         if (stage.stage, stage.num_stages) != (self.stage.stage, self.stage.num_stages):
@@ -310,9 +322,9 @@ class PipelineSchedule:
                     x = mb.input_ids if stage.is_first else inputs.pop(m)
                     with self.forward_context():
                         out = stage(x, mb.positions, mb.attn)
-                    if stage.is_last:
-                        results.append(out_fn(out, mb))
-                    else:
+                        if stage.is_last:
+                            results.append(out_fn(HeadInput(out, stage), mb))
+                    if not stage.is_last:
                         outputs[m] = out
                 elif kind == "send_act":
                     send_tensor(outputs.pop(m), self.next, links.next, timeout=t)

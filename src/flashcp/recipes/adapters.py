@@ -24,9 +24,18 @@ import paddle
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from flashcp.recipes.lora import LORA_CONFIG_FILE, SAFE_INDEX_FILE, _quiet, apply_lora
+from flashcp.distributed import all_gather_object
+from flashcp.recipes.lora import (
+    LORA_CONFIG_FILE,
+    SAFE_INDEX_FILE,
+    _quiet,
+    apply_lora,
+    check_targets,
+    target_summary,
+)
 
 MERGED_DIR = "merged"
+"""Where the merged model is exported in run.output_dir (`flashcp.recipes.merge_export`)."""
 
 
 @dataclass
@@ -38,14 +47,29 @@ class LoRASetup:
     model_config: Any
 
 
-def apply_lora_config(model: paddle.nn.Layer, section: Any) -> LoRASetup:
-    """Apply the `lora` config section to `model` in place (only adapters stay trainable)."""
+def apply_lora_config(
+    model: paddle.nn.Layer, section: Any, *, group: Any = None, seed: int | None = None
+) -> LoRASetup:
+    """Apply the `lora` config section to `model` in place (only adapters stay trainable).
+
+    `model` may be one pipeline stage: `group` (the pp group) pools every stage's matches so a
+    pattern need only match on some stage (the check raises the same error on every rank).
+    `seed` keys the adapters' initial values by name (`flashcp.recipes.lora.init_adapters`).
+    """
+    patterns = list(section.target_modules)
+    summary = target_summary(model, patterns)
+    summaries = [summary]
+    if group is not None and int(group.nranks) > 1:
+        summaries = all_gather_object(summary, group)
+    check_targets(summaries)
     lora = apply_lora(
         model,  # type: ignore[arg-type]
         rank=int(section.rank),
         alpha=float(section.alpha),
         dropout=float(section.dropout),
-        target_modules=list(section.target_modules),
+        target_modules=patterns,
+        seed=seed,
+        require_match=False,
     )
     return LoRASetup(lora_config=lora.lora_config, model_config=model.config)
 
@@ -99,19 +123,3 @@ def write_adapter_meta(directory: Path, shards: Sequence[str], setup: LoRASetup)
         setup.lora_config.save_pretrained(str(directory))
         setup.model_config.save_pretrained(str(directory))
     return [SAFE_INDEX_FILE, LORA_CONFIG_FILE, "config.json"]
-
-
-def export_merged(cfg: Any, adapters: Path, out: Path) -> Path:
-    """The base model of `cfg` (built from its seed, as the trainer does) with the adapters in
-    `adapters` merged in, saved as a Hugging Face safetensors checkpoint in `out`."""
-    from flashcp.models import build_model
-    from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
-    from flashcp.recipes.lora import load_adapters, merge_adapters
-
-    paddle.seed(cfg.train.seed)
-    model = build_model(cfg.model)
-    if cfg.checkpoint.init_from is not None:
-        load_hf_checkpoint(model, cfg.checkpoint.init_from)
-    merged = merge_adapters(load_adapters(model, adapters))
-    save_hf_checkpoint(merged, out)
-    return out

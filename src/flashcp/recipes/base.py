@@ -6,13 +6,20 @@ non-finite handling, checkpoints and the metrics file. A recipe owns what differ
 
 * `build_data()`: the step source (`next_step()` gives this dp rank's micro-batches of FULL
   sequences; `state_dict()` / `load_state_dict()` make it resumable);
-* `setup_model(model)`: changes to the freshly built FULL model before the pipeline split
-  (LoRA adapters; a frozen reference copy for DPO);
+* `setup_model(model)`: changes to this rank's freshly built model — its pipeline stage, built
+  stage-only (LoRA adapters; a frozen reference copy for DPO, of the stage only);
 * `plan(batches)`: this rank's `MicroBatch`es (cp shards) with a `loss` closure each, plus the
   step's global token counts. A micro-batch's loss must already be normalised by a GLOBAL
   count (all micro-batches, all dp / cp ranks), so summing gradients over ranks gives the
   gradient of one big batch whatever the layout;
-* `prepare(plan, executor)`: forward-only passes the loss needs first (DPO reference log-probs);
+* the loss closure's input: `loss(out)` receives a `flashcp.models.HeadInput`, the final-norm
+  hidden states `[B, L_local, H]` of the model (pp = 1) or of the last pipeline stage, with
+  that module as the LM head. Recipes never see full logits: they call
+  `out.token_logprobs(labels, chunk_tokens=cfg.train.loss_chunk_tokens)` (log p(label) per
+  local token, 0 on ignored labels), which runs the head over token chunks and recomputes each
+  chunk's logits in backward (`flashcp.models.head`);
+* `prepare(plan, executor)`: forward-only passes the loss needs first (DPO reference log-probs;
+  `executor.forward_only(micro, out_fn, module)` calls `out_fn(HeadInput, mb)` likewise);
 * `loss_value(micro_losses)`, `step_stats()`, `metrics(stats)`: this rank's share of the step
   loss and of extra statistics, which the trainer sums over every rank, and the metrics made
   from the sums.
@@ -33,6 +40,7 @@ import paddle
 
 from flashcp.config import Config
 from flashcp.distributed import ParallelGroups
+from flashcp.models import HeadInput
 from flashcp.parallel import MicroBatch
 
 
@@ -57,7 +65,7 @@ class Executor(Protocol):
     def forward_only(
         self,
         micro: Sequence[MicroBatch],
-        out_fn: Callable[[paddle.Tensor, MicroBatch], Any],
+        out_fn: Callable[[HeadInput, MicroBatch], Any],
         module: paddle.nn.Layer | None = None,
     ) -> list[Any] | None: ...
 
@@ -127,14 +135,20 @@ class Recipe:
         raise NotImplementedError
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
-        """Change the full model before the pipeline split (default: nothing)."""
+        """Change this rank's model (its pipeline stage) before training (default: nothing)."""
 
-    def reference_model(self) -> paddle.nn.Layer | None:
-        """A frozen model the pipeline must split like the policy (default: none)."""
-        return None
+    def apply_lora(self, model: paddle.nn.Layer) -> bool:
+        """Apply the `lora` section, if any, to this rank's stage (target patterns checked over
+        every stage, adapters keyed by `train.seed`); returns whether it did."""
+        section = self.cfg.extras.get("lora")
+        if section is None:
+            return False
+        from flashcp.recipes.adapters import apply_lora_config
 
-    def set_reference_module(self, module: paddle.nn.Layer | None) -> None:
-        """This rank's part of `reference_model()` after the split."""
+        self.lora = apply_lora_config(
+            model, section, group=self.ctx.groups.pp, seed=self.cfg.train.seed
+        )
+        return True
 
     def plan(self, batches: list[Any]) -> StepPlan:
         raise NotImplementedError

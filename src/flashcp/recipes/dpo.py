@@ -14,8 +14,10 @@ One step:
    forward-only pass through the pipeline and the results stay on the last stage, where the
    losses are computed.
 4. The executor runs the policy forward and backward; each micro-batch's loss closure turns the
-   last stage's logits into per-token log-probs, sums them over each answer's span and applies
-   the DPO loss (`flashcp.recipes.dpo_loss.dpo_terms`).
+   last stage's final-norm hidden states (`HeadInput`) into per-token log-probs over chunks of
+   `train.loss_chunk_tokens` answer tokens (no full logits; each chunk's logits recomputed in
+   backward), sums them over each answer's span and applies the DPO loss
+   (`flashcp.recipes.dpo_loss.dpo_terms`). The reference pass uses the same chunked head.
 
 Context parallelism: a cp rank holds only some tokens of every answer, so its span sums are
 partial. `replicated_sum` all-reduces them over the cp group; from there every cp rank computes
@@ -43,7 +45,7 @@ from paddle.autograd import PyLayer
 from flashcp.config.recipes import DPOConfig
 from flashcp.cp.layout import assigned_positions, shard_assigned
 from flashcp.distributed import all_reduce_tensor
-from flashcp.models import AttentionContext, token_logprobs
+from flashcp.models import AttentionContext, HeadInput
 from flashcp.parallel import MicroBatch
 from flashcp.recipes.base import Executor, Recipe, StepPlan
 from flashcp.recipes.dpo_data import IGNORE_INDEX, DPOBatch
@@ -78,7 +80,7 @@ def replicated_sum(x: paddle.Tensor, group: Any) -> paddle.Tensor:
 
 @dataclass
 class _Micro:
-    """What a micro-batch's loss needs besides the logits (this rank's view)."""
+    """What a micro-batch's loss needs besides the hidden states (this rank's view)."""
 
     index: int
     labels: paddle.Tensor
@@ -96,8 +98,8 @@ class DPORecipe(Recipe):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.dpo: DPOConfig = self.cfg.extras.get("dpo") or DPOConfig()
-        self._reference_full: paddle.nn.Layer | None = None
         self.reference: paddle.nn.Layer | None = None
+        """The frozen reference copy of this rank's stage (None with LoRA: adapters off)."""
         self._micro: dict[int, _Micro] = {}
         self._ref: list[tuple[paddle.Tensor, paddle.Tensor]] = []
         self._sums = np.zeros(len(STATS))
@@ -110,25 +112,15 @@ class DPORecipe(Recipe):
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
         """LoRA: adapters on the policy (the reference is the same model, adapters off).
-        Otherwise the reference is a frozen copy of the initial policy."""
-        section = self.cfg.extras.get("lora")
-        if section is not None:
-            from flashcp.recipes.adapters import apply_lora_config
-
-            self.lora = apply_lora_config(model, section)
+        Otherwise the reference is a frozen copy of this rank's initial stage, in the same
+        storage dtype (`train.param_dtype`): no rank holds more than its stage twice."""
+        if self.apply_lora(model):
             return
         reference = copy.deepcopy(model)
         for p in reference.parameters():
             p.stop_gradient = True
         reference.eval()
-        self._reference_full = reference
-
-    def reference_model(self) -> paddle.nn.Layer | None:
-        return self._reference_full
-
-    def set_reference_module(self, module: paddle.nn.Layer | None) -> None:
-        self.reference = module
-        self._reference_full = None
+        self.reference = reference
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -174,13 +166,11 @@ class DPORecipe(Recipe):
         tokens = ctx.dp_size * cfg.train.grad_accum * cfg.data.micro_batch_size * seq_len
         return StepPlan(micro=micro, tokens=tokens, targets=int(round(counts[1])))
 
-    def answer_logps(
-        self, logits: paddle.Tensor, mb: MicroBatch
-    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    def answer_logps(self, out: HeadInput, mb: MicroBatch) -> tuple[paddle.Tensor, paddle.Tensor]:
         """(chosen, rejected) log-prob sums `[N]` of the micro-batch's examples, summed over
-        the cp group (length-averaged for IPO)."""
+        the cp group (length-averaged for IPO), from the last stage's output `out`."""
         m = self._micro[id(mb)]
-        token_lp = token_logprobs(logits, m.labels)
+        token_lp = out.token_logprobs(m.labels, chunk_tokens=self.cfg.train.loss_chunk_tokens)
         chosen, rejected = sequence_logps(token_lp, m.spans, columns=m.columns)
         group = self.ctx.groups.cp
         if paddle.is_grad_enabled():
@@ -204,8 +194,8 @@ class DPORecipe(Recipe):
             results = executor.forward_only(plan.micro, self.answer_logps, self.reference)
         self._ref = list(results or [])
 
-    def _loss(self, logits: paddle.Tensor, *, mb: MicroBatch, denom: float) -> paddle.Tensor:
-        chosen, rejected = self.answer_logps(logits, mb)
+    def _loss(self, out: HeadInput, *, mb: MicroBatch, denom: float) -> paddle.Tensor:
+        chosen, rejected = self.answer_logps(out, mb)
         ref_chosen, ref_rejected = self._ref[self._micro[id(mb)].index]
         per, chosen_r, rejected_r = dpo_terms(
             chosen,

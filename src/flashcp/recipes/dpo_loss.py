@@ -1,7 +1,7 @@
 """DPO: answer log-prob sums from per-token log-probs, and the preference losses.
 
-    logits = model(input_ids, positions, attn)
-    token_lp = token_logprobs(logits, labels)                  # [B, L], 0 on ignored labels
+    hidden = model(input_ids, positions, attn)                 # final-norm hidden states
+    token_lp = model.token_logprobs(hidden, labels)            # [B, L], 0 on ignored labels
     chosen, rejected = sequence_logps(token_lp, batch.spans)   # [N] each
     loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1)
 
@@ -95,20 +95,28 @@ def sequence_logps(
 
 
 def answer_logps(
-    model: Any, batch: Any, *, attn: Any = None, average: bool = False
+    model: Any,
+    batch: Any,
+    *,
+    attn: Any = None,
+    average: bool = False,
+    chunk_tokens: int | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(chosen, rejected) log-prob sums of a whole `DPOBatch` under `model` (no CP sharding).
 
-    Runs `model(input_ids, positions, attn)` with the batch's mask (unless `attn` is given).
-    For reference log-probs wrap it in `paddle.no_grad()` and, for a LoRA policy,
+    Runs `model(input_ids, positions, attn)` (final-norm hidden states) with the batch's mask
+    (unless `attn` is given), then its chunked head `model.token_logprobs` over chunks of
+    `chunk_tokens` answer tokens (None: the default, 0: the full logits). For reference
+    log-probs wrap it in `paddle.no_grad()` and, for a LoRA policy,
     `flashcp.recipes.lora.disable_adapters`.
     """
-    from flashcp.models import AttentionContext, token_logprobs
+    from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext
 
     if attn is None:
         attn = AttentionContext(mask=batch.mask.indices, causal=batch.mask.causal)
-    logits = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), attn)
-    token_lp = token_logprobs(logits, paddle.to_tensor(batch.labels))
+    hidden = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), attn)
+    chunk = DEFAULT_LOSS_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    token_lp = model.token_logprobs(hidden, paddle.to_tensor(batch.labels), chunk_tokens=chunk)
     return sequence_logps(token_lp, batch.spans, average=average)
 
 

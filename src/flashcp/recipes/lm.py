@@ -3,8 +3,10 @@
 Data: `flashcp.data.TrainData` (documents packed into causal-document sequences, labels shifted
 on the full sequence). Loss of a micro-batch: the SUM of this rank's token cross-entropies
 divided by the GLOBAL target count of the step (every micro-batch, summed over cp and dp), so
-the micro-batch losses of all ranks add up to the mean loss of one big batch. With a `lora`
-section (sft) only the adapters train.
+the micro-batch losses of all ranks add up to the mean loss of one big batch. The
+cross-entropies come from the last stage's hidden states over chunks of
+`train.loss_chunk_tokens` tokens (`HeadInput.token_logprobs`), never from full logits. With a
+`lora` section (sft) only the adapters train.
 """
 
 from __future__ import annotations
@@ -13,33 +15,29 @@ from functools import partial
 from typing import Any
 
 import paddle
-import paddle.nn.functional as F
 
 from flashcp.config import IGNORE_INDEX
 from flashcp.data import TrainData, shard_batch
-from flashcp.models import AttentionContext
+from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext, HeadInput
 from flashcp.parallel import MicroBatch
 from flashcp.recipes.base import Recipe, StepPlan
 from flashcp.trainer.parallel import all_reduce_values
 
 
-def summed_cross_entropy(logits: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
-    """Cross-entropy summed over the tokens with a label (`IGNORE_INDEX` excluded)."""
-    vocab = int(logits.shape[-1])
-    if logits.dtype != paddle.float32:
-        logits = logits.astype("float32")
-    per_token = F.cross_entropy(
-        logits.reshape([-1, vocab]),
-        labels.reshape([-1, 1]),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    return per_token.sum()
+def summed_cross_entropy(
+    out: HeadInput, labels: paddle.Tensor, *, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+) -> paddle.Tensor:
+    """Cross-entropy summed over the tokens with a label (`IGNORE_INDEX` excluded), the head
+    run over chunks of `chunk_tokens` target tokens (0: the full logits)."""
+    logp = out.token_logprobs(labels, chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX)
+    return -logp.sum()
 
 
-def normalised_ce(logits: paddle.Tensor, *, labels: paddle.Tensor, denom: float) -> paddle.Tensor:
+def normalised_ce(
+    out: HeadInput, *, labels: paddle.Tensor, denom: float, chunk_tokens: int
+) -> paddle.Tensor:
     """`summed_cross_entropy / denom` (denom: the step's global target count)."""
-    return summed_cross_entropy(logits, labels) / denom
+    return summed_cross_entropy(out, labels, chunk_tokens=chunk_tokens) / denom
 
 
 class LMData(TrainData):
@@ -60,11 +58,7 @@ class LMRecipe(Recipe):
         return LMData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
-        from flashcp.recipes.adapters import apply_lora_config
-
-        section = self.cfg.extras.get("lora")
-        if section is not None:
-            self.lora = apply_lora_config(model, section)
+        self.apply_lora(model)
 
     def plan(self, batches: list[Any]) -> StepPlan:
         ctx, cfg = self.ctx, self.cfg
@@ -91,7 +85,12 @@ class LMRecipe(Recipe):
                     paddle.to_tensor(local.positions),
                     labels,
                     attn,
-                    loss=partial(normalised_ce, labels=labels, denom=denom),
+                    loss=partial(
+                        normalised_ce,
+                        labels=labels,
+                        denom=denom,
+                        chunk_tokens=cfg.train.loss_chunk_tokens,
+                    ),
                 )
             )
         seq_len = batches[0].seq_len if batches else 0

@@ -1,9 +1,10 @@
 """LoRA adapters on a flashcp `CausalLM`, through PaddleFormers' `LoRAModel`.
 
     lora = apply_lora(model, rank=8, alpha=16, target_modules=[".*q_proj", ".*v_proj"])
-    logits = lora(input_ids, positions, attn)          # base + adapters; only adapters train
+    hidden = lora(input_ids, positions, attn)          # base + adapters; only adapters train
+    logp = lora.token_logprobs(hidden, labels)         # the (chunked) head, see flashcp.models
     with disable_adapters(lora):
-        ref_logits = lora(input_ids, positions, attn)  # the frozen base model (DPO reference)
+        ref_hidden = lora(input_ids, positions, attn)  # the frozen base model (DPO reference)
     save_adapters(lora, "out/adapters")                # PaddleFormers' own format
     lora2 = load_adapters(build_model(args), "out/adapters")
     merged = merge_adapters(lora)                      # a plain CausalLM with W + s·A·B
@@ -17,7 +18,8 @@ expressions matched with `re.fullmatch` against sublayer names (PaddleFormers' r
 
 Adapter math (PaddleFormers `LoRALinear`, Paddle weights are `[in, out]`):
 ``y = x W + b + dropout(x) A B · alpha / rank`` with A `[in, rank]` (Kaiming-uniform) and
-B `[rank, out]` (zeros), so a fresh adapter leaves the model's output unchanged.
+B `[rank, out]` (zeros), so a fresh adapter leaves the model's output unchanged. Adapters are
+float32; the base weight may be stored in bf16 (`CastingLoRALinear` upcasts it on CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -35,6 +38,9 @@ import paddle
 from paddle import nn
 
 from flashcp.models.base import CausalLM
+from flashcp.models.init import InitRule, fill_parameter
+from flashcp.models.layers import Linear
+from flashcp.models.precision import as_dtype, cast_linear, needs_cast
 
 # PaddleFormers' file names inside an adapter directory (its `save_pretrained` layout).
 LORA_CONFIG_FILE = "lora_config.json"
@@ -109,38 +115,116 @@ def _linear_names(model: nn.Layer) -> list[str]:
     return [name for name, layer in model.named_sublayers() if isinstance(layer, nn.Linear)]
 
 
-def _check_targets(model: nn.Layer, target_modules: Sequence[str]) -> list[str]:
-    """Compile each pattern and check it matches >= 1 sublayer, all of them `nn.Linear`."""
+def _patterns(target_modules: Sequence[str] | str) -> list[str]:
+    """The target patterns as a list, each compiled once to report a bad regex by name."""
     if isinstance(target_modules, str):
         target_modules = [target_modules]
     patterns = [str(p) for p in target_modules]
     if not patterns:
         raise ValueError("target_modules is empty: give regexes such as ['.*q_proj', '.*v_proj']")
-    named = list(model.named_sublayers())
-    linears = _linear_names(model)
-    example = ", ".join(linears[:4]) + (", ..." if len(linears) > 4 else "")
     for pattern in patterns:
         try:
-            regex = re.compile(pattern)
+            re.compile(pattern)
         except re.error as err:
             raise ValueError(
                 f"LoRA target module pattern {pattern!r} is not a regex: {err}"
             ) from err
-        hits = [(name, layer) for name, layer in named if regex.fullmatch(name)]
-        if not hits:
+    return patterns
+
+
+def target_summary(model: nn.Layer, target_modules: Sequence[str] | str) -> dict[str, Any]:
+    """What the patterns match in `model` (one pipeline stage, or the whole model): per
+    pattern the number of layers it matches and the first non-`nn.Linear` one (name, type),
+    plus a few linear layer names for the error message. Picklable, so the stages of a
+    pipeline can pool theirs (`check_targets`)."""
+    patterns = _patterns(target_modules)
+    named = list(model.named_sublayers())
+    hits: dict[str, int] = {}
+    bad: dict[str, tuple[str, str]] = {}
+    for pattern in patterns:
+        regex = re.compile(pattern)
+        matched = [(name, layer) for name, layer in named if regex.fullmatch(name)]
+        hits[pattern] = len(matched)
+        wrong = [(n, type(sub).__name__) for n, sub in matched if not isinstance(sub, nn.Linear)]
+        if wrong:
+            bad[pattern] = wrong[0]
+    return {
+        "patterns": patterns,
+        "hits": hits,
+        "bad": bad,
+        "examples": _linear_names(model)[:5],
+        "model": type(model).__name__,
+    }
+
+
+def check_targets(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Raise `ValueError` unless every pattern matches >= 1 layer in some summary (e.g. on
+    some pipeline stage) and only `nn.Linear` layers anywhere; returns the patterns."""
+    first = summaries[0]
+    patterns = first["patterns"]
+    examples = [n for s in summaries for n in s["examples"]]
+    example = ", ".join(examples[:4]) + (", ..." if len(examples) > 4 else "")
+    for pattern in patterns:
+        if not any(s["hits"][pattern] for s in summaries):
             raise ValueError(
                 f"LoRA target module pattern {pattern!r} matches no layer of "
-                f"{type(model).__name__} (patterns must match the WHOLE name, e.g. "
+                f"{first['model']} (patterns must match the WHOLE name, e.g. "
                 f"'.*q_proj'); its linear layers are named like: {example}"
             )
-        bad = [name for name, layer in hits if not isinstance(layer, nn.Linear)]
-        if bad:
+        wrong = next((s["bad"][pattern] for s in summaries if pattern in s["bad"]), None)
+        if wrong is not None:
             raise ValueError(
-                f"LoRA target module pattern {pattern!r} matches {bad[0]!r} "
-                f"({type(dict(named)[bad[0]]).__name__}), which is not an nn.Linear; LoRA "
+                f"LoRA target module pattern {pattern!r} matches {wrong[0]!r} "
+                f"({wrong[1]}), which is not an nn.Linear; LoRA "
                 f"adapts linear layers only, e.g.: {example}"
             )
     return patterns
+
+
+def _check_targets(model: nn.Layer, target_modules: Sequence[str] | str) -> list[str]:
+    """Compile each pattern and check it matches >= 1 sublayer, all of them `nn.Linear`."""
+    return check_targets([target_summary(model, target_modules)])
+
+
+ADAPTER_DTYPE = "float32"
+"""Storage dtype of LoRA adapters (A, B) whatever the base weights' dtype."""
+
+_CASTING: list[type] = []
+
+
+def casting_lora_class() -> type:
+    """`CastingLoRALinear`: PaddleFormers' `LoRALinear` whose forward upcasts a base weight
+    stored in another dtype than the activations (bf16 storage on CPU).
+
+    PaddleFormers' `LoRALinear.forward` calls `F.linear(input, self.weight, self.bias)` on the
+    stored weight directly, which on CPU has no bf16 kernel; flashcp switches the class of the
+    LoRA layers it creates to this subclass (same state, same PaddleFormers type checks). With
+    equal dtypes it IS PaddleFormers' forward; otherwise the same math with the base weight
+    through `flashcp.models.precision.cast_linear` (no float32 copy kept for backward).
+    """
+    if _CASTING:
+        return _CASTING[0]
+    _, _, LoRALinear = _peft()
+
+    class CastingLoRALinear(LoRALinear):  # type: ignore[misc, valid-type]
+        def forward(self, input: paddle.Tensor, *args: Any, **kwargs: Any) -> paddle.Tensor:
+            if not needs_cast(input, self.weight, self.bias, self.lora_A, self.lora_B):
+                return super().forward(input, *args, **kwargs)
+            result = cast_linear(input, self.weight, self.bias)
+            if not (self.disable_lora or self.merged):
+                a = as_dtype(self.lora_A, input.dtype)
+                b = as_dtype(self.lora_B, input.dtype)
+                result += (self.lora_dropout(input) @ a @ b) * self.scaling
+            return result
+
+    _CASTING.append(CastingLoRALinear)
+    return CastingLoRALinear
+
+
+def _use_casting_layers(model: nn.Layer) -> None:
+    cls = casting_lora_class()
+    for _, layer in lora_layers(model):
+        layer.__class__ = cls
 
 
 def lora_layers(model: nn.Layer) -> list[tuple[str, nn.Layer]]:
@@ -156,13 +240,20 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     target_modules: Sequence[str],
+    seed: int | None = None,
+    require_match: bool = True,
 ) -> Any:
     """Wrap `model` in a PaddleFormers `LoRAModel`; only the adapters stay trainable.
 
     The matched `nn.Linear` layers are replaced in place by `LoRALinear` (sharing the original
-    weight and bias), so `model` itself becomes the adapted model; the returned `LoRAModel`
-    forwards calls to it. Raises `ValueError` for a bad rank/alpha/dropout, a pattern that
-    matches nothing (the message names it) or a model that already has adapters.
+    weight and bias; see `CastingLoRALinear`), so `model` itself becomes the adapted model; the
+    returned `LoRAModel` forwards calls to it. Adapters are float32 whatever the base weights'
+    storage dtype (as Hugging Face PEFT keeps them by default). With `seed`, every adapter
+    starts from (seed, its name) (`init_adapters`), so a pipeline stage gets the same adapters
+    as one process; None keeps PaddleFormers' own init. Raises `ValueError` for a bad
+    rank/alpha/dropout, a pattern that matches nothing (the message names it; skipped with
+    `require_match=False`, for a pipeline stage whose stages were checked together) or a model
+    that already has adapters.
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank must be an integer >= 1, got {rank!r}")
@@ -172,29 +263,36 @@ def apply_lora(
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
     if lora_layers(model):
         raise ValueError("the model already has LoRA adapters: apply_lora once per model")
-    patterns = _check_targets(model, target_modules)
+    patterns = _check_targets(model, target_modules) if require_match else _patterns(target_modules)
     LoRAConfig, LoRAModel, _ = _peft()
     flashcp_config(model)
-    dtype = next(
-        (
-            str(layer.weight.dtype).replace("paddle.", "")
-            for name, layer in model.named_sublayers()
-            if isinstance(layer, nn.Linear) and any(re.fullmatch(p, name) for p in patterns)
-        ),
-        None,
-    )
     config = LoRAConfig(
         r=rank,
         lora_alpha=alpha,
         lora_dropout=float(dropout),
         target_modules=patterns,
         tensor_model_parallel_size=1,
-        dtype=dtype,
+        dtype=ADAPTER_DTYPE,
     )
     with _quiet():
         lora = LoRAModel(model, config)
+    _use_casting_layers(model)
     lora.mark_only_lora_as_trainable()
+    if seed is not None:
+        init_adapters(model, seed)
     return lora
+
+
+def init_adapters(model: nn.Layer, seed: int) -> None:
+    """Every adapter from (seed, its name) (`flashcp.models.init`): A `[in, r]` uniform in
+    ±1/sqrt(in) — the distribution of PaddleFormers' `KaimingUniform(negative_slope=sqrt(5),
+    nonlinearity="leaky_relu")` (gain sqrt(2 / (1 + 5)) times sqrt(3 / fan_in), fan_in = in)
+    — and B zeros, so a fresh adapter leaves the model's output unchanged."""
+    for name, layer in lora_layers(model):
+        fan_in = int(layer.lora_A.shape[0])
+        rule = InitRule("uniform", 1.0 / math.sqrt(fan_in))
+        fill_parameter(layer.lora_A, seed, f"{name}.lora_A", rule)
+        fill_parameter(layer.lora_B, seed, f"{name}.lora_B", InitRule("zeros"))
 
 
 def trainable_parameters(model: nn.Layer) -> list[paddle.Tensor]:
@@ -242,6 +340,7 @@ def load_adapters(model: CausalLM, directory: str | os.PathLike[str]) -> Any:
     config.tensor_model_parallel_size = 1
     with _quiet():
         lora = LoRAModel.from_pretrained(model, str(src), lora_config=config)
+    _use_casting_layers(model)
     lora.mark_only_lora_as_trainable()
     return lora
 
@@ -254,6 +353,7 @@ def merge_adapters(lora_model: Any) -> CausalLM:
     merged weight and the original bias. (PaddleFormers' `restore_original_model()` is not used:
     it builds every replacement with a bias, so bias-free projections such as `o_proj` would
     gain zero `.bias` parameters and the state dict would no longer match the base model's.)
+    The replacements are flashcp `Linear`s, so bf16-stored weights still compute on CPU.
     Every parameter of the returned model is trainable again, as before `apply_lora`;
     `lora_model` must not be used afterwards.
     """
@@ -266,9 +366,7 @@ def merge_adapters(lora_model: Any) -> CausalLM:
         for part in path:
             parent = getattr(parent, part)
         in_features, out_features = (int(d) for d in layer.weight.shape)
-        plain = nn.Linear(
-            in_features, out_features, bias_attr=False if layer.bias is None else None
-        )
+        plain = Linear(in_features, out_features, bias_attr=False if layer.bias is None else None)
         plain.weight = layer.weight
         if layer.bias is not None:
             plain.bias = layer.bias

@@ -4,15 +4,16 @@ Faults make the failure paths of a real launched job reproducible: a NaN at a ch
 chosen rank, a rank killed in the middle of a step, a crash while a checkpoint is half written.
 Nothing here runs unless `FLASHCP_FAULT` is set; a malformed value is an error (never ignored).
 
-    FLASHCP_FAULT=nan_loss@step3:rank1                  # rank 1's logits are NaN at step 3
+    FLASHCP_FAULT=nan_loss@step3:rank1                  # rank 1 outputs NaN at step 3
     FLASHCP_FAULT=nan_grad@step2:rank0,inf_loss@step4   # several faults, comma separated
     FLASHCP_FAULT=sigkill@step3:rank1                   # rank 1 SIGKILLs itself mid-step 3
     FLASHCP_FAULT=crash_in_checkpoint_write@step4       # rank 0 dies inside step_4.tmp/
 
 Each fault is `KIND@stepN[:rankR]` (no rank: every rank). Kinds:
 
-* `nan_loss` / `inf_loss`: the model's output is multiplied by NaN / +Inf on that step, so the
-  rank's loss (and its gradients) are non-finite; the trainer must report or skip the step.
+* `nan_loss` / `inf_loss`: the model's output (its final hidden states) is multiplied by NaN /
+  +Inf on that step, so the rank's loss (and its gradients) are non-finite; the trainer must
+  report or skip the step.
 * `nan_grad`: the rank's gradient of its first trainable parameter becomes NaN (loss finite).
 * `sigkill`: the rank sends itself SIGKILL right after its forward pass of that step, while its
   peers are inside the step's collectives.

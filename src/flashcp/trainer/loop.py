@@ -1,5 +1,9 @@
 """The training loop: one `Trainer` per process, the same code for 1 or N ranks.
 
+Each rank builds only its part of the model — its pipeline stage (the whole model when
+pp = 1), directly in `train.param_dtype` — and writes what it built to `run_info.json`
+(`flashcp.trainer.runinfo`) at the start of `fit`.
+
 One optimizer step (`Trainer.train_step`):
 
 1. The recipe's data (`flashcp.recipes.base.Recipe.build_data`) gives this dp rank's
@@ -46,14 +50,23 @@ from flashcp import dispatch
 from flashcp.config import Config, config_hash, diff_dicts, hashed_dict, to_yaml
 from flashcp.cp import make_assignment
 from flashcp.cp.layout import Assignment
-from flashcp.distributed import ParallelDims, ParallelGroups, barrier, build_groups
+from flashcp.distributed import (
+    ParallelDims,
+    ParallelGroups,
+    all_gather_object,
+    barrier,
+    build_groups,
+)
+from flashcp.models.base import StageSpec
+from flashcp.parallel import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
 from flashcp.trainer import checkpoint as ckpt
-from flashcp.trainer import rundir, sharded
+from flashcp.trainer import memory, rundir, sharded
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
-from flashcp.trainer.metrics import MetricsWriter, StepMetrics, peak_memory_gib
+from flashcp.trainer.metrics import MetricsWriter, StepMetrics
 from flashcp.trainer.optim import build_scheduler
 from flashcp.trainer.parallel import all_reduce_values, trainable
+from flashcp.trainer.runinfo import write_run_info
 from flashcp.trainer.state import (
     SEP,
     load_model_arrays,
@@ -143,11 +156,15 @@ def set_determinism(cfg: Config) -> None:
             paddle.set_flags({name: True if name == dispatch.FLAG_DETERMINISTIC else 1})
 
 
-def default_model_factory(cfg: Config) -> paddle.nn.Layer:
-    """Build the configured model (seeded by the caller), then load `checkpoint.init_from`."""
+def default_model_factory(cfg: Config, stage: StageSpec | None = None) -> paddle.nn.Layer:
+    """Build the configured model — only pipeline stage `stage` of it when given — directly in
+    `train.param_dtype`, initialised from `train.seed` (`flashcp.models.build_model`), then
+    load `checkpoint.init_from`."""
     from flashcp.models import build_model
 
-    model = build_model(cfg.model)
+    model = build_model(
+        cfg.model, stage=stage, param_dtype=cfg.train.param_dtype, seed=cfg.train.seed
+    )
     init_weights(model, cfg)
     return model
 
@@ -185,10 +202,12 @@ class Trainer:
     """Trains `cfg` on this process's share of the job (see the module docstring).
 
     `groups` are this rank's process groups (None: a single process, trivial groups).
-    `model_factory(cfg)` builds the FULL model after seeding (tests pass small stand-ins); with
-    pp > 1 every rank builds it and keeps its stage, so each stage starts from exactly the
-    weights one process would have. `self.model` is this rank's module (the whole model, or
-    its `PipelineStage`) and `self.params` its trainable `(name, parameter)` pairs.
+    `model_factory(cfg, stage)` builds this rank's part of the model: pipeline stage `stage`
+    (a `flashcp.models.StageSpec`; the whole model when pp = 1) and nothing else — no rank ever
+    holds the full model (tests pass small stand-ins). Initial values depend on (train.seed,
+    parameter name) only, so each stage starts from exactly the weights one process would
+    have. `self.model` is this rank's module (a `CausalLM`: the whole model, or its stage) and
+    `self.params` its trainable `(name, parameter)` pairs.
     """
 
     def __init__(
@@ -232,18 +251,15 @@ class Trainer:
         )
         self.recipe = build_recipe(ctx)
         self.data = self.recipe.build_data()
-        full = (model_factory or default_model_factory)(cfg)
-        full.train()
-        self.recipe.setup_model(full)
+        self.spec = stage_spec(cfg.model, self.pp_rank, self.pp_size, cfg.parallel.pp_layers)
+        """This rank's pipeline stage (the whole model when pp = 1)."""
+        self.model = (model_factory or default_model_factory)(cfg, self.spec)
+        self.model.train()
+        self.recipe.setup_model(self.model)
         self.lora = self.recipe.lora
         """`flashcp.recipes.adapters.LoRASetup` when a `lora` section is set, else None."""
-        self.global_names = [n for n, p in full.named_parameters() if not p.stop_gradient]
-        reference = self.recipe.reference_model()
-        self.model = self._place(full)
-        if reference is not None:
-            self.recipe.set_reference_module(self._place(reference))
-        del full, reference
         self.params = trainable(self.model)
+        self.global_names = self._global_names()
         self.shared = self._shared_names()
         self.scheduler = build_scheduler(cfg.train)
         self.optimizer = build_distributed_optimizer(
@@ -285,18 +301,21 @@ class Trainer:
 
     # -- pipeline ---------------------------------------------------------------------------
 
-    def _place(self, model: paddle.nn.Layer) -> paddle.nn.Layer:
-        """The whole model (pp = 1) or this rank's pipeline stage of it."""
+    def _global_names(self) -> list[str]:
+        """The whole model's trainable parameter names in its `named_parameters` order: each
+        stage's list, concatenated in stage order (a stage's names follow the whole model's
+        order, and stages hold consecutive layers), the tied copy counted once."""
+        local = [n for n, _ in self.params]
         if self.pp_size == 1:
-            return model
-        from flashcp.parallel import PipelineStage
-
-        return PipelineStage.from_model(
-            model,  # type: ignore[arg-type]
-            self.pp_rank,
-            self.pp_size,
-            self.cfg.parallel.pp_layers,
-        )
+            return local
+        names: list[str] = []
+        seen: set[str] = set()
+        for part in all_gather_object(local, self.groups.pp):
+            for name in part:
+                if name not in seen:
+                    seen.add(name)
+                    names.append(name)
+        return names
 
     def _init_masters(self) -> None:
         """With `checkpoint.init_from` and parameters stored in bfloat16/float16, the float32
@@ -518,16 +537,22 @@ class Trainer:
         grads_finite = math.isfinite(self.optimizer.local_squares())
         world = int(self.groups.world.nranks)
         stats = self.recipe.step_stats()
-        flags = np.zeros(1 + 2 * world + len(stats))
+        # one all-reduce: loss, per-rank non-finite flags, per-rank memory peaks, recipe sums
+        flags = np.zeros(1 + 4 * world + len(stats))
         flags[0] = loss_local
         flags[1 + self.rank] = 0.0 if math.isfinite(loss_local) else 1.0
         flags[1 + world + self.rank] = 0.0 if grads_finite else 1.0
-        flags[1 + 2 * world :] = stats
+        flags[1 + 2 * world + self.rank] = memory.peak_bytes()
+        flags[1 + 3 * world + self.rank] = memory.peak_rss_bytes()
+        flags[1 + 4 * world :] = stats
         reduced = all_reduce_values(flags, self.step_groups)
         loss_value = float(reduced[0])
         bad_loss = [r for r in range(world) if reduced[1 + r] > 0]
         bad_grad = [r for r in range(world) if reduced[1 + world + r] > 0]
-        extra = self.recipe.metrics(reduced[1 + 2 * world :])
+        peaks = reduced[1 + 2 * world : 1 + 3 * world]
+        peak_rank = int(np.argmax(peaks))
+        peak_rss = float(np.max(reduced[1 + 3 * world : 1 + 4 * world]))
+        extra = self.recipe.metrics(reduced[1 + 4 * world :])
         lr = float(self.scheduler.get_lr())
         skipped = False
         if bad_loss or bad_grad:
@@ -553,7 +578,9 @@ class Trainer:
             targets=plan.targets,
             tokens_per_s=plan.tokens / elapsed if elapsed > 0 else 0.0,
             step_time_s=elapsed,
-            peak_memory_gib=peak_memory_gib(),
+            peak_memory_gib=float(peaks[peak_rank]) / 2**30,
+            peak_memory_rank=peak_rank,
+            peak_rss_gib=peak_rss / 2**30,
             skipped=skipped,
             extra=extra,
         )
@@ -615,6 +642,7 @@ class Trainer:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_run_info(self)
         self.echo(self.describe())
         if source is not None:
             self.echo(f"resumed from {source} at step {start}")
@@ -653,9 +681,21 @@ class Trainer:
         writer.echo(f"saved LoRA adapters (PaddleFormers format) to {out}")
         section = self.cfg.extras["lora"]
         if section.merge_at_end and out is not None:
-            from flashcp.recipes.adapters import MERGED_DIR, export_merged
+            merged = self.export_merged()
+            writer.echo(f"saved the merged model to {merged}")
 
-            if self.is_main:
-                merged = export_merged(self.cfg, out, self.output_dir / MERGED_DIR)
-                writer.echo(f"saved the merged model to {merged}")
-            barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+    def export_merged(self) -> Path:
+        """Write base + adapters as an HF safetensors checkpoint in `<output_dir>/merged`,
+        streamed stage by stage (collective: each stage's writer merges and writes its own
+        shard, rank 0 the index; no rank holds more than its stage)."""
+        from flashcp.recipes.adapters import MERGED_DIR
+        from flashcp.recipes.merge_export import write_merged_index, write_merged_stage
+
+        out = self.output_dir / MERGED_DIR
+        if self.is_stage_writer:
+            write_merged_stage(self.model, out)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        if self.is_main:
+            write_merged_index(out, self.cfg.model, self.pp_size, self.cfg.train.param_dtype)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,10 +37,16 @@ class StepMetrics:
     tokens_per_s: float
     step_time_s: float
     peak_memory_gib: float
+    """Peak bytes of Paddle tensors (allocator statistics, `flashcp.trainer.memory`), GiB: the
+    maximum over every rank of each rank's peak since its start."""
     skipped: bool = False
     extra: dict[str, float] = field(default_factory=dict)
     """Recipe metrics (DPO: `rewards/chosen`, `rewards/accuracy`, ...), written as top-level
     keys of the JSON record."""
+    peak_memory_rank: int = 0
+    """The rank holding `peak_memory_gib`."""
+    peak_rss_gib: float = 0.0
+    """Peak resident set size of the process (everything, not only tensors), max over ranks."""
 
     def to_json(self) -> str:
         record = asdict(self)
@@ -56,26 +61,13 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def peak_memory_gib() -> float:
-    """Peak memory of this process: GPU allocator peak on GPU, else peak RSS (GiB)."""
-    try:
-        import paddle
-
-        if paddle.is_compiled_with_cuda() and "gpu" in str(paddle.get_device()):
-            return float(paddle.device.cuda.max_memory_allocated()) / 2**30
-    except Exception:  # noqa: BLE001 - memory reporting must never break training
-        pass
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return float(kib) / 2**20
-
-
 def format_line(m: StepMetrics, total_steps: int) -> str:
     """The human log line of a step."""
     width = len(str(total_steps))
     text = (
         f"step {m.step:>{width}}/{total_steps} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
         f"grad_norm {m.grad_norm:.4f} | tok/s {m.tokens_per_s:,.0f} | "
-        f"mem {m.peak_memory_gib:.2f} GiB | {m.step_time_s:.3f} s"
+        f"mem {m.peak_memory_gib:.2f} GiB (rank {m.peak_memory_rank}) | {m.step_time_s:.3f} s"
     )
     for key in LOGGED_EXTRAS:
         if key in m.extra:

@@ -1,15 +1,15 @@
 """The run directory: may a run start in it, and moving an earlier run aside (`run.overwrite`).
 
-A run writes `checkpoints/`, `metrics.jsonl`, `config.yaml` and `logs/` to `run.output_dir`.
-A fresh run (`checkpoint.resume: never`) in a directory that already holds checkpoints would mix
-two runs, so it is refused, with the three ways out (`start_conflict`): continue the run
-(`checkpoint.resume=auto`), start over in the same place (`run.overwrite=true`), or write
-elsewhere (another `run.output_dir`). A run that would start from step 0 (no checkpoint to
+A run writes `checkpoints/`, `metrics.jsonl`, `config.yaml`, `run_info.json` and `logs/` to
+`run.output_dir`. A fresh run (`checkpoint.resume: never`) in a directory that already holds
+checkpoints would mix two runs, so it is refused, with the three ways out (`start_conflict`):
+continue the run (`checkpoint.resume=auto`), start over in the same place (`run.overwrite=true`), or
+write elsewhere (another `run.output_dir`). A run that would start from step 0 (no checkpoint to
 continue from, whatever `checkpoint.resume` says) over the `metrics.jsonl` of an earlier run would
-truncate it, so it is refused too (`metrics_conflict`), with the two ways out that apply.
-`flashcp train` checks this before launching; every rank (`flashcp/train.py`) and the `Trainer`
-check it again with the same message, for jobs started by `paddle.distributed.launch` directly
-and for in-process use.
+truncate it, so it is refused too (`metrics_conflict`), with the two ways out that apply. `flashcp
+train` checks this before launching; every rank (`flashcp/train.py`) and the `Trainer` check it
+again with the same message, for jobs started by `paddle.distributed.launch` directly and for in-
+process use.
 
 `run.overwrite: true` never deletes: `flashcp train` renames the directory to
 `<output_dir>.old-<YYYYmmdd-HHMMSS>[-N]` (`move_aside`: one rename in the same parent, to a name

@@ -68,7 +68,7 @@ def run_model(name, rc, ids, positions, labels, count, ctx):
     """Forward + backward of a fresh seed-0 model: (logits, this rank's gradients)."""
     paddle.seed(0)
     model = build_model(preset(name, recompute=rc))
-    logits = model(paddle.to_tensor(ids), paddle.to_tensor(positions), ctx)
+    logits = model.logits(model(paddle.to_tensor(ids), paddle.to_tensor(positions), ctx))
     loss_sum(logits, labels, count).backward()
     return logits.numpy(), grads(model)
 
@@ -97,7 +97,7 @@ def main() -> None:
         paddle.seed(0)
         ref = build_model(preset(name))
         ref_ctx = AttentionContext(mask=mask, causal=True)
-        ref_logits = ref(paddle.to_tensor(ids), paddle.to_tensor(positions), ref_ctx)
+        ref_logits = ref.logits(ref(paddle.to_tensor(ids), paddle.to_tensor(positions), ref_ctx))
         loss_sum(ref_logits, labels, count).backward()
         ref_logits, ref_grads = ref_logits.numpy(), grads(ref)
         for mode in MODES:

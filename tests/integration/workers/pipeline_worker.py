@@ -1,14 +1,14 @@
 """Worker: a pipeline-parallel training step equals the same step on one process.
 
 Run under `paddle.distributed.launch` with `pp × cp` processes (`--pp`, `--cp`). For each case
-(model preset, layer split, schedule, tied embeddings, recompute) every rank builds the model
-from seed 0 and:
+(model preset, layer split, schedule, tied embeddings, recompute) every rank builds, from seed
+0, the whole model for the references and its stage ALONE (`build_stage`) for the pipeline:
 
 * computes the single-process reference (PP = 1, CP = 1): each micro-batch's summed
   cross-entropy divided by the GLOBAL target count, back-propagated one micro-batch after the
   other; the gradients accumulate;
 * with CP, also the CP-only reference (PP = 1, CP = cp on this rank's cp group, same shards);
-* the pipeline step: its stage of the model, `train_step_1f1b` on its pp group.
+* the pipeline step: its stage, built on its own, `train_step_1f1b` on its pp group.
 
 Checks: every stage parameter's gradient is BITWISE equal to the reference gradient of the
 same name (the PP = 1 one without CP; the CP-only one with CP, i.e. before any cp reduction),
@@ -50,10 +50,10 @@ from flashcp.distributed import (  # noqa: E402
     reset_comm_stats,
     shutdown,
 )
-from flashcp.models import AttentionContext, build_model, preset  # noqa: E402
+from flashcp.models import AttentionContext, HeadInput, build_model, preset  # noqa: E402
 from flashcp.parallel import (  # noqa: E402
     MicroBatch,
-    PipelineStage,
+    build_stage,
     count_targets,
     sum_cross_entropy,
     train_step_1f1b,
@@ -156,13 +156,11 @@ def grads_of(layer) -> dict[str, np.ndarray]:
 
 def sequential(case: Case, mbs: list[MicroBatch], count: int):
     """PP = 1: the whole model, micro-batches forwarded and back-propagated one by one."""
-    paddle.seed(0)
-    model = build_model(preset(case.model, **case.overrides))
+    model = build_model(preset(case.model, **case.overrides), seed=0)
     losses, total = [], paddle.zeros([], dtype="float32")
     for mb in mbs:
-        loss = sum_cross_entropy(model(mb.input_ids, mb.positions, mb.attn), mb.labels) / float(
-            count
-        )
+        out = HeadInput(model(mb.input_ids, mb.positions, mb.attn), model)
+        loss = sum_cross_entropy(out, mb.labels) / float(count)
         loss.backward()
         losses.append(float(loss))
         total = total + loss.detach()
@@ -191,10 +189,10 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
     else:
         same_grads, same_losses, same_total = ref_grads, ref_losses, ref_total
 
-    paddle.seed(0)
-    model = build_model(preset(case.model, **case.overrides))
-    stage = PipelineStage.from_model(model, groups.pp.rank, pp, case.pp_layers)
-    del model
+    # this stage alone (no full model on this rank): the same seed gives the same weights
+    stage = build_stage(
+        preset(case.model, **case.overrides), groups.pp.rank, pp, case.pp_layers, seed=0
+    )
     reset_comm_stats()
     result = train_step_1f1b(
         stage, local, sum_cross_entropy, groups, num_targets=count, kind=case.kind

@@ -84,7 +84,7 @@ def main() -> None:
         factory = None
         if run.get("toy"):
 
-            def factory(c):  # type: ignore[no-untyped-def]
+            def factory(c, stage=None):  # type: ignore[no-untyped-def]
                 return Bf16ToyLM(vocab=int(c.model.vocab_size), seed=c.train.seed)
 
         Trainer(cfg, groups, model_factory=factory).fit()

@@ -1,0 +1,110 @@
+"""The merged LoRA export, streamed: each pipeline stage writes its own HF-layout shard.
+
+No rank ever holds more than its stage: stage `s`'s writer computes, one tensor at a time,
+``W + A·B·alpha/rank`` (float32, cast back to W's storage dtype) for its adapted layers and
+copies every other weight, transposed to the Hugging Face `[out, in]` layout
+(`flashcp.models.hf_weights.hf_state_map` names and orientations), straight into
+`model-0000{s+1}-of-0000{pp}.safetensors` (`flashcp.models.safetensors_stream`). Rank 0 then
+writes `model.safetensors.index.json` (read from the shards' headers) and `config.json`, so the
+directory loads with `flashcp.models.hf_weights.load_hf_checkpoint` (or Hugging Face's
+loaders) whatever the pipeline layout was. A tied embedding is written once, by the first
+stage (the last stage's copy is equal).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+from safetensors import safe_open
+
+from flashcp.models.hf_weights import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, hf_config, hf_state_map
+from flashcp.models.safetensors_stream import (
+    ITEM_SIZE,
+    TensorSpec,
+    safetensors_dtype,
+    write_streaming,
+)
+from flashcp.recipes.lora import lora_layers
+
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def merged_shard_name(stage: int, num_stages: int) -> str:
+    """The merged export's weight file of pipeline stage `stage` (HF shard naming)."""
+    return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
+
+
+def _merged(layer: Any, transposed: bool) -> np.ndarray:
+    if getattr(layer, "merged", False):
+        raise RuntimeError("the adapters are already merged into the base weights")
+    with paddle.no_grad():
+        w = layer.weight.astype("float32")
+        delta = paddle.matmul(layer.lora_A.astype("float32"), layer.lora_B.astype("float32"))
+        out = (w + delta * float(layer.scaling)).astype(layer.weight.dtype)
+        if transposed:
+            out = out.transpose([1, 0])
+        return out.numpy()
+
+
+def _plain(tensor: paddle.Tensor, transposed: bool) -> np.ndarray:
+    with paddle.no_grad():
+        t = tensor.detach()
+        return (t.transpose([1, 0]) if transposed else t).numpy()
+
+
+def merged_specs(module: paddle.nn.Layer) -> list[TensorSpec]:
+    """What this stage writes: every HF key it owns, adapted weights merged (lazily)."""
+    adapted = dict(lora_layers(module))
+    skip_tied = bool(getattr(module, "num_stages", 1) > 1 and not module.is_first)  # type: ignore[attr-defined]
+    specs = []
+    for key, entry in hf_state_map(module).items():
+        if key.endswith((".lora_A", ".lora_B")):
+            continue
+        if skip_tied and key == "model.embed_tokens.weight":
+            continue
+        owner = key.rsplit(".", 1)[0]
+        layer = adapted.get(owner) if key.endswith(".weight") else None
+        if layer is not None:
+            produce = lambda layer=layer, t=entry.transposed: _merged(layer, t)  # noqa: E731
+        else:
+            produce = lambda e=entry: _plain(e.tensor, e.transposed)  # noqa: E731
+        specs.append(
+            TensorSpec(key, safetensors_dtype(entry.tensor.dtype), entry.hf_shape, produce)
+        )
+    return specs
+
+
+def write_merged_stage(module: paddle.nn.Layer, out: Path) -> Path:
+    """Write this stage's merged shard into directory `out`; returns the file."""
+    out.mkdir(parents=True, exist_ok=True)
+    stage = int(getattr(module, "stage", 0))
+    num_stages = int(getattr(module, "num_stages", 1))
+    path = out / merged_shard_name(stage, num_stages)
+    write_streaming(path, merged_specs(module), metadata={"format": "pt"})
+    return path
+
+
+def write_merged_index(out: Path, args: Any, num_stages: int, dtype: str) -> list[str]:
+    """After every stage wrote its shard: the index, `config.json`, and the removal of weight
+    files an earlier export (another layout) left; returns the shard names."""
+    names = [merged_shard_name(s, num_stages) for s in range(num_stages)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name in names:
+        with safe_open(str(out / name), framework="numpy") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                weight_map[key] = name
+                meta = f.get_slice(key)
+                total += int(np.prod(meta.get_shape())) * ITEM_SIZE[meta.get_dtype()]
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    for stale in out.iterdir():
+        if (stale.name == SINGLE_FILE or _SHARD_RE.match(stale.name)) and stale.name not in names:
+            stale.unlink()
+    return names

@@ -1,0 +1,94 @@
+"""`run_info.json`: what each rank of a run built, written by rank 0 at the start of `fit`.
+
+    {"world": 4, "degrees": {"dp": 1, "pp": 2, "cp": 2}, "device": "cpu",
+     "param_dtype": "float32", "compute_dtype": "float32",
+     "ranks": [{"rank": 0, "stage": 0, "layers": [0, 1], "params_local": ...,
+                "param_bytes_local": ..., "trainable_params_local": ...,
+                "reference_params_local": 0, "reference_param_bytes_local": 0,
+                "allocated_bytes": ..., "peak_bytes": ...}, ...],
+     "plan": null}
+
+`params_local` / `param_bytes_local` count the parameters this rank materialised for the
+trained module (its pipeline stage, LoRA adapters included); a frozen DPO reference copy is
+counted apart (`reference_*`). `allocated_bytes` is the allocator's count of live Paddle tensors
+after the build and `peak_bytes` its peak so far (`flashcp.trainer.memory`): a rank that built
+more than its stage, even briefly, shows it there. `plan` is the memory planner's prediction for the
+config (`plan_summary`), null until a planner is available.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+
+from flashcp.distributed import all_gather_object
+from flashcp.trainer import memory
+
+RUN_INFO_FILE = "run_info.json"
+
+
+def parameter_totals(module: paddle.nn.Layer | None) -> tuple[int, int]:
+    """(number of parameter elements, their bytes) of `module` (0, 0 for None)."""
+    if module is None:
+        return 0, 0
+    count = nbytes = 0
+    for p in module.parameters():
+        n = int(np.prod(p.shape)) if len(p.shape) else 1
+        count += n
+        nbytes += n * int(p.element_size())
+    return count, nbytes
+
+
+def rank_record(trainer: Any) -> dict[str, Any]:
+    """This rank's entry of `run_info.json`."""
+    params, nbytes = parameter_totals(trainer.model)
+    ref_params, ref_bytes = parameter_totals(getattr(trainer.recipe, "reference", None))
+    r = trainer.spec.layers
+    return {
+        "rank": trainer.rank,
+        "stage": trainer.pp_rank,
+        "layers": [r.start, r.stop],
+        "params_local": params,
+        "param_bytes_local": nbytes,
+        "trainable_params_local": sum(int(np.prod(p.shape)) for _, p in trainer.params),
+        "reference_params_local": ref_params,
+        "reference_param_bytes_local": ref_bytes,
+        "allocated_bytes": memory.allocated_bytes(),
+        "peak_bytes": memory.peak_bytes(),
+    }
+
+
+def plan_summary(cfg: Any) -> dict[str, Any] | None:
+    """The memory plan of `cfg` for `run_info.json` (None: no planner in this build)."""
+    return None
+
+
+def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `run_info.json` document from every rank's `rank_record`."""
+    return {
+        "world": int(trainer.groups.world.nranks),
+        "degrees": {"dp": trainer.dp_size, "pp": trainer.pp_size, "cp": trainer.cp_size},
+        "device": trainer.device,
+        "param_dtype": cfg.train.param_dtype,
+        "compute_dtype": trainer.dtype,
+        "ranks": sorted(ranks, key=lambda r: r["rank"]),
+        "plan": plan_summary(cfg),
+    }
+
+
+def write_run_info(trainer: Any) -> Path | None:
+    """Gather every rank's record (collective over the world) and write `run_info.json` on
+    rank 0; returns its path there (None elsewhere)."""
+    ranks = all_gather_object(rank_record(trainer), trainer.groups.world)
+    if not trainer.is_main:
+        return None
+    path = trainer.output_dir / RUN_INFO_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(run_info(trainer.cfg, trainer, ranks), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
