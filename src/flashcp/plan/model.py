@@ -307,17 +307,19 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     trained = [x for x in specs if x.trained]
     n_trained, n_frozen = _numel(specs, True), _numel(specs, False)
     n_shard = s.shard_degree
-    master = P != 4 or s.shard
+    # LoRA adapters stay float32 whatever train.param_dtype (`flashcp.recipes.lora`)
+    PT = 4 if s.lora_targets is not None else P
+    master = PT != 4 or s.shard
     T, H, V = s.tokens, args.hidden_size, args.vocab_size
 
     persistent = {
-        "params_trained": n_trained * P,
+        "params_trained": n_trained * PT,
         "params_frozen": n_frozen * P,
         "buffers": _numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
         # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
         # release the bf16 `.grad` (`flashcp.trainer.zero.attach_main_grad`).
-        "gradients": n_trained * P if P == 4 else 0,
-        "main_grads": n_trained * 4 if P != 4 else 0,
+        "gradients": n_trained * PT if PT == 4 else 0,
+        "main_grads": n_trained * 4 if PT != 4 else 0,
         "master_weights": math.ceil(n_trained / n_shard) * 4 if master else 0,
         "optimizer_states": 2 * 4 * math.ceil(n_trained / n_shard) + 8 * len(trained),
         "dpo_reference": (n_trained + n_frozen) * P if s.dpo and s.lora_targets is None else 0,
@@ -387,9 +389,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     inputs = s.grad_accum * (T * 3 * 8 + mask)
 
     # -- logits / loss (last stage) ---------------------------------------------------------
-    bf16_copy = 2 if s.compute == "bfloat16" else 0
     rows = min(s.chunk, T) if s.chunk > 0 else T
-    loss_peak = rows * V * (4 + 4 + bf16_copy)  # logits (float32), softmax (+ bf16 matmul out)
+    # float32 logits and the cross-entropy's softmax (a bf16 matmul output is cast to float32
+    # and dropped before the softmax exists)
+    loss_peak = rows * V * 8
     # pp = 1 before the loss took hidden states: the executor holds the logits through backward
     held_seq = T * V * 4 if (s.chunk == 0 and not HEAD_INPUT) else 0
     softmax_kept = 0 if s.chunk > 0 else T * V * 4  # the loss keeps its softmax for backward
@@ -400,7 +403,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     emb_trained = first and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
     # A weight gradient being formed: in its storage dtype, plus (bf16 storage) the float32
     # cast the main_grad hook adds into main_grad.
-    grad_bytes = P + (4 if P != 4 else 0)
+    grad_bytes = PT + (4 if PT != 4 else 0)
     head_grad = H * V * grad_bytes if head_trained else 0
     # The head matmul's compute-dtype copy of its weight: kept per in-flight micro-batch when
     # unchunked (saved for backward), transient per chunk when chunked.
@@ -411,9 +414,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         micro_acts += T * (H * dt.res + 2 * 4)
     else:
         micro_acts += head_copy
-    # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs.
+    # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs
+    # (forward, and again for dx in backward), next to one [rows, V] buffer.
     head_upcast = H * V * 4 if (last and dt.upcast) else 0
-    loss_peak += head_upcast
+    loss_peak = max(loss_peak, rows * V * 4 + head_upcast)
     emb_grad = V * H * grad_bytes if emb_trained else 0
     p2p = T * H * dt.res if s.pp > 1 and not last else 0
 
@@ -444,6 +448,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             # unchunked: the softmax turned gradient in place; chunked: a chunk's recomputed
             # logits and softmax (and the upcast head weight, bf16 storage on CPU)
             logits_loss=held_bwd + (loss_peak if s.chunk > 0 else softmax_kept + head_upcast),
+            # (chunked: the recomputed chunk's logits + softmax, or its gradient + upcast head)
             weight_grad_transient=head_grad + T * H * dt.c,
         )
         moment(
