@@ -299,14 +299,12 @@ def test_fit_options_add_devices_when_the_knobs_are_not_enough() -> None:
     assert fit_options(cfg, budget_gib=1e-6) == []  # nothing fits a budget this small
 
 
-def test_logits_held_only_while_the_executor_gets_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flashcp.plan import model
-
-    cfg = _cfg()  # pp = 1, unchunked
+def test_unchunked_loss_keeps_only_its_softmax() -> None:
+    cfg = _cfg()  # pp = 1, unchunked: no executor holds the logits (the loss takes hidden)
     tv = cfg.data.seq_len * cfg.model.vocab_size * 4
-    monkeypatch.setattr(model, "HEAD_INPUT", False)
-    assert plan(cfg).ranks[0].moments["backward: layer"]["logits_loss"] == tv
-    monkeypatch.setattr(model, "HEAD_INPUT", True)  # the loss takes hidden states
-    assert plan(cfg).ranks[0].moments["backward: layer"]["logits_loss"] == 0
+    moments = plan(cfg).ranks[0].moments
+    assert moments["forward: loss"]["logits_loss"] == 2 * tv  # logits + softmax
+    assert moments["backward: head"]["logits_loss"] == tv  # the softmax, turned gradient
+    assert moments["backward: layer"]["logits_loss"] == 0
     chunked = plan(_cfg(train={"loss_chunk_tokens": 32})).ranks[0].moments
     assert chunked["forward: loss"]["logits_loss"] == 32 * cfg.model.vocab_size * 8

@@ -2,33 +2,35 @@
 
 A rank's memory is the *persistent* state (parameters, gradients, float32 master weights and
 Adam moments, the DPO reference copy) plus what one moment of the step adds. The planner
-evaluates the moments where a rank peaks and keeps the largest:
+evaluates the moments where a rank can peak and keeps the largest:
 
 * ``forward: loss`` (last stage): every in-flight micro-batch's saved activations plus the
-  logits and the loss's softmax;
-* ``backward: head`` (last stage): the same, with the head's weight gradient being formed;
-* ``backward: layer``: the in-flight activations, the held logits (pp = 1: the executor keeps
-  them through backward), and the working set of the stage's last layer — its gradients,
-  and under recompute its whole re-run forward, plus the CP K/V all-gather;
+  logits and the loss's softmax (or one chunk's, `train.loss_chunk_tokens`);
+* ``backward: head`` (last stage): the same, the softmax turned gradient, the head's weight
+  gradient being formed;
+* ``backward: layer``: for each layer of the stage, two moments of its backward — its MLP
+  (the whole layer still kept) and its attention (only the attention's inputs kept, plus the
+  FlashMask backward and under CP the full-sequence K/V) — with the layers below it kept and
+  under recompute the layer's re-run forward; the worst one counts;
 * ``backward: embedding`` (first stage): the embedding's dense gradient being formed;
 * ``reference forward`` (DPO): the no-gradient reference pass;
 * ``optimizer step``: gradient all-reduce buckets, the squared-norm temporaries, the pipeline
-  clip's gradient copy, ZeRO's flat buffers.
+  clip's gradient copy; with float32 masters (bf16 storage or ZeRO) the flat reduce-scatter
+  buffers, then the shard's gradients and their clipped copy and the all-gather buffers.
 
 Micro-batches in flight on stage s: 1 with pp = 1; ``min(pp - s, grad_accum)`` under 1F1B;
 ``grad_accum`` under GPipe (`flashcp.parallel.schedule`). Ranks of one stage (its dp × cp
 ranks) hold equal bytes; ZeRO-1 (`parallel.shard_optimizer`) divides master weights and Adam
 moments by dp × cp.
 
-The plan models flashcp as designed for issue 11: stage-only construction (each rank builds
-only its stage), `train.param_dtype` storage (bf16: float32 master weights, float32
-`main_grad`), `parallel.shard_optimizer`, `train.loss_chunk_tokens`. With float32 storage, no
-sharding and no loss chunking it models exactly what the code before those features runs.
+What it models is flashcp's code: each rank builds only its stage, directly in
+`train.param_dtype` (bf16: float32 `main_grad` accumulation, float32 master weights; LoRA
+adapters stay float32), `parallel.shard_optimizer` (`flashcp.trainer.zero`), the loss over
+final hidden states (`flashcp.models.head`), recompute none / full / refined.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,11 +94,6 @@ ITEM_DOCS: dict[str, str] = {
     "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, NCCL "
     "buffers, allocator slack (GPU); 0 on CPU (the allocator counts tensors only)",
 }
-
-HEAD_INPUT = importlib.util.find_spec("flashcp.models.head") is not None
-"""Whether this flashcp's losses take the final hidden states (`flashcp.models.head`, the
-chunked-loss change): then no executor holds `[T, V]` logits through backward; before it, the
-pp = 1 executor keeps the whole logits alive until the micro-batch's backward ends."""
 
 GPU_FIXED_BYTES = 2 * GIB
 """CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers (not tensors)."""
@@ -393,9 +390,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     # float32 logits and the cross-entropy's softmax (a bf16 matmul output is cast to float32
     # and dropped before the softmax exists)
     loss_peak = rows * V * 8
-    # pp = 1 before the loss took hidden states: the executor holds the logits through backward
-    held_seq = T * V * 4 if (s.chunk == 0 and not HEAD_INPUT) else 0
-    softmax_kept = 0 if s.chunk > 0 else T * V * 4  # the loss keeps its softmax for backward
+    # The loss takes the final hidden states (`flashcp.models.head`): no executor holds the
+    # logits; unchunked, the cross-entropy keeps its softmax `[T, V]` until backward.
+    softmax_kept = 0 if s.chunk > 0 else T * V * 4
     head_trained = any(x.trained and x.name in ("lm_head.weight",) for x in specs) or (
         args.tie_embeddings
         and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
@@ -433,28 +430,25 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
 
     all_acts = flight * micro_acts
     if last:
-        if s.pp == 1:
-            held_fwd, held_bwd = 0, held_seq
-        else:
-            held_fwd = held_bwd = (flight - 1) * softmax_kept
+        held = (flight - 1) * softmax_kept  # other in-flight micro-batches' softmax
         moment(
             "forward: loss",
             activations=all_acts,
-            logits_loss=held_fwd + loss_peak,
+            logits_loss=held + loss_peak,
         )
         moment(
             "backward: head",
             activations=all_acts,
-            # unchunked: the softmax turned gradient in place; chunked: a chunk's recomputed
-            # logits and softmax (and the upcast head weight, bf16 storage on CPU)
-            logits_loss=held_bwd + (loss_peak if s.chunk > 0 else softmax_kept + head_upcast),
-            # (chunked: the recomputed chunk's logits + softmax, or its gradient + upcast head)
+            # unchunked: the softmax turned gradient in place (plus the upcast head weight for
+            # dx, bf16 storage on CPU); chunked: the recomputed chunk's logits and softmax, or
+            # its gradient and the upcast head weight
+            logits_loss=held + (loss_peak if s.chunk > 0 else softmax_kept + head_upcast),
             weight_grad_transient=head_grad + T * H * dt.c,
         )
         moment(
             "backward: layer",
             activations=(flight - 1) * micro_acts + best[0],
-            logits_loss=held_bwd,
+            logits_loss=held,
             layer_working_set=best[1],
             attention_kv_gather=best[2],
         )
@@ -470,7 +464,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         moment(
             "backward: embedding",
             activations=(flight - 1) * micro_acts,
-            logits_loss=held_seq if (last and s.pp == 1) else 0,
+            logits_loss=(flight - 1) * softmax_kept if last else 0,
             weight_grad_transient=emb_grad,
         )
     if s.dpo:
