@@ -85,8 +85,8 @@ ITEM_DOCS: dict[str, str] = {
     "sums and reduce-scatter chunks",
     "logits_loss": "logits and the loss's softmax over the vocabulary (or one chunk of "
     "train.loss_chunk_tokens)",
-    "weight_grad_transient": "a weight gradient being formed before it is accumulated "
-    "(LM head / embedding / largest parameter)",
+    "weight_grad_transient": "a weight gradient being formed before it is accumulated (LM "
+    "head / embedding), or the head weight upcast for compute (bf16 storage on CPU)",
     "p2p_buffers": "pipeline: the received activation gradient",
     "grad_buckets": "gradient all-reduce bucket over cp/dp (parallel.grad_bucket_mb)",
     "zero_buffers": "ZeRO-1 flat reduce-scatter / all-gather buffers",
@@ -439,11 +439,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         moment(
             "backward: head",
             activations=all_acts,
-            # unchunked: the softmax turned gradient in place (plus the upcast head weight for
-            # dx, bf16 storage on CPU); chunked: the recomputed chunk's logits and softmax, or
-            # its gradient and the upcast head weight
-            logits_loss=held + (loss_peak if s.chunk > 0 else softmax_kept + head_upcast),
-            weight_grad_transient=head_grad + T * H * dt.c,
+            # the softmax turned gradient in place (chunked: the recomputed chunk's; its
+            # re-run forward is the 'forward: loss' peak again), next to the head's weight
+            # gradient being formed or (bf16 storage on CPU) the head weight upcast for dx
+            logits_loss=held + rows * V * 4,
+            weight_grad_transient=max(head_grad, head_upcast) + T * H * dt.c,
         )
         moment(
             "backward: layer",
@@ -496,13 +496,15 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         # AdamW steps the masters; the updated shards are all-gathered per bucket.
         shard_grads = math.ceil(n_trained / n_shard) * 4
         moment("optimizer step: reduce", zero_buffers=2 * bucket)
-        copies = shard_grads * (2 if s.grad_clip > 0 else 1)
+        # The clip replaces the shard's gradients (views of the bucket buffers) one segment at
+        # a time, so at most one bucket's old buffer outlives them; the write-back gathers
+        # one bucket at a time.
         moment(
             "optimizer step: update",
             gradients=0,
             main_grads=0,
-            optimizer_step_transient=copies,
-            zero_buffers=2 * bucket + bucket // n_shard,
+            optimizer_step_transient=shard_grads,
+            zero_buffers=2 * bucket,
         )
     if s.device == "gpu":
         for items in moments.values():
