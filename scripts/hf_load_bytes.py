@@ -24,7 +24,7 @@ import paddle
 
 from flashcp.models import build_model, preset
 from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
-from flashcp.parallel import PipelineStage
+from flashcp.parallel import stage_spec
 
 MODELS = {
     "small_glm(6 layers)": ("small_glm", {"num_layers": 6}),
@@ -36,12 +36,8 @@ MODELS = {
 
 
 def _target(args, stage: int, pp: int) -> paddle.nn.Layer:  # type: ignore[no-untyped-def]
-    """What a rank of stage `stage` holds (bf16 storage), from a different seed."""
-    paddle.seed(1)
-    model = build_model(args)
-    module = PipelineStage.from_model(model, stage, pp) if pp > 1 else model
-    module.to(dtype="bfloat16")
-    return module
+    """What a rank of stage `stage` holds (built alone, bf16 storage), from a different seed."""
+    return build_model(args, stage=stage_spec(args, stage, pp), param_dtype="bfloat16", seed=1)
 
 
 def measure(name: str, file_dtype: str, pps: list[int], shards: int, root: Path) -> list[dict]:

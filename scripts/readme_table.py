@@ -270,6 +270,46 @@ def loss_memory_rows(docs: Path) -> list[Row]:
     ]
 
 
+def moe_rows(docs: Path) -> list[Row]:
+    rep = _load(docs, "moe.json")
+    if rep is None:
+        return []
+    where = "`docs/moe.md`"
+    balanced = [c for c in rep["cases"] if not c["skewed"]]
+    rows: list[Row] = []
+    if balanced:
+        speed = {c["case"]: c["variants"]["grouped"]["speedup"] for c in balanced}
+        lo, hi = min(speed, key=speed.__getitem__), max(speed, key=speed.__getitem__)
+        met = [c for c, s in speed.items() if s >= rep["target"]]
+        verdict = (f"≥ {rep['target']:.0f}× in {len(met)} of {len(speed)} cases"
+                   if met else f"target {rep['target']:.0f}× not reached")  # fmt: skip
+        hidden = sorted({c["hidden"] for c in balanced})
+        scale = "–".join(f"1/{4096 // h}" for h in (hidden[-1], hidden[0]) if 4096 % h == 0)
+        rows.append(
+            (
+                f"GLM-4.5-shaped MoE layer ({rep['experts']} experts, top-{rep['top_k']}, "
+                f"shared expert; hidden {scale} of GLM-4.5-Air) fwd+bwd, grouped experts vs "
+                f"the per-expert loop, CPU time, {rep['repeats']} interleaved rounds",
+                f"{speed[lo]:.2f}× (T×H×I {lo}) to {speed[hi]:.2f}× ({hi}); {verdict}",
+                where,
+            )
+        )
+    bal = rep.get("balance")
+    if bal:
+        n = min(8, len(bal["on"]))
+        on, off = (sum(bal[k][-n:]) / n for k in ("on", "off"))
+        rows.append(
+            (
+                f"router bias update (γ = {bal['rate']:g}) on a skewed router, tiny MoE "
+                f"({bal['experts']} experts, top-{bal['top_k']}): expert-load max/mean, mean of "
+                f"the last {n} of {len(bal['on'])} steps",
+                f"{on:.2f} with vs {off:.2f} without (start {bal['on'][0]:.2f})",
+                where,
+            )
+        )
+    return rows
+
+
 SECTIONS: list[Callable[[Path], list[Row]]] = [
     kernel_rows,
     balance_rows,
@@ -278,6 +318,7 @@ SECTIONS: list[Callable[[Path], list[Row]]] = [
     launch_rows,
     dpo_rows,
     loss_memory_rows,
+    moe_rows,
 ]
 
 

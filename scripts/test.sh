@@ -8,12 +8,19 @@
 #   bash scripts/test.sh unit         # unit tests only (parallel, xdist)
 #   bash scripts/test.sh integration  # multi-process gloo jobs only
 #   bash scripts/test.sh gpu          # gpu-marked tests (skip with a reason without a GPU)
+#   bash scripts/test.sh hf           # transformers' own GLM models as the reference (torch)
+#
+# The hf tier (marker `hf`, tests/hf) needs PyTorch: it is installed on first use into
+# .venv/hf-torch (pip --target, torch without its CUDA extras plus sympy/mpmath, ~0.9 GB) and
+# put on PYTHONPATH for that pytest run only, so the other tiers never import torch. `all` (CI)
+# runs it as a third pass; FLASHCP_TORCH_SPEC picks another torch (default torch==2.13.0, which
+# on this machine kind is a local CPU wheel; from PyPI on x86-64 it is a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 TIER=${1:-all}
-case "$TIER" in all | unit | integration | gpu) ;; *)
-  echo "usage: bash scripts/test.sh [all|unit|integration|gpu]" >&2
+case "$TIER" in all | unit | integration | gpu | hf) ;; *)
+  echo "usage: bash scripts/test.sh [all|unit|integration|gpu|hf]" >&2
   exit 2
   ;;
 esac
@@ -44,21 +51,57 @@ MATH_ENV=(MKL_DEBUG_CPU_TYPE=5 OPENBLAS_CORETYPE=Haswell)
 export COVERAGE_FILE=$ROOT/.coverage
 rm -f .coverage .coverage.* coverage.xml
 
+TORCH_DIR=$ROOT/.venv/hf-torch
+TORCH_SPEC=${FLASHCP_TORCH_SPEC:-torch==2.13.0}
+install_torch() {
+  local stamp="$TORCH_DIR/.flashcp-installed"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$TORCH_SPEC" ]; then
+    echo "== installing $TORCH_SPEC into $TORCH_DIR (hf tier only)"
+    rm -rf "$TORCH_DIR"
+    "$VPY" -m pip install --quiet --disable-pip-version-check --no-deps --target "$TORCH_DIR" \
+      "$TORCH_SPEC" sympy==1.14.0 mpmath==1.3.0 2>&1 | { grep -v -E "^WARNING: Location|^\s*$" || true; }
+    echo "$TORCH_SPEC" >"$stamp"
+  fi
+}
+
+HF_SEL=(tests/hf -m hf)
 case "$TIER" in
   unit)
-    SEL=(tests/unit -m "not integration and not gpu")
-    SEL2=(tests/unit -m "equivalence and not integration and not gpu")
+    SEL=(tests/unit -m "not integration and not gpu and not hf")
+    SEL2=(tests/unit -m "equivalence and not integration and not gpu and not hf")
     ;;
   integration)
-    SEL=(tests/integration -m integration)
-    SEL2=(tests/integration -m "equivalence and integration")
+    SEL=(tests/integration -m "integration and not hf")
+    SEL2=(tests/integration -m "equivalence and integration and not hf")
     ;;
   gpu) SEL=(tests -m gpu) SEL2=() ;;
-  all) SEL=(tests -m "not gpu") SEL2=(tests -m "equivalence and not gpu") ;;
+  hf) SEL=() SEL2=() ;;
+  all) SEL=(tests -m "not gpu and not hf") SEL2=(tests -m "equivalence and not gpu and not hf") ;;
 esac
 
 LOG=$(mktemp)
 trap 'rm -f "$LOG"' EXIT
+run_hf() {  # the hf tier: torch on PYTHONPATH for this pytest alone; sets hf_summary
+  install_torch
+  echo "== pytest ${HF_SEL[*]} (torch from $TORCH_DIR)"
+  set +e
+  PYTHONPATH="$TORCH_DIR${PYTHONPATH:+:$PYTHONPATH}" "$VPY" -m coverage run -m pytest \
+    "${HF_SEL[@]}" -n 0 -p no:cacheprovider 2>&1 | tee "$LOG"
+  local hf_status=${PIPESTATUS[0]}
+  set -e
+  hf_summary=$(grep -E "^=+ .*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" "$LOG" | tail -n 1)
+  if [ "$hf_status" -ne 0 ]; then  # 5 (nothing collected) fails too: the tier must run
+    echo "hf tier FAILED: $hf_summary" >&2
+    exit "$hf_status"
+  fi
+}
+
+if [ "$TIER" = hf ]; then
+  run_hf
+  echo "$hf_summary"
+  exit 0
+fi
+
 echo "== pytest ${SEL[*]}"
 set +e
 # -n 2: unit tests spread over both cores; integration tests share one xdist group so the
@@ -94,6 +137,13 @@ if [ ${#SEL2[@]} -gt 0 ]; then
   summary2=$(echo "$summary2" | tr -s ' ' | sed -e 's/ *$//')
 fi
 
+hf_summary=""
+if [ "$TIER" = all ]; then
+  run_hf
+  hf_summary="hf tier (transformers reference): ${hf_summary//=/}"
+  hf_summary=$(echo "$hf_summary" | tr -s ' ' | sed -e 's/ *$//')
+fi
+
 gate_fail=()
 if [ "$TIER" = all ]; then
   echo "== coverage (workers included)"
@@ -118,10 +168,12 @@ if [ "$TIER" = all ]; then
 fi
 
 if [ ${#gate_fail[@]} -gt 0 ]; then
+  [ -z "$hf_summary" ] || echo "$hf_summary"
   [ -z "$summary2" ] || echo "$summary2"
   echo "$summary"
   for g in "${gate_fail[@]}"; do echo "GATE FAILED: $g"; done
   exit 1
 fi
+[ -z "$hf_summary" ] || echo "$hf_summary"
 [ -z "$summary2" ] || echo "$summary2"
 echo "$summary"

@@ -1,4 +1,4 @@
-"""The `flashcp` command: `train`, `validate`, `plan`, `plot` and `explain-dispatch`."""
+"""The `flashcp` command: `train`, `validate`, `plan`, `plot`, `export`, `explain-dispatch`, `--version`."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
 
         peak = plan(cfg).peak.total_bytes / GIB
         memory = f", planned peak {peak:.1f} of {cfg.hardware.memory_gib:g} GiB per device"
+    source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
-        f"{recipe}, {cfg.model.arch} ~{size} params, dp={p.dp} pp={p.pp} cp={p.cp} ({p.cp_mode}, "
-        f"world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
+        f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
+        f"({p.cp_mode}, world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
         f"{cfg.run.device}{memory}"
     )
 
@@ -116,7 +117,9 @@ def _validate(args: argparse.Namespace) -> int:
     failed = 0
     for path in files:
         try:
-            cfg, errors = collect(read_yaml(path), source=str(path), world_size=args.world_size)
+            cfg, errors = collect(
+                read_yaml(path), source=str(path), world_size=args.world_size, nnodes=args.nnodes
+            )
         except ConfigValidationError as exc:
             cfg, errors = None, exc.errors
         if not errors and cfg is not None and (message := _memory_refusal(cfg)) is not None:
@@ -131,12 +134,33 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _node_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with `--nnodes/--node-rank/--master` (None when they fit together)."""
+    if args.nnodes < 1:
+        return f"--nnodes must be >= 1, got {args.nnodes}"
+    if not 0 <= args.node_rank < args.nnodes:
+        return (
+            f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes "
+            f"{args.nnodes}): number the nodes 0, 1, ... and start node 0 first"
+        )
+    if args.nnodes > 1 and not args.master:
+        return (
+            f"--nnodes {args.nnodes} needs --master HOST:PORT: node 0's address and a free "
+            "port, given the same on every node"
+        )
+    return None
+
+
 def _train(args: argparse.Namespace) -> int:
     from flashcp.config import ConfigValidationError, load_config
-    from flashcp.trainer.job import run_job
+    from flashcp.trainer.job import Nodes, run_job
 
+    problem = _node_problem(args)
+    if problem is not None:
+        print(f"flashcp train: {problem}", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, nnodes=args.nnodes)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -147,6 +171,7 @@ def _train(args: argparse.Namespace) -> int:
         output_dir=cfg.run.output_dir,
         resume=cfg.checkpoint.resume,
         overwrite=cfg.run.overwrite,
+        nodes=Nodes(count=args.nnodes, rank=args.node_rank, master=args.master),
     )
 
 
@@ -182,6 +207,55 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+               "MIB": 2**20, "GIB": 2**30}  # fmt: skip
+
+
+def _parse_size(text: str) -> int:
+    """Bytes of `5GB`, `500MB`, `2GiB` or a plain integer."""
+    t = text.strip().upper()
+    digits = t.rstrip("KMGIB")
+    unit = t[len(digits) :]
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB or 500MB")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def _export(args: argparse.Namespace) -> int:
+    from flashcp.config import ConfigValidationError
+    from flashcp.models.hf_weights import CheckpointMismatchError
+    from flashcp.trainer.export import ExportError, export_run
+
+    try:
+        report = export_run(
+            args.run_dir,
+            args.out,
+            merge_lora=args.merge_lora,
+            dtype=args.dtype,
+            checkpoint=args.checkpoint,
+            max_shard_bytes=args.max_shard_size,
+        )
+    except (ExportError, ConfigValidationError, CheckpointMismatchError, OSError) as exc:
+        print(f"flashcp export: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {report.out}: {len(report.shards)} shard(s) in {report.dtype} from "
+        f"{report.source} (at most {report.max_shard_parameters / 1e6:.2f}M parameters held at "
+        "once)"
+    )
+    extras = report.tokenizer_files + (["generation_config.json"] if report.generation_config
+                                       else [])  # fmt: skip
+    if extras:
+        print(f"  with {', '.join(extras)}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    return 0
+
+
 def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
     train = sub.add_parser(
         "train",
@@ -190,7 +264,27 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "logs in <run.output_dir>/logs, stream rank 0, exit with the job's code.",
     )
     train.add_argument("config", help="YAML run config, e.g. configs/gpt/tiny_cp2.yaml")
-    train.add_argument("overrides", nargs="*", help="key.sub=value overrides (train.steps=10)")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.sub=value overrides (train.steps=10; aliases such as max_steps=10 too)",
+    )
+    nodes = train.add_argument_group(
+        "more than one node",
+        "Run the same command on every node, each with its --node-rank; the dp·pp·cp "
+        "processes are split evenly over the nodes. run.output_dir should be one shared "
+        "directory (checkpoints are written by rank 0 and read by every rank on resume).",
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    nodes.add_argument(
+        "--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)"
+    )
+    nodes.add_argument(
+        "--master",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address and a free port where the nodes' launchers meet",
+    )
     train.set_defaults(func=_train)
     validate = sub.add_parser(
         "validate",
@@ -199,6 +293,9 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
     validate.add_argument("files", nargs="*", help="config files (default: all under configs/)")
     validate.add_argument(
         "--world-size", type=int, default=None, help="also check dp×pp×cp against this"
+    )
+    validate.add_argument(
+        "--nnodes", type=int, default=1, help="also check that dp×pp×cp splits over this many nodes"
     )
     validate.set_defaults(func=_validate)
     plan = sub.add_parser(
@@ -229,16 +326,49 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         help='print {"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits"}',
     )
     plan.set_defaults(func=_plan)
-    plot = sub.add_parser("plot", help="PNG of a run's loss and throughput (metrics.jsonl)")
+    plot = sub.add_parser(
+        "plot",
+        help="PNG of a run's metrics.jsonl: loss (and eval), lr, grad norm, throughput/MFU, "
+        "memory, DPO, eval, MoE panels, as present",
+    )
     plot.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=_plot)
+    export = sub.add_parser(
+        "export",
+        help="write a run's model as a Hugging Face directory (config.json, safetensors)",
+        description="Stream a run's newest checkpoint into OUT as a Hugging Face model "
+        "directory (config.json, sharded safetensors + index, tokenizer files, "
+        "generation_config.json), one shard built at a time.",
+    )
+    export.add_argument("run_dir", help="a run's output_dir (config.yaml + checkpoints/)")
+    export.add_argument("out", help="the new directory to write (must not exist or be empty)")
+    export.add_argument(
+        "--merge-lora", action="store_true", help="fold a LoRA run's adapters into the weights"
+    )
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype of the exported weights (default: the run's train.param_dtype)",
+    )
+    export.add_argument(
+        "--checkpoint", default=None, help="a checkpoint directory (default: the newest intact)"
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=_parse_size,
+        default="5GB",
+        help="largest shard, e.g. 5GB (default) or 500MB; one shard is built at a time",
+    )
+    export.set_defaults(func=_export)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashcp", description="Context-parallel FlashMask training on PaddlePaddle."
     )
+    parser.add_argument("--version", action="version", version=f"flashcp {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     explain = sub.add_parser(
         "explain-dispatch",
@@ -292,9 +422,24 @@ NO_PADDLE = (
 )
 
 
+def package_version() -> str:
+    """flashcp's version from the installed package's metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashcp")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed; pip install -e .)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `flashcp train CONFIG --nnodes 2 key=value`: overrides may follow the options too
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "train" or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if importlib.util.find_spec("paddle") is None:
         print(f"flashcp: {NO_PADDLE}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@
         --config configs/gpt/tiny_cp2.yaml train.steps=10
 
 (Paddle's launcher takes a script path, not `-m module`: `-m` abbreviates its `--master`
-flag. `flashcp train CONFIG` finds this file through `flashcp.train.__file__`.)
+flag. `flashcp train CONFIG` finds this file through `flashcp.train.__file__`.) On several
+nodes, each runs the launcher with `--nnodes N --rank R --master HOST:PORT --nproc_per_node
+dp·pp·cp/N`; the launcher's `PADDLE_NNODES` makes the degree check name the node count.
 
 Exit codes: 0 done, 2 bad config or a run directory the run may not start in (every problem
 printed by rank 0, before the distributed runtime starts: `flashcp.trainer.rundir`; this path
@@ -57,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from flashcp.distributed import launch_env
 
-        world = launch_env().world_size
-        cfg = load_config(args.config, args.overrides, world_size=world)
+        launched = launch_env()
+        cfg = load_config(
+            args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes
+        )
         injected = faults.active_faults()
         rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
     except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError) as exc:

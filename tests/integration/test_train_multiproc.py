@@ -27,6 +27,7 @@ from launch import MARKER_ENV, _alive, _marked_pids, kill_marked, run_launch
 from safetensors.numpy import load_file
 from trainruns import assert_training_matches
 
+import numerics
 from flashcp import dispatch
 from flashcp.config import load_config
 from flashcp.trainer import Trainer, read_metrics
@@ -50,9 +51,9 @@ def _grads(run: Path, step: int) -> dict[str, np.ndarray]:
     return load_file(str(run / GRADS_DIR / f"step_{step}.safetensors"))
 
 
-def _reference(config: Path, out: Path) -> Path:
+def _reference(config: Path, out: Path, extra: list[str] | None = None) -> Path:
     """CP=1 in this process (no launcher): the run other layouts are compared with."""
-    cfg = load_config(config, [*COMMON, "parallel.cp=1", f"run.output_dir={out}"])
+    cfg = load_config(config, [*COMMON, *(extra or []), "parallel.cp=1", f"run.output_dir={out}"])
     saved = {k: os.environ.get(k) for k in (dispatch.FLAG_DETERMINISTIC, EMBEDDING_FLAG)}
     try:
         Trainer(cfg).fit()
@@ -120,11 +121,20 @@ def test_dp2_cp2_contiguous_matches_cp1(tmp_path: Path, reference: Path) -> None
 @pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_glm_moe_recompute_cp2_matches_cp1(tmp_path: Path) -> None:
-    # GLM-4.5-style MoE, full activation recompute, contiguous layout (configs/glm/tiny_moe_cp2)
+    # GLM-4.5-style MoE, full activation recompute, contiguous layout (configs/glm/tiny_moe_cp2),
+    # with router load balancing on: the sequence-balance loss gathers each sequence's
+    # statistics over the cp group (its gradient is in the compared gradients), and the bias
+    # update uses loads summed over the cp ranks (the routing of later steps depends on it)
     config = ROOT / "configs" / "glm" / "tiny_moe_cp2.yaml"
-    ref = _reference(config, tmp_path / "ref")
-    run = _launch(tmp_path, 2, [], config=config)
+    balance = ["model.router_aux_loss_coef=0.01", "model.router_bias_update_rate=0.01"]
+    ref = _reference(config, tmp_path / "ref", balance)
+    run = _launch(tmp_path, 2, balance, config=config)
     _assert_matches(run, ref)
+    for got, want in zip(read_metrics(run), read_metrics(ref), strict=True):
+        assert got["moe/max_over_mean_max"] == want["moe/max_over_mean_max"]  # integer loads
+        aux = float(want["moe/aux_loss"])  # a mean over the step's tokens, like the loss
+        numerics.assert_close(got["moe/aux_loss"], aux, n=float(want["targets"]), scale=aux,
+                              steps=int(want["step"]), what="moe/aux_loss")  # fmt: skip
 
 
 # -- flashcp train ----------------------------------------------------------------------------

@@ -219,8 +219,8 @@ ROWS = [
         r"checkpoint\.resume: '{tmp}/no_ckpt' is not 'auto', 'never' or an existing checkpoint "
         r"directory"),
     cli("tokenizer_missing", ["data.tokenizer={tmp}/tok.json"],
-        r"data\.tokenizer: '{tmp}/tok\.json' is neither 'byte' nor an existing tokenizer\.json "
-        r"file"),
+        r"data\.tokenizer: '{tmp}/tok\.json' is neither 'byte', a tokenizer\.json file nor a "
+        r"directory holding one"),
     cli("config_missing", [],
         r"<file>: cannot read {tmp}/missing\.yaml: No such file or directory", config="missing"),
     cli("config_not_yaml", [],
@@ -245,10 +245,17 @@ ROWS = [
         r"outside run\.output_dir, or set run\.overwrite=false"),
     # -- launch: data file, output dir, port, FlashAttention flags (before launching) ----------
     cli("missing_data_file", ["data.path={tmp}/no_such.jsonl"],
-        r"data\.path: no file at '{tmp}/no_such\.jsonl': give a JSONL file, or null for the "
-        r"built-in corpus"),
+        r"data\.path: no file or directory at '{tmp}/no_such\.jsonl': give a JSON Lines or "
+        r"Parquet file \(or a directory of them\), or null for the built-in data"),
     cli("data_path_is_dir", ["data.path={tmp}"],
-        r"data\.path: no file at '{tmp}': give a JSONL file, or null for the built-in corpus"),
+        r"data\.path: the directory '{tmp}' holds no \.jsonl, \.json or \.parquet files: give a "
+        r"data file or a directory of them, or null for the built-in data"),
+    cli("data_path_not_jsonl_or_parquet", ["data.path={tmp}/a_file"],
+        r"data\.path: '{tmp}/a_file' is not a JSON Lines \(\.jsonl, \.json\) or Parquet "
+        r"\(\.parquet\) file: give one of those, a directory of them, or null for the built-in "
+        r"data"),
+    cli("on_bad_record_unknown", ["data.on_bad_record=ignore"],
+        r"data\.on_bad_record: expected one of"),
     cli("output_dir_under_a_file", ["run.output_dir={tmp}/a_file/out"],
         r"run\.output_dir {tmp}/a_file/out is not a writable directory: Not a directory "
         r"\({tmp}/a_file/out/logs\); set run\.output_dir to a directory you can write"),
@@ -287,10 +294,60 @@ ROWS = [
         r"FLAGS_flash_attn_version=4 asks for FA4, .* Set FLAGS_flash_attn_version to 3 or 2 "
         r"on this card \(or FLASHCP_FA4_UNAVAILABLE=fallback",
         env={"FLAGS_flash_attn_version": "4"}),
+    # -- conventions, evaluation, tracking ------------------------------------------------------
+    cli("alias_and_key", ["max_steps=3", "train.steps=4"],
+        r"max_steps: is an alias of train\.steps, which is also set on the command line: keep "
+        r"one of max_steps and train\.steps"),
+    cli("alias_and_key_in_file", [],
+        r"learning_rate: is an alias of train\.lr, which is also set: keep one of "
+        r"learning_rate and train\.lr",
+        config="model:\n  preset: tiny\ntrain:\n  lr: 0.001\nlearning_rate: 0.002\n"),
+    cli("alias_inside_a_section", ["train.max_steps=3"],
+        r"train\.max_steps: unknown key: max_steps is an alias of train\.steps, accepted at the "
+        r"top level of the file or as the override max_steps=VALUE, not inside a section"),
+    cli("eval_path_missing", ["eval.path={tmp}/no_eval.jsonl"],
+        r"eval\.path: no file at '{tmp}/no_eval\.jsonl': give a file in the training data's "
+        r"format, or null for no evaluation"),
+    cli("eval_every_negative", ["eval.every=-1"],
+        r"eval\.every: must be >= 0 \(0 = only after the last step\), got -1"),
+    cli("eval_max_batches_zero", ["eval.max_batches=0"],
+        r"eval\.max_batches: must be >= 1 or null \(one pass\), got 0"),
+    cli("report_to_missing_package", ["run.report_to=[jsonl,wandb]"],
+        r"run\.report_to: 'wandb' needs the wandb package, which is not installed here: pip "
+        r"install wandb, or remove 'wandb' from run\.report_to"),
+    cli("report_to_unknown", ["run.report_to=[mlflow]"],
+        r"run\.report_to: unknown backend 'mlflow' \(backends: jsonl, tensorboard, visualdl, "
+        r"wandb\)"),
+    cli("peak_tflops_zero", ["hardware.peak_tflops=0"],
+        r"hardware\.peak_tflops: must be > 0 or null \(no MFU\), got 0\.0"),
+    # -- more than one node (before launching) -------------------------------------------------
+    cli("nnodes_indivisible", ["--nnodes", "3", "--master", "127.0.0.1:29500"],
+        r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 processes cannot be split over --nnodes 3 "
+        r"nodes \(dp·pp·cp must equal nnodes × nproc_per_node\): set parallel\.dp, parallel\.pp "
+        r"or parallel\.cp so their product is a multiple of 3, or use another --nnodes"),
+    cli("node_rank_out_of_range", ["--nnodes", "2", "--node-rank", "2", "--master", "h:1"],
+        r"flashcp train: --node-rank 2 is not in 0\.\.1 \(--nnodes 2\): number the nodes 0, 1, "
+        r"\.\.\. and start node 0 first"),
+    cli("nnodes_without_master", ["--nnodes", "2"],
+        r"flashcp train: --nnodes 2 needs --master HOST:PORT: node 0's address and a free port, "
+        r"given the same on every node"),
+    cli("master_not_host_port", ["--nnodes", "2", "--master", "node0"],
+        r"flashcp: cannot launch: --master 'node0' is not HOST:PORT \(a port 1-65535; a "
+        r"hostname or IPv4 address, as Paddle's launcher reads it\): give node 0's address and "
+        r"a free port, the same on every node"),
+    cli("master_unreachable", ["--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:1"],
+        r"flashcp: cannot launch: node 1: node 0's launcher \(--master 127\.0\.0\.1:1\) at "
+        r"127\.0\.0\.1:1 did not accept connections within 0\.5 s .*: start node 0 first "
+        r"\(`flashcp train CONFIG --nnodes 2 --node-rank 0 --master 127\.0\.0\.1:1`\)",
+        env={"FLASHCP_INIT_TIMEOUT": "0.5"}),
     # -- one rank of a launched job ------------------------------------------------------------
     worker("world_size_mismatch", {"PADDLE_TRAINERS_NUM": "4"},
            r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 4 processes: set "
            r"parallel\.cp to 4 or set parallel\.dp to 2, or launch with --nproc_per_node 2"),
+    worker("world_size_vs_nodes", {"PADDLE_TRAINERS_NUM": "4", "PADDLE_NNODES": "2"},
+           r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 4 processes \(2 nodes × 2 "
+           r"per node\): set parallel\.cp to 4 or set parallel\.dp to 2, or launch with --nnodes "
+           r"2 --nproc_per_node 1"),
     worker("world_size_indivisible", {"PADDLE_TRAINERS_NUM": "3"},
            r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 3 processes: set "
            r"parallel\.cp to 3, or launch with --nproc_per_node 2"),
@@ -472,12 +529,12 @@ def _config_path(row: Row, tmp: Path) -> str:
     return str(path)
 
 
-COUNTS = {"cli": 45, "worker": 7, "call": 26}
+COUNTS = {"cli": 61, "worker": 8, "call": 26}
 """Rows per entry point (docs/reliability.md quotes the total)."""
 
 
 def test_table_size_is_exact_and_covers_every_entry() -> None:
-    assert len(ROWS) == sum(COUNTS.values()) == 78
+    assert len(ROWS) == sum(COUNTS.values()) == 95
     assert {e: sum(r.entry == e for r in ROWS) for e in COUNTS} == COUNTS
     assert len({r.id for r in ROWS}) == len(ROWS)
 
@@ -496,7 +553,8 @@ def test_bad_input(
     monkeypatch.setattr(flashcp.distributed, "init_distributed", _fail("init_distributed"))
     monkeypatch.setattr(registry, "get_backend", _fail("the attention kernel"))
     monkeypatch.setattr(dispatch, "resolve_current", _fail("the FlashAttention dispatch"))
-    for key in ("FLASHCP_MASTER_PORT", "FLAGS_flash_attn_version", "FLASHCP_FAULT"):
+    for key in ("FLASHCP_MASTER_PORT", "FLAGS_flash_attn_version", "FLASHCP_FAULT",
+                "FLASHCP_INIT_TIMEOUT", "PADDLE_NNODES"):
         monkeypatch.delenv(key, raising=False)
     for key, value in row.env.items():
         monkeypatch.setenv(key, str(busy_port) if value == PORT else value)

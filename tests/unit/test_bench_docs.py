@@ -83,3 +83,12 @@ def test_readme_table_matches_the_json(tmp_path: Path) -> None:
     assert tables.main(["--check", "--docs", str(tmp_path)]) == 1
     with pytest.raises(ValueError, match="lacks the markers"):
         tables.readme_with_table("# no table here\n")
+
+
+def test_moe_page_matches_its_json() -> None:
+    bench = _script("bench_moe")
+    rec = _json("moe.json")
+    assert (DOCS / "moe.md").read_text() == bench.markdown(rec)
+    changed = copy.deepcopy(rec)
+    changed["cases"][0]["variants"]["grouped"]["speedup"] += 1.0
+    assert bench.markdown(changed) != bench.markdown(rec)

@@ -100,10 +100,12 @@ def test_jsonl_errors_name_the_line() -> None:
         list(parse_jsonl('{"text": "a"}\n{oops\n', "f.jsonl"))
     with pytest.raises(ValueError, match=r"f.jsonl:1: expected a JSON object"):
         list(parse_jsonl("[1, 2]\n", "f.jsonl"))
-    with pytest.raises(ValueError, match="no string field 'text'.*data.\\*_field"):
+    with pytest.raises(ValueError, match="record 1: missing field 'text'.*set data.text_field"):
         tokenize_records([{"body": "x"}], ByteTokenizer())
-    with pytest.raises(ValueError, match="no non-empty documents"):
-        tokenize_records([{"text": ""}], ByteTokenizer())
+    with pytest.raises(ValueError, match="record 2: empty text"):
+        tokenize_records([{"text": "a"}, {"text": ""}], ByteTokenizer())
+    with pytest.raises(ValueError, match="data: no records"):
+        tokenize_records([], ByteTokenizer())
 
 
 def test_default_corpus_is_shipped_and_clean() -> None:

@@ -7,6 +7,8 @@ import json
 import numpy as np
 import paddle
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import numerics
 from flashcp.masks import causal_mask, to_dense
@@ -15,6 +17,7 @@ from flashcp.recipes.dpo_data import (
     DEFAULT_DPO_DATA,
     IGNORE_INDEX,
     DPOExample,
+    assign_rows,
     fit_example,
     pack_dpo,
     pack_dpo_batches,
@@ -268,3 +271,27 @@ def test_overflow_and_truncation() -> None:
         unpack_dpo([ex(4, 6, 2)], [8], pad_id=PAD)
     fitted = unpack_dpo([ex(4, 6, 2)], [8], pad_id=PAD, truncation="truncate")[0]
     assert fitted.shape == (2, 8) and fitted.spans[0, 0, 2] - fitted.spans[0, 0, 1] == 5
+
+
+def _first_fit_by_scan(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """First-fit the obvious way: scan the open rows in order for room."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i, n in enumerate(lengths):
+        for r, room in enumerate(free):
+            if n <= room:
+                rows[r].append(i)
+                free[r] -= n
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - n)
+    return rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(3, 64).flatmap(
+    lambda s: st.tuples(st.just(s), st.lists(st.integers(1, s), max_size=80))))  # fmt: skip
+def test_assign_rows_is_first_fit(case: tuple[int, list[int]]) -> None:
+    seq_len, lengths = case
+    assert assign_rows(lengths, seq_len) == _first_fit_by_scan(lengths, seq_len)

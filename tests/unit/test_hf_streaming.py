@@ -23,6 +23,8 @@ from flashcp.models import ModelArgs, build_model
 from flashcp.models.hf_weights import (
     CheckpointMismatchError,
     Float32Source,
+    args_from_hf_config,
+    hf_state_map,
     load_hf_checkpoint,
     read_hf_float32,
     save_hf_checkpoint,
@@ -128,17 +130,19 @@ def test_each_stage_reads_only_its_tensors(
     stage_files: list[set[Path]] = []
     for s in range(pp):
         module = _stage(_args(arch), s, pp, param_dtype)
-        state = module.state_dict()
+        # checkpoint keys: state-dict names, and per-expert keys of the stacked expert weights
+        state = hf_state_map(module)
         report = load_hf_checkpoint(module, directory)
         assert sorted(report.loaded) == sorted(state)
         mine = {files[k][0] for k in state}
         stage_files.append(mine)
         params = {n for n, _ in module.named_parameters()}
-        for key, tensor in state.items():
+        for key, entry in state.items():
+            tensor = entry.value()
             want = _expected(files[key][0], key, tensor.dtype)
             # parameters in the storage dtype; buffers (the router's correction bias) stay
             # float32, as in HF's Glm4Moe, whatever the storage dtype
-            stored = param_dtype if key in params else "float32"
+            stored = param_dtype if entry.name in params else "float32"
             assert str(tensor.dtype) == f"paddle.{stored}", key
             np.testing.assert_array_equal(tensor.numpy(), want, err_msg=key)
         share = sum(int(np.prod(files[k][2])) * ITEMSIZE[files[k][1]] for k in state)
@@ -207,13 +211,14 @@ def test_on_tensor_gives_the_files_float32_values(checkpoints: dict[str, Path], 
             source.float32(0, source.size + 1)
 
     load_hf_checkpoint(module, directory, on_tensor=keep)
-    state = module.state_dict()
+    state = hf_state_map(module)
     assert sorted(seen) == sorted(state)
     rounded = 0
     for name, values in seen.items():
         want = _expected(files[name][0], name, paddle.float32)
         np.testing.assert_array_equal(values, want.reshape(-1), err_msg=name)
-        rounded += int((values != state[name].astype("float32").numpy().reshape(-1)).sum())
+        stored = state[name].value().astype("float32").numpy().reshape(-1)
+        rounded += int((values != stored).sum())
     assert rounded > 0  # the parameters are bf16-rounded, the masters are not
 
 
@@ -242,6 +247,33 @@ def test_read_hf_float32_reads_only_the_named_tensors(checkpoints: dict[str, Pat
         np.testing.assert_array_equal(v, before[k])
     with pytest.raises(KeyError, match="not tensors of this module"):
         read_hf_float32(module, directory, {"model.layers.0.mlp.down_proj.weight": (0, 1)})
+
+
+@pytest.mark.parametrize("name", ["gate_up_proj", "down_proj"])
+def test_read_hf_float32_assembles_stacked_experts_from_their_keys(
+    tmp_path: Path, name: str
+) -> None:
+    """A flat slice of a stacked expert weight (a ZeRO master shard) is assembled from the
+    per-expert HF keys of the experts it touches, and only those are read."""
+    directory, args = _write(tmp_path, "glm_moe", "float32")
+    files = _file_index(directory)
+    module = _stage(args, 1, 2, "bfloat16")  # layers 2, 3 (MoE)
+    stacked = f"model.layers.3.mlp.experts.{name}"
+    shape = [int(d) for d in dict(module.named_parameters())[stacked].shape]
+    per_expert = int(np.prod(shape[1:]))
+    # expected: the HF [out, in] pieces transposed and put side by side, expert by expert
+    pieces = ["gate_proj", "up_proj"] if name == "gate_up_proj" else ["down_proj"]
+    blocks = []
+    for e in range(shape[0]):
+        keys = [f"model.layers.3.mlp.experts.{e}.{p}.weight" for p in pieces]
+        parts = [_expected(files[k][0], k, paddle.float32) for k in keys]
+        blocks.append(np.concatenate(parts, axis=1))
+    whole = np.stack(blocks).reshape(-1)
+    start, stop = per_expert + 37, 2 * per_expert + 5  # experts 1 and 2 only
+    got, report = read_hf_float32(module, directory, {stacked: (start, stop)})
+    np.testing.assert_array_equal(got[stacked], whole[start:stop])
+    read = {k.split(".")[5] for k in report.loaded}
+    assert read == {"1", "2"} and len(report.loaded) == 2 * len(pieces)
 
 
 # ---------------------------------------------------------------------------- errors
@@ -307,7 +339,7 @@ def test_index_key_absent_from_its_shard(checkpoints: dict[str, Path], tmp_path:
 
 
 def _arch_of(directory: Path) -> str:
-    return json.loads((directory / "config.json").read_text())["flashcp_model_args"]["arch"]
+    return args_from_hf_config(directory).arch
 
 
 def test_shape_mismatch_names_key_file_and_shapes(

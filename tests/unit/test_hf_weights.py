@@ -75,6 +75,9 @@ def hf_weights(args: ModelArgs, seed: int = 0) -> dict[str, np.ndarray]:
             w[p + f"self_attn.{name}_proj.weight"] = mat(rows, H)
             w[p + f"self_attn.{name}_proj.bias"] = mat(rows)
         w[p + "self_attn.o_proj.weight"] = mat(H, nq)
+        if args.use_qk_norm:
+            w[p + "self_attn.q_norm.weight"] = norm()[:hd] * 1.5
+            w[p + "self_attn.k_norm.weight"] = norm()[:hd] * 0.7
         if args.arch == "glm":
             w[p + "post_self_attn_layernorm.weight"] = norm()
             w[p + "post_mlp_layernorm.weight"] = norm()
@@ -126,8 +129,11 @@ def _mlp(w: dict, p: str, h: np.ndarray) -> np.ndarray:
     return (_silu(g) * u) @ w[p + "down_proj.weight"].T
 
 
-def reference_logits(w: dict[str, np.ndarray], args: ModelArgs, ids: np.ndarray) -> np.ndarray:
-    """HF GLM-4 / GLM-4.5 forward in float64 numpy, dense causal attention."""
+def reference_logits(
+    w: dict[str, np.ndarray], args: ModelArgs, ids: np.ndarray, *, qk_norm_after_rope: bool = False
+) -> np.ndarray:
+    """HF GLM-4 / GLM-4.5 forward in float64 numpy, dense causal attention (QK-norm per head
+    before rotary, as HF ``Glm4MoeAttention``; `qk_norm_after_rope` is a wrong-order control)."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
     b, s = ids.shape
     hd, nh, nkv = args.head_size, args.num_heads, args.num_kv_heads
@@ -141,7 +147,12 @@ def reference_logits(w: dict[str, np.ndarray], args: ModelArgs, ids: np.ndarray)
             )
             for n in ("q", "k", "v")
         )
-        q, k = (_rope(t, args.rotary_dim, args.arch == "glm") for t in (q, k))
+        qn, kn = w.get(p + "self_attn.q_norm.weight"), w.get(p + "self_attn.k_norm.weight")
+        if args.use_qk_norm and not qk_norm_after_rope:
+            q, k = _rms(q, qn), _rms(k, kn)
+        q, k = (_rope(t, args.rotary_dim, args.arch == "glm", args.rotary_base) for t in (q, k))
+        if args.use_qk_norm and qk_norm_after_rope:
+            q, k = _rms(q, qn), _rms(k, kn)
         k, v = np.repeat(k, nh // nkv, axis=2), np.repeat(v, nh // nkv, axis=2)
         scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
         scores = np.where(np.triu(np.ones((s, s), bool), 1), -np.inf, scores)
@@ -233,6 +244,24 @@ def test_load_glm45_sharded_skips_mtp_layer_and_matches_reference(tmp_path: Path
     np.testing.assert_allclose(
         _forward(model, _ids()), reference_logits(w, args, _ids()), rtol=1e-4, atol=1e-4
     )
+
+
+def test_glm45_qk_norm_and_rope_theta_match_reference(tmp_path: Path) -> None:
+    """GLM-4.5's QK-norm (per head, before rotary) with a non-default rope_theta; the same
+    weights through a wrong-order reference (norm after rotary) are far outside the tolerance."""
+    args = _args("glm_moe", use_qk_norm=True, rotary_base=50_000.0)
+    w = hf_weights(args)
+    assert "model.layers.0.self_attn.q_norm.weight" in w
+    np_save_file(w, str(tmp_path / "model.safetensors"))
+    model = build_model(args)
+    report = load_hf_checkpoint(model, tmp_path)
+    assert sorted(report.loaded) == sorted(w)
+    got = _forward(model, _ids())
+    np.testing.assert_allclose(got, reference_logits(w, args, _ids()), rtol=1e-4, atol=1e-4)
+    wrong = reference_logits(w, args, _ids(), qk_norm_after_rope=True)
+    assert np.abs(got - wrong).max() > 100 * 1e-4
+    with pytest.raises(CheckpointMismatchError, match="q_norm"):  # a model without QK-norm
+        load_hf_checkpoint(build_model(_args("glm_moe", rotary_base=50_000.0)), tmp_path)
 
 
 def test_tied_model_skips_lm_head(tmp_path: Path) -> None:
@@ -392,7 +421,7 @@ AIR_CONFIG = {
 
 def test_hf_air_config_gives_the_preset() -> None:
     assert args_from_hf_config(AIR_CONFIG) == preset("glm45_air")
-    with pytest.raises(ValueError, match="use_qk_norm"):
-        args_from_hf_config({**AIR_CONFIG, "use_qk_norm": True})
-    with pytest.raises(ValueError, match="model_type 'llama'"):
-        args_from_hf_config({**AIR_CONFIG, "model_type": "llama"})
+    full = args_from_hf_config({**AIR_CONFIG, "use_qk_norm": True})  # GLM-4.5 (not Air)
+    assert full == preset("glm45_air", use_qk_norm=True)
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        args_from_hf_config({**AIR_CONFIG, "model_type": "llama", "architectures": None})

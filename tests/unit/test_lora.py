@@ -123,12 +123,13 @@ def test_save_then_load_into_fresh_model(tmp_path) -> None:
 
 
 def test_moe_experts_can_be_targeted() -> None:
-    lora = apply_lora(
-        _model("tiny_glm_moe"), rank=2, alpha=2, target_modules=[r".*experts\.\d+\.down_proj"]
-    )
-    names = [n for n, _ in lora_layers(lora)]
-    assert names and all(".mlp.experts." in n for n in names)
+    """Routed experts are one stacked layer per MoE block (more in test_lora_experts.py)."""
+    lora = apply_lora(_model("tiny_glm_moe"), rank=2, alpha=2, target_modules=[r".*mlp\.experts"])
+    names = [n for n, _ in lora_layers(lora.model)]
+    assert names == ["model.layers.1.mlp.experts"]
     assert _run(lora).shape[-1] == 260
+    with pytest.raises(ValueError, match=r"routed experts \('\.\*mlp"):
+        apply_lora(_model("tiny_glm_moe"), rank=2, alpha=2, target_modules=[".*experts.*"])
 
 
 def test_errors_are_clear(tmp_path) -> None:

@@ -24,7 +24,7 @@ from flashcp.parallel import build_stage
 from flashcp.recipes.lora import apply_lora, lora_layers
 from flashcp.recipes.merge_export import merged_specs, write_merged_index, write_merged_stage
 
-TARGETS = [".*q_proj", ".*o_proj", ".*down_proj", ".*experts.*up_proj"]
+TARGETS = [".*q_proj", ".*o_proj", ".*down_proj", r".*mlp\.experts"]
 EPS32 = float(np.finfo(np.float32).eps)
 
 
@@ -32,8 +32,27 @@ def _adapted(model: paddle.nn.Layer) -> paddle.nn.Layer:
     """LoRA on `model` with every B set away from zero, keyed by name (any stage agrees)."""
     apply_lora(model, rank=4, alpha=8, target_modules=TARGETS, seed=7, require_match=False)
     for name, layer in lora_layers(model):
-        fill_parameter(layer.lora_B, 9, f"{name}.lora_B", InitRule("normal", 0.05))
+        for sub, p in layer.named_parameters():
+            if sub.endswith("lora_B"):
+                fill_parameter(p, 9, f"{name}.{sub}", InitRule("normal", 0.05))
     return model
+
+
+def _pieces(layer_name: str, layer: paddle.nn.Layer):
+    """(HF key, W, A, B, columns) of every adapted matrix of a LoRA layer: the layer's own for
+    a linear one, each expert's gate / up / down pieces for stacked experts."""
+    if not hasattr(layer, "gate_up_proj"):
+        yield f"{layer_name}.weight", layer.weight, layer.lora_A, layer.lora_B, None
+        return
+    inter = layer.intermediate_size
+    for e in range(layer.num_experts):
+        for piece, proj, cols in [
+            ("gate_proj", "gate_up_proj", (0, inter)),
+            ("up_proj", "gate_up_proj", (inter, 2 * inter)),
+            ("down_proj", "down_proj", None),
+        ]:
+            w, a, b = (getattr(layer, proj + s)[e] for s in ("", "_lora_A", "_lora_B"))
+            yield f"{layer_name}.{e}.{piece}.weight", w, a, b, cols
 
 
 def _float64(t: paddle.Tensor) -> np.ndarray:
@@ -68,21 +87,12 @@ def test_stage_by_stage_export_is_base_plus_adapters(
     checked = 0
     for stage in stages:
         for layer_name, layer in lora_layers(stage):
-            key = f"{layer_name}.weight"
-            with safe_open(str(out / weight_map[key]), "np") as f:
-                raw = f.get_slice(key)
-                assert raw.get_dtype() == ("BF16" if dtype == "bfloat16" else "F32")
-            got = _float64(_read(out / weight_map[key], key)).T  # HF [out, in]
-            w, a, b = _float64(layer.weight), _float64(layer.lora_A), _float64(layer.lora_B)
-            s = float(layer.scaling)
-            want = w + a @ b * s
-            size = np.abs(w) + s * (np.abs(a) @ np.abs(b))
-            unit = 2.0**-8 if dtype == "bfloat16" else EPS32
-            np.testing.assert_array_less(np.abs(got - want), (6 * EPS32) * size + unit * size)
-            # negative control: without the adapters (or with another scaling) it is off
-            assert np.abs(got - w).max() > 10 * ((6 * EPS32 + unit) * size).max()
-            checked += 1
-    assert checked == sum(len(lora_layers(s)) for s in stages) > 0
+            for key, w, a, b, cols in _pieces(layer_name, layer):
+                checked += _check_merged(out, weight_map, key, w, a, b, cols, layer, dtype)
+    assert checked == sum(
+        len(list(_pieces(n, layer))) for s in stages for n, layer in lora_layers(s)
+    )
+    assert checked > 0
     # it loads back (through the index) into a whole model: the adapted model's logits
     whole = _adapted(build_model(args, param_dtype=dtype, seed=0))
     merged = build_model(args, param_dtype=dtype, seed=1)  # other weights until loaded
@@ -98,6 +108,26 @@ def test_stage_by_stage_export_is_base_plus_adapters(
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     else:  # the merged bf16 weights carry one more bf16 rounding (2^-9 relative)
         assert np.linalg.norm(got - want) < 2.0**-6 * np.linalg.norm(want)
+
+
+def _check_merged(out, weight_map, key, w, a, b, cols, layer, dtype) -> int:
+    """One merged matrix in the export against W + A·B·alpha/r in float64."""
+    with safe_open(str(out / weight_map[key]), "np") as f:
+        raw = f.get_slice(key)
+        assert raw.get_dtype() == ("BF16" if dtype == "bfloat16" else "F32")
+    got = _float64(_read(out / weight_map[key], key)).T  # HF [out, in]
+    w, a, b = _float64(w), _float64(a), _float64(b)
+    s = float(layer.scaling)
+    want = w + a @ b * s
+    size = np.abs(w) + s * (np.abs(a) @ np.abs(b))
+    if cols is not None:
+        want, size = want[:, cols[0] : cols[1]], size[:, cols[0] : cols[1]]
+        w = w[:, cols[0] : cols[1]]
+    unit = 2.0**-8 if dtype == "bfloat16" else EPS32
+    np.testing.assert_array_less(np.abs(got - want), (6 * EPS32) * size + unit * size)
+    # negative control: without the adapters (or with another scaling) it is off
+    assert np.abs(got - w).max() > 10 * ((6 * EPS32 + unit) * size).max()
+    return 1
 
 
 def _read(path: Path, key: str) -> paddle.Tensor:

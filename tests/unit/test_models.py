@@ -101,6 +101,11 @@ def test_parameter_count_matches_estimate() -> None:
     learned = preset("tiny", position="learned")
     n = sum(int(np.prod(p.shape)) for p in build_model(learned).parameters())
     assert n == estimate_parameters(learned)
+    qk = preset("tiny_glm_moe", use_qk_norm=True)
+    model = build_model(qk)
+    n = sum(int(np.prod(p.shape)) for p in model.parameters())
+    assert n == estimate_parameters(qk) == estimate_parameters(preset("tiny_glm_moe")) + 2 * 2 * 16
+    assert list(model.model.layers[0].self_attn.q_norm.weight.shape) == [16]  # one head
 
 
 def test_glm_layer_structure() -> None:

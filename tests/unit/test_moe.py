@@ -1,5 +1,7 @@
 """GLM-4.5 MoE: routing (selection by score + bias, weights from raw sigmoid scores), k experts
-per token, shared experts always on, first-k dense layers, numpy reference, determinism."""
+per token, shared experts always on, first-k dense layers, numpy reference, determinism.
+
+(The grouped expert compute against the old per-expert loop: `test_moe_grouped.py`.)"""
 
 from __future__ import annotations
 
@@ -83,6 +85,14 @@ def _swiglu_np(layer: SwiGLU, x: np.ndarray) -> np.ndarray:
     return (g * _sigmoid(g) * u) @ layer.down_proj.weight.numpy()
 
 
+def _expert_np(moe: MoE, e: int, x: np.ndarray) -> np.ndarray:
+    """Routed expert `e` in numpy, from its slices of the stacked weights."""
+    inter = moe.experts.intermediate_size
+    gate_up = moe.experts.gate_up_proj.numpy()[e]
+    g, u = x @ gate_up[:, :inter], x @ gate_up[:, inter:]
+    return (g * _sigmoid(g) * u) @ moe.experts.down_proj.numpy()[e]
+
+
 @pytest.mark.parametrize("shared", [0, 2])
 def test_matches_numpy_reference_and_counts(shared: int) -> None:
     paddle.seed(2)
@@ -99,7 +109,7 @@ def test_matches_numpy_reference_and_counts(shared: int) -> None:
         top = np.argsort(-choice[t])[:K]
         w = scores[t, top] / scores[t, top].sum()
         for e, wk in zip(top, w, strict=True):
-            want[t] += wk * _swiglu_np(moe.experts[e], xn[t : t + 1])[0]
+            want[t] += wk * _expert_np(moe, e, xn[t : t + 1])[0]
             hits[e] += 1
     if shared:
         assert moe.shared_experts is not None
@@ -124,22 +134,23 @@ def test_each_token_gets_k_distinct_experts() -> None:
 def test_shared_expert_always_applied() -> None:
     paddle.seed(0)
     moe = MoE(_args())
-    for expert in moe.experts:
-        _set(expert.down_proj.weight, np.zeros(expert.down_proj.weight.shape))
+    _set(moe.experts.down_proj, np.zeros(moe.experts.down_proj.shape))
     x = _tokens()
     np.testing.assert_allclose(
         moe(x).numpy(), _swiglu_np(moe.shared_experts, x.numpy()), rtol=1e-5, atol=1e-6
     )
 
 
-def test_unrouted_experts_are_skipped() -> None:
+def test_unrouted_experts_get_zero_gradient() -> None:
     paddle.seed(0)
     moe = MoE(_args())
     _set(moe.gate.e_score_correction_bias, np.array([10.0, 10.0, 0, 0, 0, 0]))
     moe(_tokens()).sum().backward()
     assert list(moe.last_tokens_per_expert) == [20, 20, 0, 0, 0, 0]
-    assert moe.experts[0].down_proj.weight.grad is not None
-    assert moe.experts[5].down_proj.weight.grad is None
+    for name in ("gate_up_proj", "down_proj"):
+        grad = getattr(moe.experts, name).grad.numpy()
+        assert all(np.abs(grad[e]).max() > 0 for e in (0, 1))
+        np.testing.assert_array_equal(grad[2:], np.zeros_like(grad[2:]))
 
 
 @pytest.mark.parametrize(("first_k", "dense"), [(0, []), (1, [0]), (2, [0, 1])])

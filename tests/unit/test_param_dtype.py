@@ -8,6 +8,7 @@ model at build time, none kept from forward to backward.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -32,6 +33,16 @@ from flashcp.trainer import Trainer, memory, read_metrics
 from flashcp.trainer.executor import SequentialExecutor
 
 EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_allocator() -> Any:
+    """Allocator deltas count every tensor freed meanwhile: collect earlier tests' garbage first
+    and keep the cycle collector from freeing it in the middle of a measurement."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.fixture(autouse=True)

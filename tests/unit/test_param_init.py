@@ -30,13 +30,20 @@ def test_values_are_keyed_by_seed_and_name_only(monkeypatch: pytest.MonkeyPatch)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     # the value of a name is its generator's stream under its rule
-    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+    name = "model.layers.2.self_attn.q_proj.weight"
     std = np.float32(args.initializer_range)
     direct = generator(5, name).standard_normal(want[name].size, dtype=np.float32) * std
     np.testing.assert_array_equal(want[name].reshape(-1), direct)
+    # a stacked expert weight: expert e's slice is the stream of "<name>.<e>"
+    name = "model.layers.2.mlp.experts.down_proj"
+    for e in (0, 3):
+        piece = want[name][e]
+        direct = generator(5, f"{name}.{e}").standard_normal(piece.size, dtype=np.float32) * std
+        np.testing.assert_array_equal(piece.reshape(-1), direct)
     # other seed, other values; norms are ones, biases zeros, whatever the seed
     other = _weights(build_model(args, seed=6))
     assert not np.array_equal(other[name], want[name])
+    assert not np.array_equal(want[name][0], want[name][1])  # experts differ
     np.testing.assert_array_equal(other["model.norm.weight"], np.ones(64, np.float32))
     np.testing.assert_array_equal(
         other["model.layers.0.self_attn.q_proj.bias"], np.zeros(64, np.float32)

@@ -310,6 +310,10 @@ def test_metrics_writer_progress_and_truncation(
     records = read_metrics(tmp_path / METRICS_FILE)
     assert [r["step"] for r in records] == [1, 2, 3] and records[2]["loss"] == "nan"
     assert "step 2/4" in out.getvalue() and "SKIPPED" in out.getvalue()
+    assert "mem 204.8 MiB (rank 0)" in out.getvalue()  # below 1 GiB in MiB
+    from flashcp.trainer.metrics import format_memory
+
+    assert format_memory(1.5) == "1.50 GiB" and format_memory(0.0) == "0.0 MiB"
     quiet = MetricsWriter(tmp_path / "q", enabled=False, total_steps=1)
     quiet.log(m(1))
     quiet.echo("x")

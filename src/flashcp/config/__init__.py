@@ -8,6 +8,7 @@ A bad config raises `ConfigValidationError` whose `.errors` lists every problem 
 `ConfigError(key="train.lr", message="expected a number, got 'fast' (a string)")`.
 """
 
+from flashcp.config.aliases import ALIASES
 from flashcp.config.errors import ConfigError, ConfigValidationError
 from flashcp.config.load import (
     build_config,
@@ -27,12 +28,14 @@ from flashcp.config.schema import (
     CP_MODES,
     IGNORE_INDEX,
     RECIPES,
+    REPORT_BACKENDS,
     SECTIONS,
     AttentionConfig,
     CheckpointConfig,
     Config,
     DataConfig,
     DebugConfig,
+    EvalConfig,
     HardwareConfig,
     ParallelConfig,
     RecipeSpec,
@@ -43,12 +46,14 @@ from flashcp.config.schema import (
 from flashcp.config.validate import BYTE_VOCAB_SIZE, check_config
 
 __all__ = [
+    "ALIASES",
     "BYTE_VOCAB_SIZE",
     "CHUNKS_PER_RANK",
     "CP_MODES",
     "IGNORE_INDEX",
     "LoRAConfig",
     "RECIPES",
+    "REPORT_BACKENDS",
     "SECTIONS",
     "AttentionConfig",
     "CheckpointConfig",
@@ -58,6 +63,7 @@ __all__ = [
     "DPOConfig",
     "DataConfig",
     "DebugConfig",
+    "EvalConfig",
     "HardwareConfig",
     "Override",
     "ParallelConfig",

@@ -6,7 +6,7 @@ raises `ConfigValidationError` listing all problems, each with its dotted key an
 Type rules: ints must be ints (not bools), floats accept ints (and YAML 1.1 strings such as
 `1e-4`, which PyYAML reads as text), `Literal` fields list their choices, `X | None` fields
 accept null. The `model` section is `flashcp.models.ModelArgs`: either every field, or
-`preset: <name>` plus the fields to change.
+`preset: <name>` or `from_pretrained: <HF model directory>` plus the fields to change.
 """
 
 from __future__ import annotations
@@ -23,10 +23,18 @@ from typing import Any, Literal
 
 import yaml
 
+from flashcp.config.aliases import (
+    explain_misplaced,
+    mark_aliases,
+    resolve_file_aliases,
+    resolve_override_aliases,
+)
 from flashcp.config.errors import ConfigError, ConfigValidationError, suggest
 from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.schema import SECTIONS, Config, extra_sections
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+"""A `model.from_pretrained` directory holds one of these."""
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 _MISSING = object()
 
@@ -176,20 +184,40 @@ def _model_api() -> tuple[type, dict[str, Any]]:
 
 
 def build_model_args(raw: Any, errors: list[ConfigError]) -> tuple[Any, str | None]:
-    """`(ModelArgs | None, preset name | None)` from the `model` section."""
+    """`(ModelArgs | None, preset name | None)` from the `model` section.
+
+    The section starts from `preset: <name>` or `from_pretrained: <HF directory>` (its
+    `config.json`, `flashcp.models.hf_config`), plus the fields to change. A key that
+    contradicts that config.json is refused naming both values (only the training-side
+    `recompute` may be set freely)."""
     ModelArgs, presets = _model_api()
     if raw is None:
         errors.append(
             ConfigError(
                 "model",
                 "required section is missing: give model.preset (one of "
-                f"{', '.join(sorted(presets))}) and/or every ModelArgs field",
+                f"{', '.join(sorted(presets))}), model.from_pretrained (a Hugging Face model "
+                "directory) and/or every ModelArgs field",
             )
         )
         return None, None
     base = None
     preset = raw.get("preset") if isinstance(raw, Mapping) else None
-    if preset is not None:
+    pretrained = raw.get("from_pretrained") if isinstance(raw, Mapping) else None
+    if preset is not None and pretrained is not None:
+        errors.append(
+            ConfigError(
+                "model.preset",
+                f"{preset!r} cannot be combined with model.from_pretrained {pretrained!r} (its "
+                "config.json defines the model): remove one of them",
+            )
+        )
+        return None, None
+    if pretrained is not None:
+        base = _pretrained_values(raw, errors)
+        if base is None:
+            return None, None
+    elif preset is not None:
         if not isinstance(preset, str) or preset not in presets:
             errors.append(
                 ConfigError(
@@ -201,8 +229,80 @@ def build_model_args(raw: Any, errors: list[ConfigError]) -> tuple[Any, str | No
             preset = None
         else:
             base = _section_dict(presets[preset])
-    args = build_section(ModelArgs, raw, "model", errors, base=base, ignore=("preset",))
+    args = build_section(
+        ModelArgs, raw, "model", errors, base=base, ignore=("preset", "from_pretrained")
+    )
     return args, preset
+
+
+def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dict[str, Any] | None:
+    """ModelArgs values from `model.from_pretrained`'s config.json (None after an error): the
+    directory must hold a config.json flashcp builds exactly and safetensors weights, and no
+    other key of the section may contradict it."""
+    from flashcp.models.hf_config import (
+        FIELD_KEYS,
+        TRAINING_FIELDS,
+        HFConfigError,
+        parse_hf_config,
+        read_config_json,
+    )
+
+    ModelArgs, _ = _model_api()
+    path = raw["from_pretrained"]
+    key = "model.from_pretrained"
+    if not isinstance(path, str) or not path.strip():
+        errors.append(ConfigError(key, f"expected a directory path, got {path!r}"))
+        return None
+    directory = Path(path)
+    if not directory.is_dir():
+        errors.append(
+            ConfigError(key, f"no directory at {path!r}: give a Hugging Face model directory "
+                             "(config.json, model.safetensors[.index.json], tokenizer files)")
+        )  # fmt: skip
+        return None
+    try:
+        config, source = read_config_json(directory)
+        values, _notes = parse_hf_config(config, source)
+    except HFConfigError as exc:
+        for hf_key, message in exc.problems:
+            errors.append(ConfigError(key, f"{exc.source}: {hf_key}: {message}"))
+        return None
+    except (OSError, ValueError) as exc:
+        errors.append(ConfigError(key, str(exc)))
+        return None
+    if not any((directory / f).is_file() for f in WEIGHT_FILES):
+        errors.append(
+            ConfigError(key, f"{path} has no {' or '.join(WEIGHT_FILES)}: the weights are "
+                             "missing (download them, or point at the complete directory)")
+        )  # fmt: skip
+        return None
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+    hints = typing.get_type_hints(ModelArgs)
+    ok = True
+    for name, value in raw.items():
+        if name in ("preset", "from_pretrained") or name in TRAINING_FIELDS:
+            continue
+        if name not in defaults:
+            continue  # build_section reports unknown keys
+        good, given = _convert(value, hints.get(name, Any))
+        want = values.get(name, defaults[name])
+        if good and given != want:
+            hf_key = FIELD_KEYS.get(name, name)
+            shown = config.get(hf_key, want) if hf_key != "architectures" else want
+            if hf_key == "architectures":
+                message = (
+                    f"{value!r} contradicts config.json architectures "
+                    f"{config.get('architectures')!r} in {path} (which gives {want!r}): "
+                    f"remove model.{name}"
+                )
+            else:
+                message = (
+                    f"{value!r} contradicts config.json {hf_key} {shown!r} in {path}: remove "
+                    f"model.{name} (config.json defines the model)"
+                )
+            errors.append(ConfigError(f"model.{name}", message))
+            ok = False
+    return values if ok else None
 
 
 def _section_dict(obj: Any) -> dict[str, Any]:
@@ -256,16 +356,19 @@ def build_config(
     source: str | None = None,
     overrides: Sequence[str] = (),
     world_size: int | None = None,
+    nnodes: int = 1,
     check: bool = True,
 ) -> Config:
     """A validated `Config` from a raw mapping plus `key=value` overrides.
 
     Raises `ConfigValidationError` with every problem: parse errors of the overrides, unknown
     sections or keys, wrong types, and (when `check`) the cross-field checks of
-    `flashcp.config.validate.check_config` (for `world_size`, when given).
+    `flashcp.config.validate.check_config` (for `world_size` processes on `nnodes` nodes).
+    Top-level aliases (`max_steps`, ...; `flashcp.config.aliases`) are accepted in `raw` and
+    in `overrides`.
     """
     cfg, errors = collect(raw, source=source, overrides=overrides, world_size=world_size,
-                          check=check)  # fmt: skip
+                          nnodes=nnodes, check=check)  # fmt: skip
     if errors or cfg is None:
         raise ConfigValidationError(errors, source)
     return cfg
@@ -277,17 +380,30 @@ def collect(
     source: str | None = None,
     overrides: Sequence[str] = (),
     world_size: int | None = None,
+    nnodes: int = 1,
     check: bool = True,
 ) -> tuple[Config | None, list[ConfigError]]:
     """`(config or None, every problem)` without raising: what `flashcp validate` reports."""
     data: dict[str, Any] = json.loads(json.dumps(dict(raw), default=str))  # deep copy
-    parsed, errors = parse_overrides(overrides)
+    aliased, errors = resolve_file_aliases(data)
+    parsed, bad = parse_overrides(overrides)
+    parsed, alias_errors = resolve_override_aliases(parsed)
+    errors += bad + alias_errors
     errors += apply_overrides(data, parsed)
+    for ov in parsed:  # the command line replaced what the file gave through an alias
+        aliased.pop(ov.key, None)
     extras = extra_sections()
     known = ["model", *SECTIONS, *extras]
     for key in data:
         if key not in known:
             errors.append(ConfigError(str(key), "unknown section" + suggest(str(key), known)))
+    pretrained = _pretrained_path(data)
+    if pretrained is not None:
+        section = data.get("data")
+        if section is None:
+            section = data["data"] = {}
+        if isinstance(section, dict) and "tokenizer" not in section:
+            section["tokenizer"] = pretrained  # the model directory's tokenizer by default
     model, preset = build_model_args(data.get("model"), errors)
     sections = {
         name: build_section(cls, data.get(name), name, errors) for name, cls in SECTIONS.items()
@@ -297,11 +413,15 @@ def collect(
         for name, cls in extras.items()
         if name in data
     }
+    errors = explain_misplaced(errors)
     if model is None or any(v is None for v in sections.values()):
-        return None, _mark_overrides(errors, parsed)
+        return None, _mark_overrides(mark_aliases(errors, aliased), parsed)
+    if pretrained is not None:
+        _pretrained_weights(sections["checkpoint"], pretrained, errors)
     cfg = Config(
         model=model,
         model_preset=preset,
+        model_from_pretrained=pretrained,
         extras=extra_values,
         source=source,
         overrides=tuple(overrides),
@@ -310,9 +430,31 @@ def collect(
     if check:
         from flashcp.config.validate import check_config
 
-        bad = {e.key for e in errors}
-        errors += check_config(cfg, world_size=world_size, skip=bad)
-    return cfg, _mark_overrides(errors, parsed)
+        failed = {e.key for e in errors}
+        errors += check_config(cfg, world_size=world_size, nnodes=nnodes, skip=failed)
+    return cfg, _mark_overrides(mark_aliases(errors, aliased), parsed)
+
+
+def _pretrained_path(data: Mapping[str, Any]) -> str | None:
+    model = data.get("model")
+    path = model.get("from_pretrained") if isinstance(model, Mapping) else None
+    return path if isinstance(path, str) else None
+
+
+def _pretrained_weights(checkpoint: Any, pretrained: str, errors: list[ConfigError]) -> None:
+    """`model.from_pretrained` implies `checkpoint.init_from` (the same directory's weights); a
+    different `init_from` contradicts it. A resumed run restores its own checkpoint either way."""
+    if checkpoint.init_from is None:
+        checkpoint.init_from = pretrained
+    elif Path(checkpoint.init_from).resolve() != Path(pretrained).resolve():
+        errors.append(
+            ConfigError(
+                "checkpoint.init_from",
+                f"{checkpoint.init_from!r} contradicts model.from_pretrained {pretrained!r}, "
+                "which loads that directory's weights: remove checkpoint.init_from (or "
+                "model.from_pretrained, and give the model section yourself)",
+            )
+        )
 
 
 def load_config(
@@ -320,11 +462,17 @@ def load_config(
     overrides: Sequence[str] = (),
     *,
     world_size: int | None = None,
+    nnodes: int = 1,
     check: bool = True,
 ) -> Config:
     """Read, override, type-check and validate the YAML config at `path` (see `build_config`)."""
     return build_config(
-        read_yaml(path), source=str(path), overrides=overrides, world_size=world_size, check=check
+        read_yaml(path),
+        source=str(path),
+        overrides=overrides,
+        world_size=world_size,
+        nnodes=nnodes,
+        check=check,
     )
 
 
@@ -334,7 +482,10 @@ def load_config(
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The resolved config as plain data (the `model` section with every field, no preset)."""
-    out: dict[str, Any] = {"model": _section_dict(cfg.model)}
+    model = _section_dict(cfg.model)
+    if cfg.model_from_pretrained is not None:
+        model = {"from_pretrained": cfg.model_from_pretrained, **model}
+    out: dict[str, Any] = {"model": model}
     for name in SECTIONS:
         out[name] = _section_dict(getattr(cfg, name))
     for name, value in cfg.extras.items():
@@ -348,10 +499,13 @@ def to_yaml(cfg: Config) -> str:
 
 
 HASH_EXCLUDE: tuple[str, ...] = (
+    "model.from_pretrained",
     "run",
     "checkpoint",
     "hardware",
     "debug",
+    "eval",
+    "hardware",
     "train.steps",
     "train.log_every",
 )

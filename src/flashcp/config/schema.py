@@ -18,12 +18,25 @@ from typing import Any, Literal
 CP_MODES: tuple[str, ...] = ("dualchunk_allgather", "contiguous_allgather", "workload_balanced")
 """Context-parallel layouts (see `flashcp.cp`); the values `parallel.cp_mode` accepts."""
 
+REPORT_BACKENDS: dict[str, tuple[str, str] | None] = {
+    "jsonl": None,
+    "visualdl": ("visualdl", "visualdl"),
+    "wandb": ("wandb", "wandb"),
+    "tensorboard": ("tensorboardX", "tensorboardX"),
+}
+"""`run.report_to` values → (module to import, pip package) they need (None: built in)."""
+
 CHUNKS_PER_RANK: dict[str, int] = {
     "dualchunk_allgather": 2,
     "contiguous_allgather": 1,
     "workload_balanced": 4,  # flashcp.cp.attention.BALANCED_CHUNKS_PER_RANK
 }
 """How many chunks of the sequence each CP rank holds per mode: seq_len must divide by cp × this."""
+
+JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".json")
+PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
+DATA_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
+"""File name endings data.path may have (JSON Lines, Parquet); a directory holds such files."""
 
 IGNORE_INDEX = -100
 """Label value of a position that has no target (end of a document, prompt, padding)."""
@@ -89,16 +102,40 @@ class DataConfig:
     """Where text comes from and how it becomes fixed-length training sequences."""
 
     path: str | None = None
-    """JSONL file (one JSON object per line); null = the small sets shipped with flashcp: an
-    English corpus (pretrain), prompt/response pairs (sft), preference pairs (dpo)."""
+    """The data: a JSON Lines (.jsonl/.json, one object per line) or Parquet (.parquet) file,
+    or a directory whose files of one of those formats are read in name order (not its
+    subdirectories); null = the small sets shipped with flashcp: an English corpus (pretrain),
+    prompt/response pairs (sft), preference pairs (dpo). Rows are read lazily (see
+    `flashcp.data.index`)."""
     tokenizer: str = "byte"
-    """`byte` (256 byte ids + BOS/EOS/PAD) or the path of a Hugging Face `tokenizer.json`."""
+    """`byte` (256 byte ids + BOS/EOS/PAD), a Hugging Face `tokenizer.json` file, or a
+    Hugging Face tokenizer/model directory (`tokenizer.json` + `tokenizer_config.json`): its
+    special tokens and chat template are used (needed for `messages` data). With
+    `model.from_pretrained` the default is that model directory (its tokenizer)."""
     text_field: str = "text"
-    """JSONL field holding a document's text (pretrain recipe)."""
+    """Field holding a document's text (pretrain recipe)."""
     prompt_field: str = "prompt"
-    """JSONL field of the prompt (sft recipe; its tokens get no loss)."""
+    """Field of the prompt (sft: a string, its tokens get no loss; dpo: a string or a list of
+    messages)."""
     response_field: str = "response"
-    """JSONL field of the response (sft recipe; only these tokens are trained on)."""
+    """Field of the response (sft recipe with prompt/response strings: only these tokens are
+    trained on)."""
+    messages_field: str = "messages"
+    """Field of a conversation, a list of {"role", "content"} messages (sft recipe): rendered
+    with the tokenizer's chat template, loss on the assistant turns only."""
+    chosen_field: str = "chosen"
+    """Field of the preferred answer (dpo): a string, or the assistant turn (a message or a
+    one-message list) when the prompt is a list of messages."""
+    rejected_field: str = "rejected"
+    """Field of the dispreferred answer (dpo), like chosen_field."""
+    on_bad_record: Literal["skip", "error"] = "skip"
+    """A record that cannot be used (missing field, wrong type, empty answer, too long after
+    truncation, not JSON): skip it — bad records are counted by reason and reported with
+    their first rows in the start line and run_info.json — or stop before training, naming
+    the row and the reason."""
+    cache_dir: str | None = None
+    """Where the `datasets` library keeps the Arrow cache of Parquet data (null: its default,
+    $HF_DATASETS_CACHE or ~/.cache/huggingface/datasets)."""
     seq_len: int = 256
     """Tokens per training sequence (the global length, before context-parallel sharding)."""
     micro_batch_size: int = 1
@@ -172,8 +209,9 @@ class CheckpointConfig:
     directory path."""
     init_from: str | None = None
     """A Hugging Face-layout safetensors checkpoint (file, or directory with
-    `model.safetensors[.index.json]`) the model starts from; null = seeded random init. A
-    resumed run restores its own checkpoint instead."""
+    `model.safetensors[.index.json]`) the model starts from; null = seeded random init, or the
+    `model.from_pretrained` directory when that is set (another path is refused). A resumed run
+    restores its own checkpoint instead."""
 
 
 @dataclass(kw_only=True)
@@ -196,12 +234,37 @@ class RunConfig:
     stop_after_steps: int = 0
     """Stop this run after this many steps (0: run to train.steps). The LR schedule still spans
     train.steps, so resuming later continues exactly as an uninterrupted run would."""
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where rank 0 reports the step scalars (`flashcp.trainer.tracking`): `jsonl`
+    (metrics.jsonl, always written), `visualdl` (VisualDL logs in output_dir/visualdl; installed
+    with paddleformers), `wandb` (needs `pip install wandb`), `tensorboard` (event files in
+    output_dir/tensorboard; needs `pip install tensorboardX`). Every backend gets the same
+    scalars, named as in metrics.jsonl."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation during training (`flashcp.trainer.evaluate`)."""
+
+    path: str | None = None
+    """Eval data in the training data's format (`data.*` fields and tokenizer apply); null =
+    no evaluation."""
+    every: int = 0
+    """Evaluate every this many optimizer steps, and after the last step (train.steps);
+    0 = only after the last step."""
+    max_batches: int | None = None
+    """At most this many eval batches, each the rows of one optimizer step (dp ×
+    train.grad_accum × data.micro_batch_size sequences); null = one pass over the eval set,
+    every row once."""
 
 
 @dataclass(kw_only=True)
 class HardwareConfig:
-    """The devices a run is planned for (`flashcp plan`, `flashcp validate`)."""
+    """What the devices are: for the metrics derived from them and the memory plan."""
 
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of ONE device in the compute dtype (e.g. 989 for an H100 SXM in
+    bf16, 312 for an A100): the denominator of the `mfu` metric. null = no `mfu` reported."""
     memory_gib: float | None = None
     """Per-device memory budget in GiB the memory plan must fit (`flashcp plan`); null = no
     budget check (CPU configs). The GPU configs set 96 (an H20)."""
@@ -223,6 +286,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "run": RunConfig,
+    "eval": EvalConfig,
     "hardware": HardwareConfig,
     "debug": DebugConfig,
 }
@@ -268,12 +332,16 @@ class Config:
     """`flashcp.models.ModelArgs` (kept untyped here so the schema imports no Paddle)."""
     model_preset: str | None = None
     """The preset the model section started from, if any (informational)."""
+    model_from_pretrained: str | None = None
+    """`model.from_pretrained`: the Hugging Face model directory whose config.json gave the
+    model section (and whose weights `checkpoint.init_from` then loads), if any."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     extras: dict[str, Any] = field(default_factory=dict)

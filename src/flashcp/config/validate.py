@@ -7,12 +7,13 @@ that fixes it; checks whose keys already failed type-checking are skipped (no ca
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from flashcp.config.errors import ConfigError, suggest
-from flashcp.config.schema import CHUNKS_PER_RANK, RECIPES, Config
+from flashcp.config.schema import CHUNKS_PER_RANK, DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
 
 BYTE_VOCAB_SIZE = 259
 """256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
@@ -40,7 +41,7 @@ def _positive(c: _Checks, key: str, value: float, *, zero_ok: bool = False) -> N
         c.add(key, f"must be {bound}, got {value}")
 
 
-def _check_parallel(cfg: Config, c: _Checks, world_size: int | None) -> None:
+def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int = 1) -> None:
     p = cfg.parallel
     for dim in ("dp", "pp", "cp"):
         if getattr(p, dim) < 1:
@@ -56,6 +57,7 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None) -> None:
         )
     if not c.ok("parallel.dp", "parallel.pp", "parallel.cp"):
         return
+    degrees = f"dp({p.dp}) × pp({p.pp}) × cp({p.cp}) = {p.world_size}"
     if world_size is not None and p.world_size != world_size:
         fixes = [
             f"set parallel.{dim} to {world_size // others}"
@@ -63,11 +65,22 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None) -> None:
             if world_size % others == 0
         ]
         change = " or ".join(fixes) if fixes else "change parallel.dp/pp/cp"
+        job = f"{world_size} process{'es' if world_size != 1 else ''}"
+        launch = f"--nproc_per_node {p.world_size}"
+        if nnodes > 1:
+            job += f" ({nnodes} nodes × {world_size // nnodes} per node)"
+            launch = (
+                f"--nnodes {nnodes} --nproc_per_node {p.world_size // nnodes}"
+                if p.world_size % nnodes == 0
+                else f"a node count that divides {p.world_size}"
+            )
+        c.add("parallel", f"{degrees} but the job has {job}: {change}, or launch with {launch}")
+    elif world_size is None and nnodes > 1 and p.world_size % nnodes:
         c.add(
             "parallel",
-            f"dp({p.dp}) × pp({p.pp}) × cp({p.cp}) = {p.world_size} but the job has "
-            f"{world_size} process{'es' if world_size != 1 else ''}: {change}, or launch with "
-            f"--nproc_per_node {p.world_size}",
+            f"{degrees} processes cannot be split over --nnodes {nnodes} nodes (dp·pp·cp must "
+            f"equal nnodes × nproc_per_node): set parallel.dp, parallel.pp or parallel.cp so "
+            f"their product is a multiple of {nnodes}, or use another --nnodes",
         )
     _check_pipeline(cfg, c)
 
@@ -220,15 +233,40 @@ def _check_train(cfg: Config, c: _Checks) -> None:
 
 def _check_files(cfg: Config, c: _Checks) -> None:
     d = cfg.data
-    if d.path is not None and not Path(d.path).is_file():
+    path = None if d.path is None else Path(d.path)
+    if path is not None and not path.exists():
         c.add(
             "data.path",
-            f"no file at {d.path!r}: give a JSONL file, or null for the built-in corpus",
+            f"no file or directory at {d.path!r}: give a JSON Lines or Parquet file (or a "
+            "directory of them), or null for the built-in data",
         )
-    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
+    elif path is not None and path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
+        c.add(
+            "data.path",
+            f"{d.path!r} is not a JSON Lines (.jsonl, .json) or Parquet (.parquet) file: give "
+            "one of those, a directory of them, or null for the built-in data",
+        )
+    elif path is not None and path.is_dir() and not any(
+        f.suffix.lower() in DATA_SUFFIXES for f in path.iterdir() if f.is_file()
+    ):
+        c.add(
+            "data.path",
+            f"the directory {d.path!r} holds no .jsonl, .json or .parquet files: give a data "
+            "file or a directory of them, or null for the built-in data",
+        )
+    tok = Path(d.tokenizer)
+    if d.tokenizer != "byte" and tok.is_dir() and not (tok / "tokenizer.json").is_file():
         c.add(
             "data.tokenizer",
-            f"{d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json file",
+            f"the directory {d.tokenizer!r} has no tokenizer.json (with model.from_pretrained "
+            "the model directory is the default): set data.tokenizer to a tokenizer directory, "
+            "a tokenizer.json file, or byte",
+        )
+    elif d.tokenizer != "byte" and not (tok.is_file() or tok.is_dir()):
+        c.add(
+            "data.tokenizer",
+            f"{d.tokenizer!r} is neither 'byte', a tokenizer.json file nor a directory holding "
+            "one",
         )
 
 
@@ -279,10 +317,53 @@ def _check_run(cfg: Config, c: _Checks) -> None:
             )
 
 
+def _check_report_to(cfg: Config, c: _Checks) -> None:
+    """Known backends, and the package each one needs importable here (before any launch)."""
+    problems = []
+    for name in cfg.run.report_to:
+        if name not in REPORT_BACKENDS:
+            choices = suggest(name, REPORT_BACKENDS).replace("valid keys", "backends")
+            problems.append(f"unknown backend {name!r}{choices}")
+            continue
+        need = REPORT_BACKENDS[name]
+        if need is not None and importlib.util.find_spec(need[0]) is None:
+            problems.append(
+                f"{name!r} needs the {need[1]} package, which is not installed here: "
+                f"pip install {need[1]}, or remove {name!r} from run.report_to"
+            )
+    if problems:
+        c.add("run.report_to", "; ".join(problems))
+
+
+def _check_eval(cfg: Config, c: _Checks) -> None:
+    e = cfg.eval
+    if e.every < 0:
+        c.add("eval.every", f"must be >= 0 (0 = only after the last step), got {e.every}")
+    if e.max_batches is not None and e.max_batches < 1:
+        c.add("eval.max_batches", f"must be >= 1 or null (one pass), got {e.max_batches}")
+    if e.path is not None and not Path(e.path).is_file():
+        c.add(
+            "eval.path",
+            f"no file at {e.path!r}: give a file in the training data's format, or null for no "
+            "evaluation",
+        )
+    peak = cfg.hardware.peak_tflops
+    if peak is not None and not peak > 0:
+        c.add("hardware.peak_tflops", f"must be > 0 or null (no MFU), got {peak}")
+
+
 def _check_lora(cfg: Config, c: _Checks) -> None:
     lora = cfg.extras.get("lora")
     if lora is None:
         return
+    rate = getattr(cfg.model, "router_bias_update_rate", 0.0)
+    if isinstance(rate, (int, float)) and rate > 0:
+        c.add(
+            "model.router_bias_update_rate",
+            f"is {rate}, but with a lora section the router is frozen and only the adapters "
+            "are trained and saved (the moved biases would be lost at resume): set "
+            "model.router_bias_update_rate: 0, or train without lora",
+        )
     if lora.rank < 1:
         c.add("lora.rank", f"must be an integer >= 1, got {lora.rank}")
     _positive(c, "lora.alpha", lora.alpha)
@@ -320,16 +401,19 @@ def _check_dpo(cfg: Config, c: _Checks) -> None:
 
 
 def check_config(
-    cfg: Config, *, world_size: int | None = None, skip: Iterable[str] = ()
+    cfg: Config, *, world_size: int | None = None, nnodes: int = 1, skip: Iterable[str] = ()
 ) -> list[ConfigError]:
-    """Every cross-field problem of `cfg` (for a job of `world_size` processes, if known)."""
+    """Every cross-field problem of `cfg` (for a job of `world_size` processes, if known, on
+    `nnodes` nodes: dp·pp·cp must equal nnodes × processes per node)."""
     c = _Checks(skip)
-    _check_parallel(cfg, c, world_size)
+    _check_parallel(cfg, c, world_size, nnodes)
     _check_lengths(cfg, c)
     _check_model(cfg, c)
     _check_train(cfg, c)
     _check_files(cfg, c)
     _check_run(cfg, c)
+    _check_report_to(cfg, c)
+    _check_eval(cfg, c)
     _check_lora(cfg, c)
     _check_dpo(cfg, c)
     return c.errors

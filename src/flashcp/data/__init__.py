@@ -1,20 +1,26 @@
-"""Training data: tokenizers, JSONL documents, packing into masked sequences, CP sharding.
+"""Training data: tokenizers and chat templates, JSON Lines / Parquet rows read lazily, bad
+records, packing into masked sequences, CP sharding.
 
-    data = TrainData(cfg, dp_rank=0, dp_size=1)
+    data = TrainData(cfg, dp_rank=0, dp_size=1, peers=peers)
     for batch in data.next_step():              # one Batch per micro-batch
         local = shard_batch(batch, cp_rank, assignment)
 
-See `packing` for how labels and masks are built (on the full sequence, before sharding).
+`tokenizer` (byte / tokenizer.json / HF directory with its chat template), `chat` (assistant
+turns located in the rendered conversation), `sources` (rows by index), `index` (who reads which
+rows, bad-record report), `dataset` (records → documents), `packing` (labels and masks, built on
+the full sequence before sharding). docs/data.md has the whole picture.
 """
 
 from flashcp.data.dataset import (
     DEFAULT_CORPUS,
     Document,
+    DocumentBuilder,
     default_corpus_text,
     parse_jsonl,
     read_records,
     tokenize_records,
 )
+from flashcp.data.index import BadRecords, RowIndex, build_index
 from flashcp.data.loader import TrainData
 from flashcp.data.packing import (
     Batch,
@@ -26,23 +32,34 @@ from flashcp.data.packing import (
     shard_batch,
     shift_labels,
 )
+from flashcp.data.peers import Peers
+from flashcp.data.records import BadRecordError
+from flashcp.data.sources import RowSource, open_source
 from flashcp.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "DEFAULT_CORPUS",
+    "BadRecordError",
+    "BadRecords",
     "Batch",
     "ByteTokenizer",
     "Document",
+    "DocumentBuilder",
     "HFTokenizer",
     "LocalBatch",
     "PackedSequence",
     "PackedStream",
+    "Peers",
+    "RowIndex",
+    "RowSource",
     "StreamState",
     "Tokenizer",
     "TrainData",
+    "build_index",
     "build_tokenizer",
     "collate",
     "default_corpus_text",
+    "open_source",
     "parse_jsonl",
     "read_records",
     "shard_batch",

@@ -1,9 +1,11 @@
-"""Documents: JSONL records → token arrays with a per-token "is a training target" flag.
+"""Documents: data records → token arrays with a per-token "is a training target" flag.
 
 A pretrain document is `[BOS] text [EOS]`, every token after the first a target. An SFT
-document is `[BOS] prompt response [EOS]` where only the response tokens and the EOS are
-targets (the model is not trained to produce the prompt). The flags travel with the tokens
-through packing, and `flashcp.data.packing.shift_labels` turns them into labels.
+document is a conversation (`messages`, rendered by the chat template, the assistant turns the
+targets) or `[BOS] prompt response [EOS]` where only the response tokens and the EOS are
+targets (the model is not trained to produce the prompt); see `DocumentBuilder`. The flags
+travel with the tokens through packing, and `flashcp.data.packing.shift_labels` turns them into
+labels.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from flashcp.data.chat import chat_segments, tokenize_segments
+from flashcp.data.records import (
+    BadRecordError,
+    check_answers,
+    has_field,
+    message_list,
+    string_field,
+)
 from flashcp.data.tokenizer import Tokenizer
 
 DEFAULT_CORPUS = "default_corpus.jsonl"
@@ -75,34 +85,98 @@ def read_records(path: str | Path | None) -> list[dict[str, Any]]:
     return list(parse_jsonl(p.read_text(encoding="utf-8"), str(p)))
 
 
-def _field(record: dict[str, Any], name: str, where: str) -> str:
-    value = record.get(name)
-    if not isinstance(value, str):
-        keys = ", ".join(sorted(record)) or "none"
-        raise ValueError(
-            f"{where}: record has no string field {name!r} (its keys: {keys}); set the "
-            "data.*_field config keys to the field names your file uses"
-        )
-    return value
-
-
-def _document(tokenizer: Tokenizer, parts: Sequence[tuple[str, bool]]) -> Document | None:
-    tokens: list[int] = []
-    targets: list[bool] = []
-    if tokenizer.bos_id is not None:
-        tokens.append(tokenizer.bos_id)
-        targets.append(False)
-    for text, is_target in parts:
-        ids = tokenizer.encode(text)
-        tokens += ids
-        targets += [is_target] * len(ids)
-    if not any(targets):
-        return None  # nothing to learn from (empty text or empty response)
-    tokens.append(tokenizer.eos_id)
-    targets.append(True)
-    if len(tokens) < 2:
-        return None
+def _document(
+    tokenizer: Tokenizer, ids: Sequence[int], flags: Sequence[bool], *, chat: bool
+) -> Document:
+    """Plain text: `[BOS] ids [EOS]` (BOS if the tokenizer has one). A rendered conversation
+    (`chat`): `ids [EOS]`, the template having written any prefix, and EOS left out when the
+    last answer already holds it (a template closing turns with the EOS token). EOS is a
+    target: the model learns to stop."""
+    tokens = list(ids)
+    targets = list(flags)
+    if not chat and tokenizer.bos_id is not None:
+        tokens.insert(0, tokenizer.bos_id)
+        targets.insert(0, False)
+    start = len(targets)  # where the trailing run of targets (the last answer) begins
+    while start > 0 and targets[start - 1]:
+        start -= 1
+    if not chat or tokenizer.eos_id not in tokens[start:]:
+        tokens.append(tokenizer.eos_id)
+        targets.append(True)
     return Document(np.asarray(tokens, dtype=np.int64), np.asarray(targets, dtype=bool))
+
+
+class DocumentBuilder:
+    """A record → its `Document` (or `BadRecordError`), per recipe:
+
+    * pretrain: `[BOS] text [EOS]`, every token after the first a target (`data.text_field`);
+    * sft, `data.messages_field` present: the conversation rendered by the tokenizer's chat
+      template (`flashcp.data.chat`, no BOS of our own: the template writes any prefix), the
+      assistant turns the targets, then EOS (a target) unless the last turn already ends the
+      text with it;
+    * sft otherwise: `[BOS] prompt response [EOS]` with `data.prompt_field` /
+      `data.response_field` strings, the response and EOS the targets.
+
+    `max_len`: with `data.packing: false` each document is cut to seq_len, so one whose targets
+    all lie beyond it is a bad record ("too long").
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        recipe: str = "pretrain",
+        text_field: str = "text",
+        prompt_field: str = "prompt",
+        response_field: str = "response",
+        messages_field: str = "messages",
+        max_len: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.recipe = recipe
+        self.text_field = text_field
+        self.prompt_field = prompt_field
+        self.response_field = response_field
+        self.messages_field = messages_field
+        self.max_len = max_len
+
+    def __call__(self, record: dict[str, Any]) -> Document:
+        doc = self._build(record)
+        if self.max_len is not None and not doc.targets[1 : self.max_len].any():
+            first = int(np.flatnonzero(doc.targets[1:])[0]) + 1
+            raise BadRecordError(
+                "too long",
+                f"its first trained token is at position {first}, but data.packing: false "
+                f"cuts every record to data.seq_len {self.max_len} tokens",
+            )
+        return doc
+
+    def _build(self, record: dict[str, Any]) -> Document:
+        tok = self.tokenizer
+        if self.recipe != "sft":
+            text = string_field(record, self.text_field, key="data.text_field")
+            ids = tok.encode(text)
+            if not ids:
+                raise BadRecordError("empty text", f"field {self.text_field!r} has no tokens")
+            return _document(tok, ids, [True] * len(ids), chat=False)
+        if has_field(record, self.messages_field):
+            messages = message_list(record[self.messages_field], self.messages_field)
+            check_answers(messages, self.messages_field)
+            ids, flags = tokenize_segments(tok, chat_segments(tok, messages))
+            return _document(tok, ids, flags, chat=True)
+        if not has_field(record, self.prompt_field):
+            raise BadRecordError(
+                f"missing field {self.messages_field!r}",
+                f"an sft record needs {self.messages_field!r}, or {self.prompt_field!r} and "
+                f"{self.response_field!r} (named by data.messages_field, data.prompt_field, "
+                f"data.response_field); its keys: {', '.join(sorted(record)) or 'none'}",
+            )
+        prompt = tok.encode(string_field(record, self.prompt_field, key="data.prompt_field"))
+        response = tok.encode(
+            string_field(record, self.response_field, key="data.response_field", allow_empty=False)
+        )
+        flags = [False] * len(prompt) + [True] * len(response)
+        return _document(tok, prompt + response, flags, chat=False)
 
 
 def tokenize_records(
@@ -113,22 +187,25 @@ def tokenize_records(
     text_field: str = "text",
     prompt_field: str = "prompt",
     response_field: str = "response",
+    messages_field: str = "messages",
     source: str = "data",
 ) -> list[Document]:
-    """Documents of `records`; empty ones are dropped. `ValueError` when none are left."""
+    """Documents of in-memory `records`, all of them: a bad record raises `ValueError` naming
+    it (the training data path, `flashcp.data.index`, counts and skips them instead)."""
+    build = DocumentBuilder(
+        tokenizer,
+        recipe=recipe,
+        text_field=text_field,
+        prompt_field=prompt_field,
+        response_field=response_field,
+        messages_field=messages_field,
+    )
     docs = []
     for i, record in enumerate(records):
-        where = f"{source} record {i + 1}"
-        if recipe == "sft":
-            parts = [
-                (_field(record, prompt_field, where), False),
-                (_field(record, response_field, where), True),
-            ]
-        else:
-            parts = [(_field(record, text_field, where), True)]
-        doc = _document(tokenizer, parts)
-        if doc is not None:
-            docs.append(doc)
+        try:
+            docs.append(build(record))
+        except BadRecordError as exc:
+            raise ValueError(f"{source} record {i + 1}: {exc}") from None
     if not docs:
-        raise ValueError(f"{source}: no non-empty documents to train on")
+        raise ValueError(f"{source}: no records")
     return docs

@@ -11,6 +11,9 @@ is its own segment, with no targets).
 
 Document order is a permutation per epoch drawn from `(seed, epoch)`, so the stream depends only
 on the seed; `PackedStream.state_dict()` (epoch, document, offset, count) restores it exactly.
+The stream plans from the documents' lengths alone: `skip()` moves past a sequence without
+touching its documents, `next()` builds one, fetching only the documents it holds (so with
+`flashcp.data.index.LazyItems` a process tokenizes only the documents of its own sequences).
 """
 
 from __future__ import annotations
@@ -57,11 +60,15 @@ def _epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
 
 
 class PackedStream:
-    """An endless, deterministic stream of `PackedSequence`s of length `seq_len`."""
+    """An endless, deterministic stream of `PackedSequence`s of length `seq_len`.
+
+    `docs`: the documents, a list or any indexable with `lengths` (an array of their lengths,
+    such as `flashcp.data.index.LazyItems`), so planning needs no document.
+    """
 
     def __init__(
         self,
-        docs: Sequence[Document],
+        docs: Sequence[Document] | Any,
         seq_len: int,
         *,
         seed: int = 0,
@@ -69,11 +76,15 @@ class PackedStream:
         packing: bool = True,
         pad_id: int = 0,
     ) -> None:
-        if not docs:
+        if not len(docs):
             raise ValueError("PackedStream needs at least one document")
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        self.docs = list(docs)
+        self.docs = docs if hasattr(docs, "lengths") else list(docs)
+        self.lengths = np.asarray(
+            docs.lengths if hasattr(docs, "lengths") else [len(d) for d in self.docs],
+            dtype=np.int64,
+        )
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
@@ -111,29 +122,45 @@ class PackedStream:
 
     def next(self) -> PackedSequence:
         """The next sequence of the stream."""
-        seq = self._next_packed() if self.packing else self._next_single()
+        seq = self._next_packed(True) if self.packing else self._next_single(True)
         self.state.sequences += 1
+        assert seq is not None
         return seq
 
-    def _next_packed(self) -> PackedSequence:
+    def skip(self) -> None:
+        """Move past the next sequence without building it (another process's sequence)."""
+        if self.packing:
+            self._next_packed(False)
+        else:
+            self._next_single(False)
+        self.state.sequences += 1
+
+    def _next_packed(self, build: bool) -> PackedSequence | None:
         tokens, targets, lens = [], [], []
         space = self.seq_len
         while space:
-            doc = self.docs[self._order[self.state.doc]]
+            i = int(self._order[self.state.doc])
             start = self.state.offset
-            take = min(len(doc) - start, space)
-            tokens.append(doc.tokens[start : start + take])
-            targets.append(doc.targets[start : start + take])
+            take = min(int(self.lengths[i]) - start, space)
+            if build:
+                doc = self.docs[i]
+                tokens.append(doc.tokens[start : start + take])
+                targets.append(doc.targets[start : start + take])
             lens.append(take)
             space -= take
             self.state.offset += take
-            if self.state.offset == len(doc):
+            if self.state.offset == int(self.lengths[i]):
                 self._advance_doc()
+        if not build:
+            return None
         return PackedSequence(np.concatenate(tokens), np.concatenate(targets), lens)
 
-    def _next_single(self) -> PackedSequence:
-        doc = self.docs[self._order[self.state.doc]]
+    def _next_single(self, build: bool) -> PackedSequence | None:
+        i = int(self._order[self.state.doc])
         self._advance_doc()
+        if not build:
+            return None
+        doc = self.docs[i]
         n = min(len(doc), self.seq_len)
         tokens = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         targets = np.zeros(self.seq_len, dtype=bool)

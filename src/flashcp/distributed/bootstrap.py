@@ -29,6 +29,8 @@ class DistEnv:
     master: str | None
     backend: str
     initialized: bool = False
+    nnodes: int = 1
+    """Nodes of the job (`PADDLE_NNODES`, set by the launcher's `--nnodes`)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -64,7 +66,8 @@ def launch_env() -> DistEnv:
     if not 0 <= rank < max(world, 1):
         raise ValueError(f"rank {rank} is outside 0..{world - 1} (check the launcher env)")
     backend = os.environ.get("PADDLE_DISTRI_BACKEND", "auto")
-    return DistEnv(rank, world, master_endpoint(), backend, dist.is_initialized())
+    nnodes = _int_env("PADDLE_NNODES", default=1)
+    return DistEnv(rank, world, master_endpoint(), backend, dist.is_initialized(), max(nnodes, 1))
 
 
 def init_distributed(timeout: float | None = None) -> DistEnv:
@@ -92,7 +95,12 @@ def init_distributed(timeout: float | None = None) -> DistEnv:
     with WATCHDOG.watch(seconds, message):
         dist.init_parallel_env()
     return DistEnv(
-        dist.get_rank(), dist.get_world_size(), env.master, env.backend, dist.is_initialized()
+        dist.get_rank(),
+        dist.get_world_size(),
+        env.master,
+        env.backend,
+        dist.is_initialized(),
+        env.nnodes,
     )
 
 

@@ -23,7 +23,7 @@ from flashcp.cp.attention import flashmask_attention_cp
 from flashcp.masks import as_numpy
 from flashcp.models import recompute
 from flashcp.models.config import ModelArgs
-from flashcp.models.layers import RotaryTables, apply_rotary, linear
+from flashcp.models.layers import RMSNorm, RotaryTables, apply_rotary, linear
 from flashcp.models.recompute import Phase, PinnedAttention
 
 
@@ -70,7 +70,13 @@ def use_cp(ctx: AttentionContext) -> bool:
 
 
 class Attention(nn.Layer):
-    """GQA self-attention: q/k/v projections (optional bias), rotary, FlashMask, o_proj."""
+    """GQA self-attention: q/k/v projections (optional bias), optional QK-norm, rotary,
+    FlashMask, o_proj.
+
+    QK-norm (`ModelArgs.use_qk_norm`, GLM-4.5): `q_norm` / `k_norm` are RMSNorms over one head
+    (`head_dim` weights, `norm_eps`) applied to every head of q and k BEFORE rotary, as HF
+    ``Glm4MoeAttention`` does (checkpoint keys ``self_attn.q_norm.weight`` / ``k_norm.weight``).
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -80,6 +86,10 @@ class Attention(nn.Layer):
         self.k_proj = linear(args.hidden_size, args.num_kv_heads * hd, bias=args.qkv_bias, std=std)
         self.v_proj = linear(args.hidden_size, args.num_kv_heads * hd, bias=args.qkv_bias, std=std)
         self.o_proj = linear(args.num_heads * hd, args.hidden_size, bias=False, std=std)
+        self.use_qk_norm = bool(args.use_qk_norm)
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(hd, args.norm_eps)
+            self.k_norm = RMSNorm(hd, args.norm_eps)
 
     def forward(
         self, x: paddle.Tensor, rotary: RotaryTables | None, ctx: AttentionContext
@@ -88,6 +98,8 @@ class Attention(nn.Layer):
         q = self.q_proj(x).reshape([b, s, self.num_heads, self.head_dim])
         k = self.k_proj(x).reshape([b, s, self.num_kv_heads, self.head_dim])
         v = self.v_proj(x).reshape([b, s, self.num_kv_heads, self.head_dim])
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         out = self.core(q, k, v, ctx)

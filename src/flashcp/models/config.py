@@ -8,7 +8,8 @@
   (``post_self_attn_layernorm``, ``post_mlp_layernorm``).
 * ``glm_moe``: GLM-4.5 (HF ``Glm4MoeForCausalLM``): RMSNorm, partial *half-split* (NeoX)
   rotary, QKV bias, GQA, sigmoid top-k routed experts with a selection-only correction bias,
-  shared experts, the first ``first_k_dense_replace`` layers dense.
+  shared experts, the first ``first_k_dense_replace`` layers dense; optionally QK-norm
+  (`use_qk_norm`: RMSNorm over each head of q and k before rotary, as the full GLM-4.5).
 
 `validate()` returns every problem as ``(key, message)`` pairs (keys are ``model.<field>``)
 so the config layer can report them all at once; `check()` raises on the first batch.
@@ -16,6 +17,7 @@ so the config layer can report them all at once; `check()` raises on the first b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -48,6 +50,7 @@ class ModelArgs:
     partial_rotary_factor: float = 1.0  # GLM uses 0.5: rotary on the first half of each head
     rotary_interleaved: bool | None = None  # None: per arch (glm True, gpt/glm_moe False)
     qkv_bias: bool = False
+    use_qk_norm: bool = False  # glm_moe only: RMSNorm(head_dim) on each q and k head, pre-rotary
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     # MoE (glm_moe only)
@@ -58,6 +61,9 @@ class ModelArgs:
     first_k_dense_replace: int = 0
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
+    moe_capacity_factor: float = 0.0  # 0: dropless; else rows per expert = ceil(f·T·k/E)
+    router_bias_update_rate: float = 0.0  # γ of the aux-loss-free bias update; 0: off
+    router_aux_loss_coef: float = 0.0  # α of the sequence-wise balance loss; 0: off
     # training
     recompute: Recompute = "none"
     initializer_range: float = 0.02
@@ -128,6 +134,12 @@ class ModelArgs:
         elif self.arch in ("glm", "glm_moe") and self.position != "rotary":
             err("position", f"arch {self.arch} always uses rotary positions; set position: rotary")
         self._validate_rotary(err)
+        if self.use_qk_norm and self.arch != "glm_moe":
+            err(
+                "use_qk_norm",
+                f"use_qk_norm is GLM-4.5's QK-norm (arch glm_moe); arch {self.arch} has none: "
+                "set use_qk_norm: false",
+            )
         if not self.norm_eps > 0:
             err("norm_eps", f"norm_eps {self.norm_eps} must be > 0")
         if not self.initializer_range > 0:
@@ -162,11 +174,16 @@ class ModelArgs:
 
     def _validate_moe(self, err: ErrFn) -> None:
         moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        options = ("moe_capacity_factor", "router_bias_update_rate", "router_aux_loss_coef")
         if self.arch != "glm_moe":
-            for name in (*moe_fields, "num_shared_experts", "first_k_dense_replace"):
+            for name in (*moe_fields, "num_shared_experts", "first_k_dense_replace", *options):
                 if getattr(self, name):
                     err(name, f"{name} is only used by arch glm_moe (arch is {self.arch}); set 0")
             return
+        for name in options:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                err(name, f"{name} {value!r} must be a finite number >= 0 (0 turns it off)")
         for name in moe_fields:
             _positive_int(err, name, getattr(self, name))
         k_over = _all_pos(self.num_experts, self.num_experts_per_tok) and (
@@ -235,6 +252,7 @@ def estimate_parameters(
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if args.qkv_bias else 0)
+    attn += 2 * hd if args.use_qk_norm else 0
     if args.arch == "gpt":
         norms, dense_mlp = 2 * 2 * h, 2 * h * args.intermediate_size + args.intermediate_size + h
     else:

@@ -17,8 +17,9 @@ with interleaved rotary (pairs (2i, 2i+1)) and a fused ``mlp.gate_up_proj``.
 
 with half-split (NeoX) rotary; `mlp` is a dense SwiGLU (``gate_proj``/``up_proj``/
 ``down_proj``, `intermediate_size`) for the first `first_k_dense_replace` layers and a
-`flashcp.models.moe.MoE` after. GLM-4.5's multi-token-prediction layers and QK-norm (off in
-GLM-4.5-Air) are not modelled.
+`flashcp.models.moe.MoE` after, and QK-norm when `use_qk_norm` (the full GLM-4.5; off in
+GLM-4.5-Air; see `flashcp.models.attention.Attention`). GLM-4.5's multi-token-prediction
+layers are not modelled (HF ``Glm4MoeForCausalLM`` ignores them too).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class GLMDecoderLayer(DecoderLayer):
         if self.extra_norms:
             a = self.post_self_attn_layernorm(a)
         h = h + a
-        m = self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        m = self.mlp(x, attn.group) if isinstance(self.mlp, MoE) else self.mlp(x)
         if self.extra_norms:
             m = self.post_mlp_layernorm(m)
         return h + m

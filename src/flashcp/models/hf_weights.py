@@ -22,9 +22,9 @@ Skipped, never errors: ``lm_head.weight`` when the embeddings are tied,
 ``*.rotary_emb.inv_freq`` (old exports), and for ``glm_moe`` the multi-token-prediction
 layers GLM-4.5 ships after its last decoder layer.
 
-`save_hf_checkpoint` writes the same layout (sharded above `max_shard_bytes`) plus an
-HF-style ``config.json`` that also records the exact `ModelArgs`; `args_from_hf_config`
-reads either kind of ``config.json`` back.
+`save_hf_checkpoint` writes the same layout (sharded above `max_shard_bytes`) plus the HF
+``config.json`` (`flashcp.models.hf_config.hf_config`); `args_from_hf_config` reads it, or a
+transformers-written one, back.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,14 @@ from paddle import nn
 from safetensors.paddle import save_file
 
 from flashcp.models.config import ModelArgs
+from flashcp.models.hf_config import (  # noqa: F401 - re-exported
+    ARGS_KEY,
+    CONFIG_FILE,
+    HF_ARCH,
+    HFConfigError,
+    args_from_hf_config,
+    hf_config,
+)
 from flashcp.models.moe import TopkRouter
 from flashcp.models.safetensors_io import (
     RAW_DTYPES,
@@ -57,19 +65,11 @@ from flashcp.models.safetensors_io import (
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
-ARGS_KEY = "flashcp_model_args"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _SHOW = 12  # keys listed per kind of error
 _FIRST_STAGE = ("model.embed_tokens.", "model.embed_positions.")  # held with layer 0
 _LAST_STAGE = ("model.norm.", "lm_head.")  # held with the last layer
-
-HF_ARCH = {
-    "gpt": ("FlashcpGPTForCausalLM", "flashcp_gpt"),
-    "glm": ("Glm4ForCausalLM", "glm4"),
-    "glm_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
-}
 
 
 class CheckpointMismatchError(ValueError):
@@ -78,29 +78,101 @@ class CheckpointMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class HFEntry:
-    """One checkpoint key: the model tensor it fills and whether HF stores it transposed."""
+    """One checkpoint key: the model tensor it fills (all of it, or one expert's piece of a
+    stacked expert weight) and whether HF stores it transposed.
+
+    A piece is ``tensor[expert][:, columns[0]:columns[1]]`` in the Paddle layout (`[in, out]`,
+    columns = output features); `name` is the state-dict name of `tensor`.
+    """
 
     key: str
     tensor: paddle.Tensor
     transposed: bool
+    name: str = ""
+    expert: int | None = None
+    columns: tuple[int, int] | None = None
+
+    @property
+    def is_piece(self) -> bool:
+        return self.expert is not None
+
+    @property
+    def shape(self) -> list[int]:
+        """The Paddle-layout shape of what this key fills."""
+        shape = [int(s) for s in self.tensor.shape]
+        if self.expert is None:
+            return shape
+        shape = shape[1:]
+        if self.columns is not None:
+            shape[-1] = self.columns[1] - self.columns[0]
+        return shape
 
     @property
     def hf_shape(self) -> list[int]:
-        shape = [int(s) for s in self.tensor.shape]
+        shape = self.shape
         return shape[::-1] if self.transposed else shape
+
+    def value(self) -> paddle.Tensor:
+        """What this key fills, in the Paddle layout (a copy for a piece)."""
+        if self.expert is None:
+            return self.tensor
+        t = self.tensor[self.expert]
+        if self.columns is not None:
+            t = t[:, self.columns[0] : self.columns[1]]
+        return t
+
+    def hf_array(self) -> np.ndarray:
+        """This key's values as HF stores them (transposed back if need be), numpy."""
+        with paddle.no_grad():
+            t = self.value().detach()
+            return (t.transpose([1, 0]) if self.transposed else t).contiguous().numpy()
+
+    @paddle.no_grad()
+    def assign(self, value: paddle.Tensor) -> None:
+        """Write `value` (Paddle layout, the tensor's dtype) into what this key fills."""
+        if self.expert is None:
+            paddle.assign(value, output=self.tensor)
+        elif self.columns is None:
+            self.tensor[self.expert] = value
+        else:
+            self.tensor[self.expert, :, self.columns[0] : self.columns[1]] = value
+
+
+def _expert_pieces(prefix: str, layer: nn.Layer, state: Mapping[str, Any]) -> list[HFEntry]:
+    """The per-expert HF keys of a stacked-experts layer (`flashcp.models.experts`): expert
+    `first_expert + e`'s ``gate_proj`` / ``up_proj`` are the two column halves of
+    ``gate_up_proj[e]``, its ``down_proj`` is ``down_proj[e]``; all HF `[out, in]`."""
+    inter = int(layer.intermediate_size)
+    gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    out = []
+    for e in range(int(layer.num_experts)):
+        key = f"{prefix}.{int(layer.first_expert) + e}"
+        out += [
+            HFEntry(f"{key}.gate_proj.weight", state[gate_up], True, gate_up, e, (0, inter)),
+            HFEntry(f"{key}.up_proj.weight", state[gate_up], True, gate_up, e, (inter, 2 * inter)),
+            HFEntry(f"{key}.down_proj.weight", state[down], True, down, e, None),
+        ]
+    return out
 
 
 def hf_state_map(model: nn.Layer) -> dict[str, HFEntry]:
-    """Checkpoint key → `HFEntry` for every parameter and persistent buffer of `model`."""
-    transposed = {
-        f"{name}.weight"
-        for name, layer in model.named_sublayers()
-        if isinstance(layer, (nn.Linear, TopkRouter))
-    }
-    return {
-        name: HFEntry(name, tensor, name in transposed)
-        for name, tensor in model.state_dict().items()
-    }
+    """Checkpoint key → `HFEntry` for every parameter and persistent buffer of `model`; a
+    stacked-experts layer's two weights become their per-expert HF keys (`_expert_pieces`)."""
+    state = model.state_dict()
+    transposed = set()
+    entries: dict[str, HFEntry] = {}
+    stacked: set[str] = set()
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, (nn.Linear, TopkRouter)):
+            transposed.add(f"{name}.weight")
+        if getattr(layer, "STACKED_EXPERTS", False):
+            for entry in _expert_pieces(name, layer, state):
+                entries[entry.key] = entry
+                stacked.add(entry.name)
+    for name, tensor in state.items():
+        if name not in stacked:
+            entries[name] = HFEntry(name, tensor, name in transposed, name)
+    return entries
 
 
 # ------------------------------------------------------------------------------- loading
@@ -111,7 +183,8 @@ class Float32Source:
 
     Handed to `load_hf_checkpoint`'s `on_tensor` callback so float32 master weights can be
     filled from the file's values rather than from parameters rounded to bf16. Valid only
-    during the callback (it holds the tensor's raw bytes as read, nothing converted yet).
+    during the callback (it holds the tensor's raw bytes as read, nothing converted yet). For
+    a per-expert key of a stacked expert weight it is that expert's piece (`HFEntry`).
     """
 
     def __init__(self, raw: np.ndarray, code: str, transposed: bool) -> None:
@@ -386,8 +459,9 @@ def load_hf_checkpoint(
     key, unexpected key (only when `strict`), shape mismatch (key, file, checkpoint shape,
     model shape) and uncastable dtype, so a bad checkpoint leaves the module untouched.
 
-    `on_tensor(name, source)` is called after each tensor is assigned, with its state-dict name
-    and a `Float32Source` of the file's values (e.g. to fill float32 master weights, or just
+    `on_tensor(key, source)` is called after each tensor is assigned, with its checkpoint key
+    (the state-dict name, except for the per-expert keys of stacked expert weights) and a
+    `Float32Source` of the file's values (e.g. to fill float32 master weights, or just
     this rank's flat slice of them, without a bf16 round trip and without a second read).
     """
     report = LoadReport(files=[])
@@ -399,8 +473,7 @@ def load_hf_checkpoint(
             tensor = paddle.to_tensor(np.ascontiguousarray(value), place=entry.tensor.place)
             if tensor.dtype != entry.tensor.dtype:  # numpy has no bf16: uint16 → bf16
                 raise AssertionError(f"{info.key}: {tensor.dtype} != {entry.tensor.dtype}")
-            with paddle.no_grad():
-                paddle.assign(tensor, output=entry.tensor)
+            entry.assign(tensor)
             del tensor, value
             if on_tensor is not None:
                 on_tensor(info.key, Float32Source(raw, info.dtype, entry.transposed))
@@ -415,120 +488,56 @@ def read_hf_float32(
     """The checkpoint's float32 values of flat slices of some of `module`'s tensors.
 
     `slices[name] = (start, stop)` over the row-major flattened Paddle-layout tensor `name`
-    (e.g. this rank's ZeRO shard of the float32 master weights, filled from the file rather
-    than from bf16 parameters). Only the named tensors are read, each whole (a flat shard cuts
-    at most two tensors partially); keys, shapes and dtypes are checked as in
+    (a state-dict name; e.g. this rank's ZeRO shard of the float32 master weights, filled from
+    the file rather than from bf16 parameters). Only the checkpoint keys of the named tensors
+    are read, each whole — for a stacked expert weight only the experts the slice touches (a
+    flat shard cuts at most two tensors partially); keys, shapes and dtypes are checked as in
     `load_hf_checkpoint`; nothing is assigned. Returns the slices and the `LoadReport`.
     """
+    held = hf_state_map(module)
+    keys: list[str] = []
+    for name, (start, stop) in slices.items():
+        mine = [e for e in held.values() if e.name == name]
+        if not mine:
+            raise KeyError(f"not tensors of this module: {[name]}")
+        for entry in mine:
+            if entry.is_piece:
+                size = int(np.prod(entry.tensor.shape[1:]))
+                lo, hi = entry.expert * size, (entry.expert + 1) * size  # type: ignore[operator]
+                if hi <= start or lo >= stop:
+                    continue
+            keys.append(entry.key)
     report = LoadReport(files=[])
-    out: dict[str, np.ndarray] = {}
-    reader = _read_tensors(module, path, report, strict=True, names=list(slices))
+    out = {name: np.empty(stop - start, dtype=np.float32) for name, (start, stop) in slices.items()}
+    blocks: dict[tuple[str, int], tuple[np.ndarray, int]] = {}  # experts being assembled
+    reader = _read_tensors(module, path, report, strict=True, names=keys)
     with contextlib.closing(reader) as tensors:
         for entry, info, raw in tensors:
-            out[info.key] = Float32Source(raw, info.dtype, entry.transposed).float32(
-                *slices[info.key]
-            )
+            source = Float32Source(raw, info.dtype, entry.transposed)
+            start, stop = slices[entry.name]
+            if not entry.is_piece:
+                out[entry.name][:] = source.float32(start, stop)
+                continue
+            shape = [int(d) for d in entry.tensor.shape[1:]]
+            key = (entry.name, int(entry.expert))  # type: ignore[arg-type]
+            block, filled = blocks.get(key, (np.empty(shape, np.float32), 0))
+            c0, c1 = entry.columns or (0, shape[-1])
+            block[:, c0:c1] = source.float32().reshape(source.shape)
+            filled += c1 - c0
+            if filled < shape[-1]:
+                blocks[key] = (block, filled)
+                continue
+            blocks.pop(key, None)
+            size = block.size
+            lo = max(start, key[1] * size)
+            hi = min(stop, (key[1] + 1) * size)
+            out[entry.name][lo - start : hi - start] = block.reshape(-1)[
+                lo - key[1] * size : hi - key[1] * size
+            ]
     return out, report
 
 
 # -------------------------------------------------------------------------------- saving
-
-
-def hf_config(args: ModelArgs, dtype: str = "float32") -> dict[str, Any]:
-    """An HF-style `config.json` for `args`, plus the exact `ModelArgs` under ARGS_KEY."""
-    architecture, model_type = HF_ARCH[args.arch]
-    cfg: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rotary_base,
-        "partial_rotary_factor": args.partial_rotary_factor,
-        "attention_bias": args.qkv_bias,
-        "tie_word_embeddings": args.tie_embeddings,
-        "initializer_range": args.initializer_range,
-        "torch_dtype": dtype,
-    }
-    if args.arch == "gpt":
-        cfg.update(layer_norm_eps=args.norm_eps, hidden_act="gelu", position=args.position)
-    else:
-        cfg.update(rms_norm_eps=args.norm_eps, hidden_act="silu", rope_scaling=None)
-    if args.arch == "glm_moe":
-        cfg.update(
-            n_routed_experts=args.num_experts,
-            num_experts_per_tok=args.num_experts_per_tok,
-            moe_intermediate_size=args.moe_intermediate_size,
-            n_shared_experts=args.num_shared_experts,
-            first_k_dense_replace=args.first_k_dense_replace,
-            routed_scaling_factor=args.routed_scaling_factor,
-            norm_topk_prob=args.norm_topk_prob,
-            n_group=1,
-            topk_group=1,
-            num_nextn_predict_layers=0,
-            use_qk_norm=False,
-        )
-    cfg[ARGS_KEY] = args.to_dict()
-    return cfg
-
-
-def args_from_hf_config(
-    config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
-) -> ModelArgs:
-    """`ModelArgs` from a `config.json` (path or dict): ours exactly, or HF GLM-4 / GLM-4.5."""
-    if not isinstance(config, Mapping):
-        p = Path(config)
-        config = json.loads((p / CONFIG_FILE if p.is_dir() else p).read_text())
-    if ARGS_KEY in config:
-        names = {f.name for f in fields(ModelArgs)}
-        values = {k: v for k, v in config[ARGS_KEY].items() if k in names}
-        return ModelArgs(**{**values, **overrides}).check()
-    model_type = config.get("model_type")
-    arch = {"glm4": "glm", "glm4_moe": "glm_moe"}.get(str(model_type))
-    if arch is None:
-        raise ValueError(
-            f"config.json model_type {model_type!r} is not supported: flashcp reads glm4, "
-            "glm4_moe and its own configs"
-        )
-    if config.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {config['rope_scaling']!r} is not implemented")
-    if config.get("use_qk_norm"):
-        raise ValueError("use_qk_norm=true (GLM-4.5 full size) is not implemented; Air is fine")
-    if int(config.get("n_group", 1)) > 1 and config.get("topk_group") != config.get("n_group"):
-        raise ValueError("group-limited expert routing (n_group > topk_group) is not implemented")
-    values: dict[str, Any] = dict(
-        arch=arch,
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        head_dim=config.get("head_dim"),
-        intermediate_size=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings", 4096),
-        rotary_base=float(config.get("rope_theta", 10000.0)),
-        partial_rotary_factor=float(config.get("partial_rotary_factor", 0.5)),
-        qkv_bias=bool(config.get("attention_bias", True)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        initializer_range=float(config.get("initializer_range", 0.02)),
-    )
-    if arch == "glm_moe":
-        values.update(
-            num_experts=config.get("n_routed_experts", config.get("num_experts")),
-            num_experts_per_tok=config["num_experts_per_tok"],
-            moe_intermediate_size=config["moe_intermediate_size"],
-            num_shared_experts=config.get("n_shared_experts", 0),
-            first_k_dense_replace=config.get("first_k_dense_replace", 0),
-            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        )
-    return ModelArgs(**{**values, **overrides}).check()
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -560,7 +569,7 @@ def save_hf_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, paddle.Tensor] = {}
     for key, entry in hf_state_map(model).items():
-        t = entry.tensor.detach()
+        t = entry.value().detach()
         if entry.transposed:
             t = t.transpose([1, 0])
         if dtype is not None:

@@ -7,6 +7,12 @@ created (normal(std), zeros, ones, or uniform(-b, b)). So a pipeline stage built
 bitwise the same weights as the same slice of a one-process model, whatever pp is, and no rank
 ever needs the full model to get them.
 
+A stacked parameter (the routed experts' `[E, in, out]` weights, `flashcp.models.experts`) keys
+each leading-axis slice on its own: slice `e` of ``model.layers.1.mlp.experts.down_proj``
+comes from the stream of ``model.layers.1.mlp.experts.down_proj.<first + e>``
+(`InitRule.keyed_rows`, `first` = `InitRule.first_row`, the global index of the first expert
+held), so a rank holding only some experts builds exactly their slices of the whole tensor.
+
 Rules are recorded by the initializers the layers use (`normal_attr`, `zeros_attr`,
 `ones_attr`, `uniform_attr`): at creation each one tags the parameter with its `InitRule`.
 Inside `deferred_init()` (what `flashcp.models.build_model` uses) the creation fill is a cheap
@@ -41,10 +47,16 @@ _DEFERRED = [0]
 
 @dataclass(frozen=True)
 class InitRule:
-    """How a parameter starts: normal(0, scale²), uniform(-scale, scale), zeros or ones."""
+    """How a parameter starts: normal(0, scale²), uniform(-scale, scale), zeros or ones.
+
+    `keyed_rows`: each leading-axis slice `i` draws from its own stream, keyed by the name
+    suffixed with `.<first_row + i>` (stacked expert weights; see the module docstring).
+    """
 
     kind: str
     scale: float = 0.0
+    keyed_rows: bool = False
+    first_row: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -92,9 +104,10 @@ def rule_attr(rule: InitRule) -> paddle.ParamAttr:
     return paddle.ParamAttr(initializer=RecordedInitializer(rule))
 
 
-def normal_attr(std: float) -> paddle.ParamAttr:
-    """Weights drawn from N(0, std²) (the HF `initializer_range` convention)."""
-    return rule_attr(InitRule("normal", float(std)))
+def normal_attr(std: float, *, keyed_rows: bool = False, first_row: int = 0) -> paddle.ParamAttr:
+    """Weights drawn from N(0, std²) (the HF `initializer_range` convention); `keyed_rows`
+    keys every leading-axis slice on its own (stacked expert weights, see `InitRule`)."""
+    return rule_attr(InitRule("normal", float(std), keyed_rows, int(first_row)))
 
 
 def uniform_attr(bound: float) -> paddle.ParamAttr:
@@ -128,15 +141,18 @@ def _draw(rng: np.random.Generator, rule: InitRule, n: int) -> np.ndarray:
 
 def initial_values(seed: int, name: str, rule: InitRule, shape: list[int]) -> Iterator[np.ndarray]:
     """The float32 initial values of `name`, as consecutive blocks of leading-axis rows (each
-    at most `INIT_BLOCK` elements, or one row), in order."""
+    at most `INIT_BLOCK` elements, or one row), in order. With `rule.keyed_rows` every block
+    is one row, drawn from that row's own stream."""
     rows = int(shape[0]) if shape else 1
     row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-    per = max(1, INIT_BLOCK // max(row, 1))
+    per = 1 if rule.keyed_rows else max(1, INIT_BLOCK // max(row, 1))
     rng = generator(seed, name)
     for start in range(0, rows, per):
         stop = min(rows, start + per)
         if rule.constant is not None:
             block = np.full((stop - start) * row, rule.constant, dtype=np.float32)
+        elif rule.keyed_rows:
+            block = _draw(generator(seed, f"{name}.{rule.first_row + start}"), rule, row)
         else:
             block = _draw(rng, rule, (stop - start) * row)
         yield block.reshape([stop - start, *shape[1:]] if shape else [])

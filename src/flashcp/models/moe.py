@@ -1,23 +1,37 @@
-"""GLM-4.5 mixture of experts: sigmoid top-k router, routed experts, shared experts.
+"""GLM-4.5 mixture of experts: sigmoid top-k router, grouped routed experts, shared experts.
 
 Routing (HF ``Glm4MoeTopkRouter``, from DeepSeek-V3), per token in float32:
 
 1. ``scores = sigmoid(x @ W_gate)`` over the E routed experts;
-2. choose the top-k of ``scores + e_score_correction_bias`` — the bias (a persistent buffer
-   that load balancing nudges between steps; no gradient) steers selection only;
+2. choose the top-k of ``scores + e_score_correction_bias`` — the bias (a persistent float32
+   buffer, no gradient) steers selection only; load balancing moves it between steps
+   (`flashcp.models.moe_balance`, `model.router_bias_update_rate`);
 3. weights are the RAW scores of the chosen experts, divided by their sum when
    `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
 
-The layer output is ``sum_k w_k · expert_k(x) + shared_experts(x)``. GLM-4.5-Air uses one
-expert group (``n_group = topk_group = 1``), so group-limited selection is not implemented.
+The layer output is ``sum_k w_k · expert_k(x) + shared_experts(x)``, the routed sum in float32.
+GLM-4.5-Air uses one expert group (``n_group = topk_group = 1``), so group-limited selection is
+not implemented.
 
-No expert parallelism: every rank holds every expert and loops over them in index order,
-gathering its tokens (`index_select`) and adding the weighted outputs back (`index_add`).
-Each expert's token indices are unique and experts are visited in a fixed order, so the
-result is deterministic. Experts that receive no token are skipped (their grads stay None).
+The routed experts run grouped: the (token, choice) entries are sorted by expert once
+(`flashcp.models.moe_dispatch.build_dispatch`: one host sync per call for the counts), the
+sorted tokens go through every expert together (`flashcp.models.experts.GroupedExperts`:
+stacked weights, batched matmuls), and the outputs are unpermuted and combined with the
+routing weights (`moe_dispatch.combine`). Deterministic; dropless unless
+`model.moe_capacity_factor` > 0 (then the drops are counted).
+
+Statistics for the trainer (`flashcp.trainer.moe_stats`): each call made while gradients are
+recorded — the training forward, or the replay under activation recompute, never the no-grad
+first recompute pass, DPO reference or evaluation passes — adds its per-expert load (entries
+routed, before capacity), its dropped entries and its balance-loss value to the layer's
+accumulators (`take_stats` reads and resets them). `last_tokens_per_expert` is the load of the
+last call of any kind.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import paddle
@@ -25,9 +39,27 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from flashcp.models.config import ModelArgs
+from flashcp.models.experts import GroupedExperts
 from flashcp.models.init import normal_attr
 from flashcp.models.layers import SwiGLU
+from flashcp.models.moe_balance import add_loss_gradient, sequence_balance_loss
+from flashcp.models.moe_dispatch import (
+    build_dispatch,
+    capacity_for,
+    combine,
+    permute,
+    relayout,
+)
 from flashcp.models.precision import as_dtype
+
+
+@dataclass
+class Routing:
+    """One call's routing: affinities `[T, E]` (float32), choices and weights `[T, k]`."""
+
+    scores: paddle.Tensor
+    ids: paddle.Tensor
+    weights: paddle.Tensor
 
 
 class TopkRouter(nn.Layer):
@@ -50,8 +82,8 @@ class TopkRouter(nn.Layer):
             persistable=True,
         )
 
-    def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """`x` `[T, hidden]` → (expert ids `[T, k]` int64, weights `[T, k]` float32)."""
+    def route(self, x: paddle.Tensor) -> Routing:
+        """`x` `[T, hidden]` → affinities, expert ids (int64) and weights (float32)."""
         logits = paddle.matmul(x.astype("float32"), as_dtype(self.weight, "float32"))
         scores = F.sigmoid(logits)
         choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)
@@ -59,21 +91,36 @@ class TopkRouter(nn.Layer):
         weights = paddle.take_along_axis(scores, ids, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.routed_scaling_factor
+        return Routing(scores, ids, weights * self.routed_scaling_factor)
+
+    def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """`x` `[T, hidden]` → (expert ids `[T, k]` int64, weights `[T, k]` float32)."""
+        routing = self.route(x)
+        return routing.ids, routing.weights
+
+
+@dataclass
+class RoutingStats:
+    """What a layer's calls under gradient recording accumulated (see the module docstring)."""
+
+    load: np.ndarray
+    """`[E]` int64: entries routed to each expert."""
+    dropped: int
+    """Entries dropped by the capacity."""
+    aux_loss: float
+    """This rank's part of the sequence-balance loss (0 when off)."""
 
 
 class MoE(nn.Layer):
-    """Routed experts plus `num_shared_experts` shared experts fused into one SwiGLU."""
+    """Routed experts (`GroupedExperts`) plus `num_shared_experts` shared experts fused into
+    one SwiGLU."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         std = args.initializer_range
         self.gate = TopkRouter(args)
-        self.experts = nn.LayerList(
-            [
-                SwiGLU(args.hidden_size, args.moe_intermediate_size, fused=False, std=std)
-                for _ in range(args.num_experts)
-            ]
+        self.experts = GroupedExperts(
+            args.num_experts, args.hidden_size, args.moe_intermediate_size, std=std
         )
         self.shared_experts: SwiGLU | None = None
         if args.num_shared_experts > 0:
@@ -83,26 +130,56 @@ class MoE(nn.Layer):
                 fused=False,
                 std=std,
             )
-        self.last_tokens_per_expert: np.ndarray | None = None  # routing stats of the last call
+        self.capacity_factor = float(args.moe_capacity_factor)
+        self.aux_loss_coef = float(args.router_aux_loss_coef)
+        self.last_tokens_per_expert: np.ndarray | None = None
+        self._reset_stats()
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+    def _reset_stats(self) -> None:
+        self._load = np.zeros(self.gate.num_experts, dtype=np.int64)
+        self._dropped = 0
+        self._aux: paddle.Tensor | None = None
+
+    def take_stats(self) -> RoutingStats:
+        """The accumulated statistics (then reset)."""
+        aux = 0.0 if self._aux is None else float(self._aux)
+        stats = RoutingStats(self._load.copy(), self._dropped, aux)
+        self._reset_stats()
+        return stats
+
+    def forward(self, x: paddle.Tensor, group: Any = None) -> paddle.Tensor:
+        """`x` `[B, L, H]` (or `[T, H]`) → same shape. `group`: the cp group, over which the
+        sequence-balance loss gathers its per-sequence statistics."""
         shape = x.shape
-        flat = x.reshape([-1, int(shape[-1])])
-        ids, weights = self.gate(flat)
-        out = paddle.zeros(flat.shape, dtype="float32")  # accumulate in float32, as HF does
-        counts = np.zeros(len(self.experts), dtype=np.int64)
-        for e, expert in enumerate(self.experts):
-            hit = ids == e  # [T, k]; at most one True per row (top-k ids are distinct)
-            tokens = paddle.nonzero(hit.any(axis=-1)).flatten()
-            n = int(tokens.shape[0])
-            counts[e] = n
-            if n == 0:
-                continue
-            w = paddle.index_select((weights * hit.astype(weights.dtype)).sum(axis=-1), tokens)
-            y = expert(paddle.index_select(flat, tokens)).astype("float32") * w.unsqueeze(-1)
-            out = paddle.index_add(out, tokens, 0, y)
-        self.last_tokens_per_expert = counts
-        out = out.astype(x.dtype).reshape(shape)
+        hidden = int(shape[-1])
+        flat = x.reshape([-1, hidden])
+        routing = self.gate.route(flat)
+        num_experts, top_k = self.gate.num_experts, self.gate.top_k
+        capacity = capacity_for(self.capacity_factor, int(flat.shape[0]), top_k, num_experts)
+        dispatch = build_dispatch(routing.ids, num_experts, capacity)
+        layout = self.experts.plan(dispatch.counts, flat)
+        laid = relayout(dispatch, layout.row_index(), layout.rows)  # tokens straight to layout
+        y = self.experts(permute(flat, laid), layout)
+        out = combine(y, laid, routing.weights).astype(x.dtype).reshape(shape)
+        self.last_tokens_per_expert = dispatch.routed
+        if paddle.is_grad_enabled():
+            self._load += dispatch.routed
+            self._dropped += dispatch.dropped
+            if self.aux_loss_coef > 0:
+                out = self._balance(out, routing, shape, group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _balance(self, out: paddle.Tensor, routing: Routing, shape: Any, group: Any) -> Any:
+        rows = int(shape[0]) if len(shape) == 3 else 1
+        experts, top_k = self.gate.num_experts, self.gate.top_k
+        loss = sequence_balance_loss(
+            routing.scores.reshape([rows, -1, experts]),
+            routing.ids.reshape([rows, -1, top_k]),
+            self.aux_loss_coef,
+            group,
+        )
+        value = loss.detach()
+        self._aux = value if self._aux is None else self._aux + value
+        return add_loss_gradient(out, loss)

@@ -22,7 +22,11 @@ non-finite handling, checkpoints and the metrics file. A recipe owns what differ
   `executor.forward_only(micro, out_fn, module)` calls `out_fn(HeadInput, mb)` likewise);
 * `loss_value(micro_losses)`, `step_stats()`, `metrics(stats)`: this rank's share of the step
   loss and of extra statistics, which the trainer sums over every rank, and the metrics made
-  from the sums.
+  from the sums;
+* evaluation (`eval.path`, `flashcp.trainer.evaluate`): `build_eval_data(path)` (the recipe's
+  data on another file, one row at a time; default: `build_data` of a copy of the recipe
+  whose config reads `path`), `eval_sums(batches, executor, module)` (this rank's share of an
+  eval batch's sums, from forward-only passes) and `eval_metrics(sums)`.
 
 The executor (`flashcp.trainer.executor`) runs `plan.micro` forward and backward: one after the
 other in one process (pp = 1), or under the pipeline schedule (pp > 1), where each closure runs
@@ -32,14 +36,16 @@ on the last stage.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import paddle
 
 from flashcp.config import Config
-from flashcp.distributed import ParallelGroups
+from flashcp.data.peers import Peers
+from flashcp.distributed import ParallelGroups, all_gather_object
 from flashcp.models import HeadInput
 from flashcp.parallel import MicroBatch
 
@@ -68,6 +74,11 @@ class Executor(Protocol):
         out_fn: Callable[[HeadInput, MicroBatch], Any],
         module: paddle.nn.Layer | None = None,
     ) -> list[Any] | None: ...
+
+
+DATA_INDEX_TIMEOUT = 3600.0
+"""Seconds a rank waits for the others to finish indexing their share of the data rows
+(`flashcp.data.index`): tokenizing a large dataset's share can take minutes."""
 
 
 @dataclass
@@ -101,10 +112,29 @@ class RecipeContext:
     def is_last_stage(self) -> bool:
         return int(self.groups.pp.rank) == int(self.groups.pp.nranks) - 1
 
+    def data_peers(self) -> Peers:
+        """Every rank of the job, to index the data rows together (`flashcp.data.index`)."""
+        world = self.groups.world
+        gather = partial(all_gather_object, group=world, timeout=DATA_INDEX_TIMEOUT)
+        return Peers(rank=int(world.rank), size=int(world.nranks), gather=gather)
+
     def autocast(self) -> Any:
         """The forward pass's autocast context (bfloat16 O1 when the compute dtype is bf16)."""
         bf16 = self.dtype == "bfloat16"
         return paddle.amp.auto_cast(enable=bf16, dtype="bfloat16", level="O1")
+
+
+@dataclass
+class SingleRowContext(RecipeContext):
+    """A `RecipeContext` that builds data as if there were one dp rank (eval sets)."""
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
+    @property
+    def dp_size(self) -> int:
+        return 1
 
 
 @dataclass
@@ -170,3 +200,31 @@ class Recipe:
     def metrics(self, stats: np.ndarray) -> dict[str, float]:
         """Extra metrics of the step from the summed `step_stats` (default: none)."""
         return {}
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def build_eval_data(self, path: str) -> StepSource:
+        """The eval set at `path` as a source of ONE row per `next_step()` (a list holding one
+        one-row batch), the same rows on every rank: this recipe's data source (same format,
+        tokenizer, packing, seq_len) on `path` in file order, built as for one dp rank with
+        `data.micro_batch_size` = `train.grad_accum` = 1 (the trainer's evaluator deals the
+        rows to the dp ranks itself, so a pass ends exactly at the set's end)."""
+        cfg = self.cfg
+        eval_cfg = replace(
+            cfg,
+            data=replace(cfg.data, path=path, shuffle=False, micro_batch_size=1),
+            train=replace(cfg.train, grad_accum=1),
+        )
+        ctx = SingleRowContext(**{f.name: getattr(self.ctx, f.name) for f in fields(self.ctx)})
+        return type(self)(replace(ctx, cfg=eval_cfg)).build_data()
+
+    def eval_sums(
+        self, batches: list[Any], executor: Executor, module: paddle.nn.Layer
+    ) -> list[float]:
+        """This rank's share of the sums `eval_metrics` needs, for one eval batch (the trainer
+        sums them over every rank and every eval batch). Forward-only passes only."""
+        raise NotImplementedError(f"recipe {self.name!r} has no evaluation")
+
+    def eval_metrics(self, sums: np.ndarray) -> dict[str, float]:
+        """Eval metrics (without the `eval/` prefix) from the summed `eval_sums`."""
+        raise NotImplementedError(f"recipe {self.name!r} has no evaluation")

@@ -56,6 +56,11 @@ from flashcp.trainer.parallel import all_reduce_values
 STATS = ("chosen", "rejected", "wins", "examples", "logps_chosen", "logps_rejected")
 """Per-step sums the recipe reports (this rank's share): rewards, wins, examples, and the
 policy's answer log-prob sums."""
+EVAL_STATS = (
+    "loss", "chosen", "rejected", "wins", "examples", "logps_chosen", "logps_rejected", "targets"
+)  # fmt: skip
+"""Per-eval-batch sums (this rank's share): DPO losses, rewards, wins, examples, the policy's
+answer log-prob sums, and the answer tokens (labels) of this rank's shard."""
 
 
 class _ReplicatedSum(PyLayer):
@@ -108,7 +113,8 @@ class DPORecipe(Recipe):
     # -- setup ------------------------------------------------------------------------------
 
     def build_data(self) -> DPOData:
-        return DPOData(self.cfg, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size)
+        ctx = self.ctx
+        return DPOData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, peers=ctx.data_peers())
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
         """LoRA: adapters on the policy (the reference is the same model, adapters off).
@@ -218,6 +224,71 @@ class DPORecipe(Recipe):
                 float(rejected.sum()),
             ]
         return loss
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def eval_sums(
+        self, batches: list[DPOBatch], executor: Executor, module: paddle.nn.Layer
+    ) -> list[float]:
+        """EVAL_STATS of this rank for one eval batch: the reference and then the policy run
+        forward only, the DPO terms on the last stage (cp rank 0 reports: they are
+        replicated over cp). The training step's recipe state is restored afterwards."""
+        saved = (self._micro, self._ref, self._sums, self._examples)
+        try:
+            plan = self.plan(batches)
+            self.prepare(plan, executor, module)
+            results = executor.forward_only(plan.micro, self._eval_terms) or []
+        finally:
+            self._micro, self._ref, self._sums, self._examples = saved
+        total = np.zeros(len(EVAL_STATS))
+        for r in results:
+            total += r
+        return [float(x) for x in total]
+
+    def _eval_terms(self, out: HeadInput, mb: MicroBatch) -> np.ndarray:
+        chosen, rejected = self.answer_logps(out, mb)
+        ref_chosen, ref_rejected = self._ref[self._micro[id(mb)].index]
+        per, chosen_r, rejected_r = dpo_terms(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=self.dpo.beta,
+            loss_type=self.dpo.loss_type,
+            label_smoothing=self.dpo.label_smoothing,
+        )
+        out = np.zeros(len(EVAL_STATS))
+        out[-1] = float((self._micro[id(mb)].labels != IGNORE_INDEX).astype("int64").sum())
+        if self.ctx.cp_rank != 0:  # the rest is replicated over cp: cp rank 0 reports it
+            return out
+        wins = (chosen_r > rejected_r).astype("float32")
+        out[:-1] = [
+            float(per.sum()),
+            float(chosen_r.sum()),
+            float(rejected_r.sum()),
+            float(wins.sum()),
+            float(per.shape[0]),
+            float(chosen.sum()),
+            float(rejected.sum()),
+        ]
+        return out
+
+    def eval_metrics(self, sums: np.ndarray) -> dict[str, float]:
+        """Mean DPO loss, rewards, margin and accuracy over the eval set's pairs, the policy's
+        mean answer log-prob sums, the pair and answer-token counts."""
+        s = dict(zip(EVAL_STATS, (float(x) for x in sums), strict=True))
+        n = max(s["examples"], 1.0)
+        return {
+            "loss": s["loss"] / n,
+            "rewards/chosen": s["chosen"] / n,
+            "rewards/rejected": s["rejected"] / n,
+            "rewards/margin": (s["chosen"] - s["rejected"]) / n,
+            "rewards/accuracy": s["wins"] / n,
+            "logps/chosen": s["logps_chosen"] / n,
+            "logps/rejected": s["logps_rejected"] / n,
+            "examples": s["examples"],
+            "targets": s["targets"],
+        }
 
     # -- reporting --------------------------------------------------------------------------
 

@@ -1,7 +1,15 @@
-"""DPO preference data: JSONL -> token examples -> packed share-question batches.
+"""DPO preference data: records -> token examples -> packed share-question batches.
 
-Records are JSON objects with string fields ``prompt``, ``chosen`` and ``rejected``. An example
-is tokenized as ``prompt = [BOS] + encode(prompt)`` and ``answer = encode(answer) + [EOS]``.
+Records hold ``prompt``, ``chosen`` and ``rejected`` (field names: `data.prompt_field`,
+`data.chosen_field`, `data.rejected_field`) in one of two forms (`DPORecords`):
+
+* strings: ``prompt = [BOS] + encode(prompt)``, ``answer = encode(answer) + [EOS]``;
+* conversations (TRL's conversational preference format): the prompt a list of messages, each
+  answer the assistant turn (a one-message list, a message, or its content as a string). The
+  prompt is the tokenizer's chat template rendering of the prompt messages with the generation
+  prompt (for GLM ``[gMASK]<sop><|user|>\n...<|assistant|>``), each answer the text the
+  template adds for the assistant turn after it (`flashcp.data.chat.answer_text`), tokenized
+  on its own, + [EOS] unless the template's answer already holds it.
 
 Packed layout (`pack_dpo`). Both answers must be scored given the same prompt, and the last
 prompt token predicts the first token of *each* answer, which one label slot cannot hold. So
@@ -41,6 +49,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from flashcp.data.chat import answer_text, render
+from flashcp.data.records import (
+    ROLE_ASSISTANT,
+    BadRecordError,
+    check_answers,
+    has_field,
+    message_list,
+    string_field,
+)
 from flashcp.masks import Mask, causal_document_mask, share_question_mask
 
 IGNORE_INDEX = -100
@@ -57,6 +74,10 @@ class DPOTokenizer(Protocol):
     pad_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = False
+    ) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -191,6 +212,110 @@ def tokenize_dpo(
     return out
 
 
+class DPORecords:
+    """A record → its `DPOExample`, fitted to `budget` tokens (packed layout), or
+    `BadRecordError`: a missing or mistyped field, an empty answer, a prompt of fewer than 2
+    tokens, strings mixed with messages, or an example too long even after `truncation`
+    (the prompt leaving the answers no room). `truncation="error"` refuses any example longer
+    than `budget` with a `ValueError` (it stops the run, naming the row)."""
+
+    def __init__(
+        self,
+        tokenizer: DPOTokenizer,
+        *,
+        budget: int,
+        truncation: str = "truncate",
+        max_prompt_len: int | None = None,
+        prompt_field: str = "prompt",
+        chosen_field: str = "chosen",
+        rejected_field: str = "rejected",
+    ) -> None:
+        if truncation not in TRUNCATION_POLICIES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got "
+                             f"{truncation!r}")  # fmt: skip
+        self.tokenizer = tokenizer
+        self.budget = int(budget)
+        self.truncation = truncation
+        self.max_prompt_len = max_prompt_len
+        self.fields = (prompt_field, chosen_field, rejected_field)
+
+    def __call__(self, record: dict[str, Any]) -> DPOExample:
+        example = self.tokenize(record)
+        need = example.packed_len
+        if need > self.budget and self.truncation == "error":
+            raise ValueError(
+                f"the example needs {need} tokens packed (prompt {len(example.prompt)}, chosen "
+                f"{len(example.chosen)}, rejected {len(example.rejected)}) but data.seq_len is "
+                f"{self.budget}: raise data.seq_len or set dpo.truncation: truncate"
+            )
+        try:
+            return fit_example(example, self.budget, max_prompt_len=self.max_prompt_len)
+        except ValueError as exc:
+            raise BadRecordError("too long", str(exc)) from None
+
+    def tokenize(self, record: dict[str, Any]) -> DPOExample:
+        """The example before truncation."""
+        tok = self.tokenizer
+        prompt_field, chosen_field, rejected_field = self.fields
+        for name in self.fields:
+            if not has_field(record, name):
+                keys = ", ".join(sorted(record)) or "none"
+                raise BadRecordError(
+                    f"missing field {name!r}",
+                    f"the record's keys: {keys}; DPO records need {prompt_field!r}, "
+                    f"{chosen_field!r} and {rejected_field!r} (data.prompt_field, "
+                    "data.chosen_field, data.rejected_field name them)",
+                )
+        eos = int(tok.eos_id)
+        if isinstance(record[prompt_field], str):
+            prompt_text = record[prompt_field]
+            bos = getattr(tok, "bos_id", None)
+            prompt = ([int(bos)] if bos is not None else []) + list(tok.encode(prompt_text))
+            answers = []
+            for name in (chosen_field, rejected_field):
+                if isinstance(record[name], list | dict):
+                    raise BadRecordError(
+                        "prompt is a string but an answer is a message",
+                        f"{name!r} is a {type(record[name]).__name__}: give messages for the "
+                        "prompt too, or strings for both answers",
+                    )
+                text = string_field(record, name, allow_empty=False)
+                answers.append([*tok.encode(text), eos])
+        else:
+            messages = message_list(record[prompt_field], prompt_field)
+            prompt_text = render(tok, messages, add_generation_prompt=True)
+            prompt = list(tok.encode(prompt_text))
+            answers = []
+            for name in (chosen_field, rejected_field):
+                turn = self._turn(record[name], name)
+                ids = list(tok.encode(answer_text(tok, messages, prompt_text, turn)))
+                answers.append(ids if eos in ids else [*ids, eos])
+        if len(prompt) < 2:
+            raise BadRecordError(
+                "prompt too short",
+                f"{len(prompt)} token(s); the packed layout needs >= 2 (BOS and one text token)",
+            )
+        return DPOExample(tuple(prompt), tuple(answers[0]), tuple(answers[1]))
+
+    @staticmethod
+    def _turn(value: Any, name: str) -> dict[str, Any]:
+        """The assistant message an answer field holds (a one-message list, a message dict, or
+        the content string)."""
+        if isinstance(value, str):
+            value = [{"role": ROLE_ASSISTANT, "content": value}]
+        elif isinstance(value, dict):
+            value = [value]
+        messages = message_list(value, name)
+        if len(messages) != 1 or messages[0]["role"] != ROLE_ASSISTANT:
+            roles = ", ".join(m["role"] for m in messages)
+            raise BadRecordError(
+                "an answer is not one assistant turn",
+                f"{name!r} holds {len(messages)} message(s) ({roles})",
+            )
+        check_answers(messages, name)
+        return messages[0]
+
+
 # ---------------------------------------------------------------------------- truncation
 
 LAYOUTS = ("packed", "unpacked")
@@ -280,20 +405,33 @@ def _check_seq_len(seq_len: int) -> int:
 
 
 def assign_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """First-fit: example indices per row, in order, each row's lengths summing to <= seq_len."""
+    """First-fit: example indices per row, in order, each row's lengths summing to <= seq_len.
+
+    Each example goes to the lowest-numbered row with room for it, else a new row. The rows'
+    free space sits in a max segment tree whose unused leaves hold a whole empty row, so the
+    leftmost leaf with room is exactly first-fit's choice: O(log n) per example instead of a
+    scan over every open row (quadratic over a dataset's epoch).
+    """
+    size = 1
+    while size < max(len(lengths), 1):
+        size *= 2
+    tree = [int(seq_len)] * (2 * size)  # tree[size + r]: free tokens of row r
     rows: list[list[int]] = []
-    free: list[int] = []
     for i, n in enumerate(lengths):
         if n > seq_len:
             raise ValueError(f"example {i} needs {n} tokens > seq_len {seq_len}")
-        for r, room in enumerate(free):
-            if n <= room:
-                rows[r].append(i)
-                free[r] -= n
-                break
-        else:
-            rows.append([i])
-            free.append(seq_len - n)
+        node = 1
+        while node < size:  # descend to the leftmost leaf with room (the root always has)
+            node = 2 * node if tree[2 * node] >= n else 2 * node + 1
+        r = node - size
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(i)
+        tree[node] -= n
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
     return rows
 
 
@@ -337,7 +475,7 @@ def collate_packed(
         need = sum(examples[i].packed_len for i in members)
         if need > seq_len:
             raise ValueError(f"row {r} needs {need} tokens > seq_len {seq_len}")
-    return _collate_packed(examples, rows, seq_len, pad_id, list(range(len(examples))))
+    return _collate_packed(examples, rows, seq_len, pad_id, range(len(examples)))
 
 
 def _collate_packed(

@@ -1,13 +1,17 @@
 """The DPO recipe's data: preference pairs packed into rows, a deterministic, resumable stream.
 
-Each epoch the examples are put in an order drawn from `(train.seed, epoch)` (or file order
-with `data.shuffle: false`) and packed first-fit, in that order, into rows of `data.seq_len`
-tokens with the share-question layout (`flashcp.recipes.dpo_data`): the prompt once, each
-answer continuing from it with restarting positions, several examples per row
-(`data.packing: false`: one example per row). A step consumes `grad_accum × dp ×
-micro_batch_size` rows, dp rank r taking rows `[r·mbs, (r+1)·mbs)` of each micro-batch, so
-`dp = 2, micro_batch_size = 1` trains on exactly the rows of `dp = 1, micro_batch_size = 2`.
-The position (epoch, row) is the whole state: every rank holds the same one and rank 0 saves it.
+The records (`data.path`, JSON Lines or Parquet, or the built-in set) are indexed once by all
+ranks together (`flashcp.data.index`: each tokenizes its share of the records; every rank gets
+every example's packed length and the bad-record report). Each epoch the examples are put in
+an order drawn from `(train.seed, epoch)` (or file order with `data.shuffle: false`) and packed
+first-fit, in that order, into rows of `data.seq_len` tokens with the share-question layout
+(`flashcp.recipes.dpo_data`): the prompt once, each answer continuing from it with restarting
+positions, several examples per row (`data.packing: false`: one example per row). The packing
+needs only the lengths, so every rank plans the same rows. A step consumes `grad_accum × dp ×
+micro_batch_size` rows, dp rank r taking rows `[r·mbs, (r+1)·mbs)` of each micro-batch and
+tokenizing only the examples in them, so `dp = 2, micro_batch_size = 1` trains on exactly the
+rows of `dp = 1, micro_batch_size = 2`. The position (epoch, row) is the whole state: every
+rank holds the same one and rank 0 saves it.
 """
 
 from __future__ import annotations
@@ -18,15 +22,18 @@ import numpy as np
 
 from flashcp.config import Config
 from flashcp.config.recipes import DPOConfig
+from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
+from flashcp.data.loader import check_vocab
+from flashcp.data.peers import Peers
+from flashcp.data.sources import JsonlSource, RowSource, open_source
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 from flashcp.recipes.dpo_data import (
+    DEFAULT_DPO_DATA,
     DPOBatch,
     DPOExample,
+    DPORecords,
     assign_rows,
     collate_packed,
-    fit_examples,
-    read_dpo_jsonl,
-    tokenize_dpo,
 )
 
 
@@ -47,28 +54,42 @@ class DPOData:
         dp_rank: int = 0,
         dp_size: int = 1,
         tokenizer: Tokenizer | None = None,
+        peers: Peers | None = None,
     ) -> None:
         d = cfg.data
         self.cfg = cfg
         self.dpo: DPOConfig = cfg.extras.get("dpo") or DPOConfig()
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.tokenizer = tokenizer or build_tokenizer(d.tokenizer)
-        vocab = int(getattr(cfg.model, "vocab_size", self.tokenizer.vocab_size))
-        if self.tokenizer.vocab_size > vocab:
-            raise ValueError(
-                f"the tokenizer has {self.tokenizer.vocab_size} ids but model.vocab_size is "
-                f"{vocab}: set model.vocab_size >= {self.tokenizer.vocab_size}"
-            )
+        check_vocab(cfg, self.tokenizer)
         divisor = cfg.parallel.seq_divisor
         padded = -(-d.seq_len // divisor) * divisor
         self.seq_len = padded if cfg.parallel.pad else d.seq_len
         """Length of the rows the model sees (after parallel.pad)."""
-        self.examples: list[DPOExample] = fit_examples(
-            tokenize_dpo(read_dpo_jsonl(d.path), self.tokenizer),
-            d.seq_len,
+        self.source: RowSource = (
+            JsonlSource([DEFAULT_DPO_DATA], "built-in preference set")
+            if d.path is None
+            else open_source(d.path, cache_dir=d.cache_dir, peers=peers)
+        )
+        build = DPORecords(
+            self.tokenizer,
+            budget=d.seq_len,
             truncation=self.dpo.truncation,
             max_prompt_len=self.dpo.max_prompt_len,
+            prompt_field=d.prompt_field,
+            chosen_field=d.chosen_field,
+            rejected_field=d.rejected_field,
         )
+        self.index: RowIndex = build_index(
+            self.source,
+            lambda r: build(r).packed_len,
+            peers=peers,
+            on_bad_record=d.on_bad_record,
+        )
+        self.examples: LazyItems[DPOExample] = LazyItems(
+            self.source, self.index, build, lambda e: e.packed_len
+        )
+        """The examples, each tokenized when a batch of this rank first holds it."""
         self.epoch = 0
         self.row = 0
         self._rows = self._epoch_rows(0)
@@ -82,7 +103,7 @@ class DPOData:
         order = epoch_order(len(self.examples), self.cfg.train.seed, epoch, d.shuffle)
         if not d.packing:
             return [[int(i)] for i in order]
-        lengths = [self.examples[i].packed_len for i in order]
+        lengths = self.index.lengths[order].tolist()
         return [[int(order[j]) for j in row] for row in assign_rows(lengths, self.seq_len)]
 
     def _next_row(self) -> list[int]:
@@ -118,10 +139,26 @@ class DPOData:
             )
         self.epoch, self.row, self._rows = epoch, row, rows
 
+    @property
+    def bad_records(self) -> BadRecords:
+        """The records left out, by reason (`data.on_bad_record: skip`)."""
+        return self.index.bad
+
     def describe(self) -> str:
-        source = self.cfg.data.path or "built-in preference set"
         rows = len(self._rows)
-        return (
-            f"data {source}: {self.num_examples} preference pairs in {rows} packed rows "
-            f"(~{self.num_examples / max(rows, 1):.1f} per row)"
+        out = (
+            f"data {self.source.name}: {self.num_examples} preference pairs in {rows} packed "
+            f"rows (~{self.num_examples / max(rows, 1):.1f} per row)"
         )
+        skipped = self.bad_records.summary()
+        return f"{out} ({skipped})" if skipped else out
+
+    def data_report(self) -> dict[str, Any]:
+        """What the data is, for run_info.json: records, usable pairs, bad records."""
+        return {
+            "source": self.source.name,
+            "rows": self.index.total_rows,
+            "examples": self.num_examples,
+            "tokens": int(self.index.lengths.sum()),
+            "bad_records": self.bad_records.as_dict(),
+        }

@@ -11,16 +11,18 @@ cross-entropies come from the last stage's hidden states over chunks of
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
+import numpy as np
 import paddle
 
 from flashcp.config import IGNORE_INDEX
 from flashcp.data import TrainData, shard_batch
 from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext, HeadInput
 from flashcp.parallel import MicroBatch
-from flashcp.recipes.base import Recipe, StepPlan
+from flashcp.recipes.base import Executor, Recipe, StepPlan
 from flashcp.trainer.parallel import all_reduce_values
 
 
@@ -44,8 +46,9 @@ class LMData(TrainData):
     """`TrainData` with the `describe()` the trainer's banner uses."""
 
     def describe(self) -> str:
-        data = self.cfg.data.path or "built-in corpus"
-        return f"data {data}: {self.num_documents} docs, {self.num_tokens} tokens"
+        out = f"data {self.source.name}: {self.num_documents} docs, {self.num_tokens} tokens"
+        skipped = self.bad_records.summary()
+        return f"{out} ({skipped})" if skipped else out
 
 
 class LMRecipe(Recipe):
@@ -55,7 +58,7 @@ class LMRecipe(Recipe):
 
     def build_data(self) -> LMData:
         ctx = self.ctx
-        return LMData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+        return LMData(self.cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, peers=ctx.data_peers())
 
     def setup_model(self, model: paddle.nn.Layer) -> None:
         self.apply_lora(model)
@@ -96,6 +99,26 @@ class LMRecipe(Recipe):
         seq_len = batches[0].seq_len if batches else 0
         tokens = ctx.dp_size * cfg.train.grad_accum * cfg.data.micro_batch_size * seq_len
         return StepPlan(micro=micro, tokens=tokens, targets=targets)
+
+    def eval_sums(
+        self, batches: list[Any], executor: Executor, module: paddle.nn.Layer
+    ) -> list[float]:
+        """[summed cross-entropy, target tokens] of this rank's tokens (its cp shard, last
+        pipeline stage; 0 elsewhere): summed over every rank, a token-weighted mean."""
+        chunk = self.cfg.train.loss_chunk_tokens
+
+        def sums(out: HeadInput, mb: MicroBatch) -> tuple[float, int]:
+            nll = summed_cross_entropy(out, mb.labels, chunk_tokens=chunk)
+            return float(nll), int((mb.labels != IGNORE_INDEX).astype("int64").sum())
+
+        results = executor.forward_only(self.plan(batches).micro, sums) or []
+        return [sum(r[0] for r in results), float(sum(r[1] for r in results))]
+
+    def eval_metrics(self, sums: np.ndarray) -> dict[str, float]:
+        """Token-weighted mean cross-entropy over the eval set, its perplexity, the count."""
+        nll, targets = float(sums[0]), float(sums[1])
+        loss = nll / max(targets, 1.0)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "targets": targets}
 
 
 class SFTRecipe(LMRecipe):

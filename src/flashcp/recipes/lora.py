@@ -14,7 +14,9 @@ PaddleFormers' `LoRAModel` wraps any Paddle layer whose `.config` is a
 `apply_lora` / `load_adapters` attach one to the flashcp model (`flashcp_config`), with TP = 1
 and the model's `ModelArgs` recorded for the saved `config.json`. Target modules are regular
 expressions matched with `re.fullmatch` against sublayer names (PaddleFormers' rule), e.g.
-``model.layers.0.self_attn.q_proj``; every pattern must match at least one `nn.Linear`.
+``model.layers.0.self_attn.q_proj``; every pattern must match at least one `nn.Linear` or
+routed-experts layer (``.*mlp\\.experts``: per-expert adapters on both stacked projections,
+through PaddleFormers' ``LoRAMoeExperts``; see `flashcp.recipes.lora_experts`).
 
 Adapter math (PaddleFormers `LoRALinear`, Paddle weights are `[in, out]`):
 ``y = x W + b + dropout(x) A B · alpha / rank`` with A `[in, rank]` (Kaiming-uniform) and
@@ -38,9 +40,11 @@ import paddle
 from paddle import nn
 
 from flashcp.models.base import CausalLM
+from flashcp.models.experts import GroupedExperts
 from flashcp.models.init import InitRule, fill_parameter
 from flashcp.models.layers import Linear
 from flashcp.models.precision import as_dtype, cast_linear, needs_cast
+from flashcp.recipes import lora_experts
 
 # PaddleFormers' file names inside an adapter directory (its `save_pretrained` layout).
 LORA_CONFIG_FILE = "lora_config.json"
@@ -115,6 +119,11 @@ def _linear_names(model: nn.Layer) -> list[str]:
     return [name for name, layer in model.named_sublayers() if isinstance(layer, nn.Linear)]
 
 
+def _adaptable(layer: nn.Layer) -> bool:
+    """LoRA adapts `nn.Linear` layers and stacked routed experts."""
+    return isinstance(layer, (nn.Linear, GroupedExperts))
+
+
 def _patterns(target_modules: Sequence[str] | str) -> list[str]:
     """The target patterns as a list, each compiled once to report a bad regex by name."""
     if isinstance(target_modules, str):
@@ -145,7 +154,7 @@ def target_summary(model: nn.Layer, target_modules: Sequence[str] | str) -> dict
         regex = re.compile(pattern)
         matched = [(name, layer) for name, layer in named if regex.fullmatch(name)]
         hits[pattern] = len(matched)
-        wrong = [(n, type(sub).__name__) for n, sub in matched if not isinstance(sub, nn.Linear)]
+        wrong = [(n, type(sub).__name__) for n, sub in matched if not _adaptable(sub)]
         if wrong:
             bad[pattern] = wrong[0]
     return {
@@ -159,7 +168,8 @@ def target_summary(model: nn.Layer, target_modules: Sequence[str] | str) -> dict
 
 def check_targets(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """Raise `ValueError` unless every pattern matches >= 1 layer in some summary (e.g. on
-    some pipeline stage) and only `nn.Linear` layers anywhere; returns the patterns."""
+    some pipeline stage) and only `nn.Linear` or routed-experts layers anywhere; returns the
+    patterns."""
     first = summaries[0]
     patterns = first["patterns"]
     examples = [n for s in summaries for n in s["examples"]]
@@ -176,13 +186,13 @@ def check_targets(summaries: Sequence[dict[str, Any]]) -> list[str]:
             raise ValueError(
                 f"LoRA target module pattern {pattern!r} matches {wrong[0]!r} "
                 f"({wrong[1]}), which is not an nn.Linear; LoRA "
-                f"adapts linear layers only, e.g.: {example}"
+                f"adapts linear layers (e.g.: {example}) and routed experts ('.*mlp\\.experts')"
             )
     return patterns
 
 
 def _check_targets(model: nn.Layer, target_modules: Sequence[str] | str) -> list[str]:
-    """Compile each pattern and check it matches >= 1 sublayer, all of them `nn.Linear`."""
+    """Compile each pattern and check it matches >= 1 sublayer, all of them adaptable."""
     return check_targets([target_summary(model, target_modules)])
 
 
@@ -223,14 +233,21 @@ def casting_lora_class() -> type:
 
 def _use_casting_layers(model: nn.Layer) -> None:
     cls = casting_lora_class()
+    _, _, LoRALinear = _peft()
     for _, layer in lora_layers(model):
-        layer.__class__ = cls
+        if isinstance(layer, LoRALinear):
+            layer.__class__ = cls
 
 
 def lora_layers(model: nn.Layer) -> list[tuple[str, nn.Layer]]:
-    """The (name, layer) pairs of the PaddleFormers LoRA layers inside `model`."""
+    """The (name, layer) pairs of the PaddleFormers LoRA layers inside `model`: `LoRALinear`s
+    (`lora_A` / `lora_B`) and adapted routed experts (`lora_experts.is_expert_lora`)."""
     _, _, LoRALinear = _peft()
-    return [(n, layer) for n, layer in model.named_sublayers() if isinstance(layer, LoRALinear)]
+    return [
+        (n, layer)
+        for n, layer in model.named_sublayers()
+        if isinstance(layer, LoRALinear) or lora_experts.is_expert_lora(layer)
+    ]
 
 
 def apply_lora(
@@ -265,6 +282,7 @@ def apply_lora(
         raise ValueError("the model already has LoRA adapters: apply_lora once per model")
     patterns = _check_targets(model, target_modules) if require_match else _patterns(target_modules)
     LoRAConfig, LoRAModel, _ = _peft()
+    lora_experts.prepare_targets(model, patterns)
     flashcp_config(model)
     config = LoRAConfig(
         r=rank,
@@ -289,6 +307,9 @@ def init_adapters(model: nn.Layer, seed: int) -> None:
     nonlinearity="leaky_relu")` (gain sqrt(2 / (1 + 5)) times sqrt(3 / fan_in), fan_in = in)
     — and B zeros, so a fresh adapter leaves the model's output unchanged."""
     for name, layer in lora_layers(model):
+        if lora_experts.is_expert_lora(layer):
+            lora_experts.init_expert_adapters(name, layer, seed)
+            continue
         fan_in = int(layer.lora_A.shape[0])
         rule = InitRule("uniform", 1.0 / math.sqrt(fan_in))
         fill_parameter(layer.lora_A, seed, f"{name}.lora_A", rule)
@@ -336,6 +357,7 @@ def load_adapters(model: CausalLM, directory: str | os.PathLike[str]) -> Any:
     if lora_layers(model):
         raise ValueError("the model already has LoRA adapters: load into a fresh model")
     _check_targets(model, config.target_modules or [])
+    lora_experts.prepare_targets(model, list(config.target_modules or []))
     flashcp_config(model)
     config.tensor_model_parallel_size = 1
     with _quiet():
@@ -365,6 +387,9 @@ def merge_adapters(lora_model: Any) -> CausalLM:
         *path, leaf = name.split(".")
         for part in path:
             parent = getattr(parent, part)
+        if lora_experts.is_expert_lora(layer):
+            setattr(parent, leaf, lora_experts.plain_experts(layer))
+            continue
         in_features, out_features = (int(d) for d in layer.weight.shape)
         plain = Linear(in_features, out_features, bias_attr=False if layer.bias is None else None)
         plain.weight = layer.weight

@@ -22,7 +22,14 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
-from flashcp.models.hf_weights import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, hf_config, hf_state_map
+from flashcp.models.hf_weights import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    HFEntry,
+    hf_config,
+    hf_state_map,
+)
 from flashcp.models.safetensors_stream import (
     ITEM_SIZE,
     TensorSpec,
@@ -30,6 +37,7 @@ from flashcp.models.safetensors_stream import (
     write_streaming,
 )
 from flashcp.recipes.lora import lora_layers
+from flashcp.recipes.lora_experts import is_expert_lora, merged_piece
 
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
@@ -39,43 +47,64 @@ def merged_shard_name(stage: int, num_stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
-def _merged(layer: Any, transposed: bool) -> np.ndarray:
+def _merged(layer: Any, transposed: bool, dtype: str | None = None) -> np.ndarray:
     if getattr(layer, "merged", False):
         raise RuntimeError("the adapters are already merged into the base weights")
     with paddle.no_grad():
         w = layer.weight.astype("float32")
         delta = paddle.matmul(layer.lora_A.astype("float32"), layer.lora_B.astype("float32"))
-        out = (w + delta * float(layer.scaling)).astype(layer.weight.dtype)
+        out = (w + delta * float(layer.scaling)).astype(dtype or layer.weight.dtype)
         if transposed:
             out = out.transpose([1, 0])
         return out.numpy()
 
 
-def _plain(tensor: paddle.Tensor, transposed: bool) -> np.ndarray:
+def _cast(t: paddle.Tensor, dtype: str | None) -> paddle.Tensor:
+    """`t` in `dtype` (widened exactly to float32 first, then one rounding); None keeps it."""
+    return t if dtype is None else t.astype("float32").astype(dtype)
+
+
+def _plain(entry: HFEntry, dtype: str | None = None) -> np.ndarray:
     with paddle.no_grad():
-        t = tensor.detach()
-        return (t.transpose([1, 0]) if transposed else t).numpy()
+        t = _cast(entry.value().detach(), dtype)
+        return (t.transpose([1, 0]) if entry.transposed else t).contiguous().numpy()
 
 
-def merged_specs(module: paddle.nn.Layer) -> list[TensorSpec]:
-    """What this stage writes: every HF key it owns, adapted weights merged (lazily)."""
+def _merged_expert(layer: Any, entry: HFEntry, dtype: str | None = None) -> np.ndarray:
+    proj = entry.name.rsplit(".", 1)[1]
+    piece = merged_piece(layer, proj, int(entry.expert), entry.columns)  # type: ignore[arg-type]
+    return _cast(piece, dtype).transpose([1, 0]).contiguous().numpy()
+
+
+def merged_specs(module: paddle.nn.Layer, dtype: str | None = None) -> list[TensorSpec]:
+    """What this stage writes: every HF key it owns, adapted weights merged (lazily; an
+    adapted expert's pieces one expert at a time).
+
+    `dtype` (float32 / bfloat16) casts every parameter on the way out (a merged weight is
+    rounded once, from its float32 sum); buffers keep their dtype (GLM-4.5's float32
+    `e_score_correction_bias`, as its own checkpoints store it); None keeps every dtype."""
     adapted = dict(lora_layers(module))
     skip_tied = bool(getattr(module, "num_stages", 1) > 1 and not module.is_first)  # type: ignore[attr-defined]
+    params = {name for name, _ in module.named_parameters()}
     specs = []
     for key, entry in hf_state_map(module).items():
-        if key.endswith((".lora_A", ".lora_B")):
+        if key.endswith(("lora_A", "lora_B")):  # `.lora_A` (Linear), `_lora_A` (experts)
             continue
         if skip_tied and key == "model.embed_tokens.weight":
             continue
-        owner = key.rsplit(".", 1)[0]
-        layer = adapted.get(owner) if key.endswith(".weight") else None
-        if layer is not None:
-            produce = lambda layer=layer, t=entry.transposed: _merged(layer, t)  # noqa: E731
+        owner = entry.name.rsplit(".", 1)[0]
+        layer = adapted.get(owner) if key.endswith(".weight") or entry.is_piece else None
+        cast = dtype if entry.name in params else None
+        if layer is not None and entry.is_piece and is_expert_lora(layer):
+            produce = lambda layer=layer, e=entry, c=cast: _merged_expert(layer, e, c)  # noqa: E731
+        elif layer is not None:
+            produce = lambda layer=layer, t=entry.transposed, c=cast: _merged(layer, t, c)  # noqa: E731
         else:
-            produce = lambda e=entry: _plain(e.tensor, e.transposed)  # noqa: E731
-        specs.append(
-            TensorSpec(key, safetensors_dtype(entry.tensor.dtype), entry.hf_shape, produce)
-        )
+            produce = lambda e=entry, c=cast: _plain(e, c)  # noqa: E731
+        code = safetensors_dtype(entry.tensor.dtype)
+        if cast is not None:
+            code = safetensors_dtype(f"paddle.{cast}")
+        specs.append(TensorSpec(key, code, entry.hf_shape, produce))
     return specs
 
 
@@ -89,9 +118,12 @@ def write_merged_stage(module: paddle.nn.Layer, out: Path) -> Path:
     return path
 
 
-def write_merged_index(out: Path, args: Any, num_stages: int, dtype: str) -> list[str]:
-    """After every stage wrote its shard: the index, `config.json`, and the removal of weight
-    files an earlier export (another layout) left; returns the shard names."""
+def write_merged_index(
+    out: Path, args: Any, num_stages: int, dtype: str, *, token_ids: Any = None
+) -> list[str]:
+    """After every stage wrote its shard: the index, `config.json` (with `token_ids`, see
+    `flashcp.models.hf_config.hf_config`), and the removal of weight files an earlier export
+    (another layout) left; returns the shard names."""
     names = [merged_shard_name(s, num_stages) for s in range(num_stages)]
     weight_map: dict[str, str] = {}
     total = 0
@@ -103,7 +135,8 @@ def write_merged_index(out: Path, args: Any, num_stages: int, dtype: str) -> lis
                 total += int(np.prod(meta.get_shape())) * ITEM_SIZE[meta.get_dtype()]
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    config = hf_config(args, dtype, token_ids=token_ids)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     for stale in out.iterdir():
         if (stale.name == SINGLE_FILE or _SHARD_RE.match(stale.name)) and stale.name not in names:
             stale.unlink()

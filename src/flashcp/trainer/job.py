@@ -18,6 +18,14 @@ line and the exit code is 2, with nothing launched and nothing written or moved.
 `run.overwrite: true`, an earlier run in `run.output_dir` is moved aside (`rundir.move_aside`,
 printed), and the last check creates the output directory.
 
+More than one node (`Nodes`: `flashcp train --nnodes N --node-rank R --master HOST:PORT`):
+each node's `flashcp train` launches dp·pp·cp / N processes with the launcher's `--nnodes N
+--rank R --master HOST:PORT`, logging to `<run.output_dir>/logs/node<R>`. Node 0 checks the
+master port is free (its launcher serves the rendezvous there) and alone moves an earlier run
+aside; the other nodes first wait for that port (`check_master`, `FLASHCP_INIT_TIMEOUT`). The
+launchers wait for each other without a limit of their own, so `run_job` stops a node whose
+training processes have not started within the same timeout (`rendezvous_lost`).
+
 When the job fails, `diagnose` reads each rank's log (the part written by this launch) and the
 launcher's output and prints which rank failed first and how — killed without a word (SIGKILL,
 the OOM killer), crashed on a signal, exited with its own error, timed out in a collective — and
@@ -51,7 +59,12 @@ GRACE_SECONDS = 10.0
 EXIT_PREFLIGHT = 2
 TAIL_LINES = 12
 _HIDDEN_PREFIXES = ("LAUNCH INFO", "FLAGS(name=", "=====")
-_NOISE = ("No ccache found", "warnings.warn(warning_message)", "Modified FLAGS detected")
+_NOISE = (
+    "No ccache found",
+    "warnings.warn(warning_message)",
+    "Modified FLAGS detected",
+    " - HTTP Request: ",  # the launchers' rendezvous polls (multi-node)
+)
 _GLOG_INFO = re.compile(r"^I\d{4} ")  # glog INFO lines from Paddle's C++ side
 EXIT_LINE = re.compile(r"^\[flashcp\] rank (\d+) exit (-?\d+)\s*$", re.M)
 """A rank's last line (`flashcp.train.EXIT_LINE`)."""
@@ -64,15 +77,53 @@ def train_script() -> Path:
     return Path(flashcp.train.__file__).resolve()
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """This machine's place in a job over `count` nodes (`flashcp train --nnodes N --node-rank
+    R --master HOST:PORT`): node `rank` runs processes `[rank·n, (rank+1)·n)` of the job, n =
+    dp·pp·cp / count. `master` is the rendezvous of the launchers, served by node 0's."""
+
+    count: int = 1
+    rank: int = 0
+    master: str | None = None
+
+    @property
+    def multi(self) -> bool:
+        return self.count > 1
+
+    def endpoint(self) -> tuple[str, int]:
+        """`master` as (host, port); `PreflightError` when it is not HOST:PORT."""
+        host, sep, port = (self.master or "").rpartition(":")
+        ok = sep and host and ":" not in host and port.isdigit() and 1 <= int(port) <= 65535
+        if not ok:
+            raise PreflightError(
+                f"--master {self.master!r} is not HOST:PORT (a port 1-65535; a hostname or "
+                "IPv4 address, as Paddle's launcher reads it): give node 0's address and a free "
+                "port, the same on every node, e.g. --master 10.0.0.1:29500"
+            )
+        return host, int(port)
+
+    def log_dir(self, output_dir: str | Path) -> Path:
+        """`<output_dir>/logs`, or `logs/node<R>` when several nodes share the directory."""
+        logs = Path(output_dir) / "logs"
+        return logs / f"node{self.rank}" if self.multi else logs
+
+
 def launch_command(
     config: str | Path,
     overrides: Sequence[str],
     nproc: int,
     log_dir: Path,
     master_port: int | None = None,
+    nodes: Nodes | None = None,
 ) -> list[str]:
-    """The `python -m paddle.distributed.launch ...` command for a job."""
+    """The `python -m paddle.distributed.launch ...` command for a job (`nproc` processes on
+    this node; with `nodes.multi`, node `nodes.rank` of `nodes.count`)."""
     master = ["--master", f"127.0.0.1:{master_port}"] if master_port else []
+    if nodes is not None and nodes.master:
+        master = ["--master", nodes.master]
+    if nodes is not None and nodes.multi:
+        master = ["--nnodes", str(nodes.count), "--rank", str(nodes.rank), *master]
     return [
         sys.executable, "-m", "paddle.distributed.launch",
         "--nproc_per_node", str(nproc),
@@ -155,10 +206,56 @@ def master_port(environ: Mapping[str, str] | None = None) -> int | None:
     return port
 
 
-def check_output_dir(output_dir: str | Path) -> Path:
-    """Create `<output_dir>/logs` and prove a file can be written there; returns the log dir."""
+def check_master(nodes: Nodes, *, timeout: float | None = None) -> None:
+    """Node 0: the `--master` port, if on this machine, is free for its launcher to serve.
+    Other nodes: wait (up to `FLASHCP_INIT_TIMEOUT`) until node 0's launcher serves it, so
+    node 0 has done its own checks (and moved an earlier run aside) before they start."""
+    from flashcp.distributed.groups import wait_for_port
+    from flashcp.distributed.watchdog import resolve_timeout
+
+    host, port = nodes.endpoint()
+    if nodes.rank == 0:
+        if host in _local_hosts():
+            _check_free(host, port, f"--master {nodes.master}",
+                        "pick a free port (the same on every node)")  # fmt: skip
+        return
+    seconds = resolve_timeout(timeout, init=True)
+    try:
+        wait_for_port(host, port, seconds, what=f"node 0's launcher (--master {nodes.master})")
+    except TimeoutError as exc:
+        raise PreflightError(
+            f"node {nodes.rank}: {exc}: start node 0 first (`flashcp train CONFIG --nnodes "
+            f"{nodes.count} --node-rank 0 --master {nodes.master}`), check the address and the "
+            "firewall; FLASHCP_INIT_TIMEOUT sets how long to wait"
+        ) from None
+
+
+def _local_hosts() -> set[str]:
+    """Names and addresses of this machine (where a --master host would be served here)."""
+    names = {"127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()}
+    with contextlib.suppress(OSError):
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    return names
+
+
+def _check_free(host: str, port: int, what: str, fix: str) -> None:
+    """`PreflightError` naming `what` when `host:port` cannot be bound here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port))
+        except OSError as exc:
+            why = "is already in use" if exc.errno == errno.EADDRINUSE else f"failed: {exc}"
+            raise PreflightError(
+                f"{what}: binding port {port} {why} (another job or service holds it): {fix}"
+            ) from None
+
+
+def check_output_dir(output_dir: str | Path, log_dir: Path | None = None) -> Path:
+    """Create the log directory (`<output_dir>/logs` unless `log_dir`) and prove a file can be
+    written there; returns the log dir."""
     out = Path(output_dir)
-    logs = out / "logs"
+    logs = log_dir or out / "logs"
     probe = logs / f".flashcp-write-test-{os.getpid()}"
     try:
         logs.mkdir(parents=True, exist_ok=True)
@@ -326,23 +423,68 @@ def _tail(text: str, lines: int) -> list[str]:
 
 
 def failure_report(
-    code: int, logs: Mapping[int, str | None], launcher_output: str, log_dir: Path
+    code: int,
+    logs: Mapping[int, str | None],
+    launcher_output: str,
+    log_dir: Path,
+    rank_offset: int = 0,
 ) -> str:
-    """The text printed after a failed job: the rank to blame, the others, its last lines."""
+    """The text printed after a failed job: the rank to blame, the others, its last lines.
+
+    `logs` are keyed by this node's local process index (`workerlog.<i>`, as the launcher
+    reports them); the report names job ranks, `rank_offset` + i (node R of a multi-node job:
+    R × processes per node)."""
     outcomes = diagnose(logs, launcher_output)
     if not outcomes:
         return f"flashcp: the job failed (exit {code})"
     first = outcomes[0]
-    lines = [f"flashcp: the job failed (exit {code}): rank {first.rank} {first.text}"]
+    head = first.rank + rank_offset
+    lines = [f"flashcp: the job failed (exit {code}): rank {head} {first.text}"]
     for other in outcomes[1:]:
         same = _RANK_TAG.sub("", other.text) == _RANK_TAG.sub("", first.text)
-        lines.append(f"flashcp:   rank {other.rank} " + ("the same" if same else other.text))
+        lines.append(
+            f"flashcp:   rank {other.rank + rank_offset} " + ("the same" if same else other.text)
+        )
     log = logs.get(first.rank)
-    if log and (first.rank != 0 or first.kind == "killed"):  # rank 0's log was streamed
-        lines.append(f"flashcp: last lines of rank {first.rank}'s log "
+    if log and (first.rank != 0 or first.kind == "killed"):  # local rank 0's log was streamed
+        lines.append(f"flashcp: last lines of rank {head}'s log "
                      f"({log_dir / f'workerlog.{first.rank}'}):")  # fmt: skip
         lines += [f"    {line}" for line in _tail(log, TAIL_LINES)]
     return "\n".join(lines)
+
+
+def rendezvous_timeout() -> float:
+    """How long (s) the launchers of a multi-node job may wait for each other: the init
+    timeout (`FLASHCP_INIT_TIMEOUT`, default 300 s)."""
+    from flashcp.distributed.watchdog import resolve_timeout
+
+    return resolve_timeout(init=True)
+
+
+def workers_started(marker: str) -> bool:
+    """Whether the launcher of job `marker` has started its training processes (after the
+    nodes met), i.e. a process of the job runs `flashcp/train.py`."""
+    script = str(train_script()).encode()
+    for pid in job_pids(marker):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # a worker runs the script itself; the launcher only has it among its arguments
+        if script in argv and b"paddle.distributed.launch" not in argv:
+            return True
+    return False
+
+
+def rendezvous_lost(nodes: Nodes) -> str:
+    """The message when the nodes did not all meet at the master in time."""
+    return (
+        f"node {nodes.rank}: the {nodes.count} nodes did not all join at --master "
+        f"{nodes.master} within {rendezvous_timeout():g} s (FLASHCP_INIT_TIMEOUT); stopped. "
+        f"Start `flashcp train CONFIG --nnodes {nodes.count} --node-rank R --master "
+        f"{nodes.master}` on every node R = 0..{nodes.count - 1}, with the same CONFIG and "
+        "overrides"
+    )
 
 
 def _log_sizes(log_dir: Path, nproc: int) -> dict[int, int]:
@@ -397,24 +539,31 @@ def run_job(
     overwrite: bool = False,
     out: TextIO | None = None,
     progress: bool | None = None,
+    nodes: Nodes | None = None,
 ) -> int:
     """Launch the job, stream rank 0, return its exit code (130 after Ctrl-C, 143 SIGTERM).
 
-    `resume` and `overwrite` are the config's `checkpoint.resume` and `run.overwrite`."""
+    `resume` and `overwrite` are the config's `checkpoint.resume` and `run.overwrite`. `nproc`
+    is the job's process count; with `nodes` (several), this node launches its share and joins
+    the others at `nodes.master` (node 0 alone moves an earlier run aside)."""
     out = out or sys.stdout
+    nodes = nodes or Nodes()
+    local = nproc // nodes.count
     try:
         check_dispatch(config, overrides)
         check_memory(config, overrides)
-        port = master_port()
+        port = master_port() if nodes.master is None else None
+        if nodes.master is not None:
+            check_master(nodes)
         check_run_dir(output_dir, resume=resume, overwrite=overwrite)
-        if overwrite and (moved := _move_aside(output_dir)) is not None:
+        if nodes.rank == 0 and overwrite and (moved := _move_aside(output_dir)) is not None:
             print(f"flashcp: run.overwrite: moved the earlier run in {output_dir} to {moved}",
                   file=out, flush=True)  # fmt: skip
-        log_dir = check_output_dir(output_dir)
+        log_dir = check_output_dir(output_dir, nodes.log_dir(output_dir))
     except PreflightError as exc:
         print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
-    offsets = _log_sizes(log_dir, nproc)
+    offsets = _log_sizes(log_dir, local)
     marker = uuid.uuid4().hex
     env = dict(os.environ)
     for key in [k for k in env if k.startswith(("PADDLE_TRAINER", "PADDLE_MASTER", "MASTER_"))]:
@@ -424,8 +573,14 @@ def run_job(
     if progress is None:
         progress = out.isatty() if hasattr(out, "isatty") else False
     env.setdefault("FLASHCP_PROGRESS", "1" if progress else "0")
-    cmd = launch_command(config, overrides, nproc, log_dir, port)
-    print(f"flashcp: launching {nproc} process(es); logs in {log_dir}", file=out, flush=True)
+    cmd = launch_command(config, overrides, local, log_dir, port, nodes)
+    where = ""
+    if nodes.multi:
+        first = nodes.rank * local
+        where = (f" as node {nodes.rank} of {nodes.count} (ranks {first}-{first + local - 1} of "
+                 f"{nproc}, rendezvous {nodes.master})")  # fmt: skip
+    print(f"flashcp: launching {local} process(es){where}; logs in {log_dir}", file=out,
+          flush=True)  # fmt: skip
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -446,8 +601,17 @@ def run_job(
             assert proc.stdout is not None
             pump = threading.Thread(target=_pump, args=(proc.stdout, log, out), daemon=True)
             pump.start()
+            deadline = time.monotonic() + rendezvous_timeout() if nodes.multi else None
             while proc.poll() is None and not received:
                 time.sleep(0.1)
+                if deadline is not None and time.monotonic() > deadline:
+                    if workers_started(marker):
+                        deadline = None
+                    else:
+                        lost = rendezvous_lost(nodes)
+                        print(f"flashcp: {lost}", file=out, flush=True)
+                        stop_job(proc, marker)
+                        return EXIT_PREFLIGHT
             if received:
                 print(f"\nflashcp: stopping the job (signal {received[0]})", file=out, flush=True)
                 stop_job(proc, marker)
@@ -461,6 +625,7 @@ def run_job(
     code = int(proc.returncode)
     if code != 0:
         launcher_output = (log_dir / "launcher.log").read_text(errors="replace")
-        report = failure_report(code, read_rank_logs(log_dir, offsets), launcher_output, log_dir)
+        logs = read_rank_logs(log_dir, offsets)
+        report = failure_report(code, logs, launcher_output, log_dir, nodes.rank * local)
         print(report, file=out, flush=True)
     return code

@@ -27,6 +27,15 @@ One optimizer step (`Trainer.train_step`):
    the parameters, or on float32 master weights (bf16-stored parameters; this rank's shard
    under ZeRO-1, all-gathered into the parameters after), LR schedule step, metrics on rank 0,
    checkpoint every `checkpoint.every` steps.
+7. MoE models: the routers' expert loads (and dropped entries, balance-loss values) ride in
+   step 4's all-reduce; after an applied step the correction biases move toward the
+   under-loaded experts (`model.router_bias_update_rate`), and the summarised loads go to the
+   metrics (`flashcp.trainer.moe_stats`).
+
+After a step, every `eval.every` steps and after the last, the eval set runs forward only
+under the same layout (`flashcp.trainer.evaluate`); its `eval/...` metrics join the step's
+record, which rank 0 writes to metrics.jsonl and every `run.report_to` backend
+(`flashcp.trainer.tracking`), with `mfu` (`flashcp.trainer.flops`) and `consumed_tokens`.
 
 Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
 those are the adapters (saved in PaddleFormers' format; see `flashcp.recipes.adapters`).
@@ -58,12 +67,15 @@ from flashcp.distributed import (
     build_groups,
 )
 from flashcp.models.base import StageSpec
+from flashcp.models.moe_balance import loss_scale_context
 from flashcp.parallel import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
 from flashcp.trainer import checkpoint as ckpt
-from flashcp.trainer import memory, rundir, sharded
+from flashcp.trainer import flops, memory, rundir, sharded, tracking
+from flashcp.trainer.evaluate import Evaluator, format_eval, is_due
 from flashcp.trainer.executor import PipelineExecutor, SequentialExecutor
 from flashcp.trainer.metrics import MetricsWriter, StepMetrics
+from flashcp.trainer.moe_stats import RouterStats
 from flashcp.trainer.optim import build_scheduler
 from flashcp.trainer.parallel import all_reduce_values, trainable
 from flashcp.trainer.runinfo import write_run_info
@@ -255,6 +267,10 @@ class Trainer:
         """This rank's pipeline stage (the whole model when pp = 1)."""
         self.model = (model_factory or default_model_factory)(cfg, self.spec)
         self.model.train()
+        self.router: RouterStats | None = None
+        """Expert-load statistics and the router bias update (MoE models only)."""
+        if getattr(cfg.model, "arch", None) == "glm_moe":
+            self.router = RouterStats(self.model, cfg.model)
         self.recipe.setup_model(self.model)
         self.lora = self.recipe.lora
         """`flashcp.recipes.adapters.LoRASetup` when a `lora` section is set, else None."""
@@ -290,8 +306,29 @@ class Trainer:
         else:
             self.executor = SequentialExecutor(self.model, ctx.autocast)
         self.step = 0
+        self.consumed_tokens = 0
+        """Tokens (padding included) the whole job has trained on, counting resumed steps."""
         self.resumed_from: Path | None = None
         self.stream = stream
+        self.evaluator: Evaluator | None = None
+        """Held-out evaluation (`eval.path`; `flashcp.trainer.evaluate`), None without."""
+        if cfg.eval.path is not None:
+            self.evaluator = Evaluator(
+                self.recipe,
+                cfg.eval.path,
+                max_batches=cfg.eval.max_batches,
+                groups=self.step_groups,
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
+            )
+        self.flops_per_token = flops.flops_per_token(
+            cfg.model,
+            self.data.seq_len,
+            lora=self.lora is not None,
+            reference=cfg.run.recipe == "dpo",
+        )
+        """Model FLOPs of one trained token (`flashcp.trainer.flops`), for the `mfu` metric."""
 
     def _device_name(self) -> str:
         if self.device == "cpu":
@@ -377,6 +414,9 @@ class Trainer:
         self.data.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.step = loaded.step
+        self.consumed_tokens = int(
+            state.get("consumed_tokens", loaded.step * self.global_batch()["tokens"])
+        )
         self.resumed_from = source
         return source
 
@@ -412,6 +452,7 @@ class Trainer:
                 "shard_optimizer": self.cfg.parallel.shard_optimizer,
             },
             "train_steps": self.cfg.train.steps,
+            "consumed_tokens": self.consumed_tokens,
         }
 
     def save(self) -> Path | None:
@@ -533,18 +574,24 @@ class Trainer:
         step = self.step + 1
         plan = self.recipe.plan(self.data.next_step())
         self.recipe.prepare(plan, self.executor, self.model)
-        loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
+        # the sequence-balance loss of MoE layers: a mean over the step's sequences
+        with loss_scale_context(1.0 / (len(plan.micro) * self.dp_size)):
+            loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
         grads_finite = math.isfinite(self.optimizer.local_squares())
         world = int(self.groups.world.nranks)
         stats = self.recipe.step_stats()
-        # one all-reduce: loss, per-rank non-finite flags, per-rank memory peaks, recipe sums
-        flags = np.zeros(1 + 4 * world + len(stats))
+        routing = self.router.local_vector() if self.router is not None else np.zeros(0)
+        # one all-reduce: loss, per-rank non-finite flags, per-rank memory peaks, recipe sums,
+        # expert loads
+        base = 1 + 4 * world
+        flags = np.zeros(base + len(stats) + len(routing))
         flags[0] = loss_local
         flags[1 + self.rank] = 0.0 if math.isfinite(loss_local) else 1.0
         flags[1 + world + self.rank] = 0.0 if grads_finite else 1.0
         flags[1 + 2 * world + self.rank] = memory.peak_bytes()
         flags[1 + 3 * world + self.rank] = memory.peak_rss_bytes()
-        flags[1 + 4 * world :] = stats
+        flags[base : base + len(stats)] = stats
+        flags[base + len(stats) :] = routing
         reduced = all_reduce_values(flags, self.step_groups)
         loss_value = float(reduced[0])
         bad_loss = [r for r in range(world) if reduced[1 + r] > 0]
@@ -552,7 +599,9 @@ class Trainer:
         peaks = reduced[1 + 2 * world : 1 + 3 * world]
         peak_rank = int(np.argmax(peaks))
         peak_rss = float(np.max(reduced[1 + 3 * world : 1 + 4 * world]))
-        extra = self.recipe.metrics(reduced[1 + 4 * world :])
+        extra = self.recipe.metrics(reduced[base : base + len(stats)])
+        if self.router is not None:
+            extra.update(self.router.metrics(reduced[base + len(stats) :]))
         lr = float(self.scheduler.get_lr())
         skipped = False
         if bad_loss or bad_grad:
@@ -565,10 +614,14 @@ class Trainer:
             if self.cfg.debug.dump_grads and self.is_stage_writer:
                 self._dump_grads(step)
             self.optimizer.step()
+            if self.router is not None:  # after the update, from the step's summed loads
+                self.router.update_biases(reduced[base + len(stats) :])
         self.optimizer.clear_grad()
         self.scheduler.step()
         self.step = step
+        self.consumed_tokens += plan.tokens
         elapsed = time.perf_counter() - start
+        tokens_per_s = plan.tokens / elapsed if elapsed > 0 else 0.0
         return StepMetrics(
             step=step,
             loss=loss_value,
@@ -576,14 +629,30 @@ class Trainer:
             grad_norm=grad_norm,
             tokens=plan.tokens,
             targets=plan.targets,
-            tokens_per_s=plan.tokens / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=tokens_per_s,
             step_time_s=elapsed,
             peak_memory_gib=float(peaks[peak_rank]) / 2**30,
             peak_memory_rank=peak_rank,
             peak_rss_gib=peak_rss / 2**30,
             skipped=skipped,
             extra=extra,
+            consumed_tokens=self.consumed_tokens,
+            mfu=self._mfu(tokens_per_s),
         )
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation of the step (None without `hardware.peak_tflops`)."""
+        peak = self.cfg.hardware.peak_tflops
+        if peak is None:
+            return None
+        devices = int(self.groups.world.nranks)
+        return flops.mfu(self.flops_per_token, tokens_per_s, peak, devices)
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate on `eval.path` now (collective); returns the `eval/...` metrics."""
+        if self.evaluator is None:
+            raise ValueError("no eval set: set eval.path")
+        return self.evaluator.run(self.executor, self.model)
 
     def _nonfinite(self, step: int, loss: float, bad_loss: list[int], bad_grad: list[int]) -> None:
         parts = []
@@ -623,14 +692,51 @@ class Trainer:
         if self.pp_size > 1:
             r = self.model.layer_range  # type: ignore[attr-defined]
             stage = f", stage 0 layers [{r.start}, {r.stop}) {c.parallel.pp_schedule}"
+        b = self.global_batch()
         return (
             f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
             f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size} ({c.parallel.cp_mode}"
-            f"{stage}) | seq_len {self.data.seq_len} × micro-batch {c.data.micro_batch_size} × "
-            f"accum {c.train.grad_accum} | {self.device} {self.dtype} | "
+            f"{stage}) | global batch {b['sequences']} seq × {b['seq_len']} = "
+            f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
+            f"{b['grad_accum']} × dp {b['dp']}) | {self.device} {self.dtype} | "
             f"{self.data.describe()}"
             + (f" | {self.optimizer.describe()}" if self.sharded_state else "")
+            + f" | {self._describe_extras()}"
         )
+
+    def _describe_extras(self) -> str:
+        """MFU basis and evaluation, for the start line."""
+        c = self.cfg
+        peak = c.hardware.peak_tflops
+        parts = [
+            f"reporting to {tracking.describe(c.run.report_to)}",
+            f"mfu vs {peak:g} TFLOP/s per device ({self.flops_per_token / 1e9:.3g} GFLOP/token)"
+            if peak is not None
+            else "mfu not reported (set hardware.peak_tflops)"
+        ]
+        if self.evaluator is not None:
+            when = f"every {c.eval.every} steps and " if c.eval.every else ""
+            parts.append(
+                f"eval {c.eval.path}: {self.evaluator.rows} rows in {self.evaluator.batches} "
+                f"batches {when}after step {c.train.steps}"
+            )
+        return " | ".join(parts)
+
+    def global_batch(self) -> dict[str, int]:
+        """What one optimizer step consumes, the whole job: `sequences` = micro_batch_size ×
+        grad_accum × dp (packed rows for DPO) of `seq_len` tokens, `tokens` their product
+        (padding included); with the three factors."""
+        c = self.cfg
+        sequences = c.data.micro_batch_size * c.train.grad_accum * self.dp_size
+        seq_len = int(self.data.seq_len)
+        return {
+            "sequences": sequences,
+            "seq_len": seq_len,
+            "tokens": sequences * seq_len,
+            "micro_batch_size": c.data.micro_batch_size,
+            "grad_accum": c.train.grad_accum,
+            "dp": self.dp_size,
+        }
 
     def fit(self) -> TrainResult:
         """Resume if configured, then train until `train.steps`; returns what ran."""
@@ -653,16 +759,23 @@ class Trainer:
             log_every=cfg.train.log_every,
             start_step=start,
             stream=self.stream,
+            reporters=tracking.build_reporters(cfg) if self.is_main else (),
         )
         result = TrainResult(start_step=start, final_step=start, resumed_from=source)
         every = cfg.checkpoint.every
-        end = cfg.train.steps
+        end = end_all = cfg.train.steps
         if cfg.run.stop_after_steps:
             end = min(end, start + cfg.run.stop_after_steps)
         try:
             while self.step < end:
                 m = self.train_step()
+                results = {}
+                if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
+                    results = self.evaluate()
+                    m.extra.update(results)  # the step's record carries its eval/... values
                 writer.log(m)
+                if results:
+                    writer.echo(format_eval(self.step, results))
                 result.metrics.append(m)
                 result.final_step = self.step
                 if every > 0 and (self.step % every == 0 or self.step == end):

@@ -2,7 +2,9 @@
 
 Only rank 0 writes. `metrics.jsonl` is appended one line per step (flushed each time) so a
 crash leaves every finished step on disk; a resumed run first drops lines past the checkpoint's
-step so the file always reads as one run. `flashcp plot` turns it into a PNG.
+step so the file always reads as one run. `flashcp plot` turns it into a PNG. Every record's
+numeric values (`scalars`) also go to the run's tracking backends (`run.report_to`,
+`flashcp.trainer.tracking`), under the same names.
 """
 
 from __future__ import annotations
@@ -11,15 +13,24 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 METRICS_FILE = "metrics.jsonl"
-LOGGED_EXTRAS: tuple[str, ...] = ("rewards/margin", "rewards/accuracy")
+LOGGED_EXTRAS: tuple[str, ...] = ("rewards/margin", "rewards/accuracy", "moe/max_over_mean_max")
 """Recipe metrics that also appear in the human log line (all go to metrics.jsonl)."""
 ENV_PROGRESS = "FLASHCP_PROGRESS"
 """`1` forces the progress bar on (e.g. when rank 0's log is streamed to a terminal), `0` off."""
+
+
+class Reporter(Protocol):
+    """A tracking backend (rank 0 only; `flashcp.trainer.tracking` builds them)."""
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -41,18 +52,38 @@ class StepMetrics:
     maximum over every rank of each rank's peak since its start."""
     skipped: bool = False
     extra: dict[str, float] = field(default_factory=dict)
-    """Recipe metrics (DPO: `rewards/chosen`, `rewards/accuracy`, ...), written as top-level
-    keys of the JSON record."""
+    """Recipe metrics (DPO: `rewards/chosen`, `rewards/accuracy`, ...) and, on the steps that
+    evaluated, the `eval/...` metrics; written as top-level keys of the JSON record."""
     peak_memory_rank: int = 0
     """The rank holding `peak_memory_gib`."""
     peak_rss_gib: float = 0.0
     """Peak resident set size of the process (everything, not only tensors), max over ranks."""
+    consumed_tokens: int = 0
+    """Tokens trained on so far by the whole job (cumulative, resumed steps included)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation (`flashcp.trainer.flops`); None (left out of the record)
+    without `hardware.peak_tflops`."""
 
-    def to_json(self) -> str:
+    def record(self) -> dict[str, Any]:
+        """The JSON record: every field (None ones left out), `extra` flattened in."""
         record = asdict(self)
         extra = record.pop("extra")
         record.update(extra)
-        return json.dumps({k: _finite(v) for k, v in record.items()})
+        return {k: v for k, v in record.items() if v is not None}
+
+    def to_json(self) -> str:
+        return json.dumps({k: _finite(v) for k, v in self.record().items()})
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a metrics record (booleans and `step` left out): what every
+    tracking backend gets, under the same names as in metrics.jsonl."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[key] = float(value)
+    return out
 
 
 def _finite(v: Any) -> Any:
@@ -61,14 +92,22 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def format_memory(gib: float) -> str:
+    """A peak for the log line: GiB from 1 GiB up, MiB below (tiny models stay readable)."""
+    return f"{gib:.2f} GiB" if gib >= 1.0 else f"{gib * 1024:.1f} MiB"
+
+
 def format_line(m: StepMetrics, total_steps: int) -> str:
     """The human log line of a step."""
     width = len(str(total_steps))
     text = (
         f"step {m.step:>{width}}/{total_steps} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
         f"grad_norm {m.grad_norm:.4f} | tok/s {m.tokens_per_s:,.0f} | "
-        f"mem {m.peak_memory_gib:.2f} GiB (rank {m.peak_memory_rank}) | {m.step_time_s:.3f} s"
+        f"mem {format_memory(m.peak_memory_gib)} (rank {m.peak_memory_rank}) | "
+        f"{m.step_time_s:.3f} s"
     )
+    if m.mfu is not None:
+        text += f" | mfu {100 * m.mfu:.1f}%"
     for key in LOGGED_EXTRAS:
         if key in m.extra:
             text += f" | {key.rsplit('/', 1)[-1]} {m.extra[key]:.4f}"
@@ -97,8 +136,11 @@ class MetricsWriter:
         log_every: int = 1,
         start_step: int = 0,
         stream: TextIO | None = None,
+        reporters: Sequence[Reporter] = (),
     ) -> None:
         self.enabled = enabled
+        self.reporters = list(reporters) if enabled else []
+        """Tracking backends (`flashcp.trainer.tracking`) fed every record's `scalars`."""
         self.total = total_steps
         self.log_every = max(1, log_every)
         self.path = Path(output_dir) / METRICS_FILE
@@ -129,6 +171,9 @@ class MetricsWriter:
             return
         with open(self.path, "a") as f:
             f.write(m.to_json() + "\n")
+        values = scalars(m.record())
+        for reporter in self.reporters:
+            reporter.log(m.step, values)
         if m.step % self.log_every == 0 or m.step == self.total or m.skipped:
             self.echo(format_line(m, self.total))
         if self._bar is not None:
@@ -145,6 +190,9 @@ class MetricsWriter:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
+        for reporter in self.reporters:
+            reporter.close()
+        self.reporters = []
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -2,18 +2,23 @@
 
     {"world": 4, "degrees": {"dp": 1, "pp": 2, "cp": 2}, "device": "cpu",
      "param_dtype": "float32", "compute_dtype": "float32",
+     "global_batch": {"sequences": 4, "seq_len": 256, "tokens": 1024,
+                      "micro_batch_size": 1, "grad_accum": 4, "dp": 1},
      "ranks": [{"rank": 0, "stage": 0, "layers": [0, 1], "params_local": ...,
                 "param_bytes_local": ..., "trainable_params_local": ...,
                 "reference_params_local": 0, "reference_param_bytes_local": 0,
                 "allocated_bytes": ..., "peak_bytes": ...}, ...],
-     "plan": null}
+     "plan": null, "data": {"source": ..., "rows": ..., "bad_records": {...}}}
 
-`params_local` / `param_bytes_local` count the parameters this rank materialised for the
+`global_batch` is what one optimizer step consumes, the whole job (`Trainer.global_batch`:
+micro_batch_size × grad_accum × dp sequences of seq_len tokens). `params_local` /
+`param_bytes_local` count the parameters this rank materialised for the
 trained module (its pipeline stage, LoRA adapters included); a frozen DPO reference copy is
 counted apart (`reference_*`). `allocated_bytes` is the allocator's count of live Paddle tensors
 after the build and `peak_bytes` its peak so far (`flashcp.trainer.memory`): a rank that built
 more than its stage, even briefly, shows it there. `plan` is the memory planner's prediction for the
-config (`plan_summary`), null until a planner is available.
+config (`plan_summary`), null until a planner is available. `data` is what the recipe's data
+read (`data_report`): rows, usable documents, tokens, and the bad records it skipped.
 """
 
 from __future__ import annotations
@@ -76,9 +81,18 @@ def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, A
         "device": trainer.device,
         "param_dtype": cfg.train.param_dtype,
         "compute_dtype": trainer.dtype,
+        "global_batch": trainer.global_batch(),
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
         "plan": plan_summary(cfg),
+        "data": data_report(trainer),
     }
+
+
+def data_report(trainer: Any) -> dict[str, Any] | None:
+    """The recipe data's `data_report()`: source, rows, usable documents/pairs, tokens and the
+    bad records skipped (by reason, with their first rows); None if the data has none."""
+    report = getattr(getattr(trainer, "data", None), "data_report", None)
+    return report() if callable(report) else None
 
 
 def write_run_info(trainer: Any) -> Path | None:

@@ -1,0 +1,54 @@
+"""Peak Paddle memory of `flashcp export` (`flashcp.trainer.export.export_run`) by shard size.
+
+Saves one checkpoint of a `small_glm`-width model (8 layers, 32k vocabulary: ~85 MiB of float32
+weights) as a run directory, then exports it with one shard (the whole model built at once)
+and with shards of 1/8 of the model (one stage built at a time), printing Paddle's allocator
+peak (`flashcp.trainer.memory`, exact bytes of Paddle tensors) for each:
+
+    python scripts/export_memory.py
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from flashcp.config import build_config, to_yaml
+from flashcp.models import build_model, estimate_parameters, preset
+from flashcp.trainer import memory
+from flashcp.trainer.checkpoint import save_checkpoint
+from flashcp.trainer.export import export_run
+from flashcp.trainer.state import model_arrays
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="export_memory_"))
+    args = preset("small_glm", num_layers=8, vocab_size=32000, max_seq_len=256)
+    raw = {"model": args.to_dict(), "data": {"seq_len": 64}, "run": {"output_dir": str(tmp)}}
+    cfg = build_config(raw)
+    model = build_model(args, seed=0)
+    save_checkpoint(
+        tmp / "checkpoints",
+        1,
+        model=model_arrays(model),
+        optimizer={"unused": np.zeros(1, np.float32)},
+        state={},
+    )
+    (tmp / "config.yaml").write_text(to_yaml(cfg))
+    del model
+    total = estimate_parameters(args) * 4
+    print(f"model: {total / 2**20:.1f} MiB of float32 weights")
+    for shard in (10**12, total // 8):
+        memory.reset_peak()
+        report = export_run(tmp, tmp / f"out-{shard}", max_shard_bytes=shard)
+        print(
+            f"max shard {min(shard, total) / 2**20:.1f} MiB: {len(report.shards)} shard(s), "
+            f"peak Paddle allocated {memory.peak_bytes() / 2**20:.1f} MiB, largest shard "
+            f"{report.max_shard_parameters * 4 / 2**20:.1f} MiB"
+        )
+
+
+if __name__ == "__main__":
+    main()

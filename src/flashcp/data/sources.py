@@ -1,0 +1,269 @@
+"""Rows of a dataset, read one at a time by index: JSON Lines, Parquet, or records in memory.
+
+`data.path` is a file, or a directory whose files with these endings (not its subdirectories)
+are read in name order, all of one format:
+
+* `.jsonl` / `.json` — JSON Lines, one object per line. Opening a file scans it once for line
+  offsets (bytes only, nothing parsed; blank lines are not rows); `row(i)` seeks to line i and
+  parses that line alone, so a line that is not JSON is a bad record of that row, not a crash.
+* `.parquet` — read through the `datasets` library (`load_dataset("parquet")`), which converts
+  the files once to an Arrow cache (`data.cache_dir`, default `HF_DATASETS_CACHE`) that every
+  process memory-maps; `row(i)` materialises row i only.
+
+Either way no process holds the dataset as Python objects: rows are read when a process needs
+them (`flashcp.data.index` for who reads which). Row locations in messages are
+`file.jsonl:LINE` (1-based line) and `file.parquet row N` (0-based, as `dataset[N]`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from flashcp.config.schema import DATA_SUFFIXES as SUFFIXES
+from flashcp.config.schema import JSONL_SUFFIXES, PARQUET_SUFFIXES
+from flashcp.data.peers import Peers
+from flashcp.data.records import BadRecordError
+
+_CHUNK = 1 << 24
+_WHITESPACE = np.array([9, 10, 13, 32], dtype=np.uint8)
+
+
+class RowSource(Protocol):
+    """A dataset readable row by row."""
+
+    name: str
+    """What the rows are (a path, or "built-in corpus"), for messages."""
+
+    def __len__(self) -> int: ...
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Row `i` as a dict; `BadRecordError` when it is not a record at all (not JSON, ...)."""
+        ...
+
+    def where(self, i: int) -> str:
+        """Where row `i` is, for people: `file.jsonl:12`, `file.parquet row 7`."""
+        ...
+
+
+class ListSource:
+    """Records already in memory (flashcp's small built-in sets)."""
+
+    def __init__(self, records: Sequence[dict[str, Any]], name: str) -> None:
+        self.records = list(records)
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def row(self, i: int) -> dict[str, Any]:
+        return self.records[i]
+
+    def where(self, i: int) -> str:
+        return f"{self.name} record {i + 1}"
+
+
+def scan_lines(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offsets `[start, end)` and 1-based line numbers of the non-blank lines of `path`,
+    read in 16 MiB chunks (whitespace-only lines are blank; `\\r\\n` endings are fine)."""
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    numbers: list[np.ndarray] = []
+    base = 0  # file offset of buf[0]
+    lines_before = 0  # lines (blank or not) before buf
+    carry = b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            final = not chunk
+            buf = carry + chunk
+            arr = np.frombuffer(buf, dtype=np.uint8)
+            nl = np.flatnonzero(arr == 10)
+            s = np.concatenate([[0], nl + 1])
+            e = np.concatenate([nl, [len(buf)]])
+            cut = 0
+            if not final:  # the last piece may continue in the next chunk
+                cut = int(s[-1])
+                carry = buf[cut:]
+                s, e = s[:-1], e[:-1]
+            content = np.concatenate([[0], np.cumsum(~np.isin(arr, _WHITESPACE))])
+            keep = content[e] > content[s]
+            starts.append(s[keep] + base)
+            ends.append(e[keep] + base)
+            numbers.append(np.flatnonzero(keep) + lines_before + 1)
+            if final:
+                break
+            lines_before += len(s)
+            base += cut
+    return (
+        np.concatenate(starts).astype(np.int64),
+        np.concatenate(ends).astype(np.int64),
+        np.concatenate(numbers).astype(np.int64),
+    )
+
+
+class JsonlSource:
+    """JSON Lines files as one sequence of rows (the non-blank lines, file by file)."""
+
+    def __init__(self, paths: Sequence[Path], name: str) -> None:
+        self._handles: dict[int, Any] = {}
+        self.paths = [Path(p) for p in paths]
+        self.name = name
+        self._spans = []
+        self._first: list[int] = []  # global index of each file's first row
+        total = 0
+        for p in self.paths:
+            starts, ends, numbers = scan_lines(p)
+            _refuse_json_array(p, starts, ends)
+            self._spans.append((starts, ends, numbers))
+            self._first.append(total)
+            total += len(starts)
+        self._len = total
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < self._len:
+            raise IndexError(f"row {i} of {self._len}")
+        f = bisect.bisect_right(self._first, i) - 1
+        return f, i - self._first[f]
+
+    def where(self, i: int) -> str:
+        f, j = self._locate(i)
+        return f"{self.paths[f]}:{int(self._spans[f][2][j])}"
+
+    def row(self, i: int) -> dict[str, Any]:
+        f, j = self._locate(i)
+        start, end = int(self._spans[f][0][j]), int(self._spans[f][1][j])
+        handle = self._handles.get(f)
+        if handle is None:
+            handle = self._handles[f] = open(self.paths[f], "rb")  # noqa: SIM115 (kept open)
+        handle.seek(start)
+        raw = handle.read(end - start)
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise BadRecordError("not UTF-8 text", str(exc)) from None
+        except json.JSONDecodeError as exc:
+            raise BadRecordError("not valid JSON", exc.msg) from None
+        if not isinstance(record, dict):
+            raise BadRecordError("not a JSON object", f"got {type(record).__name__}")
+        return record
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _refuse_json_array(path: Path, starts: np.ndarray, ends: np.ndarray) -> None:
+    """A `.json` file holding one JSON array is not JSON Lines: say so instead of reporting
+    every line as a bad record."""
+    if not len(starts):
+        return
+    with open(path, "rb") as f:
+        f.seek(int(starts[0]))
+        head = f.read(min(int(ends[0] - starts[0]), 64)).lstrip()
+    if head.startswith(b"["):
+        raise ValueError(
+            f"data.path: {path} is a JSON array, not JSON Lines (one object per line): convert "
+            "it, e.g. `datasets.load_dataset('json', data_files=PATH)['train'].to_json(OUT)`"
+        )
+
+
+class ParquetSource:
+    """Parquet files through `datasets` (a memory-mapped Arrow cache), row by row."""
+
+    def __init__(self, paths: Sequence[Path], name: str, cache_dir: str | None = None) -> None:
+        import datasets
+        import pyarrow.parquet as pq
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+        self.paths = [Path(p) for p in paths]
+        self.name = name
+        self._ds = datasets.load_dataset(
+            "parquet",
+            data_files=[str(p) for p in self.paths],
+            split="train",
+            cache_dir=cache_dir,
+        )
+        self._first: list[int] = []
+        total = 0
+        for p in self.paths:
+            self._first.append(total)
+            total += int(pq.ParquetFile(p).metadata.num_rows)
+        if total != len(self._ds):
+            raise ValueError(f"{name}: the Parquet files hold {total} rows, datasets read "
+                             f"{len(self._ds)}")  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def where(self, i: int) -> str:
+        f = bisect.bisect_right(self._first, i) - 1
+        return f"{self.paths[f]} row {i - self._first[f]}"
+
+    def row(self, i: int) -> dict[str, Any]:
+        return dict(self._ds[int(i)])
+
+
+def data_files(path: str | Path) -> list[Path]:
+    """The files of `data.path`: the file itself, or the data files directly in a directory
+    (sorted by name; subdirectories are not searched); `ValueError` naming the problem
+    otherwise."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix.lower() not in SUFFIXES:
+            raise ValueError(
+                f"data.path: {p} is not a JSON Lines ({', '.join(JSONL_SUFFIXES)}) or Parquet "
+                "(.parquet) file: give one of those (or a directory of them)"
+            )
+        return [p]
+    if not p.is_dir():
+        raise FileNotFoundError(f"data.path: no file or directory at {p}")
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in SUFFIXES)
+    if not files:
+        raise ValueError(
+            f"data.path: the directory {p} holds no .jsonl, .json or .parquet files: give a "
+            "data file or a directory of them"
+        )
+    kinds = {f.suffix.lower() in PARQUET_SUFFIXES for f in files}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"data.path: the directory {p} mixes JSON Lines and Parquet files: keep one format "
+            "per directory"
+        )
+    return files
+
+
+def open_source(
+    path: str | Path, *, cache_dir: str | None = None, peers: Peers | None = None
+) -> RowSource:
+    """The rows of `data.path`. With several processes, Parquet's Arrow cache is built by
+    rank 0 first and then opened by the others (an error on rank 0 stops them all)."""
+    files = data_files(path)
+    name = str(path)
+    if files[0].suffix.lower() in JSONL_SUFFIXES:
+        return JsonlSource(files, name)
+    peers = peers or Peers()
+    failure = None
+    source = None
+    if peers.rank == 0:
+        try:
+            source = ParquetSource(files, name, cache_dir)
+        except Exception as exc:  # every rank must hear of it, not wait for rank 0
+            failure = f"{type(exc).__name__}: {exc}"
+    first = peers.gather(failure)[0]
+    if first is not None:
+        raise ValueError(f"data.path {path}: could not read the Parquet data: {first}")
+    return source if source is not None else ParquetSource(files, name, cache_dir)

@@ -1,0 +1,223 @@
+"""The routed experts of one MoE layer, stacked, evaluated together on the expert-sorted buffer.
+
+`GroupedExperts` holds the weights of experts ``first_expert .. first_expert + E - 1`` as two
+stacked parameters in Paddle's `[in, out]` orientation, the layout of PaddleFormers'
+``MoeExperts`` (so its ``LoRAMoeExperts`` adapts them, see `flashcp.recipes.lora`):
+
+* ``gate_up_proj`` `[E, H, 2I]`: expert `e`'s ``gate_proj`` in columns `[0, I)`, ``up_proj``
+  in `[I, 2I)` (HF keys ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight``, `[I, H]`);
+* ``down_proj`` `[E, I, H]` (HF ``mlp.experts.{e}.down_proj.weight``, `[H, I]`).
+
+`flashcp.models.hf_weights` maps the per-expert HF keys to these slices. Each expert's slice is
+initialised from its own (seed, name, expert index) stream (`flashcp.models.init`), so a rank
+holding a subset of the experts builds exactly its slices of the whole tensors.
+
+`forward(x, layout)` computes ``down(silu(gate) · up)`` of every row of `x` with its expert's
+weights, the rows laid out as `layout` (an `ExpertLayout`, from `plan_layout` over the
+host-known per-expert row counts):
+
+* on GPU, **ragged**: expert `e`'s rows contiguous in index order, Paddle's grouped GEMM;
+* on CPU, **groups**: the experts sorted by row count (largest first) and cut into `G` groups
+  of consecutive experts, each padded to its largest count, one batched matmul per group
+  (`flashcp.models.grouped_matmul`). `G` minimises ``padded rows + G · GROUP_COST_ROWS``
+  over G = 1, 2, 4, ..., E: one group for an even load (one bmm, a little padding), more when
+  the load is skewed (a hot expert would otherwise pad every expert to its count). Measured
+  here (`scripts/bench_moe.py`): faster than both one padded bmm and the per-expert loop.
+
+Padding rows hold zeros (zero output, zero weight gradient); they never reach a token
+(`flashcp.models.moe_dispatch.relayout`). `ExpertLayout.enter` / `leave` move a ragged
+buffer (`moe_dispatch.permute` without relayout, e.g. rows received from other ranks) into
+and out of a layout. Every layout gives the same result up to float32 rounding (~1e-7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from flashcp.models.grouped_matmul import Group, batched_gemm_matmul, grouped_matmul
+from flashcp.models.init import normal_attr
+
+GROUP_COST_ROWS = 64
+"""The cost of one more group (its calls), in padded rows (`plan_layout`)."""
+LAYOUTS = ("auto", "padded", "ragged", "grouped")
+"""`GroupedExperts.layout`: auto (per device), or forced (tests, the benchmark): one padded
+group, one group per expert (the ragged loop), or the cost-chosen groups."""
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The buffer the experts compute on (see the module docstring)."""
+
+    counts: tuple[int, ...]
+    """Rows per expert (index order)."""
+    groups: tuple[Group, ...] | None
+    """The padded groups; None: ragged (expert order, no padding; Paddle's grouped GEMM)."""
+
+    @property
+    def rows(self) -> int:
+        """Rows of the laid-out buffer (padding included)."""
+        if self.groups is None:
+            return int(sum(self.counts))
+        return sum(g.rows for g in self.groups)
+
+    def row_index(self) -> paddle.Tensor | None:
+        """`[M]` int64: the laid-out row of each ragged row (expert order); None if ragged."""
+        if self.groups is None:
+            return None
+        starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        index = np.zeros(int(sum(self.counts)), dtype=np.int64)
+        for g in self.groups:
+            for i, e in enumerate(g.experts):
+                n = self.counts[e]
+                index[starts[e] : starts[e] + n] = g.start + i * g.capacity + np.arange(n)
+        return paddle.to_tensor(index)
+
+    def enter(self, x: paddle.Tensor) -> paddle.Tensor:
+        """A ragged buffer `[M, H]` (expert order) laid out: `[rows, H]`, zero padding."""
+        index = self.row_index()
+        return x if index is None else _ScatterRows.apply(x, index, self.rows)
+
+    def leave(self, y: paddle.Tensor) -> paddle.Tensor:
+        """Laid-out rows back to the ragged buffer's `[M, N]`."""
+        index = self.row_index()
+        return y if index is None else _GatherRows.apply(y, index)
+
+    def matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """Laid-out rows `x` `[rows, K]` times their experts' `w[e]` → `[rows, N]`."""
+        if self.groups is None:
+            return batched_gemm_matmul(x, w, self.counts)
+        return grouped_matmul(x, w, self.groups)
+
+
+def _groups(counts: Sequence[int], order: Sequence[int], size: int) -> tuple[Group, ...]:
+    """Consecutive runs of `size` experts of `order`, each padded to its largest count; an
+    expert without rows is left out (empty runs too)."""
+    out, start = [], 0
+    for a in range(0, len(order), size):
+        experts = tuple(int(e) for e in order[a : a + size] if counts[e] > 0)
+        if not experts:
+            continue
+        capacity = max(counts[e] for e in experts)
+        out.append(Group(experts, capacity, start))
+        start += len(experts) * capacity
+    return tuple(out)
+
+
+def plan_layout(counts: Sequence[int], x: paddle.Tensor, mode: str = "auto") -> ExpertLayout:
+    """The layout of one call (module docstring): `mode` auto — ragged on GPU, cost-chosen
+    groups on CPU — or forced: "padded" (one group, index order), "ragged" (one group per
+    expert on CPU; Paddle's grouped GEMM on GPU), "grouped" (cost-chosen groups)."""
+    if mode not in LAYOUTS:
+        raise ValueError(f"expert layout {mode!r}: use one of {LAYOUTS}")
+    counts = tuple(int(c) for c in counts)
+    experts = len(counts)
+    if mode == "auto":
+        mode = "ragged" if x.place.is_gpu_place() else "grouped"
+    if mode == "ragged" and x.place.is_gpu_place():
+        return ExpertLayout(counts, None)
+    if mode == "padded":
+        return ExpertLayout(counts, _groups(counts, range(experts), experts))
+    if mode == "ragged":
+        return ExpertLayout(counts, _groups(counts, range(experts), 1))
+    order = np.argsort(-np.asarray(counts), kind="stable")  # largest first
+    best: tuple[int, ...] | None = None
+    best_cost = None
+    size = experts
+    while size >= 1:
+        groups = _groups(counts, order, size)
+        cost = sum(g.rows for g in groups) + GROUP_COST_ROWS * len(groups)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = groups, cost
+        if size == 1:
+            break
+        size = max(1, size // 2)
+    return ExpertLayout(counts, best)
+
+
+class _GatherRows(PyLayer):
+    """`x[index]` with unique `index`; backward writes each row's gradient back (no adds)."""
+
+    @staticmethod
+    def forward(ctx, x, index):  # type: ignore[no-untyped-def, override]
+        ctx.save_for_backward(index)
+        ctx.rows = int(x.shape[0])
+        return paddle.gather(x, index, axis=0)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        (index,) = ctx.saved_tensor()
+        full = paddle.zeros([ctx.rows, int(grad.shape[-1])], dtype=grad.dtype)
+        return paddle.scatter(full, index, grad, overwrite=True), None
+
+
+class _ScatterRows(PyLayer):
+    """Rows of `x` placed at unique `index` of a zero `[rows, N]` tensor; backward gathers."""
+
+    @staticmethod
+    def forward(ctx, x, index, rows):  # type: ignore[no-untyped-def, override]
+        ctx.save_for_backward(index)
+        full = paddle.zeros([rows, int(x.shape[-1])], dtype=x.dtype)
+        return paddle.scatter(full, index, x, overwrite=True)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        (index,) = ctx.saved_tensor()
+        return paddle.gather(grad, index, axis=0), None
+
+
+class GroupedExperts(nn.Layer):
+    """Experts ``first_expert .. first_expert + num_experts - 1`` of one MoE layer (module doc).
+
+    `layout` ("auto", or a forced one of `LAYOUTS`) is what `plan` uses.
+    """
+
+    STACKED_EXPERTS = True
+    """Marks a stacked-experts layer for `flashcp.models.hf_weights` (per-expert HF keys)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        std: float,
+        first_expert: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.first_expert = first_expert
+        self.act_fn = F.silu  # read by PaddleFormers' LoRAMoeExperts
+        self.layout = "auto"
+        attr = normal_attr(std, keyed_rows=True, first_row=first_expert)
+        self.gate_up_proj = self.create_parameter(
+            [num_experts, hidden_size, 2 * intermediate_size], attr=attr
+        )
+        attr = normal_attr(std, keyed_rows=True, first_row=first_expert)
+        self.down_proj = self.create_parameter(
+            [num_experts, intermediate_size, hidden_size], attr=attr
+        )
+
+    def plan(self, counts: Sequence[int], x: paddle.Tensor) -> ExpertLayout:
+        """The layout for rows `counts` per expert (`plan_layout` under `self.layout`)."""
+        if len(counts) != self.num_experts:
+            raise ValueError(f"{len(counts)} row counts for {self.num_experts} experts")
+        return plan_layout(counts, x, self.layout)
+
+    def project(self, name: str, x: paddle.Tensor, layout: ExpertLayout) -> paddle.Tensor:
+        """Laid-out rows `x` times the stacked weight `name` (adapters add theirs)."""
+        return layout.matmul(x, getattr(self, name))
+
+    def forward(self, x: paddle.Tensor, layout: ExpertLayout) -> paddle.Tensor:
+        """``down(silu(gate) · up)`` of every row of `x` `[layout.rows, H]` → `[rows, H]`."""
+        # silu(gate) · up, gate the first half of the fused projection, in one kernel
+        act = F.swiglu(self.project("gate_up_proj", x, layout))
+        return self.project("down_proj", act, layout)

@@ -1,0 +1,551 @@
+"""Hugging Face ``config.json`` ↔ `ModelArgs`, without Paddle (so `flashcp validate` reads it).
+
+Reading (`parse_hf_config`, `args_from_hf_config`): GLM-4 (``Glm4ForCausalLM``, model_type
+``glm4``) and GLM-4.5 / GLM-4.5-Air (``Glm4MoeForCausalLM``, ``glm4_moe``) configs as written
+by transformers 4.x or 5.x, and flashcp's own GPT exports (``FlashcpGPTForCausalLM``, which
+carry the exact `ModelArgs` under `ARGS_KEY`). The rule: the model built is the one
+transformers builds from the same file, or the file is refused with every reason at once.
+
+* A key the file lacks takes the default of the transformers config class (5.3; e.g. GLM-4
+  ``head_dim`` 128 and ``attention_bias`` true, GLM-4.5 ``attention_bias`` false and
+  ``first_k_dense_replace`` 1: `HF_DEFAULTS`), never a flashcp default.
+* RoPE in both layouts: 4.x top-level ``rope_theta`` / ``rope_scaling`` /
+  ``partial_rotary_factor``, 5.x ``rope_parameters: {rope_type, rope_theta,
+  partial_rotary_factor}``. Only plain RoPE (``rope_type`` "default") is implemented: any
+  other type, any non-null ``rope_scaling``, any other ``rope_parameters`` key (scaling factors,
+  per-layer-type dicts) is refused, and so are both layouts giving different values.
+* Refused because flashcp would compute another model: ``hidden_act`` other than silu,
+  non-zero ``attention_dropout``, ``quantization_config``, group-limited routing
+  (``topk_group`` < ``n_group``; ``n_group == topk_group`` selects among all experts, which is
+  plain top-k, and is accepted), an architecture / model_type other than the two above.
+* ``use_qk_norm`` (GLM-4.5): QK-norm is built (`ModelArgs.use_qk_norm`). GLM-4's
+  ``Glm4Attention`` has no QK-norm, so the key is ignored there, as transformers does.
+* ``num_nextn_predict_layers`` (GLM-4.5's multi-token-prediction layers): ignored, as
+  ``Glm4MoeForCausalLM`` ignores them — their weights (decoder layers numbered from
+  ``num_hidden_layers`` on) are skipped when loading and absent from exports, whose config says
+  0 (`NOTE_MTP`).
+* Every other key must be one flashcp knows (`KNOWN_KEYS`: the model keys above and metadata
+  such as ``torch_dtype``, token ids, ``use_cache``): an unknown key might change the model, so
+  it is refused with the advice to remove it if it is only metadata.
+
+Writing (`hf_config`): the same keys back, in BOTH RoPE layouts (top-level keys for
+transformers 4.x and PaddleFormers, ``rope_parameters`` for 5.x), with the right
+``architectures``; a `ModelArgs` that no HF class computes (e.g. GLM with another rotary
+pairing) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from flashcp.models.config import ModelArgs
+
+CONFIG_FILE = "config.json"
+ARGS_KEY = "flashcp_model_args"
+"""Key of the exact `ModelArgs` in a flashcp GPT export's config.json."""
+
+HF_ARCH = {
+    "gpt": ("FlashcpGPTForCausalLM", "flashcp_gpt"),
+    "glm": ("Glm4ForCausalLM", "glm4"),
+    "glm_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
+}
+"""flashcp arch → (HF ``architectures`` entry, ``model_type``)."""
+ARCH_OF_MODEL_TYPE = {model_type: arch for arch, (_, model_type) in HF_ARCH.items()}
+SUPPORTED = (
+    "Glm4ForCausalLM (GLM-4-0414, model_type glm4), Glm4MoeForCausalLM (GLM-4.5 / "
+    "GLM-4.5-Air, model_type glm4_moe) and flashcp's own exports (FlashcpGPTForCausalLM)"
+)
+NOTE_MTP = (
+    "num_nextn_predict_layers: GLM-4.5's multi-token-prediction layers are not built (as in "
+    "transformers' Glm4MoeForCausalLM); their weights are skipped"
+)
+
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151552,
+    "hidden_size": 4096,
+    "max_position_embeddings": 131072,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_dropout": 0.0,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4": {
+        **_COMMON_DEFAULTS,
+        "intermediate_size": 13696,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "rms_norm_eps": 1.5625e-07,
+        "attention_bias": True,
+    },
+    "glm4_moe": {
+        **_COMMON_DEFAULTS,
+        "intermediate_size": 10944,
+        "num_hidden_layers": 46,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": None,  # hidden_size // num_attention_heads
+        "rms_norm_eps": 1e-5,
+        "attention_bias": False,
+        "moe_intermediate_size": 1408,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_routed_experts": 128,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "use_qk_norm": False,
+        "num_nextn_predict_layers": 0,
+    },
+}
+"""Defaults of transformers' (5.3) ``Glm4Config`` / ``Glm4MoeConfig`` for the keys read here."""
+
+FIELD_KEYS: dict[str, str] = {
+    "arch": "architectures",
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "position": "architectures",
+    "rotary_base": "rope_theta",
+    "partial_rotary_factor": "partial_rotary_factor",
+    "rotary_interleaved": "architectures",
+    "qkv_bias": "attention_bias",
+    "use_qk_norm": "use_qk_norm",
+    "tie_embeddings": "tie_word_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "num_experts": "n_routed_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "num_shared_experts": "n_shared_experts",
+    "first_k_dense_replace": "first_k_dense_replace",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "norm_topk_prob": "norm_topk_prob",
+    "initializer_range": "initializer_range",
+}
+"""`ModelArgs` field → the config.json key that defines it (for messages)."""
+TRAINING_FIELDS = ("recompute",)
+"""`ModelArgs` fields config.json does not define: a run config sets them freely."""
+
+_MODEL_KEYS = {
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_bias",
+    "attention_dropout",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "n_routed_experts",
+    "num_experts",
+    "routed_scaling_factor",
+    "n_group",
+    "topk_group",
+    "first_k_dense_replace",
+    "norm_topk_prob",
+    "use_qk_norm",
+    "num_nextn_predict_layers",
+    "quantization_config",
+}
+_METADATA_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "is_encoder_decoder",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "torchscript",
+    "_attn_implementation",
+    "use_sliding_window",  # written as false by some GLM exports; true is refused below
+    ARGS_KEY,
+}
+KNOWN_KEYS = frozenset(_MODEL_KEYS | _METADATA_KEYS)
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_ROPE_PARAMETER_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+
+
+class HFConfigError(ValueError):
+    """A config.json flashcp cannot build exactly; `problems` lists (config key, reason)."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {key}: {msg}" for key, msg in problems)
+        super().__init__(f"{source} cannot be loaded as it is:\n{lines}")
+
+
+def read_config_json(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    """(the mapping, its path as text) of a ``config.json`` file or a directory holding one."""
+    p = Path(path)
+    file = p / CONFIG_FILE if p.is_dir() else p
+    if not file.is_file():
+        where = f"{p} has no {CONFIG_FILE}" if p.is_dir() else f"{p} does not exist"
+        raise FileNotFoundError(
+            f"{where}: point at a Hugging Face model directory (config.json + safetensors)"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, not {type(data).__name__}")
+    return data, str(file)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if _number(a) and _number(b):
+        return float(a) == float(b)
+    return bool(a == b)
+
+
+def _architecture(config: Mapping[str, Any], problems: list[tuple[str, str]]) -> str | None:
+    """flashcp arch of `config`, or None (with the reason in `problems`)."""
+    archs = config.get("architectures")
+    model_type = config.get("model_type")
+    names = {entry[0]: arch for arch, entry in HF_ARCH.items()}
+    arch_of_list = None
+    if archs is not None:
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in names:
+            problems.append(
+                (
+                    "architectures",
+                    f"{archs!r} (model_type {model_type!r}) is not supported: flashcp builds "
+                    f"{SUPPORTED}",
+                )
+            )
+            return None
+        arch_of_list = names[archs[0]]
+    arch_of_type = ARCH_OF_MODEL_TYPE.get(str(model_type)) if model_type is not None else None
+    if model_type is not None and arch_of_type is None:
+        problems.append(
+            ("model_type", f"{model_type!r} is not supported: flashcp builds {SUPPORTED}")
+        )
+        return None
+    if arch_of_list and arch_of_type and arch_of_list != arch_of_type:
+        problems.append(
+            (
+                "model_type",
+                f"{model_type!r} does not match architectures {archs!r}: fix config.json",
+            )
+        )
+        return None
+    arch = arch_of_list or arch_of_type
+    if arch is None:
+        problems.append(
+            (
+                "architectures",
+                f"config.json names neither architectures nor model_type: "
+                f"flashcp builds {SUPPORTED}",
+            )  # fmt: skip
+        )
+    return arch
+
+
+def read_rope(
+    config: Mapping[str, Any], defaults: Mapping[str, Any], problems: list[tuple[str, str]]
+) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from either RoPE layout; unimplemented variants and
+    contradictions between the layouts go to `problems`."""
+    scaling = config.get("rope_scaling")
+    if scaling not in (None, {}):
+        problems.append(
+            (
+                "rope_scaling",
+                f"{scaling!r}: scaled RoPE is not implemented (flashcp computes plain RoPE): "
+                "use a checkpoint without rope_scaling",
+            )
+        )
+    params = config.get("rope_parameters")
+    nested: Mapping[str, Any] = {}
+    if params is not None:
+        if not isinstance(params, Mapping):
+            problems.append(("rope_parameters", f"{params!r} must be an object"))
+        elif any(isinstance(v, Mapping) for v in params.values()):
+            problems.append(
+                (
+                    "rope_parameters",
+                    "per-layer-type RoPE parameters are not implemented (GLM-4 / GLM-4.5 have "
+                    f"one RoPE): {sorted(params)}",
+                )
+            )
+        else:
+            nested = params
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            if rope_type not in ("default", None):
+                problems.append(
+                    (
+                        "rope_parameters.rope_type",
+                        f"{rope_type!r} is not implemented: flashcp computes plain RoPE "
+                        "(rope_type 'default')",
+                    )
+                )
+            extra = sorted(set(params) - _ROPE_PARAMETER_KEYS)
+            if extra:
+                problems.append(
+                    (
+                        "rope_parameters",
+                        f"keys {extra} are not implemented (plain RoPE takes rope_type, "
+                        "rope_theta and partial_rotary_factor)",
+                    )
+                )
+    values = []
+    for key in ("rope_theta", "partial_rotary_factor"):
+        top, inner = config.get(key), nested.get(key)
+        if top is not None and inner is not None and not _same(top, inner):
+            problems.append(
+                (
+                    f"rope_parameters.{key}",
+                    f"{inner!r} contradicts the top-level {key} {top!r}: fix config.json",
+                )
+            )
+        value = inner if inner is not None else top
+        values.append(defaults[key] if value is None else value)
+    theta, partial = values
+    for key, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append((key, f"{value!r} must be a number"))
+    return float(theta) if _number(theta) else 0.0, float(partial) if _number(partial) else 0.0
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _get(config: Mapping[str, Any], defaults: Mapping[str, Any], key: str) -> Any:
+    value = config.get(key)
+    return defaults[key] if value is None and key in defaults else value
+
+
+def parse_hf_config(
+    config: Mapping[str, Any], source: str = CONFIG_FILE
+) -> tuple[dict[str, Any], list[str]]:
+    """(`ModelArgs` field values, notes) for an HF ``config.json`` mapping (see the module
+    docstring); `HFConfigError` listing every reason it cannot be built exactly."""
+    problems: list[tuple[str, str]] = []
+    arch = _architecture(config, problems)
+    if arch is None:
+        raise HFConfigError(source, problems)
+    if arch == "gpt":
+        if not isinstance(config.get(ARGS_KEY), Mapping):
+            raise HFConfigError(
+                source, [(ARGS_KEY, "a FlashcpGPTForCausalLM config needs its flashcp_model_args")]
+            )
+        names = {f.name for f in fields(ModelArgs)}
+        return {k: v for k, v in config[ARGS_KEY].items() if k in names}, []
+    model_type = HF_ARCH[arch][1]
+    defaults = HF_DEFAULTS[model_type]
+    unknown = sorted(set(config) - KNOWN_KEYS)
+    if unknown:
+        problems.append(
+            (
+                "config.json",
+                f"keys flashcp does not know: {unknown}. They may change the model; if they "
+                "are only metadata, remove them from config.json",
+            )
+        )
+    if config.get("quantization_config") is not None:
+        problems.append(
+            (
+                "quantization_config",
+                "quantized checkpoints are not supported: use the bf16/fp32 weights",
+            )  # fmt: skip
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(
+            ("hidden_act", f"{config['hidden_act']!r}: GLM MLPs here are SwiGLU (silu)")
+        )
+    dropout = config.get("attention_dropout", 0.0)
+    if not _number(dropout) or dropout != 0:
+        problems.append(
+            (
+                "attention_dropout",
+                f"{dropout!r}: attention dropout is not implemented; set it to 0.0 in "
+                "config.json to train without it",
+            )
+        )
+    if config.get("use_sliding_window"):
+        problems.append(("use_sliding_window", "sliding-window attention is not implemented"))
+    theta, partial = read_rope(config, defaults, problems)
+    notes: list[str] = []
+    values: dict[str, Any] = dict(
+        arch=arch,
+        vocab_size=_get(config, defaults, "vocab_size"),
+        hidden_size=_get(config, defaults, "hidden_size"),
+        num_layers=_get(config, defaults, "num_hidden_layers"),
+        num_heads=_get(config, defaults, "num_attention_heads"),
+        num_kv_heads=_get(config, defaults, "num_key_value_heads"),
+        head_dim=_get(config, defaults, "head_dim"),
+        intermediate_size=_get(config, defaults, "intermediate_size"),
+        max_seq_len=_get(config, defaults, "max_position_embeddings"),
+        rotary_base=theta,
+        partial_rotary_factor=partial,
+        qkv_bias=_get(config, defaults, "attention_bias"),
+        tie_embeddings=_get(config, defaults, "tie_word_embeddings"),
+        norm_eps=_get(config, defaults, "rms_norm_eps"),
+        initializer_range=_get(config, defaults, "initializer_range"),
+    )
+    if arch == "glm_moe":
+        n_group = _get(config, defaults, "n_group")
+        topk_group = _get(config, defaults, "topk_group")
+        if n_group != 1 and topk_group != n_group:
+            problems.append(
+                (
+                    "topk_group",
+                    f"group-limited expert routing (n_group {n_group}, topk_group "
+                    f"{topk_group}) is not implemented: flashcp routes top-k over all experts",
+                )
+            )
+        experts = config.get("n_routed_experts", config.get("num_experts"))
+        values.update(
+            num_experts=defaults["n_routed_experts"] if experts is None else experts,
+            num_experts_per_tok=_get(config, defaults, "num_experts_per_tok"),
+            moe_intermediate_size=_get(config, defaults, "moe_intermediate_size"),
+            num_shared_experts=_get(config, defaults, "n_shared_experts"),
+            first_k_dense_replace=_get(config, defaults, "first_k_dense_replace"),
+            routed_scaling_factor=_get(config, defaults, "routed_scaling_factor"),
+            norm_topk_prob=_get(config, defaults, "norm_topk_prob"),
+            use_qk_norm=_get(config, defaults, "use_qk_norm"),
+        )
+        if _get(config, defaults, "num_nextn_predict_layers"):
+            notes.append(NOTE_MTP)
+    for key in ("rotary_base", "partial_rotary_factor", "norm_eps", "initializer_range"):
+        if _number(values[key]):
+            values[key] = float(values[key])
+    if arch == "glm_moe" and _number(values["routed_scaling_factor"]):
+        values["routed_scaling_factor"] = float(values["routed_scaling_factor"])
+    for key, value in values.items():
+        if key != "arch" and not isinstance(value, (int, float, bool, type(None))):
+            problems.append((FIELD_KEYS.get(key, key), f"{value!r} must be a number or boolean"))
+    if problems:
+        raise HFConfigError(source, problems)
+    return values, notes
+
+
+def args_from_hf_config(
+    config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+) -> ModelArgs:
+    """`ModelArgs` from a `config.json` (path, directory or mapping): GLM-4 / GLM-4.5 by their
+    HF keys, flashcp GPT exports exactly; `HFConfigError` when that model cannot be built."""
+    source = CONFIG_FILE
+    if not isinstance(config, Mapping):
+        config, source = read_config_json(config)
+    values, _ = parse_hf_config(config, source)
+    return ModelArgs(**{**values, **overrides}).check()
+
+
+def exportable(args: ModelArgs) -> list[str]:
+    """Why `args` is not what its HF class computes (empty when an HF export is exact)."""
+    problems = []
+    if args.arch in ("glm", "glm_moe") and args.interleaved_rotary != (args.arch == "glm"):
+        problems.append(
+            f"model.rotary_interleaved {args.rotary_interleaved}: {HF_ARCH[args.arch][0]} "
+            f"rotates {'interleaved' if args.arch == 'glm' else 'half-split'} pairs"
+        )
+    return problems
+
+
+def hf_config(
+    args: ModelArgs, dtype: str = "float32", *, token_ids: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The HF ``config.json`` of `args` (both RoPE layouts; GPT also gets `ARGS_KEY`).
+
+    `token_ids`: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to record (e.g. those
+    of the config.json the run started from). `ValueError` when no HF class computes `args`.
+    """
+    problems = exportable(args)
+    if problems:
+        raise ValueError("this model has no exact Hugging Face config: " + "; ".join(problems))
+    architecture, model_type = HF_ARCH[args.arch]
+    cfg: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rope_theta": args.rotary_base,
+        "partial_rotary_factor": args.partial_rotary_factor,
+        "attention_bias": args.qkv_bias,
+        "tie_word_embeddings": args.tie_embeddings,
+        "initializer_range": args.initializer_range,
+        "torch_dtype": dtype,
+    }
+    if args.arch == "gpt":
+        cfg.update(layer_norm_eps=args.norm_eps, hidden_act="gelu", position=args.position)
+        cfg[ARGS_KEY] = args.to_dict()
+    else:
+        cfg.update(
+            rms_norm_eps=args.norm_eps,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            rope_scaling=None,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": args.rotary_base,
+                "partial_rotary_factor": args.partial_rotary_factor,
+            },
+            use_cache=True,
+        )
+    if args.arch == "glm_moe":
+        cfg.update(
+            n_routed_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_intermediate_size,
+            n_shared_experts=args.num_shared_experts,
+            first_k_dense_replace=args.first_k_dense_replace,
+            routed_scaling_factor=args.routed_scaling_factor,
+            norm_topk_prob=args.norm_topk_prob,
+            n_group=1,
+            topk_group=1,
+            num_nextn_predict_layers=0,
+            use_qk_norm=args.use_qk_norm,
+        )
+    for key in TOKEN_ID_KEYS:
+        if token_ids is not None and token_ids.get(key) is not None:
+            cfg[key] = token_ids[key]
+    return cfg

@@ -1,0 +1,172 @@
+"""`model.from_pretrained: DIR`: the model section from DIR's config.json (validated statically),
+the weights from DIR (as `checkpoint.init_from`), the tokenizer from DIR by default; every
+contradiction refused naming both values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import pytest
+import yaml
+
+from flashcp import cli, masks
+from flashcp.config import (
+    ConfigValidationError,
+    build_config,
+    collect,
+    config_hash,
+    to_yaml,
+)
+from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models.hf_config import hf_config
+from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.trainer.loop import default_model_factory
+
+ARGS = preset(
+    "tiny_glm_moe", vocab_size=300, use_qk_norm=True, rotary_base=50_000.0, max_seq_len=64
+)
+
+
+def as_5x(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as transformers 5.x writes it: RoPE only inside `rope_parameters`."""
+    return {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("glm45")
+    source = build_model(ARGS, seed=11)
+    save_hf_checkpoint(source, directory, max_shard_bytes=200_000)
+    assert (directory / "model.safetensors.index.json").is_file()
+    (directory / "config.json").write_text(json.dumps(as_5x(hf_config(ARGS)), indent=1))
+    return directory
+
+
+def _raw(model_dir: Path, model: dict[str, Any] | None = None, **sections: Any) -> dict:
+    raw: dict[str, Any] = {
+        "model": {"from_pretrained": str(model_dir), **(model or {})},
+        "data": {"seq_len": 32, "tokenizer": "byte"},
+        "train": {"steps": 2},
+        "run": {"device": "cpu"},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def _errors(raw: dict[str, Any]) -> dict[str, str]:
+    _, errors = collect(raw)
+    return {e.key: e.message for e in errors}
+
+
+def _logits(model: paddle.nn.Layer, ids: np.ndarray) -> np.ndarray:
+    b, s = ids.shape
+    pos = paddle.arange(s, dtype="int64").unsqueeze(0).expand([b, s])
+    ctx = AttentionContext(mask=masks.causal_mask(b, s).indices, causal=True)
+    return model.logits(model(paddle.to_tensor(ids), pos, ctx)).numpy()
+
+
+def test_model_section_weights_and_tokenizer_come_from_the_directory(model_dir: Path) -> None:
+    cfg = build_config(_raw(model_dir, {"recompute": "full"}))
+    assert cfg.model.rotary_base == 50_000.0 and cfg.model.use_qk_norm
+    assert cfg.model.recompute == "full"  # training-side: set freely
+    assert cfg.model_from_pretrained == str(model_dir)
+    assert cfg.checkpoint.init_from == str(model_dir)  # implied
+    loaded = default_model_factory(cfg)
+    source = build_model(ARGS, seed=11)
+    for name, p in source.named_parameters():
+        np.testing.assert_array_equal(loaded.state_dict()[name].numpy(), p.numpy(), err_msg=name)
+    ids = np.random.default_rng(0).integers(0, 300, (2, 16))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(source, ids))
+    # negative control: what the old reader built (rope_theta falls back to 10000)
+    wrong = build_model(preset("tiny_glm_moe", vocab_size=300, use_qk_norm=True, max_seq_len=64))
+    wrong.set_state_dict(source.state_dict())
+    assert np.abs(_logits(wrong, ids) - _logits(source, ids)).max() > 1e-3
+
+
+def test_tokenizer_defaults_to_the_directory(model_dir: Path) -> None:
+    raw = _raw(model_dir)
+    del raw["data"]["tokenizer"]
+    cfg, _ = collect(raw, check=False)
+    assert cfg is not None and cfg.data.tokenizer == str(model_dir)
+    cfg, _ = collect(raw, overrides=["data.tokenizer=byte"], check=False)
+    assert cfg is not None and cfg.data.tokenizer == "byte"
+    raw = _raw(model_dir)
+    raw.pop("data")
+    cfg, _ = collect(raw, check=False)
+    assert cfg is not None and cfg.data.tokenizer == str(model_dir)
+
+
+def test_contradicting_keys_are_refused_naming_both_values(model_dir: Path) -> None:
+    errors = _errors(_raw(model_dir, {"hidden_size": 32, "rotary_base": 10000.0}))
+    assert errors["model.hidden_size"].startswith(
+        f"32 contradicts config.json hidden_size 64 in {model_dir}: remove model.hidden_size"
+    )
+    assert "10000.0 contradicts config.json rope_theta 50000.0" in errors["model.rotary_base"]
+    errors = _errors(_raw(model_dir, {"num_layers": 3, "rotary_interleaved": True}))
+    assert (
+        f"3 contradicts config.json num_hidden_layers 2 in {model_dir}"
+        in errors["model.num_layers"]
+    )
+    assert "architectures ['Glm4MoeForCausalLM']" in errors["model.rotary_interleaved"]
+    assert _errors(_raw(model_dir, {"num_layers": 2, "arch": "glm_moe"})) == {}  # agreeing
+    assert "unknown key" in _errors(_raw(model_dir, {"num_layer": 2}))["model.num_layer"]
+
+
+def test_preset_and_other_init_from_are_refused(model_dir: Path, tmp_path: Path) -> None:
+    errors = _errors(_raw(model_dir, {"preset": "tiny"}))
+    assert "cannot be combined with model.from_pretrained" in errors["model.preset"]
+    errors = _errors(_raw(model_dir, checkpoint={"init_from": str(tmp_path)}))
+    assert "contradicts model.from_pretrained" in errors["checkpoint.init_from"]
+    same = _raw(model_dir, checkpoint={"init_from": str(model_dir) + "/"})
+    assert _errors(same) == {}
+
+
+def test_directory_problems(model_dir: Path, tmp_path: Path) -> None:
+    key = "model.from_pretrained"
+    assert "no directory at" in _errors(_raw(tmp_path / "nope"))[key]
+    assert "has no config.json" in _errors(_raw(tmp_path))[key]
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    assert (
+        "has no model.safetensors or model.safetensors.index.json" in _errors(_raw(tmp_path))[key]
+    )
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    message = _errors(_raw(tmp_path))[key]
+    assert "architectures: ['LlamaForCausalLM'] (model_type 'llama') is not supported" in message
+    assert "Glm4MoeForCausalLM" in message
+    linear = {**json.loads((model_dir / "config.json").read_text())}
+    linear["rope_parameters"] = {**linear["rope_parameters"], "rope_type": "linear"}
+    (tmp_path / "config.json").write_text(json.dumps(linear))
+    assert "'linear' is not implemented" in _errors(_raw(tmp_path))[key]
+    assert "expected a directory path" in _errors(_raw(model_dir, {"from_pretrained": 3}))[key]
+
+
+def test_resolved_config_reloads_and_hash_ignores_the_path(model_dir: Path, tmp_path: Path) -> None:
+    cfg = build_config(_raw(model_dir))
+    text = to_yaml(cfg)
+    assert yaml.safe_load(text)["model"]["from_pretrained"] == str(model_dir)
+    again = build_config(yaml.safe_load(text))
+    assert again.model == cfg.model and config_hash(again) == config_hash(cfg)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in model_dir.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    assert config_hash(build_config(_raw(copy))) == config_hash(cfg)
+
+
+def test_validate_reads_config_json_only(model_dir: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(_raw(model_dir)))
+    assert cli.main(["validate", str(path)]) == 0
+    assert f"glm_moe ~0.12M params from {model_dir}" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump(_raw(model_dir, {"hidden_size": 8})))
+    assert cli.main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "model.hidden_size" in out and "contradicts config.json hidden_size" in out
+    with pytest.raises(ConfigValidationError):
+        build_config(_raw(model_dir, {"hidden_size": 8}))

@@ -1,0 +1,227 @@
+"""HF config.json → ModelArgs: both RoPE layouts (transformers 4.x top-level keys, 5.x
+`rope_parameters`), the transformers class defaults for absent keys, and every refusal
+(unimplemented RoPE variants, contradictions, unknown architectures and keys)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashcp.models import ModelArgs, preset
+from flashcp.models.hf_config import (
+    NOTE_MTP,
+    HFConfigError,
+    args_from_hf_config,
+    hf_config,
+    parse_hf_config,
+    read_config_json,
+)
+
+MOE_5X: dict[str, Any] = {  # what transformers 5.3 writes for a tiny Glm4MoeForCausalLM
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "dtype": "float32",
+    "first_k_dense_replace": 1,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 48,
+    "max_position_embeddings": 64,
+    "moe_intermediate_size": 16,
+    "n_group": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {"partial_rotary_factor": 0.5, "rope_theta": 5e4, "rope_type": "default"},
+    "routed_scaling_factor": 1.7,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "transformers_version": "5.3.0",
+    "use_cache": True,
+    "use_qk_norm": True,
+    "vocab_size": 300,
+}
+
+
+def as_4x(config: dict[str, Any]) -> dict[str, Any]:
+    """The same model in transformers 4.x's layout: RoPE keys at the top level."""
+    out = {k: v for k, v in config.items() if k not in ("rope_parameters", "dtype")}
+    rope = config["rope_parameters"]
+    out.update(rope_theta=rope["rope_theta"], rope_scaling=None, torch_dtype="float32")
+    out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    return out
+
+
+def _problems(config: dict[str, Any]) -> str:
+    with pytest.raises(HFConfigError) as info:
+        parse_hf_config(config, "DIR/config.json")
+    assert "DIR/config.json" in str(info.value)
+    return str(info.value)
+
+
+def test_both_rope_layouts_give_the_same_model_with_the_files_theta() -> None:
+    new = args_from_hf_config(MOE_5X)
+    old = args_from_hf_config(as_4x(MOE_5X))
+    assert new == old
+    assert new.rotary_base == 50000.0  # the bug: 5.x kept it in rope_parameters → 10000
+    assert new.use_qk_norm and new.qkv_bias and new.routed_scaling_factor == 1.7
+    assert new.arch == "glm_moe" and new.num_experts == 4 and new.head_size == 8
+
+
+def test_rope_parameters_alone_without_top_level_keys() -> None:
+    config = {k: v for k, v in MOE_5X.items() if k != "partial_rotary_factor"}
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 123.0}
+    args = args_from_hf_config(config)
+    assert args.rotary_base == 123.0 and args.partial_rotary_factor == 0.5  # HF default
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            "rope_parameters.rope_type: 'linear' is not implemented",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}},
+            "keys ['factor'] are not implemented",
+        ),
+        (
+            {"rope_parameters": {"full_attention": {"rope_theta": 1e4}}},
+            "per-layer-type RoPE parameters are not implemented",
+        ),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling: {'type': 'yarn'"),
+        (
+            {"rope_theta": 10000.0},
+            "rope_parameters.rope_theta: 50000.0 contradicts the top-level rope_theta 10000.0",
+        ),
+        (
+            {"partial_rotary_factor": 1.0},
+            "rope_parameters.partial_rotary_factor: 0.5 contradicts the top-level",
+        ),
+        ({"rope_theta": "5e4"}, "contradicts the top-level rope_theta '5e4'"),
+        ({"rope_parameters": [1]}, "rope_parameters: [1] must be an object"),
+        ({"hidden_act": "gelu"}, "hidden_act: 'gelu'"),
+        ({"attention_dropout": 0.1}, "attention_dropout: 0.1: attention dropout is not"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
+        ({"n_group": 4, "topk_group": 2}, "group-limited expert routing (n_group 4, topk_group 2)"),
+        ({"sliding_window": 128}, "keys flashcp does not know: ['sliding_window']"),
+        ({"use_sliding_window": True}, "sliding-window attention is not implemented"),
+        (
+            {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+            "architectures: ['LlamaForCausalLM'] (model_type 'llama') is not supported: flashcp "
+            "builds Glm4ForCausalLM",
+        ),
+        ({"model_type": "glm4"}, "does not match architectures"),
+        ({"architectures": None, "model_type": None}, "names neither architectures nor"),
+        ({"vocab_size": "big"}, "vocab_size: 'big' must be a number"),
+        ({"rope_parameters": {"rope_theta": "x"}}, "rope_theta: 'x' must be a number"),
+    ],
+)
+def test_refusals_name_the_key_and_why(change: dict[str, Any], expected: str) -> None:
+    assert expected in _problems({**MOE_5X, **change})
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    text = _problems({**MOE_5X, "hidden_act": "relu", "rope_scaling": {"type": "linear"}})
+    assert "hidden_act" in text and "rope_scaling" in text
+
+
+def test_whole_expert_groups_are_plain_top_k() -> None:
+    assert args_from_hf_config({**MOE_5X, "n_group": 2, "topk_group": 2}).num_experts == 4
+
+
+def test_absent_keys_take_the_transformers_class_defaults() -> None:
+    glm4 = {
+        "architectures": ["Glm4ForCausalLM"],
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+    }
+    args = args_from_hf_config(glm4)
+    assert args.head_dim == 128 and args.qkv_bias and args.norm_eps == 1.5625e-07
+    assert args.partial_rotary_factor == 0.5 and args.rotary_base == 10000.0
+    assert args.max_seq_len == 131072 and not args.tie_embeddings
+    moe = {k: v for k, v in MOE_5X.items() if k not in ("attention_bias", "first_k_dense_replace",
+                                                          "head_dim", "use_qk_norm")}  # fmt: skip
+    args = args_from_hf_config(moe)
+    assert not args.qkv_bias and args.first_k_dense_replace == 1 and not args.use_qk_norm
+    assert args.head_dim is None and args.head_size == 32 // 4
+
+
+def test_glm4_ignores_use_qk_norm_as_transformers_does() -> None:
+    config = {**MOE_5X, "architectures": ["Glm4ForCausalLM"], "model_type": "glm4"}
+    for key in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts", "topk_group",
+                "n_group", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "routed_scaling_factor"):  # fmt: skip
+        config.pop(key)
+    args = args_from_hf_config(config)
+    assert args.arch == "glm" and not args.use_qk_norm and args.interleaved_rotary
+
+
+def test_mtp_layers_are_noted_not_built() -> None:
+    values, notes = parse_hf_config({**MOE_5X, "num_nextn_predict_layers": 1})
+    assert notes == [NOTE_MTP] and values["num_layers"] == 2
+    assert parse_hf_config(MOE_5X)[1] == []
+
+
+@pytest.mark.parametrize("arch", ["glm", "glm_moe"])
+def test_hf_config_round_trips(arch: str) -> None:
+    extra = {"use_qk_norm": True} if arch == "glm_moe" else {}
+    args = preset(f"tiny_{arch}", rotary_base=2500.0, tie_embeddings=True, **extra)
+    config = hf_config(args, "bfloat16", token_ids={"eos_token_id": [5, 6], "pad_token_id": None})
+    assert args_from_hf_config(config) == dataclasses.replace(args, head_dim=args.head_size)
+    assert config["rope_parameters"]["rope_theta"] == config["rope_theta"] == 2500.0
+    assert config["eos_token_id"] == [5, 6] and "pad_token_id" not in config
+    assert config["torch_dtype"] == "bfloat16"
+
+
+def test_gpt_export_round_trips_through_its_flashcp_args() -> None:
+    args = preset("tiny", position="learned")
+    config = hf_config(args)
+    assert config["architectures"] == ["FlashcpGPTForCausalLM"]
+    assert args_from_hf_config(config) == args
+    with pytest.raises(HFConfigError, match="needs its flashcp_model_args"):
+        parse_hf_config({"architectures": ["FlashcpGPTForCausalLM"]})
+
+
+def test_models_hf_cannot_compute_are_not_exported() -> None:
+    with pytest.raises(ValueError, match="rotary_interleaved False: Glm4ForCausalLM rotates"):
+        hf_config(preset("tiny_glm", rotary_interleaved=False))
+
+
+def test_qk_norm_is_glm45_only() -> None:
+    errs = dict(ModelArgs(arch="glm", use_qk_norm=True).validate())
+    assert "arch glm has none" in errs["model.use_qk_norm"]
+
+
+def test_read_config_json_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        read_config_json(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_config_json(tmp_path / "nope")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        read_config_json(tmp_path)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        read_config_json(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(MOE_5X))
+    assert args_from_hf_config(tmp_path).rotary_base == 50000.0
