@@ -1,4 +1,4 @@
-"""The `flashcp` command: `train`, `validate`, `plan`, `plot`, `export`, `explain-dispatch`, `--version`."""
+"""The `flashcp` command: train, validate, plan, plot, export, explain-dispatch, --version."""
 
 from __future__ import annotations
 
