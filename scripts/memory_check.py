@@ -382,8 +382,11 @@ def markdown(data: dict[str, Any]) -> str:
         "matmul inputs and float32 weights, bf16 matmul outputs) and the GPU-only terms "
         "(FlashAttention's backward workspace, `fixed_overhead`: 2 GiB of CUDA context, "
         "cuBLAS/NCCL buffers plus 5 % allocator slack) follow the code and Paddle's AMP lists "
-        "but were not measured on a GPU; MoE routing makes the router's per-expert bookkeeping "
-        "vary by a few bytes per token; the CPU attention kernel's numpy scratch (bounded by "
+        "but were not measured on a GPU; on CPU the routed experts' buffer is padded per "
+        "group of experts (`flashcp.models.experts`), and the plan assumes the loads of a "
+        "uniform router — a skewed one (e.g. freshly initialised, 4 experts) pads more, which "
+        "is where the tiny MoE case's few percent come from (on GPU the buffer is ragged, "
+        "T·k rows whatever the skew); the CPU attention kernel's numpy scratch (bounded by "
         "heads × 128 × 1024 floats) is outside Paddle's allocator.",
         "",
         "## The shipped GPU configs on H20 (96 GiB per GPU)",

@@ -54,7 +54,8 @@ INVENTORY = [
     ("tiny", {"position": "learned"}, [".*q_proj", ".*fc_in"]),
     ("tiny_glm", {}, [".*q_proj", ".*gate_up_proj", "lm_head"]),
     ("tiny_glm_moe", {"num_layers": 3}, None),
-    ("tiny_glm_moe", {}, [".*o_proj", ".*experts\\.1\\.up_proj"]),
+    ("tiny_glm_moe", {}, [".*o_proj", ".*mlp\\.experts"]),
+    ("tiny_glm_moe", {"num_layers": 3}, [".*2\\.mlp\\.experts", ".*shared_experts.up_proj"]),
 ]
 
 
@@ -136,6 +137,120 @@ def test_plan_within_15_percent_of_measured_peak(tmp_path: Path, sections: dict)
     other = "none" if cfg.model.recompute != "none" else "full"
     wrong = plan(_cfg(tmp_path, **{**sections, "model": {**sections["model"], "recompute": other}}))
     assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
+
+
+# -- the grouped MoE layer against the allocator ----------------------------------------------
+
+
+class _MoEBlock(paddle.nn.Layer):
+    """One MoE layer under the name `mlp` (so `.*mlp\\.experts` adapts its experts)."""
+
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        from flashcp.models.moe import MoE
+
+        self.mlp = MoE(args)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.mlp(x)
+
+
+def _moe_layer_memory(
+    monkeypatch: pytest.MonkeyPatch, args: Any, tokens: int, mode: str
+) -> tuple[Any, int, int]:
+    """(the call's `ExpertRows` as laid out, bytes the layer keeps after its forward — output
+    excluded —, the backward's peak above that), measured on the second of two steps (the
+    gradients exist: steady state). `mode`: frozen (all weights), lora (adapted experts) or
+    trained (every weight)."""
+    from flashcp.models import experts
+    from flashcp.plan.activations import ExpertRows
+
+    layouts: list[Any] = []
+    original = experts.plan_layout
+
+    def spy(*a: Any) -> Any:
+        layouts.append(original(*a))
+        return layouts[-1]
+
+    monkeypatch.setattr(experts, "plan_layout", spy)  # what every experts layer lays out
+    paddle.seed(0)
+    block: Any = _MoEBlock(args)
+    if mode == "frozen":
+        for p in block.parameters():
+            p.stop_gradient = True
+    elif mode == "lora":
+        block = apply_lora(block, rank=8, alpha=16.0, target_modules=[r".*mlp\.experts"])
+    x = paddle.randn([1, tokens, args.hidden_size])
+    x.stop_gradient = False
+    core = paddle.base.core
+    for _ in range(2):
+        gc.collect()
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        out = block(x)
+        kept = core.host_memory_stat_current_value("Allocated", 0) - before - out.numel().item() * 4
+        grad = paddle.randn(out.shape)
+        gc.collect()
+        start = core.host_memory_stat_current_value("Allocated", 0)
+        core.host_memory_stat_reset_peak_value("Allocated", 0)
+        out.backward(grad)
+        backward = core.host_memory_stat_peak_value("Allocated", 0) - start
+        del out, grad
+        x.clear_gradient()
+    lay = layouts[-1]
+    largest = max(len(g.experts) for g in lay.groups)
+    rows = ExpertRows(lay.rows / tokens, True, largest, len(lay.groups))
+    return rows, int(kept), int(backward)
+
+
+def _moe_args(**sizes: int) -> Any:
+    return preset("tiny_glm_moe", **sizes)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "tokens", "mode"),
+    [
+        ({"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48}, 1024, "frozen"),
+        ({"hidden_size": 64, "num_experts": 16, "moe_intermediate_size": 160}, 1024, "frozen"),
+        ({"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48}, 1024, "lora"),
+        (
+            {"hidden_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
+             "moe_intermediate_size": 160, "num_shared_experts": 0},
+            256,
+            "trained",
+        ),
+    ],
+    ids=["frozen", "frozen-wide-experts", "lora-experts", "trained-weight-gradients"],
+)  # fmt: skip
+def test_moe_layer_kept_and_backward_match_the_allocator(
+    monkeypatch: pytest.MonkeyPatch, sizes: dict[str, int], tokens: int, mode: str
+) -> None:
+    """The grouped MoE layer keeps exactly what `layer_saved`'s MoE parts (plus the expert
+    adapters' `lora_saved`) say, given the buffer it laid out, and its backward peaks at
+    `moe_backward_bytes` (±5 %); the planner's expected buffer is within 10 % of the real one
+    for a near-uniform router."""
+    from flashcp.plan import activations as act
+
+    args = _moe_args(**sizes)
+    rows, kept, backward = _moe_layer_memory(monkeypatch, args, tokens, mode)
+    dt = act.Dtypes.of("float32", "float32")
+    layer = act.layer_saved(args, 1, dt, rows)
+    moe = act.Counts()
+    for what, cls, n in layer.parts:
+        if what.startswith("MoE"):
+            moe.add(what, cls, n)
+    targets = [r".*mlp\.experts"] if mode == "lora" else None
+    moe += act.lora_saved(args, 1, targets, 8, dt, rows)
+    assert kept == pytest.approx(moe.bytes(dt) * tokens, rel=0.002)
+    # negative control: an unpadded buffer (T·k rows) misses what the layer keeps
+    unpadded = act.layer_saved(args, 1, dt, act.ExpertRows(args.num_experts_per_tok, False, 0, 0))
+    missing = sum(n for w, _, n in unpadded.parts if w.startswith("MoE")) * 4 * tokens
+    assert abs(kept - missing) > 0.03 * kept
+    planned = act.moe_backward_bytes(
+        args, dt, rows, tokens, experts_trained=mode == "trained", lora_experts=mode == "lora"
+    )
+    assert backward == pytest.approx(planned, rel=0.05)
+    expected = act.expert_rows(args, tokens, dt)
+    assert expected.per_token == pytest.approx(rows.per_token, rel=0.10)
 
 
 # -- what the knobs do ----------------------------------------------------------------------

@@ -10,25 +10,38 @@ tensor has:
   float32, and with bf16 storage the embedding outputs float32 and norms return their input's
   dtype (`flashcp.models.layers`), so pipeline stages exchange float32 too;
 * ``c``: the compute dtype (train.dtype resolved: bf16 on GPU, float32 on CPU) — matmul
-  outputs: q/k/v projections, rotated q/k, the attention output, MLP intermediates.
+  outputs: q/k/v projections, rotated q/k, the attention output, MLP intermediates;
+* ``e``: what the routed experts' grouped matmuls save as their inputs
+  (`flashcp.models.grouped_matmul`): on CPU the activations as they come (float32), on GPU
+  Paddle's grouped GEMM casts them to the stored weights' dtype (train.param_dtype).
+
+int64 tensors (the MoE router's choices and buffer slots) count as two float32 elements.
 
 Measured on CPU (paddlepaddle 3.3.1, float32, `host_memory_stat_*`), layer by layer, these are
-exact (to the byte, up to the MoE router's per-expert bookkeeping): e.g. a GLM-4 layer keeps
-``10·H + 3·q + 3·kv + 4·I`` float32 elements (+ LSE and rsqrt) per token without recompute.
+exact (to the byte): e.g. a GLM-4 layer keeps ``10·H + 3·q + 3·kv + 4·I`` float32 elements
+(+ LSE and rsqrt) per token without recompute. The MoE layer's routed part depends on how
+many rows the expert buffer has (`expert_rows`: T·k, plus padding on CPU), which the planner
+takes from the expected per-expert load of a uniform router.
 The bf16 classes follow Paddle's O1 rules (matmuls in bf16, norms and reductions in float32)
 and are not verified on a GPU here.
 
 Names: H hidden, q = heads·head_dim, kv = kv_heads·head_dim, I intermediate, Hq query heads,
-E experts, k experts per token, Im expert intermediate, Is shared-expert intermediate.
+E experts, k experts per token, Im expert intermediate, Is shared-expert intermediate, r rows
+of the routed-expert buffer per token (`ExpertRows`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from flashcp.models.config import ModelArgs
-from flashcp.plan.params import layer_parameters
+from flashcp.models.experts import cost_chosen_groups
+from flashcp.models.grouped_matmul import CAST_CHUNK_BYTES
+from flashcp.models.moe_dispatch import capacity_for
+from flashcp.plan.params import ParamSpec, is_adapted, layer_parameters
 
 
 @dataclass
@@ -38,6 +51,7 @@ class Counts:
     f: float = 0.0
     res: float = 0.0
     c: float = 0.0
+    e: float = 0.0
     parts: list[tuple[str, str, float]] = field(default_factory=list)
 
     def add(self, what: str, cls: str, n: float) -> Counts:
@@ -47,10 +61,10 @@ class Counts:
 
     def bytes(self, dt: Dtypes) -> float:
         """Bytes per token for the dtype sizes `dt`."""
-        return self.f * 4 + self.res * dt.res + self.c * dt.c
+        return self.f * 4 + self.res * dt.res + self.c * dt.c + self.e * dt.experts
 
     def __add__(self, other: Counts) -> Counts:
-        out = Counts(self.f, self.res, self.c, [*self.parts])
+        out = Counts(self.f, self.res, self.c, self.e, [*self.parts])
         for what, cls, n in other.parts:
             out.add(what, cls, n)
         return out
@@ -58,17 +72,23 @@ class Counts:
 
 @dataclass(frozen=True)
 class Dtypes:
-    """Byte sizes: `c` compute dtype, `res` residual stream, `param` parameter storage."""
+    """Byte sizes: `c` compute dtype, `res` residual stream, `param` parameter storage,
+    `experts` the routed experts' saved GEMM inputs; `gpu`: the device is a GPU."""
 
     c: int
     res: int
     param: int
+    experts: int = 4
+    gpu: bool = False
 
     @classmethod
-    def of(cls, compute: str, param_dtype: str) -> Dtypes:
+    def of(cls, compute: str, param_dtype: str, device: str = "cpu") -> Dtypes:
         c = 2 if compute == "bfloat16" else 4
         p = 2 if param_dtype == "bfloat16" else 4
-        return cls(c=c, res=4, param=p)
+        gpu = device == "gpu"
+        # GPU: Paddle's grouped GEMM computes in the weights' dtype; CPU: batched matmuls on
+        # the float32 activations, the weights upcast chunk by chunk
+        return cls(c=c, res=4, param=p, experts=p if gpu else 4, gpu=gpu)
 
     @property
     def autocast(self) -> bool:
@@ -81,6 +101,54 @@ class Dtypes:
         """bf16 storage with float32 compute (CPU): each matmul upcasts its weight without
         saving the copy (`flashcp.models.precision.cast_linear`), so copies are transient."""
         return self.param < self.c
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The routed experts' buffer of one MoE call, as the planner expects it
+    (`flashcp.models.experts.plan_layout`)."""
+
+    per_token: float
+    """Buffer rows per token: T·k entries (fewer under a capacity), plus padding on CPU."""
+    padded: bool
+    """CPU padded groups (padding rows); False: GPU ragged (Paddle's grouped GEMM)."""
+    chunk_experts: int
+    """Experts whose weights one grouped-matmul chunk takes out of the stack at once (CPU: a
+    copy, upcast to the compute dtype, `flashcp.models.grouped_matmul.CAST_CHUNK_BYTES`);
+    0 on GPU (no copies)."""
+    chunks: int
+    """Batched matmuls per projection (CPU; > 1: their outputs are concatenated)."""
+
+
+def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
+    """Entries per expert of one call of `tokens` tokens, largest first, as a uniform router
+    spreads them: the quantiles ``(j + 1/2) / E`` of the normal approximation of each expert's
+    Binomial(T·k, 1/E) load, clipped by the capacity (`model.moe_capacity_factor`). A trained,
+    skewed router pads more on CPU; on GPU (ragged, no padding) only the total T·k counts."""
+    e, k = args.num_experts, args.num_experts_per_tok
+    entries = tokens * k
+    mean = entries / e
+    sd = math.sqrt(entries * (1 / e) * (1 - 1 / e))
+    z = NormalDist()
+    loads = [max(0, round(mean + sd * z.inv_cdf(1 - (j + 0.5) / e))) for j in range(e)]
+    cap = capacity_for(args.moe_capacity_factor, tokens, k, e)
+    return [min(c, cap) for c in loads] if cap is not None else loads
+
+
+def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes) -> ExpertRows:
+    """The `ExpertRows` of a call of `tokens` tokens (see `expected_loads`): on GPU ragged, on
+    CPU the cost-chosen padded groups of `flashcp.models.experts.cost_chosen_groups`, each cut
+    into chunks of at most `CAST_CHUNK_BYTES` of gate/up weights in the compute dtype."""
+    loads = expected_loads(args, tokens)
+    if dt.gpu:
+        return ExpertRows(sum(loads) / max(tokens, 1), False, 0, 0)
+    groups = cost_chosen_groups(loads)
+    per_expert = args.hidden_size * 2 * args.moe_intermediate_size * dt.c
+    per_chunk = max(1, CAST_CHUNK_BYTES // per_expert)
+    rows = sum(g.rows for g in groups)
+    largest = max((len(g.experts) for g in groups), default=0)
+    chunks = sum(-(-len(g.experts) // per_chunk) for g in groups)
+    return ExpertRows(rows / max(tokens, 1), True, min(largest, per_chunk), chunks)
 
 
 def _attention(args: ModelArgs, counts: Counts) -> None:
@@ -96,10 +164,12 @@ def _attention(args: ModelArgs, counts: Counts) -> None:
     counts.add("attention LSE", "f", args.num_heads)
 
 
-def layer_saved(args: ModelArgs, index: int, dt: Dtypes) -> Counts:
+def layer_saved(
+    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None
+) -> Counts:
     """Elements per token decoder layer `index` keeps for backward WITHOUT recompute, including
     its output (the next layer's input); the layer's input is the previous layer's output and
-    is not counted again.
+    is not counted again. `rows`: the MoE layers' expert buffer (default: T·k rows, unpadded).
 
     Norms: RMSNorm keeps its normalised input (`h * rsqrt`, saved by the weight multiply) and
     rsqrt `[1]`; a new input (not the layer input) is also kept, by `pow`. LayerNorm keeps
@@ -136,7 +206,7 @@ def layer_saved(args: ModelArgs, index: int, dt: Dtypes) -> Counts:
     else:
         norm("post_attention_layernorm", new_input=True, out_saved=True)
         if args.is_moe_layer(index):
-            _moe(args, n)
+            _moe(args, n, rows or _unpadded(args))
         else:
             n.add("MLP gate/up, silu, product", "c", 4 * args.intermediate_size)
     if args.arch == "glm":
@@ -148,49 +218,82 @@ def layer_saved(args: ModelArgs, index: int, dt: Dtypes) -> Counts:
 
 
 def _float32_matmul_inputs(args: ModelArgs, index: int) -> float:
-    """Matmuls of a layer whose input is a float32 norm output (per token, in rows of H): q, k
-    and v; the MLP's first projection(s), or per routed row the expert's gate and up plus the
-    router and the shared expert's gate and up."""
+    """Autocast matmuls of a layer whose input is a float32 norm output (per token, in rows of
+    H): q, k and v; the MLP's first projection(s), or the router and the shared expert's gate
+    and up (the routed experts' grouped matmuls are not autocast: they cast their inputs
+    themselves, counted in the ``e`` class)."""
     if args.arch == "gpt":
         return 3 + 1
     if args.is_moe_layer(index):
         shared = 2 if args.num_shared_experts else 0
-        return 3 + 1 + 2 * args.num_experts_per_tok + shared
+        return 3 + 1 + shared
     return 3 + (1 if args.arch == "glm" else 2)
 
 
-def _moe(args: ModelArgs, n: Counts) -> None:
-    """`flashcp.models.moe.MoE`, dropless top-k: every token visits k experts, so the routed
-    experts together see T·k rows (T·k/E per expert in expectation). Per routed row: the
-    gathered input and the float32 weighted output `[H]` each, and the expert's SwiGLU
-    intermediates `4·Im`; the shared expert keeps `4·Is` per token; the router keeps its
-    float32 scores `[E]` and, per expert visited, the `[k]` selection mask (E·k), plus a few
-    `[E]`/`[1]` sums."""
+def _unpadded(args: ModelArgs) -> ExpertRows:
+    return ExpertRows(float(args.num_experts_per_tok), False, 0, 0)
+
+
+def _moe(args: ModelArgs, n: Counts, rows: ExpertRows) -> None:
+    """`flashcp.models.moe.MoE`, grouped: measured on CPU to the byte per token
+    (`tests/unit/test_plan.py`). The router keeps its float32 logits and sigmoid scores `[E]`,
+    the chosen experts and (after the dispatch) each entry's buffer slot, int64 `[k]` each, the
+    raw, normalised and scaled top-k weights `[k]` and their sum; the buffer's token index
+    (int64, one per row). Per buffer row (r per token): the grouped matmuls' inputs — the
+    gathered token `[H]` and the SwiGLU output `[Im]` (class ``e``) — and the gate/up output
+    `[2·Im]` and the expert output `[H]` in the activations' dtype. The shared expert keeps
+    `4·Is` per token."""
     h, k, e = args.hidden_size, args.num_experts_per_tok, args.num_experts
-    n.add("MoE routed rows: gathered input", "res", k * h)
-    n.add("MoE routed rows: float32 weighted output", "f", k * h)
-    n.add("MoE routed expert SwiGLU intermediates", "c", 4 * k * args.moe_intermediate_size)
+    im, r = args.moe_intermediate_size, rows.per_token
+    n.add("MoE router logits and scores", "f", 2 * e)
+    n.add("MoE routing: choices and slots (int64), top-k weights, their sum", "f", 7 * k + 1)
+    n.add("MoE buffer: token index per row (int64)", "f", 2 * r)
+    n.add("MoE routed rows: grouped matmul inputs (token, SwiGLU output)", "e", r * (h + im))
+    n.add("MoE routed rows: gate/up output, expert output", "res", r * (2 * im + h))
     if args.num_shared_experts:
         inter = args.moe_intermediate_size * args.num_shared_experts
         n.add("MoE shared expert SwiGLU intermediates", "c", 4 * inter)
-    n.add("MoE router scores, selection masks, sums", "f", e * k + 2 * e + 1)
 
 
-def lora_saved(args: ModelArgs, index: int, targets: list[str] | None, rank: int) -> Counts:
+def _adapted(args: ModelArgs, index: int, targets: list[str] | None) -> list[ParamSpec]:
+    """The weights of layer `index` LoRA adapts (linear weights and stacked expert weights)."""
+    patterns = [re.compile(t) for t in targets or []]
+    return [x for x in layer_parameters(args, index) if patterns and is_adapted(x, patterns)]
+
+
+def experts_adapted(args: ModelArgs, index: int, targets: list[str] | None) -> bool:
+    """Whether LoRA adapts the routed experts of layer `index`."""
+    return any(x.stacked for x in _adapted(args, index, targets))
+
+
+def lora_saved(
+    args: ModelArgs,
+    index: int,
+    targets: list[str] | None,
+    rank: int,
+    dt: Dtypes | None = None,
+    rows: ExpertRows | None = None,
+) -> Counts:
     """PaddleFormers' `LoRALinear` keeps `x @ lora_A` (`[r]` per row) for the B matmul, per
-    adapted linear; an adapted expert sees T·k/E rows in expectation."""
+    adapted linear. Adapted routed experts (`flashcp.recipes.lora_experts`) keep it per buffer
+    row and projection, in the activations' dtype; on GPU with bf16 storage the float32
+    adapters' grouped GEMMs also keep their float32 inputs (the token and SwiGLU output rows),
+    which the bf16 base GEMMs saved only as bf16 copies."""
     n = Counts()
-    if not targets:
-        return n
-    patterns = [re.compile(t) for t in targets]
-    rows = 0.0
-    for spec in layer_parameters(args, index):
-        lin = spec.linear
-        if lin and spec.name.endswith(".weight") and any(p.fullmatch(lin) for p in patterns):
-            expert = ".experts." in lin
-            rows += args.num_experts_per_tok / args.num_experts if expert else 1.0
-    if rows:
-        n.add("LoRA x @ A", "c", rows * rank)
+    linear = stacked = 0
+    for spec in _adapted(args, index, targets):
+        if spec.stacked:
+            stacked += 1
+        else:
+            linear += 1
+    if linear:
+        n.add("LoRA x @ A", "c", linear * rank)
+    if stacked:
+        r = (rows or _unpadded(args)).per_token
+        n.add("MoE LoRA x @ A per buffer row", "res", stacked * r * rank)
+        if dt is not None and dt.experts < 4:
+            im = args.moe_intermediate_size
+            n.add("MoE LoRA float32 inputs per buffer row", "res", r * (args.hidden_size + im))
     return n
 
 
@@ -234,19 +337,72 @@ def refined_extra(args: ModelArgs) -> Counts:
 
 
 def mlp_backward_transient(args: ModelArgs, index: int) -> Counts:
-    """Gradient tensors alive at once while one layer's MLP back-propagates (steady state: the
-    parameter gradients already exist), measured per architecture on CPU: GLM-4 fused SwiGLU
-    ``2·I − H``, unfused SwiGLU ``2·I + H``, GPT ``I + 2.5·H``, MoE ``3·H + 1.5·Is``."""
+    """Gradient tensors alive at once while one dense layer's MLP back-propagates (steady
+    state: the parameter gradients already exist), measured per architecture on CPU: GLM-4
+    fused SwiGLU ``2·I − H``, unfused SwiGLU ``2·I + H``, GPT ``I + 2.5·H``. (MoE layers:
+    `moe_backward_bytes`.)"""
     h, i = args.hidden_size, args.intermediate_size
     if args.arch == "gpt":
         n = i + 2.5 * h
-    elif args.is_moe_layer(index):
-        n = 3 * h + 1.5 * args.moe_intermediate_size * args.num_shared_experts
     elif args.arch == "glm":
         n = 2 * i - h
     else:
         n = 2 * i + h
     return Counts().add("MLP backward: activation gradients", "c", n)
+
+
+def moe_backward_bytes(
+    args: ModelArgs,
+    dt: Dtypes,
+    rows: ExpertRows,
+    tokens: int,
+    *,
+    experts_trained: bool,
+    lora_experts: bool,
+) -> float:
+    """Bytes an MoE layer's backward adds at its worst moment, beyond what the layer keeps
+    (read from `flashcp.models.moe_dispatch` / `experts` / `grouped_matmul` and measured on
+    CPU, float32: `tests/unit/test_plan.py`). With r buffer rows per token (R = r·T rows):
+
+    * the combine: the output gradient's copy, on CPU its zero-row extension `[T+1, H]`, the
+      gathered rows and their weighted copy ``2·R·H``, the row→token index (int64);
+    * the down projection: its input gradient in parts and concatenated ``2·R·Im`` (on GPU
+      the grouped GEMM's ``R·Im`` in the weights' dtype and its float32 cast), the last
+      chunk's weight copy (CPU), with adapted experts the adapter branch's pending ``R·H``;
+      trained experts add the weight gradient in parts plus the zero tensor it is assembled in
+      (CPU; GPU: the gradient, `zeros_like` and the masked copy), or with bf16 storage the
+      float32 cast `main_grad` accumulates, whichever is larger;
+    * the gate/up projection: likewise, by when the expert output, SwiGLU output and the
+      gate/up output are freed (``R·(H + Im)`` less);
+    * the shared expert's SwiGLU backward ``2·Is + H`` (as a dense unfused MLP).
+    """
+    h, im, T = args.hidden_size, args.moe_intermediate_size, tokens
+    R = rows.per_token * T
+    f = 4
+    c = dt.c
+    p = dt.param
+    w_down = args.num_experts * im * h
+    w_gu = 2 * w_down
+
+    def weight_grad(w: int) -> float:
+        if not experts_trained:
+            return 0.0
+        formed = (3 if dt.gpu else 2) * w * p
+        return max(formed, w * (p + 4) if p < 4 else 0)
+
+    def chunk(k_dim: int, n_dim: int) -> float:
+        return rows.chunk_experts * k_dim * n_dim * c
+
+    combine = T * h * f + (T * h * f if rows.padded else 0) + 2 * R * h * f + 2 * R * 4
+    # GPU: the grouped GEMM's dx in the weights' dtype and its float32 cast, the output
+    # gradient cast to the weights' dtype; CPU: dx in parts and concatenated, a weight chunk
+    down = R * im * (p + f) + R * h * p if dt.gpu else 2 * R * im * f + chunk(im, h)
+    down += (R * h * f if lora_experts else 0) + weight_grad(w_down)
+    gate_up = R * (h - im) * f + chunk(h, 2 * im) + weight_grad(w_gu)
+    shared = 0.0
+    if args.num_shared_experts:
+        shared = T * (2 * im * args.num_shared_experts + h) * c
+    return max(combine, down, gate_up, shared)
 
 
 def attention_backward_transient(args: ModelArgs, *, cp: bool) -> Counts:
@@ -281,19 +437,39 @@ def recompute_replay_extra(args: ModelArgs) -> Counts:
     return Counts().add("recompute: input copy and its gradient", "res", 2 * args.hidden_size)
 
 
-def nograd_forward_transient(args: ModelArgs, index: int) -> Counts:
+def nograd_forward_transient(
+    args: ModelArgs, index: int, rows: ExpertRows | None = None, *, lora_experts: bool = False
+) -> Counts:
     """Peak tensors of one layer's forward without gradients (recompute's first pass, DPO
     reference pass): the MLP's intermediates (SwiGLU ``4·I``, GELU ``2·I``) or attention's
-    ``3·q + 3·kv`` plus the hidden in and out."""
+    ``3·q + 3·kv`` plus the hidden in and out. A grouped MoE layer (r buffer rows per token)
+    peaks at its gate/up projection — the gathered rows and the gate/up output, in chunk parts
+    and concatenated — at the down projection (rows, SwiGLU output, expert output in parts
+    and concatenated), or at the combine (expert output, every token's k rows, the sum);
+    adapted experts add the adapter branch's gate/up output and its scaled copy."""
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    n = Counts()
     if args.arch == "gpt":
         mlp = 2 * args.intermediate_size
     elif args.is_moe_layer(index):
-        mlp = 4 * args.moe_intermediate_size * max(args.num_shared_experts, 1) + 2 * h
+        rows = rows or _unpadded(args)
+        r, im, k = rows.per_token, args.moe_intermediate_size, args.num_experts_per_tok
+        parts = 2 if rows.chunks > 1 else 1
+        routed = max(
+            r * (h + parts * 2 * im + (4 * im if lora_experts else 0)),
+            r * (h + 3 * im),
+            r * (h + im + parts * h),
+            r * h + k * h + h,
+        )
+        routed += 2 * args.num_experts + 7 * k + 1 + 2 * r  # router and dispatch
+        if routed < 3 * q + 3 * kv:
+            return n.add("no-grad forward peak (attention)", "c", 3 * q + 3 * kv + 2 * h)
+        n.add("MoE no-grad forward peak", "res", routed)
+        return n.add("hidden in and out", "c", 2 * h)
     else:
         mlp = 4 * args.intermediate_size
-    return Counts().add("no-grad forward peak", "c", max(mlp, 3 * q + 3 * kv) + 2 * h)
+    return n.add("no-grad forward peak", "c", max(mlp, 3 * q + 3 * kv) + 2 * h)
 
 
 def stage_extras(args: ModelArgs) -> Counts:

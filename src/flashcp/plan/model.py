@@ -268,22 +268,21 @@ def _numel(specs: list[Any], trained: bool | None = None) -> int:
 def weight_copies(args: ModelArgs, index: int, tokens: int, dt: act.Dtypes) -> int:
     """Bytes of the bf16 copies of layer `index`'s weight matrices that matmuls save under bf16
     O1 autocast over float32 weights: every matmul casts its weight and keeps the copy for
-    backward. Experts count when a token reaches them (all, once T·k ≥ E). (bf16 storage with
-    float32 compute upcasts without saving the copy: transient, `upcast_transient`.)"""
+    backward; the stacked routed experts are not autocast. (bf16 storage with float32 compute
+    upcasts without saving the copy: transient, `upcast_transient`.)"""
     if not (dt.autocast and dt.c < dt.param):
         return 0
-    total = 0.0
-    hit = min(1.0, tokens * args.num_experts_per_tok / max(args.num_experts, 1))
-    for spec in layer_parameters(args, index):
-        if len(spec.shape) == 2:
-            total += spec.numel * (hit if ".experts." in spec.name else 1.0)
+    # The routed experts' grouped matmuls are not autocast (they cast their inputs to the
+    # stored weights' dtype themselves), so only 2-D weights count.
+    total = sum(spec.numel for spec in layer_parameters(args, index) if len(spec.shape) == 2)
     return int(total * dt.c)
 
 
 def upcast_transient(args: ModelArgs, index: int, dt: act.Dtypes, *, frozen: bool) -> int:
-    """bf16 storage with float32 compute (CPU): the largest weight of layer `index` upcast for
-    one matmul and, in its backward, upcast again for dx plus (trained) its float32 gradient,
-    that gradient's bf16 cast and the main_grad hook's float32 cast: 4 (+ 10) bytes each."""
+    """bf16 storage with float32 compute (CPU): the largest 2-D weight of layer `index` upcast
+    for one matmul and, in its backward, upcast again for dx plus (trained) its float32
+    gradient, that gradient's bf16 cast and the main_grad hook's float32 cast: 4 (+ 10) bytes
+    each. (The stacked experts upcast chunk by chunk: `act.moe_backward_bytes`.)"""
     if not dt.upcast:
         return 0
     largest = max((x.numel for x in layer_parameters(args, index) if len(x.shape) == 2),
@@ -294,7 +293,7 @@ def upcast_transient(args: ModelArgs, index: int, dt: act.Dtypes, *, frozen: boo
 def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     """Every moment's items (bytes) for `stage`; see the module docstring."""
     args = s.args
-    dt = act.Dtypes.of(s.compute, s.param_dtype)
+    dt = act.Dtypes.of(s.compute, s.param_dtype, s.device)
     P = dt.param
     layers = split_layers(args.num_layers, s.pp, s.pp_layers)[stage]
     first, last = stage == 0, stage == s.pp - 1
@@ -308,6 +307,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     PT = 4 if s.lora_targets is not None else P
     master = PT != 4 or s.shard
     T, H, V = s.tokens, args.hidden_size, args.vocab_size
+    buf = act.expert_rows(args, T, dt) if args.num_experts else None
 
     persistent = {
         "params_trained": n_trained * PT,
@@ -342,13 +342,21 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     mlp_moment: list[tuple[float, float, float]] = []
     attn_moment: list[tuple[float, float, float]] = []
     for pos, index in enumerate(layers):
-        saved = act.layer_saved(args, index, dt) + act.lora_saved(args, index, lora, s.lora_rank)
+        saved = act.layer_saved(args, index, dt, buf)
+        saved += act.lora_saved(args, index, lora, s.lora_rank, dt, buf)
         frozen_input = first and pos == 0 and lora is not None and mode == "none"
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
         attn_part = act.attention_part(saved).bytes(dt) * T
         attn_t = act.attention_backward_transient(args, cp=s.cp > 1).bytes(dt) * T
         attn_t += fa_workspace
-        mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
+        if args.is_moe_layer(index):
+            assert buf is not None
+            mlp_t = act.moe_backward_bytes(
+                args, dt, buf, T, experts_trained=lora is None,
+                lora_experts=act.experts_adapted(args, index, lora),
+            )  # fmt: skip
+        else:
+            mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
         if mode == "none":
@@ -468,7 +476,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             weight_grad_transient=emb_grad,
         )
     if s.dpo:
-        nograd = max((act.nograd_forward_transient(args, i).bytes(dt) for i in layers), default=0.0)
+        # the reference pass runs with the adapters off (LoRA) or on the reference copy
+        nograd = max(
+            (act.nograd_forward_transient(args, i, buf).bytes(dt) for i in layers), default=0.0
+        )
         moment(
             "reference forward",
             activations=int(nograd * T) + (norm_bytes if last else 0),

@@ -4,10 +4,16 @@
 it (`flashcp.models.gpt` / `glm` / `moe`, `flashcp.parallel.stage`): the token (and learned
 position) embeddings on the first stage, decoder layers by GLOBAL index, the final norm and the
 LM head (or, with tied embeddings under pp > 1, the last stage's copy of the embedding) on the
-last. Paddle's `nn.Linear` weight is `[in, out]`. With LoRA targets (regexes matched with
-`re.fullmatch` against the linear layer names, PaddleFormers' rule) every matched linear gains
-`lora_A [in, r]` and `lora_B [r, out]`, which are the only trained parameters; everything else
-is frozen. Buffers (the MoE router's `e_score_correction_bias`, float32) are listed apart.
+last. Paddle's `nn.Linear` weight is `[in, out]`. The routed experts of an MoE layer are one
+sublayer ``model.layers.{i}.mlp.experts`` (`flashcp.models.experts.GroupedExperts`) with two
+stacked weights, ``gate_up_proj`` `[E, H, 2·Im]` and ``down_proj`` `[E, Im, H]`.
+
+With LoRA targets (regexes matched with `re.fullmatch` against the sublayer names,
+PaddleFormers' rule) every matched linear gains `lora_A [in, r]` and `lora_B [r, out]`, and a
+matched experts layer gains per-expert adapters on both stacked weights
+(`flashcp.recipes.lora_experts`: ``{w}_lora_A [E, in, r]``, ``{w}_lora_B [E, r, out]``); the
+adapters are the only trained parameters, everything else is frozen. Buffers (the MoE
+router's `e_score_correction_bias`, float32) are listed apart.
 
 The unit tests check names and shapes against real models, so the byte counts of the planner
 rest on an exact inventory.
@@ -31,7 +37,10 @@ class ParamSpec:
     shape: tuple[int, ...]
     trained: bool = True
     linear: str | None = None
-    """The `nn.Linear` sublayer this is the weight/bias of (for LoRA matching), if any."""
+    """The sublayer LoRA can adapt (an `nn.Linear`, or the stacked routed experts) that this
+    is the weight/bias of, if any (for LoRA matching)."""
+    stacked: bool = False
+    """A stacked routed-experts weight `[E, in, out]` (`GroupedExperts`)."""
 
     @property
     def numel(self) -> int:
@@ -55,6 +64,14 @@ def _swiglu(prefix: str, h: int, inter: int, *, fused: bool) -> list[ParamSpec]:
         parts = _linear(f"{prefix}.gate_proj", h, inter, False)
         parts += _linear(f"{prefix}.up_proj", h, inter, False)
     return parts + _linear(f"{prefix}.down_proj", inter, h, False)
+
+
+def _experts(prefix: str, e: int, h: int, inter: int) -> list[ParamSpec]:
+    """`GroupedExperts`: the stacked gate/up and down projections of the E routed experts."""
+    return [
+        ParamSpec(f"{prefix}.gate_up_proj", (e, h, 2 * inter), linear=prefix, stacked=True),
+        ParamSpec(f"{prefix}.down_proj", (e, inter, h), linear=prefix, stacked=True),
+    ]
 
 
 def _norm(prefix: str, h: int, *, layer_norm: bool) -> list[ParamSpec]:
@@ -82,8 +99,7 @@ def layer_parameters(args: ModelArgs, index: int) -> list[ParamSpec]:
         out += _linear(f"{m}.fc_out", args.intermediate_size, h, True)
     elif args.is_moe_layer(index):
         out.append(ParamSpec(f"{m}.gate.weight", (h, args.num_experts)))
-        for e in range(args.num_experts):
-            out += _swiglu(f"{m}.experts.{e}", h, args.moe_intermediate_size, fused=False)
+        out += _experts(f"{m}.experts", args.num_experts, h, args.moe_intermediate_size)
         if args.num_shared_experts > 0:
             inter = args.moe_intermediate_size * args.num_shared_experts
             out += _swiglu(f"{m}.shared_experts", h, inter, fused=False)
@@ -108,13 +124,31 @@ def stage_layers(args: ModelArgs, stage: int, pp: int, pp_layers: Sequence[int] 
     return split_layers(args.num_layers, pp, pp_layers)[stage]
 
 
+def is_adapted(spec: ParamSpec, patterns: Sequence[re.Pattern[str]]) -> bool:
+    """Whether LoRA adapts the weight `spec` (a linear's weight or a stacked experts weight
+    whose sublayer matches one of `patterns`)."""
+    lin = spec.linear
+    weight = spec.stacked or spec.name.endswith(".weight")
+    return bool(lin) and weight and any(p.fullmatch(lin) for p in patterns)
+
+
 def _apply_lora(specs: list[ParamSpec], targets: Sequence[str], rank: int) -> list[ParamSpec]:
     patterns = [re.compile(t) for t in targets]
     out: list[ParamSpec] = []
     for spec in specs:
-        out.append(ParamSpec(spec.name, spec.shape, trained=False, linear=spec.linear))
+        out.append(
+            ParamSpec(
+                spec.name, spec.shape, trained=False, linear=spec.linear, stacked=spec.stacked
+            )
+        )
+        if not is_adapted(spec, patterns):
+            continue
         lin = spec.linear
-        if lin and spec.name.endswith(".weight") and any(p.fullmatch(lin) for p in patterns):
+        if spec.stacked:  # PaddleFormers' LoRAMoeExperts: per-expert A, B after each weight
+            e, din, dout = spec.shape
+            out.append(ParamSpec(f"{spec.name}_lora_A", (e, din, rank), linear=lin))
+            out.append(ParamSpec(f"{spec.name}_lora_B", (e, rank, dout), linear=lin))
+        else:
             din, dout = spec.shape
             out.append(ParamSpec(f"{lin}.lora_A", (din, rank), linear=lin))
             out.append(ParamSpec(f"{lin}.lora_B", (rank, dout), linear=lin))
