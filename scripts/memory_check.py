@@ -51,6 +51,7 @@ GPU_CONFIGS = (
     "configs/glm/glm45_air_dpo_lora_pp_cp.yaml",
 )
 H20_GIB = 96.0
+GPUS_PER_NODE = 8
 RANK_FILE = "memory.rank{rank}.json"
 
 
@@ -288,11 +289,22 @@ def gpu_plans() -> list[dict[str, Any]]:
                 "items": r.items,
             })  # fmt: skip
         options = [] if p.fits else fit_options(cfg, budget_gib=H20_GIB)
+        par, train = cfg.parallel, cfg.train
         out.append({
             "config": path,
             "world": cfg.parallel.world_size,
+            "nodes": -(-cfg.parallel.world_size // GPUS_PER_NODE),
+            "layout": f"dp {par.dp} × pp {par.pp} × cp {par.cp}",
+            "settings": {
+                "train.param_dtype": train.param_dtype,
+                "parallel.shard_optimizer": par.shard_optimizer,
+                "train.loss_chunk_tokens": train.loss_chunk_tokens,
+                "model.recompute": cfg.model.recompute,
+                "hardware.memory_gib": cfg.hardware.memory_gib,
+            },
             "seq_len": cfg.data.seq_len,
             "fits": p.fits,
+            "peak_bytes": p.peak.total_bytes,
             "budget_bytes": p.budget_bytes,
             "stages": stages,
             "fit_options": [o.to_json() for o in options],
@@ -305,6 +317,15 @@ def gpu_plans() -> list[dict[str, Any]]:
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
+
+
+def _yaml(v: Any) -> str:
+    """A config value as YAML writes it (true, 96, bfloat16)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -393,17 +414,25 @@ def markdown(data: dict[str, Any]) -> str:
         "",
     ]
     lines.append(
-        "Planned as designed for issue 11 (stage-only build; `train.param_dtype`, "
-        "`parallel.shard_optimizer` and `train.loss_chunk_tokens` as each config sets them — "
-        "defaults float32, off, 4096), bf16 compute on GPU. Per stage (its ranks hold equal "
-        "bytes):"
+        "`flashcp plan CONFIG` of each shipped GPU config (`run.device: gpu`, bf16 compute) "
+        "against the 96 GiB of an H20 (`hardware.memory_gib: 96` in each file; "
+        "`flashcp validate` refuses a config that does not fit): each rank builds only its "
+        "pipeline stage, in `train.param_dtype`. Per stage (its ranks hold equal bytes):"
     )
     lines.append("")
     for g in data["gpu_plans"]:
         verdict = "fits" if g["fits"] else "**does not fit**"
+        nodes = g.get("nodes", -(-g["world"] // GPUS_PER_NODE))
+        peak = g.get("peak_bytes", max(s["total_bytes"] for s in g["stages"]))
+        settings = ", ".join(f"`{k}: {_yaml(v)}`" for k, v in g.get("settings", {}).items())
         lines += [
-            f"### `{g['config']}` — {g['world']} GPUs, seq_len {g['seq_len']}: {verdict}",
+            f"### `{g['config']}` — {g['world']} GPUs ({nodes} node{'s' if nodes > 1 else ''} "
+            f"of 8), seq_len {g['seq_len']}: {verdict}, planned peak {_gib(peak)} GiB per rank",
             "",
+        ]
+        if settings:
+            lines += [f"{g.get('layout', '')}; {settings}.", ""]
+        lines += [
             "| stage | ranks | layers | peak GiB | at | largest items (GiB) |",
             "|---|---|---|---|---|---|",
         ]

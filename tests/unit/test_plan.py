@@ -317,10 +317,14 @@ def _glm9b(**overrides: Any) -> Any:
     )
 
 
+UNSHARDED = {"parallel.shard_optimizer": "false", "train.param_dtype": "float32"}
+"""glm4_9b_cp8 without ZeRO-1 and bf16 storage: 160 GiB per rank, over an H20's 96."""
+
+
 def test_refusal_names_rank_item_and_a_change_that_fits() -> None:
-    cfg = _glm9b(**{"hardware.memory_gib": 96})
+    cfg = _glm9b(**UNSHARDED)
     p = plan(cfg)
-    assert not p.fits
+    assert not p.fits and p.budget_bytes == 96 * GIB
     message = refusal(cfg, p)
     assert message is not None
     assert "rank" in message and "stage 0" in message and "optimizer_states" in message
@@ -328,7 +332,8 @@ def test_refusal_names_rank_item_and_a_change_that_fits() -> None:
     options = fit_options(cfg, budget_gib=96)
     assert options
     for option in options:  # every suggestion really fits
-        fixed = load_config(ROOT / "configs/glm/glm4_9b_cp8.yaml", list(option.overrides))
+        overrides = [f"{k}={v}" for k, v in UNSHARDED.items()] + list(option.overrides)
+        fixed = load_config(ROOT / "configs/glm/glm4_9b_cp8.yaml", overrides)
         assert plan(fixed, budget_gib=96).fits
     assert refusal(cfg, plan(cfg, budget_gib=10_000)) is None
 
@@ -358,14 +363,21 @@ def test_cli_plan_json_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> Non
 def test_cli_validate_refuses_over_budget(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    src = (ROOT / "configs/glm/glm4_9b_cp8.yaml").read_text()
+    import yaml
+
+    from flashcp.config import read_yaml
+
+    raw = read_yaml(ROOT / "configs/glm/glm4_9b_cp8.yaml")
+    raw["parallel"]["shard_optimizer"] = False  # as UNSHARDED
+    raw["train"]["param_dtype"] = "float32"
     over = tmp_path / "over.yaml"
-    over.write_text(src + "hardware:\n  memory_gib: 96\n")
+    over.write_text(yaml.safe_dump(raw))
     assert cli.main(["validate", str(over)]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "hardware.memory_gib" in out and "exceeds 96.00 GiB" in out
     fits = tmp_path / "fits.yaml"
-    fits.write_text(src + "hardware:\n  memory_gib: 4096\n")
+    raw["hardware"]["memory_gib"] = 4096
+    fits.write_text(yaml.safe_dump(raw))
     assert cli.main(["validate", str(fits)]) == 0
     peak = plan(load_config(fits)).peak.total_bytes / GIB
     assert f"planned peak {peak:.1f} of 4096 GiB per device" in capsys.readouterr().out
