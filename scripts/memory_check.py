@@ -271,6 +271,7 @@ def replan(case: dict[str, Any]) -> None:
 def gpu_plans() -> list[dict[str, Any]]:
     """The four shipped GPU configs planned against an H20 (96 GiB), with what would fit."""
     from flashcp.config import load_config
+    from flashcp.models import estimate_parameters
     from flashcp.plan import plan
     from flashcp.plan.report import fit_options
 
@@ -292,6 +293,8 @@ def gpu_plans() -> list[dict[str, Any]]:
         par, train = cfg.parallel, cfg.train
         out.append({
             "config": path,
+            "params": estimate_parameters(cfg.model),
+            "recipe": cfg.run.recipe + (" + LoRA" if cfg.extras.get("lora") else ""),
             "world": cfg.parallel.world_size,
             "nodes": -(-cfg.parallel.world_size // GPUS_PER_NODE),
             "layout": f"dp {par.dp} × pp {par.pp} × cp {par.cp}",
