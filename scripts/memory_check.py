@@ -413,6 +413,13 @@ def markdown(data: dict[str, Any]) -> str:
         "T·k rows whatever the skew); the CPU attention kernel's numpy scratch (bounded by "
         "heads × 128 × 1024 floats) is outside Paddle's allocator.",
         "",
+        "Real-width rehearsal (`tests/integration/test_real_width_rehearsal.py`, in CI): the "
+        "last pipeline stage of GLM-4.5-Air at its real width — a dense layer, an MoE layer "
+        "of 128 experts, the 151,552-column head, ~3.2B parameters — built alone in bf16, "
+        "filled through `checkpoint.init_from` from a synthetic sharded HF checkpoint of the "
+        "whole model (reading exactly its share), then one LoRA DPO micro-batch forward and "
+        "backward: the allocator's peak must stay within 15 % of this plan.",
+        "",
         "## The shipped GPU configs on H20 (96 GiB per GPU)",
         "",
     ]
