@@ -253,6 +253,40 @@ def test_moe_layer_kept_and_backward_match_the_allocator(
     assert expected.per_token == pytest.approx(rows.per_token, rel=0.10)
 
 
+def test_expert_buffer_expectations() -> None:
+    """The expected expert buffer: T·k rows on GPU (ragged), padded groups on CPU, a capacity
+    caps every expert's rows; bf16 storage on GPU keeps the grouped GEMMs' inputs in bf16 and
+    float32 adapters on the experts keep float32 copies of them as well."""
+    from flashcp.plan import activations as act
+
+    args = _moe_args(hidden_size=64, num_experts=16, num_experts_per_tok=4)
+    cpu, gpu = act.Dtypes.of("float32", "float32"), act.Dtypes.of("bfloat16", "bfloat16", "gpu")
+    assert act.expert_rows(args, 1024, gpu).per_token == 4.0  # ragged: exactly T·k
+    padded = act.expert_rows(args, 1024, cpu)
+    assert 4.0 < padded.per_token < 4.0 * 1.25 and padded.padded and padded.chunks >= 1
+    loads = act.expected_loads(args, 1024)
+    assert loads == sorted(loads, reverse=True) and abs(sum(loads) - 4096) <= 16
+    capped = preset("tiny_glm_moe", hidden_size=64, num_experts=16, num_experts_per_tok=4,
+                    moe_capacity_factor=1.0)  # fmt: skip
+    assert max(act.expected_loads(capped, 1024)) == 4096 // 16
+    assert gpu.experts == 2 and cpu.experts == 4
+    targets = [r".*mlp\.experts"]
+    rows = act.expert_rows(args, 1024, gpu)
+    on_gpu = act.lora_saved(args, 1, targets, 8, gpu, rows)
+    assert [w for w, _, _ in on_gpu.parts] == [
+        "MoE LoRA x @ A per buffer row",
+        "MoE LoRA float32 inputs per buffer row",
+    ]
+    on_cpu = act.lora_saved(args, 1, targets, 8, cpu, padded)
+    assert on_cpu.res == 2 * 8 * padded.per_token  # x @ A of both projections, per row
+    # a GPU full fine-tune: the gate/up backward holds Paddle's grouped-GEMM weight gradient,
+    # its zeros_like and the masked copy (3 × the stacked weight in bf16)
+    trained = act.moe_backward_bytes(args, gpu, rows, 64, experts_trained=True, lora_experts=False)
+    h, im = args.hidden_size, args.moe_intermediate_size
+    w_gu = args.num_experts * h * 2 * im
+    assert trained == 4 * 64 * (h - im) * 4 + 3 * w_gu * 2
+
+
 # -- what the knobs do ----------------------------------------------------------------------
 
 

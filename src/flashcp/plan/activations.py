@@ -438,15 +438,14 @@ def recompute_replay_extra(args: ModelArgs) -> Counts:
 
 
 def nograd_forward_transient(
-    args: ModelArgs, index: int, rows: ExpertRows | None = None, *, lora_experts: bool = False
+    args: ModelArgs, index: int, rows: ExpertRows | None = None
 ) -> Counts:
     """Peak tensors of one layer's forward without gradients (recompute's first pass, DPO
     reference pass): the MLP's intermediates (SwiGLU ``4·I``, GELU ``2·I``) or attention's
     ``3·q + 3·kv`` plus the hidden in and out. A grouped MoE layer (r buffer rows per token)
     peaks at its gate/up projection — the gathered rows and the gate/up output, in chunk parts
     and concatenated — at the down projection (rows, SwiGLU output, expert output in parts
-    and concatenated), or at the combine (expert output, every token's k rows, the sum);
-    adapted experts add the adapter branch's gate/up output and its scaled copy."""
+    and concatenated), or at the combine (expert output, every token's k rows, the sum)."""
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     n = Counts()
@@ -457,7 +456,7 @@ def nograd_forward_transient(
         r, im, k = rows.per_token, args.moe_intermediate_size, args.num_experts_per_tok
         parts = 2 if rows.chunks > 1 else 1
         routed = max(
-            r * (h + parts * 2 * im + (4 * im if lora_experts else 0)),
+            r * (h + parts * 2 * im),
             r * (h + 3 * im),
             r * (h + im + parts * h),
             r * h + k * h + h,
