@@ -336,6 +336,59 @@ def _ep_rows(rep: dict[str, Any], where: str) -> list[Row]:
     ]
 
 
+def memory_rows(docs: Path) -> list[Row]:
+    rep = _load(docs, "memory.json")
+    if rep is None:
+        return []
+    where = "`docs/memory.md`"
+    rows: list[Row] = []
+    run = [c for c in rep["cases"] if "ranks" in c]
+    if run:
+        within = sum(bool(c["within"]) for c in run)
+        ratios = [(m["ratio"], c["name"]) for c in run for m in c["ranks"]]
+        worst = max(ratios, key=lambda r: abs(r[0] - 1))
+        lo, hi = min(r for r, _ in ratios), max(r for r, _ in ratios)
+        tol = round(100 * rep["tolerance"])
+        rows.append(
+            (
+                "memory planner (`flashcp plan`) vs the allocator's peak, every rank, "
+                f"{len(run)} configs trained on CPU from tiny to GLM-4-9B / GLM-4.5-Air width "
+                "at 2 layers (`scripts/memory_check.py`)",
+                f"{within} of {len(run)} configs within ±{tol} %; measured/predicted "
+                f"{_span(lo, hi, '.3f')}, worst {worst[0]:.3f} (`{worst[1]}`)",
+                where,
+            )
+        )
+    gib = 2**30
+    plans = rep.get("gpu_plans", [])
+    node = [g for g in plans if g["fits"] and g["world"] <= 8 and "params" in g]
+    if node:
+        g = max(node, key=lambda g: (g["params"], g["peak_bytes"]))
+        rows.append(
+            (
+                "largest shipped config that fits one 8×H20 node (96 GiB per GPU) by the plan",
+                f"`{g['config']}` ({g['params'] / 1e9:.1f}B parameters, {g['recipe']}, "
+                f"{g['layout']}, {g['seq_len']:,} tokens per sequence): "
+                f"{g['peak_bytes'] / gib:.1f} GiB per rank",
+                where,
+            )
+        )
+    more = [g for g in plans if g["fits"] and g["world"] > 8 and "params" in g]
+    if more:
+        parts = [
+            f"`{Path(g['config']).stem}` {g['world']} GPUs ({g['peak_bytes'] / gib:.1f} GiB)"
+            for g in sorted(more, key=lambda g: g["world"])
+        ]
+        rows.append(
+            (
+                "shipped configs that need more than one node of 8×H20 by the plan",
+                ", ".join(parts),
+                where,
+            )
+        )
+    return rows
+
+
 SECTIONS: list[Callable[[Path], list[Row]]] = [
     kernel_rows,
     balance_rows,
@@ -344,6 +397,7 @@ SECTIONS: list[Callable[[Path], list[Row]]] = [
     launch_rows,
     dpo_rows,
     loss_memory_rows,
+    memory_rows,
     moe_rows,
 ]
 

@@ -1,4 +1,4 @@
-"""The `flashcp` command: `train`, `validate`, `plot`, `export`, `explain-dispatch`, `--version`."""
+"""The `flashcp` command: train, validate, plan, plot, export, explain-dispatch, --version."""
 
 from __future__ import annotations
 
@@ -80,17 +80,33 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     p = cfg.parallel
     recipe = cfg.run.recipe + (" + LoRA" if "lora" in cfg.extras else "")
+    memory = ""
+    if cfg.hardware.memory_gib is not None:
+        from flashcp.plan import GIB, plan
+
+        peak = plan(cfg).peak.total_bytes / GIB
+        memory = f", planned peak {peak:.1f} of {cfg.hardware.memory_gib:g} GiB per device"
     source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
         f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
         + (f"ep={p.ep} " if p.ep > 1 else "")
         + f"({p.cp_mode}, world {p.world_size}), seq_len {cfg.data.seq_len}, {cfg.train.dtype} on "
-        f"{cfg.run.device}"
+        f"{cfg.run.device}{memory}"
     )
 
 
+def _memory_refusal(cfg) -> str | None:  # type: ignore[no-untyped-def]
+    """The over-budget message of `cfg`'s memory plan (None: fits, or no hardware.memory_gib)."""
+    if cfg.hardware.memory_gib is None:
+        return None
+    from flashcp.plan import plan
+    from flashcp.plan.report import refusal
+
+    return refusal(cfg, plan(cfg))
+
+
 def _validate(args: argparse.Namespace) -> int:
-    from flashcp.config import collect, read_yaml
+    from flashcp.config import ConfigError, collect, read_yaml
     from flashcp.config.errors import ConfigValidationError
     from flashcp.config.placeholders import find_placeholders
 
@@ -110,6 +126,8 @@ def _validate(args: argparse.Namespace) -> int:
                                   nnodes=args.nnodes, allow_placeholders=True)  # fmt: skip
         except ConfigValidationError as exc:
             cfg, errors = None, exc.errors
+        if not errors and cfg is not None and (message := _memory_refusal(cfg)) is not None:
+            errors = [ConfigError("hardware.memory_gib", message)]
         if errors or cfg is None:
             failed += 1
             print(f"FAIL  {ConfigValidationError(errors, str(path))}")
@@ -162,6 +180,26 @@ def _train(args: argparse.Namespace) -> int:
         overwrite=cfg.run.overwrite,
         nodes=Nodes(count=args.nnodes, rank=args.node_rank, master=args.master),
     )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.plan import plan
+    from flashcp.plan.report import format_plan
+
+    try:
+        cfg = load_config(args.config, args.overrides, allow_placeholders=True)
+    except ConfigValidationError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    p = plan(cfg, device=args.device, budget_gib=args.device_memory)
+    if args.json:
+        print(json.dumps(p.to_json()))
+    else:
+        print(format_plan(p, cfg, source=str(args.config)))
+    return 0 if p.fits else 1
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -267,6 +305,34 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "--nnodes", type=int, default=1, help="also check that dp×pp×cp splits over this many nodes"
     )
     validate.set_defaults(func=_validate)
+    plan = sub.add_parser(
+        "plan",
+        help="memory plan: bytes per rank (stage) at its peak, against the device budget",
+        description="Plan CONFIG's memory per rank before launch: parameters, gradients, "
+        "master weights, optimizer states, activations, logits/loss, communication buffers, "
+        "against hardware.memory_gib (or --device-memory). Exit 1 when a rank does not fit.",
+    )
+    plan.add_argument("config", help="YAML run config")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    plan.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="per-device budget in GiB (default: hardware.memory_gib)",
+    )
+    plan.add_argument(
+        "--device",
+        choices=["cpu", "gpu"],
+        default=None,
+        help="plan for this device (default: run.device; auto counts as cpu)",
+    )
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits"}',
+    )
+    plan.set_defaults(func=_plan)
     plot = sub.add_parser(
         "plot",
         help="PNG of a run's metrics.jsonl: loss (and eval), lr, grad norm, throughput/MFU, "

@@ -116,7 +116,9 @@ def check_run_info(run: Path, ref: Path, *, layers: list[range]) -> None:
     metrics.jsonl's peak memory is the maximum over the ranks."""
     info = json.loads((run / "run_info.json").read_text())
     assert info["world"] == 4 and info["degrees"] == {"dp": 1, "pp": 2, "cp": 2, "ep": 1}
-    assert info["plan"] is None and info["param_dtype"] == "float32"
+    assert info["param_dtype"] == "float32"
+    planned = {r["rank"]: r for r in info["plan"]["ranks"]}  # flashcp.plan, per rank
+    assert sorted(planned) == [0, 1, 2, 3] and info["plan"]["device"] == "cpu"
     whole = {
         n: int(v.size) for n, v in load_file(str(ref / GRADS_DIR / "step_1.safetensors")).items()
     }
@@ -137,6 +139,8 @@ def check_run_info(run: Path, ref: Path, *, layers: list[range]) -> None:
         assert r["layers"] == [mine.start, mine.stop]
         assert r["params_local"] == r["trainable_params_local"] == share
         assert r["param_bytes_local"] == 4 * share
+        plan_r = planned[r["rank"]]  # the plan counts exactly what the rank built
+        assert plan_r["stage"] == s and plan_r["items"]["params_trained"] == 4 * share
         assert r["params_local"] < sum(whole.values())  # nobody built the whole model
         assert r["allocated_bytes"] >= r["param_bytes_local"]
         assert r["peak_bytes"] < 4 * sum(whole.values())  # not even briefly

@@ -102,6 +102,8 @@ def test_every_problem_is_reported_at_once() -> None:
         ("train", {"steps": 0}, "train.steps", ">= 1"),
         ("train", {"grad_clip": -1.0}, "train.grad_clip", ">= 0"),
         ("train", {"log_every": 0}, "train.log_every", ">= 1"),
+        ("train", {"loss_chunk_tokens": -1}, "train.loss_chunk_tokens", "0 = unchunked"),
+        ("hardware", {"memory_gib": 0}, "hardware.memory_gib", "> 0 GiB or null"),
         ("data", {"seq_len": 1}, "data.seq_len", ">= 2"),
         ("data", {"micro_batch_size": 0}, "data.micro_batch_size", ">= 1"),
         ("data", {"path": "/no/such.jsonl"}, "data.path", "no file or directory at"),
@@ -380,8 +382,10 @@ def test_to_yaml_round_trip_and_hash() -> None:
     again = build_config(yaml.safe_load(to_yaml(cfg)))
     assert to_dict(again) == to_dict(cfg)
     assert config_hash(again) == config_hash(cfg)
-    longer = build_config(_raw(), overrides=["train.steps=50", "run.output_dir=elsewhere"])
-    assert config_hash(longer) == config_hash(cfg)  # steps / run keys do not bind checkpoints
+    longer = build_config(
+        _raw(), overrides=["train.steps=50", "run.output_dir=elsewhere", "hardware.memory_gib=80"]
+    )
+    assert config_hash(longer) == config_hash(cfg)  # steps / run / budget do not bind checkpoints
     other = build_config(_raw(), overrides=["train.lr=0.5"])
     assert config_hash(other) != config_hash(cfg)
 

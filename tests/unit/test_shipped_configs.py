@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from flashcp.cp import make_assignment
 from flashcp.data import TrainData
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.hf_config import TRAINING_FIELDS, hf_config
+from flashcp.plan import GIB, plan
+from flashcp.plan.report import GPUS_PER_NODE, over_budget
 from flashcp.recipes.adapters import apply_lora_config
 from flashcp.recipes.dpo_stream import DPOData
 from flashcp.trainer import resolve_dtype
@@ -75,8 +78,48 @@ def test_header_shows_launch_commands(path: Path) -> None:
     text = "\n".join(header)
     assert header, f"{_rel(path)} has no header comment"
     assert f"flashcp train {_rel(path)}" in text
-    assert f"--nproc_per_node {cfg.parallel.world_size} src/flashcp/train.py" in text
+    world = cfg.parallel.world_size
+    single = f"--nproc_per_node {world} src/flashcp/train.py" in text
+    nodes = -(-world // GPUS_PER_NODE)
+    multi = (  # one launcher per node
+        world > GPUS_PER_NODE
+        and f"--nnodes {nodes} --node-rank R" in text
+        and f"--nnodes {nodes} --rank R" in text
+        and f"--nproc_per_node {world // nodes} src/flashcp/train.py" in text
+    )
+    assert single or multi, f"{_rel(path)}: no launch command for {world} processes"
     assert f"--config {_rel(path)}" in text
+
+
+def _header(path: Path) -> str:
+    """The header comment as one line of text."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return " ".join(lines)
+
+
+GPU_CONFIGS = [p for p in CONFIGS if load_config(p, allow_placeholders=True).run.device == "gpu"]
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=_rel)
+def test_gpu_config_fits_its_budget_by_the_plan(path: Path) -> None:
+    """Issue 11: every GPU config plans within 96 GiB per H20 (`hardware.memory_gib`), and its
+    header states the planned peak per rank and the GPUs / nodes it needs."""
+    cfg = load_config(path, allow_placeholders=True)
+    assert cfg.hardware.memory_gib == 96
+    p = plan(cfg, device="gpu")
+    assert p.fits, over_budget(p)
+    header = _header(path)
+    peak = re.search(r"planned peak ([\d.]+) GiB per rank", header)
+    assert peak, f"{_rel(path)}: the header does not state the planned peak"
+    assert float(peak.group(1)) == round(p.peak.total_bytes / GIB, 1)
+    need = re.search(r"needs (\d+) GPUs = (\d+) nodes? of 8", header)
+    assert need, f"{_rel(path)}: the header does not state the GPUs / nodes it needs"
+    world = cfg.parallel.world_size
+    assert (int(need.group(1)), int(need.group(2))) == (world, -(-world // GPUS_PER_NODE))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_rel)

@@ -106,7 +106,15 @@ def test_twenty_steps_learn(tmp_path: Path) -> None:
     info = json.loads((Path(cfg.run.output_dir) / "run_info.json").read_text())
     n = estimate_parameters(cfg.model)
     assert info["world"] == 1 and info["degrees"] == {"dp": 1, "pp": 1, "cp": 1, "ep": 1}
-    assert info["param_dtype"] == "float32" and info["plan"] is None
+    assert info["param_dtype"] == "float32"
+    # the memory plan (flashcp.plan) of this config on this device: its parameter bytes are
+    # what the rank built, its items sum to its total
+    planned = info["plan"]
+    assert planned["device"] == "cpu" and planned["budget_bytes"] is None and planned["fits"]
+    (mine,) = planned["ranks"]
+    assert mine["total_bytes"] == sum(mine["items"].values()) == planned["peak_bytes"]
+    assert mine["items"]["params_trained"] == 4 * n and mine["items"]["params_frozen"] == 0
+    assert planned["moments"]["0"] in {"forward: loss", "backward: head", "backward: layer"}
     (rank,) = info["ranks"]
     assert rank["rank"] == 0 and rank["stage"] == 0 and rank["layers"] == [0, 2]
     assert rank["params_local"] == rank["trainable_params_local"] == n

@@ -523,6 +523,7 @@ HASH_EXCLUDE: tuple[str, ...] = (
     "model.from_pretrained",
     "run",
     "checkpoint",
+    "hardware",
     "debug",
     "eval",
     "hardware",

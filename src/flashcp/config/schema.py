@@ -272,11 +272,14 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class HardwareConfig:
-    """What the devices can do, for the metrics derived from it."""
+    """What the devices are: for the metrics derived from them and the memory plan."""
 
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of ONE device in the compute dtype (e.g. 989 for an H100 SXM in
     bf16, 312 for an A100): the denominator of the `mfu` metric. null = no `mfu` reported."""
+    memory_gib: float | None = None
+    """Per-device memory budget in GiB the memory plan must fit (`flashcp plan`); null = no
+    budget check (CPU configs). The GPU configs set 96 (an H20)."""
 
 
 @dataclass(kw_only=True)

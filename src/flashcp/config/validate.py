@@ -244,6 +244,9 @@ def _check_train(cfg: Config, c: _Checks) -> None:
             "train.loss_chunk_tokens",
             f"must be >= 0 (0 = unchunked), got {t.loss_chunk_tokens}: e.g. 4096",
         )
+    gib = cfg.hardware.memory_gib
+    if gib is not None and not gib > 0:
+        c.add("hardware.memory_gib", f"must be > 0 GiB or null (no budget), got {gib}")
     if t.dtype == "bfloat16" and cfg.run.device == "cpu":
         c.add(
             "train.dtype",

@@ -39,6 +39,7 @@ def build_model(
     param_dtype: str = "float32",
     seed: int | None = None,
     allow_large_on_cpu: bool = False,
+    initialise: bool = True,
 ) -> CausalLM:
     """Build the model `args` describe, or only pipeline stage `stage` of it, initialised.
 
@@ -49,6 +50,12 @@ def build_model(
     its name) only (`flashcp.models.init`), so a stage equals the same slice of the whole model
     bitwise. `seed` None draws one from Paddle's global generator (`paddle.seed(k)` first makes
     the build reproducible).
+
+    `initialise=False` leaves every parameter at the build's constant fill (0, or its rule's
+    constant) instead of drawing its values: for a module every parameter of which is loaded
+    next (`checkpoint.init_from`, whose loader refuses a checkpoint missing any of them; an
+    export shard), where drawing billions of random numbers on the host would only be thrown
+    away. The seed is drawn either way, so Paddle's generator advances alike.
     """
     args.check()
     if param_dtype not in PARAM_DTYPES:
@@ -71,7 +78,8 @@ def build_model(
     cls = GPTForCausalLM if args.arch == "gpt" else GLMForCausalLM
     with default_dtype(param_dtype), deferred_init():
         model = cls(args, stage=spec)
-    init_parameters(model, seed)
+    if initialise:
+        init_parameters(model, seed)
     return model
 
 

@@ -140,10 +140,19 @@ def plan_layout(counts: Sequence[int], x: paddle.Tensor, mode: str = "auto") -> 
         return ExpertLayout(counts, _groups(counts, range(experts), experts))
     if mode == "ragged":
         return ExpertLayout(counts, _groups(counts, range(experts), 1))
+    return ExpertLayout(counts, cost_chosen_groups(counts))
+
+
+def cost_chosen_groups(counts: Sequence[int]) -> tuple[Group, ...]:
+    """The CPU "grouped" layout of rows `counts` per expert (module docstring): the experts
+    sorted by count, largest first, cut into runs of E, E/2, ..., 1 experts; the cut with the
+    fewest ``padded rows + GROUP_COST_ROWS · groups``. Pure (host ints), so the memory planner
+    (`flashcp.plan.activations`) evaluates it on expected counts."""
+    counts = tuple(int(c) for c in counts)
     order = np.argsort(-np.asarray(counts), kind="stable")  # largest first
-    best: tuple[int, ...] | None = None
+    best: tuple[Group, ...] = ()
     best_cost = None
-    size = experts
+    size = len(counts)
     while size >= 1:
         groups = _groups(counts, order, size)
         cost = sum(g.rows for g in groups) + GROUP_COST_ROWS * len(groups)
@@ -152,7 +161,7 @@ def plan_layout(counts: Sequence[int], x: paddle.Tensor, mode: str = "auto") -> 
         if size == 1:
             break
         size = max(1, size // 2)
-    return ExpertLayout(counts, best)
+    return best
 
 
 class _GatherRows(PyLayer):

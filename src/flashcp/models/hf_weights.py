@@ -489,11 +489,11 @@ def load_hf_checkpoint(
     with contextlib.closing(_read_tensors(module, path, report, strict=strict)) as tensors:
         for entry, info, raw in tensors:
             value = cast_raw(raw, info.dtype, _dtype_name(entry.tensor))
-            if entry.transposed:
-                value = value.T
             tensor = paddle.to_tensor(np.ascontiguousarray(value), place=entry.tensor.place)
             if tensor.dtype != entry.tensor.dtype:  # numpy has no bf16: uint16 → bf16
                 raise AssertionError(f"{info.key}: {tensor.dtype} != {entry.tensor.dtype}")
+            if entry.transposed:  # on the device (Paddle's kernel beats numpy's strided copy)
+                tensor = tensor.transpose([1, 0]).contiguous()
             entry.assign(tensor)
             del tensor, value
             if on_tensor is not None:

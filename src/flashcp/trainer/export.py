@@ -194,9 +194,11 @@ def shard_name(index: int, count: int) -> str:
 def _build_shard(cfg: Config, spec: StageSpec, reader: TensorReader, lora: bool) -> Any:
     """Shard `spec` with the run's trained values."""
     args = cfg.model
+    # every parameter is read next (the run's checkpoint; with LoRA the base from init_from)
+    filled = not lora or cfg.checkpoint.init_from is not None
     model = build_model(
         args, stage=spec, param_dtype=cfg.train.param_dtype, seed=cfg.train.seed,
-        allow_large_on_cpu=True,
+        allow_large_on_cpu=True, initialise=not filled,
     )  # fmt: skip
     if not lora:
         from flashcp.trainer.state import load_model_arrays

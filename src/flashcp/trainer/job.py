@@ -8,9 +8,10 @@ job's. Ctrl-C / SIGTERM stops everything: the launcher runs in its own process g
 sent SIGTERM (then SIGKILL after a grace period), and any worker the launcher moved to another
 session is found by the job's unique `FLASHCP_JOB_ID` environment marker and stopped too.
 
-Before launching, `run_job` checks what the config cannot (`check_dispatch`, `master_port`,
-`check_run_dir`, `check_output_dir`): the FlashAttention flags in the environment resolve for
-this model, `FLASHCP_MASTER_PORT` (an optional fixed port for the launcher's master) is free,
+Before launching, `run_job` checks what the config cannot (`check_dispatch`, `check_memory`,
+`master_port`, `check_run_dir`, `check_output_dir`): the FlashAttention flags in the environment
+resolve for this model, the memory plan fits `hardware.memory_gib` (`flashcp plan`),
+`FLASHCP_MASTER_PORT` (an optional fixed port for the launcher's master) is free,
 the run may start in `run.output_dir` (no fresh run over an earlier run's checkpoints, see
 `flashcp.trainer.rundir`), and `run.output_dir` can be written. A problem is printed as one
 line and the exit code is 2, with nothing launched and nothing written or moved. Then, with
@@ -295,6 +296,23 @@ def check_dispatch(config: str | Path, overrides: Sequence[str]) -> None:
         raise PreflightError(f"FlashAttention dispatch: {exc}") from None
 
 
+def check_memory(config: str | Path, overrides: Sequence[str]) -> None:
+    """The memory plan fits `hardware.memory_gib` (`flashcp.plan`; no check when it is null)."""
+    from flashcp.config import load_config
+
+    cfg = load_config(config, overrides, allow_placeholders=True)
+    if cfg.hardware.memory_gib is None:
+        return
+    from flashcp.plan import plan
+    from flashcp.plan.report import refusal
+
+    message = refusal(cfg, plan(cfg))
+    if message is not None:
+        raise PreflightError(
+            f"{message}; or set hardware.memory_gib=null to launch without the memory check"
+        )
+
+
 def _move_aside(output_dir: str | Path) -> Path | None:
     """`rundir.move_aside`, its refusals (checked before anything moves) as `PreflightError`."""
     try:
@@ -533,6 +551,7 @@ def run_job(
     local = nproc // nodes.count
     try:
         check_dispatch(config, overrides)
+        check_memory(config, overrides)
         port = master_port() if nodes.master is None else None
         if nodes.master is not None:
             check_master(nodes)

@@ -173,12 +173,17 @@ def set_determinism(cfg: Config) -> None:
 
 def default_model_factory(cfg: Config, stage: StageSpec | None = None) -> paddle.nn.Layer:
     """Build the configured model — only pipeline stage `stage` of it when given — directly in
-    `train.param_dtype`, initialised from `train.seed` (`flashcp.models.build_model`), then
-    load `checkpoint.init_from`."""
+    `train.param_dtype`, initialised from `train.seed` (`flashcp.models.build_model`), or
+    with `checkpoint.init_from` filled from that checkpoint instead (every parameter is read
+    from it, so none is drawn first)."""
     from flashcp.models import build_model
 
     model = build_model(
-        cfg.model, stage=stage, param_dtype=cfg.train.param_dtype, seed=cfg.train.seed
+        cfg.model,
+        stage=stage,
+        param_dtype=cfg.train.param_dtype,
+        seed=cfg.train.seed,
+        initialise=cfg.checkpoint.init_from is None,
     )
     init_weights(model, cfg)
     return model

@@ -8,7 +8,10 @@
                 "param_bytes_local": ..., "trainable_params_local": ...,
                 "reference_params_local": 0, "reference_param_bytes_local": 0,
                 "allocated_bytes": ..., "peak_bytes": ...}, ...],
-     "plan": null, "data": {"source": ..., "rows": ..., "bad_records": {...}}}
+     "plan": {"ranks": [{"rank": 0, "stage": 0, "total_bytes": ..., "items": {...}}, ...],
+              "budget_bytes": null, "fits": true, "device": "cpu", "peak_rank": 0,
+              "peak_bytes": ..., "moments": {"0": "backward: layer", ...}, ...},
+     "data": {"source": ..., "rows": ..., "bad_records": {...}}}
 
 `global_batch` is what one optimizer step consumes, the whole job (`Trainer.global_batch`:
 micro_batch_size × grad_accum × dp sequences of seq_len tokens). `params_local` /
@@ -18,7 +21,8 @@ LoRA adapters included); a frozen DPO reference copy is
 counted apart (`reference_*`). `allocated_bytes` is the allocator's count of live Paddle tensors
 after the build and `peak_bytes` its peak so far (`flashcp.trainer.memory`): a rank that built
 more than its stage, even briefly, shows it there. `plan` is the memory planner's prediction for the
-config (`plan_summary`), null until a planner is available. `data` is what the recipe's data
+config on the run's device (`plan_summary`, `flashcp.plan`): per rank the planned bytes at its
+peak, item by item, against `hardware.memory_gib`. `data` is what the recipe's data
 read (`data_report`): rows, usable documents, tokens, and the bad records it skipped.
 """
 
@@ -69,9 +73,25 @@ def rank_record(trainer: Any) -> dict[str, Any]:
     }
 
 
-def plan_summary(cfg: Any) -> dict[str, Any] | None:
-    """The memory plan of `cfg` for `run_info.json` (None: no planner in this build)."""
-    return None
+def plan_summary(cfg: Any, device: str | None = None) -> dict[str, Any]:
+    """The memory plan of `cfg` on `device` (`flashcp.plan`, what `flashcp plan --json`
+    prints: every rank's planned bytes item by item, the budget and whether it fits), plus the
+    device and dtypes it assumed, each stage's peak moment, and the largest rank — to compare
+    with the measured `peak_bytes` of the rank records and metrics.jsonl."""
+    from flashcp.plan import plan
+
+    p = plan(cfg, device=device)
+    peak = p.peak
+    return {
+        **p.to_json(),
+        "device": p.device,
+        "compute_dtype": p.compute_dtype,
+        "param_dtype": p.param_dtype,
+        "moments": {str(r.stage): r.moment for r in p.stages()},
+        "peak_rank": peak.rank,
+        "peak_bytes": peak.total_bytes,
+        "notes": list(p.notes),
+    }
 
 
 def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -89,7 +109,7 @@ def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, A
         "compute_dtype": trainer.dtype,
         "global_batch": trainer.global_batch(),
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
-        "plan": plan_summary(cfg),
+        "plan": plan_summary(cfg, trainer.device),
         "data": data_report(trainer),
     }
 

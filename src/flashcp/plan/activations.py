@@ -1,0 +1,494 @@
+"""What autograd keeps per decoder layer, per token, read from the models' code and checked
+against Paddle's allocator on CPU.
+
+Every count is *elements per local token* of one micro-batch, split by the dtype class the
+tensor has:
+
+* ``f``: always float32 — RMSNorm's normalised input and its rsqrt, LayerNorm's mean/var, the
+  attention LSE, the MoE router (it computes in float32, `flashcp.models.moe`);
+* ``res``: the residual stream and norm outputs — float32 always: O1 autocast keeps them
+  float32, and with bf16 storage the embedding outputs float32 and norms return their input's
+  dtype (`flashcp.models.layers`), so pipeline stages exchange float32 too;
+* ``c``: the compute dtype (train.dtype resolved: bf16 on GPU, float32 on CPU) — matmul
+  outputs: q/k/v projections, rotated q/k, the attention output, MLP intermediates;
+* ``e``: what the routed experts' grouped matmuls save as their inputs
+  (`flashcp.models.grouped_matmul`): on CPU the activations as they come (float32), on GPU
+  Paddle's grouped GEMM casts them to the stored weights' dtype (train.param_dtype).
+
+int64 tensors (the MoE router's choices and buffer slots) count as two float32 elements.
+
+Measured on CPU (paddlepaddle 3.3.1, float32, `host_memory_stat_*`), layer by layer, these are
+exact (to the byte): e.g. a GLM-4 layer keeps ``10·H + 3·q + 3·kv + 4·I`` float32 elements
+(+ LSE and rsqrt) per token without recompute. The MoE layer's routed part depends on how
+many rows the expert buffer has (`expert_rows`: T·k, plus padding on CPU), which the planner
+takes from the expected per-expert load of a uniform router.
+The bf16 classes follow Paddle's O1 rules (matmuls in bf16, norms and reductions in float32)
+and are not verified on a GPU here.
+
+Names: H hidden, q = heads·head_dim, kv = kv_heads·head_dim, I intermediate, Hq query heads,
+E experts, k experts per token, Im expert intermediate, Is shared-expert intermediate, r rows
+of the routed-expert buffer per token (`ExpertRows`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+from flashcp.models.config import ModelArgs
+from flashcp.models.experts import cost_chosen_groups
+from flashcp.models.grouped_matmul import CAST_CHUNK_BYTES
+from flashcp.models.moe_dispatch import capacity_for
+from flashcp.plan.params import ParamSpec, is_adapted, layer_parameters
+
+
+@dataclass
+class Counts:
+    """Elements per token by dtype class (``f``, ``res``, ``c``), with what each counts."""
+
+    f: float = 0.0
+    res: float = 0.0
+    c: float = 0.0
+    e: float = 0.0
+    parts: list[tuple[str, str, float]] = field(default_factory=list)
+
+    def add(self, what: str, cls: str, n: float) -> Counts:
+        setattr(self, cls, getattr(self, cls) + n)
+        self.parts.append((what, cls, n))
+        return self
+
+    def bytes(self, dt: Dtypes) -> float:
+        """Bytes per token for the dtype sizes `dt`."""
+        return self.f * 4 + self.res * dt.res + self.c * dt.c + self.e * dt.experts
+
+    def __add__(self, other: Counts) -> Counts:
+        out = Counts(self.f, self.res, self.c, self.e, [*self.parts])
+        for what, cls, n in other.parts:
+            out.add(what, cls, n)
+        return out
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Byte sizes: `c` compute dtype, `res` residual stream, `param` parameter storage,
+    `experts` the routed experts' saved GEMM inputs; `gpu`: the device is a GPU."""
+
+    c: int
+    res: int
+    param: int
+    experts: int = 4
+    gpu: bool = False
+
+    @classmethod
+    def of(cls, compute: str, param_dtype: str, device: str = "cpu") -> Dtypes:
+        c = 2 if compute == "bfloat16" else 4
+        p = 2 if param_dtype == "bfloat16" else 4
+        gpu = device == "gpu"
+        # GPU: Paddle's grouped GEMM computes in the weights' dtype; CPU: batched matmuls on
+        # the float32 activations, the weights upcast chunk by chunk
+        return cls(c=c, res=4, param=p, experts=p if gpu else 4, gpu=gpu)
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 O1 autocast: matmuls cast their float32 inputs (and float32 weights) to bf16
+        and save those copies for backward."""
+        return self.c < 4
+
+    @property
+    def upcast(self) -> bool:
+        """bf16 storage with float32 compute (CPU): each matmul upcasts its weight without
+        saving the copy (`flashcp.models.precision.cast_linear`), so copies are transient."""
+        return self.param < self.c
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The routed experts' buffer of one MoE call, as the planner expects it
+    (`flashcp.models.experts.plan_layout`)."""
+
+    per_token: float
+    """Buffer rows per token: T·k entries (fewer under a capacity), plus padding on CPU."""
+    padded: bool
+    """CPU padded groups (padding rows); False: GPU ragged (Paddle's grouped GEMM)."""
+    chunk_experts: int
+    """Experts whose weights one grouped-matmul chunk takes out of the stack at once (CPU: a
+    copy, upcast to the compute dtype, `flashcp.models.grouped_matmul.CAST_CHUNK_BYTES`);
+    0 on GPU (no copies)."""
+    chunks: int
+    """Batched matmuls per projection (CPU; > 1: their outputs are concatenated)."""
+
+
+def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
+    """Entries per expert of one call of `tokens` tokens, largest first, as a uniform router
+    spreads them: the quantiles ``(j + 1/2) / E`` of the normal approximation of each expert's
+    Binomial(T·k, 1/E) load, clipped by the capacity (`model.moe_capacity_factor`). A trained,
+    skewed router pads more on CPU; on GPU (ragged, no padding) only the total T·k counts."""
+    e, k = args.num_experts, args.num_experts_per_tok
+    entries = tokens * k
+    mean = entries / e
+    sd = math.sqrt(entries * (1 / e) * (1 - 1 / e))
+    z = NormalDist()
+    loads = [max(0, round(mean + sd * z.inv_cdf(1 - (j + 0.5) / e))) for j in range(e)]
+    cap = capacity_for(args.moe_capacity_factor, tokens, k, e)
+    return [min(c, cap) for c in loads] if cap is not None else loads
+
+
+def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes) -> ExpertRows:
+    """The `ExpertRows` of a call of `tokens` tokens (see `expected_loads`): on GPU ragged, on
+    CPU the cost-chosen padded groups of `flashcp.models.experts.cost_chosen_groups`, each cut
+    into chunks of at most `CAST_CHUNK_BYTES` of gate/up weights in the compute dtype."""
+    loads = expected_loads(args, tokens)
+    if dt.gpu:
+        return ExpertRows(sum(loads) / max(tokens, 1), False, 0, 0)
+    groups = cost_chosen_groups(loads)
+    per_expert = args.hidden_size * 2 * args.moe_intermediate_size * dt.c
+    per_chunk = max(1, CAST_CHUNK_BYTES // per_expert)
+    rows = sum(g.rows for g in groups)
+    largest = max((len(g.experts) for g in groups), default=0)
+    chunks = sum(-(-len(g.experts) // per_chunk) for g in groups)
+    return ExpertRows(rows / max(tokens, 1), True, min(largest, per_chunk), chunks)
+
+
+def _attention(args: ModelArgs, counts: Counts) -> None:
+    """Self-attention (`flashcp.models.attention`): the q/k/v projection outputs stay alive
+    (rotary keeps slices of them), the rotated q/k, v and the output are saved by the FlashMask
+    PyLayer (and the output by o_proj), plus the float32 LSE `[Hq]` per token."""
+    hd = args.head_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    counts.add("q/k/v projections", "c", q + 2 * kv)
+    if not args.uses_learned_positions:
+        counts.add("rotated q, k", "c", q + kv)
+    counts.add("attention output", "c", q)
+    counts.add("attention LSE", "f", args.num_heads)
+
+
+def layer_saved(
+    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None
+) -> Counts:
+    """Elements per token decoder layer `index` keeps for backward WITHOUT recompute, including
+    its output (the next layer's input); the layer's input is the previous layer's output and
+    is not counted again. `rows`: the MoE layers' expert buffer (default: T·k rows, unpadded).
+
+    Norms: RMSNorm keeps its normalised input (`h * rsqrt`, saved by the weight multiply) and
+    rsqrt `[1]`; a new input (not the layer input) is also kept, by `pow`. LayerNorm keeps
+    mean/var `[2]` and a new input. A norm's output counts when a matmul consumes it (it is
+    then saved as the matmul's input), not when it is added to the residual (`add` saves
+    nothing). Under bf16 autocast every matmul on a float32 input also saves its bf16 copy.
+    """
+    h = args.hidden_size
+    n = Counts()
+
+    def norm(name: str, *, new_input: bool, out_saved: bool, rms: bool = True) -> None:
+        if new_input:
+            n.add(f"{name}: input", "res", h)
+        if rms:
+            n.add(f"{name}: normalised input", "res", h)
+            n.add(f"{name}: rsqrt", "f", 1)
+        else:
+            n.add(f"{name}: mean, variance", "f", 2)
+        if out_saved:
+            n.add(f"{name}: output (matmul input)", "res", h)
+
+    gpt = args.arch == "gpt"
+    if gpt:
+        n.add("input_layernorm: output (matmul input)", "res", h)
+        n.add("input_layernorm: mean, variance", "f", 2)
+    else:
+        norm("input_layernorm", new_input=False, out_saved=True)
+    _attention(args, n)
+    if args.arch == "glm":
+        norm("post_self_attn_layernorm", new_input=True, out_saved=False)
+    if gpt:
+        norm("post_attention_layernorm", new_input=True, out_saved=True, rms=False)
+        n.add("MLP fc_in output, gelu output", "c", 2 * args.intermediate_size)
+    else:
+        norm("post_attention_layernorm", new_input=True, out_saved=True)
+        if args.is_moe_layer(index):
+            _moe(args, n, rows or _unpadded(args))
+        else:
+            n.add("MLP gate/up, silu, product", "c", 4 * args.intermediate_size)
+    if args.arch == "glm":
+        norm("post_mlp_layernorm", new_input=True, out_saved=False)
+    n.add("layer output", "res", h)
+    if dt.autocast:
+        n.add("bf16 copies of float32 matmul inputs", "c", h * _float32_matmul_inputs(args, index))
+    return n
+
+
+def _float32_matmul_inputs(args: ModelArgs, index: int) -> float:
+    """Autocast matmuls of a layer whose input is a float32 norm output (per token, in rows of
+    H): q, k and v; the MLP's first projection(s), or the router and the shared expert's gate
+    and up (the routed experts' grouped matmuls are not autocast: they cast their inputs
+    themselves, counted in the ``e`` class)."""
+    if args.arch == "gpt":
+        return 3 + 1
+    if args.is_moe_layer(index):
+        shared = 2 if args.num_shared_experts else 0
+        return 3 + 1 + shared
+    return 3 + (1 if args.arch == "glm" else 2)
+
+
+def _unpadded(args: ModelArgs) -> ExpertRows:
+    return ExpertRows(float(args.num_experts_per_tok), False, 0, 0)
+
+
+def _moe(args: ModelArgs, n: Counts, rows: ExpertRows) -> None:
+    """`flashcp.models.moe.MoE`, grouped: measured on CPU to the byte per token
+    (`tests/unit/test_plan.py`). The router keeps its float32 logits and sigmoid scores `[E]`,
+    the chosen experts and (after the dispatch) each entry's buffer slot, int64 `[k]` each, the
+    raw, normalised and scaled top-k weights `[k]` and their sum; the buffer's token index
+    (int64, one per row). Per buffer row (r per token): the grouped matmuls' inputs — the
+    gathered token `[H]` and the SwiGLU output `[Im]` (class ``e``) — and the gate/up output
+    `[2·Im]` and the expert output `[H]` in the activations' dtype. The shared expert keeps
+    `4·Is` per token."""
+    h, k, e = args.hidden_size, args.num_experts_per_tok, args.num_experts
+    im, r = args.moe_intermediate_size, rows.per_token
+    n.add("MoE router logits and scores", "f", 2 * e)
+    n.add("MoE routing: choices and slots (int64), top-k weights, their sum", "f", 7 * k + 1)
+    n.add("MoE buffer: token index per row (int64)", "f", 2 * r)
+    n.add("MoE routed rows: grouped matmul inputs (token, SwiGLU output)", "e", r * (h + im))
+    n.add("MoE routed rows: gate/up output, expert output", "res", r * (2 * im + h))
+    if args.num_shared_experts:
+        inter = args.moe_intermediate_size * args.num_shared_experts
+        n.add("MoE shared expert SwiGLU intermediates", "c", 4 * inter)
+
+
+def _adapted(args: ModelArgs, index: int, targets: list[str] | None) -> list[ParamSpec]:
+    """The weights of layer `index` LoRA adapts (linear weights and stacked expert weights)."""
+    patterns = [re.compile(t) for t in targets or []]
+    return [x for x in layer_parameters(args, index) if patterns and is_adapted(x, patterns)]
+
+
+def experts_adapted(args: ModelArgs, index: int, targets: list[str] | None) -> bool:
+    """Whether LoRA adapts the routed experts of layer `index`."""
+    return any(x.stacked for x in _adapted(args, index, targets))
+
+
+def lora_saved(
+    args: ModelArgs,
+    index: int,
+    targets: list[str] | None,
+    rank: int,
+    dt: Dtypes | None = None,
+    rows: ExpertRows | None = None,
+) -> Counts:
+    """PaddleFormers' `LoRALinear` keeps `x @ lora_A` (`[r]` per row) for the B matmul, per
+    adapted linear. Adapted routed experts (`flashcp.recipes.lora_experts`) keep it per buffer
+    row and projection, in the activations' dtype; on GPU with bf16 storage the float32
+    adapters' grouped GEMMs also keep their float32 inputs (the token and SwiGLU output rows),
+    which the bf16 base GEMMs saved only as bf16 copies."""
+    n = Counts()
+    linear = stacked = 0
+    for spec in _adapted(args, index, targets):
+        if spec.stacked:
+            stacked += 1
+        else:
+            linear += 1
+    if linear:
+        n.add("LoRA x @ A", "c", linear * rank)
+    if stacked:
+        r = (rows or _unpadded(args)).per_token
+        n.add("MoE LoRA x @ A per buffer row", "res", stacked * r * rank)
+        if dt is not None and dt.experts < 4:
+            im = args.moe_intermediate_size
+            n.add("MoE LoRA float32 inputs per buffer row", "res", r * (args.hidden_size + im))
+    return n
+
+
+def frozen_input_savings(
+    args: ModelArgs, index: int, targets: list[str] | None, dt: Dtypes
+) -> Counts:
+    """What the first layer does NOT keep when its input takes no gradient (a frozen
+    embedding under LoRA) and it runs without recompute: its input norm has nothing to
+    differentiate (no normalised input, rsqrt or LayerNorm stats), so the embedding output is
+    freed; the q/k projection outputs of non-adapted q_proj/k_proj take no gradient, so rotary
+    keeps no slice of them. Returned as positive counts to subtract."""
+    h, hd = args.hidden_size, args.head_size
+    n = Counts()
+    n.add("stage input (not saved)", "res", h)
+    if args.arch == "gpt":
+        n.add("input_layernorm mean/var (not saved)", "f", 2)
+    else:
+        n.add("input_layernorm normalised input (not saved)", "res", h)
+        n.add("input_layernorm rsqrt (not saved)", "f", 1)
+    if not args.uses_learned_positions:
+        patterns = [re.compile(t) for t in targets or []]
+        p = f"model.layers.{index}.self_attn"
+        if not any(x.fullmatch(f"{p}.q_proj") for x in patterns):
+            n.add("q projection (no gradient)", "c", args.num_heads * hd)
+        if not any(x.fullmatch(f"{p}.k_proj") for x in patterns):
+            n.add("k projection (no gradient)", "c", args.num_kv_heads * hd)
+    return n
+
+
+def layer_output(args: ModelArgs) -> Counts:
+    """What a recomputed layer keeps: its output `[H]` (the next layer's input)."""
+    return Counts().add("layer output", "res", args.hidden_size)
+
+
+def refined_extra(args: ModelArgs) -> Counts:
+    """`refined` recompute also keeps the attention output and its LSE per layer."""
+    n = Counts()
+    n.add("attention output (refined)", "c", args.num_heads * args.head_size)
+    n.add("attention LSE (refined)", "f", args.num_heads)
+    return n
+
+
+def mlp_backward_transient(args: ModelArgs, index: int) -> Counts:
+    """Gradient tensors alive at once while one dense layer's MLP back-propagates (steady
+    state: the parameter gradients already exist), measured per architecture on CPU: GLM-4
+    fused SwiGLU ``2·I − H``, unfused SwiGLU ``2·I + H``, GPT ``I + 2.5·H``. (MoE layers:
+    `moe_backward_bytes`.)"""
+    h, i = args.hidden_size, args.intermediate_size
+    if args.arch == "gpt":
+        n = i + 2.5 * h
+    elif args.arch == "glm":
+        n = 2 * i - h
+    else:
+        n = 2 * i + h
+    return Counts().add("MLP backward: activation gradients", "c", n)
+
+
+def moe_backward_bytes(
+    args: ModelArgs,
+    dt: Dtypes,
+    rows: ExpertRows,
+    tokens: int,
+    *,
+    experts_trained: bool,
+    lora_experts: bool,
+) -> float:
+    """Bytes an MoE layer's backward adds at its worst moment, beyond what the layer keeps
+    (read from `flashcp.models.moe_dispatch` / `experts` / `grouped_matmul` and measured on
+    CPU, float32: `tests/unit/test_plan.py`). With r buffer rows per token (R = r·T rows):
+
+    * the combine: the output gradient's copy, on CPU its zero-row extension `[T+1, H]`, the
+      gathered rows and their weighted copy ``2·R·H``, the row→token index (int64);
+    * the down projection: its input gradient in parts and concatenated ``2·R·Im`` (on GPU
+      the grouped GEMM's ``R·Im`` in the weights' dtype and its float32 cast), the last
+      chunk's weight copy (CPU), with adapted experts the adapter branch's pending ``R·H``;
+      trained experts add the weight gradient in parts plus the zero tensor it is assembled in
+      (CPU; GPU: the gradient, `zeros_like` and the masked copy), or with bf16 storage the
+      float32 cast `main_grad` accumulates, whichever is larger;
+    * the gate/up projection: likewise, by when the expert output, SwiGLU output and the
+      gate/up output are freed (``R·(H + Im)`` less);
+    * the shared expert's SwiGLU backward ``2·Is + H`` (as a dense unfused MLP).
+    """
+    h, im, T = args.hidden_size, args.moe_intermediate_size, tokens
+    R = rows.per_token * T
+    f = 4
+    c = dt.c
+    p = dt.param
+    w_down = args.num_experts * im * h
+    w_gu = 2 * w_down
+
+    def weight_grad(w: int) -> float:
+        if not experts_trained:
+            return 0.0
+        formed = (3 if dt.gpu else 2) * w * p
+        return max(formed, w * (p + 4) if p < 4 else 0)
+
+    def chunk(k_dim: int, n_dim: int) -> float:
+        return rows.chunk_experts * k_dim * n_dim * c
+
+    combine = T * h * f + (T * h * f if rows.padded else 0) + 2 * R * h * f + 2 * R * 4
+    # GPU: the grouped GEMM's dx in the weights' dtype and its float32 cast, the output
+    # gradient cast to the weights' dtype; CPU: dx in parts and concatenated, a weight chunk
+    down = R * im * (p + f) + R * h * p if dt.gpu else 2 * R * im * f + chunk(im, h)
+    down += (R * h * f if lora_experts else 0) + weight_grad(w_down)
+    gate_up = R * (h - im) * f + chunk(h, 2 * im) + weight_grad(w_gu)
+    shared = 0.0
+    if args.num_shared_experts:
+        shared = T * (2 * im * args.num_shared_experts + h) * c
+    return max(combine, down, gate_up, shared)
+
+
+def attention_backward_transient(args: ModelArgs, *, cp: bool) -> Counts:
+    """Tensors of the FlashMask backward beyond what the layer keeps, measured on CPU: the
+    output gradient, dq and its accumulation ``5·q`` per token, and without CP ``4·kv`` (dk,
+    dv and their accumulation). Under CP the K/V terms are full-sequence instead (re-gathered
+    K/V, dK/dV partial sums, reduce-scatter chunks: `CP_KV_UNITS` · S · kv, counted apart)."""
+    hd = args.head_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    return Counts().add("attention backward", "c", 5 * q + (0 if cp else 4 * kv))
+
+
+CP_KV_UNITS = 6
+"""Full-sequence `[S, kv]` tensors alive in a CP attention backward (measured on CPU, float32:
+the re-gathered K and V, the dK/dV partial sums, their per-rank chunks)."""
+
+
+def attention_part(saved: Counts) -> Counts:
+    """The part of a layer's saved set the attention backward still needs (the input norm, the
+    projections, rotated q/k, the attention output and LSE, LoRA's `x @ A`): everything after
+    the attention output is freed by the time the backward reaches attention."""
+    keep = ("input_layernorm", "q/k/v", "rotated", "attention ", "LoRA", "bf16 copies")
+    out = Counts()
+    for what, cls, n in saved.parts:
+        if what.startswith(keep):
+            out.add(what, cls, n)
+    return out
+
+
+def recompute_replay_extra(args: ModelArgs) -> Counts:
+    """A recomputed layer's backward also holds the detached input copy and its gradient."""
+    return Counts().add("recompute: input copy and its gradient", "res", 2 * args.hidden_size)
+
+
+def nograd_forward_transient(
+    args: ModelArgs, index: int, rows: ExpertRows | None = None
+) -> Counts:
+    """Peak tensors of one layer's forward without gradients (recompute's first pass, DPO
+    reference pass): the MLP's intermediates (SwiGLU ``4·I``, GELU ``2·I``) or attention's
+    ``3·q + 3·kv`` plus the hidden in and out. A grouped MoE layer (r buffer rows per token)
+    peaks at its gate/up projection — the gathered rows and the gate/up output, in chunk parts
+    and concatenated — at the down projection (rows, SwiGLU output, expert output in parts
+    and concatenated), or at the combine (expert output, every token's k rows, the sum)."""
+    h, hd = args.hidden_size, args.head_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    n = Counts()
+    if args.arch == "gpt":
+        mlp = 2 * args.intermediate_size
+    elif args.is_moe_layer(index):
+        rows = rows or _unpadded(args)
+        r, im, k = rows.per_token, args.moe_intermediate_size, args.num_experts_per_tok
+        parts = 2 if rows.chunks > 1 else 1
+        routed = max(
+            r * (h + parts * 2 * im),
+            r * (h + 3 * im),
+            r * (h + im + parts * h),
+            r * h + k * h + h,
+        )
+        routed += 2 * args.num_experts + 7 * k + 1 + 2 * r  # router and dispatch
+        if routed < 3 * q + 3 * kv:
+            return n.add("no-grad forward peak (attention)", "c", 3 * q + 3 * kv + 2 * h)
+        n.add("MoE no-grad forward peak", "res", routed)
+        return n.add("hidden in and out", "c", 2 * h)
+    else:
+        mlp = 4 * args.intermediate_size
+    return n.add("no-grad forward peak", "c", max(mlp, 3 * q + 3 * kv) + 2 * h)
+
+
+def stage_extras(args: ModelArgs) -> Counts:
+    """Per micro-batch and stage, besides the layers: the rotary cos/sin tables (float32,
+    `rotary_dim` per token) the layers keep."""
+    n = Counts()
+    if not args.uses_learned_positions:
+        n.add("rotary cos/sin tables", "f", args.rotary_dim)
+    return n
+
+
+def final_norm(args: ModelArgs) -> Counts:
+    """The last stage's final norm before the LM head: RMSNorm keeps its normalised input and
+    output (the head's matmul input), LayerNorm its output and mean/var."""
+    h = args.hidden_size
+    n = Counts()
+    if args.arch == "gpt":
+        n.add("final norm output", "res", h)
+        n.add("final norm mean/var", "f", 2)
+    else:
+        n.add("final norm normalised + output", "res", 2 * h)
+        n.add("final norm rsqrt", "f", 1)
+    return n

@@ -1,0 +1,553 @@
+"""The memory plan of a run: bytes per rank at the moment of its peak, item by item.
+
+A rank's memory is the *persistent* state (parameters, gradients, float32 master weights and
+Adam moments, the DPO reference copy) plus what one moment of the step adds. The planner
+evaluates the moments where a rank can peak and keeps the largest:
+
+* ``forward: loss`` (last stage): every in-flight micro-batch's saved activations plus the
+  logits and the loss's softmax (or one chunk's, `train.loss_chunk_tokens`);
+* ``backward: head`` (last stage): the same, the softmax turned gradient, the head's weight
+  gradient being formed;
+* ``backward: layer``: for each layer of the stage, two moments of its backward — its MLP
+  (the whole layer still kept) and its attention (only the attention's inputs kept, plus the
+  FlashMask backward and under CP the full-sequence K/V) — with the layers below it kept and
+  under recompute the layer's re-run forward; the worst one counts;
+* ``backward: embedding`` (first stage): the embedding's dense gradient being formed;
+* ``reference forward`` (DPO): the no-gradient reference pass;
+* ``optimizer step``: gradient all-reduce buckets, the squared-norm temporaries, the pipeline
+  clip's gradient copy; with float32 masters (bf16 storage or ZeRO) the flat reduce-scatter
+  buffers, then the shard's gradients and their clipped copy and the all-gather buffers.
+
+Micro-batches in flight on stage s: 1 with pp = 1; ``min(pp - s, grad_accum)`` under 1F1B;
+``grad_accum`` under GPipe (`flashcp.parallel.schedule`). Ranks of one stage (its dp × cp
+ranks) hold equal bytes; ZeRO-1 (`parallel.shard_optimizer`) divides master weights and Adam
+moments by dp × cp.
+
+What it models is flashcp's code: each rank builds only its stage, directly in
+`train.param_dtype` (bf16: float32 `main_grad` accumulation, float32 master weights; LoRA
+adapters stay float32), `parallel.shard_optimizer` (`flashcp.trainer.zero`), the loss over
+final hidden states (`flashcp.models.head`), recompute none / full / refined.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashcp.config.schema import CHUNKS_PER_RANK, Config
+from flashcp.models.config import ModelArgs
+from flashcp.parallel.split import split_layers
+from flashcp.plan import activations as act
+from flashcp.plan.params import layer_parameters, stage_buffers, stage_parameters
+
+GIB = 2**30
+
+ITEMS: tuple[str, ...] = (
+    "params_trained",
+    "params_frozen",
+    "buffers",
+    "gradients",
+    "main_grads",
+    "master_weights",
+    "optimizer_states",
+    "dpo_reference",
+    "inputs",
+    "activations",
+    "layer_working_set",
+    "attention_kv_gather",
+    "logits_loss",
+    "weight_grad_transient",
+    "p2p_buffers",
+    "grad_buckets",
+    "zero_buffers",
+    "optimizer_step_transient",
+    "fixed_overhead",
+)
+"""Every item a rank's plan reports (bytes live at the rank's peak; 0 when not live then)."""
+
+ITEM_DOCS: dict[str, str] = {
+    "params_trained": "trained parameters in train.param_dtype (LoRA: the adapters)",
+    "params_frozen": "frozen parameters in train.param_dtype (LoRA: the base weights)",
+    "buffers": "persistent buffers (MoE router selection bias), float32",
+    "gradients": "parameter .grad of the trained parameters, in the storage dtype",
+    "main_grads": "float32 gradient accumulators (main_grad) when storage is bf16",
+    "master_weights": "float32 master copies of trained parameters (bf16 storage or ZeRO), "
+    "÷ dp×cp under parallel.shard_optimizer",
+    "optimizer_states": "AdamW moments, 2 × float32 per trained element (÷ dp×cp sharded)",
+    "dpo_reference": "the frozen DPO reference copy of the stage (not with LoRA)",
+    "inputs": "token ids, positions, labels (int64) and masks of the step's micro-batches",
+    "activations": "what autograd keeps for the micro-batches in flight (per recompute mode), "
+    "stage inputs, rotary tables, CP masks, final norm",
+    "layer_working_set": "one layer's backward: its activation gradients, and under recompute "
+    "its re-run forward",
+    "attention_kv_gather": "CP: full-sequence K/V all-gathered for one layer, dK/dV partial "
+    "sums and reduce-scatter chunks",
+    "logits_loss": "logits and the loss's softmax over the vocabulary (or one chunk of "
+    "train.loss_chunk_tokens)",
+    "weight_grad_transient": "a weight gradient being formed before it is accumulated (LM "
+    "head / embedding), or the head weight upcast for compute (bf16 storage on CPU)",
+    "p2p_buffers": "pipeline: the received activation gradient",
+    "grad_buckets": "gradient all-reduce bucket over cp/dp (parallel.grad_bucket_mb)",
+    "zero_buffers": "ZeRO-1 flat reduce-scatter / all-gather buffers",
+    "optimizer_step_transient": "pipeline clip's gradient copy and squared-norm temporaries",
+    "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, NCCL "
+    "buffers, allocator slack (GPU); 0 on CPU (the allocator counts tensors only)",
+}
+
+GPU_FIXED_BYTES = 2 * GIB
+"""CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers (not tensors)."""
+GPU_FRAGMENTATION = 0.05
+"""Allocator slack on GPU, as a fraction of the tensor bytes at the peak."""
+CP_MASK_COLUMNS = 4
+"""Columns of a rebased (non-causal) local FlashMask mask kept per layer under CP."""
+
+
+@dataclass
+class RankPlan:
+    """One rank's plan: `items` are the bytes live at its peak (`moment`), summing to total."""
+
+    rank: int
+    stage: int
+    items: dict[str, int]
+    moment: str
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Every evaluated moment's items (bytes); `items` is the largest one's."""
+    layers: range = range(0)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Every moment's total bytes."""
+        return {name: int(sum(items.values())) for name, items in self.moments.items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(self.items.values()))
+
+    def largest_item(self) -> tuple[str, int]:
+        name = max(self.items, key=lambda k: self.items[k])
+        return name, self.items[name]
+
+
+@dataclass
+class Plan:
+    """The plan of every rank of a job, and the device budget it is checked against."""
+
+    ranks: list[RankPlan]
+    budget_bytes: int | None
+    device: str
+    compute_dtype: str
+    param_dtype: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: (r.total_bytes, -r.rank))
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or all(
+            r.total_bytes <= self.budget_bytes for r in self.ranks
+        )
+
+    def stages(self) -> list[RankPlan]:
+        """The first rank of every stage (ranks of a stage have equal plans)."""
+        seen: dict[int, RankPlan] = {}
+        for r in self.ranks:
+            seen.setdefault(r.stage, r)
+        return [seen[s] for s in sorted(seen)]
+
+    def to_json(self) -> dict[str, Any]:
+        """`{"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits"}`."""
+        return {
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "stage": r.stage,
+                    "total_bytes": r.total_bytes,
+                    "items": dict(r.items),
+                }
+                for r in self.ranks
+            ],
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the plan needs from a config, resolved."""
+
+    args: ModelArgs
+    dp: int
+    pp: int
+    cp: int
+    pp_layers: list[int] | None
+    schedule: str
+    tokens: int
+    """Local tokens per micro-batch on a rank: micro_batch_size × seq_len / cp."""
+    batch: int
+    seq: int
+    grad_accum: int
+    device: str
+    compute: str
+    param_dtype: str
+    shard: bool
+    chunk: int
+    lora_targets: list[str] | None
+    lora_rank: int
+    dpo: bool
+    grad_clip: float
+    bucket_bytes: int
+
+    @property
+    def shard_degree(self) -> int:
+        return self.dp * self.cp if self.shard else 1
+
+
+def resolve_device(cfg: Config, device: str | None = None) -> str:
+    """`device`, else `run.device` (auto counts as cpu: the planner cannot see the machine)."""
+    if device is not None:
+        return device
+    return "gpu" if cfg.run.device == "gpu" else "cpu"
+
+
+def compute_dtype(cfg: Config, device: str) -> str:
+    """`train.dtype` as the trainer resolves it (`flashcp.trainer.loop.resolve_dtype`)."""
+    if cfg.train.dtype == "auto":
+        return "bfloat16" if device == "gpu" else "float32"
+    return cfg.train.dtype
+
+
+def setup(cfg: Config, device: str | None = None) -> Setup:
+    """Resolve the plan's inputs from `cfg`."""
+    dev = resolve_device(cfg, device)
+    p, d, t = cfg.parallel, cfg.data, cfg.train
+    seq = d.seq_len
+    divisor = p.cp * CHUNKS_PER_RANK[p.cp_mode]
+    if p.pad and seq % divisor:
+        seq = -(-seq // divisor) * divisor
+    lora = cfg.extras.get("lora")
+    return Setup(
+        args=cfg.model,
+        dp=p.dp,
+        pp=p.pp,
+        cp=p.cp,
+        pp_layers=p.pp_layers,
+        schedule=p.pp_schedule,
+        tokens=d.micro_batch_size * seq // p.cp,
+        batch=d.micro_batch_size,
+        seq=seq,
+        grad_accum=t.grad_accum,
+        device=dev,
+        compute=compute_dtype(cfg, dev),
+        param_dtype=t.param_dtype,
+        shard=p.shard_optimizer,
+        chunk=t.loss_chunk_tokens,
+        lora_targets=list(lora.target_modules) if lora is not None else None,
+        lora_rank=int(lora.rank) if lora is not None else 0,
+        dpo=cfg.run.recipe == "dpo",
+        grad_clip=float(t.grad_clip),
+        bucket_bytes=int(p.grad_bucket_mb * 2**20),
+    )
+
+
+def in_flight(s: Setup, stage: int) -> int:
+    """Micro-batches forwarded but not yet back-propagated at once on `stage`."""
+    if s.pp == 1:
+        return 1
+    if s.schedule == "gpipe":
+        return s.grad_accum
+    return min(s.pp - stage, s.grad_accum)
+
+
+def _numel(specs: list[Any], trained: bool | None = None) -> int:
+    return sum(x.numel for x in specs if trained is None or x.trained == trained)
+
+
+def weight_copies(args: ModelArgs, index: int, tokens: int, dt: act.Dtypes) -> int:
+    """Bytes of the bf16 copies of layer `index`'s weight matrices that matmuls save under bf16
+    O1 autocast over float32 weights: every matmul casts its weight and keeps the copy for
+    backward; the stacked routed experts are not autocast. (bf16 storage with float32 compute
+    upcasts without saving the copy: transient, `upcast_transient`.)"""
+    if not (dt.autocast and dt.c < dt.param):
+        return 0
+    # The routed experts' grouped matmuls are not autocast (they cast their inputs to the
+    # stored weights' dtype themselves), so only 2-D weights count.
+    total = sum(spec.numel for spec in layer_parameters(args, index) if len(spec.shape) == 2)
+    return int(total * dt.c)
+
+
+def upcast_transient(args: ModelArgs, index: int, dt: act.Dtypes, *, frozen: bool) -> int:
+    """bf16 storage with float32 compute (CPU): the largest 2-D weight of layer `index` upcast
+    for one matmul and, in its backward, upcast again for dx plus (trained) its float32
+    gradient, that gradient's bf16 cast and the main_grad hook's float32 cast: 4 (+ 10) bytes
+    each. (The stacked experts upcast chunk by chunk: `act.moe_backward_bytes`.)"""
+    if not dt.upcast:
+        return 0
+    largest = max((x.numel for x in layer_parameters(args, index) if len(x.shape) == 2),
+                  default=0)  # fmt: skip
+    return largest * (4 if frozen else 4 + 4 + 2 + 4)
+
+
+def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
+    """Every moment's items (bytes) for `stage`; see the module docstring."""
+    args = s.args
+    dt = act.Dtypes.of(s.compute, s.param_dtype, s.device)
+    P = dt.param
+    layers = split_layers(args.num_layers, s.pp, s.pp_layers)[stage]
+    first, last = stage == 0, stage == s.pp - 1
+    specs = stage_parameters(
+        args, stage, s.pp, s.pp_layers, lora_targets=s.lora_targets, lora_rank=s.lora_rank
+    )
+    trained = [x for x in specs if x.trained]
+    n_trained, n_frozen = _numel(specs, True), _numel(specs, False)
+    n_shard = s.shard_degree
+    # LoRA adapters stay float32 whatever train.param_dtype (`flashcp.recipes.lora`)
+    PT = 4 if s.lora_targets is not None else P
+    master = PT != 4 or s.shard
+    T, H, V = s.tokens, args.hidden_size, args.vocab_size
+    buf = act.expert_rows(args, T, dt) if args.num_experts else None
+
+    persistent = {
+        "params_trained": n_trained * PT,
+        "params_frozen": n_frozen * P,
+        "buffers": _numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
+        # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
+        # release the bf16 `.grad` (`flashcp.trainer.zero.attach_main_grad`).
+        "gradients": n_trained * PT if PT == 4 else 0,
+        "main_grads": n_trained * 4 if PT != 4 else 0,
+        "master_weights": math.ceil(n_trained / n_shard) * 4 if master else 0,
+        "optimizer_states": 2 * 4 * math.ceil(n_trained / n_shard) + 8 * len(trained),
+        "dpo_reference": (n_trained + n_frozen) * P if s.dpo and s.lora_targets is None else 0,
+    }
+
+    # -- activations of one micro-batch on this stage ------------------------------------
+    mode = args.recompute
+    lora = s.lora_targets
+    extras = act.stage_extras(args)
+    extras.add("stage input (embedding output / received activation)", "res", H)
+    kv = args.num_kv_heads * args.head_size
+    kv_gather = 0
+    if s.cp > 1:
+        # re-gathered K, V (compute dtype), dK/dV partial sums and their chunks (float32)
+        kv_gather = s.batch * s.seq * kv * (2 * dt.c + (act.CP_KV_UNITS - 2) * 4)
+    cp_mask = s.batch * s.seq * CP_MASK_COLUMNS * 4 if s.cp > 1 else 0
+    # GPU FlashAttention backward: a float32 dQ accumulator and the softmax row sums (D).
+    q = args.num_heads * args.head_size
+    fa_workspace = T * (q + args.num_heads) * 4 if s.device == "gpu" else 0
+    kept: list[float] = []  # bytes each layer keeps per micro-batch
+    # per layer, the two moments of its backward: (activations besides the layers below,
+    # working set, K/V gather) while its MLP back-propagates, and while its attention does
+    mlp_moment: list[tuple[float, float, float]] = []
+    attn_moment: list[tuple[float, float, float]] = []
+    for pos, index in enumerate(layers):
+        saved = act.layer_saved(args, index, dt, buf)
+        saved += act.lora_saved(args, index, lora, s.lora_rank, dt, buf)
+        frozen_input = first and pos == 0 and lora is not None and mode == "none"
+        cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
+        attn_part = act.attention_part(saved).bytes(dt) * T
+        attn_t = act.attention_backward_transient(args, cp=s.cp > 1).bytes(dt) * T
+        attn_t += fa_workspace
+        if args.is_moe_layer(index):
+            assert buf is not None
+            mlp_t = act.moe_backward_bytes(
+                args, dt, buf, T, experts_trained=lora is None,
+                lora_experts=act.experts_adapted(args, index, lora),
+            )  # fmt: skip
+        else:
+            mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
+        copies = weight_copies(args, index, T, dt)
+        upcast = upcast_transient(args, index, dt, frozen=lora is not None)
+        if mode == "none":
+            own = saved.bytes(dt) * T - cut * T + cp_mask + copies
+            kept.append(own)
+            mlp_moment.append((own, mlp_t + upcast, 0.0))
+            attn_moment.append((attn_part - cut * T + cp_mask + copies, attn_t + upcast,
+                                float(kv_gather)))  # fmt: skip
+        else:
+            keep = act.layer_output(args)
+            if mode == "refined":
+                keep = keep + act.refined_extra(args)
+            own = keep.bytes(dt) * T + cp_mask
+            kept.append(own)
+            replay = act.recompute_replay_extra(args).bytes(dt) * T + copies
+            rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
+            mlp_moment.append((own, rerun + mlp_t + upcast, 0.0))
+            attn_moment.append((own, attn_part + replay + attn_t + upcast, float(kv_gather)))
+    norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
+    fixed_bytes = extras.bytes(dt) * T
+    micro_acts = int(fixed_bytes + sum(kept)) + norm_bytes
+    # The worst moment of a micro-batch's layer backward (layers above i are freed already).
+    best = (0.0, 0.0, 0.0)  # (activations, working set, K/V gather)
+    for i in range(len(kept)):
+        below = fixed_bytes + sum(kept[:i])
+        for acts_i, work_i, gather_i in (mlp_moment[i], attn_moment[i]):
+            cand = (below + acts_i, work_i, gather_i)
+            if sum(cand) > sum(best):
+                best = cand
+    flight = in_flight(s, stage)
+
+    # inputs: all micro-batches of the step are planned at once (ids, positions, labels int64)
+    mask_cols = 2 if s.dpo else 1
+    mask = s.batch * s.seq * mask_cols * 4 if s.cp == 1 else 0
+    inputs = s.grad_accum * (T * 3 * 8 + mask)
+
+    # -- logits / loss (last stage) ---------------------------------------------------------
+    rows = min(s.chunk, T) if s.chunk > 0 else T
+    # float32 logits and the cross-entropy's softmax (a bf16 matmul output is cast to float32
+    # and dropped before the softmax exists)
+    loss_peak = rows * V * 8
+    # The loss takes the final hidden states (`flashcp.models.head`): no executor holds the
+    # logits; unchunked, the cross-entropy keeps its softmax `[T, V]` until backward.
+    softmax_kept = 0 if s.chunk > 0 else T * V * 4
+    head_trained = any(x.trained and x.name in ("lm_head.weight",) for x in specs) or (
+        args.tie_embeddings
+        and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
+    )
+    emb_trained = first and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
+    # A weight gradient being formed: in its storage dtype, plus (bf16 storage) the float32
+    # cast the main_grad hook adds into main_grad.
+    grad_bytes = PT + (4 if PT != 4 else 0)
+    head_grad = H * V * grad_bytes if head_trained else 0
+    # The head matmul's compute-dtype copy of its weight: kept per in-flight micro-batch when
+    # unchunked (saved for backward), transient per chunk when chunked.
+    head_copy = H * V * dt.c if (last and dt.autocast and dt.c < P) else 0
+    if s.chunk > 0:
+        loss_peak += head_copy
+        # each chunk's gathered hidden rows (saved by its recompute) and the [T] log-probs
+        micro_acts += T * (H * dt.res + 2 * 4)
+    else:
+        micro_acts += head_copy
+    # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs
+    # (forward, and again for dx in backward), next to one [rows, V] buffer.
+    head_upcast = H * V * 4 if (last and dt.upcast) else 0
+    loss_peak = max(loss_peak, rows * V * 4 + head_upcast)
+    emb_grad = V * H * grad_bytes if emb_trained else 0
+    p2p = T * H * dt.res if s.pp > 1 and not last else 0
+
+    overhead = GPU_FIXED_BYTES if s.device == "gpu" else 0
+    base = {**persistent, "inputs": inputs, "fixed_overhead": overhead}
+    moments: dict[str, dict[str, int]] = {}
+
+    def moment(name: str, **extra: int) -> None:
+        items = {k: 0 for k in ITEMS}
+        items.update(base)
+        items.update({k: int(v) for k, v in extra.items()})
+        moments[name] = items
+
+    all_acts = flight * micro_acts
+    if last:
+        held = (flight - 1) * softmax_kept  # other in-flight micro-batches' softmax
+        moment(
+            "forward: loss",
+            activations=all_acts,
+            logits_loss=held + loss_peak,
+        )
+        moment(
+            "backward: head",
+            activations=all_acts,
+            # the softmax turned gradient in place (chunked: the recomputed chunk's; its
+            # re-run forward is the 'forward: loss' peak again), next to the head's weight
+            # gradient being formed or (bf16 storage on CPU) the head weight upcast for dx
+            logits_loss=held + rows * V * 4,
+            weight_grad_transient=max(head_grad, head_upcast) + T * H * dt.c,
+        )
+        moment(
+            "backward: layer",
+            activations=(flight - 1) * micro_acts + best[0],
+            logits_loss=held,
+            layer_working_set=best[1],
+            attention_kv_gather=best[2],
+        )
+    else:
+        moment(
+            "backward: layer",
+            activations=(flight - 1) * micro_acts + best[0],
+            layer_working_set=best[1],
+            attention_kv_gather=best[2],
+            p2p_buffers=p2p,
+        )
+    if emb_grad:
+        moment(
+            "backward: embedding",
+            activations=(flight - 1) * micro_acts,
+            logits_loss=(flight - 1) * softmax_kept if last else 0,
+            weight_grad_transient=emb_grad,
+        )
+    if s.dpo:
+        # the reference pass runs with the adapters off (LoRA) or on the reference copy
+        nograd = max(
+            (act.nograd_forward_transient(args, i, buf).bytes(dt) for i in layers), default=0.0
+        )
+        moment(
+            "reference forward",
+            activations=int(nograd * T) + (norm_bytes if last else 0),
+            logits_loss=loss_peak if last else 0,
+        )
+    largest = max((x.numel for x in trained), default=0)
+    bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
+    if not master:
+        # Paddle's AdamW on the parameters (`flashcp.trainer.zero.ParamOptimizer`): the bucketed
+        # all-reduce over cp/dp, the squared-norm temporaries (one parameter at a time), and
+        # under pp > 1 the pipeline clip's copy of every gradient (Paddle's own clip, pp = 1,
+        # scales in place).
+        step_transient = largest * 4
+        if s.pp > 1 and s.grad_clip > 0:
+            step_transient += n_trained * 4
+        moment(
+            "optimizer step",
+            grad_buckets=bucket if s.dp * s.cp > 1 and n_trained else 0,
+            optimizer_step_transient=step_transient,
+        )
+    elif n_trained:
+        # Float32 masters (`MasterOptimizer`): per bucket the float32 gradients are flattened
+        # and all-reduced / reduce-scattered (`zero_buffers`) while the parameters' gradients
+        # are released; then the shard's gradients (÷ N) are clipped into a scaled copy and
+        # AdamW steps the masters; the updated shards are all-gathered per bucket.
+        shard_grads = math.ceil(n_trained / n_shard) * 4
+        moment("optimizer step: reduce", zero_buffers=2 * bucket)
+        # The clip replaces the shard's gradients (views of the bucket buffers) one segment at
+        # a time, so at most one bucket's old buffer outlives them; the write-back gathers
+        # one bucket at a time.
+        moment(
+            "optimizer step: update",
+            gradients=0,
+            main_grads=0,
+            optimizer_step_transient=shard_grads,
+            zero_buffers=2 * bucket,
+        )
+    if s.device == "gpu":
+        for items in moments.values():
+            tensors = sum(v for k, v in items.items() if k != "fixed_overhead")
+            items["fixed_overhead"] += int(GPU_FRAGMENTATION * tensors)
+    return moments, layers
+
+
+def plan(cfg: Config, *, device: str | None = None, budget_gib: float | None = None) -> Plan:
+    """The memory plan of every rank of `cfg` (see the module docstring).
+
+    `device` (cpu/gpu) defaults to `run.device` (auto: cpu); `budget_gib` to
+    `hardware.memory_gib` (None: no budget, `fits` is True).
+    """
+    s = setup(cfg, device)
+    gib = budget_gib if budget_gib is not None else cfg.hardware.memory_gib
+    budget = None if gib is None else int(gib * GIB)
+    per_stage = {}
+    for stage in range(s.pp):
+        moments, layers = stage_plan(s, stage)
+        totals = {name: sum(items.values()) for name, items in moments.items()}
+        name = max(totals, key=lambda k: totals[k])
+        per_stage[stage] = (name, moments, layers)
+    ranks = []
+    for rank in range(s.dp * s.pp * s.cp):
+        stage = (rank // s.cp) % s.pp
+        name, moments, layers = per_stage[stage]
+        ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers))
+    notes = []
+    if s.device == "gpu" and s.compute == "bfloat16":
+        notes.append(
+            "bf16 activation sizes follow Paddle's O1 rules (matmuls bf16, norms float32); "
+            "checked against the allocator on CPU in float32 only"
+        )
+    return Plan(ranks, budget, s.device, s.compute, s.param_dtype, notes)

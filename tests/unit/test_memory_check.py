@@ -1,0 +1,61 @@
+"""Smoke test of `scripts/memory_check.py`: a tiny case measured against its plan, a report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "memory_check.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("memory_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["memory_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_check_smoke(tmp_path: Path) -> None:
+    check = _load()
+    cases = tmp_path / "cases.yaml"
+    cases.write_text(
+        "- name: tiny\n"
+        "  config: configs/gpt/tiny_cp2.yaml\n"
+        "  overrides: [parallel.cp=1, data.seq_len=64, train.loss_chunk_tokens=0]\n"
+        "  note: tiny GPT\n"
+        "- name: huge\n"
+        "  config: configs/glm/glm4_9b_cp8.yaml\n"
+        "  overrides: [parallel.cp=1, data.seq_len=64, run.device=cpu, train.dtype=float32]\n"
+        "  drop: [attention]\n"
+        "  note: too big here\n"
+    )
+    out, md = tmp_path / "m.json", tmp_path / "m.md"
+    args = ["--cases", str(cases), "--json", str(out), "--markdown", str(md), "--steps", "2"]
+    assert check.main([*args, "--max-gib", "4"]) == 0
+    data = json.loads(out.read_text())
+    tiny, huge = data["cases"]
+    (rank,) = tiny["ranks"]
+    assert rank["predicted_bytes"] == data["cases"][0]["plan"]["ranks"][0]["total_bytes"]
+    assert rank["peak_bytes"] >= rank["train_peak_bytes"] > rank["after_build_bytes"] > 0
+    assert abs(rank["ratio"] - 1) <= 0.15 and tiny["within"] is True
+    assert "needs ~" in huge["skipped"] and "ranks" not in huge
+    assert [g["config"] for g in data["gpu_plans"]] == list(check.GPU_CONFIGS)
+    text = md.read_text()
+    assert "| tiny | 1 | 0 (0) |" in text and "not run: needs" in text
+    assert "1 of 1 measured configs have every rank within ±15 %" in text
+    air = next(g for g in data["gpu_plans"] if g["config"].endswith("glm45_air_cp8.yaml"))
+    assert air["fits"] and air["fit_options"] == []  # the shipped config fits as it is
+    assert f"glm45_air_cp8.yaml` — {air['world']} GPUs ({air['nodes']} nodes of 8)" in text
+    assert "Changes that fit 96 GiB" not in text  # every shipped GPU config fits
+    md.unlink()
+    assert check.main(["--json", str(out), "--markdown", str(md), "--report-only"]) == 0
+    assert md.is_file()
+    # --update runs one case again and keeps the other's record
+    assert check.main([*args, "--max-gib", "4", "--update", "--only", "tiny"]) == 0
+    again = json.loads(out.read_text())["cases"]
+    assert [c["name"] for c in again] == ["tiny", "huge"] and "skipped" in again[1]
