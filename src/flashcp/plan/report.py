@@ -56,9 +56,12 @@ def _size(n: float) -> str:
 
 
 def variant(cfg: Config, overrides: Sequence[str]) -> Config | None:
-    """`cfg` with `overrides` applied, or None when that config is invalid."""
+    """`cfg` with `overrides` applied, or None when that config is invalid (static: unfilled
+    `/path/to/` placeholders are no reason, the plan reads the model's shape keys)."""
     raw = to_dict(cfg)
-    new, errors = collect(raw, source=cfg.source, overrides=list(overrides))
+    new, errors = collect(
+        raw, source=cfg.source, overrides=list(overrides), allow_placeholders=True
+    )
     return None if errors or new is None else new
 
 
