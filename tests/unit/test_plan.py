@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import json
@@ -17,8 +18,10 @@ from flashcp import cli, dispatch
 from flashcp.config import build_config, load_config
 from flashcp.models import build_model, preset
 from flashcp.parallel import build_stage
+from flashcp.parallel.stage import stage_spec
 from flashcp.plan import GIB, ITEMS, plan
-from flashcp.plan.params import stage_buffers, stage_parameters
+from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows
+from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
 from flashcp.plan.report import fit_options, format_plan, refusal, variant
 from flashcp.recipes.lora import apply_lora
 
@@ -95,6 +98,84 @@ def test_plan_parameter_bytes_equal_the_model() -> None:
     items = plan(cfg).ranks[0].items
     assert (items["params_trained"], items["params_frozen"]) == (trained, frozen)
     assert items["dpo_reference"] == 0  # LoRA: the reference is the model, adapters off
+
+
+# -- expert parallelism: a rank holds E/ep routed experts --------------------------------------
+
+
+@pytest.mark.parametrize("lora", [None, [".*o_proj", ".*mlp\\.experts"]])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_parameters_match_one_ep_rank_build(lora: list[str] | None, pp: int) -> None:
+    """Each ep rank's stage-only build (its E/ep experts, `StageSpec.ep_rank`) has exactly the
+    planned inventory; the negative control: the ep = 1 inventory does not match it."""
+    args = preset("tiny_glm_moe", num_layers=3)
+    for stage in range(pp):
+        for ep_rank in range(2):
+            spec = dataclasses.replace(stage_spec(args, stage, pp), ep_rank=ep_rank, ep_size=2)
+            module = build_model(args, stage=spec, seed=0)
+            if lora:
+                apply_lora(module, rank=4, alpha=8.0, target_modules=lora, require_match=False)
+            real = {n: (tuple(p.shape), not p.stop_gradient) for n, p in module.named_parameters()}
+            planned = {
+                s.name: (s.shape, s.trained)
+                for s in stage_parameters(args, stage, pp, lora_targets=lora, lora_rank=4, ep=2)
+            }
+            assert planned == real
+            whole = stage_parameters(args, stage, pp, lora_targets=lora, lora_rank=4)
+            assert {s.name: (s.shape, s.trained) for s in whole} != real
+            buffers = {n: tuple(b.shape) for n, b in module.named_buffers()}
+            assert {b.name: b.shape for b in stage_buffers(args, stage, pp)} == buffers
+    with pytest.raises(ValueError, match=r"parallel\.ep=3 does not divide model\.num_experts=4"):
+        stage_parameters(args, ep=3)
+
+
+def _moe_cfg(ep: int, **sections: dict[str, Any]) -> Any:
+    parallel = {"cp": 2, "ep": ep, **sections.pop("parallel", {})}
+    return _cfg(model={"preset": "tiny_glm_moe"}, parallel=parallel, **sections)
+
+
+def test_planned_expert_bytes_divide_by_ep() -> None:
+    args = preset("tiny_glm_moe")
+    experts = sum(s.numel for s in stage_parameters(args) if is_expert(s)) * 4
+    assert experts > 0
+    one, two = plan(_moe_cfg(1)).ranks[0], plan(_moe_cfg(2)).ranks[0]
+    # parameters, their gradients and Adam moments: the experts' share halves, nothing else
+    assert one.items["params_trained"] - two.items["params_trained"] == experts // 2
+    assert one.items["gradients"] - two.items["gradients"] == experts // 2
+    assert one.items["optimizer_states"] - two.items["optimizer_states"] == 2 * experts // 2
+    # LoRA on the experts: frozen base experts and their adapters both divide by ep
+    lora = {"lora": {"rank": 4, "target_modules": [".*mlp\\.experts"]}, "run": {"recipe": "sft"}}
+    specs = stage_parameters(args, lora_targets=[".*mlp\\.experts"], lora_rank=4)
+    adapters = sum(s.numel for s in specs if is_expert(s) and s.trained) * 4
+    a, b = plan(_moe_cfg(1, **lora)).ranks[0].items, plan(_moe_cfg(2, **lora)).ranks[0].items
+    assert a["params_frozen"] - b["params_frozen"] == experts // 2
+    assert a["params_trained"] - b["params_trained"] == adapters // 2
+    # ZeRO-1: expert state over edp = dp·cp/ep ranks, so per rank E/(dp·cp) either way
+    zero = {"parallel": {"dp": 2, "shard_optimizer": True}}
+    z1, z2 = plan(_moe_cfg(1, **zero)).ranks[0].items, plan(_moe_cfg(2, **zero)).ranks[0].items
+    assert z1["optimizer_states"] == pytest.approx(z2["optimizer_states"], abs=16)
+    assert z1["master_weights"] == pytest.approx(z2["master_weights"], abs=8)
+    assert z1["params_trained"] - z2["params_trained"] == experts // 2
+
+
+def test_ep_exchange_buffers_and_rows() -> None:
+    cfg = _moe_cfg(2, data={"seq_len": 128, "micro_batch_size": 2})
+    args, T = cfg.model, 2 * 128 // 2
+    moments = plan(cfg).ranks[0].moments
+    layer = moments["backward: layer"]
+    # gloo (CPU): send buffer, its contiguous blocks, the received blocks and their concat
+    assert layer["ep_buffers"] == 4 * T * args.num_experts_per_tok * args.hidden_size * 4
+    gpu = Dtypes.of("bfloat16", "bfloat16", "gpu")
+    assert ep_exchange_bytes(args, gpu, T, 2) == 2 * T * args.num_experts_per_tok * args.hidden_size * 4
+    assert ep_exchange_bytes(args, gpu, T, 1) == 0.0
+    assert plan(_moe_cfg(1)).ranks[0].items["ep_buffers"] == 0
+    # a rank's experts receive T·k rows in all (uniform router), as without ep
+    for ep in (1, 2, 4):
+        assert expert_rows(args, 4096, gpu, ep).per_token == pytest.approx(2.0, rel=0.02)
+    cpu = Dtypes.of("float32", "float32")
+    assert expert_rows(args, 4096, cpu, 2).per_token >= args.num_experts_per_tok
+    text = format_plan(plan(cfg), cfg)
+    assert "cp 2, ep 2)" in text and "ep_buffers" in text
 
 
 # -- the plan against Paddle's allocator, in this process -----------------------------------

@@ -135,11 +135,15 @@ def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
     return [min(c, cap) for c in loads] if cap is not None else loads
 
 
-def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes) -> ExpertRows:
+def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes, ep: int = 1) -> ExpertRows:
     """The `ExpertRows` of a call of `tokens` tokens (see `expected_loads`): on GPU ragged, on
     CPU the cost-chosen padded groups of `flashcp.models.experts.cost_chosen_groups`, each cut
-    into chunks of at most `CAST_CHUNK_BYTES` of gate/up weights in the compute dtype."""
-    loads = expected_loads(args, tokens)
+    into chunks of at most `CAST_CHUNK_BYTES` of gate/up weights in the compute dtype.
+
+    Under expert parallelism (`ep` > 1) a rank's E/ep experts receive the rows of all ep
+    ranks' `tokens`: every ep-th of the expected loads of ``ep · tokens`` tokens over the E
+    experts (a uniform router gives them ``tokens · k`` rows in all, as without ep)."""
+    loads = expected_loads(args, tokens * ep)[::ep] if ep > 1 else expected_loads(args, tokens)
     if dt.gpu:
         return ExpertRows(sum(loads) / max(tokens, 1), False, 0, 0)
     groups = cost_chosen_groups(loads)
@@ -165,11 +169,12 @@ def _attention(args: ModelArgs, counts: Counts) -> None:
 
 
 def layer_saved(
-    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None
+    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None, ep: int = 1
 ) -> Counts:
     """Elements per token decoder layer `index` keeps for backward WITHOUT recompute, including
     its output (the next layer's input); the layer's input is the previous layer's output and
-    is not counted again. `rows`: the MoE layers' expert buffer (default: T·k rows, unpadded).
+    is not counted again. `rows`: the MoE layers' expert buffer (default: T·k rows, unpadded);
+    `ep`: the expert-parallel degree (`_moe`).
 
     Norms: RMSNorm keeps its normalised input (`h * rsqrt`, saved by the weight multiply) and
     rsqrt `[1]`; a new input (not the layer input) is also kept, by `pow`. LayerNorm keeps
@@ -206,7 +211,7 @@ def layer_saved(
     else:
         norm("post_attention_layernorm", new_input=True, out_saved=True)
         if args.is_moe_layer(index):
-            _moe(args, n, rows or _unpadded(args))
+            _moe(args, n, rows or _unpadded(args), ep)
         else:
             n.add("MLP gate/up, silu, product", "c", 4 * args.intermediate_size)
     if args.arch == "glm":
@@ -234,7 +239,7 @@ def _unpadded(args: ModelArgs) -> ExpertRows:
     return ExpertRows(float(args.num_experts_per_tok), False, 0, 0)
 
 
-def _moe(args: ModelArgs, n: Counts, rows: ExpertRows) -> None:
+def _moe(args: ModelArgs, n: Counts, rows: ExpertRows, ep: int = 1) -> None:
     """`flashcp.models.moe.MoE`, grouped: measured on CPU to the byte per token
     (`tests/unit/test_plan.py`). The router keeps its float32 logits and sigmoid scores `[E]`,
     the chosen experts and (after the dispatch) each entry's buffer slot, int64 `[k]` each, the
@@ -242,14 +247,27 @@ def _moe(args: ModelArgs, n: Counts, rows: ExpertRows) -> None:
     (int64, one per row). Per buffer row (r per token): the grouped matmuls' inputs — the
     gathered token `[H]` and the SwiGLU output `[Im]` (class ``e``) — and the gate/up output
     `[2·Im]` and the expert output `[H]` in the activations' dtype. The shared expert keeps
-    `4·Is` per token."""
+    `4·Is` per token.
+
+    Under expert parallelism (`ep` > 1, `flashcp.models.expert_parallel`) the r rows per token
+    are the ones this rank's experts received (a uniform router: as many as it sent, T·k);
+    what the combine keeps is the k rows per token returned by the second all-to-all, not the
+    expert output (the layout's `leave` and the all-to-all save nothing), and the int64
+    indices are the dispatch's token index `[k]` plus the layout's enter/leave indices `[r]`
+    each. The exchange buffers themselves are transient (`ep_exchange_bytes`)."""
     h, k, e = args.hidden_size, args.num_experts_per_tok, args.num_experts
     im, r = args.moe_intermediate_size, rows.per_token
     n.add("MoE router logits and scores", "f", 2 * e)
     n.add("MoE routing: choices and slots (int64), top-k weights, their sum", "f", 7 * k + 1)
-    n.add("MoE buffer: token index per row (int64)", "f", 2 * r)
-    n.add("MoE routed rows: grouped matmul inputs (token, SwiGLU output)", "e", r * (h + im))
-    n.add("MoE routed rows: gate/up output, expert output", "res", r * (2 * im + h))
+    if ep > 1:
+        n.add("MoE ep: token index per entry, layout indices per row (int64)", "f", 2 * k + 4 * r)
+        n.add("MoE routed rows: grouped matmul inputs (token, SwiGLU output)", "e", r * (h + im))
+        n.add("MoE routed rows: gate/up output", "res", r * 2 * im)
+        n.add("MoE ep: returned rows (combine input)", "res", k * h)
+    else:
+        n.add("MoE buffer: token index per row (int64)", "f", 2 * r)
+        n.add("MoE routed rows: grouped matmul inputs (token, SwiGLU output)", "e", r * (h + im))
+        n.add("MoE routed rows: gate/up output, expert output", "res", r * (2 * im + h))
     if args.num_shared_experts:
         inter = args.moe_intermediate_size * args.num_shared_experts
         n.add("MoE shared expert SwiGLU intermediates", "c", 4 * inter)
@@ -359,6 +377,7 @@ def moe_backward_bytes(
     *,
     experts_trained: bool,
     lora_experts: bool,
+    ep: int = 1,
 ) -> float:
     """Bytes an MoE layer's backward adds at its worst moment, beyond what the layer keeps
     (read from `flashcp.models.moe_dispatch` / `experts` / `grouped_matmul` and measured on
@@ -375,13 +394,15 @@ def moe_backward_bytes(
     * the gate/up projection: likewise, by when the expert output, SwiGLU output and the
       gate/up output are freed (``R·(H + Im)`` less);
     * the shared expert's SwiGLU backward ``2·Is + H`` (as a dense unfused MLP).
+
+    Under expert parallelism (`ep`) the weight gradients are those of the E/ep experts held.
     """
     h, im, T = args.hidden_size, args.moe_intermediate_size, tokens
     R = rows.per_token * T
     f = 4
     c = dt.c
     p = dt.param
-    w_down = args.num_experts * im * h
+    w_down = args.num_experts // ep * im * h
     w_gu = 2 * w_down
 
     def weight_grad(w: int) -> float:
@@ -403,6 +424,22 @@ def moe_backward_bytes(
     if args.num_shared_experts:
         shared = T * (2 * im * args.num_shared_experts + h) * c
     return max(combine, down, gate_up, shared)
+
+
+def ep_exchange_bytes(args: ModelArgs, dt: Dtypes, tokens: int, ep: int) -> float:
+    """Bytes one MoE layer's token exchange holds at once beyond what the layer keeps, under
+    expert parallelism (`flashcp.models.expert_parallel`, `flashcp.distributed.all_to_all`),
+    with a uniform router (every rank sends and receives ``T·k`` rows of H, in the residual
+    dtype the rows have): the dispatch all-to-all holds the expert-sorted send buffer and
+    what it receives; on gloo (CPU) also the contiguous copies of the send blocks and the
+    received blocks before they are concatenated (``4·T·k·H``; NCCL ``2·T·k·H``). The combine
+    all-to-all (expert outputs back), and in backward the two reverse exchanges of the
+    gradients, hold as much. Under full recompute the forward exchange runs again in the
+    layer's backward (twice the traffic, the same bytes at once). 0 without ep."""
+    if ep <= 1 or not args.num_experts:
+        return 0.0
+    buffers = 2 if dt.gpu else 4
+    return buffers * tokens * args.num_experts_per_tok * args.hidden_size * dt.res
 
 
 def attention_backward_transient(args: ModelArgs, *, cp: bool) -> Counts:

@@ -23,6 +23,12 @@ Micro-batches in flight on stage s: 1 with pp = 1; ``min(pp - s, grad_accum)`` u
 ranks) hold equal bytes; ZeRO-1 (`parallel.shard_optimizer`) divides master weights and Adam
 moments by dp × cp.
 
+Expert parallelism (`parallel.ep`): a rank holds E/ep routed experts per MoE layer (their
+gradients, masters and moments with them; under ZeRO-1 the experts' optimizer state is sharded
+over the dp·cp/ep ranks of their edp group instead of dp × cp), its experts compute the rows
+the ep ranks send them, and each MoE layer's all-to-all exchange adds its buffers
+(``ep_buffers``, `act.ep_exchange_bytes`) while the layer runs forward or backward.
+
 What it models is flashcp's code: each rank builds only its stage, directly in
 `train.param_dtype` (bf16: float32 `main_grad` accumulation, float32 master weights; LoRA
 adapters stay float32), `parallel.shard_optimizer` (`flashcp.trainer.zero`), the loss over
@@ -39,7 +45,7 @@ from flashcp.config.schema import CHUNKS_PER_RANK, Config
 from flashcp.models.config import ModelArgs
 from flashcp.parallel.split import split_layers
 from flashcp.plan import activations as act
-from flashcp.plan.params import layer_parameters, stage_buffers, stage_parameters
+from flashcp.plan.params import is_expert, layer_parameters, stage_buffers, stage_parameters
 
 GIB = 2**30
 
@@ -59,6 +65,7 @@ ITEMS: tuple[str, ...] = (
     "logits_loss",
     "weight_grad_transient",
     "p2p_buffers",
+    "ep_buffers",
     "grad_buckets",
     "zero_buffers",
     "optimizer_step_transient",
@@ -88,6 +95,8 @@ ITEM_DOCS: dict[str, str] = {
     "weight_grad_transient": "a weight gradient being formed before it is accumulated (LM "
     "head / embedding), or the head weight upcast for compute (bf16 storage on CPU)",
     "p2p_buffers": "pipeline: the received activation gradient",
+    "ep_buffers": "expert parallel: one MoE layer's all-to-all send / receive buffers (token "
+    "rows to the experts' ranks and back, or their gradients)",
     "grad_buckets": "gradient all-reduce bucket over cp/dp (parallel.grad_bucket_mb)",
     "zero_buffers": "ZeRO-1 flat reduce-scatter / all-gather buffers",
     "optimizer_step_transient": "pipeline clip's gradient copy and squared-norm temporaries",
@@ -182,6 +191,7 @@ class Setup:
     dp: int
     pp: int
     cp: int
+    ep: int
     pp_layers: list[int] | None
     schedule: str
     tokens: int
@@ -203,6 +213,12 @@ class Setup:
     @property
     def shard_degree(self) -> int:
         return self.dp * self.cp if self.shard else 1
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """ZeRO-1 sharding of the routed experts' optimizer state: over their edp group (the
+        dp·cp/ep ranks holding the same experts)."""
+        return self.dp * self.cp // self.ep if self.shard else 1
 
 
 def resolve_device(cfg: Config, device: str | None = None) -> str:
@@ -233,6 +249,7 @@ def setup(cfg: Config, device: str | None = None) -> Setup:
         dp=p.dp,
         pp=p.pp,
         cp=p.cp,
+        ep=p.ep,
         pp_layers=p.pp_layers,
         schedule=p.pp_schedule,
         tokens=d.micro_batch_size * seq // p.cp,
@@ -298,16 +315,23 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     layers = split_layers(args.num_layers, s.pp, s.pp_layers)[stage]
     first, last = stage == 0, stage == s.pp - 1
     specs = stage_parameters(
-        args, stage, s.pp, s.pp_layers, lora_targets=s.lora_targets, lora_rank=s.lora_rank
-    )
+        args, stage, s.pp, s.pp_layers, lora_targets=s.lora_targets, lora_rank=s.lora_rank,
+        ep=s.ep,
+    )  # fmt: skip
     trained = [x for x in specs if x.trained]
     n_trained, n_frozen = _numel(specs, True), _numel(specs, False)
     n_shard = s.shard_degree
+    # the optimizer shard: routed experts over edp (dp·cp/ep ranks), the rest over dp × cp
+    n_expert = sum(x.numel for x in trained if is_expert(x))
+    n_state = math.ceil((n_trained - n_expert) / n_shard) + math.ceil(
+        n_expert / s.expert_shard_degree
+    )
     # LoRA adapters stay float32 whatever train.param_dtype (`flashcp.recipes.lora`)
     PT = 4 if s.lora_targets is not None else P
     master = PT != 4 or s.shard
     T, H, V = s.tokens, args.hidden_size, args.vocab_size
-    buf = act.expert_rows(args, T, dt) if args.num_experts else None
+    buf = act.expert_rows(args, T, dt, s.ep) if args.num_experts else None
+    exchange = act.ep_exchange_bytes(args, dt, T, s.ep)
 
     persistent = {
         "params_trained": n_trained * PT,
@@ -317,8 +341,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         # release the bf16 `.grad` (`flashcp.trainer.zero.attach_main_grad`).
         "gradients": n_trained * PT if PT == 4 else 0,
         "main_grads": n_trained * 4 if PT != 4 else 0,
-        "master_weights": math.ceil(n_trained / n_shard) * 4 if master else 0,
-        "optimizer_states": 2 * 4 * math.ceil(n_trained / n_shard) + 8 * len(trained),
+        "master_weights": n_state * 4 if master else 0,
+        "optimizer_states": 2 * 4 * n_state + 8 * len(trained),
         "dpo_reference": (n_trained + n_frozen) * P if s.dpo and s.lora_targets is None else 0,
     }
 
@@ -339,10 +363,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     kept: list[float] = []  # bytes each layer keeps per micro-batch
     # per layer, the two moments of its backward: (activations besides the layers below,
     # working set, K/V gather) while its MLP back-propagates, and while its attention does
-    mlp_moment: list[tuple[float, float, float]] = []
-    attn_moment: list[tuple[float, float, float]] = []
+    # (and the MoE layers' all-to-all buffers under ep, while the MLP runs)
+    mlp_moment: list[tuple[float, float, float, float]] = []
+    attn_moment: list[tuple[float, float, float, float]] = []
     for pos, index in enumerate(layers):
-        saved = act.layer_saved(args, index, dt, buf)
+        saved = act.layer_saved(args, index, dt, buf, s.ep)
         saved += act.lora_saved(args, index, lora, s.lora_rank, dt, buf)
         frozen_input = first and pos == 0 and lora is not None and mode == "none"
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
@@ -353,18 +378,19 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             assert buf is not None
             mlp_t = act.moe_backward_bytes(
                 args, dt, buf, T, experts_trained=lora is None,
-                lora_experts=act.experts_adapted(args, index, lora),
+                lora_experts=act.experts_adapted(args, index, lora), ep=s.ep,
             )  # fmt: skip
         else:
             mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
+        ep_t = exchange if args.is_moe_layer(index) else 0.0
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
         if mode == "none":
             own = saved.bytes(dt) * T - cut * T + cp_mask + copies
             kept.append(own)
-            mlp_moment.append((own, mlp_t + upcast, 0.0))
+            mlp_moment.append((own, mlp_t + upcast, 0.0, ep_t))
             attn_moment.append((attn_part - cut * T + cp_mask + copies, attn_t + upcast,
-                                float(kv_gather)))  # fmt: skip
+                                float(kv_gather), 0.0))  # fmt: skip
         else:
             keep = act.layer_output(args)
             if mode == "refined":
@@ -373,17 +399,17 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             kept.append(own)
             replay = act.recompute_replay_extra(args).bytes(dt) * T + copies
             rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
-            mlp_moment.append((own, rerun + mlp_t + upcast, 0.0))
-            attn_moment.append((own, attn_part + replay + attn_t + upcast, float(kv_gather)))
+            mlp_moment.append((own, rerun + mlp_t + upcast, 0.0, ep_t))
+            attn_moment.append((own, attn_part + replay + attn_t + upcast, float(kv_gather), 0.0))
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
     fixed_bytes = extras.bytes(dt) * T
     micro_acts = int(fixed_bytes + sum(kept)) + norm_bytes
     # The worst moment of a micro-batch's layer backward (layers above i are freed already).
-    best = (0.0, 0.0, 0.0)  # (activations, working set, K/V gather)
+    best = (0.0, 0.0, 0.0, 0.0)  # (activations, working set, K/V gather, ep buffers)
     for i in range(len(kept)):
         below = fixed_bytes + sum(kept[:i])
-        for acts_i, work_i, gather_i in (mlp_moment[i], attn_moment[i]):
-            cand = (below + acts_i, work_i, gather_i)
+        for acts_i, work_i, gather_i, ep_i in (mlp_moment[i], attn_moment[i]):
+            cand = (below + acts_i, work_i, gather_i, ep_i)
             if sum(cand) > sum(best):
                 best = cand
     flight = in_flight(s, stage)
@@ -459,6 +485,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             logits_loss=held,
             layer_working_set=best[1],
             attention_kv_gather=best[2],
+            ep_buffers=best[3],
         )
     else:
         moment(
@@ -466,6 +493,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             activations=(flight - 1) * micro_acts + best[0],
             layer_working_set=best[1],
             attention_kv_gather=best[2],
+            ep_buffers=best[3],
             p2p_buffers=p2p,
         )
     if emb_grad:
@@ -480,10 +508,12 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         nograd = max(
             (act.nograd_forward_transient(args, i, buf).bytes(dt) for i in layers), default=0.0
         )
+        moe_layers = any(args.is_moe_layer(i) for i in layers)
         moment(
             "reference forward",
             activations=int(nograd * T) + (norm_bytes if last else 0),
             logits_loss=loss_peak if last else 0,
+            ep_buffers=exchange if moe_layers else 0,
         )
     largest = max((x.numel for x in trained), default=0)
     bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
@@ -505,7 +535,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         # and all-reduced / reduce-scattered (`zero_buffers`) while the parameters' gradients
         # are released; then the shard's gradients (÷ N) are clipped into a scaled copy and
         # AdamW steps the masters; the updated shards are all-gathered per bucket.
-        shard_grads = math.ceil(n_trained / n_shard) * 4
+        shard_grads = n_state * 4
         moment("optimizer step: reduce", zero_buffers=2 * bucket)
         # The clip replaces the shard's gradients (views of the bucket buffers) one segment at
         # a time, so at most one bucket's old buffer outlives them; the write-back gathers

@@ -6,7 +6,9 @@ position) embeddings on the first stage, decoder layers by GLOBAL index, the fin
 LM head (or, with tied embeddings under pp > 1, the last stage's copy of the embedding) on the
 last. Paddle's `nn.Linear` weight is `[in, out]`. The routed experts of an MoE layer are one
 sublayer ``model.layers.{i}.mlp.experts`` (`flashcp.models.experts.GroupedExperts`) with two
-stacked weights, ``gate_up_proj`` `[E, H, 2·Im]` and ``down_proj`` `[E, Im, H]`.
+stacked weights, ``gate_up_proj`` `[E, H, 2·Im]` and ``down_proj`` `[E, Im, H]`; under expert
+parallelism (`parallel.ep`) a rank holds only its ep rank's E/ep of them (same names, leading
+axis E/ep: `flashcp.models.expert_parallel`), the router and shared experts whole.
 
 With LoRA targets (regexes matched with `re.fullmatch` against the sublayer names,
 PaddleFormers' rule) every matched linear gains `lora_A [in, r]` and `lora_B [r, out]`, and a
@@ -81,8 +83,24 @@ def _norm(prefix: str, h: int, *, layer_norm: bool) -> list[ParamSpec]:
     return out
 
 
-def layer_parameters(args: ModelArgs, index: int) -> list[ParamSpec]:
-    """Decoder layer `index` (global), in the models' creation order."""
+def held_experts(args: ModelArgs, ep: int = 1) -> int:
+    """Routed experts per MoE layer on one rank under `parallel.ep` = `ep`."""
+    if ep < 1 or args.num_experts % ep:
+        raise ValueError(
+            f"parallel.ep={ep} does not divide model.num_experts={args.num_experts}"
+        )
+    return args.num_experts // ep
+
+
+def is_expert(spec: ParamSpec) -> bool:
+    """A routed-experts tensor (stacked weight or its adapter): split by expert parallelism,
+    its gradients reduced and its optimizer state sharded over the edp group."""
+    return ".mlp.experts." in spec.name
+
+
+def layer_parameters(args: ModelArgs, index: int, ep: int = 1) -> list[ParamSpec]:
+    """Decoder layer `index` (global), in the models' creation order; `ep`: the expert-parallel
+    degree (a rank holds E/ep routed experts)."""
     h, hd = args.hidden_size, args.head_size
     p = f"model.layers.{index}"
     gpt = args.arch == "gpt"
@@ -99,7 +117,7 @@ def layer_parameters(args: ModelArgs, index: int) -> list[ParamSpec]:
         out += _linear(f"{m}.fc_out", args.intermediate_size, h, True)
     elif args.is_moe_layer(index):
         out.append(ParamSpec(f"{m}.gate.weight", (h, args.num_experts)))
-        out += _experts(f"{m}.experts", args.num_experts, h, args.moe_intermediate_size)
+        out += _experts(f"{m}.experts", held_experts(args, ep), h, args.moe_intermediate_size)
         if args.num_shared_experts > 0:
             inter = args.moe_intermediate_size * args.num_shared_experts
             out += _swiglu(f"{m}.shared_experts", h, inter, fused=False)
@@ -163,8 +181,10 @@ def stage_parameters(
     *,
     lora_targets: Sequence[str] | None = None,
     lora_rank: int = 8,
+    ep: int = 1,
 ) -> list[ParamSpec]:
-    """Every parameter stage `stage` of `pp` holds (pp = 1: the whole model).
+    """Every parameter stage `stage` of `pp` holds (pp = 1: the whole model); under expert
+    parallelism `ep` only E/ep routed experts per MoE layer (every ep rank holds as many).
 
     With `lora_targets`, base weights are frozen and the adapters (`lora_A`, `lora_B`) are
     the trained parameters, listed after the weight they adapt (PaddleFormers' `LoRALinear`).
@@ -178,7 +198,7 @@ def stage_parameters(
     if first and args.uses_learned_positions:
         specs.append(ParamSpec("model.embed_positions.weight", (args.max_seq_len, h)))
     for index in stage_layers(args, stage, pp, pp_layers):
-        specs += layer_parameters(args, index)
+        specs += layer_parameters(args, index, ep)
     if last:
         specs += _norm("model.norm", h, layer_norm=args.arch == "gpt")
         if not tied:

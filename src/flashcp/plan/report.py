@@ -190,7 +190,8 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
     par = cfg.parallel
     lines = [
         f"flashcp plan {source}: {len(p.ranks)} rank(s) (dp {par.dp} × pp {par.pp} × cp "
-        f"{par.cp}), {p.device}, compute {p.compute_dtype}, parameters {p.param_dtype}, "
+        f"{par.cp}{f', ep {par.ep}' if par.ep > 1 else ''}), {p.device}, compute "
+        f"{p.compute_dtype}, parameters {p.param_dtype}, "
         f"recompute {cfg.model.recompute}",
         "budget: "
         + (f"{_gib(p.budget_bytes)} per device" if p.budget_bytes is not None else "none "
