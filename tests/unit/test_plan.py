@@ -164,9 +164,10 @@ def test_ep_exchange_buffers_and_rows() -> None:
     moments = plan(cfg).ranks[0].moments
     layer = moments["backward: layer"]
     # gloo (CPU): send buffer, its contiguous blocks, the received blocks and their concat
-    assert layer["ep_buffers"] == 4 * T * args.num_experts_per_tok * args.hidden_size * 4
+    rows = T * args.num_experts_per_tok * args.hidden_size * 4  # T·k float32 rows of H
+    assert layer["ep_buffers"] == 4 * rows
     gpu = Dtypes.of("bfloat16", "bfloat16", "gpu")
-    assert ep_exchange_bytes(args, gpu, T, 2) == 2 * T * args.num_experts_per_tok * args.hidden_size * 4
+    assert ep_exchange_bytes(args, gpu, T, 2) == 2 * rows  # NCCL: send and receive buffers
     assert ep_exchange_bytes(args, gpu, T, 1) == 0.0
     assert plan(_moe_cfg(1)).ranks[0].items["ep_buffers"] == 0
     # a rank's experts receive T·k rows in all (uniform router), as without ep

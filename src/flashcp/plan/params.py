@@ -86,9 +86,7 @@ def _norm(prefix: str, h: int, *, layer_norm: bool) -> list[ParamSpec]:
 def held_experts(args: ModelArgs, ep: int = 1) -> int:
     """Routed experts per MoE layer on one rank under `parallel.ep` = `ep`."""
     if ep < 1 or args.num_experts % ep:
-        raise ValueError(
-            f"parallel.ep={ep} does not divide model.num_experts={args.num_experts}"
-        )
+        raise ValueError(f"parallel.ep={ep} does not divide model.num_experts={args.num_experts}")
     return args.num_experts // ep
 
 
