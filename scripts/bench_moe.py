@@ -406,20 +406,29 @@ def _ep_verdict(parts: list[dict[str, Any]]) -> str:
 
 def _planner_notes() -> list[str]:
     return [
-        "### What the memory planner needs (per rank, per MoE layer)",
+        "### What the memory planner counts (per rank, per MoE layer; `flashcp.plan`)",
         "",
         "* expert weights: `E/ep · 3 · H · I` parameters (gate, up, down) instead of "
         "`E · 3 · H · I`; the router (`H · E`) and the shared experts stay whole on every "
         "rank; expert gradients, AdamW moments and float32 masters follow the weights (under "
         "ZeRO-1 the expert ones shard over the dp·cp/ep ranks holding the same experts);",
-        "* all-to-all buffers, forward (kept for backward unless recomputed): the sorted "
-        "send buffer `T·k × H`, the receive buffer `R × H` and its laid-out copy (`R` rows "
-        "received for the local experts; `T·k` in expectation, up to `ep · T·k` when every "
-        "token of the ep group picks this rank's experts), the experts' `R × 2I` and `R × I` "
-        "activations, the returned `R × H`, and the combined `T·k × H`; all in the compute "
-        "dtype (bf16 on GPU);",
+        "* kept for backward (unless recomputed): the experts' grouped-matmul inputs and "
+        "`R × 2I` gate/up output for the `R` rows received (`T·k` in expectation with a "
+        "uniform router, up to `ep · T·k` when every token of the ep group picks this rank's "
+        "experts), and the `T·k × H` rows returned by the combine all-to-all (the combine's "
+        "input); the exchanges themselves save nothing;",
+        "* transient (`ep_buffers`): one exchange's sorted send buffer `T·k × H` and the "
+        "receive buffer, on gloo also the send blocks' contiguous copies and the received "
+        "blocks before their concatenation (`4 · T·k × H`, NCCL `2 · T·k × H`), in the rows' "
+        "dtype (float32: the MoE input is the float32 norm output); the same for the "
+        "gradients in backward, and again in the re-run forward under full recompute;",
         "* traffic per rank and layer: `2 · T·k·(ep−1)/ep · H · itemsize` bytes forward and "
         "the same backward (uniform routing), plus `E · 8 · (ep−1)` bytes of counts.",
+        "",
+        "By this count `configs/glm/glm45_air_dpo_lora_ep.yaml` (GLM-4.5-Air DPO + LoRA, "
+        "pp 2 × cp 4 with ep 4 carved from the cp ranks) fits one 8×H20 node; the same layout "
+        "without ep does not (`docs/memory.md`). `configs/glm/tiny_moe_ep2_cp2.yaml` is the "
+        "2-process CPU recipe.",
         "",
     ]
 

@@ -12,7 +12,7 @@ the run is the larger of the two (build included). The table gives predicted vs 
 rank and their ratio; a case passes when every rank is within ±15 %.
 
 Cases whose plan exceeds the memory this machine has free (`--max-gib`, default 80 % of
-MemAvailable) are skipped and listed as such. The four shipped GPU configs are planned (not
+MemAvailable) are skipped and listed as such. The shipped GPU configs are planned (not
 run) against the 96 GiB of an H20, with the changes that would make each fit.
 
 Writes `--json` (default docs/memory.json) and `--markdown` (default docs/memory.md).
@@ -49,6 +49,7 @@ GPU_CONFIGS = (
     "configs/glm/glm4_9b_dpo_lora_pp2_cp4.yaml",
     "configs/glm/glm45_air_cp8.yaml",
     "configs/glm/glm45_air_dpo_lora_pp_cp.yaml",
+    "configs/glm/glm45_air_dpo_lora_ep.yaml",
 )
 H20_GIB = 96.0
 GPUS_PER_NODE = 8
@@ -88,7 +89,8 @@ def worker(config: Path, out_dir: Path) -> int:
 
         env = init_distributed()
         p = cfg.parallel
-        groups = build_groups(ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size))
+        dims = ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size, ep=p.ep)
+        groups = build_groups(dims)
     current, peak, reset = allocator()
     start = int(current())
     reset()
@@ -275,7 +277,7 @@ def replan(case: dict[str, Any]) -> None:
 
 
 def gpu_plans() -> list[dict[str, Any]]:
-    """The four shipped GPU configs planned against an H20 (96 GiB), with what would fit."""
+    """The shipped GPU configs planned against an H20 (96 GiB), with what would fit."""
     from flashcp.config import load_config
     from flashcp.models import estimate_parameters
     from flashcp.plan import plan
@@ -303,7 +305,8 @@ def gpu_plans() -> list[dict[str, Any]]:
             "recipe": cfg.run.recipe + (" + LoRA" if cfg.extras.get("lora") else ""),
             "world": cfg.parallel.world_size,
             "nodes": -(-cfg.parallel.world_size // GPUS_PER_NODE),
-            "layout": f"dp {par.dp} × pp {par.pp} × cp {par.cp}",
+            "layout": f"dp {par.dp} × pp {par.pp} × cp {par.cp}"
+            + (f" (ep {par.ep})" if par.ep > 1 else ""),
             "settings": {
                 "train.param_dtype": train.param_dtype,
                 "parallel.shard_optimizer": par.shard_optimizer,

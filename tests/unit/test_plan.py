@@ -20,7 +20,7 @@ from flashcp.models import build_model, preset
 from flashcp.parallel import build_stage
 from flashcp.parallel.stage import stage_spec
 from flashcp.plan import GIB, ITEMS, plan
-from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows
+from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows, moe_backward_bytes
 from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
 from flashcp.plan.report import fit_options, format_plan, refusal, variant
 from flashcp.recipes.lora import apply_lora
@@ -163,20 +163,27 @@ def test_ep_exchange_buffers_and_rows() -> None:
     args, T = cfg.model, 2 * 128 // 2
     moments = plan(cfg).ranks[0].moments
     layer = moments["backward: layer"]
-    # gloo (CPU): send buffer, its contiguous blocks, the received blocks and their concat
     rows = T * args.num_experts_per_tok * args.hidden_size * 4  # T·k float32 rows of H
-    assert layer["ep_buffers"] == 4 * rows
-    gpu = Dtypes.of("bfloat16", "bfloat16", "gpu")
-    assert ep_exchange_bytes(args, gpu, T, 2) == 2 * rows  # NCCL: send and receive buffers
+    cpu, gpu = Dtypes.of("float32", "float32"), Dtypes.of("bfloat16", "bfloat16", "gpu")
+    # gloo (CPU): send buffer, its contiguous blocks, the received blocks and their concat;
+    # NCCL: send and receive buffers
+    assert ep_exchange_bytes(args, cpu, T, 2) == 4 * rows
+    assert ep_exchange_bytes(args, gpu, T, 2) == 2 * rows
+    # the exchange and the MoE backward's own transients are not live at once: the plan
+    # reports the exchange's excess over the latter
+    own = moe_backward_bytes(args, cpu, expert_rows(args, T, cpu, 2), T, experts_trained=True,
+                             lora_experts=False, ep=2)  # fmt: skip
+    assert 0 < layer["ep_buffers"] == 4 * rows - own
+    on_gpu = plan(cfg, device="gpu").ranks[0].moments["backward: layer"]
+    assert on_gpu["ep_buffers"] == 0  # NCCL's two buffers fit in the combine's backward
     assert ep_exchange_bytes(args, gpu, T, 1) == 0.0
     assert plan(_moe_cfg(1)).ranks[0].items["ep_buffers"] == 0
     # a rank's experts receive T·k rows in all (uniform router), as without ep
     for ep in (1, 2, 4):
         assert expert_rows(args, 4096, gpu, ep).per_token == pytest.approx(2.0, rel=0.02)
-    cpu = Dtypes.of("float32", "float32")
     assert expert_rows(args, 4096, cpu, 2).per_token >= args.num_experts_per_tok
     text = format_plan(plan(cfg), cfg)
-    assert "cp 2, ep 2)" in text and "ep_buffers" in text
+    assert "(dp 1 × pp 1 × cp 2, ep 2)" in text
 
 
 # -- the plan against Paddle's allocator, in this process -----------------------------------

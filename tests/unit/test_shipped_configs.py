@@ -42,6 +42,7 @@ EXPECTED = {
     "glm/tiny_dpo_lora_pp2.yaml",
     "glm/tiny_moe_dpo_lora_pp2_cp2.yaml",
     "glm/glm45_air_dpo_lora_pp_cp.yaml",
+    "glm/glm45_air_dpo_lora_ep.yaml",
     "glm/glm4_9b_dpo_lora_pp2_cp4.yaml",
 }
 
@@ -164,6 +165,7 @@ GPU = {  # recipe → (preset with the public config.json shape, run.recipe)
     "glm/glm4_9b_dpo_lora_pp2_cp4.yaml": ("glm4_9b", "dpo"),
     "glm/glm45_air_cp8.yaml": ("glm45_air", "sft"),
     "glm/glm45_air_dpo_lora_pp_cp.yaml": ("glm45_air", "dpo"),
+    "glm/glm45_air_dpo_lora_ep.yaml": ("glm45_air", "dpo"),
 }
 
 

@@ -26,8 +26,10 @@ moments by dp × cp.
 Expert parallelism (`parallel.ep`): a rank holds E/ep routed experts per MoE layer (their
 gradients, masters and moments with them; under ZeRO-1 the experts' optimizer state is sharded
 over the dp·cp/ep ranks of their edp group instead of dp × cp), its experts compute the rows
-the ep ranks send them, and each MoE layer's all-to-all exchange adds its buffers
-(``ep_buffers``, `act.ep_exchange_bytes`) while the layer runs forward or backward.
+the ep ranks send them, and each MoE layer's all-to-all exchanges hold their buffers
+(`act.ep_exchange_bytes`) while the layer runs forward or backward: between the combine, the
+experts and the permute, so the layer's peak has the larger of them and the MoE backward's
+working set (``ep_buffers``: the excess).
 
 What it models is flashcp's code: each rank builds only its stage, directly in
 `train.param_dtype` (bf16: float32 `main_grad` accumulation, float32 master weights; LoRA
@@ -96,7 +98,8 @@ ITEM_DOCS: dict[str, str] = {
     "head / embedding), or the head weight upcast for compute (bf16 storage on CPU)",
     "p2p_buffers": "pipeline: the received activation gradient",
     "ep_buffers": "expert parallel: one MoE layer's all-to-all send / receive buffers (token "
-    "rows to the experts' ranks and back, or their gradients)",
+    "rows to the experts' ranks and back, or their gradients), beyond the layer's own "
+    "working set, which is not live at the same time",
     "grad_buckets": "gradient all-reduce bucket over cp/dp (parallel.grad_bucket_mb)",
     "zero_buffers": "ZeRO-1 flat reduce-scatter / all-gather buffers",
     "optimizer_step_transient": "pipeline clip's gradient copy and squared-norm temporaries",
@@ -382,7 +385,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             )  # fmt: skip
         else:
             mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
-        ep_t = exchange if args.is_moe_layer(index) else 0.0
+        # The exchanges run between the MoE's other steps (combine, experts, permute), whose
+        # transients are freed by then: the larger of the two is live, the excess is reported.
+        ep_t = max(0.0, exchange - mlp_t) if args.is_moe_layer(index) else 0.0
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
         if mode == "none":
@@ -513,7 +518,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             "reference forward",
             activations=int(nograd * T) + (norm_bytes if last else 0),
             logits_loss=loss_peak if last else 0,
-            ep_buffers=exchange if moe_layers else 0,
+            ep_buffers=max(0.0, exchange - nograd * T) if moe_layers else 0,
         )
     largest = max((x.numel for x in trained), default=0)
     bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
