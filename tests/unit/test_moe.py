@@ -169,3 +169,46 @@ def test_deterministic() -> None:
     x = _tokens(64)
     a, b = moe(x).numpy(), moe(x).numpy()
     np.testing.assert_array_equal(a, b)
+
+
+def test_router_affinities_computed_with_autocast_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 autocast (GPU O1) would cast the router's float32 matmul to bf16: the affinities
+    must be computed inside an autocast-disabled region. (CPU Paddle never autocasts, so the
+    test records the region the matmul runs in; the gpu tier checks the dtype for real.)"""
+    state: list[bool] = []
+    real_auto_cast, real_matmul = paddle.amp.auto_cast, paddle.matmul
+    depth = [0]
+
+    class Recorder:
+        def __init__(self, enable: bool = True, **kwargs: object) -> None:
+            self.enable, self.inner = enable, real_auto_cast(enable=enable, **kwargs)
+
+        def __enter__(self) -> None:
+            depth[0] += 0 if self.enable else 1
+            self.inner.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            depth[0] -= 0 if self.enable else 1
+            self.inner.__exit__(*exc)
+
+    def matmul(*args: object, **kwargs: object) -> paddle.Tensor:
+        state.append(depth[0] > 0)
+        return real_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(paddle.amp, "auto_cast", Recorder)
+    monkeypatch.setattr(paddle, "matmul", matmul)
+    router = TopkRouter(preset("tiny_glm_moe"))
+    routing = router.route(paddle.randn([6, router.weight.shape[0]]))
+    assert state == [True] and routing.scores.dtype == paddle.float32
+
+
+@pytest.mark.gpu
+def test_router_affinities_float32_under_bf16_autocast_on_gpu() -> None:
+    paddle.set_device("gpu")
+    router = TopkRouter(preset("tiny_glm_moe"))
+    x = paddle.randn([64, router.weight.shape[0]])
+    want = router.route(x).scores
+    with paddle.amp.auto_cast(enable=True, dtype="bfloat16", level="O1"):
+        got = router.route(x).scores
+    assert got.dtype == paddle.float32
+    np.testing.assert_array_equal(got.numpy(), want.numpy())

@@ -89,7 +89,10 @@ class TopkRouter(nn.Layer):
 
     def route(self, x: paddle.Tensor) -> Routing:
         """`x` `[T, hidden]` → affinities, expert ids (int64) and weights (float32)."""
-        logits = paddle.matmul(x.astype("float32"), as_dtype(self.weight, "float32"))
+        # float32 even under bf16 autocast: O1 casts a white-listed matmul's inputs to bf16
+        # whatever their dtype, and expert choice is sensitive to the affinities' rounding
+        with paddle.amp.auto_cast(enable=False):
+            logits = paddle.matmul(x.astype("float32"), as_dtype(self.weight, "float32"))
         scores = F.sigmoid(logits)
         choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)
         _, ids = paddle.topk(choice, k=self.top_k, axis=-1)
