@@ -115,10 +115,14 @@ def test_quickstart_twice_refusal_between_and_overwrite_keeps_the_old_run(tmp_pa
         timeout=120,
         log_dir=logs,
     )
-    assert direct.returncode == 2 and not direct.timed_out, direct.summary()
+    # Paddle's launcher stops the other ranks at the first rank's exit and returns the status
+    # of the rank it reaps: 2, or 241 (SIGTERM) when it caught a peer still in interpreter
+    # teardown after its exit line (seen in CI). Each rank's own code is its exit line.
+    assert direct.returncode in (2, 256 - 15) and not direct.timed_out, direct.summary()
     assert direct.leftover == []
     line = refusal.removeprefix("flashcp: cannot launch: ")
     assert direct.log(0).startswith(f"{line}\n[flashcp] rank 0 exit 2\n"), direct.summary()
+    assert "[flashcp] rank 1 exit 2\n" in direct.log(1), direct.summary()
     assert line not in direct.log(1)  # said once, by rank 0
     for rank in range(2):  # (the launcher may SIGTERM rank 1 during its exit: Paddle then
         # prints a "C++ Traceback" block; a Python traceback starts a line with "Traceback")
