@@ -200,7 +200,9 @@ class DPORecipe(Recipe):
             results = executor.forward_only(plan.micro, self.answer_logps, self.reference)
         self._ref = list(results or [])
 
-    def _loss(self, out: HeadInput, *, mb: MicroBatch, denom: float) -> paddle.Tensor:
+    def _terms(self, out: HeadInput, mb: MicroBatch) -> tuple[paddle.Tensor, ...]:
+        """Policy log-probs (chosen, rejected), then `dpo_terms` against the stored reference:
+        per-example loss and the chosen / rejected rewards."""
         chosen, rejected = self.answer_logps(out, mb)
         ref_chosen, ref_rejected = self._ref[self._micro[id(mb)].index]
         per, chosen_r, rejected_r = dpo_terms(
@@ -212,6 +214,10 @@ class DPORecipe(Recipe):
             loss_type=self.dpo.loss_type,
             label_smoothing=self.dpo.label_smoothing,
         )
+        return chosen, rejected, per, chosen_r, rejected_r
+
+    def _loss(self, out: HeadInput, *, mb: MicroBatch, denom: float) -> paddle.Tensor:
+        chosen, rejected, per, chosen_r, rejected_r = self._terms(out, mb)
         loss = per.sum() / denom
         if self.ctx.cp_rank == 0:  # replicated over cp: count each example once
             wins = (chosen_r > rejected_r).astype("float32")
@@ -246,17 +252,7 @@ class DPORecipe(Recipe):
         return [float(x) for x in total]
 
     def _eval_terms(self, out: HeadInput, mb: MicroBatch) -> np.ndarray:
-        chosen, rejected = self.answer_logps(out, mb)
-        ref_chosen, ref_rejected = self._ref[self._micro[id(mb)].index]
-        per, chosen_r, rejected_r = dpo_terms(
-            chosen,
-            rejected,
-            ref_chosen,
-            ref_rejected,
-            beta=self.dpo.beta,
-            loss_type=self.dpo.loss_type,
-            label_smoothing=self.dpo.label_smoothing,
-        )
+        chosen, rejected, per, chosen_r, rejected_r = self._terms(out, mb)
         out = np.zeros(len(EVAL_STATS))
         out[-1] = float((self._micro[id(mb)].labels != IGNORE_INDEX).astype("int64").sum())
         if self.ctx.cp_rank != 0:  # the rest is replicated over cp: cp rank 0 reports it
