@@ -229,18 +229,21 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
         else:
             cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
                    str(world), "--log_dir", str(out / "logs"), *me[1:], *args]  # fmt: skip
+        from flashcp.distributed import ports
+
         t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True, cwd=ROOT,
-        )  # fmt: skip
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            record["error"] = f"timed out after {timeout:.0f} s"
-            return record
+        with ports.reserve(world + 2) as lease:  # the launcher's ports, see flashcp's ports.py
+            proc = subprocess.Popen(
+                cmd, env={**env, **lease.env()}, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT,
+            )  # fmt: skip
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+                record["error"] = f"timed out after {timeout:.0f} s"
+                return record
         record["seconds"] = round(time.perf_counter() - t0, 1)
         ranks = []
         for r in range(world):

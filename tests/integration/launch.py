@@ -7,7 +7,9 @@
   its own session (`setsid`) - a hung job never outlives its timeout;
 * per-rank logs (`workerlog.<rank>`) and the launcher's own output are returned as text;
 * `OMP_NUM_THREADS=1` per process, so N workers do not oversubscribe the cores;
-* workers run under `sys.executable`, so `coverage`'s subprocess patch measures them.
+* workers run under `sys.executable`, so `coverage`'s subprocess patch measures them;
+* the launcher draws its ports (`PORT_RANGE`) from a lease (`flashcp.distributed.ports`) held
+  until it exits: outside the ephemeral range and apart from every other job on the machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashcp.distributed import ports
+
 MARKER_ENV = "FLASHCP_LAUNCH_ID"
 
 
@@ -41,6 +45,8 @@ class LaunchResult:
     launcher_output: str
     leftover: list[int] = field(default_factory=list)
     """Job processes still alive after the launcher exited (killed by `run_launch`)."""
+    port_range: str = ""
+    """`PORT_RANGE` the launcher drew its ports from (`first:last`)."""
 
     @property
     def ok(self) -> bool:
@@ -149,6 +155,9 @@ def run_launch(
         del child_env[key]  # never inherit a surrounding job's identity
     child_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", MARKER_ENV: marker})
     child_env.update(env or {})
+    lease = None if child_env.get("PORT_RANGE") else ports.reserve(nproc + 2)
+    if lease is not None:
+        child_env.update(lease.env())  # the launcher's store and endpoint ports
     cmd = [
         sys.executable, "-m", "paddle.distributed.launch",
         "--nproc_per_node", str(nproc),
@@ -159,7 +168,9 @@ def run_launch(
     launcher_log = out_dir / "launcher.log"
     start = time.monotonic()
     timed_out = False
-    with open(launcher_log, "wb") as sink:
+    with open(launcher_log, "wb") as sink, contextlib.ExitStack() as held:
+        if lease is not None:
+            held.callback(lease.release)
         proc = subprocess.Popen(
             cmd, env=child_env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -188,4 +199,5 @@ def run_launch(
         logs=_read_logs(out_dir, nproc),
         launcher_output=launcher_log.read_text(errors="replace"),
         leftover=leftover,
+        port_range=child_env.get("PORT_RANGE", ""),
     )

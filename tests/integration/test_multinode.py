@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +39,7 @@ from jobs import (
 )
 from launch import kill_marked
 
+from flashcp.distributed import ports
 from flashcp.trainer import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -50,10 +51,11 @@ OVERRIDES = [f"train.steps={STEPS}", "checkpoint.every=0", "checkpoint.resume=ne
 TIMEOUT = 240.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+@pytest.fixture
+def master() -> Iterator[str]:
+    """`127.0.0.1:PORT` on a leased port (`flashcp.distributed.ports`), held for the test."""
+    with ports.reserve(1) as lease:
+        yield f"127.0.0.1:{lease.first}"
 
 
 def wait_all(
@@ -97,10 +99,9 @@ def metrics(out: Path) -> list[tuple[int, float, float, int]]:
 
 
 @pytest.mark.timeout(420)
-def test_two_nodes_train_bitwise_like_one_node(tmp_path: Path) -> None:
+def test_two_nodes_train_bitwise_like_one_node(tmp_path: Path, master: str) -> None:
     one = run_flashcp(CP4, OVERRIDES, tmp_path / "one")
     assert one.returncode == 0, one.summary()
-    master = f"127.0.0.1:{free_port()}"
     out = tmp_path / "two"
     markers = [uuid.uuid4().hex for _ in range(2)]
     procs = []
@@ -123,12 +124,12 @@ def test_two_nodes_train_bitwise_like_one_node(tmp_path: Path) -> None:
 
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-def test_launcher_direct_two_nodes_match_the_golden_losses(tmp_path: Path) -> None:
-    master = f"127.0.0.1:{free_port()}"
+def test_launcher_direct_two_nodes_match_the_golden_losses(tmp_path: Path, master: str) -> None:
     out = tmp_path / "run"
     overrides = [*golden_overrides(), f"run.output_dir={out}"]
     markers = [uuid.uuid4().hex for _ in range(2)]
     procs = []
+    leases = [ports.reserve(3) for _ in markers]  # each launcher's own ports (PORT_RANGE)
     for node, marker in enumerate(markers):
         cmd = [
             sys.executable, "-m", "paddle.distributed.launch",
@@ -137,11 +138,13 @@ def test_launcher_direct_two_nodes_match_the_golden_losses(tmp_path: Path) -> No
             str(ROOT / "src" / "flashcp" / "train.py"), "--config", CP2, *overrides,
         ]  # fmt: skip
         procs.append(subprocess.Popen(
-            cmd, cwd=ROOT, env=job_env(marker), stdout=subprocess.PIPE,
+            cmd, cwd=ROOT, env={**job_env(marker), **leases[node].env()}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
         ))  # fmt: skip
         time.sleep(0.5)
     outputs = wait_all(procs, markers)
+    for lease in leases:
+        lease.release()
     for proc, text in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, text[-3000:]
     assert node_problems(out, 0, range(0, 1)) == [] and node_problems(out, 1, range(1, 2)) == []
@@ -151,8 +154,7 @@ def test_launcher_direct_two_nodes_match_the_golden_losses(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(180)
-def test_a_node_alone_is_stopped_after_the_rendezvous_timeout(tmp_path: Path) -> None:
-    master = f"127.0.0.1:{free_port()}"
+def test_a_node_alone_is_stopped_after_the_rendezvous_timeout(tmp_path: Path, master: str) -> None:
     marker = uuid.uuid4().hex
     args = ["--nnodes", "2", "--node-rank", "0", "--master", master, *OVERRIDES,
             f"run.output_dir={tmp_path / 'run'}"]  # fmt: skip
@@ -164,4 +166,3 @@ def test_a_node_alone_is_stopped_after_the_rendezvous_timeout(tmp_path: Path) ->
     assert time.monotonic() - started < 60
     assert leftover_after(marker) == []
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-

@@ -40,6 +40,7 @@ from typing import Any
 import paddle.distributed as dist
 from paddle.distributed.communication.group import Group
 
+from flashcp.distributed import ports
 from flashcp.distributed.alltoall import Exchange
 from flashcp.distributed.collectives import barrier, group_backend
 from flashcp.distributed.dims import DIM_ORDER, WORLD, ParallelDims
@@ -140,12 +141,6 @@ def endpoint_host(rank: int) -> str:
     return hosts[rank] if rank < len(hosts) else "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
 def wait_for_port(host: str, port: int, timeout: float, *, what: str = "server") -> float:
     """Poll until `host:port` accepts a TCP connection; returns the seconds waited.
 
@@ -169,13 +164,18 @@ def wait_for_port(host: str, port: int, timeout: float, *, what: str = "server")
 
 
 def start_group_store(host: str, size: int, timeout: float) -> tuple[Any, int, threading.Thread]:
-    """Start a master TCPStore on a free port in a thread (its constructor blocks until all
-    `size` members connect); return once the port listens."""
+    """Start a master TCPStore in a thread (its constructor blocks until all `size` members
+    connect); return once the port listens.
+
+    The port is leased (`flashcp.distributed.ports`) until the store listens: outside the
+    ephemeral range and locked, so no other process binds it first (Paddle's store aborts the
+    process when its bind fails, so a retry here would come too late)."""
     from paddle.base import core
 
     last_error: BaseException | None = None
     for _ in range(_PORT_ATTEMPTS):
-        port = _free_port()
+        lease = ports.reserve(1)
+        port = lease.first
         box: dict[str, Any] = {}
 
         def create(port: int = port, box: dict[str, Any] = box) -> None:
@@ -187,12 +187,15 @@ def start_group_store(host: str, size: int, timeout: float) -> tuple[Any, int, t
         thread = threading.Thread(target=create, name=f"flashcp-store-{port}", daemon=True)
         thread.start()
         deadline = time.monotonic() + min(timeout, 30.0)
-        while time.monotonic() < deadline and "error" not in box:
-            try:
-                with socket.create_connection((host, port), timeout=0.5):
-                    return box, port, thread
-            except OSError:
-                time.sleep(0.01)
+        try:
+            while time.monotonic() < deadline and "error" not in box:
+                try:
+                    with socket.create_connection((host, port), timeout=0.5):
+                        return box, port, thread
+                except OSError:
+                    time.sleep(0.01)
+        finally:
+            lease.release()
         thread.join(timeout=0.5)
         last_error = box.get("error", TimeoutError(f"store on port {port} never listened"))
     raise RuntimeError(f"could not start a TCPStore on {host} ({last_error})")

@@ -48,9 +48,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from flashcp.trainer import rundir
+
+if TYPE_CHECKING:
+    from flashcp.distributed.ports import PortLease
 
 JOB_MARKER = "FLASHCP_JOB_ID"
 ENV_MASTER_PORT = "FLASHCP_MASTER_PORT"
@@ -204,6 +207,22 @@ def master_port(environ: Mapping[str, str] | None = None) -> int | None:
                 "launcher choose"
             ) from None
     return port
+
+
+def launcher_ports(environ: Mapping[str, str], nproc: int) -> PortLease | None:
+    """Lease the ports Paddle's launcher will pick (its store and endpoints: `nproc` + 1, one
+    spare) for the job's lifetime; its `env()` (`PORT_RANGE`) points the launcher at them.
+    None when the user set PORT_RANGE. The lease keeps them outside the ephemeral range and
+    away from other jobs (`flashcp.distributed.ports`: a port taken before rank 0 binds it
+    aborts the job inside Paddle)."""
+    if environ.get("PORT_RANGE"):
+        return None
+    from flashcp.distributed.ports import reserve
+
+    try:
+        return reserve(nproc + 2)
+    except RuntimeError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_master(nodes: Nodes, *, timeout: float | None = None) -> None:
@@ -549,10 +568,12 @@ def run_job(
     out = out or sys.stdout
     nodes = nodes or Nodes()
     local = nproc // nodes.count
+    lease: PortLease | None = None
     try:
         check_dispatch(config, overrides)
         check_memory(config, overrides)
         port = master_port() if nodes.master is None else None
+        lease = launcher_ports(os.environ, local)
         if nodes.master is not None:
             check_master(nodes)
         check_run_dir(output_dir, resume=resume, overwrite=overwrite)
@@ -561,6 +582,8 @@ def run_job(
                   file=out, flush=True)  # fmt: skip
         log_dir = check_output_dir(output_dir, nodes.log_dir(output_dir))
     except PreflightError as exc:
+        if lease is not None:
+            lease.release()
         print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
     offsets = _log_sizes(log_dir, local)
@@ -573,6 +596,8 @@ def run_job(
     if progress is None:
         progress = out.isatty() if hasattr(out, "isatty") else False
     env.setdefault("FLASHCP_PROGRESS", "1" if progress else "0")
+    if lease is not None:
+        env.update(lease.env())
     cmd = launch_command(config, overrides, local, log_dir, port, nodes)
     where = ""
     if nodes.multi:
@@ -620,6 +645,8 @@ def run_job(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if lease is not None:
+            lease.release()
     if received:
         return 128 + received[0]
     code = int(proc.returncode)
