@@ -30,8 +30,13 @@ import numpy as np
 import paddle
 import pytest
 from launch import MARKER_ENV, kill_marked
-from safetensors.numpy import load_file
-from trainruns import assert_training_matches, load_grads, train_in_process, train_launched
+from trainruns import (
+    assert_training_matches,
+    load_grads,
+    merged_tensors,
+    train_in_process,
+    train_launched,
+)
 
 import numerics
 from flashcp.config import load_config
@@ -144,18 +149,6 @@ def test_dpo_lora_pp2_equals_pp1_bitwise(tmp_path: Path) -> None:
     assert got.keys() == want.keys() and "lm_head.weight" in want
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-
-
-def merged_tensors(directory: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a merged export, through its index."""
-    import json
-
-    index = json.loads((directory / "model.safetensors.index.json").read_text())
-    out: dict[str, np.ndarray] = {}
-    for name in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(directory / name)))
-    assert set(out) == set(index["weight_map"])
-    return out
 
 
 @pytest.mark.timeout(200)

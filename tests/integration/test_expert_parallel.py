@@ -38,6 +38,7 @@ from safetensors.numpy import load_file
 from trainruns import (
     assert_training_matches,
     load_grads,
+    merged_tensors,
     train_in_process,
     train_launched,
 )
@@ -127,7 +128,7 @@ def test_pp2_cp2_ep2_dpo_lora_on_experts_matches_one_process(tmp_path: Path) -> 
         assert exported[name].shape == want[name].shape and want[name].shape[0] == 4
     # the merged export: one shard per (stage, ep rank), every key once, values of a model
     # trained 3 steps in another order (AdamW moves an element by at most ~lr a step)
-    got, exp = merged(run / "merged"), merged(ref / "merged")
+    got, exp = merged_tensors(run / "merged"), merged_tensors(ref / "merged")
     assert sorted(p.name for p in (run / "merged").glob("model-*.safetensors")) == [
         f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)
     ]
@@ -135,16 +136,6 @@ def test_pp2_cp2_ep2_dpo_lora_on_experts_matches_one_process(tmp_path: Path) -> 
     lr_sum = sum(r["lr"] for r in read_metrics(ref))
     for key in exp:
         assert np.max(np.abs(got[key] - exp[key])) <= 2 * lr_sum, key
-
-
-def merged(directory: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a merged export, through its index."""
-    index = json.loads((directory / "model.safetensors.index.json").read_text())
-    out: dict[str, np.ndarray] = {}
-    for name in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(directory / name)))
-    assert set(out) == set(index["weight_map"])
-    return out
 
 
 @pytest.mark.timeout(200)

@@ -8,6 +8,7 @@ The tests of the trainer's layouts (`test_train_multiproc.py`, `test_train_pipel
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -133,3 +134,13 @@ def assert_training_matches(
                 )  # fmt: skip
             )
     return done
+
+
+def merged_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a merged export (`flashcp export --merge-lora`), through its index."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(directory / name)))
+    assert set(out) == set(index["weight_map"])
+    return out

@@ -13,6 +13,7 @@ import paddle
 import pytest
 from paddle.distributed.communication.group import Group
 
+from fakegroups import FakeNewGroup
 from flashcp.distributed import (
     CommStats,
     NamedGroup,
@@ -293,27 +294,10 @@ def test_wait_for_port_sees_late_listener() -> None:
 # -- NCCL path with a fake new_group ----------------------------------------------------------
 
 
-class _FakeNewGroup:
-    """Records calls like every rank would make them; returns groups with a fake NCCL pg."""
-
-    class _PG:
-        def name(self) -> str:
-            return "NCCL"
-
-    def __init__(self) -> None:
-        self.calls: list[list[int]] = []
-
-    def __call__(self, ranks: list[int], backend: str, timeout: object) -> Group:
-        assert backend == "nccl"
-        self.calls.append(list(ranks))
-        gid = 10 + len(self.calls)
-        return Group(0, gid, list(ranks), pg=self._PG(), name=f"_default_pg{gid}")
-
-
 @pytest.mark.parametrize("rank", range(8))
 def test_nccl_path_every_rank_creates_every_group_in_order(rank: int) -> None:
     dims = ParallelDims(dp=2, pp=2, cp=2, world_size=8)
-    fake = _FakeNewGroup()
+    fake = FakeNewGroup()
     mine = _nccl_groups(dims, rank, 60, fake)
     assert fake.calls == dims.groups_for("dp") + dims.groups_for("pp") + dims.groups_for("cp")
     for dim in ("dp", "pp", "cp"):
@@ -326,6 +310,6 @@ def test_nccl_path_every_rank_creates_every_group_in_order(rank: int) -> None:
 
 def test_nccl_path_skips_world_spanning_and_trivial_dims() -> None:
     dims = ParallelDims(dp=1, pp=1, cp=4, world_size=4)
-    fake = _FakeNewGroup()
+    fake = FakeNewGroup()
     assert _nccl_groups(dims, 1, 60, fake) == {}
     assert fake.calls == []

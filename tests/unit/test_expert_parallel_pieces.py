@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from paddle.distributed.communication.group import Group
 
+from fakegroups import FakeNewGroup
 from flashcp.config import ConfigValidationError, build_config
 from flashcp.distributed import (
     Exchange,
@@ -90,22 +90,9 @@ def test_groups_to_build_and_the_gloo_pair_links() -> None:
     assert ep_link_pairs(ParallelDims(dp=2, pp=1, cp=2, world_size=4, ep=2), "gloo") == []
 
 
-class _FakeNewGroup:
-    class _PG:
-        def name(self) -> str:
-            return "NCCL"
-
-    def __init__(self) -> None:
-        self.calls: list[list[int]] = []
-
-    def __call__(self, ranks: list[int], backend: str, timeout: object) -> Group:
-        self.calls.append(list(ranks))
-        return Group(0, 10 + len(self.calls), list(ranks), pg=self._PG(), name="fake")
-
-
 def test_nccl_path_creates_the_expert_groups_after_the_mesh() -> None:
     dims = ParallelDims(dp=2, pp=2, cp=2, world_size=8, ep=2)
-    fake = _FakeNewGroup()
+    fake = FakeNewGroup()
     mine = _nccl_groups(dims, 5, 60, fake)
     mesh = dims.groups_for("dp") + dims.groups_for("pp") + dims.groups_for("cp")
     assert fake.calls == mesh + dims.expert_groups_for("ep") + dims.expert_groups_for("edp")
@@ -142,7 +129,7 @@ def test_one_rank_exchange_and_argument_checks() -> None:
 
 
 def test_nccl_all_to_all_hands_both_split_lists_to_paddle(monkeypatch: pytest.MonkeyPatch) -> None:
-    group = NamedGroup("ep", 1, 5, [0, 1], pg=_FakeNewGroup._PG())
+    group = NamedGroup("ep", 1, 5, [0, 1], pg=FakeNewGroup.PG())
     calls = []
 
     def alltoall_single(out, x, send, recv, group):  # type: ignore[no-untyped-def]

@@ -171,16 +171,7 @@ def _exchange_on_links(
     send: Tensor, dst: int, recv: Tensor, src: int, exchange: Exchange, first: bool
 ) -> tuple[int, int]:
     """One ordered send/recv pair, each on the link to its peer; (sent, received) nbytes."""
-    to, frm = exchange.link(dst), exchange.link(src)
-    if to is frm:
-        return _exchange(send, dst, recv, src, to, first)
-    if first:
-        dist.send(send, dst=dst, group=to)
-        dist.recv(recv, src=src, group=frm)
-    else:
-        dist.recv(recv, src=src, group=frm)
-        dist.send(send, dst=dst, group=to)
-    return nbytes(send), nbytes(recv)
+    return _exchange(send, dst, recv, src, exchange.link(dst), first, exchange.link(src))
 
 
 def gather_rows(

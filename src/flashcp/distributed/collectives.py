@@ -235,14 +235,22 @@ def sends_first(index: int, shift: int, size: int) -> bool:
 
 
 def _exchange(
-    send: Tensor, dst: int, recv: Tensor, src: int, group: Group, first: bool
+    send: Tensor,
+    dst: int,
+    recv: Tensor,
+    src: int,
+    group: Group,
+    first: bool,
+    recv_group: Group | None = None,
 ) -> tuple[int, int]:
-    """One ordered send/recv pair; returns the (sent, received) nbytes of the two tensors."""
+    """One ordered send/recv pair (the receive on `recv_group` when given, e.g. another pair
+    link); returns the (sent, received) nbytes of the two tensors."""
+    frm = group if recv_group is None else recv_group
     if first:
         dist.send(send, dst=dst, group=group)
-        dist.recv(recv, src=src, group=group)
+        dist.recv(recv, src=src, group=frm)
     else:
-        dist.recv(recv, src=src, group=group)
+        dist.recv(recv, src=src, group=frm)
         dist.send(send, dst=dst, group=group)
     return nbytes(send), nbytes(recv)
 
