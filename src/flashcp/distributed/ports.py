@@ -17,7 +17,8 @@ kernel-chosen port can ever land on them), each free when probed the way Paddle'
 probes and each held by an exclusive `flock` on `<tmp>/flashcp-ports/<port>` until the lease is
 released (so no other flashcp job, test or CI run on this machine picks it; a dead holder's
 locks vanish with it). `PortLease.env()` gives `PORT_RANGE`, the variable Paddle's launcher
-draws all its ports from.
+draws all its ports from. The lock files stay (empty, at most one per port of the window):
+deleting a held one would let a second process lock a new file for the same port.
 """
 
 from __future__ import annotations
