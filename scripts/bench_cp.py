@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.cp.attention import MODES
+from flashcp.attention.allgather_kv import MODES
 from flashcp.cp.balance import assign_chunks, balanced_assignment, chunk_work, imbalance, rank_work
 from flashcp.cp.layout import Assignment
 from flashcp.masks import FAMILIES, Mask, causal_document_mask, share_question_mask

@@ -47,8 +47,9 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-import flashcp.cp.attention as cp_attention
-from flashcp.cp import flashmask_attention_cp, make_assignment, shard_assigned
+import flashcp.attention.allgather_kv as cp_attention
+from flashcp.attention.allgather_kv import flashmask_attention_cp, make_assignment
+from flashcp.cp.layout import shard_assigned
 from flashcp.distributed import (
     COUNTERS,
     ParallelDims,

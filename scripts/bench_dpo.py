@@ -100,8 +100,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def build_examples(args: argparse.Namespace) -> list[Any]:
+    from flashcp.data.dpo import fit_examples, read_dpo_jsonl, tokenize_dpo
     from flashcp.data.tokenizer import ByteTokenizer
-    from flashcp.recipes.dpo_data import fit_examples, read_dpo_jsonl, tokenize_dpo
 
     records = read_dpo_jsonl(None) * args.repeat
     examples = tokenize_dpo(records, ByteTokenizer())
@@ -112,8 +112,8 @@ def build_examples(args: argparse.Namespace) -> list[Any]:
 
 
 def layouts(args: argparse.Namespace, examples: list[Any]) -> dict[str, list[Any]]:
+    from flashcp.data.dpo import pack_dpo_batches, unpack_dpo
     from flashcp.data.tokenizer import ByteTokenizer
-    from flashcp.recipes.dpo_data import pack_dpo_batches, unpack_dpo
 
     pad = ByteTokenizer().pad_id
     buckets = [int(b) for b in args.buckets.split(",")]

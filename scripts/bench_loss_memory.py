@@ -5,7 +5,7 @@ bias-free `nn.Linear(H, V)` head (the GLM head), once unchunked (`train.loss_chu
 the whole `[T, V]` float32 logits, Paddle's cross-entropy) and once chunked
 (`flashcp.models.head.chunked_token_logprobs`, chunks of `n` tokens recomputed in backward).
 Peak = the allocator's highest tensor bytes above the start of the pass
-(`flashcp.trainer.memory.PeakMeter`: Paddle's host allocator statistics on CPU, exact bytes of
+(`flashcp.metrics.memory.PeakMeter`: Paddle's host allocator statistics on CPU, exact bytes of
 Paddle tensors). The two variants alternate, `--repeats` times each; the table gives medians
 (the peak is the same every repeat) and the time's spread. Next to the measurements, the sizes
 that bound them (`tests/unit/test_loss_chunking.py` asserts the same bounds):
@@ -102,8 +102,8 @@ def one_pass(head: Any, hidden: np.ndarray, labels: np.ndarray, chunk: int) -> d
     """Forward + backward of the summed log-prob loss; peak bytes above the start, seconds."""
     import paddle
 
+    from flashcp.metrics.memory import PeakMeter
     from flashcp.models.head import chunked_token_logprobs
-    from flashcp.trainer.memory import PeakMeter
 
     head.weight.clear_gradient(False)
     h = paddle.to_tensor(hidden)
@@ -232,7 +232,7 @@ def markdown(rec: dict[str, Any]) -> str:
             "",
             "Peak = the allocator's highest tensor bytes above the start of the pass (Paddle's "
             "host allocator statistics on CPU: exact bytes of Paddle tensors; "
-            "`flashcp.trainer.memory`). MiB throughout. *floor* = 2·T·V·4, the logits (or "
+            "`flashcp.metrics.memory`). MiB throughout. *floor* = 2·T·V·4, the logits (or "
             "softmax) and their gradient alive together; *bound* = 3·n·V·4 + 2·H·V·4 + "
             "4·T·H·4, one chunk's logits, softmax and gradient, the head weight's gradient and "
             "the chunk's partial, and hidden-sized tensors "

@@ -267,9 +267,9 @@ def balance_run(steps: int, rate: float, seed: int) -> dict[str, Any]:
     import paddle
 
     from flashcp.config import build_config
-    from flashcp.trainer import Trainer, read_metrics
-    from flashcp.trainer.loop import default_model_factory
-    from flashcp.trainer.moe_stats import moe_layers
+    from flashcp.metrics.moe_stats import moe_layers
+    from flashcp.metrics.writer import read_metrics
+    from flashcp.trainer import Trainer, default_model_factory
 
     def skewed(cfg: Any, stage: Any) -> Any:
         model = default_model_factory(cfg, stage)

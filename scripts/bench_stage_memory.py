@@ -24,7 +24,7 @@ import json, sys, time
 import paddle
 paddle.set_device("cpu")
 from flashcp.models import build_model, preset
-from flashcp.parallel import stage_spec
+from flashcp.pipeline import stage_spec
 from flashcp.trainer import memory
 name, dtype = sys.argv[1], sys.argv[5]
 layers, pp, stage = (int(x) for x in sys.argv[2:5])

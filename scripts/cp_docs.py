@@ -329,7 +329,7 @@ def render_cp_bench(
         "",
         "## Communication per attention call",
         "",
-        "All-gather-KV CP (`flashcp.cp.attention`) moves, per rank and per direction "
+        "All-gather-KV CP (`flashcp.attention.allgather_kv`) moves, per rank and per direction "
         "(sent = received):",
         "",
         "| | collectives | bytes per rank and direction |",
@@ -392,7 +392,8 @@ def render_cp_bench(
             "both see the same period of machine load; the headline is the median of all "
             f"{cfg['rounds'] * cfg['repeats']} timed steps of each side. Collective time is "
             "measured by wrapping the `all_gather_tensor` / `reduce_scatter_chunks` that "
-            "`flashcp.cp.attention` calls (it includes waiting for the slower peer); the same "
+            "`flashcp.attention.allgather_kv` calls (it includes waiting for the slower peer); "
+            "the same "
             'collectives are also timed alone after a barrier ("isolated"). No timing is '
             f"asserted anywhere; the script exits 1 when the median speed-up is below "
             f"{target:.2f}×.",

@@ -1,9 +1,9 @@
-"""Peak Paddle memory of `flashcp export` (`flashcp.trainer.export.export_run`) by shard size.
+"""Peak Paddle memory of `flashcp export` (`flashcp.checkpoint.export.export_run`) by shard size.
 
 Saves one checkpoint of a `small_glm`-width model (8 layers, 32k vocabulary: ~85 MiB of float32
 weights) as a run directory, then exports it with one shard (the whole model built at once)
 and with shards of 1/8 of the model (one stage built at a time), printing Paddle's allocator
-peak (`flashcp.trainer.memory`, exact bytes of Paddle tensors) for each:
+peak (`flashcp.metrics.memory`, exact bytes of Paddle tensors) for each:
 
     python scripts/export_memory.py
 """
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.checkpoint.export import export_run
+from flashcp.checkpoint.format import save_checkpoint
+from flashcp.checkpoint.state import model_arrays
 from flashcp.config import build_config, to_yaml
+from flashcp.metrics import memory
 from flashcp.models import build_model, estimate_parameters, preset
-from flashcp.trainer import memory
-from flashcp.trainer.checkpoint import save_checkpoint
-from flashcp.trainer.export import export_run
-from flashcp.trainer.state import model_arrays
 
 
 def main() -> None:

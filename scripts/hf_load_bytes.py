@@ -24,7 +24,7 @@ import paddle
 
 from flashcp.models import build_model, preset
 from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
-from flashcp.parallel import stage_spec
+from flashcp.pipeline.stage import stage_spec
 
 MODELS = {
     "small_glm(6 layers)": ("small_glm", {"num_layers": 6}),

@@ -143,7 +143,8 @@ def work_model() -> dict[str, np.ndarray]:
 
 def _train(config: str, steps: int, keys: tuple[str, ...], extra: list[str]) -> np.ndarray:
     from flashcp.config import load_config
-    from flashcp.trainer import Trainer, read_metrics
+    from flashcp.metrics.writer import read_metrics
+    from flashcp.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
         overrides = [f"train.steps={steps}", "checkpoint.every=0", "checkpoint.resume=never",

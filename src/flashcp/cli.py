@@ -160,7 +160,7 @@ def _node_problem(args: argparse.Namespace) -> str | None:
 
 def _train(args: argparse.Namespace) -> int:
     from flashcp.config import ConfigValidationError, load_config
-    from flashcp.trainer.job import Nodes, run_job
+    from flashcp.launch.job import Nodes, run_job
 
     problem = _node_problem(args)
     if problem is not None:
@@ -203,7 +203,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from flashcp.trainer.plot import plot_run
+    from flashcp.metrics.plot import plot_run
 
     try:
         out = plot_run(args.run_dir, args.out)
@@ -233,9 +233,9 @@ def _parse_size(text: str) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from flashcp.checkpoint.export import ExportError, export_run
     from flashcp.config import ConfigValidationError
     from flashcp.models.hf_weights import CheckpointMismatchError
-    from flashcp.trainer.export import ExportError, export_run
 
     try:
         report = export_run(

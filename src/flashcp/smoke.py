@@ -23,8 +23,8 @@ import numpy as np
 import paddle
 
 from flashcp import masks
-from flashcp.attention import flashmask_attention
-from flashcp.cp import flashmask_attention_cp, make_assignment
+from flashcp.attention.allgather_kv import flashmask_attention_cp, make_assignment
+from flashcp.attention.flashmask import flashmask_attention
 from flashcp.cp.layout import shard_assigned
 from flashcp.distributed import (
     ParallelDims,

@@ -9,12 +9,12 @@ nodes, each runs the launcher with `--nnodes N --rank R --master HOST:PORT --npr
 dp·pp·cp/N`; the launcher's `PADDLE_NNODES` makes the degree check name the node count.
 
 Exit codes: 0 done, 2 bad config or a run directory the run may not start in (every problem
-printed by rank 0, before the distributed runtime starts: `flashcp.trainer.rundir`; this path
+printed by rank 0, before the distributed runtime starts: `flashcp.launch.rundir`; this path
 never moves an earlier run aside for `run.overwrite`, `flashcp train` does), 3 non-finite loss or
 gradients, 4 a broken checkpoint was asked for, 1 anything else. Every rank's last line is
 `[flashcp] rank R exit CODE` (after the process groups are torn down), so a supervisor can tell
-a rank that finished from one that was killed (`flashcp.trainer.job` reads it after a failure).
-`FLASHCP_FAULT` injects faults for reliability tests (`flashcp.trainer.faults`).
+a rank that finished from one that was killed (`flashcp.launch.job` reads it after a failure).
+`FLASHCP_FAULT` injects faults for reliability tests (`flashcp.faults`).
 """
 
 from __future__ import annotations
@@ -50,10 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run this rank's share of the job; returns the process exit code."""
     args = build_parser().parse_args(argv)
 
+    from flashcp import faults
+    from flashcp.checkpoint.format import CheckpointError
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown
+    from flashcp.launch import rundir
     from flashcp.log import process_rank
-    from flashcp.trainer import CheckpointError, NonFiniteError, Trainer, faults, rundir
+    from flashcp.trainer import NonFiniteError, Trainer
 
     rank = process_rank()
     try:

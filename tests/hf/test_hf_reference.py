@@ -21,12 +21,11 @@ import paddle
 import pytest
 
 from flashcp import dispatch, masks
+from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
 from flashcp.models import AttentionContext, build_model
 from flashcp.models.hf_weights import load_hf_checkpoint
-from flashcp.trainer import Trainer
-from flashcp.trainer.export import export_run
-from flashcp.trainer.loop import default_model_factory
+from flashcp.trainer import Trainer, default_model_factory
 
 pytestmark = pytest.mark.hf
 

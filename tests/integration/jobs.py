@@ -123,7 +123,7 @@ class JobRun:
 
     def losses(self) -> dict[int, float]:
         """Loss per step from `metrics.jsonl` (not grepped from a log)."""
-        from flashcp.trainer import read_metrics
+        from flashcp.metrics.writer import read_metrics
 
         return {int(r["step"]): float(r["loss"]) for r in read_metrics(self.out_dir)}
 
@@ -269,7 +269,7 @@ def golden_entry(run: JobRun, steps: int = GOLDEN_STEPS) -> dict[str, Any]:
     """The golden record of a finished job at the check steps: losses and gradient norms, each
     with the rule's basis. The gradient norm is the stronger check (a label shift moves it by
     ~10x what it moves the loss, in the rule's units; `tests/unit/test_numerics.py`)."""
-    from flashcp.trainer import read_metrics
+    from flashcp.metrics.writer import read_metrics
 
     rows = {int(r["step"]): r for r in read_metrics(run.out_dir)}
     beta = dpo_beta(run.config)

@@ -40,8 +40,8 @@ from trainruns import (
 
 import numerics
 from flashcp.config import load_config
+from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model
-from flashcp.trainer import read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -176,7 +176,7 @@ def test_combined_moe_dpo_lora_pp2_cp2_via_flashcp_train(tmp_path: Path) -> None
     ref = in_process(config, tmp_path / "ref")
     assert_close(run, ref, config, pp=2)
     # one adapter shard per stage; PaddleFormers loads the directory into the full model
-    from flashcp.recipes.lora import load_adapters
+    from flashcp.lora.model import load_adapters
 
     shards = sorted(p.name for p in (run / "adapters").glob("peft_model-*.safetensors"))
     assert shards == [f"peft_model-0000{s}-of-00002.safetensors" for s in (1, 2)]

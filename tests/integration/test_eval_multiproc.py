@@ -21,7 +21,7 @@ from trainruns import train_in_process, train_launched
 
 import numerics
 from flashcp.data.dataset import read_records
-from flashcp.trainer import read_metrics
+from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
 

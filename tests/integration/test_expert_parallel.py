@@ -44,7 +44,7 @@ from trainruns import (
 )
 
 import numerics
-from flashcp.trainer import read_metrics
+from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
 

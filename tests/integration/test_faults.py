@@ -8,7 +8,7 @@
 * NaN in the loss: exit 3 naming the step and the rank; with `train.on_nonfinite: skip` the
   job continues, says which steps it skipped, and `metrics.jsonl` marks them.
 
-Faults are injected with `FLASHCP_FAULT` (`flashcp.trainer.faults`).
+Faults are injected with `FLASHCP_FAULT` (`flashcp.faults`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jobs
 import pytest
 from launch import _alive, _marked_pids, kill_marked
 
-from flashcp.trainer import verify_checkpoint
+from flashcp.checkpoint.format import verify_checkpoint
 
 pytestmark = pytest.mark.integration
 

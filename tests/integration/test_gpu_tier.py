@@ -23,8 +23,8 @@ from launch import run_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for gpu_helpers
 
-from flashcp.cp import MODES  # noqa: E402
-from flashcp.trainer import read_metrics  # noqa: E402
+from flashcp.attention.allgather_kv import MODES
+from flashcp.metrics.writer import read_metrics
 from gpu_helpers import BF16_LOSS_RTOL, SKIP_NO_GPU, gpu_count  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason=SKIP_NO_GPU)]

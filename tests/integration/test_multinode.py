@@ -40,7 +40,7 @@ from jobs import (
 from launch import kill_marked
 
 from flashcp.distributed import ports
-from flashcp.trainer import read_metrics
+from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
 

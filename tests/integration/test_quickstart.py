@@ -23,7 +23,7 @@ import pytest
 from jobs import ROOT, job_env, leftover_after, run_flashcp
 from launch import kill_marked, run_launch
 
-from flashcp.trainer import read_metrics
+from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -46,9 +46,9 @@ import pytest
 
 import flashcp.models
 from flashcp.config import build_config, read_yaml
+from flashcp.metrics import memory
 from flashcp.plan import plan
 from flashcp.plan.params import stage_buffers, stage_parameters
-from flashcp.trainer import memory
 
 pytestmark = pytest.mark.integration
 
@@ -180,10 +180,10 @@ def write_checkpoint(directory: Path, layout: dict[str, tuple[list[int], str]]) 
 
 def dpo_step(cfg: Any, model: Any, hidden_in: paddle.Tensor) -> paddle.Tensor:
     """One DPO micro-batch on the last stage: reference (adapters off), policy, loss, backward."""
+    from flashcp.data.dpo_stream import DPOData
+    from flashcp.lora.model import disable_adapters
     from flashcp.models import AttentionContext
     from flashcp.recipes.dpo_loss import dpo_terms, sequence_logps
-    from flashcp.recipes.dpo_stream import DPOData
-    from flashcp.recipes.lora import disable_adapters
 
     batch = DPOData(cfg).next_step()[0]
     assert batch.num_examples > 0 and batch.seq_len == SEQ
@@ -209,10 +209,10 @@ def dpo_step(cfg: Any, model: Any, hidden_in: paddle.Tensor) -> paddle.Tensor:
 def test_glm45_air_stage_at_real_width_loads_its_share_and_fits_its_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from flashcp.lora.setup import apply_lora_config
     from flashcp.models import build_model
-    from flashcp.parallel import stage_spec
-    from flashcp.recipes.adapters import apply_lora_config
-    from flashcp.trainer.loop import init_weights
+    from flashcp.pipeline.stage import stage_spec
+    from flashcp.trainer import init_weights
 
     monkeypatch.setattr(flashcp.models, "CPU_MAX_PARAMETERS", 10**12)  # real width, on purpose
     args = _config(tmp_path, None).model

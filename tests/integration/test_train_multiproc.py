@@ -30,8 +30,8 @@ from trainruns import assert_training_matches
 import numerics
 from flashcp import dispatch
 from flashcp.config import load_config
-from flashcp.trainer import Trainer, read_metrics
-from flashcp.trainer.loop import GRADS_DIR
+from flashcp.metrics.writer import read_metrics
+from flashcp.trainer import GRADS_DIR, Trainer
 
 pytestmark = pytest.mark.integration
 

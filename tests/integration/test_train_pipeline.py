@@ -8,7 +8,7 @@ gradients every step (`debug.dump_grads`: `grads/step_N.stageS.safetensors`).
 
 * PP = 2 (tiny GPT, untied): each stage runs the single-process operations in the same order,
   the loss lives on the last stage, and clipping uses the whole model's norm with the
-  single-process arithmetic (`flashcp.trainer.clip`), so losses, gradient norms and gradients
+  single-process arithmetic (`flashcp.optim.clip`), so losses, gradient norms and gradients
   are BITWISE equal, clipping active;
 * PP = 2 × CP = 2 (tiny GLM, tied embeddings, uneven split [1, 2], GPipe): within the float32
   rule of `tests/numerics.py` (CP reorders sums; the tied matrix adds the two stages'
@@ -26,8 +26,8 @@ import pytest
 from safetensors.numpy import load_file
 from trainruns import assert_training_matches, load_grads, train_in_process, train_launched
 
-from flashcp.trainer import read_metrics
-from flashcp.trainer.loop import GRADS_DIR
+from flashcp.metrics.writer import read_metrics
+from flashcp.trainer import GRADS_DIR
 
 pytestmark = pytest.mark.integration
 

@@ -37,7 +37,8 @@ from launch import run_launch
 
 from flashcp import dispatch
 from flashcp.config import load_config
-from flashcp.trainer import Trainer, read_metrics
+from flashcp.metrics.writer import read_metrics
+from flashcp.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from safetensors.numpy import load_file
 
 from flashcp import dispatch
 from flashcp.config import load_config
-from flashcp.trainer import Trainer, read_metrics
-from flashcp.trainer.loop import GRADS_DIR
+from flashcp.metrics.writer import read_metrics
+from flashcp.trainer import GRADS_DIR, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `numerics`
 import numerics  # noqa: E402

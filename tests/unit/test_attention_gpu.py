@@ -23,7 +23,8 @@ import pytest
 
 from flashcp import dispatch, masks
 from flashcp.attention import flashmask_attention_with_version
-from flashcp.cp import make_assignment, rebase_mask
+from flashcp.attention.allgather_kv import make_assignment
+from flashcp.cp.rebase import rebase_mask
 from gpu_helpers import (
     GPU_DTYPES,
     SKIP_NO_GPU,

@@ -33,12 +33,15 @@ import pytest
 import flashcp.distributed
 import flashcp.train
 from flashcp import cli as flashcp_cli
-from flashcp import dispatch, masks
+from flashcp import dispatch, faults, masks
 from flashcp.attention import flashmask_attention
+from flashcp.attention.allgather_kv import flashmask_attention_cp
+from flashcp.checkpoint.format import verify_checkpoint
 from flashcp.config import load_config
-from flashcp.cp import flashmask_attention_cp
 from flashcp.kernels import registry
-from flashcp.trainer import Trainer, faults, job, read_metrics, verify_checkpoint
+from flashcp.launch import job
+from flashcp.metrics.writer import read_metrics
+from flashcp.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "gpt" / "tiny_cp2.yaml")

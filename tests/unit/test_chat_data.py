@@ -15,8 +15,8 @@ from flashcp.config import IGNORE_INDEX
 from flashcp.data import ByteTokenizer, HFTokenizer, PackedSequence, build_tokenizer, collate
 from flashcp.data.chat import chat_segments
 from flashcp.data.dataset import DocumentBuilder
+from flashcp.data.dpo import DPORecords, tokenize_dpo
 from flashcp.data.records import BadRecordError
-from flashcp.recipes.dpo_data import DPORecords, tokenize_dpo
 from hfdir import (
     GLM4_CHAT_TEMPLATE,
     chat_records,

@@ -15,7 +15,8 @@ import pytest
 
 from flashcp import dispatch
 from flashcp.config import build_config
-from flashcp.trainer import Trainer, read_metrics
+from flashcp.metrics.writer import read_metrics
+from flashcp.trainer import Trainer
 from hfdir import (
     DEFAULT_VOCAB,
     chat_records,

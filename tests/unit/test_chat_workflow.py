@@ -19,15 +19,15 @@ import paddle
 import pytest
 
 from flashcp import dispatch, masks
+from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
 from flashcp.data import HFTokenizer
+from flashcp.metrics import tracking
+from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
-from flashcp.trainer import Trainer, read_metrics, tracking
-from flashcp.trainer.export import export_run
-from flashcp.trainer.loop import default_model_factory
-from flashcp.trainer.metrics import scalars
+from flashcp.trainer import Trainer, default_model_factory
 from hfdir import (
     DEFAULT_VOCAB,
     chat_records,

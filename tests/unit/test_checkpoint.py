@@ -11,8 +11,8 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.trainer import checkpoint as ck
-from flashcp.trainer.state import (
+from flashcp.checkpoint import format as ck
+from flashcp.checkpoint.state import (
     load_model_arrays,
     load_optimizer_arrays,
     model_arrays,

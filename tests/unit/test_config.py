@@ -391,8 +391,7 @@ def test_to_yaml_round_trip_and_hash() -> None:
 
 
 def test_modes_match_the_cp_package() -> None:
-    from flashcp.cp import MODES
-    from flashcp.cp.attention import BALANCED_CHUNKS_PER_RANK
+    from flashcp.attention.allgather_kv import BALANCED_CHUNKS_PER_RANK, MODES
 
     assert CP_MODES == MODES
     assert CHUNKS_PER_RANK["workload_balanced"] == BALANCED_CHUNKS_PER_RANK

@@ -10,8 +10,9 @@ import paddle
 import pytest
 
 from flashcp import dispatch, masks
-from flashcp.cp import MODES, Assignment, flashmask_attention_cp
-from flashcp.cp import attention as cp_attention
+from flashcp.attention import allgather_kv as cp_attention
+from flashcp.attention.allgather_kv import MODES, flashmask_attention_cp
+from flashcp.cp.layout import Assignment
 from flashcp.dispatch import FlashAttnUnavailableError
 from flashcp.distributed import WORLD, NamedGroup
 from flashcp.kernels.registry import get_backend

@@ -24,8 +24,8 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.cp import attention as cp_attention
-from flashcp.cp.attention import CPPlan, scatter_grad
+from flashcp.attention import allgather_kv as cp_attention
+from flashcp.attention.allgather_kv import CPPlan, scatter_grad
 from flashcp.cp.layout import Assignment, shard_assigned
 
 U_BF16 = 2.0**-8

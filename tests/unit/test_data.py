@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashcp.attention.allgather_kv import make_assignment
 from flashcp.config import CP_MODES, IGNORE_INDEX, build_config
-from flashcp.cp import make_assignment
 from flashcp.cp.layout import Assignment, unshard_assigned
 from flashcp.data import (
     ByteTokenizer,

@@ -14,10 +14,10 @@ import pytest
 
 from flashcp.config import build_config
 from flashcp.data import Document, HFTokenizer, PackedStream, TrainData
+from flashcp.data.dpo_stream import DPOData
 from flashcp.data.index import LazyItems, build_index
 from flashcp.data.peers import Peers
 from flashcp.data.sources import JsonlSource, ListSource, data_files, open_source
-from flashcp.recipes.dpo_stream import DPOData
 from hfdir import (
     chat_records,
     preference_records,

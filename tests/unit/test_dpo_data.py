@@ -11,9 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numerics
-from flashcp.masks import causal_mask, to_dense
-from flashcp.models import build_model, preset
-from flashcp.recipes.dpo_data import (
+from flashcp.data.dpo import (
     DEFAULT_DPO_DATA,
     IGNORE_INDEX,
     DPOExample,
@@ -26,6 +24,8 @@ from flashcp.recipes.dpo_data import (
     tokenize_dpo,
     unpack_dpo,
 )
+from flashcp.masks import causal_mask, to_dense
+from flashcp.models import build_model, preset
 from flashcp.recipes.dpo_loss import answer_logps
 
 BOS, EOS, PAD = 256, 257, 258

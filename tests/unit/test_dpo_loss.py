@@ -11,9 +11,9 @@ import pytest
 from paddleformers.nn.criterion import dpo_loss as pf_dpo
 
 import numerics
-from flashcp.cp import Assignment, assigned_positions, shard_assigned
+from flashcp.cp.layout import Assignment, assigned_positions, shard_assigned
+from flashcp.data.dpo import DPOExample, pack_dpo
 from flashcp.models import token_logprobs
-from flashcp.recipes.dpo_data import DPOExample, pack_dpo
 from flashcp.recipes.dpo_loss import dpo_loss, sequence_logps
 
 

@@ -13,11 +13,12 @@ import pytest
 
 from flashcp import dispatch
 from flashcp.config import build_config
+from flashcp.data.dpo_stream import DPOData
+from flashcp.lora.model import disable_adapters, load_adapters
+from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model
 from flashcp.models.hf_weights import load_hf_checkpoint
-from flashcp.recipes.dpo_stream import DPOData
-from flashcp.recipes.lora import disable_adapters, load_adapters
-from flashcp.trainer import Trainer, read_metrics
+from flashcp.trainer import Trainer
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
 

@@ -1,4 +1,4 @@
-"""Held-out evaluation (`eval.*`, `flashcp.trainer.evaluate`) in one process.
+"""Held-out evaluation (`eval.*`, `flashcp.evaluate`) in one process.
 
 * The eval loss equals an independent computation: the trained model's full float32 logits on
   the same eval sequences, `paddle.nn.functional.cross_entropy` summed and divided by the
@@ -28,13 +28,14 @@ import numerics
 from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.data.dataset import read_records
+from flashcp.data.dpo_stream import DPOData
+from flashcp.evaluate import data_epoch, format_eval, is_due, pass_rows
+from flashcp.lora.model import disable_adapters
+from flashcp.metrics.writer import read_metrics
 from flashcp.models import AttentionContext
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
-from flashcp.recipes.dpo_stream import DPOData
 from flashcp.recipes.lm import LMData
-from flashcp.recipes.lora import disable_adapters
-from flashcp.trainer import Trainer, read_metrics
-from flashcp.trainer.evaluate import data_epoch, format_eval, is_due, pass_rows
+from flashcp.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 DPO_FILE = ROOT / "src" / "flashcp" / "data" / "dpo_default.jsonl"
@@ -253,7 +254,7 @@ def test_data_epoch_and_a_source_without_epochs() -> None:
 
     assert pass_rows(NoEpoch(4, lazy=True), {"row": 0}, limit=3) == 3
 
-    from flashcp.trainer.evaluate import Evaluator
+    from flashcp.evaluate import Evaluator
 
     class Recipe:
         def build_eval_data(self, path: str) -> Any:
@@ -265,7 +266,7 @@ def test_data_epoch_and_a_source_without_epochs() -> None:
 
 
 def test_a_pass_too_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    import flashcp.trainer.evaluate as evaluate
+    import flashcp.evaluate as evaluate
 
     monkeypatch.setattr(evaluate, "MAX_PASS_ROWS", 5)
     with pytest.raises(ValueError, match=r"more than 5 rows: set eval\.max_batches"):

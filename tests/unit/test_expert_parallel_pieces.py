@@ -16,6 +16,7 @@ import paddle
 import pytest
 
 from fakegroups import FakeNewGroup
+from flashcp.checkpoint.experts import ExpertArrays, model_key, optimizer_key
 from flashcp.config import ConfigValidationError, build_config
 from flashcp.distributed import (
     Exchange,
@@ -40,7 +41,6 @@ from flashcp.models.expert_parallel import (
 )
 from flashcp.models.moe import MoE
 from flashcp.models.moe_dispatch import build_dispatch, combine, permute, relayout
-from flashcp.trainer.expert_state import ExpertArrays, model_key, optimizer_key
 
 EXPERTS_OF = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -337,7 +337,7 @@ def test_hf_checkpoint_loads_one_ep_ranks_experts(tmp_path: Path) -> None:
 
 
 def test_merged_export_of_a_later_ep_rank_holds_only_its_experts() -> None:
-    from flashcp.recipes.merge_export import merged_specs
+    from flashcp.checkpoint.merge_export import merged_specs
 
     stage = build_model(_args(), stage=StageSpec(0, 1, range(3), 1, 2), seed=0)
     keys = [spec.key for spec in merged_specs(stage, experts_only=True)]
@@ -378,7 +378,7 @@ def test_a_valid_ep_config() -> None:
 
 
 def test_eval_refuses_a_short_last_batch_when_ep_spans_dp() -> None:
-    from flashcp.trainer.evaluate import Evaluator, ep_lockstep
+    from flashcp.evaluate import Evaluator, ep_lockstep
 
     assert ep_lockstep(1, 3) is None and ep_lockstep(2, 4) is None
     assert "parallel.ep=4 with parallel.cp=2" in str(ep_lockstep(4, 2))

@@ -15,18 +15,12 @@ import pytest
 from safetensors import safe_open
 
 from flashcp import cli, dispatch, masks
+from flashcp.checkpoint.export import ExportError, copy_tokenizer, export_run, plan_shards
 from flashcp.config import build_config
 from flashcp.models import AttentionContext, build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
-from flashcp.trainer import Trainer
-from flashcp.trainer.export import (
-    ExportError,
-    copy_tokenizer,
-    export_run,
-    plan_shards,
-)
-from flashcp.trainer.loop import default_model_factory
+from flashcp.trainer import Trainer, default_model_factory
 
 ARGS = preset(
     "tiny_glm_moe",
@@ -381,10 +375,10 @@ def test_gpt_run_exports_for_from_pretrained(tmp_path: Path) -> None:
 def test_pipeline_checkpoint_parts_export(tmp_path: Path) -> None:
     """A pp = 2 checkpoint (one model part per stage, written by the trainer's own part
     writer; the tied embedding in both parts) exports the stages' values under full names."""
+    from flashcp.checkpoint import parts as sharded
+    from flashcp.checkpoint.state import model_arrays
     from flashcp.config import to_yaml
-    from flashcp.parallel import build_stage
-    from flashcp.trainer import sharded
-    from flashcp.trainer.state import model_arrays
+    from flashcp.pipeline.stage import build_stage
 
     args = preset("tiny_glm", vocab_size=300, max_seq_len=64, num_layers=3, tie_embeddings=True)
     raw = {

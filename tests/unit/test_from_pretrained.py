@@ -24,7 +24,7 @@ from flashcp.config import (
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
-from flashcp.trainer.loop import default_model_factory
+from flashcp.trainer import default_model_factory
 
 ARGS = preset(
     "tiny_glm_moe", vocab_size=300, use_qk_norm=True, rotary_base=50_000.0, max_seq_len=64

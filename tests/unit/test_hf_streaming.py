@@ -30,7 +30,7 @@ from flashcp.models.hf_weights import (
     save_hf_checkpoint,
 )
 from flashcp.models.safetensors_io import SafetensorsFormatError
-from flashcp.parallel import stage_spec
+from flashcp.pipeline.stage import stage_spec
 
 DIMS = dict(
     vocab_size=256,

@@ -676,7 +676,7 @@ def sm100(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def test_cp_rebasing_makes_fa4_unavailable_for_causal_two_column_masks(sm100) -> None:
     """Under CP a causal 2-column mask becomes a 4-column one, which the SM100 CuTe kernel
     refuses (upstream sends such masks to FA2/FA3): the plan must not pick FA4 for it."""
-    from flashcp.cp.attention import plan_cp_attention
+    from flashcp.attention.allgather_kv import plan_cp_attention
     from flashcp.cp.layout import Assignment
 
     class Rank0Of2:

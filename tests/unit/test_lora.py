@@ -6,9 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.models import AttentionContext, build_model, preset
-from flashcp.models.layers import Linear
-from flashcp.recipes.lora import (
+from flashcp.lora.model import (
     apply_lora,
     disable_adapters,
     load_adapters,
@@ -17,6 +15,8 @@ from flashcp.recipes.lora import (
     save_adapters,
     trainable_parameters,
 )
+from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models.layers import Linear
 
 TARGETS = [".*q_proj", ".*v_proj"]
 
@@ -144,8 +144,8 @@ def test_errors_are_clear(tmp_path) -> None:
     with pytest.raises(ValueError, match="rank must be"):
         apply_lora(_model(), rank=0, alpha=8, target_modules=TARGETS)
     # pipeline stages pool their matches: a pattern need only match on some stage
-    from flashcp.parallel import build_stage
-    from flashcp.recipes.lora import check_targets, target_summary
+    from flashcp.lora.model import check_targets, target_summary
+    from flashcp.pipeline.stage import build_stage
 
     stages = [build_stage(preset("tiny_glm"), s, 2, seed=0) for s in range(2)]
     head = ["lm_head", ".*q_proj"]

@@ -10,9 +10,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from flashcp.models import AttentionContext, build_model, preset
-from flashcp.models.experts import GroupedExperts
-from flashcp.recipes.lora import (
+from flashcp.lora.model import (
     apply_lora,
     disable_adapters,
     load_adapters,
@@ -20,6 +18,8 @@ from flashcp.recipes.lora import (
     merge_adapters,
     save_adapters,
 )
+from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models.experts import GroupedExperts
 from moe_reference import LoopMoE
 
 TARGETS = [r".*mlp\.experts", ".*q_proj"]

@@ -9,7 +9,7 @@ accumulated chunk by chunk, i.e. the summation order over tokens changes. Both s
 1e-6 of the magnitude, while every bug the negative controls plant (a dropped tail chunk,
 labels shifted by one inside a chunk) moves the loss by > 1e-3 relative.
 
-Memory: the allocator's peak (`flashcp.trainer.memory`) of forward + backward at a 32k
+Memory: the allocator's peak (`flashcp.metrics.memory`) of forward + backward at a 32k
 vocabulary, with a bound derived from the tensor sizes.
 """
 
@@ -27,7 +27,11 @@ import pytest
 import numerics
 from flashcp import dispatch
 from flashcp.config import ConfigValidationError, TrainConfig, build_config
+from flashcp.data.dpo import DPOExample, pack_dpo
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
+from flashcp.lora.model import apply_lora
+from flashcp.metrics.memory import PeakMeter
+from flashcp.metrics.writer import read_metrics
 from flashcp.models import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     AttentionContext,
@@ -38,14 +42,11 @@ from flashcp.models import (
     token_logprobs,
 )
 from flashcp.models import head as head_mod
-from flashcp.parallel import MicroBatch, sum_cross_entropy, train_step_1f1b
-from flashcp.recipes.dpo_data import DPOExample, pack_dpo
+from flashcp.pipeline.executor import SequentialExecutor
+from flashcp.pipeline.runner import MicroBatch, sum_cross_entropy, train_step_1f1b
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import normalised_ce
-from flashcp.recipes.lora import apply_lora
-from flashcp.trainer import Trainer, read_metrics
-from flashcp.trainer.executor import SequentialExecutor
-from flashcp.trainer.memory import PeakMeter
+from flashcp.trainer import Trainer
 
 REL = 1e-6
 """Chunked vs unchunked: ||difference|| <= REL x ||reference|| for every tensor (the loss, the

@@ -1,4 +1,4 @@
-"""The streamed merged LoRA export (`flashcp.recipes.merge_export`) and its safetensors writer.
+"""The streamed merged LoRA export (`flashcp.checkpoint.merge_export`) and its safetensors writer.
 
 Stages built alone (as the trainer's ranks hold them) each write their shard; the directory
 then holds base + adapters (checked against a float64 reference at a tolerance derived from
@@ -16,13 +16,13 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from flashcp.checkpoint.merge_export import merged_specs, write_merged_index, write_merged_stage
+from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.hf_weights import INDEX_FILE, load_hf_checkpoint
 from flashcp.models.init import InitRule, fill_parameter
 from flashcp.models.safetensors_stream import TensorSpec, safetensors_dtype, write_streaming
-from flashcp.parallel import build_stage
-from flashcp.recipes.lora import apply_lora, lora_layers
-from flashcp.recipes.merge_export import merged_specs, write_merged_index, write_merged_stage
+from flashcp.pipeline.stage import build_stage
 
 TARGETS = [".*q_proj", ".*o_proj", ".*down_proj", r".*mlp\.experts"]
 EPS32 = float(np.finfo(np.float32).eps)

@@ -9,12 +9,12 @@ import numpy as np
 import paddle
 import pytest
 
+from flashcp.metrics import memory
 from flashcp.models import grouped_matmul as gm
 from flashcp.models import preset
 from flashcp.models.experts import LAYOUTS, plan_layout
 from flashcp.models.moe import MoE
 from flashcp.models.moe_dispatch import build_dispatch, capacity_for, combine, permute, relayout
-from flashcp.trainer import memory
 from moe_reference import LoopMoE
 
 H = 32

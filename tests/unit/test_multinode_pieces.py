@@ -24,8 +24,8 @@ import pytest
 from flashcp import cli
 from flashcp.config import ConfigValidationError, load_config
 from flashcp.distributed import launch_env
-from flashcp.trainer import job
-from flashcp.trainer.job import Nodes, PreflightError
+from flashcp.launch import job
+from flashcp.launch.job import Nodes, PreflightError
 
 ROOT = Path(__file__).resolve().parents[2]
 CP2 = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"

@@ -22,11 +22,11 @@ from safetensors.numpy import load_file
 
 import numerics
 from flashcp import dispatch
+from flashcp.attention.allgather_kv import make_assignment
 from flashcp.config import load_config
-from flashcp.cp import make_assignment
+from flashcp.metrics.writer import read_metrics
 from flashcp.recipes import lm
-from flashcp.trainer import Trainer, read_metrics
-from flashcp.trainer.loop import GRADS_DIR
+from flashcp.trainer import GRADS_DIR, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"

@@ -2,7 +2,7 @@
 
 The bf16-stored model computes exactly what the float32 model computes with its weights rounded
 to bf16 (the layers upcast the stored weights; same float32 kernels); memory is measured with
-Paddle's allocator (`flashcp.trainer.memory`): 2 bytes per parameter, no float32 copy of the
+Paddle's allocator (`flashcp.metrics.memory`): 2 bytes per parameter, no float32 copy of the
 model at build time, none kept from forward to backward.
 """
 
@@ -23,14 +23,16 @@ import pytest
 from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.distributed import ParallelDims, build_groups
+from flashcp.lora.model import apply_lora, lora_layers
+from flashcp.metrics import memory
+from flashcp.metrics.writer import read_metrics
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models import precision as precision_mod
 from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.pipeline.executor import SequentialExecutor
 from flashcp.recipes.base import RecipeContext
 from flashcp.recipes.dpo import DPORecipe
-from flashcp.recipes.lora import apply_lora, lora_layers
-from flashcp.trainer import Trainer, memory, read_metrics
-from flashcp.trainer.executor import SequentialExecutor
+from flashcp.trainer import Trainer
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -209,7 +211,7 @@ def test_dpo_reference_copy_is_frozen_bf16_of_the_stage() -> None:
     assert ref is not None and ref is not policy
     assert all(p.dtype == paddle.bfloat16 and p.stop_gradient for p in ref.parameters())
     ids, pos, ctx = _inputs()
-    from flashcp.parallel import MicroBatch
+    from flashcp.pipeline.runner import MicroBatch
 
     mb = MicroBatch(ids, pos, None, ctx)
     (out,) = SequentialExecutor(policy, recipe.ctx.autocast).forward_only(
@@ -263,9 +265,9 @@ def test_lora_dpo_trains_on_a_bf16_base_like_float32_on_its_rounded_weights(
 
 def test_training_bf16_weights_steps_float32_masters(tmp_path: Path) -> None:
     """Trained weights stored in bf16 (no lora section: the whole policy trains) get float32
-    master weights from the optimizer (`flashcp.trainer.zero.MasterOptimizer`); the
+    master weights from the optimizer (`flashcp.optim.zero.MasterOptimizer`); the
     parameters stay bf16 and move after a step."""
-    from flashcp.trainer.zero import MasterOptimizer
+    from flashcp.optim.zero import MasterOptimizer
 
     cfg = _dpo(tmp_path, param_dtype="bfloat16")
     cfg.extras.pop("lora")

@@ -10,10 +10,10 @@ import numpy as np
 import paddle
 import pytest
 
+from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.models import build_model, preset
 from flashcp.models import init as model_init
 from flashcp.models.init import InitRule, fill_parameter, generator, init_parameters
-from flashcp.recipes.lora import apply_lora, lora_layers
 
 
 def _weights(model: paddle.nn.Layer) -> dict[str, np.ndarray]:
@@ -75,7 +75,7 @@ def test_lora_adapters_are_keyed_and_match_paddleformers_distribution() -> None:
     targets = [".*q_proj", ".*down_proj"]
     whole = build_model(preset("tiny_glm", num_layers=2), seed=0)
     apply_lora(whole, rank=8, alpha=16, target_modules=targets, seed=11)
-    from flashcp.parallel import build_stage
+    from flashcp.pipeline.stage import build_stage
 
     last = build_stage(preset("tiny_glm", num_layers=2), 1, 2, seed=0)
     apply_lora(last, rank=8, alpha=16, target_modules=targets, seed=11, require_match=False)

@@ -22,22 +22,24 @@ from flashcp.distributed.p2p import (
     swap_tensor,
 )
 from flashcp.models import AttentionContext, HeadInput, build_model, preset
-from flashcp.parallel import (
+from flashcp.pipeline import runner as pipeline_mod
+from flashcp.pipeline.runner import (
     MicroBatch,
-    Op,
     PipelineSchedule,
-    build_plans,
-    build_stage,
-    comm_plan,
     count_targets,
+    sum_cross_entropy,
+    train_step_1f1b,
+)
+from flashcp.pipeline.schedule import (
+    Op,
+    build_plans,
+    comm_plan,
     max_in_flight,
     schedule_1f1b,
     schedule_gpipe,
     simulate_plans,
-    sum_cross_entropy,
-    train_step_1f1b,
 )
-from flashcp.parallel import pipeline as pipeline_mod
+from flashcp.pipeline.stage import build_stage
 
 CASES = [(pp, m, s) for pp in (2, 3, 4) for m in range(pp, 2 * pp + 2) for s in range(pp)]
 

@@ -14,7 +14,7 @@ import pytest
 
 from flashcp import masks
 from flashcp.models import AttentionContext, StageSpec, build_model, estimate_parameters, preset
-from flashcp.parallel import build_stage, split_layers, stage_spec
+from flashcp.pipeline.stage import build_stage, split_layers, stage_spec
 
 # -- split_layers -------------------------------------------------------------------------------
 

@@ -16,14 +16,13 @@ import pytest
 
 from flashcp import cli, dispatch
 from flashcp.config import build_config, load_config
+from flashcp.lora.model import apply_lora
 from flashcp.models import build_model, preset
-from flashcp.parallel import build_stage
-from flashcp.parallel.stage import stage_spec
+from flashcp.pipeline.stage import build_stage, stage_spec
 from flashcp.plan import GIB, ITEMS, plan
 from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows, moe_backward_bytes
 from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
 from flashcp.plan.report import fit_options, format_plan, refusal, variant
-from flashcp.recipes.lora import apply_lora
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -513,7 +512,7 @@ def test_cli_validate_refuses_over_budget(
 def test_train_preflight_refuses_over_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flashcp.trainer import job
+    from flashcp.launch import job
 
     monkeypatch.setattr(job, "launch_command", lambda *a, **k: pytest.fail("launched"))
     config = ROOT / "configs/gpt/tiny_cp2.yaml"

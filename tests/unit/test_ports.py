@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flashcp.distributed import ports
-from flashcp.trainer import job
+from flashcp.launch import job
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny_cp2.yaml"
 

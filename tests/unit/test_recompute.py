@@ -13,7 +13,7 @@ import paddle.nn.functional as F
 import pytest
 
 from flashcp import dispatch, masks
-from flashcp.cp import attention as cp_attention
+from flashcp.attention import allgather_kv as cp_attention
 from flashcp.kernels import registry
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models import attention as model_attention

@@ -14,9 +14,10 @@ import pytest
 
 import flashcp.distributed
 import flashcp.train
-from flashcp.trainer import checkpoint as ck
-from flashcp.trainer import faults, job
-from flashcp.trainer.faults import Fault
+from flashcp import faults
+from flashcp.checkpoint import format as ck
+from flashcp.faults import Fault
+from flashcp.launch import job
 
 # -- fault specs and hooks --------------------------------------------------------------------
 

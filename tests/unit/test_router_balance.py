@@ -1,4 +1,4 @@
-"""Router load balancing (`flashcp.models.moe_balance`, `flashcp.trainer.moe_stats`): the bias
+"""Router load balancing (`flashcp.models.moe_balance`, `flashcp.metrics.moe_stats`): the bias
 update rule, the sequence-wise balance loss against DeepSeek-V3's formula (and split over cp
 ranks), the update lowering the load of a skewed router in training (not without it), the bias
 saved / resumed bitwise / exported in HF layout, the metrics, the plot and the config checks."""
@@ -16,13 +16,13 @@ from safetensors.numpy import load_file
 
 from flashcp import cli, dispatch
 from flashcp.config import ConfigValidationError, build_config, check_config
+from flashcp.metrics.moe_stats import moe_layers
+from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model, preset
 from flashcp.models import moe_balance as mb
 from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
 from flashcp.models.moe import MoE
-from flashcp.trainer import Trainer, read_metrics
-from flashcp.trainer.loop import default_model_factory
-from flashcp.trainer.moe_stats import moe_layers
+from flashcp.trainer import Trainer, default_model_factory
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
@@ -254,7 +254,7 @@ def test_metrics_aux_loss_drop_rate_and_plot(tmp_path: Path) -> None:
         assert 0 < r["moe/drop_rate"] < 1
         # the balance loss of a skewed router exceeds its balanced value α (one MoE layer)
         assert r["moe/aux_loss"] > 0.01
-    from flashcp.trainer.plot import plot_groups
+    from flashcp.metrics.plot import plot_groups
 
     groups = plot_groups(records)  # the panels `flashcp plot` draws: the moe one included
     assert {"moe/max_over_mean_max", "moe/aux_loss", "moe/drop_rate"} <= set(groups["moe"])
@@ -282,8 +282,8 @@ def test_config_refuses_bias_updates_under_lora_and_bad_values() -> None:
 def test_a_pipeline_stage_packs_and_updates_only_its_layers() -> None:
     """Stage 0 of 2 holds MoE layer 1 of layers 1, 2: its vector has layer 2's slot empty
     (another stage fills it in the all-reduce) and it moves only its own router's bias."""
-    from flashcp.parallel import build_stage
-    from flashcp.trainer.moe_stats import RouterStats
+    from flashcp.metrics.moe_stats import RouterStats
+    from flashcp.pipeline.stage import build_stage
 
     args = preset("tiny_glm_moe", num_layers=3, router_bias_update_rate=0.5)
     stage = build_stage(args, 0, 2, seed=0)

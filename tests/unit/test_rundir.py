@@ -1,4 +1,4 @@
-"""The run directory (`flashcp.trainer.rundir`): which starts are refused, and `run.overwrite`
+"""The run directory (`flashcp.launch.rundir`): which starts are refused, and `run.overwrite`
 moving an earlier run aside (renamed whole, never copied or deleted) — through `flashcp train`'s
 `run_job` too, with the job replaced by a process that exits 0."""
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from flashcp.trainer import job, rundir
-from flashcp.trainer.checkpoint import CHECKPOINT_DIR
+from flashcp.checkpoint.format import CHECKPOINT_DIR
+from flashcp.launch import job, rundir
 
 STAMP = 1_700_000_000.0  # a fixed local time for aside names
 

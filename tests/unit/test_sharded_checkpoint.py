@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashcp.trainer import checkpoint as ckpt
-from flashcp.trainer import sharded
+from flashcp.checkpoint import format as ckpt
+from flashcp.checkpoint import parts as sharded
 
 
 def _write(root: Path, step: int, value: float, *, keep_last: int | None = None) -> Path:

@@ -16,16 +16,16 @@ import paddle
 import pytest
 
 from flashcp import cli
+from flashcp.attention.allgather_kv import make_assignment
 from flashcp.config import ConfigValidationError, collect, load_config, read_yaml
 from flashcp.config.placeholders import find_placeholders
-from flashcp.cp import make_assignment
 from flashcp.data import TrainData
+from flashcp.data.dpo_stream import DPOData
+from flashcp.lora.setup import apply_lora_config
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.hf_config import TRAINING_FIELDS, hf_config
 from flashcp.plan import GIB, plan
 from flashcp.plan.report import GPUS_PER_NODE, over_budget
-from flashcp.recipes.adapters import apply_lora_config
-from flashcp.recipes.dpo_stream import DPOData
 from flashcp.trainer import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]

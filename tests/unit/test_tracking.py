@@ -28,11 +28,12 @@ import pytest
 
 from flashcp import cli, dispatch
 from flashcp.config import ConfigValidationError, build_config
+from flashcp.metrics import tracking
+from flashcp.metrics.flops import flops_per_token, matmul_parameters, mfu
+from flashcp.metrics.plot import plot_groups, plot_run
+from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
-from flashcp.trainer import Trainer, read_metrics, tracking
-from flashcp.trainer.flops import flops_per_token, matmul_parameters, mfu
-from flashcp.trainer.metrics import scalars
-from flashcp.trainer.plot import plot_groups, plot_run
+from flashcp.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

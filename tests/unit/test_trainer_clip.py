@@ -7,8 +7,8 @@ import paddle
 import pytest
 
 from flashcp.distributed import ParallelDims, build_groups
-from flashcp.parallel.schedule import FORWARD, build_plans, schedule_forward, simulate_plans
-from flashcp.trainer.clip import PipelineGlobalNormClip
+from flashcp.optim.clip import PipelineGlobalNormClip
+from flashcp.pipeline.schedule import FORWARD, build_plans, schedule_forward, simulate_plans
 
 SHAPES = [(64, 260), (64,), (64, 64), (256, 64), (3,), (64, 260)]
 

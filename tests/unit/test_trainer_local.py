@@ -16,17 +16,12 @@ from safetensors.numpy import load_file
 
 import numerics
 from flashcp import cli, dispatch
+from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, build_config, to_dict
+from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model, estimate_parameters
-from flashcp.trainer import (
-    CheckpointError,
-    NonFiniteError,
-    Trainer,
-    build_scheduler,
-    lr_at,
-    read_metrics,
-)
-from flashcp.trainer.loop import GRADS_DIR
+from flashcp.optim.adamw import build_scheduler, lr_at
+from flashcp.trainer import GRADS_DIR, NonFiniteError, Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -302,7 +297,7 @@ def test_train_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_metrics_writer_progress_and_truncation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flashcp.trainer.metrics import METRICS_FILE, MetricsWriter, StepMetrics
+    from flashcp.metrics.writer import METRICS_FILE, MetricsWriter, StepMetrics
 
     def m(step: int, loss: float = 1.0, skipped: bool = False) -> StepMetrics:
         return StepMetrics(step, loss, 1e-3, 0.5, 64, 60, 100.0, 0.1, 0.2, skipped)
@@ -319,7 +314,7 @@ def test_metrics_writer_progress_and_truncation(
     assert [r["step"] for r in records] == [1, 2, 3] and records[2]["loss"] == "nan"
     assert "step 2/4" in out.getvalue() and "SKIPPED" in out.getvalue()
     assert "mem 204.8 MiB (rank 0)" in out.getvalue()  # below 1 GiB in MiB
-    from flashcp.trainer.metrics import format_memory
+    from flashcp.metrics.writer import format_memory
 
     assert format_memory(1.5) == "1.50 GiB" and format_memory(0.0) == "0.0 MiB"
     quiet = MetricsWriter(tmp_path / "q", enabled=False, total_steps=1)
@@ -338,7 +333,7 @@ def test_plot_needs_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_grad_helpers() -> None:
-    from flashcp.trainer.parallel import buckets, squared_norm, sync_grads
+    from flashcp.optim.grads import buckets, squared_norm, sync_grads
 
     a = paddle.create_parameter([2, 3], "float32")
     b = paddle.create_parameter([4], "float32")

@@ -22,13 +22,15 @@ from paddle.base import core
 
 from bf16toy import Bf16ToyLM
 from flashcp import dispatch
+from flashcp.checkpoint import parts as sharded_ckpt
+from flashcp.checkpoint.optimizer_state import ClassicSource, ShardSource, source_for
+from flashcp.checkpoint.state import load_optimizer_arrays, optimizer_arrays
 from flashcp.config import TrainConfig, build_config
 from flashcp.distributed import ParallelDims, build_groups
-from flashcp.trainer import Trainer, read_metrics
-from flashcp.trainer import sharded as sharded_ckpt
-from flashcp.trainer.optim import build_optimizer
-from flashcp.trainer.state import load_optimizer_arrays, optimizer_arrays
-from flashcp.trainer.zero import (
+from flashcp.metrics.writer import read_metrics
+from flashcp.optim.adamw import build_optimizer
+from flashcp.optim.layout import group_buckets, shard_layout
+from flashcp.optim.zero import (
     MasterOptimizer,
     MasterShard,
     OptimizerSetup,
@@ -36,8 +38,7 @@ from flashcp.trainer.zero import (
     build_distributed_optimizer,
     low_precision_dtype,
 )
-from flashcp.trainer.zero_layout import group_buckets, shard_layout
-from flashcp.trainer.zero_state import ClassicSource, ShardSource, source_for
+from flashcp.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -652,7 +653,7 @@ def test_init_from_fills_bf16_masters_with_the_files_float32_values(tmp_path: Pa
     file's values rounded to bf16, the float32 masters the file's values themselves."""
     from flashcp.models import build_model
     from flashcp.models.hf_weights import save_hf_checkpoint
-    from flashcp.trainer.loop import init_weights
+    from flashcp.trainer import init_weights
 
     hf = tmp_path / "hf"
     cfg0 = _cfg(tmp_path)

@@ -29,7 +29,7 @@ REPORT_BACKENDS: dict[str, tuple[str, str] | None] = {
 CHUNKS_PER_RANK: dict[str, int] = {
     "dualchunk_allgather": 2,
     "contiguous_allgather": 1,
-    "workload_balanced": 4,  # flashcp.cp.attention.BALANCED_CHUNKS_PER_RANK
+    "workload_balanced": 4,  # flashcp.attention.allgather_kv.BALANCED_CHUNKS_PER_RANK
 }
 """How many chunks of the sequence each CP rank holds per mode: seq_len must divide by cp × this."""
 
@@ -247,7 +247,7 @@ class RunConfig:
     """Stop this run after this many steps (0: run to train.steps). The LR schedule still spans
     train.steps, so resuming later continues exactly as an uninterrupted run would."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl"])
-    """Where rank 0 reports the step scalars (`flashcp.trainer.tracking`): `jsonl`
+    """Where rank 0 reports the step scalars (`flashcp.metrics.tracking`): `jsonl`
     (metrics.jsonl, always written), `visualdl` (VisualDL logs in output_dir/visualdl; installed
     with paddleformers), `wandb` (needs `pip install wandb`), `tensorboard` (event files in
     output_dir/tensorboard; needs `pip install tensorboardX`). Every backend gets the same
@@ -256,7 +256,7 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Held-out evaluation during training (`flashcp.trainer.evaluate`)."""
+    """Held-out evaluation during training (`flashcp.evaluate`)."""
 
     path: str | None = None
     """Eval data in the training data's format (`data.*` fields and tokenizer apply); null =

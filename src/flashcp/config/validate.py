@@ -123,7 +123,7 @@ def _check_pipeline(cfg: Config, c: _Checks) -> None:
     p = cfg.parallel
     layers = getattr(cfg.model, "num_layers", None)
     if p.pp_layers is not None and isinstance(layers, int) and c.ok("parallel.pp_layers"):
-        from flashcp.parallel.split import split_layers
+        from flashcp.pipeline.split import split_layers
 
         try:
             split_layers(layers, p.pp, p.pp_layers)

@@ -1,8 +1,8 @@
-"""Context parallelism over FlashMask: layouts, mask rebasing and workload balancing.
+"""Context parallelism over FlashMask, the pure pieces: layouts, mask rebasing, balancing.
 
-Pure (single-process) pieces: `layout` (which global tokens each rank holds), `rebase` (the
-global mask rewritten for a rank's local query rows) and `balance` (mask-aware chunk
-assignment).
+`layout` (which global tokens each rank holds), `rebase` (the global mask rewritten for a
+rank's local query rows) and `balance` (mask-aware chunk assignment). The attention that runs
+on them (all-gather KV) is `flashcp.attention.allgather_kv`.
 """
 
 from flashcp.cp.balance import (
@@ -54,13 +54,3 @@ __all__ = [
     "unshard_contiguous",
     "unshard_dualchunk",
 ]
-
-from flashcp.cp.attention import (  # noqa: E402  (after the pure pieces it builds on)
-    MODES,
-    CPPlan,
-    flashmask_attention_cp,
-    make_assignment,
-    plan_cp_attention,
-)
-
-__all__ += ["MODES", "CPPlan", "flashmask_attention_cp", "make_assignment", "plan_cp_attention"]

@@ -5,7 +5,7 @@ W reads, checks and tokenizes rows `[N·k // W, N·(k+1) // W)` (its contiguous 
 only their lengths; the shares are all-gathered (`Peers.gather`), so every process ends with the
 same `RowIndex` (one int64 per row) without having read the others' rows. From the lengths alone
 every process plans the same global sequence of training batches (`flashcp.data.packing`,
-`flashcp.recipes.dpo_stream`) and then tokenizes only the rows in its own batches
+`flashcp.data.dpo_stream`) and then tokenizes only the rows in its own batches
 (`LazyItems`) — the plan, and so the data position saved in checkpoints, is the same on every
 rank and for every parallel layout.
 

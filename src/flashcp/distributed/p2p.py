@@ -1,12 +1,12 @@
 """Point-to-point send / receive of one tensor, with a watchdog timeout and byte counters.
 
-The pipeline schedule (`flashcp.parallel.pipeline`) moves activations and gradients between
+The pipeline schedule (`flashcp.pipeline.runner`) moves activations and gradients between
 adjacent stages with these. Both sides know the tensor's shape and dtype in advance (they
 follow from the micro-batch shape and the hidden size), so nothing but the payload travels.
 
 On gloo a `send` blocks until the peer posts the matching `recv` (and the other way round):
 two ranks that both send to each other first deadlock. Callers must order every pair of
-operations so that the two sides agree; `flashcp.parallel.pipeline` derives such an order.
+operations so that the two sides agree; `flashcp.pipeline.runner` derives such an order.
 
 `src` / `dst` are GLOBAL ranks, members of `group` (as for `paddle.distributed.send`). Each call
 runs under the process watchdog: past the timeout (argument, else `FLASHCP_COLLECTIVE_TIMEOUT`,

@@ -18,8 +18,8 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from flashcp.attention import flashmask_attention
-from flashcp.cp.attention import flashmask_attention_cp
+from flashcp.attention.allgather_kv import flashmask_attention_cp
+from flashcp.attention.flashmask import flashmask_attention
 from flashcp.masks import as_numpy
 from flashcp.models import recompute
 from flashcp.models.config import ModelArgs

@@ -271,7 +271,7 @@ class CausalLM(LMHead, nn.Layer):
     Tied embeddings (`tie_embeddings`) under pp > 1: the first stage uses the matrix as the
     embedding and the last stage as the LM head, each holding its own copy (equal at build time:
     same name, same init). `tied_weight` names that copy and the pipeline schedule adds the two
-    stages' gradients (`flashcp.parallel.pipeline.sync_tied_gradients`) so both copies receive
+    stages' gradients (`flashcp.pipeline.runner.sync_tied_gradients`) so both copies receive
     the full gradient and stay equal under any optimizer step (the Megatron approach).
     """
 

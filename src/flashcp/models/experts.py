@@ -2,7 +2,7 @@
 
 `GroupedExperts` holds the weights of experts ``first_expert .. first_expert + E - 1`` as two
 stacked parameters in Paddle's `[in, out]` orientation, the layout of PaddleFormers'
-``MoeExperts`` (so its ``LoRAMoeExperts`` adapts them, see `flashcp.recipes.lora`):
+``MoeExperts`` (so its ``LoRAMoeExperts`` adapts them, see `flashcp.lora.model`):
 
 * ``gate_up_proj`` `[E, H, 2I]`: expert `e`'s ``gate_proj`` in columns `[0, I)`, ``up_proj``
   in `[I, 2I)` (HF keys ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight``, `[I, H]`);

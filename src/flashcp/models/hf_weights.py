@@ -312,7 +312,7 @@ def _foreign(
     or to routed experts another ep rank holds (`experts`: `held_experts`).
 
     Stages split the decoder layers; the embeddings go with layer 0 and the final norm and
-    head with the last layer (`flashcp.parallel.stage`). The whole model holds every layer,
+    head with the last layer (`flashcp.pipeline.stage`). The whole model holds every layer,
     so nothing is foreign to it.
     """
     e = _EXPERT_RE.match(key)

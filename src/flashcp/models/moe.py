@@ -24,7 +24,7 @@ stacked weights, batched matmuls), and the outputs are unpermuted and combined w
 routing weights (`moe_dispatch.combine`). Deterministic; dropless unless
 `model.moe_capacity_factor` > 0 (then the drops are counted).
 
-Statistics for the trainer (`flashcp.trainer.moe_stats`): each call made while gradients are
+Statistics for the trainer (`flashcp.metrics.moe_stats`): each call made while gradients are
 recorded — the training forward, or the replay under activation recompute, never the no-grad
 first recompute pass, DPO reference or evaluation passes — adds its per-expert load (entries
 routed, before capacity), its dropped entries and its balance-loss value to the layer's

@@ -14,7 +14,7 @@ step — every micro-batch, summed over every rank that sees different tokens (d
 steers selection (`flashcp.models.moe.TopkRouter`), never the weights. γ is
 `model.router_bias_update_rate` (0, the default, turns it off: right for LoRA / DPO, where the
 router is frozen). `update_bias` applies it; the trainer gathers the loads
-(`flashcp.trainer.moe_stats`).
+(`flashcp.metrics.moe_stats`).
 
 **Complementary sequence-wise balance loss** (same report, eqs. 17-20), per MoE layer and
 training sequence (one row of the batch)::

@@ -38,12 +38,12 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from flashcp import dispatch
-from flashcp.attention import (
+from flashcp.attention import allgather_kv as cp_attention
+from flashcp.attention.flashmask import (
     dispatch_call_shape,
     flashmask_attention_with_version,
     validate_attention_inputs,
 )
-from flashcp.cp import attention as cp_attention
 from flashcp.kernels import registry
 
 

@@ -293,7 +293,7 @@ def lora_saved(
     rows: ExpertRows | None = None,
 ) -> Counts:
     """PaddleFormers' `LoRALinear` keeps `x @ lora_A` (`[r]` per row) for the B matmul, per
-    adapted linear. Adapted routed experts (`flashcp.recipes.lora_experts`) keep it per buffer
+    adapted linear. Adapted routed experts (`flashcp.lora.experts`) keep it per buffer
     row and projection, in the activations' dtype; on GPU with bf16 storage the float32
     adapters' grouped GEMMs also keep their float32 inputs (the token and SwiGLU output rows),
     which the bf16 base GEMMs saved only as bf16 copies."""

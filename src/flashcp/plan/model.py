@@ -19,7 +19,7 @@ evaluates the moments where a rank can peak and keeps the largest:
   buffers, then the shard's gradients and their clipped copy and the all-gather buffers.
 
 Micro-batches in flight on stage s: 1 with pp = 1; ``min(pp - s, grad_accum)`` under 1F1B;
-``grad_accum`` under GPipe (`flashcp.parallel.schedule`). Ranks of one stage (its dp × cp
+``grad_accum`` under GPipe (`flashcp.pipeline.schedule`). Ranks of one stage (its dp × cp
 ranks) hold equal bytes; ZeRO-1 (`parallel.shard_optimizer`) divides master weights and Adam
 moments by dp × cp.
 
@@ -33,7 +33,7 @@ working set (``ep_buffers``: the excess).
 
 What it models is flashcp's code: each rank builds only its stage, directly in
 `train.param_dtype` (bf16: float32 `main_grad` accumulation, float32 master weights; LoRA
-adapters stay float32), `parallel.shard_optimizer` (`flashcp.trainer.zero`), the loss over
+adapters stay float32), `parallel.shard_optimizer` (`flashcp.optim.zero`), the loss over
 final hidden states (`flashcp.models.head`), recompute none / full / refined.
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 
 from flashcp.config.schema import CHUNKS_PER_RANK, Config
 from flashcp.models.config import ModelArgs
-from flashcp.parallel.split import split_layers
+from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
 from flashcp.plan.params import is_expert, layer_parameters, stage_buffers, stage_parameters
 
@@ -232,7 +232,7 @@ def resolve_device(cfg: Config, device: str | None = None) -> str:
 
 
 def compute_dtype(cfg: Config, device: str) -> str:
-    """`train.dtype` as the trainer resolves it (`flashcp.trainer.loop.resolve_dtype`)."""
+    """`train.dtype` as the trainer resolves it (`flashcp.trainer.resolve_dtype`)."""
     if cfg.train.dtype == "auto":
         return "bfloat16" if device == "gpu" else "float32"
     return cfg.train.dtype
@@ -329,7 +329,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     n_state = math.ceil((n_trained - n_expert) / n_shard) + math.ceil(
         n_expert / s.expert_shard_degree
     )
-    # LoRA adapters stay float32 whatever train.param_dtype (`flashcp.recipes.lora`)
+    # LoRA adapters stay float32 whatever train.param_dtype (`flashcp.lora.model`)
     PT = 4 if s.lora_targets is not None else P
     master = PT != 4 or s.shard
     T, H, V = s.tokens, args.hidden_size, args.vocab_size
@@ -341,7 +341,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         "params_frozen": n_frozen * P,
         "buffers": _numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
         # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
-        # release the bf16 `.grad` (`flashcp.trainer.zero.attach_main_grad`).
+        # release the bf16 `.grad` (`flashcp.optim.zero.attach_main_grad`).
         "gradients": n_trained * PT if PT == 4 else 0,
         "main_grads": n_trained * 4 if PT != 4 else 0,
         "master_weights": n_state * 4 if master else 0,
@@ -523,7 +523,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     largest = max((x.numel for x in trained), default=0)
     bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
     if not master:
-        # Paddle's AdamW on the parameters (`flashcp.trainer.zero.ParamOptimizer`): the bucketed
+        # Paddle's AdamW on the parameters (`flashcp.optim.zero.ParamOptimizer`): the bucketed
         # all-reduce over cp/dp, the squared-norm temporaries (one parameter at a time), and
         # under pp > 1 the pipeline clip's copy of every gradient (Paddle's own clip, pp = 1,
         # scales in place).

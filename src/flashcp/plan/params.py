@@ -1,7 +1,7 @@
 """The parameter inventory of one pipeline stage, by name and shape, without building anything.
 
 `stage_parameters(args, stage, pp, ...)` lists what a stage holds exactly as the models build
-it (`flashcp.models.gpt` / `glm` / `moe`, `flashcp.parallel.stage`): the token (and learned
+it (`flashcp.models.gpt` / `glm` / `moe`, `flashcp.pipeline.stage`): the token (and learned
 position) embeddings on the first stage, decoder layers by GLOBAL index, the final norm and the
 LM head (or, with tied embeddings under pp > 1, the last stage's copy of the embedding) on the
 last. Paddle's `nn.Linear` weight is `[in, out]`. The routed experts of an MoE layer are one
@@ -13,7 +13,7 @@ axis E/ep: `flashcp.models.expert_parallel`), the router and shared experts whol
 With LoRA targets (regexes matched with `re.fullmatch` against the sublayer names,
 PaddleFormers' rule) every matched linear gains `lora_A [in, r]` and `lora_B [r, out]`, and a
 matched experts layer gains per-expert adapters on both stacked weights
-(`flashcp.recipes.lora_experts`: ``{w}_lora_A [E, in, r]``, ``{w}_lora_B [E, r, out]``); the
+(`flashcp.lora.experts`: ``{w}_lora_A [E, in, r]``, ``{w}_lora_B [E, r, out]``); the
 adapters are the only trained parameters, everything else is frozen. Buffers (the MoE
 router's `e_score_correction_bias`, float32) are listed apart.
 
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flashcp.models.config import ModelArgs
-from flashcp.parallel.split import split_layers
+from flashcp.pipeline.split import split_layers
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a training recipe supplies to the trainer: data, model setup, loss and extra metrics.
 
-The trainer (`flashcp.trainer.loop.Trainer`) owns everything a recipe shares: process groups,
+The trainer (`flashcp.trainer.Trainer`) owns everything a recipe shares: process groups,
 the model (and its pipeline split), the optimizer, gradient synchronisation, clipping,
 non-finite handling, checkpoints and the metrics file. A recipe owns what differs:
 
@@ -23,12 +23,12 @@ non-finite handling, checkpoints and the metrics file. A recipe owns what differ
 * `loss_value(micro_losses)`, `step_stats()`, `metrics(stats)`: this rank's share of the step
   loss and of extra statistics, which the trainer sums over every rank, and the metrics made
   from the sums;
-* evaluation (`eval.path`, `flashcp.trainer.evaluate`): `build_eval_data(path)` (the recipe's
+* evaluation (`eval.path`, `flashcp.evaluate`): `build_eval_data(path)` (the recipe's
   data on another file, one row at a time; default: `build_data` of a copy of the recipe
   whose config reads `path`), `eval_sums(batches, executor, module)` (this rank's share of an
   eval batch's sums, from forward-only passes) and `eval_metrics(sums)`.
 
-The executor (`flashcp.trainer.executor`) runs `plan.micro` forward and backward: one after the
+The executor (`flashcp.pipeline.executor`) runs `plan.micro` forward and backward: one after the
 other in one process (pp = 1), or under the pipeline schedule (pp > 1), where each closure runs
 on the last stage.
 """
@@ -47,7 +47,7 @@ from flashcp.config import Config
 from flashcp.data.peers import Peers
 from flashcp.distributed import ParallelGroups, all_gather_object
 from flashcp.models import HeadInput
-from flashcp.parallel import MicroBatch
+from flashcp.pipeline.runner import MicroBatch
 
 
 class StepSource(Protocol):
@@ -66,7 +66,7 @@ class StepSource(Protocol):
 
 
 class Executor(Protocol):
-    """Runs micro-batches through this rank's module (see `flashcp.trainer.executor`)."""
+    """Runs micro-batches through this rank's module (see `flashcp.pipeline.executor`)."""
 
     def forward_only(
         self,
@@ -159,7 +159,7 @@ class Recipe:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.lora: Any = None
-        """`flashcp.recipes.adapters.LoRASetup` once `setup_model` applied a `lora` section."""
+        """`flashcp.lora.setup.LoRASetup` once `setup_model` applied a `lora` section."""
 
     def build_data(self) -> StepSource:
         raise NotImplementedError
@@ -173,7 +173,7 @@ class Recipe:
         section = self.cfg.extras.get("lora")
         if section is None:
             return False
-        from flashcp.recipes.adapters import apply_lora_config
+        from flashcp.lora.setup import apply_lora_config
 
         self.lora = apply_lora_config(
             model, section, group=self.ctx.groups.pp, seed=self.cfg.train.seed

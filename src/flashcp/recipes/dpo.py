@@ -44,14 +44,14 @@ from paddle.autograd import PyLayer
 
 from flashcp.config.recipes import DPOConfig
 from flashcp.cp.layout import assigned_positions, shard_assigned
+from flashcp.data.dpo import IGNORE_INDEX, DPOBatch
+from flashcp.data.dpo_stream import DPOData
 from flashcp.distributed import all_reduce_tensor
 from flashcp.models import AttentionContext, HeadInput
-from flashcp.parallel import MicroBatch
+from flashcp.optim.grads import all_reduce_values
+from flashcp.pipeline.runner import MicroBatch
 from flashcp.recipes.base import Executor, Recipe, StepPlan
-from flashcp.recipes.dpo_data import IGNORE_INDEX, DPOBatch
 from flashcp.recipes.dpo_loss import dpo_terms, sequence_logps
-from flashcp.recipes.dpo_stream import DPOData
-from flashcp.trainer.parallel import all_reduce_values
 
 STATS = ("chosen", "rejected", "wins", "examples", "logps_chosen", "logps_rejected")
 """Per-step sums the recipe reports (this rank's share): rewards, wins, examples, and the
@@ -191,7 +191,7 @@ class DPORecipe(Recipe):
     def prepare(self, plan: StepPlan, executor: Executor, module: paddle.nn.Layer) -> None:
         """Reference log-probs of every micro-batch (last pipeline stage only)."""
         if self.lora is not None:
-            from flashcp.recipes.lora import disable_adapters, lora_layers
+            from flashcp.lora.model import disable_adapters, lora_layers
 
             off = disable_adapters(module) if lora_layers(module) else contextlib.nullcontext()
             with off:

@@ -108,7 +108,7 @@ def answer_logps(
     (unless `attn` is given), then its chunked head `model.token_logprobs` over chunks of
     `chunk_tokens` answer tokens (None: the default, 0: the full logits). For reference
     log-probs wrap it in `paddle.no_grad()` and, for a LoRA policy,
-    `flashcp.recipes.lora.disable_adapters`.
+    `flashcp.lora.model.disable_adapters`.
     """
     from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext
 

@@ -21,9 +21,9 @@ import paddle
 from flashcp.config import IGNORE_INDEX
 from flashcp.data import TrainData, shard_batch
 from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext, HeadInput
-from flashcp.parallel import MicroBatch
+from flashcp.optim.grads import all_reduce_values
+from flashcp.pipeline.runner import MicroBatch
 from flashcp.recipes.base import Executor, Recipe, StepPlan
-from flashcp.trainer.parallel import all_reduce_values
 
 
 def summed_cross_entropy(

@@ -33,8 +33,11 @@ sys.path.insert(
 )  # tests/: reference, maskcases, numerics
 
 from flashcp import masks  # noqa: E402
-from flashcp.cp import Assignment, flashmask_attention_cp  # noqa: E402
-from flashcp.cp.layout import shard_assigned  # noqa: E402
+from flashcp.attention.allgather_kv import flashmask_attention_cp
+from flashcp.cp.layout import (
+    Assignment,
+    shard_assigned,  # noqa: E402
+)
 from flashcp.distributed import (  # noqa: E402
     WORLD,
     NamedGroup,

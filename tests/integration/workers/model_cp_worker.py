@@ -27,7 +27,7 @@ import paddle.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
 
 from flashcp import masks  # noqa: E402
-from flashcp.cp import MODES, make_assignment  # noqa: E402
+from flashcp.attention.allgather_kv import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import (  # noqa: E402
     ParallelDims,

@@ -39,7 +39,7 @@ import paddle
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
 
 from flashcp import masks  # noqa: E402
-from flashcp.cp import make_assignment  # noqa: E402
+from flashcp.attention.allgather_kv import make_assignment
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import (  # noqa: E402
     ParallelDims,
@@ -51,13 +51,8 @@ from flashcp.distributed import (  # noqa: E402
     shutdown,
 )
 from flashcp.models import AttentionContext, HeadInput, build_model, preset  # noqa: E402
-from flashcp.parallel import (  # noqa: E402
-    MicroBatch,
-    build_stage,
-    count_targets,
-    sum_cross_entropy,
-    train_step_1f1b,
-)
+from flashcp.pipeline.runner import MicroBatch, count_targets, sum_cross_entropy, train_step_1f1b
+from flashcp.pipeline.stage import build_stage
 from numerics import FACTOR, compare, labels_shifted_after_sharding  # noqa: E402
 
 B, S, VOCAB = 2, 32, 260

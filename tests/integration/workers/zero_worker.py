@@ -33,9 +33,9 @@ from flashcp.distributed import (  # noqa: E402
     shutdown,
 )
 from flashcp.distributed.p2p import pipeline_links  # noqa: E402
-from flashcp.parallel.pipeline import sync_tied_gradients  # noqa: E402
-from flashcp.trainer import Trainer  # noqa: E402
-from flashcp.trainer.zero import attach_main_grad  # noqa: E402
+from flashcp.optim.zero import attach_main_grad
+from flashcp.pipeline.runner import sync_tied_gradients
+from flashcp.trainer import Trainer
 
 
 def tied_main_grad(out: Path, world_size: int) -> None:

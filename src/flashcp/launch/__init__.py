@@ -1,0 +1,1 @@
+"""Launching and supervising jobs: `flashcp train` (`job`) and the run directory (`rundir`)."""

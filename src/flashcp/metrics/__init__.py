@@ -1,0 +1,11 @@
+"""What a run reports: per-step metrics, tracking backends, FLOPs/MFU, memory, plots.
+
+* `writer`: the step's log line and `metrics.jsonl`; `tracking`: `run.report_to` backends;
+* `flops`: model FLOPs per token and MFU; `memory`: Paddle's allocator statistics;
+* `moe_stats`: router loads and the bias update; `plot`: `flashcp plot`;
+* `run_info`: `run_info.json`, what each rank built.
+"""
+
+from flashcp.metrics.writer import METRICS_FILE, MetricsWriter, StepMetrics, read_metrics
+
+__all__ = ["METRICS_FILE", "MetricsWriter", "StepMetrics", "read_metrics"]

@@ -1,0 +1,121 @@
+"""`flashcp plot RUN_DIR`: every metric group of a run's `metrics.jsonl`, as one PNG.
+
+One panel per group present in the records (`plot_groups`), stacked over a shared step axis:
+
+* loss: the training loss, and `eval/loss` at the steps that evaluated;
+* learning rate; gradient norm;
+* throughput: tokens/s, and MFU (%, right axis) when `hardware.peak_tflops` was set;
+* memory: peak tensor memory (max over ranks) and peak RSS, GiB;
+* dpo: the recipe's `rewards/...` (chosen, rejected, margin, accuracy);
+* eval: the other `eval/...` metrics (perplexity, DPO rewards and accuracy);
+* moe: every `moe/...` metric (expert load), when the model reports them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flashcp.metrics.writer import read_metrics
+
+EVAL_COUNTS = ("eval/batches", "eval/rows", "eval/time_s", "eval/targets", "eval/examples")
+"""Eval bookkeeping that is not plotted."""
+
+
+def _prefixed(prefix: str, skip: tuple[str, ...] = ()) -> Callable[[str], bool]:
+    return lambda key: key.startswith(prefix) and key not in skip
+
+
+def _eval_panel(key: str) -> bool:
+    """`eval/...` metrics of the eval panel: not the loss (on the loss panel), not counts, not
+    the DPO log-prob sums (hundreds, next to rewards near 0)."""
+    return (
+        key.startswith("eval/")
+        and key not in ("eval/loss", *EVAL_COUNTS)
+        and not key.startswith("eval/logps/")
+    )
+
+
+GROUPS: list[tuple[str, str, Callable[[str], bool]]] = [
+    ("loss", "loss", lambda k: k in ("loss", "eval/loss")),
+    ("lr", "learning rate", lambda k: k == "lr"),
+    ("grad_norm", "gradient norm", lambda k: k == "grad_norm"),
+    ("throughput", "tokens / s", lambda k: k in ("tokens_per_s", "mfu")),
+    ("memory", "GiB", lambda k: k in ("peak_memory_gib", "peak_rss_gib")),
+    ("dpo", "DPO", _prefixed("rewards/")),
+    ("eval", "eval", lambda k: _eval_panel(k)),
+    ("moe", "MoE", _prefixed("moe/")),
+]
+"""(group, y-axis label, which metric keys it draws), in panel order."""
+
+
+def _num(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def plot_groups(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The groups present in `records` (some finite value), each with its metric keys."""
+    keys: list[str] = []
+    for record in records:
+        for key, value in record.items():
+            if key not in keys and not isinstance(value, bool) and math.isfinite(_num(value)):
+                keys.append(key)
+    out: dict[str, list[str]] = {}
+    for name, _, member in GROUPS:
+        found = [k for k in keys if member(k)]
+        if found:
+            out[name] = found
+    return out
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in records if key in r]
+    return [int(r["step"]) for r in rows], [_num(r[key]) for r in rows]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write `<run_dir>/metrics.png` (or `out`): one panel per `plot_groups` group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{run_dir}: metrics.jsonl has no steps yet")
+    groups = plot_groups(records)
+    labels = {name: label for name, label, _ in GROUPS}
+    fig, axes = plt.subplots(len(groups), 1, figsize=(8, 2.2 * len(groups) + 0.6), sharex=True,
+                             squeeze=False)  # fmt: skip
+    for ax, (name, keys) in zip(axes[:, 0], groups.items(), strict=True):
+        twin = None
+        for key in keys:
+            steps, values = _series(records, key)
+            if key == "mfu":
+                twin = ax.twinx()
+                twin.plot(steps, [100 * v for v in values], color="tab:red", label="mfu")
+                twin.set_ylabel("MFU %")
+                continue
+            style = "o-" if key.startswith("eval/") and name == "loss" else "-"
+            ax.plot(steps, values, style, label=key, markersize=3)
+        ax.set_ylabel(labels[name])
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 or twin is not None:
+            lines, names = ax.get_legend_handles_labels()
+            if twin is not None:
+                more, more_names = twin.get_legend_handles_labels()
+                lines, names = lines + more, names + more_names
+            ax.legend(lines, names, fontsize=7, loc="best")
+    axes[0, 0].figure.suptitle(f"{Path(run_dir).name}: {len(records)} steps", fontsize=10)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    target = Path(out) if out else Path(run_dir) / "metrics.png"
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+    return target

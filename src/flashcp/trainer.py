@@ -1,0 +1,856 @@
+"""The training loop: one `Trainer` per process, the same code for 1 or N ranks.
+
+Each rank builds only its part of the model — its pipeline stage (the whole model when
+pp = 1), directly in `train.param_dtype` — and writes what it built to `run_info.json`
+(`flashcp.metrics.run_info`) at the start of `fit`.
+
+One optimizer step (`Trainer.train_step`):
+
+1. The recipe's data (`flashcp.recipes.base.Recipe.build_data`) gives this dp rank's
+   `grad_accum` micro-batches of FULL sequences (labels shifted, global FlashMask built).
+2. The recipe plans the step (`Recipe.plan`): each micro-batch sharded to this cp rank (the
+   step's `Assignment`; for `workload_balanced` computed from the batch's global mask), with a
+   loss closure normalised by a GLOBAL count (the step's target tokens for pretrain/sft, its
+   preference pairs for DPO), so the job's loss and gradients are those of one big batch
+   whatever the dp / pp / cp layout. Forward-only passes the loss needs (DPO reference
+   log-probs) run next (`Recipe.prepare`).
+3. The executor runs forward, loss and backward per micro-batch: one after the other
+   (`SequentialExecutor`, pp = 1) or under the 1F1B / GPipe pipeline schedule on this rank's
+   stage (`PipelineExecutor`, pp > 1; the losses live on the last stage).
+4. The loss, the recipe's statistics and per-rank non-finite flags are all-reduced (cp, dp,
+   pp); the gradients are summed (bucketed all-reduce) over cp, then dp - or, under
+   `parallel.shard_optimizer`, reduce-scattered so each rank keeps its shard's sum
+   (`flashcp.optim.zero`).
+5. NaN/Inf: `train.on_nonfinite: stop` raises `NonFiniteError` naming the step and rank(s) on
+   every rank at once; `skip` drops the update and logs it.
+6. AdamW step (clipping the global gradient norm; over every pipeline stage when pp > 1) on
+   the parameters, or on float32 master weights (bf16-stored parameters; this rank's shard
+   under ZeRO-1, all-gathered into the parameters after), LR schedule step, metrics on rank 0,
+   checkpoint every `checkpoint.every` steps.
+7. MoE models: the routers' expert loads (and dropped entries, balance-loss values) ride in
+   step 4's all-reduce; after an applied step the correction biases move toward the
+   under-loaded experts (`model.router_bias_update_rate`), and the summarised loads go to the
+   metrics (`flashcp.metrics.moe_stats`).
+
+After a step, every `eval.every` steps and after the last, the eval set runs forward only
+under the same layout (`flashcp.evaluate`); its `eval/...` metrics join the step's
+record, which rank 0 writes to metrics.jsonl and every `run.report_to` backend
+(`flashcp.metrics.tracking`), with `mfu` (`flashcp.metrics.flops`) and `consumed_tokens`.
+
+Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
+those are the adapters (saved in PaddleFormers' format; see `flashcp.lora.setup`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import paddle
+
+from flashcp import dispatch
+from flashcp.attention.allgather_kv import make_assignment
+from flashcp.checkpoint import format as ckpt
+from flashcp.checkpoint import parts as sharded
+from flashcp.checkpoint.experts import ExpertArrays
+from flashcp.checkpoint.optimizer_state import source_for
+from flashcp.checkpoint.state import SEP, load_model_arrays, model_arrays, rng_state, set_rng_state
+from flashcp.config import Config, config_hash, diff_dicts, hashed_dict, to_yaml
+from flashcp.cp.layout import Assignment
+from flashcp.distributed import (
+    ParallelDims,
+    ParallelGroups,
+    all_gather_object,
+    barrier,
+    build_groups,
+)
+from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
+from flashcp.launch import rundir
+from flashcp.metrics import flops, memory, tracking
+from flashcp.metrics.moe_stats import RouterStats
+from flashcp.metrics.run_info import write_run_info
+from flashcp.metrics.writer import MetricsWriter, StepMetrics
+from flashcp.models.base import StageSpec
+from flashcp.models.expert_parallel import attach_exchange
+from flashcp.models.moe_balance import loss_scale_context
+from flashcp.optim.adamw import build_scheduler
+from flashcp.optim.grads import all_reduce_values, trainable
+from flashcp.optim.zero import MasterOptimizer, OptimizerSetup, build_distributed_optimizer
+from flashcp.pipeline.executor import PipelineExecutor, SequentialExecutor
+from flashcp.pipeline.stage import stage_spec
+from flashcp.recipes.base import Recipe, RecipeContext
+
+GRADS_DIR = "grads"
+SAVE_BARRIER_TIMEOUT = 3600.0
+"""Other ranks wait this long (s) for rank 0 to write a checkpoint."""
+START_BARRIER_TIMEOUT = 3600.0
+"""Ranks wait this long (s) at the start of `fit` for the slowest one to build and resume."""
+
+
+class NonFiniteError(RuntimeError):
+    """NaN/Inf in the loss or gradients (train.on_nonfinite: stop)."""
+
+
+@dataclass
+class TrainResult:
+    """What `Trainer.fit` did."""
+
+    start_step: int
+    final_step: int
+    metrics: list[StepMetrics] = field(default_factory=list)
+    resumed_from: Path | None = None
+
+
+def resolve_device(cfg: Config) -> str:
+    """`cpu` or `gpu` for `run.device` (auto: GPU when Paddle sees one); checks the dtype."""
+    has_gpu = bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
+    wanted = cfg.run.device
+    if wanted == "gpu" and not has_gpu:
+        raise RuntimeError(
+            "run.device is gpu but Paddle sees no GPU here (CPU build or no device): set "
+            "run.device: cpu (or auto)"
+        )
+    device = "gpu" if wanted == "gpu" or (wanted == "auto" and has_gpu) else "cpu"
+    resolve_dtype(cfg, device)
+    return device
+
+
+def resolve_dtype(cfg: Config, device: str) -> str:
+    """The compute dtype on `device`: `train.dtype`, with auto = bfloat16 on GPU, float32 on CPU.
+
+    float32 on a GPU is refused: Paddle's FlashAttention/FlashMask CUDA kernels are registered
+    for float16/bfloat16 only, so the first attention call would fail.
+    """
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        return "bfloat16" if device == "gpu" else "float32"
+    if dtype == "bfloat16" and device != "gpu":
+        raise RuntimeError(
+            "train.dtype bfloat16 needs a GPU and this run is on CPU: set train.dtype=float32 "
+            "(or auto)"
+        )
+    if dtype == "float32" and device == "gpu":
+        raise RuntimeError(
+            "train.dtype float32 cannot run on this GPU: Paddle's FlashAttention/FlashMask "
+            "kernels exist for float16/bfloat16 only. Set train.dtype=auto (bfloat16 on GPU) "
+            "or bfloat16, or run.device=cpu"
+        )
+    return dtype
+
+
+def set_determinism(cfg: Config) -> None:
+    """Seed Python, numpy and Paddle; in deterministic mode set the cuDNN/embedding flags.
+
+    The flags go both to `paddle.set_flags` (GPU builds read them there) and to the environment
+    (the CPU build refuses set_flags for them; `flashcp.dispatch` then reads the environment), so
+    the FlashAttention dispatch sees deterministic mode either way.
+    """
+    seed = cfg.train.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    paddle.seed(seed)
+    if not cfg.train.deterministic:
+        return
+    flags = {dispatch.FLAG_DETERMINISTIC: "1", "FLAGS_embedding_deterministic": "1"}
+    for name, value in flags.items():
+        os.environ[name] = value
+        # A flag unknown to this build (CPU) raises; the environment value is what counts then.
+        with contextlib.suppress(ValueError, RuntimeError):
+            paddle.set_flags({name: True if name == dispatch.FLAG_DETERMINISTIC else 1})
+
+
+def default_model_factory(cfg: Config, stage: StageSpec | None = None) -> paddle.nn.Layer:
+    """Build the configured model — only pipeline stage `stage` of it when given — directly in
+    `train.param_dtype`, initialised from `train.seed` (`flashcp.models.build_model`), or
+    with `checkpoint.init_from` filled from that checkpoint instead (every parameter is read
+    from it, so none is drawn first)."""
+    from flashcp.models import build_model
+
+    model = build_model(
+        cfg.model,
+        stage=stage,
+        param_dtype=cfg.train.param_dtype,
+        seed=cfg.train.seed,
+        initialise=cfg.checkpoint.init_from is None,
+    )
+    init_weights(model, cfg)
+    return model
+
+
+def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) -> Any:
+    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes).
+
+    `model` is the whole model or one pipeline stage: a stage reads only its own tensors.
+    `on_tensor` and the returned `LoadReport` (None without init_from): see
+    `flashcp.models.hf_weights.load_hf_checkpoint`.
+    """
+    if cfg.checkpoint.init_from is None:
+        return None
+    from flashcp.models.hf_weights import load_hf_checkpoint
+
+    return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
+
+
+def build_recipe(ctx: RecipeContext) -> Recipe:
+    """The recipe object of `run.recipe` (see `flashcp.recipes`)."""
+    from flashcp.recipes.lm import LMRecipe, SFTRecipe
+
+    name = ctx.cfg.run.recipe
+    if name == "dpo":
+        from flashcp.recipes.dpo import DPORecipe
+
+        return DPORecipe(ctx)
+    classes: dict[str, type[Recipe]] = {"pretrain": LMRecipe, "sft": SFTRecipe}
+    if name not in classes:
+        raise ValueError(f"run.recipe {name!r} has no trainer recipe")
+    return classes[name](ctx)
+
+
+class Trainer:
+    """Trains `cfg` on this process's share of the job (see the module docstring).
+
+    `groups` are this rank's process groups (None: a single process, trivial groups).
+    `model_factory(cfg, stage)` builds this rank's part of the model: pipeline stage `stage`
+    (a `flashcp.models.StageSpec`; the whole model when pp = 1) and nothing else — no rank ever
+    holds the full model (tests pass small stand-ins). Initial values depend on (train.seed,
+    parameter name) only, so each stage starts from exactly the weights one process would
+    have. `self.model` is this rank's module (a `CausalLM`: the whole model, or its stage) and
+    `self.params` its trainable `(name, parameter)` pairs.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        groups: ParallelGroups | None = None,
+        *,
+        model_factory: Any = None,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.cfg = cfg
+        if groups is None:
+            if cfg.parallel.world_size != 1:
+                raise ValueError(
+                    f"parallel degrees {cfg.parallel.dp}×{cfg.parallel.pp}×{cfg.parallel.cp} "
+                    "need a launched job: run with `flashcp train` or paddle.distributed.launch"
+                )
+            groups = build_groups(ParallelDims(dp=1, pp=1, cp=1, world_size=1))
+        self.groups = groups
+        self.rank = int(groups.rank)
+        self.is_main = self.rank == 0
+        self.cp_rank, self.cp_size = int(groups.cp.rank), int(groups.cp.nranks)
+        self.dp_rank, self.dp_size = int(groups.dp.rank), int(groups.dp.nranks)
+        self.pp_rank, self.pp_size = int(groups.pp.rank), int(groups.pp.nranks)
+        self.ep_rank, self.ep_size = int(groups.ep.rank), int(groups.ep.nranks)
+        if self.ep_size != cfg.parallel.ep:
+            raise ValueError(
+                f"parallel.ep={cfg.parallel.ep} but the process groups were built with ep="
+                f"{self.ep_size}: build them from the same config (ParallelDims(..., ep=...))"
+            )
+        self.is_stage_writer = self.cp_rank == 0 and self.dp_rank == 0
+        """This rank writes its pipeline stage's checkpoint part and gradient dumps."""
+        self.step_groups = [groups.cp, groups.dp, groups.pp]
+        """Step statistics (loss, flags, recipe sums) are summed over these."""
+        self.output_dir = Path(cfg.run.output_dir)
+        self.ckpt_root = self.output_dir / ckpt.CHECKPOINT_DIR
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        """The compute dtype (`train.dtype` resolved: auto = bfloat16 on GPU, float32 on CPU)."""
+        paddle.set_device(self._device_name())
+        set_determinism(cfg)
+        self._fixed_assignment: Assignment | None = None
+        if cfg.parallel.cp_mode != "workload_balanced":
+            self._fixed_assignment = make_assignment(cfg.parallel.cp_mode, self.cp_size)
+        ctx = RecipeContext(
+            cfg=cfg, groups=groups, assignment_for=self.assignment_for, dtype=self.dtype
+        )
+        self.recipe = build_recipe(ctx)
+        self.data = self.recipe.build_data()
+        spec = stage_spec(cfg.model, self.pp_rank, self.pp_size, cfg.parallel.pp_layers)
+        self.spec = dataclasses.replace(spec, ep_rank=self.ep_rank, ep_size=self.ep_size)
+        """This rank's pipeline stage (the whole model when pp = 1), with its ep rank's share
+        of the routed experts (`parallel.ep`)."""
+        self.model = (model_factory or default_model_factory)(cfg, self.spec)
+        if self.ep_size > 1:
+            attach_exchange(self.model, groups.ep_exchange())
+        self.model.train()
+        self.router: RouterStats | None = None
+        """Expert-load statistics and the router bias update (MoE models only)."""
+        if getattr(cfg.model, "arch", None) == "glm_moe":
+            self.router = RouterStats(self.model, cfg.model)
+        self.recipe.setup_model(self.model)
+        self.lora = self.recipe.lora
+        """`flashcp.lora.setup.LoRASetup` when a `lora` section is set, else None."""
+        self.params = trainable(self.model)
+        self.expert_arrays = ExpertArrays(self.model, groups)
+        """Gathers / slices the expert-parallel tensors' rows for checkpoints (ep > 1)."""
+        self.global_names = self._global_names()
+        self.shared = self._shared_names()
+        self.scheduler = build_scheduler(cfg.train)
+        self.optimizer = build_distributed_optimizer(
+            OptimizerSetup(
+                model=self.model,
+                params=self.params,
+                train=cfg.train,
+                scheduler=self.scheduler,
+                groups=groups,
+                shard=cfg.parallel.shard_optimizer,
+                bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
+                global_names=self.global_names,
+                shared=self.shared,
+                experts=self.expert_arrays.slices,
+                expert_arrays=self.expert_arrays,
+            )
+        )
+        """This rank's optimizer (`flashcp.optim.zero`): Paddle's AdamW on the parameters,
+        or on float32 master weights (bf16 storage), sharded under parallel.shard_optimizer."""
+        self.sharded_state = isinstance(self.optimizer, MasterOptimizer)
+        """Optimizer state is saved as per-rank shards (`flashcp.checkpoint.optimizer_state`)."""
+        self._init_masters()
+        if self.pp_size > 1:
+            self.executor: Any = PipelineExecutor(
+                self.model,  # type: ignore[arg-type]
+                groups,
+                kind=cfg.parallel.pp_schedule,
+                forward_context=ctx.autocast,
+            )
+        else:
+            self.executor = SequentialExecutor(self.model, ctx.autocast)
+        self.step = 0
+        self.consumed_tokens = 0
+        """Tokens (padding included) the whole job has trained on, counting resumed steps."""
+        self.resumed_from: Path | None = None
+        self.stream = stream
+        self.evaluator: Evaluator | None = None
+        """Held-out evaluation (`eval.path`; `flashcp.evaluate`), None without."""
+        if cfg.eval.path is not None:
+            self.evaluator = Evaluator(
+                self.recipe,
+                cfg.eval.path,
+                max_batches=cfg.eval.max_batches,
+                groups=self.step_groups,
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
+                lockstep=ep_lockstep(self.ep_size, self.cp_size),
+            )
+        self.flops_per_token = flops.flops_per_token(
+            cfg.model,
+            self.data.seq_len,
+            lora=self.lora is not None,
+            reference=cfg.run.recipe == "dpo",
+        )
+        """Model FLOPs of one trained token (`flashcp.metrics.flops`), for the `mfu` metric."""
+
+    def _device_name(self) -> str:
+        if self.device == "cpu":
+            return "cpu"
+        current = str(paddle.get_device())
+        return current if current.startswith("gpu") else "gpu"
+
+    # -- pipeline ---------------------------------------------------------------------------
+
+    def _global_names(self) -> list[str]:
+        """The whole model's trainable parameter names in its `named_parameters` order: each
+        stage's list, concatenated in stage order (a stage's names follow the whole model's
+        order, and stages hold consecutive layers), the tied copy counted once."""
+        local = [n for n, _ in self.params]
+        if self.pp_size == 1:
+            return local
+        names: list[str] = []
+        seen: set[str] = set()
+        for part in all_gather_object(local, self.groups.pp):
+            for name in part:
+                if name not in seen:
+                    seen.add(name)
+                    names.append(name)
+        return names
+
+    def _init_masters(self) -> None:
+        """With `checkpoint.init_from` and parameters stored in bfloat16/float16, the float32
+        master weights this rank holds start from the checkpoint's own values (its slices
+        only, `flashcp.models.hf_weights.read_hf_float32`), not from the rounded parameters.
+        (A resumed run then overwrites them with the checkpoint's masters.)"""
+        opt = self.optimizer
+        path = self.cfg.checkpoint.init_from
+        if path is None or not isinstance(opt, MasterOptimizer) or opt.low_precision is None:
+            return
+        if self.lora is not None:
+            return  # the trained parameters are the adapters, which the checkpoint lacks
+        from flashcp.models.hf_weights import read_hf_float32
+
+        values, _ = read_hf_float32(self.model, path, opt.master_slices())
+        opt.set_masters(values)
+
+    def _shared_names(self) -> set[str]:
+        """Trainable parameters this stage holds but another stage counts (the last stage's
+        copy of a tied embedding): left out of the global gradient norm."""
+        tied = getattr(self.model, "tied_weight", None)
+        if tied is None or getattr(self.model, "is_first", True):
+            return set()
+        return {n for n, p in self.params if p is tied}
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def _resume_source(self) -> Path | None:
+        policy = self.cfg.checkpoint.resume
+        # the check `flashcp train` and every rank made before; here for in-process use
+        rundir.check_start(self.cfg.run.output_dir, policy, self.cfg.run.overwrite)
+        if policy == "never":
+            return None
+        if policy == "auto":
+            return ckpt.latest_checkpoint(self.ckpt_root, warn=self.is_main)
+        return Path(policy)
+
+    def resume(self) -> Path | None:
+        """Load the checkpoint `checkpoint.resume` selects, if any; returns its path."""
+        source = self._resume_source()
+        if source is None:
+            return None
+        loaded = ckpt.load_checkpoint(source)
+        state = loaded.state
+        if state.get("config_hash") != config_hash(self.cfg) and self.is_main:
+            changed = diff_dicts(state.get("config", {}), hashed_dict(self.cfg))
+            self.echo(
+                f"warning: resuming from {source} with a changed config ({', '.join(changed)});"
+                " the run will not match an uninterrupted one"
+            )
+        saved_steps = state.get("train_steps", self.cfg.train.steps)
+        if saved_steps != self.cfg.train.steps:
+            self.echo(
+                f"note: train.steps changed from {saved_steps} to {self.cfg.train.steps} since "
+                f"{source}: the cosine schedule is recomputed for the new length"
+            )
+        self._load_arrays(loaded)
+        self.scheduler.set_state_dict(state["scheduler"])
+        self.data.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.step = loaded.step
+        self.consumed_tokens = int(
+            state.get("consumed_tokens", loaded.step * self.global_batch()["tokens"])
+        )
+        self.resumed_from = source
+        return source
+
+    def _load_arrays(self, loaded: ckpt.Checkpoint) -> None:
+        """Model (or adapters) and optimizer state; a pipeline stage takes the names it holds,
+        so a checkpoint of any pipeline layout loads."""
+        model, optimizer = loaded.model, loaded.optimizer
+        if self.lora is not None:
+            from flashcp.lora.setup import load_trainable_arrays
+
+            names = {n for n, _ in self.params}
+            model = {k: v for k, v in model.items() if k in names}
+            load_trainable_arrays(self.model, self.expert_arrays.slice(model))
+        else:
+            if self.pp_size > 1:
+                own = set(self.model.state_dict())
+                model = {k: v for k, v in model.items() if k in own}
+            load_model_arrays(self.model, self.expert_arrays.slice(model))
+        if self.pp_size > 1 or self.lora is not None:
+            names = {n for n, _ in self.model.named_parameters()}
+            optimizer = {k: v for k, v in optimizer.items() if k.split(SEP)[0] in names}
+        self.optimizer.load_state(source_for(optimizer, loaded.optimizer_shards))
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "config_hash": config_hash(self.cfg),
+            "config": hashed_dict(self.cfg),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": rng_state(),
+            "parallel": {
+                "dp": self.dp_size,
+                "pp": self.pp_size,
+                "cp": self.cp_size,
+                "ep": self.ep_size,
+                "shard_optimizer": self.cfg.parallel.shard_optimizer,
+            },
+            "train_steps": self.cfg.train.steps,
+            "consumed_tokens": self.consumed_tokens,
+        }
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (rank 0 returns its path); every rank waits.
+
+        One writer (rank 0) for a whole model; with pipeline stages or LoRA adapters each
+        stage's writer adds its part, and float32 master weights (sharded or not) are written
+        as one optimizer shard per rank that owns one (`flashcp.checkpoint.parts`).
+        """
+        if self.pp_size > 1 or self.lora is not None or self.sharded_state or self.ep_size > 1:
+            return self._save_parts()
+        path = None
+        if self.is_main:
+            path = ckpt.save_checkpoint(
+                self.ckpt_root,
+                self.step,
+                model=model_arrays(self.model),
+                optimizer=self.optimizer.state_arrays(),
+                state=self._state(),
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        return path
+
+    def _save_parts(self) -> Path | None:
+        world = self.groups.world
+        adapters = self.lora is not None
+        model_files, optimizer_files = sharded.part_names(self.pp_size, adapters=adapters)
+        shard_files: list[list[str]] = []
+        if self.sharded_state:
+            optimizer_files = []
+            shard_files = sharded.shard_names(self.pp_size, self.optimizer.files)
+        if self.is_main:
+            sharded.begin(self.ckpt_root, self.step, adapters=adapters)
+        state = self._state() if self.is_main else {}
+        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
+        tmp = sharded.tmp_dir(self.ckpt_root, self.step)
+        self._write_model_part(tmp, model_files[self.pp_rank])
+        if self.sharded_state:
+            self._write_optimizer_shard(tmp, shard_files[self.pp_rank])
+        else:
+            from flashcp.checkpoint.experts import optimizer_key
+
+            arrays = self.expert_arrays.collect(self.optimizer.state_arrays, optimizer_key)
+            if arrays is not None:  # the stage writer
+                sharded.write_part(tmp / optimizer_files[self.pp_rank], arrays)
+        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
+        path = None
+        if self.is_main:
+            extra = self._write_adapter_meta(tmp / sharded.ADAPTER_DIR, model_files)
+            path = sharded.commit(
+                self.ckpt_root,
+                self.step,
+                state=state,
+                model_files=model_files,
+                optimizer_files=optimizer_files,
+                optimizer_shards=shard_files,
+                extra_files=[f"{sharded.ADAPTER_DIR}/{name}" for name in extra],
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
+        return path
+
+    def _write_optimizer_shard(self, directory: Path, names: list[str]) -> None:
+        """This rank's optimizer shard, if it writes one (unsharded masters: the stage writer;
+        with trainable experts under ep, each ep rank's first edp rank)."""
+        optimizer = self.optimizer
+        assert isinstance(optimizer, MasterOptimizer)
+        if not optimizer.writes_file:
+            return
+        arrays = optimizer.state_arrays()
+        sharded.write_part(directory / names[arrays.index], arrays.tensors(), arrays.metadata())
+
+    def _write_model_part(self, directory: Path, name: str) -> None:
+        """The stage writer writes its stage's model (or adapter) part, expert tensors whole
+        (collected from its ep group, `flashcp.checkpoint.experts`)."""
+        if self.lora is not None:
+            from flashcp.lora.setup import trainable_arrays, write_adapter_arrays
+
+            arrays = self.expert_arrays.collect(lambda: trainable_arrays(self.model))
+            if arrays is not None:
+                write_adapter_arrays(directory / name, arrays)
+                ckpt._fsync_file(directory / name)
+        else:
+            arrays = self.expert_arrays.collect(lambda: model_arrays(self.model))
+            if arrays is not None:
+                sharded.write_part(directory / name, arrays)
+
+    def _write_adapter_meta(self, directory: Path, model_files: list[str]) -> list[str]:
+        if self.lora is None:
+            return []
+        from flashcp.lora.setup import write_adapter_meta
+
+        prefix = f"{sharded.ADAPTER_DIR}/"
+        shards = [f.removeprefix(prefix) for f in model_files]
+        return write_adapter_meta(directory, shards, self.lora)
+
+    def export_adapters(self) -> Path | None:
+        """Write the adapters in PaddleFormers' format to `<output_dir>/adapters` (collective;
+        each pipeline stage writes its shard); returns the directory (None without LoRA)."""
+        if self.lora is None:
+            return None
+        from flashcp.lora.setup import trainable_arrays, write_adapter_arrays
+
+        out = self.output_dir / sharded.ADAPTER_DIR
+        files, _ = sharded.part_names(self.pp_size, adapters=True)
+        shard = files[self.pp_rank].removeprefix(f"{sharded.ADAPTER_DIR}/")
+        arrays = self.expert_arrays.collect(lambda: trainable_arrays(self.model))
+        if arrays is not None:  # the stage writer, experts whole
+            write_adapter_arrays(out / shard, arrays)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        if self.is_main:
+            self._write_adapter_meta(out, files)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        return out
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def assignment_for(self, batch: Any) -> Assignment:
+        """The step's CP layout: fixed per mode, or balanced from this batch's global mask."""
+        if self._fixed_assignment is not None:
+            return self._fixed_assignment
+        return make_assignment(
+            "workload_balanced", self.cp_size, batch.mask.indices, causal=batch.mask.causal
+        )
+
+    def train_step(self) -> StepMetrics:
+        """Run one optimizer step (see the module docstring); returns its metrics."""
+        start = time.perf_counter()
+        step = self.step + 1
+        plan = self.recipe.plan(self.data.next_step())
+        self.recipe.prepare(plan, self.executor, self.model)
+        # the sequence-balance loss of MoE layers: a mean over the step's sequences
+        with loss_scale_context(1.0 / (len(plan.micro) * self.dp_size)):
+            loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
+        grads_finite = math.isfinite(self.optimizer.local_squares())
+        world = int(self.groups.world.nranks)
+        stats = self.recipe.step_stats()
+        routing = self.router.local_vector() if self.router is not None else np.zeros(0)
+        # one all-reduce: loss, per-rank non-finite flags, per-rank memory peaks, recipe sums,
+        # expert loads
+        base = 1 + 4 * world
+        flags = np.zeros(base + len(stats) + len(routing))
+        flags[0] = loss_local
+        flags[1 + self.rank] = 0.0 if math.isfinite(loss_local) else 1.0
+        flags[1 + world + self.rank] = 0.0 if grads_finite else 1.0
+        flags[1 + 2 * world + self.rank] = memory.peak_bytes()
+        flags[1 + 3 * world + self.rank] = memory.peak_rss_bytes()
+        flags[base : base + len(stats)] = stats
+        flags[base + len(stats) :] = routing
+        reduced = all_reduce_values(flags, self.step_groups)
+        loss_value = float(reduced[0])
+        bad_loss = [r for r in range(world) if reduced[1 + r] > 0]
+        bad_grad = [r for r in range(world) if reduced[1 + world + r] > 0]
+        peaks = reduced[1 + 2 * world : 1 + 3 * world]
+        peak_rank = int(np.argmax(peaks))
+        peak_rss = float(np.max(reduced[1 + 3 * world : 1 + 4 * world]))
+        extra = self.recipe.metrics(reduced[base : base + len(stats)])
+        if self.router is not None:
+            extra.update(self.router.metrics(reduced[base + len(stats) :]))
+        lr = float(self.scheduler.get_lr())
+        skipped = False
+        if bad_loss or bad_grad:
+            self._nonfinite(step, loss_value, bad_loss, bad_grad)
+            skipped = True
+            grad_norm = float("nan")
+        else:
+            self.optimizer.reduce_grads()
+            grad_norm = self.optimizer.grad_norm()
+            if self.cfg.debug.dump_grads:
+                self._dump_grads(step)
+            self.optimizer.step()
+            if self.router is not None:  # after the update, from the step's summed loads
+                self.router.update_biases(reduced[base + len(stats) :])
+        self.optimizer.clear_grad()
+        self.scheduler.step()
+        self.step = step
+        self.consumed_tokens += plan.tokens
+        elapsed = time.perf_counter() - start
+        tokens_per_s = plan.tokens / elapsed if elapsed > 0 else 0.0
+        return StepMetrics(
+            step=step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=plan.tokens,
+            targets=plan.targets,
+            tokens_per_s=tokens_per_s,
+            step_time_s=elapsed,
+            peak_memory_gib=float(peaks[peak_rank]) / 2**30,
+            peak_memory_rank=peak_rank,
+            peak_rss_gib=peak_rss / 2**30,
+            skipped=skipped,
+            extra=extra,
+            consumed_tokens=self.consumed_tokens,
+            mfu=self._mfu(tokens_per_s),
+        )
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation of the step (None without `hardware.peak_tflops`)."""
+        peak = self.cfg.hardware.peak_tflops
+        if peak is None:
+            return None
+        devices = int(self.groups.world.nranks)
+        return flops.mfu(self.flops_per_token, tokens_per_s, peak, devices)
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate on `eval.path` now (collective); returns the `eval/...` metrics."""
+        if self.evaluator is None:
+            raise ValueError("no eval set: set eval.path")
+        return self.evaluator.run(self.executor, self.model)
+
+    def _nonfinite(self, step: int, loss: float, bad_loss: list[int], bad_grad: list[int]) -> None:
+        parts = []
+        if bad_loss:
+            parts.append(f"loss on rank(s) {', '.join(map(str, bad_loss))}")
+        if bad_grad:
+            parts.append(f"gradients on rank(s) {', '.join(map(str, bad_grad))}")
+        what = " and ".join(parts)
+        if self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite {what} at step {step} (loss {loss}); stopping. Lower train.lr, "
+                "check the data, or set train.on_nonfinite=skip to drop such steps"
+            )
+        self.echo(f"warning: non-finite {what} at step {step}: update skipped")
+
+    def _dump_grads(self, step: int) -> None:
+        """`grads/step_N.safetensors` (pp = 1) or one `step_N.stageS.safetensors` per stage,
+        written by the stage writer (expert gradients whole, collected from its ep group)."""
+        from safetensors.numpy import save_file
+
+        arrays = self.expert_arrays.collect(self.optimizer.full_grads)
+        if arrays is None:
+            return
+        out = self.output_dir / GRADS_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        suffix = f".stage{self.pp_rank}" if self.pp_size > 1 else ""
+        save_file(arrays, str(out / f"step_{step}{suffix}.safetensors"))
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def echo(self, text: str) -> None:
+        if self.is_main:
+            print(text, file=self.stream, flush=True)
+
+    def describe(self) -> str:
+        c = self.cfg
+        n = sum(int(np.prod(p.shape)) for _, p in self.params)
+        what = "trainable parameters (LoRA adapters)" if self.lora is not None else "parameters"
+        stage = ""
+        if self.pp_size > 1:
+            r = self.model.layer_range  # type: ignore[attr-defined]
+            stage = f", stage 0 layers [{r.start}, {r.stop}) {c.parallel.pp_schedule}"
+        b = self.global_batch()
+        return (
+            f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
+            f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size}"
+            + (f" ep={self.ep_size}" if self.ep_size > 1 else "")
+            + f" ({c.parallel.cp_mode}"
+            f"{stage}) | global batch {b['sequences']} seq × {b['seq_len']} = "
+            f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
+            f"{b['grad_accum']} × dp {b['dp']}) | {self.device} {self.dtype} | "
+            f"{self.data.describe()}"
+            + (f" | {self.optimizer.describe()}" if self.sharded_state else "")
+            + f" | {self._describe_extras()}"
+        )
+
+    def _describe_extras(self) -> str:
+        """MFU basis and evaluation, for the start line."""
+        c = self.cfg
+        peak = c.hardware.peak_tflops
+        parts = [
+            f"reporting to {tracking.describe(c.run.report_to)}",
+            f"mfu vs {peak:g} TFLOP/s per device ({self.flops_per_token / 1e9:.3g} GFLOP/token)"
+            if peak is not None
+            else "mfu not reported (set hardware.peak_tflops)",
+        ]
+        if self.evaluator is not None:
+            when = f"every {c.eval.every} steps and " if c.eval.every else ""
+            parts.append(
+                f"eval {c.eval.path}: {self.evaluator.rows} rows in {self.evaluator.batches} "
+                f"batches {when}after step {c.train.steps}"
+            )
+        return " | ".join(parts)
+
+    def global_batch(self) -> dict[str, int]:
+        """What one optimizer step consumes, the whole job: `sequences` = micro_batch_size ×
+        grad_accum × dp (packed rows for DPO) of `seq_len` tokens, `tokens` their product
+        (padding included); with the three factors."""
+        c = self.cfg
+        sequences = c.data.micro_batch_size * c.train.grad_accum * self.dp_size
+        seq_len = int(self.data.seq_len)
+        return {
+            "sequences": sequences,
+            "seq_len": seq_len,
+            "tokens": sequences * seq_len,
+            "micro_batch_size": c.data.micro_batch_size,
+            "grad_accum": c.train.grad_accum,
+            "dp": self.dp_size,
+        }
+
+    def fit(self) -> TrainResult:
+        """Resume if configured, then train until `train.steps`; returns what ran."""
+        cfg = self.cfg
+        source = self.resume()
+        start = self.step
+        # Every rank has checked the run directory (`resume`) before rank 0 writes to it.
+        barrier(self.groups.world, timeout=START_BARRIER_TIMEOUT)
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_run_info(self)
+        self.echo(self.describe())
+        if source is not None:
+            self.echo(f"resumed from {source} at step {start}")
+        writer = MetricsWriter(
+            self.output_dir,
+            enabled=self.is_main,
+            total_steps=cfg.train.steps,
+            log_every=cfg.train.log_every,
+            start_step=start,
+            stream=self.stream,
+            reporters=tracking.build_reporters(cfg) if self.is_main else (),
+        )
+        result = TrainResult(start_step=start, final_step=start, resumed_from=source)
+        every = cfg.checkpoint.every
+        end = end_all = cfg.train.steps
+        if cfg.run.stop_after_steps:
+            end = min(end, start + cfg.run.stop_after_steps)
+        try:
+            while self.step < end:
+                m = self.train_step()
+                results = {}
+                if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
+                    results = self.evaluate()
+                    m.extra.update(results)  # the step's record carries its eval/... values
+                writer.log(m)
+                if results:
+                    writer.echo(format_eval(self.step, results))
+                result.metrics.append(m)
+                result.final_step = self.step
+                if every > 0 and (self.step % every == 0 or self.step == end):
+                    path = self.save()
+                    if path is not None:
+                        writer.echo(f"saved checkpoint {path}")
+            if self.lora is not None and self.step >= cfg.train.steps:
+                self._finish_lora(writer)
+        finally:
+            writer.close()
+        return result
+
+    def _finish_lora(self, writer: MetricsWriter) -> None:
+        """Export the adapters (and the merged model when `lora.merge_at_end`)."""
+        out = self.export_adapters()
+        writer.echo(f"saved LoRA adapters (PaddleFormers format) to {out}")
+        section = self.cfg.extras["lora"]
+        if section.merge_at_end and out is not None:
+            merged = self.export_merged()
+            writer.echo(f"saved the merged model to {merged}")
+
+    def export_merged(self) -> Path:
+        """Write base + adapters as an HF safetensors checkpoint in `<output_dir>/merged`,
+        streamed stage by stage (collective: each stage's writer merges and writes its own
+        shard — under ep each ep rank's writer its experts' — rank 0 the index; no rank holds
+        more than its stage)."""
+        from flashcp.checkpoint.merge_export import write_merged_index, write_merged_stage
+        from flashcp.lora.setup import MERGED_DIR
+
+        out = self.output_dir / MERGED_DIR
+        if self.ep_size == 1 and self.is_stage_writer:
+            write_merged_stage(self.model, out)
+        elif self.ep_size > 1 and int(self.groups.edp.rank) == 0:  # each ep rank its experts
+            write_merged_stage(self.model, out, ep_rank=self.ep_rank, ep=self.ep_size)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        if self.is_main:
+            shards = self.pp_size * self.ep_size
+            write_merged_index(out, self.cfg.model, shards, self.cfg.train.param_dtype)
+        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
+        return out
