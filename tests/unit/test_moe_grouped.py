@@ -1,5 +1,5 @@
 """Grouped expert compute (`flashcp.models.moe_dispatch`, `experts`, `grouped_matmul`) against the
-old per-expert loop (`tests/moe_reference.py`): same outputs and gradients (every layout, a
+old per-expert loop (`scripts/bench/moe_loop.py`): same outputs and gradients (every layout, a
 skewed router), bitwise deterministic, bf16 storage upcast chunk by chunk, the
 capacity factor's drops (outputs, and gradients against a float64 reference:
 `moe_reference.routed_reference`), and the dispatch pieces on their own."""
@@ -11,6 +11,7 @@ import paddle
 import pytest
 
 import numerics
+from bench.moe_loop import LoopMoE
 from flashcp.distributed import Exchange
 from flashcp.distributed.groups import NamedGroup
 from flashcp.metrics import memory
@@ -20,7 +21,7 @@ from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import LAYOUTS, plan_layout
 from flashcp.models.moe import MoE, Routing
 from flashcp.models.moe_dispatch import build_dispatch, capacity_for, combine, permute, relayout
-from moe_reference import LoopMoE, routed_reference
+from moe_reference import routed_reference
 
 H = 32
 RTOL = 1e-6
