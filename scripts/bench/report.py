@@ -18,6 +18,8 @@ from typing import Any
 
 import jinja2
 
+from bench import stats
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -57,7 +59,7 @@ ENV = jinja2.Environment(
     lstrip_blocks=True,
     autoescape=False,
 )
-ENV.filters.update(fmt=fmt, span=span, spread=spread)
+ENV.filters.update(fmt=fmt, span=span, spread=spread, median=stats.median)
 
 
 def render(template: str, **context: Any) -> str:
