@@ -67,6 +67,11 @@ def render(template: str, **context: Any) -> str:
     return ENV.get_template(template).render(**context)
 
 
+def macro(template: str, name: str) -> Callable[..., str]:
+    """Macro `name` of `templates/<template>` (a table a benchmark also prints on its own)."""
+    return getattr(ENV.get_template(template).module, name)
+
+
 def write_json(path: Path, record: Record, indent: int = 2) -> None:
     """`record` as indented JSON with a final newline (parent directories created)."""
     path.parent.mkdir(parents=True, exist_ok=True)

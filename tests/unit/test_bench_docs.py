@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from bench import dpo, kernel, loss_memory, moe
+from bench import cp_pages, dpo, kernel, loss_memory, moe
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -37,7 +37,7 @@ def _json(name: str) -> dict:
 
 
 def test_cp_pages_match_their_json() -> None:
-    docs = _script("cp_docs")
+    docs = cp_pages
     comm, scaling = _json("cp_comm.json"), _json("cp_scaling.json")
     assert (DOCS / "cp_bench.md").read_text() == docs.render_cp_bench(comm, scaling)
     model, timed = _json("cp_balance.json"), _json("cp_balance_time.json")
