@@ -105,16 +105,18 @@ class Page:
         context = self.view(record) if self.view is not None else {}
         return render(self.template, rec=record, **context)
 
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+    def add_arguments(
+        self,
+        parser: argparse.ArgumentParser,
+        report_only: str = "re-render the page from --json, no run",
+    ) -> None:
         parser.add_argument(
             "--json", type=Path, default=self.default_json, help="the record (raw results)"
         )
         parser.add_argument(
             "--markdown", type=Path, default=None, help="the page (default: --json with .md)"
         )
-        parser.add_argument(
-            "--report-only", action="store_true", help="re-render the page from --json, no run"
-        )
+        parser.add_argument("--report-only", action="store_true", help=report_only)
 
     def paths(self, args: argparse.Namespace) -> tuple[Path, Path]:
         """(the record, the page) named by `args`."""

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from bench import cp_pages, dpo, kernel, loss_memory, moe
+from bench import cp_pages, dpo, kernel, loss_memory, memory_check, moe
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -95,16 +95,15 @@ def test_moe_page_matches_its_json() -> None:
 def test_memory_page_and_readme_rows_match_their_json(tmp_path: Path) -> None:
     """docs/memory.md is `memory_check.markdown` of docs/memory.json; the README's planner rows
     (accuracy, the largest config on one 8×H20 node) come from the same JSON."""
-    check = _script("memory_check")
     rec = _json("memory.json")
-    assert (DOCS / "memory.md").read_text() == check.markdown(rec)
+    assert (DOCS / "memory.md").read_text() == memory_check.PAGE.render(rec)
     tables = _script("readme_table")
     rows = tables.memory_rows(DOCS)
     assert len(rows) == 3 and "within ±15 %" in rows[0][1] and "8×H20" in rows[1][0]
     changed = copy.deepcopy(rec)
     changed["cases"][0]["ranks"][0]["ratio"] = 1.5  # one rank off by 50 %
     changed["cases"][0]["within"] = False
-    assert check.markdown(changed) != check.markdown(rec)
+    assert memory_check.PAGE.render(changed) != memory_check.PAGE.render(rec)
     (tmp_path / "memory.json").write_text(json.dumps(changed))
     worse = tables.memory_rows(tmp_path)
     assert worse[0][1].startswith(f"{len(rec['cases']) - 1} of ") and "worst 1.500" in worse[0][1]
