@@ -6,30 +6,16 @@ changes the page."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from bench import cp_pages, dpo, kernel, loss_memory, memory_check, moe
+from bench import readme_table as tables
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-
-
-def _script(name: str) -> ModuleType:
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _json(name: str) -> dict:
@@ -69,7 +55,6 @@ def test_loss_memory_page_matches_its_json() -> None:
 
 
 def test_readme_table_matches_the_json(tmp_path: Path) -> None:
-    tables = _script("readme_table")
     text = (ROOT / "README.md").read_text()
     assert tables.readme_with_table(text) == text, "run python scripts/readme_table.py --write"
     assert tables.main(["--check"]) == 0
@@ -93,17 +78,21 @@ def test_moe_page_matches_its_json() -> None:
 
 
 def test_memory_page_and_readme_rows_match_their_json(tmp_path: Path) -> None:
-    """docs/memory.md is `memory_check.markdown` of docs/memory.json; the README's planner rows
-    (accuracy, the largest config on one 8×H20 node) come from the same JSON."""
+    """docs/memory.md is `bench.memory_check`'s page of docs/memory.json; the README's planner
+    rows (accuracy, the largest config on one 8×H20 node) come from the same JSON."""
     rec = _json("memory.json")
     assert (DOCS / "memory.md").read_text() == memory_check.PAGE.render(rec)
-    tables = _script("readme_table")
-    rows = tables.memory_rows(DOCS)
+    rows = _memory_rows(DOCS)
     assert len(rows) == 3 and "within ±15 %" in rows[0][1] and "8×H20" in rows[1][0]
     changed = copy.deepcopy(rec)
     changed["cases"][0]["ranks"][0]["ratio"] = 1.5  # one rank off by 50 %
     changed["cases"][0]["within"] = False
     assert memory_check.PAGE.render(changed) != memory_check.PAGE.render(rec)
     (tmp_path / "memory.json").write_text(json.dumps(changed))
-    worse = tables.memory_rows(tmp_path)
+    worse = _memory_rows(tmp_path)
     assert worse[0][1].startswith(f"{len(rec['cases']) - 1} of ") and "worst 1.500" in worse[0][1]
+
+
+def _memory_rows(docs: Path) -> list[tuple[str, str, str]]:
+    """The README table's rows from docs/memory.json (the planner's)."""
+    return [row for row in tables.rows(docs) if row[2] == "`docs/memory.md`"]
