@@ -41,13 +41,13 @@ def span(values: Iterable[float], spec: str = ".4f", sep: str = DASH) -> str:
     return lo if lo == hi else f"{lo}{sep}{hi}"
 
 
-def spread(stats: Mapping[str, float] | None, spec: str = ".3f") -> str:
+def spread(record: Mapping[str, float] | None, spec: str = ".3f") -> str:
     """`median (min–max)` of a `bench.stats.spread` record, a dash when there is none."""
-    if not stats:
+    if not record:
         return DASH
     return (
-        f"{format(stats['median'], spec)} "
-        f"({format(stats['min'], spec)}{DASH}{format(stats['max'], spec)})"
+        f"{format(record['median'], spec)} "
+        f"({format(record['min'], spec)}{DASH}{format(record['max'], spec)})"
     )
 
 
