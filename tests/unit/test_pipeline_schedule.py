@@ -326,6 +326,24 @@ def test_single_stage_runs_micro_batches_one_after_the_other(kind: str) -> None:
     assert runner.plan(3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
 
 
+def test_forward_only_equals_model_without_gradients() -> None:
+    """One stage: `out_fn` on each micro-batch's hidden states, in order, no gradients; no
+    micro-batches is no pass (a dp rank without rows in a short last eval batch)."""
+    mbs, _ = _micro_batches(2)
+    stage = _stage("tiny_glm", {}, 0, 1)
+    runner = PipelineRunner(stage)
+    got = runner.forward_only(mbs, lambda out, mb: out.logits().numpy())
+    with paddle.no_grad():
+        want = [stage.logits(stage(mb.input_ids, mb.positions, mb.attn)).numpy() for mb in mbs]
+    assert got is not None and len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert all(p.grad is None for p in stage.parameters())
+    assert runner.forward_only([], lambda out, mb: 1) == []
+    first = PipelineRunner(_stage("tiny", {}, 0, 2), _fake_groups(2, 0))
+    assert first.forward_only([], lambda out, mb: 1) is None  # not the last stage
+
+
 def test_schedule_errors() -> None:
     mbs, _ = _micro_batches(2)
     stage = _stage("tiny", {}, 1, 2)

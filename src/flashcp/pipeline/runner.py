@@ -290,7 +290,8 @@ class PipelineRunner:
 
         The last stage returns `[out_fn(HeadInput(hidden, module), micro_batch) for each
         micro-batch]` (final-norm hidden states with the module's LM head); the other stages
-        return None. Activations travel over the same links as in training.
+        return None. Activations travel over the same links as in training. No micro-batches
+        (a dp rank without rows in a short last eval batch: all its stages have none) is no pass.
         """
         stage = module if module is not None else self.stage
         _check_head(stage)
@@ -299,6 +300,8 @@ class PipelineRunner:
                 f"module is stage {stage.stage}/{stage.num_stages} but the runner runs stage "
                 f"{self.stage.stage}/{self.stage.num_stages}: split both models the same way"
             )
+        if not micro_batches:
+            return [] if stage.is_last else None
         links, t = self.links, self.timeout
         inputs: dict[int, paddle.Tensor] = {}
         outputs: dict[int, paddle.Tensor] = {}
