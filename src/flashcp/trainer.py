@@ -81,8 +81,8 @@ from flashcp.metrics.writer import MetricsWriter, StepMetrics
 from flashcp.models.base import StageSpec
 from flashcp.models.expert_parallel import attach_exchange
 from flashcp.models.moe_balance import loss_scale_context
-from flashcp.optim.adamw import build_scheduler
 from flashcp.optim.grads import all_reduce_values, trainable
+from flashcp.optim.lr import build_scheduler
 from flashcp.optim.zero import MasterOptimizer, OptimizerSetup, build_distributed_optimizer
 from flashcp.pipeline.executor import PipelineExecutor, SequentialExecutor
 from flashcp.pipeline.stage import stage_spec

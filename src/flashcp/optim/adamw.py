@@ -1,12 +1,5 @@
-"""AdamW, the warmup + cosine learning-rate schedule, and global-norm gradient clipping.
-
-All three are Paddle's own (`paddle.optimizer.AdamW`, a `paddle.optimizer.lr.LambdaDecay`
-scheduler, `paddle.nn.ClipGradByGlobalNorm`); only the schedule's shape is written here, as the
-pure function `lr_at`, so it can be tested and plotted without Paddle.
-
-Schedule, for optimizer step i = 0, 1, ... (`train.steps` = N, `train.warmup_steps` = W):
-linear warmup `lr · (i + 1) / W` for i < W (the first step already learns), then cosine from
-`lr` at i = W down to `min_lr` at the last step i = N - 1, and `min_lr` after that.
+"""AdamW and global-norm gradient clipping, both Paddle's own (`paddle.optimizer.AdamW`,
+`paddle.nn.ClipGradByGlobalNorm`); the LR schedule is `flashcp.optim.lr`.
 
 Clipping runs inside `optimizer.step()`, after the trainer has summed gradients over the cp and
 dp ranks, so the norm it clips is the global one (every rank holds the same summed gradients).
@@ -15,38 +8,11 @@ Weight decay applies to matrices and embeddings, not to biases and norm scales (
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import paddle
 
 from flashcp.config.schema import TrainConfig
-
-
-def lr_at(step: int, train: TrainConfig) -> float:
-    """The learning rate of optimizer step `step` (0-based) under `train`'s schedule."""
-    return train.lr * lr_factor(step, train.steps, train.warmup_steps, train.min_lr / train.lr)
-
-
-def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR at 0-based `step` (see the module docstring)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    span = steps - warmup - 1
-    if span <= 0:
-        return 1.0 if step < steps else min_ratio
-    progress = min(max(step - warmup, 0) / span, 1.0)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(train: TrainConfig) -> paddle.optimizer.lr.LRScheduler:
-    """A `LambdaDecay` whose `last_epoch` is the optimizer step about to run."""
-    ratio = train.min_lr / train.lr
-
-    def factor(step: int) -> float:
-        return lr_factor(step, train.steps, train.warmup_steps, ratio)
-
-    return paddle.optimizer.lr.LambdaDecay(learning_rate=train.lr, lr_lambda=factor)
 
 
 def decay_parameter_names(model: paddle.nn.Layer) -> set[str]:
