@@ -419,7 +419,7 @@ def _full(states: list[MasterShard]) -> dict[str, dict[str, np.ndarray]]:
                 full = out.setdefault(kind, {}).setdefault(
                     name, np.full(int(np.prod(SHAPES[name])), np.nan, np.float32)
                 )
-                full[start : start + length] = getattr(arrays, kind)[offset : offset + length]
+                full[start : start + length] = arrays.packed[kind][offset : offset + length]
     return out
 
 
@@ -447,7 +447,7 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
         for kind in want:
             for n in SHAPES:
                 np.testing.assert_array_equal(got[kind][n], want[kind][n], err_msg=(kind, n))
-        b1 = states[0].arrays().beta1_pow
+        b1 = states[0].arrays().packed["beta1_pow"]
         assert np.allclose(b1, 0.9**3)  # two steps taken: beta1 ** (1 + 2)
 
     # shards → the unsharded form (ParamOptimizer) and back
@@ -495,7 +495,7 @@ def test_a_tied_matrix_is_read_from_its_first_stage(tmp_path: Path) -> None:
         for i in range(2):
             lay = shard_layout(_sizes(SHAPES), 2, i, bucket)
             arrays = MasterShard(lay, params, TrainConfig(), 0.01).arrays()
-            arrays.moment1[:] = stage + 1  # tell the stages apart
+            arrays.packed["moment1"][:] = stage + 1  # tell the stages apart
             path = tmp_path / f"s{stage}_{i}.safetensors"
             sharded_ckpt.write_part(path, arrays.tensors(), shard_metadata(arrays))
             paths.append(path)
@@ -715,4 +715,4 @@ def test_a_shard_of_padding_only_steps_saves_and_gathers_zeros() -> None:
     state.step()
     np.testing.assert_array_equal(state.piece(0).numpy(), np.zeros(1, np.float32))
     arrays = state.arrays()
-    assert arrays.segments == [] and arrays.master.size == 0
+    assert arrays.segments == [] and arrays.packed["master"].size == 0

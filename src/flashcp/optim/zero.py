@@ -180,25 +180,23 @@ class Trainable:
 
 @dataclass
 class ShardArrays:
-    """One optimizer shard's state as packed float32 arrays: `master` and the accumulators
-    (`SHARD_ARRAYS`) of the shard's segments back to back (the beta powers one entry per
-    segment), and the segment map `[name, start, length, offset]`: the segment holds elements
-    `[start, start + length)` of flattened parameter `name` (full-tensor coordinates), at
-    `offset` in the packed arrays. Written to a file by `flashcp.checkpoint.optimizer_state`."""
+    """One optimizer shard's state as packed float32 arrays, one per kind (`SHARD_ARRAYS`:
+    the masters and AdamW's accumulators): the shard's segments back to back (a beta power:
+    one entry per segment), and the segment map `[name, start, length, offset]`: the segment
+    holds elements `[start, start + length)` of flattened parameter `name` (full-tensor
+    coordinates), at `offset` in the packed arrays. Written to a file by
+    `flashcp.checkpoint.optimizer_state`."""
 
     segments: list[tuple[str, int, int, int]]
     numel: dict[str, int]
     shards: int
     index: int
-    master: np.ndarray
-    moment1: np.ndarray
-    moment2: np.ndarray
-    beta1_pow: np.ndarray
-    beta2_pow: np.ndarray
+    packed: dict[str, np.ndarray]
+    """Kind → the packed array."""
 
     def tensors(self) -> dict[str, np.ndarray]:
         """The packed arrays by kind (contiguous float32)."""
-        return {k: np.ascontiguousarray(getattr(self, k), dtype=np.float32) for k in SHARD_ARRAYS}
+        return {k: np.ascontiguousarray(self.packed[k], dtype=np.float32) for k in SHARD_ARRAYS}
 
     def segment_map(self) -> dict[str, Any]:
         """The segment map and the shard's place, as JSON-able data."""
@@ -466,7 +464,7 @@ class MasterShard:
         def packed(kind: str) -> np.ndarray:
             parts = []
             for seg, m in zip(self.segments, self.masters, strict=True):
-                value = accumulator(state, m, kind)
+                value = m.numpy() if kind == "master" else accumulator(state, m, kind)
                 if value is None:
                     value = fresh[kind] if kind in fresh else np.zeros(seg.length, np.float32)
                 parts.append(value)
@@ -480,10 +478,7 @@ class MasterShard:
             numel={n: self.totals.get(n, numel(p)) for n, p in self.params.items()},
             shards=self.layout.shards,
             index=self.layout.index,
-            master=np.concatenate([m.numpy() for m in self.masters])
-            if self.masters
-            else np.zeros(0, np.float32),
-            **{kind: packed(kind) for kind in ACCUMULATORS},
+            packed={kind: packed(kind) for kind in SHARD_ARRAYS},
         )
 
     def load(self, source: OptimizerSource) -> None:
@@ -736,24 +731,24 @@ class MasterOptimizer(_NormOnce):
         parts = self.parts[1:] if self.per_ep_rank and int(self.ep.rank) > 0 else self.parts
         arrays = [part.shard.arrays() for part in parts]
         segments: list[tuple[str, int, int, int]] = []
-        numel: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         offset = 0
         for a in arrays:
             segments += [(n, start, length, off + offset) for n, start, length, off in a.segments]
-            numel.update(a.numel)
-            offset += int(a.master.size)
+            sizes.update(a.numel)
+            offset += int(a.packed["master"].size)
 
-        def cat(key: str) -> np.ndarray:
-            found = [getattr(a, key) for a in arrays]
+        def cat(kind: str) -> np.ndarray:
+            found = [a.packed[kind] for a in arrays]
             return np.concatenate(found) if found else np.zeros(0, np.float32)
 
         index = self.layout.index if self.sharded else int(self.ep.rank)  # per_ep_rank
         return ShardArrays(
             segments=segments,
-            numel=numel,
+            numel=sizes,
             shards=self.files,
             index=index,
-            **{kind: cat(kind) for kind in SHARD_ARRAYS},
+            packed={kind: cat(kind) for kind in SHARD_ARRAYS},
         )
 
     def load_state(self, source: OptimizerSource) -> None:
