@@ -29,7 +29,7 @@ from paddle.base import core
 
 from flashcp.config import TrainConfig
 from flashcp.models import build_model, preset
-from flashcp.optim.adamw import build_optimizer
+from flashcp.optim.adamw import build_adamw, decay_names
 from flashcp.optim.layout import shard_layout
 from flashcp.optim.zero import MasterShard
 
@@ -85,7 +85,8 @@ def main() -> None:
         p.grad = paddle.zeros_like(p)
 
     def default() -> Any:
-        opt = build_optimizer(model, TrainConfig(grad_clip=0.0), 1e-3)
+        tensors = list(params.values())
+        opt = build_adamw(tensors, TrainConfig(), 1e-3, decay_names(tensors))
         opt.step()
         return opt
 

@@ -61,17 +61,11 @@ from flashcp.attention.allgather_kv import make_assignment
 from flashcp.checkpoint import format as ckpt
 from flashcp.checkpoint import parts as sharded
 from flashcp.checkpoint.experts import ExpertArrays
-from flashcp.checkpoint.optimizer_state import source_for
-from flashcp.checkpoint.state import SEP, load_model_arrays, model_arrays, rng_state, set_rng_state
+from flashcp.checkpoint.optimizer_state import shard_metadata, source_for
+from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state, set_rng_state
 from flashcp.config import Config, config_hash, diff_dicts, hashed_dict, to_yaml
 from flashcp.cp.layout import Assignment
-from flashcp.distributed import (
-    ParallelDims,
-    ParallelGroups,
-    all_gather_object,
-    barrier,
-    build_groups,
-)
+from flashcp.distributed import ParallelDims, ParallelGroups, barrier, build_groups
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.launch import rundir
 from flashcp.metrics import flops, memory, tracking
@@ -81,9 +75,10 @@ from flashcp.metrics.writer import MetricsWriter, StepMetrics
 from flashcp.models.base import StageSpec
 from flashcp.models.expert_parallel import attach_exchange
 from flashcp.models.moe_balance import loss_scale_context
-from flashcp.optim.adamw import build_scheduler
+from flashcp.optim.adamw import SEP
 from flashcp.optim.grads import all_reduce_values, trainable
-from flashcp.optim.zero import MasterOptimizer, OptimizerSetup, build_distributed_optimizer
+from flashcp.optim.lr import build_scheduler
+from flashcp.optim.zero import MasterOptimizer, build_distributed_optimizer
 from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
@@ -291,23 +286,14 @@ class Trainer:
         self.params = trainable(self.model)
         self.expert_arrays = ExpertArrays(self.model, groups)
         """Gathers / slices the expert-parallel tensors' rows for checkpoints (ep > 1)."""
-        self.global_names = self._global_names()
-        self.shared = self._shared_names()
         self.scheduler = build_scheduler(cfg.train)
         self.optimizer = build_distributed_optimizer(
-            OptimizerSetup(
-                model=self.model,
-                params=self.params,
-                train=cfg.train,
-                scheduler=self.scheduler,
-                groups=groups,
-                shard=cfg.parallel.shard_optimizer,
-                bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
-                global_names=self.global_names,
-                shared=self.shared,
-                experts=self.expert_arrays.slices,
-                expert_arrays=self.expert_arrays,
-            )
+            self.model,
+            cfg.train,
+            self.scheduler,
+            groups,
+            shard=cfg.parallel.shard_optimizer,
+            bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
         )
         """This rank's optimizer (`flashcp.optim.zero`): Paddle's AdamW on the parameters,
         or on float32 master weights (bf16 storage), sharded under parallel.shard_optimizer."""
@@ -354,22 +340,6 @@ class Trainer:
 
     # -- pipeline ---------------------------------------------------------------------------
 
-    def _global_names(self) -> list[str]:
-        """The whole model's trainable parameter names in its `named_parameters` order: each
-        stage's list, concatenated in stage order (a stage's names follow the whole model's
-        order, and stages hold consecutive layers), the tied copy counted once."""
-        local = [n for n, _ in self.params]
-        if self.pp_size == 1:
-            return local
-        names: list[str] = []
-        seen: set[str] = set()
-        for part in all_gather_object(local, self.groups.pp):
-            for name in part:
-                if name not in seen:
-                    seen.add(name)
-                    names.append(name)
-        return names
-
     def _init_masters(self) -> None:
         """With `checkpoint.init_from` and parameters stored in bfloat16/float16, the float32
         master weights this rank holds start from the checkpoint's own values (its slices
@@ -385,14 +355,6 @@ class Trainer:
 
         values, _ = read_hf_float32(self.model, path, opt.master_slices())
         opt.set_masters(values)
-
-    def _shared_names(self) -> set[str]:
-        """Trainable parameters this stage holds but another stage counts (the last stage's
-        copy of a tied embedding): left out of the global gradient norm."""
-        tied = getattr(self.model, "tied_weight", None)
-        if tied is None or getattr(self.model, "is_first", True):
-            return set()
-        return {n for n, p in self.params if p is tied}
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -543,7 +505,8 @@ class Trainer:
         if not optimizer.writes_file:
             return
         arrays = optimizer.state_arrays()
-        sharded.write_part(directory / names[arrays.index], arrays.tensors(), arrays.metadata())
+        path = directory / names[arrays.index]
+        sharded.write_part(path, arrays.tensors(), shard_metadata(arrays))
 
     def _write_model_part(self, directory: Path, name: str) -> None:
         """The stage writer writes its stage's model (or adapter) part, expert tensors whole

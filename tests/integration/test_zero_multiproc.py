@@ -16,9 +16,10 @@ the 2-rank runs in another, `workers/zero_worker.py`, to keep start-up cost down
 Tolerances. Sharded vs unsharded in the same layout: the gradients are reduce-scattered over
 cp, then dp, adding the ranks' float32 contributions in the same order as the unsharded
 all-reduce (bitwise equal sums with 2-rank groups), and AdamW is elementwise, so the only
-difference is the clipping norm (a float64 sum of per-shard squares instead of Paddle's float32
-sum of per-parameter squares: a few float32 ulps in the clip factor); the issue's relative 1e-6
-over 20 steps is then ~30× above what is measured (≤ 4e-8). Resuming in the layout that wrote
+difference is the clipping norm (`flashcp.optim.clip`: a parameter split between shards gets
+the float32 sum of its pieces' squares instead of one square of the whole tensor, a few float32
+ulps in the clip factor); the issue's relative 1e-6 over 20 steps is then ~30× above what is
+measured (≤ 4e-8 for DP×CP; PP×CP, CP and bf16 measured bitwise). Resuming in the layout that wrote
 the checkpoint is bitwise. Resuming in another layout continues the same model state, but that
 layout sums its gradients in another order from step 11 on, so it is compared with an
 uninterrupted run of the SAME layout as the resumed one (the checkpoint's state equals it up to

@@ -12,14 +12,9 @@ import paddle
 import pytest
 
 from flashcp.checkpoint import format as ck
-from flashcp.checkpoint.state import (
-    load_model_arrays,
-    load_optimizer_arrays,
-    model_arrays,
-    optimizer_arrays,
-    rng_state,
-    set_rng_state,
-)
+from flashcp.checkpoint.optimizer_state import ClassicSource
+from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state, set_rng_state
+from flashcp.optim.adamw import adamw_arrays, load_adamw_state
 
 
 def _save(root: Path, step: int, keep_last: int | None = None) -> Path:
@@ -130,13 +125,13 @@ def test_model_and_optimizer_state_move_between_fresh_models() -> None:
     opt_a = paddle.optimizer.AdamW(learning_rate=0.01, parameters=a.parameters())
     for _ in range(3):
         _step(a, opt_a, x)
-    model_state, opt_state = model_arrays(a), optimizer_arrays(opt_a, a)
+    model_state, opt_state = model_arrays(a), adamw_arrays(opt_a, list(a.named_parameters()))
     assert any(k.endswith("::moment1_0") for k in opt_state)
     assert all(not k.startswith("linear_") for k in opt_state)  # structured names only
     b = _net()  # Paddle gives its tensors new names
     opt_b = paddle.optimizer.AdamW(learning_rate=0.01, parameters=b.parameters())
     load_model_arrays(b, model_state)
-    load_optimizer_arrays(opt_b, b, opt_state)
+    load_adamw_state(opt_b, [(p, n, 0) for n, p in b.named_parameters()], ClassicSource(opt_state))
     _step(a, opt_a, x)
     _step(b, opt_b, x)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):

@@ -20,7 +20,7 @@ from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, build_config, to_dict
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model, estimate_parameters
-from flashcp.optim.adamw import build_scheduler, lr_at
+from flashcp.optim.lr import build_scheduler, lr_at
 from flashcp.trainer import GRADS_DIR, NonFiniteError, Trainer
 
 

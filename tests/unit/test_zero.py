@@ -23,17 +23,20 @@ from paddle.base import core
 from bf16toy import Bf16ToyLM
 from flashcp import dispatch
 from flashcp.checkpoint import parts as sharded_ckpt
-from flashcp.checkpoint.optimizer_state import ClassicSource, ShardSource, source_for
-from flashcp.checkpoint.state import load_optimizer_arrays, optimizer_arrays
+from flashcp.checkpoint.optimizer_state import (
+    ClassicSource,
+    ShardSource,
+    shard_metadata,
+    source_for,
+)
 from flashcp.config import TrainConfig, build_config
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.metrics.writer import read_metrics
-from flashcp.optim.adamw import build_optimizer
+from flashcp.optim.adamw import build_adamw, decay_names
 from flashcp.optim.layout import group_buckets, shard_layout
 from flashcp.optim.zero import (
     MasterOptimizer,
     MasterShard,
-    OptimizerSetup,
     ParamOptimizer,
     build_distributed_optimizer,
     low_precision_dtype,
@@ -54,6 +57,20 @@ def _param(shape: list[int], rng: np.random.Generator, dtype: str = "float32") -
     )
     p.set_value(paddle.to_tensor(rng.normal(size=shape).astype(np.float32)).astype(dtype))
     return p
+
+
+def _paddle_adamw(
+    model: paddle.nn.Layer, train: TrainConfig, lr: float
+) -> paddle.optimizer.AdamW:
+    """The reference: Paddle's AdamW over `model` as one process builds it (weight decay on
+    matrices, Paddle's own global-norm clip when `train.grad_clip` > 0)."""
+    decay = {p.name for p in model.parameters() if len(p.shape) >= 2}
+    clip = paddle.nn.ClipGradByGlobalNorm(train.grad_clip) if train.grad_clip > 0 else None
+    return paddle.optimizer.AdamW(
+        learning_rate=lr, parameters=model.parameters(), beta1=train.beta1, beta2=train.beta2,
+        epsilon=train.eps, weight_decay=train.weight_decay,
+        apply_decay_param_fun=lambda name: name in decay, grad_clip=clip,
+    )  # fmt: skip
 
 
 SHAPES = {"emb": [13, 7], "bias": [11], "mat": [9, 5], "norm": [6]}
@@ -145,7 +162,7 @@ def test_shard_update_equals_paddle_adamw_per_element() -> None:
         copy.set_value(p.numpy())
         ref_model.add_parameter(n, copy)
     train = TrainConfig(weight_decay=0.1, beta2=0.95, grad_clip=0.0)
-    ref = build_optimizer(ref_model, train, 0.05)
+    ref = _paddle_adamw(ref_model, train, 0.05)
     for grads in steps:
         for n, p in ref_model.named_parameters():
             p.grad = paddle.to_tensor(grads[n])
@@ -229,7 +246,8 @@ def test_shard_state_bytes_are_one_nth_of_unsharded() -> None:
     gc.disable()
     try:
         before = allocated()
-        opt = build_optimizer(model, TrainConfig(grad_clip=0.0), 1e-3)
+        tensors = list(params.values())
+        opt = build_adamw(tensors, TrainConfig(), 1e-3, decay_names(tensors))
         opt.step()
         after = allocated()
     finally:
@@ -244,19 +262,17 @@ def _trivial_groups() -> Any:
     return build_groups(ParallelDims(dp=1, pp=1, cp=1, world_size=1))
 
 
-def _toy_setup(model: paddle.nn.Layer, train: TrainConfig, **kw: Any) -> OptimizerSetup:
-    params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
-    return OptimizerSetup(
-        model=model, params=params, train=train, scheduler=train.lr, groups=_trivial_groups(),
-        global_names=[n for n, _ in params], **kw,
-    )  # fmt: skip
+def _toy_optimizer(
+    model: paddle.nn.Layer, train: TrainConfig, *, shard: bool = False
+) -> ParamOptimizer | MasterOptimizer:
+    return build_distributed_optimizer(model, train, train.lr, _trivial_groups(), shard=shard)
 
 
 def test_bf16_params_get_float32_main_grad_and_masters_stepped_like_adamw() -> None:
     ids = [paddle.to_tensor(np.random.default_rng(s).integers(0, 260, (2, 9))) for s in (0, 1)]
     train = TrainConfig(lr=0.05, weight_decay=0.1, grad_clip=0.0)
     model = Bf16ToyLM()
-    opt = build_distributed_optimizer(_toy_setup(model, train))
+    opt = _toy_optimizer(model, train)
     assert isinstance(opt, MasterOptimizer) and opt.low_precision == "bfloat16"
     assert "bfloat16" in opt.describe() and "ZeRO" not in opt.describe()
 
@@ -285,7 +301,7 @@ def test_bf16_params_get_float32_main_grad_and_masters_stepped_like_adamw() -> N
     opt.step()
     opt.clear_grad()
 
-    ref_opt = build_optimizer(ref, train, train.lr)
+    ref_opt = _paddle_adamw(ref, train, train.lr)
     for n, q in ref.named_parameters():
         q.grad = paddle.to_tensor(want_grads[n])
     ref_opt.step()
@@ -317,7 +333,10 @@ def _copy(params: dict[str, np.ndarray], rng: np.random.Generator) -> paddle.nn.
 def test_master_clip_uses_the_global_norm_like_paddles_clip() -> None:
     """Two steps: the first clipped (norm > 1), the second not (norm < 1). Adam is invariant to
     a gradient scale common to every step, so only a scale that changes between steps shows;
-    the negative control (no clipping at all) must differ."""
+    the negative control (no clipping at all) must differ. One process, one shard: the masters'
+    segments are the whole parameters, so both optimizers square and sum exactly what Paddle's
+    clip does, in its order — their updates are Paddle's BITWISE, and the norm they log is the
+    float32 norm that clipped."""
     rng = np.random.default_rng(3)
     init = {n: rng.normal(size=s).astype(np.float32) for n, s in SHAPES.items()}
     steps = [{n: f * rng.normal(size=s).astype(np.float32) for n, s in SHAPES.items()}
@@ -328,9 +347,7 @@ def test_master_clip_uses_the_global_norm_like_paddles_clip() -> None:
 
     def run(clip: float, shard: bool) -> tuple[list[float], dict[str, np.ndarray]]:
         model = _copy(init, rng)
-        opt = build_distributed_optimizer(
-            _toy_setup(model, TrainConfig(lr=0.05, grad_clip=clip), shard=shard)
-        )
+        opt = _toy_optimizer(model, TrainConfig(lr=0.05, grad_clip=clip), shard=shard)
         seen = []
         for grads in steps:
             for n, p in model.named_parameters():
@@ -342,20 +359,20 @@ def test_master_clip_uses_the_global_norm_like_paddles_clip() -> None:
         return seen, {n: p.numpy() for n, p in model.named_parameters()}
 
     ref = _copy(init, rng)
-    ref_opt = build_optimizer(ref, TrainConfig(grad_clip=1.0), 0.05)
+    ref_opt = _paddle_adamw(ref, TrainConfig(grad_clip=1.0), 0.05)
     for grads in steps:
         for n, p in ref.named_parameters():
             p.grad = paddle.to_tensor(grads[n])
         ref_opt.step()
         ref_opt.clear_grad()
     seen, got = run(1.0, True)
-    # the masters' clip sums the squares in float64, Paddle's in float32: the scale agrees to
-    # a few float32 ulps (relative 1e-6 covers it), and so do the updates
-    assert seen == pytest.approx(norms, rel=1e-6)
-    assert run(1.0, False)[0] == pytest.approx(norms, rel=1e-6)  # ParamOptimizer
+    plain_seen, plain = run(1.0, False)  # ParamOptimizer
+    assert seen == plain_seen == pytest.approx(norms, rel=1e-6)
+    assert all(float(np.float32(v)) == v for v in seen)  # the float32 norm itself
     _, unclipped = run(0.0, True)
     for n, p in ref.named_parameters():
-        np.testing.assert_allclose(got[n], p.numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+        np.testing.assert_array_equal(got[n], p.numpy(), err_msg=n)
+        np.testing.assert_array_equal(plain[n], p.numpy(), err_msg=n)
         assert np.abs(unclipped[n] - p.numpy()).max() > 1e-3  # negative control: no clip
 
 
@@ -368,8 +385,8 @@ def test_low_precision_detection_and_choice() -> None:
     model = paddle.nn.Layer()
     model.add_parameter("a", a)
     train = TrainConfig(grad_clip=0.0)
-    assert isinstance(build_distributed_optimizer(_toy_setup(model, train)), ParamOptimizer)
-    sharded = build_distributed_optimizer(_toy_setup(model, train, shard=True))
+    assert isinstance(_toy_optimizer(model, train), ParamOptimizer)
+    sharded = _toy_optimizer(model, train, shard=True)
     assert isinstance(sharded, MasterOptimizer) and "nothing to shard" in sharded.describe()
 
 
@@ -402,7 +419,7 @@ def _full(states: list[MasterShard]) -> dict[str, dict[str, np.ndarray]]:
                 full = out.setdefault(kind, {}).setdefault(
                     name, np.full(int(np.prod(SHAPES[name])), np.nan, np.float32)
                 )
-                full[start : start + length] = getattr(arrays, kind)[offset : offset + length]
+                full[start : start + length] = arrays.packed[kind][offset : offset + length]
     return out
 
 
@@ -414,7 +431,7 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
     for state in saved:
         arrays = state.arrays()
         path = tmp_path / f"shard{arrays.index}.safetensors"
-        sharded_ckpt.write_part(path, arrays.tensors(), arrays.metadata())
+        sharded_ckpt.write_part(path, arrays.tensors(), shard_metadata(arrays))
         files.append(path)
     want = _full(saved)
     assert not any(np.isnan(v).any() for kind in want.values() for v in kind.values())
@@ -430,20 +447,29 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
         for kind in want:
             for n in SHAPES:
                 np.testing.assert_array_equal(got[kind][n], want[kind][n], err_msg=(kind, n))
-        b1 = states[0].arrays().beta1_pow
+        b1 = states[0].arrays().packed["beta1_pow"]
         assert np.allclose(b1, 0.9**3)  # two steps taken: beta1 ** (1 + 2)
 
     # shards → the unsharded form (ParamOptimizer) and back
-    classic = source.classic({n: s for n, s in SHAPES.items()})
     model = paddle.nn.Layer()
     for n, s in SHAPES.items():
         model.add_parameter(n, _param(s, rng))
-    opt = build_optimizer(model, TrainConfig(), 0.01)
-    load_optimizer_arrays(opt, model, classic)
-    back = optimizer_arrays(opt, model)
-    assert set(back) == set(classic)
+    opt = _toy_optimizer(model, TrainConfig(lr=0.01))
+    assert isinstance(opt, ParamOptimizer)
+    opt.load_state(source)
+    classic = opt.state_arrays()
+    assert set(classic) == {f"{n}::{acc}" for n in SHAPES
+                            for acc in ("moment1_0", "moment2_0", "beta1_pow_acc_0",
+                                        "beta2_pow_acc_0")}  # fmt: skip
+    for n, shape in SHAPES.items():
+        for kind in ("moment1", "moment2"):
+            got_kind = classic[f"{n}::{kind}_0"]
+            assert list(got_kind.shape) == shape
+            np.testing.assert_array_equal(got_kind.reshape(-1), want[kind][n], err_msg=(kind, n))
+        np.testing.assert_allclose(classic[f"{n}::beta1_pow_acc_0"], [0.9**3], rtol=1e-6)
     one = MasterShard(shard_layout(_sizes(SHAPES), 1, 0, 10**6), params, TrainConfig(), 0.01)
     one.load(ClassicSource(classic))
+    np.testing.assert_array_equal(_full([one])["moment2"]["emb"], want["moment2"]["emb"])
     for n in SHAPES:
         seg = [i for i, s in enumerate(one.segments) if s.name == n][0]
         np.testing.assert_array_equal(
@@ -469,9 +495,9 @@ def test_a_tied_matrix_is_read_from_its_first_stage(tmp_path: Path) -> None:
         for i in range(2):
             lay = shard_layout(_sizes(SHAPES), 2, i, bucket)
             arrays = MasterShard(lay, params, TrainConfig(), 0.01).arrays()
-            arrays.moment1[:] = stage + 1  # tell the stages apart
+            arrays.packed["moment1"][:] = stage + 1  # tell the stages apart
             path = tmp_path / f"s{stage}_{i}.safetensors"
-            sharded_ckpt.write_part(path, arrays.tensors(), arrays.metadata())
+            sharded_ckpt.write_part(path, arrays.tensors(), shard_metadata(arrays))
             paths.append(path)
         stage_files.append(paths)
     got = ShardSource(stage_files).read("emb", "moment1", 0, 91)
@@ -601,10 +627,8 @@ def test_nonfinite_stop_names_the_step_under_sharding(tmp_path: Path) -> None:
 def test_lora_dpo_with_sharded_optimizer_resumes_exactly(tmp_path: Path) -> None:
     """LoRA adapters are the trainable parameters: their masters and moments go to the
     optimizer shard, the adapters to PaddleFormers' files; one process and no clipping, so the
-    losses equal the unsharded run's bitwise, through a resume. (With clipping active the
-    global norm is summed from the shards in another order than Paddle's clip sums it: equal
-    to ~1 ulp, not bitwise — `test_master_clip_uses_the_global_norm_like_paddles_clip` covers
-    that path.)"""
+    losses equal the unsharded run's bitwise, through a resume (with clipping as well, in one
+    process: `test_master_clip_uses_the_global_norm_like_paddles_clip`)."""
     lora = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
     raw = {
         "model": {"preset": "tiny_glm"},
@@ -691,4 +715,4 @@ def test_a_shard_of_padding_only_steps_saves_and_gathers_zeros() -> None:
     state.step()
     np.testing.assert_array_equal(state.piece(0).numpy(), np.zeros(1, np.float32))
     arrays = state.arrays()
-    assert arrays.segments == [] and arrays.master.size == 0
+    assert arrays.segments == [] and arrays.packed["master"].size == 0

@@ -25,15 +25,12 @@ from typing import Any
 import numpy as np
 import paddle
 
-from flashcp.checkpoint.state import SEP
 from flashcp.distributed import ParallelGroups, gather_rows
 from flashcp.models.expert_parallel import ExpertSlice, expert_tensors
+from flashcp.optim.adamw import MOMENTS, SEP
 
 KeyFn = Callable[[str], "str | None"]
 """Array key → the parameter it belongs to (None: not an expert-parallel tensor's rows)."""
-
-MOMENTS = ("moment1_0", "moment2_0")
-"""AdamW accumulators shaped like their parameter (the beta powers are `[1]`)."""
 
 
 def model_key(key: str) -> str:
@@ -42,9 +39,10 @@ def model_key(key: str) -> str:
 
 
 def optimizer_key(key: str) -> str | None:
-    """`<param>::moment1_0` / `::moment2_0` are the parameter's rows; beta powers are not."""
+    """AdamW's moments (`<param>::moment1_0`, ...) are the parameter's rows; beta powers are
+    not (`flashcp.optim.adamw.MOMENTS`)."""
     name, _, acc = key.partition(SEP)
-    return name if acc in MOMENTS else None
+    return name if acc in MOMENTS.values() else None
 
 
 class ExpertArrays:

@@ -2,86 +2,42 @@
 
 Two saved forms:
 
-* unsharded (`flashcp.checkpoint.state.optimizer_arrays`): `<name>::moment1_0`, `::moment2_0`,
-  `::beta1_pow_acc_0`, `::beta2_pow_acc_0` arrays of the full parameter shapes; the float32
-  parameters themselves are the master weights;
-* shards (`flashcp.optim.zero`, one file per rank of a stage): packed float32 arrays
-  `master`, `moment1`, `moment2` (the rank's segments back to back) and `beta1_pow`,
-  `beta2_pow` (one entry per segment), with the segment map `[name, start, length, offset]` in
-  the safetensors metadata (`SHARD_META`): the segment holds elements `[start, start + length)`
-  of the flattened parameter `name`, at `offset` in the packed arrays.
+* unsharded (`flashcp.optim.adamw.adamw_arrays`): `<name>::<accumulator>` arrays
+  (`flashcp.optim.adamw.state_key`: `::moment1_0`, `::moment2_0`, `::beta1_pow_acc_0`,
+  `::beta2_pow_acc_0`) of the full parameter shapes; the float32 parameters themselves are the
+  master weights;
+* shards (`flashcp.optim.zero.ShardArrays`, one file per rank of a stage): packed float32
+  arrays `master` and one per accumulator kind (`moment1`, `moment2`: the rank's segments back
+  to back; `beta1_pow`, `beta2_pow`: one entry per segment), with the segment map
+  `[name, start, length, offset]` in the safetensors metadata (`SHARD_META`, `shard_metadata`):
+  the segment holds elements `[start, start + length)` of the flattened parameter `name`, at
+  `offset` in the packed arrays.
 
-`OptimizerSource` reads either form by (parameter, element range), so a checkpoint written by
-one dp × cp (or unsharded) loads into any other: `ClassicSource` slices the full arrays,
-`ShardSource` stitches a range together from the pieces of several shard files, reading only
-those bytes (`safetensors.safe_open` slices).
+Both are read through `flashcp.optim.adamw.OptimizerSource`, by (parameter, element range),
+so a checkpoint written by one dp × cp (or unsharded) loads into any other: `ClassicSource`
+slices the full arrays, `ShardSource` stitches a range together from the pieces of several
+shard files, reading only those bytes (`safetensors.safe_open` slices).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-SEP = "::"
+from flashcp.optim.adamw import BETA_POWS, MOMENTS, OptimizerSource, state_key
+from flashcp.optim.zero import ShardArrays
+
 SHARD_META = "flashcp_optimizer_shard"
 """safetensors metadata key of a shard file's segment map (JSON)."""
-ARRAYS = ("master", "moment1", "moment2", "beta1_pow", "beta2_pow")
-CLASSIC = {"moment1": "moment1_0", "moment2": "moment2_0"}
-BETAS = ("beta1_pow_acc_0", "beta2_pow_acc_0")
 
 
-def fresh_betas(beta1: float, beta2: float) -> tuple[np.ndarray, np.ndarray]:
-    """Paddle's AdamW beta-power accumulators before the first step."""
-    return np.array([beta1], np.float32), np.array([beta2], np.float32)
-
-
-@dataclass
-class ShardArrays:
-    """One shard's state as written to its file (see the module docstring)."""
-
-    segments: list[tuple[str, int, int, int]]
-    numel: dict[str, int]
-    shards: int
-    index: int
-    master: np.ndarray
-    moment1: np.ndarray
-    moment2: np.ndarray
-    beta1_pow: np.ndarray
-    beta2_pow: np.ndarray
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        return {k: np.ascontiguousarray(getattr(self, k), dtype=np.float32) for k in ARRAYS}
-
-    def metadata(self) -> dict[str, str]:
-        meta = {
-            "segments": [list(s) for s in self.segments],
-            "numel": self.numel,
-            "shards": self.shards,
-            "index": self.index,
-        }
-        return {SHARD_META: json.dumps(meta, sort_keys=True)}
-
-
-class OptimizerSource(Protocol):
-    """Saved optimizer state, read by parameter name and element range."""
-
-    def read(self, name: str, kind: str, start: int, length: int) -> np.ndarray | None:
-        """Elements `[start, start + length)` of the flattened `kind` ("master", "moment1",
-        "moment2") of parameter `name`, float32; None when the checkpoint has none."""
-        ...
-
-    def beta_pows(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """The parameter's AdamW beta-power accumulators (shape [1] each), or None."""
-        ...
-
-    def classic(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
-        """The unsharded form (`<name>::<accumulator>`) for the parameters in `shapes`."""
-        ...
+def shard_metadata(arrays: ShardArrays) -> dict[str, str]:
+    """The safetensors metadata of a shard file: its segment map as JSON."""
+    return {SHARD_META: json.dumps(arrays.segment_map(), sort_keys=True)}
 
 
 class ClassicSource:
@@ -91,27 +47,25 @@ class ClassicSource:
         self.arrays = dict(arrays)
 
     def read(self, name: str, kind: str, start: int, length: int) -> np.ndarray | None:
-        if kind not in CLASSIC:
+        if kind not in MOMENTS:
             return None  # the float32 parameters are the masters
-        value = self.arrays.get(f"{name}{SEP}{CLASSIC[kind]}")
+        key = state_key(name, kind)
+        value = self.arrays.get(key)
         if value is None:
             return None
         flat = value.reshape(-1)
         if start + length > flat.size:
             raise ValueError(
-                f"checkpoint state {name}{SEP}{CLASSIC[kind]} has {flat.size} elements, the "
-                f"model's parameter at least {start + length} (saved with another model config?)"
+                f"checkpoint state {key} has {flat.size} elements, the model's parameter at "
+                f"least {start + length} (saved with another model config?)"
             )
         return np.asarray(flat[start : start + length], dtype=np.float32)
 
     def beta_pows(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
-        pair = [self.arrays.get(f"{name}{SEP}{b}") for b in BETAS]
+        pair = [self.arrays.get(state_key(name, kind)) for kind in BETA_POWS]
         if pair[0] is None or pair[1] is None:
             return None
         return pair[0].reshape(1), pair[1].reshape(1)
-
-    def classic(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
-        return self.arrays
 
 
 class ShardSource:
@@ -170,27 +124,8 @@ class ShardSource:
         if items is None:
             return None
         _, _, f, _, i = items[0]
-        h = self.files[f]
-        return (
-            np.asarray(h.get_slice("beta1_pow")[i : i + 1], np.float32),
-            np.asarray(h.get_slice("beta2_pow")[i : i + 1], np.float32),
-        )
-
-    def classic(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for name, shape in shapes.items():
-            if name not in self.pieces:
-                continue
-            n = int(np.prod(shape)) if len(shape) else 1
-            for kind, acc in CLASSIC.items():
-                value = self.read(name, kind, 0, n)
-                assert value is not None
-                out[f"{name}{SEP}{acc}"] = value.reshape(list(shape))
-            betas = self.beta_pows(name)
-            assert betas is not None
-            for acc, value in zip(BETAS, betas, strict=True):
-                out[f"{name}{SEP}{acc}"] = value
-        return out
+        b1, b2 = (np.asarray(self.files[f].get_slice(k)[i : i + 1], np.float32) for k in BETA_POWS)
+        return b1, b2
 
 
 def source_for(

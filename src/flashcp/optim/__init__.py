@@ -1,8 +1,9 @@
-"""The optimizer step: AdamW and its LR schedule, gradient sync, clipping, ZeRO sharding.
+"""The optimizer step: AdamW and its LR schedule, gradient sync, THE global norm, ZeRO sharding.
 
-* `adamw`: Paddle's AdamW and the warmup + cosine schedule;
+* `adamw`: the one builder of Paddle's AdamW, and the one map of its accumulators' names;
+* `lr`: the warmup + cosine learning-rate schedule;
 * `grads`: bucketed gradient all-reduce over cp / dp;
-* `clip`: the global gradient norm across pipeline stages;
+* `clip`: the global gradient norm of every layout, computed once per step, and the clip;
 * `zero`: AdamW on parameters or on float32 masters, optionally sharded (ZeRO-1);
 * `layout`: which slice of the parameters each optimizer shard owns (pure arithmetic).
 """

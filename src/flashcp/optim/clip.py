@@ -1,112 +1,110 @@
-"""Global-norm gradient clipping across pipeline stages, bit-for-bit like one process.
+"""THE global gradient norm: one computation per optimizer step, logged and used to clip.
 
-Under pipeline parallelism each rank holds one stage's parameters, so Paddle's
-`ClipGradByGlobalNorm` would clip each stage by its OWN norm. `PipelineGlobalNormClip`
-computes the norm of the whole model instead, with exactly the arithmetic Paddle's clip uses in
-one process: one float32 squared norm per parameter, summed in the single-process parameter
-order, square root, `clip / max(norm, clip)`, multiplied into every gradient.
+Every layout computes it with the arithmetic of Paddle's `ClipGradByGlobalNorm` in one process
+(`paddle/nn/clip.py`): one float32 squared norm per gradient (`squared_l2_norm`), summed in
+float32 in the single-process parameter order, square root; clipping multiplies every gradient
+by `clip / max(norm, clip)`. With float32 parameters on one stage that is Paddle's clip bit for
+bit (`tests/unit/test_clip.py`), and the norm in `metrics.jsonl` is the one that clipped.
 
-To get the single-process order, each stage writes its parameters' squared norms into a vector
-indexed by the parameter's position in the FULL model (zeros elsewhere) and the vectors are
-summed over the pp group: adding zeros is exact, so every stage ends up with the vector one
-process would have built, and sums it the same way. A matrix held by two stages (tied
-embeddings: both copies carry the same, already summed gradient) is counted once, by its first
-holder. The clipped gradients therefore equal the single-process ones bitwise (tested in
-`tests/unit/test_trainer_clip.py` against Paddle's clip).
+A rank may hold only part of the model's gradients. Each rank writes the squares of the pieces
+it holds into a vector indexed by the parameter's position in the WHOLE model, with a flag per
+entry ("some rank has a gradient here"), then completes it:
 
-Expert parallelism: an expert-parallel tensor (`experts`) is held in parts, each ep rank its
-own experts' rows, so its squared norm is the SUM of the ep ranks' parts: those entries are
-all-reduced over the ep group first (the other entries are equal on every ep rank and are left
-alone). The result is the whole tensor's norm up to float32 summation order.
+* entries of tensors held in parts — an expert-parallel tensor (each ep rank holds its
+  experts' rows), a ZeRO-1 shard's slices of the parameters (each rank of the dp × cp group
+  its own elements) — are summed over the groups holding the other parts (`partial`); the
+  other entries are equal on those ranks and left alone;
+* the whole vector is summed over the pipeline stages (`stages`): each stage fills only its
+  own entries, and a matrix held by two stages (a tied embedding: both copies carry the same,
+  already summed gradient) is counted by its first holder only (`skip` on the other).
+
+Adding zeros is exact, so every rank ends with the vector one process would build and sums it
+the same way: pipeline stages are bitwise one process; a tensor held in parts gets the float32
+sum of its parts' squares, within a few ulps of one process's square of the whole tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import paddle
 from paddle import _C_ops
 
 from flashcp.distributed import all_reduce_tensor
 
 
-class PipelineGlobalNormClip(paddle.nn.ClipGradByGlobalNorm):
-    """`ClipGradByGlobalNorm(clip_norm)` over the parameters of every pipeline stage.
+class GlobalNorm:
+    """The global gradient norm of one rank's layout (see the module docstring).
 
-    `global_names`: structured names of the FULL model's trainable parameters, in its
-    `named_parameters()` order (the optimizer order of one process). `names`: this stage's
-    `(structured name, parameter)` pairs. `skip`: names held here but counted by another stage
-    (the last stage's copy of a tied embedding). `group`: the pp group (trivial: one process).
-    `experts`: names of expert-parallel tensors, whose squares are summed over `ep_group`.
+    `order`: structured names of the whole model's trainable parameters, in its
+    `named_parameters()` order (one process's optimizer order). `skip`: names held here but
+    counted by another stage. `partial`: name → the groups over which that tensor's squares
+    are split (summed in that order). `stages`: the pipeline group (None: one stage).
+    Every rank of a group must hold the same names in the same `partial` groups.
     """
 
     def __init__(
         self,
-        clip_norm: float,
+        order: Sequence[str],
         *,
-        global_names: Sequence[str],
-        names: Sequence[tuple[str, paddle.Tensor]],
-        group: Any,
-        skip: Sequence[str] = (),
-        experts: Sequence[str] = (),
-        ep_group: Any = None,
+        skip: Iterable[str] = (),
+        partial: Mapping[str, Sequence[Any]] | None = None,
+        stages: Any = None,
     ) -> None:
-        super().__init__(clip_norm)
-        self.index = {name: i for i, name in enumerate(global_names)}
-        self.by_param = {p.name: name for name, p in names}
-        unknown = sorted(set(self.by_param.values()) - set(self.index))
-        if unknown:
-            raise ValueError(f"parameters {unknown[:3]} are not in the full model's list")
-        self.group = group
+        self.index = {name: i for i, name in enumerate(order)}
         self.skip = set(skip)
-        self.ep_group = ep_group
-        self.experts = np.zeros(len(self.index), dtype=bool)
-        for name in experts:
-            if name in self.index:
-                self.experts[self.index[name]] = True
-
-    def global_squares(self, params_grads: Sequence[tuple[Any, Any]]) -> np.ndarray:
-        """The float32 squared norm of every clipped gradient of the whole model, in the
-        single-process order (collective over the pp group)."""
+        self.stages = stages if stages is not None and int(stages.nranks) > 1 else None
+        classes: dict[tuple[int, ...], tuple[list[int], list[Any]]] = {}
+        for name, groups in (partial or {}).items():
+            if name not in self.index:
+                raise ValueError(f"parameter {name!r} is not in the whole model's list")
+            active = [g for g in groups if int(g.nranks) > 1]
+            if active:
+                key = tuple(id(g) for g in active)
+                classes.setdefault(key, ([], active))[0].append(self.index[name])
         n = len(self.index)
-        values = np.zeros(n, dtype=np.float32)
-        present = np.zeros(n, dtype=np.float32)
-        for p, g in params_grads:
-            if g is None or getattr(p, "need_clip", True) is False:
-                continue
-            name = self.by_param[p.name]
-            if name in self.skip:
-                continue
-            i = self.index[name]
-            values[i] = float(_C_ops.squared_l2_norm(g).reshape([-1]).numpy()[0])
-            present[i] = 1.0
-        if self.ep_group is not None and int(self.ep_group.nranks) > 1 and self.experts.any():
-            parts = all_reduce_tensor(paddle.to_tensor(values[self.experts]), self.ep_group)
-            values[self.experts] = parts.numpy()
-        both = paddle.to_tensor(np.concatenate([values, present]))
-        if self.group is not None and int(self.group.nranks) > 1:
-            both = all_reduce_tensor(both, self.group)
-        arr = both.numpy()
-        return arr[:n][arr[n:] > 0]
+        self.partial = [
+            (paddle.to_tensor(sorted(at) + [n + i for i in sorted(at)], dtype="int64"), groups)
+            for at, groups in classes.values()
+        ]
+        """(positions in the [squares, flags] vector, groups to sum them over)."""
 
     @paddle.no_grad()
-    def _dygraph_clip(self, params_grads):  # type: ignore[no-untyped-def, override]
-        squares = self.global_squares(params_grads)
-        if squares.size == 0:
-            return params_grads
-        total = paddle.stack([paddle.to_tensor(v) for v in squares]).sum()
-        norm = paddle.sqrt(total)
-        max_norm = paddle.full(shape=[1], dtype="float32", fill_value=self.clip_norm)
-        scale = paddle.divide(x=max_norm, y=paddle.maximum(x=norm, y=max_norm))
-        out = []
-        for p, g in params_grads:
-            if g is None:
-                continue  # as Paddle's clip: parameters without a gradient are dropped
-            if getattr(p, "need_clip", True) is False:
-                out.append((p, g))
+    def __call__(self, grads: Iterable[tuple[str, paddle.Tensor | None]]) -> paddle.Tensor:
+        """The float32 norm (0-D) of the `(structured name, gradient piece)` pairs held here
+        (0 when no rank holds a gradient). Collective over the `partial` groups and stages."""
+        n = len(self.index)
+        at: list[int] = []
+        squares = []
+        for name, g in grads:
+            if g is None or name in self.skip:
                 continue
-            factor = scale.astype(g.dtype) if scale.dtype != g.dtype else scale
-            out.append((p, paddle.multiply(g, factor)))
-        return out
+            if name not in self.index:
+                raise ValueError(f"parameter {name!r} is not in the whole model's list")
+            at.append(self.index[name])
+            squares.append(_C_ops.squared_l2_norm(g).reshape([1]))
+        if len(set(at)) != len(at):
+            raise ValueError("a parameter's gradient was given twice")
+        both = paddle.zeros([2 * n], dtype="float32")
+        if at:
+            where = paddle.to_tensor(at + [n + i for i in at], dtype="int64")
+            flags = paddle.ones([len(at)], dtype="float32")
+            both = paddle.scatter(both, where, paddle.concat([*squares, flags]))
+        for where, groups in self.partial:
+            part = paddle.gather(both, where)
+            for group in groups:
+                part = all_reduce_tensor(part, group)
+            both = paddle.scatter(both, where, part)
+        if self.stages is not None:
+            both = all_reduce_tensor(both, self.stages)
+        held = paddle.masked_select(both[:n], both[n:] > 0)
+        if int(held.shape[0]) == 0:
+            return paddle.zeros([], dtype="float32")
+        return paddle.sqrt(held.sum())
+
+
+def clip_factor(norm: paddle.Tensor, max_norm: float) -> paddle.Tensor:
+    """`max_norm / max(norm, max_norm)` in float32 (0-D): what every gradient is multiplied by."""
+    limit = paddle.full([], max_norm, dtype="float32")
+    return paddle.divide(limit, paddle.maximum(norm, limit))

@@ -31,21 +31,29 @@ def trainable(model: paddle.nn.Layer) -> list[tuple[str, paddle.Tensor]]:
     return [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
 
 
-def _numel(p: paddle.Tensor) -> int:
+def grad_of(p: paddle.Tensor) -> paddle.Tensor | None:
+    """The accumulated gradient of `p`: its float32 `main_grad` when hooked
+    (`flashcp.optim.zero.attach_main_grad`), else `.grad`."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def numel(p: paddle.Tensor) -> int:
+    """Elements of `p` (1 for a 0-D tensor)."""
     return int(np.prod(p.shape)) if len(p.shape) else 1
 
 
 def buckets(params: Sequence[paddle.Tensor], bucket_bytes: int) -> list[list[paddle.Tensor]]:
     """Consecutive parameters grouped so each group's gradients fit `bucket_bytes` (float32)."""
-    groups = group_buckets([4 * _numel(p) for p in params], bucket_bytes)
+    groups = group_buckets([4 * numel(p) for p in params], bucket_bytes)
     return [[params[i] for i in group] for group in groups]
 
 
 def squared_norm(params: Sequence[paddle.Tensor]) -> float:
-    """Sum of squared gradient entries (float32 per tensor, float64 total); NaN/Inf propagate."""
-    parts = [
-        paddle.sum(paddle.square(p.grad.astype("float32"))) for p in params if p.grad is not None
-    ]
+    """Sum of squared gradient entries (`grad_of`; float32 per tensor, float64 total), for the
+    non-finite check of a rank's own gradients: NaN/Inf propagate. (Not the global norm:
+    `flashcp.optim.clip`.)"""
+    grads = [grad_of(p) for p in params]
+    parts = [paddle.sum(paddle.square(g.astype("float32"))) for g in grads if g is not None]
     if not parts:
         return 0.0
     return float(np.sum(paddle.stack(parts).numpy().astype(np.float64)))
@@ -70,7 +78,7 @@ def sync_grads(
             all_reduce_tensor(flat, group, inplace=True)
         offset = 0
         for p in bucket:
-            n = _numel(p)
+            n = numel(p)
             p.grad.set_value(flat[offset : offset + n].reshape(list(p.shape)).astype(p.dtype))
             offset += n
 

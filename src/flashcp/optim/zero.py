@@ -1,15 +1,17 @@
 """The optimizer step of every layout: AdamW on the parameters, or on float32 master weights,
 optionally sharded over the ranks that hold the same parameters (ZeRO-1).
 
-`build_distributed_optimizer(setup)` picks one of two implementations of one interface
-(`local_squares`, `reduce_grads`, `grad_norm`, `step`, `clear_grad`, `full_grads`,
-`state_arrays`, `load_state`, `describe`):
+`build_distributed_optimizer(model, train, scheduler, groups)` picks one of two
+implementations of one interface (`DistributedOptimizer`: `local_squares`, `reduce_grads`,
+`grad_norm`, `step`, `clear_grad`, `full_grads`, `state_arrays`, `load_state`, `describe`).
+What they need beyond the model, the config and the groups is derived here, once, from those
+(`Trainable`): the trainable parameters, the expert-parallel ones (the model's own
+`expert_tensors`, ep > 1), the whole model's parameter order (gathered over the pipeline
+stages) and the tied copy another stage counts.
 
 * `ParamOptimizer` - float32 parameters and `parallel.shard_optimizer: false` (the default):
   Paddle's AdamW on the parameters themselves, gradients summed by the bucketed all-reduce over
-  cp, then dp (`flashcp.optim.grads.sync_grads`), Paddle's global-norm clip (the whole
-  model's norm over pipeline stages: `flashcp.optim.clip`). Operation for operation the
-  trainer's step from before this module.
+  cp, then dp (`flashcp.optim.grads.sync_grads`).
 * `MasterOptimizer` - a trainable parameter stored in bfloat16/float16, or
   `parallel.shard_optimizer: true`:
 
@@ -21,58 +23,80 @@ optionally sharded over the ranks that hold the same parameters (ZeRO-1).
      then dp (sharded: N = dp·cp), so each rank holds the summed gradient of its shard only,
      added in the same order as the unsharded all-reduce;
   3. the shard's float32 master weights are Paddle Parameters, one per (parameter, shard)
-     segment, stepped by Paddle's float32 AdamW: its update is elementwise, so a segment's
-     update equals the full parameter's, element for element; weight decay per parameter as
-     before (matrices and embeddings, not 1-D tensors);
-  4. clipping: the sum of squares of the shard's gradients, all-reduced over the shard's ranks
-     and the pipeline stages (a tied matrix's second copy left out), is the global norm;
-  5. the updated shards are all-gathered per bucket (dp, then cp) and cast into the parameters
+     segment, stepped by Paddle's float32 AdamW (`flashcp.optim.adamw.build_adamw`): its
+     update is elementwise, so a segment's update equals the full parameter's, element for
+     element; weight decay per parameter as before (matrices and embeddings, not 1-D tensors);
+  4. the updated shards are all-gathered per bucket (dp, then cp) and cast into the parameters
      (their storage dtype).
+
+Both clip with THE global norm (`flashcp.optim.clip.GlobalNorm`), computed once per step:
+`grad_norm()` (the logged value) computes it after `reduce_grads()`, and `step()` scales the
+gradients with that same norm before AdamW (Paddle's AdamW gets no `grad_clip`). A shard's
+segments are pieces of their parameters, summed over the shard's ranks.
 
 Why own master weights instead of Paddle's `multi_precision`: Paddle 3.3.1's AdamW with
 `multi_precision=True` (and fleet's `MixPrecisionOptimizer`) does not step bfloat16 parameters
 on CPU ("kernel adamw ... bfloat16 is not registered"), and ZeRO-1 needs masters that exist only
 as shards anyway.
 
-Expert parallelism (`parallel.ep` > 1; `OptimizerSetup.experts` names the expert-parallel
-tensors, `flashcp.models.expert_parallel`): a rank holds only its experts' rows, equal on the
-dp·cp/ep ranks of its `edp` group, so those gradients are summed over `edp` alone (bucketed
-all-reduce, or reduce-scatter under ZeRO-1, which then shards the expert masters over `edp`:
+Expert parallelism (`parallel.ep` > 1; `flashcp.models.expert_parallel.expert_tensors` names
+the expert-parallel tensors): a rank holds only its experts' rows, equal on the dp·cp/ep ranks
+of its `edp` group, so those gradients are summed over `edp` alone (bucketed all-reduce, or
+reduce-scatter under ZeRO-1, which then shards the expert masters over `edp`:
 `MasterOptimizer` keeps two parts, the replicated parameters over dp × cp and the expert
 parameters over edp); everything else as above. The global norm adds the experts' squares over
-the ep group (each ep rank holds other experts). Expert masters are saved in the FULL tensors'
-element coordinates (`_Part.offsets`), so the shard files of a stage cover every expert once and
-load into any ep; without ZeRO-1 each ep rank's first edp rank writes its experts' file.
+the ep group (each ep rank holds other experts). Saved state of an expert tensor is in the FULL
+tensor's element coordinates (`Trainable.first_element`), so the files of a stage cover every
+expert once and load into any ep; without ZeRO-1 each ep rank's first edp rank writes its
+experts' master file.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
 import paddle
-from paddle import _C_ops
 from paddle.base.framework import EagerParamBase
 
-from flashcp.checkpoint.optimizer_state import OptimizerSource, ShardArrays, fresh_betas
-from flashcp.checkpoint.state import load_optimizer_arrays, optimizer_arrays
 from flashcp.config.schema import TrainConfig
 from flashcp.distributed import (
     ParallelGroups,
+    all_gather_object,
     all_gather_tensor,
     all_reduce_tensor,
     reduce_scatter,
 )
-from flashcp.models.expert_parallel import ExpertSlice
-from flashcp.optim.adamw import build_optimizer
-from flashcp.optim.grads import all_reduce_values, squared_norm, sync_grads
+from flashcp.models.expert_parallel import ExpertSlice, expert_tensors
+from flashcp.optim.adamw import (
+    ACCUMULATORS,
+    BETA_POWS,
+    OptimizerSource,
+    accumulator,
+    adamw_arrays,
+    build_adamw,
+    decay_names,
+    fresh_beta_pows,
+    load_adamw_state,
+)
+from flashcp.optim.clip import GlobalNorm, clip_factor
+from flashcp.optim.grads import (
+    BUCKET_BYTES,
+    grad_of,
+    numel,
+    squared_norm,
+    sync_grads,
+    trainable,
+)
 from flashcp.optim.layout import Segment, ShardLayout, shard_layout
 
 LOW_PRECISION = ("bfloat16", "float16")
 """Storage dtypes whose parameters get float32 master weights and float32 `main_grad`."""
+SHARD_ARRAYS = ("master", *ACCUMULATORS)
+"""The packed arrays of an optimizer shard (`ShardArrays`), by kind."""
 
 
 def dtype_name(t: paddle.Tensor) -> str:
@@ -93,47 +117,95 @@ def attach_main_grad(model: paddle.nn.Layer, dtype: str) -> Any:
     `MixPrecisionLayer` hooks add each backward's gradient, cast to float32, into
     `param.main_grad` and release the low-precision one (`param.grad` stays None). Returns the
     wrapper (kept only to hold the hooks' owner; the model is used as it is)."""
+    # fleet pulls in the whole hybrid-parallel stack: imported only for low-precision storage
     from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
     return MixPrecisionLayer(model, dtype=dtype)
 
 
-def grad_of(p: paddle.Tensor) -> paddle.Tensor | None:
-    """The accumulated gradient of `p`: its float32 `main_grad` when hooked, else `.grad`."""
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
+@dataclass(frozen=True)
+class Trainable:
+    """What an optimizer needs to know about this rank's part of the model (`of`).
 
-
-def _numel(p: paddle.Tensor) -> int:
-    return int(np.prod(p.shape)) if len(p.shape) else 1
-
-
-@dataclass
-class OptimizerSetup:
-    """What the optimizer of one rank needs from the trainer.
-
-    `params`: this rank's trainable `(structured name, parameter)` pairs in a fixed order;
-    `global_names`: the full model's trainable names (pipeline clipping order); `shared`: names
-    held here but counted by another stage (the last stage's tied embedding copy).
+    `params`: trainable `(structured name, parameter)` pairs, in the model's order; `experts`:
+    the expert-parallel ones (rows of the full tensor; empty at ep = 1); `order`: the whole
+    model's trainable names (every pipeline stage's, the optimizer order of one process);
+    `skip`: names held here but counted by another stage (the last stage's copy of a tied
+    embedding).
     """
 
     model: paddle.nn.Layer
     params: list[tuple[str, paddle.Tensor]]
-    train: TrainConfig
-    scheduler: Any
-    groups: ParallelGroups
-    shard: bool = False
-    bucket_bytes: int = 64 * 2**20
-    global_names: list[str] = field(default_factory=list)
-    shared: set[str] = field(default_factory=set)
-    experts: Mapping[str, ExpertSlice] = field(default_factory=dict)
-    """Expert-parallel tensors (`flashcp.models.expert_parallel.expert_tensors`; empty at
-    ep = 1): their rows on this rank, of the full tensor."""
-    expert_arrays: Any = None
-    """`flashcp.checkpoint.experts.ExpertArrays` (slices saved optimizer state under ep)."""
+    experts: dict[str, ExpertSlice]
+    order: list[str]
+    skip: set[str]
 
-    def expert_names(self) -> set[str]:
-        """Trainable expert-parallel parameter names (empty without expert parallelism)."""
-        return {n for n, _ in self.params if n in self.experts}
+    @classmethod
+    def of(cls, model: paddle.nn.Layer, groups: ParallelGroups) -> Trainable:
+        """From the model (this rank's stage) and its groups; collective over pp."""
+        params = trainable(model)
+        names = [n for n, _ in params]
+        experts: dict[str, ExpertSlice] = {}
+        if int(groups.ep.nranks) > 1:
+            held = set(names)
+            experts = {n: s for n, s in expert_tensors(model).items() if n in held}
+        order = names
+        if int(groups.pp.nranks) > 1:  # stages hold consecutive layers, in stage order
+            parts = all_gather_object(names, groups.pp)
+            order = list(dict.fromkeys(n for part in parts for n in part))
+        tied = getattr(model, "tied_weight", None)
+        skip: set[str] = set()
+        if tied is not None and not getattr(model, "is_first", True):
+            skip = {n for n, p in params if p is tied}
+        return cls(model, params, experts, order, skip)
+
+    @cached_property
+    def by_name(self) -> dict[str, paddle.Tensor]:
+        return dict(self.params)
+
+    def first_element(self, name: str) -> int:
+        """Where this rank's elements of parameter `name` start in the full tensor's
+        (flattened): an expert-parallel tensor's first row held × elements per row, else 0."""
+        piece = self.experts.get(name)
+        if piece is None:
+            return 0
+        return piece.first * (numel(self.by_name[name]) // piece.count)
+
+    def full_numel(self, name: str) -> int:
+        """Elements of the full tensor of parameter `name` (all experts)."""
+        n = numel(self.by_name[name])
+        piece = self.experts.get(name)
+        return n if piece is None else piece.total * (n // piece.count)
+
+
+@dataclass
+class ShardArrays:
+    """One optimizer shard's state as packed float32 arrays, one per kind (`SHARD_ARRAYS`:
+    the masters and AdamW's accumulators): the shard's segments back to back (a beta power:
+    one entry per segment), and the segment map `[name, start, length, offset]`: the segment
+    holds elements `[start, start + length)` of flattened parameter `name` (full-tensor
+    coordinates), at `offset` in the packed arrays. Written to a file by
+    `flashcp.checkpoint.optimizer_state`."""
+
+    segments: list[tuple[str, int, int, int]]
+    numel: dict[str, int]
+    shards: int
+    index: int
+    packed: dict[str, np.ndarray]
+    """Kind → the packed array."""
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The packed arrays by kind (contiguous float32)."""
+        return {k: np.ascontiguousarray(self.packed[k], dtype=np.float32) for k in SHARD_ARRAYS}
+
+    def segment_map(self) -> dict[str, Any]:
+        """The segment map and the shard's place, as JSON-able data."""
+        return {
+            "segments": [list(s) for s in self.segments],
+            "numel": self.numel,
+            "shards": self.shards,
+            "index": self.index,
+        }
 
 
 class DistributedOptimizer(Protocol):
@@ -145,52 +217,97 @@ class DistributedOptimizer(Protocol):
     def step(self) -> None: ...
     def clear_grad(self) -> None: ...
     def full_grads(self) -> dict[str, np.ndarray]: ...
+    def state_arrays(self) -> Any: ...
     def load_state(self, source: OptimizerSource) -> None: ...
     def describe(self) -> str: ...
 
 
-def build_distributed_optimizer(setup: OptimizerSetup) -> ParamOptimizer | MasterOptimizer:
-    """`ParamOptimizer` for float32 parameters without sharding, else `MasterOptimizer`."""
-    low = low_precision_dtype([p for _, p in setup.params])
-    if low is None and not setup.shard:
-        return ParamOptimizer(setup)
-    return MasterOptimizer(setup, low_precision=low)
+def build_distributed_optimizer(
+    model: paddle.nn.Layer,
+    train: TrainConfig,
+    scheduler: Any,
+    groups: ParallelGroups,
+    *,
+    shard: bool = False,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> ParamOptimizer | MasterOptimizer:
+    """The optimizer of this rank's `model` (its pipeline stage): `ParamOptimizer` for float32
+    parameters without sharding, else `MasterOptimizer` (`shard`: ZeRO-1). `scheduler`: the LR
+    scheduler (`flashcp.optim.lr.build_scheduler`) or a fixed LR. Collective over pp."""
+    held = Trainable.of(model, groups)
+    low = low_precision_dtype([p for _, p in held.params])
+    if low is None and not shard:
+        return ParamOptimizer(held, train, scheduler, groups, bucket_bytes=bucket_bytes)
+    return MasterOptimizer(
+        held, train, scheduler, groups, shard=shard, bucket_bytes=bucket_bytes, low_precision=low
+    )
+
+
+class _NormOnce:
+    """The step's global norm, computed once: by `grad_norm()` (the logged value) or, if it
+    was not asked for, by `_clip()`, which scales the gradients with it."""
+
+    norm: GlobalNorm
+    train: TrainConfig
+    _norm: paddle.Tensor | None = None
+
+    def _pieces(self) -> Iterable[tuple[str, paddle.Tensor | None]]:
+        """`(structured name, gradient piece)` this rank holds, after `reduce_grads`."""
+        raise NotImplementedError
+
+    def _scale(self, factor: paddle.Tensor) -> None:
+        """Multiply every gradient `step` uses by `factor`."""
+        raise NotImplementedError
+
+    def _step_norm(self) -> paddle.Tensor:
+        if self._norm is None:
+            self._norm = self.norm(self._pieces())
+        return self._norm
+
+    def _forget_norm(self) -> None:
+        self._norm = None
+
+    def grad_norm(self) -> float:
+        """The global gradient norm (after `reduce_grads`; collective)."""
+        return float(self._step_norm())
+
+    @paddle.no_grad()
+    def _clip(self) -> None:
+        if self.train.grad_clip > 0:
+            self._scale(clip_factor(self._step_norm(), self.train.grad_clip))
 
 
 # -- float32 parameters, unsharded: Paddle's AdamW on the parameters ---------------------------
 
 
-class ParamOptimizer:
+class ParamOptimizer(_NormOnce):
     """Paddle's AdamW on the (float32) parameters; the classic, default path."""
 
     shards = 1
 
-    def __init__(self, setup: OptimizerSetup) -> None:
-        self.setup = setup
-        self.tensors = [p for _, p in setup.params]
-        self.experts = setup.expert_names()
-        self.dense = [p for n, p in setup.params if n not in self.experts]
-        self.expert_tensors = [p for n, p in setup.params if n in self.experts]
-        self.inner = build_optimizer(
-            setup.model, setup.train, setup.scheduler, clip=self._pipeline_clip()
-        )
-
-    def _pipeline_clip(self) -> Any:
-        """Whole-model gradient clipping for pp > 1 or expert parallelism (None: Paddle's own
-        clip, one stage holding every parameter whole)."""
-        s = self.setup
-        if (int(s.groups.pp.nranks) == 1 and not self.experts) or s.train.grad_clip <= 0:
-            return None
-        from flashcp.optim.clip import PipelineGlobalNormClip
-
-        return PipelineGlobalNormClip(
-            s.train.grad_clip,
-            global_names=s.global_names,
-            names=s.params,
-            group=s.groups.pp,
-            skip=sorted(s.shared),
-            experts=sorted(self.experts),
-            ep_group=s.groups.ep,
+    def __init__(
+        self,
+        held: Trainable,
+        train: TrainConfig,
+        scheduler: Any,
+        groups: ParallelGroups,
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        self.held = held
+        self.train = train
+        self.groups = groups
+        self.bucket_bytes = bucket_bytes
+        self.params = held.params
+        self.tensors = [p for _, p in self.params]
+        self.dense = [p for n, p in self.params if n not in held.experts]
+        self.expert_tensors = [p for n, p in self.params if n in held.experts]
+        self.inner = build_adamw(self.tensors, train, scheduler, decay_names(self.tensors))
+        self.norm = GlobalNorm(
+            held.order,
+            skip=held.skip,
+            partial={n: [groups.ep] for n in held.experts},
+            stages=groups.pp,
         )
 
     def local_squares(self) -> float:
@@ -198,8 +315,9 @@ class ParamOptimizer:
         return squared_norm(self.tensors)
 
     def reduce_grads(self) -> None:
-        g, bucket = self.setup.groups, self.setup.bucket_bytes
-        if not self.experts:
+        self._forget_norm()
+        g, bucket = self.groups, self.bucket_bytes
+        if not self.expert_tensors:
             sync_grads(self.tensors, [g.cp, g.dp], bucket_bytes=bucket)
             return
         sync_grads(self.dense, [g.cp, g.dp], bucket_bytes=bucket)
@@ -209,39 +327,38 @@ class ParamOptimizer:
                     p.grad = paddle.zeros_like(p)
         sync_grads(self.expert_tensors, [g.edp], bucket_bytes=bucket)
 
-    def grad_norm(self) -> float:
-        """The global gradient norm (after the cp/dp sums), over every pipeline stage (and
-        every ep rank's experts)."""
-        s = self.setup
-        own = [p for n, p in s.params if n not in s.shared and n not in self.experts]
-        local = squared_norm(own)
-        if self.experts:
-            local += float(all_reduce_values([squared_norm(self.expert_tensors)], [s.groups.ep])[0])
-        return math.sqrt(float(all_reduce_values([local], [s.groups.pp])[0]))
+    def _pieces(self) -> Iterable[tuple[str, paddle.Tensor | None]]:
+        return ((n, p.grad) for n, p in self.params)
+
+    def _scale(self, factor: paddle.Tensor) -> None:
+        for p in self.tensors:
+            g = p.grad
+            if g is not None:  # in place, as Paddle's clip scales a dense gradient
+                g.multiply_(factor if factor.dtype == g.dtype else factor.astype(g.dtype))
 
     def step(self) -> None:
+        """Clip by the global norm, then Paddle's AdamW."""
+        self._clip()
         self.inner.step()
 
     def clear_grad(self) -> None:
         self.inner.clear_grad()
+        self._forget_norm()
 
     def full_grads(self) -> dict[str, np.ndarray]:
-        return {n: p.grad.numpy() for n, p in self.setup.params if p.grad is not None}
+        return {n: p.grad.numpy() for n, p in self.params if p.grad is not None}
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """AdamW state as `<name>::<accumulator>` arrays (`flashcp.checkpoint.state`)."""
-        return optimizer_arrays(self.inner, self.setup.model)
+        """AdamW state as `<name>::<accumulator>` arrays (`flashcp.optim.adamw.state_key`);
+        an expert-parallel tensor's are this rank's rows."""
+        return adamw_arrays(self.inner, self.params)
 
     def load_state(self, source: OptimizerSource) -> None:
-        shapes = {n: list(p.shape) for n, p in self.setup.params}
-        arrays = self.setup.expert_arrays
-        if arrays is None or not self.experts:
-            load_optimizer_arrays(self.inner, self.setup.model, source.classic(shapes))
-            return
-        from flashcp.checkpoint.experts import optimizer_key
-
-        full = source.classic(arrays.global_shapes(shapes))
-        load_optimizer_arrays(self.inner, self.setup.model, arrays.slice(full, optimizer_key))
+        """AdamW state from any saved layout (an expert tensor: this rank's rows of it)."""
+        held = self.held
+        load_adamw_state(
+            self.inner, [(p, n, held.first_element(n)) for n, p in self.params], source
+        )
 
     def describe(self) -> str:
         return "AdamW on the float32 parameters"
@@ -283,27 +400,20 @@ class MasterShard:
         expert held × elements per expert); saved segments use those coordinates."""
         self.totals = dict(totals or {})
         """Elements of the full tensor, for parameters holding only part of it."""
-        self.masters: list[paddle.Tensor] = []
-        decay: set[str] = set()
-        for seg in self.segments:
-            p = params[seg.name]
-            m = EagerParamBase.from_tensor(_flat_slice(p, seg.start, seg.length))
-            if len(p.shape) >= 2:
-                decay.add(m.name)
-            self.masters.append(m)
-        self.decay = decay
+        self.masters: list[paddle.Tensor] = [
+            EagerParamBase.from_tensor(_flat_slice(params[seg.name], seg.start, seg.length))
+            for seg in self.segments
+        ]
+        self.decay = {
+            m.name
+            for seg, m in zip(self.segments, self.masters, strict=True)
+            if len(params[seg.name].shape) >= 2
+        }
+        """Masters with weight decay: those of matrices and embeddings (by the parameter)."""
         self.by_bucket: dict[int, list[int]] = {}
         for i, seg in enumerate(self.segments):
             self.by_bucket.setdefault(seg.bucket, []).append(i)
-        self.inner = paddle.optimizer.AdamW(
-            learning_rate=scheduler,
-            parameters=self.masters,
-            beta1=train.beta1,
-            beta2=train.beta2,
-            epsilon=train.eps,
-            weight_decay=train.weight_decay,
-            apply_decay_param_fun=lambda name: name in decay,
-        )
+        self.inner = build_adamw(self.masters, train, scheduler, self.decay)
 
     def set_grads(self, b: int, piece: paddle.Tensor | None, present: set[str] | None) -> None:
         """Bucket `b`'s summed gradient slice of this shard (`layout.piece(b)` elements) becomes
@@ -316,16 +426,9 @@ class MasterShard:
             else:
                 self.masters[i].grad = piece[seg.piece_offset : seg.piece_offset + seg.length]
 
-    def squares(self, skip: set[str]) -> float:
-        """Sum of squares (float32 per segment, float64 total) of the segments' gradients."""
-        parts = [
-            _C_ops.squared_l2_norm(m.grad).reshape([-1])
-            for seg, m in zip(self.segments, self.masters, strict=True)
-            if m.grad is not None and seg.name not in skip
-        ]
-        if not parts:
-            return 0.0
-        return float(np.sum(paddle.concat(parts).numpy().astype(np.float64)))
+    def grads(self) -> Iterable[tuple[str, paddle.Tensor | None]]:
+        """`(parameter name, gradient of its segment)` of every segment."""
+        return ((seg.name, m.grad) for seg, m in zip(self.segments, self.masters, strict=True))
 
     @paddle.no_grad()
     def scale_grads(self, scale: paddle.Tensor) -> None:
@@ -353,124 +456,123 @@ class MasterShard:
     # -- state ------------------------------------------------------------------------------
 
     def arrays(self) -> ShardArrays:
-        """The shard's state as packed float32 arrays plus its segment map."""
+        """The shard's state as packed float32 arrays plus its segment map (an accumulator
+        before the first step: zeros, or the initial beta powers)."""
         state = self.inner.state_dict()
-        b1, b2 = fresh_betas(self.train.beta1, self.train.beta2)
+        fresh = dict(zip(BETA_POWS, fresh_beta_pows(self.train), strict=True))
 
-        def acc(m: paddle.Tensor, key: str, default: np.ndarray) -> np.ndarray:
-            value = state.get(f"{m.name}_{key}")
-            return value.numpy().reshape([-1]) if value is not None else default
-
-        def cat(parts: list[np.ndarray]) -> np.ndarray:
+        def packed(kind: str) -> np.ndarray:
+            parts = []
+            for seg, m in zip(self.segments, self.masters, strict=True):
+                value = m.numpy() if kind == "master" else accumulator(state, m, kind)
+                if value is None:
+                    value = fresh[kind] if kind in fresh else np.zeros(seg.length, np.float32)
+                parts.append(value)
             return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
-        zeros = [np.zeros(s.length, np.float32) for s in self.segments]
         return ShardArrays(
             segments=[
                 (s.name, s.start + self.offsets.get(s.name, 0), s.length, s.offset)
                 for s in self.segments
             ],
-            numel={n: self.totals.get(n, _numel(p)) for n, p in self.params.items()},
+            numel={n: self.totals.get(n, numel(p)) for n, p in self.params.items()},
             shards=self.layout.shards,
             index=self.layout.index,
-            master=cat([m.numpy() for m in self.masters]),
-            moment1=cat([acc(m, "moment1_0", z) for m, z in zip(self.masters, zeros, strict=True)]),
-            moment2=cat([acc(m, "moment2_0", z) for m, z in zip(self.masters, zeros, strict=True)]),
-            beta1_pow=cat([acc(m, "beta1_pow_acc_0", b1) for m in self.masters]),
-            beta2_pow=cat([acc(m, "beta2_pow_acc_0", b2) for m in self.masters]),
+            packed={kind: packed(kind) for kind in SHARD_ARRAYS},
         )
 
     def load(self, source: OptimizerSource) -> None:
         """Masters and AdamW state of every segment from `source` (any saved layout). Without a
         saved master (an unsharded float32 checkpoint) the master is the parameter's value; a
         parameter without any saved state starts fresh, as Paddle's AdamW would."""
-        state: dict[str, paddle.Tensor] = {}
-        for seg, m in zip(self.segments, self.masters, strict=True):
-            start = seg.start + self.offsets.get(seg.name, 0)
+        starts = [seg.start + self.offsets.get(seg.name, 0) for seg in self.segments]
+        for seg, m, start in zip(self.segments, self.masters, starts, strict=True):
             master = source.read(seg.name, "master", start, seg.length)
             if master is None:
                 master = _flat_slice(self.params[seg.name], seg.start, seg.length).numpy()
             m.set_value(master.astype(np.float32, copy=False))
-            m1 = source.read(seg.name, "moment1", start, seg.length)
-            m2 = source.read(seg.name, "moment2", start, seg.length)
-            betas = source.beta_pows(seg.name)
-            if m1 is None and m2 is None and betas is None:
-                continue
-            if m1 is None or m2 is None or betas is None:
-                raise ValueError(
-                    f"the checkpoint's optimizer state of {seg.name!r} is incomplete (moments or "
-                    "beta powers missing): was it written by another flashcp version?"
-                )
-            state[f"{m.name}_moment1_0"] = paddle.to_tensor(m1)
-            state[f"{m.name}_moment2_0"] = paddle.to_tensor(m2)
-            state[f"{m.name}_beta1_pow_acc_0"] = paddle.to_tensor(betas[0].reshape([1]))
-            state[f"{m.name}_beta2_pow_acc_0"] = paddle.to_tensor(betas[1].reshape([1]))
-        if state:
-            self.inner.set_state_dict(state)
+        entries = zip(self.masters, [seg.name for seg in self.segments], starts, strict=True)
+        load_adamw_state(self.inner, entries, source)
 
 
 @dataclass
 class _Part:
     """The parameters one `MasterShard` covers and the groups its gradients and masters move
     over: the replicated parameters (reduce over cp then dp, gather over dp then cp) or the
-    expert-parallel ones (over edp; their squares also summed over ep for the norm)."""
+    expert-parallel ones (over edp). `pieces`: groups over which the shard's gradients are
+    pieces of their parameters (the global norm sums their squares over them)."""
 
     shard: MasterShard
     reduce: list[Any]
     gather: list[Any]
-    norm: list[Any]
-    """Groups the shard's squared gradient norm is summed over (before pp)."""
+    pieces: list[Any]
 
     @property
     def layout(self) -> ShardLayout:
         return self.shard.layout
 
 
-class MasterOptimizer:
-    """Float32 master weights (sharded over dp × cp when `setup.shard`); module docstring."""
+class MasterOptimizer(_NormOnce):
+    """Float32 master weights (sharded over dp × cp when `shard`); module docstring."""
 
-    def __init__(self, setup: OptimizerSetup, *, low_precision: str | None = None) -> None:
-        self.setup = setup
-        g = setup.groups
+    def __init__(
+        self,
+        held: Trainable,
+        train: TrainConfig,
+        scheduler: Any,
+        groups: ParallelGroups,
+        *,
+        shard: bool = False,
+        bucket_bytes: int = BUCKET_BYTES,
+        low_precision: str | None = None,
+    ) -> None:
+        self.held = held
+        self.train = train
+        g = groups
         self.cp, self.dp, self.pp = g.cp, g.dp, g.pp
         cp_size, dp_size = int(g.cp.nranks), int(g.dp.nranks)
-        self.sharded = setup.shard
-        self.shards = cp_size * dp_size if setup.shard else 1
-        index = int(g.cp.rank) * dp_size + int(g.dp.rank) if setup.shard else 0
+        self.sharded = shard
+        self.shards = cp_size * dp_size if shard else 1
+        index = int(g.cp.rank) * dp_size + int(g.dp.rank) if shard else 0
         self.reducing = cp_size * dp_size > 1
         """Whether gradients are summed over other ranks (else a missing one stays missing)."""
         self.low_precision = low_precision
         self.hooks = None
         if low_precision is not None:
-            self.hooks = attach_main_grad(setup.model, low_precision)
-        self.params = dict(setup.params)
-        experts = setup.expert_names()
-        bucket = max(1, setup.bucket_bytes // 4)
+            self.hooks = attach_main_grad(held.model, low_precision)
+        self.params = dict(held.params)
+        self.tensors = [p for _, p in held.params]
+        bucket = max(1, bucket_bytes // 4)
 
         def shard_of(names: list[str], shards: int, at: int, **kw: Any) -> MasterShard:
-            layout = shard_layout([(n, _numel(self.params[n])) for n in names], shards, at, bucket)
-            return MasterShard(layout, self.params, setup.train, setup.scheduler, **kw)
+            layout = shard_layout([(n, numel(self.params[n])) for n in names], shards, at, bucket)
+            return MasterShard(layout, self.params, train, scheduler, **kw)
 
-        dense = [n for n, _ in setup.params if n not in experts]
+        dense = [n for n, _ in held.params if n not in held.experts]
         self.shard = shard_of(dense, self.shards, index)
         self.layout = self.shard.layout
         """The replicated parameters' shard and layout (all parameters without ep)."""
-        norm = [self.cp, self.dp] if self.sharded else []
-        self.parts = [_Part(self.shard, [self.cp, self.dp], [self.dp, self.cp], norm)]
+        pieces = [self.cp, self.dp] if self.sharded else []
+        self.parts = [_Part(self.shard, [self.cp, self.dp], [self.dp, self.cp], pieces)]
         self.ep, self.edp = g.ep, g.edp
-        if experts:
-            held = [n for n, _ in setup.params if n in experts]
-            rows = {n: _numel(self.params[n]) // setup.experts[n].count for n in held}
-            shard = shard_of(
-                held,
+        if held.experts:
+            names = [n for n, _ in held.params if n in held.experts]
+            shard_ = shard_of(
+                names,
                 int(g.edp.nranks) if self.sharded else 1,
                 int(g.edp.rank) if self.sharded else 0,
-                offsets={n: setup.experts[n].first * rows[n] for n in held},
-                totals={n: setup.experts[n].total * rows[n] for n in held},
+                offsets={n: held.first_element(n) for n in names},
+                totals={n: held.full_numel(n) for n in names},
             )
-            norm = ([self.edp] if self.sharded else []) + [self.ep]
-            self.parts.append(_Part(shard, [self.edp], [self.edp], norm))
-        self._norm: float | None = None
+            pieces = ([self.edp] if self.sharded else []) + [self.ep]
+            self.parts.append(_Part(shard_, [self.edp], [self.edp], pieces))
+        partial = {
+            name: part.pieces
+            for part in self.parts
+            for bucket in part.layout.buckets
+            for name in bucket.names
+        }
+        self.norm = GlobalNorm(held.order, skip=held.skip, partial=partial, stages=self.pp)
 
     # -- checkpoint files -------------------------------------------------------------------
 
@@ -502,14 +604,7 @@ class MasterOptimizer:
 
     def local_squares(self) -> float:
         """Sum of squares of this rank's own (unreduced) float32 gradients; NaN/Inf propagate."""
-        parts = []
-        for _, p in self.setup.params:
-            g = grad_of(p)
-            if g is not None:
-                parts.append(paddle.sum(paddle.square(g.astype("float32"))))
-        if not parts:
-            return 0.0
-        return float(np.sum(paddle.stack(parts).numpy().astype(np.float64)))
+        return squared_norm(self.tensors)
 
     @paddle.no_grad()
     def _flat(self, part: _Part, b: int) -> paddle.Tensor:
@@ -530,9 +625,10 @@ class MasterOptimizer:
         """Sum the gradients over cp, then dp (expert-parallel ones over edp): all of them
         (unsharded), or each rank's shard (reduce-scatter). The parameters' own gradients are
         released bucket by bucket."""
+        self._forget_norm()
         present = None
         if not self.reducing:
-            present = {n for n, p in self.setup.params if grad_of(p) is not None}
+            present = {n for n, p in self.params.items() if grad_of(p) is not None}
         for part in self.parts:
             for b, bucket in enumerate(part.layout.buckets):
                 flat = self._flat(part, b)
@@ -546,7 +642,6 @@ class MasterOptimizer:
                     else:
                         all_reduce_tensor(flat, group, inplace=True)
                 part.shard.set_grads(b, flat, present)
-        self._norm = None
 
     @staticmethod
     def _release(p: paddle.Tensor) -> None:
@@ -555,35 +650,19 @@ class MasterOptimizer:
         if p.grad is not None:
             p.clear_gradient(False)
 
-    def grad_norm(self) -> float:
-        """The global gradient norm: this shard's squares summed over its ranks and stages (the
-        expert part's also over the ep ranks)."""
-        if self._norm is None:
-            shared = self.setup.shared
-            if len(self.parts) == 1:
-                local = self.shard.squares(shared)
-                groups = [self.cp, self.dp, self.pp] if self.sharded else [self.pp]
-                self._norm = math.sqrt(float(all_reduce_values([local], groups)[0]))
-            else:
-                total = sum(
-                    float(all_reduce_values([part.shard.squares(shared)], part.norm)[0])
-                    for part in self.parts
-                )
-                self._norm = math.sqrt(float(all_reduce_values([total], [self.pp])[0]))
-        return self._norm
+    def _pieces(self) -> Iterable[tuple[str, paddle.Tensor | None]]:
+        return (piece for part in self.parts for piece in part.shard.grads())
+
+    def _scale(self, factor: paddle.Tensor) -> None:
+        for part in self.parts:
+            part.shard.scale_grads(factor)
 
     # -- update -----------------------------------------------------------------------------
 
     @paddle.no_grad()
     def step(self) -> None:
-        """Clip (global norm), AdamW on the master shard, write the parameters back."""
-        clip = self.setup.train.grad_clip
-        if clip > 0:
-            norm = paddle.full([1], self.grad_norm(), dtype="float32")
-            limit = paddle.full([1], clip, dtype="float32")
-            scale = paddle.divide(limit, paddle.maximum(norm, limit))
-            for part in self.parts:
-                part.shard.scale_grads(scale)
+        """Clip by the global norm, AdamW on the master shard, write the parameters back."""
+        self._clip()
         for part in self.parts:
             part.shard.step()
         self._write_back()
@@ -603,11 +682,11 @@ class MasterOptimizer:
                     paddle.assign(value.astype(p.dtype) if dtype_name(p) != "float32" else value, p)
 
     def clear_grad(self) -> None:
-        for _, p in self.setup.params:
+        for p in self.tensors:
             self._release(p)
         for part in self.parts:
             part.shard.clear_grads()
-        self._norm = None
+        self._forget_norm()
 
     def full_grads(self) -> dict[str, np.ndarray]:
         """The summed gradients by name (unsharded only: a shard holds a slice of them); an
@@ -652,24 +731,24 @@ class MasterOptimizer:
         parts = self.parts[1:] if self.per_ep_rank and int(self.ep.rank) > 0 else self.parts
         arrays = [part.shard.arrays() for part in parts]
         segments: list[tuple[str, int, int, int]] = []
-        numel: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         offset = 0
         for a in arrays:
             segments += [(n, start, length, off + offset) for n, start, length, off in a.segments]
-            numel.update(a.numel)
-            offset += int(a.master.size)
+            sizes.update(a.numel)
+            offset += int(a.packed["master"].size)
 
-        def cat(key: str) -> np.ndarray:
-            found = [getattr(a, key) for a in arrays]
+        def cat(kind: str) -> np.ndarray:
+            found = [a.packed[kind] for a in arrays]
             return np.concatenate(found) if found else np.zeros(0, np.float32)
 
         index = self.layout.index if self.sharded else int(self.ep.rank)  # per_ep_rank
         return ShardArrays(
             segments=segments,
-            numel=numel,
+            numel=sizes,
             shards=self.files,
             index=index,
-            **{key: cat(key) for key in ("master", "moment1", "moment2", "beta1_pow", "beta2_pow")},
+            packed={kind: cat(kind) for kind in SHARD_ARRAYS},
         )
 
     def load_state(self, source: OptimizerSource) -> None:
