@@ -1,8 +1,11 @@
-"""Suite-wide wiring: gpu tests skip cleanly without a GPU; integration jobs run one at a time."""
+"""Suite-wide wiring: gpu tests skip cleanly without a GPU; integration jobs run one at a time;
+`isolated_environ` for tests that run a process's entry in this one."""
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,3 +33,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                         reason="needs a CUDA GPU and paddlepaddle-gpu (CPU build here)"
                     )
                 )
+
+
+@pytest.fixture
+def isolated_environ() -> Iterator[None]:
+    """`os.environ` as it was, after the test: for tests that run a process's entry here (one
+    rank, `flashcp.launch.worker`), which sets process-wide runtime flags."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -95,20 +95,11 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     )
 
 
-def _memory_refusal(cfg) -> str | None:  # type: ignore[no-untyped-def]
-    """The over-budget message of `cfg`'s memory plan (None: fits, or no hardware.memory_gib)."""
-    if cfg.hardware.memory_gib is None:
-        return None
-    from flashcp.plan import plan
-    from flashcp.plan.report import refusal
-
-    return refusal(cfg, plan(cfg))
-
-
 def _validate(args: argparse.Namespace) -> int:
     from flashcp.config import ConfigError, collect, read_yaml
     from flashcp.config.errors import ConfigValidationError
     from flashcp.config.placeholders import find_placeholders
+    from flashcp.launch.preflight import memory_refusal
 
     files = [Path(f) for f in args.files]
     if not files:
@@ -126,7 +117,7 @@ def _validate(args: argparse.Namespace) -> int:
                                   nnodes=args.nnodes, allow_placeholders=True)  # fmt: skip
         except ConfigValidationError as exc:
             cfg, errors = None, exc.errors
-        if not errors and cfg is not None and (message := _memory_refusal(cfg)) is not None:
+        if not errors and cfg is not None and (message := memory_refusal(cfg)) is not None:
             errors = [ConfigError("hardware.memory_gib", message)]
         if errors or cfg is None:
             failed += 1
@@ -160,26 +151,20 @@ def _node_problem(args: argparse.Namespace) -> str | None:
 
 def _train(args: argparse.Namespace) -> int:
     from flashcp.config import ConfigValidationError, load_config
-    from flashcp.launch.job import Nodes, run_job
+    from flashcp.launch.job import run_job
+    from flashcp.launch.preflight import Nodes
 
     problem = _node_problem(args)
     if problem is not None:
         print(f"flashcp train: {problem}", file=sys.stderr)
         return 2
-    try:
+    try:  # the one load in this process: preflight and the launch use this Config
         cfg = load_config(args.config, args.overrides, nnodes=args.nnodes)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
         return 2
-    return run_job(
-        args.config,
-        args.overrides,
-        nproc=cfg.parallel.world_size,
-        output_dir=cfg.run.output_dir,
-        resume=cfg.checkpoint.resume,
-        overwrite=cfg.run.overwrite,
-        nodes=Nodes(count=args.nnodes, rank=args.node_rank, master=args.master),
-    )
+    nodes = Nodes(count=args.nnodes, rank=args.node_rank, master=args.master)
+    return run_job(cfg, args.config, args.overrides, nodes=nodes)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ Each fault is `KIND@stepN[:rankR]` (no rank: every rank). Kinds:
 * `crash_in_checkpoint_write`: the rank writing checkpoint `step_N` SIGKILLs itself after
   `model.safetensors` is in `step_N.tmp/` and before the manifest: a torn write.
 
-Wiring: `install(trainer)` (called by `flashcp/train.py` after building the trainer) adds the
+Wiring: `install(trainer)` (called by `flashcp.launch.worker` after building the trainer) adds the
 forward/gradient hooks; `checkpoint.save_checkpoint` calls `on_checkpoint_write` at its fault
 point.
 """

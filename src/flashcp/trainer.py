@@ -56,7 +56,7 @@ from typing import Any, TextIO
 import numpy as np
 import paddle
 
-from flashcp import dispatch
+from flashcp import dispatch, rundir
 from flashcp.attention.allgather_kv import make_assignment
 from flashcp.checkpoint import format as ckpt
 from flashcp.checkpoint import parts as sharded
@@ -67,7 +67,6 @@ from flashcp.config import Config, config_hash, diff_dicts, hashed_dict, to_yaml
 from flashcp.cp.layout import Assignment
 from flashcp.distributed import ParallelDims, ParallelGroups, barrier, build_groups
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
-from flashcp.launch import rundir
 from flashcp.metrics import flops, memory, tracking
 from flashcp.metrics.moe_stats import RouterStats
 from flashcp.metrics.run_info import write_run_info

@@ -21,9 +21,7 @@ and `scripts/stress_launch.py`, so "a clean job" and "the golden losses" mean on
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -38,9 +36,11 @@ for _path in (_HERE, _HERE.parent):  # launch (here), numerics (tests/)
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from launch import MARKER_ENV, _alive, _marked_pids, kill_marked  # noqa: E402
+from launch import MARKER_ENV, child_env  # noqa: E402
 
 import numerics  # noqa: E402
+from flashcp.launch import supervise  # noqa: E402
+from flashcp.launch.outcome import EXIT_LINE_RE  # noqa: E402
 
 ROOT = _HERE.parents[1]
 GOLDEN_FILE = ROOT / "tests" / "golden" / "losses.json"
@@ -62,7 +62,6 @@ BAD_LOG = re.compile(
 )
 """Text that must never appear in a clean job's logs (upstream's GLM-4.5 DPO-LoRA-PP job died
 at shutdown with a libuv `uv__finish_close` assertion)."""
-EXIT_LINE = re.compile(r"^\[flashcp\] rank (\d+) exit (-?\d+)\s*$", re.M)
 
 
 def discover_configs(root: Path = ROOT) -> list[str]:
@@ -141,39 +140,41 @@ class JobRun:
 
 
 def job_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This environment minus any surrounding job's identity, plus the launch marker."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "MASTER_"))}
+    """The test job environment (`launch.child_env`) without an inherited `FLASHCP_FAULT`,
+    plus `extra`."""
+    env = child_env(marker)
     env.pop("FLASHCP_FAULT", None)
-    env.update({MARKER_ENV: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
+
+
+def flashcp_job(
+    config: str | Path, overrides: Sequence[str], marker: str, env: Mapping[str, str] | None = None
+) -> supervise.Job:
+    """Start `python -m flashcp train CONFIG OVERRIDES` in the repo root (its own session),
+    its output piped, everything it starts marked `FLASHCP_LAUNCH_ID=marker`."""
+    return supervise.Job.start(
+        [sys.executable, "-m", "flashcp", "train", str(config), *overrides],
+        job_env(marker, env),
+        marker_env=MARKER_ENV,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
 
 
 def start_flashcp(
     config: str | Path, overrides: Sequence[str], marker: str, env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    """Start `python -m flashcp train CONFIG OVERRIDES` in the repo root (its own session)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "flashcp", "train", str(config), *overrides],
-        cwd=ROOT,
-        env=job_env(marker, env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-    )
+    """`flashcp_job`'s process, for tests that drive it themselves."""
+    return flashcp_job(config, overrides, marker, env).proc
 
 
 def leftover_after(marker: str, settle: float = 10.0) -> list[int]:
     """Job processes still alive `settle` s after the job ended (they are then killed)."""
-    deadline = time.monotonic() + settle
-    while time.monotonic() < deadline and any(_alive(p) for p in _marked_pids(marker)):
-        time.sleep(0.1)
-    left = [p for p in _marked_pids(marker) if _alive(p)]
-    if left:
-        kill_marked(marker)
-    return left
+    return supervise.leftover(marker, settle, marker_env=MARKER_ENV)
 
 
 def run_flashcp(
@@ -195,21 +196,14 @@ def run_flashcp(
         if (logs / f"workerlog.{r}").is_file()
     }
     start = time.monotonic()
-    proc = start_flashcp(config, [*overrides, f"run.output_dir={out_dir}"], marker, env)
-    timed_out = False
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill_marked(marker)
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    job = flashcp_job(config, [*overrides, f"run.output_dir={out_dir}"], marker, env)
+    returncode, timed_out, output = job.wait(timeout)
     duration = time.monotonic() - start
     return JobRun(
         config=str(config),
         nproc=nproc,
-        returncode=-9 if timed_out else proc.returncode,
-        output=output,
+        returncode=returncode,
+        output=output or "",
         out_dir=Path(out_dir),
         duration=duration,
         timed_out=timed_out,
@@ -220,7 +214,7 @@ def run_flashcp(
 
 def rank_exit_codes(log: str) -> list[int]:
     """The exit codes a rank's log reports (`[flashcp] rank R exit C`), in order."""
-    return [int(code) for _, code in EXIT_LINE.findall(log)]
+    return [int(code) for _, code in EXIT_LINE_RE.findall(log)]
 
 
 def hygiene_problems(run: JobRun, *, expect_code: int = 0) -> list[str]:

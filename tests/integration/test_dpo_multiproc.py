@@ -19,7 +19,6 @@ same config trained in this process with pp = cp = 1:
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from launch import MARKER_ENV, kill_marked
+from launch import child_env, kill_marked
 from trainruns import (
     assert_training_matches,
     load_grads,
@@ -65,8 +64,7 @@ def launch(config: Path, out: Path, nproc: int, overrides: Sequence[str] = ()) -
 def flashcp_train(config: Path, out: Path, timeout: float = 150) -> str:
     """`flashcp train CONFIG ...` from the repository root; returns its output."""
     marker = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "MASTER_"))}
-    env.update({MARKER_ENV: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env = child_env(marker)
     cmd = [sys.executable, "-m", "flashcp", "train", str(config.relative_to(ROOT)), *COMMON,
            f"run.output_dir={out}"]  # fmt: skip
     try:

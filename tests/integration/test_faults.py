@@ -22,9 +22,10 @@ from pathlib import Path
 
 import jobs
 import pytest
-from launch import _alive, _marked_pids, kill_marked
+from launch import kill_marked, marked_pids
 
 from flashcp.checkpoint.format import verify_checkpoint
+from flashcp.launch.supervise import alive
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +36,7 @@ DEAD_RANK_DEADLINE = 60.0
 
 def _rank_pid(marker: str, rank: int) -> int | None:
     """The worker process of `rank` in the job marked `marker` (from its environment)."""
-    for pid in _marked_pids(marker):
+    for pid in marked_pids(marker):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -193,4 +194,4 @@ def test_nonfinite_skip_continues_and_reports(tmp_path: Path) -> None:
 
 def test_rank_pid_ignores_unknown_jobs() -> None:
     assert _rank_pid(uuid.uuid4().hex, 0) is None
-    assert not any(_alive(p) for p in _marked_pids(uuid.uuid4().hex))
+    assert not any(alive(p) for p in marked_pids(uuid.uuid4().hex))

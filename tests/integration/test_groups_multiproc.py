@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import LaunchResult, _alive, _marked_pids, run_launch
+from launch import marked_pids, run_launch
+
+from flashcp.launch.supervise import LaunchResult, alive
 
 WORKER = Path(__file__).resolve().parent / "workers" / "groups_worker.py"
 FAST_FAIL = {"FLASHCP_COLLECTIVE_TIMEOUT": "60", "FLASHCP_INIT_TIMEOUT": "60"}
@@ -95,7 +97,7 @@ def test_run_launch_kills_a_hung_job_on_timeout() -> None:
     result = run_launch(WORKER, 2, ["timeout", "--skip-rank", "1", "--timeout", "600"], timeout=8)
     assert result.timed_out and result.returncode == -9, result.summary()
     assert time.monotonic() - start < 30
-    assert not [p for p in _marked_pids_for(result) if _alive(p)]
+    assert not [p for p in _marked_pids_for(result) if alive(p)]
 
 
 def _marked_pids_for(result: LaunchResult) -> list[int]:
@@ -103,7 +105,7 @@ def _marked_pids_for(result: LaunchResult) -> list[int]:
     text = env_path.read_text() if env_path.exists() else ""
     match = re.search(r'"FLASHCP_LAUNCH_ID": "([0-9a-f]+)"', text)
     assert match, f"no launch marker recorded in {env_path}"
-    return _marked_pids(match.group(1))
+    return marked_pids(match.group(1))
 
 
 @pytest.mark.gpu

@@ -14,22 +14,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from launch import MARKER_ENV, _alive, _marked_pids, kill_marked, run_launch
+from jobs import flashcp_job, start_flashcp
+from launch import kill_marked, marked_pids, run_launch
 from safetensors.numpy import load_file
 from trainruns import assert_training_matches
 
 import numerics
 from flashcp import dispatch
 from flashcp.config import load_config
+from flashcp.launch.supervise import alive
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import GRADS_DIR, Trainer
 
@@ -140,33 +139,16 @@ def test_glm_moe_recompute_cp2_matches_cp1(tmp_path: Path) -> None:
 # -- flashcp train ----------------------------------------------------------------------------
 
 
-def _flashcp(args: list[str], marker: str, **kw: Any) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "MASTER_"))}
-    env.update({MARKER_ENV: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    return subprocess.Popen(
-        [sys.executable, "-m", "flashcp", "train", *args],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **kw,
-    )
-
-
 def _run_flashcp(args: list[str], timeout: float = 120) -> tuple[int, str]:
     marker = uuid.uuid4().hex
-    proc = _flashcp(args, marker)
+    job = flashcp_job(args[0], args[1:], marker)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_marked(marker)
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"flashcp train timed out:\n{out}")
+        code, timed_out, out = job.wait(timeout)
+        if timed_out:
+            pytest.fail(f"flashcp train timed out:\n{out}")
     finally:
         kill_marked(marker)
-    return proc.returncode, out
+    return code, out
 
 
 @pytest.mark.timeout(240)
@@ -202,7 +184,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     out = tmp_path / "run"
     marker = uuid.uuid4().hex
     args = [str(CONFIG), "train.steps=5000", "checkpoint.every=0", f"run.output_dir={out}"]
-    proc = _flashcp(args, marker, start_new_session=True)
+    proc = start_flashcp(args[0], args[1:], marker)
     try:
         deadline = time.monotonic() + 90
         metrics = out / "metrics.jsonl"
@@ -211,16 +193,16 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
                 break
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[0]
-        workers = [p for p in _marked_pids(marker) if _alive(p)]
+        workers = [p for p in marked_pids(marker) if alive(p)]
         assert len(workers) >= 3, workers  # flashcp, the launcher and its 2 workers
         proc.send_signal(signal.SIGINT)
         text, _ = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGINT, text
         assert "stopping the job" in text
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(p) for p in _marked_pids(marker)):
+        while time.monotonic() < deadline and any(alive(p) for p in marked_pids(marker)):
             time.sleep(0.2)
-        assert [p for p in _marked_pids(marker) if _alive(p)] == []
+        assert [p for p in marked_pids(marker) if alive(p)] == []
         steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
         assert 2 <= len(steps) < 5000
     finally:

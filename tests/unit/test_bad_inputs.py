@@ -5,8 +5,9 @@ message must match). Entry points, all public:
 
 * `cli`: `flashcp train CONFIG OVERRIDES` (`flashcp.cli.main`) with an environment; the job is
   never launched (`launch_command` would fail the test).
-* `worker`: one rank of a launched job (`flashcp.train.main`) under a fake launcher environment;
-  it must return before the distributed runtime starts (`init_distributed` would fail the test).
+* `worker`: one rank of a launched job (`flashcp.launch.worker.main`) under a fake launcher
+  environment; it must return before the distributed runtime starts (`init_distributed` would
+  fail the test).
 * For both, `run.output_dir` already holds a real earlier run (trained once per module: a
   checkpoint, metrics.jsonl, config.yaml, its log), and nothing may be lost: after the refusal
   it and everything else in the test's directory are byte-identical to before, no file or
@@ -31,7 +32,6 @@ import paddle
 import pytest
 
 import flashcp.distributed
-import flashcp.train
 from flashcp import cli as flashcp_cli
 from flashcp import dispatch, faults, masks
 from flashcp.attention import flashmask_attention
@@ -40,6 +40,7 @@ from flashcp.checkpoint.format import verify_checkpoint
 from flashcp.config import load_config
 from flashcp.kernels import registry
 from flashcp.launch import job
+from flashcp.launch import worker as rank_entry
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import Trainer
 
@@ -610,7 +611,7 @@ def test_bad_input(
         code = flashcp_cli.main(["train", config, *args])
     else:
         monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
-        code = flashcp.train.main(["--config", config, *args])
+        code = rank_entry.main(["--config", config, *args])
     captured = capsys.readouterr()
     message = captured.err + captured.out
     assert code == row.expect, message

@@ -24,8 +24,8 @@ import pytest
 from flashcp import cli
 from flashcp.config import ConfigValidationError, load_config
 from flashcp.distributed import launch_env
-from flashcp.launch import job
-from flashcp.launch.job import Nodes, PreflightError
+from flashcp.launch import job, outcome, preflight, supervise
+from flashcp.launch.preflight import Nodes, PreflightError
 
 ROOT = Path(__file__).resolve().parents[2]
 CP2 = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
@@ -68,17 +68,18 @@ def test_node0_needs_the_master_port_free(listening: int) -> None:
     with pytest.raises(PreflightError, match=rf"--master 127\.0\.0\.1:{listening}: binding port "
                        rf"{listening} is already in use .*: pick a free port \(the same on every "
                        r"node\)"):  # fmt: skip
-        job.check_master(busy)
+        preflight.check_master(busy)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
-    job.check_master(Nodes(count=2, rank=0, master=f"127.0.0.1:{free}"))
-    job.check_master(Nodes(count=2, rank=0, master="192.0.2.123:29500"))  # not here: not bound
+    preflight.check_master(Nodes(count=2, rank=0, master=f"127.0.0.1:{free}"))
+    not_here = Nodes(count=2, rank=0, master="192.0.2.123:29500")
+    preflight.check_master(not_here)  # not on this machine: not bound
 
 
 def test_other_nodes_wait_for_node0(listening: int) -> None:
     started = time.monotonic()
-    job.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{listening}"), timeout=5)
+    preflight.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{listening}"), timeout=5)
     assert time.monotonic() - started < 2
     # node 0's launcher comes up a little later: the wait covers it
     with socket.socket() as probe:
@@ -94,20 +95,20 @@ def test_other_nodes_wait_for_node0(listening: int) -> None:
     thread = threading.Thread(target=serve)
     thread.start()
     try:
-        job.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{port}"), timeout=10)
+        preflight.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{port}"), timeout=10)
     finally:
         thread.join()
         server.close()
     with pytest.raises(PreflightError, match=r"node 1: node 0's launcher .* did not accept "
                        r"connections within 0\.2 s"):  # fmt: skip
-        job.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{port}"), timeout=0.2)
+        preflight.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{port}"), timeout=0.2)
 
 
 def test_rendezvous_watch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not job.workers_started("no-such-job")
     # the launcher has the training script among its arguments, a worker runs it
     marker = uuid.uuid4().hex
-    env = {**os.environ, job.JOB_MARKER: marker}
+    env = {**os.environ, supervise.JOB_MARKER: marker}
     sleep = "import time; time.sleep(30)"
     script = str(job.train_script())
     launcher = subprocess.Popen(
@@ -115,9 +116,9 @@ def test_rendezvous_watch(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     try:
         deadline = time.monotonic() + 10
-        while not job.job_pids(marker) and time.monotonic() < deadline:
+        while not supervise.marked_pids(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert job.job_pids(marker) == [launcher.pid]
+        assert supervise.marked_pids(marker) == [launcher.pid]
         assert not job.workers_started(marker)
         worker = subprocess.Popen([sys.executable, "-c", sleep, script], env=env)
         try:
@@ -140,7 +141,7 @@ def test_failure_report_names_job_ranks(tmp_path: Path) -> None:
         0: "fine\n[flashcp] rank 2 exit 0\n",
         1: "boom\nValueError: bad\n[flashcp] rank 3 exit 1\n",
     }
-    text = job.failure_report(1, logs, "", tmp_path, rank_offset=2)
+    text = outcome.failure_report(1, logs, "", tmp_path, rank_offset=2)
     assert "rank 3 exited with code 1: ValueError: bad" in text
     assert "rank 2 finished" in text and f"({tmp_path / 'workerlog.1'})" in text
 

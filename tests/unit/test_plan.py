@@ -512,18 +512,18 @@ def test_cli_validate_refuses_over_budget(
 def test_train_preflight_refuses_over_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flashcp.launch import job
+    from flashcp.launch import job, preflight
 
     monkeypatch.setattr(job, "launch_command", lambda *a, **k: pytest.fail("launched"))
     config = ROOT / "configs/gpt/tiny_cp2.yaml"
     out = tmp_path / "run"
     overrides = ["hardware.memory_gib=0.001", f"run.output_dir={out}"]
-    code = job.run_job(config, overrides, nproc=2, output_dir=out, out=io.StringIO())
+    code = job.run_job(load_config(config, overrides), config, overrides, out=io.StringIO())
     err = capsys.readouterr().err
-    assert code == job.EXIT_PREFLIGHT and not out.exists()
+    assert code == preflight.EXIT_PREFLIGHT and not out.exists()
     assert err.startswith("flashcp: cannot launch: the memory plan exceeds 0.00 GiB")
     assert "hardware.memory_gib=null" in err
-    job.check_memory(config, ["hardware.memory_gib=1"])  # fits: no error
+    preflight.check_memory(load_config(config, ["hardware.memory_gib=1"]))  # fits: no error
 
 
 def test_fit_options_add_devices_when_the_knobs_are_not_enough() -> None:

@@ -17,10 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from flashcp.config import load_config
 from flashcp.distributed import ports
-from flashcp.launch import job
+from flashcp.launch import job, preflight
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny_cp2.yaml"
+
+
+def _run_job(out: Path, printed: io.StringIO) -> int:
+    """`flashcp train CONFIG run.output_dir=OUT`'s launch, from its loaded config."""
+    args = [f"run.output_dir={out}"]
+    return job.run_job(load_config(CONFIG, args), CONFIG, args, out=printed)
 
 
 def _other_process_reserves(directory: Path, window: tuple[int, int], hold: bool = False) -> str:
@@ -109,7 +116,7 @@ def test_bad_counts_are_refused() -> None:
 def _launch_prints_port_range(monkeypatch: pytest.MonkeyPatch) -> None:
     cmd = [sys.executable, "-c", "import os; print('PORT_RANGE=' + os.environ['PORT_RANGE'])"]
     monkeypatch.setattr(job, "launch_command", lambda *a, **k: cmd)
-    monkeypatch.delenv(job.ENV_MASTER_PORT, raising=False)
+    monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
     monkeypatch.delenv("FLAGS_flash_attn_version", raising=False)
 
 
@@ -119,7 +126,7 @@ def test_flashcp_train_hands_the_launcher_a_lease_and_frees_it(
     _launch_prints_port_range(monkeypatch)
     monkeypatch.delenv("PORT_RANGE", raising=False)
     printed = io.StringIO()
-    code = job.run_job(CONFIG, [], nproc=2, output_dir=tmp_path / "run", out=printed)
+    code = _run_job(tmp_path / "run", printed)
     assert code == 0, printed.getvalue()
     (line,) = [x for x in printed.getvalue().splitlines() if x.startswith("PORT_RANGE=")]
     first, last = (int(x) for x in line.removeprefix("PORT_RANGE=").split(":"))
@@ -136,7 +143,7 @@ def test_flashcp_train_keeps_a_users_port_range(
     _launch_prints_port_range(monkeypatch)
     monkeypatch.setenv("PORT_RANGE", "41000:41099")
     printed = io.StringIO()
-    assert job.run_job(CONFIG, [], nproc=2, output_dir=tmp_path / "run", out=printed) == 0
+    assert _run_job(tmp_path / "run", printed) == 0
     assert "PORT_RANGE=41000:41099" in printed.getvalue().splitlines()
 
 
@@ -151,7 +158,7 @@ def test_no_free_ports_is_a_preflight_refusal(
 
     monkeypatch.setattr(ports, "reserve", exhausted)
     out = tmp_path / "run"
-    assert job.run_job(CONFIG, [], nproc=2, output_dir=out, out=io.StringIO()) == 2
+    assert _run_job(out, io.StringIO()) == 2
     assert capsys.readouterr().err.strip() == (
         "flashcp: cannot launch: no 4 consecutive free ports in 20000-32767 after 200 tries"
     )

@@ -13,11 +13,10 @@ import paddle
 import pytest
 
 import flashcp.distributed
-import flashcp.train
 from flashcp import faults
 from flashcp.checkpoint import format as ck
 from flashcp.faults import Fault
-from flashcp.launch import job
+from flashcp.launch import job, outcome, preflight, worker
 
 # -- fault specs and hooks --------------------------------------------------------------------
 
@@ -138,10 +137,10 @@ def test_exit_line_is_printed_for_every_outcome(
     config = str(Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny_cp2.yaml")
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
     monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
-    assert flashcp.train.run(["--config", config]) == 2
+    assert worker.run(["--config", config]) == 2
     assert capsys.readouterr().out.splitlines()[-1] == "[flashcp] rank 0 exit 2"
     with pytest.raises(SystemExit):
-        flashcp.train.run([])  # argparse: --config is required
+        worker.run([])  # argparse: --config is required
     assert "[flashcp] rank 0 exit 2" in capsys.readouterr().out
 
     def boom(*_a: object, **_k: object) -> None:
@@ -150,7 +149,7 @@ def test_exit_line_is_printed_for_every_outcome(
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
     monkeypatch.setattr(flashcp.distributed, "init_distributed", boom)
     with pytest.raises(RuntimeError, match="init failed"):
-        flashcp.train.run(["--config", config])
+        worker.run(["--config", config])
     assert "[flashcp] rank 0 exit 1" in capsys.readouterr().out
 
 
@@ -158,16 +157,16 @@ def test_exit_line_is_printed_for_every_outcome(
 
 
 def test_master_port() -> None:
-    assert job.master_port({}) is None
+    assert preflight.master_port({}) is None
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         sock.listen(1)
-        with pytest.raises(job.PreflightError, match="is already in use"):
-            job.master_port({job.ENV_MASTER_PORT: str(port)})
-    assert job.master_port({job.ENV_MASTER_PORT: f" {port} "}) == port  # free again
-    with pytest.raises(job.PreflightError, match="not a port number"):
-        job.master_port({job.ENV_MASTER_PORT: "0"})
+        with pytest.raises(preflight.PreflightError, match="is already in use"):
+            preflight.master_port({preflight.ENV_MASTER_PORT: str(port)})
+    assert preflight.master_port({preflight.ENV_MASTER_PORT: f" {port} "}) == port  # free again
+    with pytest.raises(preflight.PreflightError, match="not a port number"):
+        preflight.master_port({preflight.ENV_MASTER_PORT: "0"})
 
 
 def test_launch_command_with_master_port(tmp_path: Path) -> None:
@@ -177,12 +176,12 @@ def test_launch_command_with_master_port(tmp_path: Path) -> None:
 
 
 def test_check_output_dir(tmp_path: Path) -> None:
-    logs = job.check_output_dir(tmp_path / "a" / "b")
+    logs = preflight.check_output_dir(tmp_path / "a" / "b")
     assert logs == tmp_path / "a" / "b" / "logs" and logs.is_dir()
     assert list(logs.iterdir()) == []  # the write probe is gone
     (tmp_path / "f").write_text("x")
-    with pytest.raises(job.PreflightError, match="not a writable directory: Not a directory"):
-        job.check_output_dir(tmp_path / "f")
+    with pytest.raises(preflight.PreflightError, match="not a writable directory: Not a directory"):
+        preflight.check_output_dir(tmp_path / "f")
 
 
 # -- diagnosing a failed job ------------------------------------------------------------------
@@ -223,16 +222,16 @@ SIGTERM = (
     ],
 )  # fmt: skip
 def test_classify_rank(log: str | None, code: int | None, kind: str, needle: str) -> None:
-    outcome = job.classify_rank(0, log, code)
-    assert outcome.kind == kind and needle in outcome.text, outcome
+    got = outcome.classify_rank(0, log, code)
+    assert got.kind == kind and needle in got.text, got
 
 
 def test_failure_report_blames_the_dead_rank(tmp_path: Path) -> None:
     logs = {0: PEER + SIGTERM, 1: "I1129 connected\n[flashcp fault] rank 1 step 3: sigkill\n"}
     launcher = "Container rank 1 status failed cmd ['python'] code -9 log /x/workerlog.1\n"
-    assert job.launcher_codes(launcher) == {1: -9}
-    assert [o.rank for o in job.diagnose(logs, launcher)] == [1, 0]
-    report = job.failure_report(241, logs, launcher, tmp_path)
+    assert outcome.launcher_codes(launcher) == {1: -9}
+    assert [o.rank for o in outcome.diagnose(logs, launcher)] == [1, 0]
+    report = outcome.failure_report(241, logs, launcher, tmp_path)
     lines = report.splitlines()
     assert lines[0] == ("flashcp: the job failed (exit 241): rank 1 died without writing an "
                         "error (the launcher saw exit code -9: SIGKILL)")  # fmt: skip
@@ -240,22 +239,22 @@ def test_failure_report_blames_the_dead_rank(tmp_path: Path) -> None:
     assert lines[2] == f"flashcp: last lines of rank 1's log ({tmp_path / 'workerlog.1'}):"
     assert lines[-1] == "    [flashcp fault] rank 1 step 3: sigkill"
     same = {r: f"[rank {r}] error: NaN at step 3\n[flashcp] rank {r} exit 3\n" for r in (0, 1)}
-    report = job.failure_report(3, same, "", tmp_path)
+    report = outcome.failure_report(3, same, "", tmp_path)
     assert report.splitlines() == [
         "flashcp: the job failed (exit 3): rank 0 exited with code 3: [rank 0] error: NaN at "
         "step 3",
         "flashcp:   rank 1 the same",
     ]
-    assert job.failure_report(1, {}, "", tmp_path) == "flashcp: the job failed (exit 1)"
+    assert outcome.failure_report(1, {}, "", tmp_path) == "flashcp: the job failed (exit 1)"
 
 
 def test_rank_logs_are_read_from_the_launch_offset(tmp_path: Path) -> None:
     (tmp_path / "workerlog.0").write_text("old run\n")
-    offsets = job._log_sizes(tmp_path, 2)
+    offsets = outcome.log_sizes(tmp_path, 2)
     assert offsets == {0: 8, 1: 0}
     with open(tmp_path / "workerlog.0", "a") as f:
         f.write("new run\n")
-    assert job.read_rank_logs(tmp_path, offsets) == {0: "new run\n", 1: None}
+    assert outcome.read_rank_logs(tmp_path, offsets) == {0: "new run\n", 1: None}
 
 
 def test_pump_hides_banner_exit_lines_and_the_launchers_repeat() -> None:
@@ -268,7 +267,7 @@ def test_pump_hides_banner_exit_lines_and_the_launchers_repeat() -> None:
         "step 1/2 | loss 5.5\n",
     ]
     log, out = io.StringIO(), io.StringIO()
-    job._pump(io.StringIO("".join(lines)), log, out)
+    job.pump(io.StringIO("".join(lines)), log, out)
     assert log.getvalue() == "".join(lines)
     assert out.getvalue() == "step 1/2 | loss 5.5\n"
 

@@ -1,4 +1,4 @@
-"""The run directory (`flashcp.launch.rundir`): which starts are refused, and `run.overwrite`
+"""The run directory (`flashcp.rundir`): which starts are refused, and `run.overwrite`
 moving an earlier run aside (renamed whole, never copied or deleted) — through `flashcp train`'s
 `run_job` too, with the job replaced by a process that exits 0."""
 
@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
+from flashcp import rundir
 from flashcp.checkpoint.format import CHECKPOINT_DIR
-from flashcp.launch import job, rundir
+from flashcp.config import load_config
+from flashcp.launch import job, preflight
 
 STAMP = 1_700_000_000.0  # a fixed local time for aside names
 
@@ -138,11 +140,17 @@ def test_move_aside_cannot_reserve_a_name(tmp_path: Path, monkeypatch: pytest.Mo
 def _quiet_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """`run_job` launches `python -c pass` (exit 0) instead of the training job."""
     monkeypatch.setattr(job, "launch_command", lambda *a, **k: [sys.executable, "-c", "pass"])
-    monkeypatch.delenv(job.ENV_MASTER_PORT, raising=False)
+    monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
     monkeypatch.delenv("FLAGS_flash_attn_version", raising=False)
 
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny_cp2.yaml"
+
+
+def _run_job(out: Path | str, *overrides: str, printed: io.StringIO | None = None) -> int:
+    """`flashcp train CONFIG OVERRIDES run.output_dir=OUT`'s launch, from its loaded config."""
+    args = [*overrides, f"run.output_dir={out}"]
+    return job.run_job(load_config(CONFIG, args), CONFIG, args, out=printed or io.StringIO())
 
 
 def test_run_job_moves_the_earlier_run_aside_before_launching(
@@ -152,8 +160,7 @@ def test_run_job_moves_the_earlier_run_aside_before_launching(
     out = tmp_path / "run"
     before = _earlier_run(out)
     printed = io.StringIO()
-    code = job.run_job(CONFIG, [], nproc=2, output_dir=out, resume="never", overwrite=True,
-                       out=printed)  # fmt: skip
+    code = _run_job(out, "checkpoint.resume=never", "run.overwrite=true", printed=printed)
     assert code == 0, capsys.readouterr().err
     (moved,) = tmp_path.glob("run.old-*")
     assert _files(moved) == before  # every file, byte for byte
@@ -171,9 +178,9 @@ def test_run_job_refuses_fresh_run_over_checkpoints_in_one_line(
     monkeypatch.setattr(job, "launch_command", lambda *a, **k: pytest.fail("launched"))
     out = tmp_path / "run"
     before = _earlier_run(out)
-    code = job.run_job(CONFIG, [], nproc=2, output_dir=out, resume="never", out=io.StringIO())
+    code = _run_job(out, "checkpoint.resume=never")
     err = capsys.readouterr().err
-    assert code == job.EXIT_PREFLIGHT
+    assert code == preflight.EXIT_PREFLIGHT
     assert err == f"flashcp: cannot launch: {rundir.checkpoint_conflict(out, 'never')}\n"
     assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
@@ -186,8 +193,8 @@ def test_run_job_overwrite_refuses_to_move_the_current_directory(
     out = tmp_path / "run"
     before = _earlier_run(out)
     monkeypatch.chdir(out)
-    code = job.run_job(CONFIG, [], nproc=2, output_dir=".", overwrite=True, out=io.StringIO())
-    assert code == job.EXIT_PREFLIGHT
+    code = _run_job(".", "run.overwrite=true")
+    assert code == preflight.EXIT_PREFLIGHT
     assert "which holds the current directory" in capsys.readouterr().err
     assert _files(out) == before
 
@@ -233,8 +240,8 @@ def test_run_job_refuses_run_over_earlier_metrics_in_one_line(
     (out / "logs").mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
     before = _files(out)
-    code = job.run_job(CONFIG, [], nproc=2, output_dir=out, resume="auto", out=io.StringIO())
-    assert code == job.EXIT_PREFLIGHT
+    code = _run_job(out, "checkpoint.resume=auto")
+    assert code == preflight.EXIT_PREFLIGHT
     err = capsys.readouterr().err
     assert err == f"flashcp: cannot launch: {rundir.metrics_conflict(out, 'auto')}\n"
     assert _files(out) == before

@@ -18,6 +18,7 @@ import numerics
 from flashcp import cli, dispatch
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, build_config, to_dict
+from flashcp.launch import outcome, worker
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model, estimate_parameters
 from flashcp.optim.lr import build_scheduler, lr_at
@@ -275,22 +276,21 @@ def _yaml(tmp: Path, **sections: dict[str, Any]) -> str:
     return str(path)
 
 
-def test_train_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from flashcp import train
-
+@pytest.mark.usefixtures("isolated_environ")  # the rank entry sets the runtime flags
+def test_rank_entry_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _yaml(tmp_path, train={"steps": 2})
-    assert train.main(["--config", path, "train.stepz=1"]) == train.EXIT_CONFIG
+    assert worker.main(["--config", path, "train.stepz=1"]) == outcome.EXIT_CONFIG
     assert "did you mean steps" in capsys.readouterr().err
-    assert train.main(["--config", path, "checkpoint.every=1"]) == 0
+    assert worker.main(["--config", path, "checkpoint.every=1"]) == 0
     assert "step 2/2" in capsys.readouterr().out
     # a learning rate this large overflows the weights after one update: loss becomes inf/nan
     run2 = f"run.output_dir={tmp_path / 'nan'}"
-    assert train.main(["--config", path, run2, "train.lr=1e30", "train.steps=4"]) == 3
+    assert worker.main(["--config", path, run2, "train.lr=1e30", "train.steps=4"]) == 3
     assert "non-finite" in capsys.readouterr().err
     step1 = tmp_path / "run" / "checkpoints" / "step_1"
     (step1 / "manifest.json").unlink()
     broken = ["--config", path, f"checkpoint.resume={step1}", f"run.output_dir={tmp_path / 'b'}"]
-    assert train.main(broken) == train.EXIT_CHECKPOINT
+    assert worker.main(broken) == outcome.EXIT_CHECKPOINT
     assert "manifest.json is missing" in capsys.readouterr().err
 
 

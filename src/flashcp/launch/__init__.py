@@ -1,1 +1,2 @@
-"""Launching and supervising jobs: `flashcp train` (`job`) and the run directory (`rundir`)."""
+"""Launching and supervising jobs, above the trainer: `flashcp train` (`job`: `preflight`,
+then `supervise`), one rank's entry (`worker`), and how ranks end (`outcome`)."""

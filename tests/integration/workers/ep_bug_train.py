@@ -1,4 +1,4 @@
-"""Worker: flashcp's training entry point (`flashcp.train.run`) with one deliberate expert-
+"""Worker: flashcp's rank entry (`flashcp.launch.worker.run`) with one deliberate expert-
 parallelism bug, for the negative control of `tests/integration/test_expert_parallel.py`.
 
 The bug (a wrong expert offset): every rank's routed experts are initialised as the NEXT ep
@@ -31,6 +31,6 @@ class ShiftedExperts(GroupedExperts):
 moe.GroupedExperts = ShiftedExperts  # type: ignore[misc]
 
 if __name__ == "__main__":
-    from flashcp.train import run
+    from flashcp.launch.worker import run
 
     sys.exit(run(sys.argv[1:]))

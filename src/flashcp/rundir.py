@@ -7,9 +7,10 @@ continue the run (`checkpoint.resume=auto`), start over in the same place (`run.
 write elsewhere (another `run.output_dir`). A run that would start from step 0 (no checkpoint to
 continue from, whatever `checkpoint.resume` says) over the `metrics.jsonl` of an earlier run would
 truncate it, so it is refused too (`metrics_conflict`), with the two ways out that apply. `flashcp
-train` checks this before launching; every rank (`flashcp/train.py`) and the `Trainer` check it
-again with the same message, for jobs started by `paddle.distributed.launch` directly and for in-
-process use.
+train` checks this before launching (`flashcp.launch.preflight`); every rank
+(`flashcp.launch.worker`) and the `Trainer` check it again with the same message, for jobs
+started by `paddle.distributed.launch` directly and for in-process use. This module sits below
+both the trainer and `flashcp.launch`, which import it.
 
 `run.overwrite: true` never deletes: `flashcp train` renames the directory to
 `<output_dir>.old-<YYYYmmdd-HHMMSS>[-N]` (`move_aside`: one rename in the same parent, to a name

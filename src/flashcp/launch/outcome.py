@@ -1,0 +1,182 @@
+"""How a rank ends, and how a failed job is explained: the contract between the ranks
+(`flashcp.launch.worker`) and the supervisor (`flashcp.launch.job`).
+
+A rank exits with one of the `EXIT_*` codes and prints `EXIT_LINE` as its last line (after
+the process groups are torn down), so its log tells a rank that finished from one that was
+killed. When a job fails, `failure_report` reads each rank's log (the part written by this
+launch) and the launcher's output and says which rank failed first and how — killed without a
+word (SIGKILL, the OOM killer), crashed on a signal, exited with its own error, timed out in a
+collective — and which ranks only went down with it, followed by the failed rank's last log
+lines. Pure text: nothing here starts, waits for or signals a process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+EXIT_CONFIG = 2
+"""A bad config, fault spec, or a run directory the run may not start in (before init)."""
+EXIT_NONFINITE = 3
+"""Non-finite loss or gradients (`train.on_nonfinite: stop`)."""
+EXIT_CHECKPOINT = 4
+"""A broken checkpoint was asked for."""
+EXIT_LINE = "[flashcp] rank {rank} exit {code}"
+"""Each rank's last line in its log."""
+EXIT_LINE_RE = re.compile(r"^\[flashcp\] rank (\d+) exit (-?\d+)\s*$", re.M)
+"""`EXIT_LINE` as the supervisor reads it: (rank, code)."""
+TAIL_LINES = 12
+
+_CONTAINER = re.compile(r"Container rank (\d+) status \w+ .*? code (-?\d+) log ")
+_WATCHDOG = re.compile(r"^\[flashcp\] .* timed out after .*$", re.M)
+_FATAL = re.compile(r"\*\*\* (SIG[A-Z]+) \(@0x[0-9a-f]+\) received by PID")
+_ABORT = re.compile(r"^.*(?:Assertion .* failed|terminate called|core dumped).*$", re.M)
+_PEER_LOST = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed|"
+    r"Connection refused|ECONNRESET|EPIPE|TIMEOUT self_rank = \d+ pair_rank",
+    re.I,
+)
+_ERROR = re.compile(
+    r"^(\[rank \d+\] error: .*|(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b: .+)$", re.M
+)
+_PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.M)
+_RANK_TAG = re.compile(r"\[rank \d+\] ")
+# Most telling first: the rank to blame for a failed job.
+_SEVERITY = ("killed", "signal", "error", "timeout", "peer", "stopped", "finished", "unknown")
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of a failed job ended, as its log and the launcher tell it."""
+
+    rank: int
+    kind: str
+    """One of `_SEVERITY`: killed (no word: SIGKILL, OOM), signal (fatal signal), error (own
+    non-zero exit), timeout (watchdog), peer (lost a peer), stopped (by the launcher), finished
+    (exit 0), unknown (no log)."""
+    text: str
+    """The sentence that explains it."""
+
+
+def _signal_name(code: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-code).name
+    return f"signal {-code}"
+
+
+def classify_rank(rank: int, log: str | None, launcher_code: int | None = None) -> RankOutcome:
+    """What `log` (this launch's part of `workerlog.<rank>`) says about how the rank ended.
+
+    `launcher_code` is the rank's exit code when the launcher reported it (negative: signal).
+    """
+    if log is None:
+        return RankOutcome(rank, "unknown", "wrote no log")
+    exits = EXIT_LINE_RE.findall(log)
+    code = int(exits[-1][1]) if exits else None
+    fatal = [name for name in _FATAL.findall(log) if name != "SIGTERM"]
+    abort = _ABORT.search(log)
+    if fatal or abort:
+        what = f"crashed with {fatal[-1]}" if fatal else f"aborted ({abort.group(0).strip()})"
+        when = " after finishing its work (at exit)" if code == 0 else ""
+        return RankOutcome(rank, "signal", what + when)
+    if code is None and (timeout := _WATCHDOG.findall(log)):
+        return RankOutcome(rank, "timeout", f"was ended by the watchdog: {timeout[-1].strip()}")
+    if code == 0:
+        return RankOutcome(rank, "finished", "finished (exit 0)")
+    tracebacks = [m.start() for m in _PY_TRACEBACK.finditer(log)]
+    if code is not None or tracebacks:
+        # The exception line that ends the last Python traceback, else the rank's last error.
+        failure = log[tracebacks[-1] :] if tracebacks else log
+        errors = _ERROR.findall(failure)
+        last_error = (errors[0] if tracebacks else errors[-1]).strip() if errors else ""
+        if lost := _PEER_LOST.search(failure):
+            start = failure.rfind("\n", 0, lost.start()) + 1
+            end = failure.find("\n", lost.end())
+            line = failure[start : end if end >= 0 else None].strip()
+            return RankOutcome(rank, "peer", f"lost its connection to a peer ({line})")
+        what = f"exited with code {code}" if code is not None else "raised an exception"
+        return RankOutcome(rank, "error", what + (f": {last_error}" if last_error else ""))
+    if _FATAL.search(log):  # SIGTERM, and nothing of its own before it
+        return RankOutcome(rank, "stopped", "was stopped by the launcher (SIGTERM)")
+    if launcher_code is not None and launcher_code > 0:
+        return RankOutcome(rank, "error", f"exited with code {launcher_code} without an error")
+    how = (
+        f"the launcher saw exit code {launcher_code}: {_signal_name(launcher_code)}"
+        if launcher_code is not None and launcher_code < 0
+        else "killed from outside: SIGKILL or the out-of-memory killer?"
+    )
+    return RankOutcome(rank, "killed", f"died without writing an error ({how})")
+
+
+def launcher_codes(launcher_output: str) -> dict[int, int]:
+    """Exit codes of failed ranks reported by the launcher (`Container rank N ... code C`)."""
+    return {int(r): int(c) for r, c in _CONTAINER.findall(launcher_output)}
+
+
+def diagnose(logs: Mapping[int, str | None], launcher_output: str = "") -> list[RankOutcome]:
+    """Every rank's outcome, the rank to blame first (then by rank)."""
+    codes = launcher_codes(launcher_output)
+    outcomes = [classify_rank(r, logs[r], codes.get(r)) for r in sorted(logs)]
+    return sorted(outcomes, key=lambda o: (_SEVERITY.index(o.kind), o.rank))
+
+
+def _tail(text: str, lines: int) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+def failure_report(
+    code: int,
+    logs: Mapping[int, str | None],
+    launcher_output: str,
+    log_dir: Path,
+    rank_offset: int = 0,
+) -> str:
+    """The text printed after a failed job: the rank to blame, the others, its last lines.
+
+    `logs` are keyed by this node's local process index (`workerlog.<i>`, as the launcher
+    reports them); the report names job ranks, `rank_offset` + i (node R of a multi-node job:
+    R × processes per node)."""
+    outcomes = diagnose(logs, launcher_output)
+    if not outcomes:
+        return f"flashcp: the job failed (exit {code})"
+    first = outcomes[0]
+    head = first.rank + rank_offset
+    lines = [f"flashcp: the job failed (exit {code}): rank {head} {first.text}"]
+    for other in outcomes[1:]:
+        same = _RANK_TAG.sub("", other.text) == _RANK_TAG.sub("", first.text)
+        lines.append(
+            f"flashcp:   rank {other.rank + rank_offset} " + ("the same" if same else other.text)
+        )
+    log = logs.get(first.rank)
+    if log and (first.rank != 0 or first.kind == "killed"):  # local rank 0's log was streamed
+        lines.append(f"flashcp: last lines of rank {head}'s log "
+                     f"({log_dir / f'workerlog.{first.rank}'}):")  # fmt: skip
+        lines += [f"    {line}" for line in _tail(log, TAIL_LINES)]
+    return "\n".join(lines)
+
+
+def log_sizes(log_dir: Path, nproc: int) -> dict[int, int]:
+    """Current sizes of the rank logs: the launcher appends, so a run's part starts there."""
+    sizes = {}
+    for rank in range(nproc):
+        path = log_dir / f"workerlog.{rank}"
+        sizes[rank] = path.stat().st_size if path.is_file() else 0
+    return sizes
+
+
+def read_rank_logs(log_dir: Path, offsets: Mapping[int, int]) -> dict[int, str | None]:
+    """Each rank's log written since `offsets` (None when the rank wrote none)."""
+    logs: dict[int, str | None] = {}
+    for rank, offset in offsets.items():
+        path = log_dir / f"workerlog.{rank}"
+        if not path.is_file():
+            logs[rank] = None
+            continue
+        with open(path, "rb") as f:
+            f.seek(offset)
+            logs[rank] = f.read().decode("utf-8", "replace")
+    return logs

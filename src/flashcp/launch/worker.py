@@ -1,0 +1,116 @@
+"""One rank of a flashcp job: what `src/flashcp/train.py` does in every launched process.
+
+    python -m paddle.distributed.launch --nproc_per_node 2 src/flashcp/train.py \\
+        --config configs/gpt/tiny_cp2.yaml train.steps=10
+
+`main` loads the config (once: this process's own copy; world size and node count from the
+launcher's environment), checks the run directory (`flashcp.rundir`; a rank never moves an
+earlier run aside for `run.overwrite`, `flashcp train` does) and `FLASHCP_FAULT`, sets the
+process's runtime flags (`set_runtime_flags`: the `Trainer` writes no environment variable),
+initialises the distributed runtime, builds the process groups and the `Trainer`, installs
+injected faults (`flashcp.faults`) and fits.
+
+Exit codes (`flashcp.launch.outcome`): 0 done, 2 bad config or a run directory the run may not
+start in (every problem printed by rank 0, before the distributed runtime starts), 3 non-finite
+loss or gradients, 4 a broken checkpoint was asked for, 1 anything else. `run` prints every
+rank's last line, `[flashcp] rank R exit CODE` (after the process groups are torn down), so a
+supervisor can tell a rank that finished from one that was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+
+import paddle
+
+from flashcp import dispatch, distributed, faults, rundir
+from flashcp.checkpoint.format import CheckpointError
+from flashcp.config import Config, ConfigValidationError, load_config
+from flashcp.launch.outcome import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_LINE, EXIT_NONFINITE
+from flashcp.log import process_rank
+from flashcp.trainer import NonFiniteError, Trainer
+
+DETERMINISTIC_FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
+"""The runtime flags `train.deterministic` turns on in a rank's process."""
+
+
+def set_runtime_flags(cfg: Config) -> None:
+    """In deterministic mode (`train.deterministic`), turn on this process's cuDNN / embedding
+    determinism flags.
+
+    They go both to `paddle.set_flags` (GPU builds read them there) and to the environment (the
+    CPU build refuses set_flags for them; `flashcp.dispatch` then reads the environment), so
+    Paddle's kernels and the FlashAttention dispatch see one deterministic mode. A process-wide
+    setting, hence made here by the process's entry and not by the `Trainer`.
+    """
+    if not cfg.train.deterministic:
+        return
+    for name in DETERMINISTIC_FLAGS:
+        os.environ[name] = "1"
+        # A flag unknown to this build (CPU) raises; the environment value is what counts then.
+        with contextlib.suppress(ValueError, RuntimeError):
+            paddle.set_flags({name: True if name == dispatch.FLAG_DETERMINISTIC else 1})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashcp.train",
+        description="Train one rank of a flashcp job (run under paddle.distributed.launch).",
+    )
+    parser.add_argument("--config", required=True, help="YAML run config")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run this rank's share of the job; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    rank = process_rank()
+    try:
+        launched = distributed.launch_env()
+        cfg = load_config(
+            args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes
+        )
+        injected = faults.active_faults()
+        rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
+    except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError) as exc:
+        if rank == 0:
+            print(exc, file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    env = distributed.init_distributed()
+    p = cfg.parallel
+    dims = distributed.ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size, ep=p.ep)
+    groups = distributed.build_groups(dims)
+    set_runtime_flags(cfg)
+    code = 0
+    try:
+        trainer = Trainer(cfg, groups)
+        faults.install(trainer, injected)  # FLASHCP_FAULT (tests); nothing when unset
+        trainer.fit()
+    except NonFiniteError as exc:
+        print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_NONFINITE
+    except CheckpointError as exc:
+        print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_CHECKPOINT
+    # Reached on success and on the errors above, which every rank raises at the same step;
+    # any other exception propagates (exit 1) and the launcher stops the other ranks.
+    distributed.shutdown()
+    return code
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """`main`, then this rank's exit line (also when `main` raises: code 1, then the traceback)."""
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = exc.code if isinstance(exc.code, int) else 1
+        raise
+    finally:
+        print(EXIT_LINE.format(rank=process_rank(), code=code), flush=True)
+    return code
