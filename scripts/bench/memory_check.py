@@ -81,6 +81,7 @@ def worker(config: Path, out_dir: Path) -> int:
     """Train `config` on this rank and write its allocator peaks to `out_dir`."""
     import flashcp.models
     from flashcp.config import load_config
+    from flashcp.launch.worker import set_runtime_flags
     from flashcp.trainer import Trainer
 
     # Real-width layers at reduced depth exceed the CPU build guard meant for whole real models.
@@ -94,6 +95,7 @@ def worker(config: Path, out_dir: Path) -> int:
         p = cfg.parallel
         dims = ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size, ep=p.ep)
         groups = build_groups(dims)
+    set_runtime_flags(cfg)  # as a launched rank does (the Trainer sets no flag)
     current, peak, reset = allocator()
     start = int(current())
     reset()

@@ -43,10 +43,8 @@ those are the adapters (saved in PaddleFormers' format; see `flashcp.lora.setup`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -56,7 +54,7 @@ from typing import Any, TextIO
 import numpy as np
 import paddle
 
-from flashcp import dispatch, rundir
+from flashcp import rundir
 from flashcp.attention.allgather_kv import make_assignment
 from flashcp.checkpoint import format as ckpt
 from flashcp.checkpoint import parts as sharded
@@ -140,25 +138,13 @@ def resolve_dtype(cfg: Config, device: str) -> str:
     return dtype
 
 
-def set_determinism(cfg: Config) -> None:
-    """Seed Python, numpy and Paddle; in deterministic mode set the cuDNN/embedding flags.
-
-    The flags go both to `paddle.set_flags` (GPU builds read them there) and to the environment
-    (the CPU build refuses set_flags for them; `flashcp.dispatch` then reads the environment), so
-    the FlashAttention dispatch sees deterministic mode either way.
-    """
+def seed_rngs(cfg: Config) -> None:
+    """Seed Python, numpy and Paddle from `train.seed`. The deterministic runtime flags are the
+    process's, set by its entry before the trainer is built (`flashcp.launch.worker`)."""
     seed = cfg.train.seed
     random.seed(seed)
     np.random.seed(seed)
     paddle.seed(seed)
-    if not cfg.train.deterministic:
-        return
-    flags = {dispatch.FLAG_DETERMINISTIC: "1", "FLAGS_embedding_deterministic": "1"}
-    for name, value in flags.items():
-        os.environ[name] = value
-        # A flag unknown to this build (CPU) raises; the environment value is what counts then.
-        with contextlib.suppress(ValueError, RuntimeError):
-            paddle.set_flags({name: True if name == dispatch.FLAG_DETERMINISTIC else 1})
 
 
 def default_model_factory(cfg: Config, stage: StageSpec | None = None) -> paddle.nn.Layer:
@@ -258,7 +244,7 @@ class Trainer:
         self.dtype = resolve_dtype(cfg, self.device)
         """The compute dtype (`train.dtype` resolved: auto = bfloat16 on GPU, float32 on CPU)."""
         paddle.set_device(self._device_name())
-        set_determinism(cfg)
+        seed_rngs(cfg)
         self._fixed_assignment: Assignment | None = None
         if cfg.parallel.cp_mode != "workload_balanced":
             self._fixed_assignment = make_assignment(cfg.parallel.cp_mode, self.cp_size)

@@ -20,7 +20,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch, masks
+from flashcp import masks
 from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
 from flashcp.models import AttentionContext, build_model
@@ -85,12 +85,6 @@ MOE = dict(
     use_qk_norm=True,
 )
 DOCS = [9, 14, 5, 12]  # one packed sequence of 40 tokens
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _hf_model(arch: str) -> Any:

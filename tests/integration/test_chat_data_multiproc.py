@@ -5,7 +5,6 @@ like one process on the same conversations from JSON Lines (float32 rule, `train
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from bench.hfdir import (
     write_parquet,
     write_tokenizer_files,
 )
-from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.trainer import Trainer
 
@@ -45,16 +43,7 @@ def _raw(tok: Path, data: Path, out: Path) -> dict[str, Any]:
 
 
 def _in_process(raw: dict[str, Any]) -> None:
-    keys = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
-    saved = {k: os.environ.get(k) for k in keys}
-    try:
-        Trainer(build_config(raw)).fit()
-    finally:  # the trainer sets deterministic flags in os.environ: don't leak them
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    Trainer(build_config(raw)).fit()
 
 
 @pytest.mark.equivalence

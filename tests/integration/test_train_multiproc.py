@@ -12,7 +12,6 @@ order: bitwise.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 import uuid
@@ -26,7 +25,6 @@ from safetensors.numpy import load_file
 from trainruns import assert_training_matches
 
 import numerics
-from flashcp import dispatch
 from flashcp.config import load_config
 from flashcp.launch.supervise import alive
 from flashcp.metrics.writer import read_metrics
@@ -37,7 +35,6 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 TRAIN = ROOT / "src" / "flashcp" / "train.py"
-EMBEDDING_FLAG = "FLAGS_embedding_deterministic"
 STEPS = 4
 COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "debug.dump_grads=true"]
 
@@ -53,15 +50,7 @@ def _grads(run: Path, step: int) -> dict[str, np.ndarray]:
 def _reference(config: Path, out: Path, extra: list[str] | None = None) -> Path:
     """CP=1 in this process (no launcher): the run other layouts are compared with."""
     cfg = load_config(config, [*COMMON, *(extra or []), "parallel.cp=1", f"run.output_dir={out}"])
-    saved = {k: os.environ.get(k) for k in (dispatch.FLAG_DETERMINISTIC, EMBEDDING_FLAG)}
-    try:
-        Trainer(cfg).fit()
-    finally:  # the trainer sets deterministic flags in os.environ: don't leak them
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    Trainer(cfg).fit()
     return out
 
 

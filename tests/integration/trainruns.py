@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,6 @@ import numpy as np
 from launch import run_launch
 from safetensors.numpy import load_file
 
-from flashcp import dispatch
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import GRADS_DIR, Trainer
@@ -28,22 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `num
 import numerics  # noqa: E402
 
 TRAIN = Path(__file__).resolve().parents[2] / "src" / "flashcp" / "train.py"
-# Flags the trainer's deterministic mode exports; restored after an in-process run.
-FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
 
 
 def train_in_process(config: Path, out: Path, overrides: Sequence[str]) -> Path:
-    """Train `config` with `overrides` here, writing to `out`; restores the flags it sets."""
-    cfg = load_config(config, [*overrides, f"run.output_dir={out}"])
-    saved = {k: os.environ.get(k) for k in FLAGS}
-    try:
-        Trainer(cfg).fit()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    """Train `config` with `overrides` here, writing to `out`."""
+    Trainer(load_config(config, [*overrides, f"run.output_dir={out}"])).fit()
     return out
 
 

@@ -18,7 +18,6 @@ message must match). Entry points, all public:
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import socket
@@ -532,17 +531,8 @@ def earlier_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         CONFIG, ["parallel.cp=1", "train.steps=2", "checkpoint.every=2", f"run.output_dir={out}"]
     )
     (out / "logs").mkdir(parents=True)
-    flags = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
-    saved = {k: os.environ.get(k) for k in flags}  # the Trainer exports deterministic flags
-    try:
-        with open(out / "logs" / "workerlog.0", "w") as log:
-            Trainer(cfg, stream=log).fit()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with open(out / "logs" / "workerlog.0", "w") as log:
+        Trainer(cfg, stream=log).fit()
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert verify_checkpoint(out / "checkpoints" / "step_2") == []
     assert "step 2/2" in (out / "logs" / "workerlog.0").read_text()

@@ -20,17 +20,9 @@ from bench.hfdir import (
     write_jsonl,
     write_tokenizer_files,
 )
-from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import Trainer
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 @pytest.fixture(scope="module")

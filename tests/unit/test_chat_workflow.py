@@ -25,7 +25,7 @@ from bench.hfdir import (
     write_jsonl,
     write_tokenizer_files,
 )
-from flashcp import dispatch, masks
+from flashcp import masks
 from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
 from flashcp.data import HFTokenizer
@@ -35,13 +35,6 @@ from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _train(model_dir: Path, data: Path, out: Path, recipe: str, **extra: Any) -> Trainer:

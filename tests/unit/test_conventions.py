@@ -12,17 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flashcp import cli, dispatch
+from flashcp import cli
 from flashcp.config import ALIASES, ConfigValidationError, build_config, to_yaml
 from flashcp.trainer import Trainer
 
 BASE = {"model": {"preset": "tiny", "max_seq_len": 64}, "data": {"seq_len": 64}}
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 VALUES = {

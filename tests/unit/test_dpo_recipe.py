@@ -11,7 +11,6 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.data.dpo_stream import DPOData
 from flashcp.lora.model import disable_adapters, load_adapters
@@ -22,13 +21,6 @@ from flashcp.pipeline.runner import PipelineRunner
 from flashcp.trainer import Trainer
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:

@@ -25,7 +25,6 @@ import paddle.nn.functional as F
 import pytest
 
 import numerics
-from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.data.dataset import read_records
 from flashcp.data.dpo_stream import DPOData
@@ -39,13 +38,6 @@ from flashcp.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 DPO_FILE = ROOT / "src" / "flashcp" / "data" / "dpo_default.jsonl"
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:

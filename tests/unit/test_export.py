@@ -14,7 +14,7 @@ import paddle
 import pytest
 from safetensors import safe_open
 
-from flashcp import cli, dispatch, masks
+from flashcp import cli, masks
 from flashcp.checkpoint.export import ExportError, copy_tokenizer, export_run, plan_shards
 from flashcp.config import build_config
 from flashcp.models import AttentionContext, build_model, estimate_parameters, preset
@@ -31,12 +31,6 @@ ARGS = preset(
     num_layers=3,
 )
 TOKEN_IDS = {"eos_token_id": [257, 258], "pad_token_id": 258}
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 @pytest.fixture(scope="module")

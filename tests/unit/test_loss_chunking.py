@@ -25,7 +25,6 @@ import paddle
 import pytest
 
 import numerics
-from flashcp import dispatch
 from flashcp.config import ConfigValidationError, TrainConfig, build_config
 from flashcp.data.dpo import DPOExample, pack_dpo
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
@@ -376,12 +375,6 @@ def test_runner_needs_a_head() -> None:
         PipelineRunner(paddle.nn.Linear(2, 2), forward_context=lambda: paddle.amp.auto_cast(False))
 
 
-@pytest.fixture
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
-
-
 def _train(tmp: Path, recipe: str, chunk: int) -> list[dict[str, Any]]:
     raw: dict[str, Any] = {
         "model": {"preset": "tiny_glm"},
@@ -396,7 +389,6 @@ def _train(tmp: Path, recipe: str, chunk: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.equivalence
-@pytest.mark.usefixtures("_restore_flags")
 @pytest.mark.parametrize("recipe", ["pretrain", "dpo"])
 def test_trainer_losses_equal_unchunked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str

@@ -20,7 +20,6 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.lora.model import apply_lora, lora_layers
@@ -45,12 +44,6 @@ def _quiet_allocator() -> Any:
     gc.disable()
     yield
     gc.enable()
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _inputs(seq: int = 24):

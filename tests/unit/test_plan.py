@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import cli, dispatch
+from flashcp import cli
 from flashcp.config import build_config, load_config
 from flashcp.lora.model import apply_lora
 from flashcp.models import build_model, preset
@@ -25,13 +25,6 @@ from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
 from flashcp.plan.report import fit_options, format_plan, refusal, variant
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, os.environ.get(name, "0"))
 
 
 def _cfg(tmp: Path | None = None, **sections: dict[str, Any]) -> Any:

@@ -14,7 +14,7 @@ import paddle
 import pytest
 from safetensors.numpy import load_file
 
-from flashcp import cli, dispatch
+from flashcp import cli
 from flashcp.config import ConfigValidationError, build_config, check_config
 from flashcp.metrics.moe_stats import moe_layers
 from flashcp.metrics.writer import read_metrics
@@ -25,12 +25,6 @@ from flashcp.models.moe import MoE
 from flashcp.trainer import Trainer, default_model_factory
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 # ------------------------------------------------------------------------------ the rules

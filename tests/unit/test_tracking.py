@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashcp import cli, dispatch
+from flashcp import cli
 from flashcp.config import ConfigValidationError, build_config
 from flashcp.metrics import tracking
 from flashcp.metrics.flops import flops_per_token, matmul_parameters, mfu
@@ -34,12 +34,6 @@ from flashcp.metrics.plot import plot_groups, plot_run
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
 from flashcp.trainer import Trainer
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:

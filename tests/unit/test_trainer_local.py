@@ -25,13 +25,6 @@ from flashcp.optim.lr import build_scheduler, lr_at
 from flashcp.trainer import GRADS_DIR, NonFiniteError, Trainer
 
 
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
-
-
 def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
     raw: dict[str, Any] = {
         "model": {"preset": "tiny", "max_seq_len": 64},
@@ -224,13 +217,13 @@ def test_resume_policies(tmp_path: Path) -> None:
     assert "train.steps changed from 2 to 3" in out
 
 
-def test_deterministic_mode_reaches_the_dispatch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert dispatch.probe_deterministic()[0] is False
-    Trainer(_cfg(tmp_path), stream=io.StringIO())
-    assert os.environ[dispatch.FLAG_DETERMINISTIC] == "1"
-    assert dispatch.probe_deterministic()[0] is True
+def test_the_trainer_writes_no_environment_variable(tmp_path: Path) -> None:
+    """Deterministic mode's runtime flags are the process's, set by its entry before the
+    trainer is built (`flashcp.launch.worker.set_runtime_flags`); the trainer only seeds."""
+    before, seen = dict(os.environ), dispatch.probe_deterministic()
+    _fit(_cfg(tmp_path, train={"steps": 1, "deterministic": True}))
+    assert dict(os.environ) == before
+    assert dispatch.probe_deterministic() == seen
 
 
 @pytest.mark.parametrize(

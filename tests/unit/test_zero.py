@@ -21,7 +21,6 @@ import pytest
 from paddle.base import core
 
 from bf16toy import Bf16ToyLM
-from flashcp import dispatch
 from flashcp.checkpoint import parts as sharded_ckpt
 from flashcp.checkpoint.optimizer_state import (
     ClassicSource,
@@ -42,13 +41,6 @@ from flashcp.optim.zero import (
     low_precision_dtype,
 )
 from flashcp.trainer import Trainer
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _param(shape: list[int], rng: np.random.Generator, dtype: str = "float32") -> paddle.Tensor:
