@@ -12,9 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -37,9 +34,10 @@ from jobs import (
     run_flashcp,
     start_flashcp,
 )
-from launch import kill_marked
+from launch import MARKER_ENV
 
 from flashcp.distributed import ports
+from flashcp.launch import supervise
 from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -69,11 +67,8 @@ def wait_all(
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             outputs.append(out)
     except subprocess.TimeoutExpired:
-        for marker in markers:
-            kill_marked(marker)
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        for proc, marker in zip(procs, markers, strict=True):
+            supervise.stop(marker, proc, marker_env=MARKER_ENV, grace=supervise.KILL_GRACE)
         texts = "\n".join(p.communicate()[0] for p in procs)
         pytest.fail(f"a node did not finish in time:\n{texts}")
     return outputs

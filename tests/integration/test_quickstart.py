@@ -12,17 +12,16 @@ bitwise by construction).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 from jobs import ROOT, job_env, leftover_after, run_flashcp
-from launch import kill_marked, run_launch
+from launch import MARKER_ENV, run_launch
 
+from flashcp.launch import supervise
 from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -41,25 +40,21 @@ def _quickstart(run_dir: Path) -> tuple[int, str]:
     """`RUN_DIR=run_dir bash scripts/quickstart.sh train.steps=3` from the repo root: its exit
     code and output; no process of it may outlive it."""
     marker = uuid.uuid4().hex
-    proc = subprocess.Popen(
+    job = supervise.Job.start(
         ["bash", str(SCRIPT), f"train.steps={STEPS}"],
+        job_env(marker, {"RUN_DIR": str(run_dir)}),
+        marker_env=MARKER_ENV,
         cwd=ROOT,
-        env=job_env(marker, {"RUN_DIR": str(run_dir)}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
-        start_new_session=True,
     )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        kill_marked(marker)
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    code, timed_out, output = job.wait(TIMEOUT)
+    if timed_out:
         pytest.fail(f"quickstart timed out after {TIMEOUT:.0f} s:\n{output}")
     assert leftover_after(marker) == [], output
-    return proc.returncode, output
+    return code, output
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:

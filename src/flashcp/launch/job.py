@@ -201,7 +201,7 @@ def run_job(
             if received:
                 print(f"\nflashcp: stopping the job (signal {received[0]})", file=out, flush=True)
                 job.stop()
-            job.proc.wait()
+            job.proc.wait(timeout=supervise.REAP_TIMEOUT)  # exited, or stopped above
             copier.join(timeout=5)
     finally:
         for s, handler in previous.items():
