@@ -1,4 +1,7 @@
-"""The `flashcp` command: train, validate, plan, plot, export, explain-dispatch, --version."""
+"""The `flashcp` command: train, validate, plan, plot, export, explain-dispatch, --version.
+
+Each subcommand imports what it runs when it runs: PaddlePaddle is an optional extra, and
+`flashcp --version` and the missing-Paddle message must work without it."""
 
 from __future__ import annotations
 
