@@ -15,7 +15,6 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch
 from flashcp.config import TrainConfig, build_config
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.optim.clip import GlobalNorm, clip_factor
@@ -23,13 +22,6 @@ from flashcp.optim.zero import ParamOptimizer, build_distributed_optimizer
 from flashcp.trainer import Trainer
 
 SHAPES = [(64, 260), (64,), (64, 64), (256, 64), (3,), (64, 260)]
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 def _params_grads(

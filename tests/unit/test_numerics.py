@@ -22,7 +22,6 @@ from safetensors.numpy import load_file
 
 import numerics
 import numerics_report  # scripts/numerics_report.py (pytest's pythonpath)
-from flashcp import dispatch
 from flashcp.attention.allgather_kv import make_assignment
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
@@ -160,8 +159,6 @@ def _swapped_positions(local: Any) -> Any:
 
 
 def _train(out: Path, monkeypatch: pytest.MonkeyPatch, bug: Callable[[Any], Any] | None) -> Path:
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")  # the trainer exports them; restored at teardown
     if bug is not None:
         original = lm.shard_batch
         monkeypatch.setattr(lm, "shard_batch", lambda *a: bug(original(*a)))
