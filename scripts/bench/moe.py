@@ -59,6 +59,7 @@ import os
 import platform
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,9 +69,9 @@ import numpy as np
 
 from bench import machine, rounds, stats
 from bench.report import DOCS, ROOT, Page
+from flashcp.launch import supervise
 
 EP_WORKER = ROOT / "scripts" / "bench_moe_ep_worker.py"
-LAUNCH_HELPERS = ROOT / "tests" / "integration"
 DEFAULT_EP_CASES = "512x128x44,2048x256x88"
 EXPERTS, TOP_K = 128, 8
 """GLM-4.5-Air's routed experts and experts per token."""
@@ -272,31 +273,21 @@ def balance_run(steps: int, rate: float, seed: int) -> dict[str, Any]:
         return model
 
     out: dict[str, Any] = {"steps": steps, "rate": rate, "experts": 8, "top_k": 2}
-    saved = {
-        k: os.environ.get(k) for k in ("FLAGS_cudnn_deterministic", "FLAGS_embedding_deterministic")
-    }
-    try:
-        for name, gamma in (("off", 0.0), ("on", rate)):
-            with tempfile.TemporaryDirectory() as tmp:
-                cfg = build_config(
-                    {
-                        "model": {"preset": "tiny_glm_moe", "num_experts": 8,
-                                  "num_experts_per_tok": 2, "router_bias_update_rate": gamma},
-                        "data": {"seq_len": 256, "micro_batch_size": 2},
-                        "train": {"steps": steps, "lr": 1e-9, "min_lr": 0.0,
-                                  "warmup_steps": 0, "seed": seed},
-                        "checkpoint": {"every": 0},
-                        "run": {"output_dir": tmp},
-                    }
-                )  # fmt: skip
-                Trainer(cfg, model_factory=skewed, stream=io.StringIO()).fit()
-                out[name] = [r["moe/max_over_mean_max"] for r in read_metrics(tmp)]
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    for name, gamma in (("off", 0.0), ("on", rate)):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = build_config(
+                {
+                    "model": {"preset": "tiny_glm_moe", "num_experts": 8,
+                              "num_experts_per_tok": 2, "router_bias_update_rate": gamma},
+                    "data": {"seq_len": 256, "micro_batch_size": 2},
+                    "train": {"steps": steps, "lr": 1e-9, "min_lr": 0.0,
+                              "warmup_steps": 0, "seed": seed},
+                    "checkpoint": {"every": 0},
+                    "run": {"output_dir": tmp},
+                }
+            )  # fmt: skip
+            Trainer(cfg, model_factory=skewed, stream=io.StringIO()).fit()
+            out[name] = [r["moe/max_over_mean_max"] for r in read_metrics(tmp)]
     return out
 
 
@@ -304,18 +295,15 @@ def ep_bytes(cases: Sequence[Case], ep: int, seed: int, timeout: float) -> list[
     """Launch the ep worker once per case on `ep` processes; every rank's record."""
     import tempfile
 
-    if str(LAUNCH_HELPERS) not in sys.path:
-        sys.path.insert(0, str(LAUNCH_HELPERS))
-    from launch import run_launch  # tests/integration/launch.py: kills the job on timeout
-
     out = []
     for case in cases:
         with tempfile.TemporaryDirectory(prefix="flashcp-bench-moe-ep-") as tmp:
             worker_args = ["--case", f"{case.tokens}x{case.hidden}x{case.inter}",
                            "--experts", str(EXPERTS), "--top-k", str(TOP_K),
                            "--seed", str(seed), "--out", str(Path(tmp) / "out")]  # fmt: skip
-            result = run_launch(
-                EP_WORKER, ep, worker_args, timeout=timeout, log_dir=Path(tmp) / "logs"
+            env = supervise.job_env(uuid.uuid4().hex, extra={"OMP_NUM_THREADS": "1"})
+            result = supervise.run_launch(  # kills the whole job on timeout
+                EP_WORKER, ep, worker_args, timeout=timeout, env=env, log_dir=Path(tmp) / "logs"
             )
             if not result.ok:
                 raise SystemExit(f"the ep worker failed:\n{result.summary()}")
