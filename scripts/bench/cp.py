@@ -29,8 +29,8 @@ Every part that writes then regenerates `docs/cp_bench.md` and `docs/cp_balance.
 from the JSON files in `--out-dir` (`bench.cp_pages`), so no figure on those pages can
 disagree with the data.
 
-The launched processes run `scripts/bench_cp_worker.py` through the integration tests'
-`run_launch` helper (`tests/integration/launch.py`: kills the job on timeout). Exit codes:
+The launched processes run `scripts/bench_cp_worker.py` through flashcp's supervisor
+(`flashcp.launch.supervise.run_launch`: kills the whole job on timeout). Exit codes:
 0 ok, 1 a target was missed (balance imbalance, comm bytes ratio outside [0.99, 1.01] or
 counters different from the transport, scaling speed-up), 2 an error (bad arguments, a
 launch failed).
@@ -54,6 +54,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,10 +77,10 @@ from bench.rounds import interleave
 from flashcp.attention.allgather_kv import MODES
 from flashcp.cp.balance import assign_chunks, balanced_assignment, chunk_work, imbalance, rank_work
 from flashcp.cp.layout import Assignment
+from flashcp.launch import supervise
 from flashcp.masks import FAMILIES, Mask, causal_document_mask, share_question_mask
 
 WORKER = ROOT / "scripts" / "bench_cp_worker.py"
-LAUNCH_HELPERS = ROOT / "tests" / "integration"
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,15 +333,11 @@ def launch_worker(
     nproc: int, worker_args: list[str], *, timeout: float, threads: int = 1
 ) -> Launched:
     """Run `bench_cp_worker.py` on `nproc` processes (gloo), `threads` BLAS/OMP threads each."""
-    if str(LAUNCH_HELPERS) not in sys.path:
-        sys.path.insert(0, str(LAUNCH_HELPERS))
-    from launch import run_launch  # tests/integration/launch.py
-
-    env = {name: str(threads) for name in THREAD_ENV}
+    env = supervise.job_env(uuid.uuid4().hex, extra={name: str(threads) for name in THREAD_ENV})
     with tempfile.TemporaryDirectory(prefix="flashcp-bench-cp-") as tmp:
         out = Path(tmp) / "out"
         with machine.load_window() as load:
-            result = run_launch(
+            result = supervise.run_launch(
                 WORKER,
                 nproc,
                 [*worker_args, "--out", str(out)],

@@ -48,10 +48,9 @@ def resolve_script(script_or_module: str | os.PathLike[str]) -> Path:
 def child_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This environment minus any surrounding job's identity, marked, one thread per process,
     plus `extra`."""
-    env = supervise.job_env(marker, marker_env=MARKER_ENV, drop=INHERITED)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra or {})
-    return env
+    threads = {"OMP_NUM_THREADS": "1"}
+    return supervise.job_env(marker, marker_env=MARKER_ENV, drop=INHERITED,
+                             extra={**threads, **(extra or {})})  # fmt: skip
 
 
 def marked_pids(marker: str) -> list[int]:

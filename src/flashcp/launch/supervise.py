@@ -79,12 +79,14 @@ def job_env(
     marker_env: str = JOB_MARKER,
     base: Mapping[str, str] | None = None,
     drop: tuple[str, ...] = SURROUNDING_JOB,
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """`base` (default: this process's environment) without the variables starting with
-    `drop`, marked with `marker_env=marker`, output unbuffered."""
+    `drop`, marked with `marker_env=marker`, output unbuffered, then `extra`."""
     source = os.environ if base is None else base
     env = {k: v for k, v in source.items() if not k.startswith(drop)}
     env.update({marker_env: marker, "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
     return env
 
 
