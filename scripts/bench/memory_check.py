@@ -32,11 +32,11 @@ import datetime
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -196,6 +196,7 @@ def _available_gib() -> float:
 def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -> dict[str, Any]:
     """Plan and (if it fits here) train one case; the result record."""
     from flashcp.config import to_yaml
+    from flashcp.launch import supervise
     from flashcp.plan import plan
 
     with tempfile.TemporaryDirectory(prefix=f"memcheck-{case['name']}-") as tmp:
@@ -224,9 +225,9 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
             return record
         config = out / "config.yaml"
         config.write_text(to_yaml(cfg))
-        env = dict(os.environ, OMP_NUM_THREADS="1", FLASHCP_PROGRESS="0", PYTHONUNBUFFERED="1")
-        for key in [k for k in env if k.startswith(("PADDLE_TRAINER", "PADDLE_MASTER"))]:
-            del env[key]
+        env = supervise.job_env(
+            uuid.uuid4().hex, extra={"OMP_NUM_THREADS": "1", "FLASHCP_PROGRESS": "0"}
+        )
         me = [sys.executable, str(ENTRY)]
         args = ["--worker", str(config), "--worker-out", str(out)]
         if world == 1:
@@ -238,15 +239,12 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
 
         t0 = time.perf_counter()
         with ports.reserve(world + 2) as lease:  # the launcher's ports, see flashcp's ports.py
-            proc = subprocess.Popen(
-                cmd, env={**env, **lease.env()}, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT,
+            job = supervise.Job.start(
+                cmd, {**env, **lease.env()}, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, cwd=ROOT,
             )  # fmt: skip
-            try:
-                output, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                output, _ = proc.communicate()
+            code, timed_out, output = job.wait(timeout)  # the whole job is killed on timeout
+            if timed_out:
                 record["error"] = f"timed out after {timeout:.0f} s"
                 return record
         record["seconds"] = round(time.perf_counter() - t0, 1)
@@ -256,7 +254,7 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
             if not path.is_file():
                 logs = out / "logs" / f"workerlog.{r}"
                 tail = logs.read_text()[-3000:] if logs.is_file() else output[-3000:]
-                record["error"] = f"rank {r} wrote no measurement (exit {proc.returncode}):\n{tail}"
+                record["error"] = f"rank {r} wrote no measurement (exit {code}):\n{tail}"
                 return record
             m = json.loads(path.read_text())
             predicted = p.ranks[r].total_bytes
