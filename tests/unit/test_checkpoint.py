@@ -12,14 +12,8 @@ import paddle
 import pytest
 
 from flashcp.checkpoint import format as ck
-from flashcp.checkpoint.state import (
-    load_model_arrays,
-    load_optimizer_arrays,
-    model_arrays,
-    optimizer_arrays,
-    rng_state,
-    set_rng_state,
-)
+from flashcp.checkpoint.optimizer_state import load_optimizer_arrays, optimizer_arrays
+from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state, set_rng_state
 
 
 def _save(root: Path, step: int, keep_last: int | None = None) -> Path:

@@ -16,7 +16,8 @@ import paddle
 import pytest
 
 from fakegroups import FakeNewGroup
-from flashcp.checkpoint.experts import ExpertArrays, model_key, optimizer_key
+from flashcp.checkpoint.experts import ExpertArrays, model_key
+from flashcp.checkpoint.optimizer_state import optimizer_key
 from flashcp.config import ConfigValidationError, build_config
 from flashcp.distributed import (
     Exchange,

@@ -25,26 +25,17 @@ from typing import Any
 import numpy as np
 import paddle
 
-from flashcp.checkpoint.state import SEP
 from flashcp.distributed import ParallelGroups, gather_rows
 from flashcp.models.expert_parallel import ExpertSlice, expert_tensors
 
 KeyFn = Callable[[str], "str | None"]
 """Array key → the parameter it belongs to (None: not an expert-parallel tensor's rows)."""
 
-MOMENTS = ("moment1_0", "moment2_0")
-"""AdamW accumulators shaped like their parameter (the beta powers are `[1]`)."""
-
 
 def model_key(key: str) -> str:
-    """Model and adapter arrays are keyed by the parameter's own name."""
+    """Model and adapter arrays are keyed by the parameter's own name (optimizer arrays:
+    `flashcp.checkpoint.optimizer_state.optimizer_key`)."""
     return key
-
-
-def optimizer_key(key: str) -> str | None:
-    """`<param>::moment1_0` / `::moment2_0` are the parameter's rows; beta powers are not."""
-    name, _, acc = key.partition(SEP)
-    return name if acc in MOMENTS else None
 
 
 class ExpertArrays:

@@ -1,10 +1,8 @@
-"""Paddle objects ↔ plain data for checkpoints: model and AdamW state as numpy, RNG as JSON.
+"""Paddle objects ↔ plain data for checkpoints: the model's state as numpy, RNG as JSON.
 
-Paddle names tensors by a process-global counter (`linear_3.w_0`), so the same model built
-twice gets different names; its optimizer state is keyed by them. Here optimizer entries are
-re-keyed by the parameter's structured name (`model.norm.weight::moment1_0`) on save and mapped
-back to whatever names the current process gave them on load, so a checkpoint loads into any
-freshly built model of the same shape. Paddle's generator state has no public serialised form,
+Model arrays are keyed by structured name (`model.layers.0.self_attn.q_proj.weight`), so a
+checkpoint loads into any freshly built model of the same shape (the optimizer's state:
+`flashcp.checkpoint.optimizer_state`). Paddle's generator state has no public serialised form,
 so it is pickled (base64 in the JSON); load checkpoints only from trusted places.
 """
 
@@ -18,8 +16,6 @@ from typing import Any
 
 import numpy as np
 import paddle
-
-SEP = "::"
 
 
 def model_arrays(model: paddle.nn.Layer) -> dict[str, np.ndarray]:
@@ -47,46 +43,6 @@ def load_model_arrays(model: paddle.nn.Layer, arrays: dict[str, np.ndarray]) -> 
                 f"{list(tensor.shape)}"
             )
         tensor.set_value(value.astype(tensor.numpy().dtype, copy=False))
-
-
-def _name_maps(model: paddle.nn.Layer) -> tuple[dict[str, str], dict[str, str]]:
-    structured_to_paddle = {n: p.name for n, p in model.named_parameters()}
-    return structured_to_paddle, {v: k for k, v in structured_to_paddle.items()}
-
-
-def optimizer_arrays(
-    optimizer: paddle.optimizer.Optimizer, model: paddle.nn.Layer
-) -> dict[str, np.ndarray]:
-    """The optimizer's tensors keyed `<structured param name>::<accumulator>`."""
-    _, to_structured = _name_maps(model)
-    # longest names first, so `w_0` never shadows `w_0_x`
-    names = sorted(to_structured, key=len, reverse=True)
-    out = {}
-    for key, value in optimizer.state_dict().items():
-        if not isinstance(value, paddle.Tensor):
-            continue  # LR_Scheduler etc.: saved with the trainer state
-        owner = next((n for n in names if key.startswith(n + "_")), None)
-        if owner is None:
-            raise ValueError(f"optimizer state {key!r} belongs to no parameter of the model")
-        out[f"{to_structured[owner]}{SEP}{key[len(owner) + 1 :]}"] = value.numpy()
-    return out
-
-
-def load_optimizer_arrays(
-    optimizer: paddle.optimizer.Optimizer, model: paddle.nn.Layer, arrays: dict[str, np.ndarray]
-) -> None:
-    """Restore `optimizer_arrays` output into `optimizer` (before or after its first step)."""
-    to_paddle, _ = _name_maps(model)
-    state = {}
-    for key, value in arrays.items():
-        structured, _, acc = key.partition(SEP)
-        if structured not in to_paddle:
-            raise ValueError(
-                f"optimizer state for {structured!r}, which the model does not have "
-                "(was the checkpoint saved with another model config?)"
-            )
-        state[f"{to_paddle[structured]}_{acc}"] = paddle.to_tensor(value)
-    optimizer.set_state_dict(state)
 
 
 def rng_state() -> dict[str, Any]:

@@ -3,7 +3,7 @@ optionally sharded over the ranks that hold the same parameters (ZeRO-1).
 
 `build_distributed_optimizer(setup)` picks one of two implementations of one interface
 (`local_squares`, `reduce_grads`, `grad_norm`, `step`, `clear_grad`, `full_grads`,
-`state_arrays`, `load_state`, `describe`):
+`describe`; their state is saved and restored by `flashcp.checkpoint.optimizer_state`):
 
 * `ParamOptimizer` - float32 parameters and `parallel.shard_optimizer: false` (the default):
   Paddle's AdamW on the parameters themselves, gradients summed by the bucketed all-reduce over
@@ -41,8 +41,9 @@ all-reduce, or reduce-scatter under ZeRO-1, which then shards the expert masters
 `MasterOptimizer` keeps two parts, the replicated parameters over dp × cp and the expert
 parameters over edp); everything else as above. The global norm adds the experts' squares over
 the ep group (each ep rank holds other experts). Expert masters are saved in the FULL tensors'
-element coordinates (`_Part.offsets`), so the shard files of a stage cover every expert once and
-load into any ep; without ZeRO-1 each ep rank's first edp rank writes its experts' file.
+element coordinates (`MasterShard.offsets`; `flashcp.checkpoint.optimizer_state`), so the shard
+files of a stage cover every expert once and load into any ep; without ZeRO-1 each ep rank's
+first edp rank writes its experts' file.
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ import paddle
 from paddle import _C_ops
 from paddle.base.framework import EagerParamBase
 
-from flashcp.checkpoint.optimizer_state import OptimizerSource, ShardArrays, fresh_betas
-from flashcp.checkpoint.state import load_optimizer_arrays, optimizer_arrays
 from flashcp.config.schema import TrainConfig
 from flashcp.distributed import (
     ParallelGroups,
@@ -128,8 +127,6 @@ class OptimizerSetup:
     experts: Mapping[str, ExpertSlice] = field(default_factory=dict)
     """Expert-parallel tensors (`flashcp.models.expert_parallel.expert_tensors`; empty at
     ep = 1): their rows on this rank, of the full tensor."""
-    expert_arrays: Any = None
-    """`flashcp.checkpoint.experts.ExpertArrays` (slices saved optimizer state under ep)."""
 
     def expert_names(self) -> set[str]:
         """Trainable expert-parallel parameter names (empty without expert parallelism)."""
@@ -145,7 +142,6 @@ class DistributedOptimizer(Protocol):
     def step(self) -> None: ...
     def clear_grad(self) -> None: ...
     def full_grads(self) -> dict[str, np.ndarray]: ...
-    def load_state(self, source: OptimizerSource) -> None: ...
     def describe(self) -> str: ...
 
 
@@ -227,21 +223,6 @@ class ParamOptimizer:
 
     def full_grads(self) -> dict[str, np.ndarray]:
         return {n: p.grad.numpy() for n, p in self.setup.params if p.grad is not None}
-
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """AdamW state as `<name>::<accumulator>` arrays (`flashcp.checkpoint.state`)."""
-        return optimizer_arrays(self.inner, self.setup.model)
-
-    def load_state(self, source: OptimizerSource) -> None:
-        shapes = {n: list(p.shape) for n, p in self.setup.params}
-        arrays = self.setup.expert_arrays
-        if arrays is None or not self.experts:
-            load_optimizer_arrays(self.inner, self.setup.model, source.classic(shapes))
-            return
-        from flashcp.checkpoint.experts import optimizer_key
-
-        full = source.classic(arrays.global_shapes(shapes))
-        load_optimizer_arrays(self.inner, self.setup.model, arrays.slice(full, optimizer_key))
 
     def describe(self) -> str:
         return "AdamW on the float32 parameters"
@@ -350,64 +331,6 @@ class MasterShard:
             parts.append(paddle.zeros([pad], dtype="float32"))
         return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
 
-    # -- state ------------------------------------------------------------------------------
-
-    def arrays(self) -> ShardArrays:
-        """The shard's state as packed float32 arrays plus its segment map."""
-        state = self.inner.state_dict()
-        b1, b2 = fresh_betas(self.train.beta1, self.train.beta2)
-
-        def acc(m: paddle.Tensor, key: str, default: np.ndarray) -> np.ndarray:
-            value = state.get(f"{m.name}_{key}")
-            return value.numpy().reshape([-1]) if value is not None else default
-
-        def cat(parts: list[np.ndarray]) -> np.ndarray:
-            return np.concatenate(parts) if parts else np.zeros(0, np.float32)
-
-        zeros = [np.zeros(s.length, np.float32) for s in self.segments]
-        return ShardArrays(
-            segments=[
-                (s.name, s.start + self.offsets.get(s.name, 0), s.length, s.offset)
-                for s in self.segments
-            ],
-            numel={n: self.totals.get(n, _numel(p)) for n, p in self.params.items()},
-            shards=self.layout.shards,
-            index=self.layout.index,
-            master=cat([m.numpy() for m in self.masters]),
-            moment1=cat([acc(m, "moment1_0", z) for m, z in zip(self.masters, zeros, strict=True)]),
-            moment2=cat([acc(m, "moment2_0", z) for m, z in zip(self.masters, zeros, strict=True)]),
-            beta1_pow=cat([acc(m, "beta1_pow_acc_0", b1) for m in self.masters]),
-            beta2_pow=cat([acc(m, "beta2_pow_acc_0", b2) for m in self.masters]),
-        )
-
-    def load(self, source: OptimizerSource) -> None:
-        """Masters and AdamW state of every segment from `source` (any saved layout). Without a
-        saved master (an unsharded float32 checkpoint) the master is the parameter's value; a
-        parameter without any saved state starts fresh, as Paddle's AdamW would."""
-        state: dict[str, paddle.Tensor] = {}
-        for seg, m in zip(self.segments, self.masters, strict=True):
-            start = seg.start + self.offsets.get(seg.name, 0)
-            master = source.read(seg.name, "master", start, seg.length)
-            if master is None:
-                master = _flat_slice(self.params[seg.name], seg.start, seg.length).numpy()
-            m.set_value(master.astype(np.float32, copy=False))
-            m1 = source.read(seg.name, "moment1", start, seg.length)
-            m2 = source.read(seg.name, "moment2", start, seg.length)
-            betas = source.beta_pows(seg.name)
-            if m1 is None and m2 is None and betas is None:
-                continue
-            if m1 is None or m2 is None or betas is None:
-                raise ValueError(
-                    f"the checkpoint's optimizer state of {seg.name!r} is incomplete (moments or "
-                    "beta powers missing): was it written by another flashcp version?"
-                )
-            state[f"{m.name}_moment1_0"] = paddle.to_tensor(m1)
-            state[f"{m.name}_moment2_0"] = paddle.to_tensor(m2)
-            state[f"{m.name}_beta1_pow_acc_0"] = paddle.to_tensor(betas[0].reshape([1]))
-            state[f"{m.name}_beta2_pow_acc_0"] = paddle.to_tensor(betas[1].reshape([1]))
-        if state:
-            self.inner.set_state_dict(state)
-
 
 @dataclass
 class _Part:
@@ -471,32 +394,6 @@ class MasterOptimizer:
             norm = ([self.edp] if self.sharded else []) + [self.ep]
             self.parts.append(_Part(shard, [self.edp], [self.edp], norm))
         self._norm: float | None = None
-
-    # -- checkpoint files -------------------------------------------------------------------
-
-    @property
-    def per_ep_rank(self) -> bool:
-        """Unsharded under expert parallelism: one file per ep rank (the same count on every
-        stage, whether or not it trains experts)."""
-        return not self.sharded and int(self.ep.nranks) > 1
-
-    @property
-    def files(self) -> int:
-        """Optimizer shard files per pipeline stage: one per rank (ZeRO-1), one per ep rank
-        (unsharded under ep: its experts, the first also the replicated parameters), else
-        one."""
-        if self.sharded:
-            return self.shards
-        return int(self.ep.nranks) if self.per_ep_rank else 1
-
-    @property
-    def writes_file(self) -> bool:
-        """Whether this rank writes an optimizer shard file (`state_arrays`)."""
-        if self.sharded:
-            return True
-        if self.per_ep_rank:
-            return int(self.edp.rank) == 0
-        return int(self.cp.rank) == 0 and int(self.dp.rank) == 0
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -643,38 +540,6 @@ class MasterOptimizer:
                             f"rank holds {seg.length}"
                         )
                     m.set_value(value)
-
-    def state_arrays(self) -> ShardArrays:
-        """This rank's optimizer shard file: its segments of every part (without ZeRO-1 under
-        ep, only the first ep rank adds the replicated parameters, which every ep rank holds)."""
-        if int(self.ep.nranks) == 1:
-            return self.shard.arrays()
-        parts = self.parts[1:] if self.per_ep_rank and int(self.ep.rank) > 0 else self.parts
-        arrays = [part.shard.arrays() for part in parts]
-        segments: list[tuple[str, int, int, int]] = []
-        numel: dict[str, int] = {}
-        offset = 0
-        for a in arrays:
-            segments += [(n, start, length, off + offset) for n, start, length, off in a.segments]
-            numel.update(a.numel)
-            offset += int(a.master.size)
-
-        def cat(key: str) -> np.ndarray:
-            found = [getattr(a, key) for a in arrays]
-            return np.concatenate(found) if found else np.zeros(0, np.float32)
-
-        index = self.layout.index if self.sharded else int(self.ep.rank)  # per_ep_rank
-        return ShardArrays(
-            segments=segments,
-            numel=numel,
-            shards=self.files,
-            index=index,
-            **{key: cat(key) for key in ("master", "moment1", "moment2", "beta1_pow", "beta2_pow")},
-        )
-
-    def load_state(self, source: OptimizerSource) -> None:
-        for part in self.parts:
-            part.shard.load(source)
 
     def describe(self) -> str:
         what = "float32 master weights" + (
