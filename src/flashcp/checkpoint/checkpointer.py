@@ -146,8 +146,8 @@ class Checkpointer:
         source = self.source()
         if source is None:
             return None
-        layout = ckpt.read_layout(source)
-        state = ckpt.read_state(source)
+        loaded = ckpt.load_checkpoint(source)
+        state = loaded.state
         if state.get("config_hash") != config_hash(self.cfg) and self.is_main:
             changed = diff_dicts(state.get("config", {}), hashed_dict(self.cfg))
             self.echo(
@@ -160,19 +160,17 @@ class Checkpointer:
                 f"note: train.steps changed from {saved_steps} to {self.cfg.train.steps} since "
                 f"{source}: the cosine schedule is recomputed for the new length"
             )
-        self._load_arrays(layout)
+        self._load_arrays(loaded)
         self.scheduler.set_state_dict(state["scheduler"])
         self.data.load_state_dict(state["data"])
         set_rng_state(state["rng"])
-        step = int(state["step"])
-        tokens = int(state.get("consumed_tokens", step * tokens_per_step))
-        return Resumed(path=source, step=step, consumed_tokens=tokens)
+        tokens = int(state.get("consumed_tokens", loaded.step * tokens_per_step))
+        return Resumed(path=source, step=loaded.step, consumed_tokens=tokens)
 
-    def _load_arrays(self, layout: ckpt.Layout) -> None:
+    def _load_arrays(self, loaded: ckpt.Checkpoint) -> None:
         """Model (or adapters) and optimizer state; a pipeline stage takes the names it holds,
         so a checkpoint of any pipeline layout loads."""
-        model = ckpt.read_tensors(layout.model)
-        optimizer = ckpt.read_tensors(layout.optimizer)
+        model, optimizer = loaded.model, loaded.optimizer
         _, stages = self._stage
         if self.lora is not None:
             names = {n for n, p in self.model.named_parameters() if not p.stop_gradient}
@@ -188,7 +186,7 @@ class Checkpointer:
             optimizer = {
                 k: v for k, v in optimizer.items() if optimizer_state.param_name(k) in names
             }
-        source = optimizer_state.source_for(optimizer, layout.optimizer_shards)
+        source = optimizer_state.source_for(optimizer, loaded.optimizer_shards)
         optimizer_state.load_state(self.optimizer, source, self.experts)
 
     # -- save -------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ A checkpoint is written into `step_N.tmp/`, every file fsynced, then renamed to 
 the parent directory fsynced), so a crash never leaves a half-written `step_N/`. Loading checks
 the manifest first: a missing, truncated or altered file is refused with the reason, and
 `latest_checkpoint` skips such checkpoints (with a warning) to resume from an older intact one.
+Reading: `read_layout` (the manifest: which files hold what), then `load_checkpoint` (every
+tensor, for resume) or `TensorReader` (one tensor at a time, for `flashcp export`).
 """
 
 from __future__ import annotations
@@ -204,7 +206,8 @@ class Layout:
 
 def read_layout(path: str | Path) -> Layout:
     """Verify the checkpoint at `path` and read where its tensors are; `CheckpointError`
-    naming every problem. The one reader of the manifest (resume and `flashcp export`)."""
+    naming every problem. The one reader of the manifest (`load_checkpoint` for resume, and
+    `flashcp export`, which reads tensors one by one)."""
     p = Path(path)
     problems = verify_checkpoint(p)
     if problems:
@@ -221,11 +224,6 @@ def read_layout(path: str | Path) -> Layout:
         optimizer=[p / name for name in optimizer_files],
         optimizer_shards=[[p / name for name in stage] for stage in shards],
     )
-
-
-def read_state(path: str | Path) -> dict[str, Any]:
-    """The trainer state (`trainer_state.json`) of a checkpoint read by `read_layout`."""
-    return json.loads((Path(path) / STATE_FILE).read_text())
 
 
 class TensorReader:
@@ -261,7 +259,7 @@ def read_tensors(files: Sequence[Path]) -> dict[str, np.ndarray]:
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Verify, then read the checkpoint at `path`; `CheckpointError` naming every problem."""
     layout = read_layout(path)
-    state = read_state(layout.path)
+    state = json.loads((layout.path / STATE_FILE).read_text())
     return Checkpoint(
         path=layout.path,
         step=int(state["step"]),
