@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench import stats
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
@@ -85,16 +86,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    logs: {result.log_dir}", flush=True)
     total = time.monotonic() - start
     clean = sum(1 for r in records if not r["problems"])
-    durations = [r["seconds"] for r in records]
+    spread = stats.spread([r["seconds"] for r in records])
     summary = {
         "clean": clean,
         "launches": args.launches,
         "nproc": args.nproc,
         "topologies": topologies,
         "total_seconds": round(total, 1),
-        "min_seconds": min(durations),
-        "median_seconds": statistics.median(durations),
-        "max_seconds": max(durations),
+        "min_seconds": spread["min"],
+        "median_seconds": spread["median"],
+        "max_seconds": spread["max"],
         "records": records,
     }
     print(

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import stats
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
@@ -97,16 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(1 for r in records if r['nproc'] == n)}"
         for n in counts
     }
-    durations = [r["seconds"] for r in records]
+    spread = stats.spread([r["seconds"] for r in records])
     summary = {
         "clean": clean,
         "launches": launches,
         "by_nproc": by_nproc,
         "steps": args.steps,
         "total_seconds": round(total, 1),
-        "min_seconds": min(durations),
-        "median_seconds": statistics.median(durations),
-        "max_seconds": max(durations),
+        "min_seconds": spread["min"],
+        "median_seconds": spread["median"],
+        "max_seconds": spread["max"],
         "records": records,
     }
     print(

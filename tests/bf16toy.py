@@ -41,6 +41,13 @@ class Bf16ToyLM(paddle.nn.Layer):
             p.set_value(paddle.to_tensor(value.astype(np.float32)).astype(dtype))
             setattr(self, name, p)
 
+    # One whole model: the pipeline-stage facts the runner reads (`flashcp.pipeline.runner`).
+    stage, num_stages, is_first, is_last, tied_weight = 0, 1, True, True, None
+    activation_dtype = paddle.float32
+
+    def activation_shape(self, tokens_shape: Any) -> list[int]:
+        return [*(int(d) for d in tokens_shape), int(self.w.shape[0])]
+
     def forward(self, ids: paddle.Tensor, positions: Any = None, attn: Any = None) -> paddle.Tensor:
         """The final hidden states `[B, L, hidden]` (float32)."""
         h = F.embedding(ids, self.embed.astype("float32"))

@@ -5,7 +5,7 @@ length: `Recipe.build_eval_data`), in file order, one row at a time, from its st
 evaluation. An eval batch is one optimizer step's worth of rows (dp × train.grad_accum ×
 data.micro_batch_size), dealt to the dp ranks (rank r takes its grad_accum × micro_batch_size
 rows as one-row micro-batches) and run under the run's own layout — cp shards, pipeline
-stages — with FORWARD-ONLY passes through the executor (`forward_only`; on the last stage the
+stages — with FORWARD-ONLY passes through the runner (`forward_only`; on the last stage the
 recipe turns hidden states into sums), so no gradient, optimizer state, data position or RNG
 of training changes: a run with eval has bitwise the training losses of the run without. The
 model is in eval mode meanwhile (no adapter dropout) and the Python / numpy / Paddle RNG
@@ -39,6 +39,7 @@ import numpy as np
 import paddle
 
 from flashcp.optim.grads import all_reduce_values
+from flashcp.pipeline.runner import PipelineRunner
 from flashcp.recipes.base import Recipe, StepSource
 
 PREFIX = "eval/"
@@ -169,14 +170,14 @@ class Evaluator:
                 f"passes: {fix}, or choose a layout whose ep groups stay inside cp groups"
             )
 
-    def run(self, executor: Any, module: paddle.nn.Layer) -> dict[str, float]:
+    def run(self, runner: PipelineRunner, module: paddle.nn.Layer) -> dict[str, float]:
         """One evaluation; returns the `eval/...` metrics (the same on every rank)."""
         started = time.perf_counter()
         rng = (random.getstate(), np.random.get_state(), paddle.get_rng_state())
         was_training = module.training
         module.eval()
         try:
-            totals = self._sums(executor, module)
+            totals = self._sums(runner, module)
         finally:
             if was_training:
                 module.train()
@@ -190,7 +191,7 @@ class Evaluator:
         metrics["time_s"] = time.perf_counter() - started
         return {PREFIX + key: float(value) for key, value in metrics.items()}
 
-    def _sums(self, executor: Any, module: paddle.nn.Layer) -> np.ndarray:
+    def _sums(self, runner: PipelineRunner, module: paddle.nn.Layer) -> np.ndarray:
         """This rank's summed `eval_sums` over the eval batches."""
         self.data.load_state_dict(copy.deepcopy(self.start))
         totals: np.ndarray | None = None
@@ -201,7 +202,7 @@ class Evaluator:
             rows = [self.data.next_step() for _ in range(take)]
             first = self.dp_rank * self.rows_per_rank
             mine = [batch for row in rows[first : first + self.rows_per_rank] for batch in row]
-            sums = np.asarray(self.recipe.eval_sums(mine, executor, module), dtype=np.float64)
+            sums = np.asarray(self.recipe.eval_sums(mine, runner, module), dtype=np.float64)
             totals = sums if totals is None else totals + sums
         assert totals is not None  # at least one row: a data source has one, max_batches >= 1
         return totals

@@ -14,9 +14,9 @@ One optimizer step (`Trainer.train_step`):
    preference pairs for DPO), so the job's loss and gradients are those of one big batch
    whatever the dp / pp / cp layout. Forward-only passes the loss needs (DPO reference
    log-probs) run next (`Recipe.prepare`).
-3. The executor runs forward, loss and backward per micro-batch: one after the other
-   (`SequentialExecutor`, pp = 1) or under the 1F1B / GPipe pipeline schedule on this rank's
-   stage (`PipelineExecutor`, pp > 1; the losses live on the last stage).
+3. The runner (`flashcp.pipeline.runner.PipelineRunner`) runs forward, loss and backward per
+   micro-batch under the 1F1B / GPipe schedule on this rank's stage (the losses live on the
+   last stage); at pp = 1 the whole model is one stage: one micro-batch after the other.
 4. The loss, the recipe's statistics and per-rank non-finite flags are all-reduced (cp, dp,
    pp); the gradients are summed (bucketed all-reduce) over cp, then dp - or, under
    `parallel.shard_optimizer`, reduce-scattered so each rank keeps its shard's sum
@@ -82,7 +82,7 @@ from flashcp.models.moe_balance import loss_scale_context
 from flashcp.optim.adamw import build_scheduler
 from flashcp.optim.grads import all_reduce_values, trainable
 from flashcp.optim.zero import MasterOptimizer, OptimizerSetup, build_distributed_optimizer
-from flashcp.pipeline.executor import PipelineExecutor, SequentialExecutor
+from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
 
@@ -314,15 +314,12 @@ class Trainer:
         )
         """Every checkpoint read and write of this rank, and the LoRA exports."""
         self.checkpointer.init_masters()
-        if self.pp_size > 1:
-            self.executor: Any = PipelineExecutor(
-                self.model,  # type: ignore[arg-type]
-                groups,
-                kind=cfg.parallel.pp_schedule,
-                forward_context=ctx.autocast,
-            )
-        else:
-            self.executor = SequentialExecutor(self.model, ctx.autocast)
+        self.runner = PipelineRunner(
+            self.model,  # type: ignore[arg-type]
+            groups,
+            kind=cfg.parallel.pp_schedule,
+            forward_context=ctx.autocast,
+        )
         self.step = 0
         self.consumed_tokens = 0
         """Tokens (padding included) the whole job has trained on, counting resumed steps."""
@@ -408,10 +405,10 @@ class Trainer:
         start = time.perf_counter()
         step = self.step + 1
         plan = self.recipe.plan(self.data.next_step())
-        self.recipe.prepare(plan, self.executor, self.model)
+        self.recipe.prepare(plan, self.runner, self.model)
         # the sequence-balance loss of MoE layers: a mean over the step's sequences
         with loss_scale_context(1.0 / (len(plan.micro) * self.dp_size)):
-            loss_local = self.recipe.loss_value(self.executor.train(plan.micro))
+            loss_local = self.recipe.loss_value(self.runner.train(plan.micro))
         grads_finite = math.isfinite(self.optimizer.local_squares())
         world = int(self.groups.world.nranks)
         stats = self.recipe.step_stats()
@@ -487,7 +484,7 @@ class Trainer:
         """Evaluate on `eval.path` now (collective); returns the `eval/...` metrics."""
         if self.evaluator is None:
             raise ValueError("no eval set: set eval.path")
-        return self.evaluator.run(self.executor, self.model)
+        return self.evaluator.run(self.runner, self.model)
 
     def _nonfinite(self, step: int, loss: float, bad_loss: list[int], bad_grad: list[int]) -> None:
         parts = []

@@ -1,5 +1,5 @@
 """Make the `launch` helper importable as `from launch import run_launch` in any import mode,
-and the shared helpers of tests/ (`hfdir`, `numerics`) as top-level modules too."""
+and the shared helpers of tests/ (`numerics`, ...) as top-level modules too."""
 
 from __future__ import annotations
 

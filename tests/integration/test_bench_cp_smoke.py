@@ -1,5 +1,5 @@
-"""Smoke tests of `scripts/bench_cp.py` (parts comm and balance_time, `--quick`): real gloo
-launches.
+"""Smoke tests of `scripts/bench_cp.py` (`bench.cp`, parts comm and balance_time, `--quick`):
+real gloo launches.
 
 comm, cp = 2 and cp = 4: on every rank and for one forward and one backward, flashcp's counters
 must equal, byte for byte, what the wrapped `paddle.distributed.send/recv/all_gather` calls were
@@ -11,30 +11,18 @@ pages are regenerated from the JSON. Byte counts and structure only, never timin
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_cp.py"
+from bench import cp as bench
+
 pytestmark = pytest.mark.integration
-
-
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_cp", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cp"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.timeout(240)
 def test_comm_quick_cp2_cp4_counters_equal_transport_and_theory(tmp_path: Path) -> None:
-    bench = _load_bench()
     argv = ["--part", "comm", "--quick", "--comm-cp", "2", "4", "--out-dir", str(tmp_path)]
     assert bench.main(argv) == 0
     result = json.loads((tmp_path / "cp_comm.json").read_text())
@@ -79,7 +67,6 @@ def test_comm_quick_cp2_cp4_counters_equal_transport_and_theory(tmp_path: Path) 
 
 @pytest.mark.timeout(240)
 def test_balance_time_quick_cp2(tmp_path: Path) -> None:
-    bench = _load_bench()
     argv = ["--part", "balance_time", "--quick", "--balance-cp", "2", "--out-dir", str(tmp_path)]
     assert bench.main(argv) == 0
     result = json.loads((tmp_path / "cp_balance_time.json").read_text())

@@ -14,10 +14,16 @@ import yaml
 from launch import run_launch
 from trainruns import assert_training_matches
 
+from bench.hfdir import (
+    DEFAULT_VOCAB,
+    chat_records,
+    write_jsonl,
+    write_parquet,
+    write_tokenizer_files,
+)
 from flashcp import dispatch
 from flashcp.config import build_config
 from flashcp.trainer import Trainer
-from hfdir import DEFAULT_VOCAB, chat_records, write_jsonl, write_parquet, write_tokenizer_files
 
 pytestmark = pytest.mark.integration
 

@@ -26,9 +26,7 @@ summed gradients with the experts gathered whole. Compared with `assert_training
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +42,7 @@ from trainruns import (
 )
 
 import numerics
+from bench import moe as bench
 from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -233,11 +232,6 @@ def test_pieces_on_three_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_bench_moe_ep_bytes_equal_the_counts() -> None:
-    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "scripts" / "bench_moe.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_moe"] = bench
-    spec.loader.exec_module(bench)
     [part] = bench.ep_bytes([bench.Case(64, 16, 8)], 2, 0, 150)
     assert [r["rank"] for r in part["ranks"]] == [0, 1]
     for r in part["ranks"]:
@@ -246,6 +240,6 @@ def test_bench_moe_ep_bytes_equal_the_counts() -> None:
         assert r["all_to_all_calls"] == 4  # dispatch and combine, forward and backward
         assert 0.5 < r["sent_bytes"] / r["uniform_bytes"] < 1.5
         assert r["max_rel_diff"] < 1e-5
-    assert "all-to-all bytes per rank (ep = 2)" in bench.markdown(
+    assert "all-to-all bytes per rank (ep = 2)" in bench.PAGE.render(
         {**json.loads((ROOT / "docs" / "moe.json").read_text()), "ep_bytes": [part]}
     )

@@ -84,7 +84,7 @@ def test_pipeline_equals_single_process(pp: int, cp: int, tmp_path: Path) -> Non
             tied = set(stages[0]["tied"])
             assert set(owned) == set(stages[0]["ref_params"]), name
             assert len(owned) == len(set(owned)) + len(tied), name
-            assert len({s["loss"] for s in stages}) == 1, name  # broadcast from the last stage
+            assert len({s["loss"] for s in stages}) == 1, name  # summed over the pp group
             if tied:
                 assert stages[0]["tied_grad_sha"] == stages[-1]["tied_grad_sha"], name
                 assert max(stages[0]["tied_err"].values()) <= FACTOR, name

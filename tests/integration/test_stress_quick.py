@@ -5,28 +5,18 @@ The long run (100 launches) is recorded in `docs/reliability.md`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+import stress_launch as stress  # scripts/stress_launch.py (pytest's pythonpath)
+
 pytestmark = pytest.mark.integration
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stress_launch.py"
-
-
-def _load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("stress_launch", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.timeout(300)
 def test_quick_stress_every_launch_is_clean(tmp_path: Path) -> None:
-    stress = _load_script()
     report = tmp_path / "stress.json"
     code = stress.main(["--quick", "--json", str(report), "--work-dir", str(tmp_path / "runs")])
     summary = json.loads(report.read_text())

@@ -6,28 +6,16 @@ changes the page."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from bench import cp_pages, dpo, kernel, loss_memory, memory_check, moe
+from bench import readme_table as tables
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-
-
-def _script(name: str) -> ModuleType:
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _json(name: str) -> dict:
@@ -35,7 +23,7 @@ def _json(name: str) -> dict:
 
 
 def test_cp_pages_match_their_json() -> None:
-    docs = _script("cp_docs")
+    docs = cp_pages
     comm, scaling = _json("cp_comm.json"), _json("cp_scaling.json")
     assert (DOCS / "cp_bench.md").read_text() == docs.render_cp_bench(comm, scaling)
     model, timed = _json("cp_balance.json"), _json("cp_balance_time.json")
@@ -46,31 +34,27 @@ def test_cp_pages_match_their_json() -> None:
 
 
 def test_kernel_page_matches_its_json() -> None:
-    bench = _script("bench_kernel")
     report = _json("bench_kernel.json")
-    assert (DOCS / "bench_kernel.md").read_text() == bench.markdown(report)
+    assert (DOCS / "bench_kernel.md").read_text() == kernel.PAGE.render(report)
 
 
 def test_dpo_page_matches_its_json() -> None:
-    bench = _script("bench_dpo")
     rec = _json("bench_dpo.json")
-    assert (DOCS / "bench_dpo.md").read_text() == bench.markdown(rec)
+    assert (DOCS / "bench_dpo.md").read_text() == dpo.PAGE.render(rec)
     changed = copy.deepcopy(rec)
     changed["speedup"]["median"] *= 2
-    assert bench.markdown(changed) != bench.markdown(rec)
+    assert dpo.PAGE.render(changed) != dpo.PAGE.render(rec)
 
 
 def test_loss_memory_page_matches_its_json() -> None:
-    bench = _script("bench_loss_memory")
     rec = _json("loss_memory.json")
-    assert (DOCS / "loss_memory.md").read_text() == bench.markdown(rec)
+    assert (DOCS / "loss_memory.md").read_text() == loss_memory.PAGE.render(rec)
     changed = copy.deepcopy(rec)
     changed["cases"][0]["peak_ratio"] *= 2
-    assert bench.markdown(changed) != bench.markdown(rec)
+    assert loss_memory.PAGE.render(changed) != loss_memory.PAGE.render(rec)
 
 
 def test_readme_table_matches_the_json(tmp_path: Path) -> None:
-    tables = _script("readme_table")
     text = (ROOT / "README.md").read_text()
     assert tables.readme_with_table(text) == text, "run python scripts/readme_table.py --write"
     assert tables.main(["--check"]) == 0
@@ -86,27 +70,29 @@ def test_readme_table_matches_the_json(tmp_path: Path) -> None:
 
 
 def test_moe_page_matches_its_json() -> None:
-    bench = _script("bench_moe")
     rec = _json("moe.json")
-    assert (DOCS / "moe.md").read_text() == bench.markdown(rec)
+    assert (DOCS / "moe.md").read_text() == moe.PAGE.render(rec)
     changed = copy.deepcopy(rec)
     changed["cases"][0]["variants"]["grouped"]["speedup"] += 1.0
-    assert bench.markdown(changed) != bench.markdown(rec)
+    assert moe.PAGE.render(changed) != moe.PAGE.render(rec)
 
 
 def test_memory_page_and_readme_rows_match_their_json(tmp_path: Path) -> None:
-    """docs/memory.md is `memory_check.markdown` of docs/memory.json; the README's planner rows
-    (accuracy, the largest config on one 8×H20 node) come from the same JSON."""
-    check = _script("memory_check")
+    """docs/memory.md is `bench.memory_check`'s page of docs/memory.json; the README's planner
+    rows (accuracy, the largest config on one 8×H20 node) come from the same JSON."""
     rec = _json("memory.json")
-    assert (DOCS / "memory.md").read_text() == check.markdown(rec)
-    tables = _script("readme_table")
-    rows = tables.memory_rows(DOCS)
+    assert (DOCS / "memory.md").read_text() == memory_check.PAGE.render(rec)
+    rows = _memory_rows(DOCS)
     assert len(rows) == 3 and "within ±15 %" in rows[0][1] and "8×H20" in rows[1][0]
     changed = copy.deepcopy(rec)
     changed["cases"][0]["ranks"][0]["ratio"] = 1.5  # one rank off by 50 %
     changed["cases"][0]["within"] = False
-    assert check.markdown(changed) != check.markdown(rec)
+    assert memory_check.PAGE.render(changed) != memory_check.PAGE.render(rec)
     (tmp_path / "memory.json").write_text(json.dumps(changed))
-    worse = tables.memory_rows(tmp_path)
+    worse = _memory_rows(tmp_path)
     assert worse[0][1].startswith(f"{len(rec['cases']) - 1} of ") and "worst 1.500" in worse[0][1]
+
+
+def _memory_rows(docs: Path) -> list[tuple[str, str, str]]:
+    """The README table's rows from docs/memory.json (the planner's)."""
+    return [row for row in tables.rows(docs) if row[2] == "`docs/memory.md`"]

@@ -1,32 +1,20 @@
-"""Smoke test of `scripts/bench_dpo.py` at tiny size: both layouts train on the same answers,
-passes interleaved, and the page is generated from the JSON."""
+"""Smoke test of `scripts/bench_dpo.py` (`bench.dpo`) at tiny size: both layouts train on the
+same answers, passes interleaved, and the page is generated from the JSON."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_dpo.py"
+from bench import dpo as bench
+
 TINY = ["--preset", "tiny_glm", "--seq-len", "256", "--repeat", "1"]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_dpo", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_dpo"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_dpo_smoke(tmp_path: Path) -> None:
-    bench = _load()
     out = tmp_path / "bench.json"
     assert bench.main([*TINY, "--epochs", "2", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
@@ -48,7 +36,6 @@ def test_bench_dpo_smoke(tmp_path: Path) -> None:
 
 
 def test_check_same_answers_refuses_layouts_that_differ() -> None:
-    bench = _load()
     args = bench.parse_args(TINY)
     batches = bench.layouts(args, bench.build_examples(args))
     cov = bench.check_same_answers(batches)

@@ -1,33 +1,20 @@
-"""`scripts/bench_kernel.py`: the per-document baseline's document detection (against the dense
-oracle, with negative controls) and a `--quick` run: implementations interleaved per round,
-≥ 3 rounds, ratios and the active-tile bound reported, the page generated from the JSON."""
+"""`scripts/bench_kernel.py` (`bench.kernel`): the per-document baseline's document detection
+(against the dense oracle, with negative controls) and a `--quick` run: implementations
+interleaved per round, ≥ 3 rounds, ratios and the active-tile bound reported, the page
+generated from the JSON."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 
+from bench import kernel as bench
 from flashcp import masks
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernel.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_kernel", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernel"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_document_segments() -> None:
-    bench = _load()
     causal = bench.document_segments(masks.causal_document_mask([3, 5, 8]))
     assert causal == {"lengths": [3, 5, 8], "causal": True}
     assert bench.document_segments(masks.document_mask([4, 12])) == {
@@ -43,7 +30,6 @@ def test_document_segments() -> None:
 
 
 def test_quick_run_interleaves_and_reports_ratios(tmp_path: Path) -> None:
-    bench = _load()
     out = tmp_path / "k.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
@@ -60,4 +46,4 @@ def test_quick_run_interleaves_and_reports_ratios(tmp_path: Path) -> None:
     assert row["speedup"] > 0 and row["varlen_ratio"] > 0 and row["pct_of_bound"]["median"] > 0
     assert max(row["checksum_rel_diff"].values()) < 1e-6  # the baselines compute the same thing
     page = out.with_suffix(".md").read_text()
-    assert page == bench.markdown(rep) and "% of bound" in page
+    assert page == bench.PAGE.render(rep) and "% of bound" in page

@@ -1,29 +1,17 @@
-"""Smoke test of `scripts/bench_loss_memory.py` at small sizes: both variants, bounds, report."""
+"""Smoke test of `scripts/bench_loss_memory.py` (`bench.loss_memory`) at small sizes: both
+variants, bounds, report."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_loss_memory.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_loss_memory", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_loss_memory"] = module
-    spec.loader.exec_module(module)
-    return module
+from bench import loss_memory as bench
 
 
 def test_bench_loss_memory_smoke(tmp_path: Path) -> None:
-    bench = _load()
     out = tmp_path / "m.json"
     argv = ["--sizes", "512x4096x32:128,300x1000x16:64", "--repeats", "2", "--json", str(out)]
     assert bench.main(argv) == 0
@@ -43,7 +31,6 @@ def test_bench_loss_memory_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_loss_memory_rejects_bad_sizes() -> None:
-    bench = _load()
     with pytest.raises(SystemExit, match="is not TxVxH:n"):
         bench.main(["--sizes", "512x4096:128"])
     with pytest.raises(SystemExit, match="every number must be >= 1"):

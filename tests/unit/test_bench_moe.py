@@ -1,34 +1,21 @@
-"""Smoke test of `scripts/bench_moe.py` at a small size: every variant agrees with the loop,
-the report is written and re-rendered from the JSON, the balance comparison runs."""
+"""Smoke test of `scripts/bench_moe.py` (`bench.moe`) at a small size: every variant agrees
+with the loop, the report is written and re-rendered from the JSON, the balance comparison
+runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from bench import moe as bench
 from flashcp import dispatch
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_moe.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_moe"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_moe_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
         monkeypatch.setenv(name, "0")
-    bench = _load()
     out = tmp_path / "m.json"
     argv = ["--cases", "64x16x8", "--repeats", "2", "--skew", "--balance-steps", "2",
             "--ep-cases", "", "--json", str(out)]  # fmt: skip
@@ -50,7 +37,6 @@ def test_bench_moe_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_bench_moe_rejects_bad_arguments() -> None:
-    bench = _load()
     with pytest.raises(SystemExit, match="is not TxHxI"):
         bench.main(["--cases", "64x16"])
     with pytest.raises(SystemExit, match="an even hidden size"):

@@ -11,19 +11,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashcp.config import IGNORE_INDEX
-from flashcp.data import ByteTokenizer, HFTokenizer, PackedSequence, build_tokenizer, collate
-from flashcp.data.chat import chat_segments
-from flashcp.data.dataset import DocumentBuilder
-from flashcp.data.dpo import DPORecords, tokenize_dpo
-from flashcp.data.records import BadRecordError
-from hfdir import (
+from bench.hfdir import (
     GLM4_CHAT_TEMPLATE,
     chat_records,
     preference_records,
     write_chatml_tokenizer,
     write_tokenizer_files,
 )
+from flashcp.config import IGNORE_INDEX
+from flashcp.data import ByteTokenizer, HFTokenizer, PackedSequence, build_tokenizer, collate
+from flashcp.data.chat import chat_segments
+from flashcp.data.dataset import DocumentBuilder
+from flashcp.data.dpo import DPORecords, tokenize_dpo
+from flashcp.data.records import BadRecordError
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 CONV = [

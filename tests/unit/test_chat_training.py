@@ -13,17 +13,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashcp import dispatch
-from flashcp.config import build_config
-from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import Trainer
-from hfdir import (
+from bench.hfdir import (
     DEFAULT_VOCAB,
     chat_records,
     preference_records,
     write_jsonl,
     write_tokenizer_files,
 )
+from flashcp import dispatch
+from flashcp.config import build_config
+from flashcp.metrics.writer import read_metrics
+from flashcp.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

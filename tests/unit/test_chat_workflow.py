@@ -18,6 +18,13 @@ import numpy as np
 import paddle
 import pytest
 
+from bench.hfdir import (
+    DEFAULT_VOCAB,
+    chat_records,
+    preference_records,
+    write_jsonl,
+    write_tokenizer_files,
+)
 from flashcp import dispatch, masks
 from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
@@ -28,13 +35,6 @@ from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
-from hfdir import (
-    DEFAULT_VOCAB,
-    chat_records,
-    preference_records,
-    write_jsonl,
-    write_tokenizer_files,
-)
 
 
 @pytest.fixture(autouse=True)

@@ -1,20 +1,16 @@
 """flashcp's byte counters equal the bytes handed to the transport, call by call.
 
 `paddle.distributed.send` / `recv` / `all_gather` are replaced by in-process fakes (a rank of a
-4-rank group whose peers are simulated), and the benchmark worker's `TransportTap` wraps them,
-summing the nbytes of the tensors each call was handed (send), filled (recv) or returned
-(all_gather). The counters must equal the tap exactly, and must follow the tensors that actually
-moved, not a formula of the input: when the peers' all-gather parts differ in size from this
-rank's input, the received count follows the parts. The real multi-process version of this check
-is `tests/integration/test_bench_cp_smoke.py` (cp 2 and 4).
+4-rank group whose peers are simulated), and the benchmark worker's `TransportTap`
+(`bench.cp_worker`) wraps them, summing the nbytes of the tensors each call was handed (send),
+filled (recv) or returned (all_gather). The counters must equal the tap exactly, and must
+follow the tensors that actually moved, not a formula of the input: when the peers' all-gather
+parts differ in size from this rank's input, the received count follows the parts. The real
+multi-process version of this check is `tests/integration/test_bench_cp_smoke.py` (cp 2 and 4).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -22,6 +18,7 @@ import paddle
 import paddle.distributed as dist
 import pytest
 
+from bench.cp_worker import TransportTap
 from flashcp.distributed import (
     NamedGroup,
     all_gather_tensor,
@@ -34,17 +31,7 @@ from flashcp.distributed import (
 from flashcp.distributed.collectives import nbytes
 from flashcp.distributed.p2p import recv_tensor, send_tensor
 
-WORKER = Path(__file__).resolve().parents[2] / "scripts" / "bench_cp_worker.py"
 ME, RANKS = 1, [0, 1, 2, 3]
-
-
-def _load_worker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_cp_worker", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cp_worker"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class FakeTransport:
@@ -94,14 +81,13 @@ def _counted(group: NamedGroup) -> tuple[int, int]:
 def test_counters_equal_the_tensors_handed_to_the_transport(
     monkeypatch: pytest.MonkeyPatch, group: NamedGroup
 ) -> None:
-    worker = _load_worker()
     fake = FakeTransport()
     _install(monkeypatch, fake)
     x32 = paddle.ones([2, 3, 5], dtype="float32")
     x64 = paddle.ones([4, 3], dtype="float64")
     chunks = [paddle.full([6, 5], float(i), dtype="float32") for i in range(len(RANKS))]
     reset_comm_stats()
-    with worker.TransportTap() as tap:
+    with TransportTap() as tap:
         gathered = all_gather_tensor(x32, group, axis=0)
         all_gather_tensor(x64, group, axis=1)
         reduced = reduce_scatter_chunks(chunks, group, method="ring")
@@ -125,11 +111,10 @@ def test_all_gather_counts_the_parts_it_returned_not_a_formula(
 ) -> None:
     """Peers' parts twice this rank's size: received follows the parts (negative control for
     a counter that would compute (p - 1) · nbytes(input))."""
-    worker = _load_worker()
     _install(monkeypatch, FakeTransport(peer_scale=2))
     x = paddle.ones([2, 4], dtype="float32")
     reset_comm_stats()
-    with worker.TransportTap() as tap:
+    with TransportTap() as tap:
         out = all_gather_tensor(x, group, axis=0)
     assert list(out.shape) == [2 + 3 * 4, 4]
     sent, received = _counted(group)
@@ -140,9 +125,8 @@ def test_all_gather_counts_the_parts_it_returned_not_a_formula(
 def test_tap_flags_collectives_it_does_not_measure(
     monkeypatch: pytest.MonkeyPatch, group: NamedGroup
 ) -> None:
-    worker = _load_worker()
     _install(monkeypatch, FakeTransport())
-    with worker.TransportTap() as tap:
+    with TransportTap() as tap:
         all_reduce_tensor(paddle.to_tensor(np.ones(4, dtype=np.float32)), group)
     assert tap.other_calls == 1 and tap.sent == tap.received == 0
     # on exit the tap puts back what it wrapped (here the fake)
@@ -161,7 +145,6 @@ def test_library_reduce_scatters_count_their_documented_model(
 ) -> None:
     """The "nccl" and "allreduce" variants hand the whole transfer to the library, which does
     not report its traffic: they count (p - 1)/p resp. 2 (p - 1)/p of the tensors handed."""
-    worker = _load_worker()
     fake = FakeTransport()
     _install(monkeypatch, fake)
 
@@ -175,7 +158,7 @@ def test_library_reduce_scatters_count_their_documented_model(
     chunks = [paddle.full([5], float(i), dtype="float32") for i in range(len(RANKS))]
     total = sum(nbytes(c) for c in chunks)
     p = len(RANKS)
-    with worker.TransportTap() as tap:
+    with TransportTap() as tap:
         reset_comm_stats()
         reduce_scatter_chunks(chunks, nccl, method="nccl")
         assert _counted(nccl) == ((p - 1) * total // p,) * 2

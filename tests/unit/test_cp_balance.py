@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import cp as bench
+from bench.cp_pages import balance_table
 from flashcp.cp.balance import (
     assign_chunks,
     assignment_loads,
@@ -243,18 +243,7 @@ def test_bad_arguments_raise() -> None:
 # scripts/bench_cp.py --part balance (smoke)
 
 
-def _load_bench():  # type: ignore[no-untyped-def]
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_cp.py"
-    spec = importlib.util.spec_from_file_location("bench_cp", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cp"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_balance_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _load_bench()
     result = bench.run_balance(
         families=["causal", "share_question_packed"],
         cps=[2, 4],
@@ -273,7 +262,7 @@ def test_bench_balance_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     abl = result["ablation"]
     assert abl and {"balanced", "lpt_only", "by_pairs"} <= set(abl[0])
     assert all(r["balanced"] <= r["lpt_only"] + 1e-9 for r in abl)
-    md = bench.render_balance_table(result)
+    md = balance_table(result)
     assert "| causal | 4 | " in md and "share_question_packed" in md
     # the page is generated from the JSON alone: written, then regenerated identically
     bench.write_outputs(tmp_path, "cp_balance.json", result)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flashcp.attention.allgather_kv import make_assignment
@@ -201,13 +201,46 @@ def test_packing_matches_independent_construction(shuffle: bool) -> None:
     assert stream.state.sequences == n and stream.state.epoch >= 1
 
 
-@settings(max_examples=40, deadline=None)
+_STRIDE = 64
+"""Token `d * _STRIDE + j` is position j of document d: a token names its document and place."""
+_PAD = 8 * _STRIDE
+"""The padding token (`packing: false`): no document's token."""
+
+
+def _flagged_docs(flags: list[list[bool]]) -> list[Document]:
+    """Document d has `len(flags[d])` tokens, token j a target iff `flags[d][j]` — the first
+    token included, as with a tokenizer without BOS (the first text token is a target)."""
+    return [
+        Document(d * _STRIDE + np.arange(len(f), dtype=np.int64), np.array(f, dtype=bool))
+        for d, f in enumerate(flags)
+    ]
+
+
+def _labels_from_tokens(tokens: np.ndarray, flags: list[list[bool]]) -> list[int]:
+    """Next-token labels from the tokens alone (no `doc_lens`): token i predicts token i+1 only
+    if that is the NEXT token of the same document and a target."""
+    labels = [IGNORE_INDEX] * len(tokens)
+    for i in range(len(tokens) - 1):
+        here, after = int(tokens[i]), int(tokens[i + 1])
+        if _PAD in (here, after):
+            continue
+        (d, j), (d2, j2) = divmod(here, _STRIDE), divmod(after, _STRIDE)
+        if d2 == d and j2 == j + 1 and flags[d][j2]:
+            labels[i] = after
+    return labels
+
+
+@settings(max_examples=60, deadline=None)
 @given(
-    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    flags=st.lists(st.lists(st.booleans(), min_size=1, max_size=40), min_size=1, max_size=8),
     seq_len=st.integers(2, 48),
+    packing=st.booleans(),
 )
-def test_labels_never_cross_documents(lengths: list[int], seq_len: int) -> None:
-    stream = PackedStream(_docs(lengths), seq_len, seed=1)
+@example(flags=[[True, True, False], [True, True]], seq_len=5, packing=True)
+def test_labels_never_cross_documents(flags: list[list[bool]], seq_len: int, packing: bool) -> None:
+    """Target flags drawn at random, a document's first token included: a document's last
+    token never predicts the next document's first token, even when that one is a target."""
+    stream = PackedStream(_flagged_docs(flags), seq_len, seed=1, packing=packing, pad_id=_PAD)
     for _ in range(4):
         seq = stream.next()
         assert sum(seq.doc_lens) == seq_len and min(seq.doc_lens) >= 1
@@ -216,6 +249,9 @@ def test_labels_never_cross_documents(lengths: list[int], seq_len: int) -> None:
         assert (labels[ends] == IGNORE_INDEX).all()
         ok = labels != IGNORE_INDEX
         np.testing.assert_array_equal(labels[ok], seq.tokens[1:][ok[:-1]])
+        want = _labels_from_tokens(seq.tokens, flags)
+        assert labels.tolist() == want, "a label crosses a document boundary (or is missing)"
+        assert collate([seq]).labels[0].tolist() == want
 
 
 def test_stream_order_depends_only_on_seed() -> None:

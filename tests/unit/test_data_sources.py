@@ -12,19 +12,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashcp.config import build_config
-from flashcp.data import Document, HFTokenizer, PackedStream, TrainData
-from flashcp.data.dpo_stream import DPOData
-from flashcp.data.index import LazyItems, build_index
-from flashcp.data.peers import Peers
-from flashcp.data.sources import JsonlSource, ListSource, data_files, open_source
-from hfdir import (
+from bench.hfdir import (
     chat_records,
     preference_records,
     write_jsonl,
     write_parquet,
     write_tokenizer_files,
 )
+from flashcp.config import build_config
+from flashcp.data import Document, HFTokenizer, PackedStream, TrainData
+from flashcp.data.dpo_stream import DPOData
+from flashcp.data.index import LazyItems, build_index
+from flashcp.data.peers import Peers
+from flashcp.data.sources import JsonlSource, ListSource, data_files, open_source
 
 VOCAB = 384
 

@@ -18,6 +18,7 @@ from flashcp.lora.model import disable_adapters, load_adapters
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model
 from flashcp.models.hf_weights import load_hf_checkpoint
+from flashcp.pipeline.runner import PipelineRunner
 from flashcp.trainer import Trainer
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
@@ -108,10 +109,10 @@ def test_lora_reference_is_the_base_model(tmp_path: Path) -> None:
     assert not np.allclose(_logits(trainer.model, batch), off)  # the adapters did train
     # the recipe's reference log-probs are the base model's
     plan = trainer.recipe.plan([batch])
-    trainer.recipe.prepare(plan, trainer.executor, trainer.model)
+    trainer.recipe.prepare(plan, trainer.runner, trainer.model)
     (ref_c, ref_r), = trainer.recipe._ref  # fmt: skip
-    base_exec = type(trainer.executor)(base, trainer.recipe.ctx.autocast)
-    (want_c, want_r), = base_exec.forward_only(plan.micro, trainer.recipe.answer_logps)  # fmt: skip
+    runner = PipelineRunner(base, forward_context=trainer.recipe.ctx.autocast)
+    (want_c, want_r), = runner.forward_only(plan.micro, trainer.recipe.answer_logps)  # fmt: skip
     np.testing.assert_array_equal(ref_c.numpy(), want_c.numpy())
     np.testing.assert_array_equal(ref_r.numpy(), want_r.numpy())
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from bench.moe_loop import LoopMoE
 from flashcp.lora.model import (
     apply_lora,
     disable_adapters,
@@ -20,7 +21,6 @@ from flashcp.lora.model import (
 )
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models.experts import GroupedExperts
-from moe_reference import LoopMoE
 
 TARGETS = [r".*mlp\.experts", ".*q_proj"]
 PROJ = ("gate_up_proj", "down_proj")

@@ -42,8 +42,7 @@ from flashcp.models import (
     token_logprobs,
 )
 from flashcp.models import head as head_mod
-from flashcp.pipeline.executor import SequentialExecutor
-from flashcp.pipeline.runner import MicroBatch, sum_cross_entropy, train_step_1f1b
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import normalised_ce
 from flashcp.trainer import Trainer
@@ -341,7 +340,7 @@ def test_negative_control_misaligned_chunk_is_caught(
         assert_rel(got["lm_head.weight"], want["lm_head.weight"], "d head weight")
 
 
-# ------------------------------------------------- executors and the pipeline loss closure
+# ---------------------------------------------------- the runner and the LM loss closure
 
 
 def _solo_groups() -> ParallelGroups:
@@ -351,18 +350,19 @@ def _solo_groups() -> ParallelGroups:
 
 
 @pytest.mark.equivalence
-def test_pipeline_default_loss_and_chunk_sizes_agree() -> None:
-    """`sum_cross_entropy` through the 1F1B schedule (one stage) at chunks 0, 24 and the default."""
+def test_runner_lm_loss_chunk_sizes_agree() -> None:
+    """The LM recipe's loss (`normalised_ce`) through the runner (one stage) at chunks 0, 24
+    and the default."""
 
     ids, pos, labels, attn = _tokens()
     count = int((labels.numpy() != -100).sum())
-    mbs = [MicroBatch(ids, pos, labels, attn)]
     results = {}
     for chunk in (0, 24, DEFAULT_LOSS_CHUNK_TOKENS):
+        loss = partial(normalised_ce, labels=labels, denom=float(count), chunk_tokens=chunk)
+        mbs = [MicroBatch(ids, pos, labels, attn, loss=loss)]
         stage = _model("tiny_glm")  # a one-stage pipeline is the whole model
-        loss_fn = partial(sum_cross_entropy, chunk_tokens=chunk)
-        result = train_step_1f1b(stage, mbs, loss_fn, _solo_groups(), num_targets=count)
-        results[chunk] = (float(result.loss), _grads(stage))
+        (result,) = PipelineRunner(stage, _solo_groups()).train(mbs)
+        results[chunk] = (result, _grads(stage))
     want_loss, want = results[0]
     for chunk in (24, DEFAULT_LOSS_CHUNK_TOKENS):
         loss, got = results[chunk]
@@ -371,9 +371,9 @@ def test_pipeline_default_loss_and_chunk_sizes_agree() -> None:
             assert_rel(got[n], want[n], f"{n} at chunk {chunk}")
 
 
-def test_sequential_executor_needs_a_head() -> None:
+def test_runner_needs_a_head() -> None:
     with pytest.raises(TypeError, match="must carry the LM head.*Linear has no token_logprobs"):
-        SequentialExecutor(paddle.nn.Linear(2, 2), lambda: paddle.amp.auto_cast(enable=False))
+        PipelineRunner(paddle.nn.Linear(2, 2), forward_context=lambda: paddle.amp.auto_cast(False))
 
 
 @pytest.fixture

@@ -1,27 +1,15 @@
-"""Smoke test of `scripts/memory_check.py`: a tiny case measured against its plan, a report."""
+"""Smoke test of `scripts/memory_check.py` (`bench.memory_check`): a tiny case measured against
+its plan, a report."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "memory_check.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("memory_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["memory_check"] = module
-    spec.loader.exec_module(module)
-    return module
+from bench import memory_check as check
 
 
 def test_memory_check_smoke(tmp_path: Path) -> None:
-    check = _load()
     cases = tmp_path / "cases.yaml"
     cases.write_text(
         "- name: tiny\n"

@@ -1,7 +1,8 @@
 """Grouped expert compute (`flashcp.models.moe_dispatch`, `experts`, `grouped_matmul`) against the
-old per-expert loop (`tests/moe_reference.py`): same outputs and gradients (every layout, a
+old per-expert loop (`scripts/bench/moe_loop.py`): same outputs and gradients (every layout, a
 skewed router), bitwise deterministic, bf16 storage upcast chunk by chunk, the
-capacity factor's drops, and the dispatch pieces on their own."""
+capacity factor's drops (outputs, and gradients against a float64 reference:
+`moe_reference.routed_reference`), and the dispatch pieces on their own."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ import numpy as np
 import paddle
 import pytest
 
+import numerics
+from bench.moe_loop import LoopMoE
+from flashcp.distributed import Exchange
+from flashcp.distributed.groups import NamedGroup
 from flashcp.metrics import memory
 from flashcp.models import grouped_matmul as gm
 from flashcp.models import preset
+from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import LAYOUTS, plan_layout
-from flashcp.models.moe import MoE
+from flashcp.models.moe import MoE, Routing
 from flashcp.models.moe_dispatch import build_dispatch, capacity_for, combine, permute, relayout
-from moe_reference import LoopMoE
+from moe_reference import routed_reference
 
 H = 32
 RTOL = 1e-6
@@ -212,6 +218,92 @@ def test_capacity_drops_the_later_tokens_and_counts_them() -> None:
     assert np.abs(moe.gate.weight.grad.numpy()).max() > 0
     assert moe.take_stats().dropped == 0  # reset
     assert capacity_for(0.0, 32, 4, 16) is None
+
+
+def _routed_gradients(
+    moe: MoE, x: paddle.Tensor, probe: paddle.Tensor, path: str
+) -> tuple[np.ndarray, ...]:
+    """(output `[T, H]`, expert ids `[T, k]`, routing-weight gradient `[T, k]`, router-weight
+    gradient) of ``Σ probe · moe(x)``: `grouped` is the layer's own forward; `expert_parallel`
+    the EP path (`expert_parallel_rows`) over a one-rank group, from the layer's pieces."""
+    seen: list[Routing] = []
+    grads: list[np.ndarray] = []
+    route = moe.gate.route
+
+    def recorded(flat: paddle.Tensor) -> Routing:
+        routing = route(flat)
+        routing.weights.register_hook(lambda g: grads.append(g.numpy()))
+        seen.append(routing)
+        return routing
+
+    moe.gate.clear_gradients()
+    if path == "grouped":
+        moe.gate.route = recorded  # the layer's forward, routing weights observed
+        try:
+            out = moe(x)
+        finally:
+            del moe.gate.route
+    else:
+        flat = x.reshape([-1, H])
+        routing = recorded(flat)
+        experts, top_k = moe.gate.num_experts, moe.gate.top_k
+        capacity = capacity_for(moe.capacity_factor, int(flat.shape[0]), top_k, experts)
+        d = build_dispatch(routing.ids, experts, capacity)
+        solo = Exchange(NamedGroup("ep", 0, -1, [0], pg=None))
+        rows, _ = expert_parallel_rows(moe.experts, permute(flat, d), d.counts, solo)
+        out = combine(rows, d, routing.weights)
+    (out.reshape(probe.shape) * probe).sum().backward()
+    assert len(seen) == 1 and len(grads) == 1
+    return (
+        out.numpy().reshape(-1, H),
+        seen[0].ids.numpy(),
+        grads[0],
+        moe.gate.weight.grad.numpy(),
+    )
+
+
+@pytest.mark.parametrize("path", ["grouped", "expert_parallel"])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_capacity_drops_get_no_routing_gradient_and_the_router_gradient_is_right(
+    path: str, norm_topk_prob: bool
+) -> None:
+    """With entries dropped by the capacity: the routing weight of every dropped entry gets a
+    gradient of exactly 0 (it contributed nothing), and the routing-weight and router-weight
+    gradients equal a float64 reference written from the definition (`routed_reference`),
+    not the combine compared with itself."""
+    paddle.seed(2)
+    moe = MoE(
+        _args(
+            moe_capacity_factor=0.75,
+            num_shared_experts=0,
+            norm_topk_prob=norm_topk_prob,
+            routed_scaling_factor=2.5,
+        )
+    )
+    _skew(moe)
+    x = _x(rows=1, length=32, seed=5, shift=SHIFT)
+    probe = paddle.to_tensor(np.random.default_rng(7).standard_normal(x.shape).astype("float32"))
+    capacity = capacity_for(0.75, 32, 4, 16)
+    out, ids, weight_grad, router_grad = _routed_gradients(moe, x, probe, path)
+    ref = routed_reference(moe, x.numpy().reshape(-1, H), probe.numpy().reshape(-1, H), capacity)
+    assert ref.margin > 1e-4  # no near tie: the float32 choice is the float64 one
+    chosen = np.zeros_like(ref.chosen)
+    np.put_along_axis(chosen, ids, True, axis=-1)
+    np.testing.assert_array_equal(chosen, ref.chosen)
+    numerics.assert_close(out, ref.out, n=H, norm="l2", what="routed output")
+    dense = np.zeros(ref.weight_grad.shape)  # [T, k] in the router's order → [T, E]
+    np.put_along_axis(dense, ids, weight_grad, axis=-1)
+    dropped = ref.chosen & ~ref.keep
+    assert dropped.sum() >= 10  # capacity 6 of a skewed router: many drops
+    np.testing.assert_array_equal(
+        dense[dropped], 0.0, err_msg="dropped entries must get no routing-weight gradient"
+    )
+    assert np.abs(dense[ref.keep]).min() > 0  # and the kept ones do
+    numerics.assert_close(dense, ref.weight_grad, n=H, norm="l2", what="routing-weight grad")
+    numerics.assert_close(router_grad, ref.router_grad, n=32, norm="l2", what="router grad")
+    # negative control: the router gradient of the same tokens without drops is far away
+    dropless = routed_reference(moe, x.numpy().reshape(-1, H), probe.numpy().reshape(-1, H), None)
+    numerics.assert_rejects(router_grad, dropless.router_grad, n=32, norm="l2")
 
 
 def test_bf16_storage_upcasts_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import numerics
+import numerics_report  # scripts/numerics_report.py (pytest's pythonpath)
 from flashcp import dispatch
 from flashcp.attention.allgather_kv import make_assignment
 from flashcp.checkpoint.checkpointer import GRADS_DIR
@@ -225,12 +226,6 @@ def test_rule_rejects_cp_bugs_at_golden_scale(
 
 def test_numerics_report_summarises_agreements_and_controls(tmp_path: Path) -> None:
     """`scripts/numerics_report.py` (the tables of docs/portability.md) from a log."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("report", ROOT / "scripts" / "numerics_report.py")
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
     node = "tests/integration/test_x.py::test_a[2]"
     rows = [
         {"test": node, "what": "grad w step 1", "units": 0.5, "ok": True},
@@ -239,12 +234,12 @@ def test_numerics_report_summarises_agreements_and_controls(tmp_path: Path) -> N
         {"test": node, "what": "label-shift grad b", "units": 900.0, "ok": False},
         {"test": node + "x", "what": "label-shift grad w", "units": 500.0, "ok": False},
     ]
-    agree, reject = report.summarise(rows)
+    agree, reject = numerics_report.summarise(rows)
     assert agree == {("test_x.py", "grad"): [2, 2.0]}
     assert reject == {("test_x.py", "label-shift grad"): [2, 500.0]}
     log = tmp_path / "n.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert report.main([str(log), "--markdown"]) == 0
+    assert numerics_report.main([str(log), "--markdown"]) == 0
 
 
 def test_golden_compare_uses_the_rule_and_its_stored_basis() -> None:

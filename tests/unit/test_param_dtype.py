@@ -29,7 +29,7 @@ from flashcp.metrics.writer import read_metrics
 from flashcp.models import AttentionContext, build_model, preset
 from flashcp.models import precision as precision_mod
 from flashcp.models.hf_weights import save_hf_checkpoint
-from flashcp.pipeline.executor import SequentialExecutor
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.base import RecipeContext
 from flashcp.recipes.dpo import DPORecipe
 from flashcp.trainer import Trainer
@@ -211,10 +211,8 @@ def test_dpo_reference_copy_is_frozen_bf16_of_the_stage() -> None:
     assert ref is not None and ref is not policy
     assert all(p.dtype == paddle.bfloat16 and p.stop_gradient for p in ref.parameters())
     ids, pos, ctx = _inputs()
-    from flashcp.pipeline.runner import MicroBatch
-
     mb = MicroBatch(ids, pos, None, ctx)
-    (out,) = SequentialExecutor(policy, recipe.ctx.autocast).forward_only(
+    (out,) = PipelineRunner(policy, groups, forward_context=recipe.ctx.autocast).forward_only(
         [mb], lambda head, _: head.logits().numpy(), ref
     )
     rounded = _rounded_float32("tiny_glm")

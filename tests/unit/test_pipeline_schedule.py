@@ -1,18 +1,22 @@
 """Pipeline schedules on one process: pass order invariants, transfer plans, deadlock
-freedom under blocking send / recv, and the executor run stage by stage in one process.
+freedom under blocking send / recv, and the runner run stage by stage in one process.
 
 The last part replaces the transport with an in-process mailbox and interleaves the stages'
 steps in the order `simulate_plans` derives, so PP = 2 / 3 execution is checked against the
 sequential model (bitwise) without launching processes; `tests/integration` does the real one.
+The micro-batches carry the LM recipe's own loss closure (`flashcp.recipes.lm.normalised_ce`).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import paddle
 import pytest
 
 from flashcp import masks
+from flashcp.config import IGNORE_INDEX
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups, comm_stats
 from flashcp.distributed.p2p import (
     PipelineLinks,
@@ -21,15 +25,15 @@ from flashcp.distributed.p2p import (
     send_tensor,
     swap_tensor,
 )
-from flashcp.models import AttentionContext, HeadInput, build_model, preset
-from flashcp.pipeline import runner as pipeline_mod
-from flashcp.pipeline.runner import (
-    MicroBatch,
-    PipelineSchedule,
-    count_targets,
-    sum_cross_entropy,
-    train_step_1f1b,
+from flashcp.models import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    AttentionContext,
+    HeadInput,
+    build_model,
+    preset,
 )
+from flashcp.pipeline import runner as pipeline_mod
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.pipeline.schedule import (
     Op,
     build_plans,
@@ -40,6 +44,7 @@ from flashcp.pipeline.schedule import (
     simulate_plans,
 )
 from flashcp.pipeline.stage import build_stage
+from flashcp.recipes.lm import normalised_ce
 
 CASES = [(pp, m, s) for pp in (2, 3, 4) for m in range(pp, 2 * pp + 2) for s in range(pp)]
 
@@ -192,24 +197,31 @@ def test_pipeline_links_without_gloo_use_the_pp_group() -> None:
     assert pipeline_links(_fake_groups(1, 0)) == PipelineLinks(None, None, None)
 
 
-# -- the executor, stage by stage in one process ----------------------------------------------
+# -- the runner, stage by stage in one process ------------------------------------------------
 
 
 def _micro_batches(num_micro: int, seq: int = 32) -> tuple[list[MicroBatch], int]:
+    """Micro-batches with the LM recipe's loss closure: summed cross-entropy / the step's count."""
     rng = np.random.default_rng(11)
-    out = []
+    raw = []
     for _ in range(num_micro):
         ids = rng.integers(0, 260, (2, seq))
         labels = np.roll(ids, -1, axis=1)
         lens = [[12, seq - 12], [5, 11, seq - 16]]
         for b, doc in enumerate(lens):
-            labels[b, np.cumsum(doc) - 1] = -100
+            labels[b, np.cumsum(doc) - 1] = IGNORE_INDEX
         ctx = AttentionContext(mask=masks.causal_document_mask(lens).indices, causal=True)
         pos = np.broadcast_to(np.arange(seq), (2, seq)).copy()
-        out.append(
-            MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), paddle.to_tensor(labels), ctx)
+        raw.append((ids, pos, labels, ctx))
+    count = int(sum((labels != IGNORE_INDEX).sum() for _, _, labels, _ in raw))
+    out = []
+    for ids, pos, labels, ctx in raw:
+        lab = paddle.to_tensor(labels)
+        loss = partial(
+            normalised_ce, labels=lab, denom=float(count), chunk_tokens=DEFAULT_LOSS_CHUNK_TOKENS
         )
-    return out, sum(count_targets(mb.labels) for mb in out)
+        out.append(MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), lab, ctx, loss=loss))
+    return out, count
 
 
 def _build(name: str, overrides: dict):
@@ -225,6 +237,16 @@ def _grads(layer) -> dict[str, np.ndarray]:
     return {n: p.grad.numpy() for n, p in layer.named_parameters() if p.grad is not None}
 
 
+def _reference(model, mbs: list[MicroBatch]) -> list[float]:
+    """One process by hand: forward, the micro-batch's loss, backward, one after the other."""
+    losses = []
+    for mb in mbs:
+        loss = mb.loss(HeadInput(model(mb.input_ids, mb.positions, mb.attn), model))
+        loss.backward()
+        losses.append(float(loss))
+    return losses
+
+
 @pytest.mark.parametrize(
     ("name", "overrides", "pp", "num_micro", "kind"),
     [
@@ -236,14 +258,9 @@ def _grads(layer) -> dict[str, np.ndarray]:
 def test_interleaved_stages_equal_sequential_bitwise(
     monkeypatch: pytest.MonkeyPatch, name, overrides, pp, num_micro, kind
 ) -> None:
-    mbs, count = _micro_batches(num_micro)
+    mbs, _ = _micro_batches(num_micro)
     ref = _build(name, overrides)
-    ref_losses = []
-    for mb in mbs:
-        out = HeadInput(ref(mb.input_ids, mb.positions, mb.attn), ref)
-        loss = sum_cross_entropy(out, mb.labels) / count
-        loss.backward()
-        ref_losses.append(float(loss))
+    ref_losses = _reference(ref, mbs)
     want = _grads(ref)
 
     mailbox: dict[tuple[int, int], list[paddle.Tensor]] = {}
@@ -260,24 +277,21 @@ def test_interleaved_stages_equal_sequential_bitwise(
     monkeypatch.setattr(pipeline_mod, "send_tensor", fake_send)
     monkeypatch.setattr(pipeline_mod, "recv_tensor", fake_recv)
     stages = [_stage(name, overrides, s, pp) for s in range(pp)]
-    schedules = [
-        PipelineSchedule(st, _fake_groups(pp, s), kind=kind) for s, st in enumerate(stages)
-    ]
-    states = [sch.start(mbs, sum_cross_entropy, num_targets=count) for sch in schedules]
+    runners = [PipelineRunner(st, _fake_groups(pp, s), kind=kind) for s, st in enumerate(stages)]
+    states = [runner.start(mbs) for runner in runners]
     peak = [0] * pp
     for s, op in simulate_plans(build_plans(kind, pp, num_micro)):
         me["stage"] = s
-        schedules[s].step(states[s], op)
+        runners[s].step(states[s], op)
         peak[s] = max(peak[s], len(states[s].outputs))
-    results = [
-        sch.finish(st, broadcast_loss=False) for sch, st in zip(schedules, states, strict=True)
-    ]
+    results = [runner.finish(st) for runner, st in zip(runners, states, strict=True)]
     assert not any(mailbox.values())
     if kind == "1f1b":
         assert peak == [pp - s for s in range(pp)]  # activations held: pp - stage
     else:
         assert peak == [num_micro] * pp
-    assert results[-1].micro_losses == ref_losses
+    assert results[-1] == ref_losses
+    assert all(r == [] for r in results[:-1])  # the losses live on the last stage
     got = {}
     for st in stages:
         got.update(_grads(st))
@@ -286,48 +300,72 @@ def test_interleaved_stages_equal_sequential_bitwise(
         np.testing.assert_array_equal(got[n], want[n], err_msg=n)
 
 
-def test_single_stage_step_equals_model_bitwise() -> None:
-    mbs, count = _micro_batches(2)
+@pytest.mark.parametrize("with_groups", [True, False], ids=["groups", "no_groups"])
+def test_single_stage_step_equals_model_bitwise(with_groups: bool) -> None:
+    """pp = 1 is the same runner with one stage: one process's loop, bitwise, nothing sent."""
+    mbs, _ = _micro_batches(2)
     ref = _build("tiny_glm", {})
-    total = paddle.zeros([], dtype="float32")
-    for mb in mbs:
-        out = HeadInput(ref(mb.input_ids, mb.positions, mb.attn), ref)
-        loss = sum_cross_entropy(out, mb.labels) / count
-        loss.backward()
-        total = total + loss.detach()
+    ref_losses = _reference(ref, mbs)
     stage = _stage("tiny_glm", {}, 0, 1)
+    runner = PipelineRunner(stage, _fake_groups(1, 0) if with_groups else None)
     before = comm_stats("send").sent
-    result = train_step_1f1b(stage, mbs, sum_cross_entropy, _fake_groups(1, 0), num_targets=count)
+    losses = runner.train(mbs)
     assert comm_stats("send").sent == before  # pp = 1: nothing travels
-    assert float(result.loss) == float(total)
+    assert losses == ref_losses
     got, want = _grads(stage), _grads(ref)
     assert got.keys() == want.keys()
     for n in want:
         np.testing.assert_array_equal(got[n], want[n], err_msg=n)
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_single_stage_runs_micro_batches_one_after_the_other(kind: str) -> None:
+    """One stage: forward, loss, backward per micro-batch whatever the schedule (one in flight,
+    as the memory planner counts at pp = 1)."""
+    runner = PipelineRunner(_stage("tiny", {}, 0, 1), kind=kind)
+    assert runner.plan(3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+
+
+def test_forward_only_equals_model_without_gradients() -> None:
+    """One stage: `out_fn` on each micro-batch's hidden states, in order, no gradients; no
+    micro-batches is no pass (a dp rank without rows in a short last eval batch)."""
+    mbs, _ = _micro_batches(2)
+    stage = _stage("tiny_glm", {}, 0, 1)
+    runner = PipelineRunner(stage)
+    got = runner.forward_only(mbs, lambda out, mb: out.logits().numpy())
+    with paddle.no_grad():
+        want = [stage.logits(stage(mb.input_ids, mb.positions, mb.attn)).numpy() for mb in mbs]
+    assert got is not None and len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert all(p.grad is None for p in stage.parameters())
+    assert runner.forward_only([], lambda out, mb: 1) == []
+    first = PipelineRunner(_stage("tiny", {}, 0, 2), _fake_groups(2, 0))
+    assert first.forward_only([], lambda out, mb: 1) is None  # not the last stage
+
+
 def test_schedule_errors() -> None:
-    mbs, count = _micro_batches(2)
+    mbs, _ = _micro_batches(2)
     stage = _stage("tiny", {}, 1, 2)
     with pytest.raises(ValueError, match="pp group pp\\[0\\] has 1 ranks"):
-        PipelineSchedule(stage, _fake_groups(1, 0))
+        PipelineRunner(stage, _fake_groups(1, 0))
     with pytest.raises(ValueError, match="pp index 0 of pp\\[0,1\\] but holds stage 1"):
-        PipelineSchedule(stage, _fake_groups(2, 0))
+        PipelineRunner(stage, _fake_groups(2, 0))
     with pytest.raises(ValueError, match="pipeline schedule 'zb' is unknown"):
-        PipelineSchedule(stage, _fake_groups(2, 1), kind="zb")
-    schedule = PipelineSchedule(stage, _fake_groups(2, 1))
-    with pytest.raises(ValueError, match="GLOBAL target-token count \\(>= 1\\), got 0"):
-        schedule.run(mbs, num_targets=0)
-    with pytest.raises(ValueError, match="num_targets must be an int"):
-        schedule.run(mbs, num_targets=3.5)  # type: ignore[arg-type]
-    no_labels = [MicroBatch(mb.input_ids, mb.positions, None, mb.attn) for mb in mbs]
-    with pytest.raises(ValueError, match=r"needs labels \(or a loss\) in every micro-batch"):
-        schedule.run(no_labels, num_targets=count)
+        PipelineRunner(stage, _fake_groups(2, 1), kind="zb")
+    with pytest.raises(ValueError, match="stage 1 of 2 needs the process groups"):
+        PipelineRunner(stage)
+    runner = PipelineRunner(stage, _fake_groups(2, 1))
+    no_loss = [MicroBatch(mb.input_ids, mb.positions, mb.labels, mb.attn) for mb in mbs]
+    with pytest.raises(ValueError, match="needs a loss closure in every micro-batch"):
+        runner.train(no_loss)
     with pytest.raises(ValueError, match="1 micro-batches for 2 pipeline stages"):
-        schedule.run(mbs[:1], num_targets=count)
-    state = schedule.start(mbs, sum_cross_entropy, num_targets=count)
+        runner.train(mbs[:1])
+    with pytest.raises(ValueError, match="module is stage 0/1 but the runner runs stage 1/2"):
+        runner.forward_only(mbs, lambda out, mb: None, _stage("tiny", {}, 0, 1))
+    state = runner.start(mbs)
     with pytest.raises(ValueError, match="unknown pipeline step"):
-        schedule.step(state, Op("W", 0))
+        runner.step(state, Op("W", 0))
     state.outputs[0] = paddle.zeros([1])
     with pytest.raises(RuntimeError, match="still in flight"):
-        schedule.finish(state)
+        runner.finish(state)

@@ -12,7 +12,7 @@ on), not logits. The LM head is applied by whoever needs it (`LMHead`):
     logits = model.logits(hidden)                                    # full float32 [B, L_local, V]
 
 Training losses use `token_logprobs`, which never holds more than one chunk of float32 logits
-(`flashcp.models.head`); the executor hands the last stage's hidden states, with the stage as
+(`flashcp.models.head`); the runner hands the last stage's hidden states, with the stage as
 the head, to the recipe's loss (`HeadInput`). Parameter names mirror the Hugging Face layout
 (`model.embed_tokens`, `model.layers.{i}`, `model.norm`, `lm_head`) so checkpoints map by name.
 """

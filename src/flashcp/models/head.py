@@ -149,7 +149,7 @@ class HeadInput:
     hidden states `[B, L_local, H]` and the module whose LM head applies to them (an
     `LMHead`: `logits(hidden)`, `token_logprobs(hidden, labels, ...)`).
 
-    The executor builds one per micro-batch; recipes call `token_logprobs` (chunked, no full
+    The runner builds one per micro-batch; recipes call `token_logprobs` (chunked, no full
     logits) and tests may call `logits()` (the full float32 `[B, L_local, V]`).
     """
 

@@ -1,7 +1,7 @@
-"""Pipeline parallelism: split a model into stages and run them under a 1F1B schedule.
+"""Pipeline parallelism: split a model into stages and run a step's micro-batches on them.
 
 * `split`: which decoder layers each stage runs (pure); `stage`: building one stage alone;
 * `schedule`: the order of passes and transfers (pure, unit-tested);
-* `runner`: running the schedule on this rank's stage over send / recv;
-* `executor`: a step's micro-batches through one process's model or its pipeline stage.
+* `runner`: the ONE runner of a step's micro-batches (forward, loss, backward) on this rank's
+  stage over send / recv; one process's whole model is a one-stage pipeline.
 """

@@ -8,9 +8,9 @@ is a function of (seed, its name) (`flashcp.models.init`), so a stage built alon
 same slice of a one-process model bitwise.
 
 A stage IS a `flashcp.models.CausalLM` (a one-stage pipeline is the whole model):
-`PipelineStage` names that class here, for the schedule and the executor. Parameter names are
-the full model's (`model.embed_tokens.weight`, `model.layers.3.mlp...`, `model.norm.weight`,
-`lm_head.weight`), so checkpoints and gradient comparisons map by name. Tied embeddings: see
+`PipelineStage` names that class here, for the runner. Parameter names are the full model's
+(`model.embed_tokens.weight`, `model.layers.3.mlp...`, `model.norm.weight`, `lm_head.weight`),
+so checkpoints and gradient comparisons map by name. Tied embeddings: see
 `CausalLM` (each of the first and last stage holds its own copy, gradients summed).
 
 Default split: as even as possible, the extra layers going to the EARLIEST stages, so the last

@@ -18,19 +18,19 @@ non-finite handling, checkpoints and the metrics file. A recipe owns what differ
   `out.token_logprobs(labels, chunk_tokens=cfg.train.loss_chunk_tokens)` (log p(label) per
   local token, 0 on ignored labels), which runs the head over token chunks and recomputes each
   chunk's logits in backward (`flashcp.models.head`);
-* `prepare(plan, executor)`: forward-only passes the loss needs first (DPO reference log-probs;
-  `executor.forward_only(micro, out_fn, module)` calls `out_fn(HeadInput, mb)` likewise);
+* `prepare(plan, runner)`: forward-only passes the loss needs first (DPO reference log-probs;
+  `runner.forward_only(micro, out_fn, module)` calls `out_fn(HeadInput, mb)` likewise);
 * `loss_value(micro_losses)`, `step_stats()`, `metrics(stats)`: this rank's share of the step
   loss and of extra statistics, which the trainer sums over every rank, and the metrics made
   from the sums;
 * evaluation (`eval.path`, `flashcp.evaluate`): `build_eval_data(path)` (the recipe's
   data on another file, one row at a time; default: `build_data` of a copy of the recipe
-  whose config reads `path`), `eval_sums(batches, executor, module)` (this rank's share of an
+  whose config reads `path`), `eval_sums(batches, runner, module)` (this rank's share of an
   eval batch's sums, from forward-only passes) and `eval_metrics(sums)`.
 
-The executor (`flashcp.pipeline.executor`) runs `plan.micro` forward and backward: one after the
-other in one process (pp = 1), or under the pipeline schedule (pp > 1), where each closure runs
-on the last stage.
+The runner (`flashcp.pipeline.runner.PipelineRunner`) runs `plan.micro` forward and backward
+under the pipeline schedule, each closure on the last stage (pp = 1: the whole model is the one
+stage, the micro-batches run one after the other).
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ import paddle
 from flashcp.config import Config
 from flashcp.data.peers import Peers
 from flashcp.distributed import ParallelGroups, all_gather_object
-from flashcp.models import HeadInput
-from flashcp.pipeline.runner import MicroBatch
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 
 
 class StepSource(Protocol):
@@ -63,17 +62,6 @@ class StepSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def describe(self) -> str: ...
-
-
-class Executor(Protocol):
-    """Runs micro-batches through this rank's module (see `flashcp.pipeline.executor`)."""
-
-    def forward_only(
-        self,
-        micro: Sequence[MicroBatch],
-        out_fn: Callable[[HeadInput, MicroBatch], Any],
-        module: paddle.nn.Layer | None = None,
-    ) -> list[Any] | None: ...
 
 
 DATA_INDEX_TIMEOUT = 3600.0
@@ -183,7 +171,7 @@ class Recipe:
     def plan(self, batches: list[Any]) -> StepPlan:
         raise NotImplementedError
 
-    def prepare(self, plan: StepPlan, executor: Executor, module: paddle.nn.Layer) -> None:
+    def prepare(self, plan: StepPlan, runner: PipelineRunner, module: paddle.nn.Layer) -> None:
         """Forward-only work before the training passes (default: nothing)."""
 
     def loss_value(self, micro_losses: Sequence[float]) -> float:
@@ -219,7 +207,7 @@ class Recipe:
         return type(self)(replace(ctx, cfg=eval_cfg)).build_data()
 
     def eval_sums(
-        self, batches: list[Any], executor: Executor, module: paddle.nn.Layer
+        self, batches: list[Any], runner: PipelineRunner, module: paddle.nn.Layer
     ) -> list[float]:
         """This rank's share of the sums `eval_metrics` needs, for one eval batch (the trainer
         sums them over every rank and every eval batch). Forward-only passes only."""

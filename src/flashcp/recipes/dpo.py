@@ -13,7 +13,7 @@ One step:
    frozen copy, or the policy inside `disable_adapters` with LoRA; under pp > 1 it is a
    forward-only pass through the pipeline and the results stay on the last stage, where the
    losses are computed.
-4. The executor runs the policy forward and backward; each micro-batch's loss closure turns the
+4. The runner runs the policy forward and backward; each micro-batch's loss closure turns the
    last stage's final-norm hidden states (`HeadInput`) into per-token log-probs over chunks of
    `train.loss_chunk_tokens` answer tokens (no full logits; each chunk's logits recomputed in
    backward), sums them over each answer's span and applies the DPO loss
@@ -49,8 +49,8 @@ from flashcp.data.dpo_stream import DPOData
 from flashcp.distributed import all_reduce_tensor
 from flashcp.models import AttentionContext, HeadInput
 from flashcp.optim.grads import all_reduce_values
-from flashcp.pipeline.runner import MicroBatch
-from flashcp.recipes.base import Executor, Recipe, StepPlan
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.recipes.base import Recipe, StepPlan
 from flashcp.recipes.dpo_loss import dpo_terms, sequence_logps
 
 STATS = ("chosen", "rejected", "wins", "examples", "logps_chosen", "logps_rejected")
@@ -188,16 +188,16 @@ class DPORecipe(Recipe):
             chosen, rejected = chosen / lengths[:, 0], rejected / lengths[:, 1]
         return chosen, rejected
 
-    def prepare(self, plan: StepPlan, executor: Executor, module: paddle.nn.Layer) -> None:
+    def prepare(self, plan: StepPlan, runner: PipelineRunner, module: paddle.nn.Layer) -> None:
         """Reference log-probs of every micro-batch (last pipeline stage only)."""
         if self.lora is not None:
             from flashcp.lora.model import disable_adapters, lora_layers
 
             off = disable_adapters(module) if lora_layers(module) else contextlib.nullcontext()
             with off:
-                results = executor.forward_only(plan.micro, self.answer_logps)
+                results = runner.forward_only(plan.micro, self.answer_logps)
         else:
-            results = executor.forward_only(plan.micro, self.answer_logps, self.reference)
+            results = runner.forward_only(plan.micro, self.answer_logps, self.reference)
         self._ref = list(results or [])
 
     def _terms(self, out: HeadInput, mb: MicroBatch) -> tuple[paddle.Tensor, ...]:
@@ -234,7 +234,7 @@ class DPORecipe(Recipe):
     # -- evaluation -------------------------------------------------------------------------
 
     def eval_sums(
-        self, batches: list[DPOBatch], executor: Executor, module: paddle.nn.Layer
+        self, batches: list[DPOBatch], runner: PipelineRunner, module: paddle.nn.Layer
     ) -> list[float]:
         """EVAL_STATS of this rank for one eval batch: the reference and then the policy run
         forward only, the DPO terms on the last stage (cp rank 0 reports: they are
@@ -242,8 +242,8 @@ class DPORecipe(Recipe):
         saved = (self._micro, self._ref, self._sums, self._examples)
         try:
             plan = self.plan(batches)
-            self.prepare(plan, executor, module)
-            results = executor.forward_only(plan.micro, self._eval_terms) or []
+            self.prepare(plan, runner, module)
+            results = runner.forward_only(plan.micro, self._eval_terms) or []
         finally:
             self._micro, self._ref, self._sums, self._examples = saved
         total = np.zeros(len(EVAL_STATS))

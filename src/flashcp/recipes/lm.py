@@ -22,8 +22,8 @@ from flashcp.config import IGNORE_INDEX
 from flashcp.data import TrainData, shard_batch
 from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext, HeadInput
 from flashcp.optim.grads import all_reduce_values
-from flashcp.pipeline.runner import MicroBatch
-from flashcp.recipes.base import Executor, Recipe, StepPlan
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.recipes.base import Recipe, StepPlan
 
 
 def summed_cross_entropy(
@@ -101,7 +101,7 @@ class LMRecipe(Recipe):
         return StepPlan(micro=micro, tokens=tokens, targets=targets)
 
     def eval_sums(
-        self, batches: list[Any], executor: Executor, module: paddle.nn.Layer
+        self, batches: list[Any], runner: PipelineRunner, module: paddle.nn.Layer
     ) -> list[float]:
         """[summed cross-entropy, target tokens] of this rank's tokens (its cp shard, last
         pipeline stage; 0 elsewhere): summed over every rank, a token-weighted mean."""
@@ -111,7 +111,7 @@ class LMRecipe(Recipe):
             nll = summed_cross_entropy(out, mb.labels, chunk_tokens=chunk)
             return float(nll), int((mb.labels != IGNORE_INDEX).astype("int64").sum())
 
-        results = executor.forward_only(self.plan(batches).micro, sums) or []
+        results = runner.forward_only(self.plan(batches).micro, sums) or []
         return [sum(r[0] for r in results), float(sum(r[1] for r in results))]
 
     def eval_metrics(self, sums: np.ndarray) -> dict[str, float]:

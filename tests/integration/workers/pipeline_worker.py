@@ -8,19 +8,22 @@ Run under `paddle.distributed.launch` with `pp × cp` processes (`--pp`, `--cp`)
   cross-entropy divided by the GLOBAL target count, back-propagated one micro-batch after the
   other; the gradients accumulate;
 * with CP, also the CP-only reference (PP = 1, CP = cp on this rank's cp group, same shards);
-* the pipeline step: its stage, built on its own, `train_step_1f1b` on its pp group.
+* the pipeline step: its stage, built on its own, run by `PipelineRunner` on its pp group.
+
+Every loss is a micro-batch's closure built by the LM recipe's own loss
+(`flashcp.recipes.lm.normalised_ce`: summed cross-entropy / the step's global target count).
 
 Checks: every stage parameter's gradient is BITWISE equal to the reference gradient of the
 same name (the PP = 1 one without CP; the CP-only one with CP, i.e. before any cp reduction),
-and the micro-batch losses and step loss are bitwise equal (same operations, same order:
-bitwise by construction); with CP the gradients summed over the cp group and the loss summed
-over cp match the PP = 1, CP = 1 reference within the float32 rule of `tests/numerics.py`
-(CP changes the summation order inside attention and across the sequence; gradients
-norm-wise, n = the step's target tokens). A tied embedding/head matrix is compared under the
-same rule: one process adds its embedding and head gradients per micro-batch, the pipeline
-adds the two stages' totals once. Negative control (with CP): the same CP-only step with
-labels shifted after sharding must miss the allowance by a wide margin. Results go to
-`<out>/rank<r>.json`; any mismatch raises.
+and the micro-batch losses and step loss (summed over the pp group as the trainer does) are
+bitwise equal (same operations, same order: bitwise by construction); with CP the gradients
+summed over the cp group and the loss summed over cp match the PP = 1, CP = 1 reference
+within the float32 rule of `tests/numerics.py` (CP changes the summation order inside
+attention and across the sequence; gradients norm-wise, n = the step's target tokens). A tied
+embedding/head matrix is compared under the same rule: one process adds its embedding and head
+gradients per micro-batch, the pipeline adds the two stages' totals once. Negative control
+(with CP): the same CP-only step with labels shifted after sharding must miss the allowance by
+a wide margin. Results go to `<out>/rank<r>.json`; any mismatch raises.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +43,8 @@ import paddle
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
 
 from flashcp import masks  # noqa: E402
-from flashcp.attention.allgather_kv import make_assignment
+from flashcp.attention.allgather_kv import make_assignment  # noqa: E402
+from flashcp.config import IGNORE_INDEX  # noqa: E402
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import (  # noqa: E402
     ParallelDims,
@@ -50,9 +55,16 @@ from flashcp.distributed import (  # noqa: E402
     reset_comm_stats,
     shutdown,
 )
-from flashcp.models import AttentionContext, HeadInput, build_model, preset  # noqa: E402
-from flashcp.pipeline.runner import MicroBatch, count_targets, sum_cross_entropy, train_step_1f1b
-from flashcp.pipeline.stage import build_stage
+from flashcp.models import (  # noqa: E402
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    AttentionContext,
+    HeadInput,
+    build_model,
+    preset,
+)
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner  # noqa: E402
+from flashcp.pipeline.stage import build_stage  # noqa: E402
+from flashcp.recipes.lm import normalised_ce  # noqa: E402
 from numerics import FACTOR, compare, labels_shifted_after_sharding  # noqa: E402
 
 B, S, VOCAB = 2, 32, 260
@@ -120,10 +132,11 @@ def make_micro_batches(num_micro: int) -> list[dict]:
 
 
 def local_micro_batches(
-    global_mbs: list[dict], group, *, shift_bug: bool = False
+    global_mbs: list[dict], group, count: int, *, shift_bug: bool = False
 ) -> list[MicroBatch]:
-    """This rank's shards (all of it when `group` is None or has one rank); `shift_bug`: with
-    labels shifted after sharding (the negative control)."""
+    """This rank's shards (all of it when `group` is None or has one rank), each with the LM
+    loss normalised by the step's global target `count`; `shift_bug`: with labels shifted
+    after sharding (the negative control)."""
     out = []
     for g in global_mbs:
         if group is None or group.nranks == 1:
@@ -139,9 +152,11 @@ def local_micro_batches(
             if shift_bug:
                 labels = labels_shifted_after_sharding(ids, labels)
             pos = np.ascontiguousarray(g["positions"][:, asg.positions(S, group.rank)])
-        out.append(
-            MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), paddle.to_tensor(labels), ctx)
+        lab = paddle.to_tensor(labels)
+        loss = partial(
+            normalised_ce, labels=lab, denom=float(count), chunk_tokens=DEFAULT_LOSS_CHUNK_TOKENS
         )
+        out.append(MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), lab, ctx, loss=loss))
     return out
 
 
@@ -149,17 +164,25 @@ def grads_of(layer) -> dict[str, np.ndarray]:
     return {n: p.grad.numpy().copy() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-def sequential(case: Case, mbs: list[MicroBatch], count: int):
+def sequential(case: Case, mbs: list[MicroBatch]):
     """PP = 1: the whole model, micro-batches forwarded and back-propagated one by one."""
     model = build_model(preset(case.model, **case.overrides), seed=0)
     losses, total = [], paddle.zeros([], dtype="float32")
     for mb in mbs:
-        out = HeadInput(model(mb.input_ids, mb.positions, mb.attn), model)
-        loss = sum_cross_entropy(out, mb.labels) / float(count)
+        loss = mb.loss(HeadInput(model(mb.input_ids, mb.positions, mb.attn), model))
         loss.backward()
         losses.append(float(loss))
         total = total + loss.detach()
     return grads_of(model), losses, total
+
+
+def step_loss(micro_losses: list[float], group) -> paddle.Tensor:
+    """The step loss as the trainer forms it: this stage's micro-batch losses summed (float32,
+    in order; none but on the last stage), then summed over the pp `group`."""
+    total = paddle.zeros([], dtype="float32")
+    for x in micro_losses:
+        total = total + paddle.to_tensor(x, dtype="float32")
+    return all_reduce_tensor(total, group)
 
 
 def grad_units(
@@ -174,13 +197,12 @@ def grad_units(
 
 def run_case(case: Case, groups, pp: int, cp: int) -> dict:
     global_mbs = make_micro_batches(case.num_micro)
-    count = sum(count_targets(g["labels"]) for g in global_mbs)
-    ref_grads, ref_losses, ref_total = sequential(
-        case, local_micro_batches(global_mbs, None), count
-    )
-    local = local_micro_batches(global_mbs, groups.cp)
+    count = int(sum((g["labels"] != IGNORE_INDEX).sum() for g in global_mbs))
+    everything = local_micro_batches(global_mbs, None, count)
+    ref_grads, ref_losses, ref_total = sequential(case, everything)
+    local = local_micro_batches(global_mbs, groups.cp, count)
     if cp > 1:
-        same_grads, same_losses, same_total = sequential(case, local, count)
+        same_grads, same_losses, same_total = sequential(case, local)
     else:
         same_grads, same_losses, same_total = ref_grads, ref_losses, ref_total
 
@@ -189,19 +211,18 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
         preset(case.model, **case.overrides), groups.pp.rank, pp, case.pp_layers, seed=0
     )
     reset_comm_stats()
-    result = train_step_1f1b(
-        stage, local, sum_cross_entropy, groups, num_targets=count, kind=case.kind
-    )
+    micro_losses = PipelineRunner(stage, groups, kind=case.kind).train(local)
     sent = comm_stats("send").sent
+    loss = step_loss(micro_losses, groups.pp)
     got = grads_of(stage)
     tied = stage.tied_weight
     tied_names = {n for n, p in stage.named_parameters() if tied is not None and p is tied}
 
     bitwise = {n: bool(np.array_equal(g, same_grads[n])) for n, g in got.items() if n in same_grads}
     tied_err = {n: grad_units({n: got[n]}, same_grads, count, "tied grad") for n in tied_names}
-    # The loss is broadcast from the last stage: every stage must see the same value.
-    loss_bitwise = float(result.loss) == float(same_total)
-    micro_bitwise = (not stage.is_last) or result.micro_losses == same_losses
+    # The step loss is summed over the pp group: every stage must see the same value.
+    loss_bitwise = float(loss) == float(same_total)
+    micro_bitwise = micro_losses == (same_losses if stage.is_last else [])
 
     reduced_err = None
     loss_err = None
@@ -211,11 +232,11 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
             n: all_reduce_tensor(paddle.to_tensor(g), groups.cp).numpy() for n, g in got.items()
         }
         reduced_err = grad_units(reduced, ref_grads, count, "cp-reduced grad")
-        loss_sum = float(all_reduce_tensor(result.loss, groups.cp))
+        loss_sum = float(all_reduce_tensor(loss, groups.cp))
         loss_err = compare(loss_sum, float(ref_total), n=count, what="cp loss").units
         # negative control: the CP-only step with labels shifted after sharding
         bad, _, _ = sequential(
-            case, local_micro_batches(global_mbs, groups.cp, shift_bug=True), count
+            case, local_micro_batches(global_mbs, groups.cp, count, shift_bug=True)
         )
         bad = {n: all_reduce_tensor(paddle.to_tensor(g), groups.cp).numpy() for n, g in bad.items()}
         shift_units = grad_units(bad, ref_grads, count, "label-shift grad")
@@ -245,7 +266,7 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
         "p2p_bytes_sent": sent,
         "num_micro": case.num_micro,
         "tied_embeddings": bool(case.overrides.get("tie_embeddings", False)),
-        "loss": float(result.loss),
+        "loss": float(loss),
         "loss_bitwise": loss_bitwise,
         "micro_bitwise": micro_bitwise,
         "cp_reduced_grad_err": reduced_err,

@@ -1,7 +1,8 @@
 """Test-sized Hugging Face tokenizer files, generated (never downloaded): reuse them anywhere a
-test needs a real tokenizer directory (data, from_pretrained, export round trips).
+test or a benchmark needs a real tokenizer directory (data, from_pretrained, export round trips;
+the data benchmark `bench.data`, which is why this lives here: no script imports from tests/).
 
-    from hfdir import write_tokenizer_files
+    from bench.hfdir import write_tokenizer_files
     tok_dir = write_tokenizer_files(tmp_path / "model")   # tokenizer.json + configs
 
 The tokenizer is a byte-level BPE trained with the `tokenizers` library on flashcp's shipped
