@@ -29,9 +29,10 @@ from trainruns import assert_training_matches
 
 import numerics
 from flashcp import dispatch
+from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import GRADS_DIR, Trainer
+from flashcp.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,10 @@ from launch import run_launch
 from safetensors.numpy import load_file
 
 from flashcp import dispatch
+from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import GRADS_DIR, Trainer
+from flashcp.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `numerics`
 import numerics  # noqa: E402
