@@ -32,6 +32,8 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 import jobs  # noqa: E402
 
+from flashcp.checkpoint.format import CHECKPOINT_DIR, step_dir, verify_checkpoint  # noqa: E402
+
 CONFIG_FOR = {2: "configs/gpt/tiny_cp2.yaml", 4: "configs/gpt/tiny_cp4.yaml"}
 QUICK_LAUNCHES = 3
 
@@ -43,8 +45,9 @@ def launch_problems(run: jobs.JobRun, steps: int) -> list[str]:
         got = sorted(run.losses())
         if got != list(range(1, steps + 1)):
             found.append(f"metrics.jsonl has steps {got}, expected 1..{steps}")
-        if not (run.out_dir / "checkpoints" / f"step_{steps}" / "manifest.json").is_file():
-            found.append(f"checkpoint step_{steps} was not written")
+        problems = verify_checkpoint(step_dir(run.out_dir / CHECKPOINT_DIR, steps))
+        if problems:
+            found.append(f"checkpoint step_{steps} was not written: {'; '.join(problems)}")
     return found
 
 

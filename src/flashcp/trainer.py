@@ -38,7 +38,8 @@ record, which rank 0 writes to metrics.jsonl and every `run.report_to` backend
 (`flashcp.metrics.tracking`), with `mfu` (`flashcp.metrics.flops`) and `consumed_tokens`.
 
 Only trainable parameters are optimised, synchronised and checkpointed: with a `lora` section
-those are the adapters (saved in PaddleFormers' format; see `flashcp.lora.setup`).
+those are the adapters (saved in PaddleFormers' format). Every checkpoint read and write, and
+the exports at the end of a LoRA run, go through `flashcp.checkpoint.checkpointer.Checkpointer`.
 """
 
 from __future__ import annotations
@@ -56,12 +57,9 @@ import paddle
 
 from flashcp import rundir
 from flashcp.attention.allgather_kv import make_assignment
-from flashcp.checkpoint import format as ckpt
-from flashcp.checkpoint import parts as sharded
+from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
-from flashcp.checkpoint.optimizer_state import shard_metadata, source_for
-from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state, set_rng_state
-from flashcp.config import Config, config_hash, diff_dicts, hashed_dict, to_yaml
+from flashcp.config import Config, to_yaml
 from flashcp.cp.layout import Assignment
 from flashcp.distributed import ParallelDims, ParallelGroups, barrier, build_groups
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
@@ -72,7 +70,6 @@ from flashcp.metrics.writer import MetricsWriter, StepMetrics
 from flashcp.models.base import StageSpec
 from flashcp.models.expert_parallel import attach_exchange
 from flashcp.models.moe_balance import loss_scale_context
-from flashcp.optim.adamw import SEP
 from flashcp.optim.grads import all_reduce_values, trainable
 from flashcp.optim.lr import build_scheduler
 from flashcp.optim.zero import MasterOptimizer, build_distributed_optimizer
@@ -80,9 +77,6 @@ from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
 from flashcp.recipes.base import Recipe, RecipeContext
 
-GRADS_DIR = "grads"
-SAVE_BARRIER_TIMEOUT = 3600.0
-"""Other ranks wait this long (s) for rank 0 to write a checkpoint."""
 START_BARRIER_TIMEOUT = 3600.0
 """Ranks wait this long (s) at the start of `fit` for the slowest one to build and resume."""
 
@@ -234,12 +228,9 @@ class Trainer:
                 f"parallel.ep={cfg.parallel.ep} but the process groups were built with ep="
                 f"{self.ep_size}: build them from the same config (ParallelDims(..., ep=...))"
             )
-        self.is_stage_writer = self.cp_rank == 0 and self.dp_rank == 0
-        """This rank writes its pipeline stage's checkpoint part and gradient dumps."""
         self.step_groups = [groups.cp, groups.dp, groups.pp]
         """Step statistics (loss, flags, recipe sums) are summed over these."""
         self.output_dir = Path(cfg.run.output_dir)
-        self.ckpt_root = self.output_dir / ckpt.CHECKPOINT_DIR
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         """The compute dtype (`train.dtype` resolved: auto = bfloat16 on GPU, float32 on CPU)."""
@@ -269,8 +260,6 @@ class Trainer:
         self.lora = self.recipe.lora
         """`flashcp.lora.setup.LoRASetup` when a `lora` section is set, else None."""
         self.params = trainable(self.model)
-        self.expert_arrays = ExpertArrays(self.model, groups)
-        """Gathers / slices the expert-parallel tensors' rows for checkpoints (ep > 1)."""
         self.scheduler = build_scheduler(cfg.train)
         self.optimizer = build_distributed_optimizer(
             self.model,
@@ -282,9 +271,19 @@ class Trainer:
         )
         """This rank's optimizer (`flashcp.optim.zero`): Paddle's AdamW on the parameters,
         or on float32 master weights (bf16 storage), sharded under parallel.shard_optimizer."""
-        self.sharded_state = isinstance(self.optimizer, MasterOptimizer)
-        """Optimizer state is saved as per-rank shards (`flashcp.checkpoint.optimizer_state`)."""
-        self._init_masters()
+        self.checkpointer = Checkpointer(
+            cfg,
+            groups,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data=self.data,
+            experts=ExpertArrays(self.model, groups),
+            lora=self.lora,
+            echo=self.echo,
+        )
+        """Every checkpoint read and write of this rank, and the LoRA exports."""
+        self.checkpointer.init_masters()
         self.runner = PipelineRunner(
             self.model,  # type: ignore[arg-type]
             groups,
@@ -294,7 +293,6 @@ class Trainer:
         self.step = 0
         self.consumed_tokens = 0
         """Tokens (padding included) the whole job has trained on, counting resumed steps."""
-        self.resumed_from: Path | None = None
         self.stream = stream
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (`eval.path`; `flashcp.evaluate`), None without."""
@@ -323,218 +321,18 @@ class Trainer:
         current = str(paddle.get_device())
         return current if current.startswith("gpu") else "gpu"
 
-    # -- pipeline ---------------------------------------------------------------------------
-
-    def _init_masters(self) -> None:
-        """With `checkpoint.init_from` and parameters stored in bfloat16/float16, the float32
-        master weights this rank holds start from the checkpoint's own values (its slices
-        only, `flashcp.models.hf_weights.read_hf_float32`), not from the rounded parameters.
-        (A resumed run then overwrites them with the checkpoint's masters.)"""
-        opt = self.optimizer
-        path = self.cfg.checkpoint.init_from
-        if path is None or not isinstance(opt, MasterOptimizer) or opt.low_precision is None:
-            return
-        if self.lora is not None:
-            return  # the trained parameters are the adapters, which the checkpoint lacks
-        from flashcp.models.hf_weights import read_hf_float32
-
-        values, _ = read_hf_float32(self.model, path, opt.master_slices())
-        opt.set_masters(values)
-
-    # -- resume -----------------------------------------------------------------------------
-
-    def _resume_source(self) -> Path | None:
-        policy = self.cfg.checkpoint.resume
-        # the check `flashcp train` and every rank made before; here for in-process use
-        rundir.check_start(self.cfg.run.output_dir, policy, self.cfg.run.overwrite)
-        if policy == "never":
-            return None
-        if policy == "auto":
-            return ckpt.latest_checkpoint(self.ckpt_root, warn=self.is_main)
-        return Path(policy)
+    # -- checkpoints --------------------------------------------------------------------------
 
     def resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` selects, if any; returns its path."""
-        source = self._resume_source()
-        if source is None:
+        # the check `flashcp train` and every rank made before; here for in-process use
+        rundir.check_start(self.cfg.run.output_dir, self.cfg.checkpoint.resume,
+                           self.cfg.run.overwrite)  # fmt: skip
+        resumed = self.checkpointer.resume(self.global_batch()["tokens"])
+        if resumed is None:
             return None
-        loaded = ckpt.load_checkpoint(source)
-        state = loaded.state
-        if state.get("config_hash") != config_hash(self.cfg) and self.is_main:
-            changed = diff_dicts(state.get("config", {}), hashed_dict(self.cfg))
-            self.echo(
-                f"warning: resuming from {source} with a changed config ({', '.join(changed)});"
-                " the run will not match an uninterrupted one"
-            )
-        saved_steps = state.get("train_steps", self.cfg.train.steps)
-        if saved_steps != self.cfg.train.steps:
-            self.echo(
-                f"note: train.steps changed from {saved_steps} to {self.cfg.train.steps} since "
-                f"{source}: the cosine schedule is recomputed for the new length"
-            )
-        self._load_arrays(loaded)
-        self.scheduler.set_state_dict(state["scheduler"])
-        self.data.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.step = loaded.step
-        self.consumed_tokens = int(
-            state.get("consumed_tokens", loaded.step * self.global_batch()["tokens"])
-        )
-        self.resumed_from = source
-        return source
-
-    def _load_arrays(self, loaded: ckpt.Checkpoint) -> None:
-        """Model (or adapters) and optimizer state; a pipeline stage takes the names it holds,
-        so a checkpoint of any pipeline layout loads."""
-        model, optimizer = loaded.model, loaded.optimizer
-        if self.lora is not None:
-            from flashcp.lora.setup import load_trainable_arrays
-
-            names = {n for n, _ in self.params}
-            model = {k: v for k, v in model.items() if k in names}
-            load_trainable_arrays(self.model, self.expert_arrays.slice(model))
-        else:
-            if self.pp_size > 1:
-                own = set(self.model.state_dict())
-                model = {k: v for k, v in model.items() if k in own}
-            load_model_arrays(self.model, self.expert_arrays.slice(model))
-        if self.pp_size > 1 or self.lora is not None:
-            names = {n for n, _ in self.model.named_parameters()}
-            optimizer = {k: v for k, v in optimizer.items() if k.split(SEP)[0] in names}
-        self.optimizer.load_state(source_for(optimizer, loaded.optimizer_shards))
-
-    def _state(self) -> dict[str, Any]:
-        return {
-            "config_hash": config_hash(self.cfg),
-            "config": hashed_dict(self.cfg),
-            "scheduler": self.scheduler.state_dict(),
-            "data": self.data.state_dict(),
-            "rng": rng_state(),
-            "parallel": {
-                "dp": self.dp_size,
-                "pp": self.pp_size,
-                "cp": self.cp_size,
-                "ep": self.ep_size,
-                "shard_optimizer": self.cfg.parallel.shard_optimizer,
-            },
-            "train_steps": self.cfg.train.steps,
-            "consumed_tokens": self.consumed_tokens,
-        }
-
-    def save(self) -> Path | None:
-        """Write a checkpoint of the current step (rank 0 returns its path); every rank waits.
-
-        One writer (rank 0) for a whole model; with pipeline stages or LoRA adapters each
-        stage's writer adds its part, and float32 master weights (sharded or not) are written
-        as one optimizer shard per rank that owns one (`flashcp.checkpoint.parts`).
-        """
-        if self.pp_size > 1 or self.lora is not None or self.sharded_state or self.ep_size > 1:
-            return self._save_parts()
-        path = None
-        if self.is_main:
-            path = ckpt.save_checkpoint(
-                self.ckpt_root,
-                self.step,
-                model=model_arrays(self.model),
-                optimizer=self.optimizer.state_arrays(),
-                state=self._state(),
-                keep_last=self.cfg.checkpoint.keep_last,
-            )
-        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
-        return path
-
-    def _save_parts(self) -> Path | None:
-        world = self.groups.world
-        adapters = self.lora is not None
-        model_files, optimizer_files = sharded.part_names(self.pp_size, adapters=adapters)
-        shard_files: list[list[str]] = []
-        if self.sharded_state:
-            optimizer_files = []
-            shard_files = sharded.shard_names(self.pp_size, self.optimizer.files)
-        if self.is_main:
-            sharded.begin(self.ckpt_root, self.step, adapters=adapters)
-        state = self._state() if self.is_main else {}
-        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
-        tmp = sharded.tmp_dir(self.ckpt_root, self.step)
-        self._write_model_part(tmp, model_files[self.pp_rank])
-        if self.sharded_state:
-            self._write_optimizer_shard(tmp, shard_files[self.pp_rank])
-        else:
-            from flashcp.checkpoint.experts import optimizer_key
-
-            arrays = self.expert_arrays.collect(self.optimizer.state_arrays, optimizer_key)
-            if arrays is not None:  # the stage writer
-                sharded.write_part(tmp / optimizer_files[self.pp_rank], arrays)
-        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
-        path = None
-        if self.is_main:
-            extra = self._write_adapter_meta(tmp / sharded.ADAPTER_DIR, model_files)
-            path = sharded.commit(
-                self.ckpt_root,
-                self.step,
-                state=state,
-                model_files=model_files,
-                optimizer_files=optimizer_files,
-                optimizer_shards=shard_files,
-                extra_files=[f"{sharded.ADAPTER_DIR}/{name}" for name in extra],
-                keep_last=self.cfg.checkpoint.keep_last,
-            )
-        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
-        return path
-
-    def _write_optimizer_shard(self, directory: Path, names: list[str]) -> None:
-        """This rank's optimizer shard, if it writes one (unsharded masters: the stage writer;
-        with trainable experts under ep, each ep rank's first edp rank)."""
-        optimizer = self.optimizer
-        assert isinstance(optimizer, MasterOptimizer)
-        if not optimizer.writes_file:
-            return
-        arrays = optimizer.state_arrays()
-        path = directory / names[arrays.index]
-        sharded.write_part(path, arrays.tensors(), shard_metadata(arrays))
-
-    def _write_model_part(self, directory: Path, name: str) -> None:
-        """The stage writer writes its stage's model (or adapter) part, expert tensors whole
-        (collected from its ep group, `flashcp.checkpoint.experts`)."""
-        if self.lora is not None:
-            from flashcp.lora.setup import trainable_arrays, write_adapter_arrays
-
-            arrays = self.expert_arrays.collect(lambda: trainable_arrays(self.model))
-            if arrays is not None:
-                write_adapter_arrays(directory / name, arrays)
-                ckpt._fsync_file(directory / name)
-        else:
-            arrays = self.expert_arrays.collect(lambda: model_arrays(self.model))
-            if arrays is not None:
-                sharded.write_part(directory / name, arrays)
-
-    def _write_adapter_meta(self, directory: Path, model_files: list[str]) -> list[str]:
-        if self.lora is None:
-            return []
-        from flashcp.lora.setup import write_adapter_meta
-
-        prefix = f"{sharded.ADAPTER_DIR}/"
-        shards = [f.removeprefix(prefix) for f in model_files]
-        return write_adapter_meta(directory, shards, self.lora)
-
-    def export_adapters(self) -> Path | None:
-        """Write the adapters in PaddleFormers' format to `<output_dir>/adapters` (collective;
-        each pipeline stage writes its shard); returns the directory (None without LoRA)."""
-        if self.lora is None:
-            return None
-        from flashcp.lora.setup import trainable_arrays, write_adapter_arrays
-
-        out = self.output_dir / sharded.ADAPTER_DIR
-        files, _ = sharded.part_names(self.pp_size, adapters=True)
-        shard = files[self.pp_rank].removeprefix(f"{sharded.ADAPTER_DIR}/")
-        arrays = self.expert_arrays.collect(lambda: trainable_arrays(self.model))
-        if arrays is not None:  # the stage writer, experts whole
-            write_adapter_arrays(out / shard, arrays)
-        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
-        if self.is_main:
-            self._write_adapter_meta(out, files)
-        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
-        return out
+        self.step, self.consumed_tokens = resumed.step, resumed.consumed_tokens
+        return resumed.path
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -590,7 +388,7 @@ class Trainer:
             self.optimizer.reduce_grads()
             grad_norm = self.optimizer.grad_norm()
             if self.cfg.debug.dump_grads:
-                self._dump_grads(step)
+                self.checkpointer.dump_grads(step, self.optimizer.full_grads)
             self.optimizer.step()
             if self.router is not None:  # after the update, from the step's summed loads
                 self.router.update_biases(reduced[base + len(stats) :])
@@ -646,19 +444,6 @@ class Trainer:
             )
         self.echo(f"warning: non-finite {what} at step {step}: update skipped")
 
-    def _dump_grads(self, step: int) -> None:
-        """`grads/step_N.safetensors` (pp = 1) or one `step_N.stageS.safetensors` per stage,
-        written by the stage writer (expert gradients whole, collected from its ep group)."""
-        from safetensors.numpy import save_file
-
-        arrays = self.expert_arrays.collect(self.optimizer.full_grads)
-        if arrays is None:
-            return
-        out = self.output_dir / GRADS_DIR
-        out.mkdir(parents=True, exist_ok=True)
-        suffix = f".stage{self.pp_rank}" if self.pp_size > 1 else ""
-        save_file(arrays, str(out / f"step_{step}{suffix}.safetensors"))
-
     # -- the run ----------------------------------------------------------------------------
 
     def echo(self, text: str) -> None:
@@ -674,6 +459,7 @@ class Trainer:
             r = self.model.layer_range  # type: ignore[attr-defined]
             stage = f", stage 0 layers [{r.start}, {r.stop}) {c.parallel.pp_schedule}"
         b = self.global_batch()
+        masters = isinstance(self.optimizer, MasterOptimizer)
         return (
             f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
             f"dp={self.dp_size} pp={self.pp_size} cp={self.cp_size}"
@@ -683,7 +469,7 @@ class Trainer:
             f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
             f"{b['grad_accum']} × dp {b['dp']}) | {self.device} {self.dtype} | "
             f"{self.data.describe()}"
-            + (f" | {self.optimizer.describe()}" if self.sharded_state else "")
+            + (f" | {self.optimizer.describe()}" if masters else "")
             + f" | {self._describe_extras()}"
         )
 
@@ -762,7 +548,7 @@ class Trainer:
                 result.metrics.append(m)
                 result.final_step = self.step
                 if every > 0 and (self.step % every == 0 or self.step == end):
-                    path = self.save()
+                    path = self.checkpointer.save(self.step, self.consumed_tokens)
                     if path is not None:
                         writer.echo(f"saved checkpoint {path}")
             if self.lora is not None and self.step >= cfg.train.steps:
@@ -773,29 +559,9 @@ class Trainer:
 
     def _finish_lora(self, writer: MetricsWriter) -> None:
         """Export the adapters (and the merged model when `lora.merge_at_end`)."""
-        out = self.export_adapters()
+        out = self.checkpointer.export_adapters()
         writer.echo(f"saved LoRA adapters (PaddleFormers format) to {out}")
         section = self.cfg.extras["lora"]
         if section.merge_at_end and out is not None:
-            merged = self.export_merged()
+            merged = self.checkpointer.export_merged()
             writer.echo(f"saved the merged model to {merged}")
-
-    def export_merged(self) -> Path:
-        """Write base + adapters as an HF safetensors checkpoint in `<output_dir>/merged`,
-        streamed stage by stage (collective: each stage's writer merges and writes its own
-        shard — under ep each ep rank's writer its experts' — rank 0 the index; no rank holds
-        more than its stage)."""
-        from flashcp.checkpoint.merge_export import write_merged_index, write_merged_stage
-        from flashcp.lora.setup import MERGED_DIR
-
-        out = self.output_dir / MERGED_DIR
-        if self.ep_size == 1 and self.is_stage_writer:
-            write_merged_stage(self.model, out)
-        elif self.ep_size > 1 and int(self.groups.edp.rank) == 0:  # each ep rank its experts
-            write_merged_stage(self.model, out, ep_rank=self.ep_rank, ep=self.ep_size)
-        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
-        if self.is_main:
-            shards = self.pp_size * self.ep_size
-            write_merged_index(out, self.cfg.model, shards, self.cfg.train.param_dtype)
-        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
-        return out

@@ -25,10 +25,11 @@ from safetensors.numpy import load_file
 from trainruns import assert_training_matches
 
 import numerics
+from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.launch.supervise import alive
 from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import GRADS_DIR, Trainer
+from flashcp.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ import pytest
 from safetensors.numpy import load_file
 from trainruns import assert_training_matches, load_grads, train_in_process, train_launched
 
+from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import GRADS_DIR
 
 pytestmark = pytest.mark.integration
 

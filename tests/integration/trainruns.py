@@ -18,9 +18,10 @@ import numpy as np
 from launch import run_launch
 from safetensors.numpy import load_file
 
+from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import GRADS_DIR, Trainer
+from flashcp.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `numerics`
 import numerics  # noqa: E402

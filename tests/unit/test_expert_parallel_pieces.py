@@ -16,7 +16,8 @@ import paddle
 import pytest
 
 from fakegroups import FakeNewGroup
-from flashcp.checkpoint.experts import ExpertArrays, model_key, optimizer_key
+from flashcp.checkpoint.experts import ExpertArrays, model_key
+from flashcp.checkpoint.optimizer_state import ClassicSource, optimizer_key
 from flashcp.config import ConfigValidationError, build_config
 from flashcp.distributed import (
     Exchange,
@@ -41,6 +42,7 @@ from flashcp.models.expert_parallel import (
 )
 from flashcp.models.moe import MoE
 from flashcp.models.moe_dispatch import build_dispatch, combine, permute, relayout
+from flashcp.optim.zero import Trainable
 
 EXPERTS_OF = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -308,12 +310,19 @@ def test_checkpoint_arrays_are_sliced_to_the_ranks_experts() -> None:
     got = arrays.slice(full)
     np.testing.assert_array_equal(got[name], full[name][2:4])
     assert got["other"] == 1
-    moments = {f"{name}::moment1_0": full[name], f"{name}::beta1_pow_acc_0": np.ones(1)}
-    got = arrays.slice(moments, optimizer_key)
-    assert got[f"{name}::moment1_0"].shape[0] == 2 and got[f"{name}::beta1_pow_acc_0"].size == 1
+    # the optimizer's state is not sliced: it reads its rows of the whole saved moments by
+    # element range (`Trainable.first_element`); beta powers are per tensor
+    held = Trainable.of(stage, _groups(1))
+    rows = dict(held.params)[name]
+    pows = {f"{name}::beta{i}_pow_acc_0": np.ones(1) for i in (1, 2)}
+    saved = ClassicSource({f"{name}::moment1_0": full[name], **pows})
+    got = saved.read(name, "moment1", held.first_element(name), int(np.prod(rows.shape)))
+    assert got is not None and list(rows.shape) == [2, 32, 64]
+    np.testing.assert_array_equal(got, full[name][2:4].reshape(-1))
+    assert [b.size for b in saved.beta_pows(name) or ()] == [1, 1]
     with pytest.raises(ValueError, match=r"has shape \[2, 32, 64\], expected 4 experts"):
         arrays.slice({name: full[name][:2]})
-    assert arrays.global_shapes({name: [2, 32, 64], "x": [3]}) == {name: [4, 32, 64], "x": [3]}
+    assert held.full_numel(name) == full[name].size  # the whole tensor's, of this rank's rows
     assert model_key(name) == name and optimizer_key(f"{name}::beta2_pow_acc_0") is None
     solo = ExpertArrays(build_model(args, seed=0), _groups(0, ep=1))
     assert not solo.active and solo.collect(lambda: {"a": np.ones(1)}) == {"a": np.ones(1)}

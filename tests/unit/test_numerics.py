@@ -23,10 +23,11 @@ from safetensors.numpy import load_file
 import numerics
 import numerics_report  # scripts/numerics_report.py (pytest's pythonpath)
 from flashcp.attention.allgather_kv import make_assignment
+from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.recipes import lm
-from flashcp.trainer import GRADS_DIR, Trainer
+from flashcp.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"

@@ -16,13 +16,14 @@ from safetensors.numpy import load_file
 
 import numerics
 from flashcp import cli, dispatch
+from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, build_config, to_dict
 from flashcp.launch import outcome, worker
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model, estimate_parameters
 from flashcp.optim.lr import build_scheduler, lr_at
-from flashcp.trainer import GRADS_DIR, NonFiniteError, Trainer
+from flashcp.trainer import NonFiniteError, Trainer
 
 
 def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:

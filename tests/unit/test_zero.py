@@ -24,8 +24,10 @@ from bf16toy import Bf16ToyLM
 from flashcp.checkpoint import parts as sharded_ckpt
 from flashcp.checkpoint.optimizer_state import (
     ClassicSource,
+    ShardArrays,
     ShardSource,
-    shard_metadata,
+    classic_arrays,
+    pack_shard,
     source_for,
 )
 from flashcp.config import TrainConfig, build_config
@@ -385,6 +387,17 @@ def test_low_precision_detection_and_choice() -> None:
 # -- checkpoint shards --------------------------------------------------------------------------
 
 
+def _shard_arrays(state: MasterShard) -> ShardArrays:
+    """One master shard's state as its own shard file would hold it."""
+    return pack_shard(
+        state.state_pieces(),
+        numel={n: int(np.prod(p.shape)) for n, p in state.params.items()},
+        shards=state.layout.shards,
+        index=state.layout.index,
+        train=state.train,
+    )
+
+
 def _trained_shards(
     params: dict[str, paddle.Tensor], shards: int, rng: np.random.Generator
 ) -> list[MasterShard]:
@@ -405,7 +418,7 @@ def _full(states: list[MasterShard]) -> dict[str, dict[str, np.ndarray]]:
     """kind -> name -> the whole flattened array, stitched from the shards' saved arrays."""
     out: dict[str, dict[str, np.ndarray]] = {}
     for state in states:
-        arrays = state.arrays()
+        arrays = _shard_arrays(state)
         for name, start, length, offset in arrays.segments:
             for kind in ("master", "moment1", "moment2"):
                 full = out.setdefault(kind, {}).setdefault(
@@ -421,9 +434,9 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
     saved = _trained_shards(params, 4, rng)
     files = []
     for state in saved:
-        arrays = state.arrays()
+        arrays = _shard_arrays(state)
         path = tmp_path / f"shard{arrays.index}.safetensors"
-        sharded_ckpt.write_part(path, arrays.tensors(), shard_metadata(arrays))
+        sharded_ckpt.write_part(path, arrays.tensors(), arrays.metadata())
         files.append(path)
     want = _full(saved)
     assert not any(np.isnan(v).any() for kind in want.values() for v in kind.values())
@@ -439,7 +452,7 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
         for kind in want:
             for n in SHAPES:
                 np.testing.assert_array_equal(got[kind][n], want[kind][n], err_msg=(kind, n))
-        b1 = states[0].arrays().packed["beta1_pow"]
+        b1 = _shard_arrays(states[0]).packed["beta1_pow"]
         assert np.allclose(b1, 0.9**3)  # two steps taken: beta1 ** (1 + 2)
 
     # shards → the unsharded form (ParamOptimizer) and back
@@ -449,7 +462,7 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
     opt = _toy_optimizer(model, TrainConfig(lr=0.01))
     assert isinstance(opt, ParamOptimizer)
     opt.load_state(source)
-    classic = opt.state_arrays()
+    classic = classic_arrays(opt.state_pieces())
     assert set(classic) == {f"{n}::{acc}" for n in SHAPES
                             for acc in ("moment1_0", "moment2_0", "beta1_pow_acc_0",
                                         "beta2_pow_acc_0")}  # fmt: skip
@@ -486,10 +499,10 @@ def test_a_tied_matrix_is_read_from_its_first_stage(tmp_path: Path) -> None:
         paths = []
         for i in range(2):
             lay = shard_layout(_sizes(SHAPES), 2, i, bucket)
-            arrays = MasterShard(lay, params, TrainConfig(), 0.01).arrays()
+            arrays = _shard_arrays(MasterShard(lay, params, TrainConfig(), 0.01))
             arrays.packed["moment1"][:] = stage + 1  # tell the stages apart
             path = tmp_path / f"s{stage}_{i}.safetensors"
-            sharded_ckpt.write_part(path, arrays.tensors(), shard_metadata(arrays))
+            sharded_ckpt.write_part(path, arrays.tensors(), arrays.metadata())
             paths.append(path)
         stage_files.append(paths)
     got = ShardSource(stage_files).read("emb", "moment1", 0, 91)
@@ -658,8 +671,8 @@ def test_incomplete_or_mismatched_saved_state_is_refused() -> None:
     params = {"w": _param([3, 4], rng)}
     state = MasterShard(shard_layout([("w", 12)], 1, 0, 100), params, TrainConfig(), 0.01)
     with pytest.raises(ValueError, match="optimizer state of 'w' is incomplete"):
-        state.load(ClassicSource({"w::moment1_0": np.zeros([3, 4], np.float32),
-                                  "w::moment2_0": np.zeros([3, 4], np.float32)}))  # fmt: skip
+        zeros = np.zeros([3, 4], np.float32)
+        state.load(ClassicSource({"w::moment1_0": zeros, "w::moment2_0": zeros}))
     with pytest.raises(ValueError, match="has 6 elements, the model's parameter at least 12"):
         state.load(ClassicSource({"w::moment1_0": np.zeros([6], np.float32)}))
 
@@ -706,5 +719,5 @@ def test_a_shard_of_padding_only_steps_saves_and_gathers_zeros() -> None:
     state.set_grads(0, paddle.ones([1]), None)
     state.step()
     np.testing.assert_array_equal(state.piece(0).numpy(), np.zeros(1, np.float32))
-    arrays = state.arrays()
+    arrays = _shard_arrays(state)
     assert arrays.segments == [] and arrays.packed["master"].size == 0

@@ -1,8 +1,12 @@
-"""Checkpoints: the on-disk format, model/optimizer/RNG state, expert slices, HF export.
+"""Checkpoints: the only code that reads or writes a run's checkpoint files, and its exports.
 
-* `format`: atomic, checksummed step directories (one writer); `parts`: the same written in
-  parts by several ranks (pipeline stages, adapters, optimizer shards).
-* `state`: Paddle objects <-> plain arrays; `optimizer_state`: optimizer state of any layout;
-  `experts`: expert-parallel tensors whole on disk, sliced in memory.
+* `checkpointer`: `Checkpointer`, what one rank of a training job saves, resumes and exports
+  (the trainer's one entry point).
+* `format`: atomic, checksummed step directories, the manifest and its reader; `parts`: the same
+  written in parts by several ranks (pipeline stages, adapters, optimizer shards).
+* `state`: the model's state and the RNGs <-> plain data; `optimizer_state`: the optimizer's
+  state in either saved form (unsharded arrays, per-rank shard files) and any layout;
+  `experts`: expert-parallel tensors whole on disk, sliced in memory; `adapters`: LoRA adapter
+  files in PaddleFormers' format.
 * `export` / `merge_export`: a run as a Hugging Face directory (streamed, stage by stage).
 """

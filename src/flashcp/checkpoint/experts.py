@@ -11,10 +11,11 @@ stages without ep):
   of the first ep group, the stage's edp rank 0) send their rows to the stage writer, one
   tensor at a time (`flashcp.distributed.gather_rows`, on the ep group's links), which
   concatenates them; no other rank holds more than its own share;
-* reading (`ExpertArrays.slice`): every rank takes its rows of the full arrays.
+* reading (`ExpertArrays.slice`): every rank takes its rows of the full model arrays.
 
-Optimizer shards (float32 masters, ZeRO-1) need neither: their segments are in the full
-tensors' element coordinates already (`flashcp.optim.zero`).
+Optimizer state is read without slicing: the optimizers read their rows of the full tensor by
+element range (`flashcp.optim.adamw.OptimizerSource`), and optimizer shards (float32 masters)
+are in the full tensors' element coordinates already (`flashcp.checkpoint.optimizer_state`).
 """
 
 from __future__ import annotations
@@ -27,22 +28,15 @@ import paddle
 
 from flashcp.distributed import ParallelGroups, gather_rows
 from flashcp.models.expert_parallel import ExpertSlice, expert_tensors
-from flashcp.optim.adamw import MOMENTS, SEP
 
 KeyFn = Callable[[str], "str | None"]
 """Array key → the parameter it belongs to (None: not an expert-parallel tensor's rows)."""
 
 
 def model_key(key: str) -> str:
-    """Model and adapter arrays are keyed by the parameter's own name."""
+    """Model and adapter arrays are keyed by the parameter's own name (optimizer arrays:
+    `flashcp.checkpoint.optimizer_state.optimizer_key`)."""
     return key
-
-
-def optimizer_key(key: str) -> str | None:
-    """AdamW's moments (`<param>::moment1_0`, ...) are the parameter's rows; beta powers are
-    not (`flashcp.optim.adamw.MOMENTS`)."""
-    name, _, acc = key.partition(SEP)
-    return name if acc in MOMENTS.values() else None
 
 
 class ExpertArrays:
@@ -93,15 +87,14 @@ class ExpertArrays:
                 out[key] = full.numpy()
         return out if int(self.groups.ep.rank) == 0 else None
 
-    def slice(
-        self, arrays: Mapping[str, np.ndarray], key_fn: KeyFn = model_key
-    ) -> dict[str, np.ndarray]:
-        """`arrays` with each whole expert tensor cut to this rank's rows (others unchanged)."""
+    def slice(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Model (or adapter) `arrays` with each whole expert tensor cut to this rank's rows
+        (others unchanged)."""
         if not self.slices:
             return dict(arrays)
         out = {}
         for key, value in arrays.items():
-            piece = self.expert(key, key_fn)
+            piece = self.slices.get(key)
             if piece is not None:
                 self._check_rows(key, value, piece.total)
                 value = value[piece.first : piece.first + piece.count]
@@ -116,11 +109,3 @@ class ExpertArrays:
                 f"{key} has shape {shape}, expected {rows} experts on its first axis (a "
                 "checkpoint of another model.num_experts?)"
             )
-
-    def global_shapes(self, shapes: Mapping[str, list[int]]) -> dict[str, list[int]]:
-        """Parameter shapes with every expert tensor's first axis at its full size."""
-        out = {}
-        for name, shape in shapes.items():
-            piece = self.slices.get(name)
-            out[name] = [piece.total, *shape[1:]] if piece is not None else list(shape)
-        return out

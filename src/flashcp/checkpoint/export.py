@@ -41,13 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
 from flashcp.checkpoint import format as ckpt
+from flashcp.checkpoint.adapters import adapter_files, load_trainable_arrays
+from flashcp.checkpoint.merge_export import merged_specs, write_merged_index
 from flashcp.checkpoint.parts import ADAPTER_DIR
+from flashcp.checkpoint.state import load_model_arrays
 from flashcp.config import Config, build_config, read_yaml
+from flashcp.lora.model import apply_lora
 from flashcp.models import StageSpec, build_model, estimate_parameters
 from flashcp.models.hf_config import TOKEN_ID_KEYS, read_config_json
+from flashcp.models.hf_weights import load_hf_checkpoint
 from flashcp.models.safetensors_stream import write_streaming
 
 RUN_CONFIG = "config.yaml"
@@ -107,12 +111,10 @@ def load_run_config(run_dir: Path) -> Config:
 
 def _checkpoint_parts(path: Path, adapters: bool) -> list[Path]:
     """The model (or adapter) safetensors parts of checkpoint `path`, after verifying it."""
-    problems = ckpt.verify_checkpoint(path)
-    if problems:
-        raise ExportError(f"checkpoint {path} is broken: {'; '.join(problems)}")
-    manifest = json.loads((path / ckpt.MANIFEST_FILE).read_text())
-    layout = manifest.get("layout") or {}
-    files = [path / name for name in layout.get("model", [ckpt.MODEL_FILE])]
+    try:
+        files = ckpt.read_layout(path).model
+    except ckpt.CheckpointError as exc:
+        raise ExportError(f"checkpoint {path} is broken: {'; '.join(exc.problems)}") from None
     if adapters != all(f.parent.name == ADAPTER_DIR for f in files):
         what = "LoRA adapters" if adapters else "full model weights"
         raise ExportError(f"checkpoint {path} does not hold {what} (its manifest lists {files})")
@@ -133,7 +135,7 @@ def find_source(
     if found is not None:
         return found, _checkpoint_parts(found, lora)
     final = run_dir / ADAPTER_DIR
-    parts = sorted(final.glob("*.safetensors")) if final.is_dir() else []
+    parts = adapter_files(final)
     if lora and parts:
         return final, parts
     raise ExportError(
@@ -144,24 +146,15 @@ def find_source(
     )
 
 
-class TensorReader:
-    """Reads single tensors by name from several safetensors files (headers parsed once)."""
-
-    def __init__(self, files: Sequence[Path], stack: contextlib.ExitStack) -> None:
-        self.where: dict[str, Any] = {}
-        for path in files:
-            handle = stack.enter_context(safe_open(str(path), framework="numpy"))
-            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                self.where.setdefault(key, handle)
-
-    def read(self, names: Sequence[str], what: str) -> dict[str, np.ndarray]:
-        missing = [n for n in names if n not in self.where]
-        if missing:
-            raise ExportError(
-                f"the {what} lack {len(missing)} tensors of this model, e.g. {missing[:3]}: was "
-                "the run's config.yaml changed after training?"
-            )
-        return {n: self.where[n].get_tensor(n) for n in names}
+def _read(reader: ckpt.TensorReader, names: Sequence[str], what: str) -> dict[str, np.ndarray]:
+    """The trained values of `names` (all of them, or `ExportError`)."""
+    missing = reader.missing(names)
+    if missing:
+        raise ExportError(
+            f"the {what} lack {len(missing)} tensors of this model, e.g. {missing[:3]}: was "
+            "the run's config.yaml changed after training?"
+        )
+    return reader.read(names)
 
 
 # ------------------------------------------------------------------------------- sharding
@@ -191,7 +184,7 @@ def shard_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def _build_shard(cfg: Config, spec: StageSpec, reader: TensorReader, lora: bool) -> Any:
+def _build_shard(cfg: Config, spec: StageSpec, reader: ckpt.TensorReader, lora: bool) -> Any:
     """Shard `spec` with the run's trained values."""
     args = cfg.model
     # every parameter is read next (the run's checkpoint; with LoRA the base from init_from)
@@ -201,18 +194,11 @@ def _build_shard(cfg: Config, spec: StageSpec, reader: TensorReader, lora: bool)
         allow_large_on_cpu=True, initialise=not filled,
     )  # fmt: skip
     if not lora:
-        from flashcp.checkpoint.state import load_model_arrays
-
         names = list(model.state_dict())
-        load_model_arrays(model, reader.read(names, "checkpoint's model parts"))
+        load_model_arrays(model, _read(reader, names, "checkpoint's model parts"))
         return model
     if cfg.checkpoint.init_from is not None:
-        from flashcp.models.hf_weights import load_hf_checkpoint
-
         load_hf_checkpoint(model, cfg.checkpoint.init_from)
-    from flashcp.lora.model import apply_lora
-    from flashcp.lora.setup import load_trainable_arrays
-
     section = cfg.extras["lora"]
     apply_lora(
         model,  # type: ignore[arg-type]
@@ -224,7 +210,7 @@ def _build_shard(cfg: Config, spec: StageSpec, reader: TensorReader, lora: bool)
         require_match=False,
     )
     names = [n for n, p in model.named_parameters() if not p.stop_gradient]
-    load_trainable_arrays(model, reader.read(names, "adapters"))
+    load_trainable_arrays(model, _read(reader, names, "adapters"))
     return model
 
 
@@ -309,8 +295,6 @@ def export_run(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> ExportReport:
     """Write the run's model as a Hugging Face directory `out` (see the module docstring)."""
-    from flashcp.checkpoint.merge_export import merged_specs, write_merged_index
-
     run, target = Path(run_dir), Path(out)
     _check_out(target)
     cfg = load_run_config(run)
@@ -334,7 +318,7 @@ def export_run(
     report = ExportReport(out=target, source=source, dtype=dtype)
     groups = plan_shards(cfg.model, _ITEM_BYTES[dtype], max_shard_bytes)
     with _staging(target) as tmp, contextlib.ExitStack() as stack:
-        reader = TensorReader(files, stack)
+        reader = ckpt.TensorReader(files, stack)
         for index, layers in enumerate(groups):
             spec = StageSpec(index, len(groups), layers)
             model = _build_shard(cfg, spec, reader, lora)

@@ -16,22 +16,26 @@ A checkpoint is written into `step_N.tmp/`, every file fsynced, then renamed to 
 the parent directory fsynced), so a crash never leaves a half-written `step_N/`. Loading checks
 the manifest first: a missing, truncated or altered file is refused with the reason, and
 `latest_checkpoint` skips such checkpoints (with a warning) to resume from an older intact one.
+Reading: `read_layout` (the manifest: which files hold what), then `load_checkpoint` (every
+tensor, for resume) or `TensorReader` (one tensor at a time, for `flashcp export`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from flashcp import faults
 from flashcp.log import logger
@@ -46,7 +50,11 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which file and why."""
+    """A checkpoint that cannot be used; the message says which file and why (`problems`)."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = list(problems)
 
 
 @dataclass
@@ -75,7 +83,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
@@ -114,7 +122,7 @@ def save_checkpoint(
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1, sort_keys=True))
     files = {}
     for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
-        _fsync_file(tmp / name)
+        fsync_file(tmp / name)
         files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
     return publish(root, tmp, step, files, keep_last=keep_last)
 
@@ -135,7 +143,7 @@ def publish(
     """
     manifest = {"format": FORMAT_VERSION, "step": step, "files": dict(files), **(extra or {})}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    _fsync_file(tmp / MANIFEST_FILE)
+    fsync_file(tmp / MANIFEST_FILE)
     _fsync_dir(tmp)
     final = step_dir(root, step)
     old = None
@@ -184,26 +192,81 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     return problems
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Verify, then read the checkpoint at `path`; `CheckpointError` naming every problem."""
+@dataclass(frozen=True)
+class Layout:
+    """Which files of a verified checkpoint hold what: its manifest's `layout` (parts written
+    by several ranks, `flashcp.checkpoint.parts`) or the classic single files."""
+
+    path: Path
+    model: list[Path]
+    optimizer: list[Path]
+    optimizer_shards: list[list[Path]]
+    """Per pipeline stage, the ZeRO-1 / master-weight optimizer shard files."""
+
+
+def read_layout(path: str | Path) -> Layout:
+    """Verify the checkpoint at `path` and read where its tensors are; `CheckpointError`
+    naming every problem. The one reader of the manifest (`load_checkpoint` for resume, and
+    `flashcp export`, which reads tensors one by one)."""
     p = Path(path)
     problems = verify_checkpoint(p)
     if problems:
         raise CheckpointError(
-            f"checkpoint {p} is broken and was not loaded: " + "; ".join(problems)
+            f"checkpoint {p} is broken and was not loaded: " + "; ".join(problems), problems
         )
-    state = json.loads((p / STATE_FILE).read_text())
     layout = json.loads((p / MANIFEST_FILE).read_text()).get("layout")
     model_files = layout["model"] if layout else [MODEL_FILE]
     optimizer_files = layout["optimizer"] if layout else [OPTIMIZER_FILE]
     shards = layout.get("optimizer_shards", []) if layout else []
-    return Checkpoint(
+    return Layout(
         path=p,
-        step=int(state["step"]),
-        model=_load_merged(p, model_files),
-        optimizer=_load_merged(p, optimizer_files),
-        state=state,
+        model=[p / name for name in model_files],
+        optimizer=[p / name for name in optimizer_files],
         optimizer_shards=[[p / name for name in stage] for stage in shards],
+    )
+
+
+class TensorReader:
+    """Single tensors by name from several safetensors files (headers parsed once, each tensor
+    read when asked). A name in several files (the two pipeline stages' equal copies of a tied
+    matrix) is read from the first."""
+
+    def __init__(self, files: Sequence[Path], stack: contextlib.ExitStack) -> None:
+        self.where: dict[str, Any] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(str(path), framework="numpy"))
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                self.where.setdefault(key, handle)
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def missing(self, names: Sequence[str]) -> list[str]:
+        return [n for n in names if n not in self.where]
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """The tensors `names` (`KeyError` for one the files lack: check `missing` first)."""
+        return {n: self.where[n].get_tensor(n) for n in names}
+
+
+def read_tensors(files: Sequence[Path]) -> dict[str, np.ndarray]:
+    """Every tensor of several safetensors files, as one dict (`TensorReader`)."""
+    with contextlib.ExitStack() as stack:
+        reader = TensorReader(files, stack)
+        return reader.read(reader.names())
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Verify, then read the checkpoint at `path`; `CheckpointError` naming every problem."""
+    layout = read_layout(path)
+    state = json.loads((layout.path / STATE_FILE).read_text())
+    return Checkpoint(
+        path=layout.path,
+        step=int(state["step"]),
+        model=read_tensors(layout.model),
+        optimizer=read_tensors(layout.optimizer),
+        state=state,
+        optimizer_shards=layout.optimizer_shards,
     )
 
 
@@ -213,15 +276,6 @@ def required_files(manifest: Mapping[str, Any]) -> list[str]:
     if manifest.get("layout"):
         return sorted(set(manifest["files"]) | {STATE_FILE})
     return [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
-
-
-def _load_merged(path: Path, names: list[str]) -> dict[str, np.ndarray]:
-    """The arrays of several safetensors files as one dict (parts hold distinct names, or
-    identical copies: the two stages' copies of a tied embedding)."""
-    out: dict[str, np.ndarray] = {}
-    for name in names:
-        out.update(load_file(str(path / name)))
-    return out
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:

@@ -1,43 +1,186 @@
-"""Optimizer state in checkpoints, whatever layout wrote it and whatever layout reads it.
+"""Optimizer state in checkpoint files: the one place that knows how it is laid out, which rank
+writes which file, and how any saved layout is read back into any other.
 
-Two saved forms:
+The optimizers hand out their state layout-neutrally, as `flashcp.optim.adamw.StatePiece`s
+(parameter, element range of the full tensor, arrays by kind; `state_pieces()`), and take it in
+through an `flashcp.optim.adamw.OptimizerSource` (`load_state`). The kinds and Paddle's names
+for them are `flashcp.optim.adamw.ACCUMULATORS`'. Two saved forms:
 
-* unsharded (`flashcp.optim.adamw.adamw_arrays`): `<name>::<accumulator>` arrays
-  (`flashcp.optim.adamw.state_key`: `::moment1_0`, `::moment2_0`, `::beta1_pow_acc_0`,
-  `::beta2_pow_acc_0`) of the full parameter shapes; the float32 parameters themselves are the
-  master weights;
-* shards (`flashcp.optim.zero.ShardArrays`, one file per rank of a stage): packed float32
-  arrays `master` and one per accumulator kind (`moment1`, `moment2`: the rank's segments back
-  to back; `beta1_pow`, `beta2_pow`: one entry per segment), with the segment map
-  `[name, start, length, offset]` in the safetensors metadata (`SHARD_META`, `shard_metadata`):
-  the segment holds elements `[start, start + length)` of the flattened parameter `name`, at
-  `offset` in the packed arrays.
+* unsharded (`classic_arrays`, `ParamOptimizer`): `<name>::<accumulator>` arrays (`state_key`:
+  `::moment1_0`, `::moment2_0`, `::beta1_pow_acc_0`, `::beta2_pow_acc_0`) of the parameter
+  shapes, keyed by the parameter's structured name; the float32 parameters themselves are the
+  master weights. Under expert parallelism the moments are gathered to the whole tensors
+  (`optimizer_key`, `flashcp.checkpoint.experts`);
+* shards (`MasterOptimizer`, one file per rank of a stage that writes one: `shard_file`,
+  `writes_shard_file`, `shard_files`): packed float32 arrays, one per kind of `SHARD_ARRAYS`
+  (`master`, `moment1`, `moment2`: the rank's segments back to back; `beta1_pow`, `beta2_pow`:
+  one entry per segment), with the segment map `[name, start, length, offset]` in the
+  safetensors metadata (`SHARD_META`): the segment holds elements `[start, start + length)` of
+  the flattened parameter `name` (of the FULL tensor: an expert-parallel rank's rows are offset
+  by its first expert), at `offset` in the packed arrays.
 
-Both are read through `flashcp.optim.adamw.OptimizerSource`, by (parameter, element range),
-so a checkpoint written by one dp × cp (or unsharded) loads into any other: `ClassicSource`
-slices the full arrays, `ShardSource` stitches a range together from the pieces of several
-shard files, reading only those bytes (`safetensors.safe_open` slices).
+Either form is read by (parameter, element range), so a checkpoint written by one dp × cp × ep
+(or unsharded) loads into any other: `ClassicSource` slices the full arrays, `ShardSource`
+stitches a range together from the pieces of several shard files, reading only those bytes
+(`safetensors.safe_open` slices).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
 
-from flashcp.optim.adamw import BETA_POWS, MOMENTS, OptimizerSource, state_key
-from flashcp.optim.zero import ShardArrays
+from flashcp.config.schema import TrainConfig
+from flashcp.optim.adamw import (
+    ACCUMULATORS,
+    BETA_POWS,
+    MOMENTS,
+    OptimizerSource,
+    StatePiece,
+    fresh_state,
+)
+from flashcp.optim.zero import MasterOptimizer
 
+SEP = "::"
+"""`<structured parameter name>::<accumulator>`: the unsharded form's keys."""
 SHARD_META = "flashcp_optimizer_shard"
 """safetensors metadata key of a shard file's segment map (JSON)."""
+SHARD_ARRAYS = ("master", *ACCUMULATORS)
+"""The packed arrays of a shard file, by kind."""
 
 
-def shard_metadata(arrays: ShardArrays) -> dict[str, str]:
-    """The safetensors metadata of a shard file: its segment map as JSON."""
-    return {SHARD_META: json.dumps(arrays.segment_map(), sort_keys=True)}
+# -- the unsharded form ----------------------------------------------------------------------------
+
+
+def state_key(name: str, kind: str) -> str:
+    """The unsharded form's key of accumulator `kind` of parameter `name` (structured)."""
+    return f"{name}{SEP}{ACCUMULATORS[kind]}"
+
+
+def optimizer_key(key: str) -> str | None:
+    """The parameter whose rows an unsharded-form array holds: the moments' (sliced and
+    gathered like the parameter under expert parallelism, `flashcp.checkpoint.experts`); None
+    for the beta powers."""
+    name, _, acc = key.partition(SEP)
+    return name if acc in MOMENTS.values() else None
+
+
+def classic_arrays(pieces: Iterable[StatePiece]) -> dict[str, np.ndarray]:
+    """The unsharded form of whole parameters' state (`ParamOptimizer.state_pieces()`); a
+    parameter not stepped yet has no entries."""
+    return {
+        state_key(piece.name, kind): value
+        for piece in pieces
+        for kind, value in piece.arrays.items()
+        if kind in ACCUMULATORS
+    }
+
+
+# -- shard files -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardArrays:
+    """One shard file: the packed arrays by kind (`SHARD_ARRAYS`), the segment map, every
+    parameter's full element count, and the file's place (`index` of `shards`)."""
+
+    segments: list[tuple[str, int, int, int]]
+    numel: dict[str, int]
+    shards: int
+    index: int
+    packed: dict[str, np.ndarray]
+    """Kind → the packed array."""
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The packed arrays by kind (contiguous float32)."""
+        return {k: np.ascontiguousarray(self.packed[k], dtype=np.float32) for k in SHARD_ARRAYS}
+
+    def metadata(self) -> dict[str, str]:
+        """The safetensors metadata: the segment map and the shard's place, as JSON."""
+        meta = {
+            "segments": [list(s) for s in self.segments],
+            "numel": self.numel,
+            "shards": self.shards,
+            "index": self.index,
+        }
+        return {SHARD_META: json.dumps(meta, sort_keys=True)}
+
+
+def pack_shard(
+    pieces: Sequence[StatePiece],
+    *,
+    numel: Mapping[str, int],
+    shards: int,
+    index: int,
+    train: TrainConfig,
+) -> ShardArrays:
+    """Master pieces (`MasterShard.state_pieces()`) packed back to back into one shard file's
+    arrays; a piece without AdamW state yet (not stepped) saves AdamW's fresh state."""
+    segments: list[tuple[str, int, int, int]] = []
+    columns: dict[str, list[np.ndarray]] = {kind: [] for kind in SHARD_ARRAYS}
+    offset = 0
+    for piece in pieces:
+        segments.append((piece.name, piece.start, piece.length, offset))
+        offset += piece.length
+        values = piece.arrays
+        if not set(ACCUMULATORS) <= set(values):
+            values = {**fresh_state(train, piece.length), **values}
+        for kind, column in columns.items():
+            column.append(values[kind].reshape(-1))
+    packed = {
+        kind: np.concatenate(column) if column else np.zeros(0, np.float32)
+        for kind, column in columns.items()
+    }
+    return ShardArrays(segments, dict(numel), shards, index, packed)
+
+
+def _per_ep_rank(opt: MasterOptimizer) -> bool:
+    """Unsharded under expert parallelism: one file per ep rank (the same count on every
+    stage, whether or not it trains experts)."""
+    return not opt.sharded and int(opt.ep.nranks) > 1
+
+
+def shard_files(opt: MasterOptimizer) -> int:
+    """Optimizer shard files per pipeline stage: one per rank (ZeRO-1), one per ep rank
+    (unsharded under ep: its experts, the first also the replicated parameters), else one."""
+    if opt.sharded:
+        return opt.shards
+    return int(opt.ep.nranks) if _per_ep_rank(opt) else 1
+
+
+def writes_shard_file(opt: MasterOptimizer) -> bool:
+    """Whether this rank writes an optimizer shard file (`shard_file`)."""
+    if opt.sharded:
+        return True
+    if _per_ep_rank(opt):
+        return int(opt.edp.rank) == 0
+    return int(opt.cp.rank) == 0 and int(opt.dp.rank) == 0
+
+
+def shard_file(opt: MasterOptimizer) -> ShardArrays:
+    """This rank's optimizer shard file: its segments of every part (without ZeRO-1 under
+    ep, only the first ep rank adds the replicated parameters, which every ep rank holds)."""
+    held = opt.held
+    pieces = opt.state_pieces()
+    per_ep_rank = _per_ep_rank(opt)
+    if per_ep_rank and int(opt.ep.rank) > 0:
+        pieces = [p for p in pieces if p.name in held.experts]
+    return pack_shard(
+        pieces,
+        numel={n: held.full_numel(n) for n, _ in held.params},
+        shards=shard_files(opt),
+        index=int(opt.ep.rank) if per_ep_rank else opt.layout.index,  # unsharded: index 0
+        train=opt.train,
+    )
+
+
+# -- reading either form ---------------------------------------------------------------------------
 
 
 class ClassicSource:
@@ -76,8 +219,6 @@ class ShardSource:
     """
 
     def __init__(self, stages: Sequence[Sequence[str | Path]]) -> None:
-        from safetensors import safe_open
-
         self.files: list[Any] = []
         self.pieces: dict[str, list[tuple[int, int, int, int, int]]] = {}
         """name -> [(start, length, file index, offset, segment index)], sorted by start."""

@@ -38,8 +38,8 @@ from flashcp.checkpoint.format import (
     FORMAT_VERSION,
     STATE_FILE,
     _contiguous,
-    _fsync_file,
     _sha256,
+    fsync_file,
     publish,
 )
 
@@ -91,7 +91,7 @@ def write_part(
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": str(FORMAT_VERSION), **(metadata or {})}
     save_file(_contiguous(arrays), str(path), metadata=meta)
-    _fsync_file(path)
+    fsync_file(path)
 
 
 def commit(
@@ -114,7 +114,7 @@ def commit(
     tmp = tmp_dir(root, step)
     faults.on_checkpoint_write(step, tmp)  # parts written, manifest not yet: a torn write
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1, sort_keys=True))
-    _fsync_file(tmp / STATE_FILE)
+    fsync_file(tmp / STATE_FILE)
     files = {}
     for name in [*model_files, *optimizer_files, *shard_files, *extra_files, STATE_FILE]:
         f = tmp / name

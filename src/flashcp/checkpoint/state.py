@@ -1,9 +1,9 @@
-"""Paddle objects ↔ plain data for checkpoints: model state as numpy, RNG as JSON.
+"""Paddle objects ↔ plain data for checkpoints: the model's state as numpy, RNG as JSON.
 
-Model arrays are keyed by the parameters' structured names, so a checkpoint loads into any
-freshly built model of the same shape (the optimizer's state is keyed the same way by
-`flashcp.optim.adamw`). Paddle's generator state has no public serialised form, so it is
-pickled (base64 in the JSON); load checkpoints only from trusted places.
+Model arrays are keyed by structured name (`model.layers.0.self_attn.q_proj.weight`), so a
+checkpoint loads into any freshly built model of the same shape (the optimizer's state:
+`flashcp.checkpoint.optimizer_state`). Paddle's generator state has no public serialised form,
+so it is pickled (base64 in the JSON); load checkpoints only from trusted places.
 """
 
 from __future__ import annotations

@@ -9,16 +9,19 @@ gets a `grad_clip`: the optimizers clip before the step, with the norm they comp
 (`flashcp.optim.clip`).
 
 Paddle keeps AdamW's state in accumulators named `<tensor name>_<accumulator>`
-(`linear_3.w_0_moment1_0`). `ACCUMULATORS` maps flashcp's kinds — the tensor names inside an
-optimizer shard file — to those accumulator names, and every other spelling of them derives
-from it: the unsharded checkpoint form `<structured name>::<accumulator>` (`state_key`,
-written by `adamw_arrays`), and reading either saved form back (`load_adamw_state`, through an
-`OptimizerSource`; `flashcp.checkpoint.optimizer_state` implements it for the files).
+(`linear_3.w_0_moment1_0`). `ACCUMULATORS` maps flashcp's kinds (`moment1`, `beta1_pow`, ...) to
+those accumulator names; nothing else spells them. The state leaves and enters an optimizer in
+one layout-neutral form, by parameter (structured name) and element range of the FULL tensor
+(an expert-parallel rank's rows are offset by its first expert): `adamw_state` reads it out as
+`StatePiece`s, `load_adamw_state` sets it from an `OptimizerSource`. How it is laid out in
+files (the unsharded `<name>::<accumulator>` arrays, packed shards) is
+`flashcp.checkpoint.optimizer_state`'s alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,8 +36,6 @@ BETA_POWS = {"beta1_pow": "beta1_pow_acc_0", "beta2_pow": "beta2_pow_acc_0"}
 """Kind → Paddle's accumulator, for the powers of the betas (shape [1] per tensor)."""
 ACCUMULATORS = {**MOMENTS, **BETA_POWS}
 """Every AdamW accumulator: kind → Paddle's name (the suffix of its state key)."""
-SEP = "::"
-"""Separates the parameter's structured name from the accumulator in `state_key`."""
 
 
 def accumulator_name(tensor_name: str, kind: str) -> str:
@@ -42,14 +43,14 @@ def accumulator_name(tensor_name: str, kind: str) -> str:
     return f"{tensor_name}_{ACCUMULATORS[kind]}"
 
 
-def state_key(name: str, kind: str) -> str:
-    """The unsharded checkpoint key of accumulator `kind` of parameter `name` (structured)."""
-    return f"{name}{SEP}{ACCUMULATORS[kind]}"
-
-
-def fresh_beta_pows(train: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Paddle's beta-power accumulators before a tensor's first step."""
-    return np.array([train.beta1], np.float32), np.array([train.beta2], np.float32)
+def fresh_state(train: TrainConfig, length: int) -> dict[str, np.ndarray]:
+    """Paddle's AdamW state of a tensor of `length` elements before its first step, by kind:
+    zero moments (flat), beta powers at the betas (shape [1])."""
+    betas = dict(zip(BETA_POWS, (train.beta1, train.beta2), strict=True))
+    return {
+        **{kind: np.zeros(length, np.float32) for kind in MOMENTS},
+        **{kind: np.array([beta], np.float32) for kind, beta in betas.items()},
+    }
 
 
 def decay_names(tensors: Iterable[paddle.Tensor]) -> set[str]:
@@ -73,31 +74,37 @@ def build_adamw(
     )
 
 
-def adamw_arrays(
-    optimizer: paddle.optimizer.AdamW, params: Sequence[tuple[str, paddle.Tensor]]
-) -> dict[str, np.ndarray]:
-    """The optimizer's state as numpy, keyed `state_key(structured name, kind)`, so it loads
-    into a model built again (Paddle names tensors by a process-wide counter)."""
-    keys = {
-        accumulator_name(p.name, kind): state_key(name, kind)
-        for name, p in params
-        for kind in ACCUMULATORS
-    }
-    out = {}
-    for key, value in optimizer.state_dict().items():
-        if not isinstance(value, paddle.Tensor):
-            continue  # LR_Scheduler: saved with the trainer state
-        if key not in keys:
-            raise ValueError(f"optimizer state {key!r} belongs to no parameter of the model")
-        out[keys[key]] = value.numpy()
+@dataclass(frozen=True)
+class StatePiece:
+    """The optimizer state of one tensor an AdamW steps: elements `[start, start + length)` of
+    flattened parameter `name` (structured; full-tensor coordinates, as `OptimizerSource.read`
+    takes them), by kind: `"master"` (float32 master weights, when the optimizer keeps them)
+    and the kinds of `ACCUMULATORS` Paddle holds so far (none before the tensor's first step).
+    Moments are shaped like the stepped tensor, beta powers `[1]`."""
+
+    name: str
+    start: int
+    length: int
+    arrays: dict[str, np.ndarray]
+
+
+def adamw_state(
+    optimizer: paddle.optimizer.AdamW, tensors: Iterable[tuple[paddle.Tensor, str, int]]
+) -> list[StatePiece]:
+    """`optimizer`'s state as numpy, one piece per `(tensor, name, start)`: the tensor stepped
+    by `optimizer` holds elements `[start, start + numel)` of parameter `name` (flattened).
+    Keyed by structured name, so it loads into a model built again (Paddle names tensors by a
+    process-wide counter)."""
+    state = optimizer.state_dict()
+    out = []
+    for tensor, name, start in tensors:
+        arrays = {}
+        for kind in ACCUMULATORS:
+            value = state.get(accumulator_name(tensor.name, kind))
+            if value is not None:
+                arrays[kind] = value.numpy()
+        out.append(StatePiece(name, start, numel(tensor), arrays))
     return out
-
-
-def accumulator(state: Mapping[str, Any], tensor: paddle.Tensor, kind: str) -> np.ndarray | None:
-    """Accumulator `kind` of `tensor` in `state` (an AdamW `state_dict()`), flattened; None
-    before the tensor's first step."""
-    value = state.get(accumulator_name(tensor.name, kind))
-    return None if value is None else value.numpy().reshape([-1])
 
 
 class OptimizerSource(Protocol):

@@ -3,7 +3,7 @@ optionally sharded over the ranks that hold the same parameters (ZeRO-1).
 
 `build_distributed_optimizer(model, train, scheduler, groups)` picks one of two
 implementations of one interface (`DistributedOptimizer`: `local_squares`, `reduce_grads`,
-`grad_norm`, `step`, `clear_grad`, `full_grads`, `state_arrays`, `load_state`, `describe`).
+`grad_norm`, `step`, `clear_grad`, `full_grads`, `state_pieces`, `load_state`, `describe`).
 What they need beyond the model, the config and the groups is derived here, once, from those
 (`Trainable`): the trainable parameters, the expert-parallel ones (the model's own
 `expert_tensors`, ep > 1), the whole model's parameter order (gathered over the pipeline
@@ -45,10 +45,14 @@ of its `edp` group, so those gradients are summed over `edp` alone (bucketed all
 reduce-scatter under ZeRO-1, which then shards the expert masters over `edp`:
 `MasterOptimizer` keeps two parts, the replicated parameters over dp × cp and the expert
 parameters over edp); everything else as above. The global norm adds the experts' squares over
-the ep group (each ep rank holds other experts). Saved state of an expert tensor is in the FULL
-tensor's element coordinates (`Trainable.first_element`), so the files of a stage cover every
-expert once and load into any ep; without ZeRO-1 each ep rank's first edp rank writes its
-experts' master file.
+the ep group (each ep rank holds other experts).
+
+State: both optimizers hand out and take in their state in one layout-neutral form, by
+parameter and element range of the FULL tensor (`state_pieces` / `load_state`,
+`flashcp.optim.adamw.StatePiece` / `OptimizerSource`; an expert tensor's rows are offset by
+`Trainable.first_element`), so state saved by any layout loads into any other. How it is laid
+out in checkpoint files, and which rank writes which file, is
+`flashcp.checkpoint.optimizer_state`'s.
 """
 
 from __future__ import annotations
@@ -72,14 +76,11 @@ from flashcp.distributed import (
 )
 from flashcp.models.expert_parallel import ExpertSlice, expert_tensors
 from flashcp.optim.adamw import (
-    ACCUMULATORS,
-    BETA_POWS,
     OptimizerSource,
-    accumulator,
-    adamw_arrays,
+    StatePiece,
+    adamw_state,
     build_adamw,
     decay_names,
-    fresh_beta_pows,
     load_adamw_state,
 )
 from flashcp.optim.clip import GlobalNorm, clip_factor
@@ -95,8 +96,6 @@ from flashcp.optim.layout import Segment, ShardLayout, shard_layout
 
 LOW_PRECISION = ("bfloat16", "float16")
 """Storage dtypes whose parameters get float32 master weights and float32 `main_grad`."""
-SHARD_ARRAYS = ("master", *ACCUMULATORS)
-"""The packed arrays of an optimizer shard (`ShardArrays`), by kind."""
 
 
 def dtype_name(t: paddle.Tensor) -> str:
@@ -178,36 +177,6 @@ class Trainable:
         return n if piece is None else piece.total * (n // piece.count)
 
 
-@dataclass
-class ShardArrays:
-    """One optimizer shard's state as packed float32 arrays, one per kind (`SHARD_ARRAYS`:
-    the masters and AdamW's accumulators): the shard's segments back to back (a beta power:
-    one entry per segment), and the segment map `[name, start, length, offset]`: the segment
-    holds elements `[start, start + length)` of flattened parameter `name` (full-tensor
-    coordinates), at `offset` in the packed arrays. Written to a file by
-    `flashcp.checkpoint.optimizer_state`."""
-
-    segments: list[tuple[str, int, int, int]]
-    numel: dict[str, int]
-    shards: int
-    index: int
-    packed: dict[str, np.ndarray]
-    """Kind → the packed array."""
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        """The packed arrays by kind (contiguous float32)."""
-        return {k: np.ascontiguousarray(self.packed[k], dtype=np.float32) for k in SHARD_ARRAYS}
-
-    def segment_map(self) -> dict[str, Any]:
-        """The segment map and the shard's place, as JSON-able data."""
-        return {
-            "segments": [list(s) for s in self.segments],
-            "numel": self.numel,
-            "shards": self.shards,
-            "index": self.index,
-        }
-
-
 class DistributedOptimizer(Protocol):
     """The optimizer interface the trainer drives each step (see the module docstring)."""
 
@@ -217,7 +186,7 @@ class DistributedOptimizer(Protocol):
     def step(self) -> None: ...
     def clear_grad(self) -> None: ...
     def full_grads(self) -> dict[str, np.ndarray]: ...
-    def state_arrays(self) -> Any: ...
+    def state_pieces(self) -> list[StatePiece]: ...
     def load_state(self, source: OptimizerSource) -> None: ...
     def describe(self) -> str: ...
 
@@ -348,17 +317,18 @@ class ParamOptimizer(_NormOnce):
     def full_grads(self) -> dict[str, np.ndarray]:
         return {n: p.grad.numpy() for n, p in self.params if p.grad is not None}
 
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """AdamW state as `<name>::<accumulator>` arrays (`flashcp.optim.adamw.state_key`);
-        an expert-parallel tensor's are this rank's rows."""
-        return adamw_arrays(self.inner, self.params)
+    def _entries(self) -> list[tuple[paddle.Tensor, str, int]]:
+        """`(parameter, name, first element in the full tensor)`: an expert tensor is this
+        rank's rows of it."""
+        return [(p, n, self.held.first_element(n)) for n, p in self.params]
+
+    def state_pieces(self) -> list[StatePiece]:
+        """AdamW's state of every parameter (the parameters are the masters)."""
+        return adamw_state(self.inner, self._entries())
 
     def load_state(self, source: OptimizerSource) -> None:
-        """AdamW state from any saved layout (an expert tensor: this rank's rows of it)."""
-        held = self.held
-        load_adamw_state(
-            self.inner, [(p, n, held.first_element(n)) for n, p in self.params], source
-        )
+        """AdamW state from any saved layout."""
+        load_adamw_state(self.inner, self._entries(), source)
 
     def describe(self) -> str:
         return "AdamW on the float32 parameters"
@@ -389,7 +359,6 @@ class MasterShard:
         train: TrainConfig,
         scheduler: Any,
         offsets: Mapping[str, int] | None = None,
-        totals: Mapping[str, int] | None = None,
     ) -> None:
         self.layout = layout
         self.train = train
@@ -397,9 +366,7 @@ class MasterShard:
         self.params = params
         self.offsets = dict(offsets or {})
         """Where a parameter's elements start in the full tensor's (expert rows: the first
-        expert held × elements per expert); saved segments use those coordinates."""
-        self.totals = dict(totals or {})
-        """Elements of the full tensor, for parameters holding only part of it."""
+        expert held × elements per expert); state goes out and comes in in those coordinates."""
         self.masters: list[paddle.Tensor] = [
             EagerParamBase.from_tensor(_flat_slice(params[seg.name], seg.start, seg.length))
             for seg in self.segments
@@ -455,43 +422,30 @@ class MasterShard:
 
     # -- state ------------------------------------------------------------------------------
 
-    def arrays(self) -> ShardArrays:
-        """The shard's state as packed float32 arrays plus its segment map (an accumulator
-        before the first step: zeros, or the initial beta powers)."""
-        state = self.inner.state_dict()
-        fresh = dict(zip(BETA_POWS, fresh_beta_pows(self.train), strict=True))
+    def _entries(self) -> list[tuple[paddle.Tensor, str, int]]:
+        """`(master, parameter name, its first element in the full tensor)` per segment."""
+        starts = [seg.start + self.offsets.get(seg.name, 0) for seg in self.segments]
+        names = [seg.name for seg in self.segments]
+        return list(zip(self.masters, names, starts, strict=True))
 
-        def packed(kind: str) -> np.ndarray:
-            parts = []
-            for seg, m in zip(self.segments, self.masters, strict=True):
-                value = m.numpy() if kind == "master" else accumulator(state, m, kind)
-                if value is None:
-                    value = fresh[kind] if kind in fresh else np.zeros(seg.length, np.float32)
-                parts.append(value)
-            return np.concatenate(parts) if parts else np.zeros(0, np.float32)
-
-        return ShardArrays(
-            segments=[
-                (s.name, s.start + self.offsets.get(s.name, 0), s.length, s.offset)
-                for s in self.segments
-            ],
-            numel={n: self.totals.get(n, numel(p)) for n, p in self.params.items()},
-            shards=self.layout.shards,
-            index=self.layout.index,
-            packed={kind: packed(kind) for kind in SHARD_ARRAYS},
-        )
+    def state_pieces(self) -> list[StatePiece]:
+        """Every segment's master weights and AdamW state."""
+        pieces = adamw_state(self.inner, self._entries())
+        return [
+            StatePiece(p.name, p.start, p.length, {"master": m.numpy(), **p.arrays})
+            for p, m in zip(pieces, self.masters, strict=True)
+        ]
 
     def load(self, source: OptimizerSource) -> None:
         """Masters and AdamW state of every segment from `source` (any saved layout). Without a
         saved master (an unsharded float32 checkpoint) the master is the parameter's value; a
         parameter without any saved state starts fresh, as Paddle's AdamW would."""
-        starts = [seg.start + self.offsets.get(seg.name, 0) for seg in self.segments]
-        for seg, m, start in zip(self.segments, self.masters, starts, strict=True):
+        entries = self._entries()
+        for seg, (m, _, start) in zip(self.segments, entries, strict=True):
             master = source.read(seg.name, "master", start, seg.length)
             if master is None:
                 master = _flat_slice(self.params[seg.name], seg.start, seg.length).numpy()
             m.set_value(master.astype(np.float32, copy=False))
-        entries = zip(self.masters, [seg.name for seg in self.segments], starts, strict=True)
         load_adamw_state(self.inner, entries, source)
 
 
@@ -562,7 +516,6 @@ class MasterOptimizer(_NormOnce):
                 int(g.edp.nranks) if self.sharded else 1,
                 int(g.edp.rank) if self.sharded else 0,
                 offsets={n: held.first_element(n) for n in names},
-                totals={n: held.full_numel(n) for n in names},
             )
             pieces = ([self.edp] if self.sharded else []) + [self.ep]
             self.parts.append(_Part(shard_, [self.edp], [self.edp], pieces))
@@ -573,32 +526,6 @@ class MasterOptimizer(_NormOnce):
             for name in bucket.names
         }
         self.norm = GlobalNorm(held.order, skip=held.skip, partial=partial, stages=self.pp)
-
-    # -- checkpoint files -------------------------------------------------------------------
-
-    @property
-    def per_ep_rank(self) -> bool:
-        """Unsharded under expert parallelism: one file per ep rank (the same count on every
-        stage, whether or not it trains experts)."""
-        return not self.sharded and int(self.ep.nranks) > 1
-
-    @property
-    def files(self) -> int:
-        """Optimizer shard files per pipeline stage: one per rank (ZeRO-1), one per ep rank
-        (unsharded under ep: its experts, the first also the replicated parameters), else
-        one."""
-        if self.sharded:
-            return self.shards
-        return int(self.ep.nranks) if self.per_ep_rank else 1
-
-    @property
-    def writes_file(self) -> bool:
-        """Whether this rank writes an optimizer shard file (`state_arrays`)."""
-        if self.sharded:
-            return True
-        if self.per_ep_rank:
-            return int(self.edp.rank) == 0
-        return int(self.cp.rank) == 0 and int(self.dp.rank) == 0
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -723,33 +650,10 @@ class MasterOptimizer(_NormOnce):
                         )
                     m.set_value(value)
 
-    def state_arrays(self) -> ShardArrays:
-        """This rank's optimizer shard file: its segments of every part (without ZeRO-1 under
-        ep, only the first ep rank adds the replicated parameters, which every ep rank holds)."""
-        if int(self.ep.nranks) == 1:
-            return self.shard.arrays()
-        parts = self.parts[1:] if self.per_ep_rank and int(self.ep.rank) > 0 else self.parts
-        arrays = [part.shard.arrays() for part in parts]
-        segments: list[tuple[str, int, int, int]] = []
-        sizes: dict[str, int] = {}
-        offset = 0
-        for a in arrays:
-            segments += [(n, start, length, off + offset) for n, start, length, off in a.segments]
-            sizes.update(a.numel)
-            offset += int(a.packed["master"].size)
-
-        def cat(kind: str) -> np.ndarray:
-            found = [a.packed[kind] for a in arrays]
-            return np.concatenate(found) if found else np.zeros(0, np.float32)
-
-        index = self.layout.index if self.sharded else int(self.ep.rank)  # per_ep_rank
-        return ShardArrays(
-            segments=segments,
-            numel=sizes,
-            shards=self.files,
-            index=index,
-            packed={kind: cat(kind) for kind in SHARD_ARRAYS},
-        )
+    def state_pieces(self) -> list[StatePiece]:
+        """Every segment's master weights and AdamW state: the replicated parameters' shard,
+        then the expert parameters' (ep > 1)."""
+        return [piece for part in self.parts for piece in part.shard.state_pieces()]
 
     def load_state(self, source: OptimizerSource) -> None:
         for part in self.parts:
