@@ -127,7 +127,8 @@ def work_model() -> dict[str, np.ndarray]:
     import paddle
 
     from flashcp import masks
-    from flashcp.models import AttentionContext, build_model, preset
+    from flashcp.attention.context import AttentionContext
+    from flashcp.models import build_model, preset
 
     paddle.seed(0)
     model = build_model(preset("tiny"))

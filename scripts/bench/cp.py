@@ -74,7 +74,7 @@ from bench.cp_pages import (
 )
 from bench.report import DOCS, ROOT, shown
 from bench.rounds import interleave
-from flashcp.attention.allgather_kv import MODES
+from flashcp.attention.registry import MODES
 from flashcp.cp.balance import assign_chunks, balanced_assignment, chunk_work, imbalance, rank_work
 from flashcp.cp.layout import Assignment
 from flashcp.launch import supervise

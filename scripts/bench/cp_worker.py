@@ -51,7 +51,8 @@ import flashcp.attention.allgather_kv as cp_attention
 from bench import machine, stats
 from bench.cp import SCENARIOS, layout_for
 from bench.rounds import interleave
-from flashcp.attention.allgather_kv import flashmask_attention_cp, make_assignment
+from flashcp.attention.allgather_kv import flashmask_attention_cp
+from flashcp.attention.registry import make_assignment
 from flashcp.cp.layout import shard_assigned
 from flashcp.cp.rebase import rebase_mask
 from flashcp.distributed import (

@@ -314,12 +314,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     impls: dict[str, Callable[[], Any]] = {}
     if gpu:
         from flashcp import dispatch
-        from flashcp.attention import flashmask_attention
+        from flashcp.attention.flashmask import flashmask_attention
 
         fa_version = dispatch.resolve_current(D).version
         impls["flashcp"] = lambda: flashmask_attention(q, k, v, idx, causal=mask.causal)
     else:
-        from flashcp.attention import flashmask_attention_with_version
+        from flashcp.attention.flashmask import flashmask_attention_with_version
         from flashcp.kernels import registry
 
         registry._instances[registry.CPU_BACKEND] = planner

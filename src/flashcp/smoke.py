@@ -23,8 +23,9 @@ import numpy as np
 import paddle
 
 from flashcp import masks
-from flashcp.attention.allgather_kv import flashmask_attention_cp, make_assignment
+from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.flashmask import flashmask_attention
+from flashcp.attention.registry import DEFAULT_MODE, make_assignment
 from flashcp.cp.layout import shard_assigned
 from flashcp.distributed import (
     ParallelDims,
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     doc_lens = np.diff(np.concatenate([[0], cuts, [seq]])).tolist()
     mask = masks.causal_document_mask(doc_lens)
 
-    asg = make_assignment("dualchunk_allgather", world)
+    asg = make_assignment(DEFAULT_MODE, world)
     pos = asg.positions(seq, rank)
     start = time.perf_counter()
     got = _grads(

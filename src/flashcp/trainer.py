@@ -56,7 +56,7 @@ import numpy as np
 import paddle
 
 from flashcp import rundir
-from flashcp.attention.allgather_kv import make_assignment
+from flashcp.attention.registry import make_assignment
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.config import Config, to_yaml
@@ -236,9 +236,6 @@ class Trainer:
         """The compute dtype (`train.dtype` resolved: auto = bfloat16 on GPU, float32 on CPU)."""
         paddle.set_device(self._device_name())
         seed_rngs(cfg)
-        self._fixed_assignment: Assignment | None = None
-        if cfg.parallel.cp_mode != "workload_balanced":
-            self._fixed_assignment = make_assignment(cfg.parallel.cp_mode, self.cp_size)
         ctx = RecipeContext(
             cfg=cfg, groups=groups, assignment_for=self.assignment_for, dtype=self.dtype
         )
@@ -337,12 +334,9 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
 
     def assignment_for(self, batch: Any) -> Assignment:
-        """The step's CP layout: fixed per mode, or balanced from this batch's global mask."""
-        if self._fixed_assignment is not None:
-            return self._fixed_assignment
-        return make_assignment(
-            "workload_balanced", self.cp_size, batch.mask.indices, causal=batch.mask.causal
-        )
+        """The step's CP layout, as the registry's mode makes it (fixed, or from the mask)."""
+        mode, mask = self.cfg.parallel.cp_mode, batch.mask
+        return make_assignment(mode, self.cp_size, mask.indices, causal=mask.causal)
 
     def train_step(self) -> StepMetrics:
         """Run one optimizer step (see the module docstring); returns its metrics."""

@@ -21,9 +21,10 @@ import paddle
 import pytest
 
 from flashcp import masks
+from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
-from flashcp.models import AttentionContext, build_model
+from flashcp.models import build_model
 from flashcp.models.hf_weights import load_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
 

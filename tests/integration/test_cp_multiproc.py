@@ -16,7 +16,7 @@ import pytest
 from launch import run_launch
 
 from flashcp import masks
-from flashcp.attention.allgather_kv import MODES
+from flashcp.attention.registry import MODES
 from numerics import FACTOR
 
 WORKER = Path(__file__).resolve().parent / "workers" / "cp_parity_worker.py"

@@ -23,7 +23,7 @@ from launch import run_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for gpu_helpers
 
-from flashcp.attention.allgather_kv import MODES
+from flashcp.attention.registry import MODES
 from flashcp.metrics.writer import read_metrics
 from gpu_helpers import BF16_LOSS_RTOL, SKIP_NO_GPU, gpu_count  # noqa: E402
 

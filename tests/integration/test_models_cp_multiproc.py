@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from launch import run_launch
 
-from flashcp.attention.allgather_kv import MODES
+from flashcp.attention.registry import MODES
 
 WORKER = Path(__file__).resolve().parent / "workers" / "model_cp_worker.py"
 pytestmark = [pytest.mark.integration, pytest.mark.equivalence]

@@ -180,9 +180,9 @@ def write_checkpoint(directory: Path, layout: dict[str, tuple[list[int], str]]) 
 
 def dpo_step(cfg: Any, model: Any, hidden_in: paddle.Tensor) -> paddle.Tensor:
     """One DPO micro-batch on the last stage: reference (adapters off), policy, loss, backward."""
+    from flashcp.attention.context import AttentionContext
     from flashcp.data.dpo_stream import DPOData
     from flashcp.lora.model import disable_adapters
-    from flashcp.models import AttentionContext
     from flashcp.recipes.dpo_loss import dpo_terms, sequence_logps
 
     batch = DPOData(cfg).next_step()[0]

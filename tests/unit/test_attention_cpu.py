@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import numerics
-from flashcp import attention, dispatch, masks
-from flashcp.attention import flashmask_attention, flashmask_attention_with_version
+from flashcp import dispatch, masks
+from flashcp.attention import interface, local
+from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import CpuReferenceBackend, registry
 from flashcp.kernels.cpu_plan import TilePlan, head_units
 from maskcases import overshoot
@@ -464,8 +465,8 @@ def test_fa4_requested_on_cpu_fails_like_on_gpu(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_attention_module_exports() -> None:
-    assert callable(attention.validate_attention_inputs)
-    assert issubclass(attention.FlashMaskAttentionFn, paddle.autograd.PyLayer)
+    assert callable(local.validate_attention_inputs)
+    assert issubclass(interface.AttentionFn, paddle.autograd.PyLayer)
 
 
 def test_backend_never_modifies_its_inputs() -> None:

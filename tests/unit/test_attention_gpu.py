@@ -22,8 +22,8 @@ import paddle
 import pytest
 
 from flashcp import dispatch, masks
-from flashcp.attention import flashmask_attention_with_version
-from flashcp.attention.allgather_kv import make_assignment
+from flashcp.attention.flashmask import flashmask_attention_with_version
+from flashcp.attention.registry import make_assignment
 from flashcp.cp.rebase import rebase_mask
 from gpu_helpers import (
     GPU_DTYPES,

@@ -33,8 +33,8 @@ import pytest
 import flashcp.distributed
 from flashcp import cli as flashcp_cli
 from flashcp import dispatch, faults, masks
-from flashcp.attention import flashmask_attention
 from flashcp.attention.allgather_kv import flashmask_attention_cp
+from flashcp.attention.flashmask import flashmask_attention
 from flashcp.checkpoint.format import verify_checkpoint
 from flashcp.config import load_config
 from flashcp.kernels import registry

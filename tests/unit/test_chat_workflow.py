@@ -26,12 +26,13 @@ from bench.hfdir import (
     write_tokenizer_files,
 )
 from flashcp import masks
+from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
 from flashcp.data import HFTokenizer
 from flashcp.metrics import tracking
 from flashcp.metrics.writer import read_metrics, scalars
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory

@@ -10,9 +10,8 @@ import pytest
 import yaml
 
 from flashcp import cli
+from flashcp.attention import registry as cp_modes
 from flashcp.config import (
-    CHUNKS_PER_RANK,
-    CP_MODES,
     RECIPES,
     ConfigError,
     ConfigValidationError,
@@ -220,7 +219,7 @@ def test_seq_len_divisibility_per_mode(mode: str, cp: int, good: int, bad: int) 
 
     assert "data.seq_len" not in errs(good)
     msg = errs(bad)["data.seq_len"]
-    divisor = cp * CHUNKS_PER_RANK[mode]
+    divisor = cp * cp_modes.get(mode).chunks_per_rank
     assert f"= {divisor}" in msg and "parallel.pad: true" in msg
     assert "data.seq_len" not in errs(bad, pad=True)
 
@@ -390,11 +389,18 @@ def test_to_yaml_round_trip_and_hash() -> None:
     assert config_hash(other) != config_hash(cfg)
 
 
-def test_modes_match_the_cp_package() -> None:
-    from flashcp.attention.allgather_kv import BALANCED_CHUNKS_PER_RANK, MODES
-
-    assert CP_MODES == MODES
-    assert CHUNKS_PER_RANK["workload_balanced"] == BALANCED_CHUNKS_PER_RANK
+def test_cp_modes_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One list of CP modes: a mode registered in flashcp.attention.registry is a valid
+    parallel.cp_mode, and its chunks_per_rank sets the seq_len rule; the error lists them."""
+    toy = cp_modes.CPMode("toy_three", 3, lambda world, k, mask, causal: None)
+    monkeypatch.setitem(cp_modes.MODES, toy.name, toy)
+    cfg = build_config(_raw(parallel={"cp": 2, "cp_mode": "toy_three"}, data={"seq_len": 66}))
+    assert cfg.parallel.seq_divisor == 6
+    msg = _by_key(_errors(_raw(parallel={"cp": 2, "cp_mode": "toy_three"})))["data.seq_len"]
+    assert "is not a multiple of 3·cp = 6 (parallel.cp_mode toy_three" in msg
+    bad = _by_key(_errors(_raw(parallel={"cp_mode": "ring"})))["parallel.cp_mode"]
+    assert bad == f"expected one of {', '.join(map(repr, cp_modes.MODES))}, got 'ring'"
+    assert "'toy_three'" in bad
 
 
 def test_unreadable_files(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import pytest
 
 from flashcp import dispatch, masks
 from flashcp.attention import allgather_kv as cp_attention
-from flashcp.attention.allgather_kv import MODES, flashmask_attention_cp
+from flashcp.attention import registry
+from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.cp.layout import Assignment
 from flashcp.dispatch import FlashAttnUnavailableError
 from flashcp.distributed import WORLD, NamedGroup
@@ -36,7 +37,7 @@ def _run(q, k, v, dout, idx, causal, **kwargs):
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", registry.names())
 @pytest.mark.parametrize("family", ["causal", "causal_document", "share_question", "document"])
 def test_single_rank_matches_dense(family: str, mode: str) -> None:
     q, k, v, dout = _inputs()
@@ -47,7 +48,7 @@ def test_single_rank_matches_dense(family: str, mode: str) -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", registry.names())
 def test_values_beyond_seq_equal_the_clipped_mask(mode: str) -> None:
     """Global thresholds >= S (upstream's "through the last row") give bit-identical results
     to the same mask with S: same rebased local mask, same kernel call."""
@@ -195,8 +196,8 @@ def test_input_errors(case: str, match: str) -> None:
 
 def test_workload_balanced_needs_a_mask() -> None:
     with pytest.raises(ValueError, match="needs the global mask"):
-        cp_attention.make_assignment("workload_balanced", 2, None)
-    assert cp_attention.make_assignment("contiguous_allgather", 2).ranks == ((0,), (1,))
+        registry.make_assignment("workload_balanced", 2, None)
+    assert registry.make_assignment("contiguous_allgather", 2).ranks == ((0,), (1,))
 
 
 # ------------------------------------------------------- group=None means the world group

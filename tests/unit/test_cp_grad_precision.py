@@ -41,14 +41,15 @@ class _Rank:
 
 def _plan(rank: int, world: int) -> CPPlan:
     return CPPlan(
+        version=2,
+        device="cpu",
+        mask=None,
+        causal=False,
+        scale=1.0,
         group=_Rank(rank, world),
         rank=rank,
         world=world,
         assignment=Assignment.dualchunk(world),
-        local_mask=None,
-        version=2,
-        device="cpu",
-        scale=1.0,
     )
 
 

@@ -44,7 +44,7 @@ def _fit(cfg: Any) -> tuple[Trainer, list[dict[str, Any]]]:
 
 
 def _logits(model: paddle.nn.Layer, batch: Any) -> np.ndarray:
-    from flashcp.models import AttentionContext
+    from flashcp.attention.context import AttentionContext
 
     attn = AttentionContext(mask=batch.mask.indices, causal=True)
     with paddle.no_grad():

@@ -25,13 +25,13 @@ import paddle.nn.functional as F
 import pytest
 
 import numerics
+from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
 from flashcp.data.dataset import read_records
 from flashcp.data.dpo_stream import DPOData
 from flashcp.evaluate import data_epoch, format_eval, is_due, pass_rows
 from flashcp.lora.model import disable_adapters
 from flashcp.metrics.writer import read_metrics
-from flashcp.models import AttentionContext
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMData
 from flashcp.trainer import Trainer

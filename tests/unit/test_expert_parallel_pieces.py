@@ -272,7 +272,7 @@ def test_expert_parallel_misuse_is_refused() -> None:
         MoE(args, experts=range(1, 3))
     stage = build_model(args, stage=StageSpec(0, 1, range(3), 0, 2), seed=0)
     x = paddle.zeros([1, 4], dtype="int64")
-    from flashcp.models import AttentionContext
+    from flashcp.attention.context import AttentionContext
 
     with pytest.raises(RuntimeError, match=r"holds experts 0..1 of 4 \(ep rank 0 of 2\) but has "
                                            r"no expert-parallel group"):  # fmt: skip

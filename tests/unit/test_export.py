@@ -15,9 +15,10 @@ import pytest
 from safetensors import safe_open
 
 from flashcp import cli, masks
+from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import ExportError, copy_tokenizer, export_run, plan_shards
 from flashcp.config import build_config
-from flashcp.models import AttentionContext, build_model, estimate_parameters, preset
+from flashcp.models import build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from flashcp import cli, masks
+from flashcp.attention.context import AttentionContext
 from flashcp.config import (
     ConfigValidationError,
     build_config,
@@ -21,7 +22,7 @@ from flashcp.config import (
     config_hash,
     to_yaml,
 )
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import default_model_factory

@@ -14,7 +14,8 @@ from safetensors.numpy import save_file as np_save_file
 from safetensors.paddle import save_file as pd_save_file
 
 from flashcp import masks
-from flashcp.models import AttentionContext, ModelArgs, build_model, preset
+from flashcp.attention.context import AttentionContext
+from flashcp.models import ModelArgs, build_model, preset
 from flashcp.models.hf_weights import (
     CheckpointMismatchError,
     args_from_hf_config,

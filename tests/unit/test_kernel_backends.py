@@ -40,7 +40,7 @@ import paddle.nn.functional as F
 import pytest
 
 from flashcp import dispatch, masks
-from flashcp.attention import flashmask_attention, flashmask_attention_with_version
+from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import (
     AttentionBackend,
     CpuReferenceBackend,
@@ -688,7 +688,7 @@ def test_cp_rebasing_makes_fa4_unavailable_for_causal_two_column_masks(sm100) ->
     asg = Assignment.dualchunk(2)
     one_col = masks.FAMILIES["causal_document"](1, 32, 1, 0)
     plan = plan_cp_attention(q, k, one_col.indices, group=Rank0Of2(), causal=True, assignment=asg)
-    assert plan.version == 4 and plan.local_mask.shape[-1] == 2
+    assert plan.version == 4 and plan.mask.shape[-1] == 2
     two_col = masks.FAMILIES["causal_blockwise"](1, 32, 1, 0)
     assert two_col.causal and two_col.indices.shape[-1] == 2
     with pytest.raises(dispatch.FlashAttnUnavailableError, match="4-column"):
@@ -697,7 +697,7 @@ def test_cp_rebasing_makes_fa4_unavailable_for_causal_two_column_masks(sm100) ->
         q, k, two_col.indices, group=Rank0Of2(), causal=True, assignment=asg,
         fa4_unavailable="fallback",
     )  # fmt: skip
-    assert plan.local_mask.shape[-1] == 4 and plan.version == 2  # SM100 has no FA3 either
+    assert plan.mask.shape[-1] == 4 and plan.version == 2  # SM100 has no FA3 either
 
 
 def test_front_door_checks_mask_heads_against_fa4(sm100) -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
+from flashcp.attention.context import AttentionContext
 from flashcp.lora.model import (
     apply_lora,
     disable_adapters,
@@ -15,7 +16,7 @@ from flashcp.lora.model import (
     save_adapters,
     trainable_parameters,
 )
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import build_model, preset
 from flashcp.models.layers import Linear
 
 TARGETS = [".*q_proj", ".*v_proj"]

@@ -11,6 +11,7 @@ import numpy as np
 import paddle
 
 from bench.moe_loop import LoopMoE
+from flashcp.attention.context import AttentionContext
 from flashcp.lora.model import (
     apply_lora,
     disable_adapters,
@@ -19,7 +20,7 @@ from flashcp.lora.model import (
     merge_adapters,
     save_adapters,
 )
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import build_model, preset
 from flashcp.models.experts import GroupedExperts
 
 TARGETS = [r".*mlp\.experts", ".*q_proj"]

@@ -25,6 +25,7 @@ import paddle
 import pytest
 
 import numerics
+from flashcp.attention.context import AttentionContext
 from flashcp.config import ConfigValidationError, TrainConfig, build_config
 from flashcp.data.dpo import DPOExample, pack_dpo
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
@@ -33,7 +34,6 @@ from flashcp.metrics.memory import PeakMeter
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import (
     DEFAULT_LOSS_CHUNK_TOKENS,
-    AttentionContext,
     HeadInput,
     build_model,
     chunked_token_logprobs,

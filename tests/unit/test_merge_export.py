@@ -16,9 +16,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.merge_export import merged_specs, write_merged_index, write_merged_stage
 from flashcp.lora.model import apply_lora, lora_layers
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import build_model, preset
 from flashcp.models.hf_weights import INDEX_FILE, load_hf_checkpoint
 from flashcp.models.init import InitRule, fill_parameter
 from flashcp.models.safetensors_stream import TensorSpec, safetensors_dtype, write_streaming

@@ -11,15 +11,15 @@ import pytest
 
 import numerics
 from flashcp import masks
+from flashcp.attention import registry as cp_modes
+from flashcp.attention.context import AttentionContext
 from flashcp.models import (
-    AttentionContext,
     ModelArgs,
     build_model,
     estimate_parameters,
     preset,
     token_logprobs,
 )
-from flashcp.models import attention as model_attention
 from flashcp.models.glm import GLMDecoderLayer
 from flashcp.models.layers import apply_rotary, rotary_tables
 from flashcp.models.moe import MoE
@@ -219,7 +219,7 @@ def test_forced_cp_path_single_rank_matches(monkeypatch: pytest.MonkeyPatch) -> 
     model = _model("tiny_glm_moe")
     ctx = AttentionContext(mask=masks.causal_document_mask([12, 20], batch=B).indices, causal=True)
     plain = model(_ids(), _pos(B, 0, S), ctx).numpy()
-    monkeypatch.setattr(model_attention, "use_cp", lambda ctx: True)
+    monkeypatch.setattr(cp_modes, "implementation_for", lambda c: cp_modes.implementation(c.mode))
     cp = model(_ids(), _pos(B, 0, S), ctx).numpy()
     numerics.assert_close(cp, plain, n=S, what="cp path logits")  # tests/numerics.py
 

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 import numerics
 import numerics_report  # scripts/numerics_report.py (pytest's pythonpath)
-from flashcp.attention.allgather_kv import make_assignment
+from flashcp.attention.registry import make_assignment
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics

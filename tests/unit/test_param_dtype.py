@@ -20,12 +20,13 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.metrics import memory
 from flashcp.metrics.writer import read_metrics
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import build_model, preset
 from flashcp.models import precision as precision_mod
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner

@@ -16,6 +16,7 @@ import paddle
 import pytest
 
 from flashcp import masks
+from flashcp.attention.context import AttentionContext
 from flashcp.config import IGNORE_INDEX
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups, comm_stats
 from flashcp.distributed.p2p import (
@@ -27,7 +28,6 @@ from flashcp.distributed.p2p import (
 )
 from flashcp.models import (
     DEFAULT_LOSS_CHUNK_TOKENS,
-    AttentionContext,
     HeadInput,
     build_model,
     preset,

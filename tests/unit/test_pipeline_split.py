@@ -13,7 +13,8 @@ import paddle
 import pytest
 
 from flashcp import masks
-from flashcp.models import AttentionContext, StageSpec, build_model, estimate_parameters, preset
+from flashcp.attention.context import AttentionContext
+from flashcp.models import StageSpec, build_model, estimate_parameters, preset
 from flashcp.pipeline.stage import build_stage, split_layers, stage_spec
 
 # -- split_layers -------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ import pytest
 
 from flashcp import dispatch, masks
 from flashcp.attention import allgather_kv as cp_attention
+from flashcp.attention import registry as cp_modes
+from flashcp.attention.context import AttentionContext
 from flashcp.kernels import registry
-from flashcp.models import AttentionContext, build_model, preset
-from flashcp.models import attention as model_attention
+from flashcp.models import build_model, preset
 from flashcp.models.recompute import checkpoint
 
 MODES = ("none", "full", "refined")
@@ -31,6 +32,15 @@ def _batch(seq: int = S, seed: int = 0):
     cut = seq // 3
     mask = masks.causal_document_mask([cut, seq - cut], batch=B).indices
     return ids, pos, AttentionContext(mask=mask, causal=True)
+
+
+def force_cp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the context's CP mode implementation at one rank (plan, gather, scatter)."""
+    monkeypatch.setattr(cp_modes, "implementation_for", _cp_implementation)
+
+
+def _cp_implementation(ctx: AttentionContext):
+    return cp_modes.implementation(ctx.mode)
 
 
 def _step(model, seq: int = S, seed: int = 0):
@@ -64,7 +74,7 @@ def test_modes_agree_bitwise(name: str) -> None:
 
 def test_modes_agree_on_the_forced_cp_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """At one rank the CP machinery (plan, gather, scatter) runs; recompute must match."""
-    monkeypatch.setattr(model_attention, "use_cp", lambda ctx: True)
+    force_cp(monkeypatch)
     loss0, grads0 = _run("tiny_glm", "none")
     for mode in ("full", "refined"):
         loss, grads = _run("tiny_glm", mode)
@@ -144,7 +154,7 @@ def test_kernel_calls_per_layer(
     recorder, resolutions, monkeypatch: pytest.MonkeyPatch, mode: str, forwards: int, cp: bool
 ) -> None:
     if cp:
-        monkeypatch.setattr(model_attention, "use_cp", lambda ctx: True)
+        force_cp(monkeypatch)
     paddle.seed(0)
     model = build_model(preset("tiny_glm", recompute=mode, num_layers=3))
     loss = _step(model)
@@ -153,7 +163,7 @@ def test_kernel_calls_per_layer(
     loss.backward()
     counts = Counter(phase for phase, _ in recorder.calls)
     assert counts == {"forward": 3 * forwards, "backward": 3}
-    assert len(resolutions) == 3  # the flags are read once per layer per step
+    assert len(resolutions) == 1  # the flags are read once per micro-batch (one plan)
 
 
 @pytest.mark.parametrize("cp", [False, True])
@@ -162,7 +172,7 @@ def test_backward_uses_the_first_forwards_version(
     recorder, resolutions, monkeypatch: pytest.MonkeyPatch, mode: str, cp: bool
 ) -> None:
     if cp:
-        monkeypatch.setattr(model_attention, "use_cp", lambda ctx: True)
+        force_cp(monkeypatch)
     monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
     monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "0")
     monkeypatch.setattr(dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
@@ -174,7 +184,7 @@ def test_backward_uses_the_first_forwards_version(
     monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "1")
     loss.backward()
     assert recorder.calls and {v for _, v in recorder.calls} == {3}, recorder.calls
-    assert resolutions == [3, 3]
+    assert resolutions == [3]  # one plan for both layers, forward and backward
 
 
 # --------------------------------------------------------------------------- micro-batches

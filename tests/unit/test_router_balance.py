@@ -285,7 +285,7 @@ def test_a_pipeline_stage_packs_and_updates_only_its_layers() -> None:
     assert stats.layers == [1, 2] and sorted(stats.local) == [1]
     ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 64, (1, 8)).astype("int64"))
     pos = paddle.to_tensor(np.arange(8)[None].astype("int64"))
-    from flashcp.models import AttentionContext
+    from flashcp.attention.context import AttentionContext
 
     stage(ids, pos, AttentionContext(mask=None, causal=True)).sum().backward()
     vec = stats.local_vector()

@@ -16,13 +16,14 @@ import paddle
 import pytest
 
 from flashcp import cli
-from flashcp.attention.allgather_kv import make_assignment
+from flashcp.attention.context import AttentionContext
+from flashcp.attention.registry import make_assignment
 from flashcp.config import ConfigValidationError, collect, load_config, read_yaml
 from flashcp.config.placeholders import find_placeholders
 from flashcp.data import TrainData
 from flashcp.data.dpo_stream import DPOData
 from flashcp.lora.setup import apply_lora_config
-from flashcp.models import AttentionContext, build_model, preset
+from flashcp.models import build_model, preset
 from flashcp.models.hf_config import TRAINING_FIELDS, hf_config
 from flashcp.plan import GIB, plan
 from flashcp.plan.report import GPUS_PER_NODE, over_budget

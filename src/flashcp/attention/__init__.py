@@ -1,25 +1,16 @@
-"""Attention: the FlashMask front door, and the context-parallel implementations.
+"""Attention: one interface, its implementations, and the one registry of CP modes.
 
-* `flashcp.attention.flashmask`: `flashmask_attention` on this rank's whole sequence —
-  validate, resolve the FlashAttention version once, one `PyLayer` on that version.
-* `flashcp.attention.allgather_kv`: `flashmask_attention_cp`, the all-gather-KV
-  context-parallel attention (Llama 3 / PaddleFleet style) over a CP group.
+* `flashcp.attention.interface`: `AttentionImpl` (plan → forward → backward, and `apply`, one
+  PyLayer for every implementation) and `AttentionPlan`.
+* `flashcp.attention.context`: `AttentionContext`, what every layer of a forward pass shares
+  (the global mask, the CP group and mode), and the plan cache of a micro-batch.
+* `flashcp.attention.registry`: THE table of CP modes (name → chunks per rank, layout,
+  implementation); the model asks it which implementation runs for a context.
+* `flashcp.attention.local`: the whole sequence on this rank (no CP);
+  `flashcp.attention.flashmask`: its public front door, `flashmask_attention`.
+* `flashcp.attention.allgather_kv`: all-gather-KV context parallelism (Llama 3 / PaddleFleet
+  style) over a CP group; its public function is `flashmask_attention_cp`.
+
+This package module imports nothing: the config layer reads `flashcp.attention.registry`
+without paddle. Import what you use from its module.
 """
-
-from flashcp.attention.allgather_kv import flashmask_attention_cp
-from flashcp.attention.flashmask import (
-    FlashMaskAttentionFn,
-    dispatch_call_shape,
-    flashmask_attention,
-    flashmask_attention_with_version,
-    validate_attention_inputs,
-)
-
-__all__ = [
-    "FlashMaskAttentionFn",
-    "dispatch_call_shape",
-    "flashmask_attention",
-    "flashmask_attention_cp",
-    "flashmask_attention_with_version",
-    "validate_attention_inputs",
-]

@@ -1,11 +1,18 @@
-"""All-gather-KV context-parallel FlashMask attention (Llama 3 / PaddleFleet style), one PyLayer.
+"""All-gather-KV context-parallel FlashMask attention (Llama 3 / PaddleFleet style).
 
-Forward: all-gather the local K/V shards into global order, rebase the global mask's row
-thresholds onto this rank's local query rows, and run ONE FlashMask call (local Q against all
-keys, causality expressed in the mask, `causal=False`). Every rank sees every key, so output
-and LSE are exact; no LSE merging. The FlashAttention version is resolved once here and saved.
+`AllGatherKV` is the `AttentionImpl` every registered CP mode runs today (their layouts
+differ, `flashcp.attention.registry`); `flashmask_attention_cp` is its public function.
 
-Backward: re-gather K/V (they are not saved), run the backend's backward with the saved
+Plan (`plan_cp_attention`, before compute): validate this rank's shards and the GLOBAL mask,
+take the layout (the context's `Assignment`, or the mode's from the registry), rebase the
+mask's row thresholds onto this rank's local query rows, and resolve the FlashAttention
+version once.
+
+Forward: all-gather the local K/V shards into global order and run ONE FlashMask call (local
+Q against all keys, causality expressed in the mask, `causal=False`). Every rank sees every
+key, so output and LSE are exact; no LSE merging.
+
+Backward: re-gather K/V (they are not saved), run the backend's backward with the planned
 version (dq is local and final; dK/dV are full-length partial sums) and reduce-scatter dK/dV
 back to their owners in the same layout. LSE is an output for inspection, not differentiated
 (as in FlashAttention).
@@ -18,10 +25,11 @@ from typing import Any
 
 import numpy as np
 import paddle
-from paddle.autograd import PyLayer
 
 from flashcp import dispatch
-from flashcp.cp.balance import balanced_assignment
+from flashcp.attention import registry
+from flashcp.attention.context import AttentionContext
+from flashcp.attention.interface import AttentionImpl, AttentionPlan
 from flashcp.cp.layout import Assignment, shard_assigned, unshard_assigned
 from flashcp.cp.rebase import rebase_mask
 from flashcp.distributed.collectives import all_gather_tensor, reduce_scatter_chunks
@@ -30,62 +38,16 @@ from flashcp.kernels.base import resolve_scale
 from flashcp.kernels.registry import device_of, get_backend
 from flashcp.masks import as_numpy, validate
 
-MODES = ("dualchunk_allgather", "contiguous_allgather", "workload_balanced")
-
-__all__ = [
-    "MODES",
-    "AllGatherKVAttention",
-    "CPPlan",
-    "check_inputs",
-    "cp_backward",
-    "cp_forward",
-    "flashmask_attention_cp",
-    "gather_kv",
-    "make_assignment",
-    "plan_cp_attention",
-    "resolve_group",
-    "scatter_grad",
-]
-
-
-# Measured in docs/cp_balance.md: 4 chunks per rank reach max/mean <= 1.05 on packed masks.
-BALANCED_CHUNKS_PER_RANK = 4
-
-
-def make_assignment(
-    mode: str,
-    world: int,
-    startend_row_indices: Any = None,
-    *,
-    causal: bool = False,
-    chunks_per_rank: int = BALANCED_CHUNKS_PER_RANK,
-) -> Assignment:
-    """The chunk layout of a CP mode; workload_balanced derives it from the global mask."""
-    if mode == "dualchunk_allgather":
-        return Assignment.dualchunk(world)
-    if mode == "contiguous_allgather":
-        return Assignment.contiguous(world)
-    if mode == "workload_balanced":
-        if startend_row_indices is None:
-            raise ValueError("mode='workload_balanced' needs the global mask to balance work")
-        return balanced_assignment(
-            startend_row_indices, causal=causal, world=world, chunks_per_rank=chunks_per_rank
-        )
-    raise ValueError(f"cp mode {mode!r} is not supported: use one of {', '.join(MODES)}")
-
 
 @dataclass(frozen=True)
-class CPPlan:
-    """Everything forward decided, reused unchanged by backward."""
+class CPPlan(AttentionPlan):
+    """An `AttentionPlan` plus the CP group and layout; `mask` is the rebased local mask
+    (int32 `[B, Hm, S, C']` for the local query rows, non-causal)."""
 
     group: Any  # a paddle Group (resolved by `resolve_group`), or None for a single rank
     rank: int
     world: int
     assignment: Assignment
-    local_mask: Any  # paddle int32 [B, Hm, S, C'] for the local rows, non-causal
-    version: int  # the effective FlashAttention version, resolved once
-    device: str
-    scale: float
 
 
 def gather_kv(x: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
@@ -114,44 +76,6 @@ def scatter_grad(full: paddle.Tensor, plan: CPPlan) -> paddle.Tensor:
     chunks = [shard_assigned(wide, r, plan.assignment, axis=1) for r in range(plan.world)]
     summed = reduce_scatter_chunks(chunks, plan.group)
     return summed if summed.dtype == dtype else summed.astype(dtype)
-
-
-def cp_forward(q, k, v, plan: CPPlan) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """Gather K/V and run the kernel of the planned version: local (out, lse). No autograd."""
-    backend = get_backend(plan.version, plan.device)
-    k_all, v_all = gather_kv(k, plan), gather_kv(v, plan)
-    return backend.forward(q, k_all, v_all, plan.local_mask, causal=False, softmax_scale=plan.scale)
-
-
-def cp_backward(q, k, v, out, lse, dout, plan: CPPlan) -> tuple[Any, Any, Any]:
-    """Re-gather K/V, run the planned version's backward, reduce-scatter dK/dV to owners."""
-    backend = get_backend(plan.version, plan.device)
-    k_all, v_all = gather_kv(k, plan), gather_kv(v, plan)
-    dq, dk_all, dv_all = backend.backward(
-        q, k_all, v_all, out, lse, plan.local_mask, dout, causal=False, softmax_scale=plan.scale
-    )
-    return dq, scatter_grad(dk_all, plan), scatter_grad(dv_all, plan)
-
-
-class AllGatherKVAttention(PyLayer):
-    """The autograd op: `cp_forward` in forward, `cp_backward` with the saved plan in backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan: CPPlan):  # type: ignore[override]
-        out, lse = cp_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        # Paddle wants None for an input without gradient (e.g. LoRA on q_proj, v_proj only):
-        # the collectives still run on every rank (the same model: the same flags everywhere).
-        ctx.needs_grad = tuple(not t.stop_gradient for t in (q, k, v))
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, *unused):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensor()
-        grads = cp_backward(q, k, v, out, lse, dout, ctx.plan)
-        return tuple(g if need else None for g, need in zip(grads, ctx.needs_grad, strict=True))
 
 
 def check_inputs(q: Any, k: Any, v: Any) -> None:
@@ -202,7 +126,7 @@ def plan_cp_attention(
     group: Any = None,
     causal: bool = False,
     softmax_scale: float | None = None,
-    mode: str = "dualchunk_allgather",
+    mode: str = registry.DEFAULT_MODE,
     assignment: Assignment | None = None,
     fa4_unavailable: str | None = None,
 ) -> CPPlan:
@@ -228,7 +152,8 @@ def plan_cp_attention(
             hint = (
                 f"; group=None means the world group ({world} ranks, as in "
                 "paddle.distributed): pass group= your cp group, or use "
-                "flashcp.attention.flashmask_attention for attention on this rank alone"
+                "flashcp.attention.flashmask.flashmask_attention for attention on this rank "
+                "alone"
             )
         raise ValueError(
             f"startend_row_indices covers {idx.shape[2]} keys but the global sequence is "
@@ -245,9 +170,9 @@ def plan_cp_attention(
         num_kv_heads=int(k.shape[2]),
     )
     if assignment is None:
-        assignment = make_assignment(mode, world, idx, causal=causal)
-    elif mode not in MODES:
-        raise ValueError(f"cp mode {mode!r} is not supported: use one of {', '.join(MODES)}")
+        assignment = registry.make_assignment(mode, world, idx, causal=causal)
+    else:
+        registry.get(mode)  # an unknown mode fails even with an explicit layout
     if assignment.world != world:
         raise ValueError(f"assignment is for {assignment.world} ranks but the group has {world}")
     assignment.chunk_len(seq)  # raises, naming data.seq_len, if S doesn't split evenly
@@ -258,15 +183,56 @@ def plan_cp_attention(
     ).version
     device = device_of(q)
     return CPPlan(
+        version=version,
+        device=device,
+        mask=paddle.to_tensor(np.ascontiguousarray(local), dtype="int32", place=q.place),
+        causal=False,
+        scale=resolve_scale(softmax_scale, head_dim),
         group=group,
         rank=rank,
         world=world,
         assignment=assignment,
-        local_mask=paddle.to_tensor(np.ascontiguousarray(local), dtype="int32", place=q.place),
-        version=version,
-        device=device,
-        scale=resolve_scale(softmax_scale, head_dim),
     )
+
+
+class AllGatherKV(AttentionImpl):
+    """All-gather K/V, one FlashMask call on the local queries, reduce-scatter dK/dV."""
+
+    name = "allgather_kv"
+
+    def plan(self, q: Any, k: Any, v: Any, ctx: AttentionContext) -> CPPlan:
+        check_inputs(q, k, v)
+        return plan_cp_attention(
+            q,
+            k,
+            as_numpy(ctx.mask) if ctx.mask is not None else None,
+            group=ctx.group,
+            causal=ctx.causal,
+            mode=ctx.mode,
+            assignment=ctx.assignment,
+            fa4_unavailable=ctx.fa4_unavailable,
+        )
+
+    def forward(self, q: Any, k: Any, v: Any, plan: CPPlan) -> tuple[Any, Any]:  # type: ignore[override]
+        """Gather K/V and run the kernel of the planned version: local (out, lse)."""
+        backend = get_backend(plan.version, plan.device)
+        k_all, v_all = gather_kv(k, plan), gather_kv(v, plan)
+        return backend.forward(q, k_all, v_all, plan.mask, causal=False, softmax_scale=plan.scale)
+
+    def backward(  # type: ignore[override]
+        self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, plan: CPPlan
+    ) -> tuple[Any, Any, Any]:
+        """Re-gather K/V, run the planned version's backward, reduce-scatter dK/dV to owners."""
+        backend = get_backend(plan.version, plan.device)
+        k_all, v_all = gather_kv(k, plan), gather_kv(v, plan)
+        dq, dk_all, dv_all = backend.backward(
+            q, k_all, v_all, out, lse, plan.mask, dout, causal=False, softmax_scale=plan.scale
+        )
+        return dq, scatter_grad(dk_all, plan), scatter_grad(dv_all, plan)
+
+
+ALLGATHER_KV = AllGatherKV()
+"""The one all-gather-KV implementation (stateless; the registry names it)."""
 
 
 def flashmask_attention_cp(
@@ -278,7 +244,7 @@ def flashmask_attention_cp(
     group: Any = None,
     causal: bool = False,
     softmax_scale: float | None = None,
-    mode: str = "dualchunk_allgather",
+    mode: str = registry.DEFAULT_MODE,
     assignment: Assignment | None = None,
     return_lse: bool = False,
     dropout: float = 0.0,
@@ -297,7 +263,7 @@ def flashmask_attention_cp(
     `paddle.distributed` is initialised with more than one rank (plain
     `paddle.distributed.init_parallel_env()` is enough), a single rank otherwise. For attention
     over this rank's data alone inside a multi-rank job, call
-    `flashcp.attention.flashmask_attention` (or pass a one-rank group).
+    `flashcp.attention.flashmask.flashmask_attention` (or pass a one-rank group).
     """
     if dropout:
         raise NotImplementedError(
@@ -320,5 +286,5 @@ def flashmask_attention_cp(
         assignment=assignment,
         fa4_unavailable=fa4_unavailable,
     )
-    out, lse = AllGatherKVAttention.apply(q, k, v, plan)
+    out, lse = ALLGATHER_KV.apply_with_lse(q, k, v, plan)
     return (out, lse) if return_lse else out

@@ -24,8 +24,6 @@ from flashcp.config.load import (
 from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
 from flashcp.config.recipes import DPOConfig, LoRAConfig  # registers the dpo recipe
 from flashcp.config.schema import (
-    CHUNKS_PER_RANK,
-    CP_MODES,
     IGNORE_INDEX,
     RECIPES,
     REPORT_BACKENDS,
@@ -48,8 +46,6 @@ from flashcp.config.validate import BYTE_VOCAB_SIZE, check_config
 __all__ = [
     "ALIASES",
     "BYTE_VOCAB_SIZE",
-    "CHUNKS_PER_RANK",
-    "CP_MODES",
     "IGNORE_INDEX",
     "LoRAConfig",
     "RECIPES",

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-CP_MODES: tuple[str, ...] = ("dualchunk_allgather", "contiguous_allgather", "workload_balanced")
-"""Context-parallel layouts (see `flashcp.cp`); the values `parallel.cp_mode` accepts."""
+from flashcp.attention import registry as cp_modes
 
 REPORT_BACKENDS: dict[str, tuple[str, str] | None] = {
     "jsonl": None,
@@ -25,13 +24,6 @@ REPORT_BACKENDS: dict[str, tuple[str, str] | None] = {
     "tensorboard": ("tensorboardX", "tensorboardX"),
 }
 """`run.report_to` values → (module to import, pip package) they need (None: built in)."""
-
-CHUNKS_PER_RANK: dict[str, int] = {
-    "dualchunk_allgather": 2,
-    "contiguous_allgather": 1,
-    "workload_balanced": 4,  # flashcp.attention.allgather_kv.BALANCED_CHUNKS_PER_RANK
-}
-"""How many chunks of the sequence each CP rank holds per mode: seq_len must divide by cp × this."""
 
 JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".json")
 PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
@@ -59,11 +51,10 @@ class ParallelConfig:
     forwards, then all backwards; more activation memory, same gradients)."""
     cp: int = 1
     """Context-parallel degree: each sequence is split along its length over cp ranks."""
-    cp_mode: Literal["dualchunk_allgather", "contiguous_allgather", "workload_balanced"] = (
-        "dualchunk_allgather"
-    )
-    """Sequence layout over the cp ranks: dual-chunk (rank r holds chunks r and 2cp-1-r),
-    contiguous, or workload-balanced (chunk assignment computed from each batch's mask)."""
+    cp_mode: str = cp_modes.DEFAULT_MODE
+    """Sequence layout over the cp ranks, a mode of `flashcp.attention.registry`:
+    dualchunk_allgather (rank r holds chunks r and 2cp-1-r), contiguous_allgather, or
+    workload_balanced (chunk assignment computed from each batch's mask)."""
     pad: bool = False
     """Pad sequences up to the layout's multiple instead of requiring data.seq_len to divide."""
     grad_bucket_mb: float = 64.0
@@ -96,7 +87,7 @@ class ParallelConfig:
     @property
     def seq_divisor(self) -> int:
         """data.seq_len must be a multiple of this (unless `pad`)."""
-        return self.cp * CHUNKS_PER_RANK[self.cp_mode]
+        return self.cp * cp_modes.get(self.cp_mode).chunks_per_rank
 
 
 @dataclass(kw_only=True)

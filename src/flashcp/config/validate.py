@@ -12,8 +12,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from flashcp.attention import registry as cp_modes
 from flashcp.config.errors import ConfigError, suggest
-from flashcp.config.schema import CHUNKS_PER_RANK, DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
+from flashcp.config.schema import DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
 
 BYTE_VOCAB_SIZE = 259
 """256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
@@ -139,6 +140,14 @@ def _check_pipeline(cfg: Config, c: _Checks) -> None:
         )
 
 
+def _check_cp_mode(cfg: Config, c: _Checks) -> None:
+    """`parallel.cp_mode` names a mode of the one registry (`flashcp.attention.registry`)."""
+    mode = cfg.parallel.cp_mode
+    if mode not in cp_modes.MODES:
+        modes = ", ".join(repr(name) for name in cp_modes.names())
+        c.add("parallel.cp_mode", f"expected one of {modes}, got {mode!r}")
+
+
 def _check_lengths(cfg: Config, c: _Checks) -> None:
     d, p, m = cfg.data, cfg.parallel, cfg.model
     if d.seq_len < 2:
@@ -148,15 +157,15 @@ def _check_lengths(cfg: Config, c: _Checks) -> None:
         c.add("data.micro_batch_size", f"must be >= 1, got {d.micro_batch_size}")
     if p.cp < 1:
         return
-    chunks = CHUNKS_PER_RANK[p.cp_mode]
-    divisor = p.cp * chunks
     length = d.seq_len
-    if d.seq_len % divisor:
+    chunks = cp_modes.MODES[p.cp_mode].chunks_per_rank if c.ok("parallel.cp_mode") else 0
+    divisor = p.cp * chunks
+    if chunks and d.seq_len % divisor:
         up = -(-d.seq_len // divisor) * divisor
         if p.pad:
             length = up
         else:
-            how = {1: "cp", 2: "2·cp", 4: "4·cp"}[chunks]
+            how = "cp" if chunks == 1 else f"{chunks}·cp"
             c.add(
                 "data.seq_len",
                 f"{d.seq_len} is not a multiple of {how} = {divisor} (parallel.cp_mode "
@@ -440,6 +449,7 @@ def check_config(
     `nnodes` nodes: dp·pp·cp must equal nnodes × processes per node)."""
     c = _Checks(skip)
     _check_parallel(cfg, c, world_size, nnodes)
+    _check_cp_mode(cfg, c)
     _check_lengths(cfg, c)
     _check_model(cfg, c)
     _check_train(cfg, c)

@@ -1,8 +1,10 @@
-"""Context parallelism over FlashMask, the pure pieces: layouts, mask rebasing, balancing.
+"""Context parallelism over FlashMask, the pure pieces: layouts, balancing, rebasing, sharding.
 
-`layout` (which global tokens each rank holds), `rebase` (the global mask rewritten for a
-rank's local query rows) and `balance` (mask-aware chunk assignment). The attention that runs
-on them (all-gather KV) is `flashcp.attention.allgather_kv`.
+`layout` (which global tokens each rank holds), `balance` (mask-aware chunk assignment),
+`rebase` (the global mask rewritten for a rank's local query rows) and `shard` (a batch's
+full sequences cut to this rank's part). The CP modes that combine a layout with an attention
+implementation are registered in `flashcp.attention.registry`; the all-gather-KV attention
+that runs on them is `flashcp.attention.allgather_kv`.
 """
 
 from flashcp.cp.balance import (
@@ -29,9 +31,12 @@ from flashcp.cp.layout import (
     unshard_dualchunk,
 )
 from flashcp.cp.rebase import local_positions, rebase_mask, rebase_thresholds
+from flashcp.cp.shard import LocalBatch, SequenceBatch, shard_batch
 
 __all__ = [
     "Assignment",
+    "LocalBatch",
+    "SequenceBatch",
     "assign_chunks",
     "assigned_positions",
     "assignment_loads",
@@ -48,6 +53,7 @@ __all__ = [
     "rebase_mask",
     "rebase_thresholds",
     "shard_assigned",
+    "shard_batch",
     "shard_contiguous",
     "shard_dualchunk",
     "unshard_assigned",

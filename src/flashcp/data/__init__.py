@@ -1,9 +1,9 @@
 """Training data: tokenizers and chat templates, JSON Lines / Parquet rows read lazily, bad
-records, packing into masked sequences, CP sharding.
+records, packing into masked sequences of full length.
 
     data = TrainData(cfg, dp_rank=0, dp_size=1, peers=peers)
     for batch in data.next_step():              # one Batch per micro-batch
-        local = shard_batch(batch, cp_rank, assignment)
+        local = flashcp.cp.shard.shard_batch(batch, cp_rank, assignment)  # CP: this rank's part
 
 `tokenizer` (byte / tokenizer.json / HF directory with its chat template), `chat` (assistant
 turns located in the rendered conversation), `sources` (rows by index), `index` (who reads which
@@ -24,12 +24,10 @@ from flashcp.data.index import BadRecords, RowIndex, build_index
 from flashcp.data.loader import TrainData
 from flashcp.data.packing import (
     Batch,
-    LocalBatch,
     PackedSequence,
     PackedStream,
     StreamState,
     collate,
-    shard_batch,
     shift_labels,
 )
 from flashcp.data.peers import Peers
@@ -46,7 +44,6 @@ __all__ = [
     "Document",
     "DocumentBuilder",
     "HFTokenizer",
-    "LocalBatch",
     "PackedSequence",
     "PackedStream",
     "Peers",
@@ -62,7 +59,6 @@ __all__ = [
     "open_source",
     "parse_jsonl",
     "read_records",
-    "shard_batch",
     "shift_labels",
     "tokenize_records",
 ]

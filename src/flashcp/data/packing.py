@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from flashcp.config.schema import IGNORE_INDEX
-from flashcp.cp.layout import Assignment, shard_assigned
 from flashcp.data.dataset import Document
 from flashcp.masks import Mask, causal_document_mask
 
@@ -184,7 +183,7 @@ def shift_labels(tokens: np.ndarray, targets: np.ndarray, doc_lens: Sequence[int
 
 @dataclass(eq=False)
 class Batch:
-    """A micro-batch of full (global) sequences, ready to shard.
+    """A micro-batch of full (global) sequences, ready to shard (`flashcp.cp.shard`).
 
     `input_ids`, `labels`, `positions`: int64 `[B, S]`; `mask`: the global causal-document
     FlashMask `[B, 1, S, 1]`; `doc_lens`: segment lengths per row (padding included).
@@ -229,30 +228,4 @@ def collate(seqs: Sequence[PackedSequence], *, pad_to: int | None = None, pad_id
         positions=positions,
         mask=causal_document_mask(rows_lens, batch=b),
         doc_lens=rows_lens,
-    )
-
-
-@dataclass(eq=False)
-class LocalBatch:
-    """One CP rank's part of a `Batch`: its tokens/labels/positions, and the global mask."""
-
-    input_ids: np.ndarray
-    labels: np.ndarray
-    positions: np.ndarray
-    mask: Mask
-    assignment: Assignment
-
-    @property
-    def num_targets(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
-
-
-def shard_batch(batch: Batch, rank: int, assignment: Assignment) -> LocalBatch:
-    """Rank `rank`'s sequence shard under `assignment` (the mask stays global)."""
-    return LocalBatch(
-        input_ids=shard_assigned(batch.input_ids, rank, assignment, axis=1),
-        labels=shard_assigned(batch.labels, rank, assignment, axis=1),
-        positions=shard_assigned(batch.positions, rank, assignment, axis=1),
-        mask=batch.mask,
-        assignment=assignment,
     )

@@ -1,5 +1,6 @@
 """Models: GPT, GLM-4 dense and GLM-4.5 MoE, with rotary on GLOBAL positions, FlashMask
 attention (context-parallel when a CP group is given), activation recompute and HF weights.
+A forward pass takes `flashcp.attention.context.AttentionContext` (the mask, the CP group).
 
     args = preset("tiny_glm")
     model = build_model(args, seed=0)                   # or one pipeline stage of it:
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import paddle
 
-from flashcp.models.attention import Attention, AttentionContext
+from flashcp.models.attention import Attention
 from flashcp.models.base import CausalLM, StageSpec
 from flashcp.models.config import ARCHS, RECOMPUTE_MODES, ModelArgs, estimate_parameters
 from flashcp.models.glm import GLMForCausalLM
@@ -91,7 +92,6 @@ __all__ = [
     "RECOMPUTE_MODES",
     "StageSpec",
     "Attention",
-    "AttentionContext",
     "CausalLM",
     "GLMForCausalLM",
     "GPTForCausalLM",

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import paddle
 from paddle import nn
 
-from flashcp.models.attention import Attention, AttentionContext
+from flashcp.attention.context import AttentionContext
+from flashcp.models.attention import Attention
 from flashcp.models.config import ModelArgs
 from flashcp.models.head import (
     DEFAULT_LOSS_CHUNK_TOKENS,

@@ -28,7 +28,8 @@ from functools import partial
 
 import paddle
 
-from flashcp.models.attention import Attention, AttentionContext
+from flashcp.attention.context import AttentionContext
+from flashcp.models.attention import Attention
 from flashcp.models.base import CausalLM, DecoderLayer, StageSpec
 from flashcp.models.config import ModelArgs
 from flashcp.models.layers import RMSNorm, RotaryTables, SwiGLU

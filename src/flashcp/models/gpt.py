@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import paddle
 
-from flashcp.models.attention import Attention, AttentionContext
+from flashcp.attention.context import AttentionContext
+from flashcp.models.attention import Attention
 from flashcp.models.base import CausalLM, DecoderLayer, StageSpec
 from flashcp.models.config import ModelArgs
 from flashcp.models.layers import GeluMLP, RotaryTables, layer_norm

@@ -1,22 +1,26 @@
-"""Activation recompute for decoder layers: `none`, `full` and `refined`, one resolved version.
+"""Activation recompute for decoder layers: `none`, `full` and `refined`, one attention plan.
 
 `checkpoint(fn, hidden, mode)` runs one decoder layer under Paddle's reentrant recompute
 (`paddle.distributed.fleet.utils.recompute`, checked on CPU with PyLayers inside): the first
 forward runs without grad and keeps only the layer input; backward reruns the layer under
 grad and back-propagates through it, restoring the RNG state first. Inside the layer, the
-attention module asks `current_state()` which pass it is in:
+attention module hands its call to `attend(impl, plan, q, k, v)`, which asks `current_state()`
+which pass it is in:
 
-* `Phase.FIRST` (grad disabled): resolve the FlashAttention version ONCE (and, under CP,
-  the whole `CPPlan`) into a `PinnedAttention`, run the kernel forward, and append the pin
-  to the call's FIFO. `refined` also stores the attention output and LSE in the pin.
-* `Phase.REPLAY` (backward): take the pins back in the same order. `full` reruns the kernel
-  forward (and its backward) on the pinned version; `refined` returns the stored output
-  through `StoredAttentionFn`, whose backward runs the kernel backward on the pinned version.
-  Neither re-reads `FLAGS_flash_attn_version` or the deterministic flag, unlike upstream
+* outside recompute: `impl.apply` (the differentiable call on the plan).
+* `Phase.FIRST` (grad disabled): pin the call — the `AttentionImpl` and its `AttentionPlan`
+  (validated, FlashAttention version resolved, under CP the layout and rebased mask) — run
+  the kernel forward, and append the pin to the call's FIFO. `refined` also stores the
+  attention output and LSE in the pin.
+* `Phase.REPLAY` (backward): take the pins back in the same order. `full` reruns
+  `impl.apply` on the pinned plan; `refined` returns the stored output through
+  `StoredAttentionFn`, whose backward runs `impl.backward` on the pinned plan. Neither
+  re-reads `FLAGS_flash_attn_version` or the deterministic flag, unlike upstream
   PaddleFleet's refined-recompute path, which re-resolved the version in the recompute pass.
 
 So attention runs forward once per layer per step under `refined` (twice under `full`) and
-every kernel call of one layer in one step uses the same version.
+every kernel call of one layer in one step uses the same plan. Any `AttentionImpl` works: this
+module knows only the interface (`flashcp.attention.interface`), not what a plan holds.
 
 The FIFO belongs to one recompute call of one layer (it lives in the closure the recompute
 graph node keeps), not to the layer module: micro-batches may be back-propagated in any order
@@ -31,20 +35,12 @@ import enum
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import paddle
 from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
-from flashcp import dispatch
-from flashcp.attention import allgather_kv as cp_attention
-from flashcp.attention.flashmask import (
-    dispatch_call_shape,
-    flashmask_attention_with_version,
-    validate_attention_inputs,
-)
-from flashcp.kernels import registry
+from flashcp.attention.interface import AttentionImpl, AttentionPlan
 
 
 class Phase(enum.Enum):
@@ -120,101 +116,38 @@ def checkpoint(fn: Callable[[paddle.Tensor], paddle.Tensor], hidden: paddle.Tens
 
 @dataclass
 class PinnedAttention:
-    """One attention call as the first forward decided it; the replay reuses it unchanged.
+    """One attention call as the first forward planned it; the replay reuses it unchanged."""
 
-    Non-CP: the kernel runs on `(q, k, v)` with the global `mask` and `causal`. CP: `plan`
-    holds the group, layout, rebased local mask (here as `mask`, with `causal=False`) and
-    scale; K/V are all-gathered before and dK/dV reduce-scattered after the kernel.
-    """
-
-    version: int
-    device: str
-    causal: bool
-    mask: Any  # paddle int32 mask, or None
-    softmax_scale: float | None
-    plan: cp_attention.CPPlan | None
+    impl: AttentionImpl
+    plan: AttentionPlan
     q_shape: tuple[int, ...]
     out: paddle.Tensor | None = None  # refined only: the first pass's output and LSE
     lse: paddle.Tensor | None = None
 
-    def _kv(self, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        if self.plan is None:
-            return k, v
-        return cp_attention.gather_kv(k, self.plan), cp_attention.gather_kv(v, self.plan)
 
-    def forward_no_grad(self, q, k, v) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Kernel forward on the pinned version (the first pass runs without grad)."""
-        k_all, v_all = self._kv(k, v)
-        backend = registry.get_backend(self.version, self.device)
-        return backend.forward(
-            q, k_all, v_all, self.mask, causal=self.causal, softmax_scale=self.softmax_scale
+def attend(
+    impl: AttentionImpl, plan: AttentionPlan, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor
+) -> paddle.Tensor:
+    """The attention output of `impl` on `plan`, pinned or replayed inside recompute."""
+    state = current_state()
+    if state is None:
+        return impl.apply(q, k, v, plan)
+    if state.phase is Phase.FIRST:
+        pinned = PinnedAttention(impl, plan, tuple(int(s) for s in q.shape))
+        out, lse = impl.forward(q, k, v, plan)
+        if state.mode == "refined":
+            pinned.out, pinned.lse = out, lse
+        state.pins.append(pinned)
+        return out
+    pinned = state.next_pin()
+    if tuple(int(s) for s in q.shape) != pinned.q_shape:
+        raise RuntimeError(
+            f"recompute replay got q {list(q.shape)} but the pinned call had "
+            f"{list(pinned.q_shape)}: the layer's replay differs from its first pass"
         )
-
-    def forward_with_grad(self, q, k, v) -> paddle.Tensor:
-        """The differentiable call on the pinned version (the `full` replay)."""
-        if self.plan is not None:
-            out, _ = cp_attention.AllGatherKVAttention.apply(q, k, v, self.plan)
-            return out
-        return flashmask_attention_with_version(
-            q, k, v, self.mask, fa_version=self.version, causal=self.causal, validate=False
-        )
-
-    def backward(self, q, k, v, out, lse, dout) -> tuple[Any, Any, Any]:
-        """Kernel backward on the pinned version; under CP dK/dV go back to their owners."""
-        k_all, v_all = self._kv(k, v)
-        backend = registry.get_backend(self.version, self.device)
-        dq, dk, dv = backend.backward(
-            q,
-            k_all,
-            v_all,
-            out,
-            lse,
-            self.mask,
-            dout,
-            causal=self.causal,
-            softmax_scale=self.softmax_scale,
-        )
-        if self.plan is not None:
-            dk = cp_attention.scatter_grad(dk, self.plan)
-            dv = cp_attention.scatter_grad(dv, self.plan)
-        return dq, dk, dv
-
-
-def pin_attention(
-    q: paddle.Tensor,
-    k: paddle.Tensor,
-    v: paddle.Tensor,
-    mask: Any,
-    *,
-    causal: bool,
-    fa4_unavailable: str | None = None,
-    cp: bool = False,
-    group: Any = None,
-    mode: str = "dualchunk_allgather",
-    assignment: Any = None,
-) -> PinnedAttention:
-    """Validate and resolve once: the version (and under CP the plan) every later call uses."""
-    shape = tuple(int(s) for s in q.shape)
-    if cp:
-        cp_attention.check_inputs(q, k, v)
-        plan = cp_attention.plan_cp_attention(
-            q,
-            k,
-            mask,
-            group=group,
-            causal=causal,
-            mode=mode,
-            assignment=assignment,
-            fa4_unavailable=fa4_unavailable,
-        )
-        return PinnedAttention(
-            plan.version, plan.device, False, plan.local_mask, plan.scale, plan, shape
-        )
-    device = validate_attention_inputs(q, k, v, mask, causal=causal)
-    version = dispatch.resolve_current(
-        int(q.shape[-1]), policy=fa4_unavailable, **dispatch_call_shape(k, v, mask)
-    ).version
-    return PinnedAttention(version, device, causal, mask, None, None, shape)
+    if state.mode == "refined":
+        return StoredAttentionFn.apply(q, k, v, pinned)
+    return pinned.impl.apply(q, k, v, pinned.plan)
 
 
 class StoredAttentionFn(PyLayer):
@@ -234,5 +167,6 @@ class StoredAttentionFn(PyLayer):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensor()
-        grads = ctx.pinned.backward(q, k, v, out, lse, dout)
+        pinned = ctx.pinned
+        grads = pinned.impl.backward(q, k, v, out, lse, dout, pinned.plan)
         return tuple(g if need else None for g, need in zip(grads, ctx.needs_grad, strict=True))

@@ -48,6 +48,7 @@ from typing import Any
 
 import paddle
 
+from flashcp.attention.context import AttentionContext
 from flashcp.distributed.collectives import group_label
 from flashcp.distributed.groups import ParallelGroups
 from flashcp.distributed.p2p import (
@@ -57,7 +58,6 @@ from flashcp.distributed.p2p import (
     send_tensor,
     swap_tensor,
 )
-from flashcp.models.attention import AttentionContext
 from flashcp.models.head import HeadInput
 from flashcp.pipeline.schedule import (
     FORWARD,

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashcp.config.schema import CHUNKS_PER_RANK, Config
+from flashcp.config.schema import Config
 from flashcp.models.config import ModelArgs
 from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
@@ -243,7 +243,7 @@ def setup(cfg: Config, device: str | None = None) -> Setup:
     dev = resolve_device(cfg, device)
     p, d, t = cfg.parallel, cfg.data, cfg.train
     seq = d.seq_len
-    divisor = p.cp * CHUNKS_PER_RANK[p.cp_mode]
+    divisor = p.seq_divisor
     if p.pad and seq % divisor:
         seq = -(-seq // divisor) * divisor
     lora = cfg.extras.get("lora")

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flashcp.attention import registry as cp_modes
 from flashcp.config import Config, collect, to_dict
-from flashcp.config.schema import CHUNKS_PER_RANK
 from flashcp.plan.model import GIB, ITEM_DOCS, Plan, plan
 
 GPUS_PER_NODE = 8
@@ -96,7 +96,7 @@ def _degree(cfg: Config, dim: str, value: int) -> list[str] | None:
             out.append("parallel.pp_layers=null")
         if cfg.train.grad_accum < value:
             out.append(f"train.grad_accum={value}")
-    elif cfg.data.seq_len % (value * CHUNKS_PER_RANK[p.cp_mode]) and not p.pad:
+    elif cfg.data.seq_len % (value * cp_modes.get(p.cp_mode).chunks_per_rank) and not p.pad:
         return None
     return out
 

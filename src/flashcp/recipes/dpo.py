@@ -42,12 +42,14 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
+from flashcp.attention.context import AttentionContext
 from flashcp.config.recipes import DPOConfig
-from flashcp.cp.layout import assigned_positions, shard_assigned
+from flashcp.cp.layout import assigned_positions
+from flashcp.cp.shard import shard_batch
 from flashcp.data.dpo import IGNORE_INDEX, DPOBatch
 from flashcp.data.dpo_stream import DPOData
 from flashcp.distributed import all_reduce_tensor
-from flashcp.models import AttentionContext, HeadInput
+from flashcp.models import HeadInput
 from flashcp.optim.grads import all_reduce_values
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.base import Recipe, StepPlan
@@ -142,8 +144,8 @@ class DPORecipe(Recipe):
         micro = []
         for index, batch in enumerate(batches):
             asg = ctx.assignment_for(batch)
-            shard = partial(shard_assigned, rank=ctx.cp_rank, assignment=asg, axis=1)
-            labels = paddle.to_tensor(shard(batch.labels))
+            local = shard_batch(batch, ctx.cp_rank, asg)
+            labels = paddle.to_tensor(local.labels)
             attn = AttentionContext(
                 mask=batch.mask.indices,
                 causal=batch.mask.causal,
@@ -153,8 +155,8 @@ class DPORecipe(Recipe):
                 fa4_unavailable=cfg.attention.fa4_unavailable,
             )
             mb = MicroBatch(
-                paddle.to_tensor(shard(batch.input_ids)),
-                paddle.to_tensor(shard(batch.positions)),
+                paddle.to_tensor(local.input_ids),
+                paddle.to_tensor(local.positions),
                 labels,
                 attn,
             )

@@ -110,7 +110,8 @@ def answer_logps(
     log-probs wrap it in `paddle.no_grad()` and, for a LoRA policy,
     `flashcp.lora.model.disable_adapters`.
     """
-    from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext
+    from flashcp.attention.context import AttentionContext
+    from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS
 
     if attn is None:
         attn = AttentionContext(mask=batch.mask.indices, causal=batch.mask.causal)

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import paddle
 
+from flashcp.attention.context import AttentionContext
 from flashcp.config import IGNORE_INDEX
-from flashcp.data import TrainData, shard_batch
-from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, AttentionContext, HeadInput
+from flashcp.cp.shard import shard_batch
+from flashcp.data import TrainData
+from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, HeadInput
 from flashcp.optim.grads import all_reduce_values
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.base import Recipe, StepPlan
@@ -67,7 +69,8 @@ class LMRecipe(Recipe):
         ctx, cfg = self.ctx, self.cfg
         locals_ = [shard_batch(b, ctx.cp_rank, ctx.assignment_for(b)) for b in batches]
         counts = all_reduce_values(
-            [sum(lb.num_targets for lb in locals_)], [ctx.groups.cp, ctx.groups.dp]
+            [sum(int((lb.labels != IGNORE_INDEX).sum()) for lb in locals_)],
+            [ctx.groups.cp, ctx.groups.dp],
         )
         targets = int(round(counts[0]))
         denom = float(max(targets, 1))

@@ -24,7 +24,8 @@ import paddle
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `reference`
 
 from flashcp import masks  # noqa: E402
-from flashcp.attention.allgather_kv import MODES, flashmask_attention_cp, make_assignment
+from flashcp.attention.allgather_kv import flashmask_attention_cp
+from flashcp.attention.registry import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown  # noqa: E402
 from numerics import FACTOR  # noqa: E402

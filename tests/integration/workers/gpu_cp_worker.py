@@ -22,7 +22,8 @@ import paddle
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for gpu_helpers
 
 from flashcp import dispatch, masks  # noqa: E402
-from flashcp.attention.allgather_kv import MODES, flashmask_attention_cp, make_assignment
+from flashcp.attention.allgather_kv import flashmask_attention_cp
+from flashcp.attention.registry import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown  # noqa: E402
 from gpu_helpers import close, cpu_reference, rounded  # noqa: E402

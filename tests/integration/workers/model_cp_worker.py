@@ -27,7 +27,8 @@ import paddle.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
 
 from flashcp import masks  # noqa: E402
-from flashcp.attention.allgather_kv import MODES, make_assignment
+from flashcp.attention.context import AttentionContext  # noqa: E402
+from flashcp.attention.registry import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import (  # noqa: E402
     ParallelDims,
@@ -36,7 +37,7 @@ from flashcp.distributed import (  # noqa: E402
     init_distributed,
     shutdown,
 )
-from flashcp.models import AttentionContext, build_model, preset  # noqa: E402
+from flashcp.models import build_model, preset  # noqa: E402
 from numerics import FACTOR, compare, labels_shifted_after_sharding  # noqa: E402
 
 B, S, VOCAB = 2, 32, 260

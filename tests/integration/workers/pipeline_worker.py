@@ -43,7 +43,8 @@ import paddle
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
 
 from flashcp import masks  # noqa: E402
-from flashcp.attention.allgather_kv import make_assignment  # noqa: E402
+from flashcp.attention.context import AttentionContext  # noqa: E402
+from flashcp.attention.registry import make_assignment  # noqa: E402
 from flashcp.config import IGNORE_INDEX  # noqa: E402
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import (  # noqa: E402
@@ -57,7 +58,6 @@ from flashcp.distributed import (  # noqa: E402
 )
 from flashcp.models import (  # noqa: E402
     DEFAULT_LOSS_CHUNK_TOKENS,
-    AttentionContext,
     HeadInput,
     build_model,
     preset,
