@@ -1,0 +1,147 @@
+"""Worker: a CP mode registered by this file alone runs the model at CP = N like CP = 1.
+
+`reversed_contiguous` (N chunks, rank r holds chunk N-1-r) is registered in
+`flashcp.attention.registry` here, with an alias of the all-gather-KV implementation that
+counts its calls; nothing in `src/` names it. The context carries only the group and the mode
+name: the registry makes the layout and picks the implementation. GLM-4 tiny, recompute none
+and refined: this rank's hidden states must equal the single-process ones at its global
+positions, and the parameter gradients summed over the group the single-process gradients,
+within the float32 rule of `tests/numerics.py`; another rank's rows (a wrong shard) must miss
+by a wide margin. Results go to `<out>/rank<r>.json`; a mismatch raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
+
+from flashcp import masks  # noqa: E402
+from flashcp.attention import registry as cp_modes  # noqa: E402
+from flashcp.attention.allgather_kv import AllGatherKV  # noqa: E402
+from flashcp.attention.context import AttentionContext  # noqa: E402
+from flashcp.cp.layout import Assignment, shard_assigned  # noqa: E402
+from flashcp.distributed import (  # noqa: E402
+    ParallelDims,
+    all_reduce_tensor,
+    build_groups,
+    init_distributed,
+    shutdown,
+)
+from flashcp.models import build_model, preset  # noqa: E402
+from numerics import FACTOR, compare  # noqa: E402
+
+B, S, VOCAB, LAYERS = 2, 32, 260, 2
+MODE = "reversed_contiguous"
+WRONG_MARGIN = 10.0
+
+
+class CountingAllGatherKV(AllGatherKV):
+    """All-gather-KV under another name, counting plans and kernel passes."""
+
+    name = "counting_allgather_kv"
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def plan(self, q, k, v, ctx):
+        self.calls["plan"] += 1
+        return super().plan(q, k, v, ctx)
+
+    def forward(self, q, k, v, plan):
+        self.calls["forward"] += 1
+        return super().forward(q, k, v, plan)
+
+    def backward(self, q, k, v, out, lse, dout, plan):
+        self.calls["backward"] += 1
+        return super().backward(q, k, v, out, lse, dout, plan)
+
+
+TOY_IMPL = CountingAllGatherKV()
+
+
+def reversed_contiguous(world: int, chunks_per_rank: int, mask: Any, causal: bool) -> Assignment:
+    return Assignment.from_lists([[world - 1 - r] for r in range(world)])
+
+
+cp_modes.register(
+    cp_modes.CPMode(MODE, 1, reversed_contiguous, implementation=f"{__name__}:TOY_IMPL")
+)
+
+
+def run(recompute: str, ids, positions, weights, ctx) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Forward + backward of a fresh seed-0 model: (hidden states, this rank's gradients).
+
+    The loss weighs every hidden value by a fixed random number of its global position (a
+    per-token gradient; the final norm makes sum(hidden²) nearly flat in its inputs)."""
+    paddle.seed(0)
+    model = build_model(preset("tiny_glm", recompute=recompute, num_layers=LAYERS))
+    hidden = model(paddle.to_tensor(ids), paddle.to_tensor(positions), ctx)
+    (hidden * paddle.to_tensor(weights)).sum().backward()
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    return hidden.numpy(), grads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    world = init_distributed().world_size
+    group = build_groups(ParallelDims(dp=1, pp=1, cp=world, world_size=world)).cp
+    rank = group.rank
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (B, S))
+    weights = rng.standard_normal((B, S, preset("tiny_glm").hidden_size)).astype(np.float32)
+    positions = np.broadcast_to(np.arange(S), (B, S))
+    mask = masks.causal_document_mask([[10, 22], [7, 9, 16]]).indices
+
+    asg = cp_modes.make_assignment(MODE, world)
+    mine, other = asg.positions(S, rank), asg.positions(S, (rank + 1) % world)
+    local_ids, local_weights = shard_assigned(ids, rank, asg), shard_assigned(weights, rank, asg)
+    local_pos = np.ascontiguousarray(positions[:, mine])
+    cases = []
+    for recompute in ("none", "refined"):
+        plain = AttentionContext(mask=mask, causal=True)
+        want, want_grads = run(recompute, ids, positions, weights, plain)
+        TOY_IMPL.calls.clear()
+        ctx = AttentionContext(mask=mask, causal=True, group=group, mode=MODE)
+        got, local_grads = run(recompute, local_ids, local_pos, local_weights, ctx)
+        calls = dict(TOY_IMPL.calls)
+        grads = {k: all_reduce_tensor(paddle.to_tensor(g), group).numpy()
+                 for k, g in local_grads.items()}  # fmt: skip
+        hidden_units = compare(got, want[:, mine], n=S, what="hidden").units
+        grad_units = max(
+            compare(grads[k], want_grads[k], n=B * S, norm="l2", what=k).units for k in want_grads
+        )
+        wrong_units = compare(got, want[:, other], n=S, what="wrong shard").units
+        case = {
+            "recompute": recompute,
+            "chunks": list(asg.ranks[rank]),
+            "calls": calls,
+            "hidden_units": hidden_units,
+            "grad_units": grad_units,
+            "wrong_shard_units": wrong_units,
+            "ok": hidden_units <= FACTOR
+            and grad_units <= FACTOR
+            and wrong_units > WRONG_MARGIN * FACTOR
+            and calls == {"plan": 1, "forward": LAYERS, "backward": LAYERS},
+        }
+        cases.append(case)
+        print(f"CASE {case}", flush=True)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"world": world, "cases": cases}))
+    bad = [c for c in cases if not c["ok"]]
+    if bad:
+        raise SystemExit(f"rank {rank}: {len(bad)} mismatches: {bad}")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
