@@ -195,7 +195,7 @@ def plan_cp_attention(
     )
 
 
-class AllGatherKV(AttentionImpl):
+class AllGatherKV(AttentionImpl[CPPlan]):
     """All-gather K/V, one FlashMask call on the local queries, reduce-scatter dK/dV."""
 
     name = "allgather_kv"
@@ -213,13 +213,13 @@ class AllGatherKV(AttentionImpl):
             fa4_unavailable=ctx.fa4_unavailable,
         )
 
-    def forward(self, q: Any, k: Any, v: Any, plan: CPPlan) -> tuple[Any, Any]:  # type: ignore[override]
+    def forward(self, q: Any, k: Any, v: Any, plan: CPPlan) -> tuple[Any, Any]:
         """Gather K/V and run the kernel of the planned version: local (out, lse)."""
         backend = get_backend(plan.version, plan.device)
         k_all, v_all = gather_kv(k, plan), gather_kv(v, plan)
         return backend.forward(q, k_all, v_all, plan.mask, causal=False, softmax_scale=plan.scale)
 
-    def backward(  # type: ignore[override]
+    def backward(
         self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, plan: CPPlan
     ) -> tuple[Any, Any, Any]:
         """Re-gather K/V, run the planned version's backward, reduce-scatter dK/dV to owners."""

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from flashcp.attention.interface import AttentionImpl, AttentionPlan
+from flashcp.attention.interface import AttentionImpl, PlanT
 from flashcp.attention.registry import DEFAULT_MODE
 from flashcp.masks import as_numpy
 
@@ -44,7 +44,7 @@ class AttentionContext:
     _tensor_cache: dict[str, paddle.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _plans: dict[tuple[Any, ...], AttentionPlan] = field(
+    _plans: dict[tuple[Any, ...], Any] = field(  # (impl, call shapes) → that impl's plan
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -65,7 +65,7 @@ class AttentionContext:
             self._tensor_cache[key] = paddle.to_tensor(arr, place=place)
         return self._tensor_cache[key]
 
-    def plan(self, impl: AttentionImpl, q: Any, k: Any, v: Any) -> AttentionPlan:
+    def plan(self, impl: AttentionImpl[PlanT], q: Any, k: Any, v: Any) -> PlanT:
         """`impl.plan(q, k, v, self)`, built once per implementation and call shape.
 
         Every layer of the model calls attention with the same shapes, dtypes and place, so
@@ -73,7 +73,6 @@ class AttentionContext:
         context, which is once per micro-batch.
         """
         key = (impl, *(_call_key(t) for t in (q, k, v)))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = impl.plan(q, k, v, self)
-        return plan
+        if key not in self._plans:
+            self._plans[key] = impl.plan(q, k, v, self)
+        return self._plans[key]

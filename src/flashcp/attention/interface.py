@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import paddle
 from paddle.autograd import PyLayer
@@ -47,37 +47,41 @@ class AttentionPlan:
     """The softmax scale handed to the kernel (None: the kernel's head_dim ** -0.5)."""
 
 
+PlanT = TypeVar("PlanT", bound=AttentionPlan)
+"""The plan type of one implementation (`CPPlan` for all-gather KV)."""
+
+
 def grad_needed(*tensors: paddle.Tensor) -> bool:
     """Whether autograd must record a call on `tensors` (grad mode on, one input needs it)."""
     return paddle.is_grad_enabled() and any(not t.stop_gradient for t in tensors)
 
 
-class AttentionImpl(ABC):
-    """One attention algorithm: plan before compute, kernel forward/backward on the plan."""
+class AttentionImpl(ABC, Generic[PlanT]):
+    """One attention algorithm: plan before compute, kernel forward/backward on its plan."""
 
     name: str = "attention"
 
     @abstractmethod
-    def plan(self, q: Any, k: Any, v: Any, ctx: AttentionContext) -> AttentionPlan:
+    def plan(self, q: Any, k: Any, v: Any, ctx: AttentionContext) -> PlanT:
         """Validate and decide everything (version, layout, mask) before any compute."""
 
     @abstractmethod
-    def forward(self, q: Any, k: Any, v: Any, plan: AttentionPlan) -> tuple[Any, Any]:
+    def forward(self, q: Any, k: Any, v: Any, plan: PlanT) -> tuple[Any, Any]:
         """The kernel forward on the plan's version: `(out, lse)`, no autograd."""
 
     @abstractmethod
     def backward(
-        self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, plan: AttentionPlan
+        self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, plan: PlanT
     ) -> tuple[Any, Any, Any]:
         """The kernel backward on the plan's version: `(dq, dk, dv)` for this rank's inputs."""
 
-    def apply_with_lse(self, q: Any, k: Any, v: Any, plan: AttentionPlan) -> tuple[Any, Any]:
+    def apply_with_lse(self, q: Any, k: Any, v: Any, plan: PlanT) -> tuple[Any, Any]:
         """`(out, lse)`, differentiable in q/k/v (lse is not); without grad, the plain forward."""
         if grad_needed(q, k, v):
             return AttentionFn.apply(q, k, v, self, plan)
         return self.forward(q, k, v, plan)
 
-    def apply(self, q: Any, k: Any, v: Any, plan: AttentionPlan) -> Any:
+    def apply(self, q: Any, k: Any, v: Any, plan: PlanT) -> Any:
         """The attention output, differentiable in q/k/v."""
         return self.apply_with_lse(q, k, v, plan)[0]
 
@@ -91,7 +95,7 @@ class AttentionFn(PyLayer):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Any, k: Any, v: Any, impl: AttentionImpl, plan: AttentionPlan
+        ctx: Any, q: Any, k: Any, v: Any, impl: AttentionImpl[Any], plan: AttentionPlan
     ) -> tuple[Any, Any]:
         out, lse = impl.forward(q, k, v, plan)
         ctx.impl, ctx.plan = impl, plan

@@ -176,7 +176,7 @@ def plan_local(
     return AttentionPlan(resolution.version, device, startend_row_indices, causal, softmax_scale)
 
 
-class LocalAttention(AttentionImpl):
+class LocalAttention(AttentionImpl[AttentionPlan]):
     """FlashMask attention of this rank's queries against its own keys (no CP)."""
 
     name = "local"

@@ -99,19 +99,19 @@ def make_assignment(name: str, world: int, mask: Any = None, *, causal: bool = F
     return assignment
 
 
-def implementation(name: str) -> AttentionImpl:
+def implementation(name: str) -> AttentionImpl[Any]:
     """The attention implementation of mode `name`."""
     return _load(get(name).implementation)
 
 
-def implementation_for(ctx: AttentionContext) -> AttentionImpl:
+def implementation_for(ctx: AttentionContext) -> AttentionImpl[Any]:
     """What the model runs for `ctx`: local without a CP group of more than one rank, else
     the implementation of `ctx.mode`."""
     return implementation(ctx.mode) if ctx.uses_cp else _load(LOCAL)
 
 
 @functools.cache
-def _load(path: str) -> AttentionImpl:
+def _load(path: str) -> AttentionImpl[Any]:
     module, _, attribute = path.partition(":")
     return getattr(importlib.import_module(module), attribute)
 

@@ -35,6 +35,7 @@ import enum
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import paddle
 from paddle.autograd import PyLayer
@@ -118,7 +119,7 @@ def checkpoint(fn: Callable[[paddle.Tensor], paddle.Tensor], hidden: paddle.Tens
 class PinnedAttention:
     """One attention call as the first forward planned it; the replay reuses it unchanged."""
 
-    impl: AttentionImpl
+    impl: AttentionImpl[Any]
     plan: AttentionPlan
     q_shape: tuple[int, ...]
     out: paddle.Tensor | None = None  # refined only: the first pass's output and LSE
@@ -126,7 +127,11 @@ class PinnedAttention:
 
 
 def attend(
-    impl: AttentionImpl, plan: AttentionPlan, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor
+    impl: AttentionImpl[Any],
+    plan: AttentionPlan,
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
 ) -> paddle.Tensor:
     """The attention output of `impl` on `plan`, pinned or replayed inside recompute."""
     state = current_state()
