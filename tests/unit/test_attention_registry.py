@@ -9,6 +9,8 @@ mode at CP = 2 over two processes: tests/integration/test_cp_registry_multiproc.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -105,6 +107,17 @@ def test_unknown_mode_and_a_layout_that_disagrees(monkeypatch: pytest.MonkeyPatc
         cp_modes.make_assignment("liar", 2)
     with pytest.raises(ValueError, match="chunks_per_rank must be >= 1"):
         cp_modes.register(cp_modes.CPMode("none", 0, reversed_contiguous))
+
+
+def test_the_config_layer_reads_the_registry_without_paddle() -> None:
+    """The registry is plain data over flashcp.cp: importing the config (which the launcher
+    does before any rank starts) imports no implementation and no paddle."""
+    code = (
+        "import sys, flashcp.config; "
+        "print(sorted(m for m in sys.modules if m.startswith(('paddle', 'flashcp.attention'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['flashcp.attention', 'flashcp.attention.registry']"
 
 
 def test_implementation_for_a_context() -> None:
