@@ -114,8 +114,8 @@ def worker(config: Path, out_dir: Path) -> int:
     trainer.train_step = measured_step  # type: ignore[method-assign]
     trainer.fit()
     record = {
-        "rank": int(trainer.rank),
-        "stage": int(trainer.pp_rank),
+        "rank": int(trainer.groups.rank),
+        "stage": int(trainer.groups.pp.rank),
         "start_bytes": start,
         "build_peak_bytes": build_peak,
         "after_build_bytes": after_build,
@@ -124,7 +124,7 @@ def worker(config: Path, out_dir: Path) -> int:
         "peak_bytes": max([build_peak, *steps]),
         "seconds": time.perf_counter() - t0,
     }
-    (out_dir / RANK_FILE.format(rank=trainer.rank)).write_text(json.dumps(record))
+    (out_dir / RANK_FILE.format(rank=record["rank"])).write_text(json.dumps(record))
     if groups is not None:
         from flashcp.distributed import shutdown
 

@@ -1,22 +1,23 @@
 """Held-out evaluation during training (`eval.path`, `eval.every`, `eval.max_batches`).
 
 The eval set is read like the training data (same format, tokenizer, packing and sequence
-length: `Recipe.build_eval_data`), in file order, one row at a time, from its start at every
+length: `Recipe.data(path)`), in file order, one row at a time, from its start at every
 evaluation. An eval batch is one optimizer step's worth of rows (dp × train.grad_accum ×
 data.micro_batch_size), dealt to the dp ranks (rank r takes its grad_accum × micro_batch_size
 rows as one-row micro-batches) and run under the run's own layout — cp shards, pipeline
-stages — with FORWARD-ONLY passes through the runner (`forward_only`; on the last stage the
-recipe turns hidden states into sums), so no gradient, optimizer state, data position or RNG
-of training changes: a run with eval has bitwise the training losses of the run without. The
-model is in eval mode meanwhile (no adapter dropout) and the Python / numpy / Paddle RNG
-states are restored after.
+stages — through the training step's own loss and statistics (`Recipe.prepare`, then
+`Recipe.loss` in FORWARD-ONLY passes through the runner, `forward_only`; its statistics are
+kept), so no gradient, optimizer state, data position or RNG of training changes: a run with
+eval has bitwise the training losses of the run without. The model is in eval mode meanwhile
+(no adapter dropout) and the Python / numpy / Paddle RNG states are restored after.
 
 One pass (`eval.max_batches: null`) is every row of the set exactly once: its length is
 counted at the start by stepping the eval data (no model) until its state's `epoch` grows;
 the last batch may be short (some dp ranks then get fewer rows, or none). `eval.max_batches`
 stops earlier.
 
-What is reported (`eval/` + the recipe's `eval_metrics`), in the record of the step it ran:
+What is reported (`eval/` + the recipe's `finish` of the summed statistics), in the record of
+the step it ran:
 
 * pretrain / sft: `eval/loss` = Σ cross-entropy / Σ target tokens over the pass
   (token-weighted, counted over every dp/cp rank like training), `eval/perplexity`,
@@ -38,8 +39,9 @@ from typing import Any
 import numpy as np
 import paddle
 
+from flashcp.models import HeadInput
 from flashcp.optim.grads import all_reduce_values
-from flashcp.pipeline.runner import PipelineRunner
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.base import Recipe, StepSource
 
 PREFIX = "eval/"
@@ -146,7 +148,7 @@ class Evaluator:
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.rows_per_rank = int(rows_per_rank)
         self.rows_per_batch = self.dp_size * self.rows_per_rank
-        self.data: StepSource = recipe.build_eval_data(path)
+        self.data: StepSource = recipe.data(path)
         self.start = copy.deepcopy(self.data.state_dict())
         """The eval set's first position: every evaluation starts here."""
         if max_batches is None and data_epoch(self.start) is None:
@@ -170,14 +172,16 @@ class Evaluator:
                 f"passes: {fix}, or choose a layout whose ep groups stay inside cp groups"
             )
 
-    def run(self, runner: PipelineRunner, module: paddle.nn.Layer) -> dict[str, float]:
-        """One evaluation; returns the `eval/...` metrics (the same on every rank)."""
+    def run(self, runner: PipelineRunner) -> dict[str, float]:
+        """One evaluation of the runner's stage; returns the `eval/...` metrics (the same on
+        every rank)."""
         started = time.perf_counter()
         rng = (random.getstate(), np.random.get_state(), paddle.get_rng_state())
+        module = runner.stage
         was_training = module.training
         module.eval()
         try:
-            totals = self._sums(runner, module)
+            totals = self._sums(runner)
         finally:
             if was_training:
                 module.train()
@@ -185,14 +189,14 @@ class Evaluator:
             np.random.set_state(rng[1])
             paddle.set_rng_state(rng[2])
         reduced = all_reduce_values(totals, self.groups)
-        metrics = self.recipe.eval_metrics(reduced)
+        metrics = self.recipe.finish(reduced)
         metrics["batches"] = float(self.batches)
         metrics["rows"] = float(self.rows)
         metrics["time_s"] = time.perf_counter() - started
         return {PREFIX + key: float(value) for key, value in metrics.items()}
 
-    def _sums(self, runner: PipelineRunner, module: paddle.nn.Layer) -> np.ndarray:
-        """This rank's summed `eval_sums` over the eval batches."""
+    def _sums(self, runner: PipelineRunner) -> np.ndarray:
+        """This rank's share of the recipe's statistics, summed over the eval batches."""
         self.data.load_state_dict(copy.deepcopy(self.start))
         totals: np.ndarray | None = None
         left = self.rows
@@ -202,10 +206,21 @@ class Evaluator:
             rows = [self.data.next_step() for _ in range(take)]
             first = self.dp_rank * self.rows_per_rank
             mine = [batch for row in rows[first : first + self.rows_per_rank] for batch in row]
-            sums = np.asarray(self.recipe.eval_sums(mine, runner, module), dtype=np.float64)
+            micro = runner.micro_batches(mine)
+            self.recipe.prepare(micro, runner)
+            sums = np.zeros(len(self.recipe.stats))
+            for stats in runner.forward_only(micro, self._stats) or []:
+                sums += stats
+            if not self.recipe.counted():
+                sums[:] = 0.0
             totals = sums if totals is None else totals + sums
         assert totals is not None  # at least one row: a data source has one, max_batches >= 1
         return totals
+
+    def _stats(self, out: HeadInput, mb: MicroBatch) -> np.ndarray:
+        """The statistics of the recipe's loss of one micro-batch (no gradient)."""
+        _, stats = self.recipe.loss(out, mb)
+        return np.asarray([float(x) for x in stats], dtype=np.float64)
 
 
 def format_eval(step: int, metrics: Mapping[str, float]) -> str:

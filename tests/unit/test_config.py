@@ -169,23 +169,24 @@ def test_float32_refused_on_gpu_naming_train_dtype(tmp_path: Path, capsys) -> No
         ("bfloat16", "cpu", "needs a GPU"),
     ],
 )
-def test_resolve_dtype(dtype: str, device: str, want: str) -> None:
-    from flashcp.trainer import resolve_dtype
+def test_compute_dtype(dtype: str, device: str, want: str) -> None:
+    from flashcp.config.device import compute_dtype
 
     cfg = build_config(_raw(train={"dtype": dtype}))
     if want in ("float32", "bfloat16"):
-        assert resolve_dtype(cfg, device) == want
+        assert compute_dtype(cfg, device) == want
     else:
         with pytest.raises(RuntimeError, match=want) as info:
-            resolve_dtype(cfg, device)
+            compute_dtype(cfg, device)
         assert "train.dtype" in str(info.value)
+        assert compute_dtype(cfg, device, check=False) == dtype  # the planner's what-if
 
 
 def test_resolve_device_auto_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """run.device auto + a visible GPU: auto dtype runs bf16, an explicit float32 is refused."""
     import paddle
 
-    from flashcp.trainer import resolve_device
+    from flashcp.runtime import resolve_runtime
 
     class _Cuda:
         @staticmethod
@@ -194,9 +195,9 @@ def test_resolve_device_auto_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(paddle.device, "cuda", _Cuda)
-    assert resolve_device(build_config(_raw())) == "gpu"
+    assert resolve_runtime(build_config(_raw())) == ("gpu", "bfloat16")
     with pytest.raises(RuntimeError, match="train.dtype float32 cannot run"):
-        resolve_device(build_config(_raw(train={"dtype": "float32"})))
+        resolve_runtime(build_config(_raw(train={"dtype": "float32"})))
 
 
 def test_num_layers_vs_pipeline_stages() -> None:

@@ -100,11 +100,11 @@ def test_lora_reference_is_the_base_model(tmp_path: Path) -> None:
     np.testing.assert_array_equal(off, _logits(base, batch))
     assert not np.allclose(_logits(trainer.model, batch), off)  # the adapters did train
     # the recipe's reference log-probs are the base model's
-    plan = trainer.recipe.plan([batch])
-    trainer.recipe.prepare(plan, trainer.runner, trainer.model)
-    (ref_c, ref_r), = trainer.recipe._ref  # fmt: skip
-    runner = PipelineRunner(base, forward_context=trainer.recipe.ctx.autocast)
-    (want_c, want_r), = runner.forward_only(plan.micro, trainer.recipe.answer_logps)  # fmt: skip
+    micro = trainer.runner.micro_batches([batch])
+    trainer.recipe.prepare(micro, trainer.runner)
+    (ref_c, ref_r) = micro[0].payload["reference"]
+    runner = PipelineRunner(base, forward_context=trainer.runner.forward_context)
+    (want_c, want_r), = runner.forward_only(micro, trainer.recipe.answer_logps)  # fmt: skip
     np.testing.assert_array_equal(ref_c.numpy(), want_c.numpy())
     np.testing.assert_array_equal(ref_r.numpy(), want_r.numpy())
 

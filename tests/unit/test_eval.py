@@ -249,7 +249,7 @@ def test_data_epoch_and_a_source_without_epochs() -> None:
     from flashcp.evaluate import Evaluator
 
     class Recipe:
-        def build_eval_data(self, path: str) -> Any:
+        def data(self, path: str) -> Any:
             return NoEpoch(4, lazy=True)
 
     with pytest.raises(ValueError, match=r"reports no epoch to end a pass by: set "
@@ -265,16 +265,15 @@ def test_a_pass_too_long(monkeypatch: pytest.MonkeyPatch) -> None:
         pass_rows(_Rows(9, lazy=False), {"epoch": 0, "row": 0})
 
 
-def test_a_recipe_without_evaluation_says_so() -> None:
-    from types import SimpleNamespace
-
+def test_a_recipe_without_loss_or_metrics_says_so() -> None:
+    """Evaluation runs the recipe's loss and `finish` (there are no eval-only hooks)."""
     from flashcp.recipes.base import Recipe
 
-    recipe = Recipe(SimpleNamespace(cfg=None))  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="has no evaluation"):
-        recipe.eval_sums([], None, None)  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="has no evaluation"):
-        recipe.eval_metrics(np.zeros(1))
+    recipe = Recipe(None, None)  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="defines no loss"):
+        recipe.loss(None, None)  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="defines no metrics"):
+        recipe.finish(np.zeros(1))
 
 
 def test_format_eval() -> None:

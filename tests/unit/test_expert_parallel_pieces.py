@@ -408,7 +408,7 @@ def test_eval_refuses_a_short_last_batch_when_ep_spans_dp() -> None:
             return [self.row]
 
     class Recipe:
-        def build_eval_data(self, path: str) -> Rows:
+        def data(self, path: str) -> Rows:
             return Rows()
 
     kw = dict(max_batches=None, groups=[], dp_size=2, rows_per_rank=1)

@@ -16,7 +16,6 @@ vocabulary, with a bound derived from the tensor sizes.
 from __future__ import annotations
 
 import io
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,9 @@ from flashcp.models import (
 )
 from flashcp.models import head as head_mod
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.recipes.base import normalised
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
-from flashcp.recipes.lm import normalised_ce
+from flashcp.recipes.lm import LMRecipe, summed_cross_entropy
 from flashcp.trainer import Trainer
 
 REL = 1e-6
@@ -205,7 +205,7 @@ def _lm_step(model: paddle.nn.Layer, chunk: int) -> tuple[float, dict[str, np.nd
     ids, pos, labels, attn = _tokens()
     out = HeadInput(model(ids, pos, attn), model)
     denom = float((labels.numpy() != -100).sum())
-    loss = normalised_ce(out, labels=labels, denom=denom, chunk_tokens=chunk)
+    loss = summed_cross_entropy(out, labels, chunk_tokens=chunk) / denom
     loss.backward()
     return float(loss), _grads(model)
 
@@ -350,17 +350,20 @@ def _solo_groups() -> ParallelGroups:
 
 @pytest.mark.equivalence
 def test_runner_lm_loss_chunk_sizes_agree() -> None:
-    """The LM recipe's loss (`normalised_ce`) through the runner (one stage) at chunks 0, 24
-    and the default."""
+    """The LM recipe's loss (`LMRecipe.loss`, normalised as the trainer does) through the runner
+    (one stage) at chunks 0, 24 and the default."""
 
     ids, pos, labels, attn = _tokens()
     count = int((labels.numpy() != -100).sum())
     results = {}
     for chunk in (0, 24, DEFAULT_LOSS_CHUNK_TOKENS):
-        loss = partial(normalised_ce, labels=labels, denom=float(count), chunk_tokens=chunk)
-        mbs = [MicroBatch(ids, pos, labels, attn, loss=loss)]
+        cfg = build_config({"model": {"preset": "tiny"}, "train": {"loss_chunk_tokens": chunk}})
+        recipe = LMRecipe(cfg, _solo_groups())
+        mbs = [MicroBatch(ids, pos, labels, attn)]
         stage = _model("tiny_glm")  # a one-stage pipeline is the whole model
-        (result,) = PipelineRunner(stage, _solo_groups()).train(mbs)
+        (result,), _ = PipelineRunner(stage, _solo_groups()).train(
+            mbs, normalised(recipe.loss, float(count))
+        )
         results[chunk] = (result, _grads(stage))
     want_loss, want = results[0]
     for chunk in (24, DEFAULT_LOSS_CHUNK_TOKENS):

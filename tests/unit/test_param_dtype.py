@@ -30,8 +30,8 @@ from flashcp.models import build_model, preset
 from flashcp.models import precision as precision_mod
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
-from flashcp.recipes.base import RecipeContext
 from flashcp.recipes.dpo import DPORecipe
+from flashcp.runtime import forward_context
 from flashcp.trainer import Trainer
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -198,17 +198,16 @@ def test_dpo_reference_copy_is_frozen_bf16_of_the_stage() -> None:
         }
     )
     groups = build_groups(ParallelDims(dp=1, pp=1, cp=1, world_size=1))
-    recipe = DPORecipe(RecipeContext(cfg=cfg, groups=groups, assignment_for=lambda b: None))
+    recipe = DPORecipe(cfg, groups)
     policy = build_model(cfg.model, param_dtype="bfloat16", seed=0)
-    recipe.setup_model(policy)
+    recipe.setup(policy)
     ref = recipe.reference
     assert ref is not None and ref is not policy
     assert all(p.dtype == paddle.bfloat16 and p.stop_gradient for p in ref.parameters())
     ids, pos, ctx = _inputs()
     mb = MicroBatch(ids, pos, None, ctx)
-    (out,) = PipelineRunner(policy, groups, forward_context=recipe.ctx.autocast).forward_only(
-        [mb], lambda head, _: head.logits().numpy(), ref
-    )
+    runner = PipelineRunner(policy, groups, forward_context=forward_context("float32"))
+    (out,) = runner.forward_only([mb], lambda head, _: head.logits().numpy(), ref)
     rounded = _rounded_float32("tiny_glm")
     np.testing.assert_array_equal(out, rounded.logits(rounded(ids, pos, ctx)).numpy())
 

@@ -4,12 +4,13 @@ freedom under blocking send / recv, and the runner run stage by stage in one pro
 The last part replaces the transport with an in-process mailbox and interleaves the stages'
 steps in the order `simulate_plans` derives, so PP = 2 / 3 execution is checked against the
 sequential model (bitwise) without launching processes; `tests/integration` does the real one.
-The micro-batches carry the LM recipe's own loss closure (`flashcp.recipes.lm.normalised_ce`).
+The loss is the LM recipe's own (`flashcp.recipes.lm.LMRecipe.loss`), normalised by the step's
+target count as the trainer does (`flashcp.recipes.base.normalised`).
 """
 
 from __future__ import annotations
 
-from functools import partial
+from typing import Any
 
 import numpy as np
 import paddle
@@ -17,7 +18,7 @@ import pytest
 
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
-from flashcp.config import IGNORE_INDEX
+from flashcp.config import IGNORE_INDEX, build_config
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups, comm_stats
 from flashcp.distributed.p2p import (
     PipelineLinks,
@@ -44,7 +45,8 @@ from flashcp.pipeline.schedule import (
     simulate_plans,
 )
 from flashcp.pipeline.stage import build_stage
-from flashcp.recipes.lm import normalised_ce
+from flashcp.recipes.base import normalised
+from flashcp.recipes.lm import LMRecipe
 
 CASES = [(pp, m, s) for pp in (2, 3, 4) for m in range(pp, 2 * pp + 2) for s in range(pp)]
 
@@ -200,8 +202,8 @@ def test_pipeline_links_without_gloo_use_the_pp_group() -> None:
 # -- the runner, stage by stage in one process ------------------------------------------------
 
 
-def _micro_batches(num_micro: int, seq: int = 32) -> tuple[list[MicroBatch], int]:
-    """Micro-batches with the LM recipe's loss closure: summed cross-entropy / the step's count."""
+def _micro_batches(num_micro: int, seq: int = 32) -> tuple[list[MicroBatch], Any]:
+    """Micro-batches and the LM recipe's loss of the step: summed cross-entropy / its count."""
     rng = np.random.default_rng(11)
     raw = []
     for _ in range(num_micro):
@@ -217,11 +219,10 @@ def _micro_batches(num_micro: int, seq: int = 32) -> tuple[list[MicroBatch], int
     out = []
     for ids, pos, labels, ctx in raw:
         lab = paddle.to_tensor(labels)
-        loss = partial(
-            normalised_ce, labels=lab, denom=float(count), chunk_tokens=DEFAULT_LOSS_CHUNK_TOKENS
-        )
-        out.append(MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), lab, ctx, loss=loss))
-    return out, count
+        out.append(MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), lab, ctx))
+    train = {"loss_chunk_tokens": DEFAULT_LOSS_CHUNK_TOKENS}
+    cfg = build_config({"model": {"preset": "tiny"}, "train": train})
+    return out, normalised(LMRecipe(cfg, None).loss, float(count))  # type: ignore[arg-type]
 
 
 def _build(name: str, overrides: dict):
@@ -237,11 +238,11 @@ def _grads(layer) -> dict[str, np.ndarray]:
     return {n: p.grad.numpy() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-def _reference(model, mbs: list[MicroBatch]) -> list[float]:
+def _reference(model, mbs: list[MicroBatch], loss_fn: Any) -> list[float]:
     """One process by hand: forward, the micro-batch's loss, backward, one after the other."""
     losses = []
     for mb in mbs:
-        loss = mb.loss(HeadInput(model(mb.input_ids, mb.positions, mb.attn), model))
+        loss, _ = loss_fn(HeadInput(model(mb.input_ids, mb.positions, mb.attn), model), mb)
         loss.backward()
         losses.append(float(loss))
     return losses
@@ -258,9 +259,9 @@ def _reference(model, mbs: list[MicroBatch]) -> list[float]:
 def test_interleaved_stages_equal_sequential_bitwise(
     monkeypatch: pytest.MonkeyPatch, name, overrides, pp, num_micro, kind
 ) -> None:
-    mbs, _ = _micro_batches(num_micro)
+    mbs, loss_fn = _micro_batches(num_micro)
     ref = _build(name, overrides)
-    ref_losses = _reference(ref, mbs)
+    ref_losses = _reference(ref, mbs, loss_fn)
     want = _grads(ref)
 
     mailbox: dict[tuple[int, int], list[paddle.Tensor]] = {}
@@ -278,7 +279,7 @@ def test_interleaved_stages_equal_sequential_bitwise(
     monkeypatch.setattr(pipeline_mod, "recv_tensor", fake_recv)
     stages = [_stage(name, overrides, s, pp) for s in range(pp)]
     runners = [PipelineRunner(st, _fake_groups(pp, s), kind=kind) for s, st in enumerate(stages)]
-    states = [runner.start(mbs) for runner in runners]
+    states = [runner.start(mbs, loss_fn) for runner in runners]
     peak = [0] * pp
     for s, op in simulate_plans(build_plans(kind, pp, num_micro)):
         me["stage"] = s
@@ -290,8 +291,8 @@ def test_interleaved_stages_equal_sequential_bitwise(
         assert peak == [pp - s for s in range(pp)]  # activations held: pp - stage
     else:
         assert peak == [num_micro] * pp
-    assert results[-1] == ref_losses
-    assert all(r == [] for r in results[:-1])  # the losses live on the last stage
+    assert results[-1][0] == ref_losses
+    assert all(r == ([], None) for r in results[:-1])  # the losses live on the last stage
     got = {}
     for st in stages:
         got.update(_grads(st))
@@ -303,13 +304,13 @@ def test_interleaved_stages_equal_sequential_bitwise(
 @pytest.mark.parametrize("with_groups", [True, False], ids=["groups", "no_groups"])
 def test_single_stage_step_equals_model_bitwise(with_groups: bool) -> None:
     """pp = 1 is the same runner with one stage: one process's loop, bitwise, nothing sent."""
-    mbs, _ = _micro_batches(2)
+    mbs, loss_fn = _micro_batches(2)
     ref = _build("tiny_glm", {})
-    ref_losses = _reference(ref, mbs)
+    ref_losses = _reference(ref, mbs, loss_fn)
     stage = _stage("tiny_glm", {}, 0, 1)
     runner = PipelineRunner(stage, _fake_groups(1, 0) if with_groups else None)
     before = comm_stats("send").sent
-    losses = runner.train(mbs)
+    losses, _ = runner.train(mbs, loss_fn)
     assert comm_stats("send").sent == before  # pp = 1: nothing travels
     assert losses == ref_losses
     got, want = _grads(stage), _grads(ref)
@@ -345,7 +346,7 @@ def test_forward_only_equals_model_without_gradients() -> None:
 
 
 def test_schedule_errors() -> None:
-    mbs, _ = _micro_batches(2)
+    mbs, loss_fn = _micro_batches(2)
     stage = _stage("tiny", {}, 1, 2)
     with pytest.raises(ValueError, match="pp group pp\\[0\\] has 1 ranks"):
         PipelineRunner(stage, _fake_groups(1, 0))
@@ -356,14 +357,13 @@ def test_schedule_errors() -> None:
     with pytest.raises(ValueError, match="stage 1 of 2 needs the process groups"):
         PipelineRunner(stage)
     runner = PipelineRunner(stage, _fake_groups(2, 1))
-    no_loss = [MicroBatch(mb.input_ids, mb.positions, mb.labels, mb.attn) for mb in mbs]
-    with pytest.raises(ValueError, match="needs a loss closure in every micro-batch"):
-        runner.train(no_loss)
+    with pytest.raises(ValueError, match="last pipeline stage needs the step's loss function"):
+        runner.train(mbs)
     with pytest.raises(ValueError, match="1 micro-batches for 2 pipeline stages"):
-        runner.train(mbs[:1])
+        runner.train(mbs[:1], loss_fn)
     with pytest.raises(ValueError, match="module is stage 0/1 but the runner runs stage 1/2"):
         runner.forward_only(mbs, lambda out, mb: None, _stage("tiny", {}, 0, 1))
-    state = runner.start(mbs)
+    state = runner.start(mbs, loss_fn)
     with pytest.raises(ValueError, match="unknown pipeline step"):
         runner.step(state, Op("W", 0))
     state.outputs[0] = paddle.zeros([1])

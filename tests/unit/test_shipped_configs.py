@@ -19,6 +19,7 @@ from flashcp import cli
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import make_assignment
 from flashcp.config import ConfigValidationError, collect, load_config, read_yaml
+from flashcp.config.device import compute_dtype
 from flashcp.config.placeholders import find_placeholders
 from flashcp.data import TrainData
 from flashcp.data.dpo_stream import DPOData
@@ -27,7 +28,6 @@ from flashcp.models import build_model, preset
 from flashcp.models.hf_config import TRAINING_FIELDS, hf_config
 from flashcp.plan import GIB, plan
 from flashcp.plan.report import GPUS_PER_NODE, over_budget
-from flashcp.trainer import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -133,7 +133,7 @@ def test_config_builds_or_is_marked_gpu(path: Path) -> None:
     # CPU-sized configs say auto: float32 here, bfloat16 on a GPU (whose FlashAttention
     # kernels have no float32), so the same file runs on both.
     assert cfg.train.dtype == "auto"
-    assert resolve_dtype(cfg, "cpu") == "float32" and resolve_dtype(cfg, "gpu") == "bfloat16"
+    assert compute_dtype(cfg, "cpu") == "float32" and compute_dtype(cfg, "gpu") == "bfloat16"
     paddle.seed(0)
     model = build_model(cfg.model)
     if cfg.extras.get("lora") is not None:

@@ -13,7 +13,7 @@
               "peak_bytes": ..., "moments": {"0": "backward: layer", ...}, ...},
      "data": {"source": ..., "rows": ..., "bad_records": {...}}}
 
-`global_batch` is what one optimizer step consumes, the whole job (`Trainer.global_batch`:
+`global_batch` is what one optimizer step consumes, the whole job (`global_batch`:
 micro_batch_size × grad_accum × dp sequences of seq_len tokens). `params_local` /
 `param_bytes_local` count the parameters this rank materialised for the
 trained module (its pipeline stage — under parallel.ep with its share of the routed experts —
@@ -24,22 +24,121 @@ more than its stage, even briefly, shows it there. `plan` is the memory planner'
 config on the run's device (`plan_summary`, `flashcp.plan`): per rank the planned bytes at its
 peak, item by item, against `hardware.memory_gib`. `data` is what the recipe's data
 read (`data_report`): rows, usable documents, tokens, and the bad records it skipped.
+
+The same facts make the trainer's start line (`banner`) and the `mfu` metric (`RunFacts`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import paddle
 
-from flashcp.distributed import all_gather_object
-from flashcp.metrics import memory
+from flashcp.config import Config
+from flashcp.distributed import ParallelGroups, all_gather_object
+from flashcp.metrics import flops, memory, tracking
+from flashcp.optim.zero import MasterOptimizer
+from flashcp.plan import plan
 
 RUN_INFO_FILE = "run_info.json"
+
+
+def global_batch(cfg: Config, dp: int, seq_len: int) -> dict[str, int]:
+    """What one optimizer step consumes, the whole job: `sequences` = micro_batch_size ×
+    grad_accum × dp (packed rows for DPO) of `seq_len` tokens, `tokens` their product
+    (padding included); with the three factors."""
+    sequences = cfg.data.micro_batch_size * cfg.train.grad_accum * dp
+    return {
+        "sequences": sequences,
+        "seq_len": int(seq_len),
+        "tokens": sequences * int(seq_len),
+        "micro_batch_size": cfg.data.micro_batch_size,
+        "grad_accum": cfg.train.grad_accum,
+        "dp": dp,
+    }
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What this rank's run is, fixed when the trainer is built: for the start line,
+    `run_info.json` and the `mfu` metric."""
+
+    device: str
+    dtype: str
+    """The compute dtype (`train.dtype` resolved, `flashcp.config.device`)."""
+    layers: range
+    """This rank's decoder layers (its pipeline stage's)."""
+    global_batch: dict[str, int]
+    flops_per_token: float
+    """Model FLOPs of one trained token (`flashcp.metrics.flops`)."""
+    peak_tflops: float | None
+    devices: int
+
+    @classmethod
+    def of(
+        cls, cfg: Config, groups: ParallelGroups, *, device: str, dtype: str, layers: range,
+        seq_len: int,
+    ) -> RunFacts:  # fmt: skip
+        fpt = flops.flops_per_token(
+            cfg.model,
+            seq_len,
+            lora=cfg.extras.get("lora") is not None,
+            reference=cfg.run.recipe == "dpo",
+        )
+        batch = global_batch(cfg, int(groups.dp.nranks), seq_len)
+        world = int(groups.world.nranks)
+        return cls(device, dtype, layers, batch, fpt, cfg.hardware.peak_tflops, world)
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation of a step (None without `hardware.peak_tflops`)."""
+        if self.peak_tflops is None:
+            return None
+        return flops.mfu(self.flops_per_token, tokens_per_s, self.peak_tflops, self.devices)
+
+
+def banner(trainer: Any) -> str:
+    """The trainer's start line: recipe, model, parameters, layout, global batch, device,
+    data, optimizer, reporting, mfu basis and evaluation."""
+    c, g, f = trainer.cfg, trainer.groups, trainer.facts
+    n = sum(int(np.prod(p.shape)) for _, p in trainer.params)
+    lora = c.extras.get("lora") is not None
+    what = "trainable parameters (LoRA adapters)" if lora else "parameters"
+    pp, ep = int(g.pp.nranks), int(g.ep.nranks)
+    stage = ""
+    if pp > 1:
+        stage = f", stage 0 layers [{f.layers.start}, {f.layers.stop}) {c.parallel.pp_schedule}"
+    b = f.global_batch
+    masters = isinstance(trainer.optimizer, MasterOptimizer)
+    peak = c.hardware.peak_tflops
+    parts = [
+        f"reporting to {tracking.describe(c.run.report_to)}",
+        f"mfu vs {peak:g} TFLOP/s per device ({f.flops_per_token / 1e9:.3g} GFLOP/token)"
+        if peak is not None
+        else "mfu not reported (set hardware.peak_tflops)",
+    ]
+    if trainer.evaluator is not None:
+        when = f"every {c.eval.every} steps and " if c.eval.every else ""
+        parts.append(
+            f"eval {c.eval.path}: {trainer.evaluator.rows} rows in {trainer.evaluator.batches} "
+            f"batches {when}after step {c.train.steps}"
+        )
+    return (
+        f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
+        f"dp={int(g.dp.nranks)} pp={pp} cp={int(g.cp.nranks)}"
+        + (f" ep={ep}" if ep > 1 else "")
+        + f" ({c.parallel.cp_mode}"
+        f"{stage}) | global batch {b['sequences']} seq × {b['seq_len']} = "
+        f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
+        f"{b['grad_accum']} × dp {b['dp']}) | {f.device} {f.dtype} | "
+        f"{trainer.data.describe()}"
+        + (f" | {trainer.optimizer.describe()}" if masters else "")
+        + f" | {' | '.join(parts)}"
+    )
 
 
 def parameter_totals(module: paddle.nn.Layer | None) -> tuple[int, int]:
@@ -58,10 +157,10 @@ def rank_record(trainer: Any) -> dict[str, Any]:
     """This rank's entry of `run_info.json`."""
     params, nbytes = parameter_totals(trainer.model)
     ref_params, ref_bytes = parameter_totals(getattr(trainer.recipe, "reference", None))
-    r = trainer.spec.layers
+    r = trainer.facts.layers
     return {
-        "rank": trainer.rank,
-        "stage": trainer.pp_rank,
+        "rank": int(trainer.groups.rank),
+        "stage": int(trainer.groups.pp.rank),
         "layers": [r.start, r.stop],
         "params_local": params,
         "param_bytes_local": nbytes,
@@ -78,8 +177,6 @@ def plan_summary(cfg: Any, device: str | None = None) -> dict[str, Any]:
     prints: every rank's planned bytes item by item, the budget and whether it fits), plus the
     device and dtypes it assumed, each stage's peak moment, and the largest rank — to compare
     with the measured `peak_bytes` of the rank records and metrics.jsonl."""
-    from flashcp.plan import plan
-
     p = plan(cfg, device=device)
     peak = p.peak
     return {
@@ -96,20 +193,21 @@ def plan_summary(cfg: Any, device: str | None = None) -> dict[str, Any]:
 
 def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The `run_info.json` document from every rank's `rank_record`."""
+    g, f = trainer.groups, trainer.facts
     return {
-        "world": int(trainer.groups.world.nranks),
+        "world": int(g.world.nranks),
         "degrees": {
-            "dp": trainer.dp_size,
-            "pp": trainer.pp_size,
-            "cp": trainer.cp_size,
-            "ep": getattr(trainer, "ep_size", 1),
+            "dp": int(g.dp.nranks),
+            "pp": int(g.pp.nranks),
+            "cp": int(g.cp.nranks),
+            "ep": int(g.ep.nranks),
         },
-        "device": trainer.device,
+        "device": f.device,
         "param_dtype": cfg.train.param_dtype,
-        "compute_dtype": trainer.dtype,
-        "global_batch": trainer.global_batch(),
+        "compute_dtype": f.dtype,
+        "global_batch": f.global_batch,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
-        "plan": plan_summary(cfg, trainer.device),
+        "plan": plan_summary(cfg, f.device),
         "data": data_report(trainer),
     }
 
@@ -125,9 +223,9 @@ def write_run_info(trainer: Any) -> Path | None:
     """Gather every rank's record (collective over the world) and write `run_info.json` on
     rank 0; returns its path there (None elsewhere)."""
     ranks = all_gather_object(rank_record(trainer), trainer.groups.world)
-    if not trainer.is_main:
+    if int(trainer.groups.rank) != 0:
         return None
-    path = trainer.output_dir / RUN_INFO_FILE
+    path = Path(trainer.cfg.run.output_dir) / RUN_INFO_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(run_info(trainer.cfg, trainer, ranks), indent=2) + "\n")
     os.replace(tmp, path)

@@ -52,13 +52,15 @@ class DecoderLayer(nn.Layer):
 class DecoderOps:
     """The compute of `DecoderStack` (the whole model's or a pipeline stage's `model.*`).
 
-    A host defines `args`, `embed_tokens` (and `embed_positions` with learned positions),
-    `norm`, and `layer(i)` returning decoder layer `i` by its GLOBAL index; the methods below
+    A host defines `args`, `recompute` (its activation recompute mode), `embed_tokens` (and
+    `embed_positions` with learned positions), `norm`, and `layer(i)` returning decoder layer
+    `i` by its GLOBAL index; the methods below
     then run the embeddings and any contiguous slice of layers exactly as the whole model does,
     so a pipeline stage computes bitwise the same values as one process.
     """
 
     args: ModelArgs
+    recompute: str
 
     def layer(self, index: int) -> DecoderLayer:
         raise NotImplementedError
@@ -84,7 +86,7 @@ class DecoderOps:
         start: int = 0,
         stop: int | None = None,
     ) -> paddle.Tensor:
-        """Decoder layers `start .. stop-1` (global indices) on hidden `h`, with the model's
+        """Decoder layers `start .. stop-1` (global indices) on hidden `h`, under the host's
         recompute mode while gradients are recorded (none under `paddle.no_grad`)."""
         args = self.args
         stop = args.num_layers if stop is None else stop
@@ -93,7 +95,7 @@ class DecoderOps:
             rotary = rotary_tables(
                 positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
             )
-        mode = args.recompute if paddle.is_grad_enabled() else "none"
+        mode = self.recompute if paddle.is_grad_enabled() else "none"
         for index in range(start, stop):
             layer = self.layer(index)
             if mode == "none":
@@ -192,6 +194,8 @@ class DecoderStack(DecoderOps, nn.Layer):
     ) -> None:
         super().__init__()
         self.args = args
+        self.recompute: str = args.recompute
+        """`model.recompute`, unless `flashcp.parallelize.apply_recompute` set another."""
         self.layer_range = range(0, args.num_layers) if layers is None else layers
         if embed:
             self.embed_tokens = embedding(

@@ -22,13 +22,15 @@ shape follows from the micro-batch's token shape and the hidden size, so only pa
 CP stays inside each stage: the micro-batch's `AttentionContext` carries the cp group.
 
 The loss contract: the last stage (the whole `CausalLM` at pp = 1) returns final-norm hidden
-states `[B, L_local, H]`; the runner hands them with the stage as the LM head to the
-micro-batch's loss closure (`MicroBatch.loss`, which the recipes set) as a
-`flashcp.models.HeadInput`, and the closure computes log p(label) with
-`out.token_logprobs(labels, chunk_tokens=...)` (chunked: no `[tokens, vocab]` float32 logits)
-and divides by the GLOBAL count of the step (all micro-batches, all cp / dp ranks), so the
-micro-batch losses sum to the single-process mean loss and the gradients match. The closure
-runs under the forward context (autocast), like the head it calls. Backward runs the
+states `[B, L_local, H]`; the runner hands them with the stage as the LM head to the step's
+loss function (`train(micro, loss_fn)`: `loss_fn(HeadInput, mb) -> (loss, stats)`, the
+trainer's wrapper of the recipe's `loss`) as a `flashcp.models.HeadInput`, which computes
+log p(label) with `out.token_logprobs(labels, chunk_tokens=...)` (chunked: no
+`[tokens, vocab]` float32 logits). The loss is already divided by the GLOBAL count of the step
+(all micro-batches, all cp / dp ranks), so the micro-batch losses sum to the single-process
+mean loss and the gradients match; `stats` are a few numbers (floats or 0-D tensors) the runner
+reads after the micro-batch's backward and sums over the step's micro-batches. The loss
+function runs under the forward context (autocast), like the head it calls. Backward runs the
 micro-batches in ascending order on every stage, as a single process accumulating them one by
 one does: on CPU the PP = 2 gradients are bitwise equal to PP = 1
 (`tests/integration/test_pipeline_multiproc.py`); the tied embedding/head gradient of the
@@ -46,9 +48,12 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import paddle
 
 from flashcp.attention.context import AttentionContext
+from flashcp.attention.registry import DEFAULT_MODE, make_assignment
+from flashcp.cp.shard import shard_batch
 from flashcp.distributed.collectives import group_label
 from flashcp.distributed.groups import ParallelGroups
 from flashcp.distributed.p2p import (
@@ -70,24 +75,57 @@ from flashcp.pipeline.schedule import (
 )
 from flashcp.pipeline.stage import PipelineStage
 
+LossFn = Callable[["HeadInput", "MicroBatch"], tuple[paddle.Tensor, Sequence[Any]]]
+"""A micro-batch's loss (normalised, to back-propagate) and its statistics."""
+
 
 @dataclass
 class MicroBatch:
     """One micro-batch as THIS rank sees it (its cp shard when CP is on).
 
     `input_ids` / `positions` (GLOBAL positions) are `[B, L_local]`; `labels` `[B, L_local]`
-    (already shifted on the full sequence, `-100` = no target) are what the recipes' losses and
-    eval sums read. `loss` maps the last stage's output (a `HeadInput`: final-norm hidden
-    states and the stage's LM head) to this micro-batch's loss, already normalised by the
-    step's global count; training needs it on the last stage, `forward_only` does not. The
-    runner calls it under the forward context (autocast), like the head it runs.
+    (already shifted on the full sequence, `-100` = no target) are what the recipes' losses
+    read. `batch` is the FULL batch it was cut from (`MicroBatch.of`): the recipe's data of
+    this micro-batch (e.g. DPO answer spans); `payload` holds what the recipe's `prepare`
+    attached to it (e.g. DPO reference log-probs).
     """
 
     input_ids: paddle.Tensor
     positions: paddle.Tensor
     labels: paddle.Tensor | None
     attn: AttentionContext
-    loss: Callable[[HeadInput], paddle.Tensor] | None = None
+    batch: Any = None
+    payload: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        batch: Any,
+        group: Any = None,
+        *,
+        mode: str = DEFAULT_MODE,
+        fa4_unavailable: str | None = None,
+    ) -> MicroBatch:
+        """This rank's micro-batch of the FULL `batch` (`[B, S]` tokens, labels, positions
+        and its global mask): its share of every sequence under the layout cp mode `mode` makes
+        over the cp `group` (fixed, or from the batch's mask; `flashcp.cp.shard`; None: one
+        rank, the whole sequence). The mask stays global, in the attention context with the
+        group and layout."""
+        mask = batch.mask
+        size, rank = (1, 0) if group is None else (int(group.nranks), int(group.rank))
+        assignment = make_assignment(mode, size, mask.indices, causal=mask.causal)
+        local = shard_batch(batch, rank, assignment)
+        attn = AttentionContext(
+            mask=mask.indices,
+            causal=mask.causal,
+            group=group,
+            assignment=assignment,
+            mode=mode,
+            fa4_unavailable=fa4_unavailable,
+        )
+        labels = paddle.to_tensor(local.labels)
+        ids, positions = paddle.to_tensor(local.input_ids), paddle.to_tensor(local.positions)
+        return cls(ids, positions, labels, attn, batch=batch)
 
 
 @dataclass
@@ -96,10 +134,14 @@ class StepState:
 
     micro_batches: list[MicroBatch]
     plan: list[Op]
+    loss_fn: LossFn | None
     inputs: dict[int, paddle.Tensor] = field(default_factory=dict)
     outputs: dict[int, paddle.Tensor] = field(default_factory=dict)
     grads: dict[int, paddle.Tensor] = field(default_factory=dict)
+    stats: dict[int, Sequence[Any]] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
+    sums: np.ndarray | None = None
+    """The micro-batches' statistics summed, in micro-batch order (last stage)."""
 
 
 def sync_tied_gradients(stage: PipelineStage, group, *, timeout: float | None = None) -> None:
@@ -133,7 +175,7 @@ def sync_tied_gradients(stage: PipelineStage, group, *, timeout: float | None = 
 
 def _check_head(module: Any) -> None:
     """The runner's module must be a `CausalLM` (a stage, or the whole model): it carries the
-    LM head the loss closures call."""
+    LM head the loss functions call."""
     if not callable(getattr(module, "token_logprobs", None)):
         raise TypeError(
             f"the runner's module must carry the LM head (a CausalLM: `model(...)` returns "
@@ -148,11 +190,12 @@ class PipelineRunner:
     `stage`: this rank's `PipelineStage` (the whole model when pp = 1). `groups`: this rank's
     `build_groups` result; its pp group rank must be `stage.stage`. None: one stage in one
     process (nothing travels). Transfers go over `pipeline_links(groups)` (two-rank groups on
-    gloo with pp > 2, else `groups.pp`). `kind` is "1f1b" (default) or "gpipe"; with one stage
-    every schedule runs the micro-batches one after the other (forward, loss, backward each:
-    GPipe's forwards-first would only keep every micro-batch's activations alive). Gradients
-    accumulate into the stage's parameters' `.grad`; the optimizer step, the dp / cp gradient
-    reduction and zeroing stay with the caller.
+    gloo with pp > 2, else `groups.pp`). `micro_batches` cuts full batches into this rank's
+    micro-batches (cp shards under `cp_mode`, over `groups.cp`). `kind` is "1f1b" (default) or
+    "gpipe"; with one stage every schedule runs the micro-batches one after the other (forward,
+    loss, backward each: GPipe's forwards-first would only keep every micro-batch's activations
+    alive). Gradients accumulate into the stage's parameters' `.grad`; the optimizer step, the
+    dp / cp gradient reduction and zeroing stay with the caller.
     """
 
     def __init__(
@@ -163,6 +206,8 @@ class PipelineRunner:
         kind: ScheduleKind | str = "1f1b",
         timeout: float | None = None,
         forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        cp_mode: str = DEFAULT_MODE,
+        fa4_unavailable: str | None = None,
     ) -> None:
         _check_head(stage)
         if kind not in SCHEDULE_FNS:
@@ -173,6 +218,8 @@ class PipelineRunner:
         self.kind = kind if stage.num_stages > 1 else "1f1b"
         self.timeout = timeout
         self.forward_context = forward_context
+        self.cp = groups.cp if groups is not None else None
+        self.cp_mode, self.fa4_unavailable = cp_mode, fa4_unavailable
         self.prev: int | None = None
         self.next: int | None = None
         self.links = PipelineLinks(None, None, None)
@@ -200,6 +247,14 @@ class PipelineRunner:
             )
         self._plans: dict[tuple[str, int], list[Op]] = {}
 
+    def micro_batches(self, batches: Sequence[Any]) -> list[MicroBatch]:
+        """This rank's micro-batch of each FULL batch: its cp shard under `cp_mode`
+        (`MicroBatch.of`)."""
+        return [
+            MicroBatch.of(b, self.cp, mode=self.cp_mode, fa4_unavailable=self.fa4_unavailable)
+            for b in batches
+        ]
+
     def plan(self, num_micro: int, kind: str | None = None) -> list[Op]:
         """This stage's plan for `num_micro` micro-batches under `kind` (default: the
         runner's), checked deadlock-free once."""
@@ -210,23 +265,27 @@ class PipelineRunner:
             self._plans[key] = plans[self.stage.stage]
         return self._plans[key]
 
-    def train(self, micro_batches: Sequence[MicroBatch]) -> list[float]:
-        """Forward, loss and backward of every micro-batch; returns their losses on the last
-        stage ([] on the others)."""
-        state = self.start(micro_batches)
+    def train(
+        self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn | None = None
+    ) -> tuple[list[float], np.ndarray | None]:
+        """Forward, `loss_fn` (the last stage's; other stages need none) and backward of every
+        micro-batch; returns their losses and their statistics summed on the last stage ([]
+        and None on the others)."""
+        state = self.start(micro_batches, loss_fn)
         for op in state.plan:
             self.step(state, op)
         return self.finish(state)
 
-    def start(self, micro_batches: Sequence[MicroBatch]) -> StepState:
+    def start(
+        self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn | None = None
+    ) -> StepState:
         """Validate a step's inputs and return its state (`train` = start, every step,
         finish)."""
-        if self.stage.is_last and any(mb.loss is None for mb in micro_batches):
+        if self.stage.is_last and loss_fn is None:
             raise ValueError(
-                "the last pipeline stage needs a loss closure in every micro-batch "
-                "(MicroBatch.loss, set by the recipe's plan)"
+                "the last pipeline stage needs the step's loss function: train(micro, loss_fn)"
             )
-        return StepState(list(micro_batches), self.plan(len(micro_batches)))
+        return StepState(list(micro_batches), self.plan(len(micro_batches)), loss_fn)
 
     def step(self, state: StepState, op: Op) -> None:
         """Execute one plan step (a pass or a transfer) of this stage."""
@@ -243,7 +302,7 @@ class PipelineRunner:
             with self.forward_context():
                 out = stage(x, mb.positions, mb.attn)
                 if stage.is_last:
-                    out = mb.loss(HeadInput(out, stage))  # type: ignore[misc]
+                    out, state.stats[m] = state.loss_fn(HeadInput(out, stage), mb)  # type: ignore[misc]
             # the last stage keeps only the loss: no reference to the hidden states outlives
             # the forward pass (the memory planner's count)
             state.outputs[m] = out
@@ -259,6 +318,8 @@ class PipelineRunner:
                 out.backward()
                 # read after backward and dropped: no loss tensor outlives its micro-batch
                 state.losses.append(float(out))
+                stats = np.asarray([float(x) for x in state.stats.pop(m)], dtype=np.float64)
+                state.sums = stats if state.sums is None else state.sums + stats
             else:
                 paddle.autograd.backward([out], [state.grads.pop(m)])
         elif kind == "send_grad":
@@ -268,8 +329,9 @@ class PipelineRunner:
         else:
             raise ValueError(f"unknown pipeline step {op}")
 
-    def finish(self, state: StepState) -> list[float]:
-        """Sync tied gradients; the micro-batch losses (last stage, [] elsewhere)."""
+    def finish(self, state: StepState) -> tuple[list[float], np.ndarray | None]:
+        """Sync tied gradients; the micro-batch losses and summed statistics (last stage; []
+        and None elsewhere)."""
         if state.outputs or state.grads or state.inputs:
             raise RuntimeError(
                 f"pipeline step finished with micro-batches still in flight: outputs "
@@ -277,7 +339,7 @@ class PipelineRunner:
             )
         if self.links.ends is not None:
             sync_tied_gradients(self.stage, self.links.ends, timeout=self.timeout)
-        return state.losses
+        return state.losses, state.sums
 
     def forward_only(
         self,

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashcp.config.device import compute_dtype, resolve_device
 from flashcp.config.schema import Config
 from flashcp.models.config import ModelArgs
 from flashcp.pipeline.split import split_layers
@@ -224,23 +225,9 @@ class Setup:
         return self.dp * self.cp // self.ep if self.shard else 1
 
 
-def resolve_device(cfg: Config, device: str | None = None) -> str:
-    """`device`, else `run.device` (auto counts as cpu: the planner cannot see the machine)."""
-    if device is not None:
-        return device
-    return "gpu" if cfg.run.device == "gpu" else "cpu"
-
-
-def compute_dtype(cfg: Config, device: str) -> str:
-    """`train.dtype` as the trainer resolves it (`flashcp.trainer.resolve_dtype`)."""
-    if cfg.train.dtype == "auto":
-        return "bfloat16" if device == "gpu" else "float32"
-    return cfg.train.dtype
-
-
 def setup(cfg: Config, device: str | None = None) -> Setup:
-    """Resolve the plan's inputs from `cfg`."""
-    dev = resolve_device(cfg, device)
+    """Resolve the plan's inputs from `cfg` (on `device`, else `run.device`)."""
+    dev = device or resolve_device(cfg)
     p, d, t = cfg.parallel, cfg.data, cfg.train
     seq = d.seq_len
     divisor = p.seq_divisor
@@ -260,7 +247,7 @@ def setup(cfg: Config, device: str | None = None) -> Setup:
         seq=seq,
         grad_accum=t.grad_accum,
         device=dev,
-        compute=compute_dtype(cfg, dev),
+        compute=compute_dtype(cfg, dev, check=False),
         param_dtype=t.param_dtype,
         shard=p.shard_optimizer,
         chunk=t.loss_chunk_tokens,

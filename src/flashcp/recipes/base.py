@@ -1,52 +1,49 @@
-"""What a training recipe supplies to the trainer: data, model setup, loss and extra metrics.
+"""The recipe interface: what a training recipe supplies, as functions of their inputs.
 
-The trainer (`flashcp.trainer.Trainer`) owns everything a recipe shares: process groups,
-the model (and its pipeline split), the optimizer, gradient synchronisation, clipping,
-non-finite handling, checkpoints and the metrics file. A recipe owns what differs:
+The trainer (`flashcp.trainer.Trainer`) owns everything recipes share: process groups, the
+model and its parallelisms (`flashcp.parallelize`), cutting each FULL batch into this rank's
+micro-batch (`flashcp.pipeline.runner.MicroBatch.of`: its cp shard, via `flashcp.cp.shard`),
+the optimizer, gradient synchronisation, clipping, non-finite handling, checkpoints and the
+metrics file. A recipe owns what differs, and keeps no per-step state:
 
-* `build_data()`: the step source (`next_step()` gives this dp rank's micro-batches of FULL
-  sequences; `state_dict()` / `load_state_dict()` make it resumable);
-* `setup_model(model)`: changes to this rank's freshly built model — its pipeline stage, built
-  stage-only (LoRA adapters; a frozen reference copy for DPO, of the stage only);
-* `plan(batches)`: this rank's `MicroBatch`es (cp shards) with a `loss` closure each, plus the
-  step's global token counts. A micro-batch's loss must already be normalised by a GLOBAL
-  count (all micro-batches, all dp / cp ranks), so summing gradients over ranks gives the
-  gradient of one big batch whatever the layout;
-* the loss closure's input: `loss(out)` receives a `flashcp.models.HeadInput`, the final-norm
-  hidden states `[B, L_local, H]` of the model (pp = 1) or of the last pipeline stage, with
-  that module as the LM head. Recipes never see full logits: they call
-  `out.token_logprobs(labels, chunk_tokens=cfg.train.loss_chunk_tokens)` (log p(label) per
-  local token, 0 on ignored labels), which runs the head over token chunks and recomputes each
-  chunk's logits in backward (`flashcp.models.head`);
-* `prepare(plan, runner)`: forward-only passes the loss needs first (DPO reference log-probs;
-  `runner.forward_only(micro, out_fn, module)` calls `out_fn(HeadInput, mb)` likewise);
-* `loss_value(micro_losses)`, `step_stats()`, `metrics(stats)`: this rank's share of the step
-  loss and of extra statistics, which the trainer sums over every rank, and the metrics made
-  from the sums;
-* evaluation (`eval.path`, `flashcp.evaluate`): `build_eval_data(path)` (the recipe's
-  data on another file, one row at a time; default: `build_data` of a copy of the recipe
-  whose config reads `path`), `eval_sums(batches, runner, module)` (this rank's share of an
-  eval batch's sums, from forward-only passes) and `eval_metrics(sums)`.
+* `data(path=None)`: the step source (`next_step()` gives this dp rank's micro-batches of FULL
+  sequences, labels shifted, global mask built; `state_dict()` / `load_state_dict()` resume
+  it); with a `path`, the eval set there, one row per `next_step()`;
+* `setup(model)`: recipe business on this rank's parallelized stage (DPO: the frozen
+  reference copy, of the stage only);
+* `count(batches)`: this dp rank's share of the step's loss normaliser and target tokens, from
+  the FULL batches; the trainer sums it over dp and divides every micro-batch's loss by the
+  normaliser (`normalised`), so the losses of all ranks add up to the mean loss of one big
+  batch whatever the dp / pp / cp layout;
+* `prepare(micro, runner)`: forward-only passes the loss needs first (DPO reference log-probs),
+  attached to each micro-batch's `payload` on the last pipeline stage;
+* `loss(out, mb) -> (loss, stats)`: the micro-batch's SUMMED loss from the last stage's output
+  `out` (a `flashcp.models.HeadInput`: final-norm hidden states with the stage as LM head;
+  recipes never see full logits, they call `out.token_logprobs(labels, chunk_tokens=...)`),
+  and its statistics, one number per name in `stats`. Training back-propagates the loss;
+  evaluation runs the same function forward only and keeps the statistics;
+* `finish(sums) -> metrics`: the metrics from `stats` summed over every micro-batch and rank —
+  one function for both: a training step's record carries the `step_metrics` among them, an
+  evaluation all of them (as `eval/...`).
 
-The runner (`flashcp.pipeline.runner.PipelineRunner`) runs `plan.micro` forward and backward
-under the pipeline schedule, each closure on the last stage (pp = 1: the whole model is the one
-stage, the micro-batches run one after the other).
+A `replicated` recipe computes the same loss and statistics on every cp rank (DPO, from
+cp-summed answer log-probs): only cp rank 0's enter the job's sums (`counted`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, ClassVar, Protocol
 
-import numpy as np
 import paddle
 
-from flashcp.config import Config
+from flashcp.config import IGNORE_INDEX, Config
 from flashcp.data.peers import Peers
 from flashcp.distributed import ParallelGroups, all_gather_object
-from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.models import HeadInput
+from flashcp.pipeline.runner import LossFn, MicroBatch, PipelineRunner
 
 
 class StepSource(Protocol):
@@ -69,150 +66,86 @@ DATA_INDEX_TIMEOUT = 3600.0
 (`flashcp.data.index`): tokenizing a large dataset's share can take minutes."""
 
 
-@dataclass
-class RecipeContext:
-    """What a recipe may know about the run: config, groups, device and how to shard."""
-
-    cfg: Config
-    groups: ParallelGroups
-    assignment_for: Callable[[Any], Any]
-    """The CP layout (`flashcp.cp.layout.Assignment`) of a batch with a global `.mask`."""
-    dtype: str = "float32"
-    """The compute dtype, `train.dtype` resolved for the device (`trainer.loop.resolve_dtype`)."""
-
-    @property
-    def cp_rank(self) -> int:
-        return int(self.groups.cp.rank)
-
-    @property
-    def cp_size(self) -> int:
-        return int(self.groups.cp.nranks)
-
-    @property
-    def dp_rank(self) -> int:
-        return int(self.groups.dp.rank)
-
-    @property
-    def dp_size(self) -> int:
-        return int(self.groups.dp.nranks)
-
-    @property
-    def is_last_stage(self) -> bool:
-        return int(self.groups.pp.rank) == int(self.groups.pp.nranks) - 1
-
-    def data_peers(self) -> Peers:
-        """Every rank of the job, to index the data rows together (`flashcp.data.index`)."""
-        world = self.groups.world
-        gather = partial(all_gather_object, group=world, timeout=DATA_INDEX_TIMEOUT)
-        return Peers(rank=int(world.rank), size=int(world.nranks), gather=gather)
-
-    def autocast(self) -> Any:
-        """The forward pass's autocast context (bfloat16 O1 when the compute dtype is bf16)."""
-        bf16 = self.dtype == "bfloat16"
-        return paddle.amp.auto_cast(enable=bf16, dtype="bfloat16", level="O1")
+def data_peers(groups: ParallelGroups) -> Peers:
+    """Every rank of the job, to index the data rows together (`flashcp.data.index`)."""
+    world = groups.world
+    gather = partial(all_gather_object, group=world, timeout=DATA_INDEX_TIMEOUT)
+    return Peers(rank=int(world.rank), size=int(world.nranks), gather=gather)
 
 
-@dataclass
-class SingleRowContext(RecipeContext):
-    """A `RecipeContext` that builds data as if there were one dp rank (eval sets)."""
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
-
-    @property
-    def dp_size(self) -> int:
-        return 1
+def eval_config(cfg: Config, path: str) -> Config:
+    """`cfg` reading the eval set at `path` one row at a time, in file order."""
+    return replace(
+        cfg,
+        data=replace(cfg.data, path=path, shuffle=False, micro_batch_size=1),
+        train=replace(cfg.train, grad_accum=1),
+    )
 
 
-@dataclass
-class StepPlan:
-    """One optimizer step as this rank runs it."""
+def normalised(
+    loss: Callable[[HeadInput, MicroBatch], tuple[paddle.Tensor, Any]], denom: float
+) -> LossFn:
+    """The runner's loss function of a step: `loss` (a recipe's summed loss and its stats)
+    divided by the step's GLOBAL normaliser `denom`."""
 
-    micro: list[MicroBatch]
-    tokens: int
-    """Tokens the whole job processes this step (padding included)."""
-    targets: int
-    """Target tokens (labels) of the whole job this step."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Recipe-private per-step data (e.g. DPO reference log-probs)."""
+    def step_loss(out: HeadInput, mb: MicroBatch) -> tuple[paddle.Tensor, Any]:
+        value, stats = loss(out, mb)
+        return value / denom, stats
+
+    return step_loss
 
 
 class Recipe:
-    """Base recipe: override `build_data`, `plan` and, where needed, the other hooks."""
+    """Base recipe (see the module docstring): subclasses name their data class, `stats` and
+    `step_metrics`, and define `loss` and `finish`."""
 
     name: ClassVar[str] = ""
+    data_class: ClassVar[Callable[..., StepSource]]
+    """Builds the step source: `(cfg, dp_rank=, dp_size=, peers=)`."""
+    stats: ClassVar[tuple[str, ...]] = ()
+    """The names of the numbers `loss` returns beside the loss, summed by the trainer."""
+    step_metrics: ClassVar[tuple[str, ...]] = ()
+    """The metrics of `finish` a training step's record carries (its loss and target count
+    are the step's own)."""
+    replicated: ClassVar[bool] = False
+    """Whether every cp rank computes the same loss and statistics (cp rank 0's count)."""
 
-    def __init__(self, ctx: RecipeContext) -> None:
-        self.ctx = ctx
-        self.cfg = ctx.cfg
-        self.lora: Any = None
-        """`flashcp.lora.setup.LoRASetup` once `setup_model` applied a `lora` section."""
+    def __init__(self, cfg: Config, groups: ParallelGroups) -> None:
+        self.cfg = cfg
+        self.groups = groups
 
-    def build_data(self) -> StepSource:
-        raise NotImplementedError
+    def data(self, path: str | None = None) -> StepSource:
+        """The step source of this dp rank; with `path`, the eval set at `path` as a source of
+        ONE row per `next_step()` (a list holding one one-row batch), the same rows on every
+        rank: this recipe's data (format, tokenizer, packing, seq_len) on `path` in file order,
+        built as for one dp rank (the evaluator deals the rows to the dp ranks itself, so a
+        pass ends exactly at the set's end)."""
+        cfg, dp_rank, dp_size = self.cfg, int(self.groups.dp.rank), int(self.groups.dp.nranks)
+        if path is not None:
+            cfg, dp_rank, dp_size = eval_config(cfg, path), 0, 1
+        return self.data_class(cfg, dp_rank=dp_rank, dp_size=dp_size, peers=data_peers(self.groups))
 
-    def setup_model(self, model: paddle.nn.Layer) -> None:
-        """Change this rank's model (its pipeline stage) before training (default: nothing)."""
+    def setup(self, model: paddle.nn.Layer) -> None:
+        """Recipe business on this rank's parallelized stage before training (default: none)."""
 
-    def apply_lora(self, model: paddle.nn.Layer) -> bool:
-        """Apply the `lora` section, if any, to this rank's stage (target patterns checked over
-        every stage, adapters keyed by `train.seed`); returns whether it did."""
-        section = self.cfg.extras.get("lora")
-        if section is None:
-            return False
-        from flashcp.lora.setup import apply_lora_config
+    def count(self, batches: Sequence[Any]) -> tuple[float, float]:
+        """(loss normaliser, target tokens) of this dp rank's FULL `batches`; the trainer sums
+        both over dp. Default: the target tokens (labels other than `IGNORE_INDEX`) twice."""
+        targets = float(sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches))
+        return targets, targets
 
-        self.lora = apply_lora_config(
-            model, section, group=self.ctx.groups.pp, seed=self.cfg.train.seed
-        )
-        return True
+    def prepare(self, micro: Sequence[MicroBatch], runner: PipelineRunner) -> None:
+        """Forward-only work the loss needs, attached to `micro` (default: none)."""
 
-    def plan(self, batches: list[Any]) -> StepPlan:
-        raise NotImplementedError
+    def loss(self, out: HeadInput, mb: MicroBatch) -> tuple[paddle.Tensor, list[Any]]:
+        """The micro-batch's summed loss and its `stats` (floats or 0-D tensors)."""
+        raise NotImplementedError(f"recipe {self.name!r} defines no loss")
 
-    def prepare(self, plan: StepPlan, runner: PipelineRunner, module: paddle.nn.Layer) -> None:
-        """Forward-only work before the training passes (default: nothing)."""
+    def finish(self, sums: Sequence[float]) -> dict[str, float]:
+        """Metrics from the summed `stats` (training keeps the `step_metrics` of them)."""
+        raise NotImplementedError(f"recipe {self.name!r} defines no metrics")
 
-    def loss_value(self, micro_losses: Sequence[float]) -> float:
-        """This rank's share of the step loss, summed over every rank by the trainer."""
-        total = 0.0
-        for x in micro_losses:
-            total += x
-        return total
-
-    def step_stats(self) -> list[float]:
-        """This rank's share of the recipe's statistics (summed over every rank)."""
-        return []
-
-    def metrics(self, stats: np.ndarray) -> dict[str, float]:
-        """Extra metrics of the step from the summed `step_stats` (default: none)."""
-        return {}
-
-    # -- evaluation -------------------------------------------------------------------------
-
-    def build_eval_data(self, path: str) -> StepSource:
-        """The eval set at `path` as a source of ONE row per `next_step()` (a list holding one
-        one-row batch), the same rows on every rank: this recipe's data source (same format,
-        tokenizer, packing, seq_len) on `path` in file order, built as for one dp rank with
-        `data.micro_batch_size` = `train.grad_accum` = 1 (the trainer's evaluator deals the
-        rows to the dp ranks itself, so a pass ends exactly at the set's end)."""
-        cfg = self.cfg
-        eval_cfg = replace(
-            cfg,
-            data=replace(cfg.data, path=path, shuffle=False, micro_batch_size=1),
-            train=replace(cfg.train, grad_accum=1),
-        )
-        ctx = SingleRowContext(**{f.name: getattr(self.ctx, f.name) for f in fields(self.ctx)})
-        return type(self)(replace(ctx, cfg=eval_cfg)).build_data()
-
-    def eval_sums(
-        self, batches: list[Any], runner: PipelineRunner, module: paddle.nn.Layer
-    ) -> list[float]:
-        """This rank's share of the sums `eval_metrics` needs, for one eval batch (the trainer
-        sums them over every rank and every eval batch). Forward-only passes only."""
-        raise NotImplementedError(f"recipe {self.name!r} has no evaluation")
-
-    def eval_metrics(self, sums: np.ndarray) -> dict[str, float]:
-        """Eval metrics (without the `eval/` prefix) from the summed `eval_sums`."""
-        raise NotImplementedError(f"recipe {self.name!r} has no evaluation")
+    def counted(self) -> bool:
+        """Whether this rank's loss and stats enter the job's sums: every rank's, or cp rank
+        0's alone for a `replicated` recipe (the others computed the same values)."""
+        return not self.replicated or int(self.groups.cp.rank) == 0

@@ -10,8 +10,8 @@ Run under `paddle.distributed.launch` with `pp × cp` processes (`--pp`, `--cp`)
 * with CP, also the CP-only reference (PP = 1, CP = cp on this rank's cp group, same shards);
 * the pipeline step: its stage, built on its own, run by `PipelineRunner` on its pp group.
 
-Every loss is a micro-batch's closure built by the LM recipe's own loss
-(`flashcp.recipes.lm.normalised_ce`: summed cross-entropy / the step's global target count).
+Every loss is the LM recipe's own (`flashcp.recipes.lm.LMRecipe.loss`: summed cross-entropy)
+divided by the step's global target count (`flashcp.recipes.base.normalised`).
 
 Checks: every stage parameter's gradient is BITWISE equal to the reference gradient of the
 same name (the PP = 1 one without CP; the CP-only one with CP, i.e. before any cp reduction),
@@ -34,7 +34,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `num
 from flashcp import masks  # noqa: E402
 from flashcp.attention.context import AttentionContext  # noqa: E402
 from flashcp.attention.registry import make_assignment  # noqa: E402
-from flashcp.config import IGNORE_INDEX  # noqa: E402
+from flashcp.config import IGNORE_INDEX, build_config  # noqa: E402
 from flashcp.cp.layout import shard_assigned  # noqa: E402
 from flashcp.distributed import (  # noqa: E402
     ParallelDims,
@@ -64,7 +63,8 @@ from flashcp.models import (  # noqa: E402
 )
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner  # noqa: E402
 from flashcp.pipeline.stage import build_stage  # noqa: E402
-from flashcp.recipes.lm import normalised_ce  # noqa: E402
+from flashcp.recipes.base import normalised  # noqa: E402
+from flashcp.recipes.lm import LMRecipe  # noqa: E402
 from numerics import FACTOR, compare, labels_shifted_after_sharding  # noqa: E402
 
 B, S, VOCAB = 2, 32, 260
@@ -132,11 +132,10 @@ def make_micro_batches(num_micro: int) -> list[dict]:
 
 
 def local_micro_batches(
-    global_mbs: list[dict], group, count: int, *, shift_bug: bool = False
+    global_mbs: list[dict], group, *, shift_bug: bool = False
 ) -> list[MicroBatch]:
-    """This rank's shards (all of it when `group` is None or has one rank), each with the LM
-    loss normalised by the step's global target `count`; `shift_bug`: with labels shifted
-    after sharding (the negative control)."""
+    """This rank's shards (all of it when `group` is None or has one rank); `shift_bug`: with
+    labels shifted after sharding (the negative control)."""
     out = []
     for g in global_mbs:
         if group is None or group.nranks == 1:
@@ -153,23 +152,27 @@ def local_micro_batches(
                 labels = labels_shifted_after_sharding(ids, labels)
             pos = np.ascontiguousarray(g["positions"][:, asg.positions(S, group.rank)])
         lab = paddle.to_tensor(labels)
-        loss = partial(
-            normalised_ce, labels=lab, denom=float(count), chunk_tokens=DEFAULT_LOSS_CHUNK_TOKENS
-        )
-        out.append(MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), lab, ctx, loss=loss))
+        out.append(MicroBatch(paddle.to_tensor(ids), paddle.to_tensor(pos), lab, ctx))
     return out
+
+
+def lm_loss(count: int):
+    """The LM recipe's loss normalised by the step's global target `count`."""
+    train = {"loss_chunk_tokens": DEFAULT_LOSS_CHUNK_TOKENS}
+    cfg = build_config({"model": {"preset": "tiny"}, "train": train})
+    return normalised(LMRecipe(cfg, None).loss, float(count))  # type: ignore[arg-type]
 
 
 def grads_of(layer) -> dict[str, np.ndarray]:
     return {n: p.grad.numpy().copy() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-def sequential(case: Case, mbs: list[MicroBatch]):
+def sequential(case: Case, mbs: list[MicroBatch], loss_fn):
     """PP = 1: the whole model, micro-batches forwarded and back-propagated one by one."""
     model = build_model(preset(case.model, **case.overrides), seed=0)
     losses, total = [], paddle.zeros([], dtype="float32")
     for mb in mbs:
-        loss = mb.loss(HeadInput(model(mb.input_ids, mb.positions, mb.attn), model))
+        loss, _ = loss_fn(HeadInput(model(mb.input_ids, mb.positions, mb.attn), model), mb)
         loss.backward()
         losses.append(float(loss))
         total = total + loss.detach()
@@ -198,11 +201,12 @@ def grad_units(
 def run_case(case: Case, groups, pp: int, cp: int) -> dict:
     global_mbs = make_micro_batches(case.num_micro)
     count = int(sum((g["labels"] != IGNORE_INDEX).sum() for g in global_mbs))
-    everything = local_micro_batches(global_mbs, None, count)
-    ref_grads, ref_losses, ref_total = sequential(case, everything)
-    local = local_micro_batches(global_mbs, groups.cp, count)
+    loss_fn = lm_loss(count)
+    everything = local_micro_batches(global_mbs, None)
+    ref_grads, ref_losses, ref_total = sequential(case, everything, loss_fn)
+    local = local_micro_batches(global_mbs, groups.cp)
     if cp > 1:
-        same_grads, same_losses, same_total = sequential(case, local)
+        same_grads, same_losses, same_total = sequential(case, local, loss_fn)
     else:
         same_grads, same_losses, same_total = ref_grads, ref_losses, ref_total
 
@@ -211,7 +215,7 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
         preset(case.model, **case.overrides), groups.pp.rank, pp, case.pp_layers, seed=0
     )
     reset_comm_stats()
-    micro_losses = PipelineRunner(stage, groups, kind=case.kind).train(local)
+    micro_losses, _ = PipelineRunner(stage, groups, kind=case.kind).train(local, loss_fn)
     sent = comm_stats("send").sent
     loss = step_loss(micro_losses, groups.pp)
     got = grads_of(stage)
@@ -236,7 +240,7 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
         loss_err = compare(loss_sum, float(ref_total), n=count, what="cp loss").units
         # negative control: the CP-only step with labels shifted after sharding
         bad, _, _ = sequential(
-            case, local_micro_batches(global_mbs, groups.cp, count, shift_bug=True)
+            case, local_micro_batches(global_mbs, groups.cp, shift_bug=True), loss_fn
         )
         bad = {n: all_reduce_tensor(paddle.to_tensor(g), groups.cp).numpy() for n, g in bad.items()}
         shift_units = grad_units(bad, ref_grads, count, "label-shift grad")

@@ -1,0 +1,64 @@
+"""What is applied to this rank's freshly built stage, in one place and in order.
+
+`parallelize(model, cfg, groups)` (torchtitan's `parallelize_llama` shape) takes the stage
+`flashcp.models.build_model` built — the whole model at pp = 1, else this rank's pipeline stage,
+with its ep rank's share of the routed experts — and applies, one step each:
+
+1. expert parallel: every MoE layer holding a share of the experts gets the ep group it
+   exchanges tokens over (`flashcp.models.expert_parallel.attach_exchange`);
+2. activation recompute: the decoder layers run under `model.recompute` (`none` / `full` /
+   `refined`; `flashcp.models.recompute`, which pins any `AttentionImpl` and its plan and knows
+   no CP internals);
+3. LoRA: the `lora` section's adapters (`flashcp.lora.setup.apply_lora_config`), after which
+   only they are trainable.
+
+Data and context parallelism need nothing here: dp is a gradient sum (`flashcp.optim`), cp
+lives in each micro-batch's attention context (`flashcp.pipeline.runner.MicroBatch.of`).
+Wrappers still to come for long contexts (activation offload, sequence tiling) belong here too,
+after recompute. Recipe business (DPO's frozen reference copy) is not applied here but by the
+recipe's `setup`, on the parallelized stage.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from flashcp.config import Config
+from flashcp.distributed import ParallelGroups
+from flashcp.lora.setup import LoRASetup, apply_lora_config
+from flashcp.models.base import DecoderStack
+from flashcp.models.config import RECOMPUTE_MODES
+from flashcp.models.expert_parallel import attach_exchange
+
+
+def apply_expert_parallel(model: paddle.nn.Layer, groups: ParallelGroups) -> int:
+    """Attach the ep group to the stage's expert-parallel MoE layers; returns how many."""
+    if int(groups.ep.nranks) == 1:
+        return 0
+    return attach_exchange(model, groups.ep_exchange())
+
+
+def apply_recompute(model: paddle.nn.Layer, mode: str) -> None:
+    """Run the stage's decoder layers under activation recompute `mode`."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {mode!r}: use one of {', '.join(RECOMPUTE_MODES)}")
+    for layer in model.sublayers(include_self=True):
+        if isinstance(layer, DecoderStack):
+            layer.recompute = mode
+
+
+def apply_lora(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> LoRASetup | None:
+    """The `lora` section's adapters on the stage (target patterns checked over every stage,
+    adapters keyed by `train.seed`); None without the section."""
+    section = cfg.extras.get("lora")
+    if section is None:
+        return None
+    return apply_lora_config(model, section, group=groups.pp, seed=cfg.train.seed)
+
+
+def parallelize(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> LoRASetup | None:
+    """Expert parallel → recompute → LoRA on this rank's stage `model`, in place (see the
+    module docstring); returns the LoRA setup the adapter files need, None without LoRA."""
+    apply_expert_parallel(model, groups)
+    apply_recompute(model, cfg.model.recompute)
+    return apply_lora(model, cfg, groups)
