@@ -182,6 +182,17 @@ def test_compute_dtype(dtype: str, device: str, want: str) -> None:
         assert compute_dtype(cfg, device, check=False) == dtype  # the planner's what-if
 
 
+def test_resolve_device_for_the_trainer_and_the_planner() -> None:
+    """The trainer passes whether Paddle sees a GPU; the planner (None) cannot see the machine."""
+    from flashcp.config.device import resolve_device
+
+    auto, gpu = build_config(_raw()), build_config(_raw(run={"device": "gpu"}))
+    assert [resolve_device(auto, seen) for seen in (True, False, None)] == ["gpu", "cpu", "cpu"]
+    assert resolve_device(gpu, True) == resolve_device(gpu, None) == "gpu"
+    with pytest.raises(RuntimeError, match="run.device is gpu but Paddle sees no GPU"):
+        resolve_device(gpu, False)
+
+
 def test_resolve_device_auto_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """run.device auto + a visible GPU: auto dtype runs bf16, an explicit float32 is refused."""
     import paddle

@@ -171,3 +171,42 @@ def test_dpo_data_stream_splits_over_dp_and_resumes(tmp_path: Path) -> None:
     unpacked = DPOData(_cfg(tmp_path, data={"packing": False}))
     assert unpacked.next_step()[0].num_examples == 1
     assert "52 preference pairs" in one.describe()
+
+
+def test_the_recipe_keeps_no_step_state(tmp_path: Path) -> None:
+    """A step leaves nothing on the recipe: the reference log-probs ride on the micro-batches
+    (`payload`), the statistics come back from `loss`, the same on every call, and one
+    `finish` makes the metrics of training steps and evaluations."""
+    trainer = Trainer(_cfg(tmp_path, train={"steps": 1}), stream=io.StringIO())
+    recipe = trainer.recipe
+    before = set(vars(recipe))
+    trainer.train_step()
+    assert set(vars(recipe)) == before == {"cfg", "groups", "dpo", "reference"}
+    micro = trainer.runner.micro_batches(trainer.data.next_step())
+    recipe.prepare(micro, trainer.runner)
+    assert all(set(mb.payload) == {"reference"} for mb in micro)
+    passes = [trainer.runner.forward_only(micro, lambda out, mb: recipe.loss(out, mb)[1])
+              for _ in range(2)]  # fmt: skip
+    assert passes[0] == passes[1] and len(passes[0][0]) == len(recipe.stats)
+    sums = np.sum(np.asarray(passes[0], dtype=np.float64), axis=0)
+    metrics = recipe.finish(sums)
+    assert set(recipe.step_metrics) < set(metrics)  # training reports these of them
+    assert metrics["examples"] == sum(int(b.num_examples) for b in (mb.batch for mb in micro))
+    assert metrics["targets"] == recipe.count([mb.batch for mb in micro])[1]
+
+
+def test_only_cp_rank_zero_counts_a_replicated_recipe() -> None:
+    from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
+    from flashcp.recipes.dpo import DPORecipe
+    from flashcp.recipes.lm import LMRecipe
+
+    def groups(cp_rank: int) -> ParallelGroups:
+        dims = ParallelDims(dp=1, pp=1, cp=2, world_size=2)
+        cp = NamedGroup("cp", cp_rank, 5, [0, 1], pg=None)
+        solo = NamedGroup("dp", 0, -1, [cp_rank], pg=None)
+        world = NamedGroup("world", cp_rank, 0, [0, 1], pg=None)
+        return ParallelGroups(dims, cp_rank, world, solo, solo, cp, "none")
+
+    cfg = build_config({"model": {"preset": "tiny_glm"}, "run": {"recipe": "dpo"}})
+    assert [DPORecipe(cfg, groups(r)).counted() for r in (0, 1)] == [True, False]
+    assert [LMRecipe(cfg, groups(r)).counted() for r in (0, 1)] == [True, True]

@@ -253,6 +253,31 @@ def test_sft_recipe_trains_on_responses(tmp_path: Path) -> None:
     assert 0 < m.targets < m.tokens // 2  # prompts carry no loss
 
 
+def test_the_data_source_is_injectable(tmp_path: Path) -> None:
+    """`Trainer(data=...)` replaces the recipe's step source (here: the same data, counted)."""
+    from flashcp.recipes.lm import LMData
+
+    class Counted:
+        def __init__(self, inner: LMData) -> None:
+            self.inner, self.steps = inner, 0
+            self.seq_len = inner.seq_len
+
+        def next_step(self) -> list[Any]:
+            self.steps += 1
+            return self.inner.next_step()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    plain = _cfg(tmp_path / "plain", train={"steps": 2})
+    _fit(plain)
+    cfg = _cfg(tmp_path / "stand_in", train={"steps": 2})
+    data = Counted(LMData(cfg))
+    trainer, _, _ = _fit(cfg, data=data)
+    assert trainer.data is data and data.steps == 2
+    assert _losses(cfg.run.output_dir) == _losses(plain.run.output_dir)
+
+
 def test_multi_rank_config_needs_a_launcher(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="need a launched job"):
         Trainer(_cfg(tmp_path, parallel={"cp": 2}))

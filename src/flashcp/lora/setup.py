@@ -1,5 +1,6 @@
 """LoRA in the trainer: adapters from the `lora` config section, applied to a built model or
-pipeline stage (`apply_lora_config`), and what the adapter files need of it (`LoRASetup`).
+pipeline stage (`apply_lora_config`, the last step of `flashcp.parallelize`), and what the
+adapter files need of it (`LoRASetup`).
 
 The adapters are saved, loaded back and merged by `flashcp.checkpoint` (`adapters`,
 `checkpointer`, `merge_export`), in PaddleFormers' format.

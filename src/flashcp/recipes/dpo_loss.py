@@ -27,6 +27,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from flashcp.attention.context import AttentionContext
+from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
@@ -110,9 +113,6 @@ def answer_logps(
     log-probs wrap it in `paddle.no_grad()` and, for a LoRA policy,
     `flashcp.lora.model.disable_adapters`.
     """
-    from flashcp.attention.context import AttentionContext
-    from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS
-
     if attn is None:
         attn = AttentionContext(mask=batch.mask.indices, causal=batch.mask.causal)
     hidden = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), attn)
