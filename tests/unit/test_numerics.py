@@ -26,7 +26,7 @@ from flashcp.attention.registry import make_assignment
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
-from flashcp.recipes import lm
+from flashcp.pipeline import runner as pipeline_runner
 from flashcp.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,8 +161,8 @@ def _swapped_positions(local: Any) -> Any:
 
 def _train(out: Path, monkeypatch: pytest.MonkeyPatch, bug: Callable[[Any], Any] | None) -> Path:
     if bug is not None:
-        original = lm.shard_batch
-        monkeypatch.setattr(lm, "shard_batch", lambda *a: bug(original(*a)))
+        original = pipeline_runner.shard_batch
+        monkeypatch.setattr(pipeline_runner, "shard_batch", lambda *a: bug(original(*a)))
     overrides = [f"train.steps={STEPS}", "checkpoint.every=0", "checkpoint.resume=never",
                  "debug.dump_grads=true", "parallel.cp=1", f"run.output_dir={out}"]  # fmt: skip
     Trainer(load_config(GOLDEN_CONFIG, overrides)).fit()
