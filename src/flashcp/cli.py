@@ -76,7 +76,7 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
+def _config_summary(cfg, nnodes: int | None = None) -> str:  # type: ignore[no-untyped-def]
     from flashcp.models import estimate_parameters
 
     n = estimate_parameters(cfg.model)
@@ -84,11 +84,17 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     p = cfg.parallel
     recipe = cfg.run.recipe + (" + LoRA" if "lora" in cfg.extras else "")
     memory = ""
-    if cfg.hardware.memory_gib is not None:
+    hw = cfg.hardware
+    if hw.memory_gib is not None or hw.host_memory_gib is not None:
         from flashcp.plan import GIB, plan
 
-        peak = plan(cfg).peak.total_bytes / GIB
-        memory = f", planned peak {peak:.1f} of {cfg.hardware.memory_gib:g} GiB per device"
+        planned = plan(cfg, nnodes=nnodes)
+        if hw.memory_gib is not None:
+            peak = planned.peak.total_bytes / GIB
+            memory = f", planned peak {peak:.1f} of {hw.memory_gib:g} GiB per device"
+        if hw.host_memory_gib is not None and planned.host is not None:
+            host = planned.host.peak.total_bytes / GIB
+            memory += f", host {host:.1f} of {hw.host_memory_gib:g} GiB per node"
     source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
         f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
@@ -98,13 +104,27 @@ def _config_summary(cfg) -> str:  # type: ignore[no-untyped-def]
     )
 
 
+def _split_overrides(items: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`flashcp validate`'s positional arguments as (files, key=value overrides): an argument
+    with `=` that is not an existing file is an override, as `flashcp train` takes them."""
+    files, overrides = [], []
+    for item in items:
+        if "=" in item and not Path(item).exists():
+            overrides.append(item)
+        else:
+            files.append(item)
+    return files, overrides
+
+
 def _validate(args: argparse.Namespace) -> int:
     from flashcp.config import ConfigError, collect, read_yaml
     from flashcp.config.errors import ConfigValidationError
     from flashcp.config.placeholders import find_placeholders
-    from flashcp.launch.preflight import memory_refusal
+    from flashcp.launch.preflight import host_memory_refusal, memory_refusal
 
-    files = [Path(f) for f in args.files]
+    names, overrides = _split_overrides(args.files)
+    files = [Path(f) for f in names]
+    nnodes = args.nnodes if args.nnodes > 1 else None
     if not files:
         if not CONFIG_DIR.is_dir():
             print(f"no files given and no {CONFIG_DIR}/ directory here", file=sys.stderr)
@@ -116,17 +136,21 @@ def _validate(args: argparse.Namespace) -> int:
         try:
             raw = read_yaml(path)
             unfilled = find_placeholders(raw)
-            cfg, errors = collect(raw, source=str(path), world_size=args.world_size,
-                                  nnodes=args.nnodes, allow_placeholders=True)  # fmt: skip
+            cfg, errors = collect(raw, source=str(path), overrides=overrides,
+                                  world_size=args.world_size, nnodes=args.nnodes,
+                                  allow_placeholders=True)  # fmt: skip
         except ConfigValidationError as exc:
             cfg, errors = None, exc.errors
-        if not errors and cfg is not None and (message := memory_refusal(cfg)) is not None:
-            errors = [ConfigError("hardware.memory_gib", message)]
+        if not errors and cfg is not None:
+            if (message := memory_refusal(cfg)) is not None:
+                errors = [ConfigError("hardware.memory_gib", message)]
+            if (message := host_memory_refusal(cfg, nnodes)) is not None:
+                errors.append(ConfigError("hardware.host_memory_gib", message))
         if errors or cfg is None:
             failed += 1
             print(f"FAIL  {ConfigValidationError(errors, str(path))}")
             continue
-        print(f"ok    {path}: {_config_summary(cfg)}")
+        print(f"ok    {path}: {_config_summary(cfg, nnodes)}")
         if unfilled:  # a recipe's /path/to/... values: `flashcp train` refuses them unfilled
             keys = ", ".join(f"{k} ({v})" for k, v in unfilled)
             print(f"      fill in before training: {keys}")
@@ -175,18 +199,43 @@ def _plan(args: argparse.Namespace) -> int:
 
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.plan import plan
-    from flashcp.plan.report import format_plan
+    from flashcp.plan.longest import longest, with_seq_len
+    from flashcp.plan.report import format_longest, format_plan, format_step_time
+    from flashcp.plan.steptime import DEFAULT_MFU, estimate
 
+    mfu = DEFAULT_MFU if args.mfu is None else args.mfu
+    if not 0 < mfu <= 1:
+        print(f"flashcp plan: --mfu must be in (0, 1], got {mfu}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides, allow_placeholders=True)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
         return 2
-    p = plan(cfg, device=args.device, budget_gib=args.device_memory)
+    budgets = {"device": args.device, "budget_gib": args.device_memory,
+               "host_budget_gib": args.host_memory}  # fmt: skip
+    if args.longest:
+        try:
+            result = longest(cfg, **budgets)
+        except ValueError as exc:
+            print(f"flashcp plan --longest: {exc}", file=sys.stderr)
+            return 2
+        at = with_seq_len(cfg, max(result.seq_len, result.granularity))
+        est = estimate(at, mfu=mfu, device=args.device)
+        if args.json:
+            print(json.dumps({**result.to_json(), "step_time": est.to_json()}))
+        else:
+            print(format_longest(result, cfg, source=str(args.config)))
+            if result.plan is not None:
+                print(format_step_time(est))
+        return 0 if result.seq_len else 1
+    p = plan(cfg, **budgets)
+    est = estimate(cfg, mfu=mfu, device=args.device)
     if args.json:
-        print(json.dumps(p.to_json()))
+        print(json.dumps({**p.to_json(), "step_time": est.to_json()}))
     else:
         print(format_plan(p, cfg, source=str(args.config)))
+        print(format_step_time(est))
     return 0 if p.fits else 1
 
 
@@ -285,7 +334,12 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "validate",
         help="check configs (default: every configs/**/*.yaml); lists every problem",
     )
-    validate.add_argument("files", nargs="*", help="config files (default: all under configs/)")
+    validate.add_argument(
+        "files",
+        nargs="*",
+        help="config files (default: all under configs/), and key.sub=value overrides applied "
+        "to each, as flashcp train takes them",
+    )
     validate.add_argument(
         "--world-size", type=int, default=None, help="also check dp×pp×cp against this"
     )
@@ -295,10 +349,14 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
     validate.set_defaults(func=_validate)
     plan = sub.add_parser(
         "plan",
-        help="memory plan: bytes per rank (stage) at its peak, against the device budget",
+        help="memory plan: bytes per rank (stage) at its peak against the device budget, host "
+        "memory per node, a step-time estimate; --longest: the longest seq_len that fits",
         description="Plan CONFIG's memory per rank before launch: parameters, gradients, "
         "master weights, optimizer states, activations, logits/loss, communication buffers, "
-        "against hardware.memory_gib (or --device-memory). Exit 1 when a rank does not fit.",
+        "against hardware.memory_gib (or --device-memory); host memory per node (offloaded "
+        "activations, staging buffers, checkpoint arrays, processes) against "
+        "hardware.host_memory_gib (or --host-memory); and the step's model FLOPs at "
+        "hardware.peak_tflops and --mfu. Exit 1 when a rank or a node does not fit.",
     )
     plan.add_argument("config", help="YAML run config")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -316,9 +374,31 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         help="plan for this device (default: run.device; auto counts as cpu)",
     )
     plan.add_argument(
+        "--host-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="per-node host budget in GiB (default: hardware.host_memory_gib)",
+    )
+    plan.add_argument(
+        "--longest",
+        action="store_true",
+        help="find the longest data.seq_len (a multiple of the layout's granularity) whose "
+        "plan fits both budgets, everything else as configured",
+    )
+    plan.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="model-FLOPs utilisation the step-time estimate assumes (default 0.4: stated, "
+        "not measured; flashcp.plan.steptime.DEFAULT_MFU)",
+    )
+    plan.add_argument(
         "--json",
         action="store_true",
-        help='print {"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits"}',
+        help='print {"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", '
+        '"fits", "host", "features", "step_time"}; with --longest {"longest_seq_len", '
+        '"granularity", "assumed", "limit", "plan", "step_time"}',
     )
     plan.set_defaults(func=_plan)
     plot = sub.add_parser(
@@ -429,12 +509,17 @@ def package_version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    # `flashcp train CONFIG --nnodes 2 key=value`: overrides may follow the options too
+    # `flashcp train CONFIG --nnodes 2 key=value`: overrides may follow the options too (as
+    # for plan and validate)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command != "train" or any(a.startswith("-") for a in extra):
+        takes = ("train", "plan", "validate")
+        if args.command not in takes or any(a.startswith("-") for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*args.overrides, *extra]
+        if args.command == "validate":
+            args.files = [*args.files, *extra]
+        else:
+            args.overrides = [*args.overrides, *extra]
     if importlib.util.find_spec("paddle") is None:
         print(f"flashcp: {NO_PADDLE}", file=sys.stderr)
         return 2

@@ -412,7 +412,9 @@ def test_dpo_reference_copy_only_without_lora() -> None:
 def test_json_shape_and_budget() -> None:
     cfg = _cfg(parallel={"cp": 2}, hardware={"memory_gib": 1.0})
     out = plan(cfg).to_json()
-    assert set(out) == {"ranks", "budget_bytes", "fits"}
+    assert set(out) == {"ranks", "budget_bytes", "fits", "host", "features"}
+    assert out["features"] == {}  # no long-context mechanism unless asked for
+    assert out["host"]["budget_bytes"] is None and out["host"]["ranks_per_node"] == 2
     assert out["budget_bytes"] == GIB and out["fits"] is True
     assert [r["rank"] for r in out["ranks"]] == [0, 1]
     for r in out["ranks"]:

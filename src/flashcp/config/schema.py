@@ -271,6 +271,20 @@ class HardwareConfig:
     memory_gib: float | None = None
     """Per-device memory budget in GiB the memory plan must fit (`flashcp plan`); null = no
     budget check (CPU configs). The GPU configs set 96 (an H20)."""
+    host_memory_gib: float | None = None
+    """Host (CPU) memory budget in GiB of ONE node that the host plan must fit (`flashcp
+    plan`): what the ranks on a node keep in host memory — activations moved there by an
+    offload, pinned staging buffers, checkpoint arrays being written, each process's own
+    memory — summed over the node's ranks. null = no host budget check."""
+    gpus_per_node: int = 8
+    """Ranks (devices) per node, for the host plan: a job's ranks fill nodes of this many in
+    rank order. `flashcp train --nnodes N` and `flashcp validate --nnodes N` use the launch's
+    dp·pp·cp / N instead."""
+    host_link_gb_per_s: float | None = None
+    """Host↔device copy bandwidth of ONE device in GB/s (10^9 bytes per second, one direction),
+    for the plan's step-time estimate: whether copying offloaded activations would stall the
+    compute. An H20 sits on PCIe Gen5 x16 (63 GB/s per direction before protocol overhead); the
+    GPU configs state what they assume. null = no copy-time estimate."""
 
 
 @dataclass(kw_only=True)

@@ -442,6 +442,27 @@ def _check_dpo(cfg: Config, c: _Checks) -> None:
         c.add("data.seq_len", f"a DPO row needs >= 3 tokens, got {cfg.data.seq_len}")
 
 
+def _check_hardware(cfg: Config, c: _Checks) -> None:
+    """The host budget, node size and host-link bandwidth of `hardware` (the device budget and
+    peak TFLOP/s are checked with the keys they belong to)."""
+    hw = cfg.hardware
+    host = hw.host_memory_gib
+    if host is not None and not host > 0:
+        c.add("hardware.host_memory_gib", f"must be > 0 GiB per node or null (no host budget), "
+                                          f"got {host}")  # fmt: skip
+    per_node = hw.gpus_per_node
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        c.add("hardware.gpus_per_node", f"must be an integer >= 1 (devices per node), got "
+                                        f"{per_node!r}")  # fmt: skip
+    link = hw.host_link_gb_per_s
+    if link is not None and not link > 0:
+        c.add(
+            "hardware.host_link_gb_per_s",
+            f"must be > 0 GB/s or null (no copy-time estimate), got {link}: e.g. 50 for a "
+            "PCIe Gen5 x16 link",
+        )
+
+
 def check_config(
     cfg: Config, *, world_size: int | None = None, nnodes: int = 1, skip: Iterable[str] = ()
 ) -> list[ConfigError]:
@@ -459,4 +480,5 @@ def check_config(
     _check_eval(cfg, c)
     _check_lora(cfg, c)
     _check_dpo(cfg, c)
+    _check_hardware(cfg, c)
     return c.errors

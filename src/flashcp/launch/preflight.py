@@ -2,7 +2,8 @@
 
 `preflight` runs the checks the config's own validation cannot make, in this order: the
 FlashAttention flags in the environment resolve for this model (`check_dispatch`), the memory
-plan fits `hardware.memory_gib` (`check_memory`, `flashcp plan`), `FLASHCP_MASTER_PORT` (an
+plan fits `hardware.memory_gib` per device and `hardware.host_memory_gib` per node
+(`check_memory`, `flashcp plan`), `FLASHCP_MASTER_PORT` (an
 optional fixed port for the launcher's master) is free (`master_port`), the launcher's ports
 can be leased (`launcher_ports`), the `--master` of a multi-node job is usable
 (`check_master`), the run may start in `run.output_dir` (`check_run_dir`: no fresh run over an
@@ -34,7 +35,7 @@ from flashcp.distributed.ports import PortLease
 from flashcp.distributed.watchdog import resolve_timeout
 from flashcp.launch.supervise import launcher_lease
 from flashcp.plan import plan
-from flashcp.plan.report import refusal
+from flashcp.plan.report import host_refusal, refusal
 
 EXIT_PREFLIGHT = 2
 """`flashcp train`'s exit code when a check refuses the launch."""
@@ -206,11 +207,26 @@ def memory_refusal(cfg: Config) -> str | None:
     return refusal(cfg, plan(cfg))
 
 
-def check_memory(cfg: Config) -> None:
-    """The memory plan fits `hardware.memory_gib` (`flashcp.plan`; no check when it is null)."""
+def host_memory_refusal(cfg: Config, nnodes: int | None = None) -> str | None:
+    """The over-budget message of `cfg`'s host plan per node (None: it fits, or no
+    `hardware.host_memory_gib`); `nnodes`: the launch's nodes (ranks per node = dp·pp·cp /
+    nnodes; default `hardware.gpus_per_node`)."""
+    if cfg.hardware.host_memory_gib is None:
+        return None
+    return host_refusal(plan(cfg, nnodes=nnodes))
+
+
+def check_memory(cfg: Config, nnodes: int | None = None) -> None:
+    """The memory plan fits `hardware.memory_gib` per device and `hardware.host_memory_gib`
+    per node (`flashcp.plan`; no check of a budget that is null)."""
     if (message := memory_refusal(cfg)) is not None:
         raise PreflightError(
             f"{message}; or set hardware.memory_gib=null to launch without the memory check"
+        )
+    if (message := host_memory_refusal(cfg, nnodes)) is not None:
+        raise PreflightError(
+            f"{message}; or set hardware.host_memory_gib=null to launch without the host "
+            "memory check"
         )
 
 
@@ -237,7 +253,7 @@ def preflight(
     lease: PortLease | None = None
     try:
         check_dispatch(cfg)
-        check_memory(cfg)
+        check_memory(cfg, nodes.count if nodes.multi else None)
         port = master_port(environ) if nodes.master is None else None
         lease = launcher_ports(environ, cfg.parallel.world_size // nodes.count)
         if nodes.master is not None:

@@ -6,9 +6,10 @@ tensor has:
 
 * ``f``: always float32 — RMSNorm's normalised input and its rsqrt, LayerNorm's mean/var, the
   attention LSE, the MoE router (it computes in float32, `flashcp.models.moe`);
-* ``res``: the residual stream and norm outputs — float32 always: O1 autocast keeps them
+* ``res``: the residual stream and norm outputs — float32 by default: O1 autocast keeps them
   float32, and with bf16 storage the embedding outputs float32 and norms return their input's
-  dtype (`flashcp.models.layers`), so pipeline stages exchange float32 too;
+  dtype (`flashcp.models.layers`), so pipeline stages exchange float32 too; a residual stream
+  in the compute dtype (`flashcp.plan.features`) makes the whole class that dtype;
 * ``c``: the compute dtype (train.dtype resolved: bf16 on GPU, float32 on CPU) — matmul
   outputs: q/k/v projections, rotated q/k, the attention output, MLP intermediates;
 * ``e``: what the routed experts' grouped matmuls save as their inputs
@@ -82,13 +83,21 @@ class Dtypes:
     gpu: bool = False
 
     @classmethod
-    def of(cls, compute: str, param_dtype: str, device: str = "cpu") -> Dtypes:
+    def of(
+        cls, compute: str, param_dtype: str, device: str = "cpu", residual: str = "float32"
+    ) -> Dtypes:
+        """`residual`: the residual stream's dtype — "float32" (today), "bfloat16", or
+        "compute" (the compute dtype: bf16 on GPU, float32 on CPU; `flashcp.plan.features`)."""
         c = 2 if compute == "bfloat16" else 4
         p = 2 if param_dtype == "bfloat16" else 4
         gpu = device == "gpu"
+        sizes = {"float32": 4, "bfloat16": 2, "compute": c}
+        if residual not in sizes:
+            raise ValueError(f"residual dtype {residual!r}: use one of {sorted(sizes)}")
+        res = sizes[residual]
         # GPU: Paddle's grouped GEMM computes in the weights' dtype; CPU: batched matmuls on
         # the float32 activations, the weights upcast chunk by chunk
-        return cls(c=c, res=4, param=p, experts=p if gpu else 4, gpu=gpu)
+        return cls(c=c, res=res, param=p, experts=p if gpu else 4, gpu=gpu)
 
     @property
     def autocast(self) -> bool:
@@ -217,7 +226,7 @@ def layer_saved(
     if args.arch == "glm":
         norm("post_mlp_layernorm", new_input=True, out_saved=False)
     n.add("layer output", "res", h)
-    if dt.autocast:
+    if dt.autocast and dt.res > dt.c:  # a bf16 residual stream feeds its matmuls as it is
         n.add("bf16 copies of float32 matmul inputs", "c", h * _float32_matmul_inputs(args, index))
     return n
 
@@ -529,3 +538,98 @@ def final_norm(args: ModelArgs) -> Counts:
         n.add("final norm normalised + output", "res", 2 * h)
         n.add("final norm rsqrt", "f", 1)
     return n
+
+
+# -- sequence tiling and chunked attention (`flashcp.plan.features`) --------------------------
+
+ATTENTION_CORE = ("q/k/v projections", "rotated", "attention output", "attention LSE")
+"""The parts of `layer_saved` that belong to the attention core (its inputs and outputs)."""
+
+
+def attention_core(args: ModelArgs, *, stored: bool = False) -> Counts:
+    """What a TILED layer's replay keeps for all its local tokens while it back-propagates:
+    the attention's inputs (rotated q and k, and v: the token-wise projections and rotary
+    run per tile and leave only these) and its output and LSE (`stored`: kept already by
+    refined recompute, `refined_extra`, so not counted again); everything else of the layer
+    exists for one tile at a time (`tile_saved`)."""
+    hd = args.head_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    n = Counts()
+    n.add("attention inputs q, k, v (rotated)", "c", q + 2 * kv)
+    if not stored:
+        n.add("attention output", "c", q)
+        n.add("attention LSE", "f", args.num_heads)
+    return n
+
+
+def tile_saved(saved: Counts) -> Counts:
+    """Per token of ONE tile: what the token-wise parts of a layer keep while that tile
+    back-propagates — the layer's saved set (`layer_saved`, with LoRA's) without the
+    attention core and without the layer output (the tile's output is handed on, not kept)."""
+    out = Counts()
+    for what, cls, n in saved.parts:
+        if not what.startswith((*ATTENTION_CORE, "layer output")):
+            out.add(what, cls, n)
+    return out
+
+
+def tiled_io(args: ModelArgs) -> Counts:
+    """Full-length tensors of a tiled layer's backward besides the attention core: the
+    incoming gradient of the layer output and, as untiled (`recompute_replay_extra`), the
+    replay's input copy and the input gradient being assembled tile by tile."""
+    n = recompute_replay_extra(args)
+    n.add("tiled: gradient of the layer output", "res", args.hidden_size)
+    return n
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """Bytes one layer's attention backward adds beyond what the layer keeps (`transient`)
+    and the full-sequence K/V terms under CP (`kv_gather`), see `attention_backward_bytes`."""
+
+    transient: float
+    kv_gather: float
+
+
+def attention_backward_bytes(
+    args: ModelArgs,
+    dt: Dtypes,
+    tokens: int,
+    keys: int,
+    *,
+    cp: bool,
+    query_chunk: int = 0,
+    kv_chunk: int = 0,
+) -> AttentionCost:
+    """One attention backward over `tokens` local query rows and `keys` global keys (batch
+    included), beyond its saved inputs and outputs.
+
+    Unchunked (today, measured on CPU): `attention_backward_transient` per local token, on GPU
+    FlashAttention's float32 dQ accumulator and softmax row sums (D) per local row, and under
+    CP `CP_KV_UNITS` full-sequence `[S, kv]` tensors: the re-gathered K and V (compute dtype),
+    dK/dV partial sums and their reduce-scatter chunks (float32).
+
+    Chunked (`query_chunk` rows, `kv_chunk` global keys at a time): K and V are gathered, and
+    dK/dV summed and reduce-scattered, one key chunk at a time (`CP_KV_UNITS` tensors of
+    `kv_chunk` keys); for every key chunk the kernel runs over the local queries one query
+    chunk at a time with the GLOBAL output and LSE, so the output gradient and dQ stay
+    full-length — dQ in float32 when it sums over more than one key chunk — while the
+    kernel's own scratch (the ``3·q`` of the unchunked measure beyond dO and dQ, and on GPU the
+    float32 dQ accumulator and D) is per query chunk. Without CP, dK/dV stay local (``4·kv``
+    per token, unchunked)."""
+    hd = args.head_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    c = dt.c
+    gpu_rows = (q + args.num_heads) * 4 if dt.gpu else 0
+    if not (query_chunk or kv_chunk):
+        transient = attention_backward_transient(args, cp=cp).bytes(dt) * tokens
+        gather = keys * kv * (2 * c + (CP_KV_UNITS - 2) * 4) if cp else 0.0
+        return AttentionCost(transient + tokens * gpu_rows, float(gather))
+    rows = min(query_chunk or tokens, tokens)
+    span = min(kv_chunk or keys, keys)
+    dq = 4 if span < keys else c
+    transient = tokens * q * (c + dq) + rows * (3 * q * c + gpu_rows)
+    if not cp:
+        transient += tokens * 4 * kv * c
+        return AttentionCost(float(transient), 0.0)
+    return AttentionCost(float(transient), float(span * kv * (2 * c + (CP_KV_UNITS - 2) * 4)))

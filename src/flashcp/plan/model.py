@@ -48,6 +48,8 @@ from flashcp.config.schema import Config
 from flashcp.models.config import ModelArgs
 from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
+from flashcp.plan.features import Features, features_of
+from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments
 from flashcp.plan.params import is_expert, layer_parameters, stage_buffers, stage_parameters
 
 GIB = 2**30
@@ -58,6 +60,7 @@ ITEMS: tuple[str, ...] = (
     "buffers",
     "gradients",
     "main_grads",
+    "grad_shard",
     "master_weights",
     "optimizer_states",
     "dpo_reference",
@@ -82,6 +85,8 @@ ITEM_DOCS: dict[str, str] = {
     "buffers": "persistent buffers (MoE router selection bias), float32",
     "gradients": "parameter .grad of the trained parameters, in the storage dtype",
     "main_grads": "float32 gradient accumulators (main_grad) when storage is bf16",
+    "grad_shard": "ZeRO-2 (gradient sharding): this rank's dp×cp shard of the float32 "
+    "gradients, which replaces the full-size gradients and main_grads",
     "master_weights": "float32 master copies of trained parameters (bf16 storage or ZeRO), "
     "÷ dp×cp under parallel.shard_optimizer",
     "optimizer_states": "AdamW moments, 2 × float32 per trained element (÷ dp×cp sharded)",
@@ -101,7 +106,8 @@ ITEM_DOCS: dict[str, str] = {
     "ep_buffers": "expert parallel: one MoE layer's all-to-all send / receive buffers (token "
     "rows to the experts' ranks and back, or their gradients), beyond the layer's own "
     "working set, which is not live at the same time",
-    "grad_buckets": "gradient all-reduce bucket over cp/dp (parallel.grad_bucket_mb)",
+    "grad_buckets": "gradient all-reduce bucket over cp/dp (parallel.grad_bucket_mb); under "
+    "ZeRO-2 the float32 buckets being filled and reduce-scattered during backward",
     "zero_buffers": "ZeRO-1 flat reduce-scatter / all-gather buffers",
     "optimizer_step_transient": "pipeline clip's gradient copy and squared-norm temporaries",
     "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, NCCL "
@@ -152,16 +158,31 @@ class Plan:
     compute_dtype: str
     param_dtype: str
     notes: list[str] = field(default_factory=list)
+    host: HostPlan | None = None
+    """The host-memory plan (`flashcp.plan.host`), per rank and per node."""
+    features: Features = Features()
+    """The long-context mechanisms this plan assumed (`flashcp.plan.features`)."""
 
     @property
     def peak(self) -> RankPlan:
         return max(self.ranks, key=lambda r: (r.total_bytes, -r.rank))
 
     @property
-    def fits(self) -> bool:
+    def device_fits(self) -> bool:
+        """Every rank within the device budget (or no budget)."""
         return self.budget_bytes is None or all(
             r.total_bytes <= self.budget_bytes for r in self.ranks
         )
+
+    @property
+    def host_fits(self) -> bool:
+        """Every node within the host budget (or no budget)."""
+        return self.host is None or self.host.fits
+
+    @property
+    def fits(self) -> bool:
+        """Both budgets hold."""
+        return self.device_fits and self.host_fits
 
     def stages(self) -> list[RankPlan]:
         """The first rank of every stage (ranks of a stage have equal plans)."""
@@ -171,7 +192,9 @@ class Plan:
         return [seen[s] for s in sorted(seen)]
 
     def to_json(self) -> dict[str, Any]:
-        """`{"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits"}`."""
+        """`{"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits",
+        "host": HostPlan.to_json(), "features": {non-default Features}}`; `fits` is both
+        budgets'."""
         return {
             "ranks": [
                 {
@@ -184,6 +207,8 @@ class Plan:
             ],
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
+            "host": self.host.to_json() if self.host is not None else None,
+            "features": self.features.overrides(),
         }
 
 
@@ -213,6 +238,8 @@ class Setup:
     dpo: bool
     grad_clip: float
     bucket_bytes: int
+    features: Features = Features()
+    """The long-context mechanisms planned (`flashcp.plan.features`; all off by default)."""
 
     @property
     def shard_degree(self) -> int:
@@ -225,8 +252,9 @@ class Setup:
         return self.dp * self.cp // self.ep if self.shard else 1
 
 
-def setup(cfg: Config, device: str | None = None) -> Setup:
-    """Resolve the plan's inputs from `cfg` (on `device`, else `run.device`)."""
+def setup(cfg: Config, device: str | None = None, features: Features | None = None) -> Setup:
+    """Resolve the plan's inputs from `cfg` (on `device`, else `run.device`; `features`: the
+    mechanisms to plan, default the ones `cfg` asks for, `features_of`)."""
     dev = device or resolve_device(cfg)
     p, d, t = cfg.parallel, cfg.data, cfg.train
     seq = d.seq_len
@@ -256,6 +284,7 @@ def setup(cfg: Config, device: str | None = None) -> Setup:
         dpo=cfg.run.recipe == "dpo",
         grad_clip=float(t.grad_clip),
         bucket_bytes=int(p.grad_bucket_mb * 2**20),
+        features=features_of(cfg) if features is None else features,
     )
 
 
@@ -297,10 +326,81 @@ def upcast_transient(args: ModelArgs, index: int, dt: act.Dtypes, *, frozen: boo
     return largest * (4 if frozen else 4 + 4 + 2 + 4)
 
 
-def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
-    """Every moment's items (bytes) for `stage`; see the module docstring."""
+def check_features(f: Features, recompute: str) -> None:
+    """`ValueError` for mechanisms the recompute mode cannot carry: offload moves what a
+    recomputed layer keeps, tiling re-runs a recomputed layer's token-wise parts in tiles."""
+    needs = [name for name, on in (("offload_activations", f.offload_activations),
+                                   ("tile_tokens", f.tile_tokens > 0)) if on]  # fmt: skip
+    if needs and recompute == "none":
+        raise ValueError(
+            f"{' and '.join(needs)} need model.recompute full or refined (it is none)"
+        )
+    for name in ("tile_tokens", "query_chunk", "kv_chunk"):
+        if getattr(f, name) < 0:
+            raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(f, name)}")
+
+
+@dataclass(frozen=True)
+class TiledWork:
+    """A tiled layer's backward working sets (bytes): while a tile of its token-wise parts
+    back-propagates (`mlp`, with `ep` the excess of the MoE all-to-all buffers of one tile),
+    and while its attention does (`attention`, beyond the attention's own transient)."""
+
+    mlp: float
+    attention: float
+    ep: float
+
+
+def _tile_saved(s: Setup, index: int, dt: act.Dtypes, rows: act.ExpertRows | None) -> act.Counts:
+    """Per token of a tile: `act.tile_saved` of layer `index` (with LoRA's), an MoE layer's
+    expert buffer sized for one tile (`rows`)."""
+    saved = act.layer_saved(s.args, index, dt, rows, s.ep)
+    saved += act.lora_saved(s.args, index, s.lora_targets, s.lora_rank, dt, rows)
+    return saved
+
+
+def tiled_working_sets(
+    s: Setup,
+    index: int,
+    dt: act.Dtypes,
+    *,
+    saved_tile: act.Counts,
+    tile: int,
+    copies: float,
+    refined: bool,
+) -> TiledWork:
+    """The backward of a recomputed layer whose token-wise parts run in tiles of `tile` local
+    tokens (`flashcp.plan.features`): the replay keeps, for all T local tokens, only the
+    attention core (`act.attention_core`; under refined recompute its output and LSE are
+    already kept) and the full-length input/gradient tensors (`act.tiled_io`, with the bf16
+    weight copies autocast saves); one tile at a time adds what its token-wise parts keep
+    (`act.tile_saved`) and their backward transient (dense MLP per token, or the MoE layer's
+    with a tile-sized expert buffer and all-to-all exchange). While the attention
+    back-propagates, one tile of the input norm and q/k/v projections is what re-runs
+    (`act.attention_part` of the tile)."""
+    args, T = s.args, s.tokens
+    core = act.attention_core(args, stored=refined)
+    full = core.bytes(dt) * T + act.tiled_io(args).bytes(dt) * T + copies
+    per_tile = act.tile_saved(saved_tile).bytes(dt) * tile
+    if args.is_moe_layer(index):
+        rows = act.expert_rows(args, tile, dt, s.ep)
+        mlp_t = act.moe_backward_bytes(
+            args, dt, rows, tile, experts_trained=s.lora_targets is None,
+            lora_experts=act.experts_adapted(args, index, s.lora_targets), ep=s.ep,
+        )  # fmt: skip
+        ep_t = max(0.0, act.ep_exchange_bytes(args, dt, tile, s.ep) - mlp_t)
+    else:
+        mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * tile
+        ep_t = 0.0
+    attention = full + act.attention_part(saved_tile).bytes(dt) * tile
+    return TiledWork(mlp=full + per_tile + mlp_t, attention=attention, ep=ep_t)
+
+
+def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, StageHost]:
+    """Every moment's items (bytes) for `stage`, its layers, and what its ranks put in host
+    memory; see the module docstring."""
     args = s.args
-    dt = act.Dtypes.of(s.compute, s.param_dtype, s.device)
+    dt = act.Dtypes.of(s.compute, s.param_dtype, s.device, s.features.residual_dtype)
     P = dt.param
     layers = split_layers(args.num_layers, s.pp, s.pp_layers)[stage]
     first, last = stage == 0, stage == s.pp - 1
@@ -319,6 +419,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     # LoRA adapters stay float32 whatever train.param_dtype (`flashcp.lora.model`)
     PT = 4 if s.lora_targets is not None else P
     master = PT != 4 or s.shard
+    # ZeRO-2 (`parallel.shard_gradients`, with `parallel.shard_optimizer`): no full-size
+    # gradient outlives its bucket; the shard of the float32 gradients persists
+    zero2 = s.features.shard_gradients and s.shard and n_trained > 0
     T, H, V = s.tokens, args.hidden_size, args.vocab_size
     buf = act.expert_rows(args, T, dt, s.ep) if args.num_experts else None
     exchange = act.ep_exchange_bytes(args, dt, T, s.ep)
@@ -329,8 +432,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         "buffers": _numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
         # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
         # release the bf16 `.grad` (`flashcp.optim.zero.attach_main_grad`).
-        "gradients": n_trained * PT if PT == 4 else 0,
-        "main_grads": n_trained * 4 if PT != 4 else 0,
+        "gradients": n_trained * PT if PT == 4 and not zero2 else 0,
+        "main_grads": n_trained * 4 if PT != 4 and not zero2 else 0,
+        "grad_shard": n_state * 4 if zero2 else 0,
         "master_weights": n_state * 4 if master else 0,
         "optimizer_states": 2 * 4 * n_state + 8 * len(trained),
         "dpo_reference": (n_trained + n_frozen) * P if s.dpo and s.lora_targets is None else 0,
@@ -339,18 +443,21 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     # -- activations of one micro-batch on this stage ------------------------------------
     mode = args.recompute
     lora = s.lora_targets
+    f = s.features
+    check_features(f, mode)
+    offload = f.offload_activations
     extras = act.stage_extras(args)
-    extras.add("stage input (embedding output / received activation)", "res", H)
-    kv = args.num_kv_heads * args.head_size
-    kv_gather = 0
-    if s.cp > 1:
-        # re-gathered K, V (compute dtype), dK/dV partial sums and their chunks (float32)
-        kv_gather = s.batch * s.seq * kv * (2 * dt.c + (act.CP_KV_UNITS - 2) * 4)
+    if not offload:  # offloaded as the first layer's input (`offloaded` below)
+        extras.add("stage input (embedding output / received activation)", "res", H)
     cp_mask = s.batch * s.seq * CP_MASK_COLUMNS * 4 if s.cp > 1 else 0
-    # GPU FlashAttention backward: a float32 dQ accumulator and the softmax row sums (D).
-    q = args.num_heads * args.head_size
-    fa_workspace = T * (q + args.num_heads) * 4 if s.device == "gpu" else 0
-    kept: list[float] = []  # bytes each layer keeps per micro-batch
+    attn = act.attention_backward_bytes(
+        args, dt, T, s.batch * s.seq, cp=s.cp > 1, query_chunk=f.query_chunk,
+        kv_chunk=f.kv_chunk,
+    )  # fmt: skip
+    tile = min(f.tile_tokens, T) if f.tile_tokens else 0
+    tile_buf = act.expert_rows(args, tile, dt, s.ep) if args.num_experts and tile else None
+    kept: list[float] = []  # bytes each layer keeps per micro-batch (on the device)
+    offloaded: list[float] = []  # bytes each layer moves to host per micro-batch (offload)
     # per layer, the two moments of its backward: (activations besides the layers below,
     # working set, K/V gather) while its MLP back-propagates, and while its attention does
     # (and the MoE layers' all-to-all buffers under ep, while the MLP runs)
@@ -362,8 +469,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         frozen_input = first and pos == 0 and lora is not None and mode == "none"
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
         attn_part = act.attention_part(saved).bytes(dt) * T
-        attn_t = act.attention_backward_transient(args, cp=s.cp > 1).bytes(dt) * T
-        attn_t += fa_workspace
+        attn_t = attn.transient
         if args.is_moe_layer(index):
             assert buf is not None
             mlp_t = act.moe_backward_bytes(
@@ -382,24 +488,44 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             kept.append(own)
             mlp_moment.append((own, mlp_t + upcast, 0.0, ep_t))
             attn_moment.append((attn_part - cut * T + cp_mask + copies, attn_t + upcast,
-                                float(kv_gather), 0.0))  # fmt: skip
+                                attn.kv_gather, 0.0))  # fmt: skip
+            continue
+        keep = act.layer_output(args)
+        if mode == "refined":
+            keep = keep + act.refined_extra(args)
+        if offload:
+            # the layer's input moves to host (the stage input, or the previous layer's
+            # output), with refined recompute its stored attention output and LSE; the last
+            # layer's output stays: the final norm (or the send to the next stage) holds it
+            moved = keep.bytes(dt) * T
+            offloaded.append(moved)
+            own = cp_mask + (H * dt.res * T if pos == len(layers) - 1 else 0.0)
         else:
-            keep = act.layer_output(args)
-            if mode == "refined":
-                keep = keep + act.refined_extra(args)
             own = keep.bytes(dt) * T + cp_mask
-            kept.append(own)
-            replay = act.recompute_replay_extra(args).bytes(dt) * T + copies
-            rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
-            mlp_moment.append((own, rerun + mlp_t + upcast, 0.0, ep_t))
-            attn_moment.append((own, attn_part + replay + attn_t + upcast, float(kv_gather), 0.0))
+        kept.append(own)
+        if tile:
+            work = tiled_working_sets(
+                s, index, dt, saved_tile=_tile_saved(s, index, dt, tile_buf), tile=tile,
+                copies=copies, refined=mode == "refined",
+            )  # fmt: skip
+            mlp_moment.append((own, work.mlp + upcast, 0.0, work.ep))
+            attn_moment.append((own, work.attention + attn_t + upcast, attn.kv_gather, 0.0))
+            continue
+        replay = act.recompute_replay_extra(args).bytes(dt) * T + copies
+        rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
+        mlp_moment.append((own, rerun + mlp_t + upcast, 0.0, ep_t))
+        attn_moment.append((own, attn_part + replay + attn_t + upcast, attn.kv_gather, 0.0))
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
     fixed_bytes = extras.bytes(dt) * T
     micro_acts = int(fixed_bytes + sum(kept)) + norm_bytes
-    # The worst moment of a micro-batch's layer backward (layers above i are freed already).
+    # The worst moment of a micro-batch's layer backward (layers above i are freed already;
+    # under offload the layer's input is back on the device, and the next one to run, the
+    # layer below's input, is being prefetched).
     best = (0.0, 0.0, 0.0, 0.0)  # (activations, working set, K/V gather, ep buffers)
     for i in range(len(kept)):
         below = fixed_bytes + sum(kept[:i])
+        if offloaded:
+            below += offloaded[i] + (offloaded[i - 1] if i > 0 else 0.0)
         for acts_i, work_i, gather_i, ep_i in (mlp_moment[i], attn_moment[i]):
             cand = (below + acts_i, work_i, gather_i, ep_i)
             if sum(cand) > sum(best):
@@ -444,6 +570,23 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
     emb_grad = V * H * grad_bytes if emb_trained else 0
     p2p = T * H * dt.res if s.pp > 1 and not last else 0
 
+    largest = max((x.numel for x in trained), default=0)
+    bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
+
+    def backward_buckets(where: str) -> int:
+        """ZeRO-2: while backward produces gradients, one float32 bucket fills while the
+        previous one is reduce-scattered — buckets of the parameters whose gradients form
+        then (`where`: the layers, the LM head, the embedding), each at least as large as
+        its largest parameter."""
+        if not zero2:
+            return 0
+        if where == "layers":
+            group = [x for x in trained if ".layers." in x.name]
+        else:
+            group = [x for x in trained if x.name.startswith(where)]
+        big = max((x.numel for x in group), default=0)
+        return 2 * min(n_trained * 4, max(s.bucket_bytes, big * 4))
+
     overhead = GPU_FIXED_BYTES if s.device == "gpu" else 0
     base = {**persistent, "inputs": inputs, "fixed_overhead": overhead}
     moments: dict[str, dict[str, int]] = {}
@@ -470,6 +613,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             # gradient being formed or (bf16 storage on CPU) the head weight upcast for dx
             logits_loss=held + rows * V * 4,
             weight_grad_transient=max(head_grad, head_upcast) + T * H * dt.c,
+            grad_buckets=backward_buckets("lm_head" if not args.tie_embeddings
+                                          else "model.embed_tokens"),
         )
         moment(
             "backward: layer",
@@ -478,6 +623,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             layer_working_set=best[1],
             attention_kv_gather=best[2],
             ep_buffers=best[3],
+            grad_buckets=backward_buckets("layers"),
         )
     else:
         moment(
@@ -487,6 +633,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             attention_kv_gather=best[2],
             ep_buffers=best[3],
             p2p_buffers=p2p,
+            grad_buckets=backward_buckets("layers"),
         )
     if emb_grad:
         moment(
@@ -494,21 +641,51 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
             activations=(flight - 1) * micro_acts,
             logits_loss=(flight - 1) * softmax_kept if last else 0,
             weight_grad_transient=emb_grad,
+            grad_buckets=backward_buckets("model.embed_tokens"),
+        )
+    def nograd(index: int) -> tuple[float, float]:
+        """(peak bytes, excess all-to-all bytes) of layer `index`'s forward without
+        gradients (recompute's first pass, the DPO reference pass): whole, or under tiling
+        the attention core and the hidden in/out for all tokens, one tile of the token-wise
+        parts, and with key chunks the float32 output and LSE the chunks merge into."""
+        if not tile:
+            peak = act.nograd_forward_transient(args, index, buf).bytes(dt) * T
+            return peak, max(0.0, exchange - peak) if args.is_moe_layer(index) else 0.0
+        hq = args.num_heads
+        per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
+        peak = (act.attention_core(args).bytes(dt) + 2 * H * dt.res) * T + per_tile
+        if f.kv_chunk and f.kv_chunk < s.batch * s.seq:
+            peak += T * (hq * args.head_size + hq) * 4
+        excess = act.ep_exchange_bytes(args, dt, tile, s.ep) - per_tile
+        return peak, max(0.0, excess) if args.is_moe_layer(index) else 0.0
+
+    if mode != "none" and kept:
+        # recompute's first pass: the layers below kept, this layer's no-grad forward (under
+        # offload its input is on the device until its copy to host completes)
+        forward = max(
+            (
+                (fixed_bytes + sum(kept[:i]) + (offloaded[i] if offloaded else 0.0), *nograd(index))
+                for i, index in enumerate(layers)
+            ),
+            key=sum,
+        )
+        moment(
+            "forward: layer",
+            activations=(flight - 1) * micro_acts + forward[0],
+            logits_loss=(flight - 1) * softmax_kept if last else 0,
+            layer_working_set=forward[1],
+            ep_buffers=forward[2],
+            p2p_buffers=0,
         )
     if s.dpo:
         # the reference pass runs with the adapters off (LoRA) or on the reference copy
-        nograd = max(
-            (act.nograd_forward_transient(args, i, buf).bytes(dt) for i in layers), default=0.0
-        )
-        moe_layers = any(args.is_moe_layer(i) for i in layers)
+        reference = max((nograd(i) for i in layers), key=lambda x: x[0], default=(0.0, 0.0))
         moment(
             "reference forward",
-            activations=int(nograd * T) + (norm_bytes if last else 0),
+            activations=int(reference[0]) + (norm_bytes if last else 0),
             logits_loss=loss_peak if last else 0,
-            ep_buffers=max(0.0, exchange - nograd * T) if moe_layers else 0,
+            ep_buffers=reference[1],
         )
-    largest = max((x.numel for x in trained), default=0)
-    bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
     if not master:
         # Paddle's AdamW on the parameters (`flashcp.optim.zero.ParamOptimizer`): the bucketed
         # all-reduce over cp/dp, the squared-norm temporaries (one parameter at a time), and
@@ -528,7 +705,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         # are released; then the shard's gradients (÷ N) are clipped into a scaled copy and
         # AdamW steps the masters; the updated shards are all-gathered per bucket.
         shard_grads = n_state * 4
-        moment("optimizer step: reduce", zero_buffers=2 * bucket)
+        if not zero2:  # ZeRO-2 reduced every bucket during backward already
+            moment("optimizer step: reduce", zero_buffers=2 * bucket)
         # The clip replaces the shard's gradients (views of the bucket buffers) one segment at
         # a time, so at most one bucket's old buffer outlives them; the write-back gathers
         # one bucket at a time.
@@ -543,33 +721,89 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range]:
         for items in moments.values():
             tensors = sum(v for k, v in items.items() if k != "fixed_overhead")
             items["fixed_overhead"] += int(GPU_FRAGMENTATION * tensors)
-    return moments, layers
+    # what the stage's ranks put in host memory (`flashcp.plan.host`)
+    whole = stage_parameters(
+        args, stage, s.pp, s.pp_layers, lora_targets=s.lora_targets, lora_rank=s.lora_rank,
+    )  # fmt: skip  (the writer gathers the experts of its ep group whole)
+    if s.lora_targets is not None:  # the adapters alone
+        model_part = _numel(whole, True) * PT
+    else:  # every parameter and persistent buffer
+        model_part = _numel(whole, True) * PT + _numel(whole, False) * P + persistent["buffers"]
+    # float32 masters and both moments: one shard per rank (ZeRO-1), or the stage writer's
+    # whole copy; Paddle's AdamW (no masters): its moments, by the stage writer
+    shard_part = n_state * (4 + 8)
+    host = StageHost(
+        offloaded=float(sum(offloaded)),
+        largest_offload=max(offloaded, default=0.0),
+        flight=flight,
+        model_part=model_part,
+        optimizer_part=shard_part if master and s.shard else 0,
+        writer_optimizer_part=shard_part if master else 8 * n_trained,
+    )
+    return moments, layers, host
 
 
-def plan(cfg: Config, *, device: str | None = None, budget_gib: float | None = None) -> Plan:
-    """The memory plan of every rank of `cfg` (see the module docstring).
+def ranks_per_node(cfg: Config, nnodes: int | None = None) -> int:
+    """Ranks on one node: the launch's dp·pp·cp / `nnodes` when given, else
+    `hardware.gpus_per_node` (a job smaller than a node fills one node)."""
+    world = cfg.parallel.world_size
+    if nnodes is not None and nnodes > 0:
+        return max(1, world // nnodes)
+    return max(1, min(world, int(cfg.hardware.gpus_per_node)))
+
+
+def plan(
+    cfg: Config,
+    *,
+    device: str | None = None,
+    budget_gib: float | None = None,
+    host_budget_gib: float | None = None,
+    features: Features | None = None,
+    nnodes: int | None = None,
+) -> Plan:
+    """The memory plan of every rank of `cfg` (see the module docstring), device and host.
 
     `device` (cpu/gpu) defaults to `run.device` (auto: cpu); `budget_gib` to
-    `hardware.memory_gib` (None: no budget, `fits` is True).
+    `hardware.memory_gib` and `host_budget_gib` (per node) to `hardware.host_memory_gib`
+    (None: no budget, that side fits); `features` to what `cfg` asks for
+    (`flashcp.plan.features.features_of`); `nnodes`: the launch's node count (ranks per node
+    = world / nnodes; default `hardware.gpus_per_node`).
     """
-    s = setup(cfg, device)
+    s = setup(cfg, device, features)
     gib = budget_gib if budget_gib is not None else cfg.hardware.memory_gib
     budget = None if gib is None else int(gib * GIB)
+    host_gib = host_budget_gib if host_budget_gib is not None else cfg.hardware.host_memory_gib
     per_stage = {}
     for stage in range(s.pp):
-        moments, layers = stage_plan(s, stage)
+        moments, layers, host = stage_plan(s, stage)
         totals = {name: sum(items.values()) for name, items in moments.items()}
         name = max(totals, key=lambda k: totals[k])
-        per_stage[stage] = (name, moments, layers)
+        per_stage[stage] = (name, moments, layers, host)
     ranks = []
+    host_ranks = []
+    checkpoints = cfg.checkpoint.every > 0
     for rank in range(s.dp * s.pp * s.cp):
         stage = (rank // s.cp) % s.pp
-        name, moments, layers = per_stage[stage]
+        name, moments, layers, host = per_stage[stage]
         ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers))
+        writer = rank == stage * s.cp  # dp 0, cp 0 of the stage
+        host_ranks.append(HostRank(rank, stage, rank_moments(
+            host, writer=writer, gpu=s.device == "gpu",
+            staging_buffers=s.features.staging_buffers, checkpoints=checkpoints,
+        )))  # fmt: skip
     notes = []
     if s.device == "gpu" and s.compute == "bfloat16":
         notes.append(
             "bf16 activation sizes follow Paddle's O1 rules (matmuls bf16, norms float32); "
             "checked against the allocator on CPU in float32 only"
         )
-    return Plan(ranks, budget, s.device, s.compute, s.param_dtype, notes)
+    if s.features.any:
+        on = ", ".join(f"{k}={v}" for k, v in s.features.overrides().items())
+        notes.append(f"long-context mechanisms assumed: {on} (`flashcp.plan.features`)")
+    host_plan = HostPlan(
+        host_ranks,
+        ranks_per_node(cfg, nnodes),
+        None if host_gib is None else int(host_gib * GIB),
+    )
+    return Plan(ranks, budget, s.device, s.compute, s.param_dtype, notes, host_plan,
+                s.features)  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 
 from flashcp.attention import registry as cp_modes
 from flashcp.config import Config, collect, to_dict
+from flashcp.plan.host import HOST_ITEM_DOCS
 from flashcp.plan.model import GIB, ITEM_DOCS, Plan, plan
 
 GPUS_PER_NODE = 8
@@ -67,6 +68,15 @@ def variant(cfg: Config, overrides: Sequence[str]) -> Config | None:
 
 def _peak(cfg: Config, device: str | None, budget_gib: float) -> int:
     return plan(cfg, device=device, budget_gib=budget_gib).peak.total_bytes
+
+
+HOST_FIXES = (
+    "lower data.seq_len (`flashcp plan CONFIG --longest` finds the longest that fits), keep "
+    "the residual stream in the compute dtype (half the bytes an offload moves), spread the "
+    "job over more nodes (fewer ranks per node), or raise hardware.host_memory_gib if the "
+    "nodes have more"
+)
+"""What lowers a node's host plan, for the refusal."""
 
 
 def _cheap_knobs(cfg: Config) -> list[str]:
@@ -151,7 +161,7 @@ def fit_options(
 
 def over_budget(p: Plan) -> str | None:
     """The message for a plan over its budget (None when it fits or has no budget)."""
-    if p.fits or p.budget_bytes is None:
+    if p.device_fits or p.budget_bytes is None:
         return None
     worst = p.peak
     name, size = worst.largest_item()
@@ -164,8 +174,34 @@ def over_budget(p: Plan) -> str | None:
     )
 
 
+def host_over_budget(p: Plan) -> str | None:
+    """The message for a host plan over its per-node budget (None when it fits or has none)."""
+    host = p.host
+    if host is None or host.budget_bytes is None or host.fits:
+        return None
+    worst = host.peak
+    name, size = worst.largest_item()
+    over = [x.node for x in host.nodes() if x.total_bytes > host.budget_bytes]
+    nodes = f"node {worst.node}" if len(over) == 1 else f"{len(over)} nodes, e.g. {worst.node}"
+    span = f"{worst.ranks[0]}-{worst.ranks[-1]}" if len(worst.ranks) > 1 else f"{worst.ranks[0]}"
+    return (
+        f"the host memory plan exceeds {_gib(host.budget_bytes)} per node: {nodes} (ranks "
+        f"{span}, {host.ranks_per_node} per node) peaks at {_gib(worst.total_bytes)} "
+        f"({worst.moment}); largest item {name} {_gib(size)} ({HOST_ITEM_DOCS[name]})"
+    )
+
+
+def host_refusal(p: Plan) -> str | None:
+    """`host_over_budget` plus what to change."""
+    message = host_over_budget(p)
+    if message is None:
+        return None
+    return f"{message}. To fit: {HOST_FIXES} (`flashcp plan` shows every item)"
+
+
 def refusal(cfg: Config, p: Plan, device: str | None = None) -> str | None:
-    """`over_budget` plus what to change (`fit_options`), for `flashcp validate`."""
+    """`over_budget` plus what to change (`fit_options`), for `flashcp validate` (the device
+    budget; the host budget's is `host_refusal`)."""
     message = over_budget(p)
     if message is None:
         return None
@@ -217,10 +253,116 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
         others = ", ".join(f"{m} {_size(t).strip()}" for m, t in r.totals.items() if m != r.moment)
         if others:
             lines.append(f"  (other moments: {others})")
+    lines += format_host(p)
     for note in p.notes:
         lines.append(f"note: {note}")
-    if p.budget_bytes is not None:
-        message = over_budget(p)
+    if p.budget_bytes is not None or (p.host is not None and p.host.budget_bytes is not None):
+        problems = [m for m in (over_budget(p), host_over_budget(p)) if m is not None]
         lines.append("")
-        lines.append("fits: yes" if message is None else f"fits: NO — {message}")
+        lines.append("fits: yes" if not problems else f"fits: NO — {'; '.join(problems)}")
+    return "\n".join(lines)
+
+
+def format_host(p: Plan) -> list[str]:
+    """The host plan's lines: per node its items at its peak (nothing when every item is 0
+    and there is no host budget)."""
+    host = p.host
+    if host is None:
+        return []
+    nodes = host.nodes()
+    if host.budget_bytes is None and not any(x.total_bytes for x in nodes):
+        return []
+    budget = (f"{_gib(host.budget_bytes)} per node" if host.budget_bytes is not None
+              else "none (hardware.host_memory_gib is null)")  # fmt: skip
+    lines = ["", f"host memory ({host.ranks_per_node} ranks per node), budget: {budget}"]
+    seen: set[tuple[int, ...]] = set()
+    for x in nodes:
+        key = tuple(sorted(x.items.items()))  # type: ignore[arg-type]
+        if key in seen:
+            continue  # nodes of the same ranks' plans are alike: show each kind once
+        seen.add(key)  # type: ignore[arg-type]
+        span = f"{x.ranks[0]}-{x.ranks[-1]}" if len(x.ranks) > 1 else f"{x.ranks[0]}"
+        verdict = ""
+        if host.budget_bytes is not None:
+            verdict = "  fits" if x.total_bytes <= host.budget_bytes else "  DOES NOT FIT"
+        lines.append(f"node {x.node} (ranks {span}): peak {_size(x.total_bytes).strip()} at "
+                     f"'{x.moment}'{verdict}")  # fmt: skip
+        for name, size in sorted(x.items.items(), key=lambda kv: -kv[1]):
+            if size:
+                lines.append(f"  {name:<26} {_size(size)}  {HOST_ITEM_DOCS[name]}")
+    return lines
+
+
+def format_step_time(est: Any) -> str:
+    """The step-time estimate (`flashcp.plan.steptime.StepTime`) as a few lines."""
+    lines = ["", f"step time: {est.flops / 1e15:,.1f} PFLOP of model FLOPs per step (causal "
+                 f"attention), {est.flops_per_device / 1e15:,.2f} PFLOP per device"]  # fmt: skip
+    if est.seconds_at_peak is None:
+        lines.append("  no time estimate: set hardware.peak_tflops (TFLOP/s per device)")
+        return "\n".join(lines)
+    lines.append(
+        f"  at {est.peak_tflops:g} TFLOP/s per device: >= {_duration(est.seconds_at_peak)} "
+        f"at 100 %, ~{_duration(est.seconds)} at {est.mfu:.0%} MFU (stated, not measured)"
+    )
+    copies = [x for x in est.layers if x.copy_bytes]
+    if copies:
+        x = copies[0]
+        if x.copy_s is None:
+            lines.append(f"  offload: {x.copy_bytes / 2**20:,.0f} MiB per layer each way; set "
+                         "hardware.host_link_gb_per_s to compare it with the compute")  # fmt: skip
+        else:
+            verdict = ("hidden under the compute" if est.stall_s == 0
+                       else f"STALLS the step by ~{_duration(est.stall_s)}")  # fmt: skip
+            lines.append(
+                f"  offload: {x.copy_bytes / 2**20:,.0f} MiB per layer each way at "
+                f"{est.link_gb_per_s:g} GB/s = {x.copy_s * 1e3:,.1f} ms, vs the layer's forward "
+                f"{x.forward_s * 1e3:,.1f} ms / backward {x.backward_s * 1e3:,.1f} ms at "
+                f"{est.mfu:.0%} MFU: {verdict}"
+            )
+    return "\n".join(lines)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def format_longest(result: Any, cfg: Config, *, source: str = "") -> str:
+    """`flashcp plan --longest`'s text (`flashcp.plan.longest.Longest`)."""
+    lines = [f"flashcp plan {source} --longest:"]
+    if result.plan is None:
+        lines.append(f"  not even data.seq_len={result.granularity} (one granule) fits")
+    else:
+        p = result.plan
+        peak = p.peak
+        lines.append(
+            f"  longest data.seq_len: {result.seq_len:,} tokens (a multiple of "
+            f"{result.granularity}), device peak {_gib(peak.total_bytes)} (rank {peak.rank}, "
+            f"'{peak.moment}') of {_gib(p.budget_bytes or 0)}"
+        )
+        if p.host is not None and (p.host.budget_bytes is not None or p.host.peak.total_bytes):
+            node = p.host.peak
+            of = f" of {_gib(p.host.budget_bytes)}" if p.host.budget_bytes is not None else ""
+            lines.append(f"  host peak {_gib(node.total_bytes)} per node ('{node.moment}'){of}")
+    limit = result.to_json()["limit"]
+    if limit is not None:
+        budget = "device" if limit["budget"] == "device" else "host (per node)"
+        lines.append(
+            f"  {limit['seq_len']:,} does not fit the {budget} budget: "
+            f"{_gib(limit['peak_bytes'])} at '{limit['moment']}', largest item "
+            f"{limit['largest_item']} {_gib(limit['item_bytes'])}"
+        )
+    elif result.limit == "max_seq_len":
+        lines.append("  capped by model.max_seq_len (learned positions)")
+    lines.append("  assumed (as the config has them; every other key too):")
+    for key, value in result.assumed.items():
+        if key == "capped_by_max_seq_len":
+            continue
+        lines.append(f"    {key}: {value}")
+    lines.append(f"  ({result.plans} plans)")
     return "\n".join(lines)
