@@ -8,8 +8,8 @@ tensor has:
   attention LSE, the MoE router (it computes in float32, `flashcp.models.moe`);
 * ``res``: the residual stream and norm outputs — float32 by default: O1 autocast keeps them
   float32, and with bf16 storage the embedding outputs float32 and norms return their input's
-  dtype (`flashcp.models.layers`), so pipeline stages exchange float32 too; a residual stream
-  in the compute dtype (`flashcp.plan.features`) makes the whole class that dtype;
+  dtype (`flashcp.models.layers`), so pipeline stages exchange float32 too; a bfloat16
+  residual stream (`flashcp.plan.features`) makes the whole class bfloat16;
 * ``c``: the compute dtype (train.dtype resolved: bf16 on GPU, float32 on CPU) — matmul
   outputs: q/k/v projections, rotated q/k, the attention output, MLP intermediates;
 * ``e``: what the routed experts' grouped matmuls save as their inputs
@@ -86,12 +86,12 @@ class Dtypes:
     def of(
         cls, compute: str, param_dtype: str, device: str = "cpu", residual: str = "float32"
     ) -> Dtypes:
-        """`residual`: the residual stream's dtype — "float32" (today), "bfloat16", or
-        "compute" (the compute dtype: bf16 on GPU, float32 on CPU; `flashcp.plan.features`)."""
+        """`residual`: the residual stream's dtype, "float32" (today) or "bfloat16"
+        (`flashcp.plan.features`)."""
         c = 2 if compute == "bfloat16" else 4
         p = 2 if param_dtype == "bfloat16" else 4
         gpu = device == "gpu"
-        sizes = {"float32": 4, "bfloat16": 2, "compute": c}
+        sizes = {"float32": 4, "bfloat16": 2}
         if residual not in sizes:
             raise ValueError(f"residual dtype {residual!r}: use one of {sorted(sizes)}")
         res = sizes[residual]
@@ -609,14 +609,15 @@ def attention_backward_bytes(
     CP `CP_KV_UNITS` full-sequence `[S, kv]` tensors: the re-gathered K and V (compute dtype),
     dK/dV partial sums and their reduce-scatter chunks (float32).
 
-    Chunked (`query_chunk` rows, `kv_chunk` global keys at a time): K and V are gathered, and
-    dK/dV summed and reduce-scattered, one key chunk at a time (`CP_KV_UNITS` tensors of
-    `kv_chunk` keys); for every key chunk the kernel runs over the local queries one query
-    chunk at a time with the GLOBAL output and LSE, so the output gradient and dQ stay
-    full-length — dQ in float32 when it sums over more than one key chunk — while the
-    kernel's own scratch (the ``3·q`` of the unchunked measure beyond dO and dQ, and on GPU the
-    float32 dQ accumulator and D) is per query chunk. Without CP, dK/dV stay local (``4·kv``
-    per token, unchunked)."""
+    Chunked (`flashcp.attention.allgather_kv_chunked`: `query_chunk` rows, `kv_chunk` global
+    keys at a time): K and V are gathered, and dK/dV summed in float32 and reduce-scattered,
+    one key chunk at a time (the chunk's K, V and one kernel call's dK, dV in the compute
+    dtype, its float32 partial sums and reduce-scatter parts); for every key chunk the kernel
+    runs over the local queries one query chunk at a time with the GLOBAL output and LSE, so
+    the output gradient and dQ stay full-length — dQ in float32 while it sums over more than
+    one key chunk, then cast — while the kernel's own scratch (the ``3·q`` of the unchunked
+    measure beyond dO and dQ, and on GPU the float32 dQ accumulator and D) is per query chunk.
+    Without CP, dK/dV stay local (``4·kv`` per token, unchunked)."""
     hd = args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     c = dt.c
@@ -627,9 +628,36 @@ def attention_backward_bytes(
         return AttentionCost(transient + tokens * gpu_rows, float(gather))
     rows = min(query_chunk or tokens, tokens)
     span = min(kv_chunk or keys, keys)
-    dq = 4 if span < keys else c
-    transient = tokens * q * (c + dq) + rows * (3 * q * c + gpu_rows)
+    summed = span < keys  # dQ sums over several key chunks: a float32 accumulator, then cast
+    full = tokens * q * (c + (4 + c if summed else c))  # dO, dQ (accumulator and its cast)
+    transient = max(full, tokens * q * (c + (4 if summed else c)) + rows * (3 * q * c + gpu_rows))
     if not cp:
         transient += tokens * 4 * kv * c
         return AttentionCost(float(transient), 0.0)
-    return AttentionCost(float(transient), float(span * kv * (2 * c + (CP_KV_UNITS - 2) * 4)))
+    chunk = span * kv * (2 * c + 2 * c + (CP_KV_UNITS - 2) * 4)
+    return AttentionCost(float(transient), float(chunk))
+
+
+def attention_forward_bytes(
+    args: ModelArgs,
+    dt: Dtypes,
+    tokens: int,
+    keys: int,
+    *,
+    cp: bool,
+    query_chunk: int = 0,
+    kv_chunk: int = 0,
+) -> float:
+    """What one attention forward holds beyond its inputs (q, k, v) and output: under CP the
+    gathered K and V (and the all-gather's per-rank parts) of the whole sequence, or chunked
+    of one key chunk, plus one query chunk's float32 merge accumulators (output and LSE) and
+    one kernel call's output (`flashcp.attention.allgather_kv_chunked`)."""
+    hd = args.head_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    c = dt.c
+    if not (query_chunk or kv_chunk):
+        return float(2 * keys * kv * 2 * c) if cp else 0.0
+    rows = min(query_chunk or tokens, tokens)
+    span = min(kv_chunk or keys, keys)
+    gather = 2 * span * kv * 2 * c if cp else 0
+    return float(gather + rows * ((q + args.num_heads) * 4 + q * c))

@@ -6,8 +6,8 @@ Issue 20 adds five mechanisms that change what a rank holds, each behind its own
 * activation offload — what a recomputed layer keeps for backward (its input; under
   `refined` also its attention output and LSE; the pipeline's stage inputs) moves to host
   memory after the layer's forward and comes back, one layer ahead, before its backward;
-* the residual dtype — the residual stream (layer inputs and outputs, norm outputs, pipeline
-  transfers) in float32 (today) or in the compute dtype;
+* the residual dtype — the residual stream (layer inputs and outputs, pipeline transfers) in
+  float32 (today) or bfloat16;
 * sequence tiling — a layer's token-wise parts run over tiles of `tile_tokens` local tokens
   under recompute, so its backward working set scales with the tile, not with S/cp;
 * chunked attention — the attention runs over `query_chunk` local query rows at a time and
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-ResidualDtype = Literal["float32", "bfloat16", "compute"]
+ResidualDtype = Literal["float32", "bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Features:
     """Kept layer inputs (and stage inputs, refined attention outputs) live in host memory
     between a layer's forward and its backward."""
     residual_dtype: ResidualDtype = "float32"
-    """The residual stream's dtype: float32, bfloat16, or the compute dtype (bf16 on GPU)."""
+    """The residual stream's dtype: float32 (today) or bfloat16 (Megatron's default)."""
     tile_tokens: int = 0
     """Local tokens per tile of a layer's token-wise parts under recompute (0: untiled)."""
     query_chunk: int = 0
@@ -44,24 +44,11 @@ class Features:
     """Global keys gathered (and dK/dV reduce-scattered) at once (0: the whole sequence)."""
     shard_gradients: bool = False
     """ZeRO-2: float32 gradients kept only as this rank's dp×cp shard."""
-    staging_buffers: int = 2
-    """Pinned host staging buffers of one layer's offloaded bytes each, for the copies in
-    flight (GPU; on CPU the copy goes straight to its numpy buffer)."""
 
     @property
     def any(self) -> bool:
         """Whether any mechanism is on."""
-        return self != Features(staging_buffers=self.staging_buffers)
-
-    def granularity(self, cp: int = 1) -> int:
-        """What `data.seq_len` must be a multiple of for these settings over `cp` ranks (1:
-        anything): the tiles and query chunks cut each rank's local tokens, the key chunks the
-        global sequence, and the plan assumes they divide them."""
-        out = 1
-        for n in (cp * self.tile_tokens, cp * self.query_chunk, self.kv_chunk):
-            if n > 0:
-                out = out * n // _gcd(out, n)
-        return out
+        return self != Features()
 
     def overrides(self) -> dict[str, Any]:
         """The non-default fields, by name (for reports)."""
@@ -72,15 +59,9 @@ class Features:
         return replace(self, **changes)
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
 AFTER = Features(
     offload_activations=True,
-    residual_dtype="compute",
+    residual_dtype="bfloat16",
     tile_tokens=4096,
     query_chunk=16384,
     kv_chunk=65536,

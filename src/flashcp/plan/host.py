@@ -4,11 +4,12 @@ Device memory is planned per rank (`flashcp.plan.model`); host memory is shared 
 a node, so its budget (`hardware.host_memory_gib`) is per node. A rank's host memory peaks at
 one of two moments:
 
-* ``training step``: the activations an offload moved out (`flashcp.plan.features`: every
-  in-flight micro-batch's layer inputs, in the residual dtype, and under refined recompute
-  the stored attention outputs and LSEs) — all of them at once when the last forward of the
-  step has run and its backward has not fetched anything back yet — plus, on a GPU, the
-  pinned staging buffers the copies go through;
+* ``training step``: the activations an offload moved out (`flashcp.plan.features`,
+  `flashcp.models.offload`: every in-flight micro-batch's layer inputs, in the residual dtype,
+  and under refined recompute the stored attention outputs and LSEs) — all of them at once
+  when the last forward of the step has run and its backward has not fetched anything back
+  yet. On a GPU each copy is its own pinned buffer (`Tensor.pin_memory`), freed when it is
+  back on the device: the offloaded bytes are the pinned bytes, no staging besides;
 * ``checkpoint save`` (when `checkpoint.every` > 0): the numpy copies a checkpoint is written
   from (`flashcp.checkpoint.checkpointer`: one part at a time, the stage's model part by its
   writer, then this rank's optimizer part; safetensors writes from them without another copy).
@@ -32,7 +33,6 @@ GIB = 2**30
 
 HOST_ITEMS: tuple[str, ...] = (
     "offloaded_activations",
-    "pinned_staging",
     "checkpoint_arrays",
     "host_process",
 )
@@ -40,9 +40,8 @@ HOST_ITEMS: tuple[str, ...] = (
 
 HOST_ITEM_DOCS: dict[str, str] = {
     "offloaded_activations": "activation offload: the layer inputs (stage inputs, refined "
-    "attention outputs and LSEs) of the in-flight micro-batches, in the residual dtype",
-    "pinned_staging": "activation offload on GPU: pinned host buffers the device↔host copies "
-    "in flight go through",
+    "attention outputs and LSEs) of the in-flight micro-batches, in the residual dtype (on GPU "
+    "pinned memory)",
     "checkpoint_arrays": "numpy copies of this rank's model part or optimizer shard while a "
     "checkpoint is written (checkpoint.every > 0)",
     "host_process": "the rank's process besides those: Python, Paddle's and CUDA's libraries "
@@ -61,8 +60,6 @@ class StageHost:
 
     offloaded: float
     """Bytes one micro-batch moves to host (0 without offload)."""
-    largest_offload: float
-    """The largest single layer's offloaded bytes (what one staging buffer holds)."""
     flight: int
     """Micro-batches in flight on the stage (their stashes coexist)."""
     model_part: int
@@ -170,13 +167,11 @@ def rank_moments(
     *,
     writer: bool,
     gpu: bool,
-    staging_buffers: int,
     checkpoints: bool,
 ) -> dict[str, dict[str, int]]:
     """One rank's host moments (see the module docstring). `writer`: the rank writes its
     stage's model part; `checkpoints`: the run saves checkpoints."""
     process = HOST_PROCESS_BYTES if gpu else 0
-    staging = staging_buffers * stage.largest_offload if gpu and stage.offloaded else 0
 
     def items(**values: float) -> dict[str, int]:
         out = dict.fromkeys(HOST_ITEMS, 0)
@@ -186,7 +181,6 @@ def rank_moments(
     moments = {
         "training step": items(
             offloaded_activations=stage.flight * stage.offloaded,
-            pinned_staging=staging,
             host_process=process,
         )
     }

@@ -5,8 +5,8 @@ gradient accumulation, recompute, dtypes, the long-context mechanisms `features_
 the search plans candidate lengths and keeps the longest that fits BOTH budgets, the device
 one (`hardware.memory_gib` or `--device-memory`) on every rank and the host one
 (`hardware.host_memory_gib`) on every node. Candidates are multiples of the granularity: the
-layout's (`parallel.cp` × the CP mode's chunks per rank, `flashcp.attention.registry`) times
-what the mechanisms cut the local tokens into (tiles, query chunks: `Features.granularity`).
+layout's, `parallel.cp` × the CP mode's chunks per rank (`flashcp.attention.registry`); the
+tiles and attention chunks of the mechanisms need not divide anything (the last is shorter).
 
 A rank's planned bytes grow with the sequence, so fitting is monotone in it: the search
 doubles from one granule until a candidate does not fit, then bisects over the multiples in
@@ -84,21 +84,11 @@ class Longest:
         }  # fmt: skip
 
 
-def granularity(cfg: Config, features: Features | None = None) -> int:
-    """What `data.seq_len` must be a multiple of: cp × chunks per rank of the CP mode, times
-    the local-token granularity of the mechanisms (tiles, query chunks), as a least common
-    multiple with the layout's."""
+def granularity(cfg: Config) -> int:
+    """What `data.seq_len` must be a multiple of: cp × chunks per rank of the CP mode. (Tiles
+    and attention chunks need not divide anything: the last one is shorter.)"""
     p = cfg.parallel
-    f = features_of(cfg) if features is None else features
-    layout = p.cp * cp_modes.get(p.cp_mode).chunks_per_rank
-    mechanisms = f.granularity(p.cp)
-    return layout * mechanisms // _gcd(layout, mechanisms)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+    return p.cp * cp_modes.get(p.cp_mode).chunks_per_rank
 
 
 def with_seq_len(cfg: Config, seq_len: int) -> Config:
@@ -129,7 +119,7 @@ def longest(
             "--device-memory GiB)"
         )
     f = features_of(cfg) if features is None else features
-    step = granularity(cfg, f)
+    step = granularity(cfg)
     cap = SEARCH_LIMIT
     capped = cfg.model.uses_learned_positions
     if capped:

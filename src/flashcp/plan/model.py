@@ -118,8 +118,14 @@ GPU_FIXED_BYTES = 2 * GIB
 """CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers (not tensors)."""
 GPU_FRAGMENTATION = 0.05
 """Allocator slack on GPU, as a fraction of the tensor bytes at the peak."""
+OFFLOAD_IN_FLIGHT = 2
+"""GPU activation offload: copies to the host a forward lets run before it waits for the
+oldest (`flashcp.models.offload.MAX_LEAVING`): that many earlier layer inputs may still be on
+the device while a layer runs forward."""
 CP_MASK_COLUMNS = 4
-"""Columns of a rebased (non-causal) local FlashMask mask kept per layer under CP."""
+"""Columns of the rebased (non-causal) local FlashMask mask `[B, 1, S, 4]` int32 that the
+attention plan of a micro-batch keeps under CP (`flashcp.attention.context`: one plan per
+micro-batch, shared by its layers and their recompute)."""
 
 
 @dataclass
@@ -454,6 +460,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         args, dt, T, s.batch * s.seq, cp=s.cp > 1, query_chunk=f.query_chunk,
         kv_chunk=f.kv_chunk,
     )  # fmt: skip
+    attn_forward = act.attention_forward_bytes(
+        args, dt, T, s.batch * s.seq, cp=s.cp > 1, query_chunk=f.query_chunk,
+        kv_chunk=f.kv_chunk,
+    )  # fmt: skip
     tile = min(f.tile_tokens, T) if f.tile_tokens else 0
     tile_buf = act.expert_rows(args, tile, dt, s.ep) if args.num_experts and tile else None
     kept: list[float] = []  # bytes each layer keeps per micro-batch (on the device)
@@ -484,10 +494,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
         if mode == "none":
-            own = saved.bytes(dt) * T - cut * T + cp_mask + copies
+            own = saved.bytes(dt) * T - cut * T + copies
             kept.append(own)
             mlp_moment.append((own, mlp_t + upcast, 0.0, ep_t))
-            attn_moment.append((attn_part - cut * T + cp_mask + copies, attn_t + upcast,
+            attn_moment.append((attn_part - cut * T + copies, attn_t + upcast,
                                 attn.kv_gather, 0.0))  # fmt: skip
             continue
         keep = act.layer_output(args)
@@ -499,9 +509,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             # layer's output stays: the final norm (or the send to the next stage) holds it
             moved = keep.bytes(dt) * T
             offloaded.append(moved)
-            own = cp_mask + (H * dt.res * T if pos == len(layers) - 1 else 0.0)
+            own = H * dt.res * T if pos == len(layers) - 1 else 0.0
         else:
-            own = keep.bytes(dt) * T + cp_mask
+            own = keep.bytes(dt) * T
         kept.append(own)
         if tile:
             work = tiled_working_sets(
@@ -516,7 +526,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         mlp_moment.append((own, rerun + mlp_t + upcast, 0.0, ep_t))
         attn_moment.append((own, attn_part + replay + attn_t + upcast, attn.kv_gather, 0.0))
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
-    fixed_bytes = extras.bytes(dt) * T
+    # per micro-batch: the rotary tables (and stage input) per token; under CP the attention
+    # plan's rebased local mask, which every layer of the micro-batch shares
+    fixed_bytes = extras.bytes(dt) * T + cp_mask
     micro_acts = int(fixed_bytes + sum(kept)) + norm_bytes
     # The worst moment of a micro-batch's layer backward (layers above i are freed already;
     # under offload the layer's input is back on the device, and the next one to run, the
@@ -551,8 +563,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     )
     emb_trained = first and any(x.trained and x.name == "model.embed_tokens.weight" for x in specs)
     # A weight gradient being formed: in its storage dtype, plus (bf16 storage) the float32
-    # cast the main_grad hook adds into main_grad.
-    grad_bytes = PT + (4 if PT != 4 else 0)
+    # cast the main_grad hook adds into main_grad (not under ZeRO-2).
+    grad_bytes = PT + (4 if PT != 4 and not zero2 else 0)  # ZeRO-2 casts piece by piece
     head_grad = H * V * grad_bytes if head_trained else 0
     # The head matmul's compute-dtype copy of its weight: kept per in-flight micro-batch when
     # unchunked (saved for backward), transient per chunk when chunked.
@@ -574,18 +586,28 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
 
     def backward_buckets(where: str) -> int:
-        """ZeRO-2: while backward produces gradients, one float32 bucket fills while the
-        previous one is reduce-scattered — buckets of the parameters whose gradients form
-        then (`where`: the layers, the LM head, the embedding), each at least as large as
-        its largest parameter."""
+        """ZeRO-2 (`flashcp.optim.grad_shard`) while backward produces the gradients of
+        `where` (the layers, the LM head, the embedding): the float32 buffer of the bucket
+        being filled (at most `parallel.grad_bucket_mb`), the float32 piece being
+        reduce-scattered (the buffer, or at most a bucket's worth cast from a larger
+        parameter's gradient, which never exists whole in float32) with the reduce-scatter's
+        temporary (gloo: one piece more; NCCL: its 1/(dp·cp) output), and for the layers the
+        parameter's gradient being consumed, in its storage dtype (the head's and the
+        embedding's are `weight_grad_transient`)."""
         if not zero2:
             return 0
         if where == "layers":
             group = [x for x in trained if ".layers." in x.name]
         else:
             group = [x for x in trained if x.name.startswith(where)]
-        big = max((x.numel for x in group), default=0)
-        return 2 * min(n_trained * 4, max(s.bucket_bytes, big * 4))
+        if not group:
+            return 0
+        big = max(x.numel for x in group)
+        piece = min(s.bucket_bytes, big * 4)
+        temp = piece // s.shard_degree if s.device == "gpu" else piece
+        filling = min(s.bucket_bytes, sum(x.numel for x in group) * 4)
+        consumed = big * PT if where == "layers" else 0
+        return filling + piece + temp + consumed
 
     overhead = GPU_FIXED_BYTES if s.device == "gpu" else 0
     base = {**persistent, "inputs": inputs, "fixed_overhead": overhead}
@@ -650,21 +672,29 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         parts, and with key chunks the float32 output and LSE the chunks merge into."""
         if not tile:
             peak = act.nograd_forward_transient(args, index, buf).bytes(dt) * T
+            if f.query_chunk or f.kv_chunk:  # attention's own buffers, chunk-sized
+                peak += attn_forward
             return peak, max(0.0, exchange - peak) if args.is_moe_layer(index) else 0.0
-        hq = args.num_heads
         per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
-        peak = (act.attention_core(args).bytes(dt) + 2 * H * dt.res) * T + per_tile
-        if f.kv_chunk and f.kv_chunk < s.batch * s.seq:
-            peak += T * (hq * args.head_size + hq) * 4
+        core = (act.attention_core(args).bytes(dt) + 2 * H * dt.res) * T
+        peak = core + max(per_tile, attn_forward)
         excess = act.ep_exchange_bytes(args, dt, tile, s.ep) - per_tile
         return peak, max(0.0, excess) if args.is_moe_layer(index) else 0.0
 
+    def leaving(i: int) -> float:
+        """Under offload, layer i's input on the device during its forward, and on GPU up to
+        `OFFLOAD_IN_FLIGHT` earlier layers' inputs whose copies out are still running (CPU
+        copies are synchronous)."""
+        if not offloaded:
+            return 0.0
+        earlier = offloaded[max(0, i - OFFLOAD_IN_FLIGHT) : i] if s.device == "gpu" else []
+        return offloaded[i] + sum(earlier)
+
     if mode != "none" and kept:
-        # recompute's first pass: the layers below kept, this layer's no-grad forward (under
-        # offload its input is on the device until its copy to host completes)
+        # recompute's first pass: the layers below kept, this layer's no-grad forward
         forward = max(
             (
-                (fixed_bytes + sum(kept[:i]) + (offloaded[i] if offloaded else 0.0), *nograd(index))
+                (fixed_bytes + sum(kept[:i]) + leaving(i), *nograd(index))
                 for i, index in enumerate(layers)
             ),
             key=sum,
@@ -734,7 +764,6 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     shard_part = n_state * (4 + 8)
     host = StageHost(
         offloaded=float(sum(offloaded)),
-        largest_offload=max(offloaded, default=0.0),
         flight=flight,
         model_part=model_part,
         optimizer_part=shard_part if master and s.shard else 0,
@@ -788,8 +817,7 @@ def plan(
         ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers))
         writer = rank == stage * s.cp  # dp 0, cp 0 of the stage
         host_ranks.append(HostRank(rank, stage, rank_moments(
-            host, writer=writer, gpu=s.device == "gpu",
-            staging_buffers=s.features.staging_buffers, checkpoints=checkpoints,
+            host, writer=writer, gpu=s.device == "gpu", checkpoints=checkpoints,
         )))  # fmt: skip
     notes = []
     if s.device == "gpu" and s.compute == "bfloat16":
