@@ -155,11 +155,24 @@ def moe_view(rep: Record) -> Record:
     }
 
 
+def long_context_view(rep: Record) -> Record:
+    """The longest sequence per 8×H20 node, before and after, per model row; the model-per-node
+    row's fewest GPUs."""
+    return {
+        "rows": rep["rows"],
+        "target": rep["target"],
+        "per_node": rep["model_per_node"],
+        "alst": {"model": rep["alst"]["model"],
+                 **next(r for r in rep["alst"]["rows"] if r["gpus"] == 8)},  # one node
+        "host_tb": rep["hardware"]["host_memory_gib"] * 2**30 / 1e12,
+    }
+
+
 def view(docs: Path) -> Record:
     """Every section's figures from the JSON files in `docs` (None where a file is missing)."""
-    kernel, comm, memory, moe, loss = (
+    kernel, comm, memory, moe, loss, long = (
         _load(docs, f"{name}.json")
-        for name in ("bench_kernel", "cp_comm", "memory", "moe", "loss_memory")
+        for name in ("bench_kernel", "cp_comm", "memory", "moe", "loss_memory", "long_context")
     )
     balance = balance_view(_load(docs, "cp_balance.json"), _load(docs, "cp_balance_time.json"))
     return {
@@ -174,6 +187,7 @@ def view(docs: Path) -> Record:
         "loss_case": max(loss["cases"], key=lambda c: (c["vocab"], c["tokens"])) if loss else None,
         "memory": memory_view(memory) if memory else None,
         "moe": moe_view(moe) if moe else None,
+        "long": long_context_view(long) if long else None,
     }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cp_pages, dpo, kernel, loss_memory, memory_check, moe
+from bench import cp_pages, dpo, kernel, long_context, loss_memory, memory_check, moe
 from bench import readme_table as tables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,3 +96,20 @@ def test_memory_page_and_readme_rows_match_their_json(tmp_path: Path) -> None:
 def _memory_rows(docs: Path) -> list[tuple[str, str, str]]:
     """The README table's rows from docs/memory.json (the planner's)."""
     return [row for row in tables.rows(docs) if row[2] == "`docs/memory.md`"]
+
+
+def test_long_context_page_and_readme_rows_match_their_json(tmp_path: Path) -> None:
+    """docs/long_context.md is `bench.long_context`'s page of docs/long_context.json, and the
+    README's long-context rows come from the same JSON."""
+    rec = _json("long_context.json")
+    assert (DOCS / "long_context.md").read_text() == long_context.PAGE.render(rec)
+    rows = [row for row in tables.rows(DOCS) if row[2] == "`docs/long_context.md`"]
+    assert len(rows) == 2 and "8×H20" in rows[0][0] and "ALST" in rows[0][0]
+    first = rec["rows"][0]
+    assert f"{first['after']['longest_seq_len']:,}" in rows[0][1]
+    changed = copy.deepcopy(rec)
+    changed["rows"][0]["after"]["longest_seq_len"] = 1234
+    assert long_context.PAGE.render(changed) != long_context.PAGE.render(rec)
+    assert "NOT met by the plan" in long_context.PAGE.render(changed)  # below the 4M target
+    (tmp_path / "long_context.json").write_text(json.dumps(changed))
+    assert "→ **1,234**" in [r for r in tables.rows(tmp_path) if "8×H20" in r[0]][0][1]

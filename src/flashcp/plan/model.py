@@ -744,6 +744,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             "optimizer step: update",
             gradients=0,
             main_grads=0,
+            grad_shard=0,  # ZeRO-2 hands its shard over (`GradientSharder.take`): the same tensors
             optimizer_step_transient=shard_grads,
             zero_buffers=2 * bucket,
         )
