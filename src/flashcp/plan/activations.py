@@ -53,6 +53,7 @@ class Counts:
     res: float = 0.0
     c: float = 0.0
     e: float = 0.0
+    b: float = 0.0
     parts: list[tuple[str, str, float]] = field(default_factory=list)
 
     def add(self, what: str, cls: str, n: float) -> Counts:
@@ -62,10 +63,13 @@ class Counts:
 
     def bytes(self, dt: Dtypes) -> float:
         """Bytes per token for the dtype sizes `dt`."""
-        return self.f * 4 + self.res * dt.res + self.c * dt.c + self.e * dt.experts
+        return (
+            self.f * 4 + self.res * dt.res + self.c * dt.c + self.e * dt.experts
+            + self.b * dt.boundary
+        )  # fmt: skip
 
     def __add__(self, other: Counts) -> Counts:
-        out = Counts(self.f, self.res, self.c, self.e, [*self.parts])
+        out = Counts(self.f, self.res, self.c, self.e, self.b, [*self.parts])
         for what, cls, n in other.parts:
             out.add(what, cls, n)
         return out
@@ -73,14 +77,16 @@ class Counts:
 
 @dataclass(frozen=True)
 class Dtypes:
-    """Byte sizes: `c` compute dtype, `res` residual stream, `param` parameter storage,
-    `experts` the routed experts' saved GEMM inputs; `gpu`: the device is a GPU."""
+    """Byte sizes: `c` compute dtype, `res` the residual stream inside a layer, `param`
+    parameter storage, `experts` the routed experts' saved GEMM inputs, `boundary` the residual
+    stream between layers (`model.residual_dtype`); `gpu`: the device is a GPU."""
 
     c: int
     res: int
     param: int
     experts: int = 4
     gpu: bool = False
+    boundary: int = 4
 
     @classmethod
     def of(
@@ -94,10 +100,11 @@ class Dtypes:
         sizes = {"float32": 4, "bfloat16": 2}
         if residual not in sizes:
             raise ValueError(f"residual dtype {residual!r}: use one of {sorted(sizes)}")
-        res = sizes[residual]
         # GPU: Paddle's grouped GEMM computes in the weights' dtype; CPU: batched matmuls on
-        # the float32 activations, the weights upcast chunk by chunk
-        return cls(c=c, res=res, param=p, experts=p if gpu else 4, gpu=gpu)
+        # the float32 activations, the weights upcast chunk by chunk. A layer upcasts a
+        # bf16 stream on entry: inside it the residual class stays float32.
+        return cls(c=c, res=4, param=p, experts=p if gpu else 4, gpu=gpu,
+                   boundary=sizes[residual])  # fmt: skip
 
     @property
     def autocast(self) -> bool:
@@ -225,8 +232,10 @@ def layer_saved(
             n.add("MLP gate/up, silu, product", "c", 4 * args.intermediate_size)
     if args.arch == "glm":
         norm("post_mlp_layernorm", new_input=True, out_saved=False)
-    n.add("layer output", "res", h)
-    if dt.autocast and dt.res > dt.c:  # a bf16 residual stream feeds its matmuls as it is
+    n.add("layer output", "b", h)
+    if dt.boundary < dt.res:  # the layer computes on its input upcast (`from_residual`)
+        n.add("layer input upcast to float32 (kept by the input norm)", "res", h)
+    if dt.autocast:
         n.add("bf16 copies of float32 matmul inputs", "c", h * _float32_matmul_inputs(args, index))
     return n
 
@@ -334,7 +343,7 @@ def frozen_input_savings(
     keeps no slice of them. Returned as positive counts to subtract."""
     h, hd = args.hidden_size, args.head_size
     n = Counts()
-    n.add("stage input (not saved)", "res", h)
+    n.add("stage input (not saved)", "b", h)
     if args.arch == "gpt":
         n.add("input_layernorm mean/var (not saved)", "f", 2)
     else:
@@ -352,7 +361,7 @@ def frozen_input_savings(
 
 def layer_output(args: ModelArgs) -> Counts:
     """What a recomputed layer keeps: its output `[H]` (the next layer's input)."""
-    return Counts().add("layer output", "res", args.hidden_size)
+    return Counts().add("layer output", "b", args.hidden_size)
 
 
 def refined_extra(args: ModelArgs) -> Counts:
@@ -479,8 +488,10 @@ def attention_part(saved: Counts) -> Counts:
 
 
 def recompute_replay_extra(args: ModelArgs) -> Counts:
-    """A recomputed layer's backward also holds the detached input copy and its gradient."""
-    return Counts().add("recompute: input copy and its gradient", "res", 2 * args.hidden_size)
+    """A recomputed layer's backward also holds the detached input copy (in the stream's
+    dtype) and its gradient (computed in float32 inside the layer)."""
+    n = Counts().add("recompute: input copy", "b", args.hidden_size)
+    return n.add("recompute: input gradient", "res", args.hidden_size)
 
 
 def nograd_forward_transient(
@@ -568,17 +579,25 @@ def tile_saved(saved: Counts) -> Counts:
     attention core and without the layer output (the tile's output is handed on, not kept)."""
     out = Counts()
     for what, cls, n in saved.parts:
-        if not what.startswith((*ATTENTION_CORE, "layer output")):
+        if not what.startswith((*ATTENTION_CORE, "layer output", "layer input upcast")):
             out.add(what, cls, n)
     return out
 
 
-def tiled_io(args: ModelArgs) -> Counts:
+def tiled_io(args: ModelArgs, dt: Dtypes, *, mlp: bool) -> Counts:
     """Full-length tensors of a tiled layer's backward besides the attention core: the
-    incoming gradient of the layer output and, as untiled (`recompute_replay_extra`), the
-    replay's input copy and the input gradient being assembled tile by tile."""
+    replay's input copy (`recompute_replay_extra`) and the input gradient assembled tile by
+    tile, with a bf16 stream the float32 upcast of the input the tiled blocks keep; while the
+    token-wise `after` block back-propagates (`mlp`) also the incoming gradient of the layer
+    output (float32 inside the layer) and the attention output's gradient being assembled (the
+    attention's dO, counted by the attention's own backward once it runs)."""
+    h, q = args.hidden_size, args.num_heads * args.head_size
     n = recompute_replay_extra(args)
-    n.add("tiled: gradient of the layer output", "res", args.hidden_size)
+    if dt.boundary < dt.res:
+        n.add("tiled: layer input upcast to float32", "res", h)
+    if mlp:
+        n.add("tiled: gradient of the layer output", "res", h)
+        n.add("tiled: gradient of the attention output (dO)", "c", q)
     return n
 
 

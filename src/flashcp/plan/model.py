@@ -376,17 +376,19 @@ def tiled_working_sets(
     refined: bool,
 ) -> TiledWork:
     """The backward of a recomputed layer whose token-wise parts run in tiles of `tile` local
-    tokens (`flashcp.plan.features`): the replay keeps, for all T local tokens, only the
+    tokens (`flashcp.models.tiling`): the replay keeps, for all T local tokens, only the
     attention core (`act.attention_core`; under refined recompute its output and LSE are
-    already kept) and the full-length input/gradient tensors (`act.tiled_io`, with the bf16
-    weight copies autocast saves); one tile at a time adds what its token-wise parts keep
-    (`act.tile_saved`) and their backward transient (dense MLP per token, or the MoE layer's
-    with a tile-sized expert buffer and all-to-all exchange). While the attention
-    back-propagates, one tile of the input norm and q/k/v projections is what re-runs
-    (`act.attention_part` of the tile)."""
+    already kept), the bf16 weight copies autocast saves, and the full-length input/gradient
+    tensors (`act.tiled_io`, more of them while the `after` block back-propagates); one tile
+    at a time adds what its token-wise parts keep (`act.tile_saved`) and their backward
+    transient (dense MLP per token, or the MoE layer's with a tile-sized expert buffer and
+    all-to-all exchange). While the attention back-propagates, one tile of the input norm and
+    q/k/v projections is what re-runs (`act.attention_part` of the tile)."""
     args, T = s.args, s.tokens
     core = act.attention_core(args, stored=refined)
-    full = core.bytes(dt) * T + act.tiled_io(args).bytes(dt) * T + copies
+    full = core.bytes(dt) * T + copies
+    mlp_io = act.tiled_io(args, dt, mlp=True).bytes(dt) * T
+    attn_io = act.tiled_io(args, dt, mlp=False).bytes(dt) * T
     per_tile = act.tile_saved(saved_tile).bytes(dt) * tile
     if args.is_moe_layer(index):
         rows = act.expert_rows(args, tile, dt, s.ep)
@@ -398,8 +400,8 @@ def tiled_working_sets(
     else:
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * tile
         ep_t = 0.0
-    attention = full + act.attention_part(saved_tile).bytes(dt) * tile
-    return TiledWork(mlp=full + per_tile + mlp_t, attention=attention, ep=ep_t)
+    attention = full + attn_io + act.attention_part(saved_tile).bytes(dt) * tile
+    return TiledWork(mlp=full + mlp_io + per_tile + mlp_t, attention=attention, ep=ep_t)
 
 
 def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, StageHost]:
@@ -454,7 +456,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     offload = f.offload_activations
     extras = act.stage_extras(args)
     if not offload:  # offloaded as the first layer's input (`offloaded` below)
-        extras.add("stage input (embedding output / received activation)", "res", H)
+        extras.add("stage input (embedding output / received activation)", "b", H)
     cp_mask = s.batch * s.seq * CP_MASK_COLUMNS * 4 if s.cp > 1 else 0
     attn = act.attention_backward_bytes(
         args, dt, T, s.batch * s.seq, cp=s.cp > 1, query_chunk=f.query_chunk,
@@ -509,7 +511,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             # layer's output stays: the final norm (or the send to the next stage) holds it
             moved = keep.bytes(dt) * T
             offloaded.append(moved)
-            own = H * dt.res * T if pos == len(layers) - 1 else 0.0
+            own = H * dt.boundary * T if pos == len(layers) - 1 else 0.0
         else:
             own = keep.bytes(dt) * T
         kept.append(own)
@@ -580,7 +582,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     head_upcast = H * V * 4 if (last and dt.upcast) else 0
     loss_peak = max(loss_peak, rows * V * 4 + head_upcast)
     emb_grad = V * H * grad_bytes if emb_trained else 0
-    p2p = T * H * dt.res if s.pp > 1 and not last else 0
+    p2p = T * H * dt.boundary if s.pp > 1 and not last else 0
 
     largest = max((x.numel for x in trained), default=0)
     bucket = min(n_trained * 4, max(s.bucket_bytes, largest * 4))
@@ -676,7 +678,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
                 peak += attn_forward
             return peak, max(0.0, exchange - peak) if args.is_moe_layer(index) else 0.0
         per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
-        core = (act.attention_core(args).bytes(dt) + 2 * H * dt.res) * T
+        core = (act.attention_core(args).bytes(dt) + H * (dt.boundary + dt.res)) * T
         peak = core + max(per_tile, attn_forward)
         excess = act.ep_exchange_bytes(args, dt, tile, s.ep) - per_tile
         return peak, max(0.0, excess) if args.is_moe_layer(index) else 0.0
