@@ -112,6 +112,7 @@ def worker(config: Path, out_dir: Path) -> int:
         return m
 
     trainer.train_step = measured_step  # type: ignore[method-assign]
+    host_peaks = _count_host_copies()
     trainer.fit()
     record = {
         "rank": int(trainer.groups.rank),
@@ -122,6 +123,7 @@ def worker(config: Path, out_dir: Path) -> int:
         "train_peak_bytes": max(steps) if steps else 0,
         "step_peak_bytes": steps,
         "peak_bytes": max([build_peak, *steps]),
+        "host_peak_bytes": max(host_peaks, default=0),
         "seconds": time.perf_counter() - t0,
     }
     (out_dir / RANK_FILE.format(rank=record["rank"])).write_text(json.dumps(record))
@@ -130,6 +132,26 @@ def worker(config: Path, out_dir: Path) -> int:
 
         shutdown()
     return 0
+
+
+def _count_host_copies() -> list[int]:
+    """The activation offload's host bytes at their peak, per step, as the trainer reads them
+    (`flashcp.models.offload.offload_metrics`, counted at the copies: numpy buffers outside the
+    allocator); stays empty when the trainer has no offload."""
+    import flashcp.trainer as trainer_module
+
+    peaks: list[int] = []
+    read = getattr(trainer_module, "offload_metrics", None)
+    if read is None:
+        return peaks
+
+    def counted() -> dict[str, float]:
+        metrics = read()
+        peaks.append(int(metrics["offload/host_peak_gib"] * 2**30))  # GiB of bytes: exact
+        return metrics
+
+    trainer_module.offload_metrics = counted  # type: ignore[attr-defined]
+    return peaks
 
 
 # -- driving the cases --------------------------------------------------------------------------
@@ -260,10 +282,22 @@ def run_case(case: dict[str, Any], steps: int, timeout: float, max_gib: float) -
             predicted = p.ranks[r].total_bytes
             m["predicted_bytes"] = predicted
             m["ratio"] = m["peak_bytes"] / predicted if predicted else float("nan")
+            _host(m, p, r)
             ranks.append(m)
         record["ranks"] = ranks
         record["within"] = all(abs(m["ratio"] - 1) <= TOLERANCE for m in ranks)
         return record
+
+
+def _host(m: dict[str, Any], p: Any, rank: int) -> None:
+    """The planned host bytes of `rank` that the offload's counters measure (its stash of
+    layer inputs; on CPU nothing else of the host plan is in them), beside the measured."""
+    if p.host is None:
+        return
+    planned = p.host.ranks[rank].moments["training step"]["offloaded_activations"]
+    m["predicted_host_bytes"] = planned
+    if planned or m.get("host_peak_bytes"):
+        m["host_ratio"] = m.get("host_peak_bytes", 0) / planned if planned else float("inf")
 
 
 def replan(case: dict[str, Any]) -> None:
@@ -278,6 +312,7 @@ def replan(case: dict[str, Any]) -> None:
     for m in case.get("ranks", []):
         m["predicted_bytes"] = p.ranks[m["rank"]].total_bytes
         m["ratio"] = m["peak_bytes"] / m["predicted_bytes"]
+        _host(m, p, m["rank"])
     if "ranks" in case:
         case["within"] = all(abs(m["ratio"] - 1) <= TOLERANCE for m in case["ranks"])
 
@@ -408,11 +443,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"== {case['name']}", flush=True)
             result = run_case(case, args.steps, args.timeout, max_gib)
             for m in result.get("ranks", []):
+                host = ""
+                if "host_ratio" in m:
+                    host = (f"; host predicted {_gib(m['predicted_host_bytes'])} GiB, measured "
+                            f"{_gib(m['host_peak_bytes'])} GiB, ratio {m['host_ratio']:.3f}")
                 print(
                     f"   rank {m['rank']} (stage {m['stage']}): predicted "
                     f"{_gib(m['predicted_bytes'])} GiB, measured {_gib(m['peak_bytes'])} GiB "
                     f"(build {_gib(m['build_peak_bytes'])}, train "
-                    f"{_gib(m['train_peak_bytes'])}), ratio {m['ratio']:.3f}",
+                    f"{_gib(m['train_peak_bytes'])}), ratio {m['ratio']:.3f}{host}",
                     flush=True,
                 )
             for key in ("skipped", "error"):

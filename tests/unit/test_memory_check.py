@@ -47,3 +47,31 @@ def test_memory_check_smoke(tmp_path: Path) -> None:
     assert check.main([*args, "--max-gib", "4", "--update", "--only", "tiny"]) == 0
     again = json.loads(out.read_text())["cases"]
     assert [c["name"] for c in again] == ["tiny", "huge"] and "skipped" in again[1]
+
+
+def test_host_bytes_are_read_where_the_trainer_reads_them(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With an activation offload the worker records each step's host peak as the trainer's
+    `offload_metrics` reports it (counted at the copies), and the case compares it with the
+    plan's host item; without one (today's trainer) nothing is recorded."""
+    import flashcp.trainer as trainer_module
+    from flashcp.config import load_config
+    from flashcp.plan import plan
+    from flashcp.plan.features import Features
+
+    monkeypatch.delattr(trainer_module, "offload_metrics", raising=False)
+    assert check._count_host_copies() == []
+    readings = iter([{"offload/host_peak_gib": 3 / 2**20}, {"offload/host_peak_gib": 0.5}])
+    monkeypatch.setattr(trainer_module, "offload_metrics", lambda: next(readings), raising=False)
+    peaks = check._count_host_copies()
+    trainer_module.offload_metrics()  # two steps, as the trainer calls it
+    trainer_module.offload_metrics()
+    assert peaks == [3 * 1024, 2**29]
+    cfg = load_config(Path(check.ROOT) / "configs/glm/tiny_cp2.yaml", ["model.recompute=full"])
+    p = plan(cfg, features=Features(offload_activations=True))
+    planned = p.host.ranks[0].moments["training step"]["offloaded_activations"]  # type: ignore[union-attr]
+    m = {"host_peak_bytes": planned}
+    check._host(m, p, 0)
+    assert m["predicted_host_bytes"] == planned > 0 and m["host_ratio"] == 1.0
+    off = {"host_peak_bytes": 0}
+    check._host(off, plan(cfg), 0)
+    assert "host_ratio" not in off  # nothing planned, nothing measured
