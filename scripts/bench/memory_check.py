@@ -388,11 +388,34 @@ def view(data: dict[str, Any]) -> dict[str, Any]:
             shown.setdefault(case["name"], []).append((m, same))
     return {
         "rank_rows": shown,
+        "host_rows": [(c, m) for c in data["cases"] for m in c.get("ranks", [])
+                      if "host_ratio" in m],  # fmt: skip
+        "slopes": slopes(data["cases"]),
         "measured": [c for c in data["cases"] if "ranks" in c],
         "item_docs": ITEM_DOCS,
         "gib": GIB,
         "gpus_per_node": GPUS_PER_NODE,
     }
+
+
+def slopes(cases: list[dict[str, Any]]) -> list[tuple[str, str, float, float]]:
+    """(shorter case, longer case, measured, predicted bytes of rank 0's peak per token of the
+    sequence) for consecutive cases named alike but for their length suffix (`_2k`, `_8k`)."""
+    runs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for case in cases:
+        stem, _, length = case["name"].rpartition("_")
+        if stem and length.endswith("k") and length[:-1].isdigit() and case.get("ranks"):
+            runs.setdefault(stem, []).append((int(length[:-1]) * 1024, case))
+    out = []
+    for found in runs.values():
+        found.sort(key=lambda x: x[0])
+        for (n0, a), (n1, b) in zip(found, found[1:], strict=False):
+            ra, rb = a["ranks"][0], b["ranks"][0]
+            tokens = n1 - n0
+            ms = (rb["peak_bytes"] - ra["peak_bytes"]) / tokens
+            ps = (rb["predicted_bytes"] - ra["predicted_bytes"]) / tokens
+            out.append((a["name"], b["name"], ms, ps))
+    return out
 
 
 PAGE = Page("memory.md.j2", DOCS / "memory.json", view=view, indent=1)

@@ -300,9 +300,11 @@ def format_step_time(est: Any) -> str:
     if est.seconds_at_peak is None:
         lines.append("  no time estimate: set hardware.peak_tflops (TFLOP/s per device)")
         return "\n".join(lines)
+    bubble = f", the pipeline idle {est.bubble:.0%} of it" if est.stages > 1 else ""
     lines.append(
         f"  at {est.peak_tflops:g} TFLOP/s per device: >= {_duration(est.seconds_at_peak)} "
         f"at 100 %, ~{_duration(est.seconds)} at {est.mfu:.0%} MFU (stated, not measured)"
+        f"{bubble}"
     )
     copies = [x for x in est.layers if x.copy_bytes]
     if copies:
@@ -315,8 +317,8 @@ def format_step_time(est: Any) -> str:
                        else f"STALLS the step by ~{_duration(est.stall_s)}")  # fmt: skip
             lines.append(
                 f"  offload: {x.copy_bytes / 2**20:,.0f} MiB per layer each way at "
-                f"{est.link_gb_per_s:g} GB/s = {x.copy_s * 1e3:,.1f} ms, vs the layer's forward "
-                f"{x.forward_s * 1e3:,.1f} ms / backward {x.backward_s * 1e3:,.1f} ms at "
+                f"{est.link_gb_per_s:g} GB/s = {_duration(x.copy_s)}, vs the layer's forward "
+                f"{_duration(x.forward_s)} / backward {_duration(x.backward_s)} at "
                 f"{est.mfu:.0%} MFU: {verdict}"
             )
     return "\n".join(lines)

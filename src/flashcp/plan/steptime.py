@@ -5,7 +5,9 @@ Compute: the model FLOPs of one optimizer step are `flashcp.metrics.flops.flops_
 (the `mfu` metric's formula) times the step's tokens, with the attention counted as a causal
 mask computes it (`causal_keys`: half the full count, which at millions of tokens is most of
 the step), spread evenly over the job's devices. At `hardware.peak_tflops` per device that is
-a lower bound; at a stated model-FLOPs utilisation (`mfu`, default `DEFAULT_MFU`) an estimate.
+a lower bound; at a stated model-FLOPs utilisation (`mfu`, default `DEFAULT_MFU`), stretched by
+the pipeline's fill and drain ((pp - 1) / (micro-batches + pp - 1) of the step idle), an
+estimate.
 Recompute's extra forward is not model FLOPs: it is part of what keeps the utilisation below 1.
 
 Copies (activation offload, `flashcp.plan.features`): per micro-batch each layer's kept input
@@ -71,6 +73,8 @@ class StepTime:
     micro_batches: int
     """Micro-batches each rank runs per step."""
     layers: list[LayerTime] = field(default_factory=list)
+    stages: int = 1
+    """Pipeline stages: a step also waits for the pipeline to fill and drain."""
     """The most loaded stage's layers (stage 0's under an even split)."""
 
     @property
@@ -85,10 +89,19 @@ class StepTime:
         return self.flops_per_device / (self.peak_tflops * 1e12)
 
     @property
+    def bubble(self) -> float:
+        """The pipeline's idle fraction, (pp - 1) / (micro-batches + pp - 1) (1F1B and GPipe
+        alike): the step takes 1 / (1 - bubble) times its compute."""
+        return (self.stages - 1) / (self.micro_batches + self.stages - 1)
+
+    @property
     def seconds(self) -> float | None:
-        """At the stated utilisation, plus any offload stall."""
+        """At the stated utilisation, stretched by the pipeline bubble, plus any offload
+        stall."""
         low = self.seconds_at_peak
-        return None if low is None else low / self.mfu + self.stall_s
+        if low is None:
+            return None
+        return low / self.mfu / (1 - self.bubble) + self.stall_s
 
     @property
     def stall_s(self) -> float:
@@ -115,6 +128,7 @@ class StepTime:
             "seconds": self.seconds,
             "host_link_gb_per_s": self.link_gb_per_s,
             "offload_stall_s": self.stall_s,
+            "pipeline_bubble": self.bubble,
             "copy_hidden": self.copy_hidden,
             "layer": None if worst is None else {
                 "index": worst.index, "forward_s": worst.forward_s,
@@ -189,6 +203,6 @@ def estimate(
             copy_s=copy / (link * 1e9) if link and copy else None,
         ))  # fmt: skip
     micro = t.grad_accum
-    return StepTime(per_token * tokens, p.world_size, peak, mfu, link, micro, layers)
+    return StepTime(per_token * tokens, p.world_size, peak, mfu, link, micro, layers, p.pp)
 
 
