@@ -375,6 +375,7 @@ def _gib(n: float) -> str:
 def view(data: dict[str, Any]) -> dict[str, Any]:
     """The page's derived figures: each measured case's distinct rank rows, the plan's items."""
     from flashcp.plan import ITEM_DOCS
+    from flashcp.plan.host import HOST_ITEM_DOCS
 
     shown: dict[str, list[tuple[dict[str, Any], list[int]]]] = {}
     for case in data["cases"]:
@@ -393,6 +394,7 @@ def view(data: dict[str, Any]) -> dict[str, Any]:
         "slopes": slopes(data["cases"]),
         "measured": [c for c in data["cases"] if "ranks" in c],
         "item_docs": ITEM_DOCS,
+        "host_item_docs": HOST_ITEM_DOCS,
         "gib": GIB,
         "gpus_per_node": GPUS_PER_NODE,
     }
