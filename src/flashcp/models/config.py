@@ -25,10 +25,12 @@ from typing import Literal
 ARCHS = ("gpt", "glm", "glm_moe")
 POSITIONS = ("rotary", "learned")
 RECOMPUTE_MODES = ("none", "full", "refined")
+RESIDUAL_DTYPES = ("float32", "bfloat16")
 
 Arch = Literal["gpt", "glm", "glm_moe"]
 Position = Literal["rotary", "learned"]
 Recompute = Literal["none", "full", "refined"]
+ResidualDtype = Literal["float32", "bfloat16"]
 ErrFn = Callable[[str, str], None]  # (field name, message)
 
 
@@ -66,6 +68,7 @@ class ModelArgs:
     router_aux_loss_coef: float = 0.0  # α of the sequence-wise balance loss; 0: off
     # training
     recompute: Recompute = "none"
+    residual_dtype: ResidualDtype = "float32"
     initializer_range: float = 0.02
 
     # ------------------------------------------------------------------ derived values
@@ -148,6 +151,11 @@ class ModelArgs:
             err(
                 "recompute",
                 f"recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}",
+            )
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            err(
+                "residual_dtype",
+                f"residual_dtype {self.residual_dtype!r}: use one of {', '.join(RESIDUAL_DTYPES)}",
             )
         self._validate_moe(err)
         return errs
