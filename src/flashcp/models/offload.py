@@ -138,6 +138,14 @@ def reset_offload_stats() -> None:
     COUNTERS.reset()
 
 
+def take_host_peak() -> int:
+    """The most bytes this process's host copies held since the last call (or reset), then a
+    reset: the trainer's per-step `offload/host_peak_gib` (maximised over the ranks)."""
+    peak = COUNTERS.snapshot().host_peak_bytes
+    COUNTERS.reset()
+    return peak
+
+
 # --------------------------------------------------------------------------- transports
 
 
