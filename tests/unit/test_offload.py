@@ -165,6 +165,26 @@ def test_frozen_embeddings_lora_style(name: str) -> None:
     _assert_same(results[True], results[False])
 
 
+def test_bfloat16_stored_weights() -> None:
+    """bf16 storage: the layers' cast-linear PyLayers save tensors inside the no-grad forward;
+    they pass through the offload hooks untouched."""
+
+    def run(offload: bool):
+        paddle.seed(0)
+        model = build_model(
+            preset("tiny_glm_moe", recompute="full"), seed=0, param_dtype="bfloat16"
+        )
+        off.apply_activation_offload(model, offload)
+        loss = _loss(model)
+        loss.backward()
+        return float(loss), _grads(model)
+
+    loss0, grads0 = run(False)
+    loss, grads = run(True)
+    assert loss == loss0
+    _assert_same(grads, grads0)
+
+
 def test_learned_positions() -> None:
     loss0, grads0, _, _ = _run("tiny", "full", offload=False, position="learned")
     loss, grads, _, _ = _run("tiny", "full", offload=True, position="learned")
@@ -428,3 +448,39 @@ def test_pinned_transport_uses_the_original_while_its_copy_is_in_flight() -> Non
 
 def test_default_transport_on_cpu_is_numpy() -> None:
     assert isinstance(off.default_transport(), off.NumpyTransport)
+
+
+# ------------------------------------------------------------------------- pipeline stages
+
+
+@pytest.mark.parametrize("offload", (False, True))
+def test_stage_input_and_sent_output_are_released(offload: bool) -> None:
+    """What the runner keeps per micro-batch in flight on a middle stage: the received input
+    (for its gradient) and the sent output (the root of backward). Under offload both device
+    buffers go (the input to the host as layer 0's kept input, the output dropped once sent)
+    and backward still gives the same gradients and input gradient."""
+    from flashcp.pipeline.stage import build_stage
+
+    args = preset("tiny_glm", num_layers=3, recompute="full")
+    ids, pos, ctx = _batch()
+    first = build_stage(args, 0, 3, seed=0)
+    with paddle.no_grad():
+        received = first(ids, pos, ctx).numpy()
+
+    def run(offload: bool):
+        middle = build_stage(args, 1, 3, seed=0)
+        off.apply_activation_offload(middle, offload)
+        x = paddle.to_tensor(received)  # what recv_tensor hands the runner
+        x.stop_gradient = False
+        out = middle(x, pos, ctx)
+        off.release_sent(middle, out)  # the runner, after send_act
+        assert x._is_initialized() is not offload
+        assert out._is_initialized() is not offload
+        grad = paddle.to_tensor(np.random.default_rng(3).standard_normal(out.shape, "float32"))
+        paddle.autograd.backward([out], [grad])
+        return x.grad.numpy(), _grads(middle)
+
+    want_x, want = run(False)
+    got_x, got = run(offload)
+    np.testing.assert_array_equal(got_x, want_x)
+    _assert_same(got, want)
