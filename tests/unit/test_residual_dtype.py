@@ -224,3 +224,20 @@ def test_pipeline_stages_pass_bfloat16(name: str, pp: int) -> None:
 def test_unknown_residual_dtype_names_the_key() -> None:
     with pytest.raises(ValueError, match="model.residual_dtype"):
         preset("tiny_glm", residual_dtype="float16")
+
+
+def test_config_key_is_checked_before_compute() -> None:
+    from pathlib import Path
+
+    from flashcp.config import load_config
+    from flashcp.config.errors import ConfigValidationError
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "glm" / "tiny_cp2.yaml"
+    with pytest.raises(ConfigValidationError) as err:
+        load_config(config, ["model.residual_dtype=float16"])
+    assert [e.key for e in err.value.errors] == ["model.residual_dtype"]
+    assert "bfloat16" in err.value.errors[0].message
+    assert load_config(config).model.residual_dtype == "float32"
+    assert load_config(config, ["model.residual_dtype=bfloat16"]).model.residual_dtype == (
+        "bfloat16"
+    )

@@ -17,15 +17,18 @@ the attention plan (the rebased mask, shared by the layers), the rotary tables, 
 positions and labels; on the last stage the final norm's input and the head's saved hidden
 states (consumed by the backward that follows at once under 1F1B).
 
-How: `checkpoint(..., offload=chain.layer(...))` runs the recompute inside Paddle's
-`paddle.autograd.saved_tensors_hooks` (Paddle 3.3.1, `paddle/autograd/saved_tensors_hooks.py`:
-the pack hook is called for every tensor a `PyLayerContext.save_for_backward` saves, the unpack
-hook when backward reads it). The pack hook hands back a handle instead of the tensor; once
-the recompute call has returned (Paddle still reads the input's place while it builds the
-node), the layer's tensors are copied to the host and their device buffers released
-(`Tensor._clear_data`: every holder of the tensor — the runner's received input, the caller's
-reference — sees it freed). Tensors that PyLayers inside the layer's no-grad forward save
-(grouped matmuls, the expert all-to-all) pass through the hooks untouched. The unpack hook,
+How: `flashcp.models.recompute.checkpoint(fn, h, mode, chain)` runs the recompute inside
+Paddle's `paddle.autograd.saved_tensors_hooks` (Paddle 3.3.1,
+`paddle/autograd/saved_tensors_hooks.py`: the pack hook is called for every tensor a
+`PyLayerContext.save_for_backward` saves, the unpack hook when backward reads it; entering
+registers the pair, leaving resets them, so the hooks do not nest). The pack hook hands back a
+handle instead of the tensor; once the recompute call has returned (Paddle still reads the
+input's place while it builds the node), the layer's tensors are copied to the host and their
+device buffers released (`Tensor._clear_data`: every holder of the tensor — the runner's
+received input, the caller's reference, and for a frozen embedding output the original the
+recompute's detached copy shares its buffer with — sees it freed). Tensors that PyLayers
+inside the layer's no-grad forward save (grouped matmuls, the expert all-to-all, bf16-stored
+weights' cast-linear) pass through the hooks untouched. The unpack hook,
 called when backward reaches the layer, brings the tensors back (waiting for a prefetch
 already under way), then starts bringing back the PREVIOUS layer of the same chain, so that
 copy overlaps this layer's backward. A chain is one stage forward of one micro-batch

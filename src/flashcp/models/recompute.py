@@ -30,7 +30,9 @@ those without offload.
 The FIFO belongs to one recompute call of one layer (it lives in the closure the recompute
 graph node keeps), not to the layer module: micro-batches may be back-propagated in any order
 (1F1B or reversed), a forward whose backward never runs leaves nothing behind (the pins die
-with its graph), and a `retain_graph` second backward replays the same pins again.
+with its graph). A second backward through a retained graph is not supported: Paddle 3.3.1
+frees a PyLayer's context once its backward has run, and a second backward through the
+recompute crashes the process (seen on CPU, with or without offload).
 """
 
 from __future__ import annotations
