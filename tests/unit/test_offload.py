@@ -30,6 +30,7 @@ from flashcp.config.errors import ConfigValidationError
 from flashcp.metrics import memory
 from flashcp.models import build_model, preset
 from flashcp.models import offload as off
+from flashcp.pipeline.stage import build_stage
 
 B, S = 2, 32
 GLM = Path(__file__).resolve().parents[2] / "configs" / "glm" / "tiny_cp2.yaml"
@@ -459,8 +460,6 @@ def test_stage_input_and_sent_output_are_released(offload: bool) -> None:
     (for its gradient) and the sent output (the root of backward). Under offload both device
     buffers go (the input to the host as layer 0's kept input, the output dropped once sent)
     and backward still gives the same gradients and input gradient."""
-    from flashcp.pipeline.stage import build_stage
-
     args = preset("tiny_glm", num_layers=3, recompute="full")
     ids, pos, ctx = _batch()
     first = build_stage(args, 0, 3, seed=0)

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -25,6 +27,8 @@ from paddle.autograd import PyLayer
 
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
+from flashcp.config import load_config
+from flashcp.config.errors import ConfigValidationError
 from flashcp.models import build_model, preset
 from flashcp.models.layers import rotary_tables
 from flashcp.pipeline.stage import build_stage
@@ -227,11 +231,6 @@ def test_unknown_residual_dtype_names_the_key() -> None:
 
 
 def test_config_key_is_checked_before_compute() -> None:
-    from pathlib import Path
-
-    from flashcp.config import load_config
-    from flashcp.config.errors import ConfigValidationError
-
     config = Path(__file__).resolve().parents[2] / "configs" / "glm" / "tiny_cp2.yaml"
     with pytest.raises(ConfigValidationError) as err:
         load_config(config, ["model.residual_dtype=float16"])
