@@ -8,15 +8,16 @@ with its ep rank's share of the routed experts — and applies, one step each:
    exchanges tokens over (`flashcp.models.expert_parallel.attach_exchange`);
 2. activation recompute: the decoder layers run under `model.recompute` (`none` / `full` /
    `refined`; `flashcp.models.recompute`, which pins any `AttentionImpl` and its plan and knows
-   no CP internals);
+   no CP internals), and with `train.offload_activations` what they keep for backward waits in
+   host memory (`flashcp.models.offload.apply_activation_offload`);
 3. LoRA: the `lora` section's adapters (`flashcp.lora.setup.apply_lora_config`), after which
    only they are trainable.
 
 Data and context parallelism need nothing here: dp is a gradient sum (`flashcp.optim`), cp
 lives in each micro-batch's attention context (`flashcp.pipeline.runner.MicroBatch.of`).
-Wrappers still to come for long contexts (activation offload, sequence tiling) belong here too,
-after recompute. Recipe business (DPO's frozen reference copy) is not applied here but by the
-recipe's `setup`, on the parallelized stage.
+Wrappers still to come for long contexts (sequence tiling) belong here too, after recompute.
+Recipe business (DPO's frozen reference copy) is not applied here but by the recipe's `setup`,
+on the parallelized stage.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flashcp.lora.setup import LoRASetup, apply_lora_config
 from flashcp.models.base import DecoderStack
 from flashcp.models.config import RECOMPUTE_MODES
 from flashcp.models.expert_parallel import attach_exchange
+from flashcp.models.offload import apply_activation_offload
 
 
 def apply_expert_parallel(model: paddle.nn.Layer, groups: ParallelGroups) -> int:
@@ -61,4 +63,5 @@ def parallelize(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> 
     module docstring); returns the LoRA setup the adapter files need, None without LoRA."""
     apply_expert_parallel(model, groups)
     apply_recompute(model, cfg.model.recompute)
+    apply_activation_offload(model, cfg.train.offload_activations)
     return apply_lora(model, cfg, groups)

@@ -59,6 +59,7 @@ from flashcp.models import build_model
 from flashcp.models.base import StageSpec
 from flashcp.models.hf_weights import load_hf_checkpoint
 from flashcp.models.moe_balance import loss_scale_context
+from flashcp.models.offload import take_host_peak
 from flashcp.optim.grads import all_reduce_values, trainable
 from flashcp.optim.lr import build_scheduler
 from flashcp.optim.zero import build_distributed_optimizer
@@ -222,6 +223,8 @@ class Trainer:
         extra = {key: finished[key] for key in recipe.step_metrics}
         if self.router is not None:
             extra.update(self.router.metrics(sums["routing"]))
+        if "offload_host" in sums:  # the most any rank's host copies held during the step
+            extra["offload/host_peak_gib"] = float(np.max(sums["offload_host"])) / 2**30
         lr, grad_norm = float(self.scheduler.get_lr()), float("nan")
         if skipped := bool(bad_loss or bad_grads):
             self._nonfinite(step, loss, bad_loss, bad_grads)
@@ -260,6 +263,8 @@ class Trainer:
         sums.per_rank("bad_grads", 0.0 if math.isfinite(self.optimizer.local_squares()) else 1.0)
         sums.per_rank("peak", memory.peak_bytes())
         sums.per_rank("rss", memory.peak_rss_bytes())
+        if self.cfg.train.offload_activations:
+            sums.per_rank("offload_host", take_host_peak())
         mine = stats if counted and stats is not None else np.zeros(len(self.recipe.stats))
         sums.add("recipe", mine)
         sums.add("routing", self.router.local_vector() if self.router is not None else [])

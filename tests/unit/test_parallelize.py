@@ -4,7 +4,7 @@
 * recompute: the mode applied to a model built without it runs every decoder layer under it
   (bitwise the gradients of the model built with it), and a wrong mode is refused;
 * LoRA: the adapters alone train, and the configured recompute still holds under them;
-* `parallelize` applies all three in that order.
+* `parallelize` applies all three in that order, activation offload right after recompute.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from flashcp.masks import causal_document_mask
 from flashcp.models import base as models_base
 from flashcp.models import build_model, preset
 from flashcp.models.base import DecoderStack, StageSpec
+from flashcp.models.offload import offloader_of
 from flashcp.models.recompute import checkpoint
 from flashcp.parallelize import apply_expert_parallel, apply_lora, apply_recompute, parallelize
 
@@ -57,9 +58,9 @@ def test_applied_recompute_equals_the_built_mode_bitwise(
 ) -> None:
     calls: list[str] = []
 
-    def recorded(fn, h, how):  # type: ignore[no-untyped-def]
+    def recorded(fn, h, how, offload=None):  # type: ignore[no-untyped-def]
         calls.append(how)
-        return checkpoint(fn, h, how)
+        return checkpoint(fn, h, how, offload)
 
     monkeypatch.setattr(models_base, "checkpoint", recorded)
     want = _grads(mode)
@@ -113,3 +114,18 @@ def test_parallelize_applies_recompute_and_lora() -> None:
     assert model.model.recompute == "full"
     assert all(n.endswith(("lora_A", "lora_B")) for n, p in model.named_parameters()
                if not p.stop_gradient)  # fmt: skip
+
+
+def test_parallelize_applies_offload_after_recompute() -> None:
+    """`train.offload_activations` needs the recompute mode parallelize sets first (the model
+    here is built without one); off, no offloader is attached."""
+    on = _cfg(model={"preset": "tiny_glm", "recompute": "full"},
+              train={"offload_activations": True})  # fmt: skip
+    model = build_model(preset("tiny_glm"), seed=0)  # built without recompute
+    parallelize(model, on, _groups())
+    assert model.model.recompute == "full"
+    assert offloader_of(model) is not None and model.model.offloader is offloader_of(model)
+    off = _cfg(model={"preset": "tiny_glm", "recompute": "full"})
+    plain = build_model(preset("tiny_glm"), seed=0)
+    parallelize(plain, off, _groups())
+    assert offloader_of(plain) is None

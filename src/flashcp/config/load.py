@@ -529,13 +529,20 @@ HASH_EXCLUDE: tuple[str, ...] = (
     "hardware",
     "train.steps",
     "train.log_every",
+    "train.offload_activations",
 )
 """Keys that do not change what a step computes, left out of `config_hash` (a resumed run may
-change them)."""
+change them). Activation offload moves kept tensors to the host and back unchanged."""
+
+HASH_IF_CHANGED: dict[str, Any] = {"model.residual_dtype": "float32"}
+"""Keys added after checkpoints were written, with the value every earlier run computed with:
+hashed only when set to something else, so an earlier checkpoint resumes without a "changed
+config" warning under the same numbers."""
 
 
 def hashed_dict(cfg: Config) -> dict[str, Any]:
-    """`to_dict` without the `HASH_EXCLUDE` keys: the part of the config a checkpoint binds."""
+    """`to_dict` without the `HASH_EXCLUDE` keys (nor the `HASH_IF_CHANGED` ones at their
+    earlier value): the part of the config a checkpoint binds."""
     data = to_dict(cfg)
     for key in HASH_EXCLUDE:
         section, _, name = key.partition(".")
@@ -543,6 +550,10 @@ def hashed_dict(cfg: Config) -> dict[str, Any]:
             data.get(section, {}).pop(name, None)
         else:
             data.pop(section, None)
+    for key, earlier in HASH_IF_CHANGED.items():
+        section, _, name = key.partition(".")
+        if data.get(section, {}).get(name, earlier) == earlier:
+            data.get(section, {}).pop(name, None)
     return data
 
 

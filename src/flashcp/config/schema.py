@@ -191,6 +191,15 @@ class TrainConfig:
     """Print a log line every this many steps (metrics.jsonl gets every step)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """NaN/Inf in the loss or gradients: stop with an error, or skip that step's update."""
+    offload_activations: bool = False
+    """Keep what recomputed layers keep for backward in HOST memory: each layer's input (and,
+    under model.recompute refined, its stored attention output and LSE) is copied to the host
+    after the layer's forward and back just before its backward, the previous layer's copy
+    prefetched while a layer's backward runs (GPU: pinned buffers, copies on a side stream
+    overlapping compute; CPU: numpy buffers). A pipeline stage also frees its output once
+    sent. Device memory then no longer grows with layers × tokens; host memory does (per rank:
+    layers × local tokens × hidden × the residual dtype's bytes, per micro-batch in flight).
+    Same losses, bitwise. Needs model.recompute full or refined."""
     loss_chunk_tokens: int = 4096
     """The LM head and loss run over chunks of this many target tokens, each chunk's float32
     logits recomputed in backward, so no `[tokens, vocab]` logits tensor exists (at a 151k

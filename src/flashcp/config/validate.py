@@ -248,6 +248,16 @@ def _check_train(cfg: Config, c: _Checks) -> None:
         c.add("train.log_every", f"must be >= 1, got {t.log_every}")
     if t.seed < 0:
         c.add("train.seed", f"must be >= 0, got {t.seed}")
+    recompute = getattr(cfg.model, "recompute", None)
+    if t.offload_activations and recompute == "none":
+        c.add(
+            "train.offload_activations",
+            "moves what a RECOMPUTED layer keeps (its input) to host memory, but "
+            "model.recompute is none (autograd keeps every layer's intermediates, which are not "
+            "moved): set model.recompute: full (or refined), or train.offload_activations: "
+            "false",
+            "model.recompute",
+        )
     if t.loss_chunk_tokens < 0:
         c.add(
             "train.loss_chunk_tokens",

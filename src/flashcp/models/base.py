@@ -34,6 +34,7 @@ from flashcp.models.head import (
     chunked_token_logprobs,
 )
 from flashcp.models.layers import RotaryTables, embedding, linear, rotary_tables
+from flashcp.models.offload import ActivationOffloader
 from flashcp.models.precision import cast_linear
 from flashcp.models.recompute import checkpoint
 
@@ -61,12 +62,16 @@ class DecoderOps:
 
     args: ModelArgs
     recompute: str
+    offloader: ActivationOffloader | None = None
+    """Set by `flashcp.models.offload.apply_activation_offload` (`train.offload_activations`):
+    recomputed layers then keep their inputs on the host."""
 
     def layer(self, index: int) -> DecoderLayer:
         raise NotImplementedError
 
     def embed(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
-        """Token (plus learned position) embeddings `[B, L, H]`; positions are GLOBAL."""
+        """Token (plus learned position) embeddings `[B, L, H]` in the residual dtype;
+        positions are GLOBAL."""
         h = self.embed_tokens(input_ids)  # type: ignore[attr-defined]
         if self.args.uses_learned_positions:
             top = int(positions.max())
@@ -76,7 +81,7 @@ class DecoderOps:
                     "position embeddings only cover max_seq_len positions"
                 )
             h = h + self.embed_positions(positions)  # type: ignore[attr-defined]
-        return h
+        return to_residual(h, self.args)
 
     def run_layers(
         self,
@@ -96,13 +101,17 @@ class DecoderOps:
                 positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
             )
         mode = self.recompute if paddle.is_grad_enabled() else "none"
+        chain = None
+        if mode != "none" and self.offloader is not None:
+            chain = self.offloader.chain()  # this micro-batch's layers on this stage
         for index in range(start, stop):
-            layer = self.layer(index)
-            if mode == "none":
-                h = layer(h, rotary, attn)
-            else:
-                h = checkpoint(_bind(layer, rotary, attn), h, mode)
+            run = _bind(self.layer(index), rotary, attn, args)
+            h = run(h) if mode == "none" else checkpoint(run, h, mode, chain)
         return h
+
+    def final_norm(self, h: paddle.Tensor) -> paddle.Tensor:
+        """The final norm on the last layer's output (a float32 residual stream into it)."""
+        return self.norm(from_residual(h))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -216,12 +225,41 @@ class DecoderStack(DecoderOps, nn.Layer):
         self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
     ) -> paddle.Tensor:
         h = self.run_layers(self.embed(input_ids, positions), positions, attn)
-        return self.norm(h)
+        return self.final_norm(h)
 
 
-def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionContext):
-    def run(h: paddle.Tensor) -> paddle.Tensor:
-        return layer(h, rotary, attn)
+def residual_dtype(args: ModelArgs) -> paddle.dtype:
+    """`model.residual_dtype` as a Paddle dtype."""
+    return paddle.float32 if args.residual_dtype == "float32" else paddle.bfloat16
+
+
+def to_residual(h: paddle.Tensor, args: ModelArgs) -> paddle.Tensor:
+    """`h` rounded to `model.residual_dtype`, the dtype of the residual stream between layers
+    (no op at the default float32)."""
+    return h if h.dtype == residual_dtype(args) else h.astype(args.residual_dtype)
+
+
+def from_residual(h: paddle.Tensor) -> paddle.Tensor:
+    """The residual stream as the float32 a layer (or the final norm) computes on."""
+    return h if h.dtype == paddle.float32 else h.astype("float32")
+
+
+def _bind(
+    layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionContext, args: ModelArgs
+):
+    """Layer `layer` as a function of the residual stream. With a `model.residual_dtype`
+    other than float32 the layer's input is upcast on entry (its norms, residual adds and
+    activations run as with a float32 stream) and its output rounded on exit: the stream is
+    rounded once per layer boundary."""
+    if args.residual_dtype == "float32":
+
+        def run(h: paddle.Tensor) -> paddle.Tensor:
+            return layer(h, rotary, attn)
+
+    else:
+
+        def run(h: paddle.Tensor) -> paddle.Tensor:
+            return to_residual(layer(from_residual(h), rotary, attn), args)
 
     return run
 
@@ -344,9 +382,10 @@ class CausalLM(LMHead, nn.Layer):
 
     @property
     def activation_dtype(self) -> paddle.dtype:
-        """dtype of the hidden states passed between stages: float32, whatever the storage
-        dtype (the embeddings output float32, see `flashcp.models.layers.Embedding`)."""
-        return paddle.float32
+        """dtype of the hidden states passed between stages: the residual stream's,
+        `model.residual_dtype` (float32 by default, whatever the storage dtype: the embeddings
+        output float32, see `flashcp.models.layers.Embedding`)."""
+        return residual_dtype(self.args)
 
     def activation_shape(self, tokens_shape: Sequence[int]) -> list[int]:
         """`[B, L, H]` of the hidden states for a micro-batch of token shape `[B, L]`."""
@@ -392,7 +431,7 @@ class CausalLM(LMHead, nn.Layer):
             self._check_hidden(x, positions, attn)
             h = x
         h = self.run_layers(h, positions, attn)
-        return self.model.norm(h) if self.is_last else h
+        return self.model.final_norm(h) if self.is_last else h
 
     def extra_repr(self) -> str:
         r = self.layer_range
@@ -433,4 +472,3 @@ class CausalLM(LMHead, nn.Layer):
             raise ValueError(
                 f"positions {list(positions.shape)} must match the tokens {list(x.shape[:2])}"
             )
-

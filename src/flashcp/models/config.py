@@ -11,6 +11,21 @@
   shared experts, the first ``first_k_dense_replace`` layers dense; optionally QK-norm
   (`use_qk_norm`: RMSNorm over each head of q and k before rotary, as the full GLM-4.5).
 
+Training options: `recompute` (``none``; ``full``: each decoder layer keeps only its input
+and reruns in backward; ``refined``: also keeps the attention output and LSE, so attention
+runs forward once) and `residual_dtype`, the dtype of the residual stream BETWEEN layers:
+the embedding output, each layer's output (= the next layer's input, what ``full`` recompute
+keeps and `train.offload_activations` moves) and what pipeline stages send. ``float32`` (the
+default) keeps today's numbers. ``bfloat16`` rounds the stream once per layer boundary (each
+layer upcasts its input and computes its norms and residual adds in float32 as before, the
+final norm too), halving the kept inputs, the offloaded bytes and the stage transfers;
+gradients are rounded at the same boundaries. Megatron-LM keeps a bf16 residual by default
+(``--fp32-residual-connection`` is its opt-in). Use ``bfloat16`` for long-context GPU runs,
+where the kept layer inputs (layers × local tokens × hidden) are a dominant item of the memory
+plan; keep ``float32`` for CPU runs compared against float32 references (the golden losses)
+and wherever the per-layer rounding is not wanted. On CPU a bf16 stream is stored and cast
+only (no bf16 matmul there), with the same rounding as on a GPU.
+
 `validate()` returns every problem as ``(key, message)`` pairs (keys are ``model.<field>``)
 so the config layer can report them all at once; `check()` raises on the first batch.
 """
@@ -25,10 +40,12 @@ from typing import Literal
 ARCHS = ("gpt", "glm", "glm_moe")
 POSITIONS = ("rotary", "learned")
 RECOMPUTE_MODES = ("none", "full", "refined")
+RESIDUAL_DTYPES = ("float32", "bfloat16")
 
 Arch = Literal["gpt", "glm", "glm_moe"]
 Position = Literal["rotary", "learned"]
 Recompute = Literal["none", "full", "refined"]
+ResidualDtype = Literal["float32", "bfloat16"]
 ErrFn = Callable[[str, str], None]  # (field name, message)
 
 
@@ -66,6 +83,7 @@ class ModelArgs:
     router_aux_loss_coef: float = 0.0  # α of the sequence-wise balance loss; 0: off
     # training
     recompute: Recompute = "none"
+    residual_dtype: ResidualDtype = "float32"  # the stream between layers (see module doc)
     initializer_range: float = 0.02
 
     # ------------------------------------------------------------------ derived values
@@ -148,6 +166,11 @@ class ModelArgs:
             err(
                 "recompute",
                 f"recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}",
+            )
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            err(
+                "residual_dtype",
+                f"residual_dtype {self.residual_dtype!r}: use one of {', '.join(RESIDUAL_DTYPES)}",
             )
         self._validate_moe(err)
         return errs

@@ -22,10 +22,17 @@ So attention runs forward once per layer per step under `refined` (twice under `
 every kernel call of one layer in one step uses the same plan. Any `AttentionImpl` works: this
 module knows only the interface (`flashcp.attention.interface`), not what a plan holds.
 
+With `train.offload_activations` the layer input the recompute saves, and `refined`'s stored
+output and LSE, wait on the host between the layer's forward and its backward
+(`flashcp.models.offload`); the replay reads them back unchanged, so the results are bitwise
+those without offload.
+
 The FIFO belongs to one recompute call of one layer (it lives in the closure the recompute
 graph node keeps), not to the layer module: micro-batches may be back-propagated in any order
 (1F1B or reversed), a forward whose backward never runs leaves nothing behind (the pins die
-with its graph), and a `retain_graph` second backward replays the same pins again.
+with its graph). A second backward through a retained graph is not supported: Paddle 3.3.1
+frees a PyLayer's context once its backward has run, and a second backward through the
+recompute crashes the process (seen on CPU, with or without offload).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from flashcp.attention.interface import AttentionImpl, AttentionPlan
+from flashcp.models.offload import OffloadChain
 
 
 class Phase(enum.Enum):
@@ -89,27 +97,50 @@ def _entered(state: RecomputeState) -> Iterator[None]:
         _local.state = previous
 
 
-def checkpoint(fn: Callable[[paddle.Tensor], paddle.Tensor], hidden: paddle.Tensor, mode: str):
+def checkpoint(
+    fn: Callable[[paddle.Tensor], paddle.Tensor],
+    hidden: paddle.Tensor,
+    mode: str,
+    offload: OffloadChain | None = None,
+):
     """`fn(hidden)` with its activations recomputed in backward (`mode` "full" or "refined").
 
     `fn` closes over everything but the hidden states (positions, rotary tables, the attention
     context). A hidden input that takes no gradient (frozen embeddings, LoRA) is detached
     with gradient enabled, so the layer's own parameters still get theirs.
+
+    `offload` (a chain of `flashcp.models.offload`, `train.offload_activations`): what the call
+    keeps for backward — `hidden`, and under `refined` the stored attention outputs — moves to
+    the host when the call returns and comes back when backward reaches it. The call then
+    OWNS `hidden`: its device buffer is released, so the caller must not read it afterwards
+    (the layer loop rebinds it to the layer's output; the pipeline runner reads only its
+    gradient).
     """
     if mode not in ("full", "refined"):
         raise ValueError(f"checkpoint mode {mode!r}: use 'full' or 'refined'")
 
     pins: list[PinnedAttention] = []  # this call's FIFO: filled by FIRST, read by REPLAY
+    keep = offload.layer(pins) if offload is not None else None
 
     def run(h: paddle.Tensor) -> paddle.Tensor:
         phase = Phase.REPLAY if paddle.is_grad_enabled() else Phase.FIRST
         with _entered(RecomputeState(mode, phase, pins)):
-            return fn(h)
+            out = fn(h)
+        if keep is not None and phase is Phase.FIRST:
+            keep.forward_done = True
+        return out
 
+    original = None
     if hidden.stop_gradient:
+        original = hidden
         hidden = hidden.detach()
         hidden.stop_gradient = False
-    return fleet_recompute(run, hidden, use_reentrant=True, preserve_rng_state=True)
+    if keep is None:
+        return fleet_recompute(run, hidden, use_reentrant=True, preserve_rng_state=True)
+    with keep.hooks(original):
+        out = fleet_recompute(run, hidden, use_reentrant=True, preserve_rng_state=True)
+    keep.seal()
+    return out
 
 
 # ------------------------------------------------------------------------ pinned attention

@@ -64,6 +64,7 @@ from flashcp.distributed.p2p import (
     swap_tensor,
 )
 from flashcp.models.head import HeadInput
+from flashcp.models.offload import release_sent
 from flashcp.pipeline.schedule import (
     FORWARD,
     SCHEDULE_FNS,
@@ -308,6 +309,7 @@ class PipelineRunner:
             state.outputs[m] = out
         elif kind == "send_act":
             send_tensor(state.outputs[m], self.next, links.next, timeout=t)
+            release_sent(stage, state.outputs[m])  # offload: backward needs its node only
         elif kind == "recv_grad":
             state.grads[m] = recv_tensor(
                 shape, stage.activation_dtype, self.next, links.next, timeout=t
@@ -324,7 +326,8 @@ class PipelineRunner:
                 paddle.autograd.backward([out], [state.grads.pop(m)])
         elif kind == "send_grad":
             x = state.inputs.pop(m)
-            g = x.grad if x.grad is not None else paddle.zeros_like(x)
+            # (shape and dtype: under offload the input's buffer went to the host)
+            g = x.grad if x.grad is not None else paddle.zeros(x.shape, x.dtype)
             send_tensor(g, self.prev, links.prev, timeout=t)
         else:
             raise ValueError(f"unknown pipeline step {op}")
