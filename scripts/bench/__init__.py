@@ -10,8 +10,8 @@ The benchmarks, one module each: `kernel`, `cp` (+ `cp_pages`, `cp_worker`), `mo
 `memory_check`, `data` (+ its generated tokenizer `hfdir`), `stage_memory`; `readme_table`
 builds the README's "Measured here" table from their JSON. Each runs through a thin entry
 script next to this package (`python scripts/bench_dpo.py` runs `bench.dpo`), so the
-documented command lines stay;
-tests import the modules by name (`from bench import dpo`: pytest's `pythonpath` holds
-`scripts/`), never by file path, and nothing here imports from tests/ except through the test
-harness's launcher until `flashcp.launch` provides it (see tests/unit/test_bench_lib.py).
+documented command lines stay; tests import the modules by name (`from bench import dpo`:
+pytest's `pythonpath` holds `scripts/`), never by file path, and nothing here imports from
+tests/ except through the test harness's launcher until `flashcp.launch` provides it (see
+tests/unit/test_bench_lib.py).
 """
