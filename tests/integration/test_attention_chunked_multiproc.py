@@ -38,7 +38,11 @@ def test_chunked_attention_matches_unchunked_per_rank(nproc: int, tmp_path: Path
             assert max(*case["units"].values(), *case["dense_units"].values()) <= FACTOR
         assert report["naive_merge_rejected"] and report["wrong_units"] > 10 * FACTOR
         assert report["bitwise"], f"rank {rank}: two identical runs differ"
-        memory = report["memory"]
-        # the gathered K/V and the float32 dK/dV of all S keys are gone: the chunked peak is
-        # lower (the exact items are in the planner's model, `flashcp.plan`)
-        assert memory["chunked"] < memory["unchunked"], memory
+        # per global token, the unchunked peak grows with the gathered K/V and the float32
+        # dK/dV partial sums of all S keys; the chunked one only with the local rows
+        small, large = report["memory"]
+        tokens = large["seq"] - small["seq"]
+        plain = (large["unchunked"] - small["unchunked"]) / tokens
+        chunked = (large["chunked"] - small["chunked"]) / tokens
+        assert chunked < 0.8 * plain, report["memory"]
+        assert large["chunked"] < large["unchunked"], report["memory"]

@@ -8,8 +8,8 @@ layout, and compares output, LSE, dq, dk and dv under `tests/numerics.py`'s rule
 global sequence), and against the dense float64 oracle's rows at this rank's positions. A
 negative control merges the key chunks without their LSE rescale and must fail by a wide
 margin; the same case run twice is bitwise identical. Finally the allocator peak of one
-attention forward + backward at a longer sequence, chunked and unchunked (the gathered K/V and
-the float32 dK/dV partial sums are Paddle tensors; the CPU kernel's own scratch is numpy).
+attention forward + backward at two longer sequences, chunked and unchunked (the gathered K/V
+and the float32 dK/dV partial sums are Paddle tensors).
 Results go to `<out>/rank<r>.json`; any failure raises.
 """
 
@@ -38,6 +38,10 @@ from numerics import FACTOR  # noqa: E402
 from reference import compare_attention, dense_reference  # noqa: E402
 
 WRONG_MARGIN = 10.0
+MEMORY_QUERY_CHUNK = 128
+"""Query rows per call in the memory measurement."""
+MEMORY_KV_CHUNK = 128
+"""Local rows per rank in one gathered key chunk in the memory measurement."""
 B, HQ, HKV, D = 2, 4, 2, 16
 FAMILIES = {"causal": 1, "causal_document": 1, "share_question": 1, "sliding_window": 1,
             "random_eviction": HKV}  # fmt: skip
@@ -91,7 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-per-rank", type=int, default=24)
-    parser.add_argument("--memory-seq-per-rank", type=int, default=1024)
+    parser.add_argument("--memory-seq-per-rank", type=int, nargs="+", default=[512, 1024])
     args = parser.parse_args()
 
     env = init_distributed()
@@ -146,33 +150,25 @@ def main() -> None:
                     "dualchunk_allgather", group, rank, world, **kwargs)  # fmt: skip
     bitwise = all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
 
-    # memory: one causal attention forward + backward at a longer sequence
-    mlocal = args.memory_seq_per_rank
-    mseq = mlocal * world
-    mq = rng.standard_normal((B, mseq, HQ, D)).astype(np.float32)
-    mk = rng.standard_normal((B, mseq, HKV, D)).astype(np.float32)
-    mv = rng.standard_normal((B, mseq, HKV, D)).astype(np.float32)
-    md = rng.standard_normal((B, mseq, HQ, D)).astype(np.float32)
-    midx = masks.causal_mask(B, mseq).indices
-    memory = {
-        "seq": mseq,
-        "unchunked": peak(ALLGATHER_KV, mq, mk, mv, md, midx, group, rank, world),
-        "chunked": peak(
-            ALLGATHER_KV_CHUNKED,
-            mq,
-            mk,
-            mv,
-            md,
-            midx,
-            group,
-            rank,
-            world,
-            query_chunk=mlocal // 4,
-            kv_chunk=world * mlocal // 8,
-        ),  # fmt: skip
-        "query_chunk": mlocal // 4,
-        "kv_chunk": world * mlocal // 8,
-    }
+    # memory: one causal attention forward + backward at two longer sequences; chunks of a
+    # fixed size, so the chunked peak grows only with the local rows
+    memory = []
+    for mlocal in args.memory_seq_per_rank:
+        mseq = mlocal * world
+        mq = rng.standard_normal((B, mseq, HQ, D)).astype(np.float32)
+        mk = rng.standard_normal((B, mseq, HKV, D)).astype(np.float32)
+        mv = rng.standard_normal((B, mseq, HKV, D)).astype(np.float32)
+        md = rng.standard_normal((B, mseq, HQ, D)).astype(np.float32)
+        midx = masks.causal_mask(B, mseq).indices
+        chunks = {"query_chunk": MEMORY_QUERY_CHUNK, "kv_chunk": MEMORY_KV_CHUNK * world}
+        memory.append({
+            "local": mlocal,
+            "seq": mseq,
+            "unchunked": peak(ALLGATHER_KV, mq, mk, mv, md, midx, group, rank, world),
+            "chunked": peak(ALLGATHER_KV_CHUNKED, mq, mk, mv, md, midx, group, rank, world,
+                            **chunks),
+            **chunks,
+        })  # fmt: skip
 
     report = {
         "rank": rank,
