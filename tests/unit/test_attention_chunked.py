@@ -23,15 +23,10 @@ from flashcp import masks
 from flashcp.attention import allgather_kv_chunked as chunked
 from flashcp.attention import registry
 from flashcp.attention.allgather_kv import ALLGATHER_KV
-from flashcp.attention.allgather_kv_chunked import (
-    ALLGATHER_KV_CHUNKED,
-    chunk_bounds,
-    key_order,
-    merge_partial,
-)
+from flashcp.attention.allgather_kv_chunked import ALLGATHER_KV_CHUNKED, key_order, merge_partial
 from flashcp.attention.context import AttentionContext
 from flashcp.config import ConfigValidationError, load_config
-from flashcp.cp.layout import Assignment
+from flashcp.cp.layout import Assignment, chunk_bounds
 from flashcp.cp.rebase import rebase_rows, rebase_thresholds
 from flashcp.kernels.registry import get_backend
 from flashcp.models import build_model, preset

@@ -58,6 +58,7 @@ from flashcp.attention.allgather_kv import (
 )
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.interface import AttentionImpl
+from flashcp.cp.layout import chunk_bounds
 from flashcp.cp.rebase import rebase_rows
 from flashcp.distributed.collectives import all_gather_tensor, reduce_scatter_chunks
 from flashcp.distributed.groups import NamedGroup
@@ -71,14 +72,12 @@ ACC_DTYPE = "float32"
 @dataclass(frozen=True)
 class ChunkedPlan(CPPlan):
     """A `CPPlan` with its chunk sizes; `mask` is the rebased local mask `[B, Hm, S, C']`
-    with its columns in key-chunk order (`key_order`)."""
+    with its columns in key-chunk order (`key_order`: chunk after chunk, rank-major)."""
 
     query_rows: int
     """Local query rows per kernel call."""
     key_rows: int
     """Local rows each rank contributes to one key chunk (`kv_chunk / world`)."""
-    key_order: np.ndarray
-    """`[S]` int64: the global key position of each column of `mask`."""
 
     def query_bounds(self, length: int) -> list[tuple[int, int]]:
         return chunk_bounds(length, self.query_rows)
@@ -90,11 +89,6 @@ class ChunkedPlan(CPPlan):
         """The kernel mask of query rows `rows` against key chunk `keys` (local rows)."""
         first, last = keys[0] * self.world, keys[1] * self.world
         return rebase_rows(rows_of(self.mask, first, last, axis=2), rows[0], rows[1])
-
-
-def chunk_bounds(count: int, chunk: int) -> list[tuple[int, int]]:
-    """`[start, stop)` of consecutive chunks of `chunk` rows (the last may be shorter)."""
-    return [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
 
 
 def key_order(assignment: Any, seq: int, world: int, key_rows: int) -> np.ndarray:
@@ -123,7 +117,8 @@ def plan_chunked(
     q: Any, k: Any, ctx: AttentionContext, *, query_chunk: int, kv_chunk: int
 ) -> ChunkedPlan:
     """Plan as all-gather KV does (validate, layout, rebase, FA version), then the chunks."""
-    group = ctx.group if ctx.uses_cp else (ctx.group if ctx.group is not None else _one_rank())
+    # no group means this rank's own sequence (not the world group, as for all-gather KV)
+    group = ctx.group if ctx.group is not None else _one_rank()
     world = int(group.nranks)
     mask = ctx.mask
     if mask is None:
@@ -166,7 +161,6 @@ def plan_chunked(
         **values,
         query_rows=query_chunk or local,
         key_rows=key_rows,
-        key_order=order,
     )
 
 

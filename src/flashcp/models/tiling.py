@@ -59,7 +59,7 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.meta_parallel.parallel_layers.random import get_rng_state_tracker
 from paddle.framework import core
 
-from flashcp.models.head import chunk_bounds
+from flashcp.cp.layout import chunk_bounds
 
 TileFn = Callable[..., tuple[paddle.Tensor, ...]]
 """A token-wise block: tiles of the inputs `[B, n, ...]` → outputs `[B, n, ...]` (a tuple)."""
@@ -117,7 +117,10 @@ def _attached(x: paddle.Tensor) -> paddle.Tensor:
 
 
 def _rows(x: paddle.Tensor, start: int, stop: int) -> paddle.Tensor:
-    return x[:, start:stop]
+    """Rows `[start, stop)` of the token axis, contiguous (a Paddle slice is a strided view;
+    a tile is small, and every kernel then sees the layout the untiled layer gives it)."""
+    part = x[:, start:stop]
+    return part if part.is_contiguous() else part.contiguous()
 
 
 def _run_tiles(
