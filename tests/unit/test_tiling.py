@@ -25,7 +25,8 @@ import numerics
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.context import AttentionContext
-from flashcp.config import ConfigValidationError, load_config
+from flashcp.config import ConfigValidationError, build_config, load_config
+from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
 from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.metrics.memory import PeakMeter
 from flashcp.models import base, build_model, preset
@@ -33,6 +34,7 @@ from flashcp.models import tiling as tiling_mod
 from flashcp.models.layers import Linear
 from flashcp.models.moe import MoE
 from flashcp.models.tiling import check_tile_tokens, tiled
+from flashcp.parallelize import apply_tiling, parallelize
 
 B, S = 2, 32
 ARCHS = ("tiny", "tiny_glm", "tiny_glm_moe")
@@ -361,3 +363,27 @@ def test_tiling_bounds_the_layer_backward_working_set() -> None:
     slope_plain = (plain[1] - plain[0]) / (B * (lengths[1] - lengths[0]))
     slope_tiled = (tiled_[1] - tiled_[0]) / (B * (lengths[1] - lengths[0]))
     assert slope_tiled < 0.6 * slope_plain, (slope_plain, slope_tiled)
+
+
+# ------------------------------------------------------------------------- parallelize
+
+
+def test_parallelize_applies_tiling_after_recompute() -> None:
+    """`flashcp.parallelize` sets `model.tile_tokens` on a stage built without it: the same
+    gradients, bitwise, as the stage built tiled; a bad value is refused by its key."""
+    cfg = build_config({"model": {"preset": "tiny_glm", "recompute": "full", "tile_tokens": 8}})
+    model = build_model(preset("tiny_glm"), seed=0)  # built untiled, no recompute
+    one = NamedGroup("world", 0, -1, [0], pg=None)
+    groups = ParallelGroups(ParallelDims(dp=1, pp=1, cp=1, world_size=1), 0, one, one, one, one,
+                            "none")  # fmt: skip
+    assert parallelize(model, cfg, groups) is None
+    assert [layer.tile_tokens for layer in model.decoder_layers()] == [8, 8]
+    ids, pos, ctx = _batch()
+    _loss(model, model(ids, pos, ctx), ids).backward()
+    got = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+    _, _, _, want = _run("tiny_glm", "full", 8)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    with pytest.raises(ValueError, match="model.tile_tokens"):
+        apply_tiling(model, -1)
