@@ -10,12 +10,13 @@ with its ep rank's share of the routed experts — and applies, one step each:
    `refined`; `flashcp.models.recompute`, which pins any `AttentionImpl` and its plan and knows
    no CP internals), and with `train.offload_activations` what they keep for backward waits in
    host memory (`flashcp.models.offload.apply_activation_offload`);
-3. LoRA: the `lora` section's adapters (`flashcp.lora.setup.apply_lora_config`), after which
-   only they are trainable.
+3. sequence tiling: the decoder layers run their token-wise parts over tiles of
+   `model.tile_tokens` local tokens (`flashcp.models.tiling`; 0 = untiled);
+4. LoRA: the `lora` section's adapters (`flashcp.lora.setup.apply_lora_config`), after which
+   only they are trainable (adapters inside tiled projections run per tile with them).
 
 Data and context parallelism need nothing here: dp is a gradient sum (`flashcp.optim`), cp
 lives in each micro-batch's attention context (`flashcp.pipeline.runner.MicroBatch.of`).
-Wrappers still to come for long contexts (sequence tiling) belong here too, after recompute.
 Recipe business (DPO's frozen reference copy) is not applied here but by the recipe's `setup`,
 on the parallelized stage.
 """
@@ -27,10 +28,11 @@ import paddle
 from flashcp.config import Config
 from flashcp.distributed import ParallelGroups
 from flashcp.lora.setup import LoRASetup, apply_lora_config
-from flashcp.models.base import DecoderStack
+from flashcp.models.base import DecoderLayer, DecoderStack
 from flashcp.models.config import RECOMPUTE_MODES
 from flashcp.models.expert_parallel import attach_exchange
 from flashcp.models.offload import apply_activation_offload
+from flashcp.models.tiling import check_tile_tokens
 
 
 def apply_expert_parallel(model: paddle.nn.Layer, groups: ParallelGroups) -> int:
@@ -49,6 +51,14 @@ def apply_recompute(model: paddle.nn.Layer, mode: str) -> None:
             layer.recompute = mode
 
 
+def apply_tiling(model: paddle.nn.Layer, tile_tokens: int) -> None:
+    """Run the stage's decoder layers over tiles of `tile_tokens` local tokens (0: untiled)."""
+    tile = check_tile_tokens(tile_tokens)
+    for layer in model.sublayers(include_self=True):
+        if isinstance(layer, DecoderLayer):
+            layer.tile_tokens = tile
+
+
 def apply_lora(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> LoRASetup | None:
     """The `lora` section's adapters on the stage (target patterns checked over every stage,
     adapters keyed by `train.seed`); None without the section."""
@@ -59,9 +69,10 @@ def apply_lora(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> L
 
 
 def parallelize(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> LoRASetup | None:
-    """Expert parallel → recompute → LoRA on this rank's stage `model`, in place (see the
-    module docstring); returns the LoRA setup the adapter files need, None without LoRA."""
+    """Expert parallel → recompute → tiling → LoRA on this rank's stage `model`, in place (see
+    the module docstring); returns the LoRA setup the adapter files need, None without LoRA."""
     apply_expert_parallel(model, groups)
     apply_recompute(model, cfg.model.recompute)
     apply_activation_offload(model, cfg.train.offload_activations)
+    apply_tiling(model, cfg.model.tile_tokens)
     return apply_lora(model, cfg, groups)

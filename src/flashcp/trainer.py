@@ -164,6 +164,7 @@ class Trainer:
             self.model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
             forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
             fa4_unavailable=cfg.attention.fa4_unavailable,
+            query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
         )  # fmt: skip
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (`eval.path`; `flashcp.evaluate`), None without."""

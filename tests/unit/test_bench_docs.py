@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from bench import cp_pages, dpo, kernel, long_context, loss_memory, memory_check, moe
+from bench import (
+    cp_pages,
+    dpo,
+    kernel,
+    long_context,
+    loss_memory,
+    memory_check,
+    moe,
+    tiling_memory,
+)
 from bench import readme_table as tables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +61,14 @@ def test_loss_memory_page_matches_its_json() -> None:
     changed = copy.deepcopy(rec)
     changed["cases"][0]["peak_ratio"] *= 2
     assert loss_memory.PAGE.render(changed) != loss_memory.PAGE.render(rec)
+
+
+def test_tiling_memory_page_matches_its_json() -> None:
+    rec = _json("tiling_memory.json")
+    assert (DOCS / "tiling_memory.md").read_text() == tiling_memory.PAGE.render(rec)
+    changed = copy.deepcopy(rec)
+    changed["cases"][0]["peak_slope"] *= 2
+    assert tiling_memory.PAGE.render(changed) != tiling_memory.PAGE.render(rec)
 
 
 def test_readme_table_matches_the_json(tmp_path: Path) -> None:

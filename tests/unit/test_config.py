@@ -18,7 +18,9 @@ from flashcp.config import (
     RecipeSpec,
     build_config,
     collect,
+    config_changes,
     config_hash,
+    hashed_dict,
     load_config,
     parse_override,
     register_recipe,
@@ -399,6 +401,18 @@ def test_to_yaml_round_trip_and_hash() -> None:
     assert config_hash(longer) == config_hash(cfg)  # steps / run / budget do not bind checkpoints
     other = build_config(_raw(), overrides=["train.lr=0.5"])
     assert config_hash(other) != config_hash(cfg)
+
+
+def test_config_changes_since_a_checkpoint_ignore_new_keys_at_their_default() -> None:
+    """A checkpoint saved before a key existed lacks it: at its default (today's behaviour)
+    the key is no change; set to anything else it is one, as is any changed value."""
+    cfg = build_config(_raw())
+    saved = hashed_dict(cfg)
+    del saved["model"]["tile_tokens"], saved["attention"]["kv_chunk"]
+    assert config_changes(saved, cfg) == []
+    tiled = build_config(_raw(), overrides=["model.tile_tokens=64", "train.lr=0.5"])
+    assert config_changes(saved, tiled) == ["model.tile_tokens", "train.lr"]
+    assert config_changes(hashed_dict(cfg), tiled) == ["model.tile_tokens", "train.lr"]
 
 
 def test_cp_modes_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,8 @@ class AttentionContext:
     `mask` is the GLOBAL `startend_row_indices` (int32 `[B, Hm, S, C]`, numpy or paddle) or
     None (then `causal` alone decides; CP needs a mask). `group` is the CP process group (None
     or one rank: no CP), `mode` its CP mode (`flashcp.attention.registry`), `assignment` its
-    chunk layout (None: derived from `mode`).
+    chunk layout (None: derived from `mode`). `query_chunk` / `kv_chunk` > 0 run the mode's
+    chunked implementation (`attention.*` of the config).
     """
 
     mask: Any
@@ -41,6 +42,10 @@ class AttentionContext:
     assignment: Any = None
     mode: str = DEFAULT_MODE
     fa4_unavailable: str | None = None
+    query_chunk: int = 0
+    """`attention.query_chunk`: local query rows per kernel call (0: all of them)."""
+    kv_chunk: int = 0
+    """`attention.kv_chunk`: global keys gathered at once (0: all of them)."""
     _tensor_cache: dict[str, paddle.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -52,6 +57,11 @@ class AttentionContext:
     def uses_cp(self) -> bool:
         """Whether attention is context-parallel (a group of more than one rank)."""
         return self.group is not None and int(self.group.nranks) > 1
+
+    @property
+    def chunked(self) -> bool:
+        """Whether attention runs in chunks (`flashcp.attention.allgather_kv_chunked`)."""
+        return self.query_chunk > 0 or self.kv_chunk > 0
 
     def mask_tensor(self, place: Any) -> paddle.Tensor | None:
         """The mask as a paddle int32 tensor on `place`, converted once per context."""

@@ -9,7 +9,15 @@ nothing else:
   for a micro-batch (`flashcp.cp.layout`), fixed per mode or computed from the batch's
   global mask (`workload_balanced`, `flashcp.cp.balance`);
 * `implementation`: the `AttentionImpl` that runs on that layout, named as
-  "module:attribute" and imported the first time attention asks for it.
+  "module:attribute" and imported the first time attention asks for it;
+* `chunked`: the implementation that runs on that layout when attention is chunked
+  (`attention.query_chunk` / `attention.kv_chunk`, carried by `AttentionContext`).
+
+Chunking is an option of a mode's algorithm, not a mode of its own: the chunk sizes are
+numbers, orthogonal to the layout (every layout runs chunked the same way), so making them
+modes would multiply the table (dualchunk × chunked, contiguous × chunked, ...) and still need
+the numbers from the config. The table stays the one place that says what runs: each entry
+names both implementations, and `implementation_for(ctx)` picks between them.
 
 Everyone reads this table: the config loader and validator (the accepted names, the
 divisibility rule), the memory planner, the trainer (`make_assignment` per micro-batch) and
@@ -43,6 +51,8 @@ LOCAL = "flashcp.attention.local:LOCAL"
 """The implementation without CP (the whole sequence on this rank)."""
 ALLGATHER_KV = "flashcp.attention.allgather_kv:ALLGATHER_KV"
 """All-gather-KV CP attention: one FlashMask call of the local queries against all keys."""
+ALLGATHER_KV_CHUNKED = "flashcp.attention.allgather_kv_chunked:ALLGATHER_KV_CHUNKED"
+"""The same attention in chunks of local queries and of gathered global keys, LSE-merged."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,17 @@ class CPMode:
     """The `AttentionImpl` as "module:attribute", imported on first use."""
     summary: str = ""
     """One line for docs and messages."""
+    chunked: str | None = None
+    """The `AttentionImpl` ("module:attribute") run on this layout when attention is chunked
+    (`attention.query_chunk` / `attention.kv_chunk` > 0); None: the all-gather-KV chunked
+    implementation when `implementation` is all-gather KV, else the mode cannot chunk."""
+
+    @property
+    def chunked_implementation(self) -> str | None:
+        """What runs under chunking: `chunked`, or its default (see `chunked`)."""
+        if self.chunked is not None:
+            return self.chunked
+        return ALLGATHER_KV_CHUNKED if self.implementation == ALLGATHER_KV else None
 
 
 MODES: dict[str, CPMode] = {}
@@ -104,9 +125,23 @@ def implementation(name: str) -> AttentionImpl[Any]:
     return _load(get(name).implementation)
 
 
+def chunked_implementation(name: str) -> AttentionImpl[Any]:
+    """The chunked attention implementation of mode `name`; ValueError when it has none."""
+    path = get(name).chunked_implementation
+    if path is None:
+        raise ValueError(
+            f"cp mode {name!r} has no chunked attention: set attention.query_chunk and "
+            "attention.kv_chunk to 0, or use a mode that has one"
+        )
+    return _load(path)
+
+
 def implementation_for(ctx: AttentionContext) -> AttentionImpl[Any]:
-    """What the model runs for `ctx`: local without a CP group of more than one rank, else
-    the implementation of `ctx.mode`."""
+    """What the model runs for `ctx`: the mode's chunked implementation when the context asks
+    for chunks (with or without CP); else local without a CP group of more than one rank, and
+    the implementation of `ctx.mode` with one."""
+    if ctx.chunked:
+        return chunked_implementation(ctx.mode)
     return implementation(ctx.mode) if ctx.uses_cp else _load(LOCAL)
 
 

@@ -44,7 +44,7 @@ from flashcp.checkpoint.adapters import (
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.checkpoint.merge_export import MERGED_DIR, write_merged_index, write_merged_stage
 from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state, set_rng_state
-from flashcp.config import Config, config_hash, diff_dicts, hashed_dict
+from flashcp.config import Config, config_changes, config_hash, hashed_dict
 from flashcp.distributed import ParallelGroups, barrier
 from flashcp.lora.setup import LoRASetup
 from flashcp.models.hf_weights import read_hf_float32
@@ -148,8 +148,10 @@ class Checkpointer:
             return None
         loaded = ckpt.load_checkpoint(source)
         state = loaded.state
+        changed = []
         if state.get("config_hash") != config_hash(self.cfg) and self.is_main:
-            changed = diff_dicts(state.get("config", {}), hashed_dict(self.cfg))
+            changed = config_changes(state.get("config", {}), self.cfg)
+        if changed:
             self.echo(
                 f"warning: resuming from {source} with a changed config ({', '.join(changed)});"
                 " the run will not match an uninterrupted one"

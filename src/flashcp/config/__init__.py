@@ -13,6 +13,7 @@ from flashcp.config.errors import ConfigError, ConfigValidationError
 from flashcp.config.load import (
     build_config,
     collect,
+    config_changes,
     config_hash,
     diff_dicts,
     hashed_dict,
@@ -70,6 +71,7 @@ __all__ = [
     "build_config",
     "check_config",
     "collect",
+    "config_changes",
     "config_hash",
     "diff_dicts",
     "hashed_dict",

@@ -563,6 +563,45 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def config_changes(saved: Mapping[str, Any], cfg: Config) -> list[str]:
+    """Dotted keys whose values differ between a checkpoint's saved config (its `hashed_dict`)
+    and `cfg`. A key the saved config lacks counts as unchanged while `cfg` holds that key's
+    default: the flashcp that saved it predates the key and computed what the default does
+    (a new key's default keeps the earlier behaviour), so resuming it is not a change."""
+    current = hashed_dict(cfg)
+    return [
+        key
+        for key in diff_dicts(saved, current)
+        if not (_lookup(saved, key) is _MISSING and _holds_default(cfg, key, current))
+    ]
+
+
+def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, Mapping) or part not in data:
+            return _MISSING
+        data = data[part]
+    return data
+
+
+def _holds_default(cfg: Config, dotted: str, current: Mapping[str, Any]) -> bool:
+    """Whether `cfg`'s value of `dotted` (a `section.field` key) is that field's default."""
+    section, _, name = dotted.partition(".")
+    obj = cfg.extras.get(section) if section in cfg.extras else getattr(cfg, section, None)
+    if not name or not dataclasses.is_dataclass(obj):
+        return False
+    for f in dataclasses.fields(obj):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                return False
+            return json.loads(json.dumps(default, default=list)) == _lookup(current, dotted)
+    return False
+
+
 def diff_dicts(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two nested mappings."""
     out = []

@@ -98,6 +98,16 @@ class AttentionConfig:
     """When FLAGS_flash_attn_version asks for a version this card (or call) cannot run - FA4
     without SM100 + CuTe kernels or beyond their mask limits, FA3 off SM90: fail (error), or fall
     back FA4 → FA3 → FA2 with one warning (fallback)."""
+    query_chunk: int = 0
+    """Local query rows per attention kernel call (0 = all local rows in one call). > 0 (or
+    attention.kv_chunk > 0) runs the CP mode's chunked attention
+    (`flashcp.attention.allgather_kv_chunked`): partial results over key chunks merged exactly
+    through their log-sum-exp, so the working set is bounded by the chunks instead of growing
+    with the sequence (the float32 merge accumulators hold query_chunk rows). Also without CP."""
+    kv_chunk: int = 0
+    """Global keys gathered at once, and whose dK/dV are reduce-scattered at once, by the
+    chunked attention (0 = all keys): a multiple of parallel.cp, each rank contributing
+    kv_chunk / cp of its local rows (best a multiple of 128 per rank, FlashMask's key block)."""
 
 
 @dataclass(kw_only=True)

@@ -148,6 +148,35 @@ def _check_cp_mode(cfg: Config, c: _Checks) -> None:
         c.add("parallel.cp_mode", f"expected one of {modes}, got {mode!r}")
 
 
+def _check_attention(cfg: Config, c: _Checks) -> None:
+    """`attention.query_chunk` / `attention.kv_chunk`: >= 0, kv_chunk a multiple of cp, and a
+    CP mode with a chunked implementation (`flashcp.attention.registry`)."""
+    a, p = cfg.attention, cfg.parallel
+    for key in ("query_chunk", "kv_chunk"):
+        value = getattr(a, key)
+        if value < 0:
+            c.add(f"attention.{key}", f"must be an integer >= 0 (0 = one chunk), got {value}")
+    if p.cp >= 1 and a.kv_chunk > 0 and a.kv_chunk % p.cp and c.ok("parallel.cp"):
+        up = -(-a.kv_chunk // p.cp) * p.cp
+        c.add(
+            "attention.kv_chunk",
+            f"{a.kv_chunk} is not a multiple of parallel.cp = {p.cp}: each cp rank contributes "
+            f"kv_chunk / cp of its rows to a gathered key chunk; set attention.kv_chunk to a "
+            f"multiple of {p.cp} (e.g. {up})",
+            "parallel.cp",
+        )
+    chunked = a.query_chunk > 0 or a.kv_chunk > 0
+    mode = cp_modes.MODES.get(p.cp_mode)
+    if chunked and mode is not None and mode.chunked_implementation is None:
+        c.add(
+            "attention.query_chunk",
+            f"chunked attention (attention.query_chunk {a.query_chunk}, attention.kv_chunk "
+            f"{a.kv_chunk}) has no implementation for parallel.cp_mode {p.cp_mode}: set both "
+            "to 0 or use a mode that has one",
+            "parallel.cp_mode",
+        )
+
+
 def _check_lengths(cfg: Config, c: _Checks) -> None:
     d, p, m = cfg.data, cfg.parallel, cfg.model
     if d.seq_len < 2:
@@ -481,6 +510,7 @@ def check_config(
     c = _Checks(skip)
     _check_parallel(cfg, c, world_size, nnodes)
     _check_cp_mode(cfg, c)
+    _check_attention(cfg, c)
     _check_lengths(cfg, c)
     _check_model(cfg, c)
     _check_train(cfg, c)

@@ -31,6 +31,7 @@ from flashcp.masks import as_numpy
 __all__ = [
     "Assignment",
     "assigned_positions",
+    "chunk_bounds",
     "contiguous_positions",
     "dualchunk_positions",
     "pad_mask",
@@ -156,6 +157,12 @@ class Assignment:
         if not 0 <= int(rank) < self.world:
             raise ValueError(f"rank {rank} is out of range for a CP world of {self.world}")
         return self.ranks[int(rank)]
+
+
+def chunk_bounds(count: int, chunk: int) -> list[tuple[int, int]]:
+    """`[start, stop)` of consecutive chunks of at most `chunk` rows covering `count` rows
+    (the loss's token chunks, a layer's tiles, chunked attention's query and key chunks)."""
+    return [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
 
 
 def _check_world(world: int) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 from flashcp.cp.layout import Assignment
 from flashcp.masks import as_numpy, to_noncausal
 
-__all__ = ["local_positions", "rebase_mask", "rebase_thresholds"]
+__all__ = ["local_positions", "rebase_mask", "rebase_rows", "rebase_thresholds"]
 
 
 def local_positions(
@@ -57,6 +57,20 @@ def rebase_thresholds(values: Any, positions: np.ndarray) -> np.ndarray:
     """Map global row thresholds to local ones: t = number of local rows with global row < g."""
     g = np.asarray(as_numpy(values))
     return np.searchsorted(positions, g, side="left").astype(np.int32)
+
+
+def rebase_rows(thresholds: Any, start: int, stop: int) -> Any:
+    """Local row thresholds → thresholds over the local rows `[start, stop)` alone (a chunk of
+    query rows run in one kernel call, `flashcp.attention.allgather_kv_chunked`).
+
+    This is `rebase_thresholds(t, np.arange(start, stop))` — for contiguous rows the count of
+    rows below t is `clip(t - start, 0, stop - start)` — written with `-` and `.clip` only, so
+    it runs on a numpy array on the host or on a paddle int32 tensor on the device alike.
+    Columns are untouched: slice them first (any subset of key columns keeps its meaning).
+    """
+    if not 0 <= start <= stop:
+        raise ValueError(f"rows [{start}, {stop}) are not a range of local rows")
+    return (thresholds - start).clip(0, stop - start)
 
 
 def rebase_mask(

@@ -45,6 +45,14 @@ class Attention(nn.Layer):
     def forward(
         self, x: paddle.Tensor, rotary: RotaryTables | None, ctx: AttentionContext
     ) -> paddle.Tensor:
+        q, k, v = self.project(x, rotary)
+        return self.output(self.core(q, k, v, ctx))
+
+    def project(
+        self, x: paddle.Tensor, rotary: RotaryTables | None
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """The token-wise part before attention: q `[B, L, Hq, D]`, k and v `[B, L, Hkv, D]`
+        (projections, QK-norm, rotary); `flashcp.models.tiling` runs it over tiles."""
         b, s = int(x.shape[0]), int(x.shape[1])
         q = self.q_proj(x).reshape([b, s, self.num_heads, self.head_dim])
         k = self.k_proj(x).reshape([b, s, self.num_kv_heads, self.head_dim])
@@ -53,7 +61,11 @@ class Attention(nn.Layer):
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        out = self.core(q, k, v, ctx)
+        return q, k, v
+
+    def output(self, out: paddle.Tensor) -> paddle.Tensor:
+        """o_proj of the attention output `[B, L, Hq, D]` → `[B, L, hidden]` (token-wise)."""
+        b, s = int(out.shape[0]), int(out.shape[1])
         return self.o_proj(out.reshape([b, s, self.num_heads * self.head_dim]))
 
     # ------------------------------------------------------------------ the kernel call

@@ -20,7 +20,7 @@ the head, to the recipe's loss (`HeadInput`). Parameter names mirror the Hugging
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import paddle
 from paddle import nn
@@ -37,17 +37,46 @@ from flashcp.models.layers import RotaryTables, embedding, linear, rotary_tables
 from flashcp.models.offload import ActivationOffloader
 from flashcp.models.precision import cast_linear
 from flashcp.models.recompute import checkpoint
+from flashcp.models.tiling import tiled
 
 
 class DecoderLayer(nn.Layer):
-    """A layer maps hidden `[B, L, H]` to hidden; subclasses own `self_attn`."""
+    """A layer maps hidden `[B, L, H]` to hidden: the token-wise `before` (input norm, q/k/v
+    projections, QK-norm, rotary), attention (the only part that mixes tokens), and the
+    token-wise `after` (o_proj, norms, residuals, MLP or MoE) a family defines.
+
+    With `tile_tokens` > 0 (`model.tile_tokens`) `before` and `after` run over tiles of that
+    many local tokens (`flashcp.models.tiling`); 0 runs them once over all local tokens.
+    """
 
     self_attn: Attention
+    input_layernorm: nn.Layer
+    tile_tokens: int = 0
+
+    def before(
+        self, h: paddle.Tensor, rotary: RotaryTables | None
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """q, k, v of hidden `h` (token-wise)."""
+        return self.self_attn.project(self.input_layernorm(h), rotary)
+
+    def after(self, h: paddle.Tensor, o: paddle.Tensor, attn: AttentionContext) -> paddle.Tensor:
+        """The layer output from its input `h` and the attention output `o` (token-wise)."""
+        raise NotImplementedError
 
     def forward(  # type: ignore[override]
         self, h: paddle.Tensor, rotary: RotaryTables | None, attn: AttentionContext
     ) -> paddle.Tensor:
-        raise NotImplementedError
+        tile = self.tile_tokens
+        if rotary is None:
+            q, k, v = tiled(lambda x: self.before(x, None), [h], tile)
+        else:
+
+            def before(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor):
+                return self.before(x, replace(rotary, cos=cos, sin=sin))
+
+            q, k, v = tiled(before, [h], tile, tables=(rotary.cos, rotary.sin))
+        o = self.self_attn.core(q, k, v, attn)
+        return tiled(lambda x, y: (self.after(x, y, attn),), [h, o], tile)[0]
 
 
 class DecoderOps:

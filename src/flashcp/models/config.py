@@ -84,6 +84,7 @@ class ModelArgs:
     # training
     recompute: Recompute = "none"
     residual_dtype: ResidualDtype = "float32"  # the stream between layers (see module doc)
+    tile_tokens: int = 0  # > 0: token-wise layer parts run over tiles of this many local tokens
     initializer_range: float = 0.02
 
     # ------------------------------------------------------------------ derived values
@@ -173,7 +174,36 @@ class ModelArgs:
                 f"residual_dtype {self.residual_dtype!r}: use one of {', '.join(RESIDUAL_DTYPES)}",
             )
         self._validate_moe(err)
+        self._validate_tiling(err)
         return errs
+
+    def _validate_tiling(self, err: ErrFn) -> None:
+        """`tile_tokens` (`flashcp.models.tiling`): an integer >= 0, and no MoE option that
+        needs the whole sequence at once inside one call."""
+        tile = self.tile_tokens
+        if not _is_int(tile) or tile < 0:
+            err("tile_tokens", f"tile_tokens {tile!r} must be an integer >= 0 (0 = no tiling)")
+            return
+        if tile == 0 or self.arch != "glm_moe":
+            return
+        if self.moe_capacity_factor:
+            err(
+                "tile_tokens",
+                f"tile_tokens {tile} runs the MoE layers over tiles of {tile} tokens, but "
+                f"moe_capacity_factor {self.moe_capacity_factor} caps each expert at "
+                "ceil(f·T·k/E) rows of the whole call's T tokens, which would become a "
+                "per-tile cap (different drops): set model.moe_capacity_factor: 0 (dropless) "
+                "or model.tile_tokens: 0",
+            )
+        if self.router_aux_loss_coef:
+            err(
+                "tile_tokens",
+                f"tile_tokens {tile} runs the MoE router over tiles, but the sequence-wise "
+                f"balance loss (router_aux_loss_coef {self.router_aux_loss_coef}) multiplies "
+                "per-expert means over the whole sequence, which no tile sees: set "
+                "model.router_aux_loss_coef: 0 (the aux-loss-free router_bias_update_rate "
+                "works with tiling) or model.tile_tokens: 0",
+            )
 
     def _validate_rotary(self, err: ErrFn) -> None:
         if self.uses_learned_positions:

@@ -32,7 +32,7 @@ from flashcp.attention.context import AttentionContext
 from flashcp.models.attention import Attention
 from flashcp.models.base import CausalLM, DecoderLayer, StageSpec
 from flashcp.models.config import ModelArgs
-from flashcp.models.layers import RMSNorm, RotaryTables, SwiGLU
+from flashcp.models.layers import RMSNorm, SwiGLU
 from flashcp.models.moe import MoE
 
 
@@ -42,6 +42,7 @@ class GLMDecoderLayer(DecoderLayer):
     def __init__(self, args: ModelArgs, index: int, experts: range | None = None) -> None:
         super().__init__()
         self.index = index
+        self.tile_tokens = args.tile_tokens
         h, eps, std = args.hidden_size, args.norm_eps, args.initializer_range
         self.extra_norms = args.arch == "glm"
         self.input_layernorm = RMSNorm(h, eps)
@@ -56,10 +57,8 @@ class GLMDecoderLayer(DecoderLayer):
             self.post_self_attn_layernorm = RMSNorm(h, eps)
             self.post_mlp_layernorm = RMSNorm(h, eps)
 
-    def forward(  # type: ignore[override]
-        self, h: paddle.Tensor, rotary: RotaryTables | None, attn: AttentionContext
-    ) -> paddle.Tensor:
-        a = self.self_attn(self.input_layernorm(h), rotary, attn)
+    def after(self, h: paddle.Tensor, o: paddle.Tensor, attn: AttentionContext) -> paddle.Tensor:
+        a = self.self_attn.output(o)
         if self.extra_norms:
             a = self.post_self_attn_layernorm(a)
         h = h + a

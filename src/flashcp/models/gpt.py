@@ -16,22 +16,21 @@ from flashcp.attention.context import AttentionContext
 from flashcp.models.attention import Attention
 from flashcp.models.base import CausalLM, DecoderLayer, StageSpec
 from flashcp.models.config import ModelArgs
-from flashcp.models.layers import GeluMLP, RotaryTables, layer_norm
+from flashcp.models.layers import GeluMLP, layer_norm
 
 
 class GPTDecoderLayer(DecoderLayer):
     def __init__(self, args: ModelArgs, index: int) -> None:
         super().__init__()
         self.index = index
+        self.tile_tokens = args.tile_tokens
         self.input_layernorm = layer_norm(args.hidden_size, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = layer_norm(args.hidden_size, args.norm_eps)
         self.mlp = GeluMLP(args.hidden_size, args.intermediate_size, std=args.initializer_range)
 
-    def forward(  # type: ignore[override]
-        self, h: paddle.Tensor, rotary: RotaryTables | None, attn: AttentionContext
-    ) -> paddle.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rotary, attn)
+    def after(self, h: paddle.Tensor, o: paddle.Tensor, attn: AttentionContext) -> paddle.Tensor:
+        h = h + self.self_attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -43,6 +43,8 @@ import paddle
 import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
+from flashcp.cp.layout import chunk_bounds
+
 IGNORE_INDEX = -100
 DEFAULT_LOSS_CHUNK_TOKENS = 4096
 """The default of `train.loss_chunk_tokens` (rows of logits computed at once)."""
@@ -65,11 +67,6 @@ def token_logprobs(
     if len(lp.shape) == len(labels.shape) + 1:
         lp = lp.squeeze(-1)
     return lp
-
-
-def chunk_bounds(count: int, chunk: int) -> list[tuple[int, int]]:
-    """`[start, stop)` of consecutive chunks of at most `chunk` rows covering `count` rows."""
-    return [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
 
 
 def check_chunk_tokens(chunk_tokens: Any) -> int:

@@ -106,12 +106,14 @@ class MicroBatch:
         *,
         mode: str = DEFAULT_MODE,
         fa4_unavailable: str | None = None,
+        query_chunk: int = 0,
+        kv_chunk: int = 0,
     ) -> MicroBatch:
         """This rank's micro-batch of the FULL `batch` (`[B, S]` tokens, labels, positions
         and its global mask): its share of every sequence under the layout cp mode `mode` makes
         over the cp `group` (fixed, or from the batch's mask; `flashcp.cp.shard`; None: one
         rank, the whole sequence). The mask stays global, in the attention context with the
-        group and layout."""
+        group and layout (and `attention.query_chunk` / `kv_chunk`: chunked attention)."""
         mask = batch.mask
         size, rank = (1, 0) if group is None else (int(group.nranks), int(group.rank))
         assignment = make_assignment(mode, size, mask.indices, causal=mask.causal)
@@ -123,6 +125,8 @@ class MicroBatch:
             assignment=assignment,
             mode=mode,
             fa4_unavailable=fa4_unavailable,
+            query_chunk=query_chunk,
+            kv_chunk=kv_chunk,
         )
         labels = paddle.to_tensor(local.labels)
         ids, positions = paddle.to_tensor(local.input_ids), paddle.to_tensor(local.positions)
@@ -209,6 +213,8 @@ class PipelineRunner:
         forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
         cp_mode: str = DEFAULT_MODE,
         fa4_unavailable: str | None = None,
+        query_chunk: int = 0,
+        kv_chunk: int = 0,
     ) -> None:
         _check_head(stage)
         if kind not in SCHEDULE_FNS:
@@ -221,6 +227,7 @@ class PipelineRunner:
         self.forward_context = forward_context
         self.cp = groups.cp if groups is not None else None
         self.cp_mode, self.fa4_unavailable = cp_mode, fa4_unavailable
+        self.chunks = {"query_chunk": query_chunk, "kv_chunk": kv_chunk}  # attention.*
         self.prev: int | None = None
         self.next: int | None = None
         self.links = PipelineLinks(None, None, None)
@@ -252,7 +259,9 @@ class PipelineRunner:
         """This rank's micro-batch of each FULL batch: its cp shard under `cp_mode`
         (`MicroBatch.of`)."""
         return [
-            MicroBatch.of(b, self.cp, mode=self.cp_mode, fa4_unavailable=self.fa4_unavailable)
+            MicroBatch.of(
+                b, self.cp, mode=self.cp_mode, fa4_unavailable=self.fa4_unavailable, **self.chunks
+            )
             for b in batches
         ]
 
