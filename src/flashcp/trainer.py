@@ -264,6 +264,7 @@ class Trainer:
             self.scheduler,
             groups,
             shard=cfg.parallel.shard_optimizer,
+            shard_gradients=cfg.parallel.shard_gradients,
             bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
         )
         """This rank's optimizer (`flashcp.optim.zero`): Paddle's AdamW on the parameters,

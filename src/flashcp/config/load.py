@@ -529,9 +529,12 @@ HASH_EXCLUDE: tuple[str, ...] = (
     "hardware",
     "train.steps",
     "train.log_every",
+    "parallel.shard_gradients",
 )
 """Keys that do not change what a step computes, left out of `config_hash` (a resumed run may
-change them)."""
+change them). `parallel.shard_gradients` changes only when the gradients are reduce-scattered
+(during backward or at the step: float32 rounding with micro-batches) and writes the same
+checkpoints as ZeRO-1, so a run may resume with it turned on or off."""
 
 
 def hashed_dict(cfg: Config) -> dict[str, Any]:

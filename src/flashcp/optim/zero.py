@@ -84,6 +84,7 @@ from flashcp.optim.adamw import (
     load_adamw_state,
 )
 from flashcp.optim.clip import GlobalNorm, clip_factor
+from flashcp.optim.grad_shard import GradientSharder, GradPart
 from flashcp.optim.grads import (
     BUCKET_BYTES,
     grad_of,
@@ -120,6 +121,14 @@ def attach_main_grad(model: paddle.nn.Layer, dtype: str) -> Any:
     from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
     return MixPrecisionLayer(model, dtype=dtype)
+
+
+def _holder(params: Sequence[paddle.Tensor]) -> paddle.nn.Layer:
+    """A layer holding just `params` (for `attach_main_grad` on some parameters only)."""
+    holder = paddle.nn.Layer()
+    for i, p in enumerate(params):
+        holder.add_parameter(f"p{i}", p)
+    return holder
 
 
 @dataclass(frozen=True)
@@ -198,17 +207,31 @@ def build_distributed_optimizer(
     groups: ParallelGroups,
     *,
     shard: bool = False,
+    shard_gradients: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> ParamOptimizer | MasterOptimizer:
     """The optimizer of this rank's `model` (its pipeline stage): `ParamOptimizer` for float32
-    parameters without sharding, else `MasterOptimizer` (`shard`: ZeRO-1). `scheduler`: the LR
-    scheduler (`flashcp.optim.lr.build_scheduler`) or a fixed LR. Collective over pp."""
+    parameters without sharding, else `MasterOptimizer` (`shard`: ZeRO-1; `shard_gradients`
+    too: ZeRO-2). `scheduler`: the LR scheduler (`flashcp.optim.lr.build_scheduler`) or a
+    fixed LR. Collective over pp."""
+    if shard_gradients and not shard:
+        raise ValueError(
+            "parallel.shard_gradients: true shards the gradients like the optimizer state, "
+            "which needs parallel.shard_optimizer: true"
+        )
     held = Trainable.of(model, groups)
     low = low_precision_dtype([p for _, p in held.params])
     if low is None and not shard:
         return ParamOptimizer(held, train, scheduler, groups, bucket_bytes=bucket_bytes)
     return MasterOptimizer(
-        held, train, scheduler, groups, shard=shard, bucket_bytes=bucket_bytes, low_precision=low
+        held,
+        train,
+        scheduler,
+        groups,
+        shard=shard,
+        shard_gradients=shard_gradients,
+        bucket_bytes=bucket_bytes,
+        low_precision=low,
     )
 
 
@@ -477,6 +500,7 @@ class MasterOptimizer(_NormOnce):
         groups: ParallelGroups,
         *,
         shard: bool = False,
+        shard_gradients: bool = False,
         bucket_bytes: int = BUCKET_BYTES,
         low_precision: str | None = None,
     ) -> None:
@@ -491,9 +515,6 @@ class MasterOptimizer(_NormOnce):
         self.reducing = cp_size * dp_size > 1
         """Whether gradients are summed over other ranks (else a missing one stays missing)."""
         self.low_precision = low_precision
-        self.hooks = None
-        if low_precision is not None:
-            self.hooks = attach_main_grad(held.model, low_precision)
         self.params = dict(held.params)
         self.tensors = [p for _, p in held.params]
         bucket = max(1, bucket_bytes // 4)
@@ -526,12 +547,51 @@ class MasterOptimizer(_NormOnce):
             for name in bucket.names
         }
         self.norm = GlobalNorm(held.order, skip=held.skip, partial=partial, stages=self.pp)
+        self.sharder: GradientSharder | None = None
+        """ZeRO-2 (`shard_gradients`, more than one shard): gradients reduce-scattered during
+        backward (`flashcp.optim.grad_shard`); None: at the step."""
+        accumulated = self.tensors
+        """Parameters whose gradients accumulate whole until the step (`.grad`, `main_grad`)."""
+        if shard_gradients and self.shards > 1:
+            self.sharder = GradientSharder(
+                self.params,
+                [GradPart(part.layout, part.reduce) for part in self.parts],
+                deferred=self._deferred(g),
+                piece_numel=bucket,
+            )
+            accumulated = [
+                self.params[name]
+                for i, part in enumerate(self.parts)
+                for b, bucket_ in enumerate(part.layout.buckets)
+                if self.sharder.deferred(i, b)
+                for name in bucket_.names
+            ]
+        self.accumulated = accumulated
+        self.hooks = None
+        if low_precision is not None and accumulated:
+            whole = accumulated is self.tensors
+            self.hooks = attach_main_grad(
+                held.model if whole else _holder(accumulated), low_precision
+            )
+
+    def _deferred(self, groups: ParallelGroups) -> set[str]:
+        """Parameters whose gradient must stay whole until the step under ZeRO-2: a tied
+        embedding/head held by two pipeline stages (the runner adds the two stages' gradients
+        after the last micro-batch, `flashcp.pipeline.runner.sync_tied_gradients`)."""
+        tied = getattr(self.held.model, "tied_weight", None)
+        if tied is None or int(groups.pp.nranks) == 1:
+            return set()
+        return {n for n, p in self.held.params if p is tied}
 
     # -- gradients --------------------------------------------------------------------------
 
     def local_squares(self) -> float:
-        """Sum of squares of this rank's own (unreduced) float32 gradients; NaN/Inf propagate."""
-        return squared_norm(self.tensors)
+        """Sum of squares of this rank's own (unreduced) float32 gradients; NaN/Inf propagate.
+        Under ZeRO-2 the reduced buckets counted each micro-batch's gradients before their
+        reduction (`GradientSharder.local_squares`)."""
+        if self.sharder is None:
+            return squared_norm(self.tensors)
+        return self.sharder.local_squares() + squared_norm(self.accumulated)
 
     @paddle.no_grad()
     def _flat(self, part: _Part, b: int) -> paddle.Tensor:
@@ -551,13 +611,17 @@ class MasterOptimizer(_NormOnce):
     def reduce_grads(self) -> None:
         """Sum the gradients over cp, then dp (expert-parallel ones over edp): all of them
         (unsharded), or each rank's shard (reduce-scatter). The parameters' own gradients are
-        released bucket by bucket."""
+        released bucket by bucket. Under ZeRO-2 the shard gradients were summed during
+        backward: a bucket still filling is reduce-scattered here, in bucket order."""
         self._forget_norm()
         present = None
         if not self.reducing:
             present = {n for n, p in self.params.items() if grad_of(p) is not None}
-        for part in self.parts:
+        for i, part in enumerate(self.parts):
             for b, bucket in enumerate(part.layout.buckets):
+                if self.sharder is not None and not self.sharder.deferred(i, b):
+                    part.shard.set_grads(b, self.sharder.take(i, b), present)
+                    continue
                 flat = self._flat(part, b)
                 for name in bucket.names:
                     self._release(self.params[name])
@@ -613,6 +677,8 @@ class MasterOptimizer(_NormOnce):
             self._release(p)
         for part in self.parts:
             part.shard.clear_grads()
+        if self.sharder is not None:
+            self.sharder.reset()
         self._forget_norm()
 
     def full_grads(self) -> dict[str, np.ndarray]:
@@ -677,6 +743,12 @@ class MasterOptimizer(_NormOnce):
             return (
                 f"AdamW on {what}; parallel.shard_optimizer: 1 shard (dp × cp = 1: nothing to "
                 f"shard){experts}"
+            )
+        if self.sharder is not None:
+            return (
+                f"AdamW on {what}, ZeRO-2 sharded over dp × cp = {self.shards} ranks "
+                f"({self.layout.owned} of the stage's elements on this rank; gradients "
+                f"reduce-scattered during backward){experts}"
             )
         return (
             f"AdamW on {what}, ZeRO-1 sharded over dp × cp = {self.shards} ranks "
