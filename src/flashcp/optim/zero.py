@@ -1,5 +1,6 @@
 """The optimizer step of every layout: AdamW on the parameters, or on float32 master weights,
-optionally sharded over the ranks that hold the same parameters (ZeRO-1).
+optionally sharded over the ranks that hold the same parameters (ZeRO-1), gradients too
+(ZeRO-2).
 
 `build_distributed_optimizer(model, train, scheduler, groups)` picks one of two
 implementations of one interface (`DistributedOptimizer`: `local_squares`, `reduce_grads`,
@@ -28,6 +29,15 @@ stages) and the tied copy another stage counts.
      element; weight decay per parameter as before (matrices and embeddings, not 1-D tensors);
   4. the updated shards are all-gathered per bucket (dp, then cp) and cast into the parameters
      (their storage dtype).
+
+  ZeRO-2 (`shard_gradients`, with `shard` and more than one shard): steps 1-2 move into
+  backward - `flashcp.optim.grad_shard.GradientSharder` reduce-scatters each bucket as soon as
+  backward has produced its gradients and adds the slice into the shard's float32 gradient,
+  so no full-size float32 gradient (nor `main_grad`) is kept; `reduce_grads` only hands the
+  summed slices to the masters (reducing a bucket still filling). The buckets, shards and
+  segments are ZeRO-1's, and so are the step, the norm and the checkpoints. A tied
+  embedding/head held by two pipeline stages keeps ZeRO-1's path (its bucket is summed
+  across the stages by the runner after the last micro-batch, before it can be reduced).
 
 Both clip with THE global norm (`flashcp.optim.clip.GlobalNorm`), computed once per step:
 `grad_norm()` (the logged value) computes it after `reduce_grads()`, and `step()` scales the
@@ -726,8 +736,9 @@ class MasterOptimizer(_NormOnce):
             part.shard.load(source)
 
     def describe(self) -> str:
+        accumulate = "float32 gradient shards" if self.sharder is not None else "float32 main_grad"
         what = "float32 master weights" + (
-            f" (parameters stored in {self.low_precision}, float32 main_grad)"
+            f" (parameters stored in {self.low_precision}, {accumulate})"
             if self.low_precision
             else ""
         )

@@ -13,14 +13,16 @@ ZeRO-2 (`parallel.shard_gradients`) entries may add `"measure": dir`: every rank
 `dir/rank<r>.json` with, per step, the allocator's peak during the micro-batches' forward and
 backward and during the optimizer step (`reduce_grads` to `step`), the bytes live before each,
 the float32 gradient bytes left on the parameters after backward, the buckets the sharder
-reduced during backward, and the stage's trained elements (`measure`); and `"bug":
+reduced during backward, and the stage's trained elements (`measure`); `"bug":
 "zero2_overwrite"`: the classic ZeRO-2 bug model for a negative control - each micro-batch's
-reduce-scattered slice REPLACES the shard gradient instead of adding to it.
+reduce-scattered slice REPLACES the shard gradient instead of adding to it; and `"fault":
+"nan_grad@step2:rank1"` (`flashcp.faults` syntax) installs that fault in the run's trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -42,6 +44,7 @@ from flashcp.distributed import (  # noqa: E402
     shutdown,
 )
 from flashcp.distributed.p2p import pipeline_links  # noqa: E402
+from flashcp.faults import install, parse_faults  # noqa: E402
 from flashcp.metrics import memory  # noqa: E402
 from flashcp.optim import grad_shard  # noqa: E402
 from flashcp.optim.grads import grad_of, numel  # noqa: E402
@@ -93,6 +96,7 @@ def measure(trainer: Trainer, out: Path, rank: int) -> None:
         return sum(4 * numel(g) for g in grads if g is not None and g._is_initialized())
 
     def timed_train(micro: Any) -> Any:
+        gc.collect()  # earlier runs' trainers (reference cycles) go now, not mid-measurement
         records.append({"live_before_backward": memory.allocated_bytes()})
         memory.reset_peak()
         losses = train(micro)
@@ -105,6 +109,7 @@ def measure(trainer: Trainer, out: Path, rank: int) -> None:
         return losses
 
     def timed_reduce() -> None:
+        gc.collect()
         records[-1]["live_before_step"] = memory.allocated_bytes()
         memory.reset_peak()
         reduce_grads()
@@ -113,8 +118,12 @@ def measure(trainer: Trainer, out: Path, rank: int) -> None:
         step()
         records[-1]["step_peak"] = memory.peak_bytes()
         layout = [part.layout for part in opt.parts]
+        deferred = [(i, b) for i, lay in enumerate(layout) for b in range(len(lay.buckets))
+                    if sharder is not None and sharder.deferred(i, b)]  # fmt: skip
         (out / f"rank{rank}.json").write_text(json.dumps({
             "trained": sum(numel(p) for p in opt.tensors),
+            "deferred_numel": sum(layout[i].buckets[b].numel for i, b in deferred),
+            "deferred_buckets": len(deferred),
             "shard_numel": sum(lay.numel for lay in layout),
             "buckets": sum(len(lay.buckets) for lay in layout),
             "largest_bucket": max(b.padded(lay.shards) for lay in layout for b in lay.buckets),
@@ -131,9 +140,9 @@ def overwrite_bug() -> Any:
     last micro-batch of a step counts). Returns the correct method, to put back."""
     reduce = grad_shard.GradientSharder._reduce
 
-    def wrong(self: Any, state: Any) -> None:
+    def wrong(self: Any, state: Any, source: Any) -> None:
         state.shard = None
-        reduce(self, state)
+        reduce(self, state, source)
 
     grad_shard.GradientSharder._reduce = wrong  # type: ignore[method-assign]
     return reduce
@@ -151,7 +160,9 @@ def main() -> None:
             continue
         cfg = load_config(run["config"], run["overrides"], world_size=env.world_size)
         p = cfg.parallel
-        groups = build_groups(ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size))
+        groups = build_groups(
+            ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, ep=p.ep, world_size=env.world_size)
+        )
         factory = None
         if run.get("toy"):
 
@@ -160,6 +171,8 @@ def main() -> None:
 
         correct = overwrite_bug() if run.get("bug") == "zero2_overwrite" else None
         trainer = Trainer(cfg, groups, model_factory=factory)
+        if "fault" in run:
+            install(trainer, parse_faults(run["fault"]))
         if "measure" in run:
             Path(run["measure"]).mkdir(parents=True, exist_ok=True)
             measure(trainer, Path(run["measure"]), env.rank)
