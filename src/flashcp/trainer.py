@@ -153,6 +153,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg.train)
         self.optimizer = build_distributed_optimizer(
             self.model, cfg.train, self.scheduler, groups, shard=cfg.parallel.shard_optimizer,
+            shard_gradients=cfg.parallel.shard_gradients,
             bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
         )  # fmt: skip
         self.checkpointer = Checkpointer(

@@ -530,9 +530,12 @@ HASH_EXCLUDE: tuple[str, ...] = (
     "train.steps",
     "train.log_every",
     "train.offload_activations",
+    "parallel.shard_gradients",
 )
 """Keys that do not change what a step computes, left out of `config_hash` (a resumed run may
-change them). Activation offload moves kept tensors to the host and back unchanged."""
+change them). Activation offload moves kept tensors to the host and back unchanged;
+`parallel.shard_gradients` changes only when the gradients are reduce-scattered and writes the
+same checkpoints as ZeRO-1."""
 
 HASH_IF_CHANGED: dict[str, Any] = {"model.residual_dtype": "float32"}
 """Keys added after checkpoints were written, with the value every earlier run computed with:

@@ -48,6 +48,14 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int
         if getattr(p, dim) < 1:
             c.add(f"parallel.{dim}", f"must be an integer >= 1, got {getattr(p, dim)}")
     _positive(c, "parallel.grad_bucket_mb", p.grad_bucket_mb)
+    if p.shard_gradients and not p.shard_optimizer:
+        c.add(
+            "parallel.shard_gradients",
+            "true shards the float32 gradients over the ranks that hold the optimizer's shards, "
+            "but parallel.shard_optimizer is false: set parallel.shard_optimizer: true (ZeRO-2 "
+            "is ZeRO-1 plus sharded gradients) or parallel.shard_gradients: false",
+            "parallel.shard_optimizer",
+        )
     if p.shard_optimizer and cfg.debug.dump_grads:
         c.add(
             "debug.dump_grads",

@@ -4,6 +4,7 @@
 * `lr`: the warmup + cosine learning-rate schedule;
 * `grads`: bucketed gradient all-reduce over cp / dp;
 * `clip`: the global gradient norm of every layout, computed once per step, and the clip;
-* `zero`: AdamW on parameters or on float32 masters, optionally sharded (ZeRO-1);
+* `zero`: AdamW on parameters or on float32 masters, optionally sharded (ZeRO-1, ZeRO-2);
+* `grad_shard`: ZeRO-2's gradient reduce-scatter during backward, bucket by bucket;
 * `layout`: which slice of the parameters each optimizer shard owns (pure arithmetic).
 """

@@ -1,5 +1,6 @@
 """The optimizer step of every layout: AdamW on the parameters, or on float32 master weights,
-optionally sharded over the ranks that hold the same parameters (ZeRO-1).
+optionally sharded over the ranks that hold the same parameters (ZeRO-1), gradients too
+(ZeRO-2).
 
 `build_distributed_optimizer(model, train, scheduler, groups)` picks one of two
 implementations of one interface (`DistributedOptimizer`: `local_squares`, `reduce_grads`,
@@ -28,6 +29,15 @@ stages) and the tied copy another stage counts.
      element; weight decay per parameter as before (matrices and embeddings, not 1-D tensors);
   4. the updated shards are all-gathered per bucket (dp, then cp) and cast into the parameters
      (their storage dtype).
+
+  ZeRO-2 (`shard_gradients`, with `shard` and more than one shard): steps 1-2 move into
+  backward - `flashcp.optim.grad_shard.GradientSharder` reduce-scatters each bucket as soon as
+  backward has produced its gradients and adds the slice into the shard's float32 gradient,
+  so no full-size float32 gradient (nor `main_grad`) is kept; `reduce_grads` only hands the
+  summed slices to the masters (reducing a bucket still filling). The buckets, shards and
+  segments are ZeRO-1's, and so are the step, the norm and the checkpoints. A tied
+  embedding/head held by two pipeline stages keeps ZeRO-1's path (its bucket is summed
+  across the stages by the runner after the last micro-batch, before it can be reduced).
 
 Both clip with THE global norm (`flashcp.optim.clip.GlobalNorm`), computed once per step:
 `grad_norm()` (the logged value) computes it after `reduce_grads()`, and `step()` scales the
@@ -84,6 +94,7 @@ from flashcp.optim.adamw import (
     load_adamw_state,
 )
 from flashcp.optim.clip import GlobalNorm, clip_factor
+from flashcp.optim.grad_shard import GradientSharder, GradPart
 from flashcp.optim.grads import (
     BUCKET_BYTES,
     grad_of,
@@ -120,6 +131,14 @@ def attach_main_grad(model: paddle.nn.Layer, dtype: str) -> Any:
     from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
     return MixPrecisionLayer(model, dtype=dtype)
+
+
+def _holder(params: Sequence[paddle.Tensor]) -> paddle.nn.Layer:
+    """A layer holding just `params` (for `attach_main_grad` on some parameters only)."""
+    holder = paddle.nn.Layer()
+    for i, p in enumerate(params):
+        holder.add_parameter(f"p{i}", p)
+    return holder
 
 
 @dataclass(frozen=True)
@@ -198,17 +217,31 @@ def build_distributed_optimizer(
     groups: ParallelGroups,
     *,
     shard: bool = False,
+    shard_gradients: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> ParamOptimizer | MasterOptimizer:
     """The optimizer of this rank's `model` (its pipeline stage): `ParamOptimizer` for float32
-    parameters without sharding, else `MasterOptimizer` (`shard`: ZeRO-1). `scheduler`: the LR
-    scheduler (`flashcp.optim.lr.build_scheduler`) or a fixed LR. Collective over pp."""
+    parameters without sharding, else `MasterOptimizer` (`shard`: ZeRO-1; `shard_gradients`
+    too: ZeRO-2). `scheduler`: the LR scheduler (`flashcp.optim.lr.build_scheduler`) or a
+    fixed LR. Collective over pp."""
+    if shard_gradients and not shard:
+        raise ValueError(
+            "parallel.shard_gradients: true shards the gradients like the optimizer state, "
+            "which needs parallel.shard_optimizer: true"
+        )
     held = Trainable.of(model, groups)
     low = low_precision_dtype([p for _, p in held.params])
     if low is None and not shard:
         return ParamOptimizer(held, train, scheduler, groups, bucket_bytes=bucket_bytes)
     return MasterOptimizer(
-        held, train, scheduler, groups, shard=shard, bucket_bytes=bucket_bytes, low_precision=low
+        held,
+        train,
+        scheduler,
+        groups,
+        shard=shard,
+        shard_gradients=shard_gradients,
+        bucket_bytes=bucket_bytes,
+        low_precision=low,
     )
 
 
@@ -477,6 +510,7 @@ class MasterOptimizer(_NormOnce):
         groups: ParallelGroups,
         *,
         shard: bool = False,
+        shard_gradients: bool = False,
         bucket_bytes: int = BUCKET_BYTES,
         low_precision: str | None = None,
     ) -> None:
@@ -491,9 +525,6 @@ class MasterOptimizer(_NormOnce):
         self.reducing = cp_size * dp_size > 1
         """Whether gradients are summed over other ranks (else a missing one stays missing)."""
         self.low_precision = low_precision
-        self.hooks = None
-        if low_precision is not None:
-            self.hooks = attach_main_grad(held.model, low_precision)
         self.params = dict(held.params)
         self.tensors = [p for _, p in held.params]
         bucket = max(1, bucket_bytes // 4)
@@ -526,12 +557,51 @@ class MasterOptimizer(_NormOnce):
             for name in bucket.names
         }
         self.norm = GlobalNorm(held.order, skip=held.skip, partial=partial, stages=self.pp)
+        self.sharder: GradientSharder | None = None
+        """ZeRO-2 (`shard_gradients`, more than one shard): gradients reduce-scattered during
+        backward (`flashcp.optim.grad_shard`); None: at the step."""
+        accumulated = self.tensors
+        """Parameters whose gradients accumulate whole until the step (`.grad`, `main_grad`)."""
+        if shard_gradients and self.shards > 1:
+            self.sharder = GradientSharder(
+                self.params,
+                [GradPart(part.layout, part.reduce) for part in self.parts],
+                deferred=self._deferred(g),
+                piece_numel=bucket,
+            )
+            accumulated = [
+                self.params[name]
+                for i, part in enumerate(self.parts)
+                for b, bucket_ in enumerate(part.layout.buckets)
+                if self.sharder.deferred(i, b)
+                for name in bucket_.names
+            ]
+        self.accumulated = accumulated
+        self.hooks = None
+        if low_precision is not None and accumulated:
+            whole = accumulated is self.tensors
+            self.hooks = attach_main_grad(
+                held.model if whole else _holder(accumulated), low_precision
+            )
+
+    def _deferred(self, groups: ParallelGroups) -> set[str]:
+        """Parameters whose gradient must stay whole until the step under ZeRO-2: a tied
+        embedding/head held by two pipeline stages (the runner adds the two stages' gradients
+        after the last micro-batch, `flashcp.pipeline.runner.sync_tied_gradients`)."""
+        tied = getattr(self.held.model, "tied_weight", None)
+        if tied is None or int(groups.pp.nranks) == 1:
+            return set()
+        return {n for n, p in self.held.params if p is tied}
 
     # -- gradients --------------------------------------------------------------------------
 
     def local_squares(self) -> float:
-        """Sum of squares of this rank's own (unreduced) float32 gradients; NaN/Inf propagate."""
-        return squared_norm(self.tensors)
+        """Sum of squares of this rank's own (unreduced) float32 gradients; NaN/Inf propagate.
+        Under ZeRO-2 the reduced buckets counted each micro-batch's gradients before their
+        reduction (`GradientSharder.local_squares`)."""
+        if self.sharder is None:
+            return squared_norm(self.tensors)
+        return self.sharder.local_squares() + squared_norm(self.accumulated)
 
     @paddle.no_grad()
     def _flat(self, part: _Part, b: int) -> paddle.Tensor:
@@ -551,13 +621,17 @@ class MasterOptimizer(_NormOnce):
     def reduce_grads(self) -> None:
         """Sum the gradients over cp, then dp (expert-parallel ones over edp): all of them
         (unsharded), or each rank's shard (reduce-scatter). The parameters' own gradients are
-        released bucket by bucket."""
+        released bucket by bucket. Under ZeRO-2 the shard gradients were summed during
+        backward: a bucket still filling is reduce-scattered here, in bucket order."""
         self._forget_norm()
         present = None
         if not self.reducing:
             present = {n for n, p in self.params.items() if grad_of(p) is not None}
-        for part in self.parts:
+        for i, part in enumerate(self.parts):
             for b, bucket in enumerate(part.layout.buckets):
+                if self.sharder is not None and not self.sharder.deferred(i, b):
+                    part.shard.set_grads(b, self.sharder.take(i, b), present)
+                    continue
                 flat = self._flat(part, b)
                 for name in bucket.names:
                     self._release(self.params[name])
@@ -613,6 +687,8 @@ class MasterOptimizer(_NormOnce):
             self._release(p)
         for part in self.parts:
             part.shard.clear_grads()
+        if self.sharder is not None:
+            self.sharder.reset()
         self._forget_norm()
 
     def full_grads(self) -> dict[str, np.ndarray]:
@@ -660,8 +736,9 @@ class MasterOptimizer(_NormOnce):
             part.shard.load(source)
 
     def describe(self) -> str:
+        accumulate = "float32 gradient shards" if self.sharder is not None else "float32 main_grad"
         what = "float32 master weights" + (
-            f" (parameters stored in {self.low_precision}, float32 main_grad)"
+            f" (parameters stored in {self.low_precision}, {accumulate})"
             if self.low_precision
             else ""
         )
@@ -677,6 +754,12 @@ class MasterOptimizer(_NormOnce):
             return (
                 f"AdamW on {what}; parallel.shard_optimizer: 1 shard (dp × cp = 1: nothing to "
                 f"shard){experts}"
+            )
+        if self.sharder is not None:
+            return (
+                f"AdamW on {what}, ZeRO-2 sharded over dp × cp = {self.shards} ranks "
+                f"({self.layout.owned} of the stage's elements on this rank; gradients "
+                f"reduce-scattered during backward){experts}"
             )
         return (
             f"AdamW on {what}, ZeRO-1 sharded over dp × cp = {self.shards} ranks "
