@@ -141,14 +141,15 @@ FIELD_KEYS: dict[str, str] = {
 """`ModelArgs` field → the config.json key that defines it (for messages)."""
 TRAINING_FIELDS = (
     "recompute",
+    "residual_dtype",
     "tile_tokens",
     "moe_capacity_factor",
     "router_bias_update_rate",
     "router_aux_loss_coef",
 )
-"""`ModelArgs` fields config.json does not define — how the run trains (recompute, sequence
-tiling, MoE token capacity, the router's load balancing), not which model it is: a run config
-sets them freely."""
+"""`ModelArgs` fields config.json does not define — how the run trains (recompute, the residual
+stream's dtype between layers, sequence tiling, MoE token capacity, the router's load
+balancing), not which model it is: a run config sets them freely."""
 
 _MODEL_KEYS = {
     "architectures",
