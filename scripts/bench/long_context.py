@@ -8,9 +8,9 @@ memory of `HARDWARE`), searched over:
 * the longest `data.seq_len` (`flashcp.plan.longest`: both budgets) on ONE node, over the
   node's layouts (pp × cp = 8, and for MoE models every expert-parallel degree that divides
   cp), with today's features ("before": recompute, loss chunking, bf16 storage, ZeRO-1 as the
-  config has them) and with the long-context mechanisms on ("after": `AFTER`, activation
-  offload, bf16 residual stream, sequence tiling, chunked attention, ZeRO-2 where the
-  optimizer is sharded);
+  config has them) and with the long-context mechanisms on through their config keys
+  ("after": `AFTER`: activation offload, bf16 residual stream, sequence tiling, chunked
+  attention, ZeRO-2 where the optimizer is sharded; each candidate validated like a config);
 * the model-per-node side: the fewest GPUs on which GLM-4.5-Air's full fine-tune fits at its
   shipped 64K tokens, over pp × cp × ep layouts.
 
@@ -28,7 +28,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import subprocess
 import sys
 import time
@@ -76,6 +75,7 @@ ROWS: tuple[dict[str, Any], ...] = (
 MODEL_PER_NODE = {
     "name": "GLM-4.5-Air full fine-tune (SFT, expert parallel)",
     "config": "configs/glm/glm45_air_cp8.yaml",
+    "variant": "configs/glm/glm45_air_sft_ep8_pp4_cp8.yaml",
     "seq_len": 65536,
 }
 """The fewest-GPUs row: the shipped 128-GPU config, re-laid out."""
@@ -101,11 +101,28 @@ ALST = {
 """ALST's published figures and what they assume (`--report-only` re-renders them)."""
 
 
-def _features(cfg: Any) -> Any:
-    """`AFTER`, with ZeRO-2 only where the config shards its optimizer (LoRA's is tiny)."""
-    from flashcp.plan.features import AFTER
+AFTER = (
+    "train.offload_activations=true",
+    "model.residual_dtype=bfloat16",
+    "model.tile_tokens=4096",
+    "attention.query_chunk=16384",
+    "attention.kv_chunk=65536",
+)
+"""The long-context mechanisms of the "after" column, as config overrides (ZeRO-2 added where
+the optimizer is sharded: `after_overrides`)."""
+PER_NODE_AFTER = (
+    "train.offload_activations=true",
+    "model.residual_dtype=bfloat16",
+    "parallel.shard_gradients=true",
+)
+"""The mechanisms the fewest-GPUs row adds at 64K tokens: what shrinks the optimizer side and
+the kept inputs (tiles and attention chunks matter at millions of tokens, not at 8K local)."""
 
-    return AFTER if cfg.parallel.shard_optimizer else AFTER.with_(shard_gradients=False)
+
+def after_overrides(cfg: Any) -> list[str]:
+    """`AFTER`, plus `parallel.shard_gradients=true` where the optimizer is sharded (ZeRO-2
+    needs ZeRO-1; LoRA's few trained parameters are not sharded)."""
+    return [*AFTER, *(["parallel.shard_gradients=true"] if cfg.parallel.shard_optimizer else [])]
 
 
 def node_layouts(cfg: Any) -> list[list[str]]:
@@ -142,8 +159,8 @@ def _variant(cfg: Any, overrides: Sequence[str]) -> Any:
     return variant(cfg, list(overrides))
 
 
-def answer(cfg: Any, overrides: list[str], features: Any) -> dict[str, Any] | None:
-    """The longest sequence of `cfg` with `overrides` and `features`, as a record."""
+def answer(cfg: Any, overrides: list[str]) -> dict[str, Any] | None:
+    """The longest sequence of `cfg` with `overrides` (None when that config is invalid)."""
     from flashcp.plan import GIB
     from flashcp.plan.longest import longest, with_seq_len
     from flashcp.plan.steptime import estimate
@@ -158,12 +175,12 @@ def answer(cfg: Any, overrides: list[str], features: Any) -> dict[str, Any] | No
         + (f" × ep {par.ep}" if par.ep > 1 else ""),
         "gpus": par.world_size,
     }
-    found = longest(new, features=features)
+    found = longest(new)
     if not found.seq_len or found.plan is None:
         return {**head, "longest_seq_len": 0}
     p = found.plan
     at = with_seq_len(new, found.seq_len)
-    est = estimate(at, mfu=MFU, features=features)
+    est = estimate(at, mfu=MFU)
     limit = found.to_json()["limit"]
     host = p.host.peak if p.host is not None else None
     return {
@@ -187,7 +204,6 @@ def longest_row(spec: dict[str, Any]) -> dict[str, Any]:
     """One longest-sequence row: the best single-node layout before and after."""
     from flashcp.config import load_config
     from flashcp.models import estimate_parameters
-    from flashcp.plan.features import Features
 
     cfg = load_config(ROOT / spec["config"], [*spec["overrides"], *_hardware_overrides()],
                       allow_placeholders=True)  # fmt: skip
@@ -198,14 +214,14 @@ def longest_row(spec: dict[str, Any]) -> dict[str, Any]:
         "params": estimate_parameters(cfg.model),
         "recipe": cfg.run.recipe + (" + LoRA" if cfg.extras.get("lora") else ""),
     }
-    for side, features in (("before", Features()), ("after", _features(cfg))):
-        results = [r for o in layouts if (r := answer(cfg, o, features)) is not None]
+    for side, extra in (("before", []), ("after", after_overrides(cfg))):
+        results = [r for o in layouts if (r := answer(cfg, [*o, *extra])) is not None]
         best = max(results, key=lambda r: (r["longest_seq_len"], -r.get("gpus", 0)))
         out[side] = best
         out[f"{side}_layouts"] = [
             {"layout": r.get("layout"), "longest_seq_len": r["longest_seq_len"]} for r in results
         ]
-    out["features"] = dataclasses.asdict(_features(cfg))
+    out["after_overrides"] = after_overrides(cfg)
     out["at_target"] = at_target(cfg, out["after"]["overrides"])
     return out
 
@@ -221,10 +237,9 @@ def at_target(cfg: Any, overrides: list[str]) -> dict[str, Any] | None:
     new = _variant(cfg, overrides)
     if new is None or TARGET % granularity(new):
         return None
-    features = _features(cfg)
-    p = plan(with_seq_len(new, TARGET), features=features)
+    p = plan(with_seq_len(new, TARGET))
     local = TARGET * new.data.micro_batch_size // new.parallel.cp
-    upcast = local * new.model.hidden_size * 4 if features.residual_dtype != "float32" else 0
+    upcast = local * new.model.hidden_size * 4 if new.model.residual_dtype != "float32" else 0
     return {
         "seq_len": TARGET,
         "fits": p.fits,
@@ -258,13 +273,16 @@ def model_per_node() -> dict[str, Any]:
         "layout": f"dp 1 × pp {cfg.parallel.pp} × cp {cfg.parallel.cp}",
         "peak_gib": plan(cfg).peak.total_bytes / GIB,
     }}  # fmt: skip
-    from flashcp.plan.features import Features
-
-    # at 64K tokens (8K per rank) what helps is the optimizer side and the kept inputs; tiles
-    # and attention chunks matter at millions (and tiling refuses the config's aux loss)
-    per_node = Features(offload_activations=True, residual_dtype="bfloat16",
-                        shard_gradients=True)  # fmt: skip
-    for side, features in (("before", Features()), ("after", per_node)):
+    variant = load_config(ROOT / spec["variant"], allow_placeholders=True)
+    vp, par = plan(variant), variant.parallel
+    out["shipped_variant"] = {
+        "gpus": par.world_size,
+        "layout": f"dp {par.dp} × pp {par.pp} × cp {par.cp} × ep {par.ep}",
+        "peak_gib": vp.peak.total_bytes / GIB,
+        "moment": vp.peak.moment,
+        "largest_item": vp.peak.largest_item()[0],
+    }
+    for side, extra in (("before", []), ("after", list(PER_NODE_AFTER))):
         best = None
         for world, pp, cp, ep in candidates:
             if best is not None and world > best["gpus"]:
@@ -272,10 +290,10 @@ def model_per_node() -> dict[str, Any]:
             new = _variant(cfg, [f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
                                  "parallel.pp_layers=null",
                                  f"train.grad_accum={max(cfg.train.grad_accum, pp)}",
-                                 f"data.seq_len={spec['seq_len']}"])  # fmt: skip
+                                 f"data.seq_len={spec['seq_len']}", *extra])  # fmt: skip
             if new is None:
                 continue
-            p = plan(new, features=features)
+            p = plan(new)
             if not p.fits:
                 continue
             record = {
@@ -324,8 +342,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report_only:
         return PAGE.rewrite(args)
-    from flashcp.plan.features import AFTER
-
     start = time.perf_counter()
     rows = []
     for spec in ROWS:
@@ -341,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hardware": HARDWARE,
         "mfu": MFU,
         "target": TARGET,
-        "after_features": dataclasses.asdict(AFTER),
+        "after_overrides": list(AFTER),
+        "per_node_after_overrides": list(PER_NODE_AFTER),
         "rows": rows,
         "model_per_node": per_node,
         "alst": ALST,

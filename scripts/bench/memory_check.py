@@ -53,6 +53,8 @@ GPU_CONFIGS = (
     "configs/glm/glm45_air_cp8.yaml",
     "configs/glm/glm45_air_dpo_lora_pp_cp.yaml",
     "configs/glm/glm45_air_dpo_lora_ep.yaml",
+    "configs/glm/glm4_9b_dpo_lora_4m_cp8.yaml",
+    "configs/glm/glm45_air_sft_ep8_pp4_cp8.yaml",
 )
 H20_GIB = 96.0
 GPUS_PER_NODE = 8

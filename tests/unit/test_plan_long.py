@@ -462,3 +462,18 @@ def test_checkpoint_model_part_is_the_models_numpy_bytes(lora: bool) -> None:
         arrays = model_arrays(model)
     _, _, host = stage_plan(setup(cfg), 0)
     assert host.model_part == sum(a.nbytes for a in arrays.values())
+
+
+def test_features_come_from_their_config_keys() -> None:
+    """`features_of` reads each mechanism's key: a config that sets them plans as the same
+    config given the `Features` value."""
+    from flashcp.plan.features import features_of
+
+    keys = ["train.offload_activations=true", "model.residual_dtype=bfloat16",
+            "model.tile_tokens=4096", "attention.query_chunk=16384",
+            "attention.kv_chunk=65536", "parallel.shard_gradients=true"]  # fmt: skip
+    cfg = _load(GLM9B, *keys)
+    f = Features(offload_activations=True, residual_dtype="bfloat16", tile_tokens=4096,
+                 query_chunk=16384, kv_chunk=65536, shard_gradients=True)  # fmt: skip
+    assert features_of(cfg) == f and features_of(_load(GLM9B)) == Features()
+    assert plan(cfg).to_json() == plan(_load(GLM9B), features=f).to_json()

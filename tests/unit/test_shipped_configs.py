@@ -45,6 +45,8 @@ EXPECTED = {
     "glm/glm45_air_dpo_lora_pp_cp.yaml",
     "glm/glm45_air_dpo_lora_ep.yaml",
     "glm/glm4_9b_dpo_lora_pp2_cp4.yaml",
+    "glm/glm4_9b_dpo_lora_4m_cp8.yaml",
+    "glm/glm45_air_sft_ep8_pp4_cp8.yaml",
 }
 
 
@@ -164,10 +166,15 @@ def test_flashcp_validate_all(monkeypatch: pytest.MonkeyPatch, capsys) -> None: 
 GPU = {  # recipe → (preset with the public config.json shape, run.recipe)
     "glm/glm4_9b_cp8.yaml": ("glm4_9b", "sft"),
     "glm/glm4_9b_dpo_lora_pp2_cp4.yaml": ("glm4_9b", "dpo"),
+    "glm/glm4_9b_dpo_lora_4m_cp8.yaml": ("glm4_9b", "dpo"),
     "glm/glm45_air_cp8.yaml": ("glm45_air", "sft"),
     "glm/glm45_air_dpo_lora_pp_cp.yaml": ("glm45_air", "dpo"),
     "glm/glm45_air_dpo_lora_ep.yaml": ("glm45_air", "dpo"),
+    "glm/glm45_air_sft_ep8_pp4_cp8.yaml": ("glm45_air", "sft"),
 }
+LONG = {"glm/glm4_9b_dpo_lora_4m_cp8.yaml": 4194304}
+"""Recipes whose model directory must state a longer max_position_embeddings than the public
+config.json (a copy with it raised: rotary positions only bound the sequence by it)."""
 
 
 def _model_dir(root: Path, config_json: dict) -> Path:
@@ -198,7 +205,8 @@ def test_gpu_recipe_needs_its_model_directory_and_data(name: str, tmp_path: Path
     assert "tokenizer" not in raw["data"]  # no byte tokenizer, no toy corpus
     # the model section restates the real model's config.json (the preset's public shape)
     training = {k: getattr(static.model, k) for k in TRAINING_FIELDS}
-    assert static.model == dataclasses.replace(preset(shape), **training)
+    longer = {"max_seq_len": LONG[name]} if name in LONG else {}
+    assert static.model == dataclasses.replace(preset(shape, **longer), **training)
 
     with pytest.raises(ConfigValidationError) as refused:  # unfilled: refused, both named
         load_config(path)
@@ -209,7 +217,7 @@ def test_gpu_recipe_needs_its_model_directory_and_data(name: str, tmp_path: Path
     # filled in with that model's directory (config.json as transformers 4.x writes it for the
     # checkpoint, with its multi-token-prediction layer and token ids): the same model
     ids = {"eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329}
-    config = hf_config(preset(shape), "bfloat16", token_ids=ids)
+    config = hf_config(preset(shape, **longer), "bfloat16", token_ids=ids)
     if shape == "glm45_air":
         config["num_nextn_predict_layers"] = 1
     model_dir = _model_dir(tmp_path / "model", config)
@@ -268,3 +276,41 @@ def test_air_recipe_header_shows_the_two_node_commands(monkeypatch: pytest.Monke
     assert int(parsed.nproc_per_node) * 2 == world
     assert parsed.training_script == "src/flashcp/train.py"
     assert parsed.training_script_args[:2] == ["--config", _rel(path)]
+
+
+HOST = [
+    p for p in GPU_CONFIGS if load_config(p, allow_placeholders=True).hardware.host_memory_gib
+]
+
+
+@pytest.mark.parametrize("path", HOST, ids=_rel)
+def test_long_context_header_numbers_come_from_the_plan(path: Path) -> None:
+    """Issue 20: a config with a host budget states its planned host peak per node and its
+    estimated step time, as the plan and the step-time estimate give them; a one-node config
+    also the longest sequence its node fits (`flashcp plan --longest`)."""
+    from flashcp.plan.longest import longest
+    from flashcp.plan.report import _duration
+    from flashcp.plan.steptime import estimate
+
+    cfg = load_config(path, allow_placeholders=True)
+    p = plan(cfg, device="gpu")
+    assert p.fits and p.host is not None
+    assert p.host.budget_bytes == cfg.hardware.host_memory_gib * GIB
+    header = _header(path)
+    host = re.search(r"planned host peak ([\d,]+) GiB per node", header)
+    assert host, f"{_rel(path)}: the header does not state the planned host peak"
+    assert int(host.group(1).replace(",", "")) == round(p.host.peak.total_bytes / GIB)
+    step = estimate(cfg)
+    assert f"Estimated step time {_duration(step.seconds)}" in header
+    if cfg.parallel.world_size <= GPUS_PER_NODE:
+        found = longest(cfg)
+        assert f"this node fits by the plan: {found.seq_len:,} tokens" in header
+        assert found.seq_len >= cfg.data.seq_len
+
+
+def test_the_4m_recipe_meets_the_issue_goal() -> None:
+    """GLM-4-9B LoRA-DPO at >= 4,194,304 tokens per sequence on one node of 8, by the plan."""
+    path = ROOT / "configs/glm/glm4_9b_dpo_lora_4m_cp8.yaml"
+    cfg = load_config(path, allow_placeholders=True)
+    assert cfg.data.seq_len >= 4194304 and cfg.parallel.world_size == 8
+    assert plan(cfg).fits

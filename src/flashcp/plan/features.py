@@ -15,8 +15,8 @@ Issue 20 adds five mechanisms that change what a rank holds, each behind its own
 * gradient sharding (ZeRO-2) — float32 gradients reduce-scattered into their dp×cp shard as
   backward produces them, so no full-size float32 gradient outlives its bucket.
 
-`plan(cfg, features=...)` plans any combination (the long-context page plans "after" with all
-of them); `features_of(cfg)` is what a config asks for — the one place that reads their keys.
+`features_of(cfg)` is what a config asks for — the one place that reads their keys;
+`plan(cfg, features=...)` plans any other combination.
 """
 
 from __future__ import annotations
@@ -71,8 +71,14 @@ AFTER = Features(
 
 
 def features_of(cfg: Any) -> Features:
-    """The mechanisms `cfg` turns on. Their config keys arrive with the branches that build
-    them (`train.offload_activations`, `model.residual_dtype`, `model.tile_tokens`, the
-    chunked attention's keys, `parallel.shard_gradients`); until then every config plans
-    with all of them off, exactly as before."""
-    return Features()
+    """The mechanisms `cfg` turns on: `train.offload_activations`, `model.residual_dtype`,
+    `model.tile_tokens`, `attention.query_chunk` / `attention.kv_chunk` and
+    `parallel.shard_gradients`."""
+    return Features(
+        offload_activations=bool(cfg.train.offload_activations),
+        residual_dtype=cfg.model.residual_dtype,
+        tile_tokens=int(cfg.model.tile_tokens),
+        query_chunk=int(cfg.attention.query_chunk),
+        kv_chunk=int(cfg.attention.kv_chunk),
+        shard_gradients=bool(cfg.parallel.shard_gradients),
+    )

@@ -1,7 +1,8 @@
 """A plan as text, the over-budget message `flashcp validate` prints, and changes that fit.
 
 `fit_options(cfg, budget_gib)` searches the knobs that lower the peak without more devices —
-loss chunking, full recompute, ZeRO-1 sharding, bf16 parameter storage — and reports the
+loss chunking, full recompute, ZeRO-1 sharding, bf16 parameter storage, activation offload, a
+bf16 residual stream, ZeRO-2 gradient sharding — and reports the
 smallest sets of them that fit; when none does, all of them together with the pipeline and/or
 context-parallel degree multiplied, fewest devices first (with `train.grad_accum` raised to pp
 when the schedule needs it). Every candidate is a valid config
@@ -71,10 +72,10 @@ def _peak(cfg: Config, device: str | None, budget_gib: float) -> int:
 
 
 HOST_FIXES = (
-    "lower data.seq_len (`flashcp plan CONFIG --longest` finds the longest that fits), keep "
-    "the residual stream in the compute dtype (half the bytes an offload moves), spread the "
-    "job over more nodes (fewer ranks per node), or raise hardware.host_memory_gib if the "
-    "nodes have more"
+    "lower data.seq_len (`flashcp plan CONFIG --longest` finds the longest that fits), set "
+    "model.residual_dtype=bfloat16 (half the bytes an offload moves), spread the job over "
+    "more nodes (fewer ranks per node), or raise hardware.host_memory_gib if the nodes have "
+    "more"
 )
 """What lowers a node's host plan, for the refusal."""
 
@@ -90,6 +91,15 @@ def _cheap_knobs(cfg: Config) -> list[str]:
         out.append("parallel.shard_optimizer=true")
     if cfg.train.param_dtype != "bfloat16":
         out.append("train.param_dtype=bfloat16")
+    # issue 20's mechanisms (each validated with the others the set holds: offload needs
+    # recompute, ZeRO-2 needs ZeRO-1)
+    if not cfg.train.offload_activations:
+        out.append("train.offload_activations=true")
+    if cfg.model.residual_dtype == "float32":
+        out.append("model.residual_dtype=bfloat16")
+    sharded = cfg.parallel.shard_optimizer or "parallel.shard_optimizer=true" in out
+    if not cfg.parallel.shard_gradients and cfg.extras.get("lora") is None and sharded:
+        out.append("parallel.shard_gradients=true")
     return out
 
 
