@@ -31,7 +31,6 @@ from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.metrics.memory import PeakMeter
 from flashcp.models import base, build_model, preset
 from flashcp.models import tiling as tiling_mod
-from flashcp.models.layers import Linear
 from flashcp.models.moe import MoE
 from flashcp.models.tiling import check_tile_tokens, tiled
 from flashcp.parallelize import apply_tiling, parallelize
@@ -66,17 +65,24 @@ def _run(name: str, mode: str, tile: int, seq: int = S, **overrides):
 
 
 def _rows_bitwise(model, tile: int, seq: int = S) -> bool:
-    """Whether this machine's BLAS gives every Linear of `model` bitwise the same rows for a
-    tile of `tile` tokens as for the whole `seq` (the condition for a bitwise forward)."""
+    """Whether this machine's BLAS gives every matmul the layer can run on a 2-D weight of
+    `model` (``x @ w`` and ``x @ w^T``, as `Linear` and `cast_linear` run them) bitwise the same
+    rows for a tile of `tile` tokens as for the whole `seq` (the condition for a bitwise
+    forward: BLAS may pick its kernel by the row count, e.g. MKL's AVX2 path)."""
     rng = np.random.default_rng(5)
-    for layer in model.sublayers():
-        if not isinstance(layer, Linear):
+    for param in model.parameters():
+        if len(param.shape) != 2:
             continue
-        x = paddle.to_tensor(rng.standard_normal((B, seq, layer.weight.shape[0])), "float32")
-        whole = layer(x).numpy()
-        parts = [layer(x[:, a : a + tile]).numpy() for a in range(0, seq, tile)]
-        if not np.array_equal(np.concatenate(parts, axis=1), whole):
-            return False
+        w = paddle.to_tensor(rng.standard_normal(param.shape), "float32")
+        for width, transpose in ((param.shape[0], False), (param.shape[1], True)):
+            x = paddle.to_tensor(rng.standard_normal((B, seq, width)), "float32")
+            whole = paddle.matmul(x, w, transpose_y=transpose).numpy()
+            parts = [
+                paddle.matmul(x[:, a : a + tile], w, transpose_y=transpose).numpy()
+                for a in range(0, seq, tile)
+            ]
+            if not np.array_equal(np.concatenate(parts, axis=1), whole):
+                return False
     return True
 
 
