@@ -227,10 +227,7 @@ def longest_row(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def at_target(cfg: Any, overrides: list[str]) -> dict[str, Any] | None:
-    """The "after" plan at `TARGET` tokens in the best layout: its peak, and the float32
-    upcast of a layer's input a bf16 residual stream adds to the tiled backward (each
-    recomputed layer upcasts its whole input on entry, `flashcp.models.base._bind`, and the
-    tiled blocks keep it): what the peak would be if the upcast were per tile."""
+    """The "after" plan at `TARGET` tokens in the best layout: whether it fits, its peaks."""
     from flashcp.plan import GIB, plan
     from flashcp.plan.longest import granularity, with_seq_len
 
@@ -238,14 +235,11 @@ def at_target(cfg: Any, overrides: list[str]) -> dict[str, Any] | None:
     if new is None or TARGET % granularity(new):
         return None
     p = plan(with_seq_len(new, TARGET))
-    local = TARGET * new.data.micro_batch_size // new.parallel.cp
-    upcast = local * new.model.hidden_size * 4 if new.model.residual_dtype != "float32" else 0
     return {
         "seq_len": TARGET,
         "fits": p.fits,
         "peak_gib": p.peak.total_bytes / GIB,
         "moment": p.peak.moment,
-        "upcast_gib": upcast / GIB,
         "host_peak_gib": p.host.peak.total_bytes / GIB if p.host is not None else None,
     }
 

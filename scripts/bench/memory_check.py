@@ -108,13 +108,18 @@ def worker(config: Path, out_dir: Path) -> int:
     steps: list[int] = []
     original = trainer.train_step
 
+    host_peaks: list[int] = []
+
     def measured_step() -> Any:
         m = original()
         steps.append(int(peak()))
+        # the activation offload's host bytes, counted at the copies (numpy buffers outside
+        # the allocator): the step's maximum over ranks, which hold the same layers' inputs
+        if (host := m.extra.get("offload/host_peak_gib")) is not None:
+            host_peaks.append(int(host * 2**30))  # GiB of bytes: exact
         return m
 
     trainer.train_step = measured_step  # type: ignore[method-assign]
-    host_peaks = _count_host_copies()
     trainer.fit()
     record = {
         "rank": int(trainer.groups.rank),
@@ -134,26 +139,6 @@ def worker(config: Path, out_dir: Path) -> int:
 
         shutdown()
     return 0
-
-
-def _count_host_copies() -> list[int]:
-    """The activation offload's host bytes at their peak, per step, as the trainer reads them
-    (`flashcp.models.offload.offload_metrics`, counted at the copies: numpy buffers outside the
-    allocator); stays empty when the trainer has no offload."""
-    import flashcp.trainer as trainer_module
-
-    peaks: list[int] = []
-    read = getattr(trainer_module, "offload_metrics", None)
-    if read is None:
-        return peaks
-
-    def counted() -> dict[str, float]:
-        metrics = read()
-        peaks.append(int(metrics["offload/host_peak_gib"] * 2**30))  # GiB of bytes: exact
-        return metrics
-
-    trainer_module.offload_metrics = counted  # type: ignore[attr-defined]
-    return peaks
 
 
 # -- driving the cases --------------------------------------------------------------------------

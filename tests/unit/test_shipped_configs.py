@@ -46,6 +46,7 @@ EXPECTED = {
     "glm/glm45_air_dpo_lora_ep.yaml",
     "glm/glm4_9b_dpo_lora_pp2_cp4.yaml",
     "glm/glm4_9b_dpo_lora_4m_cp8.yaml",
+    "glm/glm4_9b_sft_4m_cp8.yaml",
     "glm/glm45_air_sft_ep8_pp4_cp8.yaml",
 }
 
@@ -167,12 +168,13 @@ GPU = {  # recipe → (preset with the public config.json shape, run.recipe)
     "glm/glm4_9b_cp8.yaml": ("glm4_9b", "sft"),
     "glm/glm4_9b_dpo_lora_pp2_cp4.yaml": ("glm4_9b", "dpo"),
     "glm/glm4_9b_dpo_lora_4m_cp8.yaml": ("glm4_9b", "dpo"),
+    "glm/glm4_9b_sft_4m_cp8.yaml": ("glm4_9b", "sft"),
     "glm/glm45_air_cp8.yaml": ("glm45_air", "sft"),
     "glm/glm45_air_dpo_lora_pp_cp.yaml": ("glm45_air", "dpo"),
     "glm/glm45_air_dpo_lora_ep.yaml": ("glm45_air", "dpo"),
     "glm/glm45_air_sft_ep8_pp4_cp8.yaml": ("glm45_air", "sft"),
 }
-LONG = {"glm/glm4_9b_dpo_lora_4m_cp8.yaml": 4194304}
+LONG = {"glm/glm4_9b_dpo_lora_4m_cp8.yaml": 4194304, "glm/glm4_9b_sft_4m_cp8.yaml": 4194304}
 """Recipes whose model directory must state a longer max_position_embeddings than the public
 config.json (a copy with it raised: rotary positions only bound the sequence by it)."""
 
@@ -308,9 +310,17 @@ def test_long_context_header_numbers_come_from_the_plan(path: Path) -> None:
         assert found.seq_len >= cfg.data.seq_len
 
 
-def test_the_4m_recipe_meets_the_issue_goal() -> None:
-    """GLM-4-9B LoRA-DPO at >= 4,194,304 tokens per sequence on one node of 8, by the plan."""
-    path = ROOT / "configs/glm/glm4_9b_dpo_lora_4m_cp8.yaml"
+@pytest.mark.parametrize("name", ["glm4_9b_sft_4m_cp8", "glm4_9b_dpo_lora_4m_cp8"])
+def test_the_4m_recipes_meet_the_issue_goal(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20: GLM-4-9B full fine-tune and LoRA-DPO at >= 4,194,304 tokens per sequence on
+    one node of 8, by the plan (device and host), and `flashcp plan --longest --json` says at
+    least that."""
+    path = ROOT / f"configs/glm/{name}.yaml"
     cfg = load_config(path, allow_placeholders=True)
     assert cfg.data.seq_len >= 4194304 and cfg.parallel.world_size == 8
-    assert plan(cfg).fits
+    p = plan(cfg)
+    assert p.fits and p.host is not None and p.host_fits
+    assert cli.main(["plan", str(path), "--longest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["longest_seq_len"] >= 4194304

@@ -52,6 +52,8 @@ class DecoderLayer(nn.Layer):
     self_attn: Attention
     input_layernorm: nn.Layer
     tile_tokens: int = 0
+    residual_dtype: str = "float32"
+    """`model.residual_dtype`: the dtype of the layer's input and output (the stream)."""
 
     def before(
         self, h: paddle.Tensor, rotary: RotaryTables | None
@@ -66,17 +68,32 @@ class DecoderLayer(nn.Layer):
     def forward(  # type: ignore[override]
         self, h: paddle.Tensor, rotary: RotaryTables | None, attn: AttentionContext
     ) -> paddle.Tensor:
-        tile = self.tile_tokens
+        """The layer on the residual stream `h` (in `residual_dtype`), computing in float32.
+
+        Untiled, `h` is upcast once on entry and the output rounded on exit, so the gradient
+        reaching `h` is rounded once. Tiled, each tile is upcast inside the tiled blocks (a
+        tiled layer never holds a full-length float32 copy of its input, `flashcp.plan`'s
+        `layer_working_set`): `before` and `after` then each round their part of `h`'s
+        gradient, and the two parts are summed in `residual_dtype`.
+        """
+        tile, stream = self.tile_tokens, self.residual_dtype
+        if not 0 < tile < int(h.shape[1]):
+            h = from_residual(h)  # one upcast; the blocks' `from_residual` are then no ops
         if rotary is None:
-            q, k, v = tiled(lambda x: self.before(x, None), [h], tile)
+            q, k, v = tiled(lambda x: self.before(from_residual(x), None), [h], tile)
         else:
 
             def before(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor):
-                return self.before(x, replace(rotary, cos=cos, sin=sin))
+                return self.before(from_residual(x), replace(rotary, cos=cos, sin=sin))
 
             q, k, v = tiled(before, [h], tile, tables=(rotary.cos, rotary.sin))
         o = self.self_attn.core(q, k, v, attn)
-        return tiled(lambda x, y: (self.after(x, y, attn),), [h, o], tile)[0]
+
+        def after(x: paddle.Tensor, y: paddle.Tensor) -> tuple[paddle.Tensor]:
+            out = self.after(from_residual(x), y, attn)
+            return (out if stream == "float32" else out.astype(stream),)
+
+        return tiled(after, [h, o], tile)[0]
 
 
 class DecoderOps:
@@ -134,7 +151,7 @@ class DecoderOps:
         if mode != "none" and self.offloader is not None:
             chain = self.offloader.chain()  # this micro-batch's layers on this stage
         for index in range(start, stop):
-            run = _bind(self.layer(index), rotary, attn, args)
+            run = _bind(self.layer(index), rotary, attn)
             h = run(h) if mode == "none" else checkpoint(run, h, mode, chain)
         return h
 
@@ -273,22 +290,11 @@ def from_residual(h: paddle.Tensor) -> paddle.Tensor:
     return h if h.dtype == paddle.float32 else h.astype("float32")
 
 
-def _bind(
-    layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionContext, args: ModelArgs
-):
-    """Layer `layer` as a function of the residual stream. With a `model.residual_dtype`
-    other than float32 the layer's input is upcast on entry (its norms, residual adds and
-    activations run as with a float32 stream) and its output rounded on exit: the stream is
-    rounded once per layer boundary."""
-    if args.residual_dtype == "float32":
+def _bind(layer: DecoderLayer, rotary: RotaryTables | None, attn: AttentionContext):
+    """Layer `layer` as a function of the residual stream (what recompute checkpoints)."""
 
-        def run(h: paddle.Tensor) -> paddle.Tensor:
-            return layer(h, rotary, attn)
-
-    else:
-
-        def run(h: paddle.Tensor) -> paddle.Tensor:
-            return to_residual(layer(from_residual(h), rotary, attn), args)
+    def run(h: paddle.Tensor) -> paddle.Tensor:
+        return layer(h, rotary, attn)
 
     return run
 

@@ -43,6 +43,7 @@ class GLMDecoderLayer(DecoderLayer):
         super().__init__()
         self.index = index
         self.tile_tokens = args.tile_tokens
+        self.residual_dtype = args.residual_dtype
         h, eps, std = args.hidden_size, args.norm_eps, args.initializer_range
         self.extra_norms = args.arch == "glm"
         self.input_layernorm = RMSNorm(h, eps)

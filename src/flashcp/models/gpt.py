@@ -24,6 +24,7 @@ class GPTDecoderLayer(DecoderLayer):
         super().__init__()
         self.index = index
         self.tile_tokens = args.tile_tokens
+        self.residual_dtype = args.residual_dtype
         self.input_layernorm = layer_norm(args.hidden_size, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = layer_norm(args.hidden_size, args.norm_eps)

@@ -576,27 +576,36 @@ def attention_core(args: ModelArgs, *, stored: bool = False) -> Counts:
 def tile_saved(saved: Counts) -> Counts:
     """Per token of ONE tile: what the token-wise parts of a layer keep while that tile
     back-propagates — the layer's saved set (`layer_saved`, with LoRA's) without the
-    attention core and without the layer output (the tile's output is handed on, not kept)."""
+    attention core and without the layer output (the tile's output is handed on, not kept);
+    with a bf16 stream it includes the tile's own float32 upcast of its input rows."""
     out = Counts()
     for what, cls, n in saved.parts:
-        if not what.startswith((*ATTENTION_CORE, "layer output", "layer input upcast")):
+        if not what.startswith((*ATTENTION_CORE, "layer output")):
             out.add(what, cls, n)
     return out
 
 
 def tiled_io(args: ModelArgs, dt: Dtypes, *, mlp: bool) -> Counts:
     """Full-length tensors of a tiled layer's backward besides the attention core: the
-    replay's input copy (`recompute_replay_extra`) and the input gradient assembled tile by
-    tile, with a bf16 stream the float32 upcast of the input the tiled blocks keep; while the
-    token-wise `after` block back-propagates (`mlp`) also the incoming gradient of the layer
-    output (float32 inside the layer) and the attention output's gradient being assembled (the
-    attention's dO, counted by the attention's own backward once it runs)."""
+    replay's input copy and the input gradient assembled tile by tile; while the token-wise
+    `after` block back-propagates (`mlp`) also the incoming gradient of the layer output and
+    the attention output's gradient being assembled (the attention's dO, counted by the
+    attention's own backward once it runs).
+
+    With a bf16 stream the tiles upcast their own rows (`flashcp.models.base.DecoderLayer`),
+    so these gradients are in the stream's dtype, and while `before` back-propagates the input
+    gradient is two parts (`after`'s, waiting, and `before`'s, being assembled)."""
     h, q = args.hidden_size, args.num_heads * args.head_size
-    n = recompute_replay_extra(args)
     if dt.boundary < dt.res:
-        n.add("tiled: layer input upcast to float32", "res", h)
+        n = Counts().add("recompute: input copy", "b", h)
+        n.add("tiled: input gradient (after's part; before's part)", "b", h if mlp else 2 * h)
+        if mlp:
+            n.add("tiled: gradient of the layer output", "b", h)
+    else:
+        n = recompute_replay_extra(args)
+        if mlp:
+            n.add("tiled: gradient of the layer output", "res", h)
     if mlp:
-        n.add("tiled: gradient of the layer output", "res", h)
         n.add("tiled: gradient of the attention output (dO)", "c", q)
     return n
 
