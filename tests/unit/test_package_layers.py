@@ -91,3 +91,34 @@ def test_the_leaves_import_nothing_of_flashcp() -> None:
     for leaf in ("masks", "device", "log"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
     assert graph["dispatch"] <= {"log"} and graph["faults"] <= {"log"}
+
+
+DOC = SRC.parents[1] / "docs" / "architecture.md"
+
+
+def documented_layers(text: str) -> dict[str, int]:
+    """Unit → its line in the diagram under "## Package layers" (0 = the bottom line)."""
+    block = text.split("## Package layers", 1)[1].split("```", 2)[1]
+    lines = [line for line in block.splitlines() if line.strip()]
+    layers: dict[str, int] = {}
+    for height, line in enumerate(reversed(lines)):
+        names = line.split("  ")[0].split("·")
+        for name in names:
+            unit = name.strip().removesuffix("/").removesuffix(".py")
+            layers[unit] = height
+    return layers
+
+
+def downward_violations(graph: Mapping[str, set[str]], layers: Mapping[str, int]) -> list[str]:
+    return [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a])
+            if layers[b] >= layers[a]]  # fmt: skip
+
+
+def test_imports_go_down_the_documented_layers() -> None:
+    graph = package_graph()
+    layers = documented_layers(DOC.read_text())
+    assert set(graph) <= set(layers), f"not in the diagram: {sorted(set(graph) - set(layers))}"
+    assert downward_violations(graph, layers) == []
+    # negative control: the diagram with trainer drawn below recipes is refused
+    moved = dict(layers, trainer=layers["recipes"] - 1)
+    assert "trainer -> recipes" in downward_violations(graph, moved)
