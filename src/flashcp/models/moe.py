@@ -2,7 +2,8 @@
 
 Routing (HF ``Glm4MoeTopkRouter``, from DeepSeek-V3), per token in float32:
 
-1. ``scores = sigmoid(x @ W_gate)`` over the E routed experts;
+1. ``scores = sigmoid(x @ W_gate)`` over the E routed experts (a true float32 matmul on every
+   device: autocast and TF32 off, `flashcp.models.precision.float32_matmul`);
 2. choose the top-k of ``scores + e_score_correction_bias`` — the bias (a persistent float32
    buffer, no gradient) steers selection only; load balancing moves it between steps
    (`flashcp.models.moe_balance`, `model.router_bias_update_rate`);
@@ -55,7 +56,7 @@ from flashcp.models.moe_dispatch import (
     permute,
     relayout,
 )
-from flashcp.models.precision import as_dtype
+from flashcp.models.precision import float32_matmul
 
 
 @dataclass
@@ -89,10 +90,9 @@ class TopkRouter(nn.Layer):
 
     def route(self, x: paddle.Tensor) -> Routing:
         """`x` `[T, hidden]` → affinities, expert ids (int64) and weights (float32)."""
-        # float32 even under bf16 autocast: O1 casts a white-listed matmul's inputs to bf16
-        # whatever their dtype, and expert choice is sensitive to the affinities' rounding
-        with paddle.amp.auto_cast(enable=False):
-            logits = paddle.matmul(x.astype("float32"), as_dtype(self.weight, "float32"))
+        # float32 on every device (autocast and TF32 off, `precision.float32_math`): expert
+        # choice is sensitive to the affinities' rounding (near-ties)
+        logits = float32_matmul(x, self.weight)
         scores = F.sigmoid(logits)
         choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)
         _, ids = paddle.topk(choice, k=self.top_k, axis=-1)

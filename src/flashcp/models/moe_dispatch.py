@@ -11,7 +11,9 @@ The router picks `k` experts per token (`ids` `[T, k]`). The three steps of an M
    `e`'s rows contiguous (`d.counts[e]` of them, experts in index order) — what
    `flashcp.models.experts.GroupedExperts` evaluates.
 3. `combine(y, d, weights)` → `[T, H]` float32: ``out[t] = Σ_j weights[t, j] · y[slot[t, j]]``,
-   summed over `j` in order, in float32 (as HF's Glm4Moe accumulates).
+   summed over `j` in order, in float32 (as HF's Glm4Moe accumulates) on every device: its
+   matmuls run under `flashcp.models.precision.float32_math` (a PyLayer's forward runs under
+   the caller's bf16 autocast, which would cast them to bf16; TF32 off on GPU).
 
 `relayout(d, row_index, rows)` moves the buffer's rows to other positions of a larger buffer
 (the experts' padded groups, `flashcp.models.experts.ExpertLayout.row_index`): `permute` then
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
+
+from flashcp.models.precision import float32_math
 
 
 @dataclass
@@ -159,7 +163,8 @@ class _Permute(PyLayer):
         if keep is None:
             dx = per_entry.sum(axis=1)
         else:
-            dx = paddle.matmul(keep.astype(grad.dtype).unsqueeze(1), per_entry).squeeze(1)
+            with float32_math():  # a 0/1 selection: exact only without TF32's rounding
+                dx = paddle.matmul(keep.astype(grad.dtype).unsqueeze(1), per_entry).squeeze(1)
         return (dx, None, None) + ((None,) if keep is not None else ())
 
 
@@ -185,7 +190,8 @@ class _Combine(PyLayer):
         ctx.weights_frozen = weights.stop_gradient
         ctx.weights_dtype = weights.dtype
         rows = _per_token(y.astype("float32"), slot, tokens, top_k)
-        return paddle.matmul(w.unsqueeze(1), rows).squeeze(1)
+        with float32_math():  # float32 under the caller's bf16 autocast, TF32 off on GPU
+            return paddle.matmul(w.unsqueeze(1), rows).squeeze(1)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
@@ -204,7 +210,8 @@ class _Combine(PyLayer):
         dw = None
         if not ctx.weights_frozen:
             rows = _per_token(y.astype("float32"), slot, tokens, top_k)
-            dw = paddle.matmul(rows, grad.unsqueeze(-1)).squeeze(-1)
+            with float32_math():
+                dw = paddle.matmul(rows, grad.unsqueeze(-1)).squeeze(-1)
             if keep is not None:
                 dw = dw * keep
             dw = dw.astype(ctx.weights_dtype)
