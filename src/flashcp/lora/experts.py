@@ -70,6 +70,11 @@ def _classes() -> dict[str, type]:
         plan = GroupedExperts.plan
         forward = GroupedExperts.forward
 
+        def row_dtype(self, x: paddle.Tensor) -> paddle.dtype:
+            """The activations' dtype: the float32 adapters take the rows unrounded (no cast
+            before dispatch, unlike bf16 experts without adapters)."""
+            return x.dtype
+
         def project(self, name: str, x: paddle.Tensor, layout: ExpertLayout) -> paddle.Tensor:
             out = layout.matmul(x, getattr(self, name))
             if self.disable_lora or self.merged:

@@ -21,8 +21,10 @@ experts; between the sort and the combine the rows travel to the experts' ranks 
 The routed experts run grouped: the (token, choice) entries are sorted by expert once
 (`flashcp.models.moe_dispatch.build_dispatch`: one host sync per call for the counts), the
 sorted tokens go through every expert together (`flashcp.models.experts.GroupedExperts`:
-stacked weights, batched matmuls), and the outputs are unpermuted and combined with the
-routing weights (`moe_dispatch.combine`). Deterministic; dropless unless
+stacked weights, batched matmuls) in the dtype the experts compute in (`row_dtype`: bf16 for
+bf16 weights on the GPU grouped GEMM, cast once before dispatch; else the activations'), and
+the outputs are unpermuted and combined with the routing weights in float32
+(`moe_dispatch.combine`). Deterministic; dropless unless
 `model.moe_capacity_factor` > 0 (then the drops are counted).
 
 Statistics for the trainer (`flashcp.metrics.moe_stats`): each call made while gradients are
@@ -186,15 +188,18 @@ class MoE(nn.Layer):
         num_experts, top_k = self.gate.num_experts, self.gate.top_k
         capacity = capacity_for(self.capacity_factor, int(flat.shape[0]), top_k, num_experts)
         dispatch = build_dispatch(routing.ids, num_experts, capacity)
+        # rows in the experts' compute dtype from the start (bf16 on the GPU grouped GEMM):
+        # half the buffer and all-to-all bytes of float32, the same result (`experts`)
+        dtype = self.experts.row_dtype(flat)
         if self.ep_size > 1:
             rows, _ = expert_parallel_rows(
-                self.experts, permute(flat, dispatch), dispatch.counts, self._exchange()
+                self.experts, permute(flat, dispatch, dtype), dispatch.counts, self._exchange()
             )
             out = combine(rows, dispatch, routing.weights).astype(x.dtype).reshape(shape)
         else:
             layout = self.experts.plan(dispatch.counts, flat)
             laid = relayout(dispatch, layout.row_index(), layout.rows)  # tokens to the layout
-            y = self.experts(permute(flat, laid), layout)
+            y = self.experts(permute(flat, laid, dtype), layout)
             out = combine(y, laid, routing.weights).astype(x.dtype).reshape(shape)
         self.last_tokens_per_expert = dispatch.routed
         if paddle.is_grad_enabled():

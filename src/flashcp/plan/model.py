@@ -360,7 +360,8 @@ class TiledWork:
 def _tile_saved(s: Setup, index: int, dt: act.Dtypes, rows: act.ExpertRows | None) -> act.Counts:
     """Per token of a tile: `act.tile_saved` of layer `index` (with LoRA's), an MoE layer's
     expert buffer sized for one tile (`rows`)."""
-    saved = act.layer_saved(s.args, index, dt, rows, s.ep)
+    lora_experts = act.experts_adapted(s.args, index, s.lora_targets)
+    saved = act.layer_saved(s.args, index, dt, rows, s.ep, experts_lora=lora_experts)
     saved += act.lora_saved(s.args, index, s.lora_targets, s.lora_rank, dt, rows)
     return saved
 
@@ -396,7 +397,9 @@ def tiled_working_sets(
             args, dt, rows, tile, experts_trained=s.lora_targets is None,
             lora_experts=act.experts_adapted(args, index, s.lora_targets), ep=s.ep,
         )  # fmt: skip
-        ep_t = max(0.0, act.ep_exchange_bytes(args, dt, tile, s.ep) - mlp_t)
+        lora_experts = act.experts_adapted(args, index, s.lora_targets)
+        exchange = act.ep_exchange_bytes(args, dt, tile, s.ep, experts_lora=lora_experts)
+        ep_t = max(0.0, exchange - mlp_t)
     else:
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * tile
         ep_t = 0.0
@@ -432,7 +435,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     zero2 = s.features.shard_gradients and s.shard and n_trained > 0
     T, H, V = s.tokens, args.hidden_size, args.vocab_size
     buf = act.expert_rows(args, T, dt, s.ep) if args.num_experts else None
-    exchange = act.ep_exchange_bytes(args, dt, T, s.ep)
+
+    def exchange(index: int, tokens: int = T) -> float:
+        """Layer `index`'s all-to-all buffers (`act.ep_exchange_bytes`) for `tokens` tokens."""
+        lora_experts = act.experts_adapted(args, index, s.lora_targets)
+        return act.ep_exchange_bytes(args, dt, tokens, s.ep, experts_lora=lora_experts)
 
     persistent = {
         "params_trained": n_trained * PT,
@@ -476,7 +483,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     mlp_moment: list[tuple[float, float, float, float]] = []
     attn_moment: list[tuple[float, float, float, float]] = []
     for pos, index in enumerate(layers):
-        saved = act.layer_saved(args, index, dt, buf, s.ep)
+        lora_experts = act.experts_adapted(args, index, lora)
+        saved = act.layer_saved(args, index, dt, buf, s.ep, experts_lora=lora_experts)
         saved += act.lora_saved(args, index, lora, s.lora_rank, dt, buf)
         frozen_input = first and pos == 0 and lora is not None and mode == "none"
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
@@ -492,7 +500,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
         # The exchanges run between the MoE's other steps (combine, experts, permute), whose
         # transients are freed by then: the larger of the two is live, the excess is reported.
-        ep_t = max(0.0, exchange - mlp_t) if args.is_moe_layer(index) else 0.0
+        ep_t = max(0.0, exchange(index) - mlp_t) if args.is_moe_layer(index) else 0.0
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
         if mode == "none":
@@ -676,11 +684,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             peak = act.nograd_forward_transient(args, index, buf).bytes(dt) * T
             if f.query_chunk or f.kv_chunk:  # attention's own buffers, chunk-sized
                 peak += attn_forward
-            return peak, max(0.0, exchange - peak) if args.is_moe_layer(index) else 0.0
+            return peak, max(0.0, exchange(index) - peak) if args.is_moe_layer(index) else 0.0
         per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
         core = (act.attention_core(args).bytes(dt) + H * (dt.boundary + dt.res)) * T
         peak = core + max(per_tile, attn_forward)
-        excess = act.ep_exchange_bytes(args, dt, tile, s.ep) - per_tile
+        excess = exchange(index, tile) - per_tile
         return peak, max(0.0, excess) if args.is_moe_layer(index) else 0.0
 
     def leaving(i: int) -> float:
