@@ -48,6 +48,7 @@ from flashcp.config.schema import Config
 from flashcp.models.config import ModelArgs
 from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
+from flashcp.plan.comms import Communicators, communicators
 from flashcp.plan.features import Features, features_of
 from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments
 from flashcp.plan.params import is_expert, layer_parameters, stage_buffers, stage_parameters
@@ -75,6 +76,7 @@ ITEMS: tuple[str, ...] = (
     "grad_buckets",
     "zero_buffers",
     "optimizer_step_transient",
+    "nccl_communicators",
     "fixed_overhead",
 )
 """Every item a rank's plan reports (bytes live at the rank's peak; 0 when not live then)."""
@@ -110,12 +112,16 @@ ITEM_DOCS: dict[str, str] = {
     "ZeRO-2 the float32 buckets being filled and reduce-scattered during backward",
     "zero_buffers": "ZeRO-1 flat reduce-scatter / all-gather buffers",
     "optimizer_step_transient": "pipeline clip's gradient copy and squared-norm temporaries",
-    "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, NCCL "
-    "buffers, allocator slack (GPU); 0 on CPU (the allocator counts tensors only)",
+    "nccl_communicators": "NCCL communicators this rank creates, one per process group and "
+    "one per p2p pair, NCCL_COMMUNICATOR_BYTES each (GPU; 0 on CPU: gloo)",
+    "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, allocator "
+    "slack (GPU); 0 on CPU (the allocator counts tensors only)",
 }
 
-GPU_FIXED_BYTES = 2 * GIB
-"""CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers (not tensors)."""
+GPU_FIXED_BYTES = 1 * GIB
+"""CUDA context and cuBLAS / cuDNN workspaces (not tensors). NCCL's buffers are planned per
+communicator (`flashcp.plan.comms`, item ``nccl_communicators``): before they were, this was
+2 GiB for both, so a job with one communicator plans as it did."""
 GPU_FRAGMENTATION = 0.05
 """Allocator slack on GPU, as a fraction of the tensor bytes at the peak."""
 OFFLOAD_IN_FLIGHT = 2
@@ -139,6 +145,8 @@ class RankPlan:
     moments: dict[str, dict[str, int]] = field(default_factory=dict)
     """Every evaluated moment's items (bytes); `items` is the largest one's."""
     layers: range = range(0)
+    communicators: Communicators | None = None
+    """The NCCL communicators behind ``nccl_communicators`` (GPU plans)."""
 
     @property
     def totals(self) -> dict[str, int]:
@@ -191,10 +199,12 @@ class Plan:
         return self.device_fits and self.host_fits
 
     def stages(self) -> list[RankPlan]:
-        """The first rank of every stage (ranks of a stage have equal plans)."""
+        """The largest rank of every stage (the lowest among equals): a stage's ranks differ
+        only in the NCCL communicators they create (GPU)."""
         seen: dict[int, RankPlan] = {}
         for r in self.ranks:
-            seen.setdefault(r.stage, r)
+            if r.stage not in seen or r.total_bytes > seen[r.stage].total_bytes:
+                seen[r.stage] = r
         return [seen[s] for s in sorted(seen)]
 
     def to_json(self) -> dict[str, Any]:
@@ -825,7 +835,11 @@ def plan(
     for rank in range(s.dp * s.pp * s.cp):
         stage = (rank // s.cp) % s.pp
         name, moments, layers, host = per_stage[stage]
-        ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers))
+        comms = communicators(cfg, rank) if s.device == "gpu" else None
+        if comms is not None:  # the same bytes at every moment: the peak moment stays
+            moments = {m: {**items, "nccl_communicators": comms.bytes}
+                       for m, items in moments.items()}  # fmt: skip
+        ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers, comms))
         writer = rank == stage * s.cp  # dp 0, cp 0 of the stage
         host_ranks.append(HostRank(rank, stage, rank_moments(
             host, writer=writer, gpu=s.device == "gpu", checkpoints=checkpoints,
