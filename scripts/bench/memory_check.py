@@ -54,6 +54,7 @@ GPU_CONFIGS = (
     "configs/glm/glm45_air_dpo_lora_pp_cp.yaml",
     "configs/glm/glm45_air_dpo_lora_ep.yaml",
     "configs/glm/glm4_9b_dpo_lora_4m_cp8.yaml",
+    "configs/glm/glm4_9b_sft_4m_cp8.yaml",
     "configs/glm/glm45_air_sft_ep8_pp4_cp8.yaml",
 )
 H20_GIB = 96.0

@@ -37,6 +37,7 @@ from flashcp.models.hf_weights import (
     hf_config,
     hf_state_map,
 )
+from flashcp.models.precision import float32_math
 from flashcp.models.safetensors_stream import (
     ITEM_SIZE,
     TensorSpec,
@@ -57,7 +58,7 @@ def merged_shard_name(stage: int, num_stages: int) -> str:
 def _merged(layer: Any, transposed: bool, dtype: str | None = None) -> np.ndarray:
     if getattr(layer, "merged", False):
         raise RuntimeError("the adapters are already merged into the base weights")
-    with paddle.no_grad():
+    with paddle.no_grad(), float32_math():  # float32 on GPU too: no TF32
         w = layer.weight.astype("float32")
         delta = paddle.matmul(layer.lora_A.astype("float32"), layer.lora_B.astype("float32"))
         out = (w + delta * float(layer.scaling)).astype(dtype or layer.weight.dtype)

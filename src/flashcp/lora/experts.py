@@ -34,6 +34,7 @@ from paddle import nn
 
 from flashcp.models.experts import ExpertLayout, GroupedExperts
 from flashcp.models.init import InitRule, fill_parameter
+from flashcp.models.precision import float32_math
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 EXPERT_ATTRS = ("hidden_size", "intermediate_size", "first_expert", "total_experts", "layout")
@@ -69,6 +70,11 @@ def _classes() -> dict[str, type]:
         plan = GroupedExperts.plan
         forward = GroupedExperts.forward
 
+        def row_dtype(self, x: paddle.Tensor) -> paddle.dtype:
+            """The activations' dtype: the float32 adapters take the rows unrounded (no cast
+            before dispatch, unlike bf16 experts without adapters)."""
+            return x.dtype
+
         def project(self, name: str, x: paddle.Tensor, layout: ExpertLayout) -> paddle.Tensor:
             out = layout.matmul(x, getattr(self, name))
             if self.disable_lora or self.merged:
@@ -81,10 +87,11 @@ def _classes() -> dict[str, type]:
         def _fold(self, sign: float) -> None:
             for name in PROJECTIONS:
                 w = getattr(self, name)
-                delta = paddle.bmm(
-                    getattr(self, f"{name}_lora_A").astype("float32"),
-                    getattr(self, f"{name}_lora_B").astype("float32"),
-                )
+                with float32_math():  # float32 on GPU too: no TF32
+                    delta = paddle.bmm(
+                        getattr(self, f"{name}_lora_A").astype("float32"),
+                        getattr(self, f"{name}_lora_B").astype("float32"),
+                    )
                 folded = w.astype("float32") + delta * (sign * float(self.scaling))
                 paddle.assign(folded.astype(w.dtype), output=w)
 
@@ -154,7 +161,7 @@ def merged_piece(layer: nn.Layer, proj: str, expert: int, columns: Any) -> paddl
     dtype), Paddle layout, only `columns` of it when given."""
     if getattr(layer, "merged", False):
         raise RuntimeError("the adapters are already merged into the base weights")
-    with paddle.no_grad():
+    with paddle.no_grad(), float32_math():  # float32 on GPU too: no TF32
         w = getattr(layer, proj)[expert].astype("float32")
         a = getattr(layer, f"{proj}_lora_A")[expert].astype("float32")
         b = getattr(layer, f"{proj}_lora_B")[expert].astype("float32")

@@ -35,6 +35,8 @@ Bytes per rank and MoE call (`DispatchPlan.bytes_sent`; measured at the transfer
 `all_to_all` counters): dispatch sends the rows routed to other ranks' experts, ``Σ_{r≠me}
 send_splits[r]`` rows of `hidden · itemsize` bytes, and combine sends as many back; with a
 uniform router that is ``T·k·(ep-1)/ep`` rows each way (T local tokens, k experts per token).
+The rows travel in the experts' compute dtype (`GroupedExperts.row_dtype`): 2 bytes per value
+for bf16 weights on the GPU grouped GEMM, both ways, gradients too.
 """
 
 from __future__ import annotations

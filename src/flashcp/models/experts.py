@@ -24,6 +24,14 @@ host-known per-expert row counts):
   the load is skewed (a hot expert would otherwise pad every expert to its count). Measured
   here (`scripts/bench_moe.py`): faster than both one padded bmm and the per-expert loop.
 
+Row dtype (`GroupedExperts.row_dtype`): Paddle's grouped GEMM computes in the weights' dtype,
+so with bf16-stored weights on a GPU the MoE layer casts its rows to bf16 BEFORE dispatching
+them (`flashcp.models.moe.MoE`): the expert buffers, the all-to-all traffic of expert
+parallelism and the expert outputs sent back are half the bytes of float32 rows, and the result
+is the same — the GEMM rounded its inputs to bf16 anyway, and its bf16 outputs are widened
+exactly where float32 is needed (the SwiGLU, as before; the combine). On CPU (batched matmuls
+on upcast weights) and for float32 weights the rows keep the activations' dtype.
+
 Padding rows hold zeros (zero output, zero weight gradient); they never reach a token
 (`flashcp.models.moe_dispatch.relayout`). `ExpertLayout.enter` / `leave` move a ragged
 buffer (`moe_dispatch.permute` without relayout, e.g. rows received from other ranks) into
@@ -43,6 +51,7 @@ from paddle.autograd import PyLayer
 
 from flashcp.models.grouped_matmul import Group, batched_gemm_matmul, grouped_matmul
 from flashcp.models.init import normal_attr
+from flashcp.models.precision import as_dtype
 
 GROUP_COST_ROWS = 64
 """The cost of one more group (its calls), in padded rows (`plan_layout`)."""
@@ -87,6 +96,8 @@ class ExpertLayout:
         if order is None:
             return index
         order = np.asarray(order, dtype=np.int64)
+        if index is None and np.array_equal(order, np.arange(order.shape[0])):
+            return None  # already in expert order (e.g. one source rank): nothing to move
         if index is None:
             return paddle.to_tensor(order)
         return paddle.gather(index, paddle.to_tensor(order))
@@ -124,6 +135,12 @@ def _groups(counts: Sequence[int], order: Sequence[int], size: int) -> tuple[Gro
     return tuple(out)
 
 
+def on_grouped_gemm(x: paddle.Tensor) -> bool:
+    """Whether rows like `x` go through Paddle's grouped GEMM (on a GPU) rather than the
+    batched matmuls of the CPU groups (tests substitute a fake GEMM on CPU through this)."""
+    return bool(x.place.is_gpu_place())
+
+
 def plan_layout(counts: Sequence[int], x: paddle.Tensor, mode: str = "auto") -> ExpertLayout:
     """The layout of one call (module docstring): `mode` auto — ragged on GPU, cost-chosen
     groups on CPU — or forced: "padded" (one group, index order), "ragged" (one group per
@@ -133,8 +150,8 @@ def plan_layout(counts: Sequence[int], x: paddle.Tensor, mode: str = "auto") -> 
     counts = tuple(int(c) for c in counts)
     experts = len(counts)
     if mode == "auto":
-        mode = "ragged" if x.place.is_gpu_place() else "grouped"
-    if mode == "ragged" and x.place.is_gpu_place():
+        mode = "ragged" if on_grouped_gemm(x) else "grouped"
+    if mode == "ragged" and on_grouped_gemm(x):
         return ExpertLayout(counts, None)
     if mode == "padded":
         return ExpertLayout(counts, _groups(counts, range(experts), experts))
@@ -240,12 +257,25 @@ class GroupedExperts(nn.Layer):
             raise ValueError(f"{len(counts)} row counts for {self.num_experts} experts")
         return plan_layout(counts, x, self.layout)
 
+    def row_dtype(self, x: paddle.Tensor) -> paddle.dtype:
+        """The dtype the MoE layer sends rows of activations `x` to these experts in: the
+        weights' on Paddle's grouped GEMM (it computes in them), else `x`'s (module doc)."""
+        ragged = self.layout in ("auto", "ragged") and on_grouped_gemm(x)
+        return self.gate_up_proj.dtype if ragged else x.dtype
+
     def project(self, name: str, x: paddle.Tensor, layout: ExpertLayout) -> paddle.Tensor:
-        """Laid-out rows `x` times the stacked weight `name` (adapters add theirs)."""
+        """Laid-out rows `x` times the stacked weight `name` (adapters add theirs), in
+        `x.dtype`."""
         return layout.matmul(x, getattr(self, name))
 
     def forward(self, x: paddle.Tensor, layout: ExpertLayout) -> paddle.Tensor:
-        """``down(silu(gate) · up)`` of every row of `x` `[layout.rows, H]` → `[rows, H]`."""
+        """``down(silu(gate) · up)`` of every row of `x` `[layout.rows, H]` → `[rows, H]` in
+        `x.dtype`. The SwiGLU runs in float32 whatever the rows' dtype (a bf16 GEMM output
+        widens exactly), and its output is rounded to the rows' dtype for the down GEMM, which
+        would round it so itself: bf16 rows compute what float32 rows do (`row_dtype`)."""
+        gate_up = self.project("gate_up_proj", x, layout)
+        if gate_up.element_size() < 4:
+            gate_up = gate_up.astype("float32")
         # silu(gate) · up, gate the first half of the fused projection, in one kernel
-        act = F.swiglu(self.project("gate_up_proj", x, layout))
-        return self.project("down_proj", act, layout)
+        act = F.swiglu(gate_up)
+        return self.project("down_proj", as_dtype(act, x.dtype), layout)

@@ -2,7 +2,8 @@
 
 Routing (HF ``Glm4MoeTopkRouter``, from DeepSeek-V3), per token in float32:
 
-1. ``scores = sigmoid(x @ W_gate)`` over the E routed experts;
+1. ``scores = sigmoid(x @ W_gate)`` over the E routed experts (a true float32 matmul on every
+   device: autocast and TF32 off, `flashcp.models.precision.float32_matmul`);
 2. choose the top-k of ``scores + e_score_correction_bias`` — the bias (a persistent float32
    buffer, no gradient) steers selection only; load balancing moves it between steps
    (`flashcp.models.moe_balance`, `model.router_bias_update_rate`);
@@ -20,8 +21,10 @@ experts; between the sort and the combine the rows travel to the experts' ranks 
 The routed experts run grouped: the (token, choice) entries are sorted by expert once
 (`flashcp.models.moe_dispatch.build_dispatch`: one host sync per call for the counts), the
 sorted tokens go through every expert together (`flashcp.models.experts.GroupedExperts`:
-stacked weights, batched matmuls), and the outputs are unpermuted and combined with the
-routing weights (`moe_dispatch.combine`). Deterministic; dropless unless
+stacked weights, batched matmuls) in the dtype the experts compute in (`row_dtype`: bf16 for
+bf16 weights on the GPU grouped GEMM, cast once before dispatch; else the activations'), and
+the outputs are unpermuted and combined with the routing weights in float32
+(`moe_dispatch.combine`). Deterministic; dropless unless
 `model.moe_capacity_factor` > 0 (then the drops are counted).
 
 Statistics for the trainer (`flashcp.metrics.moe_stats`): each call made while gradients are
@@ -55,7 +58,7 @@ from flashcp.models.moe_dispatch import (
     permute,
     relayout,
 )
-from flashcp.models.precision import as_dtype
+from flashcp.models.precision import float32_matmul
 
 
 @dataclass
@@ -89,10 +92,9 @@ class TopkRouter(nn.Layer):
 
     def route(self, x: paddle.Tensor) -> Routing:
         """`x` `[T, hidden]` → affinities, expert ids (int64) and weights (float32)."""
-        # float32 even under bf16 autocast: O1 casts a white-listed matmul's inputs to bf16
-        # whatever their dtype, and expert choice is sensitive to the affinities' rounding
-        with paddle.amp.auto_cast(enable=False):
-            logits = paddle.matmul(x.astype("float32"), as_dtype(self.weight, "float32"))
+        # float32 on every device (autocast and TF32 off, `precision.float32_math`): expert
+        # choice is sensitive to the affinities' rounding (near-ties)
+        logits = float32_matmul(x, self.weight)
         scores = F.sigmoid(logits)
         choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)
         _, ids = paddle.topk(choice, k=self.top_k, axis=-1)
@@ -186,15 +188,18 @@ class MoE(nn.Layer):
         num_experts, top_k = self.gate.num_experts, self.gate.top_k
         capacity = capacity_for(self.capacity_factor, int(flat.shape[0]), top_k, num_experts)
         dispatch = build_dispatch(routing.ids, num_experts, capacity)
+        # rows in the experts' compute dtype from the start (bf16 on the GPU grouped GEMM):
+        # half the buffer and all-to-all bytes of float32, the same result (`experts`)
+        dtype = self.experts.row_dtype(flat)
         if self.ep_size > 1:
             rows, _ = expert_parallel_rows(
-                self.experts, permute(flat, dispatch), dispatch.counts, self._exchange()
+                self.experts, permute(flat, dispatch, dtype), dispatch.counts, self._exchange()
             )
             out = combine(rows, dispatch, routing.weights).astype(x.dtype).reshape(shape)
         else:
             layout = self.experts.plan(dispatch.counts, flat)
             laid = relayout(dispatch, layout.row_index(), layout.rows)  # tokens to the layout
-            y = self.experts(permute(flat, laid), layout)
+            y = self.experts(permute(flat, laid, dtype), layout)
             out = combine(y, laid, routing.weights).astype(x.dtype).reshape(shape)
         self.last_tokens_per_expert = dispatch.routed
         if paddle.is_grad_enabled():

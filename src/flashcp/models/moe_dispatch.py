@@ -7,11 +7,14 @@ The router picks `k` experts per token (`ids` `[T, k]`). The three steps of an M
    expert-sorted buffer, and for every entry its row in that buffer (`slot`). Everything is
    computed on the device; the counts reach the host once per call (`Dispatch.counts`, needed
    for buffer shapes), never once per expert.
-2. `permute(x, d)` → the buffer `[M, H]`: row `r` holds token `d.entry[r] // k`, expert
-   `e`'s rows contiguous (`d.counts[e]` of them, experts in index order) — what
-   `flashcp.models.experts.GroupedExperts` evaluates.
+2. `permute(x, d, dtype)` → the buffer `[M, H]`: row `r` holds token `d.entry[r] // k`,
+   expert `e`'s rows contiguous (`d.counts[e]` of them, experts in index order) — what
+   `flashcp.models.experts.GroupedExperts` evaluates, in the dtype it computes in (bf16 for
+   bf16 weights on Paddle's grouped GEMM: cast once, before dispatch).
 3. `combine(y, d, weights)` → `[T, H]` float32: ``out[t] = Σ_j weights[t, j] · y[slot[t, j]]``,
-   summed over `j` in order, in float32 (as HF's Glm4Moe accumulates).
+   summed over `j` in order, in float32 (as HF's Glm4Moe accumulates) on every device: its
+   matmuls run under `flashcp.models.precision.float32_math` (a PyLayer's forward runs under
+   the caller's bf16 autocast, which would cast them to bf16; TF32 off on GPU).
 
 `relayout(d, row_index, rows)` moves the buffer's rows to other positions of a larger buffer
 (the experts' padded groups, `flashcp.models.experts.ExpertLayout.row_index`): `permute` then
@@ -40,6 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
+
+from flashcp.models.precision import float32_math
 
 
 @dataclass
@@ -142,32 +147,40 @@ def _per_token(rows: paddle.Tensor, slot: paddle.Tensor, tokens: int, top_k: int
 
 
 class _Permute(PyLayer):
-    """`x[token of each row]` (zeros for padding rows); backward sums each token's k row
-    gradients (a gather and a fixed-order sum)."""
+    """`x[token of each row]` (zeros for padding rows), in `dtype` (None: x's); backward sums
+    each token's k row gradients in x's dtype (a gather and a fixed-order sum)."""
 
     @staticmethod
-    def forward(ctx, x, entry, slot, keep, top_k, padded):  # type: ignore[no-untyped-def, override]
+    def forward(ctx, x, entry, slot, keep, top_k, padded, dtype):  # type: ignore[no-untyped-def, override]
         ctx.save_for_backward(slot, keep)
         ctx.top_k = top_k
         ctx.tokens = int(x.shape[0])
-        return paddle.gather(_with_zero_row(x) if padded else x, entry // top_k, axis=0)
+        ctx.x_dtype = x.dtype
+        src = x if dtype is None or dtype == x.dtype else x.astype(dtype)
+        return paddle.gather(_with_zero_row(src) if padded else src, entry // top_k, axis=0)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
         slot, keep = ctx.saved_tensor()
+        if grad.dtype != ctx.x_dtype:  # rows sent in a narrower dtype: sum in x's
+            grad = grad.astype(ctx.x_dtype)
         per_entry = _per_token(grad, slot, ctx.tokens, ctx.top_k)
         if keep is None:
             dx = per_entry.sum(axis=1)
         else:
-            dx = paddle.matmul(keep.astype(grad.dtype).unsqueeze(1), per_entry).squeeze(1)
+            with float32_math():  # a 0/1 selection: exact only without TF32's rounding
+                dx = paddle.matmul(keep.astype(grad.dtype).unsqueeze(1), per_entry).squeeze(1)
         return (dx, None, None) + ((None,) if keep is not None else ())
 
 
-def permute(x: paddle.Tensor, d: Dispatch) -> paddle.Tensor:
-    """The buffer `[d.rows, H]` of tokens `x` `[T, H]` (step 2)."""
+def permute(x: paddle.Tensor, d: Dispatch, dtype: paddle.dtype | None = None) -> paddle.Tensor:
+    """The buffer `[d.rows, H]` of tokens `x` `[T, H]` (step 2), in `dtype` (default x's; the
+    experts' row dtype, `flashcp.models.experts.GroupedExperts.row_dtype`: the tokens are cast
+    once, before they are gathered and sent). Its gradient returns in x's dtype, each token's
+    k rows summed in it."""
     if int(x.shape[0]) != d.num_tokens:
         raise ValueError(f"permute: {int(x.shape[0])} tokens, the dispatch has {d.num_tokens}")
-    return _Permute.apply(x, d.entry, d.slot, d.keep, d.top_k, d.padded)
+    return _Permute.apply(x, d.entry, d.slot, d.keep, d.top_k, d.padded, dtype)
 
 
 class _Combine(PyLayer):
@@ -185,7 +198,8 @@ class _Combine(PyLayer):
         ctx.weights_frozen = weights.stop_gradient
         ctx.weights_dtype = weights.dtype
         rows = _per_token(y.astype("float32"), slot, tokens, top_k)
-        return paddle.matmul(w.unsqueeze(1), rows).squeeze(1)
+        with float32_math():  # float32 under the caller's bf16 autocast, TF32 off on GPU
+            return paddle.matmul(w.unsqueeze(1), rows).squeeze(1)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
@@ -204,7 +218,8 @@ class _Combine(PyLayer):
         dw = None
         if not ctx.weights_frozen:
             rows = _per_token(y.astype("float32"), slot, tokens, top_k)
-            dw = paddle.matmul(rows, grad.unsqueeze(-1)).squeeze(-1)
+            with float32_math():
+                dw = paddle.matmul(rows, grad.unsqueeze(-1)).squeeze(-1)
             if keep is not None:
                 dw = dw * keep
             dw = dw.astype(ctx.weights_dtype)

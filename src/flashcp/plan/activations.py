@@ -12,9 +12,12 @@ tensor has:
   residual stream (`flashcp.plan.features`) makes the whole class bfloat16;
 * ``c``: the compute dtype (train.dtype resolved: bf16 on GPU, float32 on CPU) — matmul
   outputs: q/k/v projections, rotated q/k, the attention output, MLP intermediates;
-* ``e``: what the routed experts' grouped matmuls save as their inputs
-  (`flashcp.models.grouped_matmul`): on CPU the activations as they come (float32), on GPU
-  Paddle's grouped GEMM casts them to the stored weights' dtype (train.param_dtype).
+* ``e``: the routed experts' rows (`flashcp.models.experts.GroupedExperts.row_dtype`): the
+  grouped matmuls' saved inputs, the dispatched and returned buffers (the all-to-all under
+  expert parallelism) and the expert outputs the combine keeps — on CPU the activations' dtype
+  (float32), on GPU the stored weights' dtype (train.param_dtype: Paddle's grouped GEMM
+  computes in it, so the MoE layer casts its rows before dispatch). LoRA-adapted experts take
+  float32 rows (their adapters are float32): their buffers count in ``res``.
 
 int64 tensors (the MoE router's choices and buffer slots) count as two float32 elements.
 
@@ -78,8 +81,8 @@ class Counts:
 @dataclass(frozen=True)
 class Dtypes:
     """Byte sizes: `c` compute dtype, `res` the residual stream inside a layer, `param`
-    parameter storage, `experts` the routed experts' saved GEMM inputs, `boundary` the residual
-    stream between layers (`model.residual_dtype`); `gpu`: the device is a GPU."""
+    parameter storage, `experts` the routed experts' rows (class ``e``), `boundary` the
+    residual stream between layers (`model.residual_dtype`); `gpu`: the device is a GPU."""
 
     c: int
     res: int
@@ -185,12 +188,19 @@ def _attention(args: ModelArgs, counts: Counts) -> None:
 
 
 def layer_saved(
-    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None, ep: int = 1
+    args: ModelArgs,
+    index: int,
+    dt: Dtypes,
+    rows: ExpertRows | None = None,
+    ep: int = 1,
+    *,
+    experts_lora: bool = False,
 ) -> Counts:
     """Elements per token decoder layer `index` keeps for backward WITHOUT recompute, including
     its output (the next layer's input); the layer's input is the previous layer's output and
     is not counted again. `rows`: the MoE layers' expert buffer (default: T·k rows, unpadded);
-    `ep`: the expert-parallel degree (`_moe`).
+    `ep`: the expert-parallel degree (`_moe`); `experts_lora`: LoRA adapts the routed experts
+    (float32 rows).
 
     Norms: RMSNorm keeps its normalised input (`h * rsqrt`, saved by the weight multiply) and
     rsqrt `[1]`; a new input (not the layer input) is also kept, by `pow`. LayerNorm keeps
@@ -227,7 +237,7 @@ def layer_saved(
     else:
         norm("post_attention_layernorm", new_input=True, out_saved=True)
         if args.is_moe_layer(index):
-            _moe(args, n, rows or _unpadded(args), ep)
+            _moe(args, n, rows or _unpadded(args), ep, experts_lora=experts_lora)
         else:
             n.add("MLP gate/up, silu, product", "c", 4 * args.intermediate_size)
     if args.arch == "glm":
@@ -257,15 +267,18 @@ def _unpadded(args: ModelArgs) -> ExpertRows:
     return ExpertRows(float(args.num_experts_per_tok), False, 0, 0)
 
 
-def _moe(args: ModelArgs, n: Counts, rows: ExpertRows, ep: int = 1) -> None:
+def _moe(
+    args: ModelArgs, n: Counts, rows: ExpertRows, ep: int = 1, *, experts_lora: bool = False
+) -> None:
     """`flashcp.models.moe.MoE`, grouped: measured on CPU to the byte per token
     (`tests/unit/test_plan.py`). The router keeps its float32 logits and sigmoid scores `[E]`,
     the chosen experts and (after the dispatch) each entry's buffer slot, int64 `[k]` each, the
     raw, normalised and scaled top-k weights `[k]` and their sum; the buffer's token index
     (int64, one per row). Per buffer row (r per token): the grouped matmuls' inputs — the
     gathered token `[H]` and the SwiGLU output `[Im]` (class ``e``) — and the gate/up output
-    `[2·Im]` and the expert output `[H]` in the activations' dtype. The shared expert keeps
-    `4·Is` per token.
+    `[2·Im]` (widened to float32 for the SwiGLU) and the expert output `[H]`, which the
+    combine keeps, in the rows' dtype (class ``e``; ``res`` for LoRA-adapted experts). The
+    shared expert keeps `4·Is` per token.
 
     Under expert parallelism (`ep` > 1, `flashcp.models.expert_parallel`) the r rows per token
     are the ones this rank's experts received (a uniform router: as many as it sent, T·k);
@@ -275,17 +288,19 @@ def _moe(args: ModelArgs, n: Counts, rows: ExpertRows, ep: int = 1) -> None:
     each. The exchange buffers themselves are transient (`ep_exchange_bytes`)."""
     h, k, e = args.hidden_size, args.num_experts_per_tok, args.num_experts
     im, r = args.moe_intermediate_size, rows.per_token
+    out = "res" if experts_lora else "e"
     n.add("MoE router logits and scores", "f", 2 * e)
     n.add("MoE routing: choices and slots (int64), top-k weights, their sum", "f", 7 * k + 1)
     if ep > 1:
         n.add("MoE ep: token index per entry, layout indices per row (int64)", "f", 2 * k + 4 * r)
         n.add("MoE routed rows: grouped matmul inputs (token, SwiGLU output)", "e", r * (h + im))
         n.add("MoE routed rows: gate/up output", "res", r * 2 * im)
-        n.add("MoE ep: returned rows (combine input)", "res", k * h)
+        n.add("MoE ep: returned rows (combine input)", out, k * h)
     else:
         n.add("MoE buffer: token index per row (int64)", "f", 2 * r)
         n.add("MoE routed rows: grouped matmul inputs (token, SwiGLU output)", "e", r * (h + im))
-        n.add("MoE routed rows: gate/up output, expert output", "res", r * (2 * im + h))
+        n.add("MoE routed rows: gate/up output", "res", r * 2 * im)
+        n.add("MoE routed rows: expert output (combine input)", out, r * h)
     if args.num_shared_experts:
         inter = args.moe_intermediate_size * args.num_shared_experts
         n.add("MoE shared expert SwiGLU intermediates", "c", 4 * inter)
@@ -402,7 +417,8 @@ def moe_backward_bytes(
     CPU, float32: `tests/unit/test_plan.py`). With r buffer rows per token (R = r·T rows):
 
     * the combine: the output gradient's copy, on CPU its zero-row extension `[T+1, H]`, the
-      gathered rows and their weighted copy ``2·R·H``, the row→token index (int64);
+      gathered rows and their weighted copy ``2·R·H``, the row→token index (int64), and the
+      rows' gradient in the rows' dtype when that is narrower (bf16 rows on GPU);
     * the down projection: its input gradient in parts and concatenated ``2·R·Im`` (on GPU
       the grouped GEMM's ``R·Im`` in the weights' dtype and its float32 cast), the last
       chunk's weight copy (CPU), with adapted experts the adapter branch's pending ``R·H``;
@@ -432,7 +448,9 @@ def moe_backward_bytes(
     def chunk(k_dim: int, n_dim: int) -> float:
         return rows.chunk_experts * k_dim * n_dim * c
 
+    row = 4 if lora_experts else dt.experts
     combine = T * h * f + (T * h * f if rows.padded else 0) + 2 * R * h * f + 2 * R * 4
+    combine += R * h * row if row < f else 0
     # GPU: the grouped GEMM's dx in the weights' dtype and its float32 cast, the output
     # gradient cast to the weights' dtype; CPU: dx in parts and concatenated, a weight chunk
     down = R * im * (p + f) + R * h * p if dt.gpu else 2 * R * im * f + chunk(im, h)
@@ -444,11 +462,14 @@ def moe_backward_bytes(
     return max(combine, down, gate_up, shared)
 
 
-def ep_exchange_bytes(args: ModelArgs, dt: Dtypes, tokens: int, ep: int) -> float:
+def ep_exchange_bytes(
+    args: ModelArgs, dt: Dtypes, tokens: int, ep: int, *, experts_lora: bool = False
+) -> float:
     """Bytes one MoE layer's token exchange holds at once beyond what the layer keeps, under
     expert parallelism (`flashcp.models.expert_parallel`, `flashcp.distributed.all_to_all`),
-    with a uniform router (every rank sends and receives ``T·k`` rows of H, in the residual
-    dtype the rows have): the dispatch all-to-all holds the expert-sorted send buffer and
+    with a uniform router (every rank sends and receives ``T·k`` rows of H, in the rows' dtype:
+    the experts' compute dtype, bf16 for bf16 weights on GPU; float32 for LoRA-adapted experts
+    and on CPU): the dispatch all-to-all holds the expert-sorted send buffer and
     what it receives; on gloo (CPU) also the contiguous copies of the send blocks and the
     received blocks before they are concatenated (``4·T·k·H``; NCCL ``2·T·k·H``). The combine
     all-to-all (expert outputs back), and in backward the two reverse exchanges of the
@@ -457,7 +478,8 @@ def ep_exchange_bytes(args: ModelArgs, dt: Dtypes, tokens: int, ep: int) -> floa
     if ep <= 1 or not args.num_experts:
         return 0.0
     buffers = 2 if dt.gpu else 4
-    return buffers * tokens * args.num_experts_per_tok * args.hidden_size * dt.res
+    row = dt.res if experts_lora else dt.experts
+    return buffers * tokens * args.num_experts_per_tok * args.hidden_size * row
 
 
 def attention_backward_transient(args: ModelArgs, *, cp: bool) -> Counts:

@@ -48,6 +48,7 @@ from flashcp.config.schema import Config
 from flashcp.models.config import ModelArgs
 from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
+from flashcp.plan.comms import Communicators, communicators
 from flashcp.plan.features import Features, features_of
 from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments
 from flashcp.plan.params import is_expert, layer_parameters, stage_buffers, stage_parameters
@@ -75,6 +76,7 @@ ITEMS: tuple[str, ...] = (
     "grad_buckets",
     "zero_buffers",
     "optimizer_step_transient",
+    "nccl_communicators",
     "fixed_overhead",
 )
 """Every item a rank's plan reports (bytes live at the rank's peak; 0 when not live then)."""
@@ -110,12 +112,16 @@ ITEM_DOCS: dict[str, str] = {
     "ZeRO-2 the float32 buckets being filled and reduce-scattered during backward",
     "zero_buffers": "ZeRO-1 flat reduce-scatter / all-gather buffers",
     "optimizer_step_transient": "pipeline clip's gradient copy and squared-norm temporaries",
-    "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, NCCL "
-    "buffers, allocator slack (GPU); 0 on CPU (the allocator counts tensors only)",
+    "nccl_communicators": "NCCL communicators this rank creates, one per process group and "
+    "one per p2p pair, NCCL_COMMUNICATOR_BYTES each (GPU; 0 on CPU: gloo)",
+    "fixed_overhead": "non-tensor device memory: CUDA context, library workspaces, allocator "
+    "slack (GPU); 0 on CPU (the allocator counts tensors only)",
 }
 
-GPU_FIXED_BYTES = 2 * GIB
-"""CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers (not tensors)."""
+GPU_FIXED_BYTES = 1 * GIB
+"""CUDA context and cuBLAS / cuDNN workspaces (not tensors). NCCL's buffers are planned per
+communicator (`flashcp.plan.comms`, item ``nccl_communicators``): before they were, this was
+2 GiB for both, so a job with one communicator plans as it did."""
 GPU_FRAGMENTATION = 0.05
 """Allocator slack on GPU, as a fraction of the tensor bytes at the peak."""
 OFFLOAD_IN_FLIGHT = 2
@@ -139,6 +145,8 @@ class RankPlan:
     moments: dict[str, dict[str, int]] = field(default_factory=dict)
     """Every evaluated moment's items (bytes); `items` is the largest one's."""
     layers: range = range(0)
+    communicators: Communicators | None = None
+    """The NCCL communicators behind ``nccl_communicators`` (GPU plans)."""
 
     @property
     def totals(self) -> dict[str, int]:
@@ -191,10 +199,12 @@ class Plan:
         return self.device_fits and self.host_fits
 
     def stages(self) -> list[RankPlan]:
-        """The first rank of every stage (ranks of a stage have equal plans)."""
+        """The largest rank of every stage (the lowest among equals): a stage's ranks differ
+        only in the NCCL communicators they create (GPU)."""
         seen: dict[int, RankPlan] = {}
         for r in self.ranks:
-            seen.setdefault(r.stage, r)
+            if r.stage not in seen or r.total_bytes > seen[r.stage].total_bytes:
+                seen[r.stage] = r
         return [seen[s] for s in sorted(seen)]
 
     def to_json(self) -> dict[str, Any]:
@@ -360,7 +370,8 @@ class TiledWork:
 def _tile_saved(s: Setup, index: int, dt: act.Dtypes, rows: act.ExpertRows | None) -> act.Counts:
     """Per token of a tile: `act.tile_saved` of layer `index` (with LoRA's), an MoE layer's
     expert buffer sized for one tile (`rows`)."""
-    saved = act.layer_saved(s.args, index, dt, rows, s.ep)
+    lora_experts = act.experts_adapted(s.args, index, s.lora_targets)
+    saved = act.layer_saved(s.args, index, dt, rows, s.ep, experts_lora=lora_experts)
     saved += act.lora_saved(s.args, index, s.lora_targets, s.lora_rank, dt, rows)
     return saved
 
@@ -396,7 +407,9 @@ def tiled_working_sets(
             args, dt, rows, tile, experts_trained=s.lora_targets is None,
             lora_experts=act.experts_adapted(args, index, s.lora_targets), ep=s.ep,
         )  # fmt: skip
-        ep_t = max(0.0, act.ep_exchange_bytes(args, dt, tile, s.ep) - mlp_t)
+        lora_experts = act.experts_adapted(args, index, s.lora_targets)
+        exchange = act.ep_exchange_bytes(args, dt, tile, s.ep, experts_lora=lora_experts)
+        ep_t = max(0.0, exchange - mlp_t)
     else:
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * tile
         ep_t = 0.0
@@ -432,7 +445,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     zero2 = s.features.shard_gradients and s.shard and n_trained > 0
     T, H, V = s.tokens, args.hidden_size, args.vocab_size
     buf = act.expert_rows(args, T, dt, s.ep) if args.num_experts else None
-    exchange = act.ep_exchange_bytes(args, dt, T, s.ep)
+
+    def exchange(index: int, tokens: int = T) -> float:
+        """Layer `index`'s all-to-all buffers (`act.ep_exchange_bytes`) for `tokens` tokens."""
+        lora_experts = act.experts_adapted(args, index, s.lora_targets)
+        return act.ep_exchange_bytes(args, dt, tokens, s.ep, experts_lora=lora_experts)
 
     persistent = {
         "params_trained": n_trained * PT,
@@ -476,7 +493,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     mlp_moment: list[tuple[float, float, float, float]] = []
     attn_moment: list[tuple[float, float, float, float]] = []
     for pos, index in enumerate(layers):
-        saved = act.layer_saved(args, index, dt, buf, s.ep)
+        lora_experts = act.experts_adapted(args, index, lora)
+        saved = act.layer_saved(args, index, dt, buf, s.ep, experts_lora=lora_experts)
         saved += act.lora_saved(args, index, lora, s.lora_rank, dt, buf)
         frozen_input = first and pos == 0 and lora is not None and mode == "none"
         cut = act.frozen_input_savings(args, index, lora, dt).bytes(dt) if frozen_input else 0.0
@@ -492,7 +510,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * T
         # The exchanges run between the MoE's other steps (combine, experts, permute), whose
         # transients are freed by then: the larger of the two is live, the excess is reported.
-        ep_t = max(0.0, exchange - mlp_t) if args.is_moe_layer(index) else 0.0
+        ep_t = max(0.0, exchange(index) - mlp_t) if args.is_moe_layer(index) else 0.0
         copies = weight_copies(args, index, T, dt)
         upcast = upcast_transient(args, index, dt, frozen=lora is not None)
         if mode == "none":
@@ -676,11 +694,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             peak = act.nograd_forward_transient(args, index, buf).bytes(dt) * T
             if f.query_chunk or f.kv_chunk:  # attention's own buffers, chunk-sized
                 peak += attn_forward
-            return peak, max(0.0, exchange - peak) if args.is_moe_layer(index) else 0.0
+            return peak, max(0.0, exchange(index) - peak) if args.is_moe_layer(index) else 0.0
         per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
         core = (act.attention_core(args).bytes(dt) + H * (dt.boundary + dt.res)) * T
         peak = core + max(per_tile, attn_forward)
-        excess = act.ep_exchange_bytes(args, dt, tile, s.ep) - per_tile
+        excess = exchange(index, tile) - per_tile
         return peak, max(0.0, excess) if args.is_moe_layer(index) else 0.0
 
     def leaving(i: int) -> float:
@@ -817,7 +835,11 @@ def plan(
     for rank in range(s.dp * s.pp * s.cp):
         stage = (rank // s.cp) % s.pp
         name, moments, layers, host = per_stage[stage]
-        ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers))
+        comms = communicators(cfg, rank) if s.device == "gpu" else None
+        if comms is not None:  # the same bytes at every moment: the peak moment stays
+            moments = {m: {**items, "nccl_communicators": comms.bytes}
+                       for m, items in moments.items()}  # fmt: skip
+        ranks.append(RankPlan(rank, stage, dict(moments[name]), name, moments, layers, comms))
         writer = rank == stage * s.cp  # dp 0, cp 0 of the stage
         host_ranks.append(HostRank(rank, stage, rank_moments(
             host, writer=writer, gpu=s.device == "gpu", checkpoints=checkpoints,

@@ -18,6 +18,7 @@ from typing import Any
 
 from flashcp.attention import registry as cp_modes
 from flashcp.config import Config, collect, to_dict
+from flashcp.plan.comms import NCCL_COMMUNICATOR_BYTES
 from flashcp.plan.host import HOST_ITEM_DOCS
 from flashcp.plan.model import GIB, ITEM_DOCS, Plan, plan
 
@@ -260,6 +261,9 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
         for name, size in sorted(r.items.items(), key=lambda kv: -kv[1]):
             if size:
                 lines.append(f"  {name:<26} {_size(size)}  {ITEM_DOCS[name]}")
+        if r.communicators is not None and r.communicators.count:
+            lines.append(f"  (rank {r.rank}: {r.communicators.describe()}, "
+                         f"{_gib(NCCL_COMMUNICATOR_BYTES).strip()} each)")  # fmt: skip
         others = ", ".join(f"{m} {_size(t).strip()}" for m, t in r.totals.items() if m != r.moment)
         if others:
             lines.append(f"  (other moments: {others})")
