@@ -10,8 +10,8 @@ would train on:
    grad_accum × micro_batch_size each), fewer where an epoch ends (`epoch_window`: the one
    step where first-fit mixes two epochs is a window of its own, so no document moves into
    another epoch's steps). Its documents (pieces of one document inside the window merged
-   again; a document longer than a row cut into equal pieces of at most a row) or DPO
-   examples (never split) are the window's items.
+   again; a document longer than a row cut into whole rows and the rest) or DPO examples
+   (never split) are the window's items.
 2. `fill_rows`: the items, heaviest first (attention pairs from the work model,
    `flashcp.cp.work`), each go to a row. The window's `steps × rows_per_step` heaviest items
    anchor one row each, step by step, so the heaviest documents share a step; every other
@@ -47,6 +47,8 @@ from flashcp.cp.work import WorkModel, causal_pairs
 from flashcp.data.packing import PackedStream, Piece
 
 T = TypeVar("T")
+_NEVER = np.iinfo(np.int64).max
+"""A row's priority where the item may not go."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ def fill_rows(
     n_rows = steps * rows_per_step
     free = np.full(n_rows, row_len, dtype=np.int64)
     load = np.zeros(n_rows, dtype=np.int64)
+    step_of = np.repeat(np.arange(steps), rows_per_step)
+    top = np.zeros(steps, dtype=np.int64)  # each step's heaviest row
     placed: list[list[tuple[int, Piece]]] = [[] for _ in range(n_rows)]
     given = zip(items, costs, strict=True)
     heap = [(-int(c), -int(p.length), i, p) for i, (p, c) in enumerate(given)]
@@ -116,16 +120,15 @@ def fill_rows(
             r = anchors
             anchors += 1
         else:
-            top = load.reshape(steps, rows_per_step).max(axis=1)
-            deficit = load - np.repeat(top, rows_per_step)  # <= 0: below its step's heaviest
+            deficit = load - top[step_of]  # <= 0: below its step's heaviest row
             fits = free >= n
             if fits.any():
-                r = int(np.argmin(np.where(fits, deficit, np.iinfo(np.int64).max)))
+                r = int(np.argmin(np.where(fits, deficit, _NEVER)))
             elif cost_of is None:
                 return None
             else:  # cut it: the largest gap takes what it holds, the rest goes back
                 widest = free == free.max()
-                r = int(np.argmin(np.where(widest, deficit, np.iinfo(np.int64).max)))
+                r = int(np.argmin(np.where(widest, deficit, _NEVER)))
                 take = int(free[r])
                 rest = Piece(piece.doc, piece.start + take, n - take)
                 heapq.heappush(heap, (-int(cost_of(rest.length)), -rest.length, order, rest))
@@ -134,13 +137,15 @@ def fill_rows(
         placed[r].append((rank, piece))
         free[r] -= n
         load[r] += -neg_cost
+        top[step_of[r]] = max(top[step_of[r]], load[r])
     return [[p for _, p in sorted(row)] for row in placed]
 
 
 def window_items(rows: Sequence[Sequence[Piece]], row_len: int) -> list[Piece]:
     """The documents of first-fit `rows` as the balancer's items: pieces of one document that
-    follow each other merged, a document longer than `row_len` cut into `ceil(n / row_len)`
-    pieces of equal length (the first ones one token longer), in stream order."""
+    follow each other merged, a document longer than `row_len` cut into whole rows and the rest
+    (each whole row one piece, as first-fit lays out a long document's middle), in stream
+    order."""
     merged: list[Piece] = []
     for row in rows:
         for p in row:
@@ -151,13 +156,11 @@ def window_items(rows: Sequence[Sequence[Piece]], row_len: int) -> list[Piece]:
                 merged.append(Piece(*p))
     out: list[Piece] = []
     for p in merged:
-        k = -(-p.length // row_len)
-        base, extra = divmod(p.length, k)
-        start = p.start
-        for j in range(k):
-            n = base + (1 if j < extra else 0)
-            out.append(Piece(p.doc, start, n))
-            start += n
+        start, n = p.start, p.length
+        while n > row_len:
+            out.append(Piece(p.doc, start, row_len))
+            start, n = start + row_len, n - row_len
+        out.append(Piece(p.doc, start, n))
     return out
 
 
