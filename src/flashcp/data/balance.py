@@ -98,8 +98,8 @@ def fill_rows(
     """The window's items in `steps × rows_per_step` rows of at most `row_len` tokens, step by
     step (module docstring, step 2). `costs[i]` is item i's attention pairs; `cost_of(n)` those
     of its first n tokens, for an item that may be cut (None: items are never cut, and the
-    result is None when one fits no row). Deterministic: ties go to the earlier item and the
-    lower row; each row's pieces are in item order."""
+    result is None when one fits no row). Deterministic: ties go to the longer, then the
+    earlier item and to the lower row; each row's pieces are in item order."""
     n_rows = steps * rows_per_step
     free = np.full(n_rows, row_len, dtype=np.int64)
     load = np.zeros(n_rows, dtype=np.int64)
@@ -112,7 +112,7 @@ def fill_rows(
     order = len(heap)
     anchors = 0
     while heap:
-        neg_cost, _, rank, piece = heapq.heappop(heap)
+        neg_cost, _, seq, piece = heapq.heappop(heap)
         n = int(piece.length)
         if n > row_len:
             raise ValueError(f"item {piece} is longer than a row ({row_len} tokens)")
@@ -130,11 +130,13 @@ def fill_rows(
                 widest = free == free.max()
                 r = int(np.argmin(np.where(widest, deficit, _NEVER)))
                 take = int(free[r])
+                if not take:
+                    raise ValueError(f"the items hold more than {n_rows} rows of {row_len} tokens")
                 rest = Piece(piece.doc, piece.start + take, n - take)
                 heapq.heappush(heap, (-int(cost_of(rest.length)), -rest.length, order, rest))
                 order += 1
                 piece, n, neg_cost = Piece(piece.doc, piece.start, take), take, -int(cost_of(take))
-        placed[r].append((rank, piece))
+        placed[r].append((seq, piece))
         free[r] -= n
         load[r] += -neg_cost
         top[step_of[r]] = max(top[step_of[r]], load[r])

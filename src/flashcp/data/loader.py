@@ -3,13 +3,14 @@
 Rows come from `data.path` (JSON Lines or Parquet, `flashcp.data.sources`) or the shipped
 sets, and are indexed once by all processes together (`flashcp.data.index`: each reads and
 tokenizes its share of the rows, every process gets every row's length and the bad-record
-report). Every rank then plans the same deterministic `PackedStream` from the lengths; a step
-consumes `grad_accum × dp × micro_batch_size` sequences, and dp rank r takes sequences
-`[r·mbs, (r+1)·mbs)` of each micro-batch, building (tokenizing) only the rows those hold and
-skipping the others'. CP and PP ranks of one dp rank build the same full sequences (CP shards
-them afterwards). So `dp=2, micro_batch_size=1` sees exactly the sequences of
-`dp=1, micro_batch_size=2`, and the data position is identical on every rank (rank 0 saves it;
-resuming restores it exactly).
+report). Every rank then plans the same deterministic `PackedStream` from the lengths (with
+`data.balance: work` re-packed window by window so that the rows of a step cost the same,
+`flashcp.data.balance`); a step consumes `grad_accum × dp × micro_batch_size` sequences, and
+dp rank r takes sequences `[r·mbs, (r+1)·mbs)` of each micro-batch, building (tokenizing) only
+the rows those hold and skipping the others'. CP and PP ranks of one dp rank build the same
+full sequences (CP shards them afterwards). So `dp=2, micro_batch_size=1` sees exactly the
+sequences of `dp=1, micro_batch_size=2`, and the data position is identical on every rank
+(rank 0 saves it; resuming restores it exactly).
 """
 
 from __future__ import annotations
