@@ -29,7 +29,7 @@ from flashcp.cp.work import (
     matmul_parameters,
     share_question_pairs,
 )
-from flashcp.data import TrainData, mixes
+from flashcp.data import TrainData, dpo_stream, mixes
 from flashcp.data.balance import (
     BalancedPlan,
     Row,
@@ -239,6 +239,22 @@ def test_dpo_pairs_never_split_and_steps_balance() -> None:
     again = DPORows(lengths, pairs, seq_len, rows_per_step=8, seed=2, balance_window=4)
     again.load_state_dict(states[9])
     assert [again.next_step() for _ in range(15)] == steps[9:]
+
+
+def test_dpo_window_that_does_not_fit_keeps_first_fits_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the balanced fill cannot place every pair, the window's first-fit rows are used
+    as they are, heaviest first."""
+    monkeypatch.setattr(dpo_stream, "fill_rows", lambda *args, **kwargs: None)
+    prompt, chosen, rejected = mixes.dpo(400, 2048)
+    lengths, pairs = prompt + chosen + rejected, share_question_pairs(prompt, chosen, rejected)
+    first = DPORows(lengths, pairs, 2048, rows_per_step=4, seed=1)
+    plan = DPORows(lengths, pairs, 2048, rows_per_step=4, seed=1, balance_window=3)
+    want = [first.next_step() for _ in range(3)]
+    got = [plan.next_step() for _ in range(3)]
+    rows = [r for step in want for r in step]
+    assert [r for step in got for r in step] == sorted(rows, key=lambda r: -plan.row_info(r).pairs)
 
 
 # -- through the data sources, the trainer and the CLI -----------------------------------------

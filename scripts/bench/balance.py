@@ -1,0 +1,299 @@
+"""Work-balanced packing (`data.balance`): modelled imbalance on three length mixes and measured
+CPU step times, first-fit (`none`) vs balanced (`work`).
+
+**Modelled** (`--part model`): the planners alone (`flashcp.data.packing.PackedStream` +
+`flashcp.data.balance.BalancedPlan`, `flashcp.data.dpo_stream.DPORows`), no model run, on the
+seeded mixes of `flashcp.data.mixes` (long-tail documents, short chat, DPO pairs) at
+S = 8K, 32K, 128K and dp × grad_accum = 8×1, 8×4, 4×8 (micro_batch_size 1, the default window
+of 16 steps), work from GLM-4-9B's widths (`flashcp.cp.work`). Per step the dp work max/mean
+(the slowest rank over the mean) and the micro-batch work max/mean; reported: their mean and
+p90 over `--model-steps` steps, the attention share of the work, and for LM data the pieces a
+document ends up in (balanced packing may cut a document to fill a row, as first-fit does).
+
+**Measured** (`--part cpu`): `flashcp train` jobs, dp = 2 (2 processes, one thread each),
+grad_accum 2, the tiny GPT at `--seq-len` tokens, on a long-tail corpus (the long-tail mix
+scaled to the row: lengths × S / 32K, so it reads at S as the mix does at 32K) in a JSON Lines
+file; `none` and `work` jobs alternate in `--rounds` interleaved rounds (`bench.rounds`). A job
+trains `--steps` steps, a multiple of the window (`--cpu-window`), so both modes train on the
+same tokens. Per job, over steps 2..N: the median step time, the median of
+`balance/rank_time_max_over_mean` (each rank's busy time up to the step's first reduction, max
+over mean) and of the modelled `balance/dp_work_max_over_mean`. Reported: medians (min–max)
+over rounds and the ratio of the median step times none / work, with the machine's load.
+
+Writes `--json` (default docs/balance.json) and `--markdown` (default docs/balance.md), the
+page rendered from the JSON alone by `templates/balance.md.j2` (`--report-only` re-renders it).
+A run of one part keeps the other part's record from an existing `--json`.
+
+Usage:
+    python scripts/bench_balance.py                      # both parts
+    python scripts/bench_balance.py --part model         # the modelled tables only
+    python scripts/bench_balance.py --report-only        # docs/balance.md from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import machine, rounds, stats
+from bench.report import DOCS, ROOT, Page
+from flashcp.cp.work import WorkModel, causal_pairs, share_question_pairs
+from flashcp.data import mixes
+from flashcp.data.balance import BalancedPlan, Row, StepLayout, step_balance
+from flashcp.data.dpo_stream import DPORows
+from flashcp.data.packing import PackedStream, Piece
+from flashcp.models import preset
+
+SEQ_LENS = (8192, 32768, 131072)
+LAYOUTS = ((8, 1), (8, 4), (4, 8))
+MIXES = ("long_tail", "chat", "dpo")
+DP_KEY, MB_KEY = "balance/dp_work_max_over_mean", "balance/microbatch_work_max_over_mean"
+TIME_KEY = "balance/rank_time_max_over_mean"
+CPU_ACCUM = 2
+"""grad_accum of the CPU jobs: 2 dp ranks × 2 micro-batches = 4 rows per step."""
+
+Record = dict[str, Any]
+
+
+# -- modelled: the planners on the mixes ------------------------------------------------------
+
+
+class _Lengths:
+    """Documents known by their lengths alone (all a planner reads)."""
+
+    def __init__(self, lengths: np.ndarray) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+
+def lm_steps(
+    lengths: np.ndarray, seq_len: int, rows: int, steps: int, window: int | None
+) -> list[list[list[Piece]]]:
+    """`steps` steps of `rows` rows, first-fit (`window` None) or balanced."""
+    stream = PackedStream(_Lengths(lengths), seq_len, seed=0)
+    if window is None:
+        return [[stream.plan_next() for _ in range(rows)] for _ in range(steps)]
+    plan = BalancedPlan(stream, rows, window)
+    return [plan.next_step() for _ in range(steps)]
+
+
+def lm_row(pieces: list[Piece]) -> Row:
+    """A packed LM row (exactly full) as the work model sees it."""
+    lengths = [p.length for p in pieces]
+    return Row(tuple(lengths), int(causal_pairs(lengths).sum()))
+
+
+def attention_share(rows: Sequence[Row], model: WorkModel, seq_len: int) -> float:
+    """The attention part of the rows' modelled work."""
+    pairs = np.array([r.pairs for r in rows], dtype=np.float64)
+    return float(model.attention_per_pair * pairs.sum() / model.flops(seq_len, pairs).sum())
+
+
+def _summary(per_step: list[dict[str, float]], attention: list[float]) -> Record:
+    out: Record = {}
+    for key, name in ((DP_KEY, "dp"), (MB_KEY, "microbatch")):
+        values = [s[key] for s in per_step]
+        out[name] = {"mean": float(np.mean(values)), "p90": float(np.percentile(values, 90))}
+    out["attention_share"] = float(np.mean(attention))
+    return out
+
+
+def model_case(
+    mix: str, seq_len: int, dp: int, accum: int, steps: int, window: int, model: WorkModel
+) -> Record:
+    """One (mix, S, layout), none vs work (module docstring)."""
+    layout = StepLayout(dp, accum, 1)
+    tokens = steps * layout.rows * seq_len
+    record: Record = {"mix": mix, "seq_len": seq_len, "dp": dp, "grad_accum": accum}
+    start = time.perf_counter()
+    for mode, w in (("none", None), ("work", window)):
+        per_step, attention = [], []
+        if mix == "dpo":
+            prompt, chosen, rejected = mixes.dpo(tokens // 1500 + 1000, seq_len)
+            plan = DPORows(prompt + chosen + rejected,
+                           share_question_pairs(prompt, chosen, rejected), seq_len,
+                           rows_per_step=layout.rows, balance_window=w)  # fmt: skip
+            planned = [[plan.row_info(r) for r in plan.next_step()] for _ in range(steps)]
+        else:
+            draw = mixes.long_tail if mix == "long_tail" else mixes.chat
+            lengths = draw(tokens // (600 if mix == "chat" else 1500) + 1000)
+            pieces = lm_steps(lengths, seq_len, layout.rows, steps, w)
+            planned = [[lm_row(r) for r in step] for step in pieces]
+            flat = [p for step in pieces for row in step for p in row]
+            record.setdefault("pieces_per_document", {})[mode] = len(flat) / len(
+                {p.doc for p in flat}
+            )
+        for rows in planned:
+            per_step.append(step_balance(rows, layout, model, seq_len))
+            attention.append(attention_share(rows, model, seq_len))
+        record[mode] = _summary(per_step, attention)
+    record["plan_seconds"] = time.perf_counter() - start
+    return record
+
+
+def model_part(steps: int, window: int) -> Record:
+    """Every modelled case (module docstring)."""
+    model = WorkModel.for_model(preset("glm4_9b"))
+    cases = []
+    for mix in MIXES:
+        for seq_len in SEQ_LENS:
+            for dp, accum in LAYOUTS:
+                case = model_case(mix, seq_len, dp, accum, steps, window, model)
+                cases.append(case)
+                print(f"{mix:9s} S={seq_len:6d} {dp}x{accum}: dp work max/mean none "
+                      f"{case['none']['dp']['mean']:.3f}, work {case['work']['dp']['mean']:.3f}",
+                      flush=True)  # fmt: skip
+    return {"model": "glm4_9b", "steps": steps, "window": window, "cases": cases}
+
+
+# -- measured: dp = 2 CPU jobs -----------------------------------------------------------------
+
+
+def write_corpus(path: Path, seq_len: int, tokens: int) -> Record:
+    """The long-tail mix scaled to `seq_len` as JSON Lines text, at least `tokens` tokens (the
+    byte tokenizer: a byte is a token; BOS and EOS make two more)."""
+    lengths = np.clip(mixes.long_tail(tokens // 100, seed=7) * seq_len // 32768, 8, None)
+    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
+    rng = np.random.default_rng(7)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
+    with path.open("w") as f:
+        for n in lengths:
+            f.write(json.dumps({"text": rng.choice(letters, size=int(n) - 2).tobytes().decode()}))
+            f.write("\n")
+    return {
+        "documents": int(lengths.size),
+        "tokens": int(lengths.sum()),
+        "median": float(np.median(lengths)),
+        "p99": float(np.percentile(lengths, 99)),
+        "max": int(lengths.max()),
+    }
+
+
+def write_config(path: Path, corpus: Path, seq_len: int, steps: int, window: int) -> None:
+    """The dp = 2 job (module docstring); `data.balance` comes as an override."""
+    path.write_text(
+        f"model: {{preset: tiny, max_seq_len: {seq_len}}}\n"
+        "parallel: {dp: 2}\n"
+        f"data: {{path: {corpus}, seq_len: {seq_len}, micro_batch_size: 1, "
+        f"balance_window: {window}}}\n"
+        f"train: {{steps: {steps}, grad_accum: {CPU_ACCUM}, warmup_steps: 1, seed: 0}}\n"
+        "checkpoint: {every: 0, resume: never}\n"
+    )
+
+
+def run_job(config: Path, balance: str, out: Path) -> Record:
+    """One `flashcp train` job; its steps 2..N read from metrics.jsonl."""
+    cmd = [sys.executable, "-m", "flashcp", "train", str(config), f"data.balance={balance}",
+           f"run.output_dir={out}"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    return {
+        "step_time_s": stats.median([s["step_time_s"] for s in steps]),
+        "rank_time_max_over_mean": stats.median([s[TIME_KEY] for s in steps]),
+        "dp_work_max_over_mean": stats.median([s[DP_KEY] for s in steps]),
+        "job_wall_s": wall,
+    }
+
+
+def cpu_part(seq_len: int, steps: int, window: int, n_rounds: int) -> Record:
+    """The interleaved dp = 2 jobs (module docstring)."""
+    work = Path(tempfile.mkdtemp(prefix="flashcp-bench-balance-"))
+    corpus, config = work / "corpus.jsonl", work / "balance.yaml"
+    rows = 2 * CPU_ACCUM
+    info = write_corpus(corpus, seq_len, 3 * steps * rows * seq_len)
+    write_config(config, corpus, seq_len, steps, window)
+    model = WorkModel.for_model(preset("tiny", max_seq_len=seq_len))
+    lengths = np.array([len(json.loads(x)["text"]) + 2 for x in corpus.read_text().splitlines()])
+    first_fit = lm_steps(lengths, seq_len, rows, steps, None)
+    share = np.mean([attention_share([lm_row(r) for r in s], model, seq_len) for s in first_fit])
+    jobs: dict[str, list[Record]] = {"none": [], "work": []}
+    orders = []
+    with machine.load_window() as load:
+        for rnd in rounds.interleave(list(jobs), n_rounds):
+            orders.append(rnd.order)
+            for mode in rnd.order:
+                jobs[mode].append(run_job(config, mode, work / f"{mode}{rnd.index}"))
+                print(f"round {rnd.index + 1} {mode}: {jobs[mode][-1]}", flush=True)
+    step = {m: [j["step_time_s"] for j in v] for m, v in jobs.items()}
+    return {
+        "seq_len": seq_len,
+        "steps": steps,
+        "window": window,
+        "grad_accum": CPU_ACCUM,
+        "rounds": n_rounds,
+        "orders": orders,
+        "corpus": info,
+        "attention_share": float(share),
+        "jobs": jobs,
+        "step_time_s": {m: stats.spread(v) for m, v in step.items()},
+        "rank_time_max_over_mean": {
+            m: stats.spread([j["rank_time_max_over_mean"] for j in v]) for m, v in jobs.items()
+        },
+        "dp_work_max_over_mean": {
+            m: stats.spread([j["dp_work_max_over_mean"] for j in v]) for m, v in jobs.items()
+        },
+        "speedup": stats.ratio_of_medians(step["none"], step["work"]),
+        "round_ratios": stats.ratios(step["none"], step["work"]),
+        **load.as_dict(),
+    }
+
+
+# -- the page and the entry point ---------------------------------------------------------------
+
+
+PAGE = Page("balance.md.j2", DOCS / "balance.json")
+"""`docs/balance.md`, from `docs/balance.json` alone."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=["model", "cpu", "both"], default="both")
+    p.add_argument("--model-steps", type=int, default=48, help="steps per modelled case")
+    p.add_argument("--window", type=int, default=16, help="data.balance_window, modelled")
+    p.add_argument("--seq-len", type=int, default=8192, help="row length of the CPU jobs")
+    p.add_argument("--steps", type=int, default=12, help="steps per CPU job")
+    p.add_argument("--cpu-window", type=int, default=4, help="data.balance_window, CPU jobs")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of CPU jobs")
+    PAGE.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report_only:
+        return PAGE.rewrite(args)
+    if args.steps % args.cpu_window:
+        raise SystemExit("--steps must be a multiple of --cpu-window (both modes then train on "
+                         "the same tokens)")  # fmt: skip
+    json_path = PAGE.paths(args)[0]
+    record: Record = PAGE.load(args) if json_path.is_file() else {}
+    record["environment"] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "omp_num_threads": 1,
+        "cpu": machine.cpu_model(),
+    }
+    if args.part in ("model", "both"):
+        record["model"] = model_part(args.model_steps, args.window)
+    if args.part in ("cpu", "both"):
+        record["cpu"] = cpu_part(args.seq_len, args.steps, args.cpu_window, args.rounds)
+    PAGE.write(args, record)
+    return 0
