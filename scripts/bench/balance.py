@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from flashcp.data import mixes
 from flashcp.data.balance import BalancedPlan, Row, StepLayout, step_balance
 from flashcp.data.dpo_stream import DPORows
 from flashcp.data.packing import PackedStream, Piece
+from flashcp.launch import supervise
 from flashcp.models import preset
 
 SEQ_LENS = (8192, 32768, 131072)
@@ -62,6 +64,8 @@ DP_KEY, MB_KEY = "balance/dp_work_max_over_mean", "balance/microbatch_work_max_o
 TIME_KEY = "balance/rank_time_max_over_mean"
 CPU_ACCUM = 2
 """grad_accum of the CPU jobs: 2 dp ranks × 2 micro-batches = 4 rows per step."""
+JOB_TIMEOUT = 1800.0
+"""Seconds one CPU job may take."""
 
 Record = dict[str, Any]
 
@@ -195,15 +199,18 @@ def write_config(path: Path, corpus: Path, seq_len: int, steps: int, window: int
 
 
 def run_job(config: Path, balance: str, out: Path) -> Record:
-    """One `flashcp train` job; its steps 2..N read from metrics.jsonl."""
+    """One `flashcp train` job (the whole tree stopped after `JOB_TIMEOUT`); its steps 2..N
+    read from metrics.jsonl."""
     cmd = [sys.executable, "-m", "flashcp", "train", str(config), f"data.balance={balance}",
            f"run.output_dir={out}"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = supervise.job_env(uuid.uuid4().hex, extra={"OMP_NUM_THREADS": "1"})
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    job = supervise.Job.start(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=ROOT)  # fmt: skip
+    code, timed_out, output = job.wait(JOB_TIMEOUT)
     wall = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+    if code or timed_out:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{(output or '')[-4000:]}")
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     return {
         "step_time_s": stats.median([s["step_time_s"] for s in steps]),

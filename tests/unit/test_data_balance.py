@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp import cli, dispatch
+from flashcp import cli
 from flashcp.config import build_config
 from flashcp.cp.work import (
     WorkModel,
@@ -46,13 +46,6 @@ from flashcp.metrics.plot import plot_groups
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import preset
 from flashcp.trainer import Trainer
-
-
-@pytest.fixture(autouse=True)
-def _restore_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trainer sets deterministic flags in os.environ; undo that after each test."""
-    for name in (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic"):
-        monkeypatch.setenv(name, "0")
 
 
 class _Lengths:
