@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcp import cli
-from flashcp.config import build_config
+from flashcp.config import build_config, config_changes, hashed_dict
 from flashcp.cp.work import (
     WorkModel,
     causal_pairs,
@@ -315,6 +315,20 @@ def test_trainer_reports_balance_and_resumes_exactly(tmp_path: Path) -> None:
     rest = _cfg(tmp_path / "b", checkpoint={"every": 3})
     Trainer(rest, stream=io.StringIO()).fit()
     assert [r["loss"] for r in read_metrics(rest.run.output_dir)] == [r["loss"] for r in records]
+
+
+def test_checkpoints_from_before_data_balance_packed_first_fit(tmp_path: Path) -> None:
+    """A checkpoint saved before `data.balance` existed lacks its keys and packed first-fit
+    (`EARLIER_VALUES`): resuming it with `data.balance=none` is no config change, with the
+    default (`work`) one, named; a balanced run's own checkpoint resumes balanced."""
+    balanced = _cfg(tmp_path, data={"balance_window": 16})
+    first_fit = _cfg(tmp_path, data={"balance": "none", "balance_window": 16})
+    earlier = hashed_dict(first_fit)
+    del earlier["data"]["balance"], earlier["data"]["balance_window"]
+    assert config_changes(earlier, first_fit) == []
+    assert config_changes(earlier, balanced) == ["data.balance"]
+    assert config_changes(hashed_dict(balanced), balanced) == []
+    assert config_changes(hashed_dict(balanced), first_fit) == ["data.balance"]
 
 
 def test_first_fit_runs_keep_their_state_format(tmp_path: Path) -> None:

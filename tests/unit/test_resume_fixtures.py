@@ -43,9 +43,11 @@ def copy_run(name: str, tmp: Path) -> Path:
 
 
 def train(run: Path, *overrides: str) -> str:
-    """Train the run directory's own `config.yaml` in it, to the end; returns the output."""
+    """Train the run directory's own `config.yaml` in it, to the end; returns the output. The
+    fixtures predate `data.balance`: they packed first-fit (`data.balance=none`)."""
     cfg = load_config(
-        run / "config.yaml", [f"run.output_dir={run}", "run.stop_after_steps=0", *overrides]
+        run / "config.yaml",
+        [f"run.output_dir={run}", "run.stop_after_steps=0", "data.balance=none", *overrides],
     )
     out = io.StringIO()
     Trainer(cfg, stream=out).fit()
