@@ -7,18 +7,24 @@ seeded mixes of `flashcp.data.mixes` (long-tail documents, short chat, DPO pairs
 S = 8K, 32K, 128K and dp × grad_accum = 8×1, 8×4, 4×8 (micro_batch_size 1, the default window
 of 16 steps), work from GLM-4-9B's widths (`flashcp.cp.work`). Per step the dp work max/mean
 (the slowest rank over the mean) and the micro-batch work max/mean; reported: their mean and
-p90 over `--model-steps` steps, the attention share of the work, and for LM data the pieces a
-document ends up in (balanced packing may cut a document to fill a row, as first-fit does).
+p90 over `--model-steps` steps (whole windows), the critical path (each step's slowest rank,
+summed) none / work, the FLOPs of the same tokens work / none (balanced packing cuts fewer
+documents, so it holds more attention pairs), the attention share, and for LM data the pieces
+a document ends up in.
 
 **Measured** (`--part cpu`): `flashcp train` jobs, dp = 2 (2 processes, one thread each),
-grad_accum 2, the tiny GPT at `--seq-len` tokens, on a long-tail corpus (the long-tail mix
+grad_accum 1, the tiny GPT at `--seq-len` tokens, on a long-tail corpus (the long-tail mix
 scaled to the row: lengths × S / 32K, so it reads at S as the mix does at 32K) in a JSON Lines
 file; `none` and `work` jobs alternate in `--rounds` interleaved rounds (`bench.rounds`). A job
 trains `--steps` steps, a multiple of the window (`--cpu-window`), so both modes train on the
-same tokens. Per job, over steps 2..N: the median step time, the median of
-`balance/rank_time_max_over_mean` (each rank's busy time up to the step's first reduction, max
-over mean) and of the modelled `balance/dp_work_max_over_mean`. Reported: medians (min–max)
-over rounds and the ratio of the median step times none / work, with the machine's load.
+same tokens. Per job: the mean step time over all its steps (the time for those tokens; not a
+median over steps: balancing evens the rows within a step and gathers the heaviest documents
+into the same steps, so its steps differ more from each other than first-fit's), and the
+medians over steps 2..N of `balance/rank_time_max_over_mean` (each rank's busy time up to the
+step's first reduction, max over mean) and of the modelled `balance/dp_work_max_over_mean`.
+Reported: medians (min–max) over rounds and the ratios of the medians: mean step time
+none / work, and modelled FLOPs per second of step time work / none (the jobs' own plans
+modelled, as in the first part), with the machine's load.
 
 Writes `--json` (default docs/balance.json) and `--markdown` (default docs/balance.md), the
 page rendered from the JSON alone by `templates/balance.md.j2` (`--report-only` re-renders it).
@@ -62,8 +68,8 @@ LAYOUTS = ((8, 1), (8, 4), (4, 8))
 MIXES = ("long_tail", "chat", "dpo")
 DP_KEY, MB_KEY = "balance/dp_work_max_over_mean", "balance/microbatch_work_max_over_mean"
 TIME_KEY = "balance/rank_time_max_over_mean"
-CPU_ACCUM = 2
-"""grad_accum of the CPU jobs: 2 dp ranks × 2 micro-batches = 4 rows per step."""
+CPU_ACCUM = 1
+"""grad_accum of the CPU jobs: 2 dp ranks × 1 micro-batch = 2 rows per step."""
 JOB_TIMEOUT = 1800.0
 """Seconds one CPU job may take."""
 
@@ -106,13 +112,36 @@ def attention_share(rows: Sequence[Row], model: WorkModel, seq_len: int) -> floa
     return float(model.attention_per_pair * pairs.sum() / model.flops(seq_len, pairs).sum())
 
 
-def _summary(per_step: list[dict[str, float]], attention: list[float]) -> Record:
+def steps_record(
+    planned: Sequence[Sequence[Row]], layout: StepLayout, model: WorkModel, seq_len: int
+) -> Record:
+    """What planned steps cost: the dp and micro-batch work max/mean (mean and p90 over the
+    steps), the attention share, the total FLOPs and the critical path (each step's slowest
+    dp rank, summed: what the steps take when FLOPs run at one rate)."""
+    per_step = [step_balance(rows, layout, model, seq_len) for rows in planned]
     out: Record = {}
     for key, name in ((DP_KEY, "dp"), (MB_KEY, "microbatch")):
         values = [s[key] for s in per_step]
         out[name] = {"mean": float(np.mean(values)), "p90": float(np.percentile(values, 90))}
-    out["attention_share"] = float(np.mean(attention))
+    out["attention_share"] = float(np.mean([attention_share(r, model, seq_len) for r in planned]))
+    flops = [
+        model.flops(seq_len, [r.pairs for r in rows]).reshape(
+            layout.grad_accum, layout.dp, layout.micro_batch_size
+        )
+        for rows in planned
+    ]
+    out["flops"] = float(sum(f.sum() for f in flops))
+    out["critical_flops"] = float(sum(f.sum(axis=(0, 2)).max() for f in flops))
     return out
+
+
+def compare(record: Record) -> None:
+    """Add the modes' ratios to `record`: FLOPs work / none (balanced packing cuts fewer
+    documents, so the same tokens hold more attention pairs) and critical path none / work
+    (the modelled step-time gain)."""
+    none, work = record["none"], record["work"]
+    record["flops_work_over_none"] = work["flops"] / none["flops"]
+    record["time_none_over_work"] = none["critical_flops"] / work["critical_flops"]
 
 
 def model_case(
@@ -124,7 +153,6 @@ def model_case(
     record: Record = {"mix": mix, "seq_len": seq_len, "dp": dp, "grad_accum": accum}
     start = time.perf_counter()
     for mode, w in (("none", None), ("work", window)):
-        per_step, attention = [], []
         if mix == "dpo":
             prompt, chosen, rejected = mixes.dpo(tokens // 1500 + 1000, seq_len)
             plan = DPORows(prompt + chosen + rejected,
@@ -140,11 +168,9 @@ def model_case(
             record.setdefault("pieces_per_document", {})[mode] = len(flat) / len(
                 {p.doc for p in flat}
             )
-        for rows in planned:
-            per_step.append(step_balance(rows, layout, model, seq_len))
-            attention.append(attention_share(rows, model, seq_len))
-        record[mode] = _summary(per_step, attention)
+        record[mode] = steps_record(planned, layout, model, seq_len)
     record["plan_seconds"] = time.perf_counter() - start
+    compare(record)
     return record
 
 
@@ -199,8 +225,9 @@ def write_config(path: Path, corpus: Path, seq_len: int, steps: int, window: int
 
 
 def run_job(config: Path, balance: str, out: Path) -> Record:
-    """One `flashcp train` job (the whole tree stopped after `JOB_TIMEOUT`); its steps 2..N
-    read from metrics.jsonl."""
+    """One `flashcp train` job (the whole tree stopped after `JOB_TIMEOUT`), read from its
+    metrics.jsonl: the mean step time over all steps, the step medians of the balance
+    metrics over steps 2..N."""
     cmd = [sys.executable, "-m", "flashcp", "train", str(config), f"data.balance={balance}",
            f"run.output_dir={out}"]  # fmt: skip
     env = supervise.job_env(uuid.uuid4().hex, extra={"OMP_NUM_THREADS": "1"})
@@ -211,9 +238,11 @@ def run_job(config: Path, balance: str, out: Path) -> Record:
     wall = time.perf_counter() - start
     if code or timed_out:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{(output or '')[-4000:]}")
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = records[1:]
     return {
-        "step_time_s": stats.median([s["step_time_s"] for s in steps]),
+        "step_time_s": sum(r["step_time_s"] for r in records) / len(records),
+        "step_times_s": [r["step_time_s"] for r in records],
         "rank_time_max_over_mean": stats.median([s[TIME_KEY] for s in steps]),
         "dp_work_max_over_mean": stats.median([s[DP_KEY] for s in steps]),
         "job_wall_s": wall,
@@ -229,8 +258,15 @@ def cpu_part(seq_len: int, steps: int, window: int, n_rounds: int) -> Record:
     write_config(config, corpus, seq_len, steps, window)
     model = WorkModel.for_model(preset("tiny", max_seq_len=seq_len))
     lengths = np.array([len(json.loads(x)["text"]) + 2 for x in corpus.read_text().splitlines()])
-    first_fit = lm_steps(lengths, seq_len, rows, steps, None)
-    share = np.mean([attention_share([lm_row(r) for r in s], model, seq_len) for s in first_fit])
+    layout = StepLayout(2, CPU_ACCUM, 1)
+    modelled: Record = {}
+    for mode, w in (("none", None), ("work", window)):  # the jobs' own plans
+        planned = lm_steps(lengths, seq_len, rows, steps, w)
+        modelled[mode] = steps_record([[lm_row(r) for r in st] for st in planned], layout, model,
+                                      seq_len)  # fmt: skip
+        flat = [p for step in planned for row in step for p in row]
+        modelled[mode]["pieces_per_document"] = len(flat) / len({p.doc for p in flat})
+    compare(modelled)
     jobs: dict[str, list[Record]] = {"none": [], "work": []}
     orders = []
     with machine.load_window() as load:
@@ -240,6 +276,8 @@ def cpu_part(seq_len: int, steps: int, window: int, n_rounds: int) -> Record:
                 jobs[mode].append(run_job(config, mode, work / f"{mode}{rnd.index}"))
                 print(f"round {rnd.index + 1} {mode}: {jobs[mode][-1]}", flush=True)
     step = {m: [j["step_time_s"] for j in v] for m, v in jobs.items()}
+    rate = {m: [modelled[m]["flops"] / (j["step_time_s"] * steps) for j in v]
+            for m, v in jobs.items()}  # fmt: skip
     return {
         "seq_len": seq_len,
         "steps": steps,
@@ -248,7 +286,7 @@ def cpu_part(seq_len: int, steps: int, window: int, n_rounds: int) -> Record:
         "rounds": n_rounds,
         "orders": orders,
         "corpus": info,
-        "attention_share": float(share),
+        "modelled": modelled,
         "jobs": jobs,
         "step_time_s": {m: stats.spread(v) for m, v in step.items()},
         "rank_time_max_over_mean": {
@@ -257,8 +295,11 @@ def cpu_part(seq_len: int, steps: int, window: int, n_rounds: int) -> Record:
         "dp_work_max_over_mean": {
             m: stats.spread([j["dp_work_max_over_mean"] for j in v]) for m, v in jobs.items()
         },
+        "flops_per_s": {m: stats.spread(v) for m, v in rate.items()},
         "speedup": stats.ratio_of_medians(step["none"], step["work"]),
         "round_ratios": stats.ratios(step["none"], step["work"]),
+        "rate_ratio": stats.ratio_of_medians(rate["work"], rate["none"]),
+        "rate_round_ratios": stats.ratios(rate["work"], rate["none"]),
         **load.as_dict(),
     }
 
@@ -276,9 +317,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-steps", type=int, default=48, help="steps per modelled case")
     p.add_argument("--window", type=int, default=16, help="data.balance_window, modelled")
     p.add_argument("--seq-len", type=int, default=8192, help="row length of the CPU jobs")
-    p.add_argument("--steps", type=int, default=12, help="steps per CPU job")
-    p.add_argument("--cpu-window", type=int, default=4, help="data.balance_window, CPU jobs")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of CPU jobs")
+    p.add_argument("--steps", type=int, default=16, help="steps per CPU job")
+    p.add_argument("--cpu-window", type=int, default=8, help="data.balance_window, CPU jobs")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds of CPU jobs")
     PAGE.add_arguments(p)
     return p.parse_args(argv)
 

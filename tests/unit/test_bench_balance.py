@@ -30,7 +30,8 @@ def test_cpu_job_inputs(tmp_path: Path) -> None:
     assert info["tokens"] == sum(lengths) >= 50_000 and info["documents"] == len(lengths)
     bench.write_config(tmp_path / "b.yaml", tmp_path / "c.jsonl", 1024, 8, 4)
     cfg = load_config(tmp_path / "b.yaml", ["data.balance=none"])
-    assert (cfg.parallel.dp, cfg.train.grad_accum, cfg.data.balance_window) == (2, 2, 4)
+    layout = (cfg.parallel.dp, cfg.train.grad_accum, cfg.data.balance_window)
+    assert layout == (2, bench.CPU_ACCUM, 4)
 
 
 def test_page_from_the_json(tmp_path: Path) -> None:
