@@ -245,13 +245,15 @@ def _data_stats(args: argparse.Namespace) -> int:
 
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.data.stats import data_stats, format_stats
+    from flashcp.recipes import RECIPE_CLASSES
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
         return 2
-    report = data_stats(cfg, args.steps)
+    data = RECIPE_CLASSES[cfg.run.recipe].data_class(cfg, dp_rank=0, dp_size=cfg.parallel.dp)
+    report = data_stats(data, args.steps)  # type: ignore[arg-type]  # LM or DPO data
     print(json.dumps(report) if args.json else format_stats(report))
     return 0
 

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcp import cli
-from flashcp.config import build_config, config_changes, hashed_dict
+from flashcp.config import build_config, config_changes, hashed_dict, load_config
 from flashcp.cp.work import (
     WorkModel,
     causal_pairs,
@@ -390,3 +390,16 @@ def test_data_stats_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert cli.main(["data-stats", str(path), "--steps", "1"]) == 0
     text = capsys.readouterr().out
     assert "dp rank 1 micro-batch 1" in text and "mean over 1 steps" in text
+    # the recipe's own data: DPO rows of whole preference pairs (share-question segments)
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text("model: {preset: tiny_glm}\ndata: {seq_len: 128}\nparallel: {dp: 2}\n"
+                   "train: {grad_accum: 2}\nrun: {recipe: dpo}\n")  # fmt: skip
+    assert cli.main(["data-stats", str(dpo), "--steps", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    examples = DPOData(load_config(dpo)).index.lengths.tolist()
+    for s in report["steps"]:
+        for rank in s["ranks"]:
+            for mb in rank["micro_batches"]:
+                (row,) = mb["rows"]
+                assert sum(row) + mb["padding"][0] == 128
+                assert all(n in examples for n in row)

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.config.schema import Config
 from flashcp.data.balance import step_report
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.loader import TrainData
@@ -22,17 +21,12 @@ SHOWN_LENGTHS = 8
 """Segment lengths the text report shows per row (the JSON has them all)."""
 
 
-def step_source(cfg: Config) -> TrainData | DPOData:
-    """The data of `cfg`'s recipe as dp rank 0 of `parallel.dp` sees it (every rank plans the
-    same rows)."""
-    data = DPOData if cfg.run.recipe == "dpo" else TrainData
-    return data(cfg, dp_rank=0, dp_size=cfg.parallel.dp)
-
-
-def data_stats(cfg: Config, steps: int) -> dict[str, Any]:
-    """The report of the first `steps` steps: `{"balance", "seq_len", "layout", "steps": [...],
-    "mean": {...}}`, each step as `flashcp.data.balance.step_report` gives it."""
-    data = step_source(cfg)
+def data_stats(data: TrainData | DPOData, steps: int) -> dict[str, Any]:
+    """The report of `data`'s first `steps` steps (a recipe's data as dp rank 0 builds it:
+    every rank plans the same rows): `{"config", "balance", "balance_window", "seq_len",
+    "layout", "steps": [...], "mean": {...}}`, each step as
+    `flashcp.data.balance.step_report` gives it."""
+    cfg = data.cfg
     out = []
     for step in range(1, steps + 1):
         rows = [data.row_info(r) for r in data.step_rows()]
