@@ -20,11 +20,12 @@ trains `--steps` steps, a multiple of the window (`--cpu-window`), so both modes
 same tokens. Per job: the mean step time over all its steps (the time for those tokens; not a
 median over steps: balancing evens the rows within a step and gathers the heaviest documents
 into the same steps, so its steps differ more from each other than first-fit's), and the
-medians over steps 2..N of `balance/rank_time_max_over_mean` (each rank's busy time up to the
-step's first reduction, max over mean) and of the modelled `balance/dp_work_max_over_mean`.
-Reported: medians (min–max) over rounds and the ratios of the medians: mean step time
-none / work, and modelled FLOPs per second of step time work / none (the jobs' own plans
-modelled, as in the first part), with the machine's load.
+medians over steps 2..N of `balance/rank_time_max_over_mean` (each rank's forward and
+backward time, from the step's count all-reduce to the end of its backward, max over mean)
+and of the modelled `balance/dp_work_max_over_mean`. Reported: medians (min–max) over rounds
+and the ratios of the medians: mean step time none / work, and modelled FLOPs per second of
+step time work / none (the jobs' own plans modelled, as in the first part), with the machine's
+load.
 
 Writes `--json` (default docs/balance.json) and `--markdown` (default docs/balance.md), the
 page rendered from the JSON alone by `templates/balance.md.j2` (`--report-only` re-renders it).
