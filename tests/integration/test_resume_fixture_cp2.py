@@ -46,8 +46,9 @@ def test_sharded_cp2_checkpoint_resumes_in_its_layout(tmp_path: Path) -> None:
     fresh = train_launched(config, tmp_path / "fresh", nproc, [
         "checkpoint.every=0", "checkpoint.resume=never", f"run.stop_after_steps={k}", first_fit,
     ])  # fmt: skip
-    same_kernels = [r["loss"] for r in read_metrics(fresh)] == [
-        r["loss"] for r in exp["metrics"][:k]
+    # losses alone may agree while a backward kernel differs (MKL's AVX2 path): both must
+    same_kernels = [(r["loss"], r["grad_norm"]) for r in read_metrics(fresh)] == [
+        (r["loss"], r["grad_norm"]) for r in exp["metrics"][:k]
     ]
     print(f"this machine reproduces the fixture's first {k} steps bitwise: {same_kernels}")
     if same_kernels:
