@@ -168,6 +168,21 @@ def long_context_view(rep: Record) -> Record:
     }
 
 
+def packing_view(rep: Record) -> Record:
+    """Work-balanced packing: the long-tail cases at 32K and 128K with dp 8 (accum 1 and 4),
+    and the measured CPU jobs."""
+    cases = rep.get("model", {}).get("cases", [])
+
+    def case(seq_len: int, accum: int) -> Record | None:
+        found = [c for c in cases if (c["mix"], c["seq_len"], c["dp"], c["grad_accum"])
+                 == ("long_tail", seq_len, 8, accum)]  # fmt: skip
+        return found[0] if found else None
+
+    dp = [c for c in (case(32768, 1), case(131072, 1)) if c is not None]
+    micro = [c for c in (case(32768, 4), case(131072, 4)) if c is not None]
+    return {"dp": dp, "micro": micro, "cpu": rep.get("cpu")}
+
+
 def view(docs: Path) -> Record:
     """Every section's figures from the JSON files in `docs` (None where a file is missing)."""
     kernel, comm, memory, moe, loss, long = (
@@ -175,6 +190,7 @@ def view(docs: Path) -> Record:
         for name in ("bench_kernel", "cp_comm", "memory", "moe", "loss_memory", "long_context")
     )
     balance = balance_view(_load(docs, "cp_balance.json"), _load(docs, "cp_balance_time.json"))
+    packing = _load(docs, "balance.json")
     return {
         "kernel": kernel_view(kernel) if kernel else None,
         "balance": balance,
@@ -188,6 +204,7 @@ def view(docs: Path) -> Record:
         "memory": memory_view(memory) if memory else None,
         "moe": moe_view(moe) if moe else None,
         "long": long_context_view(long) if long else None,
+        "packing": packing_view(packing) if packing else None,
     }
 
 

@@ -1,4 +1,5 @@
-"""The `flashcp` command: train, validate, plan, plot, export, explain-dispatch, --version.
+"""The `flashcp` command: train, validate, plan, data-stats, plot, export, explain-dispatch,
+--version.
 
 Each subcommand imports what it runs when it runs: PaddlePaddle is an optional extra, and
 `flashcp --version` and the missing-Paddle message must work without it."""
@@ -239,6 +240,24 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if p.fits else 1
 
 
+def _data_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.data.stats import data_stats, format_stats
+    from flashcp.recipes import RECIPE_CLASSES
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigValidationError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    data = RECIPE_CLASSES[cfg.run.recipe].data_class(cfg, dp_rank=0, dp_size=cfg.parallel.dp)
+    report = data_stats(data, args.steps)  # type: ignore[arg-type]  # LM or DPO data
+    print(json.dumps(report) if args.json else format_stats(report))
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from flashcp.metrics.plot import plot_run
 
@@ -401,6 +420,25 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         '"granularity", "assumed", "limit", "plan", "step_time"}',
     )
     plan.set_defaults(func=_plan)
+    stats = sub.add_parser(
+        "data-stats",
+        help="pack a config's first steps as training would: rows, modelled work, imbalance",
+        description="Plan CONFIG's first N optimizer steps exactly as training does, without "
+        "training: per step, dp rank and micro-batch the document (DPO: example) lengths of "
+        "each row, the modelled work (model FLOPs: attention pairs from the row's mask plus "
+        "linear work per token) and the step's imbalance over dp ranks and micro-batches. "
+        "Add data.balance=none to compare with first-fit packing.",
+    )
+    stats.add_argument("config", help="YAML run config")
+    stats.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    stats.add_argument("--steps", type=int, default=4, help="steps to plan (default 4)")
+    stats.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"steps": [{"step", "ranks": [{"dp_rank", "micro_batches": [{"rows": '
+        '[[lengths]], ...}]}], ...}], "mean": {...}}',
+    )
+    stats.set_defaults(func=_data_stats)
     plot = sub.add_parser(
         "plot",
         help="PNG of a run's metrics.jsonl: loss (and eval), lr, grad norm, throughput/MFU, "
@@ -510,10 +548,10 @@ def package_version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # `flashcp train CONFIG --nnodes 2 key=value`: overrides may follow the options too (as
-    # for plan and validate)
+    # for plan, validate and data-stats)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        takes = ("train", "plan", "validate")
+        takes = ("train", "plan", "validate", "data-stats")
         if args.command not in takes or any(a.startswith("-") for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "validate":

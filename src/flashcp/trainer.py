@@ -17,8 +17,10 @@ One optimizer step (`Trainer.train_step`):
    pipeline schedule; each loss is the recipe's summed loss over the global normaliser
    (`flashcp.recipes.base.normalised`), so loss and gradients are those of one big batch
    whatever the dp / pp / cp layout; the recipe's statistics come back summed.
-4. The loss, per-rank non-finite flags and memory peaks, the recipe's statistics and the
-   routers' expert loads are summed over cp, dp, pp at once (`flashcp.metrics.step_sums`).
+4. The loss, per-rank non-finite flags, memory peaks and busy times (3's forward and backward),
+   the recipe's statistics and the routers' expert loads are summed over cp, dp, pp at once
+   (`flashcp.metrics.step_sums`); the data's modelled `balance/...` imbalance and the busy
+   times' max/mean join the step's metrics.
 5. Non-finite: `train.on_nonfinite: stop` raises `NonFiniteError` naming the step and rank(s)
    on every rank at once; `skip` drops the update. Otherwise the gradients are summed over cp
    and dp (reduce-scattered under ZeRO-1), clipped by their global norm, AdamW steps, and MoE
@@ -48,6 +50,7 @@ from flashcp import rundir
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.config import Config, to_yaml
+from flashcp.cp.balance import imbalance
 from flashcp.distributed import ParallelGroups, barrier
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.metrics import memory, tracking
@@ -212,17 +215,21 @@ class Trainer:
         start, step, recipe = time.perf_counter(), self.step + 1, self.recipe
         batches = self.data.next_step()
         norm, targets = all_reduce_values(recipe.count(batches), [self.groups.dp])
+        computing = time.perf_counter()  # the dp ranks left that reduction together
         micro = self.runner.micro_batches(batches)
         recipe.prepare(micro, self.runner)
         loss_fn = normalised(recipe.loss, float(max(int(round(norm)), 1)))
         # the sequence-balance loss of MoE layers: a mean over the step's sequences
         with loss_scale_context(1.0 / (len(micro) * int(self.groups.dp.nranks))):
             losses, stats = self.runner.train(micro, loss_fn)
-        sums = self._step_sums(losses, stats)
+        busy = time.perf_counter() - computing  # this rank's forward and backward
+        sums = self._step_sums(losses, stats, busy)
         loss = float(sums["loss"][0])
         bad_loss, bad_grads = (np.flatnonzero(sums[k]).tolist() for k in ("bad_loss", "bad_grads"))
         finished = recipe.finish(sums["recipe"]) if recipe.step_metrics else {}
         extra = {key: finished[key] for key in recipe.step_metrics}
+        extra.update(self.data.balance_metrics())  # modelled (flashcp.data.balance), measured:
+        extra["balance/rank_time_max_over_mean"] = imbalance(sums["busy"])
         if self.router is not None:
             extra.update(self.router.metrics(sums["routing"]))
         if "offload_host" in sums:  # the most any rank's host copies held during the step
@@ -253,10 +260,13 @@ class Trainer:
             consumed_tokens=self.consumed_tokens, mfu=self.facts.mfu(tokens_per_s),
         )  # fmt: skip
 
-    def _step_sums(self, losses: list[float], stats: np.ndarray | None) -> dict[str, np.ndarray]:
-        """The step's loss, per-rank non-finite flags and memory peaks, the recipe's statistics
-        and the routers' loads, summed over the step groups in one all-reduce (a replicated
-        recipe's loss and statistics count on cp rank 0 only: `Recipe.counted`)."""
+    def _step_sums(
+        self, losses: list[float], stats: np.ndarray | None, busy: float
+    ) -> dict[str, np.ndarray]:
+        """The step's loss, per-rank non-finite flags, memory peaks and busy times (`busy`: s
+        from the count's reduction to the end of backward), the recipe's statistics and the
+        routers' loads, summed over the step groups in one all-reduce (a replicated recipe's
+        loss and statistics count on cp rank 0 only: `Recipe.counted`)."""
         counted = self.recipe.counted()
         loss = float(sum(losses)) if counted else 0.0
         sums = StepSums(int(self.groups.rank), int(self.groups.world.nranks))
@@ -265,6 +275,7 @@ class Trainer:
         sums.per_rank("bad_grads", 0.0 if math.isfinite(self.optimizer.local_squares()) else 1.0)
         sums.per_rank("peak", memory.peak_bytes())
         sums.per_rank("rss", memory.peak_rss_bytes())
+        sums.per_rank("busy", busy)
         if self.cfg.train.offload_activations:
             sums.per_rank("offload_host", take_host_peak())
         mine = stats if counted and stats is not None else np.zeros(len(self.recipe.stats))

@@ -31,7 +31,8 @@ def test_sharded_cp2_checkpoint_resumes_in_its_layout(tmp_path: Path) -> None:
     run = Path(shutil.copytree(FIXTURE / "run", tmp_path / "run"))
     config = tmp_path / "config.yaml"
     shutil.copyfile(run / "config.yaml", config)
-    train_launched(config, run, nproc, ["run.stop_after_steps=0"])
+    first_fit = "data.balance=none"  # the fixture predates data.balance
+    train_launched(config, run, nproc, ["run.stop_after_steps=0", first_fit])
     log = (tmp_path / "run_logs" / "workerlog.0").read_text()
     assert f"resumed from {run / 'checkpoints' / f'step_{k}'} at step {k}" in log
     assert "changed config" not in log
@@ -43,10 +44,11 @@ def test_sharded_cp2_checkpoint_resumes_in_its_layout(tmp_path: Path) -> None:
         numerics.assert_close(row["loss"], want["loss"], n=n, scale=scale, steps=int(row["step"]),
                               what=f"loss step {row['step']}")  # fmt: skip
     fresh = train_launched(config, tmp_path / "fresh", nproc, [
-        "checkpoint.every=0", "checkpoint.resume=never", f"run.stop_after_steps={k}",
+        "checkpoint.every=0", "checkpoint.resume=never", f"run.stop_after_steps={k}", first_fit,
     ])  # fmt: skip
-    same_kernels = [r["loss"] for r in read_metrics(fresh)] == [
-        r["loss"] for r in exp["metrics"][:k]
+    # losses alone may agree while a backward kernel differs (MKL's AVX2 path): both must
+    same_kernels = [(r["loss"], r["grad_norm"]) for r in read_metrics(fresh)] == [
+        (r["loss"], r["grad_norm"]) for r in exp["metrics"][:k]
     ]
     print(f"this machine reproduces the fixture's first {k} steps bitwise: {same_kernels}")
     if same_kernels:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import (
+    balance,
     cp_pages,
     dpo,
     kernel,
@@ -53,6 +54,14 @@ def test_dpo_page_matches_its_json() -> None:
     changed = copy.deepcopy(rec)
     changed["speedup"]["median"] *= 2
     assert dpo.PAGE.render(changed) != dpo.PAGE.render(rec)
+
+
+def test_balance_page_matches_its_json() -> None:
+    rec = _json("balance.json")
+    assert (DOCS / "balance.md").read_text() == balance.PAGE.render(rec)
+    changed = copy.deepcopy(rec)
+    changed["model"]["cases"][0]["work"]["dp"]["mean"] += 0.5
+    assert balance.PAGE.render(changed) != balance.PAGE.render(rec)
 
 
 def test_loss_memory_page_matches_its_json() -> None:

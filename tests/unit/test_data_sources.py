@@ -21,6 +21,7 @@ from bench.hfdir import (
 )
 from flashcp.config import build_config
 from flashcp.data import Document, HFTokenizer, PackedStream, TrainData
+from flashcp.data.balance import BalancedPlan
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.index import LazyItems, build_index
 from flashcp.data.peers import Peers
@@ -323,12 +324,13 @@ def test_each_rank_reads_only_its_rows(tmp_path: Path, tok_dir: Path, monkeypatc
     assert datas[0].state_dict() == datas[1].state_dict() == one.state_dict()
 
 
+@pytest.mark.parametrize("balance", ["none", "work"])
 def test_packed_ranks_read_only_documents_of_their_sequences(
-    tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch, balance: str
 ) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
     reads = _Reads(monkeypatch)
-    cfg = _cfg(tmp_path, tok_dir, path, seq_len=256)
+    cfg = _cfg(tmp_path, tok_dir, path, seq_len=256, balance=balance)
     datas = run_ranks(2, lambda peers: TrainData(cfg, dp_rank=peers.rank, dp_size=2,
                                                  peers=peers))  # fmt: skip
     reads.take()
@@ -340,11 +342,13 @@ def test_packed_ranks_read_only_documents_of_their_sequences(
     index = datas[0].index
     stand_ins = [Document(np.full(n, i), np.ones(n, dtype=bool)) for i, n in
                  enumerate(index.lengths)]  # fmt: skip
-    plan = PackedStream(stand_ins, 256, seed=3)
+    stream = PackedStream(stand_ins, 256, seed=3)
+    plan = BalancedPlan(stream, 2, 16) if balance == "work" else None
     held: list[set[int]] = [set(), set()]
     for _ in range(4):
+        rows = plan.next_step() if plan is not None else [stream.plan_next() for _ in range(2)]
         for rank in range(2):
-            held[rank] |= {int(t) for t in plan.next().tokens}
+            held[rank] |= {int(t) for t in stream.build(rows[rank]).tokens}
     for rank in range(2):
         assert set(got[f"rank{rank}"]) == {int(index.rows[i]) for i in held[rank]}
     assert held[0] != held[1] and len(held[0] | held[1]) < len(index)  # not every row

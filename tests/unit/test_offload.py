@@ -25,7 +25,7 @@ import pytest
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.context import AttentionContext
-from flashcp.config import config_hash, hashed_dict, load_config
+from flashcp.config import config_changes, config_hash, hashed_dict, load_config
 from flashcp.config.errors import ConfigValidationError
 from flashcp.metrics import memory
 from flashcp.models import build_model, preset
@@ -301,14 +301,17 @@ def test_config_refuses_offload_without_recompute() -> None:
 def test_offload_does_not_bind_checkpoints_but_the_residual_dtype_does() -> None:
     """A run may resume with offload switched on or off (the same numbers); a bf16 residual
     stream computes other numbers. A checkpoint written before `model.residual_dtype` existed
-    hashes like float32, the value it computed with."""
+    computed with float32, its default: resuming it at float32 is no change."""
     base = load_config(GLM, ["model.recompute=full"])
     moved = load_config(GLM, ["model.recompute=full", "train.offload_activations=true"])
     assert config_hash(moved) == config_hash(base)
     bf16 = load_config(GLM, ["model.recompute=full", "model.residual_dtype=bfloat16"])
     assert config_hash(bf16) != config_hash(base)
-    assert "residual_dtype" not in hashed_dict(base)["model"]
     assert hashed_dict(bf16)["model"]["residual_dtype"] == "bfloat16"
+    earlier = hashed_dict(base)
+    del earlier["model"]["residual_dtype"]
+    assert config_changes(earlier, base) == []
+    assert config_changes(earlier, bf16) == ["model.residual_dtype"]
 
 
 # ------------------------------------------------------------------ the GPU transport, faked

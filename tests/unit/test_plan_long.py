@@ -14,7 +14,8 @@ import pytest
 
 from flashcp import cli, masks
 from flashcp.config import ConfigValidationError, build_config, load_config
-from flashcp.metrics.flops import attended_keys, causal_keys, flops_per_token
+from flashcp.cp.work import mask_pairs
+from flashcp.metrics.flops import causal_keys, flops_per_token
 from flashcp.plan import GIB, plan
 from flashcp.plan.features import AFTER, Features
 from flashcp.plan.host import HOST_ITEMS, HOST_PROCESS_BYTES
@@ -276,8 +277,13 @@ def test_longest_glm_configs_and_json(capsys: pytest.CaptureFixture[str]) -> Non
 # -- the step time --------------------------------------------------------------------------------
 
 
+def attended_keys(m: masks.Mask) -> float:
+    """Keys a query attends on average under `m`: its visible pairs (`mask_pairs`) per query."""
+    return float(mask_pairs(m.indices, causal=m.causal).mean() / m.indices.shape[2])
+
+
 def test_causal_keys_count_what_the_mask_computes() -> None:
-    """`attended_keys` against the dense oracle (`masks.to_dense`), and causal = (S+1)/2."""
+    """`mask_pairs` against the dense oracle (`masks.to_dense`), and causal = (S+1)/2."""
     cases = [
         masks.causal_mask(2, 300),
         masks.causal_document_mask([100, 150, 50], batch=2),
@@ -287,13 +293,13 @@ def test_causal_keys_count_what_the_mask_computes() -> None:
     for m in cases:
         dense = masks.to_dense(m.indices, causal=m.causal)  # True = masked
         want = float((~dense).sum(axis=(-1, -2)).mean() / dense.shape[-1])
-        assert attended_keys(m.indices, m.causal) == pytest.approx(want, rel=1e-12)
+        assert attended_keys(m) == pytest.approx(want, rel=1e-12)
     causal = masks.causal_mask(1, 300)
-    assert attended_keys(causal.indices, True) == causal_keys(300) == 150.5
-    assert attended_keys(causal.noncausal().indices, False) == 150.5  # the same mask, 2 columns
+    assert attended_keys(causal) == causal_keys(300) == 150.5
+    assert attended_keys(causal.noncausal()) == 150.5  # the same mask, 2 columns
     # negative control: bidirectional documents attend their whole document
     both = masks.document_mask([100, 200])
-    assert attended_keys(both.indices, both.causal) == (100 * 100 + 200 * 200) / 300
+    assert attended_keys(both) == (100 * 100 + 200 * 200) / 300
 
 
 def test_step_time_is_the_mfu_formula_with_causal_attention() -> None:

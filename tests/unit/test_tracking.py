@@ -28,8 +28,9 @@ import pytest
 
 from flashcp import cli
 from flashcp.config import ConfigValidationError, build_config
+from flashcp.cp.work import matmul_parameters
 from flashcp.metrics import tracking
-from flashcp.metrics.flops import flops_per_token, matmul_parameters, mfu
+from flashcp.metrics.flops import flops_per_token, mfu
 from flashcp.metrics.plot import plot_groups, plot_run
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset

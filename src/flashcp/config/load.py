@@ -537,15 +537,14 @@ change them). Activation offload moves kept tensors to the host and back unchang
 `parallel.shard_gradients` changes only when the gradients are reduce-scattered and writes the
 same checkpoints as ZeRO-1."""
 
-HASH_IF_CHANGED: dict[str, Any] = {"model.residual_dtype": "float32"}
-"""Keys added after checkpoints were written, with the value every earlier run computed with:
-hashed only when set to something else, so an earlier checkpoint resumes without a "changed
-config" warning under the same numbers."""
+EARLIER_VALUES: dict[str, Any] = {"data.balance": "none"}
+"""Keys added after checkpoints were written whose default is not what earlier runs computed,
+with the value they computed with (`data.balance`: their packing was first-fit). Every other
+added key's default keeps the earlier behaviour (`config_changes`)."""
 
 
 def hashed_dict(cfg: Config) -> dict[str, Any]:
-    """`to_dict` without the `HASH_EXCLUDE` keys (nor the `HASH_IF_CHANGED` ones at their
-    earlier value): the part of the config a checkpoint binds."""
+    """`to_dict` without the `HASH_EXCLUDE` keys: the part of the config a checkpoint binds."""
     data = to_dict(cfg)
     for key in HASH_EXCLUDE:
         section, _, name = key.partition(".")
@@ -553,10 +552,6 @@ def hashed_dict(cfg: Config) -> dict[str, Any]:
             data.get(section, {}).pop(name, None)
         else:
             data.pop(section, None)
-    for key, earlier in HASH_IF_CHANGED.items():
-        section, _, name = key.partition(".")
-        if data.get(section, {}).get(name, earlier) == earlier:
-            data.get(section, {}).pop(name, None)
     return data
 
 
@@ -568,14 +563,17 @@ def config_hash(cfg: Config) -> str:
 
 def config_changes(saved: Mapping[str, Any], cfg: Config) -> list[str]:
     """Dotted keys whose values differ between a checkpoint's saved config (its `hashed_dict`)
-    and `cfg`. A key the saved config lacks counts as unchanged while `cfg` holds that key's
-    default: the flashcp that saved it predates the key and computed what the default does
-    (a new key's default keeps the earlier behaviour), so resuming it is not a change."""
+    and `cfg`. A key the saved config lacks was added since: the flashcp that saved it computed
+    what the key's earlier value does (`EARLIER_VALUES`, else the key's default), so `cfg`
+    holding that value is no change, and any other value is one."""
     current = hashed_dict(cfg)
     return [
         key
         for key in diff_dicts(saved, current)
-        if not (_lookup(saved, key) is _MISSING and _holds_default(cfg, key, current))
+        if not (
+            _lookup(saved, key) is _MISSING
+            and _lookup(current, key) == _earlier_value(cfg, key)
+        )
     ]
 
 
@@ -587,12 +585,15 @@ def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
     return data
 
 
-def _holds_default(cfg: Config, dotted: str, current: Mapping[str, Any]) -> bool:
-    """Whether `cfg`'s value of `dotted` (a `section.field` key) is that field's default."""
+def _earlier_value(cfg: Config, dotted: str) -> Any:
+    """What runs from before the `section.field` key `dotted` computed with, as plain data:
+    its `EARLIER_VALUES` entry, else the field's default (`_MISSING` if it has none)."""
+    if dotted in EARLIER_VALUES:
+        return EARLIER_VALUES[dotted]
     section, _, name = dotted.partition(".")
     obj = cfg.extras.get(section) if section in cfg.extras else getattr(cfg, section, None)
     if not name or not dataclasses.is_dataclass(obj):
-        return False
+        return _MISSING
     for f in dataclasses.fields(obj):
         if f.name == name:
             if f.default is not dataclasses.MISSING:
@@ -600,9 +601,9 @@ def _holds_default(cfg: Config, dotted: str, current: Mapping[str, Any]) -> bool
             elif f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
             else:
-                return False
-            return json.loads(json.dumps(default, default=list)) == _lookup(current, dotted)
-    return False
+                return _MISSING
+            return json.loads(json.dumps(default, default=list))
+    return _MISSING
 
 
 def diff_dicts(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -167,6 +167,17 @@ class DataConfig:
     truncated or padded to seq_len."""
     shuffle: bool = True
     """Shuffle document order each epoch (deterministically from train.seed)."""
+    balance: Literal["none", "work"] = "work"
+    """Packed data: `work` re-packs each window of data.balance_window steps so that every row
+    of a step costs about the same modelled work (attention pairs from its mask plus linear
+    work per token, `flashcp.cp.work`), and no dp rank or micro-batch waits for one that drew
+    the long documents; the same documents, none dropped or duplicated, the plan the same for
+    any split of the step's rows into dp ranks and micro-batches. `none`: first-fit in stream
+    order. No effect with data.packing: false or one row per step (`flashcp.data.balance`)."""
+    balance_window: int = 16
+    """Steps of documents data.balance: work re-packs together: more lets the heaviest
+    documents share a step (the long-tail case at 128K tokens needs ~16), and moves a document
+    at most this many steps from its first-fit place."""
 
 
 @dataclass(kw_only=True)

@@ -192,6 +192,8 @@ def _check_lengths(cfg: Config, c: _Checks) -> None:
         return
     if d.micro_batch_size < 1:
         c.add("data.micro_batch_size", f"must be >= 1, got {d.micro_batch_size}")
+    if d.balance_window < 1:
+        c.add("data.balance_window", f"must be >= 1 (steps), got {d.balance_window}")
     if p.cp < 1:
         return
     length = d.seq_len

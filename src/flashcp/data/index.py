@@ -83,6 +83,9 @@ class RowIndex:
     lengths: np.ndarray
     total_rows: int
     bad: BadRecords
+    extra: np.ndarray | None = None
+    """`[len, columns - 1]` further sizes the measure gave per item (DPO: the answers'
+    lengths, which the work model needs), None when it gave the length alone."""
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -91,19 +94,20 @@ class RowIndex:
 @dataclass
 class _Share:
     lo: int
-    lengths: np.ndarray
+    lengths: np.ndarray  # [hi - lo, columns]
     bad: list[tuple[int, str, str, str]]  # (row, where, reason, detail)
     fatal: tuple[int, str] | None  # (row, message)
 
 
 def _index_share(
-    source: RowSource, measure: Callable[[dict[str, Any]], int], lo: int, hi: int, stop: bool
-) -> _Share:
-    lengths = np.full(hi - lo, -1, dtype=np.int64)
+    source: RowSource, measure: Callable[[dict[str, Any]], Any], lo: int, hi: int, stop: bool,
+    columns: int,
+) -> _Share:  # fmt: skip
+    lengths = np.full((hi - lo, columns), -1, dtype=np.int64)
     bad: list[tuple[int, str, str, str]] = []
     for i in range(lo, hi):
         try:
-            lengths[i - lo] = int(measure(source.row(i)))
+            lengths[i - lo] = measure(source.row(i))
         except BadRecordError as exc:
             bad.append((i, source.where(i), exc.reason, exc.detail))
             if stop:
@@ -115,15 +119,17 @@ def _index_share(
 
 def build_index(
     source: RowSource,
-    measure: Callable[[dict[str, Any]], int],
+    measure: Callable[[dict[str, Any]], Any],
     *,
     peers: Peers | None = None,
     on_bad_record: str = "skip",
+    columns: int = 1,
 ) -> RowIndex:
     """Measure every row of `source` (`measure(record)` → tokens, or `BadRecordError`), each
-    process its share, and gather the index (module docstring). Raises `ValueError` on every
-    process alike: a bad record under `on_bad_record="error"`, any other error of a row, or no
-    usable row at all."""
+    process its share, and gather the index (module docstring). With `columns` > 1 the
+    measure gives that many ints, the length first (the rest: `RowIndex.extra`). Raises
+    `ValueError` on every process alike: a bad record under `on_bad_record="error"`, any other
+    error of a row, or no usable row at all."""
     if on_bad_record not in BAD_RECORD_POLICIES:
         raise ValueError(f"data.on_bad_record must be one of {BAD_RECORD_POLICIES}, got "
                          f"{on_bad_record!r}")  # fmt: skip
@@ -131,7 +137,7 @@ def build_index(
     n = len(source)
     lo, hi = peers.share(n)
     shares: list[_Share] = sorted(
-        peers.gather(_index_share(source, measure, lo, hi, on_bad_record == "error")),
+        peers.gather(_index_share(source, measure, lo, hi, on_bad_record == "error", columns)),
         key=lambda s: s.lo,
     )
     fatal = [s.fatal for s in shares if s.fatal is not None]
@@ -145,15 +151,17 @@ def build_index(
             "data.on_bad_record is 'error': fix the record, or set data.on_bad_record: skip to "
             "leave bad records out (they are counted and reported at the start)"
         )
-    lengths = np.concatenate([s.lengths for s in shares]) if shares else np.zeros(0, np.int64)
+    none = np.zeros((0, columns), np.int64)
+    sizes = np.concatenate([s.lengths for s in shares]) if shares else none
     report = BadRecords()
     for _, where, reason, _detail in bad_rows:
         report.add(reason, where)
-    rows = np.flatnonzero(lengths >= 0).astype(np.int64)
+    rows = np.flatnonzero(sizes[:, 0] >= 0).astype(np.int64)
     if not len(rows):
         what = report.summary() or "it is empty"
         raise ValueError(f"{source.name}: no usable records ({n} rows; {what})")
-    return RowIndex(rows=rows, lengths=lengths[rows], total_rows=n, bad=report)
+    extra = sizes[rows, 1:] if columns > 1 else None
+    return RowIndex(rows=rows, lengths=sizes[rows, 0], total_rows=n, bad=report, extra=extra)
 
 
 class LazyItems(Generic[T]):

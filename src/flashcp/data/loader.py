@@ -3,13 +3,14 @@
 Rows come from `data.path` (JSON Lines or Parquet, `flashcp.data.sources`) or the shipped
 sets, and are indexed once by all processes together (`flashcp.data.index`: each reads and
 tokenizes its share of the rows, every process gets every row's length and the bad-record
-report). Every rank then plans the same deterministic `PackedStream` from the lengths; a step
-consumes `grad_accum × dp × micro_batch_size` sequences, and dp rank r takes sequences
-`[r·mbs, (r+1)·mbs)` of each micro-batch, building (tokenizing) only the rows those hold and
-skipping the others'. CP and PP ranks of one dp rank build the same full sequences (CP shards
-them afterwards). So `dp=2, micro_batch_size=1` sees exactly the sequences of
-`dp=1, micro_batch_size=2`, and the data position is identical on every rank (rank 0 saves it;
-resuming restores it exactly).
+report). Every rank then plans the same deterministic `PackedStream` from the lengths (with
+`data.balance: work` re-packed window by window so that the rows of a step cost the same,
+`flashcp.data.balance`); a step consumes `grad_accum × dp × micro_batch_size` sequences, and
+dp rank r takes sequences `[r·mbs, (r+1)·mbs)` of each micro-batch, building (tokenizing) only
+the rows those hold and skipping the others'. CP and PP ranks of one dp rank build the same
+full sequences (CP shards them afterwards). So `dp=2, micro_batch_size=1` sees exactly the
+sequences of `dp=1, micro_batch_size=2`, and the data position is identical on every rank
+(rank 0 saves it; resuming restores it exactly).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from flashcp.config.schema import Config
+from flashcp.cp.work import WorkModel, causal_pairs
+from flashcp.data.balance import BalancedPlan, Row, StepLayout, step_balance
 from flashcp.data.dataset import (
     DEFAULT_CORPUS,
     Document,
@@ -26,7 +29,7 @@ from flashcp.data.dataset import (
     parse_jsonl,
 )
 from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
-from flashcp.data.packing import Batch, PackedStream, collate
+from flashcp.data.packing import Batch, PackedStream, Piece, collate
 from flashcp.data.peers import Peers
 from flashcp.data.sources import ListSource, RowSource, open_source
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
@@ -104,6 +107,15 @@ class TrainData:
         divisor = cfg.parallel.seq_divisor
         padded = -(-d.seq_len // divisor) * divisor
         self.pad_to = padded if cfg.parallel.pad and padded != d.seq_len else None
+        self.layout = StepLayout(self.dp_size, cfg.train.grad_accum, d.micro_batch_size)
+        self.plan: BalancedPlan | None = None
+        """The work-balanced plan (`data.balance: work`, packed, > 1 row per step), else None:
+        first-fit rows straight from the stream."""
+        if d.balance == "work" and d.packing and self.layout.rows > 1:
+            self.plan = BalancedPlan(self.stream, self.layout.rows, d.balance_window)
+        self.work = WorkModel.for_model(cfg.model, lora=cfg.extras.get("lora") is not None)
+        """The work model of `balance_metrics` (`flashcp.cp.work`)."""
+        self._last: list[list[Piece]] = []
 
     @property
     def seq_len(self) -> int:
@@ -115,26 +127,54 @@ class TrainData:
         """The rows left out, by reason (`data.on_bad_record: skip`)."""
         return self.index.bad
 
+    def step_rows(self) -> list[list[Piece]]:
+        """Every row of the next step (the whole job's, in `StepLayout` order), planned from
+        the lengths alone; the stream moves past them."""
+        if self.plan is not None:
+            rows = self.plan.next_step()
+        else:
+            rows = [self.stream.plan_next() for _ in range(self.layout.rows)]
+        self._last = rows
+        return rows
+
     def next_step(self) -> list[Batch]:
         """This dp rank's `train.grad_accum` micro-batches for the next optimizer step."""
-        mbs = self.cfg.data.micro_batch_size
-        lo, hi = self.dp_rank * mbs, (self.dp_rank + 1) * mbs
+        rows = self.step_rows()
         out = []
-        for _ in range(self.cfg.train.grad_accum):
-            mine = []
-            for j in range(self.dp_size * mbs):
-                if lo <= j < hi:
-                    mine.append(self.stream.next())
-                else:
-                    self.stream.skip()
+        for k in range(self.layout.grad_accum):
+            mine = [
+                self.stream.build(rows[self.layout.row(k, self.dp_rank, j)])
+                for j in range(self.layout.micro_batch_size)
+            ]
             out.append(collate(mine, pad_to=self.pad_to, pad_id=self.tokenizer.pad_id))
         return out
 
+    def row_info(self, pieces: list[Piece]) -> Row:
+        """A planned row's segments as the model sees them (padding included) and their pairs."""
+        lengths = [p.length for p in pieces]
+        real, length = sum(lengths), self.cfg.data.seq_len
+        segments = lengths + ([length - real] if real < length else [])  # unpacked: its padding
+        if self.pad_to is not None:  # parallel.pad: one more segment (`collate`)
+            segments.append(self.pad_to - length)
+        return Row(tuple(lengths), int(causal_pairs(segments).sum()), self.seq_len - real)
+
+    def balance_metrics(self) -> dict[str, float]:
+        """The last step's modelled imbalance (`flashcp.data.balance.step_balance`)."""
+        if not self._last:
+            return {}
+        rows = [self.row_info(r) for r in self._last]
+        return step_balance(rows, self.layout, self.work, self.seq_len)
+
     def state_dict(self) -> dict[str, Any]:
+        if self.plan is not None:
+            return self.plan.state_dict()
         return {"stream": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["stream"])
+        if self.plan is not None:
+            self.plan.load_state_dict(state)
+        else:
+            self.stream.load_state_dict(state["stream"])
 
     def data_report(self) -> dict[str, Any]:
         """What the data is, for run_info.json: rows, usable documents, tokens, bad records."""

@@ -20,13 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from flashcp.config.schema import IGNORE_INDEX
 from flashcp.data.dataset import Document
 from flashcp.masks import Mask, causal_document_mask
+
+
+class Piece(NamedTuple):
+    """Tokens `[start, start + length)` of document `doc` (an index into the stream's documents)."""
+
+    doc: int
+    start: int
+    length: int
 
 
 @dataclass(eq=False)
@@ -121,52 +129,55 @@ class PackedStream:
 
     def next(self) -> PackedSequence:
         """The next sequence of the stream."""
-        seq = self._next_packed(True) if self.packing else self._next_single(True)
-        self.state.sequences += 1
-        assert seq is not None
-        return seq
+        return self.build(self.plan_next())
 
     def skip(self) -> None:
         """Move past the next sequence without building it (another process's sequence)."""
-        if self.packing:
-            self._next_packed(False)
-        else:
-            self._next_single(False)
-        self.state.sequences += 1
+        self.plan_next()
 
-    def _next_packed(self, build: bool) -> PackedSequence | None:
-        tokens, targets, lens = [], [], []
+    def plan_next(self) -> list[Piece]:
+        """The pieces of the next sequence, from the lengths alone; the stream moves past it."""
+        pieces = self._next_packed() if self.packing else self._next_single()
+        self.state.sequences += 1
+        return pieces
+
+    def build(self, pieces: Sequence[Piece]) -> PackedSequence:
+        """The sequence made of `pieces` (back to back; unpacked: the one document, padded)."""
+        if not self.packing:
+            (i, _, n) = pieces[0]
+            doc = self.docs[i]
+            tokens = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+            targets = np.zeros(self.seq_len, dtype=bool)
+            tokens[:n] = doc.tokens[:n]
+            targets[:n] = doc.targets[:n]
+            lens = [n] if n == self.seq_len else [n, self.seq_len - n]
+            return PackedSequence(tokens, targets, lens)
+        tokens, targets = [], []
+        for i, start, take in pieces:
+            doc = self.docs[i]
+            tokens.append(doc.tokens[start : start + take])
+            targets.append(doc.targets[start : start + take])
+        lens = [p.length for p in pieces]
+        return PackedSequence(np.concatenate(tokens), np.concatenate(targets), lens)
+
+    def _next_packed(self) -> list[Piece]:
+        pieces = []
         space = self.seq_len
         while space:
             i = int(self._order[self.state.doc])
             start = self.state.offset
             take = min(int(self.lengths[i]) - start, space)
-            if build:
-                doc = self.docs[i]
-                tokens.append(doc.tokens[start : start + take])
-                targets.append(doc.targets[start : start + take])
-            lens.append(take)
+            pieces.append(Piece(i, start, take))
             space -= take
             self.state.offset += take
             if self.state.offset == int(self.lengths[i]):
                 self._advance_doc()
-        if not build:
-            return None
-        return PackedSequence(np.concatenate(tokens), np.concatenate(targets), lens)
+        return pieces
 
-    def _next_single(self, build: bool) -> PackedSequence | None:
+    def _next_single(self) -> list[Piece]:
         i = int(self._order[self.state.doc])
         self._advance_doc()
-        if not build:
-            return None
-        doc = self.docs[i]
-        n = min(len(doc), self.seq_len)
-        tokens = np.full(self.seq_len, self.pad_id, dtype=np.int64)
-        targets = np.zeros(self.seq_len, dtype=bool)
-        tokens[:n] = doc.tokens[:n]
-        targets[:n] = doc.targets[:n]
-        lens = [n] if n == self.seq_len else [n, self.seq_len - n]
-        return PackedSequence(tokens, targets, lens)
+        return [Piece(i, 0, min(int(self.lengths[i]), self.seq_len))]
 
 
 def shift_labels(tokens: np.ndarray, targets: np.ndarray, doc_lens: Sequence[int]) -> np.ndarray:

@@ -8,7 +8,11 @@ One panel per group present in the records (`plot_groups`), stacked over a share
 * memory: peak tensor memory (max over ranks) and peak RSS, GiB;
 * dpo: the recipe's `rewards/...` (chosen, rejected, margin, accuracy);
 * eval: the other `eval/...` metrics (perplexity, DPO rewards and accuracy);
-* moe: every `moe/...` metric (expert load), when the model reports them.
+* moe: every `moe/...` metric (expert load), when the model reports them;
+* balance: a step's work over its dp ranks and micro-batches, max / mean, as modelled
+  (`balance/dp_work_max_over_mean`, `balance/microbatch_work_max_over_mean`,
+  `flashcp.data.balance`) and as the ranks' measured busy time
+  (`balance/rank_time_max_over_mean`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ GROUPS: list[tuple[str, str, Callable[[str], bool]]] = [
     ("dpo", "DPO", _prefixed("rewards/")),
     ("eval", "eval", lambda k: _eval_panel(k)),
     ("moe", "MoE", _prefixed("moe/")),
+    ("balance", "max / mean", _prefixed("balance/")),
 ]
 """(group, y-axis label, which metric keys it draws), in panel order."""
 

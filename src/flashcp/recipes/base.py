@@ -8,7 +8,8 @@ metrics file. A recipe owns what differs, and keeps no per-step state:
 
 * `data(path=None)`: the step source (`next_step()` gives this dp rank's micro-batches of FULL
   sequences, labels shifted, global mask built; `state_dict()` / `load_state_dict()` resume
-  it); with a `path`, the eval set there, one row per `next_step()`;
+  it; `balance_metrics()` the last step's modelled `balance/...` imbalance,
+  `flashcp.data.balance`); with a `path`, the eval set there, one row per `next_step()`;
 * `setup(model)`: recipe business on this rank's parallelized stage (DPO: the frozen
   reference copy, of the stage only);
 * `count(batches)`: this dp rank's share of the step's loss normaliser and target tokens, from
@@ -59,6 +60,8 @@ class StepSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def describe(self) -> str: ...
+
+    def balance_metrics(self) -> dict[str, float]: ...
 
 
 DATA_INDEX_TIMEOUT = 3600.0
