@@ -1,36 +1,14 @@
 """The training loop: one `Trainer` per process, the same code for 1 or N ranks.
 
-Build (`Trainer.__init__`): the recipe (`flashcp.recipes`) and its data; this rank's part of the
-model — its pipeline stage (the whole model when pp = 1) with its ep share of the routed
-experts, built directly in `train.param_dtype` — parallelized (`flashcp.parallelize`) and
-handed to the recipe's `setup`; the optimizer (`flashcp.optim.zero`), the `Checkpointer` (every
-checkpoint read and write, the LoRA exports), the runner (`flashcp.pipeline.runner`) and the
-evaluator (`flashcp.evaluate`).
-
-One optimizer step (`Trainer.train_step`):
-
-1. The data gives this dp rank's `grad_accum` batches of FULL sequences; `Recipe.count`,
-   summed over dp, gives the step's GLOBAL loss normaliser and target tokens.
-2. The runner cuts each batch into this rank's micro-batch (its cp shard) and `Recipe.prepare`
-   runs the forward-only passes the loss needs (DPO reference log-probs).
-3. The runner runs forward, loss and backward per micro-batch on this rank's stage under the
-   pipeline schedule; each loss is the recipe's summed loss over the global normaliser
-   (`flashcp.recipes.base.normalised`), so loss and gradients are those of one big batch
-   whatever the dp / pp / cp layout; the recipe's statistics come back summed.
-4. The loss, per-rank non-finite flags, memory peaks and busy times (3's forward and backward),
-   the recipe's statistics and the routers' expert loads are summed over cp, dp, pp at once
-   (`flashcp.metrics.step_sums`); the data's modelled `balance/...` imbalance and the busy
-   times' max/mean join the step's metrics.
-5. Non-finite: `train.on_nonfinite: stop` raises `NonFiniteError` naming the step and rank(s)
-   on every rank at once; `skip` drops the update. Otherwise the gradients are summed over cp
-   and dp (reduce-scattered under ZeRO-1), clipped by their global norm, AdamW steps, and MoE
-   routers move their biases toward under-loaded experts. Then the LR schedule steps, the
-   metrics are logged (with the `step_metrics` of the recipe's `finish`), and every
-   `checkpoint.every` steps a checkpoint is written.
-
-Every `eval.every` steps and after the last, the eval set runs forward only through the same
-loss (`flashcp.evaluate`); its `eval/...` metrics join the step's record in metrics.jsonl and
-the `run.report_to` backends. The start line and `run_info.json`: `flashcp.run_info`.
+Build: the recipe and its data; this rank's stage of the model (its ep share of the experts),
+parallelized (`flashcp.parallelize`) and handed to the recipe's `setup`; the optimizer, the
+`Checkpointer`, the runner and the evaluator. One step (`train_step`): the data's FULL
+sequences → `Recipe.count` (the global normaliser) → the runner's cp shards and
+`Recipe.prepare` → forward, loss, backward under the pipeline schedule → one all-reduce of the
+step's numbers (`flashcp.metrics.step_sums`) → non-finite stop/skip, or reduce, clip by the
+one global norm and step AdamW → metrics, eval and checkpoints when due. The walk-through,
+module by module: docs/architecture.md ("One step, end to end", "The trainer, recipes and
+parallelize").
 """
 
 from __future__ import annotations
