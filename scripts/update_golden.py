@@ -4,8 +4,8 @@
 Each `configs/**/tiny_*.yaml` runs through `flashcp train` (its own dp×pp×cp processes, gloo on
 CPU, deterministic, 4 steps); the losses at steps 1, 2 and 4 are read from its `metrics.jsonl`
 and compared with `tests/golden/losses.json`. Without `--write` the script only reports: exit 1
-when any loss moved beyond the float32 rule of `tests/numerics.py` (its allowance grows with the
-target tokens, the loss and the step; the golden stores that basis), an entry is missing or
+when any loss moved beyond the float32 rule of `tests/helpers/numerics.py` (its allowance grows
+with the target tokens, the loss and the step; the golden stores that basis), an entry is missing or
 stale, or a job was not clean. With `--write` it stores the new values (and drops entries of
 configs that are gone).
 
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tests"))  # the suite's harness, `helpers`
 
-import jobs  # noqa: E402
+from helpers import jobs  # noqa: E402
 
 
 def _fmt(value: Any) -> str:

@@ -1,6 +1,6 @@
 """Chunked all-gather-KV attention (`attention.query_chunk` / `attention.kv_chunk`) in one
 process: the same attention as the unchunked implementation and the dense float64 oracle,
-within `tests/numerics.py`'s rule, for every mask family and chunk shapes that do and do not
+within `helpers.numerics`'s rule, for every mask family and chunk shapes that do and do not
 divide the sequence; the LSE merge exactly (and a merge without the LSE rescale rejected);
 rows without keys under both kernel conventions (-inf CPU / FA4, +inf FA2 / FA3); the model
 under every recompute mode and with tiling; the registry cut and the config's refusals.
@@ -11,14 +11,11 @@ tests/integration/test_attention_chunked_multiproc.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
 
-import numerics
 from flashcp import masks
 from flashcp.attention import allgather_kv_chunked as chunked
 from flashcp.attention import registry
@@ -30,14 +27,14 @@ from flashcp.cp.layout import Assignment, chunk_bounds
 from flashcp.cp.rebase import rebase_rows, rebase_thresholds
 from flashcp.kernels.registry import get_backend
 from flashcp.models import build_model, preset
-from reference import compare_attention, dense_reference
+from helpers import numerics
+from helpers.paths import ROOT
+from helpers.reference import compare_attention, dense_reference
 
 B, S, HQ, HKV, D = 2, 48, 4, 2, 8
 FAMILIES = ("causal", "causal_document", "share_question", "sliding_window", "document",
             "qk_sparse", "random_eviction")  # fmt: skip
 CHUNKS = [(16, 0), (0, 16), (13, 24), (7, 5), (48, 48)]
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _inputs(seed: int = 0, seq: int = S):
     rng = np.random.default_rng(seed)

@@ -1,5 +1,5 @@
 """FA2/FA3/FA4 FlashMask on a real GPU vs the CPU reference and a dense oracle, forward and
-backward, in bfloat16 and float16 with per-dtype tolerances (`gpu_helpers.TOLERANCE`), plus the
+backward, in bfloat16 and float16 with per-dtype tolerances (`helpers.gpu.TOLERANCE`), plus the
 single-GPU context-parallel rehearsal.
 
 Skipped on CPU-only machines: every test is marked `gpu` and skipped unless Paddle sees a CUDA
@@ -25,16 +25,17 @@ from flashcp import dispatch, masks
 from flashcp.attention.flashmask import flashmask_attention_with_version
 from flashcp.attention.registry import make_assignment
 from flashcp.cp.rebase import rebase_mask
-from gpu_helpers import (
+from helpers.gpu import (
     GPU_DTYPES,
     SKIP_NO_GPU,
-    assert_close,
+    allclose_args,
     capability_major,
     close,
     cpu_reference,
     has_cuda,
     rounded,
 )
+from helpers.reference import dense_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_cuda(), reason=SKIP_NO_GPU)]
 
@@ -66,12 +67,7 @@ def dense_oracle(q, k, v, dout, idx, *, causal):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    if idx is None:
-        dense = np.zeros((B, 1, Sq, Sk), dtype=bool)
-        if causal:
-            dense |= np.arange(Sq)[:, None] < np.arange(Sk)[None, :] - (Sk - Sq)
-    else:
-        dense = masks.to_dense(idx, causal=causal, q_len=Sq)
+    dense = dense_mask(idx, B, Sq, Sk, causal=causal)
     heads = [masks.mask_head_index(h, Hq, dense.shape[1]) for h in range(Hq)]
     cpu = paddle.CPUPlace()
     bias = np.where(dense[:, heads], -np.inf, 0.0).astype(np.float32)
@@ -129,12 +125,14 @@ def _compare(version, B, S, Hq, Hkv, D, idx, causal, seed, dtype):
     got, lse = _run_gpu(version, q, k, v, dout, idx, causal, dtype)
     out_c, lse_c, *grads_c = cpu_reference(q, k, v, dout, idx, causal=causal)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, (out_c, *grads_c), strict=True):
-        assert_close(f"{name} vs CPU reference", a, b, dtype)
+        np.testing.assert_allclose(a, b, err_msg=f"{name} vs CPU reference", **allclose_args(dtype))
     finite = np.isfinite(lse_c)
-    assert_close("lse", lse[..., :S][finite], lse_c[finite], dtype)
+    np.testing.assert_allclose(
+        lse[..., :S][finite], lse_c[finite], err_msg="lse", **allclose_args(dtype)
+    )
     oracle = dense_oracle(q, k, v, dout, idx, causal=causal)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle, strict=True):
-        assert_close(f"{name} vs dense oracle", a, b, dtype)
+        np.testing.assert_allclose(a, b, err_msg=f"{name} vs dense oracle", **allclose_args(dtype))
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
@@ -190,10 +188,22 @@ def test_cp_rehearsal_one_gpu(version: int, family: str, world: int) -> None:
         same_call = cpu_reference(lq, k, v, ldout, local, causal=False)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, (same_call[0], *same_call[2:]),
                               strict=True):  # fmt: skip
-            assert_close(f"rank {rank}/{world} {name} vs CPU reference", a, b, dtype)
+            np.testing.assert_allclose(
+                a, b, err_msg=f"rank {rank}/{world} {name} vs CPU reference", **allclose_args(dtype)
+            )
         # the local call IS the global attention's rows at this rank's positions
-        assert_close(f"rank {rank}/{world} out vs whole sequence", got[0], whole[0][:, pos], dtype)
-        assert_close(f"rank {rank}/{world} dq vs whole sequence", got[1], whole[2][:, pos], dtype)
+        np.testing.assert_allclose(
+            got[0],
+            whole[0][:, pos],
+            err_msg=f"rank {rank}/{world} out vs whole sequence",
+            **allclose_args(dtype),
+        )
+        np.testing.assert_allclose(
+            got[1],
+            whole[2][:, pos],
+            err_msg=f"rank {rank}/{world} dq vs whole sequence",
+            **allclose_args(dtype),
+        )
         outs.append((pos, got[0]))
     if len(outs) >= 2:  # negative control: another rank's rows do not pass
         (_, out0), (pos1, _) = outs[0], outs[1]

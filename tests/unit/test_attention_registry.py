@@ -18,7 +18,6 @@ import numpy as np
 import paddle
 import pytest
 
-import numerics
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.allgather_kv import ALLGATHER_KV, AllGatherKV
@@ -27,6 +26,7 @@ from flashcp.attention.local import LOCAL
 from flashcp.config import build_config
 from flashcp.cp.layout import Assignment
 from flashcp.models import build_model, preset
+from helpers import numerics
 
 B, S = 2, 32
 

@@ -22,8 +22,8 @@ from bench import (
     tiling_memory,
 )
 from bench import readme_table as tables
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 

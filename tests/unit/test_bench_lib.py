@@ -13,8 +13,7 @@ import pytest
 
 from bench import dpo, machine, report, stats
 from bench.rounds import interleave
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.paths import ROOT
 
 
 def test_interleave_rotates_the_sides_every_round_warmup_included() -> None:
@@ -96,7 +95,7 @@ PENDING_LAUNCHER = {
     "scripts/stress_launch.py",
     "scripts/update_golden.py",
 }
-"""Scripts that still reach the test harness (tests/integration/launch.py, jobs.py): they run
+"""Scripts that still reach the test harness (tests/helpers/launch.py, jobs.py): they run
 the suite's own workers and golden-loss checks, not just a launch (the benchmarks launch
 through `flashcp.launch.supervise`). The set must shrink, never grow."""
 

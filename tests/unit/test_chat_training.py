@@ -4,7 +4,6 @@ line and run_info.json report the skipped bad record, and a resumed run matches.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -20,9 +19,8 @@ from bench.hfdir import (
     write_jsonl,
     write_tokenizer_files,
 )
-from flashcp.config import build_config
-from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import Trainer
+from helpers.configs import TINY_GLM, TINY_LM, Sections, TinyCfg, merged
+from helpers.trainruns import Fit
 
 
 @pytest.fixture(scope="module")
@@ -30,31 +28,27 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tokenizer_files(tmp_path_factory.mktemp("glm_tok"))
 
 
-def _cfg(tmp: Path, tok_dir: Path, path: Path, recipe: str, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny_glm", "vocab_size": DEFAULT_VOCAB},
-        "data": {"tokenizer": str(tok_dir), "path": str(path), "seq_len": 128,
-                 "micro_batch_size": 2},  # fmt: skip
-        "train": {"steps": 20, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "seed": 0},
-        "run": {"recipe": recipe, "output_dir": str(tmp / "run")},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
+@pytest.fixture
+def tiny_base(tok_dir: Path) -> Sections:
+    """The tiny GLM with the tokenizer directory's vocabulary, two rows per micro-batch, 20
+    steps."""
+    return merged(
+        TINY_GLM,
+        model={"vocab_size": DEFAULT_VOCAB},
+        data={"tokenizer": str(tok_dir), "micro_batch_size": 2},
+        train={**TINY_LM["train"], "steps": 20},
+    )
 
 
-def _fit(cfg: Any) -> tuple[list[dict[str, Any]], str]:
-    out = io.StringIO()
-    Trainer(cfg, stream=out).fit()
-    return read_metrics(cfg.run.output_dir), out.getvalue()
-
-
-def test_sft_on_messages_learns_and_reports_bad_records(tmp_path: Path, tok_dir: Path) -> None:
+def test_sft_on_messages_learns_and_reports_bad_records(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     records: list[Any] = chat_records(40)
     records.insert(5, {"messages": [{"role": "user", "content": "no answer"}]})
     data = write_jsonl(tmp_path / "chat.jsonl", records)
-    cfg = _cfg(tmp_path, tok_dir, data, "sft")
-    metrics, out = _fit(cfg)
+    cfg = tiny_cfg(tmp_path, data={"path": str(data)}, run={"recipe": "sft"})
+    run = fit(cfg)
+    metrics, out = run.records, run.out
     losses = [m["loss"] for m in metrics]
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(DEFAULT_VOCAB), abs=0.3)  # ~uniform at init
@@ -78,31 +72,30 @@ def test_sft_on_messages_learns_and_reports_bad_records(tmp_path: Path, tok_dir:
     }
 
 
-def test_sft_on_messages_resumes_bitwise(tmp_path: Path, tok_dir: Path) -> None:
+def test_sft_on_messages_resumes_bitwise(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", chat_records(12))
-    short = {"steps": 6}
-    whole, _ = _fit(_cfg(tmp_path / "a", tok_dir, data, "sft", train=short))
-    part = _cfg(tmp_path / "b", tok_dir, data, "sft", train=short,
-                checkpoint={"every": 3}, run={"stop_after_steps": 3})  # fmt: skip
-    _fit(part)
-    rest = _cfg(tmp_path / "b", tok_dir, data, "sft", train=short, checkpoint={"every": 3})
-    resumed, out = _fit(rest)
+    sft = {"data": {"path": str(data)}, "train": {"steps": 6}}
+    whole = fit(tiny_cfg(tmp_path / "a", **sft, run={"recipe": "sft"})).records
+    part = tiny_cfg(tmp_path / "b", **sft, checkpoint={"every": 3},
+                    run={"recipe": "sft", "stop_after_steps": 3})  # fmt: skip
+    fit(part)
+    rest = fit(tiny_cfg(tmp_path / "b", **sft, checkpoint={"every": 3}, run={"recipe": "sft"}))
+    resumed, out = rest.records, rest.out
     assert "resumed from" in out
     assert [m["loss"] for m in resumed] == [m["loss"] for m in whole]
 
 
-def test_dpo_on_preference_messages_learns(tmp_path: Path, tok_dir: Path) -> None:
+def test_dpo_on_preference_messages_learns(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     data = write_jsonl(tmp_path / "pref.jsonl", preference_records(52, as_messages=True))
-    cfg = _cfg(
+    cfg = tiny_cfg(
         tmp_path,
-        tok_dir,
-        data,
-        "dpo",
-        data={"seq_len": 256, "micro_batch_size": 1, "shuffle": False},
+        data={"path": str(data), "seq_len": 256, "micro_batch_size": 1, "shuffle": False},
         train={"steps": 24, "grad_accum": 1},
         dpo={"beta": 0.1},
+        run={"recipe": "dpo"},
     )
-    metrics, out = _fit(cfg)
+    run = fit(cfg)
+    metrics, out = run.records, run.out
     losses = [m["loss"] for m in metrics]
     assert losses[0] == pytest.approx(math.log(2))  # policy == reference at step 1
     assert all(math.isfinite(x) for x in losses)

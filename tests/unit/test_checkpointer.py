@@ -18,9 +18,10 @@ from pathlib import Path
 from flashcp.checkpoint.checkpointer import Checkpointer, Resumed
 from flashcp.config import load_config
 from flashcp.trainer import Trainer
+from helpers.paths import FIXTURES, ROOT
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "flashcp"
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints" / "plain" / "run"
+SRC = ROOT / "src" / "flashcp"
+FIXTURE = FIXTURES / "checkpoints" / "plain" / "run"
 HF_DIRECTORIES = {
     "models/hf_weights.py",
     "models/safetensors_io.py",

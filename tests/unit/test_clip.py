@@ -15,11 +15,19 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.config import TrainConfig, build_config
+from flashcp.config import TrainConfig
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.optim.clip import GlobalNorm, clip_factor
 from flashcp.optim.zero import ParamOptimizer, build_distributed_optimizer
 from flashcp.trainer import Trainer
+from helpers.configs import TINY_LM, Sections, TinyCfg, merged
+
+
+@pytest.fixture
+def tiny_base() -> Sections:
+    """Two steps at a tight clip (0.5), no warmup, the schema's `min_lr`."""
+    return merged(TINY_LM, train={"steps": 2, "warmup_steps": 0, "grad_clip": 0.5, "min_lr": 3e-5})
+
 
 SHAPES = [(64, 260), (64,), (64, 64), (256, 64), (3,), (64, 260)]
 
@@ -88,21 +96,12 @@ def test_a_held_copy_counts_once_in_the_whole_models_order() -> None:
     assert float(GlobalNorm(["p0"])([("p0", None)])) == 0.0  # no gradient anywhere
 
 
-def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny", "max_seq_len": 64},
-        "data": {"seq_len": 64, "micro_batch_size": 2},
-        "train": {"steps": 2, "lr": 3e-3, "warmup_steps": 0, "seed": 0, "grad_clip": 0.5},
-        "run": {"output_dir": str(tmp / "run")},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
-
-
 @pytest.mark.parametrize("shard", [False, True])
 def test_the_norm_is_computed_once_per_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shard: bool,
+    tiny_cfg: TinyCfg,
 ) -> None:
     """One global norm per optimizer step — logged AND clipped with — and each gradient
     squared once: Paddle's AdamW gets no clip of its own (it would square them again)."""
@@ -120,7 +119,7 @@ def test_the_norm_is_computed_once_per_step(
 
     monkeypatch.setattr(GlobalNorm, "__call__", counted_norm)
     monkeypatch.setattr(paddle._C_ops, "squared_l2_norm", counted_squares)
-    trainer = Trainer(_cfg(tmp_path, parallel={"shard_optimizer": shard}), stream=io.StringIO())
+    trainer = Trainer(tiny_cfg(tmp_path, parallel={"shard_optimizer": shard}), stream=io.StringIO())
     inner = trainer.optimizer.shard.inner if shard else trainer.optimizer.inner
     assert inner._grad_clip is None
     logged = [trainer.train_step().grad_norm for _ in range(2)]

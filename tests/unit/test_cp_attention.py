@@ -17,8 +17,8 @@ from flashcp.cp.layout import Assignment
 from flashcp.dispatch import FlashAttnUnavailableError
 from flashcp.distributed import WORLD, NamedGroup
 from flashcp.kernels.registry import get_backend
-from maskcases import overshoot
-from reference import compare_attention, dense_reference
+from helpers.maskcases import overshoot
+from helpers.reference import compare_attention, dense_reference
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
 
@@ -44,7 +44,7 @@ def test_single_rank_matches_dense(family: str, mode: str) -> None:
     mask = masks.FAMILIES[family](B, S, 1, 3)
     got = _run(q, k, v, dout, mask.indices, mask.causal, mode=mode)
     want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
-    bad = [c.describe() for c in compare_attention(got, want) if not c.ok]  # tests/numerics.py
+    bad = [c.describe() for c in compare_attention(got, want) if not c.ok]  # helpers.numerics
     assert not bad, "\n".join(bad)
 
 

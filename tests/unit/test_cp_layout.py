@@ -26,7 +26,7 @@ from flashcp.cp.layout import (
     unshard_dualchunk,
 )
 from flashcp.masks import FAMILIES, to_dense, validate
-from maskcases import overshoot
+from helpers.maskcases import overshoot
 
 
 @st.composite

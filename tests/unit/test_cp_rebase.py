@@ -12,7 +12,7 @@ from flashcp.cp.balance import balanced_assignment
 from flashcp.cp.layout import Assignment
 from flashcp.cp.rebase import local_positions, rebase_mask, rebase_thresholds
 from flashcp.masks import FAMILIES, to_dense
-from maskcases import overshoot
+from helpers.maskcases import overshoot
 
 SEQ_LEN = 96  # divisible by 2·cp for every cp in CPS
 CPS = (1, 2, 4, 8)

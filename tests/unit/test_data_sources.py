@@ -19,12 +19,13 @@ from bench.hfdir import (
     write_parquet,
     write_tokenizer_files,
 )
-from flashcp.config import build_config
+from flashcp.config import Config
 from flashcp.data import Document, HFTokenizer, PackedStream, TrainData
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.index import LazyItems, build_index
 from flashcp.data.peers import Peers
 from flashcp.data.sources import JsonlSource, ListSource, data_files, open_source
+from helpers.configs import TINY_GLM, merged, tiny_config
 
 VOCAB = 384
 
@@ -34,17 +35,19 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tokenizer_files(tmp_path_factory.mktemp("tok"))
 
 
-def _cfg(tmp: Path, tok_dir: Path, path: Path | None, **data: Any) -> Any:
+SOURCES = merged(
+    TINY_GLM, model={"vocab_size": VOCAB}, data={"seq_len": 64}, train={"seed": 3}
+)
+"""The tiny GLM reading 64-token rows through the test tokenizer."""
+
+
+def _data_cfg(tmp: Path, tok_dir: Path, path: Path | None, **data: Any) -> Config:
+    """`SOURCES` reading `path` (`data` keys over its data section; `recipe` the recipe,
+    default sft), its cache under `tmp`."""
     recipe = data.pop("recipe", "sft")
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny_glm", "vocab_size": VOCAB},
-        "data": {"tokenizer": str(tok_dir), "path": None if path is None else str(path),
-                 "seq_len": 64, "micro_batch_size": 1, "cache_dir": str(tmp / "cache"),
-                 **data},  # fmt: skip
-        "train": {"seed": 3},
-        "run": {"recipe": recipe, "output_dir": str(tmp / "run")},
-    }
-    return build_config(raw)
+    files = {"tokenizer": str(tok_dir), "path": None if path is None else str(path),
+             "cache_dir": str(tmp / "cache")}  # fmt: skip
+    return tiny_config(tmp, base=SOURCES, data={**files, **data}, run={"recipe": recipe})
 
 
 def run_ranks(n: int, fn: Callable[[Peers], Any]) -> list[Any]:
@@ -99,8 +102,10 @@ def test_jsonl_parquet_and_directories_give_the_same_batches(tmp_path: Path, tok
     shards = tmp_path / "shards"
     write_parquet(shards / "train-00000-of-00002.parquet", records[:17])
     write_parquet(shards / "train-00001-of-00002.parquet", records[17:])
-    runs = {p.name: TrainData(_cfg(tmp_path, tok_dir, p)) for p in (jsonl, parquet, parts, shards)}
-    want = _ids(TrainData(_cfg(tmp_path, tok_dir, jsonl)), 8)
+    runs = {
+        p.name: TrainData(_data_cfg(tmp_path, tok_dir, p)) for p in (jsonl, parquet, parts, shards)
+    }
+    want = _ids(TrainData(_data_cfg(tmp_path, tok_dir, jsonl)), 8)
     for name, data in runs.items():
         assert data.num_documents == 30 and data.bad_records.total == 0, name
         got = _ids(data, 8)
@@ -185,7 +190,7 @@ def _bad_jsonl(path: Path) -> Path:
 
 def test_bad_records_are_counted_and_reported(tmp_path: Path, tok_dir: Path) -> None:
     path = _bad_jsonl(tmp_path / "d.jsonl")
-    cfg = _cfg(tmp_path, tok_dir, path, packing=False, seq_len=64)
+    cfg = _data_cfg(tmp_path, tok_dir, path, packing=False, seq_len=64)
     data = TrainData(cfg)
     bad = data.bad_records
     assert data.num_documents == len(GOOD) and data.index.total_rows == len(GOOD) + 7
@@ -213,7 +218,7 @@ def test_bad_records_are_counted_and_reported(tmp_path: Path, tok_dir: Path) -> 
     assert report["bad_records"]["reasons"]["empty answer"] == {"count": 1,
                                                                "first": [f"{path}:11"]}  # fmt: skip
     # policy error: stops before any batch, naming the first bad row and its reason
-    strict = _cfg(tmp_path, tok_dir, path, packing=False, seq_len=64, on_bad_record="error")
+    strict = _data_cfg(tmp_path, tok_dir, path, packing=False, seq_len=64, on_bad_record="error")
     with pytest.raises(ValueError, match=rf"bad record at {path}:3: missing field 'messages': an "
                        r"sft record needs .* its keys: text\. data\.on_bad_record is 'error': fix "
                        r"the record, or set data\.on_bad_record: skip"):  # fmt: skip
@@ -221,12 +226,12 @@ def test_bad_records_are_counted_and_reported(tmp_path: Path, tok_dir: Path) -> 
     # the same from Parquet: null fields, row numbers of the Parquet file
     rows = [*GOOD[:3], {"messages": None}, *GOOD[3:], BAD_ROWS[2][0]]
     pq = write_parquet(tmp_path / "d.parquet", rows)
-    pdata = TrainData(_cfg(tmp_path, tok_dir, pq))
+    pdata = TrainData(_data_cfg(tmp_path, tok_dir, pq))
     assert pdata.num_documents == 12
     assert pdata.bad_records.first == {"missing field 'messages'": [f"{pq} row 3"],
                                        "empty answer": [f"{pq} row 13"]}  # fmt: skip
     with pytest.raises(ValueError, match=rf"bad record at {pq} row 3: missing field"):
-        TrainData(_cfg(tmp_path, tok_dir, pq, on_bad_record="error"))
+        TrainData(_data_cfg(tmp_path, tok_dir, pq, on_bad_record="error"))
 
 
 def test_index_errors_and_reports(tmp_path: Path) -> None:
@@ -299,7 +304,7 @@ def test_each_rank_reads_only_its_rows(tmp_path: Path, tok_dir: Path, monkeypatc
     n = 40
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(n))
     reads = _Reads(monkeypatch)
-    cfg = _cfg(tmp_path, tok_dir, path, packing=False, micro_batch_size=2)
+    cfg = _data_cfg(tmp_path, tok_dir, path, packing=False, micro_batch_size=2)
     datas = run_ranks(2, lambda peers: TrainData(cfg, dp_rank=peers.rank, dp_size=2,
                                                  peers=peers))  # fmt: skip
     # indexing: rank k read its contiguous share [n·k/2, n·(k+1)/2) once, nothing else
@@ -313,7 +318,7 @@ def test_each_rank_reads_only_its_rows(tmp_path: Path, tok_dir: Path, monkeypatc
     assert not set(got["rank0"]) & set(got["rank1"])
     assert sorted(got["rank0"] + got["rank1"]) == list(range(n))
     # the same sequences as one rank with the whole micro-batch (layout-invariant), in order
-    one = TrainData(_cfg(tmp_path, tok_dir, path, packing=False, micro_batch_size=4))
+    one = TrainData(_data_cfg(tmp_path, tok_dir, path, packing=False, micro_batch_size=4))
     reads.take()
     for parts in steps:
         (whole,) = one.next_step()
@@ -328,7 +333,7 @@ def test_packed_ranks_read_only_documents_of_their_sequences(
 ) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
     reads = _Reads(monkeypatch)
-    cfg = _cfg(tmp_path, tok_dir, path, seq_len=256)
+    cfg = _data_cfg(tmp_path, tok_dir, path, seq_len=256)
     datas = run_ranks(2, lambda peers: TrainData(cfg, dp_rank=peers.rank, dp_size=2,
                                                  peers=peers))  # fmt: skip
     reads.take()
@@ -352,7 +357,7 @@ def test_packed_ranks_read_only_documents_of_their_sequences(
 
 def test_resume_is_bitwise_with_messages_data(tmp_path: Path, tok_dir: Path) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(10))
-    cfg = _cfg(tmp_path, tok_dir, path, seq_len=48, micro_batch_size=1)
+    cfg = _data_cfg(tmp_path, tok_dir, path, seq_len=48, micro_batch_size=1)
 
     def ranks() -> list[TrainData]:
         return run_ranks(2, lambda p: TrainData(cfg, dp_rank=p.rank, dp_size=2, peers=p))
@@ -385,7 +390,7 @@ def test_dpo_data_from_message_files_per_rank(tmp_path: Path, tok_dir: Path, mon
     parquet = write_parquet(tmp_path / "pref.parquet", records)
     extra = {"recipe": "dpo", "seq_len": 128}
     reads = _Reads(monkeypatch)
-    cfg = _cfg(tmp_path, tok_dir, jsonl, **extra)
+    cfg = _data_cfg(tmp_path, tok_dir, jsonl, **extra)
     datas = run_ranks(2, lambda p: DPOData(cfg, dp_rank=p.rank, dp_size=2, peers=p))
     assert reads.take() == {"rank0": list(range(15)), "rank1": list(range(15, 30))}
     assert datas[0].num_examples == 29
@@ -401,7 +406,7 @@ def test_dpo_data_from_message_files_per_rank(tmp_path: Path, tok_dir: Path, mon
     ]
     assert not ids[0] & ids[1]  # disjoint packed rows, disjoint examples
     assert len(got["rank0"]) == len(ids[0]) and len(got["rank1"]) == len(ids[1])
-    one = DPOData(_cfg(tmp_path, tok_dir, parquet, micro_batch_size=2, **extra))
+    one = DPOData(_data_cfg(tmp_path, tok_dir, parquet, micro_batch_size=2, **extra))
     assert one.num_examples == 29
     for step in steps:
         (whole,) = one.next_step()

@@ -13,7 +13,6 @@ import paddle
 import pytest
 from paddle.distributed.communication.group import Group
 
-from fakegroups import FakeNewGroup
 from flashcp.distributed import (
     CommStats,
     NamedGroup,
@@ -42,6 +41,7 @@ from flashcp.distributed import (
 )
 from flashcp.distributed.counters import CommCounters
 from flashcp.distributed.groups import _nccl_groups
+from helpers.fakegroups import FakeNewGroup
 
 # -- watchdog ---------------------------------------------------------------------------------
 

@@ -14,33 +14,20 @@ import pytest
 from flashcp.config import build_config
 from flashcp.data.dpo_stream import DPOData
 from flashcp.lora.model import disable_adapters, load_adapters
-from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model
 from flashcp.models.hf_weights import load_hf_checkpoint
 from flashcp.pipeline.runner import PipelineRunner
 from flashcp.trainer import Trainer
+from helpers.configs import TINY_GLM_ACCUM, Sections, TinyCfg, merged
+from helpers.trainruns import Fit
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": [".*q_proj", ".*v_proj"]}
 
 
-def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny_glm"},
-        "data": {"seq_len": 128, "micro_batch_size": 1},
-        "train": {"steps": 4, "lr": 3e-3, "warmup_steps": 0, "grad_accum": 2},
-        "checkpoint": {"every": 0},
-        "run": {"recipe": "dpo", "output_dir": str(tmp / "run")},
-        "dpo": {"beta": 0.1},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
-
-
-def _fit(cfg: Any) -> tuple[Trainer, list[dict[str, Any]]]:
-    trainer = Trainer(cfg, stream=io.StringIO())
-    trainer.fit()
-    return trainer, read_metrics(cfg.run.output_dir)
+@pytest.fixture
+def tiny_base() -> Sections:
+    """DPO (β = 0.1) on the built-in pairs, four steps of two micro-batches."""
+    return merged(TINY_GLM_ACCUM, train={"steps": 4}, run={"recipe": "dpo"}, dpo={"beta": 0.1})
 
 
 def _logits(model: paddle.nn.Layer, batch: Any) -> np.ndarray:
@@ -52,14 +39,16 @@ def _logits(model: paddle.nn.Layer, batch: Any) -> np.ndarray:
         return model.logits(out).numpy()
 
 
-def test_dpo_learns_the_builtin_set_and_logs_rewards(tmp_path: Path) -> None:
+def test_dpo_learns_the_builtin_set_and_logs_rewards(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     # two epochs in file order: 25 rows of 256 tokens (52 pairs), one row per step
-    cfg = _cfg(
+    cfg = tiny_cfg(
         tmp_path,
         data={"shuffle": False, "seq_len": 256},
         train={"steps": 50, "warmup_steps": 2, "grad_accum": 1},
     )
-    _, records = _fit(cfg)
+    records = fit(cfg).records
     losses = [r["loss"] for r in records]
     assert losses[0] == pytest.approx(math.log(2))  # policy == reference at step 1
     assert all(math.isfinite(x) for x in losses)
@@ -67,7 +56,7 @@ def test_dpo_learns_the_builtin_set_and_logs_rewards(tmp_path: Path) -> None:
     assert second < first - 0.05, (first, second)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
         assert key in records[-1]
-    # the policy's mean answer log-prob sums (tolerance scale of the rewards, tests/numerics.py)
+    # the policy's mean answer log-prob sums (tolerance scale of the rewards, helpers.numerics)
     assert all(r["logps/chosen"] < 0 and r["logps/rejected"] < 0 for r in records)
     assert records[0]["rewards/margin"] == 0.0 and records[0]["rewards/accuracy"] == 0.0
     assert np.mean([r["rewards/accuracy"] for r in records[25:]]) > 0.7
@@ -75,8 +64,10 @@ def test_dpo_learns_the_builtin_set_and_logs_rewards(tmp_path: Path) -> None:
     assert sum(r["examples"] for r in records[:25]) == 52  # each pair once per epoch
 
 
-def test_frozen_reference_copy_stays_the_initial_policy(tmp_path: Path) -> None:
-    trainer, _ = _fit(_cfg(tmp_path))
+def test_frozen_reference_copy_stays_the_initial_policy(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    trainer = fit(tiny_cfg(tmp_path)).trainer
     reference = trainer.recipe.reference
     assert reference is not None and reference is not trainer.model
     assert all(p.stop_gradient for p in reference.parameters())
@@ -89,8 +80,8 @@ def test_frozen_reference_copy_stays_the_initial_policy(tmp_path: Path) -> None:
     assert moved > 10  # the policy trained
 
 
-def test_lora_reference_is_the_base_model(tmp_path: Path) -> None:
-    trainer, _ = _fit(_cfg(tmp_path, lora=LORA))
+def test_lora_reference_is_the_base_model(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    trainer = fit(tiny_cfg(tmp_path, lora=LORA)).trainer
     assert trainer.recipe.reference is None  # no copy: the adapters are switched off
     assert all(n.endswith(("lora_A", "lora_B")) for n, _ in trainer.params)
     batch = trainer.data.next_step()[0]
@@ -109,11 +100,14 @@ def test_lora_reference_is_the_base_model(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ref_r.numpy(), want_r.numpy())
 
 
-def test_lora_checkpoints_resume_exactly_and_export(tmp_path: Path) -> None:
-    full = _cfg(tmp_path / "a", lora={**LORA, "merge_at_end": True})
-    trainer, want = _fit(full)
+def test_lora_checkpoints_resume_exactly_and_export(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    full = tiny_cfg(tmp_path / "a", lora={**LORA, "merge_at_end": True})
+    run = fit(full)
+    trainer, want = run.trainer, run.records
     ck = {"every": 2}
-    _fit(_cfg(tmp_path / "b", lora=LORA, checkpoint=ck, run={"stop_after_steps": 2}))
+    fit(tiny_cfg(tmp_path / "b", lora=LORA, checkpoint=ck, run={"stop_after_steps": 2}))
     step2 = tmp_path / "b" / "run" / "checkpoints" / "step_2"
     files = sorted(p.name for p in (step2 / "adapters").iterdir())
     assert files == [
@@ -123,7 +117,7 @@ def test_lora_checkpoints_resume_exactly_and_export(tmp_path: Path) -> None:
         "peft_model.safetensors.index.json",
     ]
     assert not (step2 / "model.safetensors").exists()  # adapters only, no base weights
-    _, got = _fit(_cfg(tmp_path / "b", lora=LORA, checkpoint=ck))
+    got = fit(tiny_cfg(tmp_path / "b", lora=LORA, checkpoint=ck)).records
     assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bitwise
     # PaddleFormers loads the exported adapters; the merged export equals base + adapters
     out = Path(full.run.output_dir)
@@ -137,25 +131,25 @@ def test_lora_checkpoints_resume_exactly_and_export(tmp_path: Path) -> None:
     )
 
 
-def test_frozen_reference_run_resumes_exactly(tmp_path: Path) -> None:
-    _, want = _fit(_cfg(tmp_path / "a"))
+def test_frozen_reference_run_resumes_exactly(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    want = fit(tiny_cfg(tmp_path / "a")).records
     ck = {"every": 2}
-    _fit(_cfg(tmp_path / "b", checkpoint=ck, run={"stop_after_steps": 3}))
-    _, got = _fit(_cfg(tmp_path / "b", checkpoint=ck))
+    fit(tiny_cfg(tmp_path / "b", checkpoint=ck, run={"stop_after_steps": 3}))
+    got = fit(tiny_cfg(tmp_path / "b", checkpoint=ck)).records
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
 
 
 @pytest.mark.parametrize("loss_type", ["ipo", "hinge"])
-def test_other_losses_train(tmp_path: Path, loss_type: str) -> None:
-    _, records = _fit(_cfg(tmp_path, dpo={"loss_type": loss_type, "beta": 0.5}))
+def test_other_losses_train(tmp_path: Path, loss_type: str, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    records = fit(tiny_cfg(tmp_path, dpo={"loss_type": loss_type, "beta": 0.5})).records
     assert all(math.isfinite(r["loss"]) for r in records)
     # at step 1 h = 0: ipo (0 - 1/(2·0.5))² = 1, hinge relu(1 - 0) = 1
     assert records[0]["loss"] == pytest.approx(1.0)
 
 
-def test_dpo_data_stream_splits_over_dp_and_resumes(tmp_path: Path) -> None:
-    one = DPOData(_cfg(tmp_path, data={"micro_batch_size": 2}))
-    halves = [DPOData(_cfg(tmp_path, data={"micro_batch_size": 1}), dp_rank=r, dp_size=2)
+def test_dpo_data_stream_splits_over_dp_and_resumes(tmp_path: Path, tiny_cfg: TinyCfg) -> None:
+    one = DPOData(tiny_cfg(tmp_path, data={"micro_batch_size": 2}))
+    halves = [DPOData(tiny_cfg(tmp_path, data={"micro_batch_size": 1}), dp_rank=r, dp_size=2)
               for r in range(2)]  # fmt: skip
     for _ in range(30):  # past an epoch boundary
         whole = one.next_step()
@@ -165,19 +159,19 @@ def test_dpo_data_stream_splits_over_dp_and_resumes(tmp_path: Path) -> None:
             np.testing.assert_array_equal(ids, batch.input_ids)
     assert one.epoch >= 1
     state = one.state_dict()
-    again = DPOData(_cfg(tmp_path, data={"micro_batch_size": 2}))
+    again = DPOData(tiny_cfg(tmp_path, data={"micro_batch_size": 2}))
     again.load_state_dict(state)
     np.testing.assert_array_equal(again.next_step()[0].input_ids, one.next_step()[0].input_ids)
-    unpacked = DPOData(_cfg(tmp_path, data={"packing": False}))
+    unpacked = DPOData(tiny_cfg(tmp_path, data={"packing": False}))
     assert unpacked.next_step()[0].num_examples == 1
     assert "52 preference pairs" in one.describe()
 
 
-def test_the_recipe_keeps_no_step_state(tmp_path: Path) -> None:
+def test_the_recipe_keeps_no_step_state(tmp_path: Path, tiny_cfg: TinyCfg) -> None:
     """A step leaves nothing on the recipe: the reference log-probs ride on the micro-batches
     (`payload`), the statistics come back from `loss`, the same on every call, and one
     `finish` makes the metrics of training steps and evaluations."""
-    trainer = Trainer(_cfg(tmp_path, train={"steps": 1}), stream=io.StringIO())
+    trainer = Trainer(tiny_cfg(tmp_path, train={"steps": 1}), stream=io.StringIO())
     recipe = trainer.recipe
     before = set(vars(recipe))
     trainer.train_step()

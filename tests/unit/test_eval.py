@@ -3,7 +3,7 @@
 * The eval loss equals an independent computation: the trained model's full float32 logits on
   the same eval sequences, `paddle.nn.functional.cross_entropy` summed and divided by the
   target count (no chunked head, no recipe code) — within the float32 rule of
-  `tests/numerics.py`; the stale model's eval (one step earlier) is rejected by that rule.
+  `helpers.numerics`; the stale model's eval (one step earlier) is rejected by that rule.
 * DPO: eval loss, rewards and accuracy equal `dpo_terms` on `answer_logps` of the policy
   (LoRA adapters on) and the reference (adapters off), batch by batch.
 * Training is bitwise the same with and without eval (losses and gradient norms), also with
@@ -24,7 +24,6 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-import numerics
 from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
 from flashcp.data.dataset import read_records
@@ -35,8 +34,11 @@ from flashcp.metrics.writer import read_metrics
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMData
 from flashcp.trainer import Trainer
+from helpers import numerics
+from helpers.configs import TINY_GLM, TINY_LM, Sections, TinyCfg, merged, tiny_config
+from helpers.paths import ROOT
+from helpers.trainruns import Fit
 
-ROOT = Path(__file__).resolve().parents[2]
 DPO_FILE = ROOT / "src" / "flashcp" / "data" / "dpo_default.jsonl"
 
 
@@ -46,29 +48,15 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
 
 
 @pytest.fixture
+def tiny_base() -> Sections:
+    """Three steps, one of warmup, no checkpoints."""
+    return merged(TINY_LM, train={"steps": 3, "warmup_steps": 1}, checkpoint={"every": 0})
+
+
+@pytest.fixture
 def text_eval(tmp_path: Path) -> Path:
     """12 held-out documents (the last of the shipped corpus: not what training starts on)."""
     return _write_jsonl(tmp_path / "eval.jsonl", read_records(None)[-12:])
-
-
-def _lm_cfg(tmp: Path, name: str, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny", "max_seq_len": 64},
-        "data": {"seq_len": 64, "micro_batch_size": 2},
-        "train": {"steps": 3, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "seed": 0},
-        "checkpoint": {"every": 0},
-        "run": {"output_dir": str(tmp / name)},
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    return build_config(raw)
-
-
-def _fit(cfg: Any) -> tuple[Trainer, str]:
-    out = io.StringIO()
-    trainer = Trainer(cfg, stream=out)
-    trainer.fit()
-    return trainer, out.getvalue()
 
 
 def _training(run: Any) -> list[tuple[float, float]]:
@@ -89,10 +77,13 @@ def _eval_cfg(cfg: Any) -> Any:
 
 @pytest.mark.equivalence
 def test_eval_loss_equals_the_models_own_loss_on_the_eval_set(
-    tmp_path: Path, text_eval: Path
+    tmp_path: Path,
+    text_eval: Path,
+    tiny_cfg: TinyCfg,
+    fit: Fit,
 ) -> None:
-    cfg = _lm_cfg(tmp_path, "run", train={"steps": 2}, eval={"path": str(text_eval), "every": 1})
-    trainer, out = _fit(cfg)
+    cfg = tiny_cfg(tmp_path, train={"steps": 2}, eval={"path": str(text_eval), "every": 1})
+    trainer, _, out = fit(cfg)
     rows = read_metrics(cfg.run.output_dir)
     assert [r["step"] for r in rows] == [1, 2] and all("eval/loss" in r for r in rows)
     assert "eval step 1 | loss " in out and f"eval {text_eval}:" in out
@@ -134,7 +125,10 @@ def test_eval_loss_equals_the_models_own_loss_on_the_eval_set(
 
 
 def test_training_is_bitwise_the_same_with_and_without_eval(
-    tmp_path: Path, text_eval: Path
+    tmp_path: Path,
+    text_eval: Path,
+    tiny_cfg: TinyCfg,
+    fit: Fit,
 ) -> None:
     """SFT with LoRA dropout (training draws random numbers each step) and 2 micro-batches:
     evaluating after every step changes none of training's losses or gradient norms."""
@@ -148,10 +142,10 @@ def test_training_is_bitwise_the_same_with_and_without_eval(
         "data": {"micro_batch_size": 1},
         "train": {"grad_accum": 2},
     }
-    plain = _lm_cfg(tmp_path, "plain", **common)
-    evald = _lm_cfg(tmp_path, "eval", **common, eval={"path": str(sft_eval), "every": 1})
-    _fit(plain)
-    _, out = _fit(evald)
+    plain = tiny_cfg(tmp_path / "plain", **common)
+    evald = tiny_cfg(tmp_path / "eval", **common, eval={"path": str(sft_eval), "every": 1})
+    fit(plain)
+    out = fit(evald).out
     assert _training(evald) == _training(plain)
     rows = read_metrics(evald.run.output_dir)
     for r in rows:  # the responses' tokens (16 bytes each) are targets, not the prompts'
@@ -159,20 +153,22 @@ def test_training_is_bitwise_the_same_with_and_without_eval(
     assert "eval step 3" in out
 
 
-def test_max_batches_and_when_eval_runs(tmp_path: Path, text_eval: Path) -> None:
-    cfg = _lm_cfg(
-        tmp_path, "run", train={"steps": 5},
+def test_max_batches_and_when_eval_runs(
+    tmp_path: Path, text_eval: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    cfg = tiny_cfg(
+        tmp_path, train={"steps": 5},
         eval={"path": str(text_eval), "every": 2, "max_batches": 2},
     )  # fmt: skip
-    trainer, _ = _fit(cfg)
+    trainer = fit(cfg).trainer
     rows = read_metrics(cfg.run.output_dir)
     assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4, 5]  # and after the last
     assert {r["eval/batches"] for r in rows if "eval/loss" in r} == {2.0}
     # the same model evaluated twice gives the same result: every eval starts at the set's start
     again = trainer.evaluate()
     assert again["eval/loss"] == rows[-1]["eval/loss"]
-    only_end = _lm_cfg(tmp_path, "end", train={"steps": 2}, eval={"path": str(text_eval)})
-    _fit(only_end)
+    only_end = tiny_cfg(tmp_path / "end", train={"steps": 2}, eval={"path": str(text_eval)})
+    fit(only_end)
     assert [("eval/loss" in r) for r in read_metrics(only_end.run.output_dir)] == [False, True]
 
 
@@ -290,30 +286,27 @@ def test_format_eval() -> None:
 # -- DPO ---------------------------------------------------------------------------------------
 
 
-def _dpo_cfg(tmp: Path, name: str, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny_glm", "max_seq_len": 128},
-        "data": {"seq_len": 128, "micro_batch_size": 1},
-        "train": {"steps": 2, "lr": 3e-3, "warmup_steps": 1, "grad_accum": 2, "seed": 0},
-        "dpo": {"beta": 0.1},
-        "lora": {"rank": 4, "target_modules": [".*q_proj", ".*v_proj"]},
-        "checkpoint": {"every": 0},
-        "run": {"output_dir": str(tmp / name), "recipe": "dpo"},
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    return build_config(raw)
+DPO_EVAL = merged(
+    TINY_GLM,
+    model={"max_seq_len": 128},
+    train={"steps": 2, "lr": 3e-3, "warmup_steps": 1, "grad_accum": 2, "seed": 0},
+    dpo={"beta": 0.1},
+    lora={"rank": 4, "target_modules": [".*q_proj", ".*v_proj"]},
+    checkpoint={"every": 0},
+    run={"recipe": "dpo"},
+)
+"""DPO + LoRA, two steps of two micro-batches."""
 
 
 @pytest.mark.equivalence
-def test_dpo_eval_equals_dpo_terms_on_policy_and_reference(tmp_path: Path) -> None:
+def test_dpo_eval_equals_dpo_terms_on_policy_and_reference(tmp_path: Path, fit: Fit) -> None:
     lines = DPO_FILE.read_text().splitlines()
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n".join(lines[-9:]) + "\n")
-    plain = _dpo_cfg(tmp_path, "plain")
-    cfg = _dpo_cfg(tmp_path, "eval", eval={"path": str(pairs), "every": 1})
-    _fit(plain)
-    trainer, _ = _fit(cfg)
+    plain = tiny_config(tmp_path / "plain", base=DPO_EVAL)
+    cfg = tiny_config(tmp_path / "eval", base=DPO_EVAL, eval={"path": str(pairs), "every": 1})
+    fit(plain)
+    trainer = fit(cfg).trainer
     assert _training(cfg) == _training(plain)  # eval changes nothing in training
     last = read_metrics(cfg.run.output_dir)[-1]
     assert last["eval/examples"] == 9

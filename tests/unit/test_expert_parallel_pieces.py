@@ -15,7 +15,6 @@ import numpy as np
 import paddle
 import pytest
 
-from fakegroups import FakeNewGroup
 from flashcp.checkpoint.experts import ExpertArrays, model_key
 from flashcp.checkpoint.optimizer_state import ClassicSource, optimizer_key
 from flashcp.config import ConfigValidationError, build_config
@@ -43,6 +42,7 @@ from flashcp.models.expert_parallel import (
 from flashcp.models.moe import MoE
 from flashcp.models.moe_dispatch import build_dispatch, combine, permute, relayout
 from flashcp.optim.zero import Trainable
+from helpers.fakegroups import FakeNewGroup, ep_groups
 
 EXPERTS_OF = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -290,20 +290,10 @@ def test_expert_parallel_misuse_is_refused() -> None:
 # -- checkpoints ----------------------------------------------------------------------------
 
 
-def _groups(ep_rank: int, ep: int = 2) -> ParallelGroups:
-    """A rank's groups of a dp=1 cp=ep ep=ep layout, without any process group (no traffic)."""
-    dims = ParallelDims(dp=1, pp=1, cp=ep, world_size=ep, ep=ep)
-    cp = NamedGroup("cp", ep_rank, 5, list(range(ep)), pg=None)
-    solo = NamedGroup("dp", 0, -1, [ep_rank], pg=None)
-    epg = NamedGroup("ep", ep_rank, 6, list(range(ep)), pg=None)
-    world = NamedGroup("world", ep_rank, 0, list(range(ep)), pg=None)
-    return ParallelGroups(dims, ep_rank, world, solo, solo, cp, "none", ep=epg)
-
-
 def test_checkpoint_arrays_are_sliced_to_the_ranks_experts() -> None:
     args = _args()
     stage = build_model(args, stage=StageSpec(0, 1, range(3), 1, 2), seed=0)
-    arrays = ExpertArrays(stage, _groups(1))
+    arrays = ExpertArrays(stage, ep_groups(1, ep=2))
     assert arrays.active and arrays.collector  # edp rank 0: the stage writer's ep group
     name = "model.layers.1.mlp.experts.down_proj"
     full = {name: np.arange(4 * 32 * 64, dtype=np.float32).reshape(4, 32, 64), "other": 1}
@@ -312,7 +302,7 @@ def test_checkpoint_arrays_are_sliced_to_the_ranks_experts() -> None:
     assert got["other"] == 1
     # the optimizer's state is not sliced: it reads its rows of the whole saved moments by
     # element range (`Trainable.first_element`); beta powers are per tensor
-    held = Trainable.of(stage, _groups(1))
+    held = Trainable.of(stage, ep_groups(1, ep=2))
     rows = dict(held.params)[name]
     pows = {f"{name}::beta{i}_pow_acc_0": np.ones(1) for i in (1, 2)}
     saved = ClassicSource({f"{name}::moment1_0": full[name], **pows})
@@ -324,7 +314,7 @@ def test_checkpoint_arrays_are_sliced_to_the_ranks_experts() -> None:
         arrays.slice({name: full[name][:2]})
     assert held.full_numel(name) == full[name].size  # the whole tensor's, of this rank's rows
     assert model_key(name) == name and optimizer_key(f"{name}::beta2_pow_acc_0") is None
-    solo = ExpertArrays(build_model(args, seed=0), _groups(0, ep=1))
+    solo = ExpertArrays(build_model(args, seed=0), ep_groups(0, ep=1))
     assert not solo.active and solo.collect(lambda: {"a": np.ones(1)}) == {"a": np.ones(1)}
 
 

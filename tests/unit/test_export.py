@@ -4,7 +4,6 @@ logits; the export's config, names, shapes and dtypes as transformers reads them
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from flashcp.models import build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
+from helpers.configs import Sections, tiny_config
+from helpers.trainruns import fit
 
 ARGS = preset(
     "tiny_glm_moe",
@@ -46,19 +47,18 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+EXPORTED: Sections = {
+    "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
+    "train": {"steps": 2, "lr": 3e-3, "warmup_steps": 0, "min_lr": 3e-4, "seed": 3},
+    "checkpoint": {"every": 2},
+    "run": {"device": "cpu"},
+}
+"""Two steps on the CPU, a checkpoint at the end: a run to export."""
+
+
 def _train(tmp: Path, model: dict[str, Any], **sections: dict[str, Any]) -> Trainer:
-    raw: dict[str, Any] = {
-        "model": model,
-        "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
-        "train": {"steps": 2, "lr": 3e-3, "warmup_steps": 0, "min_lr": 3e-4, "seed": 3},
-        "checkpoint": {"every": 2},
-        "run": {"output_dir": str(tmp / "run"), "device": "cpu"},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    trainer = Trainer(build_config(raw), stream=io.StringIO())
-    trainer.fit()
-    return trainer
+    """`model` trained on `EXPORTED` (`sections` over it) into `tmp/run`."""
+    return fit(tiny_config(tmp, base=EXPORTED, model=model, **sections)).trainer
 
 
 def _logits(model: paddle.nn.Layer, ids: np.ndarray) -> np.ndarray:

@@ -17,7 +17,8 @@ from pathlib import Path
 import paddle
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.paths import ROOT
+
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import re
-from pathlib import Path
 
 from packaging.requirements import Requirement
+
+from helpers.paths import ROOT
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 EXTRAS = PROJECT["optional-dependencies"]
 

@@ -20,8 +20,8 @@ import flashcp.config.load
 from flashcp import cli, dispatch
 from flashcp.config import load_config
 from flashcp.launch import job, preflight, supervise, worker
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "flashcp"
 CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 

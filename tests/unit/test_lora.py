@@ -6,7 +6,6 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.attention.context import AttentionContext
 from flashcp.lora.model import (
     apply_lora,
     disable_adapters,
@@ -18,6 +17,7 @@ from flashcp.lora.model import (
 )
 from flashcp.models import build_model, preset
 from flashcp.models.layers import Linear
+from helpers.batches import causal_batch
 
 TARGETS = [".*q_proj", ".*v_proj"]
 
@@ -29,13 +29,6 @@ def _model(name: str = "tiny_glm", seed: int = 0):
     return model
 
 
-def _inputs(seed: int = 1, length: int = 24):
-    rng = np.random.default_rng(seed)
-    ids = paddle.to_tensor(rng.integers(0, 256, (2, length)).astype("int64"))
-    positions = paddle.to_tensor(np.tile(np.arange(length), (2, 1)).astype("int64"))
-    return ids, positions, AttentionContext(mask=None, causal=True)
-
-
 def _randomize_adapters(lora, seed: int = 2) -> None:
     """Give every B a non-zero value (B starts at zero, which would make adapters invisible)."""
     rng = np.random.default_rng(seed)
@@ -45,7 +38,7 @@ def _randomize_adapters(lora, seed: int = 2) -> None:
 
 def _run(model) -> np.ndarray:
     with paddle.no_grad():
-        return model.logits(model(*_inputs())).numpy()
+        return model.logits(model(*causal_batch())).numpy()
 
 
 def test_only_adapters_train_and_get_gradients() -> None:
@@ -55,7 +48,7 @@ def test_only_adapters_train_and_get_gradients() -> None:
     assert all(n.endswith(("lora_A", "lora_B")) for n in names)
     assert all(("q_proj" in n) or ("v_proj" in n) for n in names)
     _randomize_adapters(lora)
-    ids, positions, attn = _inputs()
+    ids, positions, attn = causal_batch()
     hidden = lora(ids, positions, attn)
     labels = paddle.concat([ids[:, 1:], paddle.full([2, 1], -100, "int64")], axis=1)
     (-lora.token_logprobs(hidden, labels).mean()).backward()
@@ -70,7 +63,7 @@ def test_frozen_base_unchanged_after_adamw_steps() -> None:
     before = {n: p.numpy().copy() for n, p in lora.named_parameters()}
     # the optimizer sees every parameter (with weight decay): frozen ones must still not move
     opt = paddle.optimizer.AdamW(learning_rate=1e-2, parameters=lora.parameters(), weight_decay=0.1)
-    ids, positions, attn = _inputs()
+    ids, positions, attn = causal_batch()
     labels = paddle.concat([ids[:, 1:], paddle.full([2, 1], -100, "int64")], axis=1)
     for _ in range(3):
         loss = -lora.token_logprobs(lora(ids, positions, attn), labels).mean()

@@ -11,7 +11,6 @@ import numpy as np
 import paddle
 
 from bench.moe_loop import LoopMoE
-from flashcp.attention.context import AttentionContext
 from flashcp.lora.model import (
     apply_lora,
     disable_adapters,
@@ -22,6 +21,7 @@ from flashcp.lora.model import (
 )
 from flashcp.models import build_model, preset
 from flashcp.models.experts import GroupedExperts
+from helpers.batches import causal_batch
 
 TARGETS = [r".*mlp\.experts", ".*q_proj"]
 PROJ = ("gate_up_proj", "down_proj")
@@ -43,16 +43,9 @@ def _adapted(seed: int = 0, **kw) -> tuple:
     return lora
 
 
-def _inputs(length: int = 16):
-    rng = np.random.default_rng(1)
-    ids = paddle.to_tensor(rng.integers(0, 256, (2, length)).astype("int64"))
-    pos = paddle.to_tensor(np.tile(np.arange(length), (2, 1)).astype("int64"))
-    return ids, pos, AttentionContext(mask=None, causal=True)
-
-
 def _hidden(model) -> np.ndarray:
     with paddle.no_grad():
-        return model(*_inputs()).numpy()
+        return model(*causal_batch(16)).numpy()
 
 
 def _experts(lora) -> list[tuple[str, paddle.nn.Layer]]:

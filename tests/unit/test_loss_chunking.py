@@ -15,7 +15,6 @@ vocabulary, with a bound derived from the tensor sizes.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,12 @@ import numpy as np
 import paddle
 import pytest
 
-import numerics
 from flashcp.attention.context import AttentionContext
 from flashcp.config import ConfigValidationError, TrainConfig, build_config
 from flashcp.data.dpo import DPOExample, pack_dpo
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
 from flashcp.lora.model import apply_lora
 from flashcp.metrics.memory import PeakMeter
-from flashcp.metrics.writer import read_metrics
 from flashcp.models import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     HeadInput,
@@ -44,7 +41,9 @@ from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.base import normalised
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMRecipe, summed_cross_entropy
-from flashcp.trainer import Trainer
+from helpers import numerics
+from helpers.configs import TINY_GLM_ACCUM, tiny_config
+from helpers.trainruns import fit
 
 REL = 1e-6
 """Chunked vs unchunked: ||difference|| <= REL x ||reference|| for every tensor (the loss, the
@@ -54,7 +53,7 @@ target): the head's weight gradient is summed chunk by chunk, and the BLAS kerne
 rows of a short matrix (d hidden = d logits · W of one chunk) differently from those of the
 whole one; under the second test pass's kernels (`MKL_DEBUG_CPU_TYPE=5
 OPENBLAS_CORETYPE=Haswell`, `scripts/test.sh`) the worst is 3.8e-7. This is the issue's bound,
-17x tighter than the portable rule of `tests/numerics.py` at these sizes (16·eps32·√80 = 1.7e-5)
+17x tighter than the portable rule of `helpers.numerics` at these sizes (16·eps32·√80 = 1.7e-5)
 because the two paths share every operation but the chunking. Tiny chunks of 4 rows reach 8.5e-7
 on a cancelling gradient (a key-projection bias, zero in exact arithmetic), so the tests use
 realistic chunk sizes. The planted bugs move the loss by > 1e-3."""
@@ -379,16 +378,12 @@ def test_runner_needs_a_head() -> None:
 
 
 def _train(tmp: Path, recipe: str, chunk: int) -> list[dict[str, Any]]:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny_glm"},
-        "data": {"seq_len": 128, "micro_batch_size": 1},
-        "train": {"steps": 3, "lr": 3e-3, "warmup_steps": 0, "grad_accum": 2},
-        "checkpoint": {"every": 0},
-        "run": {"recipe": recipe, "output_dir": str(tmp / f"{recipe}{chunk}")},
-    }
-    raw["train"]["loss_chunk_tokens"] = chunk
-    Trainer(build_config(raw), stream=io.StringIO()).fit()
-    return read_metrics(raw["run"]["output_dir"])
+    cfg = tiny_config(
+        base=TINY_GLM_ACCUM,
+        train={"steps": 3, "loss_chunk_tokens": chunk},
+        run={"recipe": recipe, "output_dir": str(tmp / f"{recipe}{chunk}")},
+    )
+    return fit(cfg).records
 
 
 @pytest.mark.equivalence
@@ -398,7 +393,7 @@ def test_trainer_losses_equal_unchunked(
 ) -> None:
     """The recipes read `train.loss_chunk_tokens`: 3 optimizer steps chunked (16 tokens, so
     several chunks per micro-batch) and unchunked give the same losses — step 1 bitwise, later
-    steps within the float32 rule of `tests/numerics.py` (the gradients differ by summation
+    steps within the float32 rule of `helpers.numerics` (the gradients differ by summation
     order, ~3e-7 relative, and the optimizer carries that into the next losses)."""
     sizes: list[int] = []
     real = head_mod.chunk_bounds

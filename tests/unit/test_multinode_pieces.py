@@ -26,8 +26,8 @@ from flashcp.config import ConfigValidationError, load_config
 from flashcp.distributed import launch_env
 from flashcp.launch import job, outcome, preflight, supervise
 from flashcp.launch.preflight import Nodes, PreflightError
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CP2 = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 
 

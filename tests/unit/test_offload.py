@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,32 +21,23 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from flashcp import masks
 from flashcp.attention import registry as cp_modes
-from flashcp.attention.context import AttentionContext
 from flashcp.config import config_hash, hashed_dict, load_config
 from flashcp.config.errors import ConfigValidationError
 from flashcp.metrics import memory
 from flashcp.models import build_model, preset
 from flashcp.models import offload as off
 from flashcp.pipeline.stage import build_stage
+from helpers.batches import packed_batch
+from helpers.paths import CONFIGS
 
 B, S = 2, 32
-GLM = Path(__file__).resolve().parents[2] / "configs" / "glm" / "tiny_cp2.yaml"
+GLM = CONFIGS / "glm" / "tiny_cp2.yaml"
 ARCHS = ("tiny", "tiny_glm", "tiny_glm_moe")
 
 
-def _batch(seq: int = S, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    ids = paddle.to_tensor(rng.integers(0, 260, (B, seq)), dtype="int64")
-    pos = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([B, seq])
-    cut = seq // 3
-    mask = masks.causal_document_mask([cut, seq - cut], batch=B).indices
-    return ids, pos, AttentionContext(mask=mask, causal=True)
-
-
 def _loss(model, seq: int = S, seed: int = 0) -> paddle.Tensor:
-    ids, pos, ctx = _batch(seq, seed)
+    ids, pos, ctx = packed_batch(seq, seed)
     return F.cross_entropy(model.logits(model(ids, pos, ctx)), ids.unsqueeze(-1)).mean()
 
 
@@ -474,7 +464,7 @@ def test_stage_input_and_sent_output_are_released(offload: bool) -> None:
     buffers go (the input to the host as layer 0's kept input, the output dropped once sent)
     and backward still gives the same gradients and input gradient."""
     args = preset("tiny_glm", num_layers=3, recompute="full")
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     first = build_stage(args, 0, 3, seed=0)
     with paddle.no_grad():
         received = first(ids, pos, ctx).numpy()

@@ -33,6 +33,7 @@ from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.dpo import DPORecipe
 from flashcp.runtime import forward_context
 from flashcp.trainer import Trainer
+from helpers.batches import causal_batch
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -45,13 +46,6 @@ def _quiet_allocator() -> Any:
     gc.disable()
     yield
     gc.enable()
-
-
-def _inputs(seq: int = 24):
-    rng = np.random.default_rng(1)
-    ids = paddle.to_tensor(rng.integers(0, 256, (2, seq)).astype("int64"))
-    pos = paddle.to_tensor(np.tile(np.arange(seq), (2, 1)).astype("int64"))
-    return ids, pos, AttentionContext(mask=None, causal=True)
 
 
 def _rounded_float32(name: str, **overrides: Any) -> paddle.nn.Layer:
@@ -72,7 +66,7 @@ def _rounded_float32(name: str, **overrides: Any) -> paddle.nn.Layer:
     ],
 )
 def test_bf16_storage_equals_float32_on_rounded_weights(name: str, overrides: dict) -> None:
-    ids, pos, ctx = _inputs()
+    ids, pos, ctx = causal_batch()
     b16 = build_model(preset(name, **overrides), param_dtype="bfloat16", seed=0)
     assert {p.dtype for p in b16.parameters()} == {paddle.bfloat16}
     ref = _rounded_float32(name, **overrides)
@@ -116,7 +110,7 @@ def test_cast_linear_is_the_plain_kernel_when_dtypes_agree() -> None:
 def test_lora_on_a_bf16_base_computes_the_float32_math() -> None:
     """Frozen bf16 base + float32 adapters (CastingLoRALinear): forward bitwise equal to the
     float32 model on rounded weights; adapter gradients equal up to float32 reordering."""
-    ids, pos, ctx = _inputs()
+    ids, pos, ctx = causal_batch()
     targets = [".*_proj"]
     b16 = build_model(preset("tiny_glm"), param_dtype="bfloat16", seed=0)
     ref = _rounded_float32("tiny_glm")
@@ -204,7 +198,7 @@ def test_dpo_reference_copy_is_frozen_bf16_of_the_stage() -> None:
     ref = recipe.reference
     assert ref is not None and ref is not policy
     assert all(p.dtype == paddle.bfloat16 and p.stop_gradient for p in ref.parameters())
-    ids, pos, ctx = _inputs()
+    ids, pos, ctx = causal_batch()
     mb = MicroBatch(ids, pos, None, ctx)
     runner = PipelineRunner(policy, groups, forward_context=forward_context("float32"))
     (out,) = runner.forward_only([mb], lambda head, _: head.logits().numpy(), ref)

@@ -23,21 +23,16 @@ from flashcp.plan import GIB, ITEMS, plan
 from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows, moe_backward_bytes
 from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
 from flashcp.plan.report import fit_options, format_plan, refusal, variant
+from helpers.configs import PLANNED, Sections, TinyCfg, merged, tiny_config
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+PLAN = merged(PLANNED, train={"log_every": 100})
+"""What the planner is asked about (`helpers.configs.PLANNED`), logged every 100 steps."""
 
 
-def _cfg(tmp: Path | None = None, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny_glm"},
-        "data": {"seq_len": 128, "micro_batch_size": 1},
-        "train": {"steps": 3, "warmup_steps": 1, "loss_chunk_tokens": 0, "log_every": 100},
-        "checkpoint": {"resume": "never"},
-        "run": {"output_dir": str((tmp or Path("/nonexistent")) / "run")},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
+@pytest.fixture
+def tiny_base() -> Sections:
+    return PLAN
 
 
 # -- the parameter inventory is the real model's --------------------------------------------
@@ -123,7 +118,7 @@ def test_stage_parameters_match_one_ep_rank_build(lora: list[str] | None, pp: in
 
 def _moe_cfg(ep: int, **sections: dict[str, Any]) -> Any:
     parallel = {"cp": 2, "ep": ep, **sections.pop("parallel", {})}
-    return _cfg(model={"preset": "tiny_glm_moe"}, parallel=parallel, **sections)
+    return tiny_config(base=PLAN, model={"preset": "tiny_glm_moe"}, parallel=parallel, **sections)
 
 
 def test_planned_expert_bytes_divide_by_ep() -> None:
@@ -209,14 +204,18 @@ def _measured_peak(cfg: Any) -> int:
     ],
     ids=["gpt", "moe-dpo-lora-full-recompute"],
 )
-def test_plan_within_15_percent_of_measured_peak(tmp_path: Path, sections: dict) -> None:
-    cfg = _cfg(tmp_path, **sections)
+def test_plan_within_15_percent_of_measured_peak(
+    tmp_path: Path, sections: dict, tiny_cfg: TinyCfg
+) -> None:
+    cfg = tiny_cfg(tmp_path, **sections)
     predicted = plan(cfg).ranks[0].total_bytes
     measured = _measured_peak(cfg)
     assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
     # Negative control: the plan of another recompute mode is far from what ran.
     other = "none" if cfg.model.recompute != "none" else "full"
-    wrong = plan(_cfg(tmp_path, **{**sections, "model": {**sections["model"], "recompute": other}}))
+    wrong = plan(
+        tiny_cfg(tmp_path, **{**sections, "model": {**sections["model"], "recompute": other}})
+    )
     assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
 
 
@@ -371,10 +370,10 @@ def test_expert_buffer_expectations() -> None:
 # -- what the knobs do ----------------------------------------------------------------------
 
 
-def test_pipeline_schedules_hold_their_micro_batches() -> None:
+def test_pipeline_schedules_hold_their_micro_batches(tiny_cfg: TinyCfg) -> None:
     base = {"model": {"preset": "tiny_glm", "num_layers": 4}, "train": {"grad_accum": 4}}
     f1b, gpipe = (
-        plan(_cfg(**base, parallel={"pp": 2, "pp_schedule": schedule}))
+        plan(tiny_cfg(**base, parallel={"pp": 2, "pp_schedule": schedule}))
         for schedule in ("1f1b", "gpipe")
     )
     a0 = f1b.ranks[0].items["activations"]
@@ -382,35 +381,37 @@ def test_pipeline_schedules_hold_their_micro_batches() -> None:
     assert f1b.ranks[1].items["activations"] < a0  # the last stage holds one
 
 
-def test_zero_bf16_and_chunking_items() -> None:
+def test_zero_bf16_and_chunking_items(tiny_cfg: TinyCfg) -> None:
     big = {"model": {"preset": "small_glm", "vocab_size": 32768}}
-    plain = plan(_cfg(**big, parallel={"dp": 2, "cp": 2})).ranks[0].items
+    plain = plan(tiny_cfg(**big, parallel={"dp": 2, "cp": 2})).ranks[0].items
     assert plain["master_weights"] == plain["main_grads"] == 0
-    zero = plan(_cfg(**big, parallel={"dp": 2, "cp": 2, "shard_optimizer": True})).ranks[0].items
+    zero = (
+        plan(tiny_cfg(**big, parallel={"dp": 2, "cp": 2, "shard_optimizer": True})).ranks[0].items
+    )
     assert zero["optimizer_states"] < plain["optimizer_states"] / 3.9  # ÷ dp×cp = 4
     assert zero["master_weights"] == pytest.approx(plain["params_trained"] / 4, abs=4)
-    bf16 = plan(_cfg(**big, train={"param_dtype": "bfloat16"})).ranks[0].moments
+    bf16 = plan(tiny_cfg(**big, train={"param_dtype": "bfloat16"})).ranks[0].moments
     held = bf16["backward: layer"]  # float32 main_grad held; the bf16 .grad released by hooks
     assert held["params_trained"] * 2 == plain["params_trained"] and held["gradients"] == 0
     assert held["main_grads"] == held["master_weights"] == plain["params_trained"]
     update = bf16["optimizer step: update"]  # main_grad released into the masters' gradients
     assert update["main_grads"] == 0 and update["optimizer_step_transient"] > 0
     seq = {"data": {"seq_len": 1024}}
-    full = plan(_cfg(**big, **seq)).ranks[0]
-    chunked = plan(_cfg(**big, **seq, train={"loss_chunk_tokens": 128})).ranks[0]
+    full = plan(tiny_cfg(**big, **seq)).ranks[0]
+    chunked = plan(tiny_cfg(**big, **seq, train={"loss_chunk_tokens": 128})).ranks[0]
     assert chunked.totals["forward: loss"] < full.totals["forward: loss"]
 
 
-def test_dpo_reference_copy_only_without_lora() -> None:
+def test_dpo_reference_copy_only_without_lora(tiny_cfg: TinyCfg) -> None:
     dpo = {"run": {"recipe": "dpo"}}
-    copy = plan(_cfg(**dpo)).ranks[0].items
+    copy = plan(tiny_cfg(**dpo)).ranks[0].items
     assert copy["dpo_reference"] == copy["params_trained"]
-    lora = plan(_cfg(**dpo, lora={"rank": 4})).ranks[0].items
+    lora = plan(tiny_cfg(**dpo, lora={"rank": 4})).ranks[0].items
     assert lora["dpo_reference"] == 0 and lora["params_frozen"] > 0
 
 
-def test_json_shape_and_budget() -> None:
-    cfg = _cfg(parallel={"cp": 2}, hardware={"memory_gib": 1.0})
+def test_json_shape_and_budget(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"cp": 2}, hardware={"memory_gib": 1.0})
     out = plan(cfg).to_json()
     assert set(out) == {"ranks", "budget_bytes", "fits", "host", "features"}
     assert out["features"] == {}  # no long-context mechanism unless asked for
@@ -422,7 +423,7 @@ def test_json_shape_and_budget() -> None:
         assert set(r["items"]) == set(ITEMS) and sum(r["items"].values()) == r["total_bytes"]
     tight = plan(cfg, budget_gib=1e-4)
     assert tight.fits is False
-    assert plan(_cfg()).budget_bytes is None and plan(_cfg()).fits is True
+    assert plan(tiny_cfg()).budget_bytes is None and plan(tiny_cfg()).fits is True
 
 
 # -- refusal and what to change -------------------------------------------------------------
@@ -459,8 +460,8 @@ def test_refusal_names_rank_item_and_a_change_that_fits() -> None:
     assert refusal(cfg, plan(cfg, budget_gib=10_000)) is None
 
 
-def test_format_plan_lists_items_per_stage() -> None:
-    cfg = _cfg(parallel={"pp": 2}, train={"grad_accum": 2})
+def test_format_plan_lists_items_per_stage(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"pp": 2}, train={"grad_accum": 2})
     text = format_plan(plan(cfg, budget_gib=1e-4), cfg, source="x.yaml")
     assert "stage 0 (rank 0)" in text and "stage 1 (rank 1)" in text
     assert "DOES NOT FIT" in text and "fits: NO" in text and "optimizer_states" in text
@@ -521,12 +522,12 @@ def test_train_preflight_refuses_over_budget(
     preflight.check_memory(load_config(config, ["hardware.memory_gib=1"]))  # fits: no error
 
 
-def test_fit_options_add_devices_when_the_knobs_are_not_enough() -> None:
+def test_fit_options_add_devices_when_the_knobs_are_not_enough(tiny_cfg: TinyCfg) -> None:
     import itertools
 
     from flashcp.plan.report import _cheap_knobs
 
-    cfg = _cfg(model={"preset": "small_glm", "vocab_size": 32768}, data={"seq_len": 1024})
+    cfg = tiny_cfg(model={"preset": "small_glm", "vocab_size": 32768}, data={"seq_len": 1024})
     knobs = _cheap_knobs(cfg)  # every knob the search tries on the same devices
     one_device = []  # the best any set of knobs does on one device
     for size in range(len(knobs) + 1):
@@ -549,12 +550,12 @@ def test_fit_options_add_devices_when_the_knobs_are_not_enough() -> None:
     assert fit_options(cfg, budget_gib=1e-6) == []  # nothing fits a budget this small
 
 
-def test_unchunked_loss_keeps_only_its_softmax() -> None:
-    cfg = _cfg()  # pp = 1, unchunked: no executor holds the logits (the loss takes hidden)
+def test_unchunked_loss_keeps_only_its_softmax(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg()  # pp = 1, unchunked: no executor holds the logits (the loss takes hidden)
     tv = cfg.data.seq_len * cfg.model.vocab_size * 4
     moments = plan(cfg).ranks[0].moments
     assert moments["forward: loss"]["logits_loss"] == 2 * tv  # logits + softmax
     assert moments["backward: head"]["logits_loss"] == tv  # the softmax, turned gradient
     assert moments["backward: layer"]["logits_loss"] == 0
-    chunked = plan(_cfg(train={"loss_chunk_tokens": 32})).ranks[0].moments
+    chunked = plan(tiny_cfg(train={"loss_chunk_tokens": 32})).ranks[0].moments
     assert chunked["forward: loss"]["logits_loss"] == 32 * cfg.model.vocab_size * 8

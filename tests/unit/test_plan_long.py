@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flashcp import cli, masks
-from flashcp.config import ConfigValidationError, build_config, load_config
+from flashcp.config import ConfigValidationError, load_config
 from flashcp.metrics.flops import attended_keys, causal_keys, flops_per_token
 from flashcp.plan import GIB, plan
 from flashcp.plan.features import AFTER, Features
@@ -23,24 +23,18 @@ from flashcp.plan.model import ranks_per_node
 from flashcp.plan.params import stage_parameters
 from flashcp.plan.report import format_plan, host_refusal
 from flashcp.plan.steptime import estimate, layer_flops
+from helpers.configs import PLANNED, Sections, TinyCfg, merged
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 GLM9B = ROOT / "configs/glm/glm4_9b_cp8.yaml"
 GLM9B_DPO = ROOT / "configs/glm/glm4_9b_dpo_lora_pp2_cp4.yaml"
 AIR_EP = ROOT / "configs/glm/glm45_air_dpo_lora_ep.yaml"
 
 
-def _cfg(**sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny_glm", "recompute": "full"},
-        "data": {"seq_len": 128, "micro_batch_size": 1},
-        "train": {"steps": 3, "warmup_steps": 1, "loss_chunk_tokens": 0},
-        "checkpoint": {"resume": "never"},
-        "run": {"output_dir": "/nonexistent/run"},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
+@pytest.fixture
+def tiny_base() -> Sections:
+    """The planner's tiny GLM, recomputed in full."""
+    return merged(PLANNED, model={"recompute": "full"})
 
 
 def _load(path: Path, *overrides: str) -> Any:
@@ -59,14 +53,16 @@ def _load(path: Path, *overrides: str) -> Any:
         ("host_link_gb_per_s", 0),
     ],
 )
-def test_bad_hardware_values_are_refused_naming_the_key(key: str, value: float) -> None:
+def test_bad_hardware_values_are_refused_naming_the_key(
+    key: str, value: float, tiny_cfg: TinyCfg
+) -> None:
     with pytest.raises(ConfigValidationError) as exc:
-        _cfg(hardware={key: value})
+        tiny_cfg(hardware={key: value})
     assert [e.key for e in exc.value.errors] == [f"hardware.{key}"]
 
 
-def test_hardware_defaults_plan_no_host_budget() -> None:
-    cfg = _cfg()
+def test_hardware_defaults_plan_no_host_budget(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg()
     hw = cfg.hardware
     assert (hw.host_memory_gib, hw.gpus_per_node, hw.host_link_gb_per_s) == (None, 8, None)
     p = plan(cfg)
@@ -76,42 +72,42 @@ def test_hardware_defaults_plan_no_host_budget() -> None:
 # -- the host plan ------------------------------------------------------------------------------
 
 
-def test_ranks_per_node_from_the_key_or_the_launch() -> None:
-    cfg = _cfg(parallel={"dp": 4, "cp": 4})  # 16 ranks
+def test_ranks_per_node_from_the_key_or_the_launch(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"dp": 4, "cp": 4})  # 16 ranks
     assert ranks_per_node(cfg) == 8
-    assert ranks_per_node(_cfg(parallel={"dp": 4, "cp": 4}, hardware={"gpus_per_node": 4})) == 4
+    assert ranks_per_node(tiny_cfg(parallel={"dp": 4, "cp": 4}, hardware={"gpus_per_node": 4})) == 4
     assert ranks_per_node(cfg, nnodes=4) == 4
-    assert ranks_per_node(_cfg(parallel={"cp": 2})) == 2  # a job smaller than a node
+    assert ranks_per_node(tiny_cfg(parallel={"cp": 2})) == 2  # a job smaller than a node
     nodes = plan(cfg, device="gpu").host.nodes()  # type: ignore[union-attr]
     assert [x.ranks for x in nodes] == [list(range(0, 8)), list(range(8, 16))]
 
 
-def test_gpu_host_plan_counts_processes_and_checkpoint_arrays() -> None:
-    cfg = _cfg(parallel={"cp": 2}, checkpoint={"every": 0})
+def test_gpu_host_plan_counts_processes_and_checkpoint_arrays(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"cp": 2}, checkpoint={"every": 0})
     host = plan(cfg, device="gpu").host
     assert host is not None
     (node,) = host.nodes()
     assert node.moment == "training step"
     assert node.items == {**dict.fromkeys(HOST_ITEMS, 0), "host_process": 2 * HOST_PROCESS_BYTES}
     assert not any(plan(cfg, device="cpu").host.peak.items.values())  # type: ignore[union-attr]
-    saving = plan(_cfg(parallel={"cp": 2}, checkpoint={"every": 5}), device="gpu").host
+    saving = plan(tiny_cfg(parallel={"cp": 2}, checkpoint={"every": 5}), device="gpu").host
     assert saving is not None
     writer, other = saving.ranks
     params = sum(x.numel for x in stage_parameters(cfg.model)) * 4  # float32 parameters
     moments = 2 * params  # Paddle's AdamW moments, written by the stage writer
     assert writer.moments["checkpoint save"]["checkpoint_arrays"] == max(params, moments)
     assert other.moments["checkpoint save"]["checkpoint_arrays"] == 0
-    zero = plan(_cfg(parallel={"cp": 2, "shard_optimizer": True}, checkpoint={"every": 5}),
+    zero = plan(tiny_cfg(parallel={"cp": 2, "shard_optimizer": True}, checkpoint={"every": 5}),
                 device="gpu").host  # fmt: skip
     assert zero is not None
     shard = zero.ranks[1].moments["checkpoint save"]["checkpoint_arrays"]
     assert shard == pytest.approx(12 * params / 4 / 2, rel=1e-3)  # masters + moments ÷ 2
 
 
-def test_offload_moves_each_layers_input_to_host() -> None:
+def test_offload_moves_each_layers_input_to_host(tiny_cfg: TinyCfg) -> None:
     """Independent count: every layer's input (the stage input and the outputs of all but the
     last layer), T·H elements in the residual dtype, per in-flight micro-batch."""
-    cfg = _cfg(parallel={"cp": 2}, data={"seq_len": 256, "micro_batch_size": 2})
+    cfg = tiny_cfg(parallel={"cp": 2}, data={"seq_len": 256, "micro_batch_size": 2})
     args = cfg.model
     tokens = 2 * 256 // 2
     for residual, size in (("float32", 4), ("bfloat16", 2)):
@@ -131,16 +127,16 @@ def test_offload_moves_each_layers_input_to_host() -> None:
                     "checkpoint_arrays": 0, "host_process": HOST_PROCESS_BYTES}  # fmt: skip
 
 
-def test_offload_keeps_every_in_flight_micro_batch_on_host() -> None:
-    cfg = _cfg(parallel={"pp": 2}, train={"grad_accum": 4}, model={"num_layers": 4})
+def test_offload_keeps_every_in_flight_micro_batch_on_host(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"pp": 2}, train={"grad_accum": 4}, model={"num_layers": 4})
     p = plan(cfg, features=Features(offload_activations=True))
     per_layer = 128 * cfg.model.hidden_size * 4
     stash = [r.moments["training step"]["offloaded_activations"] for r in p.host.ranks]  # type: ignore[union-attr]
     assert stash == [2 * 2 * per_layer, 1 * 2 * per_layer]  # 1F1B: pp - stage in flight
 
 
-def test_offload_and_tiling_need_recompute() -> None:
-    cfg = _cfg(model={"recompute": "none"})
+def test_offload_and_tiling_need_recompute(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(model={"recompute": "none"})
     for f in (Features(offload_activations=True), Features(tile_tokens=16)):
         with pytest.raises(ValueError, match="model.recompute"):
             plan(cfg, features=f)
@@ -216,9 +212,9 @@ def _linear_longest(cfg: Any, step: int, budget: float, features: Features) -> i
 
 
 @pytest.mark.parametrize("features", [Features(), Features(offload_activations=True)])
-def test_longest_equals_a_linear_scan(features: Features) -> None:
-    cfg = _cfg(parallel={"cp": 2}, model={"preset": "tiny_glm", "recompute": "full",
-                                          "max_seq_len": 256})  # fmt: skip
+def test_longest_equals_a_linear_scan(features: Features, tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"cp": 2}, model={"preset": "tiny_glm", "recompute": "full",
+                                              "max_seq_len": 256})  # fmt: skip
     step = granularity(cfg)
     assert step == 4  # cp 2 × 2 chunks per rank (dual-chunk)
     budget = plan(with_seq_len(cfg, 3000), features=features).peak.total_bytes / GIB
@@ -230,14 +226,14 @@ def test_longest_equals_a_linear_scan(features: Features) -> None:
     assert "raised to" in found.assumed["model.max_seq_len"]  # rotary: the limit moves
 
 
-def test_longest_respects_the_host_budget_and_learned_positions() -> None:
-    cfg = _cfg(parallel={"cp": 2})
+def test_longest_respects_the_host_budget_and_learned_positions(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"cp": 2})
     f = Features(offload_activations=True)
     host = plan(with_seq_len(cfg, 2000), features=f, device="gpu")
     host_gib = host.host.peak.total_bytes / GIB  # type: ignore[union-attr]
     found = longest(cfg, device="gpu", budget_gib=10_000, host_budget_gib=host_gib, features=f)
     assert found.limit == "host" and 1900 < found.seq_len <= 2000
-    learned = _cfg(model={"preset": "tiny", "position": "learned", "max_seq_len": 512})
+    learned = tiny_cfg(model={"preset": "tiny", "position": "learned", "max_seq_len": 512})
     capped = longest(learned, budget_gib=10_000)
     assert capped.seq_len == 512 and capped.limit == "max_seq_len"
     with pytest.raises(ValueError, match="hardware.memory_gib"):
@@ -246,13 +242,13 @@ def test_longest_respects_the_host_budget_and_learned_positions() -> None:
     assert nothing.seq_len == 0 and nothing.plan is None
 
 
-def test_granularity_is_the_layouts() -> None:
-    assert granularity(_cfg(parallel={"cp": 4})) == 8  # dual-chunk: 2 chunks per rank
-    assert granularity(_cfg(parallel={"cp": 4, "cp_mode": "contiguous_allgather"})) == 4
-    assert granularity(_cfg(parallel={"cp": 4, "cp_mode": "workload_balanced"})) == 16
+def test_granularity_is_the_layouts(tiny_cfg: TinyCfg) -> None:
+    assert granularity(tiny_cfg(parallel={"cp": 4})) == 8  # dual-chunk: 2 chunks per rank
+    assert granularity(tiny_cfg(parallel={"cp": 4, "cp_mode": "contiguous_allgather"})) == 4
+    assert granularity(tiny_cfg(parallel={"cp": 4, "cp_mode": "workload_balanced"})) == 16
     # tiles and attention chunks need not divide the sequence: a tile that does not divide
     # the local tokens plans like one that does, and the search is unchanged
-    cfg = _cfg(parallel={"cp": 2}, data={"seq_len": 200})
+    cfg = tiny_cfg(parallel={"cp": 2}, data={"seq_len": 200})
     odd = plan(cfg, features=Features(offload_activations=True, tile_tokens=30)).peak
     assert odd.total_bytes > 0
 
@@ -384,8 +380,9 @@ def test_chunked_attention_bounds_the_kv_gather() -> None:
     # dO (bf16) and dQ summed over key chunks (float32) stay full-length; the kernel's
     # scratch (3·q bf16, the GPU's float32 dQ accumulator and D) is per query chunk; at the
     # end dQ's float32 sum and its bf16 cast coexist
-    assert chunked.transient == max(T * q * (2 + 4 + 2),
-                                    T * q * (2 + 4) + 8192 * (3 * q * 2 + (q + 32) * 4))
+    assert chunked.transient == max(
+        T * q * (2 + 4 + 2), T * q * (2 + 4) + 8192 * (3 * q * 2 + (q + 32) * 4)
+    )
     assert whole.transient == T * (5 * q * 2 + (q + 32) * 4)
     cfg = _load(GLM9B, "data.seq_len=1048576", "model.max_seq_len=1048576",
                 "train.grad_accum=1")  # fmt: skip
@@ -407,9 +404,10 @@ def test_zero2_replaces_full_gradients_with_the_shard() -> None:
     assert two.moments["backward: layer"]["grad_buckets"] > 0
     assert two.total_bytes < one.total_bytes - 25 * GIB
     lora = _load(GLM9B_DPO)  # no shard_optimizer: nothing to shard into
-    assert plan(lora, features=Features(shard_gradients=True)).to_json()["ranks"] == plan(
-        lora
-    ).to_json()["ranks"]
+    assert (
+        plan(lora, features=Features(shard_gradients=True)).to_json()["ranks"]
+        == plan(lora).to_json()["ranks"]
+    )
 
 
 def test_issue_target_by_the_plan() -> None:
@@ -437,7 +435,7 @@ def test_issue_target_by_the_plan() -> None:
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_checkpoint_model_part_is_the_models_numpy_bytes(lora: bool) -> None:
+def test_checkpoint_model_part_is_the_models_numpy_bytes(lora: bool, tiny_cfg: TinyCfg) -> None:
     """The writer's model part is what `model_arrays` (or the adapters' arrays) copy out."""
     import paddle
 
@@ -450,7 +448,7 @@ def test_checkpoint_model_part_is_the_models_numpy_bytes(lora: bool) -> None:
     sections: dict[str, Any] = {"model": {"preset": "tiny_glm_moe"}}
     if lora:
         sections |= {"run": {"recipe": "dpo"}, "lora": {"rank": 4}}
-    cfg = _cfg(**sections)
+    cfg = tiny_cfg(**sections)
     paddle.seed(0)
     model = build_model(cfg.model)
     if lora:

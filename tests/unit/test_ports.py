@@ -20,8 +20,9 @@ import pytest
 from flashcp.config import load_config
 from flashcp.distributed import ports
 from flashcp.launch import job, preflight
+from helpers.paths import CONFIGS
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny_cp2.yaml"
+CONFIG = CONFIGS / "gpt" / "tiny_cp2.yaml"
 
 
 def _run_job(out: Path, printed: io.StringIO) -> int:

@@ -12,26 +12,18 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from flashcp import dispatch, masks
+from flashcp import dispatch
 from flashcp.attention import allgather_kv as cp_attention
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.context import AttentionContext
 from flashcp.kernels import registry
 from flashcp.models import build_model, preset
 from flashcp.models.recompute import checkpoint
+from helpers.batches import packed_batch
 
 MODES = ("none", "full", "refined")
 ARCHS = ("tiny", "tiny_glm", "tiny_glm_moe")
 B, S = 2, 32
-
-
-def _batch(seq: int = S, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    ids = paddle.to_tensor(rng.integers(0, 260, (B, seq)), dtype="int64")
-    pos = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([B, seq])
-    cut = seq // 3
-    mask = masks.causal_document_mask([cut, seq - cut], batch=B).indices
-    return ids, pos, AttentionContext(mask=mask, causal=True)
 
 
 def force_cp(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,7 +36,7 @@ def _cp_implementation(ctx: AttentionContext):
 
 
 def _step(model, seq: int = S, seed: int = 0):
-    ids, pos, ctx = _batch(seq, seed)
+    ids, pos, ctx = packed_batch(seq, seed)
     logits = model.logits(model(ids, pos, ctx))
     return F.cross_entropy(logits, ids.unsqueeze(-1)).mean()
 
@@ -211,7 +203,7 @@ def test_micro_batches_backward_in_any_order(mode: str) -> None:
 def test_no_grad_forward_skips_recompute(recorder) -> None:
     paddle.seed(0)
     model = build_model(preset("tiny_glm", recompute="refined"))
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     with paddle.no_grad():
         a = model(ids, pos, ctx).numpy()
     paddle.seed(0)

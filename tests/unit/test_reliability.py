@@ -17,6 +17,7 @@ from flashcp import faults
 from flashcp.checkpoint import format as ck
 from flashcp.faults import Fault
 from flashcp.launch import job, outcome, preflight, worker
+from helpers.paths import CONFIGS
 
 # -- fault specs and hooks --------------------------------------------------------------------
 
@@ -134,7 +135,7 @@ def test_fault_spec_check_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_exit_line_is_printed_for_every_outcome(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = str(Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny_cp2.yaml")
+    config = str(CONFIGS / "gpt" / "tiny_cp2.yaml")
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
     monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
     assert worker.run(["--config", config]) == 2

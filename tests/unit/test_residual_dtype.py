@@ -17,34 +17,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
 from paddle.autograd import PyLayer
 
-from flashcp import masks
-from flashcp.attention.context import AttentionContext
 from flashcp.config import load_config
 from flashcp.config.errors import ConfigValidationError
 from flashcp.models import build_model, preset
 from flashcp.models.layers import rotary_tables
 from flashcp.pipeline.stage import build_stage
+from helpers.batches import packed_batch
+from helpers.paths import CONFIGS
 
 B, S = 2, 32
 ARCHS = ("tiny", "tiny_glm", "tiny_glm_moe")
 U_BF16 = 2.0**-8
 """bf16's unit roundoff: 8 significant bits, round to nearest: |round(x) − x| ≤ 2⁻⁸·|x|."""
-
-
-def _batch():
-    rng = np.random.default_rng(0)
-    ids = paddle.to_tensor(rng.integers(0, 260, (B, S)), dtype="int64")
-    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
-    mask = masks.causal_document_mask([10, S - 10], batch=B).indices
-    return ids, pos, AttentionContext(mask=mask, causal=True)
 
 
 def _grads(model) -> dict[str, np.ndarray]:
@@ -58,7 +48,7 @@ def _model(name: str, **overrides):
 
 def _train_step(name: str, **overrides) -> tuple[float, dict[str, np.ndarray]]:
     model = _model(name, **overrides)
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     loss = F.cross_entropy(model.logits(model(ids, pos, ctx)), ids.unsqueeze(-1)).mean()
     loss.backward()
     return float(loss), _grads(model)
@@ -101,7 +91,7 @@ def _reference(name: str, at_boundary, keep: list | None = None):
     embedding output (index 0) and to each layer's output (1..N)."""
     model = _model(name)
     args = model.args
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     h = at_boundary(model.model.embed(ids, pos), 0)
     if keep is not None:
         keep.append(h)
@@ -123,7 +113,7 @@ def test_default_float32_has_no_casts() -> None:
     model = _model("tiny_glm")
     assert model.args.residual_dtype == "float32"
     assert model.activation_dtype == paddle.float32
-    ids, pos, _ = _batch()
+    ids, pos, _ = packed_batch()
     assert model.model.embed(ids, pos).dtype == paddle.float32
     # the stream is the layers' own output: the same numbers as the explicit layer loop
     loss, grads = _train_step("tiny_glm")
@@ -152,7 +142,7 @@ def test_bfloat16_stream_equals_the_rounding_reference(name: str, recompute: str
 
 def test_bfloat16_model_state() -> None:
     model = _model("tiny_glm", residual_dtype="bfloat16")
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     assert model.activation_dtype == paddle.bfloat16
     assert model.model.embed(ids, pos).dtype == paddle.bfloat16
     assert model(ids, pos, ctx).dtype == paddle.float32  # the final norm's output
@@ -194,7 +184,7 @@ def test_pipeline_stages_pass_bfloat16(name: str, pp: int) -> None:
     forward and backward bitwise (the received input's gradient is the bf16 one backward
     sends)."""
     args = preset(name, residual_dtype="bfloat16", recompute="full")
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     whole = build_model(args, seed=0)
     loss = F.cross_entropy(whole.logits(whole(ids, pos, ctx)), ids.unsqueeze(-1)).mean()
     loss.backward()
@@ -231,7 +221,7 @@ def test_unknown_residual_dtype_names_the_key() -> None:
 
 
 def test_config_key_is_checked_before_compute() -> None:
-    config = Path(__file__).resolve().parents[2] / "configs" / "glm" / "tiny_cp2.yaml"
+    config = CONFIGS / "glm" / "tiny_cp2.yaml"
     with pytest.raises(ConfigValidationError) as err:
         load_config(config, ["model.residual_dtype=float16"])
     assert [e.key for e in err.value.errors] == ["model.residual_dtype"]

@@ -5,7 +5,7 @@ metrics of the same config trained without interruption (`tests/fixtures/make_ch
 says how both were made). Resuming the copied run directory must reproduce the recorded steps
 after the checkpoint: bitwise when this machine's kernels reproduce the fixture's own first
 steps bitwise (same ops, same order, same CPU kernels) and the layout is the one that wrote it;
-else within the float32 rule of `tests/numerics.py`. A negative control perturbs one saved
+else within the float32 rule of `helpers.numerics`. A negative control perturbs one saved
 tensor (checksums rewritten, so the checkpoint loads) and the comparison must reject the run.
 The cp = 2 fixture resumes here in one process (another layout: the rule); its same-layout,
 bitwise resume is `tests/integration/test_resume_fixture_cp2.py`.
@@ -25,21 +25,22 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-import numerics
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import Trainer
+from helpers import numerics
+from helpers.paths import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints"
+CHECKPOINTS = FIXTURES / "checkpoints"
 
 
 def expected(name: str) -> dict[str, Any]:
-    return json.loads((FIXTURES / name / "expected.json").read_text())
+    return json.loads((CHECKPOINTS / name / "expected.json").read_text())
 
 
 def copy_run(name: str, tmp: Path) -> Path:
     """The fixture's run directory, copied (a resume writes into it)."""
-    return Path(shutil.copytree(FIXTURES / name / "run", tmp / name))
+    return Path(shutil.copytree(CHECKPOINTS / name / "run", tmp / name))
 
 
 def train(run: Path, *overrides: str) -> str:
@@ -58,7 +59,7 @@ def reproduces_history(name: str, tmp: Path, *overrides: str) -> bool:
     exp = expected(name)
     run = tmp / f"{name}_fresh"
     run.mkdir()
-    (run / "config.yaml").write_text((FIXTURES / name / "run" / "config.yaml").read_text())
+    (run / "config.yaml").write_text((CHECKPOINTS / name / "run" / "config.yaml").read_text())
     k = exp["resumed_at"]
     train(run, "checkpoint.every=0", "checkpoint.resume=never",
           f"run.stop_after_steps={k}", *overrides)  # fmt: skip
@@ -88,7 +89,7 @@ def check_resumed(run: Path, name: str, output: str, *, bitwise: bool, beta: flo
     assert f"resumed from {run / 'checkpoints' / f'step_{k}'} at step {k}" in output
     assert "changed config" not in output, output  # the saved config hash still matches
     got = read_metrics(run)
-    fixture = read_metrics(FIXTURES / name / "run")
+    fixture = read_metrics(CHECKPOINTS / name / "run")
     assert got[:k] == fixture  # the earlier records are kept as they were
     for c in comparisons(run, name, beta):
         assert c.ok, c.describe()

@@ -5,7 +5,6 @@ saved / resumed bitwise / exported in HF layout, the metrics, the plot and the c
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,16 @@ import pytest
 from safetensors.numpy import load_file
 
 from flashcp import cli
-from flashcp.config import ConfigValidationError, build_config, check_config
+from flashcp.config import Config, ConfigValidationError, build_config, check_config
 from flashcp.metrics.moe_stats import moe_layers
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model, preset
 from flashcp.models import moe_balance as mb
 from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
 from flashcp.models.moe import MoE
-from flashcp.trainer import Trainer, default_model_factory
+from flashcp.trainer import default_model_factory
+from helpers.configs import Sections, tiny_config
+from helpers.trainruns import Fit, losses
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
@@ -146,16 +147,18 @@ def test_moe_adds_the_loss_gradient_not_the_output() -> None:
 # ------------------------------------------------------------------------------ training
 
 
-def _cfg(tmp: Path, **model: Any) -> Any:
-    raw = {
-        "model": {"preset": "tiny_glm_moe", "num_experts": 8, "num_experts_per_tok": 2, **model},
-        "data": {"seq_len": 256, "micro_batch_size": 2},
-        # a learning rate of ~0 keeps the router as initialised: only the bias moves
-        "train": {"steps": 20, "lr": 1e-9, "min_lr": 0.0, "warmup_steps": 0, "seed": 0},
-        "checkpoint": {"every": 0},
-        "run": {"output_dir": str(tmp)},
-    }
-    return build_config(raw)
+ROUTER: Sections = {
+    "model": {"preset": "tiny_glm_moe", "num_experts": 8, "num_experts_per_tok": 2},
+    "data": {"seq_len": 256, "micro_batch_size": 2},
+    # a learning rate of ~0 keeps the router as initialised: only the bias moves
+    "train": {"steps": 20, "lr": 1e-9, "min_lr": 0.0, "warmup_steps": 0, "seed": 0},
+    "checkpoint": {"every": 0},
+}
+
+
+def _router_cfg(run: Path, **model: Any) -> Config:
+    """`ROUTER` with `model` keys over its model, writing to `run` itself."""
+    return tiny_config(base=ROUTER, model=model, run={"output_dir": str(run)})
 
 
 def _skewed_factory(cfg: Any, stage: Any) -> paddle.nn.Layer:
@@ -174,13 +177,12 @@ def _ratios(run: Path) -> np.ndarray:
     return np.array([r["moe/max_over_mean_max"] for r in read_metrics(run)])
 
 
-def test_bias_update_lowers_the_load_of_a_skewed_router(tmp_path: Path) -> None:
+def test_bias_update_lowers_the_load_of_a_skewed_router(tmp_path: Path, fit: Fit) -> None:
     runs = {}
     for rate in (0.0, 0.01):
         run = tmp_path / f"rate{rate}"
-        trainer = Trainer(_cfg(run, router_bias_update_rate=rate), model_factory=_skewed_factory,
-                          stream=io.StringIO())  # fmt: skip
-        trainer.fit()
+        cfg = _router_cfg(run, router_bias_update_rate=rate)
+        trainer = fit(cfg, model_factory=_skewed_factory).trainer
         runs[rate] = _ratios(run)
         bias = moe_layers(trainer.model)[1].gate.e_score_correction_bias.numpy()
         if rate:  # the overloaded experts were pushed down, the others up
@@ -196,25 +198,22 @@ def test_bias_update_lowers_the_load_of_a_skewed_router(tmp_path: Path) -> None:
     assert on[-8:].mean() < 0.75 * off[-8:].mean()
 
 
-def test_bias_is_saved_resumed_bitwise_and_exported(tmp_path: Path) -> None:
+def test_bias_is_saved_resumed_bitwise_and_exported(tmp_path: Path, fit: Fit) -> None:
     whole = tmp_path / "whole"
     base = dict(router_bias_update_rate=0.01)
-    full = Trainer(_with(_cfg(whole, **base), steps=4, every=2), model_factory=_skewed_factory,
-                   stream=io.StringIO())  # fmt: skip
-    full.fit()
+    full = fit(_with(_router_cfg(whole, **base), steps=4, every=2),
+               model_factory=_skewed_factory).trainer  # fmt: skip
     part = tmp_path / "part"
-    first = Trainer(_with(_cfg(part, **base), steps=4, every=2, stop=2),
-                    model_factory=_skewed_factory, stream=io.StringIO())  # fmt: skip
-    first.fit()
+    first = fit(_with(_router_cfg(part, **base), steps=4, every=2, stop=2),
+                model_factory=_skewed_factory).trainer  # fmt: skip
     saved = load_file(str(next((part / "checkpoints").glob("step_*2/model*.safetensors"))))
     np.testing.assert_array_equal(
         saved[BIAS], moe_layers(first.model)[1].gate.e_score_correction_bias.numpy()
     )
     assert np.abs(saved[BIAS]).max() > 0  # two updates happened
-    second = Trainer(_with(_cfg(part, **base), steps=4, every=2),
-                     model_factory=_skewed_factory, stream=io.StringIO())  # fmt: skip
-    second.fit()
-    assert [r["loss"] for r in read_metrics(part)] == [r["loss"] for r in read_metrics(whole)]
+    second = fit(_with(_router_cfg(part, **base), steps=4, every=2),
+                 model_factory=_skewed_factory).trainer  # fmt: skip
+    assert losses(part) == losses(whole)
     want = moe_layers(full.model)[1].gate.e_score_correction_bias.numpy()
     got = moe_layers(second.model)[1].gate.e_score_correction_bias.numpy()
     np.testing.assert_array_equal(got, want)
@@ -237,10 +236,9 @@ def _with(cfg: Any, *, steps: int, every: int, stop: int = 0) -> Any:
     )
 
 
-def test_metrics_aux_loss_drop_rate_and_plot(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, router_aux_loss_coef=0.01, moe_capacity_factor=1.0)
-    cfg = _with(cfg, steps=3, every=0)
-    Trainer(cfg, model_factory=_skewed_factory, stream=io.StringIO()).fit()
+def test_metrics_aux_loss_drop_rate_and_plot(tmp_path: Path, fit: Fit) -> None:
+    cfg = _router_cfg(tmp_path, router_aux_loss_coef=0.01, moe_capacity_factor=1.0)
+    fit(_with(cfg, steps=3, every=0), model_factory=_skewed_factory)
     records = read_metrics(tmp_path)
     for r in records:
         assert r["moe/max_over_mean_max"] >= r["moe/max_over_mean_mean"] >= 1.0

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from helpers.paths import ROOT
+
+SCRIPTS = ROOT / "scripts"
 
 
 @pytest.mark.parametrize("name", ["quickstart.sh", "test.sh"])

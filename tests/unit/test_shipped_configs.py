@@ -28,8 +28,8 @@ from flashcp.models import build_model, preset
 from flashcp.models.hf_config import TRAINING_FIELDS, hf_config
 from flashcp.plan import GIB, plan
 from flashcp.plan.report import GPUS_PER_NODE, over_budget
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 EXPECTED = {
     "gpt/tiny_cp2.yaml",

@@ -2,7 +2,7 @@
 
 The tiled layer equals the untiled one: forward outputs row for row (bitwise wherever the
 BLAS kernel computes a row the same way for the tile's row count, which the test probes on
-the spot; else within `tests/numerics.py`'s rule), weight and input gradients within the rule
+the spot; else within `helpers.numerics`'s rule), weight and input gradients within the rule
 (their sums over tokens run tile by tile). Every recompute mode, every architecture (MoE with
 its router per tile), LoRA adapters inside the tiled projections, the CP machinery at one
 rank. LoRA dropout: each tile's replay reuses the mask its forward drew — checked against
@@ -13,18 +13,13 @@ shrinks: the allocator peak of a tiled forward + backward is measured against th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
-import numerics
-from flashcp import masks
 from flashcp.attention import registry as cp_modes
-from flashcp.attention.context import AttentionContext
 from flashcp.config import ConfigValidationError, build_config, load_config
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
 from flashcp.lora.model import apply_lora, lora_layers
@@ -34,20 +29,14 @@ from flashcp.models import tiling as tiling_mod
 from flashcp.models.moe import MoE
 from flashcp.models.tiling import check_tile_tokens, tiled
 from flashcp.parallelize import apply_tiling, parallelize
+from helpers import numerics
+from helpers.batches import packed_batch
+from helpers.paths import CONFIGS
 
 B, S = 2, 32
 ARCHS = ("tiny", "tiny_glm", "tiny_glm_moe")
 MODES = ("none", "full", "refined")
 DENSE = ("tiny", "tiny_glm")
-
-
-def _batch(seq: int = S, seed: int = 0, vocab: int = 260):
-    rng = np.random.default_rng(seed)
-    ids = paddle.to_tensor(rng.integers(0, vocab, (B, seq)), dtype="int64")
-    pos = paddle.arange(seq, dtype="int64").unsqueeze(0).expand([B, seq])
-    cut = seq // 3
-    mask = masks.causal_document_mask([cut, seq - cut], batch=B).indices
-    return ids, pos, AttentionContext(mask=mask, causal=True)
 
 
 def _loss(model, hidden, ids):
@@ -56,7 +45,7 @@ def _loss(model, hidden, ids):
 
 def _run(name: str, mode: str, tile: int, seq: int = S, **overrides):
     model = build_model(preset(name, recompute=mode, tile_tokens=tile, **overrides), seed=0)
-    ids, pos, ctx = _batch(seq)
+    ids, pos, ctx = packed_batch(seq)
     hidden = model(ids, pos, ctx)
     loss = _loss(model, hidden, ids)
     loss.backward()
@@ -162,7 +151,7 @@ def test_no_grad_forward_is_tiled_too() -> None:
     """Without autograd (DPO reference, eval, recompute's first pass) tiles run one by one."""
     model = build_model(preset("tiny_glm", tile_tokens=6), seed=0)
     plain = build_model(preset("tiny_glm"), seed=0)
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     with paddle.no_grad():
         h = model(ids, pos, ctx).numpy()
         h0 = plain(ids, pos, ctx).numpy()
@@ -199,7 +188,7 @@ def _lora_model(tile: int, mode: str, dropout: float = 0.0):
 
 
 def _lora_grads(lora, model, seed: int = 0) -> tuple[float, dict]:
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     paddle.seed(seed)
     loss = _loss(model, lora(ids, pos, ctx), ids)
     loss.backward()
@@ -331,7 +320,7 @@ def test_check_tile_tokens() -> None:
     ],
 )
 def test_config_refuses_what_tiling_cannot_do(overrides, key, words) -> None:
-    config = Path(__file__).resolve().parents[2] / "configs" / "glm" / "tiny_moe_cp2.yaml"
+    config = CONFIGS / "glm" / "tiny_moe_cp2.yaml"
     with pytest.raises(ConfigValidationError) as info:
         load_config(config, overrides)
     text = str(info.value)
@@ -339,7 +328,7 @@ def test_config_refuses_what_tiling_cannot_do(overrides, key, words) -> None:
 
 
 def test_config_accepts_tiling_with_every_recompute_mode() -> None:
-    config = Path(__file__).resolve().parents[2] / "configs" / "glm" / "tiny_moe_cp2.yaml"
+    config = CONFIGS / "glm" / "tiny_moe_cp2.yaml"
     for mode in MODES:
         cfg = load_config(config, [f"model.recompute={mode}", "model.tile_tokens=64"])
         assert cfg.model.tile_tokens == 64
@@ -351,7 +340,7 @@ def test_config_accepts_tiling_with_every_recompute_mode() -> None:
 def _peak(tile: int, seq: int) -> int:
     args = preset("small_glm", recompute="full", tile_tokens=tile, num_layers=2)
     model = build_model(args, seed=0)
-    ids, pos, ctx = _batch(seq, vocab=args.vocab_size)
+    ids, pos, ctx = packed_batch(seq, vocab=args.vocab_size)
     labels = paddle.concat([ids[:, 1:], paddle.full([B, 1], -100, "int64")], axis=1)
     with PeakMeter() as meter:
         hidden = model(ids, pos, ctx)
@@ -384,7 +373,7 @@ def test_parallelize_applies_tiling_after_recompute() -> None:
                             "none")  # fmt: skip
     assert parallelize(model, cfg, groups) is None
     assert [layer.tile_tokens for layer in model.decoder_layers()] == [8, 8]
-    ids, pos, ctx = _batch()
+    ids, pos, ctx = packed_batch()
     _loss(model, model(ids, pos, ctx), ids).backward()
     got = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
     _, _, _, want = _run("tiny_glm", "full", 8)
@@ -409,7 +398,7 @@ def _bf16_stream_peak(seq: int, upcast_whole: bool, monkeypatch: pytest.MonkeyPa
     args = preset("small_glm", recompute="full", tile_tokens=32, num_layers=2,
                   residual_dtype="bfloat16")  # fmt: skip
     model = build_model(args, seed=0)
-    ids, pos, ctx = _batch(seq, vocab=args.vocab_size)
+    ids, pos, ctx = packed_batch(seq, vocab=args.vocab_size)
     labels = paddle.concat([ids[:, 1:], paddle.full([B, 1], -100, "int64")], axis=1)
     with PeakMeter() as meter:
         hidden = model(ids, pos, ctx)

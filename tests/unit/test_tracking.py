@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import io
 import json
 import struct
 import sys
@@ -27,47 +26,39 @@ import numpy as np
 import pytest
 
 from flashcp import cli
-from flashcp.config import ConfigValidationError, build_config
+from flashcp.config import ConfigValidationError
 from flashcp.metrics import tracking
 from flashcp.metrics.flops import flops_per_token, matmul_parameters, mfu
 from flashcp.metrics.plot import plot_groups, plot_run
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
-from flashcp.trainer import Trainer
+from helpers.configs import TINY_LM, Sections, TinyCfg, merged
+from helpers.trainruns import Fit
 
 
-def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny", "max_seq_len": 64},
-        "data": {"seq_len": 64, "micro_batch_size": 2},
-        "train": {"steps": 3, "lr": 3e-3, "warmup_steps": 1},
-        "checkpoint": {"every": 0},
-        "run": {"output_dir": str(tmp / "run")},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
+@pytest.fixture
+def tiny_base() -> Sections:
+    """Three steps, one of warmup, the schema's `min_lr`."""
+    return merged(
+        TINY_LM, train={"steps": 3, "warmup_steps": 1, "min_lr": 3e-5}, checkpoint={"every": 0}
+    )
 
 
-def _fit(cfg: Any) -> str:
-    out = io.StringIO()
-    Trainer(cfg, stream=out).fit()
-    return out.getvalue()
-
-
-def test_visualdl_log_holds_the_metrics_scalars(tmp_path: Path) -> None:
+def test_visualdl_log_holds_the_metrics_scalars(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     from visualdl import LogReader
 
     evalset = tmp_path / "eval.jsonl"
     evalset.write_text("".join(json.dumps({"text": f"held out line {i}. " * 6}) + "\n"
                                for i in range(6)))  # fmt: skip
-    cfg = _cfg(
+    cfg = tiny_cfg(
         tmp_path,
         run={"report_to": ["jsonl", "visualdl"]},
         hardware={"peak_tflops": 0.5},
         eval={"path": str(evalset), "every": 2},
     )
-    out = _fit(cfg)
+    out = fit(cfg).out
     assert "reporting to jsonl, visualdl" in out and "mfu vs 0.5 TFLOP/s per device" in out
     records = read_metrics(cfg.run.output_dir)
     (log,) = (Path(cfg.run.output_dir) / tracking.VISUALDL_DIR).glob("vdlrecords.*.log")
@@ -87,19 +78,19 @@ def test_visualdl_log_holds_the_metrics_scalars(tmp_path: Path) -> None:
             assert got[step] == pytest.approx(float(np.float32(value)), rel=1e-6, abs=1e-30), tag
 
 
-def test_consumed_tokens_and_mfu(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, hardware={"peak_tflops": 2.0}, checkpoint={"every": 2},
+def test_consumed_tokens_and_mfu(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    cfg = tiny_cfg(tmp_path, hardware={"peak_tflops": 2.0}, checkpoint={"every": 2},
                run={"stop_after_steps": 2})  # fmt: skip
-    _fit(cfg)
-    resumed = _cfg(tmp_path, hardware={"peak_tflops": 2.0}, checkpoint={"every": 2})
-    _fit(resumed)
+    fit(cfg)
+    resumed = tiny_cfg(tmp_path, hardware={"peak_tflops": 2.0}, checkpoint={"every": 2})
+    fit(resumed)
     rows = read_metrics(cfg.run.output_dir)
     assert [r["consumed_tokens"] for r in rows] == [128, 256, 384]  # 2 × 64 per step, resumed
     per_token = flops_per_token(cfg.model, 64)
     for r in rows:
         assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / 2e12, rel=1e-12)
-    plain = _cfg(tmp_path / "plain")
-    assert "mfu not reported (set hardware.peak_tflops)" in _fit(plain)
+    plain = tiny_cfg(tmp_path / "plain")
+    assert "mfu not reported (set hardware.peak_tflops)" in fit(plain).out
     assert "mfu" not in read_metrics(plain.run.output_dir)[0]
 
 
@@ -142,10 +133,12 @@ def test_moe_counts_only_the_experts_a_token_uses() -> None:
 
 
 def test_missing_backend_is_a_config_error_naming_key_and_package(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_cfg: TinyCfg,
 ) -> None:
     with pytest.raises(ConfigValidationError) as info:
-        _cfg(tmp_path, run={"report_to": ["jsonl", "wandb", "tensorboard", "mlflow"]})
+        tiny_cfg(tmp_path, run={"report_to": ["jsonl", "wandb", "tensorboard", "mlflow"]})
     text = str(info.value)
     assert "run.report_to: 'wandb' needs the wandb package, which is not installed here: " \
            "pip install wandb, or remove 'wandb' from run.report_to" in text  # fmt: skip
@@ -157,9 +150,9 @@ def test_missing_backend_is_a_config_error_naming_key_and_package(
         importlib.util, "find_spec", lambda n, *a: None if n == "visualdl" else real(n, *a)
     )
     with pytest.raises(ConfigValidationError, match="pip install visualdl"):
-        _cfg(tmp_path, run={"report_to": ["visualdl"]})
+        tiny_cfg(tmp_path, run={"report_to": ["visualdl"]})
     with pytest.raises(ValueError, match="unknown backend 'csv'"):
-        tracking.build_reporters(_cfg(tmp_path), ["csv"])
+        tracking.build_reporters(tiny_cfg(tmp_path), ["csv"])
 
 
 def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> types.ModuleType:
@@ -172,7 +165,10 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> ty
 
 
 def test_wandb_and_tensorboard_reporters_get_the_same_scalars(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_cfg: TinyCfg,
+    fit: Fit,
 ) -> None:
     calls: list[tuple[str, Any]] = []
 
@@ -203,9 +199,9 @@ def test_wandb_and_tensorboard_reporters_get_the_same_scalars(
     _fake_module(monkeypatch, "wandb", init=init)
     _fake_module(monkeypatch, "tensorboardX", SummaryWriter=SummaryWriter)
     monkeypatch.setenv("WANDB_PROJECT", "glm-sft")
-    cfg = _cfg(tmp_path, run={"report_to": ["jsonl", "wandb", "tensorboard"]},
+    cfg = tiny_cfg(tmp_path, run={"report_to": ["jsonl", "wandb", "tensorboard"]},
                train={"steps": 2})  # fmt: skip
-    _fit(cfg)
+    fit(cfg)
     records = read_metrics(cfg.run.output_dir)
     (init_kw,) = [kw for what, kw in calls if what == "wandb.init"]
     assert init_kw["project"] == "glm-sft" and init_kw["name"] == "run"

@@ -14,40 +14,18 @@ import paddle
 import pytest
 from safetensors.numpy import load_file
 
-import numerics
 from flashcp import cli, dispatch
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
-from flashcp.config import TrainConfig, build_config, to_dict
+from flashcp.config import TrainConfig, to_dict
 from flashcp.launch import outcome, worker
 from flashcp.metrics.writer import read_metrics
-from flashcp.models import build_model, estimate_parameters
+from flashcp.models import estimate_parameters
 from flashcp.optim.lr import build_scheduler, lr_at
 from flashcp.trainer import NonFiniteError, Trainer
-
-
-def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny", "max_seq_len": 64},
-        "data": {"seq_len": 64, "micro_batch_size": 2},
-        "train": {"steps": 6, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "seed": 0},
-        "run": {"output_dir": str(tmp / "run")},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
-
-
-def _fit(cfg: Any, **kw: Any) -> tuple[Trainer, Any, str]:
-    out = io.StringIO()
-    trainer = Trainer(cfg, stream=out, **kw)
-    result = trainer.fit()
-    return trainer, result, out.getvalue()
-
-
-def _losses(run_dir: str | Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(run_dir)]
-
+from helpers import numerics
+from helpers.configs import TinyCfg, tiny_config
+from helpers.trainruns import Fit, losses, nan_model
 
 # -- schedule ---------------------------------------------------------------------------------
 
@@ -76,9 +54,9 @@ def test_paddle_scheduler_follows_lr_at() -> None:
 # -- training ---------------------------------------------------------------------------------
 
 
-def test_twenty_steps_learn(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, train={"steps": 20, "warmup_steps": 3})
-    _, result, out = _fit(cfg)
+def test_twenty_steps_learn(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    cfg = tiny_cfg(tmp_path, train={"steps": 20, "warmup_steps": 3})
+    _, result, out = fit(cfg)
     losses = [m.loss for m in result.metrics]
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(260), abs=0.3)  # ~uniform at init
@@ -116,32 +94,34 @@ def test_twenty_steps_learn(tmp_path: Path) -> None:
     assert records[-1]["peak_rss_gib"] > peaks[-1]
 
 
-def test_resume_reproduces_losses_bitwise(tmp_path: Path) -> None:
-    full = _cfg(tmp_path / "a")
-    _fit(full)
+def test_resume_reproduces_losses_bitwise(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    full = tiny_cfg(tmp_path / "a")
+    fit(full)
     ck = {"every": 2}
-    first = _cfg(tmp_path / "b", checkpoint=ck, run={"stop_after_steps": 3})
-    _, r1, _ = _fit(first)
+    first = tiny_cfg(tmp_path / "b", checkpoint=ck, run={"stop_after_steps": 3})
+    _, r1, _ = fit(first)
     assert r1.final_step == 3 and (Path(first.run.output_dir) / "checkpoints/step_3").is_dir()
-    second = _cfg(tmp_path / "b", checkpoint=ck)
-    t2, r2, out = _fit(second)
+    second = tiny_cfg(tmp_path / "b", checkpoint=ck)
+    t2, r2, out = fit(second)
     assert r2.start_step == 3 and r2.resumed_from is not None and "resumed from" in out
-    assert _losses(second.run.output_dir) == _losses(full.run.output_dir)  # exact
+    assert losses(second) == losses(full)  # exact
     assert [m.step for m in r2.metrics] == [4, 5, 6]
 
 
 @pytest.mark.equivalence
-def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
+def test_grad_accumulation_matches_one_big_batch(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     """2 micro-batches of 1 row accumulated == 1 micro-batch of 2 rows: the same sums in
-    another order, so within the float32 rule of `tests/numerics.py` (not bitwise)."""
+    another order, so within the float32 rule of `helpers.numerics` (not bitwise)."""
     debug = {"dump_grads": True}
-    big = _cfg(tmp_path / "big", train={"steps": 2}, debug=debug)
-    acc = _cfg(
+    big = tiny_cfg(tmp_path / "big", train={"steps": 2}, debug=debug)
+    acc = tiny_cfg(
         tmp_path / "acc", data={"micro_batch_size": 1}, train={"steps": 2, "grad_accum": 2},
         debug=debug,
     )  # fmt: skip
-    _fit(big)
-    _fit(acc)
+    fit(big)
+    fit(acc)
     want = read_metrics(big.run.output_dir)
     for a, b in zip(read_metrics(acc.run.output_dir), want, strict=True):
         step = b["step"]
@@ -158,30 +138,19 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
             )
 
 
-def _NaNAt(cfg: Any, at: int) -> paddle.nn.Layer:
-    """The tiny model, but its output (final hidden states) becomes NaN on forward call `at`."""
-    model = build_model(cfg.model)
-    calls = [0]
-
-    def poison(_layer: Any, _inputs: Any, out: Any) -> Any:
-        calls[0] += 1
-        return out * float("nan") if calls[0] == at else out
-
-    model.register_forward_post_hook(poison)
-    return model
-
-
-def test_nonfinite_loss_stops_with_step_and_rank(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path)
+def test_nonfinite_loss_stops_with_step_and_rank(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    cfg = tiny_cfg(tmp_path)
     with pytest.raises(NonFiniteError, match=r"non-finite loss on rank\(s\) 0 and gradients"
                                              r" on rank\(s\) 0 at step 2"):  # fmt: skip
-        _fit(cfg, model_factory=lambda c, s: _NaNAt(c, at=2))
+        fit(cfg, model_factory=lambda c, s: nan_model(c, at=2))
     assert len(read_metrics(cfg.run.output_dir)) == 1  # step 1 was recorded before the stop
 
 
-def test_nonfinite_step_can_be_skipped(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"})
-    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c, s: _NaNAt(c, at=2))
+def test_nonfinite_step_can_be_skipped(tmp_path: Path, tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"})
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c, s: nan_model(c, at=2))
     trainer.train_step()
     before = {n: p.numpy().copy() for n, p in trainer.params}
     skipped = trainer.train_step()
@@ -192,37 +161,39 @@ def test_nonfinite_step_can_be_skipped(tmp_path: Path) -> None:
     assert "update skipped" in trainer.stream.getvalue()
 
 
-def test_resume_policies(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1})
-    _fit(cfg)
-    never = _cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1, "resume": "never"})
+def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    cfg = tiny_cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1})
+    fit(cfg)
+    never = tiny_cfg(tmp_path, train={"steps": 2}, checkpoint={"every": 1, "resume": "never"})
     with pytest.raises(RuntimeError, match=r"already holds checkpoints \(step_2\) and "
                        r"checkpoint\.resume is never: set checkpoint\.resume=auto to continue "
                        r"that run, run\.overwrite=true to move it aside and start over, or "
                        r"choose another run\.output_dir"):  # fmt: skip
         Trainer(never, stream=io.StringIO()).fit()
     # the Trainer never moves a run aside (that is `flashcp train`'s job, before launch)
-    overwrite = _cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
+    overwrite = tiny_cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
     with pytest.raises(RuntimeError, match=r"run\.overwrite is true and .* holds an earlier "
                        r"run \(checkpoints, config\.yaml, metrics\.jsonl, "
                        r"run_info\.json\)"):  # fmt: skip
         Trainer(overwrite, stream=io.StringIO()).fit()
     step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
     (step1 / "model.safetensors").write_bytes(b"broken")
-    explicit = _cfg(tmp_path, checkpoint={"resume": str(step1)})
+    explicit = tiny_cfg(tmp_path, checkpoint={"resume": str(step1)})
     with pytest.raises(CheckpointError, match="broken and was not loaded"):
         Trainer(explicit, stream=io.StringIO()).fit()
-    changed = _cfg(tmp_path, train={"steps": 3, "lr": 1e-3})
-    _, result, out = _fit(changed)
+    changed = tiny_cfg(tmp_path, train={"steps": 3, "lr": 1e-3})
+    _, result, out = fit(changed)
     assert result.start_step == 2 and "changed config (train.lr)" in out
     assert "train.steps changed from 2 to 3" in out
 
 
-def test_the_trainer_writes_no_environment_variable(tmp_path: Path) -> None:
+def test_the_trainer_writes_no_environment_variable(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     """Deterministic mode's runtime flags are the process's, set by its entry before the
     trainer is built (`flashcp.launch.worker.set_runtime_flags`); the trainer only seeds."""
     before, seen = dict(os.environ), dispatch.probe_deterministic()
-    _fit(_cfg(tmp_path, train={"steps": 1, "deterministic": True}))
+    fit(tiny_cfg(tmp_path, train={"steps": 1, "deterministic": True}))
     assert dict(os.environ) == before
     assert dispatch.probe_deterministic() == seen
 
@@ -236,24 +207,26 @@ def test_the_trainer_writes_no_environment_variable(tmp_path: Path) -> None:
     ],
     ids=["workload_balanced", "pad", "no_packing"],
 )
-def test_layout_options_run(tmp_path: Path, sections: dict[str, Any]) -> None:
-    cfg = _cfg(tmp_path, train={"steps": 2}, **sections)
-    _, result, _ = _fit(cfg)
+def test_layout_options_run(
+    tmp_path: Path, sections: dict[str, Any], tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    cfg = tiny_cfg(tmp_path, train={"steps": 2}, **sections)
+    _, result, _ = fit(cfg)
     assert [m.step for m in result.metrics] == [1, 2]
     assert all(math.isfinite(m.loss) for m in result.metrics)
 
 
-def test_sft_recipe_trains_on_responses(tmp_path: Path) -> None:
+def test_sft_recipe_trains_on_responses(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     path = tmp_path / "sft.jsonl"
     rows = [{"prompt": f"Question {i}? ", "response": f"Answer {i}."} for i in range(30)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = _cfg(tmp_path, data={"path": str(path)}, run={"recipe": "sft"}, train={"steps": 2})
-    _, result, _ = _fit(cfg)
+    cfg = tiny_cfg(tmp_path, data={"path": str(path)}, run={"recipe": "sft"}, train={"steps": 2})
+    _, result, _ = fit(cfg)
     m = result.metrics[0]
     assert 0 < m.targets < m.tokens // 2  # prompts carry no loss
 
 
-def test_the_data_source_is_injectable(tmp_path: Path) -> None:
+def test_the_data_source_is_injectable(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     """`Trainer(data=...)` replaces the recipe's step source (here: the same data, counted)."""
     from flashcp.recipes.lm import LMData
 
@@ -269,18 +242,18 @@ def test_the_data_source_is_injectable(tmp_path: Path) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-    plain = _cfg(tmp_path / "plain", train={"steps": 2})
-    _fit(plain)
-    cfg = _cfg(tmp_path / "stand_in", train={"steps": 2})
+    plain = tiny_cfg(tmp_path / "plain", train={"steps": 2})
+    fit(plain)
+    cfg = tiny_cfg(tmp_path / "stand_in", train={"steps": 2})
     data = Counted(LMData(cfg))
-    trainer, _, _ = _fit(cfg, data=data)
+    trainer, _, _ = fit(cfg, data=data)
     assert trainer.data is data and data.steps == 2
-    assert _losses(cfg.run.output_dir) == _losses(plain.run.output_dir)
+    assert losses(cfg) == losses(plain)
 
 
-def test_multi_rank_config_needs_a_launcher(tmp_path: Path) -> None:
+def test_multi_rank_config_needs_a_launcher(tmp_path: Path, tiny_cfg: TinyCfg) -> None:
     with pytest.raises(ValueError, match="need a launched job"):
-        Trainer(_cfg(tmp_path, parallel={"cp": 2}))
+        Trainer(tiny_cfg(tmp_path, parallel={"cp": 2}))
 
 
 # -- entry point, metrics, helpers ------------------------------------------------------------
@@ -289,7 +262,7 @@ def test_multi_rank_config_needs_a_launcher(tmp_path: Path) -> None:
 def _yaml(tmp: Path, **sections: dict[str, Any]) -> str:
     import yaml
 
-    cfg = _cfg(tmp, **sections)
+    cfg = tiny_config(tmp, **sections)
     path = tmp / "cfg.yaml"
     path.write_text(yaml.safe_dump(json.loads(json.dumps(to_dict(cfg)))))
     return str(path)

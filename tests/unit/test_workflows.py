@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-WORKFLOWS = Path(__file__).resolve().parents[2] / ".github" / "workflows"
+from helpers.paths import ROOT
+
+WORKFLOWS = ROOT / ".github" / "workflows"
 EXPECTED = {
     "unit.yml": "scripts/test.sh unit",
     "integration-cpu.yml": "scripts/test.sh integration",

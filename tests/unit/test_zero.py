@@ -20,7 +20,6 @@ import paddle
 import pytest
 from paddle.base import core
 
-from bf16toy import Bf16ToyLM
 from flashcp.checkpoint import parts as sharded_ckpt
 from flashcp.checkpoint.optimizer_state import (
     ClassicSource,
@@ -32,7 +31,6 @@ from flashcp.checkpoint.optimizer_state import (
 )
 from flashcp.config import TrainConfig, build_config
 from flashcp.distributed import ParallelDims, build_groups
-from flashcp.metrics.writer import read_metrics
 from flashcp.optim.adamw import build_adamw, decay_names
 from flashcp.optim.layout import group_buckets, shard_layout
 from flashcp.optim.zero import (
@@ -43,6 +41,9 @@ from flashcp.optim.zero import (
     low_precision_dtype,
 )
 from flashcp.trainer import Trainer
+from helpers.bf16toy import Bf16ToyLM
+from helpers.configs import TinyCfg
+from helpers.trainruns import Fit, losses, nan_model
 
 
 def _param(shape: list[int], rng: np.random.Generator, dtype: str = "float32") -> paddle.Tensor:
@@ -512,101 +513,65 @@ def test_a_tied_matrix_is_read_from_its_first_stage(tmp_path: Path) -> None:
 # -- the trainer --------------------------------------------------------------------------------
 
 
-def _cfg(tmp: Path, **sections: dict[str, Any]) -> Any:
-    raw: dict[str, Any] = {
-        "model": {"preset": "tiny", "max_seq_len": 64},
-        "data": {"seq_len": 64, "micro_batch_size": 2},
-        "train": {"steps": 6, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "seed": 0},
-        "run": {"output_dir": str(tmp / "run")},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
-
-
-def _fit(cfg: Any, **kw: Any) -> tuple[Trainer, str]:
-    out = io.StringIO()
-    trainer = Trainer(cfg, stream=out, **kw)
-    trainer.fit()
-    return trainer, out.getvalue()
-
-
-def _losses(cfg: Any) -> list[float]:
-    return [r["loss"] for r in read_metrics(cfg.run.output_dir)]
-
-
-def test_trainer_shard_optimizer_degree_one_and_cross_resume(tmp_path: Path) -> None:
+def test_trainer_shard_optimizer_degree_one_and_cross_resume(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     """One process: nothing to shard, but the master path runs: float32 masters and shards of
     one. Same order of every sum as the default path here, so the losses are BITWISE equal, and
     checkpoints move between the two (unsharded ↔ sharded) keeping them so."""
     shard = {"shard_optimizer": True}
-    plain = _cfg(tmp_path / "plain", checkpoint={"every": 3})
-    _, _ = _fit(plain)
-    zero = _cfg(tmp_path / "zero", parallel=shard, checkpoint={"every": 3})
-    trainer, out = _fit(zero)
+    plain = tiny_cfg(tmp_path / "plain", checkpoint={"every": 3})
+    fit(plain)
+    zero = tiny_cfg(tmp_path / "zero", parallel=shard, checkpoint={"every": 3})
+    trainer, _, out = fit(zero)
     assert "parallel.shard_optimizer: 1 shard (dp × cp = 1: nothing to shard)" in out
-    assert _losses(zero) == _losses(plain)
+    assert losses(zero) == losses(plain)
     step3 = Path(zero.run.output_dir) / "checkpoints" / "step_3"
     assert (step3 / "optimizer-00001-of-00001.shard-00001-of-00001.safetensors").is_file()
     assert not (step3 / "optimizer.safetensors").exists()
     # sharded checkpoint → unsharded run, and the reverse
-    a = _cfg(tmp_path / "a", checkpoint={"resume": str(step3)})
-    _fit(a)
-    assert _losses(a) == _losses(plain)[3:]
+    a = tiny_cfg(tmp_path / "a", checkpoint={"resume": str(step3)})
+    fit(a)
+    assert losses(a) == losses(plain)[3:]
     plain3 = Path(plain.run.output_dir) / "checkpoints" / "step_3"
-    b = _cfg(tmp_path / "b", parallel=shard, checkpoint={"resume": str(plain3)})
-    _fit(b)
-    assert _losses(b) == _losses(plain)[3:]
+    b = tiny_cfg(tmp_path / "b", parallel=shard, checkpoint={"resume": str(plain3)})
+    fit(b)
+    assert losses(b) == losses(plain)[3:]
 
 
 def _toy(cfg: Any, stage: Any = None) -> paddle.nn.Layer:
     return Bf16ToyLM(vocab=int(cfg.model.vocab_size), seed=cfg.train.seed)
 
 
-def test_trainer_bf16_masters_resume_exactly(tmp_path: Path) -> None:
+def test_trainer_bf16_masters_resume_exactly(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     """bf16 storage: the checkpoint carries the float32 masters (a resume from the bf16
     parameters alone would continue from rounded weights); resumed losses are bitwise those of
     the uninterrupted run, sharded (degree 1) or not."""
     for shard in (False, True):
         par = {"shard_optimizer": shard}
-        full = _cfg(tmp_path / f"full{shard}", parallel=par)
-        trainer, out = _fit(full, model_factory=_toy)
+        full = tiny_cfg(tmp_path / f"full{shard}", parallel=par)
+        trainer, _, out = fit(full, model_factory=_toy)
         assert "bfloat16, float32 main_grad" in out
         assert all(p.dtype == paddle.bfloat16 for _, p in trainer.params)
         ck = {"every": 3}
-        first = _cfg(tmp_path / f"b{shard}", parallel=par, checkpoint=ck,
+        first = tiny_cfg(tmp_path / f"b{shard}", parallel=par, checkpoint=ck,
                      run={"stop_after_steps": 3})  # fmt: skip
-        t1, _ = _fit(first, model_factory=_toy)
+        t1, _, _ = fit(first, model_factory=_toy)
         state = t1.optimizer.shard
         saved = {s.name: m.numpy() for s, m in zip(state.segments, state.masters, strict=True)}
-        second = _cfg(tmp_path / f"b{shard}", parallel=par, checkpoint=ck)
+        second = tiny_cfg(tmp_path / f"b{shard}", parallel=par, checkpoint=ck)
         t2 = Trainer(second, stream=io.StringIO(), model_factory=_toy)
         t2.resume()
         for seg, m in zip(t2.optimizer.shard.segments, t2.optimizer.shard.masters, strict=True):
             np.testing.assert_array_equal(m.numpy(), saved[seg.name])
         t2.fit()
-        assert _losses(second) == _losses(full)
+        assert losses(second) == losses(full)
 
 
-def _NaNAt(cfg: Any, at: int) -> paddle.nn.Layer:
-    """The tiny model, but its output (final hidden states) becomes NaN on forward call `at`."""
-    from flashcp.models import build_model
-
-    model = build_model(cfg.model)
-    calls = [0]
-
-    def poison(_layer: Any, _inputs: Any, out: Any) -> Any:
-        calls[0] += 1
-        return out * float("nan") if calls[0] == at else out
-
-    model.register_forward_post_hook(poison)
-    return model
-
-
-def test_nonfinite_step_is_skipped_under_sharding(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"},
+def test_nonfinite_step_is_skipped_under_sharding(tmp_path: Path, tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(tmp_path, train={"steps": 3, "on_nonfinite": "skip"},
                parallel={"shard_optimizer": True})  # fmt: skip
-    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c, s: _NaNAt(c, at=2))
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=lambda c, s: nan_model(c, at=2))
     trainer.train_step()
     before = {n: p.numpy().copy() for n, p in trainer.params}
     masters = [m.numpy().copy() for m in trainer.optimizer.shard.masters]
@@ -620,16 +585,18 @@ def test_nonfinite_step_is_skipped_under_sharding(tmp_path: Path) -> None:
     assert not trainer.train_step().skipped
 
 
-def test_nonfinite_stop_names_the_step_under_sharding(tmp_path: Path) -> None:
+def test_nonfinite_stop_names_the_step_under_sharding(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     from flashcp.trainer import NonFiniteError
 
-    cfg = _cfg(tmp_path, parallel={"shard_optimizer": True})
+    cfg = tiny_cfg(tmp_path, parallel={"shard_optimizer": True})
     with pytest.raises(NonFiniteError, match=r"at step 2"):
-        _fit(cfg, model_factory=lambda c, s: _NaNAt(c, at=2))
+        fit(cfg, model_factory=lambda c, s: nan_model(c, at=2))
     assert os.path.exists(Path(cfg.run.output_dir) / "metrics.jsonl")
 
 
-def test_lora_dpo_with_sharded_optimizer_resumes_exactly(tmp_path: Path) -> None:
+def test_lora_dpo_with_sharded_optimizer_resumes_exactly(tmp_path: Path, fit: Fit) -> None:
     """LoRA adapters are the trainable parameters: their masters and moments go to the
     optimizer shard, the adapters to PaddleFormers' files; one process and no clipping, so the
     losses equal the unsharded run's bitwise, through a resume (with clipping as well, in one
@@ -652,18 +619,18 @@ def test_lora_dpo_with_sharded_optimizer_resumes_exactly(tmp_path: Path) -> None
         return build_config(sections)
 
     plain = cfg("plain")
-    _fit(plain)
+    fit(plain)
     zero = {"shard_optimizer": True}
     ck = {"every": 2}
-    _fit(cfg("zero", parallel=zero, checkpoint=ck, run={"stop_after_steps": 2}))
+    fit(cfg("zero", parallel=zero, checkpoint=ck, run={"stop_after_steps": 2}))
     step2 = tmp_path / "zero" / "checkpoints" / "step_2"
     assert (step2 / "adapters" / "peft_model-00001-of-00001.safetensors").is_file()
     shard = step2 / "optimizer-00001-of-00001.shard-00001-of-00001.safetensors"
     names = set(ShardSource([[shard]]).pieces)
     assert names and all("lora_" in n for n in names)  # adapters only
     resumed = cfg("zero", parallel=zero, checkpoint=ck)
-    _fit(resumed)
-    assert _losses(resumed) == _losses(plain)
+    fit(resumed)
+    assert losses(resumed) == losses(plain)
 
 
 def test_incomplete_or_mismatched_saved_state_is_refused() -> None:
@@ -677,7 +644,9 @@ def test_incomplete_or_mismatched_saved_state_is_refused() -> None:
         state.load(ClassicSource({"w::moment1_0": np.zeros([6], np.float32)}))
 
 
-def test_init_from_fills_bf16_masters_with_the_files_float32_values(tmp_path: Path) -> None:
+def test_init_from_fills_bf16_masters_with_the_files_float32_values(
+    tmp_path: Path, tiny_cfg: TinyCfg
+) -> None:
     """bf16 storage + `checkpoint.init_from` (a float32 HF checkpoint): the parameters are the
     file's values rounded to bf16, the float32 masters the file's values themselves."""
     from flashcp.models import build_model
@@ -685,12 +654,12 @@ def test_init_from_fills_bf16_masters_with_the_files_float32_values(tmp_path: Pa
     from flashcp.trainer import init_weights
 
     hf = tmp_path / "hf"
-    cfg0 = _cfg(tmp_path)
+    cfg0 = tiny_cfg(tmp_path)
     paddle.seed(11)
     source = build_model(cfg0.model)
     save_hf_checkpoint(source, hf)
     want = {n: p.numpy().reshape(-1) for n, p in source.named_parameters()}
-    cfg = _cfg(tmp_path, checkpoint={"init_from": str(hf)})
+    cfg = tiny_cfg(tmp_path, checkpoint={"init_from": str(hf)})
 
     def bf16_model(c: Any, stage: Any) -> paddle.nn.Layer:
         model = build_model(c.model, stage=stage, param_dtype="bfloat16")

@@ -19,10 +19,8 @@ in one process (nothing to shard: ZeRO-1's path, bitwise). Real multi-rank runs:
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import paddle
@@ -32,13 +30,13 @@ from paddle.distributed.fleet.utils import recompute
 from flashcp.config import ConfigValidationError, build_config
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.metrics import memory
-from flashcp.metrics.writer import read_metrics
 from flashcp.optim import grad_shard
 from flashcp.optim.grad_shard import GradientSharder, GradPart
 from flashcp.optim.grads import grad_of
 from flashcp.optim.layout import ShardLayout, shard_layout
 from flashcp.optim.zero import MasterOptimizer, attach_main_grad, build_distributed_optimizer
-from flashcp.trainer import Trainer
+from helpers.configs import Sections, TinyCfg
+from helpers.trainruns import Fit, losses
 
 
 @dataclass
@@ -342,26 +340,29 @@ def test_config_needs_shard_optimizer(tmp_path: Path) -> None:
         build_distributed_optimizer(Net(), cfg.train, 0.1, groups, shard_gradients=True)
 
 
-def _cfg(tmp: Path, **parallel: Any) -> Any:
-    return build_config({
-        "model": {"preset": "tiny", "max_seq_len": 64},
-        "data": {"seq_len": 64, "micro_batch_size": 1},
-        "train": {"steps": 4, "lr": 3e-3, "warmup_steps": 1, "seed": 0, "grad_accum": 2},
-        "parallel": {"shard_optimizer": True, **parallel},
-        "run": {"output_dir": str(tmp / "run")},
-    })  # fmt: skip
+ZERO2: Sections = {
+    "model": {"preset": "tiny", "max_seq_len": 64},
+    "data": {"seq_len": 64, "micro_batch_size": 1},
+    "train": {"steps": 4, "lr": 3e-3, "warmup_steps": 1, "seed": 0, "grad_accum": 2},
+    "parallel": {"shard_optimizer": True},
+}
+"""The tiny GPT, two micro-batches per step, the optimizer sharded (ZeRO-1)."""
 
 
-def test_trainer_one_process_has_nothing_to_shard(tmp_path: Path) -> None:
+@pytest.fixture
+def tiny_base() -> Sections:
+    return ZERO2
+
+
+def test_trainer_one_process_has_nothing_to_shard(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
     """dp × cp = 1: one shard, so ZeRO-2 has nothing to reduce and takes ZeRO-1's path (no
     hooks); bitwise ZeRO-1's losses."""
-    z1 = _cfg(tmp_path / "z1")
-    Trainer(z1, stream=io.StringIO()).fit()
-    z2 = _cfg(tmp_path / "z2", shard_gradients=True)
-    out = io.StringIO()
-    trainer = Trainer(z2, stream=out)
-    trainer.fit()
+    z1 = tiny_cfg(tmp_path / "z1")
+    fit(z1)
+    z2 = tiny_cfg(tmp_path / "z2", parallel={"shard_gradients": True})
+    trainer, _, out = fit(z2)
     assert isinstance(trainer.optimizer, MasterOptimizer) and trainer.optimizer.sharder is None
-    assert "nothing to shard" in out.getvalue()
-    losses = [[r["loss"] for r in read_metrics(c.run.output_dir)] for c in (z1, z2)]
-    assert losses[0] == losses[1]
+    assert "nothing to shard" in out
+    assert losses(z1) == losses(z2)

@@ -3,15 +3,15 @@
 `softmax(Q·Kᵀ·scale + M)·V` with M = −inf where `flashcp.masks.to_dense` says masked, and its
 gradients written out by hand, one head at a time. Fully masked rows give zero output and
 gradients, and LSE −inf. `compare_attention` measures float32 results against it under the
-rule of `tests/numerics.py`.
+rule of `helpers.numerics`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-import numerics
 from flashcp import masks
+from helpers import numerics
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -36,6 +36,17 @@ def compare_attention(
     ]
 
 
+def dense_mask(idx, B: int, Sq: int, Sk: int, *, causal: bool) -> np.ndarray:
+    """The boolean `[B, H_mask, Sq, Sk]` mask (True = masked) of `idx`; `idx` None: none, or
+    the bottom-right-aligned causal one."""
+    if idx is not None:
+        return masks.to_dense(idx, causal=causal, q_len=Sq)
+    dense = np.zeros((B, 1, Sq, Sk), dtype=bool)
+    if causal:
+        dense |= np.arange(Sq)[:, None] < np.arange(Sk)[None, :] - (Sk - Sq)
+    return dense
+
+
 def dense_reference(q, k, v, dout, idx, *, causal, scale=None):
     """Return (out, lse, dq, dk, dv) in float64 for Paddle-layout inputs; `idx` may be None."""
     q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
@@ -43,12 +54,7 @@ def dense_reference(q, k, v, dout, idx, *, causal, scale=None):
     Sk, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
-    if idx is None:
-        dense = np.zeros((B, 1, Sq, Sk), dtype=bool)
-        if causal:
-            dense |= np.arange(Sq)[:, None] < np.arange(Sk)[None, :] - (Sk - Sq)
-    else:
-        dense = masks.to_dense(idx, causal=causal, q_len=Sq)
+    dense = dense_mask(idx, B, Sq, Sk, causal=causal)
     hm = dense.shape[1]
     out = np.zeros((B, Sq, Hq, v.shape[-1]))
     lse = np.zeros((B, Hq, Sq))

@@ -8,6 +8,7 @@ suite's defaults over the library's supervisor (`flashcp.launch.supervise`).
   gives its own job), so the job can be found and killed even though the launcher puts each
   worker in its own session (`setsid`) - a hung job never outlives its timeout;
 * per-rank logs (`workerlog.<rank>`) and the launcher's own output are returned as text;
+* `tests/` first on `PYTHONPATH`, so a worker script imports `helpers` as the tests do;
 * `OMP_NUM_THREADS=1` per process, so N workers do not oversubscribe the cores, and no
   `PADDLE_*` / `MASTER_*` variable of a surrounding job is inherited;
 * the launcher draws its ports (`PORT_RANGE`) from a lease (`flashcp.distributed.ports`) held
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from flashcp.launch import supervise
 from flashcp.launch.supervise import LaunchResult
+from helpers.paths import TESTS
 
 MARKER_ENV = "FLASHCP_LAUNCH_ID"
 INHERITED = ("PADDLE_", "MASTER_")
@@ -47,10 +49,12 @@ def resolve_script(script_or_module: str | os.PathLike[str]) -> Path:
 
 def child_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This environment minus any surrounding job's identity, marked, one thread per process,
-    plus `extra`."""
-    threads = {"OMP_NUM_THREADS": "1"}
+    `tests/` first on `PYTHONPATH` (workers import `helpers` as the tests do), plus `extra`."""
+    inherited = os.environ.get("PYTHONPATH")
+    path = os.pathsep.join([str(TESTS), *([inherited] if inherited else [])])
+    own = {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return supervise.job_env(marker, marker_env=MARKER_ENV, drop=INHERITED,
-                             extra={**threads, **(extra or {})})  # fmt: skip
+                             extra={**own, **(extra or {})})  # fmt: skip
 
 
 def marked_pids(marker: str) -> list[int]:

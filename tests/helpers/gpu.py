@@ -15,6 +15,7 @@ arithmetic is measured. Tolerances are per dtype, elementwise `|got - want| <= t
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -61,21 +62,17 @@ def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
     return t.astype(dtype).astype("float32").numpy()
 
 
-def assert_close(name: str, got: np.ndarray, want: np.ndarray, dtype: str) -> None:
-    """Elementwise |got - want| <= tol (1 + |want|) for `dtype`, and no NaN."""
+def allclose_args(dtype: str) -> dict[str, Any]:
+    """`dtype`'s comparison for `np.testing.assert_allclose` / `np.allclose`: elementwise
+    |got - want| <= tol (1 + |want|), and a NaN anywhere fails."""
     tol = TOLERANCE[dtype]
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert not np.isnan(got).any(), f"{name}: NaN in the GPU result"
-    np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{name} ({dtype})")
+    return {"atol": tol, "rtol": tol, "equal_nan": False}
 
 
 def close(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
-    """`assert_close` as a predicate (negative controls)."""
-    tol = TOLERANCE[dtype]
+    """Within `dtype`'s tolerance, same shape (negative controls assert it is not)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return got.shape == want.shape and bool(np.allclose(got, want, atol=tol, rtol=tol))
+    return got.shape == want.shape and bool(np.allclose(got, want, **allclose_args(dtype)))
 
 
 def cpu_reference(q, k, v, dout, idx, *, causal: bool):

@@ -11,7 +11,7 @@ and `scripts/stress_launch.py`, so "a clean job" and "the golden losses" mean on
 * Golden losses (`tests/golden/losses.json`) are keyed by config path (relative to the repo):
   `{"nproc", "steps", "overrides", "losses": {"1": ..., "2": ..., "4": ...}, "basis": {"1":
   [n, scale], ...}}`, read from each run's `metrics.jsonl`; `compare_losses` checks them with
-  the float32 rule of `tests/numerics.py`: step s may differ by `tolerance(n, scale, steps=s)`,
+  the float32 rule of `helpers.numerics`: step s may differ by `tolerance(n, scale, steps=s)`,
   n and scale being the reduction length and magnitude behind the golden loss
   (`numerics.metric_basis`: the target tokens and the loss; for DPO the answer tokens per pair
   and β·|log π|). The goldens were written on one machine; another CPU's kernels sum in
@@ -31,18 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_HERE = Path(__file__).resolve().parent
-for _path in (_HERE, _HERE.parent):  # launch (here), numerics (tests/)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+from flashcp.config import load_config
+from flashcp.launch import supervise
+from flashcp.launch.outcome import EXIT_LINE_RE
+from flashcp.metrics.writer import read_metrics
+from helpers import numerics
+from helpers.launch import MARKER_ENV, child_env
+from helpers.paths import ROOT
 
-from launch import MARKER_ENV, child_env  # noqa: E402
-
-import numerics  # noqa: E402
-from flashcp.launch import supervise  # noqa: E402
-from flashcp.launch.outcome import EXIT_LINE_RE  # noqa: E402
-
-ROOT = _HERE.parents[1]
 GOLDEN_FILE = ROOT / "tests" / "golden" / "losses.json"
 GOLDEN_STEPS = 4
 """Every golden job runs this many optimizer steps..."""
@@ -52,7 +48,8 @@ TOLERANCE_RULE = (
     "tests/numerics.py: |loss - golden| <= FACTOR * eps32 * sqrt(n) * scale * step, "
     "(n, scale) per step in `basis`"
 )
-"""What the golden file's `tolerance` field says (the rule lives in `tests/numerics.py`)."""
+"""What the golden file's `tolerance` field says (the rule lives in `helpers.numerics`; the text
+keeps the rule's old path so `tests/golden/losses.json` stays byte-identical)."""
 JOB_TIMEOUT = 180.0
 UPDATE_HINT = "run `python scripts/update_golden.py --write` and commit tests/golden/losses.json"
 
@@ -71,8 +68,6 @@ def discover_configs(root: Path = ROOT) -> list[str]:
 
 def world_size(config: str | Path) -> int:
     """The number of processes `flashcp train` launches for `config`."""
-    from flashcp.config import load_config
-
     return int(load_config(ROOT / config).parallel.world_size)
 
 
@@ -122,8 +117,6 @@ class JobRun:
 
     def losses(self) -> dict[int, float]:
         """Loss per step from `metrics.jsonl` (not grepped from a log)."""
-        from flashcp.metrics.writer import read_metrics
-
         return {int(r["step"]): float(r["loss"]) for r in read_metrics(self.out_dir)}
 
     def summary(self, tail: int = 30) -> str:
@@ -148,13 +141,13 @@ def job_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, st
     return env
 
 
-def flashcp_job(
-    config: str | Path, overrides: Sequence[str], marker: str, env: Mapping[str, str] | None = None
+def start_job(
+    cmd: Sequence[str], marker: str, env: Mapping[str, str] | None = None
 ) -> supervise.Job:
-    """Start `python -m flashcp train CONFIG OVERRIDES` in the repo root (its own session),
-    its output piped, everything it starts marked `FLASHCP_LAUNCH_ID=marker`."""
+    """Start `cmd` in the repo root (its own session), its output piped, everything it starts
+    marked `FLASHCP_LAUNCH_ID=marker`, `env` over the test job environment."""
     return supervise.Job.start(
-        [sys.executable, "-m", "flashcp", "train", str(config), *overrides],
+        list(cmd),
         job_env(marker, env),
         marker_env=MARKER_ENV,
         cwd=ROOT,
@@ -163,6 +156,14 @@ def flashcp_job(
         text=True,
         errors="replace",
     )
+
+
+def flashcp_job(
+    config: str | Path, overrides: Sequence[str], marker: str, env: Mapping[str, str] | None = None
+) -> supervise.Job:
+    """Start `python -m flashcp train CONFIG OVERRIDES` as a test job (`start_job`)."""
+    return start_job([sys.executable, "-m", "flashcp", "train", str(config), *overrides],
+                     marker, env)  # fmt: skip
 
 
 def start_flashcp(
@@ -253,8 +254,6 @@ def load_golden(path: Path = GOLDEN_FILE) -> dict[str, Any]:
 
 def dpo_beta(config: str | Path) -> float | None:
     """The config's DPO β (None for the LM recipes): it sets the scale of a DPO loss."""
-    from flashcp.config import load_config
-
     dpo = load_config(ROOT / config).extras.get("dpo")
     return None if dpo is None else float(dpo.beta)
 
@@ -263,8 +262,6 @@ def golden_entry(run: JobRun, steps: int = GOLDEN_STEPS) -> dict[str, Any]:
     """The golden record of a finished job at the check steps: losses and gradient norms, each
     with the rule's basis. The gradient norm is the stronger check (a label shift moves it by
     ~10x what it moves the loss, in the rule's units; `tests/unit/test_numerics.py`)."""
-    from flashcp.metrics.writer import read_metrics
-
     rows = {int(r["step"]): r for r in read_metrics(run.out_dir)}
     beta = dpo_beta(run.config)
     checked = [s for s in CHECK_STEPS if s in rows]
@@ -310,7 +307,7 @@ def compare_losses(
 ) -> list[str]:
     """Differences between a golden entry and a new one (empty when they agree).
 
-    Float32 runs are judged by the rule of `tests/numerics.py` with the golden's basis. `tol`
+    Float32 runs are judged by the rule of `helpers.numerics` with the golden's basis. `tol`
     is for a run in ANOTHER dtype (a bfloat16 GPU job against the float32 goldens), which that
     rule does not model: |loss - golden| <= tol · max(1, |golden|)."""
     if want is None:

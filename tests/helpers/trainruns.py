@@ -1,32 +1,83 @@
-"""Run one training config two ways for equivalence tests: in this process, or launched.
+"""Training runs in tests: a config fitted in this process (`fit`: the trainer, what `fit`
+returned, what it printed), the losses a run logged, and one config trained two ways for
+equivalence tests, in this process or launched.
 
 The tests of the trainer's layouts (`test_train_multiproc.py`, `test_train_pipeline.py`,
 `test_dpo_multiproc.py`) train the same config once here (the reference) and once under
 `paddle.distributed.launch`, then compare `metrics.jsonl` and the dumped gradients with
-`assert_training_matches` (the float32 rule of `tests/numerics.py`).
+`assert_training_matches` (the float32 rule of `helpers.numerics`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
-from launch import run_launch
+import paddle
 from safetensors.numpy import load_file
 
 from flashcp.checkpoint.checkpointer import GRADS_DIR
-from flashcp.config import load_config
+from flashcp.config import Config, load_config
 from flashcp.metrics.writer import read_metrics
+from flashcp.models import build_model
 from flashcp.trainer import Trainer
+from helpers import numerics
+from helpers.launch import run_launch
+from helpers.paths import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `numerics`
-import numerics  # noqa: E402
+TRAIN = ROOT / "src" / "flashcp" / "train.py"
 
-TRAIN = Path(__file__).resolve().parents[2] / "src" / "flashcp" / "train.py"
+
+class Fitted(NamedTuple):
+    """A config fitted in this process (unpacks as `trainer, result, out`)."""
+
+    trainer: Trainer
+    result: Any
+    """What `Trainer.fit` returned."""
+    out: str
+    """What the trainer printed."""
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The run's `metrics.jsonl` rows."""
+        return read_metrics(self.trainer.cfg.run.output_dir)
+
+
+def fit(cfg: Config, **trainer_kwargs: Any) -> Fitted:
+    """`Trainer(cfg, **trainer_kwargs).fit()` here, its output captured."""
+    out = io.StringIO()
+    trainer = Trainer(cfg, stream=out, **trainer_kwargs)
+    result = trainer.fit()
+    return Fitted(trainer, result, out.getvalue())
+
+
+def losses(run: str | Path | Config) -> list[float]:
+    """The loss of every step a run logged, in order; `run` is its directory or its config."""
+    directory = run.run.output_dir if isinstance(run, Config) else run
+    return [float(r["loss"]) for r in read_metrics(directory)]
+
+
+def nan_model(cfg: Config, at: int) -> paddle.nn.Layer:
+    """The configured model, but its output (final hidden states) becomes NaN on forward call
+    `at`: a model factory (`lambda c, s: nan_model(c, at=2)`) for the non-finite paths."""
+    model = build_model(cfg.model)
+    calls = [0]
+
+    def poison(_layer: Any, _inputs: Any, out: Any) -> Any:
+        calls[0] += 1
+        return out * float("nan") if calls[0] == at else out
+
+    model.register_forward_post_hook(poison)
+    return model
+
+
+Fit = Callable[..., Fitted]
+"""The type of the `fit` fixture."""
 
 
 def train_in_process(config: Path, out: Path, overrides: Sequence[str]) -> Path:
