@@ -41,7 +41,8 @@ def summarise(rows: list[dict]) -> tuple[dict, dict]:
     per_node: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     for r in rows:
         node = r.get("test", "") or "?"
-        test = node.split("::")[0].split("/")[-1]
+        # the file below its tier, e.g. `kernels/test_cpu_reference.py`, `test_jobs.py`
+        test = re.sub(r"^.*?tests/(unit|integration|hf)/", "", node.split("::")[0])
         what = re.sub(r" step \d+$", "", quantity(r["what"]))
         if what.startswith(NEGATIVE):
             seen = per_node[(test, what)]

@@ -13,5 +13,5 @@ table from their JSON. Each runs through a thin entry script next to this packag
 scripts/bench_dpo.py` runs `bench.dpo`), so the documented command lines stay; tests import
 the modules by name (`from bench import dpo`: pytest's `pythonpath` holds `scripts/`), never by
 file path, and nothing here imports from tests/ except through the test harness's launcher
-until `flashcp.launch` provides it (see tests/unit/test_bench_lib.py).
+until `flashcp.launch` provides it (see tests/unit/bench/test_lib.py).
 """

@@ -4,7 +4,7 @@ layout that wrote it: 2 launched ranks, one optimizer shard file each.
 Same layout, same operations in the same order: the resumed losses are bitwise the recorded
 ones when this machine's kernels reproduce the fixture's first steps bitwise (a fresh 2-rank
 run of its config shows it), else within the float32 rule of `helpers.numerics`. The
-one-process resumes and the negative controls are `tests/unit/test_resume_fixtures.py`.
+one-process resumes and the negative controls are `tests/unit/checkpoint/test_resume_fixtures.py`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ exactly that position, which pins the op's arity to the backend's argument count
 in a subprocess so that a crash fails the test instead of the test session.
 
 The FA4 backend calls the CuTe kernels of `paddlefleet_ops` (not on PyPI, not on CPU); its call
-layout is checked against upstream's signature in `test_kernel_backends.py`.
+layout is checked against upstream's signature in `test_backends.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GLM-4.5 MoE: routing (selection by score + bias, weights from raw sigmoid scores), k experts
 per token, shared experts always on, first-k dense layers, numpy reference, determinism.
 
-(The grouped expert compute against the old per-expert loop: `test_moe_grouped.py`.)"""
+(The grouped expert compute against the old per-expert loop: `test_moe_dispatch.py`.)"""
 
 from __future__ import annotations
 

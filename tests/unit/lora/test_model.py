@@ -117,7 +117,7 @@ def test_save_then_load_into_fresh_model(tmp_path) -> None:
 
 
 def test_moe_experts_can_be_targeted() -> None:
-    """Routed experts are one stacked layer per MoE block (more in test_lora_experts.py)."""
+    """Routed experts are one stacked layer per MoE block (more in test_experts.py)."""
     lora = apply_lora(_model("tiny_glm_moe"), rank=2, alpha=2, target_modules=[r".*mlp\.experts"])
     names = [n for n, _ in lora_layers(lora.model)]
     assert names == ["model.layers.1.mlp.experts"]

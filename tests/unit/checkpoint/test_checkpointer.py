@@ -1,7 +1,7 @@
 """`flashcp.checkpoint.Checkpointer` on its own, and the rule that it is the one reader/writer.
 
 The trainer-level behaviour (bitwise resume, layouts, LoRA exports) is tested through
-`Trainer.fit` elsewhere (`test_trainer_local.py`, `test_zero.py`, `test_resume_fixtures.py`,
+`Trainer.fit` elsewhere (`test_trainer.py`, `optim/test_zero.py`, `test_resume_fixtures.py`,
 the integration jobs); here: what `resume` returns, the files it refuses, and where in the
 source tree checkpoint files may be opened at all.
 """

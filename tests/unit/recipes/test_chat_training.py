@@ -53,7 +53,7 @@ def test_sft_on_messages_learns_and_reports_bad_records(
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(DEFAULT_VOCAB), abs=0.3)  # ~uniform at init
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.8, losses
-    # the targets are the assistant tokens only (their exact masks: tests/unit/test_chat_data.py)
+    # the targets are the assistant tokens only (their exact masks: tests/unit/data/test_chat.py)
     assert all(0 < m["targets"] < 0.75 * m["tokens"] for m in metrics)
     assert (
         f"1 bad record skipped: conversation does not end with an assistant turn ×1 "
