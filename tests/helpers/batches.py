@@ -1,5 +1,6 @@
-"""Model inputs for in-process tests of the decoder stack (recompute, offload, tiling, residual
-dtype, LoRA, parameter dtype): random token ids, their positions and a causal attention context."""
+"""Inputs for in-process tests: documents for the data pipeline (packing, CP sharding) and model
+inputs for the decoder stack (recompute, offload, tiling, residual dtype, LoRA, parameter dtype):
+random token ids, their positions and a causal attention context."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ import paddle
 
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
+from flashcp.data import Document
+
+
+def marked_documents(lengths: list[int], seed: int = 0) -> list[Document]:
+    """Documents of `lengths` random tokens (below 250) from `seed`; document i starts with the
+    marker token 1000 + i, which is no target (every other token is)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        tokens = rng.integers(0, 250, size=n).astype(np.int64)
+        tokens[0] = 1000 + i  # marks the start of document i
+        targets = np.ones(n, dtype=bool)
+        targets[0] = False
+        out.append(Document(tokens, targets))
+    return out
 
 
 def packed_batch(

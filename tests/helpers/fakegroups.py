@@ -1,5 +1,5 @@
 """Groups without processes: a fake `paddle.distributed.new_group` for the NCCL group-building
-path on CPU, and one rank's groups of an expert-parallel layout (no traffic)."""
+path on CPU, and one rank's groups of an expert-parallel or a pipeline layout (no traffic)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def ep_groups(ep_rank: int = 0, ep: int = 1) -> ParallelGroups:
     epg = NamedGroup("ep", ep_rank, 6, list(range(ep)), pg=None)
     world = NamedGroup("world", ep_rank, 0, list(range(ep)), pg=None)
     return ParallelGroups(dims, ep_rank, world, solo, solo, cp, "none", ep=epg)
+
+
+def pp_groups(pp: int, stage: int) -> ParallelGroups:
+    """Stage `stage`'s groups of a dp=1 pp=`pp` cp=1 layout, without any process group (the pp
+    group's backend is "none": used as is)."""
+    ranks = list(range(pp))
+    group = NamedGroup("pp", stage, 77, ranks, pg=None)  # backend "none": used as is
+    solo = NamedGroup("cp", 0, -1, [stage], pg=None)
+    dims = ParallelDims(dp=1, pp=pp, cp=1, world_size=pp)
+    return ParallelGroups(dims, stage, group, solo, group, solo, "none")

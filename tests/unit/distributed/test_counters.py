@@ -1,4 +1,5 @@
-"""flashcp's byte counters equal the bytes handed to the transport, call by call.
+"""flashcp's byte counters (`flashcp.distributed.counters`) equal the bytes handed to the transport,
+call by call; filtering and reset.
 
 `paddle.distributed.send` / `recv` / `all_gather` are replaced by in-process fakes (a rank of a
 4-rank group whose peers are simulated), and the benchmark worker's `TransportTap`
@@ -6,8 +7,7 @@
 filled (recv) or returned (all_gather). The counters must equal the tap exactly, and must
 follow the tensors that actually moved, not a formula of the input: when the peers' all-gather
 parts differ in size from this rank's input, the received count follows the parts. The real
-multi-process version of this check is `tests/integration/test_bench_cp_smoke.py` (cp 2 and 4).
-"""
+multi-process version of this check is `tests/integration/test_bench_cp_smoke.py` (cp 2 and 4)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 
 from bench.cp_worker import TransportTap
 from flashcp.distributed import (
+    CommStats,
     NamedGroup,
     all_gather_tensor,
     all_reduce_tensor,
@@ -29,6 +30,7 @@ from flashcp.distributed import (
     ring_shift,
 )
 from flashcp.distributed.collectives import nbytes
+from flashcp.distributed.counters import CommCounters
 from flashcp.distributed.p2p import recv_tensor, send_tensor
 
 ME, RANKS = 1, [0, 1, 2, 3]
@@ -167,3 +169,16 @@ def test_library_reduce_scatters_count_their_documented_model(
         assert _counted(group) == (2 * (p - 1) * total // p,) * 2
     assert tap.other_calls == 2 and tap.sent == tap.received == 0  # flagged as untapped
     assert synced, "the NCCL reduce-scatter did not wait on the device under the watchdog"
+
+
+def test_counters_filter_and_reset() -> None:
+    counters = CommCounters()
+    counters.record("all_gather", "cp[0,1]", sent=10, received=12)
+    counters.record("all_gather", "cp[0,1]", sent=10, received=12)
+    counters.record("all_reduce", "dp[0,2]", sent=4, received=4)
+    assert counters.total("all_gather") == CommStats(2, 20, 24)
+    assert counters.total(group="dp[0,2]") == CommStats(1, 4, 4)
+    assert counters.total() == CommStats(3, 24, 28)
+    assert set(counters.snapshot()) == {("all_gather", "cp[0,1]"), ("all_reduce", "dp[0,2]")}
+    counters.reset()
+    assert counters.total() == CommStats()

@@ -1,4 +1,5 @@
-"""A hung NCCL collective times out at the collective (issue 13 point 6), tested on CPU.
+"""The watchdog (`flashcp.distributed.watchdog`): deadlines, the timeout and its message; a hung
+NCCL collective times out at the collective (issue 13 point 6), tested on CPU.
 
 NCCL calls return once the collective is enqueued; Paddle's `task.wait()` (what `sync_op=True`
 runs) only orders the compute stream after the communication stream
@@ -6,20 +7,26 @@ runs) only orders the compute stream after the communication stream
 collectives therefore wait for the device with `paddle.device.synchronize()` inside the
 watched block. Here the NCCL side is faked: `paddle.distributed.*` return at once (enqueued)
 and `paddle.device.synchronize` stands for a GPU whose collective never completes, so the
-watchdog must fire, while armed, with the standard message naming the op, group and peers.
-"""
+watchdog must fire, while armed, with the standard message naming the op, group and peers."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import paddle
 import pytest
 
-from flashcp.distributed import collectives, p2p
-from flashcp.distributed.watchdog import Watchdog
+from flashcp.distributed import (
+    NamedGroup,
+    Watchdog,
+    collectives,
+    p2p,
+    resolve_timeout,
+    timeout_message,
+)
 
 
 class _PG:
@@ -115,3 +122,65 @@ def test_completed_nccl_collective_disarms(monkeypatch) -> None:
     out = collectives.all_gather_tensor(paddle.ones([2]), _Group("NCCL"), timeout=5)
     assert out.shape == [4] and fake.syncs == [1] and fake.fired == []
     assert fake.dog.pending == 0
+
+
+def test_watchdog_fires_with_message() -> None:
+    fired: list[str] = []
+    dog = Watchdog(on_expire=fired.append)
+    with dog.watch(0.05, "all_gather on group cp[0,1] timed out"):
+        deadline = time.monotonic() + 5
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert fired == ["all_gather on group cp[0,1] timed out"]
+    assert dog.pending == 0
+
+
+def test_watchdog_disarmed_block_does_not_fire() -> None:
+    fired: list[str] = []
+    dog = Watchdog(on_expire=fired.append)
+    with dog.watch(0.2, "slow"):
+        pass
+    token = dog.arm(10, "later")
+    time.sleep(0.3)
+    dog.disarm(token)
+    assert fired == [] and dog.pending == 0
+
+
+def test_watchdog_earliest_deadline_first() -> None:
+    fired: list[str] = []
+    dog = Watchdog(on_expire=fired.append)
+    dog.arm(0.3, "second")
+    dog.arm(0.05, "first")
+    deadline = time.monotonic() + 5
+    while len(fired) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired == ["first", "second"]
+
+
+def test_resolve_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLASHCP_COLLECTIVE_TIMEOUT", raising=False)
+    monkeypatch.delenv("FLASHCP_INIT_TIMEOUT", raising=False)
+    assert resolve_timeout() == 300.0
+    assert resolve_timeout(7) == 7.0
+    monkeypatch.setenv("FLASHCP_COLLECTIVE_TIMEOUT", "12.5")
+    monkeypatch.setenv("FLASHCP_INIT_TIMEOUT", "40")
+    assert resolve_timeout() == 12.5
+    assert resolve_timeout(init=True) == 40.0
+    monkeypatch.setenv("FLASHCP_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="FLASHCP_COLLECTIVE_TIMEOUT='soon' is not a number"):
+        resolve_timeout()
+    monkeypatch.setenv("FLASHCP_COLLECTIVE_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="must be > 0"):
+        resolve_timeout()
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        resolve_timeout(-1)
+
+
+def test_timeout_message_names_group_op_and_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    group = NamedGroup("cp", 0, 7, [0, 1], pg=None)
+    text = timeout_message("all_gather", group, 30)
+    assert text.startswith("[flashcp] all_gather on group cp[0,1] timed out after 30 s on rank 0")
+    assert "rank 1 may be dead" in text
+    wide = NamedGroup("dp", 0, 8, [0, 2, 4], pg=None)
+    assert "one of ranks 2, 4 may be dead" in timeout_message("barrier", wide, 1.5)
