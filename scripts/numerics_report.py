@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Summarise a `FLASHCP_NUMERICS_LOG` file: how close each equivalence test came to the rule.
 
-Every comparison made through `tests/helpers/numerics.py` while `FLASHCP_NUMERICS_LOG=path` is set
+Every comparison made through `scripts/bench/numerics.py` while `FLASHCP_NUMERICS_LOG=path` is set
 appends one JSON line (test, quantity, error, allowance, units). This prints, per test file and
 quantity, the number of comparisons and the largest error in units of the rule (which allows
 `FACTOR`), and, per negative control (wrong shard, label shift, ...), the weakest rejection:

@@ -1,14 +1,16 @@
 """Run a script on N CPU processes via `python -m paddle.distributed.launch`, safely: the test
 suite's defaults over the library's supervisor (`flashcp.launch.supervise`).
 
-`run_launch` is the one entry point integration tests (and `scripts/stress_groups.py`) use:
+`run_launch` is the one entry point integration tests use:
 
 * every process of the job (launcher and workers) carries a unique `FLASHCP_LAUNCH_ID` in its
-  environment (the suite's marker, apart from the `FLASHCP_JOB_ID` a `flashcp train` under test
-  gives its own job), so the job can be found and killed even though the launcher puts each
-  worker in its own session (`setsid`) - a hung job never outlives its timeout;
+  environment (the marker of `bench.jobs`, which starts the suite's `flashcp train` jobs, apart
+  from the `FLASHCP_JOB_ID` a `flashcp train` under test gives its own job), so the job can be
+  found and killed even though the launcher puts each worker in its own session (`setsid`) - a
+  hung job never outlives its timeout;
 * per-rank logs (`workerlog.<rank>`) and the launcher's own output are returned as text;
-* `tests/` first on `PYTHONPATH`, so a worker script imports `helpers` as the tests do;
+* `tests/` and `scripts/` first on `PYTHONPATH` (pytest's `pythonpath`), so a worker script
+  imports `helpers` and `bench` as the tests do;
 * `OMP_NUM_THREADS=1` per process, so N workers do not oversubscribe the cores, and no
   `PADDLE_*` / `MASTER_*` variable of a surrounding job is inherited;
 * the launcher draws its ports (`PORT_RANGE`) from a lease (`flashcp.distributed.ports`) held
@@ -24,13 +26,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from bench.jobs import MARKER_ENV, launch_env
 from flashcp.launch import supervise
 from flashcp.launch.supervise import LaunchResult
-from helpers.paths import TESTS
-
-MARKER_ENV = "FLASHCP_LAUNCH_ID"
-INHERITED = ("PADDLE_", "MASTER_")
-"""Environment prefixes a test job never inherits (wider than the library's default)."""
+from helpers.paths import ROOT, TESTS
 
 
 def resolve_script(script_or_module: str | os.PathLike[str]) -> Path:
@@ -48,13 +47,12 @@ def resolve_script(script_or_module: str | os.PathLike[str]) -> Path:
 
 
 def child_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This environment minus any surrounding job's identity, marked, one thread per process,
-    `tests/` first on `PYTHONPATH` (workers import `helpers` as the tests do), plus `extra`."""
+    """`bench.jobs.launch_env` (marked, one thread per process, no surrounding job's identity)
+    with `tests/` and `scripts/` first on `PYTHONPATH` (workers import `helpers` and `bench` as
+    the tests do), plus `extra`."""
     inherited = os.environ.get("PYTHONPATH")
-    path = os.pathsep.join([str(TESTS), *([inherited] if inherited else [])])
-    own = {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    return supervise.job_env(marker, marker_env=MARKER_ENV, drop=INHERITED,
-                             extra={**own, **(extra or {})})  # fmt: skip
+    path = os.pathsep.join([str(TESTS), str(ROOT / "scripts"), *([inherited] if inherited else [])])
+    return launch_env(marker, {"PYTHONPATH": path, **(extra or {})})
 
 
 def marked_pids(marker: str) -> list[int]:

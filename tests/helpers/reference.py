@@ -3,15 +3,15 @@
 `softmax(Q·Kᵀ·scale + M)·V` with M = −inf where `flashcp.masks.to_dense` says masked, and its
 gradients written out by hand, one head at a time. Fully masked rows give zero output and
 gradients, and LSE −inf. `compare_attention` measures float32 results against it under the
-rule of `helpers.numerics`.
+rule of `bench.numerics`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from bench import numerics
 from flashcp import masks
-from helpers import numerics
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 

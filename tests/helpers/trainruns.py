@@ -5,7 +5,7 @@ equivalence tests, in this process or launched.
 The tests of the trainer's layouts (`test_train_multiproc.py`, `test_train_pipeline.py`,
 `test_dpo_multiproc.py`) train the same config once here (the reference) and once under
 `paddle.distributed.launch`, then compare `metrics.jsonl` and the dumped gradients with
-`assert_training_matches` (the float32 rule of `helpers.numerics`).
+`assert_training_matches` (the float32 rule of `bench.numerics`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 import paddle
 from safetensors.numpy import load_file
 
+from bench import numerics
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import Config, load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model
 from flashcp.trainer import Trainer
-from helpers import numerics
 from helpers.launch import run_launch
 from helpers.paths import ROOT
 

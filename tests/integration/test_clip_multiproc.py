@@ -6,7 +6,7 @@ bitwise-resume test caught it. Now one norm is logged and clips (`flashcp.optim.
 test checks it directly (`workers/clip_worker.py`): at ep = 2 (× cp = 2), with `ParamOptimizer`
 and with the ZeRO-1 `MasterOptimizer`, the norm and the parameters after a clipped and an
 unclipped step equal one process's — Paddle's AdamW with Paddle's own clip on the whole model —
-under the float32 rule of `helpers.numerics`; the same optimizers with the ep sum left out of
+under the float32 rule of `bench.numerics`; the same optimizers with the ep sum left out of
 their norm (the mutant) must FAIL both comparisons by far.
 """
 

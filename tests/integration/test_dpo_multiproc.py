@@ -6,7 +6,7 @@ same config trained in this process with pp = cp = 1:
 
 * DPO + LoRA, CP = 2: the per-answer log-prob sums are partial per cp rank and all-reduced
   (identity backward) before the loss: losses, rewards and adapter gradients within the float32
-  rule of `helpers.numerics` (the rewards are β × small differences of answer log-prob sums
+  rule of `bench.numerics` (the rewards are β × small differences of answer log-prob sums
   over ~50 tokens, so their allowance scales with β·|log π|, not with the reward); DP = 2 too;
 * DPO + LoRA, PP = 2, and DPO with a frozen reference copy, PP = 2: the reference pass streams
   forward through the pipeline, the losses run on the last stage, each stage runs the
@@ -26,11 +26,11 @@ import numpy as np
 import paddle
 import pytest
 
+from bench import numerics
+from bench.jobs import dpo_beta, run_flashcp
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model
-from helpers import numerics
-from helpers.jobs import dpo_beta, run_flashcp
 from helpers.paths import CONFIGS, ROOT
 from helpers.trainruns import (
     assert_training_matches,

@@ -6,7 +6,7 @@ each launched job splits the routed experts over ep ranks carved from dp × cp (
 stages), sends the tokens to their experts and back (all-to-all over ordered gloo send/recv),
 sums expert gradients over the ranks holding the same experts only, and dumps the stage's
 summed gradients with the experts gathered whole. Compared with `assert_training_matches`
-(the float32 rule of `helpers.numerics`: losses, gradient norms, every gradient norm-wise):
+(the float32 rule of `bench.numerics`: losses, gradient norms, every gradient norm-wise):
 
 * EP = 2 × CP = 2 (2 processes), EP = 4 over DP = 2 × CP = 2 (4 processes), and PP = 2 × CP = 2
   × EP = 2 (4 processes, DPO with LoRA adapters on the attention AND the routed experts, the
@@ -34,8 +34,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from bench import moe as bench
+from bench import numerics
 from flashcp.metrics.writer import read_metrics
-from helpers import numerics
 from helpers.launch import run_launch
 from helpers.paths import ROOT
 from helpers.trainruns import (

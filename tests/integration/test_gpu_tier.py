@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import jobs
 from flashcp.attention.registry import MODES
 from flashcp.metrics.writer import read_metrics
-from helpers import jobs
 from helpers.gpu import BF16_LOSS_RTOL, SKIP_NO_GPU, gpu_count
 from helpers.launch import run_launch
 

@@ -5,7 +5,7 @@ runs with its own dp×pp×cp processes over gloo on CPU, deterministic, for 4 st
 exit 0, every rank must report `exit 0` after tearing its process groups down, no log may hold
 abort/assertion/crash text, no process may be left behind, and the losses at steps 1, 2 and 4
 (read from `metrics.jsonl`) must match `tests/golden/losses.json` within the float32 rule of
-`helpers.numerics` (the goldens were written on one CPU; another sums in another order). A
+`bench.numerics` (the goldens were written on one CPU; another sums in another order). A
 config without a golden entry FAILS, naming `scripts/update_golden.py`.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import jobs
+from bench import jobs
 
 pytestmark = pytest.mark.integration
 

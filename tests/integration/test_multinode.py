@@ -21,10 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flashcp.distributed import ports
-from flashcp.launch import supervise
-from flashcp.metrics.writer import read_metrics
-from helpers.jobs import (
+from bench.jobs import (
     BAD_LOG,
     ROOT,
     JobRun,
@@ -38,6 +35,9 @@ from helpers.jobs import (
     run_flashcp,
     start_flashcp,
 )
+from flashcp.distributed import ports
+from flashcp.launch import supervise
+from flashcp.metrics.writer import read_metrics
 from helpers.launch import MARKER_ENV
 
 pytestmark = pytest.mark.integration

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench import jobs
 from flashcp.metrics.writer import read_metrics
-from helpers import jobs
 from helpers.paths import ROOT
 from helpers.trainruns import load_grads, train_in_process, train_launched
 

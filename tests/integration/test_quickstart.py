@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.jobs import leftover_after, run_flashcp, start_job
 from flashcp.metrics.writer import read_metrics
-from helpers.jobs import leftover_after, run_flashcp, start_job
 from helpers.launch import run_launch
 from helpers.paths import ROOT
 

@@ -3,7 +3,7 @@ layout that wrote it: 2 launched ranks, one optimizer shard file each.
 
 Same layout, same operations in the same order: the resumed losses are bitwise the recorded
 ones when this machine's kernels reproduce the fixture's first steps bitwise (a fresh 2-rank
-run of its config shows it), else within the float32 rule of `helpers.numerics`. The
+run of its config shows it), else within the float32 rule of `bench.numerics`. The
 one-process resumes and the negative controls are `tests/unit/checkpoint/test_resume_fixtures.py`.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import numerics
 from flashcp.metrics.writer import read_metrics
-from helpers import numerics
 from helpers.paths import FIXTURES
 from helpers.trainruns import train_launched
 

@@ -9,7 +9,7 @@
 * GLM-4 dense, CP = 2, refined recompute, tiles and chunks.
 
 Losses, gradient norms (and DPO rewards) and every gradient within the float32 rule of
-`helpers.numerics` (`trainruns.assert_training_matches`).
+`bench.numerics` (`trainruns.assert_training_matches`).
 """
 
 from __future__ import annotations

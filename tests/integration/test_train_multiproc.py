@@ -4,7 +4,7 @@ The single-process reference trains `configs/gpt/tiny_cp2.yaml` with `parallel.c
 process; each launched job runs the same model on the same data with another layout and dumps
 its summed gradients every step (`debug.dump_grads`). Another layout sums in another order, so
 losses, gradient norms and gradients (norm-wise) must agree within the float32 rule of
-`helpers.numerics` (reduction over the step's target tokens, growing with the step); the
+`bench.numerics` (reduction over the step's target tokens, growing with the step); the
 token counts exactly. Resuming in the SAME layout repeats the same operations in the same
 order: bitwise.
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import numerics
+from bench.jobs import flashcp_job, start_flashcp
 from flashcp.launch.supervise import alive
 from flashcp.metrics.writer import read_metrics
-from helpers import numerics
-from helpers.jobs import flashcp_job, start_flashcp
 from helpers.launch import kill_marked, marked_pids
 from helpers.paths import CONFIGS
 from helpers.trainruns import assert_training_matches, losses, train_in_process, train_launched

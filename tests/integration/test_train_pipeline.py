@@ -11,7 +11,7 @@ gradients every step (`debug.dump_grads`: `grads/step_N.stageS.safetensors`).
   single-process arithmetic (`flashcp.optim.clip`), so losses, gradient norms and gradients
   are BITWISE equal, clipping active;
 * PP = 2 × CP = 2 (tiny GLM, tied embeddings, uneven split [1, 2], GPipe): within the float32
-  rule of `helpers.numerics` (CP reorders sums; the tied matrix adds the two stages'
+  rule of `bench.numerics` (CP reorders sums; the tied matrix adds the two stages'
   gradients once per step);
 * resuming PP = 2 in the same layout repeats the same operations: bitwise.
 """

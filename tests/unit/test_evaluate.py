@@ -3,7 +3,7 @@
 * The eval loss equals an independent computation: the trained model's full float32 logits on
   the same eval sequences, `paddle.nn.functional.cross_entropy` summed and divided by the
   target count (no chunked head, no recipe code) — within the float32 rule of
-  `helpers.numerics`; the stale model's eval (one step earlier) is rejected by that rule.
+  `bench.numerics`; the stale model's eval (one step earlier) is rejected by that rule.
 * DPO: eval loss, rewards and accuracy equal `dpo_terms` on `answer_logps` of the policy
   (LoRA adapters on) and the reference (adapters off), batch by batch.
 * Training is bitwise the same with and without eval (losses and gradient norms), also with
@@ -24,6 +24,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from bench import numerics
 from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
 from flashcp.data.dataset import read_records
@@ -34,7 +35,6 @@ from flashcp.metrics.writer import read_metrics
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMData
 from flashcp.trainer import Trainer
-from helpers import numerics
 from helpers.configs import TINY_GLM, TINY_LM, Sections, TinyCfg, merged, tiny_config
 from helpers.paths import ROOT
 from helpers.trainruns import Fit

@@ -14,6 +14,7 @@ import paddle
 import pytest
 from safetensors.numpy import load_file
 
+from bench import numerics
 from flashcp import cli, dispatch
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
@@ -23,7 +24,6 @@ from flashcp.metrics.writer import read_metrics
 from flashcp.models import estimate_parameters
 from flashcp.optim.lr import build_scheduler, lr_at
 from flashcp.trainer import NonFiniteError, Trainer
-from helpers import numerics
 from helpers.configs import TinyCfg, tiny_config
 from helpers.trainruns import Fit, losses, nan_model
 
@@ -113,7 +113,7 @@ def test_grad_accumulation_matches_one_big_batch(
     tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
 ) -> None:
     """2 micro-batches of 1 row accumulated == 1 micro-batch of 2 rows: the same sums in
-    another order, so within the float32 rule of `helpers.numerics` (not bitwise)."""
+    another order, so within the float32 rule of `bench.numerics` (not bitwise)."""
     debug = {"dump_grads": True}
     big = tiny_cfg(tmp_path / "big", train={"steps": 2}, debug=debug)
     acc = tiny_cfg(

@@ -13,7 +13,7 @@ parity test let through while the logged norm came from another code path).
 
 Reference, in every rank, without groups: the whole model under Paddle's AdamW with Paddle's
 own `ClipGradByGlobalNorm`; its norms the float64 norms of the full gradients. Each rank writes
-`<out>/rank<r>.json`: per run, the comparisons (the rule of `helpers.numerics`) of the two
+`<out>/rank<r>.json`: per run, the comparisons (the rule of `bench.numerics`) of the two
 logged norms and of the parameters after the two steps (this rank's rows of the experts).
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import paddle
 
+from bench.numerics import compare
 from flashcp.config import TrainConfig
 from flashcp.distributed import (
     ParallelDims,
@@ -40,7 +41,6 @@ from flashcp.distributed import (
 )
 from flashcp.optim import zero
 from flashcp.optim.clip import GlobalNorm
-from helpers.numerics import compare
 
 TOTAL, HELD = 4, 2
 SHAPES = {"w": [8, 5], "b": [5], "experts.gate": [TOTAL, 6, 3], "experts.down": [TOTAL, 3, 6]}

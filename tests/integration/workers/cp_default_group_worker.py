@@ -8,7 +8,7 @@ the world group the call uses).
 
 Per rank and mask family (causal documents, bidirectional documents), in the default
 dual-chunk layout over all ranks, it compares the output, LSE, dq, dk and dv with the dense
-float64 reference's rows at this rank's positions under the float32 rule of `helpers.numerics`
+float64 reference's rows at this rank's positions under the float32 rule of `bench.numerics`
 (`reference.compare_attention`, n = the global sequence). Negative controls: another rank's
 rows fail that comparison by a wide margin,
 and the pre-fix reading of `group=None` (one rank) refuses the same call. The same mask in
@@ -28,6 +28,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from bench.numerics import FACTOR
 from flashcp import masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.cp.layout import (
@@ -47,7 +48,6 @@ from flashcp.distributed import (
     world_group,
 )
 from helpers.maskcases import overshoot
-from helpers.numerics import FACTOR
 from helpers.reference import compare_attention, dense_reference
 
 B, HQ, HKV, D = 1, 2, 1, 8

@@ -3,7 +3,7 @@
 Run under `paddle.distributed.launch` with N processes. For every mask family (and per-head
 variants), every CP mode, it shards global q/k/v/dout, runs `flashmask_attention_cp` forward and
 backward, and compares this rank's output, LSE, dq, dk and dv with the dense float64
-reference's rows at this rank's global positions under the float32 rule of `helpers.numerics`
+reference's rows at this rank's global positions under the float32 rule of `bench.numerics`
 (`reference.compare_attention`, n = the global `seq`: the allowance is the single-process
 one). It also
 checks that the comparison fails against another rank's rows by a wide margin (the tolerance
@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from bench.numerics import FACTOR
 from flashcp import masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.registry import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned
 from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown
-from helpers.numerics import FACTOR
 from helpers.reference import compare_attention, dense_reference
 
 WRONG_MARGIN = 10.0

@@ -6,7 +6,7 @@ counts its calls; nothing in `src/` names it. The context carries only the group
 name: the registry makes the layout and picks the implementation. GLM-4 tiny, recompute none
 and refined: this rank's hidden states must equal the single-process ones at its global
 positions, and the parameter gradients summed over the group the single-process gradients,
-within the float32 rule of `helpers.numerics`; another rank's rows (a wrong shard) must miss
+within the float32 rule of `bench.numerics`; another rank's rows (a wrong shard) must miss
 by a wide margin. Results go to `<out>/rank<r>.json`; a mismatch raises.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import paddle
 
+from bench.numerics import FACTOR, compare
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.allgather_kv import AllGatherKV
@@ -34,7 +35,6 @@ from flashcp.distributed import (
     shutdown,
 )
 from flashcp.models import build_model, preset
-from helpers.numerics import FACTOR, compare
 
 B, S, VOCAB, LAYERS = 2, 32, 260, 2
 MODE = "reversed_contiguous"

@@ -1,7 +1,7 @@
 """Worker: expert parallelism's pieces on N gloo processes (N odd exercises the pair links).
 
 Run under `paddle.distributed.launch` (layout dp=1, pp=1, cp=N, ep=N). Checks, each exactly or
-under the float32 rule of `helpers.numerics`, and writes `<out>/rank<r>.json`:
+under the float32 rule of `bench.numerics`, and writes `<out>/rank<r>.json`:
 
 * `all_to_all`: rank r sends `(r + 2j) mod 3` rows to rank j (empty blocks included), every
   value encoding (source, destination, row): the received blocks are exactly the expected
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from bench.numerics import compare
 from flashcp.distributed import (
     ParallelDims,
     all_reduce_tensor,
@@ -39,7 +40,6 @@ from flashcp.distributed import (
 from flashcp.models import preset
 from flashcp.models.expert_parallel import attach_exchange, expert_range
 from flashcp.models.moe import MoE
-from helpers.numerics import compare
 
 EXPERTS, TOP_K, H, INTER, TOKENS = 6, 2, 16, 8, 40
 

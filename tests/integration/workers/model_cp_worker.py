@@ -3,7 +3,7 @@
 For GPT, GLM-4 and GLM-4.5-MoE, every CP mode and every recompute mode, this rank's logits
 must equal the single-process logits at its global positions, and the parameter gradients
 (summed over the CP group) must equal the single-process gradients, within the float32 rule of
-`helpers.numerics` (logits: reductions over the S keys, scale max |logit|; gradients
+`bench.numerics` (logits: reductions over the S keys, scale max |logit|; gradients
 norm-wise, a sum over the target tokens). The loss is normalised by the GLOBAL count of target
 tokens and labels are shifted on the full sequence before sharding, as the trainer does.
 
@@ -23,6 +23,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from bench.numerics import FACTOR, compare, labels_shifted_after_sharding
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import MODES, make_assignment
@@ -35,7 +36,6 @@ from flashcp.distributed import (
     shutdown,
 )
 from flashcp.models import build_model, preset
-from helpers.numerics import FACTOR, compare, labels_shifted_after_sharding
 
 B, S, VOCAB = 2, 32, 260
 ARCHS = ("tiny", "tiny_glm", "tiny_glm_moe")

@@ -18,7 +18,7 @@ same name (the PP = 1 one without CP; the CP-only one with CP, i.e. before any c
 and the micro-batch losses and step loss (summed over the pp group as the trainer does) are
 bitwise equal (same operations, same order: bitwise by construction); with CP the gradients
 summed over the cp group and the loss summed over cp match the PP = 1, CP = 1 reference
-within the float32 rule of `helpers.numerics` (CP changes the summation order inside
+within the float32 rule of `bench.numerics` (CP changes the summation order inside
 attention and across the sequence; gradients norm-wise, n = the step's target tokens). A tied
 embedding/head matrix is compared under the same rule: one process adds its embedding and head
 gradients per micro-batch, the pipeline adds the two stages' totals once. Negative control
@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from bench.numerics import FACTOR, compare, labels_shifted_after_sharding
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import make_assignment
@@ -62,7 +63,6 @@ from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.pipeline.stage import build_stage
 from flashcp.recipes.base import normalised
 from flashcp.recipes.lm import LMRecipe
-from helpers.numerics import FACTOR, compare, labels_shifted_after_sharding
 
 B, S, VOCAB = 2, 32, 260
 MODE = "dualchunk_allgather"

@@ -44,7 +44,7 @@ def test_single_rank_matches_dense(family: str, mode: str) -> None:
     mask = masks.FAMILIES[family](B, S, 1, 3)
     got = _run(q, k, v, dout, mask.indices, mask.causal, mode=mode)
     want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
-    bad = [c.describe() for c in compare_attention(got, want) if not c.ok]  # helpers.numerics
+    bad = [c.describe() for c in compare_attention(got, want) if not c.ok]  # bench.numerics
     assert not bad, "\n".join(bad)
 
 

@@ -1,6 +1,6 @@
 """Chunked all-gather-KV attention (`attention.query_chunk` / `attention.kv_chunk`) in one
 process: the same attention as the unchunked implementation and the dense float64 oracle,
-within `helpers.numerics`'s rule, for every mask family and chunk shapes that do and do not
+within `bench.numerics`'s rule, for every mask family and chunk shapes that do and do not
 divide the sequence; the LSE merge exactly (and a merge without the LSE rescale rejected);
 rows without keys under both kernel conventions (-inf CPU / FA4, +inf FA2 / FA3); the model
 under every recompute mode and with tiling; the registry cut and the config's refusals.
@@ -16,6 +16,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from bench import numerics
 from flashcp import masks
 from flashcp.attention import allgather_kv_chunked as chunked
 from flashcp.attention import registry
@@ -27,7 +28,6 @@ from flashcp.cp.layout import Assignment, chunk_bounds
 from flashcp.cp.rebase import rebase_rows, rebase_thresholds
 from flashcp.kernels.registry import get_backend
 from flashcp.models import build_model, preset
-from helpers import numerics
 from helpers.paths import ROOT
 from helpers.reference import compare_attention, dense_reference
 

@@ -18,6 +18,7 @@ import numpy as np
 import paddle
 import pytest
 
+from bench import numerics
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.allgather_kv import ALLGATHER_KV, AllGatherKV
@@ -26,7 +27,6 @@ from flashcp.attention.local import LOCAL
 from flashcp.config import build_config
 from flashcp.cp.layout import Assignment
 from flashcp.models import build_model, preset
-from helpers import numerics
 
 B, S = 2, 32
 

@@ -5,7 +5,7 @@ metrics of the same config trained without interruption (`tests/fixtures/make_ch
 says how both were made). Resuming the copied run directory must reproduce the recorded steps
 after the checkpoint: bitwise when this machine's kernels reproduce the fixture's own first
 steps bitwise (same ops, same order, same CPU kernels) and the layout is the one that wrote it;
-else within the float32 rule of `helpers.numerics`. A negative control perturbs one saved
+else within the float32 rule of `bench.numerics`. A negative control perturbs one saved
 tensor (checksums rewritten, so the checkpoint loads) and the comparison must reject the run.
 The cp = 2 fixture resumes here in one process (another layout: the rule); its same-layout,
 bitwise resume is `tests/integration/test_resume_fixture_cp2.py`.
@@ -25,10 +25,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from bench import numerics
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import Trainer
-from helpers import numerics
 from helpers.paths import FIXTURES
 
 CHECKPOINTS = FIXTURES / "checkpoints"

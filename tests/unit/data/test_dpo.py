@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import numerics
 from flashcp.data.dpo import (
     DEFAULT_DPO_DATA,
     IGNORE_INDEX,
@@ -26,7 +27,6 @@ from flashcp.data.dpo import (
 from flashcp.masks import causal_mask, to_dense
 from flashcp.models import build_model, preset
 from flashcp.recipes.dpo_loss import answer_logps
-from helpers import numerics
 
 BOS, EOS, PAD = 256, 257, 258
 
@@ -192,7 +192,7 @@ def test_unpacked_baseline_layout_and_buckets() -> None:
 
 
 def _answer_units(got, want, lengths, what: str = "answer log-prob sum") -> float:
-    """The largest per-answer error in units of the rule (`helpers.numerics`): each sum is a
+    """The largest per-answer error in units of the rule (`bench.numerics`): each sum is a
     reduction over its answer's tokens, scale = its |log-prob sum| (one sign throughout)."""
     return max(
         numerics.compare(g, w, n=max(int(n), 1), what=what).units

@@ -4,7 +4,7 @@ The oracle here is written independently of the kernel: a dense `softmax(Q Káµ€Â
 per head in float64, with M from `masks.to_dense`, and hand-derived gradients (themselves
 cross-checked once against Paddle autograd). Every mask family, GQA/MQA, per-head masks,
 Sq != Sk, odd sizes and small tile sizes are compared for float32 inputs under the float32
-rule of `helpers.numerics` (reductions over the query / key / head dimension, scale = each
+rule of `bench.numerics` (reductions over the query / key / head dimension, scale = each
 array's max |value|); float64 inputs to 1e-12.
 """
 
@@ -18,16 +18,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench import numerics
 from flashcp import dispatch, masks
 from flashcp.attention import interface, local
 from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import CpuReferenceBackend, registry
 from flashcp.kernels.cpu_plan import TilePlan, head_units
-from helpers import numerics
 from helpers.maskcases import overshoot
 from helpers.reference import NAMES, compare_attention, dense_reference
 
-pytestmark = pytest.mark.equivalence  # float32 kernel vs the float64 oracle (helpers.numerics)
+pytestmark = pytest.mark.equivalence  # float32 kernel vs the float64 oracle (bench.numerics)
 
 BLOCKS = [(16, 16), (32, 8)]  # (block_q, block_k): neither divides the odd sizes used
 
@@ -73,7 +73,7 @@ def run_front_door(q, k, v, dout, idx, *, causal, scale=None, **kwargs):
 
 
 def assert_matches(got, want, label: str = ""):
-    """float32 kernel results vs the float64 oracle under the rule of `helpers.numerics`
+    """float32 kernel results vs the float64 oracle under the rule of `bench.numerics`
     (`reference.compare_attention`)."""
     for name, a in zip(NAMES, got, strict=True):
         assert not np.isnan(a).any(), f"{name} has NaN"

@@ -22,6 +22,7 @@ import numpy as np
 import paddle
 import pytest
 
+from bench import numerics
 from flashcp.attention.context import AttentionContext
 from flashcp.config import ConfigValidationError, TrainConfig, build_config
 from flashcp.data.dpo import DPOExample, pack_dpo
@@ -41,7 +42,6 @@ from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.base import normalised
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMRecipe, summed_cross_entropy
-from helpers import numerics
 from helpers.configs import TINY_GLM_ACCUM, tiny_config
 from helpers.trainruns import fit
 
@@ -53,7 +53,7 @@ target): the head's weight gradient is summed chunk by chunk, and the BLAS kerne
 rows of a short matrix (d hidden = d logits · W of one chunk) differently from those of the
 whole one; under the second test pass's kernels (`MKL_DEBUG_CPU_TYPE=5
 OPENBLAS_CORETYPE=Haswell`, `scripts/test.sh`) the worst is 3.8e-7. This is the issue's bound,
-17x tighter than the portable rule of `helpers.numerics` at these sizes (16·eps32·√80 = 1.7e-5)
+17x tighter than the portable rule of `bench.numerics` at these sizes (16·eps32·√80 = 1.7e-5)
 because the two paths share every operation but the chunking. Tiny chunks of 4 rows reach 8.5e-7
 on a cancelling gradient (a key-projection bias, zero in exact arithmetic), so the tests use
 realistic chunk sizes. The planted bugs move the loss by > 1e-3."""
@@ -393,7 +393,7 @@ def test_trainer_losses_equal_unchunked(
 ) -> None:
     """The recipes read `train.loss_chunk_tokens`: 3 optimizer steps chunked (16 tokens, so
     several chunks per micro-batch) and unchunked give the same losses — step 1 bitwise, later
-    steps within the float32 rule of `helpers.numerics` (the gradients differ by summation
+    steps within the float32 rule of `bench.numerics` (the gradients differ by summation
     order, ~3e-7 relative, and the optimizer carries that into the next losses)."""
     sizes: list[int] = []
     real = head_mod.chunk_bounds

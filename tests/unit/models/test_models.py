@@ -9,6 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
+from bench import numerics
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.context import AttentionContext
@@ -22,7 +23,6 @@ from flashcp.models import (
 from flashcp.models.glm import GLMDecoderLayer
 from flashcp.models.layers import apply_rotary, rotary_tables
 from flashcp.models.moe import MoE
-from helpers import numerics
 
 ARCH_PRESETS = ["tiny", "tiny_glm", "tiny_glm_moe"]
 B, S = 2, 32
@@ -221,7 +221,7 @@ def test_forced_cp_path_single_rank_matches(monkeypatch: pytest.MonkeyPatch) -> 
     plain = model(_ids(), _pos(B, 0, S), ctx).numpy()
     monkeypatch.setattr(cp_modes, "implementation_for", lambda c: cp_modes.implementation(c.mode))
     cp = model(_ids(), _pos(B, 0, S), ctx).numpy()
-    numerics.assert_close(cp, plain, n=S, what="cp path logits")  # helpers.numerics
+    numerics.assert_close(cp, plain, n=S, what="cp path logits")  # bench.numerics
 
 
 def test_input_errors() -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
+from bench import numerics
 from bench.moe_loop import LoopMoE
 from flashcp.distributed import Exchange
 from flashcp.distributed.groups import NamedGroup
@@ -20,7 +21,6 @@ from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import LAYOUTS, plan_layout
 from flashcp.models.moe import MoE, Routing
 from flashcp.models.moe_dispatch import build_dispatch, capacity_for, combine, permute, relayout
-from helpers import numerics
 from helpers.moe_reference import routed_reference
 
 H = 32

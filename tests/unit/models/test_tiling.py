@@ -2,7 +2,7 @@
 
 The tiled layer equals the untiled one: forward outputs row for row (bitwise wherever the
 BLAS kernel computes a row the same way for the tile's row count, which the test probes on
-the spot; else within `helpers.numerics`'s rule), weight and input gradients within the rule
+the spot; else within `bench.numerics`'s rule), weight and input gradients within the rule
 (their sums over tokens run tile by tile). Every recompute mode, every architecture (MoE with
 its router per tile), LoRA adapters inside the tiled projections, the CP machinery at one
 rank. LoRA dropout: each tile's replay reuses the mask its forward drew — checked against
@@ -19,6 +19,7 @@ import paddle.nn.functional as F
 import pytest
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
+from bench import numerics
 from flashcp.attention import registry as cp_modes
 from flashcp.config import ConfigValidationError, build_config, load_config
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
@@ -29,7 +30,6 @@ from flashcp.models import tiling as tiling_mod
 from flashcp.models.moe import MoE
 from flashcp.models.tiling import check_tile_tokens, tiled
 from flashcp.parallelize import apply_tiling, parallelize
-from helpers import numerics
 from helpers.batches import packed_batch
 from helpers.paths import CONFIGS
 

@@ -56,7 +56,7 @@ def test_dpo_learns_the_builtin_set_and_logs_rewards(
     assert second < first - 0.05, (first, second)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
         assert key in records[-1]
-    # the policy's mean answer log-prob sums (tolerance scale of the rewards, helpers.numerics)
+    # the policy's mean answer log-prob sums (tolerance scale of the rewards, bench.numerics)
     assert all(r["logps/chosen"] < 0 and r["logps/rejected"] < 0 for r in records)
     assert records[0]["rewards/margin"] == 0.0 and records[0]["rewards/accuracy"] == 0.0
     assert np.mean([r["rewards/accuracy"] for r in records[25:]]) > 0.7

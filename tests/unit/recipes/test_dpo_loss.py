@@ -10,11 +10,11 @@ import paddle.nn.functional as F
 import pytest
 from paddleformers.nn.criterion import dpo_loss as pf_dpo
 
+from bench import numerics
 from flashcp.cp.layout import Assignment, assigned_positions, shard_assigned
 from flashcp.data.dpo import DPOExample, pack_dpo
 from flashcp.models import token_logprobs
 from flashcp.recipes.dpo_loss import dpo_loss, sequence_logps
-from helpers import numerics
 
 
 def _logps(seed: int = 0, n: int = 8) -> list[paddle.Tensor]:
@@ -161,7 +161,7 @@ def test_sequence_logps_cp_shards_add_up() -> None:
         local = shard_assigned(token_lp, rank, assignment, axis=1)
         cols = assigned_positions(seq, rank, assignment)
         parts.append(sequence_logps(local, batch.spans, columns=cols))
-    # the same token sums split in two: the float32 rule (helpers.numerics), n = the row,
+    # the same token sums split in two: the float32 rule (bench.numerics), n = the row,
     # scale = |sum| (the log-probs all share a sign)
     numerics.assert_close(sum(p[0].numpy() for p in parts), full_c.numpy(), n=seq, what="c")
     numerics.assert_close(sum(p[1].numpy() for p in parts), full_r.numpy(), n=seq, what="r")

@@ -37,7 +37,7 @@ The rule: a float32 quantity produced by reducing `n` terms of total magnitude `
 What `n` and `scale` are, per quantity (helpers below): a loss that is a mean over T target
 tokens: n = T, scale = the loss; a gradient (compared norm-wise, ‖Δ‖₂): n = T, scale = its
 norm; a DPO loss or reward: n = answer tokens per example, scale = β·(|log π(chosen)| +
-|log π(rejected)|); attention against the float64 oracle: `reference.compare_attention`.
+|log π(rejected)|); attention against the float64 oracle: the tests' `helpers.reference`.
 
 Bitwise equality is claimed only where it holds by construction: the same process layout and
 the same order (resume = uninterrupted run, the pipeline without CP, a run repeated). Such tests

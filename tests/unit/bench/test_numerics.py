@@ -1,4 +1,4 @@
-"""The float32 tolerance rule (`helpers.numerics`): its arithmetic, its reports, and that it
+"""The float32 tolerance rule (`bench.numerics`): its arithmetic, its reports, and that it
 rejects real bugs at the scale of the golden jobs.
 
 The training-level negative controls run `configs/gpt/tiny_cp2.yaml` (the golden config) in
@@ -21,13 +21,13 @@ import pytest
 from safetensors.numpy import load_file
 
 import numerics_report  # scripts/numerics_report.py (pytest's pythonpath)
+from bench import jobs, numerics
 from flashcp.attention.registry import make_assignment
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.pipeline import runner as pipeline_runner
 from flashcp.trainer import Trainer
-from helpers import jobs, numerics
 from helpers.paths import ROOT
 
 GOLDEN_CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
@@ -240,7 +240,7 @@ def test_numerics_report_summarises_agreements_and_controls(tmp_path: Path) -> N
 
 
 def test_golden_compare_uses_the_rule_and_its_stored_basis() -> None:
-    """`helpers.jobs`: goldens carry (n, scale) per step; another dtype has its own relative
+    """`bench.jobs`: goldens carry (n, scale) per step; another dtype has its own relative
     tolerance (a bf16 GPU job against the float32 goldens)."""
     want = {"nproc": 2, "steps": 4, "overrides": [], "losses": {"1": 5.5, "4": 5.0},
             "basis": {"1": [512.0, 5.5], "4": [512.0, 5.0]}}  # fmt: skip

@@ -1,17 +1,19 @@
 """Run shipped configs through `flashcp train` and judge the result: golden losses, log hygiene.
 
-Shared by `test_jobs.py`, `test_faults.py`, `test_stress_quick.py`, `scripts/update_golden.py`
-and `scripts/stress_launch.py`, so "a clean job" and "the golden losses" mean one thing:
+Shared by `scripts/update_golden.py`, `scripts/stress_launch.py` and the tests (`test_jobs.py`,
+`test_faults.py`, `test_stress_quick.py`, ...), so "a clean job" and "the golden losses" mean
+one thing:
 
 * `run_flashcp(config, overrides)` runs `python -m flashcp train` (launcher and workers marked
-  with `FLASHCP_LAUNCH_ID`, so nothing outlives the timeout) and returns a `JobRun`.
+  with `FLASHCP_LAUNCH_ID`, so nothing outlives the timeout) and returns a `JobRun`; the test
+  harness marks the jobs it launches the same way (`launch_env`).
 * `hygiene_problems(run)` lists why a finished job is not clean: exit code, a rank without its
   `exit 0` line (written after process-group teardown), abort/assertion/crash text in any
   log, a process left behind.
 * Golden losses (`tests/golden/losses.json`) are keyed by config path (relative to the repo):
   `{"nproc", "steps", "overrides", "losses": {"1": ..., "2": ..., "4": ...}, "basis": {"1":
   [n, scale], ...}}`, read from each run's `metrics.jsonl`; `compare_losses` checks them with
-  the float32 rule of `helpers.numerics`: step s may differ by `tolerance(n, scale, steps=s)`,
+  the float32 rule of `bench.numerics`: step s may differ by `tolerance(n, scale, steps=s)`,
   n and scale being the reduction length and magnitude behind the golden loss
   (`numerics.metric_basis`: the target tokens and the loss; for DPO the answer tokens per pair
   and β·|log π|). The goldens were written on one machine; another CPU's kernels sum in
@@ -31,15 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import numerics
 from flashcp.config import load_config
 from flashcp.launch import supervise
 from flashcp.launch.outcome import EXIT_LINE_RE
 from flashcp.metrics.writer import read_metrics
-from helpers import numerics
-from helpers.launch import MARKER_ENV, child_env
-from helpers.paths import ROOT
 
-GOLDEN_FILE = ROOT / "tests" / "golden" / "losses.json"
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root."""
+GOLDEN_FILE = ROOT / "tests/golden/losses.json"
+"""The goldens `scripts/update_golden.py` writes and the tests check (data, not code)."""
 GOLDEN_STEPS = 4
 """Every golden job runs this many optimizer steps..."""
 CHECK_STEPS = (1, 2, 4)
@@ -48,10 +51,15 @@ TOLERANCE_RULE = (
     "tests/numerics.py: |loss - golden| <= FACTOR * eps32 * sqrt(n) * scale * step, "
     "(n, scale) per step in `basis`"
 )
-"""What the golden file's `tolerance` field says (the rule lives in `helpers.numerics`; the text
+"""What the golden file's `tolerance` field says (the rule lives in `bench.numerics`; the text
 keeps the rule's old path so `tests/golden/losses.json` stays byte-identical)."""
 JOB_TIMEOUT = 180.0
 UPDATE_HINT = "run `python scripts/update_golden.py --write` and commit tests/golden/losses.json"
+MARKER_ENV = "FLASHCP_LAUNCH_ID"
+"""Marks every process of a job started here or by the test harness (apart from the
+`FLASHCP_JOB_ID` a `flashcp train` gives its own job), so the whole job can be found and killed."""
+INHERITED = ("PADDLE_", "MASTER_")
+"""Environment prefixes such a job never inherits (wider than the library's default)."""
 
 BAD_LOG = re.compile(
     r"Traceback|Assertion|assert(ion)? failed|Abort|core dumped|Segmentation fault|FatalError|"
@@ -132,10 +140,17 @@ class JobRun:
         return "\n".join(parts)
 
 
+def launch_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment minus any surrounding job's identity (`INHERITED`), every process
+    marked `MARKER_ENV=marker`, one thread per process (N processes do not oversubscribe the
+    cores), plus `extra`."""
+    return supervise.job_env(marker, marker_env=MARKER_ENV, drop=INHERITED,
+                             extra={"OMP_NUM_THREADS": "1", **(extra or {})})  # fmt: skip
+
+
 def job_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test job environment (`launch.child_env`) without an inherited `FLASHCP_FAULT`,
-    plus `extra`."""
-    env = child_env(marker)
+    """`launch_env` without an inherited `FLASHCP_FAULT`, plus `extra`."""
+    env = launch_env(marker)
     env.pop("FLASHCP_FAULT", None)
     env.update(extra or {})
     return env
@@ -145,7 +160,7 @@ def start_job(
     cmd: Sequence[str], marker: str, env: Mapping[str, str] | None = None
 ) -> supervise.Job:
     """Start `cmd` in the repo root (its own session), its output piped, everything it starts
-    marked `FLASHCP_LAUNCH_ID=marker`, `env` over the test job environment."""
+    marked `FLASHCP_LAUNCH_ID=marker`, `env` over the job environment (`job_env`)."""
     return supervise.Job.start(
         list(cmd),
         job_env(marker, env),
@@ -261,7 +276,7 @@ def dpo_beta(config: str | Path) -> float | None:
 def golden_entry(run: JobRun, steps: int = GOLDEN_STEPS) -> dict[str, Any]:
     """The golden record of a finished job at the check steps: losses and gradient norms, each
     with the rule's basis. The gradient norm is the stronger check (a label shift moves it by
-    ~10x what it moves the loss, in the rule's units; `tests/unit/test_numerics.py`)."""
+    ~10x what it moves the loss, in the rule's units; `tests/unit/bench/test_numerics.py`)."""
     rows = {int(r["step"]): r for r in read_metrics(run.out_dir)}
     beta = dpo_beta(run.config)
     checked = [s for s in CHECK_STEPS if s in rows]
@@ -307,7 +322,7 @@ def compare_losses(
 ) -> list[str]:
     """Differences between a golden entry and a new one (empty when they agree).
 
-    Float32 runs are judged by the rule of `helpers.numerics` with the golden's basis. `tol`
+    Float32 runs are judged by the rule of `bench.numerics` with the golden's basis. `tol`
     is for a run in ANOTHER dtype (a bfloat16 GPU job against the float32 goldens), which that
     rule does not model: |loss - golden| <= tol · max(1, |golden|)."""
     if want is None:
