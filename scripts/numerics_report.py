@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Summarise a `FLASHCP_NUMERICS_LOG` file: how close each equivalence test came to the rule.
 
-Every comparison made through `tests/numerics.py` while `FLASHCP_NUMERICS_LOG=path` is set
+Every comparison made through `scripts/bench/numerics.py` while `FLASHCP_NUMERICS_LOG=path` is set
 appends one JSON line (test, quantity, error, allowance, units). This prints, per test file and
 quantity, the number of comparisons and the largest error in units of the rule (which allows
 `FACTOR`), and, per negative control (wrong shard, label shift, ...), the weakest rejection:
@@ -41,7 +41,8 @@ def summarise(rows: list[dict]) -> tuple[dict, dict]:
     per_node: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     for r in rows:
         node = r.get("test", "") or "?"
-        test = node.split("::")[0].split("/")[-1]
+        # the file below its tier, e.g. `kernels/test_cpu_reference.py`, `test_jobs.py`
+        test = re.sub(r"^.*?tests/(unit|integration|hf)/", "", node.split("::")[0])
         what = re.sub(r" step \d+$", "", quantity(r["what"]))
         if what.startswith(NEGATIVE):
             seen = per_node[(test, what)]

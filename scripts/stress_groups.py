@@ -16,17 +16,16 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
-from bench import stats
+from bench import jobs, stats
+from flashcp.launch import supervise
+from flashcp.launch.supervise import LaunchResult
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
-
-from launch import LaunchResult, run_launch  # noqa: E402
-
-WORKER = REPO / "tests" / "integration" / "workers" / "groups_worker.py"
+WORKER = Path(__file__).resolve().parent / "stress_groups_worker.py"
 BAD_LOG = re.compile(r"Traceback|Assertion|assert(ion)? failed|core dumped|Segmentation", re.I)
 
 
@@ -59,6 +58,20 @@ def problems(result: LaunchResult, nproc: int) -> list[str]:
     return found
 
 
+def launch(nproc: int, worker_args: list[str], timeout: float) -> LaunchResult:
+    """One launch of the worker through flashcp's supervisor: the whole job marked (killed if it
+    outlives `timeout`), one thread per process, its logs in a fresh directory."""
+    marker = uuid.uuid4().hex
+    return supervise.run_launch(
+        WORKER, nproc, worker_args,
+        log_dir=Path(tempfile.mkdtemp(prefix="flashcp-stress-groups-")),
+        timeout=timeout,
+        env=jobs.launch_env(marker),
+        marker_env=jobs.MARKER_ENV,
+        launcher_args=["--job_id", f"flashcp-{marker[:8]}"],
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launches", type=int, default=20)
@@ -72,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     topologies = args.topology or factorisations(args.nproc)
-    worker_args = ["stress"] + [a for t in topologies for a in ("--topology", t)]
+    worker_args = [a for t in topologies for a in ("--topology", t)]
     print(f"{args.launches} launches x {args.nproc} processes, topologies {topologies}")
     records = []
     start = time.monotonic()
     for index in range(1, args.launches + 1):
-        result = run_launch(WORKER, args.nproc, worker_args, timeout=args.timeout)
+        result = launch(args.nproc, worker_args, args.timeout)
         bad = problems(result, args.nproc)
         records.append({"launch": index, "seconds": round(result.duration, 2), "problems": bad})
         status = "clean" if not bad else "FAILED: " + "; ".join(bad)

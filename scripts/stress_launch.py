@@ -25,14 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import stats
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
-
-import jobs  # noqa: E402
-
-from flashcp.checkpoint.format import CHECKPOINT_DIR, step_dir, verify_checkpoint  # noqa: E402
+from bench import jobs, stats
+from flashcp.checkpoint.format import CHECKPOINT_DIR, step_dir, verify_checkpoint
 
 CONFIG_FOR = {2: "configs/gpt/tiny_cp2.yaml", 4: "configs/gpt/tiny_cp4.yaml"}
 QUICK_LAUNCHES = 3

@@ -4,7 +4,7 @@
 Each `configs/**/tiny_*.yaml` runs through `flashcp train` (its own dp×pp×cp processes, gloo on
 CPU, deterministic, 4 steps); the losses at steps 1, 2 and 4 are read from its `metrics.jsonl`
 and compared with `tests/golden/losses.json`. Without `--write` the script only reports: exit 1
-when any loss moved beyond the float32 rule of `tests/numerics.py` (its allowance grows with the
+when any loss moved beyond the float32 rule of `bench.numerics` (its allowance grows with the
 target tokens, the loss and the step; the golden stores that basis), an entry is missing or
 stale, or a job was not clean. With `--write` it stores the new values (and drops entries of
 configs that are gone).
@@ -24,10 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
-
-import jobs  # noqa: E402
+from bench import jobs
 
 
 def _fmt(value: Any) -> str:
@@ -99,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         problems += [f"{c}: stale golden entry (no such tiny config)" for c in old_jobs
                      if c not in shipped]  # fmt: skip
     rows = diff_table(old_jobs, new_jobs)
-    print("\nchanges against " + str(args.golden.relative_to(REPO) if args.golden.is_relative_to(
-        REPO) else args.golden) + ":")  # fmt: skip
+    path = args.golden
+    shown = path.relative_to(jobs.ROOT) if path.is_relative_to(jobs.ROOT) else path
+    print(f"\nchanges against {shown}:")
     print("\n".join(rows) if rows else "  none")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

@@ -5,7 +5,7 @@ the parts of `bench.cp` write.
 `docs/cp_balance_time.json` (measured per-rank attention time) go in; the views below pick
 and derive the figures, the templates (`cp_bench.md.j2`, `cp_balance.md.j2`, their tables in
 `cp_tables.md.j2`) hold the prose. A part that has not run yet shows the command that produces
-it. `tests/unit/test_bench_docs.py` regenerates the pages from the committed JSON and compares.
+it. `tests/unit/bench/test_docs.py` regenerates the pages from the committed JSON and compares.
 
     python scripts/bench_cp.py --part docs    # rewrite both pages from the JSON files
 """

@@ -8,7 +8,7 @@ Peak = the allocator's highest tensor bytes above the start of the pass
 (`flashcp.metrics.memory.PeakMeter`: Paddle's host allocator statistics on CPU, exact bytes of
 Paddle tensors). The two variants alternate, `--repeats` times each; the table gives medians
 (the peak is the same every repeat) and the time's spread. Next to the measurements, the sizes
-that bound them (`tests/unit/test_loss_chunking.py` asserts the same bounds):
+that bound them (`tests/unit/models/test_head.py` asserts the same bounds):
 
 * unchunked >= 2·T·V·4: the float32 logits (or the cross-entropy's softmax) and their gradient
   are alive together;

@@ -11,7 +11,6 @@ CI run deselects them (see README, "HF reference tier")."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,12 @@ import pytest
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import export_run
-from flashcp.config import build_config
+from flashcp.config import Config
 from flashcp.models import build_model
 from flashcp.models.hf_weights import load_hf_checkpoint
-from flashcp.trainer import Trainer, default_model_factory
+from flashcp.trainer import default_model_factory
+from helpers.configs import Sections, tiny_config
+from helpers.trainruns import Fit
 
 pytestmark = pytest.mark.hf
 
@@ -140,13 +141,12 @@ def _hf_logits(model: Any, ids: np.ndarray) -> np.ndarray:
         return model(_torch().tensor(ids)).logits.numpy()
 
 
-def _cfg(directory: Path, **model: Any) -> Any:
-    raw = {
-        "model": {"from_pretrained": str(directory), **model},
-        "data": {"seq_len": 40, "tokenizer": "byte"},
-        "run": {"device": "cpu"},
-    }
-    return build_config(raw)
+HF: Sections = {"data": {"seq_len": 40, "tokenizer": "byte"}, "run": {"device": "cpu"}}
+
+
+def _hf_cfg(directory: Path, **model: Any) -> Config:
+    """The checkpoint in `directory` (`model` keys over it), 40-token rows, on the CPU."""
+    return tiny_config(base=HF, model={"from_pretrained": str(directory), **model})
 
 
 def _flashcp_logits(model: Any, ids: np.ndarray, mask: Any) -> np.ndarray:
@@ -173,7 +173,7 @@ def test_from_pretrained_matches_transformers(saved: tuple, layout: str, tmp_pat
             (copy / f.name).write_bytes(f.read_bytes())
         _as_4x(copy)
         directory = copy
-    cfg = _cfg(directory)
+    cfg = _hf_cfg(directory)
     assert cfg.model.arch == arch and cfg.model.rotary_base == 2500.0
     assert cfg.model.use_qk_norm == (arch == "glm_moe")
     model = default_model_factory(cfg)
@@ -189,7 +189,7 @@ def test_from_pretrained_matches_transformers(saved: tuple, layout: str, tmp_pat
 
 def test_packed_documents_match_each_document_alone(saved: tuple) -> None:
     arch, hf, directory = saved
-    model = default_model_factory(_cfg(directory))
+    model = default_model_factory(_hf_cfg(directory))
     ids = np.random.default_rng(4).integers(3, 320, (1, sum(DOCS)))
     got = _flashcp_logits(model, ids, masks.causal_document_mask(DOCS, 1))
     start = 0
@@ -201,18 +201,18 @@ def test_packed_documents_match_each_document_alone(saved: tuple) -> None:
     assert np.abs(leaky[:, DOCS[0] :] - got[:, DOCS[0] :]).max() > 100 * TOL
 
 
-def test_transformers_loads_a_flashcp_export(saved: tuple, tmp_path: Path) -> None:
+def test_transformers_loads_a_flashcp_export(saved: tuple, tmp_path: Path, fit: Fit) -> None:
     """Train one step from the HF directory, export, load with transformers: same logits."""
     arch, _, directory = saved
-    raw = {
-        "model": {"from_pretrained": str(directory)},
-        "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
-        "train": {"steps": 1, "lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-3},
-        "checkpoint": {"every": 1},
-        "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
-    }
-    trainer = Trainer(build_config(raw), stream=io.StringIO())
-    trainer.fit()
+    cfg = tiny_config(
+        tmp_path,
+        base=HF,
+        model={"from_pretrained": str(directory)},
+        data={"seq_len": 32, "micro_batch_size": 2},
+        train={"steps": 1, "lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-3},
+        checkpoint={"every": 1},
+    )
+    trainer = fit(cfg).trainer
     out = tmp_path / "export"
     export_run(tmp_path / "run", out, max_shard_bytes=60_000)
     tf = _transformers()

@@ -3,7 +3,7 @@
 The worker (`workers/chunked_attention_worker.py`) compares every rank's output, LSE, dq, dk
 and dv for causal, document, share-question, sliding-window and per-head masks under every CP
 mode and four chunk shapes with the unchunked all-gather-KV implementation and the dense
-oracle (the float32 rule of `tests/numerics.py`), checks that a merge without the LSE rescale
+oracle (the float32 rule of `bench.numerics`), checks that a merge without the LSE rescale
 fails by a wide margin and that a repeated case is bitwise identical, and measures the
 allocator peak of one attention forward + backward chunked and unchunked.
 """
@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
 
-from numerics import FACTOR
+from bench.numerics import FACTOR
+from helpers.launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "chunked_attention_worker.py"
 pytestmark = [pytest.mark.integration, pytest.mark.equivalence]

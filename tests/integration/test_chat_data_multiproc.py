@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 import yaml
-from launch import run_launch
-from trainruns import assert_training_matches
 
 from bench.hfdir import (
     DEFAULT_VOCAB,
@@ -22,10 +20,12 @@ from bench.hfdir import (
 )
 from flashcp.config import build_config
 from flashcp.trainer import Trainer
+from helpers.launch import run_launch
+from helpers.paths import ROOT
+from helpers.trainruns import assert_training_matches
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "src" / "flashcp" / "train.py"
 STEPS = 4
 

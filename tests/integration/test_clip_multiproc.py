@@ -6,7 +6,7 @@ bitwise-resume test caught it. Now one norm is logged and clips (`flashcp.optim.
 test checks it directly (`workers/clip_worker.py`): at ep = 2 (× cp = 2), with `ParamOptimizer`
 and with the ZeRO-1 `MasterOptimizer`, the norm and the parameters after a clipped and an
 unclipped step equal one process's — Paddle's AdamW with Paddle's own clip on the whole model —
-under the float32 rule of `tests/numerics.py`; the same optimizers with the ep sum left out of
+under the float32 rule of `bench.numerics`; the same optimizers with the ep sum left out of
 their norm (the mutant) must FAIL both comparisons by far.
 """
 
@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
+
+from helpers.launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "clip_worker.py"
 FAST_FAIL = {"FLASHCP_COLLECTIVE_TIMEOUT": "60", "FLASHCP_INIT_TIMEOUT": "60"}

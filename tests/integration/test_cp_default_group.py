@@ -4,7 +4,7 @@
 `paddle.distributed.init_parallel_env()` (upstream style) and after flashcp's own
 `init_distributed()` + `build_groups` (with 4 ranks, dp=2 x cp=2 sub-groups exist too). The
 worker (`workers/cp_default_group_worker.py`) compares every rank's output, LSE, dq, dk and dv
-with the dense float64 reference under the float32 rule of `tests/numerics.py`; negative
+with the dense float64 reference under the float32 rule of `bench.numerics`; negative
 controls: another rank's rows fail it by a wide margin, and the old one-rank reading of `None`
 refuses the call.
 The same masks in upstream's "values >= S" form give bitwise-identical results (same process
@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
+
+from helpers.launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "cp_default_group_worker.py"
 FAST_FAIL = {"FLASHCP_COLLECTIVE_TIMEOUT": "60", "FLASHCP_INIT_TIMEOUT": "60"}

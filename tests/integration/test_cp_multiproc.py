@@ -2,7 +2,7 @@
 
 The worker (`workers/cp_parity_worker.py`) compares every rank's output, LSE, dq, dk and dv for
 every mask family (and per-head masks) under every CP mode with the float32 rule of
-`tests/numerics.py`, checks that a wrong shard fails the comparison by a wide margin, and that
+`bench.numerics`, checks that a wrong shard fails the comparison by a wide margin, and that
 two runs of the same case are bitwise identical (same layout and order: bitwise by
 construction).
 """
@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
 
+from bench.numerics import FACTOR
 from flashcp import masks
 from flashcp.attention.registry import MODES
-from numerics import FACTOR
+from helpers.launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "cp_parity_worker.py"
 pytestmark = [pytest.mark.integration, pytest.mark.equivalence]

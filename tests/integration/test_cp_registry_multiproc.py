@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
+
+from helpers.launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "cp_registry_worker.py"
 pytestmark = [pytest.mark.integration, pytest.mark.equivalence]

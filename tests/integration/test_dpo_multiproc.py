@@ -6,7 +6,7 @@ same config trained in this process with pp = cp = 1:
 
 * DPO + LoRA, CP = 2: the per-answer log-prob sums are partial per cp rank and all-reduced
   (identity backward) before the loss: losses, rewards and adapter gradients within the float32
-  rule of `tests/numerics.py` (the rewards are β × small differences of answer log-prob sums
+  rule of `bench.numerics` (the rewards are β × small differences of answer log-prob sums
   over ~50 tokens, so their allowance scales with β·|log π|, not with the reward); DP = 2 too;
 * DPO + LoRA, PP = 2, and DPO with a frozen reference copy, PP = 2: the reference pass streams
   forward through the pipeline, the losses run on the last stage, each stage runs the
@@ -19,33 +19,30 @@ same config trained in this process with pp = cp = 1:
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import paddle
 import pytest
-from launch import child_env, kill_marked
-from trainruns import (
+
+from bench import numerics
+from bench.jobs import dpo_beta, run_flashcp
+from flashcp.config import load_config
+from flashcp.metrics.writer import read_metrics
+from flashcp.models import build_model
+from helpers.paths import CONFIGS, ROOT
+from helpers.trainruns import (
     assert_training_matches,
     load_grads,
+    losses,
     merged_tensors,
     train_in_process,
     train_launched,
 )
 
-import numerics
-from flashcp.config import load_config
-from flashcp.metrics.writer import read_metrics
-from flashcp.models import build_model
-
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "configs"
 STEPS = 3
 COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "debug.dump_grads=true"]
 ONE_PROCESS = ["parallel.pp=1", "parallel.cp=1", "parallel.pp_layers=null"]
@@ -61,49 +58,13 @@ def launch(config: Path, out: Path, nproc: int, overrides: Sequence[str] = ()) -
     return train_launched(config, out, nproc, [*COMMON, *overrides])
 
 
-def flashcp_train(config: Path, out: Path, timeout: float = 150) -> str:
-    """`flashcp train CONFIG ...` from the repository root; returns its output."""
-    marker = uuid.uuid4().hex
-    env = child_env(marker)
-    cmd = [sys.executable, "-m", "flashcp", "train", str(config.relative_to(ROOT)), *COMMON,
-           f"run.output_dir={out}"]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"flashcp train timed out:\n{exc.stdout}")
-    finally:
-        kill_marked(marker)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
-def losses(run: Path) -> list[float]:
-    return [float(r["loss"]) for r in read_metrics(run)]
-
-
-def grads(run: Path, step: int, pp: int = 1) -> dict[str, np.ndarray]:
-    return load_grads(run, step, pp)
-
-
-def beta_of(config: Path) -> float | None:
-    """The config's DPO β (None for the LM recipes)."""
-    dpo = load_config(config).extras.get("dpo")
-    return None if dpo is None else float(dpo.beta)
-
-
-def assert_close(run: Path, ref: Path, config: Path, *, pp: int = 1) -> None:
-    assert_training_matches(run, ref, steps=STEPS, pp=pp, beta=beta_of(config))
-
-
 def assert_bitwise(run: Path, ref: Path, *, pp: int) -> None:
     assert losses(run) == losses(ref)
     assert [r["grad_norm"] for r in read_metrics(run)] == [
         r["grad_norm"] for r in read_metrics(ref)
     ]
     for step in range(1, STEPS + 1):
-        got, want = grads(run, step, pp), grads(ref, step)
+        got, want = load_grads(run, step, pp), load_grads(ref, step)
         assert set(got) == set(want)
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} step {step}")
@@ -115,8 +76,8 @@ def test_dpo_lora_cp2_matches_cp1(tmp_path: Path) -> None:
     config = CONFIGS / "glm" / "tiny_dpo_lora_cp2.yaml"
     ref = in_process(config, tmp_path / "ref")
     run = launch(config, tmp_path / "run", 2)
-    assert_close(run, ref, config)
-    assert all(name.endswith(("lora_A", "lora_B")) for name in grads(run, 1))
+    assert_training_matches(run, ref, steps=STEPS, beta=dpo_beta(config))
+    assert all(name.endswith(("lora_A", "lora_B")) for name in load_grads(run, 1))
     assert losses(ref)[0] == pytest.approx(np.log(2))  # policy == reference at step 1
 
 
@@ -128,7 +89,7 @@ def test_dpo_lora_dp2_matches_one_process(tmp_path: Path) -> None:
     config = CONFIGS / "glm" / "tiny_dpo_lora_cp2.yaml"
     ref = in_process(config, tmp_path / "ref", ["data.micro_batch_size=2"])
     run = launch(config, tmp_path / "run", 2, ["parallel.cp=1", "parallel.dp=2"])
-    assert_close(run, ref, config)
+    assert_training_matches(run, ref, steps=STEPS, beta=dpo_beta(config))
 
 
 @pytest.mark.timeout(200)
@@ -158,21 +119,23 @@ def test_dpo_frozen_reference_pp2_equals_pp1_bitwise(tmp_path: Path) -> None:
     run = launch(config, tmp_path / "run", 2)
     ref = in_process(config, tmp_path / "ref")
     assert_bitwise(run, ref, pp=2)
-    assert len(grads(ref, 1)) > 20  # every parameter trains
+    assert len(load_grads(ref, 1)) > 20  # every parameter trains
 
 
 @pytest.mark.equivalence
 @pytest.mark.timeout(240)
 def test_combined_moe_dpo_lora_pp2_cp2_via_flashcp_train(tmp_path: Path) -> None:
     config = CONFIGS / "glm" / "tiny_moe_dpo_lora_pp2_cp2.yaml"
-    out = flashcp_train(config, tmp_path / "run")
+    job = run_flashcp(config.relative_to(ROOT), COMMON, tmp_path / "run", timeout=150)
+    assert job.returncode == 0 and not job.timed_out, job.summary()
+    out = job.output
     assert "launching 4 process(es)" in out and f"step {STEPS}/{STEPS}" in out
     run = tmp_path / "run"
     for rank in range(4):
         log = (run / "logs" / f"workerlog.{rank}").read_text(errors="replace")
         assert "Traceback" not in log, log[-2000:]
     ref = in_process(config, tmp_path / "ref")
-    assert_close(run, ref, config, pp=2)
+    assert_training_matches(run, ref, steps=STEPS, pp=2, beta=dpo_beta(config))
     # one adapter shard per stage; PaddleFormers loads the directory into the full model
     from flashcp.lora.model import load_adapters
 
@@ -206,6 +169,6 @@ def test_sft_packed_cp2_matches_cp1(tmp_path: Path) -> None:
     config = CONFIGS / "gpt" / "tiny_sft_packed_cp2.yaml"
     ref = in_process(config, tmp_path / "ref")
     run = launch(config, tmp_path / "run", 2)
-    assert_close(run, ref, config)
+    assert_training_matches(run, ref, steps=STEPS, beta=dpo_beta(config))
     first = read_metrics(ref)[0]
     assert 0 < first["targets"] < first["tokens"]  # only response tokens are targets

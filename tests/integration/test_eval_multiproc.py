@@ -3,7 +3,7 @@
 * pretrain, dp = 2 × cp = 2 (4 processes): each eval row is cp-sharded and the last eval batch
   of an odd number of rows leaves one dp rank without a row; `eval/loss` is the same
   token-weighted mean as in one process (dp = cp = 1, micro-batch 2: the same rows per batch)
-  within the float32 rule of `tests/numerics.py`, the counts exactly; a wrong eval (one step
+  within the float32 rule of `bench.numerics`, the counts exactly; a wrong eval (one step
   stale) is rejected by the same rule.
 * MoE + DPO + LoRA, pp = 2 × cp = 2 (4 processes): the reference (adapters off) and the
   policy run forward through the pipeline, each answer's log-prob sum all-reduced over cp, the
@@ -17,15 +17,15 @@ import json
 from pathlib import Path
 
 import pytest
-from trainruns import train_in_process, train_launched
 
-import numerics
+from bench import numerics
 from flashcp.data.dataset import read_records
 from flashcp.metrics.writer import read_metrics
+from helpers.paths import ROOT
+from helpers.trainruns import train_in_process, train_launched
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 STEPS = 2
 COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "eval.every=1"]

@@ -6,7 +6,7 @@ each launched job splits the routed experts over ep ranks carved from dp × cp (
 stages), sends the tokens to their experts and back (all-to-all over ordered gloo send/recv),
 sums expert gradients over the ranks holding the same experts only, and dumps the stage's
 summed gradients with the experts gathered whole. Compared with `assert_training_matches`
-(the float32 rule of `tests/numerics.py`: losses, gradient norms, every gradient norm-wise):
+(the float32 rule of `bench.numerics`: losses, gradient norms, every gradient norm-wise):
 
 * EP = 2 × CP = 2 (2 processes), EP = 4 over DP = 2 × CP = 2 (4 processes), and PP = 2 × CP = 2
   × EP = 2 (4 processes, DPO with LoRA adapters on the attention AND the routed experts, the
@@ -31,23 +31,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import run_launch
 from safetensors.numpy import load_file
-from trainruns import (
+
+from bench import moe as bench
+from bench import numerics
+from flashcp.metrics.writer import read_metrics
+from helpers.launch import run_launch
+from helpers.paths import ROOT
+from helpers.trainruns import (
     assert_training_matches,
     load_grads,
+    losses,
     merged_tensors,
     train_in_process,
     train_launched,
 )
 
-import numerics
-from bench import moe as bench
-from flashcp.metrics.writer import read_metrics
-
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "glm" / "tiny_moe_ep2_cp2.yaml"
 DPO = ROOT / "configs" / "glm" / "tiny_moe_dpo_lora_pp2_cp2.yaml"
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -56,10 +57,6 @@ COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "debug.dump_grads=true"]
 BALANCE = ["model.router_aux_loss_coef=0.01", "model.router_bias_update_rate=0.01"]
 ONE = ["parallel.cp=1", "parallel.ep=1"]
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def losses(run: Path) -> list[float]:
-    return [float(r["loss"]) for r in read_metrics(run)]
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ import time
 import uuid
 from pathlib import Path
 
-import jobs
 import pytest
-from launch import kill_marked, marked_pids
 
+from bench import jobs
 from flashcp.checkpoint.format import verify_checkpoint
 from flashcp.launch.supervise import alive
+from helpers.launch import kill_marked, marked_pids
 
 pytestmark = pytest.mark.integration
 
@@ -188,7 +188,7 @@ def test_nonfinite_skip_continues_and_reports(tmp_path: Path) -> None:
     assert isinstance(records[3]["loss"], float)
     # steps 2-3 changed nothing: step 1's update is the last one before step 4
     golden = jobs.load_golden()["jobs"][GPT2]
-    result = jobs.compare_loss(golden, "1", records[0]["loss"])  # tests/numerics.py rule
+    result = jobs.compare_loss(golden, "1", records[0]["loss"])  # bench.numerics rule
     assert result.ok, result.describe()
 
 

@@ -5,7 +5,7 @@
   rejected, two deterministic runs bitwise equal.
 * Every shipped tiny config as a real `flashcp train` job on GPUs: `train.dtype: auto` makes it
   bfloat16 there, and its losses at steps 1, 2 and 4 must be within `BF16_LOSS_RTOL` (2 %,
-  absolute below a loss of 1; see `gpu_helpers`) of the float32 CPU goldens in
+  absolute below a loss of 1; see `helpers.gpu`) of the float32 CPU goldens in
   `tests/golden/losses.json`, and fall from step 1 to step 4.
 * Determinism: the same config twice with FLAGS_cudnn_deterministic on gives bitwise-equal
   metrics (losses and gradient norms).
@@ -14,18 +14,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import jobs
 import pytest
-from launch import run_launch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for gpu_helpers
-
+from bench import jobs
 from flashcp.attention.registry import MODES
 from flashcp.metrics.writer import read_metrics
-from gpu_helpers import BF16_LOSS_RTOL, SKIP_NO_GPU, gpu_count  # noqa: E402
+from helpers.gpu import BF16_LOSS_RTOL, SKIP_NO_GPU, gpu_count
+from helpers.launch import run_launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason=SKIP_NO_GPU)]
 

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import marked_pids, run_launch
 
 from flashcp.launch.supervise import LaunchResult, alive
+from helpers.launch import marked_pids, run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "groups_worker.py"
 FAST_FAIL = {"FLASHCP_COLLECTIVE_TIMEOUT": "60", "FLASHCP_INIT_TIMEOUT": "60"}

@@ -5,7 +5,7 @@ runs with its own dp×pp×cp processes over gloo on CPU, deterministic, for 4 st
 exit 0, every rank must report `exit 0` after tearing its process groups down, no log may hold
 abort/assertion/crash text, no process may be left behind, and the losses at steps 1, 2 and 4
 (read from `metrics.jsonl`) must match `tests/golden/losses.json` within the float32 rule of
-`tests/numerics.py` (the goldens were written on one CPU; another sums in another order). A
+`bench.numerics` (the goldens were written on one CPU; another sums in another order). A
 config without a golden entry FAILS, naming `scripts/update_golden.py`.
 """
 
@@ -14,8 +14,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import jobs
 import pytest
+
+from bench import jobs
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
 
 from flashcp.distributed import ports
 from flashcp.distributed.groups import start_group_store
+from helpers.launch import run_launch
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ micro-batches, on CP = 2 and on PP = 2 × CP = 2 (1F1B). The plain run shards th
 / `attention.kv_chunk` and `parallel.shard_gradients`. Offload moves bytes only; tiling and
 chunking change the rows a kernel sees and the order weight gradients are summed, ZeRO-2 the
 order of the ranks' and micro-batches' sums: the losses and gradient norms agree within
-`tests/numerics.py`'s rule (n = the step's targets, scale = the value, steps = k), and a run
+`bench.numerics`'s rule (n = the step's targets, scale = the value, steps = k), and a run
 one step out of phase is rejected by the same rule (negative control).
 """
 
@@ -17,14 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainruns import train_launched
 
-import numerics
+from bench import numerics
 from flashcp.metrics.writer import read_metrics
+from helpers.paths import ROOT
+from helpers.trainruns import train_launched
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 GLM = ROOT / "configs" / "glm" / "tiny_cp2.yaml"
 STEPS = 4
 PLAIN = [

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
 
 from flashcp.attention.registry import MODES
+from helpers.launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "model_cp_worker.py"
 pytestmark = [pytest.mark.integration, pytest.mark.equivalence]

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from jobs import (
+
+from bench.jobs import (
     BAD_LOG,
     ROOT,
     JobRun,
@@ -34,11 +35,10 @@ from jobs import (
     run_flashcp,
     start_flashcp,
 )
-from launch import MARKER_ENV
-
 from flashcp.distributed import ports
 from flashcp.launch import supervise
 from flashcp.metrics.writer import read_metrics
+from helpers.launch import MARKER_ENV
 
 pytestmark = pytest.mark.integration
 

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jobs
 import numpy as np
 import pytest
-from trainruns import load_grads, train_in_process, train_launched
 
+from bench import jobs
 from flashcp.metrics.writer import read_metrics
+from helpers.paths import ROOT
+from helpers.trainruns import load_grads, train_in_process, train_launched
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 GLM = ROOT / "configs" / "glm" / "tiny_cp2.yaml"
 GPT = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 DPO_LORA = ROOT / "configs" / "glm" / "tiny_dpo_lora_cp2.yaml"

@@ -8,7 +8,7 @@ parameter's gradient and the losses with the single-process step built from the 
   operations one process runs, activations / gradients travel as raw float32, and every stage
   accumulates the micro-batches' gradients in the same (ascending) order;
 * with CP it is bitwise against CP = 2 × PP = 1 (the pipeline adds no arithmetic), and within
-  the float32 rule of `tests/numerics.py` against CP = 1 × PP = 1 after summing over the cp
+  the float32 rule of `bench.numerics` against CP = 1 × PP = 1 after summing over the cp
   group (CP reorders sums) — while labels shifted after sharding miss it by a wide margin;
 * a tied embedding/head matrix is within the rule (one process adds embedding and head
   gradients per micro-batch, the pipeline adds the two stages' totals once) and bitwise equal
@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_launch
 
-from numerics import FACTOR
+from bench.numerics import FACTOR
+from helpers.launch import run_launch
 
 WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
 pytestmark = pytest.mark.integration

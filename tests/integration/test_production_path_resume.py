@@ -19,17 +19,13 @@ each comparison sees one optimizer step.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import jobs
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for numerics, gpu_helpers
-
-import numerics  # noqa: E402
-from flashcp.metrics.writer import read_metrics  # noqa: E402
-from gpu_helpers import BF16_LOSS_RTOL, SKIP_NO_GPU, gpu_count  # noqa: E402
+from bench import jobs, numerics
+from flashcp.metrics.writer import read_metrics
+from helpers.gpu import BF16_LOSS_RTOL, SKIP_NO_GPU, gpu_count
 
 CONFIG = "configs/glm/tiny_moe_bf16_zero_ep2_cp2.yaml"
 RUN = ["train.steps=4", "train.deterministic=true", "checkpoint.every=2", "checkpoint.keep_last=3"]

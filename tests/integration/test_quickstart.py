@@ -13,16 +13,15 @@ bitwise by construction).
 from __future__ import annotations
 
 import re
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
-from jobs import ROOT, job_env, leftover_after, run_flashcp
-from launch import MARKER_ENV, run_launch
 
-from flashcp.launch import supervise
+from bench.jobs import leftover_after, run_flashcp, start_job
 from flashcp.metrics.writer import read_metrics
+from helpers.launch import run_launch
+from helpers.paths import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -40,15 +39,8 @@ def _quickstart(run_dir: Path) -> tuple[int, str]:
     """`RUN_DIR=run_dir bash scripts/quickstart.sh train.steps=3` from the repo root: its exit
     code and output; no process of it may outlive it."""
     marker = uuid.uuid4().hex
-    job = supervise.Job.start(
-        ["bash", str(SCRIPT), f"train.steps={STEPS}"],
-        job_env(marker, {"RUN_DIR": str(run_dir)}),
-        marker_env=MARKER_ENV,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
+    job = start_job(
+        ["bash", str(SCRIPT), f"train.steps={STEPS}"], marker, {"RUN_DIR": str(run_dir)}
     )
     code, timed_out, output = job.wait(TIMEOUT)
     if timed_out:

@@ -49,10 +49,10 @@ from flashcp.config import build_config, read_yaml
 from flashcp.metrics import memory
 from flashcp.plan import plan
 from flashcp.plan.params import stage_buffers, stage_parameters
+from helpers.paths import ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "glm" / "glm45_air_dpo_lora_pp_cp.yaml"
 SEQ = 128
 PP_LAYERS = [1, 2]

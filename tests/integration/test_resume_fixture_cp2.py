@@ -3,8 +3,8 @@ layout that wrote it: 2 launched ranks, one optimizer shard file each.
 
 Same layout, same operations in the same order: the resumed losses are bitwise the recorded
 ones when this machine's kernels reproduce the fixture's first steps bitwise (a fresh 2-rank
-run of its config shows it), else within the float32 rule of `tests/numerics.py`. The
-one-process resumes and the negative controls are `tests/unit/test_resume_fixtures.py`.
+run of its config shows it), else within the float32 rule of `bench.numerics`. The
+one-process resumes and the negative controls are `tests/unit/checkpoint/test_resume_fixtures.py`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from trainruns import train_launched
 
-import numerics
+from bench import numerics
 from flashcp.metrics.writer import read_metrics
+from helpers.paths import FIXTURES
+from helpers.trainruns import train_launched
 
 pytestmark = pytest.mark.integration
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints" / "zero_cp2"
+FIXTURE = FIXTURES / "checkpoints" / "zero_cp2"
 
 
 @pytest.mark.timeout(400)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_launch
 
 import flashcp.smoke
+from helpers.launch import run_launch
 
 pytestmark = pytest.mark.integration
 

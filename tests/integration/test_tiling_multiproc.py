@@ -9,7 +9,7 @@
 * GLM-4 dense, CP = 2, refined recompute, tiles and chunks.
 
 Losses, gradient norms (and DPO rewards) and every gradient within the float32 rule of
-`tests/numerics.py` (`trainruns.assert_training_matches`).
+`bench.numerics` (`trainruns.assert_training_matches`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainruns import assert_training_matches, train_in_process, train_launched
 
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
+from helpers.paths import ROOT
+from helpers.trainruns import assert_training_matches, train_in_process, train_launched
 
 pytestmark = [pytest.mark.integration, pytest.mark.equivalence]
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "debug.dump_grads=true"]
 PLAIN = ["parallel.pp=1", "parallel.cp=1", "parallel.ep=1", "parallel.pp_layers=null"]

@@ -4,7 +4,7 @@ The single-process reference trains `configs/gpt/tiny_cp2.yaml` with `parallel.c
 process; each launched job runs the same model on the same data with another layout and dumps
 its summed gradients every step (`debug.dump_grads`). Another layout sums in another order, so
 losses, gradient norms and gradients (norm-wise) must agree within the float32 rule of
-`tests/numerics.py` (reduction over the step's target tokens, growing with the step); the
+`bench.numerics` (reduction over the step's target tokens, growing with the step); the
 token counts exactly. Resuming in the SAME layout repeats the same operations in the same
 order: bitwise.
 """
@@ -17,42 +17,26 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
-from jobs import flashcp_job, start_flashcp
-from launch import kill_marked, marked_pids, run_launch
-from safetensors.numpy import load_file
-from trainruns import assert_training_matches
 
-import numerics
-from flashcp.checkpoint.checkpointer import GRADS_DIR
-from flashcp.config import load_config
+from bench import numerics
+from bench.jobs import flashcp_job, start_flashcp
 from flashcp.launch.supervise import alive
 from flashcp.metrics.writer import read_metrics
-from flashcp.trainer import Trainer
+from helpers.launch import kill_marked, marked_pids
+from helpers.paths import CONFIGS
+from helpers.trainruns import assert_training_matches, losses, train_in_process, train_launched
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
-TRAIN = ROOT / "src" / "flashcp" / "train.py"
+CONFIG = CONFIGS / "gpt" / "tiny_cp2.yaml"
 STEPS = 4
 COMMON = [f"train.steps={STEPS}", "checkpoint.every=0", "debug.dump_grads=true"]
 
 
-def _losses(run: Path) -> list[float]:
-    return [float(r["loss"]) for r in read_metrics(run)]
-
-
-def _grads(run: Path, step: int) -> dict[str, np.ndarray]:
-    return load_file(str(run / GRADS_DIR / f"step_{step}.safetensors"))
-
-
 def _reference(config: Path, out: Path, extra: list[str] | None = None) -> Path:
     """CP=1 in this process (no launcher): the run other layouts are compared with."""
-    cfg = load_config(config, [*COMMON, *(extra or []), "parallel.cp=1", f"run.output_dir={out}"])
-    Trainer(cfg).fit()
-    return out
+    return train_in_process(config, out, [*COMMON, *(extra or []), "parallel.cp=1"])
 
 
 @pytest.fixture(scope="module")
@@ -61,21 +45,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _launch(tmp: Path, nproc: int, overrides: list[str], config: Path = CONFIG) -> Path:
-    out = tmp / "run"
-    result = run_launch(
-        TRAIN,
-        nproc,
-        ["--config", str(config), *COMMON, f"run.output_dir={out}", *overrides],
-        timeout=150,
-        log_dir=tmp / "logs",
-    )
-    assert result.ok, result.summary()
-    assert result.leftover == [], result.summary()
-    return out
-
-
-def _assert_matches(run: Path, ref: Path) -> None:
-    assert_training_matches(run, ref, steps=STEPS)
+    """`config` launched on `nproc` processes with `overrides`, into `tmp/run`."""
+    return train_launched(config, tmp / "run", nproc, [*COMMON, *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +57,14 @@ def cp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_cp2_dualchunk_matches_cp1(cp2_run: Path, reference: Path) -> None:
-    _assert_matches(cp2_run, reference)
+    assert_training_matches(cp2_run, reference, steps=STEPS)
 
 
 @pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_cp4_workload_balanced_matches_cp1(tmp_path: Path, reference: Path) -> None:
     run = _launch(tmp_path, 4, ["parallel.cp=4", "parallel.cp_mode=workload_balanced"])
-    _assert_matches(run, reference)
+    assert_training_matches(run, reference, steps=STEPS)
 
 
 @pytest.mark.equivalence
@@ -104,7 +75,7 @@ def test_dp2_cp2_contiguous_matches_cp1(tmp_path: Path, reference: Path) -> None
     overrides = ["parallel.dp=2", "parallel.cp_mode=contiguous_allgather",
                  "data.micro_batch_size=1", "parallel.grad_bucket_mb=0.05"]  # fmt: skip
     run = _launch(tmp_path, 4, overrides)
-    _assert_matches(run, reference)
+    assert_training_matches(run, reference, steps=STEPS)
 
 
 @pytest.mark.equivalence
@@ -114,11 +85,11 @@ def test_glm_moe_recompute_cp2_matches_cp1(tmp_path: Path) -> None:
     # with router load balancing on: the sequence-balance loss gathers each sequence's
     # statistics over the cp group (its gradient is in the compared gradients), and the bias
     # update uses loads summed over the cp ranks (the routing of later steps depends on it)
-    config = ROOT / "configs" / "glm" / "tiny_moe_cp2.yaml"
+    config = CONFIGS / "glm" / "tiny_moe_cp2.yaml"
     balance = ["model.router_aux_loss_coef=0.01", "model.router_bias_update_rate=0.01"]
     ref = _reference(config, tmp_path / "ref", balance)
     run = _launch(tmp_path, 2, balance, config=config)
-    _assert_matches(run, ref)
+    assert_training_matches(run, ref, steps=STEPS)
     for got, want in zip(read_metrics(run), read_metrics(ref), strict=True):
         assert got["moe/max_over_mean_max"] == want["moe/max_over_mean_max"]  # integer loads
         aux = float(want["moe/aux_loss"])  # a mean over the step's tokens, like the loss
@@ -154,7 +125,7 @@ def test_flashcp_train_resume_reproduces_losses_exactly(tmp_path: Path, cp2_run:
     code, text = _run_flashcp(args)
     assert code == 0, text
     assert "resumed from" in text and "step 4/4" in text
-    assert _losses(out) == _losses(cp2_run)  # bitwise: 2 + 2 steps == 4 uninterrupted steps
+    assert losses(out) == losses(cp2_run)  # bitwise: 2 + 2 steps == 4 uninterrupted steps
 
 
 @pytest.mark.timeout(180)

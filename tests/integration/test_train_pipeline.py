@@ -11,7 +11,7 @@ gradients every step (`debug.dump_grads`: `grads/step_N.stageS.safetensors`).
   single-process arithmetic (`flashcp.optim.clip`), so losses, gradient norms and gradients
   are BITWISE equal, clipping active;
 * PP = 2 × CP = 2 (tiny GLM, tied embeddings, uneven split [1, 2], GPipe): within the float32
-  rule of `tests/numerics.py` (CP reorders sums; the tied matrix adds the two stages'
+  rule of `bench.numerics` (CP reorders sums; the tied matrix adds the two stages'
   gradients once per step);
 * resuming PP = 2 in the same layout repeats the same operations: bitwise.
 """
@@ -24,14 +24,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from trainruns import assert_training_matches, load_grads, train_in_process, train_launched
 
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.metrics.writer import read_metrics
+from helpers.paths import ROOT
+from helpers.trainruns import (
+    assert_training_matches,
+    load_grads,
+    losses,
+    train_in_process,
+    train_launched,
+)
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 GLM = ROOT / "configs" / "glm" / "tiny_cp2.yaml"
 STEPS = 4
@@ -52,10 +58,6 @@ def in_process(config: Path, out: Path, overrides: list[str]) -> Path:
 
 def launch(config: Path, out: Path, nproc: int, overrides: list[str]) -> Path:
     return train_launched(config, out, nproc, [*COMMON, *overrides])
-
-
-def losses(run: Path) -> list[float]:
-    return [float(r["loss"]) for r in read_metrics(run)]
 
 
 @pytest.fixture(scope="module")

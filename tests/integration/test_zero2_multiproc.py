@@ -11,7 +11,7 @@ Runs (tiny GPT unless said, 6 steps of 64-token sequences; one 4-rank job, then 
   replay), PP=2×CP=2 with tied embeddings (the tied copy's bucket deferred to the step, summed
   across stages first), bf16 storage (`bf16toy`), and the tiny GLM-4.5 MoE with ep=2 over
   DP=2×CP=2 (expert gradients over their edp group): the float32 sums run over the ranks, then
-  over the micro-batches, instead of the reverse. Tolerance: `tests/numerics.py`'s rule, for
+  over the micro-batches, instead of the reverse. Tolerance: `bench.numerics`'s rule, for
   the loss of step k (a mean over the step's target tokens) n = targets, scale = the loss,
   steps = k (step k's parameters went through k - 1 updates of gradients summed in another
   order; step 1 is computed from identical parameters and must be bitwise), the gradient norm
@@ -38,14 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import run_launch
 
-import numerics
+from bench import numerics
 from flashcp.metrics.writer import read_metrics
+from helpers.launch import run_launch
+from helpers.paths import ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 GLM = ROOT / "configs" / "glm" / "tiny_cp2.yaml"
 MOE = ROOT / "configs" / "glm" / "tiny_moe_ep2_cp2.yaml"

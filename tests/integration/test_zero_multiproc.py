@@ -33,15 +33,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import run_launch
 
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import Trainer
+from helpers.launch import run_launch
+from helpers.paths import ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
 WORKER = Path(__file__).resolve().parent / "workers" / "zero_worker.py"
 STEPS = 20

@@ -42,8 +42,8 @@ from flashcp.launch import job
 from flashcp.launch import worker as rank_entry
 from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import Trainer
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "gpt" / "tiny_cp2.yaml")
 PORT = "@port"
 """Placeholder in a row's environment: a port some socket is listening on."""

@@ -8,7 +8,6 @@ read back with VisualDL's `LogReader`, hold the same scalars."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -36,24 +35,26 @@ from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
+from helpers.configs import Sections, merged, tiny_config
+from helpers.trainruns import fit
+
+WORKFLOW: Sections = {
+    "data": {"seq_len": 128, "micro_batch_size": 2},
+    "train": {"steps": 8, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "seed": 1},
+    "checkpoint": {"every": 8},
+    "run": {"device": "cpu", "report_to": ["jsonl", "visualdl"]},
+}
+"""Eight steps on the CPU, a checkpoint at the end, metrics in VisualDL too."""
 
 
 def _train(model_dir: Path, data: Path, out: Path, recipe: str, **extra: Any) -> Trainer:
-    raw: dict[str, Any] = {
-        "model": {"from_pretrained": str(model_dir)},
-        "data": {"path": str(data), "seq_len": 128, "micro_batch_size": 2},
-        "train": {"steps": 8, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "seed": 1},
-        "checkpoint": {"every": 8},
-        "run": {"recipe": recipe, "output_dir": str(out), "device": "cpu",
-                "report_to": ["jsonl", "visualdl"]},
-    }  # fmt: skip
-    for section, values in extra.items():
-        raw.setdefault(section, {}).update(values)
-    cfg = build_config(raw)
+    """`recipe` on `data` from the checkpoint in `model_dir` into `out` (`extra` sections
+    over `WORKFLOW`)."""
+    start = {"model": {"from_pretrained": str(model_dir)}, "data": {"path": str(data)},
+             "run": {"recipe": recipe, "output_dir": str(out)}}  # fmt: skip
+    cfg = tiny_config(base=merged(WORKFLOW, **start), **extra)
     assert cfg.data.tokenizer == str(model_dir)  # the directory's tokenizer by default
-    trainer = Trainer(cfg, stream=io.StringIO())
-    trainer.fit()
-    return trainer
+    return fit(cfg).trainer
 
 
 def _logits(model: paddle.nn.Layer, ids: np.ndarray) -> np.ndarray:

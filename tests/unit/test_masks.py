@@ -38,7 +38,7 @@ from flashcp.masks import (
     to_noncausal,
     validate,
 )
-from maskcases import INT32_MAX, overshoot
+from helpers.maskcases import INT32_MAX, overshoot
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

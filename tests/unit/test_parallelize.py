@@ -14,8 +14,6 @@ import paddle
 import pytest
 
 from flashcp.attention.context import AttentionContext
-from flashcp.config import build_config
-from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
 from flashcp.masks import causal_document_mask
 from flashcp.models import base as models_base
 from flashcp.models import build_model, preset
@@ -23,21 +21,14 @@ from flashcp.models.base import DecoderStack, StageSpec
 from flashcp.models.offload import offloader_of
 from flashcp.models.recompute import checkpoint
 from flashcp.parallelize import apply_expert_parallel, apply_lora, apply_recompute, parallelize
+from helpers.configs import Sections, TinyCfg
+from helpers.fakegroups import ep_groups
 
 
-def _groups(ep_rank: int = 0, ep: int = 1) -> ParallelGroups:
-    """A rank's groups of a dp=1 cp=ep ep=ep layout, without any process group (no traffic)."""
-    dims = ParallelDims(dp=1, pp=1, cp=ep, world_size=ep, ep=ep)
-    cp = NamedGroup("cp", ep_rank, 5, list(range(ep)), pg=None)
-    solo = NamedGroup("dp", 0, -1, [ep_rank], pg=None)
-    epg = NamedGroup("ep", ep_rank, 6, list(range(ep)), pg=None)
-    world = NamedGroup("world", ep_rank, 0, list(range(ep)), pg=None)
-    return ParallelGroups(dims, ep_rank, world, solo, solo, cp, "none", ep=epg)
-
-
-def _cfg(**sections: dict) -> object:
-    raw: dict = {"model": {"preset": "tiny_glm"}, **sections}
-    return build_config(raw)
+@pytest.fixture
+def tiny_base() -> Sections:
+    """The tiny GLM, every other section the schema's defaults."""
+    return {"model": {"preset": "tiny_glm"}}
 
 
 def _grads(mode: str, *, apply: str | None = None) -> dict[str, np.ndarray]:
@@ -85,47 +76,47 @@ def test_recompute_mode_is_set_on_every_decoder_stack_and_checked() -> None:
 def test_expert_parallel_attaches_the_ep_group_only_when_split() -> None:
     args = preset("tiny_glm_moe", num_layers=3)
     whole = build_model(args, seed=0)
-    assert apply_expert_parallel(whole, _groups()) == 0  # ep = 1: nothing to attach
+    assert apply_expert_parallel(whole, ep_groups()) == 0  # ep = 1: nothing to attach
     stage = build_model(args, stage=StageSpec(0, 1, range(3), 1, 2), seed=0)
-    assert apply_expert_parallel(stage, _groups(ep_rank=1, ep=2)) == 2  # its two MoE layers
+    assert apply_expert_parallel(stage, ep_groups(ep_rank=1, ep=2)) == 2  # its two MoE layers
     assert stage.model.layers[1].mlp.exchange.rank == 1
 
 
-def test_lora_is_applied_from_the_config_section() -> None:
+def test_lora_is_applied_from_the_config_section(tiny_cfg: TinyCfg) -> None:
     model = build_model(preset("tiny_glm"), seed=0)
-    assert apply_lora(model, _cfg(), _groups()) is None  # no `lora` section: nothing
+    assert apply_lora(model, tiny_cfg(), ep_groups()) is None  # no `lora` section: nothing
     assert all(not p.stop_gradient for p in model.parameters())
-    cfg = _cfg(run={"recipe": "sft"}, lora={"rank": 4, "target_modules": [".*q_proj"]})
-    setup = apply_lora(model, cfg, _groups())
+    cfg = tiny_cfg(run={"recipe": "sft"}, lora={"rank": 4, "target_modules": [".*q_proj"]})
+    setup = apply_lora(model, cfg, ep_groups())
     assert setup is not None and setup.lora_config.r == 4
     trained = [n for n, p in model.named_parameters() if not p.stop_gradient]
     assert trained and all(n.endswith(("lora_A", "lora_B")) for n in trained)
 
 
-def test_parallelize_applies_recompute_and_lora() -> None:
-    cfg = _cfg(
+def test_parallelize_applies_recompute_and_lora(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(
         model={"preset": "tiny_glm", "recompute": "full"},
         run={"recipe": "sft"},
         lora={"rank": 4, "target_modules": [".*v_proj"]},
     )
     model = build_model(preset("tiny_glm"), seed=0)  # built without recompute
-    setup = parallelize(model, cfg, _groups())
+    setup = parallelize(model, cfg, ep_groups())
     assert setup is not None
     assert model.model.recompute == "full"
     assert all(n.endswith(("lora_A", "lora_B")) for n, p in model.named_parameters()
                if not p.stop_gradient)  # fmt: skip
 
 
-def test_parallelize_applies_offload_after_recompute() -> None:
+def test_parallelize_applies_offload_after_recompute(tiny_cfg: TinyCfg) -> None:
     """`train.offload_activations` needs the recompute mode parallelize sets first (the model
     here is built without one); off, no offloader is attached."""
-    on = _cfg(model={"preset": "tiny_glm", "recompute": "full"},
-              train={"offload_activations": True})  # fmt: skip
+    on = tiny_cfg(model={"preset": "tiny_glm", "recompute": "full"},
+                  train={"offload_activations": True})  # fmt: skip
     model = build_model(preset("tiny_glm"), seed=0)  # built without recompute
-    parallelize(model, on, _groups())
+    parallelize(model, on, ep_groups())
     assert model.model.recompute == "full"
     assert offloader_of(model) is not None and model.model.offloader is offloader_of(model)
-    off = _cfg(model={"preset": "tiny_glm", "recompute": "full"})
+    off = tiny_cfg(model={"preset": "tiny_glm", "recompute": "full"})
     plain = build_model(preset("tiny_glm"), seed=0)
-    parallelize(plain, off, _groups())
+    parallelize(plain, off, ep_groups())
     assert offloader_of(plain) is None

@@ -17,6 +17,7 @@ from flashcp import rundir
 from flashcp.checkpoint.format import CHECKPOINT_DIR
 from flashcp.config import load_config
 from flashcp.launch import job, preflight
+from helpers.paths import CONFIGS
 
 STAMP = 1_700_000_000.0  # a fixed local time for aside names
 
@@ -144,7 +145,7 @@ def _quiet_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLAGS_flash_attn_version", raising=False)
 
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny_cp2.yaml"
+CONFIG = CONFIGS / "gpt" / "tiny_cp2.yaml"
 
 
 def _run_job(out: Path | str, *overrides: str, printed: io.StringIO | None = None) -> int:

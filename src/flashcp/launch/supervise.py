@@ -7,7 +7,7 @@ through /proc (Linux). `stop` sends SIGTERM to the launcher's group and to every
 then SIGKILL to what outlives the grace period; `leftover` finds (and kills) marked processes
 that outlive the launcher.
 
-`run_launch` is the blocking form used by the test harness (`tests/integration/launch.py`)
+`run_launch` is the blocking form used by the test harness (`tests/helpers/launch.py`)
 and the benchmark scripts: the launcher draws its ports from a lease (`launcher_lease`), the
 whole tree is killed when it outlives `timeout`, and the result carries every rank's log.
 `flashcp train` (`flashcp.launch.job`) starts the same way (`Job.start`) and streams instead.

@@ -43,7 +43,7 @@ Numerics: per token, a tile runs the same operations on the same row as the unti
 the forward outputs agree row by row — bitwise wherever the BLAS kernel computes a row the same
 way for the tile's row count (on x86 MKL: tiles of >= 16·B rows); weight gradients are sums
 over tokens accumulated tile by tile, which changes only their summation order
-(`tests/numerics.py`). LoRA dropout draws its mask per tile, so with `lora.dropout` > 0 the
+(`scripts/bench/numerics.py`). LoRA dropout draws its mask per tile, so with `lora.dropout` > 0 the
 masks differ from the untiled run's (same distribution; each tile's replay reuses its own).
 """
 

@@ -4,7 +4,7 @@ Every layout computes it with the arithmetic of Paddle's `ClipGradByGlobalNorm` 
 (`paddle/nn/clip.py`): one float32 squared norm per gradient (`squared_l2_norm`), summed in
 float32 in the single-process parameter order, square root; clipping multiplies every gradient
 by `clip / max(norm, clip)`. With float32 parameters on one stage that is Paddle's clip bit for
-bit (`tests/unit/test_clip.py`), and the norm in `metrics.jsonl` is the one that clipped.
+bit (`tests/unit/optim/test_clip.py`), and the norm in `metrics.jsonl` is the one that clipped.
 
 A rank may hold only part of the model's gradients. Each rank writes the squares of the pieces
 it holds into a vector indexed by the parameter's position in the WHOLE model, with a flag per

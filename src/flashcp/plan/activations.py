@@ -271,9 +271,9 @@ def _moe(
     args: ModelArgs, n: Counts, rows: ExpertRows, ep: int = 1, *, experts_lora: bool = False
 ) -> None:
     """`flashcp.models.moe.MoE`, grouped: measured on CPU to the byte per token
-    (`tests/unit/test_plan.py`). The router keeps its float32 logits and sigmoid scores `[E]`,
-    the chosen experts and (after the dispatch) each entry's buffer slot, int64 `[k]` each, the
-    raw, normalised and scaled top-k weights `[k]` and their sum; the buffer's token index
+    (`tests/unit/plan/test_memory.py`). The router keeps its float32 logits and sigmoid scores
+    `[E]`, the chosen experts and (after the dispatch) each entry's buffer slot, int64 `[k]`
+    each, the raw, normalised and scaled top-k weights `[k]` and their sum; the buffer's token index
     (int64, one per row). Per buffer row (r per token): the grouped matmuls' inputs — the
     gathered token `[H]` and the SwiGLU output `[Im]` (class ``e``) — and the gate/up output
     `[2·Im]` (widened to float32 for the SwiGLU) and the expert output `[H]`, which the
@@ -414,7 +414,7 @@ def moe_backward_bytes(
 ) -> float:
     """Bytes an MoE layer's backward adds at its worst moment, beyond what the layer keeps
     (read from `flashcp.models.moe_dispatch` / `experts` / `grouped_matmul` and measured on
-    CPU, float32: `tests/unit/test_plan.py`). With r buffer rows per token (R = r·T rows):
+    CPU, float32: `tests/unit/plan/test_memory.py`). With r buffer rows per token (R = r·T rows):
 
     * the combine: the output gradient's copy, on CPU its zero-row extension `[T+1, H]`, the
       gathered rows and their weighted copy ``2·R·H``, the row→token index (int64), and the

@@ -4,7 +4,7 @@ Run under `paddle.distributed.launch` with N processes (one CP group of N). For 
 families, every CP mode and chunk shapes that do and do not divide the local length, it runs
 this rank's shards through the chunked implementation (`attention.query_chunk` /
 `attention.kv_chunk`) and through the unchunked all-gather-KV implementation on the same
-layout, and compares output, LSE, dq, dk and dv under `tests/numerics.py`'s rule (n = the
+layout, and compares output, LSE, dq, dk and dv under `bench.numerics`'s rule (n = the
 global sequence), and against the dense float64 oracle's rows at this rank's positions. A
 negative control merges the key chunks without their LSE rescale and must fail by a wide
 margin; the same case run twice is bitwise identical. Finally the allocator peak of one
@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `reference`
-
-from flashcp import masks  # noqa: E402
-from flashcp.attention import allgather_kv_chunked as chunked  # noqa: E402
-from flashcp.attention.allgather_kv import ALLGATHER_KV  # noqa: E402
-from flashcp.attention.allgather_kv_chunked import ALLGATHER_KV_CHUNKED  # noqa: E402
-from flashcp.attention.context import AttentionContext  # noqa: E402
-from flashcp.attention.registry import MODES, make_assignment  # noqa: E402
-from flashcp.cp.layout import shard_assigned  # noqa: E402
-from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown  # noqa: E402
-from flashcp.metrics.memory import PeakMeter  # noqa: E402
-from numerics import FACTOR  # noqa: E402
-from reference import compare_attention, dense_reference  # noqa: E402
+from bench.numerics import FACTOR
+from flashcp import masks
+from flashcp.attention import allgather_kv_chunked as chunked
+from flashcp.attention.allgather_kv import ALLGATHER_KV
+from flashcp.attention.allgather_kv_chunked import ALLGATHER_KV_CHUNKED
+from flashcp.attention.context import AttentionContext
+from flashcp.attention.registry import MODES, make_assignment
+from flashcp.cp.layout import shard_assigned
+from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown
+from flashcp.metrics.memory import PeakMeter
+from helpers.reference import compare_attention, dense_reference
 
 WRONG_MARGIN = 10.0
 MEMORY_QUERY_CHUNK = 128

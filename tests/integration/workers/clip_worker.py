@@ -13,7 +13,7 @@ parity test let through while the logged norm came from another code path).
 
 Reference, in every rank, without groups: the whole model under Paddle's AdamW with Paddle's
 own `ClipGradByGlobalNorm`; its norms the float64 norms of the full gradients. Each rank writes
-`<out>/rank<r>.json`: per run, the comparisons (the rule of `tests/numerics.py`) of the two
+`<out>/rank<r>.json`: per run, the comparisons (the rule of `bench.numerics`) of the two
 logged norms and of the parameters after the two steps (this rank's rows of the experts).
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,10 +29,9 @@ from typing import Any
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
-
-from flashcp.config import TrainConfig  # noqa: E402
-from flashcp.distributed import (  # noqa: E402
+from bench.numerics import compare
+from flashcp.config import TrainConfig
+from flashcp.distributed import (
     ParallelDims,
     barrier,
     build_groups,
@@ -41,9 +39,8 @@ from flashcp.distributed import (  # noqa: E402
     init_distributed,
     shutdown,
 )
-from flashcp.optim import zero  # noqa: E402
-from flashcp.optim.clip import GlobalNorm  # noqa: E402
-from numerics import compare  # noqa: E402
+from flashcp.optim import zero
+from flashcp.optim.clip import GlobalNorm
 
 TOTAL, HELD = 4, 2
 SHAPES = {"w": [8, 5], "b": [5], "experts.gate": [TOTAL, 6, 3], "experts.down": [TOTAL, 3, 6]}

@@ -8,7 +8,7 @@ the world group the call uses).
 
 Per rank and mask family (causal documents, bidirectional documents), in the default
 dual-chunk layout over all ranks, it compares the output, LSE, dq, dk and dv with the dense
-float64 reference's rows at this rank's positions under the float32 rule of `tests/numerics.py`
+float64 reference's rows at this rank's positions under the float32 rule of `bench.numerics`
 (`reference.compare_attention`, n = the global sequence). Negative controls: another rank's
 rows fail that comparison by a wide margin,
 and the pre-fix reading of `group=None` (one rank) refuses the same call. The same mask in
@@ -28,17 +28,14 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2])
-)  # tests/: reference, maskcases, numerics
-
-from flashcp import masks  # noqa: E402
+from bench.numerics import FACTOR
+from flashcp import masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.cp.layout import (
     Assignment,
-    shard_assigned,  # noqa: E402
+    shard_assigned,
 )
-from flashcp.distributed import (  # noqa: E402
+from flashcp.distributed import (
     WORLD,
     NamedGroup,
     ParallelDims,
@@ -50,9 +47,8 @@ from flashcp.distributed import (  # noqa: E402
     timeout_message,
     world_group,
 )
-from maskcases import overshoot  # noqa: E402
-from numerics import FACTOR  # noqa: E402
-from reference import compare_attention, dense_reference  # noqa: E402
+from helpers.maskcases import overshoot
+from helpers.reference import compare_attention, dense_reference
 
 B, HQ, HKV, D = 1, 2, 1, 8
 FAMILIES = ("causal_document", "document")

@@ -3,7 +3,7 @@
 Run under `paddle.distributed.launch` with N processes. For every mask family (and per-head
 variants), every CP mode, it shards global q/k/v/dout, runs `flashmask_attention_cp` forward and
 backward, and compares this rank's output, LSE, dq, dk and dv with the dense float64
-reference's rows at this rank's global positions under the float32 rule of `tests/numerics.py`
+reference's rows at this rank's global positions under the float32 rule of `bench.numerics`
 (`reference.compare_attention`, n = the global `seq`: the allowance is the single-process
 one). It also
 checks that the comparison fails against another rank's rows by a wide margin (the tolerance
@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `reference`
-
-from flashcp import masks  # noqa: E402
+from bench.numerics import FACTOR
+from flashcp import masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.registry import MODES, make_assignment
-from flashcp.cp.layout import shard_assigned  # noqa: E402
-from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown  # noqa: E402
-from numerics import FACTOR  # noqa: E402
-from reference import compare_attention, dense_reference  # noqa: E402
+from flashcp.cp.layout import shard_assigned
+from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown
+from helpers.reference import compare_attention, dense_reference
 
 WRONG_MARGIN = 10.0
 """A wrong shard must miss the allowance by at least this factor."""

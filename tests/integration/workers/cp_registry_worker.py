@@ -6,7 +6,7 @@ counts its calls; nothing in `src/` names it. The context carries only the group
 name: the registry makes the layout and picks the implementation. GLM-4 tiny, recompute none
 and refined: this rank's hidden states must equal the single-process ones at its global
 positions, and the parameter gradients summed over the group the single-process gradients,
-within the float32 rule of `tests/numerics.py`; another rank's rows (a wrong shard) must miss
+within the float32 rule of `bench.numerics`; another rank's rows (a wrong shard) must miss
 by a wide margin. Results go to `<out>/rank<r>.json`; a mismatch raises.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,22 +21,20 @@ from typing import Any
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
-
-from flashcp import masks  # noqa: E402
-from flashcp.attention import registry as cp_modes  # noqa: E402
-from flashcp.attention.allgather_kv import AllGatherKV  # noqa: E402
-from flashcp.attention.context import AttentionContext  # noqa: E402
-from flashcp.cp.layout import Assignment, shard_assigned  # noqa: E402
-from flashcp.distributed import (  # noqa: E402
+from bench.numerics import FACTOR, compare
+from flashcp import masks
+from flashcp.attention import registry as cp_modes
+from flashcp.attention.allgather_kv import AllGatherKV
+from flashcp.attention.context import AttentionContext
+from flashcp.cp.layout import Assignment, shard_assigned
+from flashcp.distributed import (
     ParallelDims,
     all_reduce_tensor,
     build_groups,
     init_distributed,
     shutdown,
 )
-from flashcp.models import build_model, preset  # noqa: E402
-from numerics import FACTOR, compare  # noqa: E402
+from flashcp.models import build_model, preset
 
 B, S, VOCAB, LAYERS = 2, 32, 260, 2
 MODE = "reversed_contiguous"

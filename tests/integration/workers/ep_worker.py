@@ -1,7 +1,7 @@
 """Worker: expert parallelism's pieces on N gloo processes (N odd exercises the pair links).
 
 Run under `paddle.distributed.launch` (layout dp=1, pp=1, cp=N, ep=N). Checks, each exactly or
-under the float32 rule of `tests/numerics.py`, and writes `<out>/rank<r>.json`:
+under the float32 rule of `bench.numerics`, and writes `<out>/rank<r>.json`:
 
 * `all_to_all`: rank r sends `(r + 2j) mod 3` rows to rank j (empty blocks included), every
   value encoding (source, destination, row): the received blocks are exactly the expected
@@ -25,9 +25,8 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
-
-from flashcp.distributed import (  # noqa: E402
+from bench.numerics import compare
+from flashcp.distributed import (
     ParallelDims,
     all_reduce_tensor,
     all_to_all,
@@ -38,10 +37,9 @@ from flashcp.distributed import (  # noqa: E402
     reset_comm_stats,
     shutdown,
 )
-from flashcp.models import preset  # noqa: E402
-from flashcp.models.expert_parallel import attach_exchange, expert_range  # noqa: E402
-from flashcp.models.moe import MoE  # noqa: E402
-from numerics import compare  # noqa: E402
+from flashcp.models import preset
+from flashcp.models.expert_parallel import attach_exchange, expert_range
+from flashcp.models.moe import MoE
 
 EXPERTS, TOP_K, H, INTER, TOKENS = 6, 2, 16, 8, 40
 

@@ -4,7 +4,7 @@ Run under `paddle.distributed.launch` with N processes on N GPUs. Every rank bui
 global bf16-rounded q/k/v/dout, runs `flashmask_attention_cp` forward and backward on its
 shard on its GPU (the FlashAttention version is whatever this card and the flags resolve to),
 and compares its output, dq, dk and dv with the float32 CPU reference kernel's whole-sequence
-result at its global positions (`gpu_helpers.TOLERANCE`). A wrong shard must fail the same
+result at its global positions (`helpers.gpu.TOLERANCE`). A wrong shard must fail the same
 comparison, and - with FLAGS_cudnn_deterministic set - two runs must be bitwise identical.
 Results go to `<out>/rank<r>.json`; any failure exits non-zero.
 """
@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for gpu_helpers
-
-from flashcp import dispatch, masks  # noqa: E402
+from flashcp import dispatch, masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.registry import MODES, make_assignment
-from flashcp.cp.layout import shard_assigned  # noqa: E402
-from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown  # noqa: E402
-from gpu_helpers import close, cpu_reference, rounded  # noqa: E402
+from flashcp.cp.layout import shard_assigned
+from flashcp.distributed import ParallelDims, build_groups, init_distributed, shutdown
+from helpers.gpu import close, cpu_reference, rounded
 
 DTYPE = "bfloat16"  # --dtype float32 dry-runs the worker on CPU over gloo
 B, HQ, HKV, D = 1, 4, 2, 64

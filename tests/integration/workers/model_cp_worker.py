@@ -3,7 +3,7 @@
 For GPT, GLM-4 and GLM-4.5-MoE, every CP mode and every recompute mode, this rank's logits
 must equal the single-process logits at its global positions, and the parameter gradients
 (summed over the CP group) must equal the single-process gradients, within the float32 rule of
-`tests/numerics.py` (logits: reductions over the S keys, scale max |logit|; gradients
+`bench.numerics` (logits: reductions over the S keys, scale max |logit|; gradients
 norm-wise, a sum over the target tokens). The loss is normalised by the GLOBAL count of target
 tokens and labels are shifted on the full sequence before sharding, as the trainer does.
 
@@ -17,28 +17,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
-
-from flashcp import masks  # noqa: E402
-from flashcp.attention.context import AttentionContext  # noqa: E402
+from bench.numerics import FACTOR, compare, labels_shifted_after_sharding
+from flashcp import masks
+from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import MODES, make_assignment
-from flashcp.cp.layout import shard_assigned  # noqa: E402
-from flashcp.distributed import (  # noqa: E402
+from flashcp.cp.layout import shard_assigned
+from flashcp.distributed import (
     ParallelDims,
     all_reduce_tensor,
     build_groups,
     init_distributed,
     shutdown,
 )
-from flashcp.models import build_model, preset  # noqa: E402
-from numerics import FACTOR, compare, labels_shifted_after_sharding  # noqa: E402
+from flashcp.models import build_model, preset
 
 B, S, VOCAB = 2, 32, 260
 ARCHS = ("tiny", "tiny_glm", "tiny_glm_moe")

@@ -18,7 +18,7 @@ same name (the PP = 1 one without CP; the CP-only one with CP, i.e. before any c
 and the micro-batch losses and step loss (summed over the pp group as the trainer does) are
 bitwise equal (same operations, same order: bitwise by construction); with CP the gradients
 summed over the cp group and the loss summed over cp match the PP = 1, CP = 1 reference
-within the float32 rule of `tests/numerics.py` (CP changes the summation order inside
+within the float32 rule of `bench.numerics` (CP changes the summation order inside
 attention and across the sequence; gradients norm-wise, n = the step's target tokens). A tied
 embedding/head matrix is compared under the same rule: one process adds its embedding and head
 gradients per micro-batch, the pipeline adds the two stages' totals once. Negative control
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,14 +38,13 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for `numerics`
-
-from flashcp import masks  # noqa: E402
-from flashcp.attention.context import AttentionContext  # noqa: E402
-from flashcp.attention.registry import make_assignment  # noqa: E402
-from flashcp.config import IGNORE_INDEX, build_config  # noqa: E402
-from flashcp.cp.layout import shard_assigned  # noqa: E402
-from flashcp.distributed import (  # noqa: E402
+from bench.numerics import FACTOR, compare, labels_shifted_after_sharding
+from flashcp import masks
+from flashcp.attention.context import AttentionContext
+from flashcp.attention.registry import make_assignment
+from flashcp.config import IGNORE_INDEX, build_config
+from flashcp.cp.layout import shard_assigned
+from flashcp.distributed import (
     ParallelDims,
     all_reduce_tensor,
     build_groups,
@@ -55,17 +53,16 @@ from flashcp.distributed import (  # noqa: E402
     reset_comm_stats,
     shutdown,
 )
-from flashcp.models import (  # noqa: E402
+from flashcp.models import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     HeadInput,
     build_model,
     preset,
 )
-from flashcp.pipeline.runner import MicroBatch, PipelineRunner  # noqa: E402
-from flashcp.pipeline.stage import build_stage  # noqa: E402
-from flashcp.recipes.base import normalised  # noqa: E402
-from flashcp.recipes.lm import LMRecipe  # noqa: E402
-from numerics import FACTOR, compare, labels_shifted_after_sharding  # noqa: E402
+from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.pipeline.stage import build_stage
+from flashcp.recipes.base import normalised
+from flashcp.recipes.lm import LMRecipe
 
 B, S, VOCAB = 2, 32, 260
 MODE = "dualchunk_allgather"

@@ -4,7 +4,7 @@ Run under `paddle.distributed.launch`; `--plan` is a JSON list of runs, each
 `{"config": path, "overrides": [...], "toy": bool}`. For each run every rank loads the config
 for this world, builds the process groups of its dp × pp × cp layout, trains with the real
 `Trainer` (which writes `metrics.jsonl` and checkpoints under the run's `run.output_dir`) and
-releases the groups before the next run. `toy` swaps the model for `tests/bf16toy.Bf16ToyLM`
+releases the groups before the next run. `toy` swaps the model for `helpers.bf16toy.Bf16ToyLM`
 (bfloat16 storage, float32 compute) to exercise float32 `main_grad` reduction and master weights
 across ranks. An entry `{"check": "tied_main_grad", "out": dir}` (2 ranks) runs
 `tied_main_grad` instead.
@@ -24,18 +24,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import paddle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: bf16toy
-
-from bf16toy import Bf16ToyLM  # noqa: E402
-from flashcp.config import load_config  # noqa: E402
-from flashcp.distributed import (  # noqa: E402
+from flashcp.config import load_config
+from flashcp.distributed import (
     ParallelDims,
     barrier,
     build_groups,
@@ -43,14 +39,15 @@ from flashcp.distributed import (  # noqa: E402
     init_distributed,
     shutdown,
 )
-from flashcp.distributed.p2p import pipeline_links  # noqa: E402
-from flashcp.faults import install, parse_faults  # noqa: E402
-from flashcp.metrics import memory  # noqa: E402
-from flashcp.optim import grad_shard  # noqa: E402
-from flashcp.optim.grads import grad_of, numel  # noqa: E402
+from flashcp.distributed.p2p import pipeline_links
+from flashcp.faults import install, parse_faults
+from flashcp.metrics import memory
+from flashcp.optim import grad_shard
+from flashcp.optim.grads import grad_of, numel
 from flashcp.optim.zero import attach_main_grad
 from flashcp.pipeline.runner import sync_tied_gradients
 from flashcp.trainer import Trainer
+from helpers.bf16toy import Bf16ToyLM
 
 
 def tied_main_grad(out: Path, world_size: int) -> None:

@@ -1,0 +1,164 @@
+"""Packing (`flashcp.data.packing`): the packed stream, its labels and collation against
+independent constructions."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from flashcp.config import IGNORE_INDEX
+from flashcp.data import Document, PackedStream, collate, shift_labels
+from helpers.batches import marked_documents
+
+
+def _reference_stream(docs: list[Document], seq_len: int, n_seqs: int, order_of) -> list[tuple]:
+    """Concatenate docs in epoch order, cut every seq_len tokens; naive loops for the rest."""
+    toks, tgts, doc_id, seg_start = [], [], [], []
+    epoch = 0
+    while len(toks) < seq_len * n_seqs:
+        for d in order_of(epoch):
+            for j in range(len(docs[d])):
+                toks.append(int(docs[d].tokens[j]))
+                tgts.append(bool(docs[d].targets[j]))
+                doc_id.append((epoch, d))
+                seg_start.append(j == 0)
+        epoch += 1
+    out = []
+    for s in range(n_seqs):
+        lo, hi = s * seq_len, (s + 1) * seq_len
+        t, g, ids = toks[lo:hi], tgts[lo:hi], doc_id[lo:hi]
+        labels = [
+            t[i + 1] if i + 1 < seq_len and ids[i + 1] == ids[i] and g[i + 1] else IGNORE_INDEX
+            for i in range(seq_len)
+        ]
+        dense = np.array(
+            [[not (j <= i and ids[j] == ids[i]) for j in range(seq_len)] for i in range(seq_len)]
+        )
+        out.append((t, labels, dense))
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_packing_matches_independent_construction(shuffle: bool) -> None:
+    docs = marked_documents([5, 17, 3, 9, 30, 2, 11])
+    seq_len, n = 16, 12
+    stream = PackedStream(docs, seq_len, seed=3, shuffle=shuffle)
+
+    def order_of(epoch: int) -> list[int]:
+        if not shuffle:
+            return list(range(len(docs)))
+        return np.random.default_rng([3, epoch, 0x5EED]).permutation(len(docs)).tolist()
+
+    expected = _reference_stream(docs, seq_len, n, order_of)
+    for tokens, labels, dense in expected:
+        batch = collate([stream.next()])
+        assert batch.input_ids[0].tolist() == tokens
+        assert batch.labels[0].tolist() == labels
+        np.testing.assert_array_equal(batch.mask.dense()[0, 0], dense)
+        assert batch.positions[0].tolist() == list(range(seq_len))
+    assert stream.state.sequences == n and stream.state.epoch >= 1
+
+
+_STRIDE = 64
+"""Token `d * _STRIDE + j` is position j of document d: a token names its document and place."""
+_PAD = 8 * _STRIDE
+"""The padding token (`packing: false`): no document's token."""
+
+
+def _flagged_docs(flags: list[list[bool]]) -> list[Document]:
+    """Document d has `len(flags[d])` tokens, token j a target iff `flags[d][j]` — the first
+    token included, as with a tokenizer without BOS (the first text token is a target)."""
+    return [
+        Document(d * _STRIDE + np.arange(len(f), dtype=np.int64), np.array(f, dtype=bool))
+        for d, f in enumerate(flags)
+    ]
+
+
+def _labels_from_tokens(tokens: np.ndarray, flags: list[list[bool]]) -> list[int]:
+    """Next-token labels from the tokens alone (no `doc_lens`): token i predicts token i+1 only
+    if that is the NEXT token of the same document and a target."""
+    labels = [IGNORE_INDEX] * len(tokens)
+    for i in range(len(tokens) - 1):
+        here, after = int(tokens[i]), int(tokens[i + 1])
+        if _PAD in (here, after):
+            continue
+        (d, j), (d2, j2) = divmod(here, _STRIDE), divmod(after, _STRIDE)
+        if d2 == d and j2 == j + 1 and flags[d][j2]:
+            labels[i] = after
+    return labels
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    flags=st.lists(st.lists(st.booleans(), min_size=1, max_size=40), min_size=1, max_size=8),
+    seq_len=st.integers(2, 48),
+    packing=st.booleans(),
+)
+@example(flags=[[True, True, False], [True, True]], seq_len=5, packing=True)
+def test_labels_never_cross_documents(flags: list[list[bool]], seq_len: int, packing: bool) -> None:
+    """Target flags drawn at random, a document's first token included: a document's last
+    token never predicts the next document's first token, even when that one is a target."""
+    stream = PackedStream(_flagged_docs(flags), seq_len, seed=1, packing=packing, pad_id=_PAD)
+    for _ in range(4):
+        seq = stream.next()
+        assert sum(seq.doc_lens) == seq_len and min(seq.doc_lens) >= 1
+        labels = shift_labels(seq.tokens, seq.targets, seq.doc_lens)
+        ends = np.cumsum(seq.doc_lens) - 1
+        assert (labels[ends] == IGNORE_INDEX).all()
+        ok = labels != IGNORE_INDEX
+        np.testing.assert_array_equal(labels[ok], seq.tokens[1:][ok[:-1]])
+        want = _labels_from_tokens(seq.tokens, flags)
+        assert labels.tolist() == want, "a label crosses a document boundary (or is missing)"
+        assert collate([seq]).labels[0].tolist() == want
+
+
+def test_stream_order_depends_only_on_seed() -> None:
+    docs = marked_documents([4] * 20)
+
+    def firsts(seed: int) -> list[int]:
+        s = PackedStream(docs, 8, seed=seed)
+        return [int(t) for _ in range(10) for t in s.next().tokens if t >= 1000]
+
+    assert firsts(5) == firsts(5)
+    assert firsts(5) != firsts(6)
+
+
+def test_stream_position_restores_exactly() -> None:
+    docs = marked_documents([7, 13, 5, 21, 3])
+    a = PackedStream(docs, 10, seed=2)
+    for _ in range(7):
+        a.next()
+    state = json.loads(json.dumps(a.state_dict()))
+    want = [a.next().tokens.tolist() for _ in range(9)]
+    b = PackedStream(docs, 10, seed=2)
+    b.load_state_dict(state)
+    assert [b.next().tokens.tolist() for _ in range(9)] == want
+    with pytest.raises(ValueError, match="does not fit this dataset"):
+        PackedStream(docs[:2], 10).load_state_dict(state | {"doc": 4})
+
+
+def test_no_packing_pads_each_document() -> None:
+    docs = marked_documents([5, 30])
+    stream = PackedStream(docs, 8, shuffle=False, packing=False, pad_id=99)
+    short = stream.next()
+    assert short.tokens.tolist()[5:] == [99, 99, 99] and short.doc_lens == [5, 3]
+    assert not short.targets[5:].any()
+    batch = collate([short])
+    assert batch.labels[0, 4:].tolist() == [IGNORE_INDEX] * 4
+    long = stream.next()
+    assert long.doc_lens == [8] and long.tokens.tolist() == docs[1].tokens[:8].tolist()
+
+
+def test_collate_pad_to_keeps_real_tokens_unchanged() -> None:
+    docs = marked_documents([6, 9])
+    seqs = [PackedStream(docs, 10, shuffle=False).next()]
+    plain, padded = collate(seqs), collate(seqs, pad_to=16, pad_id=0)
+    assert padded.input_ids.shape == (1, 16) and padded.doc_lens[0][-1] == 6
+    assert (padded.labels[0, 10:] == IGNORE_INDEX).all()
+    np.testing.assert_array_equal(padded.labels[:, :10], plain.labels)
+    np.testing.assert_array_equal(padded.mask.dense()[0, 0, :10, :10], plain.mask.dense()[0, 0])
+    assert padded.mask.dense()[0, 0, :10, 10:].all()  # real rows never see padding

@@ -1,0 +1,185 @@
+"""`flashcp.launch` in one process: the config is loaded once per launch, the package sits above
+the trainer (nothing below imports it), the supervisor stops a whole process tree, and the rank
+entry (not the `Trainer`) sets the runtime flags."""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import flashcp.config.load
+from flashcp import cli, dispatch
+from flashcp.config import load_config
+from flashcp.launch import job, preflight, supervise, worker
+from helpers.paths import ROOT
+
+SRC = ROOT / "src" / "flashcp"
+CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
+
+
+# -- one config load per launch ---------------------------------------------------------------
+
+
+@pytest.fixture
+def yaml_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every read of a YAML config in this process (`load_config` reads through `read_yaml`)."""
+    reads: list[str] = []
+    original = flashcp.config.load.read_yaml
+
+    def counted(path: Any) -> Any:
+        reads.append(str(path))
+        return original(path)
+
+    monkeypatch.setattr(flashcp.config.load, "read_yaml", counted)
+    return reads
+
+
+def test_flashcp_train_loads_the_config_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, yaml_reads: list[str]
+) -> None:
+    """The CLI loads it; preflight and the launch command use that `Config` (the ranks, other
+    processes, each load their own copy). Before: 3 loads in this process."""
+    monkeypatch.setattr(job, "launch_command", lambda *a, **k: [sys.executable, "-c", "pass"])
+    monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
+    monkeypatch.delenv(dispatch.FLAG_VERSION, raising=False)
+    assert cli.main(["train", str(CONFIG), f"run.output_dir={tmp_path / 'run'}"]) == 0
+    assert yaml_reads == [str(CONFIG)]
+    yaml_reads.clear()
+    refused = ["hardware.memory_gib=0.001", f"run.output_dir={tmp_path / 'small'}"]
+    assert cli.main(["train", str(CONFIG), *refused]) == preflight.EXIT_PREFLIGHT
+    assert yaml_reads == [str(CONFIG)]
+
+
+def test_run_job_launches_the_ranks_with_the_file_and_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def command(*args: Any) -> list[str]:
+        seen.append(args)
+        return [sys.executable, "-c", "pass"]
+
+    monkeypatch.setattr(job, "launch_command", command)
+    monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
+    overrides = ["train.steps=3", f"run.output_dir={tmp_path / 'run'}"]
+    assert job.run_job(load_config(CONFIG, overrides), CONFIG, overrides, out=io.StringIO()) == 0
+    ((config, passed, nproc, log_dir, _port, _nodes),) = seen
+    assert (config, passed, nproc, log_dir) == (CONFIG, overrides, 2, tmp_path / "run" / "logs")
+
+
+# -- layers -----------------------------------------------------------------------------------
+
+
+def _flashcp_imports(path: Path) -> set[str]:
+    """The `flashcp...` modules `path` imports, anywhere in it."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("flashcp")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flashcp"):
+            found |= {f"{node.module}.{a.name}" for a in node.names} | {str(node.module)}
+    return found
+
+
+def test_nothing_below_launch_imports_it() -> None:
+    """`launch` imports the trainer (downward); only the command line and the launcher's
+    script import `launch`, so no module below can form a cycle with it."""
+    above = {SRC / "cli.py", SRC / "train.py"}
+    importers = sorted(
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if p not in above
+        and SRC / "launch" not in p.parents
+        and any(m.startswith("flashcp.launch") for m in _flashcp_imports(p))
+    )
+    assert importers == []
+
+
+def test_the_launchers_script_imports_only_the_rank_entry() -> None:
+    assert _flashcp_imports(SRC / "train.py") == {
+        "flashcp.launch.worker",
+        "flashcp.launch.worker.run",
+    }
+    assert job.train_script() == (SRC / "train.py").resolve()
+
+
+def test_supervisor_and_outcomes_know_no_training() -> None:
+    """`supervise` and `outcome` are process and text plumbing: no config, trainer, model."""
+    for name in ("supervise.py", "outcome.py"):
+        imported = _flashcp_imports(SRC / "launch" / name)
+        assert {m for m in imported if not m.startswith("flashcp.distributed.ports")} <= {
+            "flashcp.distributed",
+        }, (name, imported)
+
+
+# -- stopping a process tree ------------------------------------------------------------------
+
+TREE = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    # a child in a session of its own, as Paddle's launcher starts its workers
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                     start_new_session=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_timed_out_tree_is_stopped_whole() -> None:
+    marker = uuid.uuid4().hex
+    tree = supervise.Job.start([sys.executable, "-c", TREE], supervise.job_env(marker))
+    deadline = time.monotonic() + 30
+    while len(supervise.marked_pids(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = supervise.marked_pids(marker)
+    assert len(pids) == 2 and tree.proc.pid in pids
+    started = time.monotonic()
+    code, timed_out, _ = tree.wait(0.5)
+    assert (code, timed_out) == (-9, True)
+    assert time.monotonic() - started < 10
+    assert not any(supervise.alive(p) for p in pids)
+    assert tree.leftover(0.1) == []
+
+
+def test_leftover_kills_what_outlives_the_root() -> None:
+    marker = uuid.uuid4().hex
+    env = supervise.job_env(marker, marker_env="FLASHCP_TEST_MARK")
+    orphan = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', " \
+             "'import time; time.sleep(600)'], start_new_session=True)"  # fmt: skip
+    root = supervise.Job.start([sys.executable, "-c", orphan], env, marker_env="FLASHCP_TEST_MARK")
+    assert root.wait(30)[:2] == (0, False)
+    left = root.leftover(0.2)
+    assert len(left) == 1 and not supervise.alive(left[0])
+    assert not any(supervise.alive(p) for p in supervise.marked_pids(marker, "FLASHCP_TEST_MARK"))
+
+
+def test_job_env_drops_a_surrounding_jobs_identity() -> None:
+    base = {"PADDLE_TRAINER_ID": "3", "MASTER_ADDR": "h", "PADDLE_NNODES": "2", "HOME": "/h"}
+    env = supervise.job_env("m", base=base)
+    assert env == {"PADDLE_NNODES": "2", "HOME": "/h", supervise.JOB_MARKER: "m",
+                   "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    assert "PADDLE_NNODES" not in supervise.job_env("m", base=base, drop=("PADDLE_", "MASTER_"))
+
+
+# -- runtime flags ----------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("isolated_environ")
+def test_the_rank_entry_sets_deterministic_mode_for_the_dispatch() -> None:
+    for name in worker.DETERMINISTIC_FLAGS:
+        os.environ.pop(name, None)
+    assert dispatch.probe_deterministic()[0] is False
+    worker.set_runtime_flags(load_config(CONFIG, ["train.deterministic=false"]))
+    assert dispatch.probe_deterministic()[0] is False
+    worker.set_runtime_flags(load_config(CONFIG))  # train.deterministic: true
+    assert dispatch.probe_deterministic()[0] is True
+    assert all(os.environ[name] == "1" for name in worker.DETERMINISTIC_FLAGS)

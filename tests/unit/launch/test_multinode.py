@@ -1,0 +1,169 @@
+"""`flashcp train --nnodes N --node-rank R --master HOST:PORT`: the pieces that need no job.
+
+The launcher command of one node, its log directory, the master checks of node 0 (the port is
+free for its launcher) and of the other nodes (wait for node 0, with a timeout), the
+rendezvous watch, job ranks in a failure report, the degree check naming the node count, and
+`flashcp validate --nnodes`. The jobs themselves run in
+`tests/integration/test_multinode.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flashcp import cli
+from flashcp.config import ConfigValidationError, load_config
+from flashcp.distributed import launch_env
+from flashcp.launch import job, outcome, preflight, supervise
+from flashcp.launch.preflight import Nodes, PreflightError
+from helpers.paths import ROOT
+
+CP2 = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4)
+        yield int(sock.getsockname()[1])
+
+
+def test_launch_command_of_one_node(tmp_path: Path) -> None:
+    nodes = Nodes(count=2, rank=1, master="10.0.0.1:29500")
+    cmd = job.launch_command("c.yaml", ["train.steps=2"], 4, tmp_path, None, nodes)
+    i = cmd.index("paddle.distributed.launch")
+    assert cmd[i + 1 :] == [
+        "--nproc_per_node", "4", "--log_dir", str(tmp_path),
+        "--nnodes", "2", "--rank", "1", "--master", "10.0.0.1:29500",
+        str(job.train_script()), "--config", "c.yaml", "train.steps=2",
+    ]  # fmt: skip
+    one = job.launch_command("c.yaml", [], 2, tmp_path, 4000, Nodes(master="127.0.0.1:29511"))
+    assert "--nnodes" not in one and one[one.index("--master") + 1] == "127.0.0.1:29511"
+    assert nodes.log_dir("out") == Path("out/logs/node1")
+    assert Nodes().log_dir("out") == Path("out/logs") and not Nodes().multi
+
+
+@pytest.mark.parametrize(
+    "master", ["node0", "h:", ":29500", "h:port", "h:70000", "fd00::2:29500", None]
+)
+def test_master_must_be_host_and_port(master: str | None) -> None:
+    with pytest.raises(PreflightError, match=r"is not HOST:PORT \(a port 1-65535;"):
+        Nodes(count=2, master=master).endpoint()
+    assert Nodes(count=2, master="node-0.cluster:29500").endpoint() == ("node-0.cluster", 29500)
+
+
+def test_node0_needs_the_master_port_free(listening: int) -> None:
+    busy = Nodes(count=2, rank=0, master=f"127.0.0.1:{listening}")
+    with pytest.raises(PreflightError, match=rf"--master 127\.0\.0\.1:{listening}: binding port "
+                       rf"{listening} is already in use .*: pick a free port \(the same on every "
+                       r"node\)"):  # fmt: skip
+        preflight.check_master(busy)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    preflight.check_master(Nodes(count=2, rank=0, master=f"127.0.0.1:{free}"))
+    not_here = Nodes(count=2, rank=0, master="192.0.2.123:29500")
+    preflight.check_master(not_here)  # not on this machine: not bound
+
+
+def test_other_nodes_wait_for_node0(listening: int) -> None:
+    started = time.monotonic()
+    preflight.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{listening}"), timeout=5)
+    assert time.monotonic() - started < 2
+    # node 0's launcher comes up a little later: the wait covers it
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = socket.socket()
+
+    def serve() -> None:
+        time.sleep(0.3)
+        server.bind(("127.0.0.1", port))
+        server.listen(1)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        preflight.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{port}"), timeout=10)
+    finally:
+        thread.join()
+        server.close()
+    with pytest.raises(PreflightError, match=r"node 1: node 0's launcher .* did not accept "
+                       r"connections within 0\.2 s"):  # fmt: skip
+        preflight.check_master(Nodes(count=2, rank=1, master=f"127.0.0.1:{port}"), timeout=0.2)
+
+
+def test_rendezvous_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not job.workers_started("no-such-job")
+    # the launcher has the training script among its arguments, a worker runs it
+    marker = uuid.uuid4().hex
+    env = {**os.environ, supervise.JOB_MARKER: marker}
+    sleep = "import time; time.sleep(30)"
+    script = str(job.train_script())
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", sleep, "paddle.distributed.launch", script], env=env
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not supervise.marked_pids(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert supervise.marked_pids(marker) == [launcher.pid]
+        assert not job.workers_started(marker)
+        worker = subprocess.Popen([sys.executable, "-c", sleep, script], env=env)
+        try:
+            assert job.workers_started(marker)
+        finally:
+            worker.kill()
+            worker.wait()
+    finally:
+        launcher.kill()
+        launcher.wait()
+    monkeypatch.setenv("FLASHCP_INIT_TIMEOUT", "7")
+    assert job.rendezvous_timeout() == 7.0
+    text = job.rendezvous_lost(Nodes(count=3, rank=0, master="h:1"))
+    assert "node 0: the 3 nodes did not all join at --master h:1 within 7 s" in text
+    assert "--node-rank R --master h:1` on every node R = 0..2" in text
+
+
+def test_failure_report_names_job_ranks(tmp_path: Path) -> None:
+    logs = {
+        0: "fine\n[flashcp] rank 2 exit 0\n",
+        1: "boom\nValueError: bad\n[flashcp] rank 3 exit 1\n",
+    }
+    text = outcome.failure_report(1, logs, "", tmp_path, rank_offset=2)
+    assert "rank 3 exited with code 1: ValueError: bad" in text
+    assert "rank 2 finished" in text and f"({tmp_path / 'workerlog.1'})" in text
+
+
+def test_degrees_against_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    load_config(CP2, nnodes=2)  # 2 processes over 2 nodes: one each
+    with pytest.raises(ConfigValidationError, match=r"= 2 processes cannot be split over "
+                       r"--nnodes 3 nodes"):  # fmt: skip
+        load_config(CP2, nnodes=3)
+    load_config(CP2, world_size=2, nnodes=2)
+    with pytest.raises(ConfigValidationError, match=r"the job has 6 processes \(3 nodes × 2 per "
+                       r"node\): set parallel\.cp to 6 or set parallel\.dp to 3, or launch with "
+                       r"a node count that divides 2"):  # fmt: skip
+        load_config(CP2, world_size=6, nnodes=3)
+    monkeypatch.setenv("PADDLE_NNODES", "2")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
+    assert launch_env().nnodes == 2 and launch_env().world_size == 4
+
+
+def test_cli_node_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", str(CP2), "--nnodes", "0"]) == 2
+    assert "--nnodes must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["validate", str(CP2), "--nnodes", "2"]) == 0
+    assert cli.main(["validate", str(CP2), "--nnodes", "4"]) == 1
+    assert "cannot be split over --nnodes 4 nodes" in capsys.readouterr().out

@@ -1,0 +1,125 @@
+"""How a job ends (`flashcp.launch.outcome`, the rank entry's exit line, the launcher's output):
+every rank prints its exit line, and a failed job's logs are diagnosed naming the dead rank."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+import flashcp.distributed
+from flashcp.launch import job, outcome, worker
+from helpers.paths import CONFIGS
+
+# -- the per-rank exit line -------------------------------------------------------------------
+
+
+def test_exit_line_is_printed_for_every_outcome(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(CONFIGS / "gpt" / "tiny_cp2.yaml")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    assert worker.run(["--config", config]) == 2
+    assert capsys.readouterr().out.splitlines()[-1] == "[flashcp] rank 0 exit 2"
+    with pytest.raises(SystemExit):
+        worker.run([])  # argparse: --config is required
+    assert "[flashcp] rank 0 exit 2" in capsys.readouterr().out
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("init failed")
+
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    monkeypatch.setattr(flashcp.distributed, "init_distributed", boom)
+    with pytest.raises(RuntimeError, match="init failed"):
+        worker.run(["--config", config])
+    assert "[flashcp] rank 0 exit 1" in capsys.readouterr().out
+
+
+# -- diagnosing a failed job ------------------------------------------------------------------
+
+TRACEBACK = 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+PEER = TRACEBACK + (
+    "OSError: (External)\n    RuntimeError: [pair.cc:576] Read error [127.0.0.1]:5021: "
+    "Connection reset by peer\n[flashcp] rank 0 exit 1\n"
+)
+SIGTERM = (
+    "FatalError: `Termination signal` is detected by the operating system.\n"
+    "  [SignalInfo: *** SIGTERM (@0x2800) received by PID 10252 (TID 0x7f) from PID 10240 ***]\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("log", "code", "kind", "needle"),
+    [
+        (None, None, "unknown", "wrote no log"),
+        ("step 1\n[flashcp] rank 0 exit 0\n", None, "finished", "finished"),
+        ("[rank 1] error: non-finite loss at step 3\n[flashcp] rank 1 exit 3\n", None, "error",
+         "exited with code 3: [rank 1] error: non-finite loss at step 3"),
+        (TRACEBACK + "ValueError: bad thing\n", 1, "error", "raised an exception: ValueError"),
+        (PEER + SIGTERM, None, "peer", "Connection reset by peer"),
+        (TRACEBACK + "RuntimeError: [pair.cc:584] TIMEOUT self_rank = 1 pair_rank = 0\n", None,
+         "peer", "TIMEOUT self_rank"),
+        ("I1129 connected\n" + SIGTERM, None, "stopped", "stopped by the launcher"),
+        ("I1129 connected\n", None, "killed", "out-of-memory killer"),
+        ("I1129 connected\n", -9, "killed", "exit code -9: SIGKILL"),
+        ("I1129 connected\n", -99, "killed", "exit code -99: signal 99"),
+        ("I1129 connected\n", 7, "error", "exited with code 7 without an error"),
+        ("[flashcp] all_gather on group cp[0,1] timed out after 5 s on rank 0: rank 1 may be "
+         "dead\n", None, "timeout", "watchdog: [flashcp] all_gather"),
+        ("[SignalInfo: *** SIGSEGV (@0x0) received by PID 1 (TID 0x1) from PID 0 ***]\n", None,
+         "signal", "crashed with SIGSEGV"),
+        ("[flashcp] rank 0 exit 0\nuv__finish_close: Assertion `0' failed.\n", None, "signal",
+         "after finishing its work"),
+    ],
+)  # fmt: skip
+def test_classify_rank(log: str | None, code: int | None, kind: str, needle: str) -> None:
+    got = outcome.classify_rank(0, log, code)
+    assert got.kind == kind and needle in got.text, got
+
+
+def test_failure_report_blames_the_dead_rank(tmp_path: Path) -> None:
+    logs = {0: PEER + SIGTERM, 1: "I1129 connected\n[flashcp fault] rank 1 step 3: sigkill\n"}
+    launcher = "Container rank 1 status failed cmd ['python'] code -9 log /x/workerlog.1\n"
+    assert outcome.launcher_codes(launcher) == {1: -9}
+    assert [o.rank for o in outcome.diagnose(logs, launcher)] == [1, 0]
+    report = outcome.failure_report(241, logs, launcher, tmp_path)
+    lines = report.splitlines()
+    assert lines[0] == ("flashcp: the job failed (exit 241): rank 1 died without writing an "
+                        "error (the launcher saw exit code -9: SIGKILL)")  # fmt: skip
+    assert lines[1].startswith("flashcp:   rank 0 lost its connection to a peer (RuntimeError")
+    assert lines[2] == f"flashcp: last lines of rank 1's log ({tmp_path / 'workerlog.1'}):"
+    assert lines[-1] == "    [flashcp fault] rank 1 step 3: sigkill"
+    same = {r: f"[rank {r}] error: NaN at step 3\n[flashcp] rank {r} exit 3\n" for r in (0, 1)}
+    report = outcome.failure_report(3, same, "", tmp_path)
+    assert report.splitlines() == [
+        "flashcp: the job failed (exit 3): rank 0 exited with code 3: [rank 0] error: NaN at "
+        "step 3",
+        "flashcp:   rank 1 the same",
+    ]
+    assert outcome.failure_report(1, {}, "", tmp_path) == "flashcp: the job failed (exit 1)"
+
+
+def test_rank_logs_are_read_from_the_launch_offset(tmp_path: Path) -> None:
+    (tmp_path / "workerlog.0").write_text("old run\n")
+    offsets = outcome.log_sizes(tmp_path, 2)
+    assert offsets == {0: 8, 1: 0}
+    with open(tmp_path / "workerlog.0", "a") as f:
+        f.write("new run\n")
+    assert outcome.read_rank_logs(tmp_path, offsets) == {0: "new run\n", 1: None}
+
+
+def test_pump_hides_banner_exit_lines_and_the_launchers_repeat() -> None:
+    lines = [
+        "LAUNCH INFO 2026 banner\n",
+        "step 1/2 | loss 5.5\n",
+        "[flashcp] rank 0 exit 3\n",
+        "I1129 19:06:13.369 tcp_store.cc:336] server\n",
+        "LAUNCH ERROR 2026 Container failed !!!\n",
+        "step 1/2 | loss 5.5\n",
+    ]
+    log, out = io.StringIO(), io.StringIO()
+    job.pump(io.StringIO("".join(lines)), log, out)
+    assert log.getvalue() == "".join(lines)
+    assert out.getvalue() == "step 1/2 | loss 5.5\n"

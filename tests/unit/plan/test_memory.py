@@ -1,0 +1,562 @@
+"""The memory planner: exact parameter inventory, plans against the allocator, knobs, reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import pytest
+
+from flashcp import cli
+from flashcp.config import build_config, load_config
+from flashcp.lora.model import apply_lora
+from flashcp.models import build_model, preset
+from flashcp.pipeline.stage import build_stage, stage_spec
+from flashcp.plan import GIB, ITEMS, plan
+from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows, moe_backward_bytes
+from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
+from flashcp.plan.report import fit_options, format_plan, refusal, variant
+from helpers.configs import PLANNED, Sections, TinyCfg, merged, tiny_config
+from helpers.paths import ROOT
+
+PLAN = merged(PLANNED, train={"log_every": 100})
+"""What the planner is asked about (`helpers.configs.PLANNED`), logged every 100 steps."""
+
+
+@pytest.fixture
+def tiny_base() -> Sections:
+    return PLAN
+
+
+# -- the parameter inventory is the real model's --------------------------------------------
+
+
+INVENTORY = [
+    ("tiny", {}, None),
+    ("tiny", {"tie_embeddings": True}, None),
+    ("tiny", {"position": "learned"}, [".*q_proj", ".*fc_in"]),
+    ("tiny_glm", {}, [".*q_proj", ".*gate_up_proj", "lm_head"]),
+    ("tiny_glm_moe", {"num_layers": 3}, None),
+    ("tiny_glm_moe", {}, [".*o_proj", ".*mlp\\.experts"]),
+    ("tiny_glm_moe", {"num_layers": 3}, [".*2\\.mlp\\.experts", ".*shared_experts.up_proj"]),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "lora"), INVENTORY)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_parameters_match_the_built_model(
+    name: str, overrides: dict[str, Any], lora: list[str] | None, pp: int
+) -> None:
+    args = preset(name, **overrides)
+    for stage in range(pp):
+        module = build_stage(args, stage, pp, seed=0)  # only what this stage runs
+        if lora:
+            apply_lora(module, rank=4, alpha=8.0, target_modules=lora, require_match=False)
+        real = {n: (tuple(p.shape), not p.stop_gradient) for n, p in module.named_parameters()}
+        mine = {
+            s.name: (s.shape, s.trained)
+            for s in stage_parameters(args, stage, pp, lora_targets=lora, lora_rank=4)
+        }
+        assert mine == real
+        buffers = {n: tuple(b.shape) for n, b in module.named_buffers()}
+        assert {b.name: b.shape for b in stage_buffers(args, stage, pp)} == buffers
+
+
+def test_plan_parameter_bytes_equal_the_model() -> None:
+    cfg = build_config(
+        {
+            "model": {"preset": "tiny_glm_moe"},
+            "run": {"recipe": "dpo"},
+            "lora": {"rank": 4},
+            "train": {"loss_chunk_tokens": 0},
+        }
+    )
+    model = build_model(cfg.model, seed=0)
+    apply_lora(model, rank=4, alpha=16.0, target_modules=cfg.extras["lora"].target_modules)
+    trained = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if not p.stop_gradient)
+    frozen = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if p.stop_gradient)
+    items = plan(cfg).ranks[0].items
+    assert (items["params_trained"], items["params_frozen"]) == (trained, frozen)
+    assert items["dpo_reference"] == 0  # LoRA: the reference is the model, adapters off
+
+
+# -- expert parallelism: a rank holds E/ep routed experts --------------------------------------
+
+
+@pytest.mark.parametrize("lora", [None, [".*o_proj", ".*mlp\\.experts"]])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_parameters_match_one_ep_rank_build(lora: list[str] | None, pp: int) -> None:
+    """Each ep rank's stage-only build (its E/ep experts, `StageSpec.ep_rank`) has exactly the
+    planned inventory; the negative control: the ep = 1 inventory does not match it."""
+    args = preset("tiny_glm_moe", num_layers=3)
+    for stage in range(pp):
+        for ep_rank in range(2):
+            spec = dataclasses.replace(stage_spec(args, stage, pp), ep_rank=ep_rank, ep_size=2)
+            module = build_model(args, stage=spec, seed=0)
+            if lora:
+                apply_lora(module, rank=4, alpha=8.0, target_modules=lora, require_match=False)
+            real = {n: (tuple(p.shape), not p.stop_gradient) for n, p in module.named_parameters()}
+            planned = {
+                s.name: (s.shape, s.trained)
+                for s in stage_parameters(args, stage, pp, lora_targets=lora, lora_rank=4, ep=2)
+            }
+            assert planned == real
+            whole = stage_parameters(args, stage, pp, lora_targets=lora, lora_rank=4)
+            assert {s.name: (s.shape, s.trained) for s in whole} != real
+            buffers = {n: tuple(b.shape) for n, b in module.named_buffers()}
+            assert {b.name: b.shape for b in stage_buffers(args, stage, pp)} == buffers
+    with pytest.raises(ValueError, match=r"parallel\.ep=3 does not divide model\.num_experts=4"):
+        stage_parameters(args, ep=3)
+
+
+def _moe_cfg(ep: int, **sections: dict[str, Any]) -> Any:
+    parallel = {"cp": 2, "ep": ep, **sections.pop("parallel", {})}
+    return tiny_config(base=PLAN, model={"preset": "tiny_glm_moe"}, parallel=parallel, **sections)
+
+
+def test_planned_expert_bytes_divide_by_ep() -> None:
+    args = preset("tiny_glm_moe")
+    experts = sum(s.numel for s in stage_parameters(args) if is_expert(s)) * 4
+    assert experts > 0
+    one, two = plan(_moe_cfg(1)).ranks[0], plan(_moe_cfg(2)).ranks[0]
+    # parameters, their gradients and Adam moments: the experts' share halves, nothing else
+    assert one.items["params_trained"] - two.items["params_trained"] == experts // 2
+    assert one.items["gradients"] - two.items["gradients"] == experts // 2
+    assert one.items["optimizer_states"] - two.items["optimizer_states"] == 2 * experts // 2
+    # LoRA on the experts: frozen base experts and their adapters both divide by ep
+    lora = {"lora": {"rank": 4, "target_modules": [".*mlp\\.experts"]}, "run": {"recipe": "sft"}}
+    specs = stage_parameters(args, lora_targets=[".*mlp\\.experts"], lora_rank=4)
+    adapters = sum(s.numel for s in specs if is_expert(s) and s.trained) * 4
+    a, b = plan(_moe_cfg(1, **lora)).ranks[0].items, plan(_moe_cfg(2, **lora)).ranks[0].items
+    assert a["params_frozen"] - b["params_frozen"] == experts // 2
+    assert a["params_trained"] - b["params_trained"] == adapters // 2
+    # ZeRO-1: expert state over edp = dp·cp/ep ranks, so per rank E/(dp·cp) either way
+    zero = {"parallel": {"dp": 2, "shard_optimizer": True}}
+    z1, z2 = plan(_moe_cfg(1, **zero)).ranks[0].items, plan(_moe_cfg(2, **zero)).ranks[0].items
+    assert z1["optimizer_states"] == pytest.approx(z2["optimizer_states"], abs=16)
+    assert z1["master_weights"] == pytest.approx(z2["master_weights"], abs=8)
+    assert z1["params_trained"] - z2["params_trained"] == experts // 2
+
+
+def test_ep_exchange_buffers_and_rows() -> None:
+    cfg = _moe_cfg(2, data={"seq_len": 128, "micro_batch_size": 2})
+    args, T = cfg.model, 2 * 128 // 2
+    moments = plan(cfg).ranks[0].moments
+    layer = moments["backward: layer"]
+    rows = T * args.num_experts_per_tok * args.hidden_size * 4  # T·k float32 rows of H
+    cpu, gpu = Dtypes.of("float32", "float32"), Dtypes.of("bfloat16", "bfloat16", "gpu")
+    # gloo (CPU): send buffer, its contiguous blocks, the received blocks and their concat;
+    # NCCL: send and receive buffers
+    assert ep_exchange_bytes(args, cpu, T, 2) == 4 * rows
+    assert ep_exchange_bytes(args, gpu, T, 2) == rows  # bf16 rows (issue 21): half of float32
+    assert ep_exchange_bytes(args, gpu, T, 2, experts_lora=True) == 2 * rows  # float32 rows
+    # the exchange and the MoE backward's own transients are not live at once: the plan
+    # reports the exchange's excess over the latter
+    own = moe_backward_bytes(args, cpu, expert_rows(args, T, cpu, 2), T, experts_trained=True,
+                             lora_experts=False, ep=2)  # fmt: skip
+    assert 0 < layer["ep_buffers"] == 4 * rows - own
+    on_gpu = plan(cfg, device="gpu").ranks[0].moments["backward: layer"]
+    assert on_gpu["ep_buffers"] == 0  # NCCL's two buffers fit in the combine's backward
+    assert ep_exchange_bytes(args, gpu, T, 1) == 0.0
+    assert plan(_moe_cfg(1)).ranks[0].items["ep_buffers"] == 0
+    # a rank's experts receive T·k rows in all (uniform router), as without ep
+    for ep in (1, 2, 4):
+        assert expert_rows(args, 4096, gpu, ep).per_token == pytest.approx(2.0, rel=0.02)
+    assert expert_rows(args, 4096, cpu, 2).per_token >= args.num_experts_per_tok
+    text = format_plan(plan(cfg), cfg)
+    assert "(dp 1 × pp 1 × cp 2, ep 2)" in text
+
+
+# -- the plan against Paddle's allocator, in this process -----------------------------------
+
+
+def _measured_peak(cfg: Any) -> int:
+    """The allocator peak (above what was live before) of building and training `cfg`."""
+    from flashcp.trainer import Trainer
+
+    core = paddle.base.core
+    gc.collect()  # an earlier test's trainer (reference cycles) must not be freed mid-run
+    before = core.host_memory_stat_current_value("Allocated", 0)
+    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    trainer = Trainer(cfg, stream=open(os.devnull, "w"))  # noqa: SIM115
+    trainer.fit()
+    peak = core.host_memory_stat_peak_value("Allocated", 0) - before
+    del trainer
+    return int(peak)
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"model": {"preset": "tiny"}, "data": {"micro_batch_size": 2}},
+        {
+            "model": {"preset": "tiny_glm_moe", "recompute": "full"},
+            "train": {"grad_accum": 2},
+            "run": {"recipe": "dpo"},
+            "lora": {"rank": 8},
+        },
+    ],
+    ids=["gpt", "moe-dpo-lora-full-recompute"],
+)
+def test_plan_within_15_percent_of_measured_peak(
+    tmp_path: Path, sections: dict, tiny_cfg: TinyCfg
+) -> None:
+    cfg = tiny_cfg(tmp_path, **sections)
+    predicted = plan(cfg).ranks[0].total_bytes
+    measured = _measured_peak(cfg)
+    assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
+    # Negative control: the plan of another recompute mode is far from what ran.
+    other = "none" if cfg.model.recompute != "none" else "full"
+    wrong = plan(
+        tiny_cfg(tmp_path, **{**sections, "model": {**sections["model"], "recompute": other}})
+    )
+    assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
+
+
+# -- the grouped MoE layer against the allocator ----------------------------------------------
+
+
+class _MoEBlock(paddle.nn.Layer):
+    """One MoE layer under the name `mlp` (so `.*mlp\\.experts` adapts its experts)."""
+
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        from flashcp.models.moe import MoE
+
+        self.mlp = MoE(args)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.mlp(x)
+
+
+def _moe_layer_memory(
+    monkeypatch: pytest.MonkeyPatch, args: Any, tokens: int, mode: str
+) -> tuple[Any, int, int]:
+    """(the call's `ExpertRows` as laid out, bytes the layer keeps after its forward — output
+    excluded —, the backward's peak above that), measured on the second of two steps (the
+    gradients exist: steady state). `mode`: frozen (all weights), lora (adapted experts) or
+    trained (every weight)."""
+    from flashcp.models import experts
+    from flashcp.plan.activations import ExpertRows
+
+    layouts: list[Any] = []
+    original = experts.plan_layout
+
+    def spy(*a: Any) -> Any:
+        layouts.append(original(*a))
+        return layouts[-1]
+
+    monkeypatch.setattr(experts, "plan_layout", spy)  # what every experts layer lays out
+    paddle.seed(0)
+    block: Any = _MoEBlock(args)
+    if mode == "frozen":
+        for p in block.parameters():
+            p.stop_gradient = True
+    elif mode == "lora":
+        block = apply_lora(block, rank=8, alpha=16.0, target_modules=[r".*mlp\.experts"])
+    x = paddle.randn([1, tokens, args.hidden_size])
+    x.stop_gradient = False
+    core = paddle.base.core
+    for _ in range(2):
+        gc.collect()
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        out = block(x)
+        kept = core.host_memory_stat_current_value("Allocated", 0) - before - out.numel().item() * 4
+        grad = paddle.randn(out.shape)
+        gc.collect()
+        start = core.host_memory_stat_current_value("Allocated", 0)
+        core.host_memory_stat_reset_peak_value("Allocated", 0)
+        out.backward(grad)
+        backward = core.host_memory_stat_peak_value("Allocated", 0) - start
+        del out, grad
+        x.clear_gradient()
+    lay = layouts[-1]
+    largest = max(len(g.experts) for g in lay.groups)
+    rows = ExpertRows(lay.rows / tokens, True, largest, len(lay.groups))
+    return rows, int(kept), int(backward)
+
+
+def _moe_args(**sizes: int) -> Any:
+    return preset("tiny_glm_moe", **sizes)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "tokens", "mode"),
+    [
+        ({"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48}, 1024, "frozen"),
+        ({"hidden_size": 64, "num_experts": 16, "moe_intermediate_size": 160}, 1024, "frozen"),
+        ({"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48}, 1024, "lora"),
+        (
+            {"hidden_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
+             "moe_intermediate_size": 160, "num_shared_experts": 0},
+            256,
+            "trained",
+        ),
+    ],
+    ids=["frozen", "frozen-wide-experts", "lora-experts", "trained-weight-gradients"],
+)  # fmt: skip
+def test_moe_layer_kept_and_backward_match_the_allocator(
+    monkeypatch: pytest.MonkeyPatch, sizes: dict[str, int], tokens: int, mode: str
+) -> None:
+    """The grouped MoE layer keeps exactly what `layer_saved`'s MoE parts (plus the expert
+    adapters' `lora_saved`) say, given the buffer it laid out, and its backward peaks at
+    `moe_backward_bytes` (±5 %); the planner's expected buffer is within 10 % of the real one
+    for a near-uniform router."""
+    from flashcp.plan import activations as act
+
+    args = _moe_args(**sizes)
+    rows, kept, backward = _moe_layer_memory(monkeypatch, args, tokens, mode)
+    dt = act.Dtypes.of("float32", "float32")
+    layer = act.layer_saved(args, 1, dt, rows)
+    moe = act.Counts()
+    for what, cls, n in layer.parts:
+        if what.startswith("MoE"):
+            moe.add(what, cls, n)
+    targets = [r".*mlp\.experts"] if mode == "lora" else None
+    moe += act.lora_saved(args, 1, targets, 8, dt, rows)
+    assert kept == pytest.approx(moe.bytes(dt) * tokens, rel=0.002)
+    # negative control: an unpadded buffer (T·k rows) misses what the layer keeps
+    unpadded = act.layer_saved(args, 1, dt, act.ExpertRows(args.num_experts_per_tok, False, 0, 0))
+    missing = sum(n for w, _, n in unpadded.parts if w.startswith("MoE")) * 4 * tokens
+    assert abs(kept - missing) > 0.03 * kept
+    planned = act.moe_backward_bytes(
+        args, dt, rows, tokens, experts_trained=mode == "trained", lora_experts=mode == "lora"
+    )
+    assert backward == pytest.approx(planned, rel=0.05)
+    expected = act.expert_rows(args, tokens, dt)
+    assert expected.per_token == pytest.approx(rows.per_token, rel=0.10)
+
+
+def test_expert_buffer_expectations() -> None:
+    """The expected expert buffer: T·k rows on GPU (ragged), padded groups on CPU, a capacity
+    caps every expert's rows; bf16 storage on GPU keeps the grouped GEMMs' inputs in bf16 and
+    float32 adapters on the experts keep float32 copies of them as well."""
+    from flashcp.plan import activations as act
+
+    args = _moe_args(hidden_size=64, num_experts=16, num_experts_per_tok=4)
+    cpu, gpu = act.Dtypes.of("float32", "float32"), act.Dtypes.of("bfloat16", "bfloat16", "gpu")
+    assert act.expert_rows(args, 1024, gpu).per_token == 4.0  # ragged: exactly T·k
+    padded = act.expert_rows(args, 1024, cpu)
+    assert 4.0 < padded.per_token < 4.0 * 1.25 and padded.padded and padded.chunks >= 1
+    loads = act.expected_loads(args, 1024)
+    assert loads == sorted(loads, reverse=True) and abs(sum(loads) - 4096) <= 16
+    capped = preset("tiny_glm_moe", hidden_size=64, num_experts=16, num_experts_per_tok=4,
+                    moe_capacity_factor=1.0)  # fmt: skip
+    assert max(act.expected_loads(capped, 1024)) == 4096 // 16
+    assert gpu.experts == 2 and cpu.experts == 4
+    targets = [r".*mlp\.experts"]
+    rows = act.expert_rows(args, 1024, gpu)
+    on_gpu = act.lora_saved(args, 1, targets, 8, gpu, rows)
+    assert [w for w, _, _ in on_gpu.parts] == [
+        "MoE LoRA x @ A per buffer row",
+        "MoE LoRA float32 inputs per buffer row",
+    ]
+    on_cpu = act.lora_saved(args, 1, targets, 8, cpu, padded)
+    assert on_cpu.res == 2 * 8 * padded.per_token  # x @ A of both projections, per row
+    # a GPU full fine-tune: the gate/up backward holds Paddle's grouped-GEMM weight gradient,
+    # its zeros_like and the masked copy (3 × the stacked weight in bf16)
+    trained = act.moe_backward_bytes(args, gpu, rows, 64, experts_trained=True, lora_experts=False)
+    h, im = args.hidden_size, args.moe_intermediate_size
+    w_gu = args.num_experts * h * 2 * im
+    assert trained == 4 * 64 * (h - im) * 4 + 3 * w_gu * 2
+
+
+# -- what the knobs do ----------------------------------------------------------------------
+
+
+def test_pipeline_schedules_hold_their_micro_batches(tiny_cfg: TinyCfg) -> None:
+    base = {"model": {"preset": "tiny_glm", "num_layers": 4}, "train": {"grad_accum": 4}}
+    f1b, gpipe = (
+        plan(tiny_cfg(**base, parallel={"pp": 2, "pp_schedule": schedule}))
+        for schedule in ("1f1b", "gpipe")
+    )
+    a0 = f1b.ranks[0].items["activations"]
+    assert gpipe.ranks[0].items["activations"] > 1.9 * a0  # 4 micro-batches in flight, not 2
+    assert f1b.ranks[1].items["activations"] < a0  # the last stage holds one
+
+
+def test_zero_bf16_and_chunking_items(tiny_cfg: TinyCfg) -> None:
+    big = {"model": {"preset": "small_glm", "vocab_size": 32768}}
+    plain = plan(tiny_cfg(**big, parallel={"dp": 2, "cp": 2})).ranks[0].items
+    assert plain["master_weights"] == plain["main_grads"] == 0
+    zero = (
+        plan(tiny_cfg(**big, parallel={"dp": 2, "cp": 2, "shard_optimizer": True})).ranks[0].items
+    )
+    assert zero["optimizer_states"] < plain["optimizer_states"] / 3.9  # ÷ dp×cp = 4
+    assert zero["master_weights"] == pytest.approx(plain["params_trained"] / 4, abs=4)
+    bf16 = plan(tiny_cfg(**big, train={"param_dtype": "bfloat16"})).ranks[0].moments
+    held = bf16["backward: layer"]  # float32 main_grad held; the bf16 .grad released by hooks
+    assert held["params_trained"] * 2 == plain["params_trained"] and held["gradients"] == 0
+    assert held["main_grads"] == held["master_weights"] == plain["params_trained"]
+    update = bf16["optimizer step: update"]  # main_grad released into the masters' gradients
+    assert update["main_grads"] == 0 and update["optimizer_step_transient"] > 0
+    seq = {"data": {"seq_len": 1024}}
+    full = plan(tiny_cfg(**big, **seq)).ranks[0]
+    chunked = plan(tiny_cfg(**big, **seq, train={"loss_chunk_tokens": 128})).ranks[0]
+    assert chunked.totals["forward: loss"] < full.totals["forward: loss"]
+
+
+def test_dpo_reference_copy_only_without_lora(tiny_cfg: TinyCfg) -> None:
+    dpo = {"run": {"recipe": "dpo"}}
+    copy = plan(tiny_cfg(**dpo)).ranks[0].items
+    assert copy["dpo_reference"] == copy["params_trained"]
+    lora = plan(tiny_cfg(**dpo, lora={"rank": 4})).ranks[0].items
+    assert lora["dpo_reference"] == 0 and lora["params_frozen"] > 0
+
+
+def test_json_shape_and_budget(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"cp": 2}, hardware={"memory_gib": 1.0})
+    out = plan(cfg).to_json()
+    assert set(out) == {"ranks", "budget_bytes", "fits", "host", "features"}
+    assert out["features"] == {}  # no long-context mechanism unless asked for
+    assert out["host"]["budget_bytes"] is None and out["host"]["ranks_per_node"] == 2
+    assert out["budget_bytes"] == GIB and out["fits"] is True
+    assert [r["rank"] for r in out["ranks"]] == [0, 1]
+    for r in out["ranks"]:
+        assert set(r) == {"rank", "stage", "total_bytes", "items"}
+        assert set(r["items"]) == set(ITEMS) and sum(r["items"].values()) == r["total_bytes"]
+    tight = plan(cfg, budget_gib=1e-4)
+    assert tight.fits is False
+    assert plan(tiny_cfg()).budget_bytes is None and plan(tiny_cfg()).fits is True
+
+
+# -- refusal and what to change -------------------------------------------------------------
+
+
+def _glm9b(**overrides: Any) -> Any:
+    return load_config(
+        ROOT / "configs/glm/glm4_9b_cp8.yaml",
+        [f"{k}={v}" for k, v in overrides.items()],
+        allow_placeholders=True,  # planned from the restated shapes, like `flashcp plan`
+    )
+
+
+UNSHARDED = {"parallel.shard_optimizer": "false", "train.param_dtype": "float32"}
+"""glm4_9b_cp8 without ZeRO-1 and bf16 storage: 160 GiB per rank, over an H20's 96."""
+
+
+def test_refusal_names_rank_item_and_a_change_that_fits() -> None:
+    cfg = _glm9b(**UNSHARDED)
+    p = plan(cfg)
+    assert not p.fits and p.budget_bytes == 96 * GIB
+    message = refusal(cfg, p)
+    assert message is not None
+    assert "rank" in message and "stage 0" in message and "optimizer_states" in message
+    assert "To fit, set:" in message and "parallel.shard_optimizer=true" in message
+    options = fit_options(cfg, budget_gib=96)
+    assert options
+    for option in options:  # every suggestion really fits
+        overrides = [f"{k}={v}" for k, v in UNSHARDED.items()] + list(option.overrides)
+        fixed = load_config(
+            ROOT / "configs/glm/glm4_9b_cp8.yaml", overrides, allow_placeholders=True
+        )
+        assert plan(fixed, budget_gib=96).fits
+    assert refusal(cfg, plan(cfg, budget_gib=10_000)) is None
+
+
+def test_format_plan_lists_items_per_stage(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg(parallel={"pp": 2}, train={"grad_accum": 2})
+    text = format_plan(plan(cfg, budget_gib=1e-4), cfg, source="x.yaml")
+    assert "stage 0 (rank 0)" in text and "stage 1 (rank 1)" in text
+    assert "DOES NOT FIT" in text and "fits: NO" in text and "optimizer_states" in text
+
+
+# -- the CLI --------------------------------------------------------------------------------
+
+
+def test_cli_plan_json_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(ROOT / "configs/glm/tiny_cp2.yaml")
+    assert cli.main(["plan", config, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ranks"]) == 2 and out["budget_bytes"] is None and out["fits"] is True
+    assert cli.main(["plan", config, "train.grad_accum=2", "--device-memory", "0.001"]) == 1
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "budget: 0.00 GiB" in text
+    assert cli.main(["plan", config, "train.steps=0"]) == 2
+    assert "train.steps" in capsys.readouterr().err
+
+
+def test_cli_validate_refuses_over_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    from flashcp.config import read_yaml
+
+    raw = read_yaml(ROOT / "configs/glm/glm4_9b_cp8.yaml")
+    raw["parallel"]["shard_optimizer"] = False  # as UNSHARDED
+    raw["train"]["param_dtype"] = "float32"
+    over = tmp_path / "over.yaml"
+    over.write_text(yaml.safe_dump(raw))
+    assert cli.main(["validate", str(over)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "hardware.memory_gib" in out and "exceeds 96.00 GiB" in out
+    fits = tmp_path / "fits.yaml"
+    raw["hardware"]["memory_gib"] = 4096
+    fits.write_text(yaml.safe_dump(raw))
+    assert cli.main(["validate", str(fits)]) == 0
+    peak = plan(load_config(fits, allow_placeholders=True)).peak.total_bytes / GIB
+    assert f"planned peak {peak:.1f} of 4096 GiB per device" in capsys.readouterr().out
+
+
+def test_train_preflight_refuses_over_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flashcp.launch import job, preflight
+
+    monkeypatch.setattr(job, "launch_command", lambda *a, **k: pytest.fail("launched"))
+    config = ROOT / "configs/gpt/tiny_cp2.yaml"
+    out = tmp_path / "run"
+    overrides = ["hardware.memory_gib=0.001", f"run.output_dir={out}"]
+    code = job.run_job(load_config(config, overrides), config, overrides, out=io.StringIO())
+    err = capsys.readouterr().err
+    assert code == preflight.EXIT_PREFLIGHT and not out.exists()
+    assert err.startswith("flashcp: cannot launch: the memory plan exceeds 0.00 GiB")
+    assert "hardware.memory_gib=null" in err
+    preflight.check_memory(load_config(config, ["hardware.memory_gib=1"]))  # fits: no error
+
+
+def test_fit_options_add_devices_when_the_knobs_are_not_enough(tiny_cfg: TinyCfg) -> None:
+    import itertools
+
+    from flashcp.plan.report import _cheap_knobs
+
+    cfg = tiny_cfg(model={"preset": "small_glm", "vocab_size": 32768}, data={"seq_len": 1024})
+    knobs = _cheap_knobs(cfg)  # every knob the search tries on the same devices
+    one_device = []  # the best any set of knobs does on one device
+    for size in range(len(knobs) + 1):
+        for combo in itertools.combinations(knobs, size):
+            new = variant(cfg, list(combo))
+            if new is not None:  # offload without full recompute is refused, as it should
+                one_device.append(plan(new).peak.total_bytes)
+    two = variant(cfg, [*knobs, "parallel.pp=2", "train.grad_accum=2"])
+    assert two is not None
+    lo, hi = plan(two).peak.total_bytes, min(one_device)
+    assert lo < hi
+    budget = (lo + hi) / 2 / GIB
+    options = fit_options(cfg, budget_gib=budget)
+    assert options and all(o.world == 2 for o in options)
+    for o in options:
+        assert {"parallel.pp=2", "parallel.cp=2"} & set(o.overrides)
+        assert o.peak_bytes <= budget * GIB
+        fixed = variant(cfg, list(o.overrides))
+        assert fixed is not None and plan(fixed, budget_gib=budget).fits
+    assert fit_options(cfg, budget_gib=1e-6) == []  # nothing fits a budget this small
+
+
+def test_unchunked_loss_keeps_only_its_softmax(tiny_cfg: TinyCfg) -> None:
+    cfg = tiny_cfg()  # pp = 1, unchunked: no executor holds the logits (the loss takes hidden)
+    tv = cfg.data.seq_len * cfg.model.vocab_size * 4
+    moments = plan(cfg).ranks[0].moments
+    assert moments["forward: loss"]["logits_loss"] == 2 * tv  # logits + softmax
+    assert moments["backward: head"]["logits_loss"] == tv  # the softmax, turned gradient
+    assert moments["backward: layer"]["logits_loss"] == 0
+    chunked = plan(tiny_cfg(train={"loss_chunk_tokens": 32})).ranks[0].moments
+    assert chunked["forward: loss"]["logits_loss"] == 32 * cfg.model.vocab_size * 8

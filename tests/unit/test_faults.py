@@ -1,0 +1,129 @@
+"""Fault injection (`flashcp.faults`) in one process: fault specs and their hooks (NaN/Inf loss,
+a poisoned gradient, SIGKILL after the forward, a torn checkpoint write)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import paddle
+import pytest
+
+from flashcp import faults
+from flashcp.checkpoint import format as ck
+from flashcp.faults import Fault
+
+
+def test_parse_faults() -> None:
+    assert faults.parse_faults(None) == [] and faults.parse_faults("  ") == []
+    got = faults.parse_faults("nan_loss@step3:rank1, sigkill@step2 ,nan_grad@step10:rank0")
+    assert got == [Fault("nan_loss", 3, 1), Fault("sigkill", 2, None), Fault("nan_grad", 10, 0)]
+    assert got[1].hits(2, 5) and not got[0].hits(3, 0) and not got[0].hits(4, 1)
+    for bad, match in [
+        ("nan_loss", "cannot parse"),
+        ("nan_loss@3", "cannot parse"),
+        ("boom@step1", "unknown fault kind 'boom'"),
+        ("nan_loss@step0", "steps count from 1"),
+    ]:
+        with pytest.raises(faults.FaultSpecError, match=match):
+            faults.parse_faults(bad)
+
+
+def _trainer(rank: int = 1) -> SimpleNamespace:
+    paddle.seed(0)
+    model = paddle.nn.Linear(3, 2)
+    return SimpleNamespace(model=model, step=0, rank=rank, params=list(model.named_parameters()))
+
+
+def test_install_nothing_without_faults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.ENV_FAULT, raising=False)
+    t = _trainer()
+    assert faults.install(t) == []
+    assert faults.install(t, [Fault("nan_loss", 1, 0)]) == []  # another rank's fault
+
+
+def test_nan_and_inf_loss_hit_only_their_step(capsys: pytest.CaptureFixture[str]) -> None:
+    t = _trainer(rank=1)
+    installed = faults.install(t, [Fault("nan_loss", 2, 1), Fault("inf_loss", 3, None)])
+    assert len(installed) == 2
+    x = paddle.ones([4, 3])
+    assert np.isfinite(t.model(x).numpy()).all()  # step 1
+    t.step = 1
+    assert np.isnan(t.model(x).numpy()).all()  # step 2
+    t.model(x)  # announced once per fault
+    t.step = 2
+    assert not np.isfinite(t.model(x).numpy()).any()  # step 3: inf (or nan where 0 * inf)
+    t.step = 3
+    assert np.isfinite(t.model(x).numpy()).all()
+    err = capsys.readouterr().err
+    assert err.count("[flashcp fault] rank 1 step 2: nan_loss") == 1
+    assert "step 3: inf_loss" in err
+
+
+def test_nan_grad_poisons_one_gradient() -> None:
+    t = _trainer(rank=0)
+    faults.install(t, [Fault("nan_grad", 1, 0)])
+    t.model(paddle.ones([2, 3])).sum().backward()
+    first, second = (p for _, p in t.params)
+    assert np.isnan(first.grad.numpy()).all() and np.isfinite(second.grad.numpy()).all()
+    t.model.clear_gradients()
+    t.step = 1
+    t.model(paddle.ones([2, 3])).sum().backward()
+    assert np.isfinite(first.grad.numpy()).all()
+    with pytest.raises(faults.FaultSpecError, match="trainable parameter"):
+        faults.install(SimpleNamespace(model=t.model, step=0, rank=0, params=[]),
+                       [Fault("nan_grad", 1, None)])  # fmt: skip
+
+
+class _KilledError(Exception):
+    pass
+
+
+def _no_kill() -> None:
+    raise _KilledError
+
+
+def test_sigkill_fault_kills_after_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(faults, "_kill_self", _no_kill)
+    t = _trainer(rank=2)
+    faults.install(t, [Fault("sigkill", 2, 2)])
+    t.model(paddle.ones([1, 3]))
+    t.step = 1
+    with pytest.raises(_KilledError):
+        t.model(paddle.ones([1, 3]))
+
+
+def _save(root: Path, step: int) -> Path:
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3) * step}
+    return ck.save_checkpoint(root, step, model=arrays, optimizer=arrays, state={"x": 1})
+
+
+def test_torn_checkpoint_write_keeps_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(faults, "_kill_self", _no_kill)
+    monkeypatch.setenv(faults.ENV_FAULT, "crash_in_checkpoint_write@step4")
+    _save(tmp_path, 2)  # not the faulty step
+    with pytest.raises(_KilledError):
+        _save(tmp_path, 4)
+    assert sorted(p.name for p in (tmp_path / "step_4.tmp").iterdir()) == [ck.MODEL_FILE]
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2]
+    assert ck.latest_checkpoint(tmp_path) == tmp_path / "step_2"
+    monkeypatch.delenv(faults.ENV_FAULT)
+    assert _save(tmp_path, 4) == tmp_path / "step_4"  # a retry replaces the torn .tmp
+    assert ck.verify_checkpoint(tmp_path / "step_4") == []
+
+
+def test_fault_spec_check_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.ENV_FAULT, raising=False)
+    faults.on_checkpoint_write(1, Path("."))  # no env: nothing parsed, nothing raised
+    monkeypatch.setenv(faults.ENV_FAULT, "nan_loss@step1")
+    faults.on_checkpoint_write(1, Path("."))  # other kinds: no effect here
+
+
+def test_poison_reaches_tensors_inside_containers() -> None:
+    x, ids = paddle.ones([2]), paddle.to_tensor([1], dtype="int64")
+    out = faults._poison((x, [x], {"h": x}, ids), float("nan"))
+    assert np.isnan(out[0].numpy()).all() and np.isnan(out[1][0].numpy()).all()
+    assert np.isnan(out[2]["h"].numpy()).all() and out[3].numpy().tolist() == [1]
