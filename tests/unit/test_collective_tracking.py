@@ -22,13 +22,11 @@ from typing import Any
 import paddle
 import pytest
 
-from fakegroups import FakeNewGroup
+from fakegroups import FakeDevice, FakeNewGroup, MirrorNccl, mirror_groups
 from flashcp.config import build_config
 from flashcp.distributed import (
     Exchange,
     NamedGroup,
-    ParallelDims,
-    ParallelGroups,
     all_to_all,
     collectives,
     gather_rows,
@@ -38,85 +36,6 @@ from flashcp.distributed.collectives import QUEUED_NOTE
 from flashcp.distributed.watchdog import ENV_SYNC, Watchdog, sync_collectives
 from flashcp.recipes.lm import LMData
 from flashcp.trainer import Trainer
-
-
-class FakeTask:
-    """What `paddle.distributed` returns for an NCCL call: `is_completed()` answers whether
-    the device ran it (here: once `release` is set)."""
-
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.queries = 0
-
-    def is_completed(self) -> bool:
-        self.queries += 1
-        return self.release.is_set()
-
-
-class FakeDevice:
-    """Counts device drains (`paddle.device.synchronize`, `paddle.device.cuda.synchronize`)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.syncs = 0
-        monkeypatch.setattr(paddle.device, "synchronize", self._sync)
-        monkeypatch.setattr(paddle.device.cuda, "synchronize", self._sync)
-
-    def _sync(self, device: Any = None) -> None:
-        self.syncs += 1
-
-
-class MirrorNccl:
-    """`paddle.distributed` over NCCL groups whose other ranks mirror this one (they hold the
-    same tensors): every call returns at once with a `FakeTask`, its result already in place."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, completes: bool = True) -> None:
-        self.release = threading.Event()
-        if completes:
-            self.release.set()
-        self.tasks: list[FakeTask] = []
-        self.fired: list[str] = []
-        self.dog = Watchdog(on_expire=self.fired.append, poll_seconds=0.01)
-        monkeypatch.setattr(collectives, "WATCHDOG", self.dog)
-        monkeypatch.setattr(p2p, "WATCHDOG", self.dog)
-        dist = collectives.dist
-        for name in ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "send", "recv",
-                     "alltoall_single", "all_gather_object", "barrier"):  # fmt: skip
-            monkeypatch.setattr(dist, name, getattr(self, name))
-
-    def _task(self) -> FakeTask:
-        task = FakeTask(self.release)
-        self.tasks.append(task)
-        return task
-
-    def all_reduce(self, x: Any, group: Any = None, **_: Any) -> FakeTask:
-        paddle.assign(x * int(group.nranks), output=x)
-        return self._task()
-
-    def all_gather(self, parts: list[Any], x: Any, group: Any = None, **_: Any) -> FakeTask:
-        parts.extend(x.clone() for _ in range(int(group.nranks)))
-        return self._task()
-
-    def broadcast(self, x: Any, src: int = 0, group: Any = None, **_: Any) -> FakeTask:
-        return self._task()
-
-    def reduce_scatter(self, out: Any, chunks: list[Any], group: Any = None, **_: Any) -> Any:
-        paddle.assign(chunks[int(group.rank)] * int(group.nranks), output=out)
-        return self._task()
-
-    def send(self, x: Any, dst: int = 0, group: Any = None, **_: Any) -> FakeTask:
-        return self._task()
-
-    def recv(self, x: Any, src: int = 0, group: Any = None, **_: Any) -> FakeTask:
-        return self._task()
-
-    def alltoall_single(self, out: Any, x: Any, *_: Any, **__: Any) -> FakeTask:
-        return self._task()
-
-    def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:
-        out.extend(obj for _ in range(int(group.nranks)))  # Paddle reads it back: host-side
-
-    def barrier(self, group: Any = None) -> None:  # Paddle's NCCL barrier blocks the host
-        return None
 
 
 def _group(ranks: list[int] | None = None) -> NamedGroup:
@@ -235,21 +154,6 @@ def test_sync_flag_values(monkeypatch) -> None:
 # -- a training step on mirrored NCCL groups counts its device syncs ---------------------------
 
 
-def _mirror_groups(dp: int = 2) -> ParallelGroups:
-    """Rank 0's groups of a dp-only job on NCCL (one process; the other ranks mirror it)."""
-    ranks = list(range(dp))
-
-    def group(dim: str, members: list[int], gid: int) -> NamedGroup:
-        return NamedGroup(dim, 0, gid, members, pg=FakeNewGroup.PG() if len(members) > 1 else None)
-
-    world = group("world", ranks, 0)
-    return ParallelGroups(
-        dims=ParallelDims(dp=dp, pp=1, cp=1, world_size=dp), rank=0, world=world,
-        dp=group("dp", ranks, 1), pp=group("pp", [0], 2), cp=group("cp", [0], 3),
-        backend="nccl",
-    )  # fmt: skip
-
-
 def _mirror_trainer(tmp: Path, shard: bool) -> Trainer:
     cfg = build_config(
         {
@@ -262,7 +166,7 @@ def _mirror_trainer(tmp: Path, shard: bool) -> Trainer:
         world_size=2,
     )
     # this dp rank's share, indexed here (the mirrored peers would return this rank's index)
-    return Trainer(cfg, _mirror_groups(), data=LMData(cfg, dp_rank=0, dp_size=2))
+    return Trainer(cfg, mirror_groups(), data=LMData(cfg, dp_rank=0, dp_size=2))
 
 
 def _syncs_per_step(trainer: Trainer, device: FakeDevice, fake: MirrorNccl) -> list[tuple]:

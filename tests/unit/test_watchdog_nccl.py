@@ -5,9 +5,10 @@ runs) only orders the compute stream after the communication stream
 (`ProcessGroupNCCL::NCCLTask::Wait` blocks the host only under FLAGS_nccl_blocking_wait). In
 debug mode (`FLASHCP_SYNC_COLLECTIVES=1`, set here; the default tracks the tasks instead:
 `test_collective_tracking.py`) the collectives wait for the device with
-`paddle.device.synchronize()` inside the watched block. Here the NCCL side is faked: `paddle.distributed.*` return at once (enqueued)
-and `paddle.device.synchronize` stands for a GPU whose collective never completes, so the
-watchdog must fire, while armed, with the standard message naming the op, group and peers.
+`paddle.device.synchronize()` inside the watched block. Here the NCCL side is faked:
+`paddle.distributed.*` return at once (enqueued) and `paddle.device.synchronize` stands for a
+GPU whose collective never completes, so the watchdog must fire, while armed, with the
+standard message naming the op, group and peers.
 """
 
 from __future__ import annotations
