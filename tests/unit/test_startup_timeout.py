@@ -72,8 +72,9 @@ class RecordingWatchdog(Watchdog):
         super().__init__(on_expire=lambda message: None, poll_seconds=0.01)
         self.armed: list[tuple[float, str]] = []
 
-    def arm(self, seconds: float, message: str) -> int:
-        self.armed.append((seconds, message))
+    def arm(self, seconds: float, message: Any) -> int:
+        """Record the deadline with its text (collectives pass a function that builds it)."""
+        self.armed.append((seconds, message if isinstance(message, str) else message()))
         return super().arm(seconds, message)
 
 

@@ -20,8 +20,9 @@ Results are plain tensors, outside autograd: wrap them in a `PyLayer` to differe
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from math import gcd
 from typing import TYPE_CHECKING, Any, Literal
@@ -107,8 +108,9 @@ def _drain_device() -> None:
 
 
 @contextmanager
-def watched(group: Group, seconds: float, message: str) -> Iterator[Watched]:
-    """Run the block under the watchdog (`seconds`, `message`), up to the end of its NCCL work.
+def watched(group: Group, seconds: float, message: str | Callable[[], str]) -> Iterator[Watched]:
+    """Run the block under the watchdog (`seconds`, `message`: the text, or a function that
+    builds it when a deadline passes), up to the end of its NCCL work.
 
     An NCCL call returns once the collective is queued: with `sync_op=True` Paddle's
     `task.wait()` only makes the compute stream wait for the communication stream
@@ -125,10 +127,14 @@ def watched(group: Group, seconds: float, message: str) -> Iterator[Watched]:
         yield body
         if drain:
             _drain_device()
-    if nccl and not drain:
+    if nccl and not drain and body.tasks:
         queue = group_label(group)
+
+        def queued() -> str:
+            return (message if isinstance(message, str) else message()) + QUEUED_NOTE
+
         for task in body.tasks:
-            WATCHDOG.track(queue, task.is_completed, seconds, message + QUEUED_NOTE)
+            WATCHDOG.track(queue, task.is_completed, seconds, queued)
 
 
 QUEUED_NOTE = " (NCCL: queued on the device and not completed)"
@@ -137,15 +143,16 @@ QUEUED_NOTE = " (NCCL: queued on the device and not completed)"
 
 @contextmanager
 def watch(op: str, group: Group, timeout: float | None = None) -> Iterator[Watched]:
-    """`watched` with the standard timeout message for `op` on `group`."""
+    """`watched` with the standard timeout message for `op` on `group` (built only if the
+    deadline passes: formatting it every call cost more than the call's own bookkeeping)."""
     seconds = resolve_timeout(timeout)
-    with watched(group, seconds, timeout_message(op, group, seconds)) as body:
+    with watched(group, seconds, lambda: timeout_message(op, group, seconds)) as body:
         yield body
 
 
 def nbytes(x: Tensor) -> int:
-    """Payload size of `x` in bytes."""
-    return int(x.size) * int(x.element_size())
+    """Payload size of `x` in bytes (from its shape: `Tensor.size` costs ~20 µs a call)."""
+    return math.prod(x.shape) * int(x.element_size())
 
 
 def _record(op: str, group: Group, sent: float, received: float) -> None:

@@ -69,7 +69,7 @@ def send_tensor(x: Tensor, dst: int, group: Group, *, timeout: float | None = No
     op = f"send(to rank {dst})"
     _check_peer(op, dst, group)
     seconds = resolve_timeout(timeout)
-    message = p2p_timeout_message(op, dst, group, seconds)
+    message = lambda: p2p_timeout_message(op, dst, group, seconds)  # noqa: E731 - built if due
     with paddle.no_grad(), watched(group, seconds, message) as w:
         w.task(dist.send(x, dst=dst, group=group))  # NCCL: tracked until the device ran it
     COUNTERS.record("send", group_label(group), sent=nbytes(x), received=0)
@@ -89,7 +89,8 @@ def recv_tensor(
     seconds = resolve_timeout(timeout)
     with paddle.no_grad():
         out = paddle.empty(list(shape), dtype=dtype)
-        with watched(group, seconds, p2p_timeout_message(op, src, group, seconds)) as w:
+        message = lambda: p2p_timeout_message(op, src, group, seconds)  # noqa: E731
+        with watched(group, seconds, message) as w:
             w.task(dist.recv(out, src=src, group=group))
     COUNTERS.record("recv", group_label(group), sent=0, received=nbytes(out))
     return out

@@ -125,13 +125,21 @@ def _die(message: str) -> None:
     os._exit(TIMEOUT_EXIT_CODE)
 
 
+Message = str | Callable[[], str]
+"""A timeout message, or a function building it (called only when the deadline passes)."""
+
+
+def _text(message: Message) -> str:
+    return message if isinstance(message, str) else message()
+
+
 @dataclass
 class _Queued:
     """Device work the watchdog polls: `done()` true once it ran; expires at `deadline`."""
 
     done: Callable[[], bool]
     deadline: float
-    message: str
+    message: Message
 
 
 class Watchdog:
@@ -148,8 +156,10 @@ class Watchdog:
         self._on_expire = on_expire
         self._poll = poll_seconds
         self._cond = threading.Condition()
-        self._pending: dict[int, tuple[float, str]] = {}
+        self._pending: dict[int, tuple[float, Message]] = {}
         self._queued: dict[str, deque[_Queued]] = {}
+        self._wake_at = float("inf")
+        """When the thread wakes next by itself (inf: waiting for a notification)."""
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
         self.fired: list[str] = []
@@ -162,21 +172,27 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name="flashcp-watchdog", daemon=True)
             self._thread.start()
 
-    def arm(self, seconds: float, message: str) -> int:
-        """Register a deadline `seconds` from now; returns a token for `disarm`."""
+    def arm(self, seconds: float, message: Message) -> int:
+        """Register a deadline `seconds` from now; returns a token for `disarm`. The thread is
+        woken only if it would otherwise sleep past the new deadline (every collective arms
+        one: waking the thread each time costs more than the rest of the bookkeeping)."""
         with self._cond:
             token = next(self._tokens)
-            self._pending[token] = (time.monotonic() + seconds, message)
+            deadline = time.monotonic() + seconds
+            self._pending[token] = (deadline, message)
             self._start()
-            self._cond.notify()
+            if deadline < self._wake_at:
+                self._cond.notify()
             return token
 
     def disarm(self, token: int) -> None:
+        """Drop a deadline (the thread finds it gone when it next wakes)."""
         with self._cond:
             self._pending.pop(token, None)
-            self._cond.notify()
 
-    def track(self, queue: str, done: Callable[[], bool], seconds: float, message: str) -> None:
+    def track(
+        self, queue: str, done: Callable[[], bool], seconds: float, message: Message
+    ) -> None:
         """Expire with `message` unless `done()` is true within `seconds` (device work that
         runs after the call that queued it returned, e.g. an NCCL collective's task).
 
@@ -186,11 +202,10 @@ class Watchdog:
         """
         entry = _Queued(done, time.monotonic() + seconds, message)
         with self._cond:
-            idle = not self._queued
             self._queued.setdefault(queue, deque()).append(entry)
             self.tracked += 1
             self._start()
-            if idle:  # a polling thread wakes by itself; only an idle one needs the signal
+            if time.monotonic() + self._poll < self._wake_at:  # not polling yet: start
                 self._cond.notify()
 
     @property
@@ -208,15 +223,15 @@ class Watchdog:
                 try:
                     done = queue[0].done()
                 except Exception as exc:  # a failed query is a failed collective  # noqa: BLE001
-                    expired.append(f"{queue.popleft().message} (its completion check raised "
-                                   f"{exc!r})")  # fmt: skip
+                    expired.append(f"{_text(queue.popleft().message)} (its completion check "
+                                   f"raised {exc!r})")  # fmt: skip
                     continue
                 if not done:
                     break
                 queue.popleft()
             for entry in [e for e in queue if e.deadline <= now]:
                 queue.remove(entry)
-                expired.append(entry.message)
+                expired.append(_text(entry.message))
             if not queue:
                 del self._queued[name]
         return expired
@@ -232,19 +247,22 @@ class Watchdog:
                     if deadline > now:
                         break
                     del self._pending[token]
-                    expired.append(message)
-                for message in expired:
-                    self.fired.append(message)
-                    self._on_expire(message)
+                    expired.append(_text(message))
+                for text in expired:
+                    self.fired.append(text)
+                    self._on_expire(text)
                 if expired:
                     continue
                 wait = [d - now for d, _ in self._pending.values()]
                 if self._queued:
                     wait.append(self._poll)
-                self._cond.wait(max(min(wait), 0.0) if wait else None)
+                timeout = max(min(wait), 0.0) if wait else None
+                self._wake_at = float("inf") if timeout is None else now + timeout
+                self._cond.wait(timeout)
+                self._wake_at = 0.0  # awake: the loop recomputes before sleeping again
 
     @contextmanager
-    def watch(self, seconds: float, message: str) -> Iterator[None]:
+    def watch(self, seconds: float, message: Message) -> Iterator[None]:
         """Arm for the duration of the `with` block."""
         token = self.arm(seconds, message)
         try:
