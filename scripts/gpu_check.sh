@@ -38,6 +38,9 @@
 #    deterministic dispatch, e.g. FA3 downgraded to FA2).
 # 5. Runs `scripts/bench_kernel.py --device gpu --full --head-dim 128`, writing
 #    $FLASHCP_GPU_CHECK_OUT/bench_kernel_gpu.{json,md} (never the CPU docs/bench_kernel.*).
+# 5b. With 2+ GPUs, `scripts/bench_collective_sync.py --jobs`: the step time of a 2-GPU EP job
+#    with and without FLASHCP_SYNC_COLLECTIVES=1 (the device drain per NCCL collective that the
+#    watchdog's task tracking replaced), $FLASHCP_GPU_CHECK_OUT/collective_sync.json.
 # 6. Prints one summary block (flashcp commit, card, CUDA build, install source, FA3/FA4,
 #    effective fa_version, pytest counts, benchmark speed-ups) and exits non-zero if any step
 #    failed.
@@ -285,6 +288,7 @@ FA_DETERMINISTIC="(not run)"
 PYTEST_DESC="(not run)"
 DETERMINISTIC_DESC="(not run)"
 BENCH_DESC="(not run)"
+SYNC_DESC="(not run)"
 FAILURES=()
 
 summary() {
@@ -306,6 +310,7 @@ summary() {
   printf '  %-20s %s\n' "pytest -m gpu" "$PYTEST_DESC"
   printf '  %-20s %s\n' "deterministic unit" "$DETERMINISTIC_DESC"
   printf '  %-20s %s\n' "kernel benchmark" "$BENCH_DESC"
+  printf '  %-20s %s\n' "collective drain" "$SYNC_DESC"
   printf '  %-20s %s\n' "outputs" "$OUT"
   if [ ${#FAILURES[@]} -eq 0 ]; then
     echo "  result: PASS"
@@ -628,6 +633,40 @@ else
 fi
 if [ "$BENCH_RC" -ne 0 ]; then
   FAILURES+=("bench_kernel.py exited $BENCH_RC (see $OUT/bench_kernel_gpu.log)")
+fi
+
+# ------------------------------------------------- 5b. what a device drain per collective costs
+STEP="collective sync benchmark"
+GPUS=$(grep -oE "[0-9]+ device" <<<"$GPU_DESC" | grep -oE "^[0-9]+" || echo 0)
+SYNC_JSON=$OUT/collective_sync.json
+if [ "${GPUS:-0}" -ge 2 ]; then
+  echo "== scripts/bench_collective_sync.py --jobs (step time with / without the drain)"
+  set +e
+  "$VPY" scripts/bench_collective_sync.py --jobs --rounds 2 --json "$SYNC_JSON" 2>&1 |
+    tee "$OUT/collective_sync.log"
+  SYNC_RC=${PIPESTATUS[0]}
+  set -e
+  if [ "$SYNC_RC" -ne 0 ]; then
+    FAILURES+=("bench_collective_sync.py exited $SYNC_RC (see $OUT/collective_sync.log)")
+    SYNC_DESC="failed (exit $SYNC_RC)"
+  elif [ -f "$SYNC_JSON" ]; then
+    SYNC_DESC=$("$VPY" - "$SYNC_JSON" <<'EOF' || echo "unreadable $SYNC_JSON"
+import json
+import sys
+
+r = json.load(open(sys.argv[1]))
+t = r["step_time_s"]
+print(
+    f"step {t['tracked']['median']:.3f} s tracked, {t['drain']['median']:.3f} s with the drain "
+    f"(x{r['drain_over_tracked']['median']:.2f}), {r['config']}"
+)
+EOF
+    )
+  else
+    SYNC_DESC="no results"
+  fi
+else
+  SYNC_DESC="skipped: needs 2 GPUs"
 fi
 
 STEP="done"

@@ -197,22 +197,29 @@ echo "$* | FLAGS_cudnn_deterministic=${FLAGS_cudnn_deterministic-unset}" >>"$STU
 if [ "$1" = - ]; then
   code=$(cat)
   case "$code" in
-    *is_compiled_with_cuda*) echo "Fake H100 (SM 9.0), 1 device(s), Paddle 3.3.1, CUDA 12.6" ;;
+    *is_compiled_with_cuda*)
+      echo "Fake H100 (SM 9.0), $STUB_GPUS device(s), Paddle 3.3.1, CUDA 12.6" ;;
     *probe_fa3*) printf 'available: fake\\nnot applicable: fake\\n' ;;
+    *) printf '%s' "$code" | "$REAL_PYTHON" "$@" ;;  # the script's own report code
   esac
 elif [ "$1 $2" = "-m flashcp" ]; then
   echo "Effective fa_version: 3"
 elif [ "$1 $2" = "-m pytest" ]; then
   echo "============ 7 passed, 1 skipped in 1.00s ============"
+elif [ "$1" = scripts/bench_collective_sync.py ]; then
+  echo '{"config": "tiny_ep", "step_time_s": {"tracked": {"median": 0.5},' \
+    '"drain": {"median": 0.75}}, "drain_over_tracked": {"median": 1.5}}' >"$6"
 fi
 """
 
 
-def test_gpu_tests_run_without_then_with_the_deterministic_flag(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_tests_run_without_then_with_the_deterministic_flag(tmp_path: Path, gpus: int) -> None:
     log = tmp_path / "calls.log"
     fake = _stub(tmp_path / "python", FAKE_GPU_PYTHON)
     env = {"FLASHCP_GPU_CHECK_SKIP_INSTALL": "1", "FLASHCP_GPU_CHECK_PYTHON": str(fake),
            "FLASHCP_GPU_CHECK_OUT": str(tmp_path / "out"), "STUB_LOG": str(log),
+           "STUB_GPUS": str(gpus), "REAL_PYTHON": sys.executable,
            "FLAGS_cudnn_deterministic": "1"}  # the caller's environment has it  # fmt: skip
     proc = _run(env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -225,4 +232,10 @@ def test_gpu_tests_run_without_then_with_the_deterministic_flag(tmp_path: Path) 
     assert deterministic.endswith("FLAGS_cudnn_deterministic=1")
     assert "pytest -m gpu        7 passed, 0 failed, 0 errors, 1 skipped (exit 0)" in proc.stdout
     assert "deterministic unit   7 passed" in proc.stdout
+    if gpus == 1:
+        assert "collective drain     skipped: needs 2 GPUs" in proc.stdout
+    else:  # the drain benchmark's job pair ran, and its ratio is in the summary
+        assert "collective drain     step 0.500 s tracked, 0.750 s with the drain (x1.50)" in (
+            proc.stdout
+        )
     assert "result: PASS" in proc.stdout
