@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -37,12 +38,15 @@ from typing import Any
 import paddle
 
 from bench import stats
+from bench.machine import cpu_model, load_window
+from bench.report import write_json
 from bench.rounds import interleave
 from flashcp.distributed import NamedGroup, collectives
 from flashcp.distributed.watchdog import ENV_SYNC, Watchdog
 from flashcp.metrics.writer import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_JSON = ROOT / "docs" / "collective_sync.json"
 AIR_COLLECTIVES_PER_STEP = 6000
 """NCCL collectives per optimizer step of `glm45_air_sft_ep8_pp4_cp8` (issue 21's count)."""
 
@@ -57,8 +61,9 @@ class _Done:
         return True
 
 
-def _host_sides(calls: int) -> dict[str, Callable[[], float]]:
-    """Each side: time `calls` watched all-reduces, return seconds per call."""
+def _host_sides(calls: int) -> dict[str, Callable[[], tuple[float, float]]]:
+    """Each side: time `calls` watched all-reduces; (wall, this thread's CPU) seconds per call.
+    The CPU time is the robust one on a shared machine: other jobs stretch the wall time."""
     group = NamedGroup("ep", 0, 7, [0, 1], pg=_PG())
     x = paddle.ones([4])
     done = _Done()
@@ -66,20 +71,20 @@ def _host_sides(calls: int) -> dict[str, Callable[[], float]]:
     def fake_all_reduce(t: Any, group: Any = None, **_: Any) -> _Done:
         return done
 
-    def run(fn: Callable[[], Any], sync: bool) -> float:
+    def run(fn: Callable[[], Any], sync: bool) -> tuple[float, float]:
         os.environ[ENV_SYNC] = "1" if sync else "0"
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
-        return (time.perf_counter() - start) / calls
+        return (time.perf_counter() - start) / calls, (time.thread_time() - cpu) / calls
 
-    def bare() -> float:
+    def bare() -> tuple[float, float]:
         return run(lambda: fake_all_reduce(x, group=group), False)
 
-    def tracked() -> float:
+    def tracked() -> tuple[float, float]:
         return run(lambda: collectives.all_reduce_tensor(x, group, inplace=True), False)
 
-    def drain() -> float:
+    def drain() -> tuple[float, float]:
         return run(lambda: collectives.all_reduce_tensor(x, group, inplace=True), True)
 
     collectives.dist.all_reduce = fake_all_reduce  # type: ignore[assignment]
@@ -90,19 +95,23 @@ def _host_sides(calls: int) -> dict[str, Callable[[], float]]:
 
 def host_part(calls: int, rounds: int) -> dict[str, Any]:
     sides = _host_sides(calls)
-    times: dict[str, list[float]] = {name: [] for name in sides}
+    wall: dict[str, list[float]] = {name: [] for name in sides}
+    cpu: dict[str, list[float]] = {name: [] for name in sides}
     for rnd in interleave(list(sides), rounds, warmup=1):
         for name in rnd.order:
-            seconds = sides[name]()
+            w, c = sides[name]()
             if rnd.timed:
-                times[name].append(seconds)
-    overhead = [t - b for t, b in zip(times["tracked"], times["bare"], strict=True)]
+                wall[name].append(w)
+                cpu[name].append(c)
     return {
         "calls_per_round": calls,
-        "us_per_call": {k: stats.spread([1e6 * s for s in v]) for k, v in times.items()},
-        "tracking_overhead_us": stats.spread([1e6 * s for s in overhead]),
-        "tracking_ms_per_air_step": 1e3 * stats.median(overhead) * AIR_COLLECTIVES_PER_STEP,
-        "tracked_over_drain_python": stats.spread(stats.ratios(times["tracked"], times["drain"])),
+        "rounds": rounds,
+        "us_per_call": {k: stats.spread([1e6 * s for s in v]) for k, v in wall.items()},
+        "cpu_us_per_call": {k: stats.spread([1e6 * s for s in v]) for k, v in cpu.items()},
+        "tracked_cpu_ms_per_air_step": (
+            1e3 * stats.median(cpu["tracked"]) * AIR_COLLECTIVES_PER_STEP
+        ),
+        "tracked_over_drain_python_cpu": stats.spread(stats.ratios(cpu["tracked"], cpu["drain"])),
     }
 
 
@@ -139,14 +148,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", action="store_true", help="time two flashcp train jobs")
     parser.add_argument("--config", default="configs/glm/tiny_moe_ep2_cp2.yaml")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--json", type=Path, help="write the record here")
+    parser.add_argument("--json", type=Path, help=f"write the record here (host part: default "
+                        f"{DEFAULT_JSON.relative_to(ROOT)})")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.jobs:
-        record = jobs_part(args.config, args.steps, args.rounds)
-    else:
-        record = host_part(args.calls, args.rounds)
-    text = json.dumps(record, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text + "\n")
+    with load_window() as load:
+        if args.jobs:
+            record = jobs_part(args.config, args.steps, args.rounds)
+        else:
+            record = host_part(args.calls, args.rounds)
+    argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+    record["command"] = f"python scripts/bench_collective_sync.py {argv_text}".strip()
+    record["environment"] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
+        "paddle": paddle.__version__,
+        **load.as_dict(),
+    }
+    print(json.dumps(record, indent=2))
+    out = args.json if args.json is not None or args.jobs else DEFAULT_JSON
+    if out is not None:
+        write_json(out, record)
     return 0

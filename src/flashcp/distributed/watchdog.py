@@ -159,7 +159,7 @@ class Watchdog:
         self._pending: dict[int, tuple[float, Message]] = {}
         self._queued: dict[str, deque[_Queued]] = {}
         self._wake_at = float("inf")
-        """When the thread wakes next by itself (inf: waiting for a notification)."""
+        """When the thread wakes next by itself (inf: not started)."""
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
         self.fired: list[str] = []
@@ -174,8 +174,7 @@ class Watchdog:
 
     def arm(self, seconds: float, message: Message) -> int:
         """Register a deadline `seconds` from now; returns a token for `disarm`. The thread is
-        woken only if it would otherwise sleep past the new deadline (every collective arms
-        one: waking the thread each time costs more than the rest of the bookkeeping)."""
+        woken only if its next tick (`poll_seconds` at most) comes after the new deadline."""
         with self._cond:
             token = next(self._tokens)
             deadline = time.monotonic() + seconds
@@ -205,7 +204,7 @@ class Watchdog:
             self._queued.setdefault(queue, deque()).append(entry)
             self.tracked += 1
             self._start()
-            if time.monotonic() + self._poll < self._wake_at:  # not polling yet: start
+            if entry.deadline < self._wake_at:  # only a deadline sooner than the next tick
                 self._cond.notify()
 
     @property
@@ -253,13 +252,13 @@ class Watchdog:
                     self._on_expire(text)
                 if expired:
                     continue
+                # Tick at least every poll interval, busy or not: a new deadline or queued work
+                # then never needs to wake the thread (a wake-up per collective costs more than
+                # the collective's own bookkeeping); only a deadline sooner than the tick does.
                 wait = [d - now for d, _ in self._pending.values()]
-                if self._queued:
-                    wait.append(self._poll)
-                timeout = max(min(wait), 0.0) if wait else None
-                self._wake_at = float("inf") if timeout is None else now + timeout
+                timeout = max(min([*wait, self._poll]), 0.0)
+                self._wake_at = now + timeout
                 self._cond.wait(timeout)
-                self._wake_at = 0.0  # awake: the loop recomputes before sleeping again
 
     @contextmanager
     def watch(self, seconds: float, message: Message) -> Iterator[None]:
