@@ -108,18 +108,13 @@ def worker(config: Path, out_dir: Path) -> int:
     steps: list[int] = []
     original = trainer.train_step
 
-    host_peaks: list[int] = []
-
     def measured_step() -> Any:
         m = original()
         steps.append(int(peak()))
-        # the activation offload's host bytes, counted at the copies (numpy buffers outside
-        # the allocator): the step's maximum over ranks, which hold the same layers' inputs
-        if (host := m.extra.get("offload/host_peak_gib")) is not None:
-            host_peaks.append(int(host * 2**30))  # GiB of bytes: exact
         return m
 
     trainer.train_step = measured_step  # type: ignore[method-assign]
+    host_peaks = _count_host_copies()
     trainer.fit()
     record = {
         "rank": int(trainer.groups.rank),
@@ -139,6 +134,24 @@ def worker(config: Path, out_dir: Path) -> int:
 
         shutdown()
     return 0
+
+
+def _count_host_copies() -> list[int]:
+    """This rank's activation-offload host bytes at their peak, per step, as the trainer takes
+    them (`flashcp.models.offload.take_host_peak`: counted at the copies, numpy buffers outside
+    the allocator; the step metric is their maximum over the ranks). Stays empty without an
+    offload (the trainer takes none)."""
+    import flashcp.trainer as trainer_module
+
+    peaks: list[int] = []
+    take = trainer_module.take_host_peak
+
+    def counted() -> int:
+        peaks.append(take())
+        return peaks[-1]
+
+    trainer_module.take_host_peak = counted  # type: ignore[attr-defined]
+    return peaks
 
 
 # -- driving the cases --------------------------------------------------------------------------

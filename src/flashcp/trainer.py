@@ -28,7 +28,7 @@ One optimizer step (`Trainer.train_step`):
 
 Every `eval.every` steps and after the last, the eval set runs forward only through the same
 loss (`flashcp.evaluate`); its `eval/...` metrics join the step's record in metrics.jsonl and
-the `run.report_to` backends. The start line and `run_info.json`: `flashcp.metrics.run_info`.
+the `run.report_to` backends. The start line and `run_info.json`: `flashcp.run_info`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from flashcp.distributed import ParallelGroups, barrier, startup_phase
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.metrics import memory, tracking
 from flashcp.metrics.moe_stats import RouterStats
-from flashcp.metrics.run_info import RunFacts, banner, write_run_info
 from flashcp.metrics.step_sums import StepSums
 from flashcp.metrics.writer import MetricsWriter, StepMetrics
 from flashcp.models import build_model
@@ -68,6 +67,7 @@ from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
 from flashcp.recipes import build_recipe
 from flashcp.recipes.base import StepSource, normalised
+from flashcp.run_info import RunFacts, banner, write_run_info
 from flashcp.runtime import forward_context, process_groups, resolve_runtime, seed_rngs, use_device
 
 

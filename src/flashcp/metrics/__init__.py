@@ -3,7 +3,10 @@
 * `writer`: the step's log line and `metrics.jsonl`; `tracking`: `run.report_to` backends;
 * `flops`: model FLOPs per token and MFU; `memory`: Paddle's allocator statistics;
 * `moe_stats`: router loads and the bias update; `plot`: `flashcp plot`;
-* `run_info`: `run_info.json`, what each rank built.
+* `step_sums`: a step's numbers summed over the ranks in one all-reduce.
+
+`run_info.json` (what each rank built, with the memory plan) is `flashcp.run_info`: it sits
+above `flashcp.plan`, which itself uses `flops`.
 """
 
 from flashcp.metrics.writer import METRICS_FILE, MetricsWriter, StepMetrics, read_metrics

@@ -19,12 +19,9 @@ from typing import Any
 
 import paddle
 
+from flashcp.device import on_gpu
+
 STAT = "Allocated"
-
-
-def on_gpu() -> bool:
-    """Whether Paddle's current device is a GPU."""
-    return bool(paddle.is_compiled_with_cuda()) and "gpu" in str(paddle.get_device())
 
 
 def _core():  # type: ignore[no-untyped-def]

@@ -71,6 +71,8 @@ import numpy as np
 import paddle
 from paddle.autograd import saved_tensors_hooks
 
+from flashcp.device import on_gpu
+
 MAX_LEAVING = 2
 """GPU: copies to the host allowed in flight before a forward waits for the oldest (bounds the
 device memory of layer inputs not yet freed to this many)."""
@@ -307,8 +309,6 @@ class PinnedTransport:
 
 def default_transport() -> Transport:
     """Pinned memory and a side stream on a GPU, numpy buffers on the CPU."""
-    from flashcp.metrics.memory import on_gpu
-
     return PinnedTransport() if on_gpu() else NumpyTransport()
 
 

@@ -95,11 +95,11 @@ def measure(trainer: Trainer, out: Path, rank: int) -> None:
         grads = [grad_of(p) for p in opt.tensors]
         return sum(4 * numel(g) for g in grads if g is not None and g._is_initialized())
 
-    def timed_train(micro: Any) -> Any:
+    def timed_train(micro: Any, loss_fn: Any) -> Any:
         gc.collect()  # earlier runs' trainers (reference cycles) go now, not mid-measurement
         records.append({"live_before_backward": memory.allocated_bytes()})
         memory.reset_peak()
-        losses = train(micro)
+        losses = train(micro, loss_fn)
         records[-1].update(
             backward_peak=memory.peak_bytes(),
             live_after_backward=memory.allocated_bytes(),
