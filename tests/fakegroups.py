@@ -101,7 +101,15 @@ class MirrorNccl:
     def recv(self, x: Any, src: int = 0, group: Any = None, **_: Any) -> FakeTask:
         return self._task()
 
-    def alltoall_single(self, out: Any, x: Any, *_: Any, **__: Any) -> FakeTask:
+    def alltoall_single(
+        self, out: Any, x: Any, send: list[int], recv: list[int], group: Any = None
+    ) -> FakeTask:
+        """What a mirror sends this rank is this rank's own block for itself; a block of
+        another size (rows a peer's experts processed) arrives as zeros of that size."""
+        me, rest = int(group.rank), list(x.shape[1:])
+        mine = paddle.split(x, send, axis=0)[me] if x.shape[0] else x
+        parts = [mine if n == send[me] else paddle.zeros([n, *rest], dtype=x.dtype) for n in recv]
+        paddle.assign(paddle.concat(parts, axis=0), output=out)
         return self._task()
 
     def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:
@@ -111,8 +119,9 @@ class MirrorNccl:
         return None
 
 
-def mirror_groups(dp: int = 2) -> ParallelGroups:
-    """Rank 0's groups of a dp-only job on NCCL (one process; the other ranks mirror it)."""
+def mirror_groups(dp: int = 2, ep: int = 1) -> ParallelGroups:
+    """Rank 0's groups of a dp (× ep inside dp) job on NCCL: one process, the other ranks
+    mirror it."""
     ranks = list(range(dp))
 
     def group(dim: str, members: list[int], gid: int) -> NamedGroup:
@@ -120,7 +129,7 @@ def mirror_groups(dp: int = 2) -> ParallelGroups:
 
     world = group("world", ranks, 0)
     return ParallelGroups(
-        dims=ParallelDims(dp=dp, pp=1, cp=1, world_size=dp), rank=0, world=world,
+        dims=ParallelDims(dp=dp, pp=1, cp=1, world_size=dp, ep=ep), rank=0, world=world,
         dp=group("dp", ranks, 1), pp=group("pp", [0], 2), cp=group("cp", [0], 3),
-        backend="nccl",
+        backend="nccl", ep=group("ep", ranks[:ep], 4), edp=group("edp", ranks[::ep], 5),
     )  # fmt: skip

@@ -154,19 +154,30 @@ def test_sync_flag_values(monkeypatch) -> None:
 # -- a training step on mirrored NCCL groups counts its device syncs ---------------------------
 
 
-def _mirror_trainer(tmp: Path, shard: bool) -> Trainer:
+LAYOUTS = {
+    "replicated": ("tiny", {"dp": 2}),
+    "zero1": ("tiny", {"dp": 2, "shard_optimizer": True}),
+    "moe_ep2": ("tiny_glm_moe", {"dp": 2, "ep": 2}),
+}
+"""dp = 2 on mirrored NCCL groups: plain, ZeRO-1, and a MoE with its experts over ep = 2 (the
+all-to-alls the GLM-4.5-Air recipe runs thousands of per step)."""
+
+
+def _mirror_trainer(tmp: Path, layout: str) -> Trainer:
+    preset, parallel = LAYOUTS[layout]
     cfg = build_config(
         {
-            "model": {"preset": "tiny", "max_seq_len": 32},
+            "model": {"preset": preset, "max_seq_len": 32},
             "data": {"seq_len": 32, "micro_batch_size": 1},
             "train": {"steps": 4, "lr": 1e-3, "warmup_steps": 1, "seed": 0, "grad_accum": 2},
-            "parallel": {"dp": 2, "shard_optimizer": shard},
+            "parallel": parallel,
             "run": {"output_dir": str(tmp / "run"), "device": "cpu"},
         },
         world_size=2,
     )
+    groups = mirror_groups(ep=int(parallel.get("ep", 1)))
     # this dp rank's share, indexed here (the mirrored peers would return this rank's index)
-    return Trainer(cfg, mirror_groups(), data=LMData(cfg, dp_rank=0, dp_size=2))
+    return Trainer(cfg, groups, data=LMData(cfg, dp_rank=0, dp_size=2))
 
 
 def _syncs_per_step(trainer: Trainer, device: FakeDevice, fake: MirrorNccl) -> list[tuple]:
@@ -179,12 +190,12 @@ def _syncs_per_step(trainer: Trainer, device: FakeDevice, fake: MirrorNccl) -> l
     return out
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "zero1"])
-def test_training_step_drains_the_device_only_in_debug_mode(tmp_path, monkeypatch, shard) -> None:
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_training_step_drains_the_device_only_in_debug_mode(tmp_path, monkeypatch, layout) -> None:
     monkeypatch.delenv(ENV_SYNC, raising=False)
     device = FakeDevice(monkeypatch)
     fake = MirrorNccl(monkeypatch)
-    trainer = _mirror_trainer(tmp_path / "default", shard)
+    trainer = _mirror_trainer(tmp_path / "default", layout)
     steps = _syncs_per_step(trainer, device, fake)
     collectives_per_step = steps[0][1]
     assert collectives_per_step >= 3  # counts, gradients, step sums at least
