@@ -5,7 +5,14 @@
 #   bash scripts/gpu_check.sh [WHEEL_FILE_OR_DIR ...]
 #   bash scripts/gpu_check.sh --print-deps    # flashcp's non-paddle deps + test extras, then exit
 #   bash scripts/gpu_check.sh --print-plan    # the card, CUDA build and index it would use, exit
+#   bash scripts/gpu_check.sh --check-prereqs [WHEEL_FILE_OR_DIR ...]
+#                                             # only the prerequisites of that run (step P), exit
 #
+# P. Checks the prerequisites before anything else, each with a clear message and exit 5: bash
+#    >= 4.4; $PYTHON >= 3.10 with its venv module (ensurepip too: Debian's python3-venv) when
+#    .venv-gpu is to be created; and the package indexes the install will read: Paddle's wheel
+#    index when paddlepaddle-gpu comes from it, the Python package index ($PIP_INDEX_URL, else
+#    PyPI) unless directories of wheels are given.
 # 0. Reads the card with `nvidia-smi` (name, compute capability, driver) and picks Paddle's
 #    wheel index for it: CUDA 12.6 (cu126) for SM80/SM90, CUDA 12.9 (cu129) for SM100 and newer
 #    (B200-class cards need a CUDA >= 12.8 build). $PADDLE_GPU_INDEX overrides the choice.
@@ -24,9 +31,16 @@
 # 3. Reports FA3 (SM90 only) and FA4 (SM100 + CuTe kernels) availability - an SM100 card
 #    without the CuTe kernels is reported, never silently skipped - and prints
 #    `flashcp explain-dispatch --head-dim 128`, as configured and with --deterministic.
-# 4. Runs `pytest -m gpu tests` with FLAGS_cudnn_deterministic=1.
+# 4. Runs `pytest -m gpu tests` WITHOUT the deterministic flags (FLAGS_cudnn_deterministic and
+#    FLAGS_embedding_deterministic unset: the kernels a run with `train.deterministic: false`
+#    uses, e.g. FA3's non-deterministic backward on SM90; tests that need determinism set it
+#    themselves), then the GPU unit tests again with FLAGS_cudnn_deterministic=1 (the
+#    deterministic dispatch, e.g. FA3 downgraded to FA2).
 # 5. Runs `scripts/bench_kernel.py --device gpu --full --head-dim 128`, writing
 #    $FLASHCP_GPU_CHECK_OUT/bench_kernel_gpu.{json,md} (never the CPU docs/bench_kernel.*).
+# 5b. With 2+ GPUs, `scripts/bench_collective_sync.py --jobs`: the step time of a 2-GPU EP job
+#    with and without FLASHCP_SYNC_COLLECTIVES=1 (the device drain per NCCL collective that the
+#    watchdog's task tracking replaced), $FLASHCP_GPU_CHECK_OUT/collective_sync.json.
 # 6. Prints one summary block (flashcp commit, card, CUDA build, install source, FA3/FA4,
 #    effective fa_version, pytest counts, benchmark speed-ups) and exits non-zero if any step
 #    failed.
@@ -43,10 +57,26 @@
 #   FLASHCP_GPU_CHECK_COMPUTE_CAP
 #                          the compute capability to plan for (e.g. 10.0) instead of asking
 #                          nvidia-smi (machines without it; the unit test)
+#   FLASHCP_GPU_CHECK_BASH_VERSION
+#                          the bash version to check instead of this shell's (the unit test)
 #   FLASHCP_GPU_CHECK_SKIP_INSTALL=1
 #                          install nothing; run steps 2-6 with $FLASHCP_GPU_CHECK_PYTHON, else
 #                          the venv's python if it exists, else .venv/bin/python. The unit test
 #                          uses this on CPU machines to check the "no CUDA GPU" exit.
+#
+# Exit codes: 0 pass, 1 a step failed, 2 usage, 3 no CUDA GPU, 4 the CUDA build cannot run the
+# card, 5 a prerequisite is missing.
+
+# Before anything bash-4.4-specific runs (`set -u` with empty arrays, negative indexes).
+BASH_SEEN=${FLASHCP_GPU_CHECK_BASH_VERSION:-${BASH_VERSINFO[0]}.${BASH_VERSINFO[1]}}
+BASH_MAJOR=${BASH_SEEN%%.*}
+BASH_MINOR=${BASH_SEEN#*.}
+BASH_MINOR=${BASH_MINOR%%.*}
+if [ "$BASH_MAJOR" -lt 4 ] || { [ "$BASH_MAJOR" -eq 4 ] && [ "$BASH_MINOR" -lt 4 ]; }; then
+  echo "gpu_check: this is bash $BASH_SEEN; the script needs bash >= 4.4 (macOS ships 3.2:" \
+    "install a newer bash, e.g. 'brew install bash', and run it with that)" >&2
+  exit 5
+fi
 set -euo pipefail
 
 usage() {
@@ -59,6 +89,7 @@ DIRS=()
 LINKS=()
 PRINT_DEPS=0
 PRINT_PLAN=0
+CHECK_PREREQS=0
 for arg in "$@"; do
   case "$arg" in
     -h | --help)
@@ -70,6 +101,9 @@ for arg in "$@"; do
       ;;
     --print-plan)
       PRINT_PLAN=1
+      ;;
+    --check-prereqs)
+      CHECK_PREREQS=1
       ;;
     *)
       if [ -d "$arg" ]; then
@@ -151,7 +185,90 @@ for req in reqs:
 EOF
 }
 
+# --------------------------------------------------------------------------- P. prerequisites
+PREREQ_PROBLEM=""
+
+# $PY is Python >= 3.10 (and, with `venv`, can create a venv with pip); else sets PREREQ_PROBLEM.
+check_python() {
+  local need_venv=$1 version
+  if ! command -v "$PY" >/dev/null 2>&1; then
+    PREREQ_PROBLEM="no Python: '$PY' is not a command; set PYTHON=/path/to/python3.10 (or newer)"
+    return 1
+  fi
+  if ! version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); then
+    PREREQ_PROBLEM="'$PY' does not run as Python; set PYTHON=/path/to/python3.10 (or newer)"
+    return 1
+  fi
+  local major=${version%%.*} minor=${version#*.}
+  if ! [[ "$major" =~ ^[0-9]+$ && "$minor" =~ ^[0-9]+$ ]] ||
+    [ "$major" -lt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -lt 10 ]; }; then
+    PREREQ_PROBLEM="'$PY' is Python $version; flashcp needs Python >= 3.10: set PYTHON=/path/to/python3.10 (or newer)"
+    return 1
+  fi
+  if [ "$need_venv" = venv ] && ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    PREREQ_PROBLEM="'$PY' (Python $version) cannot create a venv: its venv/ensurepip modules are missing (Debian/Ubuntu: apt install python$version-venv)"
+    return 1
+  fi
+}
+
+# The package index at $1 answers for project $2 within 15 s (else PREREQ_PROBLEM, naming the
+# setting $3 that chooses that index).
+check_index() {
+  local url=$1 project=$2 setting=$3 why
+  if why=$("$PY" - "${url%/}/$project/" 2>&1 <<'EOF'
+import sys
+import urllib.request
+
+with urllib.request.urlopen(sys.argv[1], timeout=15) as response:  # honours *_PROXY
+    response.read(1)
+EOF
+  ); then
+    return 0
+  fi
+  why=$(tail -n 1 <<<"$why")
+  PREREQ_PROBLEM="cannot reach the package index $url (${why:-no answer}): check the network or proxy (HTTPS_PROXY), set $setting, or give the wheels: bash scripts/gpu_check.sh WHEEL_FILE_OR_DIR ..."
+  return 1
+}
+
+# Everything this run needs before it starts; prints each check, returns 1 on the first problem.
+check_prereqs() {
+  local need_venv=""
+  echo "== prerequisites"
+  echo "   bash $BASH_SEEN (>= 4.4)"
+  if [ "${FLASHCP_GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
+    echo "   install skipped: no Python or package index needed"
+    return 0
+  fi
+  if [ ! -x "$VENV/bin/python" ]; then
+    need_venv=venv
+  fi
+  check_python "$need_venv" || return 1
+  echo "   $PY: Python $("$PY" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')${need_venv:+, can create $VENV}"
+  if [ ${#WHEELS[@]} -eq 0 ] && [ ${#DIRS[@]} -eq 0 ]; then
+    check_index "$PADDLE_GPU_INDEX" paddlepaddle-gpu PADDLE_GPU_INDEX || return 1
+    echo "   Paddle's wheel index reachable: $PADDLE_GPU_INDEX"
+  fi
+  if [ ${#DIRS[@]} -eq 0 ]; then
+    local pypi=${PIP_INDEX_URL:-https://pypi.org/simple/}
+    check_index "$pypi" pip PIP_INDEX_URL || return 1
+    echo "   Python package index reachable: $pypi"
+  fi
+}
+
+if [ "$CHECK_PREREQS" = 1 ]; then
+  if check_prereqs; then
+    echo "prerequisites: ok"
+    exit 0
+  fi
+  echo "gpu_check: $PREREQ_PROBLEM" >&2
+  exit 5
+fi
+
 if [ "$PRINT_DEPS" = 1 ]; then
+  if ! check_python ""; then
+    echo "gpu_check: $PREREQ_PROBLEM" >&2
+    exit 5
+  fi
   read_deps "$PY"
   exit 0
 fi
@@ -169,7 +286,9 @@ fi
 FA_CONFIGURED="(not run)"
 FA_DETERMINISTIC="(not run)"
 PYTEST_DESC="(not run)"
+DETERMINISTIC_DESC="(not run)"
 BENCH_DESC="(not run)"
+SYNC_DESC="(not run)"
 FAILURES=()
 
 summary() {
@@ -189,7 +308,9 @@ summary() {
   printf '  %-20s %s\n' "FA4 (CuTe)" "$FA4_DESC"
   printf '  %-20s %s\n' "fa_version" "$FA_CONFIGURED (as configured), $FA_DETERMINISTIC (deterministic), head_dim $HEAD_DIM"
   printf '  %-20s %s\n' "pytest -m gpu" "$PYTEST_DESC"
+  printf '  %-20s %s\n' "deterministic unit" "$DETERMINISTIC_DESC"
   printf '  %-20s %s\n' "kernel benchmark" "$BENCH_DESC"
+  printf '  %-20s %s\n' "collective drain" "$SYNC_DESC"
   printf '  %-20s %s\n' "outputs" "$OUT"
   if [ ${#FAILURES[@]} -eq 0 ]; then
     echo "  result: PASS"
@@ -209,6 +330,13 @@ summary() {
 trap summary EXIT
 
 mkdir -p "$OUT"
+
+STEP="prerequisites"
+if ! check_prereqs; then
+  FAILURES+=("prerequisite: $PREREQ_PROBLEM")
+  echo "gpu_check: $PREREQ_PROBLEM" >&2
+  exit 5
+fi
 
 # -------------------------------------------------------------------------------- 1. install
 # pip install from the given directories only; with `fallback`, retry on the index on failure.
@@ -416,24 +544,43 @@ FA_DETERMINISTIC="$EXPLAIN_RESULT"
 
 # ----------------------------------------------------------------------------- 4. GPU tests
 STEP="pytest -m gpu"
-echo "== FLAGS_cudnn_deterministic=1 pytest -m gpu tests"
+# The default kernels: no deterministic flag inherited from the caller's environment either.
+echo "== pytest -m gpu tests (FLAGS_cudnn_deterministic, FLAGS_embedding_deterministic unset)"
 set +e
-FLAGS_cudnn_deterministic=1 "$VPY" -m pytest -m gpu tests -p no:cacheprovider \
+env -u FLAGS_cudnn_deterministic -u FLAGS_embedding_deterministic \
+  "$VPY" -m pytest -m gpu tests -p no:cacheprovider \
   --junitxml "$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log"
 PYTEST_RC=${PIPESTATUS[0]}
 set -e
-PYTEST_LINE=$(grep -E "^=+ .*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" \
-  "$OUT/pytest_gpu.log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//' || true)
+# The last pytest summary line of log $1.
+pytest_line() {
+  grep -E "^=+ .*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" "$1" | tail -n 1 |
+    sed -E 's/^=+ //; s/ =+$//' || true
+}
 count() {
   local n
   n=$(grep -oE "[0-9]+ $1" <<<"$PYTEST_LINE" | grep -oE "^[0-9]+" || true)
   echo "${n:-0}"
 }
+PYTEST_LINE=$(pytest_line "$OUT/pytest_gpu.log")
 PYTEST_DESC="$(count passed) passed, $(count failed) failed, $(count "errors?") errors, $(count skipped) skipped (exit $PYTEST_RC)"
 if [ "$PYTEST_RC" -ne 0 ]; then
   FAILURES+=("pytest -m gpu exited $PYTEST_RC: ${PYTEST_LINE:-see $OUT/pytest_gpu.log}")
 elif [ "$(count passed)" -eq 0 ]; then
   FAILURES+=("pytest -m gpu passed no test although a GPU is visible: ${PYTEST_LINE:-?}")
+fi
+
+STEP="pytest -m gpu tests/unit (deterministic)"
+echo "== FLAGS_cudnn_deterministic=1 pytest -m gpu tests/unit"
+set +e
+FLAGS_cudnn_deterministic=1 "$VPY" -m pytest -m gpu tests/unit -p no:cacheprovider \
+  --junitxml "$OUT/pytest_gpu_deterministic.xml" 2>&1 | tee "$OUT/pytest_gpu_deterministic.log"
+DETERMINISTIC_RC=${PIPESTATUS[0]}
+set -e
+PYTEST_LINE=$(pytest_line "$OUT/pytest_gpu_deterministic.log")
+DETERMINISTIC_DESC="$(count passed) passed, $(count failed) failed, $(count "errors?") errors, $(count skipped) skipped (exit $DETERMINISTIC_RC)"
+if [ "$DETERMINISTIC_RC" -ne 0 ]; then
+  FAILURES+=("deterministic pytest -m gpu tests/unit exited $DETERMINISTIC_RC: ${PYTEST_LINE:-see $OUT/pytest_gpu_deterministic.log}")
 fi
 
 # ------------------------------------------------------------------------ 5. kernel benchmark
@@ -486,6 +633,40 @@ else
 fi
 if [ "$BENCH_RC" -ne 0 ]; then
   FAILURES+=("bench_kernel.py exited $BENCH_RC (see $OUT/bench_kernel_gpu.log)")
+fi
+
+# ------------------------------------------------- 5b. what a device drain per collective costs
+STEP="collective sync benchmark"
+GPUS=$(grep -oE "[0-9]+ device" <<<"$GPU_DESC" | grep -oE "^[0-9]+" || echo 0)
+SYNC_JSON=$OUT/collective_sync.json
+if [ "${GPUS:-0}" -ge 2 ]; then
+  echo "== scripts/bench_collective_sync.py --jobs (step time with / without the drain)"
+  set +e
+  "$VPY" scripts/bench_collective_sync.py --jobs --rounds 2 --json "$SYNC_JSON" 2>&1 |
+    tee "$OUT/collective_sync.log"
+  SYNC_RC=${PIPESTATUS[0]}
+  set -e
+  if [ "$SYNC_RC" -ne 0 ]; then
+    FAILURES+=("bench_collective_sync.py exited $SYNC_RC (see $OUT/collective_sync.log)")
+    SYNC_DESC="failed (exit $SYNC_RC)"
+  elif [ -f "$SYNC_JSON" ]; then
+    SYNC_DESC=$("$VPY" - "$SYNC_JSON" <<'EOF' || echo "unreadable $SYNC_JSON"
+import json
+import sys
+
+r = json.load(open(sys.argv[1]))
+t = r["step_time_s"]
+print(
+    f"step {t['tracked']['median']:.3f} s tracked, {t['drain']['median']:.3f} s with the drain "
+    f"(x{r['drain_over_tracked']['median']:.2f}), {r['config']}"
+)
+EOF
+    )
+  else
+    SYNC_DESC="no results"
+  fi
+else
+  SYNC_DESC="skipped: needs 2 GPUs"
 fi
 
 STEP="done"

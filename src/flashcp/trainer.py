@@ -29,7 +29,7 @@ from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
-from flashcp.distributed import ParallelGroups, barrier
+from flashcp.distributed import ParallelGroups, barrier, startup_phase
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.metrics import memory, tracking
 from flashcp.metrics.moe_stats import RouterStats
@@ -50,9 +50,6 @@ from flashcp.recipes import build_recipe
 from flashcp.recipes.base import StepSource, normalised
 from flashcp.run_info import RunFacts, banner, write_run_info
 from flashcp.runtime import forward_context, process_groups, resolve_runtime, seed_rngs, use_device
-
-START_BARRIER_TIMEOUT = 3600.0
-"""Ranks wait this long (s) at the start of `fit` for the slowest one to build and resume."""
 
 
 class NonFiniteError(RuntimeError):
@@ -105,6 +102,7 @@ class Trainer:
     module (a `CausalLM`: the whole model, or its stage).
     """
 
+    @startup_phase()  # ranks build at their own pace: collectives wait the start-up timeout
     def __init__(
         self,
         cfg: Config,
@@ -126,6 +124,8 @@ class Trainer:
         )
         spec = dataclasses.replace(stage, ep_rank=int(groups.ep.rank), ep_size=cfg.parallel.ep)
         self.model = (model_factory or default_model_factory)(cfg, spec)
+        # Load times differ between ranks (weights from shared storage): meet here first.
+        barrier(groups.world, op="barrier after building the model")
         lora = parallelize(self.model, cfg, groups)
         self.model.train()
         self.router = RouterStats(self.model, cfg.model) if cfg.model.arch == "glm_moe" else None
@@ -292,15 +292,16 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Resume if configured, then train until `train.steps`; returns what ran."""
         cfg, main = self.cfg, int(self.groups.rank) == 0
-        source = self.resume()
-        start = self.step
-        # Every rank has checked the run directory (`resume`) before rank 0 writes to it.
-        barrier(self.groups.world, timeout=START_BARRIER_TIMEOUT)
         output_dir = Path(cfg.run.output_dir)
-        if main:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "config.yaml").write_text(to_yaml(cfg))
-        write_run_info(self)
+        with startup_phase():  # up to the first step, collectives wait the start-up timeout
+            source = self.resume()
+            start = self.step
+            # Every rank has checked the run directory (`resume`) before rank 0 writes to it.
+            barrier(self.groups.world, op="barrier after resuming")
+            if main:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                (output_dir / "config.yaml").write_text(to_yaml(cfg))
+            write_run_info(self)
         self.echo(banner(self))
         if source is not None:
             self.echo(f"resumed from {source} at step {start}")

@@ -3,7 +3,9 @@ built and saved by transformers (PyTorch CPU), loaded through `model.from_pretra
 compared in float32 — whole sequences, and packed documents (flashcp's causal-document mask)
 against HF on each document alone; both config.json layouts (transformers 5.x
 `rope_parameters`, 4.x top-level keys) with a non-default rope_theta and GLM-4.5's QK-norm.
-Then the other way: a flashcp run exported with `flashcp export` and loaded by transformers.
+Then the other way: a flashcp run exported with `flashcp export` and loaded by transformers,
+also one trained from scratch with the byte tokenizer (`AutoModelForCausalLM` and
+`AutoTokenizer` on the export directory as it is).
 
 Marker `hf`: `bash scripts/test.sh hf` installs torch (a CPU wheel) and runs these; the default
 CI run deselects them (see README, "HF reference tier")."""
@@ -224,3 +226,44 @@ def test_transformers_loads_a_flashcp_export(saved: tuple, tmp_path: Path, fit: 
     _close(_hf_logits(hf, ids), want)
     before = _hf_logits(_hf_model(arch), ids)  # control: the step changed the model
     assert np.abs(before - want).max() > 100 * TOL
+
+
+@pytest.mark.parametrize("preset", ["tiny_glm", "tiny_glm_moe"])
+def test_transformers_loads_a_from_scratch_export(preset: str, tmp_path: Path, fit: Fit) -> None:
+    """A run trained from scratch with the byte tokenizer (no starting config.json) exports
+    to a directory transformers loads as it is: `AutoModelForCausalLM` with the run's token
+    ids (not GLM's defaults, outside the 259-token vocabulary) and `AutoTokenizer` with the
+    byte ids; the logits of the tokenizer's ids match the trained model's."""
+    raw = {
+        "model": {"preset": preset, "max_seq_len": 64},
+        "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
+        "train": {"steps": 1, "lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-3, "seed": 2},
+        "checkpoint": {"every": 1},
+        "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
+    }
+    trainer = fit(tiny_config(tmp_path, base=raw)).trainer
+    out = tmp_path / "export"
+    export_run(tmp_path / "run", out)
+    tf = _transformers()
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    tok = tf.AutoTokenizer.from_pretrained(str(out))
+    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (
+        256, 257, 258
+    )  # fmt: skip
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
+    text = ["Grüße, 世界! packed documents, GLM", "a second row of the same length.."]
+    ids = np.asarray([[256, *tok(t, add_special_tokens=False)["input_ids"][:30]] for t in text])
+    assert ids[0, 1:].tolist() == list(text[0].encode("utf-8"))[:30]
+    want = _flashcp_logits(trainer.model, ids, masks.causal_mask(*ids.shape))
+    _close(_hf_logits(hf, ids), want)
+    # negative control: the config.json an export wrote before (no token ids): transformers
+    # fills in its class defaults, GLM-4's pad 151329 (refused), GLM-4.5's None (no EOS)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        del config[key]
+    (out / "config.json").write_text(json.dumps(config))
+    if preset == "tiny_glm":
+        with pytest.raises(Exception, match="(?i)padding_idx"):
+            tf.AutoModelForCausalLM.from_pretrained(str(out))
+    else:
+        assert tf.AutoConfig.from_pretrained(str(out)).eos_token_id is None

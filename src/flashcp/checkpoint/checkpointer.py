@@ -42,6 +42,7 @@ from flashcp.checkpoint.adapters import (
     write_adapter_meta,
 )
 from flashcp.checkpoint.experts import ExpertArrays
+from flashcp.checkpoint.export import run_token_ids
 from flashcp.checkpoint.merge_export import MERGED_DIR, write_merged_index, write_merged_stage
 from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state, set_rng_state
 from flashcp.config import Config, config_changes, config_hash, hashed_dict
@@ -337,7 +338,8 @@ class Checkpointer:
         barrier(g.world, timeout=SAVE_BARRIER_TIMEOUT)
         if self.is_main:
             shards = self._stage[1] * ep
-            write_merged_index(out, self.cfg.model, shards, self.cfg.train.param_dtype)
+            write_merged_index(out, self.cfg.model, shards, self.cfg.train.param_dtype,
+                               token_ids=run_token_ids(self.cfg))  # fmt: skip
         barrier(g.world, timeout=SAVE_BARRIER_TIMEOUT)
         return out
 

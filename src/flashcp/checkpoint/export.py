@@ -2,13 +2,14 @@
 
     report = export_run("runs/sft", "exports/sft", merge_lora=True, dtype="bfloat16")
 
-OUT gets what ``transformers`` (``AutoModelForCausalLM.from_pretrained``) and flashcp's own
-`model.from_pretrained` load: ``config.json`` (`flashcp.models.hf_config.hf_config`: the right
-``architectures``, both RoPE layouts, the token ids of the config.json the run started from),
-``model-0000i-of-0000n.safetensors`` shards in the HF orientation and key names plus
-``model.safetensors.index.json``, the run's tokenizer files (when ``data.tokenizer`` is a
-directory or a ``tokenizer.json``) and ``generation_config.json`` (copied from the directory
-the run started from, or written from its token ids; absent when neither is known).
+OUT gets what ``transformers`` (``AutoModelForCausalLM.from_pretrained``, ``AutoTokenizer``)
+and flashcp's own `model.from_pretrained` load: ``config.json``
+(`flashcp.models.hf_config.hf_config`: the right ``architectures``, both RoPE layouts, and the
+token ids the run used: `run_token_ids`), ``model-0000i-of-0000n.safetensors`` shards in the HF
+orientation and key names plus ``model.safetensors.index.json``, the run's tokenizer (the files
+of a ``data.tokenizer`` directory or ``tokenizer.json``; the byte tokenizer as a directory
+`ByteTokenizer.save_pretrained` writes) and ``generation_config.json`` (copied from the
+directory the run started from, or written from the known token ids; absent when none is).
 
 Streamed: no process builds the whole model. The layers are grouped into shards of at most
 `max_shard_bytes` (one decoder layer at least; the embeddings go with the first, the final norm
@@ -48,6 +49,7 @@ from flashcp.checkpoint.merge_export import merged_specs, write_merged_index
 from flashcp.checkpoint.parts import ADAPTER_DIR
 from flashcp.checkpoint.state import load_model_arrays
 from flashcp.config import Config, build_config, read_yaml
+from flashcp.data.tokenizer import ByteTokenizer, build_tokenizer
 from flashcp.lora.model import apply_lora
 from flashcp.models import StageSpec, build_model, estimate_parameters
 from flashcp.models.hf_config import TOKEN_ID_KEYS, read_config_json
@@ -225,17 +227,33 @@ def _started_from(cfg: Config) -> Path | None:
     return None
 
 
-def _token_ids(start: Path | None) -> dict[str, Any]:
-    if start is None or not (start / "config.json").is_file():
-        return {}
-    config, _ = read_config_json(start)
-    return {k: config[k] for k in TOKEN_ID_KEYS if config.get(k) is not None}
+def run_token_ids(cfg: Config, notes: list[str] | None = None) -> dict[str, Any]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of a run's HF ``config.json``.
+
+    Started from an HF directory: the ids its config.json records (absent ones stay absent,
+    so transformers' defaults for that model apply as they did to the original). From scratch:
+    the ids the run's tokenizer gave the data, each key present — an explicit null where the
+    tokenizer has no such token or cannot be loaded here (said in `notes`) — so transformers
+    never fills in its model class's defaults (GLM's 151329..., outside a small vocabulary).
+    """
+    start = _started_from(cfg)
+    if start is not None and (start / "config.json").is_file():
+        config, _ = read_config_json(start)
+        return {k: config[k] for k in TOKEN_ID_KEYS if config.get(k) is not None}
+    try:
+        tok = build_tokenizer(cfg.data.tokenizer)
+    except (OSError, ValueError) as exc:
+        if notes is not None:
+            notes.append(f"token ids written as null: data.tokenizer did not load here ({exc})")
+        return dict.fromkeys(TOKEN_ID_KEYS)
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
 
 
 def copy_tokenizer(tokenizer: str, out: Path) -> list[str]:
-    """Copy the run's tokenizer files into `out`; returns their names (none for `byte`)."""
+    """Put the run's tokenizer into `out` (its files; the byte tokenizer written as an HF
+    tokenizer directory); returns the file names."""
     if tokenizer == "byte":
-        return []
+        return ByteTokenizer().save_pretrained(out)
     source = Path(tokenizer)
     if source.is_file():
         shutil.copyfile(source, out / "tokenizer.json")
@@ -249,13 +267,14 @@ def copy_tokenizer(tokenizer: str, out: Path) -> list[str]:
 
 
 def write_generation_config(start: Path | None, token_ids: dict[str, Any], out: Path) -> bool:
-    """`generation_config.json`: the starting directory's, else one from its token ids."""
+    """`generation_config.json`: the starting directory's, else one from the known token ids."""
     if start is not None and (start / GENERATION_CONFIG).is_file():
         shutil.copyfile(start / GENERATION_CONFIG, out / GENERATION_CONFIG)
         return True
-    if not token_ids:
+    known = {k: v for k, v in token_ids.items() if v is not None}
+    if not known:
         return False
-    (out / GENERATION_CONFIG).write_text(json.dumps(token_ids, indent=2) + "\n")
+    (out / GENERATION_CONFIG).write_text(json.dumps(known, indent=2) + "\n")
     return True
 
 
@@ -314,8 +333,8 @@ def export_run(
         raise ExportError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     source, files = find_source(run, cfg, checkpoint)
     start = _started_from(cfg)
-    token_ids = _token_ids(start)
     report = ExportReport(out=target, source=source, dtype=dtype)
+    token_ids = run_token_ids(cfg, report.notes)
     groups = plan_shards(cfg.model, _ITEM_BYTES[dtype], max_shard_bytes)
     with _staging(target) as tmp, contextlib.ExitStack() as stack:
         reader = ckpt.TensorReader(files, stack)

@@ -138,10 +138,10 @@ def write_merged_stage(
 def write_merged_index(
     out: Path, args: Any, num_stages: int, dtype: str, *, token_ids: Any = None
 ) -> list[str]:
-    """After every stage wrote its shard: the index, `config.json` (with `token_ids`, see
-    `flashcp.models.hf_config.hf_config`), and the removal of weight files an earlier export
-    (another layout) left; returns the shard names. `num_stages`: the number of shards (pp,
-    or pp × ep under expert parallelism)."""
+    """After every stage wrote its shard: the index, `config.json` (with `token_ids`, a None
+    value as an explicit null: see `flashcp.models.hf_config.hf_config`), and the removal of
+    weight files an earlier export (another layout) left; returns the shard names.
+    `num_stages`: the number of shards (pp, or pp × ep under expert parallelism)."""
     names = [merged_shard_name(s, num_stages) for s in range(num_stages)]
     weight_map: dict[str, str] = {}
     total = 0
@@ -153,7 +153,7 @@ def write_merged_index(
                 total += int(np.prod(meta.get_shape())) * ITEM_SIZE[meta.get_dtype()]
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = hf_config(args, dtype, token_ids=token_ids)
+    config = hf_config(args, dtype, token_ids=token_ids, nulls=True)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     for stale in out.iterdir():
         if (stale.name == SINGLE_FILE or _SHARD_RE.match(stale.name)) and stale.name not in names:

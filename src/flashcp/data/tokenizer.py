@@ -1,7 +1,8 @@
 """Tokenizers: the built-in byte tokenizer and Hugging Face tokenizers read from local files.
 
 * `byte`: ids 0-255 are the UTF-8 bytes, 256/257/258 are BOS, EOS and PAD (vocabulary 259), so
-  any text round-trips exactly. No chat template.
+  any text round-trips exactly. No chat template. `ByteTokenizer.save_pretrained(dir)` writes it
+  as a Hugging Face tokenizer directory (`AutoTokenizer` loads it; an export carries it).
 * a `tokenizer.json` file: a trained tokenizer loaded with the `tokenizers` library. Nothing says
   which tokens are special, so BOS/EOS/PAD are found by their common spellings. No chat template.
 * a directory (a Hugging Face model or tokenizer directory: `tokenizer.json`, and
@@ -19,6 +20,7 @@ No network: every file must exist locally.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -73,6 +75,37 @@ class ByteTokenizer:
     eos_id = 257
     pad_id = 258
     chat_template: str | None = None
+    SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
+    """The names of BOS, EOS and PAD in `save_pretrained`'s directory."""
+
+    def save_pretrained(self, directory: str | Path) -> list[str]:
+        """Write this tokenizer as a Hugging Face tokenizer directory; returns the file names.
+
+        `tokenizer.json`: a BPE model whose vocabulary is the 256 byte tokens `<0x00>`..
+        `<0xFF>` (id = byte) and no merges, with byte fallback, so every character becomes its
+        UTF-8 bytes (the SentencePiece byte-fallback scheme; decoded by `ByteFallback`); the
+        special tokens take ids 256-258. `tokenizer_config.json` names them, so transformers'
+        `AutoTokenizer` (and `HFTokenizer` on the directory) give the same ids as this class.
+        """
+        # imported on use, as in HFTokenizer: training with the byte tokenizer never needs it
+        from tokenizers import AddedToken, decoders, models
+        from tokenizers import Tokenizer as _Tok
+
+        out = Path(directory)
+        vocab = {f"<0x{b:02X}>": b for b in range(256)}
+        tok = _Tok(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        tok.add_special_tokens([AddedToken(t, special=True) for t in self.SPECIAL_TOKENS])
+        ids = [tok.token_to_id(t) for t in self.SPECIAL_TOKENS]
+        if ids != [self.bos_id, self.eos_id, self.pad_id]:  # the library numbered them
+            raise RuntimeError(f"byte tokenizer: special tokens got ids {ids}, not 256-258")
+        tok.save(str(out / TOKENIZER_FILE))
+        bos, eos, pad = self.SPECIAL_TOKENS
+        special = {"bos_token": bos, "eos_token": eos, "pad_token": pad}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        return [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"]
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -52,17 +52,22 @@ from flashcp.distributed.groups import (
 )
 from flashcp.distributed.watchdog import (
     ENV_INIT_TIMEOUT,
+    ENV_STARTUP_TIMEOUT,
+    ENV_SYNC,
     ENV_TIMEOUT,
     TIMEOUT_EXIT_CODE,
     WATCHDOG,
     Watchdog,
     resolve_timeout,
+    startup_phase,
 )
 
 __all__ = [
     "COUNTERS",
     "DIM_ORDER",
     "ENV_INIT_TIMEOUT",
+    "ENV_STARTUP_TIMEOUT",
+    "ENV_SYNC",
     "ENV_TIMEOUT",
     "REDUCE_SCATTER_METHODS",
     "TIMEOUT_EXIT_CODE",
@@ -100,6 +105,7 @@ __all__ = [
     "ring_shift",
     "sends_first",
     "shutdown",
+    "startup_phase",
     "start_group_store",
     "store_group",
     "timeout_message",

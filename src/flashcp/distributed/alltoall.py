@@ -40,6 +40,7 @@ import paddle
 import paddle.distributed as dist
 
 from flashcp.distributed.collectives import (
+    Watched,
     _check_group,
     _exchange,
     _record,
@@ -136,8 +137,8 @@ def all_to_all(
     with paddle.no_grad():
         if group_backend(group) == "nccl":
             out = paddle.empty([sum(recv), *shape], dtype=x.dtype)
-            with watch("all_to_all", group, timeout):
-                dist.alltoall_single(out, x, send, recv, group=group)
+            with watch("all_to_all", group, timeout) as w:
+                w.task(dist.alltoall_single(out, x, send, recv, group=group))
             sent = sum(n for i, n in enumerate(send) if i != r) * row
             received = sum(n for i, n in enumerate(recv) if i != r) * row
         else:
@@ -145,13 +146,13 @@ def all_to_all(
             got: list[Tensor | None] = [None] * p
             got[r] = parts[r].clone()
             sent = received = 0
-            with watch("all_to_all", group, timeout):
+            with watch("all_to_all", group, timeout) as w:
                 for step in range(1, p):
                     dst, src = (r + step) % p, (r - step) % p
                     buf = paddle.empty([recv[src], *shape], dtype=x.dtype)
                     s, n = _exchange_on_links(
                         parts[dst], group.ranks[dst], buf, group.ranks[src], exchange,
-                        sends_first(r, step, p),
+                        sends_first(r, step, p), w,
                     )  # fmt: skip
                     sent, received = sent + s, received + n
                     got[src] = buf
@@ -168,10 +169,16 @@ def _row_bytes(x: Tensor) -> int:
 
 
 def _exchange_on_links(
-    send: Tensor, dst: int, recv: Tensor, src: int, exchange: Exchange, first: bool
+    send: Tensor,
+    dst: int,
+    recv: Tensor,
+    src: int,
+    exchange: Exchange,
+    first: bool,
+    body: Watched,
 ) -> tuple[int, int]:
     """One ordered send/recv pair, each on the link to its peer; (sent, received) nbytes."""
-    return _exchange(send, dst, recv, src, exchange.link(dst), first, exchange.link(src))
+    return _exchange(send, dst, recv, src, exchange.link(dst), first, body, exchange.link(src))
 
 
 def gather_rows(
@@ -188,9 +195,10 @@ def gather_rows(
         )
     if p == 1:
         return x
-    with paddle.no_grad(), watch("gather_rows", group, timeout):
+    with paddle.no_grad(), watch("gather_rows", group, timeout) as w:
         if r != root:
-            dist.send(x.contiguous(), dst=group.ranks[root], group=exchange.link(group.ranks[root]))
+            link = exchange.link(group.ranks[root])
+            w.task(dist.send(x.contiguous(), dst=group.ranks[root], group=link))
             out, sent, received = None, nbytes(x), 0
         else:
             parts = []
@@ -199,7 +207,7 @@ def gather_rows(
                     parts.append(x)
                     continue
                 buf = paddle.empty(list(x.shape), dtype=x.dtype)
-                dist.recv(buf, src=group.ranks[i], group=exchange.link(group.ranks[i]))
+                w.task(dist.recv(buf, src=group.ranks[i], group=exchange.link(group.ranks[i])))
                 parts.append(buf)
             out = paddle.concat(parts, axis=0)
             sent, received = 0, (p - 1) * nbytes(x)

@@ -4,11 +4,12 @@ All functions take an explicit group (a `paddle.distributed.communication.group.
 one returned by `build_groups`) - never `None`, which Paddle would read as "the whole world".
 A group of one rank is valid and makes every call a local no-op (no traffic, no waiting).
 
-Every call that waits is run under the process watchdog (`watchdog.WATCHDOG`), on NCCL up to
-the end of the collective on the device (`wait_on_device`): if it does not finish within the
-timeout (argument, else `FLASHCP_COLLECTIVE_TIMEOUT`, default 300 s) the
+Every call that waits is run under the process watchdog (`watchdog.WATCHDOG`): if it does not
+finish within the timeout (argument, else `FLASHCP_COLLECTIVE_TIMEOUT`, default 300 s) the
 process prints e.g. "all_gather on group cp[0,1] timed out after 30 s on rank 0: rank 1 may be
-dead, hung or skipped this collective" and exits with status 124.
+dead, hung or skipped this collective" and exits with status 124. On NCCL the call returns once
+the collective is queued; its task goes to the watchdog, which polls its completion off the
+training thread (`watch`), so no collective drains the device.
 
 Gloo in Paddle 3.3.1 has no reduce_scatter / alltoall, and a send blocks until the peer posts
 the matching receive, so the point-to-point algorithms here order each send/recv pair (one side
@@ -19,8 +20,9 @@ Results are plain tensors, outside autograd: wrap them in a `PyLayer` to differe
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from math import gcd
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,7 +31,7 @@ import paddle
 import paddle.distributed as dist
 
 from flashcp.distributed.counters import COUNTERS
-from flashcp.distributed.watchdog import ENV_TIMEOUT, WATCHDOG, resolve_timeout
+from flashcp.distributed.watchdog import ENV_TIMEOUT, WATCHDOG, resolve_timeout, sync_collectives
 from flashcp.log import process_rank
 
 if TYPE_CHECKING:
@@ -88,37 +90,69 @@ def timeout_message(op: str, group: Group, seconds: float) -> str:
     )
 
 
-def wait_on_device(group: Group) -> None:
-    """Block the host until the communication just queued on `group` has run (NCCL only).
+class Watched:
+    """The body of a `watch` block hands the tasks its `paddle.distributed` calls return to
+    `task` (None is ignored: gloo and host-side calls need nothing more)."""
 
-    An NCCL call returns once the collective is enqueued: with `sync_op=True` Paddle's
-    `task.wait()` only makes the compute stream wait for the communication stream
-    (`ProcessGroupNCCL::NCCLTask::Wait`; it blocks the host only under
-    FLAGS_nccl_blocking_wait). A hung collective would surface at some later host sync, outside
-    any watchdog. `paddle.device.synchronize()` (cudaDeviceSynchronize on the current device)
-    inside the watched block makes the timeout fire at the collective itself. Gloo calls are
-    synchronous already.
-    """
-    if group_backend(group) == "nccl":
-        paddle.device.synchronize()
+    def __init__(self) -> None:
+        self.tasks: list[Any] = []
+
+    def task(self, task: Any) -> None:
+        if task is not None:
+            self.tasks.append(task)
+
+
+def _drain_device() -> None:
+    """Block the host until the current device finished its queued work (debug mode only)."""
+    paddle.device.synchronize()
 
 
 @contextmanager
-def watch(op: str, group: Group, timeout: float | None = None) -> Iterator[None]:
-    """Run the block under the watchdog with the standard message for `op` on `group`.
+def watched(group: Group, seconds: float, message: str | Callable[[], str]) -> Iterator[Watched]:
+    """Run the block under the watchdog (`seconds`, `message`: the text, or a function that
+    builds it when a deadline passes), up to the end of its NCCL work.
 
-    On NCCL the block's communication is waited for on the device before the watchdog is
-    disarmed (`wait_on_device`), so a hung collective times out here, naming it.
+    An NCCL call returns once the collective is queued: with `sync_op=True` Paddle's
+    `task.wait()` only makes the compute stream wait for the communication stream
+    (`ProcessGroupNCCL::NCCLTask::Wait`), so a hung collective would never block the block
+    itself. The tasks the block hands over are tracked instead (`Watchdog.track`: the
+    watchdog thread polls `task.is_completed()`, a CUDA event query) — the device is never
+    drained. Debug mode (`FLASHCP_SYNC_COLLECTIVES=1`) drains it inside the armed block, so a
+    hang stops at the call with its host stack. Gloo calls are synchronous already.
     """
+    body = Watched()
+    nccl = group_backend(group) == "nccl"
+    drain = nccl and sync_collectives()
+    with WATCHDOG.watch(seconds, message):
+        yield body
+        if drain:
+            _drain_device()
+    if nccl and not drain and body.tasks:
+        queue = group_label(group)
+
+        def queued() -> str:
+            return (message if isinstance(message, str) else message()) + QUEUED_NOTE
+
+        for task in body.tasks:
+            WATCHDOG.track(queue, task.is_completed, seconds, queued)
+
+
+QUEUED_NOTE = " (NCCL: queued on the device and not completed)"
+"""Appended to the timeout message of tracked NCCL work."""
+
+
+@contextmanager
+def watch(op: str, group: Group, timeout: float | None = None) -> Iterator[Watched]:
+    """`watched` with the standard timeout message for `op` on `group` (built only if the
+    deadline passes: formatting it every call cost more than the call's own bookkeeping)."""
     seconds = resolve_timeout(timeout)
-    with WATCHDOG.watch(seconds, timeout_message(op, group, seconds)):
-        yield
-        wait_on_device(group)
+    with watched(group, seconds, lambda: timeout_message(op, group, seconds)) as body:
+        yield body
 
 
 def nbytes(x: Tensor) -> int:
-    """Payload size of `x` in bytes."""
-    return int(x.size) * int(x.element_size())
+    """Payload size of `x` in bytes (from its shape: `Tensor.size` costs ~20 µs a call)."""
+    return math.prod(x.shape) * int(x.element_size())
 
 
 def _record(op: str, group: Group, sent: float, received: float) -> None:
@@ -128,12 +162,13 @@ def _record(op: str, group: Group, sent: float, received: float) -> None:
 # -- library collectives ----------------------------------------------------------------------
 
 
-def barrier(group: Group, *, timeout: float | None = None) -> None:
-    """Block until every rank of `group` arrives."""
-    group = _check_group(group, "barrier")
+def barrier(group: Group, *, timeout: float | None = None, op: str = "barrier") -> None:
+    """Block until every rank of `group` arrives (`op` names the barrier in the timeout
+    message). On NCCL Paddle's barrier blocks the host itself (`ProcessGroupNCCL::Barrier`)."""
+    group = _check_group(group, op)
     if group.nranks == 1:
         return
-    with watch("barrier", group, timeout):
+    with watch(op, group, timeout):
         dist.barrier(group=group)
     _record("barrier", group, 0, 0)
 
@@ -152,8 +187,8 @@ def all_gather_tensor(
     if p == 1:
         return x
     parts: list[Tensor] = []
-    with paddle.no_grad(), watch("all_gather", group, timeout):
-        dist.all_gather(parts, x, group=group)
+    with paddle.no_grad(), watch("all_gather", group, timeout) as w:
+        w.task(dist.all_gather(parts, x, group=group))
     peers = [part for i, part in enumerate(parts) if i != group.rank]
     _record("all_gather", group, nbytes(x) * len(peers), sum(nbytes(t) for t in peers))
     with paddle.no_grad():
@@ -186,8 +221,8 @@ def all_reduce_tensor(
     out = x if inplace else x.clone()
     if p == 1:
         return out
-    with paddle.no_grad(), watch("all_reduce", group, timeout):
-        dist.all_reduce(out, group=group)
+    with paddle.no_grad(), watch("all_reduce", group, timeout) as w:
+        w.task(dist.all_reduce(out, group=group))
     _record("all_reduce", group, 2 * (p - 1) * nbytes(x) / p, 2 * (p - 1) * nbytes(x) / p)
     return out
 
@@ -203,8 +238,8 @@ def broadcast_tensor(x: Tensor, src: int, group: Group, *, timeout: float | None
         raise ValueError(f"broadcast source rank {src} is not in group {group_label(group)}")
     if p == 1:
         return x
-    with paddle.no_grad(), watch("broadcast", group, timeout):
-        dist.broadcast(x, src=src, group=group)
+    with paddle.no_grad(), watch("broadcast", group, timeout) as w:
+        w.task(dist.broadcast(x, src=src, group=group))
     if process_rank() == src:
         _record("broadcast", group, (p - 1) * nbytes(x), 0)
     else:
@@ -241,17 +276,19 @@ def _exchange(
     src: int,
     group: Group,
     first: bool,
+    body: Watched,
     recv_group: Group | None = None,
 ) -> tuple[int, int]:
     """One ordered send/recv pair (the receive on `recv_group` when given, e.g. another pair
-    link); returns the (sent, received) nbytes of the two tensors."""
+    link), their tasks handed to the watched `body`; returns the (sent, received) nbytes of
+    the two tensors."""
     frm = group if recv_group is None else recv_group
     if first:
-        dist.send(send, dst=dst, group=group)
-        dist.recv(recv, src=src, group=frm)
+        body.task(dist.send(send, dst=dst, group=group))
+        body.task(dist.recv(recv, src=src, group=frm))
     else:
-        dist.recv(recv, src=src, group=frm)
-        dist.send(send, dst=dst, group=group)
+        body.task(dist.recv(recv, src=src, group=frm))
+        body.task(dist.send(send, dst=dst, group=group))
     return nbytes(send), nbytes(recv)
 
 
@@ -289,8 +326,8 @@ def ring_shift(x: Tensor, group: Group, shift: int = 1, *, timeout: float | None
     src = group.ranks[(r - shift) % p]
     with paddle.no_grad():
         out = paddle.empty_like(x)
-        with watch(f"ring_shift(shift={shift})", group, timeout):
-            sent, received = _exchange(x, dst, out, src, group, sends_first(r, shift, p))
+        with watch(f"ring_shift(shift={shift})", group, timeout) as w:
+            sent, received = _exchange(x, dst, out, src, group, sends_first(r, shift, p), w)
     _record("ring_shift", group, sent, received)
     return out
 
@@ -340,7 +377,9 @@ def _check_chunks(chunks: Sequence[Tensor], p: int, group: Group) -> None:
             )
 
 
-def _ring_reduce_scatter(chunks: Sequence[Tensor], group: Group) -> tuple[Tensor, int, int]:
+def _ring_reduce_scatter(
+    chunks: Sequence[Tensor], group: Group, body: Watched
+) -> tuple[Tensor, int, int]:
     """p - 1 steps; at step s rank r passes its partial sum of chunk (r - 1 - s) to r + 1.
 
     Returns my reduced chunk and the (sent, received) nbytes of every send/recv it made.
@@ -354,7 +393,7 @@ def _ring_reduce_scatter(chunks: Sequence[Tensor], group: Group) -> tuple[Tensor
     for step in range(p - 1):
         send_idx = (r - 1 - step) % p
         recv_idx = (r - 2 - step) % p
-        s, n = _exchange(acc[send_idx], right, buf, left, group, first)
+        s, n = _exchange(acc[send_idx], right, buf, left, group, first, body)
         sent, received = sent + s, received + n
         acc[recv_idx] = acc[recv_idx] + buf
     return acc[r], sent, received
@@ -385,18 +424,18 @@ def reduce_scatter_chunks(
     if p == 1:
         return chunks[0].clone()
     chosen = _resolve_method(method, group)
-    with paddle.no_grad(), watch(f"reduce_scatter[{chosen}]", group, timeout):
+    with paddle.no_grad(), watch(f"reduce_scatter[{chosen}]", group, timeout) as w:
         if chosen == "nccl":
             out = paddle.empty_like(chunks[0])
-            dist.reduce_scatter(out, list(chunks), group=group)
+            w.task(dist.reduce_scatter(out, list(chunks), group=group))
             sent = received = (p - 1) * sum(nbytes(c) for c in chunks) / p
         elif chosen == "allreduce":
             stacked = paddle.stack(list(chunks))
-            dist.all_reduce(stacked, group=group)
+            w.task(dist.all_reduce(stacked, group=group))
             out = stacked[group.rank].clone()
             sent = received = 2 * (p - 1) * nbytes(stacked) / p
         else:
-            out, sent, received = _ring_reduce_scatter(chunks, group)
+            out, sent, received = _ring_reduce_scatter(chunks, group, w)
     _record("reduce_scatter", group, sent, received)
     return out
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import paddle
 import paddle.distributed as dist
 
-from flashcp.distributed.collectives import group_backend, group_label, nbytes, wait_on_device
+from flashcp.distributed.collectives import group_backend, group_label, nbytes, watched
 from flashcp.distributed.counters import COUNTERS
 from flashcp.distributed.groups import NamedGroup, ParallelGroups, store_group
 from flashcp.distributed.watchdog import ENV_TIMEOUT, WATCHDOG, resolve_timeout
@@ -69,9 +69,9 @@ def send_tensor(x: Tensor, dst: int, group: Group, *, timeout: float | None = No
     op = f"send(to rank {dst})"
     _check_peer(op, dst, group)
     seconds = resolve_timeout(timeout)
-    with paddle.no_grad(), WATCHDOG.watch(seconds, p2p_timeout_message(op, dst, group, seconds)):
-        dist.send(x, dst=dst, group=group)
-        wait_on_device(group)  # NCCL: the timeout fires at the send, not at a later sync
+    message = lambda: p2p_timeout_message(op, dst, group, seconds)  # noqa: E731 - built if due
+    with paddle.no_grad(), watched(group, seconds, message) as w:
+        w.task(dist.send(x, dst=dst, group=group))  # NCCL: tracked until the device ran it
     COUNTERS.record("send", group_label(group), sent=nbytes(x), received=0)
 
 
@@ -89,9 +89,9 @@ def recv_tensor(
     seconds = resolve_timeout(timeout)
     with paddle.no_grad():
         out = paddle.empty(list(shape), dtype=dtype)
-        with WATCHDOG.watch(seconds, p2p_timeout_message(op, src, group, seconds)):
-            dist.recv(out, src=src, group=group)
-            wait_on_device(group)
+        message = lambda: p2p_timeout_message(op, src, group, seconds)  # noqa: E731
+        with watched(group, seconds, message) as w:
+            w.task(dist.recv(out, src=src, group=group))
     COUNTERS.record("recv", group_label(group), sent=0, received=nbytes(out))
     return out
 

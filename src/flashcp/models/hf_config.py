@@ -495,12 +495,18 @@ def exportable(args: ModelArgs) -> list[str]:
 
 
 def hf_config(
-    args: ModelArgs, dtype: str = "float32", *, token_ids: Mapping[str, Any] | None = None
+    args: ModelArgs,
+    dtype: str = "float32",
+    *,
+    token_ids: Mapping[str, Any] | None = None,
+    nulls: bool = False,
 ) -> dict[str, Any]:
     """The HF ``config.json`` of `args` (both RoPE layouts; GPT also gets `ARGS_KEY`).
 
     `token_ids`: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to record (e.g. those
-    of the config.json the run started from). `ValueError` when no HF class computes `args`.
+    of the config.json the run started from); a None value is left out, or with `nulls`
+    written as an explicit null (transformers then does not fill in its class default).
+    `ValueError` when no HF class computes `args`.
     """
     problems = exportable(args)
     if problems:
@@ -555,6 +561,6 @@ def hf_config(
             use_qk_norm=args.use_qk_norm,
         )
     for key in TOKEN_ID_KEYS:
-        if token_ids is not None and token_ids.get(key) is not None:
+        if token_ids is not None and (token_ids.get(key) is not None or nulls and key in token_ids):
             cfg[key] = token_ids[key]
     return cfg

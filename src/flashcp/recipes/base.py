@@ -42,7 +42,7 @@ import paddle
 
 from flashcp.config import IGNORE_INDEX, Config
 from flashcp.data.peers import Peers
-from flashcp.distributed import ParallelGroups, all_gather_object
+from flashcp.distributed import ParallelGroups, all_gather_object, resolve_timeout
 from flashcp.models import HeadInput
 from flashcp.pipeline.runner import LossFn, MicroBatch, PipelineRunner
 
@@ -64,15 +64,12 @@ class StepSource(Protocol):
     def balance_metrics(self) -> dict[str, float]: ...
 
 
-DATA_INDEX_TIMEOUT = 3600.0
-"""Seconds a rank waits for the others to finish indexing their share of the data rows
-(`flashcp.data.index`): tokenizing a large dataset's share can take minutes."""
-
-
 def data_peers(groups: ParallelGroups) -> Peers:
-    """Every rank of the job, to index the data rows together (`flashcp.data.index`)."""
+    """Every rank of the job, to index the data rows together (`flashcp.data.index`); a rank
+    waits the start-up timeout for the others (tokenizing a large share can take minutes)."""
     world = groups.world
-    gather = partial(all_gather_object, group=world, timeout=DATA_INDEX_TIMEOUT)
+    timeout = resolve_timeout(startup=True)
+    gather = partial(all_gather_object, group=world, timeout=timeout)
     return Peers(rank=int(world.rank), size=int(world.nranks), gather=gather)
 
 

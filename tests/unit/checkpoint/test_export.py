@@ -103,6 +103,9 @@ def test_full_run_round_trips_bitwise_through_several_shards(
         "generation_config.json",
         *report.shards,
         "model.safetensors.index.json",
+        "special_tokens_map.json",  # the run's byte tokenizer, as an HF tokenizer directory
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert json.loads((out / "generation_config.json").read_text())["top_p"] == 0.8
     config = json.loads((out / "config.json").read_text())
@@ -276,7 +279,7 @@ def test_cli_export(base_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert f"wrote {out}: 3 shard(s) in float32" in text and "generation_config.json" in text
-    assert "note: no tokenizer files: data.tokenizer is 'byte'" in text
+    assert "with tokenizer.json, tokenizer_config.json, special_tokens_map.json" in text
     assert cli.main(["export", str(tmp_path / "run"), str(out)]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -300,7 +303,13 @@ def test_tokenizer_files_and_shard_plan(tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()
     assert copy_tokenizer(str(source / "tokenizer.json"), other) == ["tokenizer.json"]
-    assert copy_tokenizer("byte", other) == []
+    byte = tmp_path / "byte"
+    byte.mkdir()
+    assert copy_tokenizer("byte", byte) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ]
     layer = estimate_parameters(ARGS, layers=range(1, 2), first=False, last=False)
     assert plan_shards(ARGS, 1, 10**12) == [range(0, 3)]
     assert plan_shards(ARGS, 1, 1) == [range(0, 1), range(1, 2), range(2, 3)]
@@ -334,7 +343,9 @@ def test_sources_and_staging(base_dir: Path, tmp_path: Path) -> None:
     _train(full_run, ARGS.to_dict(), train={"steps": 1}, checkpoint={"every": 1})
     step = full_run / "run" / "checkpoints" / "step_1"
     report = export_run(full_run / "run", tmp_path / "a", checkpoint=step, max_shard_bytes=10**9)
-    assert report.source == step and not report.generation_config  # seeded: no token ids
+    assert report.source == step and report.generation_config  # seeded: the byte tokenizer's
+    byte_ids = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
+    assert json.loads((tmp_path / "a" / "generation_config.json").read_text()) == byte_ids
     with pytest.raises(ExportError, match="max_shard_bytes must be >= 1"):
         export_run(full_run / "run", tmp_path / "b", max_shard_bytes=0)
     small = tmp_path / "small"  # a checkpoint of a smaller model lacks tensors of this one

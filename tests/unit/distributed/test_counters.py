@@ -32,6 +32,7 @@ from flashcp.distributed import (
 from flashcp.distributed.collectives import nbytes
 from flashcp.distributed.counters import CommCounters
 from flashcp.distributed.p2p import recv_tensor, send_tensor
+from flashcp.distributed.watchdog import WATCHDOG
 
 ME, RANKS = 1, [0, 1, 2, 3]
 
@@ -150,12 +151,18 @@ def test_library_reduce_scatters_count_their_documented_model(
     fake = FakeTransport()
     _install(monkeypatch, fake)
 
-    def reduce_scatter(out: Any, chunks: list[Any], group: Any = None, **_: Any) -> None:
+    class Task:  # a completed NCCL task (`paddle.base.core.task`)
+        def is_completed(self) -> bool:
+            return True
+
+    def reduce_scatter(out: Any, chunks: list[Any], group: Any = None, **_: Any) -> Task:
         paddle.assign(paddle.add_n(chunks), output=out)
+        return Task()
 
     monkeypatch.setattr(dist, "reduce_scatter", reduce_scatter)
-    synced: list[int] = []  # the NCCL path waits on the device inside the watchdog (no GPU here)
+    synced: list[int] = []  # the NCCL path never drains the device: it hands its task over
     monkeypatch.setattr(paddle.device, "synchronize", lambda *a, **k: synced.append(1))
+    tracked = WATCHDOG.tracked
     nccl = NamedGroup("cp", RANKS.index(ME), 8, RANKS, pg=_NcclPG())
     chunks = [paddle.full([5], float(i), dtype="float32") for i in range(len(RANKS))]
     total = sum(nbytes(c) for c in chunks)
@@ -168,7 +175,8 @@ def test_library_reduce_scatters_count_their_documented_model(
         reduce_scatter_chunks(chunks, group, method="allreduce")
         assert _counted(group) == (2 * (p - 1) * total // p,) * 2
     assert tap.other_calls == 2 and tap.sent == tap.received == 0  # flagged as untapped
-    assert synced, "the NCCL reduce-scatter did not wait on the device under the watchdog"
+    assert not synced, "the NCCL reduce-scatter drained the device"
+    assert WATCHDOG.tracked == tracked + 1, "its task did not go to the watchdog"
 
 
 def test_counters_filter_and_reset() -> None:

@@ -3,11 +3,14 @@ NCCL collective times out at the collective (issue 13 point 6), tested on CPU.
 
 NCCL calls return once the collective is enqueued; Paddle's `task.wait()` (what `sync_op=True`
 runs) only orders the compute stream after the communication stream
-(`ProcessGroupNCCL::NCCLTask::Wait` blocks the host only under FLAGS_nccl_blocking_wait). The
-collectives therefore wait for the device with `paddle.device.synchronize()` inside the
-watched block. Here the NCCL side is faked: `paddle.distributed.*` return at once (enqueued)
-and `paddle.device.synchronize` stands for a GPU whose collective never completes, so the
-watchdog must fire, while armed, with the standard message naming the op, group and peers."""
+(`ProcessGroupNCCL::NCCLTask::Wait` blocks the host only under FLAGS_nccl_blocking_wait). In
+debug mode (`FLASHCP_SYNC_COLLECTIVES=1`, set here; the default tracks the tasks instead:
+`test_collective_tracking.py`) the collectives wait for the device with
+`paddle.device.synchronize()` inside the watched block. Here the NCCL side is faked:
+`paddle.distributed.*` return at once (enqueued) and `paddle.device.synchronize` stands for a
+GPU whose collective never completes, so the watchdog must fire, while armed, with the
+standard message naming the op, group and peers.
+"""
 
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ class _FakeNccl:
         self.release = threading.Event()
         self.syncs: list[int] = []  # watchdog deadlines pending at each device sync
         self.dog = Watchdog(on_expire=self._expired)
+        monkeypatch.setenv("FLASHCP_SYNC_COLLECTIVES", "1")
         monkeypatch.setattr(collectives, "WATCHDOG", self.dog)
         monkeypatch.setattr(p2p, "WATCHDOG", self.dog)
         dist = collectives.dist

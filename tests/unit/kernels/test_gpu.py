@@ -158,6 +158,16 @@ def test_no_mask(version: int, causal: bool, dtype: str) -> None:
     _compare(version, 2, 128, 4, 4, 64, None, causal, 3, dtype)
 
 
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("version", _version_params())
+@pytest.mark.parametrize("family", ["causal", "causal_document", "sliding_window"])
+def test_production_head_dim_128(version: int, family: str, dtype: str) -> None:
+    """The shipped GLM recipes' head_dim (the tiny configs have 16): other kernel tiles, and
+    the dispatch's deterministic FA3 rules depend on it (`flashcp.dispatch`)."""
+    mask = masks.FAMILIES[family](1, 256, 1, 4)
+    _compare(version, 1, 256, 4, 2, 128, mask.indices, mask.causal, 4, dtype)
+
+
 # ------------------------------------------------------------- single-GPU CP rehearsal
 
 REHEARSAL_FAMILIES = ["causal", "causal_document", "share_question", "causal_blockwise",
