@@ -1,9 +1,9 @@
-"""Worker: a CP mode registered by this file alone runs the model at CP = N like CP = 1.
+"""Worker: a CP mode registered from outside `src/` runs the model at CP = N like CP = 1.
 
-`reversed_contiguous` (N chunks, rank r holds chunk N-1-r) is registered in
-`flashcp.attention.registry` here, with an alias of the all-gather-KV implementation that
-counts its calls; nothing in `src/` names it. The context carries only the group and the mode
-name: the registry makes the layout and picks the implementation. GLM-4 tiny, recompute none
+`reversed_contiguous` (N chunks, rank r holds chunk N-1-r, `helpers.toy_cp_mode`, with an
+alias of the all-gather-KV implementation that counts its calls) is registered in
+`flashcp.attention.registry` here; nothing in `src/` names it. The context carries only the
+group and the mode name: the registry makes the layout and picks the implementation. GLM-4 tiny, recompute none
 and refined: this rank's hidden states must equal the single-process ones at its global
 positions, and the parameter gradients summed over the group the single-process gradients,
 within the float32 rule of `bench.numerics`; another rank's rows (a wrong shard) must miss
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import paddle
@@ -24,9 +22,8 @@ import paddle
 from bench.numerics import FACTOR, compare
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
-from flashcp.attention.allgather_kv import AllGatherKV
 from flashcp.attention.context import AttentionContext
-from flashcp.cp.layout import Assignment, shard_assigned
+from flashcp.cp.layout import shard_assigned
 from flashcp.distributed import (
     ParallelDims,
     all_reduce_tensor,
@@ -35,42 +32,15 @@ from flashcp.distributed import (
     shutdown,
 )
 from flashcp.models import build_model, preset
+from helpers.toy_cp_mode import IMPLEMENTATION, TOY_IMPL, reversed_contiguous
 
 B, S, VOCAB, LAYERS = 2, 32, 260, 2
 MODE = "reversed_contiguous"
 WRONG_MARGIN = 10.0
 
 
-class CountingAllGatherKV(AllGatherKV):
-    """All-gather-KV under another name, counting plans and kernel passes."""
-
-    name = "counting_allgather_kv"
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-
-    def plan(self, q, k, v, ctx):
-        self.calls["plan"] += 1
-        return super().plan(q, k, v, ctx)
-
-    def forward(self, q, k, v, plan):
-        self.calls["forward"] += 1
-        return super().forward(q, k, v, plan)
-
-    def backward(self, q, k, v, out, lse, dout, plan):
-        self.calls["backward"] += 1
-        return super().backward(q, k, v, out, lse, dout, plan)
-
-
-TOY_IMPL = CountingAllGatherKV()
-
-
-def reversed_contiguous(world: int, chunks_per_rank: int, mask: Any, causal: bool) -> Assignment:
-    return Assignment.from_lists([[world - 1 - r] for r in range(world)])
-
-
 cp_modes.register(
-    cp_modes.CPMode(MODE, 1, reversed_contiguous, implementation=f"{__name__}:TOY_IMPL")
+    cp_modes.CPMode(MODE, 1, reversed_contiguous, implementation=IMPLEMENTATION)
 )
 
 

@@ -1,7 +1,8 @@
 """The one registry of CP modes, and a CP mode added from this file alone.
 
-`reversed_contiguous` (rank r holds chunk cp-1-r) is registered here, with an alias of the
-all-gather-KV implementation that counts its calls, and nothing else is edited: the config
+`reversed_contiguous` (rank r holds chunk cp-1-r, `helpers.toy_cp_mode`, with an alias of the
+all-gather-KV implementation that counts its calls) is registered here, and nothing in `src/`
+is edited: the config
 accepts it (its chunks_per_rank sets the seq_len rule), the trainer's layout comes from it,
 and the model runs it through the interface, plain and under both recompute modes. The same
 mode at CP = 2 over two processes: tests/integration/test_cp_registry_multiproc.py.
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections import Counter
-from typing import Any
 
 import numpy as np
 import paddle
@@ -21,50 +20,22 @@ import pytest
 from bench import numerics
 from flashcp import masks
 from flashcp.attention import registry as cp_modes
-from flashcp.attention.allgather_kv import ALLGATHER_KV, AllGatherKV
+from flashcp.attention.allgather_kv import ALLGATHER_KV
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.local import LOCAL
 from flashcp.config import build_config
 from flashcp.cp.layout import Assignment
 from flashcp.models import build_model, preset
+from helpers.toy_cp_mode import IMPLEMENTATION, TOY_IMPL, CountingAllGatherKV, reversed_contiguous
 
 B, S = 2, 32
-
-
-class CountingAllGatherKV(AllGatherKV):
-    """All-gather-KV under another name, counting plans and kernel passes."""
-
-    name = "counting_allgather_kv"
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-
-    def plan(self, q, k, v, ctx):
-        self.calls["plan"] += 1
-        return super().plan(q, k, v, ctx)
-
-    def forward(self, q, k, v, plan):
-        self.calls["forward"] += 1
-        return super().forward(q, k, v, plan)
-
-    def backward(self, q, k, v, out, lse, dout, plan):
-        self.calls["backward"] += 1
-        return super().backward(q, k, v, out, lse, dout, plan)
-
-
-TOY_IMPL = CountingAllGatherKV()
-
-
-def reversed_contiguous(world: int, chunks_per_rank: int, mask: Any, causal: bool) -> Assignment:
-    """cp chunks, rank r holds chunk cp-1-r."""
-    return Assignment.from_lists([[world - 1 - r] for r in range(world)])
 
 
 TOY = cp_modes.CPMode(
     "reversed_contiguous",
     1,
     reversed_contiguous,
-    implementation=f"{__name__}:TOY_IMPL",
+    implementation=IMPLEMENTATION,
     summary="rank r holds chunk cp-1-r (a test's mode)",
 )
 
