@@ -3,8 +3,8 @@
 `reversed_contiguous` (N chunks, rank r holds chunk N-1-r, `helpers.toy_cp_mode`, with an
 alias of the all-gather-KV implementation that counts its calls) is registered in
 `flashcp.attention.registry` here; nothing in `src/` names it. The context carries only the
-group and the mode name: the registry makes the layout and picks the implementation. GLM-4 tiny, recompute none
-and refined: this rank's hidden states must equal the single-process ones at its global
+group and the mode name: the registry makes the layout and picks the implementation. GLM-4
+tiny, recompute none and refined: this rank's hidden states must equal the single-process ones at its global
 positions, and the parameter gradients summed over the group the single-process gradients,
 within the float32 rule of `bench.numerics`; another rank's rows (a wrong shard) must miss
 by a wide margin. Results go to `<out>/rank<r>.json`; a mismatch raises.
