@@ -1,13 +1,13 @@
 """Worker: a CP mode registered from outside `src/` runs the model at CP = N like CP = 1.
 
-`reversed_contiguous` (N chunks, rank r holds chunk N-1-r, `helpers.toy_cp_mode`, with an
-alias of the all-gather-KV implementation that counts its calls) is registered in
+`reversed_contiguous` (N chunks, rank r holds chunk N-1-r, `helpers.toy_cp_mode`, with an alias
+of the all-gather-KV implementation that counts its calls) is registered in
 `flashcp.attention.registry` here; nothing in `src/` names it. The context carries only the
 group and the mode name: the registry makes the layout and picks the implementation. GLM-4
-tiny, recompute none and refined: this rank's hidden states must equal the single-process ones at its global
-positions, and the parameter gradients summed over the group the single-process gradients,
-within the float32 rule of `bench.numerics`; another rank's rows (a wrong shard) must miss
-by a wide margin. Results go to `<out>/rank<r>.json`; a mismatch raises.
+tiny, recompute none and refined: this rank's hidden states must equal the single-process ones
+at its global positions, and the parameter gradients summed over the group the single-process
+gradients, within the float32 rule of `bench.numerics`; another rank's rows (a wrong shard)
+must miss by a wide margin. Results go to `<out>/rank<r>.json`; a mismatch raises.
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ MODE = "reversed_contiguous"
 WRONG_MARGIN = 10.0
 
 
-cp_modes.register(
-    cp_modes.CPMode(MODE, 1, reversed_contiguous, implementation=IMPLEMENTATION)
-)
+cp_modes.register(cp_modes.CPMode(MODE, 1, reversed_contiguous, implementation=IMPLEMENTATION))
 
 
 def run(recompute: str, ids, positions, weights, ctx) -> tuple[np.ndarray, dict[str, np.ndarray]]:
