@@ -142,7 +142,8 @@ def run_job(
     nodes: Nodes | None = None,
 ) -> int:
     """Check and launch the job of `cfg` (loaded from `config` with `overrides`, which the
-    ranks are given to load it themselves), stream rank 0, return its exit code (130 after
+    ranks are given to load it themselves), stream rank 0, return the job's exit code (the
+    blamed rank's own code when it gave one: `outcome.job_code`; 130 after
     Ctrl-C, 143 SIGTERM).
 
     With `nodes` (several), this node launches its share of `cfg.parallel.world_size` and
@@ -214,6 +215,7 @@ def run_job(
     if code != 0:
         launcher_output = (log_dir / "launcher.log").read_text(errors="replace")
         logs = outcome.read_rank_logs(log_dir, offsets)
+        code = outcome.job_code(code, outcome.diagnose(logs, launcher_output))
         report = outcome.failure_report(code, logs, launcher_output, log_dir, nodes.rank * local)
         print(report, file=out, flush=True)
     return code

@@ -60,6 +60,8 @@ class RankOutcome:
     (exit 0), unknown (no log)."""
     text: str
     """The sentence that explains it."""
+    code: int | None = None
+    """The code the rank's own `EXIT_LINE` gave (None: it wrote none)."""
 
 
 def _signal_name(code: int) -> str:
@@ -99,7 +101,7 @@ def classify_rank(rank: int, log: str | None, launcher_code: int | None = None) 
             line = failure[start : end if end >= 0 else None].strip()
             return RankOutcome(rank, "peer", f"lost its connection to a peer ({line})")
         what = f"exited with code {code}" if code is not None else "raised an exception"
-        return RankOutcome(rank, "error", what + (f": {last_error}" if last_error else ""))
+        return RankOutcome(rank, "error", what + (f": {last_error}" if last_error else ""), code)
     if _FATAL.search(log):  # SIGTERM, and nothing of its own before it
         return RankOutcome(rank, "stopped", "was stopped by the launcher (SIGTERM)")
     if launcher_code is not None and launcher_code > 0:
@@ -122,6 +124,20 @@ def diagnose(logs: Mapping[int, str | None], launcher_output: str = "") -> list[
     codes = launcher_codes(launcher_output)
     outcomes = [classify_rank(r, logs[r], codes.get(r)) for r in sorted(logs)]
     return sorted(outcomes, key=lambda o: (_SEVERITY.index(o.kind), o.rank))
+
+
+def job_code(launcher_code: int, outcomes: list[RankOutcome]) -> int:
+    """The failed job's exit code: the code of the rank to blame when it exited with its own
+    (`EXIT_CONFIG`, `EXIT_CHECKPOINT`, ...), else the launcher's.
+
+    The launcher reports the first rank it saw go down; when ranks leave with the same error
+    at almost the same moment it may have stopped one mid-exit and report that signal instead.
+    """
+    if launcher_code != 0 and outcomes:
+        first = outcomes[0]
+        if first.kind == "error" and first.code:
+            return first.code
+    return launcher_code
 
 
 def _tail(text: str, lines: int) -> list[str]:

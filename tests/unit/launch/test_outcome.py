@@ -101,6 +101,23 @@ def test_failure_report_blames_the_dead_rank(tmp_path: Path) -> None:
     assert outcome.failure_report(1, {}, "", tmp_path) == "flashcp: the job failed (exit 1)"
 
 
+def test_job_code_is_the_blamed_ranks_own_code() -> None:
+    refused = "[rank {r}] error: checkpoint is broken\n[flashcp] rank {r} exit 4\n"
+    # both ranks refused; the launcher stopped rank 0 on its way out and reported the signal
+    logs = {0: refused.format(r=0) + SIGTERM, 1: refused.format(r=1)}
+    launcher = "Container rank 0 status failed cmd ['python'] code -15 log /x/workerlog.0\n"
+    assert outcome.job_code(241, outcome.diagnose(logs, launcher)) == 4
+    # rank 0 stopped before it wrote its own exit: rank 1's code is still the job's
+    logs[0] = "I1129 connected\n" + SIGTERM
+    assert outcome.job_code(241, outcome.diagnose(logs, launcher)) == 4
+    # negative controls: a killed rank or an exception without an exit line keeps the launcher's
+    killed = {0: "I1129 connected\n", 1: refused.format(r=1)}
+    assert outcome.job_code(241, outcome.diagnose(killed, "")) == 241
+    raised = {0: TRACEBACK + "ValueError: bad\n", 1: "I1129 connected\n" + SIGTERM}
+    assert outcome.job_code(1, outcome.diagnose(raised, "")) == 1
+    assert outcome.job_code(0, []) == 0
+
+
 def test_rank_logs_are_read_from_the_launch_offset(tmp_path: Path) -> None:
     (tmp_path / "workerlog.0").write_text("old run\n")
     offsets = outcome.log_sizes(tmp_path, 2)
