@@ -13,7 +13,9 @@ with its ep rank's share of the routed experts — and applies, one step each:
 3. sequence tiling: the decoder layers run their token-wise parts over tiles of
    `model.tile_tokens` local tokens (`flashcp.models.tiling`; 0 = untiled);
 4. LoRA: the `lora` section's adapters (`flashcp.lora.setup.apply_lora_config`), after which
-   only they are trainable (adapters inside tiled projections run per tile with them).
+   only they are trainable (adapters inside tiled projections run per tile with them);
+5. MTP: with `model.mtp_loss_weight` 0 the MTP layers (`flashcp.models.mtp`) are carried
+   frozen, adapters on them included (they never run); trained, they are like any layer.
 
 Data and context parallelism need nothing here: dp is a gradient sum (`flashcp.optim`), cp
 lives in each micro-batch's attention context (`flashcp.pipeline.runner.MicroBatch.of`).
@@ -31,6 +33,7 @@ from flashcp.lora.setup import LoRASetup, apply_lora_config
 from flashcp.models.base import DecoderLayer, DecoderStack
 from flashcp.models.config import RECOMPUTE_MODES
 from flashcp.models.expert_parallel import attach_exchange
+from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.models.offload import apply_activation_offload
 from flashcp.models.tiling import check_tile_tokens
 
@@ -69,10 +72,13 @@ def apply_lora(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> L
 
 
 def parallelize(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> LoRASetup | None:
-    """Expert parallel → recompute → tiling → LoRA on this rank's stage `model`, in place (see
+    """Expert parallel → recompute → tiling → LoRA → MTP on this rank's stage `model`, in place (see
     the module docstring); returns the LoRA setup the adapter files need, None without LoRA."""
     apply_expert_parallel(model, groups)
     apply_recompute(model, cfg.model.recompute)
     apply_activation_offload(model, cfg.train.offload_activations)
     apply_tiling(model, cfg.model.tile_tokens)
-    return apply_lora(model, cfg, groups)
+    lora = apply_lora(model, cfg, groups)
+    if not cfg.model.mtp_trained:
+        freeze_mtp_layers(model)
+    return lora

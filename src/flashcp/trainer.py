@@ -147,6 +147,7 @@ class Trainer:
             forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
             fa4_unavailable=cfg.attention.fa4_unavailable,
             query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
+            mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
         )  # fmt: skip
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (`eval.path`; `flashcp.evaluate`), None without."""

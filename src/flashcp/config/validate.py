@@ -489,6 +489,16 @@ def _check_dpo(cfg: Config, c: _Checks) -> None:
         c.add("dpo.max_prompt_len", f"must be >= 2 or null, got {dpo.max_prompt_len}")
     if cfg.data.seq_len < 3 and c.ok("data.seq_len"):
         c.add("data.seq_len", f"a DPO row needs >= 3 tokens, got {cfg.data.seq_len}")
+    weight = getattr(cfg.model, "mtp_loss_weight", 0)
+    if isinstance(weight, (int, float)) and weight > 0 and c.ok("model.mtp_loss_weight"):
+        c.add(
+            "model.mtp_loss_weight",
+            f"{weight} trains the MTP layers with a cross-entropy, but the dpo recipe's loss "
+            "compares answer log-probabilities with its reference model's: an MTP "
+            "cross-entropy on both answers would also pull the policy toward the rejected "
+            "one. Set model.mtp_loss_weight: 0 (the MTP layers are then carried frozen and "
+            "exported unchanged) and train them with the sft recipe",
+        )
 
 
 def _check_hardware(cfg: Config, c: _Checks) -> None:

@@ -34,6 +34,7 @@ from flashcp.models.head import (
     chunked_token_logprobs,
 )
 from flashcp.models.layers import RotaryTables, embedding, linear, rotary_tables
+from flashcp.models.mtp import add_mtp_parts, mtp_block_input
 from flashcp.models.offload import ActivationOffloader
 from flashcp.models.precision import cast_linear
 from flashcp.models.recompute import checkpoint
@@ -139,13 +140,8 @@ class DecoderOps:
     ) -> paddle.Tensor:
         """Decoder layers `start .. stop-1` (global indices) on hidden `h`, under the host's
         recompute mode while gradients are recorded (none under `paddle.no_grad`)."""
-        args = self.args
-        stop = args.num_layers if stop is None else stop
-        rotary = None
-        if not args.uses_learned_positions:
-            rotary = rotary_tables(
-                positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
-            )
+        stop = self.args.num_layers if stop is None else stop
+        rotary = self._rotary(positions)
         mode = self.recompute if paddle.is_grad_enabled() else "none"
         chain = None
         if mode != "none" and self.offloader is not None:
@@ -154,6 +150,38 @@ class DecoderOps:
             run = _bind(self.layer(index), rotary, attn)
             h = run(h) if mode == "none" else checkpoint(run, h, mode, chain)
         return h
+
+    def run_mtp(
+        self,
+        hidden: paddle.Tensor,
+        ids: paddle.Tensor,
+        positions: paddle.Tensor,
+        attn: AttentionContext,
+    ) -> list[paddle.Tensor]:
+        """The MTP layers' block outputs `[B, L, H]`, one per depth (`flashcp.models.mtp`):
+        depth d combines the previous depth's hidden states (`hidden`, the final-norm ones,
+        for d = 1) with the embeddings of `ids[d-1]` (`[D, B, L]`: token i+d at position i)
+        and runs its block under the host's recompute mode (its input kept on the device)."""
+        args = self.args
+        rotary = self._rotary(positions)
+        mode = self.recompute if paddle.is_grad_enabled() else "none"
+        outs: list[paddle.Tensor] = []
+        for depth in range(args.mtp_layers):
+            layer = self.layer(args.num_layers + depth)
+            x = to_residual(mtp_block_input(layer, hidden, ids[depth]), args)
+            run = _bind(layer, rotary, attn)
+            out = run(x) if mode == "none" else checkpoint(run, x, mode, None)
+            outs.append(out)
+            hidden = from_residual(out)
+        return outs
+
+    def _rotary(self, positions: paddle.Tensor) -> RotaryTables | None:
+        args = self.args
+        if args.uses_learned_positions:
+            return None
+        return rotary_tables(
+            positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
+        )
 
     def final_norm(self, h: paddle.Tensor) -> paddle.Tensor:
         """The final norm on the last layer's output (a float32 residual stream into it)."""
@@ -234,7 +262,8 @@ class LayerMap(nn.Layer):
 
 class DecoderStack(DecoderOps, nn.Layer):
     """`model.*`: token (and learned position) embeddings, decoder layers, final norm — or the
-    subset a pipeline stage holds (`layers`, `embed`, `norm`)."""
+    subset a pipeline stage holds (`layers`, `embed`, `norm`); with the final norm (the last
+    stage) also the `model.mtp_layers` MTP layers, `model.layers.{num_layers + d}`."""
 
     def __init__(
         self,
@@ -260,7 +289,11 @@ class DecoderStack(DecoderOps, nn.Layer):
             self.embed_positions = embedding(
                 args.max_seq_len, args.hidden_size, std=args.initializer_range
             )
-        self.layers = LayerMap({i: make_layer(args, i) for i in self.layer_range})
+        layers = {i: make_layer(args, i) for i in self.layer_range}
+        if norm:  # the last stage: its MTP layers follow the last decoder layer
+            for index in range(args.num_layers, args.num_layers + args.mtp_layers):
+                layers[index] = add_mtp_parts(make_layer(args, index), args, make_norm)
+        self.layers = LayerMap(layers)
         if norm:
             self.norm = make_norm(args.hidden_size, args.norm_eps)
 
@@ -428,11 +461,44 @@ class CausalLM(LMHead, nn.Layer):
         return [batch, length, int(self.args.hidden_size)]
 
     def decoder_layers(self) -> list[DecoderLayer]:
-        """This stage's decoder layers, in order."""
-        return list(self.model.layers)
+        """This stage's decoder layers, in order (the MTP layers not among them)."""
+        return [self.model.layers[i] for i in self.layer_range]
+
+    def mtp_layers(self) -> list[DecoderLayer]:
+        """This stage's MTP layers by depth (the last stage's `model.mtp_layers`; else none)."""
+        if not self.is_last:
+            return []
+        n = self.args.num_layers
+        return [self.model.layers[n + d] for d in range(self.args.mtp_layers)]
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.decoder_layers()]
+
+    def mtp_token_logprobs(
+        self,
+        hidden: paddle.Tensor,
+        ids: paddle.Tensor,
+        labels: paddle.Tensor,
+        positions: paddle.Tensor,
+        attn: AttentionContext,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    ) -> list[paddle.Tensor]:
+        """log p(target) `[B, L_local]` per MTP depth, from the final-norm `hidden`: the MTP
+        inputs `ids` and targets `labels` (`[D, B, L_local]`, `flashcp.models.mtp.mtp_targets`
+        cut for this rank), each depth's head run in chunks as the main head's."""
+        if not self.mtp_layers():
+            raise ValueError(
+                "MTP log-probs need the MTP layers: the last stage of a model with "
+                "model.mtp_layers > 0"
+            )
+        outs = self.model.run_mtp(hidden, ids, positions, attn)
+        return [
+            chunked_token_logprobs(
+                layer.shared_head.logits, from_residual(out), labels[d], chunk_tokens=chunk_tokens
+            )
+            for d, (layer, out) in enumerate(zip(self.mtp_layers(), outs, strict=True))
+        ]
 
     # ------------------------------------------------------------------ compute
 

@@ -86,6 +86,9 @@ class ModelArgs:
     residual_dtype: ResidualDtype = "float32"  # the stream between layers (see module doc)
     tile_tokens: int = 0  # > 0: token-wise layer parts run over tiles of this many local tokens
     initializer_range: float = 0.02
+    # multi-token prediction (`flashcp.models.mtp`)
+    mtp_layers: int = 0  # MTP depths after the last layer (GLM-4.5's num_nextn_predict_layers)
+    mtp_loss_weight: float = 0.0  # λ of loss = main + λ·mean over depths; 0: carried frozen
 
     # ------------------------------------------------------------------ derived values
 
@@ -175,7 +178,37 @@ class ModelArgs:
             )
         self._validate_moe(err)
         self._validate_tiling(err)
+        self._validate_mtp(err)
         return errs
+
+    def _validate_mtp(self, err: ErrFn) -> None:
+        """`mtp_layers` >= 0 on rotary models; `mtp_loss_weight` >= 0, > 0 only with layers."""
+        n, weight = self.mtp_layers, self.mtp_loss_weight
+        if not _is_int(n) or n < 0:
+            err("mtp_layers", f"mtp_layers {n!r} must be an integer >= 0 (0 = no MTP layer)")
+            return
+        if n and self.uses_learned_positions:
+            err(
+                "mtp_layers",
+                f"mtp_layers {n}: the multi-token-prediction layers take rotary positions; "
+                "set model.position: rotary or model.mtp_layers: 0",
+            )
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            err("mtp_loss_weight", f"mtp_loss_weight {weight!r} must be a number >= 0")
+        elif not math.isfinite(weight) or weight < 0:
+            err("mtp_loss_weight", f"mtp_loss_weight {weight} must be a finite number >= 0")
+        elif weight > 0 and n == 0:
+            err(
+                "mtp_loss_weight",
+                f"mtp_loss_weight {weight} trains multi-token-prediction layers, but "
+                "model.mtp_layers is 0: set model.mtp_layers (GLM-4.5 has 1) or "
+                "mtp_loss_weight: 0",
+            )
+
+    @property
+    def mtp_trained(self) -> bool:
+        """Whether the MTP layers are trained (`mtp_loss_weight` > 0), not carried frozen."""
+        return self.mtp_layers > 0 and self.mtp_loss_weight > 0
 
     def _validate_tiling(self, err: ErrFn) -> None:
         """`tile_tokens` (`flashcp.models.tiling`): an integer >= 0, and no MoE option that
@@ -302,8 +335,9 @@ def estimate_parameters(
 ) -> int:
     """Parameter count of the model `args` builds (buffers excluded), without building it; or
     of one pipeline stage: decoder `layers` (GLOBAL indices), the embeddings when `first`, the
-    final norm and LM head when `last` (its own copy of a tied embedding when not `first`);
-    under expert parallelism (`ep_size` > 1) with 1/ep_size of the routed experts."""
+    final norm and LM head when `last` (its own copy of a tied embedding when not `first`, and
+    the `mtp_layers` multi-token-prediction layers); under expert parallelism (`ep_size` > 1)
+    with 1/ep_size of the routed experts."""
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if args.qkv_bias else 0)
@@ -325,7 +359,12 @@ def estimate_parameters(
     if first:
         total += embed + (args.max_seq_len * h if args.uses_learned_positions else 0)
     if last:
-        total += 2 * h if args.arch == "gpt" else h
+        norm = 2 * h if args.arch == "gpt" else h
+        total += norm
         if not args.tie_embeddings or not first:
             total += embed
+        for depth in range(args.mtp_layers):  # the MTP layers: a block and its own parts
+            layer = args.num_layers + depth
+            block = attn + norms + (moe_mlp if args.is_moe_layer(layer) else dense_mlp)
+            total += block + 2 * embed + 3 * norm + 2 * h * h
     return total

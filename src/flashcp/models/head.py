@@ -168,3 +168,19 @@ class HeadInput:
         return self.head.token_logprobs(
             self.hidden, labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index
         )
+
+    def mtp_token_logprobs(
+        self,
+        ids: Any,
+        labels: Any,
+        positions: Any,
+        attn: Any,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    ) -> list[paddle.Tensor]:
+        """log p(target) `[B, L_local]` per MTP depth (`flashcp.models.mtp`): the head's MTP
+        layers on these hidden states, the micro-batch's MTP inputs `ids` and targets `labels`
+        `[D, B, L_local]`, its positions and attention context."""
+        return self.head.mtp_token_logprobs(
+            self.hidden, ids, labels, positions, attn, chunk_tokens=chunk_tokens
+        )

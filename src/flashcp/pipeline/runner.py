@@ -53,6 +53,7 @@ import paddle
 
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import DEFAULT_MODE, make_assignment
+from flashcp.cp.layout import shard_assigned
 from flashcp.cp.shard import shard_batch
 from flashcp.distributed.collectives import group_label
 from flashcp.distributed.groups import ParallelGroups
@@ -64,6 +65,7 @@ from flashcp.distributed.p2p import (
     swap_tensor,
 )
 from flashcp.models.head import HeadInput
+from flashcp.models.mtp import mtp_targets
 from flashcp.models.offload import release_sent
 from flashcp.pipeline.schedule import (
     FORWARD,
@@ -97,6 +99,11 @@ class MicroBatch:
     attn: AttentionContext
     batch: Any = None
     payload: dict[str, Any] = field(default_factory=dict)
+    mtp_ids: paddle.Tensor | None = None
+    """`[D, B, L_local]`: the tokens each MTP depth takes (`flashcp.models.mtp.mtp_targets`,
+    built on the full sequence and cut like the labels); None unless MTP is trained."""
+    mtp_labels: paddle.Tensor | None = None
+    """`[D, B, L_local]`: each MTP depth's targets (`-100` = none)."""
 
     @classmethod
     def of(
@@ -108,16 +115,26 @@ class MicroBatch:
         fa4_unavailable: str | None = None,
         query_chunk: int = 0,
         kv_chunk: int = 0,
+        mtp_depth: int = 0,
     ) -> MicroBatch:
         """This rank's micro-batch of the FULL `batch` (`[B, S]` tokens, labels, positions
         and its global mask): its share of every sequence under the layout cp mode `mode` makes
         over the cp `group` (fixed, or from the batch's mask; `flashcp.cp.shard`; None: one
         rank, the whole sequence). The mask stays global, in the attention context with the
-        group and layout (and `attention.query_chunk` / `kv_chunk`: chunked attention)."""
+        group and layout (and `attention.query_chunk` / `kv_chunk`: chunked attention).
+
+        `mtp_depth` > 0 (trained MTP layers) adds each depth's inputs and targets, built on
+        the full sequences (`flashcp.models.mtp.mtp_targets`, from the batch's `doc_lens`)
+        and cut the same way."""
         mask = batch.mask
         size, rank = (1, 0) if group is None else (int(group.nranks), int(group.rank))
         assignment = make_assignment(mode, size, mask.indices, causal=mask.causal)
         local = shard_batch(batch, rank, assignment)
+        mtp_ids = mtp_labels = None
+        if mtp_depth:
+            ids, targets = mtp_targets(batch.input_ids, batch.labels, batch.doc_lens, mtp_depth)
+            mtp_ids = paddle.to_tensor(shard_assigned(ids, rank, assignment, axis=2))
+            mtp_labels = paddle.to_tensor(shard_assigned(targets, rank, assignment, axis=2))
         attn = AttentionContext(
             mask=mask.indices,
             causal=mask.causal,
@@ -130,7 +147,9 @@ class MicroBatch:
         )
         labels = paddle.to_tensor(local.labels)
         ids, positions = paddle.to_tensor(local.input_ids), paddle.to_tensor(local.positions)
-        return cls(ids, positions, labels, attn, batch=batch)
+        return cls(
+            ids, positions, labels, attn, batch=batch, mtp_ids=mtp_ids, mtp_labels=mtp_labels
+        )
 
 
 @dataclass
@@ -215,6 +234,7 @@ class PipelineRunner:
         fa4_unavailable: str | None = None,
         query_chunk: int = 0,
         kv_chunk: int = 0,
+        mtp_depth: int = 0,
     ) -> None:
         _check_head(stage)
         if kind not in SCHEDULE_FNS:
@@ -228,6 +248,8 @@ class PipelineRunner:
         self.cp = groups.cp if groups is not None else None
         self.cp_mode, self.fa4_unavailable = cp_mode, fa4_unavailable
         self.chunks = {"query_chunk": query_chunk, "kv_chunk": kv_chunk}  # attention.*
+        self.mtp_depth = mtp_depth
+        """MTP depths whose inputs and targets each micro-batch carries (trained MTP only)."""
         self.prev: int | None = None
         self.next: int | None = None
         self.links = PipelineLinks(None, None, None)
@@ -256,11 +278,16 @@ class PipelineRunner:
         self._plans: dict[tuple[str, int], list[Op]] = {}
 
     def micro_batches(self, batches: Sequence[Any]) -> list[MicroBatch]:
-        """This rank's micro-batch of each FULL batch: its cp shard under `cp_mode`
-        (`MicroBatch.of`)."""
+        """This rank's micro-batch of each FULL batch: its cp shard under `cp_mode`, with the
+        MTP inputs and targets when `mtp_depth` > 0 (`MicroBatch.of`)."""
         return [
             MicroBatch.of(
-                b, self.cp, mode=self.cp_mode, fa4_unavailable=self.fa4_unavailable, **self.chunks
+                b,
+                self.cp,
+                mode=self.cp_mode,
+                fa4_unavailable=self.fa4_unavailable,
+                mtp_depth=self.mtp_depth,
+                **self.chunks,
             )
             for b in batches
         ]

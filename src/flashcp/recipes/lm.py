@@ -21,8 +21,9 @@ from typing import Any
 
 import paddle
 
-from flashcp.config import IGNORE_INDEX
+from flashcp.config import IGNORE_INDEX, Config
 from flashcp.data import TrainData
+from flashcp.distributed import ParallelGroups
 from flashcp.models import DEFAULT_LOSS_CHUNK_TOKENS, HeadInput
 from flashcp.pipeline.runner import MicroBatch
 from flashcp.recipes.base import Recipe
@@ -47,24 +48,57 @@ class LMData(TrainData):
 
 
 class LMRecipe(Recipe):
-    """Next-token cross-entropy on the targets of packed documents (pretrain / sft)."""
+    """Next-token cross-entropy on the targets of packed documents (pretrain / sft).
+
+    With trained MTP layers (`model.mtp_loss_weight` λ > 0, `flashcp.models.mtp`) the loss
+    adds λ/D times the MTP cross-entropy summed over depths and tokens: divided by the step's
+    one normaliser (the main targets), that is λ times the mean over depths of each depth's
+    per-token loss, up to the d targets per document a depth d has fewer. One normaliser keeps
+    every micro-batch's loss a plain sum over ranks. The step's `loss` is then that objective;
+    `lm_loss` and `mtp_loss` (per-token mean over depths) are reported beside it.
+    """
 
     name = "pretrain"
     data_class = LMData
     stats = ("nll", "targets")
 
+    def __init__(self, cfg: Config, groups: ParallelGroups) -> None:
+        super().__init__(cfg, groups)
+        self.mtp_weight = float(cfg.model.mtp_loss_weight) if cfg.model.mtp_trained else 0.0
+        if self.mtp_weight:
+            self.stats = (*type(self).stats, "mtp_nll", "mtp_targets")
+            self.step_metrics = ("lm_loss", "mtp_loss")
+
     def loss(self, out: HeadInput, mb: MicroBatch) -> tuple[paddle.Tensor, list[Any]]:
-        """Summed cross-entropy of this rank's tokens; stats: it and their target count."""
+        """Summed cross-entropy of this rank's tokens (plus λ/D × the MTP depths'); stats: it
+        and their target count (and the MTP depths' summed cross-entropy and targets)."""
         labels = mb.labels
         assert labels is not None  # a trained micro-batch has labels
-        nll = summed_cross_entropy(out, labels, chunk_tokens=self.cfg.train.loss_chunk_tokens)
-        return nll, [nll.detach(), (labels != IGNORE_INDEX).astype("int64").sum()]
+        chunk = self.cfg.train.loss_chunk_tokens
+        nll = summed_cross_entropy(out, labels, chunk_tokens=chunk)
+        stats: list[Any] = [nll.detach(), (labels != IGNORE_INDEX).astype("int64").sum()]
+        if not self.mtp_weight:
+            return nll, stats
+        if mb.mtp_ids is None or mb.mtp_labels is None:
+            raise ValueError("model.mtp_loss_weight > 0 but the micro-batch has no MTP targets")
+        logps = out.mtp_token_logprobs(
+            mb.mtp_ids, mb.mtp_labels, mb.positions, mb.attn, chunk_tokens=chunk
+        )
+        mtp_nll = -paddle.add_n([lp.sum() for lp in logps])
+        mtp_targets = (mb.mtp_labels != IGNORE_INDEX).astype("int64").sum()
+        loss = nll + (self.mtp_weight / len(logps)) * mtp_nll
+        return loss, [*stats, mtp_nll.detach(), mtp_targets]
 
     def finish(self, sums: Sequence[float]) -> dict[str, float]:
-        """Token-weighted mean cross-entropy, its perplexity, the target count."""
+        """Token-weighted mean cross-entropy, its perplexity, the target count (with MTP:
+        `lm_loss` = that mean, `mtp_loss` = the MTP depths' per-token mean)."""
         nll, targets = float(sums[0]), float(sums[1])
         loss = nll / max(targets, 1.0)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "targets": targets}
+        out = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "targets": targets}
+        if len(sums) > 2:
+            out["lm_loss"] = loss
+            out["mtp_loss"] = float(sums[2]) / max(float(sums[3]), 1.0)
+        return out
 
 
 class SFTRecipe(LMRecipe):
