@@ -3,7 +3,8 @@
 Every MoE layer accumulates, over the step's micro-batches, the entries its router sent to each
 expert, the entries the capacity dropped and its part of the sequence-balance loss
 (`flashcp.models.moe.MoE.take_stats`). `RouterStats` packs them into one vector indexed by the
-GLOBAL MoE layer (zeros for layers another pipeline stage holds), which the trainer appends to
+GLOBAL MoE layer (zeros for layers another pipeline stage holds; trained MTP layers,
+`flashcp.models.mtp`, after the decoder layers), which the trainer appends to
 its one per-step all-reduce over cp, dp and pp — so every rank ends up with the whole model's
 loads summed over all ranks that saw different tokens, at no extra collective. From that:
 
@@ -47,7 +48,10 @@ class RouterStats:
     """The packing, metrics and bias update of one rank (see the module docstring)."""
 
     def __init__(self, model: nn.Layer, args: ModelArgs) -> None:
-        self.layers = [i for i in range(args.num_layers) if args.is_moe_layer(i)]
+        # trained MTP layers route tokens like any layer; frozen ones never run (and their
+        # router bias must not move: it is exported as loaded)
+        count = args.num_layers + (args.mtp_layers if args.mtp_trained else 0)
+        self.layers = [i for i in range(count) if args.is_moe_layer(i)]
         self.experts = int(args.num_experts)
         self.local = moe_layers(model)
         self.rate = float(args.router_bias_update_rate)

@@ -296,3 +296,27 @@ def test_a_pipeline_stage_packs_and_updates_only_its_layers() -> None:
     np.testing.assert_array_equal(bias, mb.bias_step(vec[:e], 0.5))
     metrics = stats.metrics(vec + other)
     assert metrics["moe/max_over_mean_max"] == 2.5  # layer 2: 5 / mean 2
+
+
+def test_trained_mtp_layers_route_and_update_frozen_ones_do_not() -> None:
+    """A trained MTP layer's MoE (`model.layers.{L}`) is packed after the decoder layers and
+    its router bias moves with the loads; a frozen one (never run, exported as loaded) is in
+    neither the vector nor the update."""
+    from flashcp.metrics.moe_stats import RouterStats
+    from flashcp.models import build_model
+
+    frozen = preset("tiny_glm_moe", mtp_layers=1, router_bias_update_rate=0.5)
+    model = build_model(frozen, seed=0)
+    n = frozen.num_layers
+    assert n in RouterStats(model, frozen).local  # built, with a router ...
+    assert n not in RouterStats(model, frozen).layers  # ... that is not counted
+    trained = preset("tiny_glm_moe", mtp_layers=1, mtp_loss_weight=0.5, router_bias_update_rate=0.5)
+    stats = RouterStats(model, trained)
+    assert stats.layers == [*RouterStats(model, frozen).layers, n]
+    e = trained.num_experts
+    loads = np.zeros(stats.size)
+    loads[-2 - e : -2] = [6, 0, 1, 1]  # the MTP layer's slot: the last before dropped, aux
+    bias = stats.local[n].gate.e_score_correction_bias
+    before = bias.numpy().copy()
+    stats.update_biases(loads)
+    np.testing.assert_array_equal(bias.numpy(), before + mb.bias_step(np.array([6, 0, 1, 1]), 0.5))
