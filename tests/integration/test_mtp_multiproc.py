@@ -1,11 +1,11 @@
 """Trained MTP layers (`model.mtp_layers: 2`, `model.mtp_loss_weight: 0.3`) through the trainer:
-CP = 2 × EP = 2 and PP = 2 equal one process (PP = 2 bitwise), and MTP targets cut after
-sharding do not.
+CP = 2 (contiguous layout), CP = 2 × EP = 2 (dual-chunk layout) and PP = 2 equal one process
+(PP = 2 bitwise), and MTP targets cut after sharding do not.
 
 The tiny GLM-4.5-style MoE (2 decoder layers; the MTP blocks, layers 2 and 3, are MoE layers
 too) with full recompute and the LM head and MTP heads run in chunks of 16 targets
 (`train.loss_chunk_tokens`), on packed documents whose ends sit at, one before and one after
-the cp chunk boundaries of the default `dualchunk_allgather` layout (16, 32, 48 of 64 tokens):
+the cp chunk boundaries (`dualchunk_allgather`: 16, 32, 48 of 64 tokens; contiguous: 32):
 an MTP target built on a shard instead of the full row would be lost or wrong exactly there.
 The reference trains here with cp = pp = ep = 1; the launched jobs go through `flashcp
 train` (so `MicroBatch.of` cuts the MTP inputs and targets) and dump their summed gradients.
@@ -45,7 +45,7 @@ from helpers.trainruns import (
 pytestmark = pytest.mark.integration
 
 WORKER = Path(__file__).resolve().parent / "workers" / "mtp_cut_train.py"
-SEQ, STEPS, LAYERS, DEPTHS = 64, 2, 2, 2
+SEQ, STEPS, LAYERS, DEPTHS, WEIGHT = 64, 2, 2, 2, 0.3
 ROWS = [[15, 18, 16, 15], [17, 14, 3, 14, 16], [16, 16, 16, 16], [47, 17]]
 """Each training row's documents (tokens, BOS and EOS included): their ends at 15, 17, 31,
 33, 47, 49 and on 16, 32, 48 — the chunk boundaries of cp = 2 (4 chunks of 16)."""
@@ -72,7 +72,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "preset": "tiny_glm_moe",
             "recompute": "full",
             "mtp_layers": DEPTHS,
-            "mtp_loss_weight": 0.3,
+            "mtp_loss_weight": WEIGHT,
         },
         "parallel": {"dp": 1, "pp": 1, "cp": 2, "cp_mode": "dualchunk_allgather"},
         "data": {
@@ -142,15 +142,19 @@ def test_reference_loss_is_main_plus_weighted_mtp(reference: Path) -> None:
         main = _targets(rows, 0)
         mtp = sum(_targets(rows, d) for d in range(1, DEPTHS + 1))
         assert row["targets"] == main
-        want = row["lm_loss"] + 0.3 / DEPTHS * row["mtp_loss"] * mtp / main
+        want = row["lm_loss"] + WEIGHT / DEPTHS * row["mtp_loss"] * mtp / main
         numerics.assert_close(row["loss"], want, n=main, scale=row["loss"], what="objective")
         assert row["mtp_loss"] > 0 and row["lm_loss"] > 0
 
 
 @pytest.mark.equivalence
 @pytest.mark.timeout(200)
-def test_cp2_ep2_matches_one_process(config: Path, reference: Path) -> None:
-    run = train_launched(config, config.parent / "cp2ep2" / "run", 2, [*COMMON, "parallel.ep=2"])
+@pytest.mark.parametrize(
+    ("ep", "mode"), [(1, "contiguous_allgather"), (2, "dualchunk_allgather")], ids=["ep1", "ep2"]
+)
+def test_cp2_matches_one_process(config: Path, reference: Path, ep: int, mode: str) -> None:
+    layout = [f"parallel.ep={ep}", f"parallel.cp_mode={mode}"]
+    run = train_launched(config, config.parent / f"cp2ep{ep}" / "run", 2, [*COMMON, *layout])
     _assert_mtp_matches(run, reference)
 
 
