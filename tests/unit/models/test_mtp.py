@@ -1,7 +1,8 @@
 """Multi-token prediction (`flashcp.models.mtp`, `model.mtp_layers`, `model.mtp_loss_weight`):
 the targets against a loop written from their definition, the parameter names the checkpoints
-use, the planner's count against the built model, the validation errors, and what λ = 0
-freezes — trainer runs of one or two steps, with and without LoRA adapters on the MTP block.
+use, the planner's count against the built model, the validation errors, recompute (bitwise)
+and loss chunks (the float32 rule) on the MTP gradients, and what λ = 0 freezes — trainer runs
+of two steps, with and without LoRA adapters on the MTP block.
 (The forward against transformers' modules: `tests/hf/test_mtp_reference.py`; the parallel
 layouts: `tests/integration/test_mtp_multiproc.py`.)"""
 
@@ -11,9 +12,13 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import paddle
 import pytest
 
+from bench import numerics
+from flashcp.attention.context import AttentionContext
 from flashcp.config import ConfigValidationError, collect
+from flashcp.masks import causal_document_mask
 from flashcp.models import StageSpec, build_model, estimate_parameters, preset
 from flashcp.models.config import ModelArgs
 from flashcp.models.head import IGNORE_INDEX
@@ -254,3 +259,36 @@ def test_lora_on_the_mtp_block_trains_only_with_a_weight(
         # B starts at zero, so A's first gradient is zero; from step 2 both move
         assert all(np.abs(step1[n]).max() > 0 for n in on_mtp if n.endswith("lora_B"))
         assert all(np.abs(step2[n]).max() > 0 for n in on_mtp)
+
+
+def _mtp_grads(recompute: str, chunk: int) -> dict[str, np.ndarray]:
+    """Gradients of main + MTP log-likelihood (2 depths) on two packed rows, the model built
+    with `recompute`, the heads run in chunks of `chunk` targets."""
+    model = build_model(_args(mtp_layers=2, recompute=recompute), seed=0)
+    docs = [[20, 12], [7, 25]]
+    rows = [_packed(d, [0] * len(d), seed) for seed, d in enumerate(docs)]
+    ids, labels = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+    mtp_ids, targets = mtp_targets(ids, labels, docs, 2)
+    pos = paddle.arange(32).reshape([1, 32]).tile([2, 1])
+    attn = AttentionContext(mask=causal_document_mask(docs).indices, causal=True)
+    hidden = model(paddle.to_tensor(ids), pos, attn)
+    main = model.token_logprobs(hidden, paddle.to_tensor(labels), chunk_tokens=chunk).sum()
+    logps = model.mtp_token_logprobs(
+        hidden, paddle.to_tensor(mtp_ids), paddle.to_tensor(targets), pos, attn, chunk_tokens=chunk
+    )
+    (main + paddle.add_n([lp.sum() for lp in logps])).backward()
+    return {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_recompute_and_loss_chunks_keep_the_mtp_gradients() -> None:
+    """Recompute reruns the same operations (bitwise); loss chunks only reorder sums."""
+    want = _mtp_grads("none", 0)
+    mtp = [n for n in want if n.startswith(("model.layers.2.", "model.layers.3."))]
+    assert {n.split(".")[2] for n in mtp} == {"2", "3"}  # both depths are in the loss
+    for mode in ("full", "refined"):
+        got = _mtp_grads(mode, 0)
+        assert got.keys() == want.keys()
+        assert all(np.array_equal(got[n], want[n]) for n in want), mode
+    chunked = _mtp_grads("none", 7)
+    for name in want:
+        numerics.assert_close(chunked[name], want[name], n=64, norm="l2", what=name)
