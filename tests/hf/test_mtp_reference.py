@@ -13,9 +13,9 @@ perturbed; the test copies them name by name into a flashcp model of the same sh
 (flashcp's names ARE these names; Paddle Linear weights are ``[in, out]``, stacked experts
 ``[E, in, out]``: transposed on the way). No flashcp loader is involved.
 
-vLLM also zeroes the embedding at position 0 (an inference-time detail of its proposer, not
-part of the layer's definition); SGLang and DeepSeek-V3's training objective do not, nor do
-flashcp or this reference.
+One difference between the engines: vLLM's ``glm4_moe_mtp`` also zeroes the token embedding
+at position 0, SGLang's ``glm4_moe_nextn`` does not; flashcp and this reference follow SGLang
+(it changes position 0's logits only).
 
 Checked at float32, TOL as in `test_hf_reference`: logits and target log-probs on a whole
 sequence, and on packed documents (flashcp's causal-document mask and `mtp_targets` vs the

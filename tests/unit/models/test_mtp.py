@@ -280,6 +280,7 @@ def _mtp_grads(recompute: str, chunk: int) -> dict[str, np.ndarray]:
     return {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.equivalence
 def test_recompute_and_loss_chunks_keep_the_mtp_gradients() -> None:
     """Recompute reruns the same operations (bitwise); loss chunks only reorder sums."""
     want = _mtp_grads("none", 0)
