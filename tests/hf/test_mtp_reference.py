@@ -20,8 +20,9 @@ at position 0, SGLang's ``glm4_moe_nextn`` does not; flashcp and this reference 
 Checked at float32, TOL as in `test_hf_reference`: logits and target log-probs on a whole
 sequence, and on packed documents (flashcp's causal-document mask and `mtp_targets` vs the
 reference run per document, whose MTP positions stop d tokens before each document's end).
-Negative controls: the MTP fed token i instead of i+1, and packed documents under a plain
-causal mask, both miss the reference by far more than TOL."""
+Negative controls: the MTP fed token i instead of i+1, or scored against token i+1 instead of
+i+2 (one position too few at every depth), and packed documents under a plain causal mask:
+each misses the reference by more than 100 × TOL."""
 
 from __future__ import annotations
 
@@ -204,15 +205,20 @@ def _labels(ids: np.ndarray, docs: list[int]) -> np.ndarray:
 
 
 def _flashcp_mtp(
-    model: Any, ids: np.ndarray, docs: list[int], mask: Any, shift: bool = True
+    model: Any, ids: np.ndarray, docs: list[int], mask: Any, lag: str = ""
 ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
     """flashcp's MTP on one packed row: each depth's logits `[S, V]` and target log-probs
-    `[S]` (0 where no target), and the targets `mtp_targets` built, `[D, S]`. `shift` False
-    is the negative control: the depths fed the row's own tokens (token i, not i+d)."""
+    `[S]` (0 where no target), and the targets `mtp_targets` built, `[D, S]`. The negative
+    controls, one position too few at every depth: `lag="ids"` feeds depth d the tokens i+d-1
+    (token i at depth 1), `lag="targets"` scores it against token i+d (the main label at
+    depth 1)."""
     depths = model.args.mtp_layers
-    mtp_ids, targets = mtp_targets(ids, _labels(ids, docs), [docs], depths)
-    if not shift:
-        mtp_ids = np.stack([ids] * depths)
+    labels = _labels(ids, docs)
+    mtp_ids, targets = mtp_targets(ids, labels, [docs], depths)
+    if lag == "ids":
+        mtp_ids = np.concatenate([ids[None], mtp_ids[:-1]])
+    elif lag == "targets":
+        targets = np.concatenate([labels[None], targets[:-1]])
     pos = paddle.arange(ids.shape[1], dtype="int64").unsqueeze(0)
     attn = AttentionContext(mask=mask.indices, causal=True)
     with paddle.no_grad():
@@ -281,10 +287,14 @@ def test_mtp_matches_reference_on_a_whole_sequence(models: tuple) -> None:
     ids = _row(11)
     err = _compare(model, reference, ids, [SEQ], masks.causal_mask(1, SEQ))
     assert err > 0.0  # two implementations: equal only up to summation order
-    # negative control: the depths fed token i instead of i+d (MTP ids one shift too few)
-    bad, _, _ = _flashcp_mtp(model, ids, [SEQ], masks.causal_mask(1, SEQ), shift=False)
-    want = _reference_logits(reference, ids[0], depths)[0]
-    assert _err(bad[0][: SEQ - 1], want) > 100 * _allowed(want)
+    # negative controls: ids, or targets, one position too few (at every depth)
+    wants = _reference_logits(reference, ids[0], depths)
+    bad_ids, _, _ = _flashcp_mtp(model, ids, [SEQ], masks.causal_mask(1, SEQ), lag="ids")
+    _, bad_logps, _ = _flashcp_mtp(model, ids, [SEQ], masks.causal_mask(1, SEQ), lag="targets")
+    for d, want in enumerate(wants, start=1):
+        assert _err(bad_ids[d - 1][: SEQ - d], want) > 100 * _allowed(want)
+        ref_lp = _log_softmax_at(want[: SEQ - d - 1], ids[0, d + 1 :])
+        assert _err(bad_logps[d - 1][: SEQ - d - 1], ref_lp) > 100 * _allowed(ref_lp)
 
 
 def test_mtp_on_packed_documents_matches_each_document_alone(models: tuple) -> None:
