@@ -472,6 +472,8 @@ def _check_lora(cfg: Config, c: _Checks) -> None:
 
 
 def _check_dpo(cfg: Config, c: _Checks) -> None:
+    if cfg.run.recipe == "dpo":  # with or without a `dpo` section (its defaults)
+        _check_dpo_mtp(cfg, c)
     dpo = cfg.extras.get("dpo")
     if dpo is None:
         return
@@ -489,6 +491,10 @@ def _check_dpo(cfg: Config, c: _Checks) -> None:
         c.add("dpo.max_prompt_len", f"must be >= 2 or null, got {dpo.max_prompt_len}")
     if cfg.data.seq_len < 3 and c.ok("data.seq_len"):
         c.add("data.seq_len", f"a DPO row needs >= 3 tokens, got {cfg.data.seq_len}")
+
+
+def _check_dpo_mtp(cfg: Config, c: _Checks) -> None:
+    """The dpo recipe trains no MTP layer (`model.mtp_loss_weight` 0: carried frozen)."""
     weight = getattr(cfg.model, "mtp_loss_weight", 0)
     if isinstance(weight, (int, float)) and weight > 0 and c.ok("model.mtp_loss_weight"):
         c.add(
