@@ -17,12 +17,12 @@ import numpy as np
 import paddle
 import pytest
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from flashcp.checkpoint.merge_export import write_merged_index, write_merged_stage
 from flashcp.models import ModelArgs, build_model
 from flashcp.models.hf_weights import CheckpointMismatchError, load_hf_checkpoint
 from flashcp.pipeline.stage import stage_spec
+from helpers.hf_glm45 import layer_shapes, random_checkpoint, write_checkpoint
 
 ARGS = ModelArgs(
     arch="glm_moe", vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -35,66 +35,6 @@ MTP = f"model.layers.{L}."
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "gate_proj", "up_proj", "down_proj",
           "eh_proj", "head", "lm_head")  # fmt: skip
 """Modules whose ``.weight`` HF stores `[out, in]` and flashcp (Paddle) `[in, out]`."""
-
-
-def layer_shapes(args: ModelArgs, i: int) -> dict[str, list[int]]:
-    """HF key → shape of ``Glm4MoeForCausalLM``'s decoder layer `i` (written from the HF
-    module definitions, not from flashcp's names)."""
-    h, hd, m = args.hidden_size, args.head_size, args.moe_intermediate_size
-    q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    p = f"model.layers.{i}."
-    out = {p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h]}
-    for name, rows in (("q", q), ("k", kv), ("v", kv)):
-        out[p + f"self_attn.{name}_proj.weight"] = [rows, h]
-        out[p + f"self_attn.{name}_proj.bias"] = [rows]
-    out[p + "self_attn.o_proj.weight"] = [h, q]
-    out[p + "self_attn.q_norm.weight"] = out[p + "self_attn.k_norm.weight"] = [hd]
-    if i < args.first_k_dense_replace:
-        mlps = [("mlp.", args.intermediate_size)]
-    else:
-        out[p + "mlp.gate.weight"] = [args.num_experts, h]
-        out[p + "mlp.gate.e_score_correction_bias"] = [args.num_experts]
-        mlps = [(f"mlp.experts.{e}.", m) for e in range(args.num_experts)]
-        mlps.append(("mlp.shared_experts.", m * args.num_shared_experts))
-    for prefix, width in mlps:
-        out[p + prefix + "gate_proj.weight"] = [width, h]
-        out[p + prefix + "up_proj.weight"] = [width, h]
-        out[p + prefix + "down_proj.weight"] = [h, width]
-    return out
-
-
-def hf_checkpoint(args: ModelArgs, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 weights of a GLM-4.5 checkpoint with `args.mtp_layers` MTP layers."""
-    h, v = args.hidden_size, args.vocab_size
-    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h],
-              "lm_head.weight": [v, h]}  # fmt: skip
-    for i in range(args.num_layers + args.mtp_layers):
-        shapes.update(layer_shapes(args, i))
-    for i in range(args.num_layers, args.num_layers + args.mtp_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "embed_tokens.weight": [v, h], p + "enorm.weight": [h], p + "hnorm.weight": [h],
-            p + "eh_proj.weight": [h, 2 * h], p + "shared_head.norm.weight": [h],
-            p + "shared_head.head.weight": [v, h],
-        })  # fmt: skip
-    rng = np.random.default_rng(seed)
-    return {k: (rng.standard_normal(s) * 0.2).astype(np.float32) for k, s in shapes.items()}
-
-
-def write(directory: Path, weights: dict[str, np.ndarray], shards: int = 2) -> Path:
-    """`weights` as an HF sharded directory (index + shards, the MTP layer in the last)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    keys = sorted(weights, key=lambda k: (k.startswith(MTP), k))
-    size = -(-len(keys) // shards)
-    weight_map = {}
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = keys[s * size : (s + 1) * size]
-        save_file({k: weights[k] for k in part}, str(directory / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, name))
-    index = {"metadata": {}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    return directory
 
 
 def flashcp_value(module: paddle.nn.Layer, key: str, first_expert: int = 0) -> np.ndarray:
@@ -116,8 +56,8 @@ def flashcp_value(module: paddle.nn.Layer, key: str, first_expert: int = 0) -> n
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
-    weights = hf_checkpoint(ARGS)
-    return write(tmp_path_factory.mktemp("glm45"), weights), weights
+    weights = random_checkpoint(ARGS)
+    return write_checkpoint(tmp_path_factory.mktemp("glm45"), weights), weights
 
 
 def test_the_mtp_layer_loads_under_its_hf_names(checkpoint) -> None:
@@ -198,7 +138,7 @@ def test_pp_and_ep_ranks_import_and_export_the_mtp_layer_bitwise(
 )
 def test_a_missing_mtp_tensor_is_refused_by_name(checkpoint, tmp_path: Path, drop) -> None:
     _, weights = checkpoint
-    path = write(tmp_path / "ckpt", {k: v for k, v in weights.items() if k not in drop})
+    path = write_checkpoint(tmp_path / "ckpt", {k: v for k, v in weights.items() if k not in drop})
     model = build_model(ARGS, seed=4)
     before = {n: t.numpy().copy() for n, t in model.state_dict().items()}
     with pytest.raises(CheckpointMismatchError) as info:
@@ -220,7 +160,8 @@ def test_a_checkpoint_without_mtp_layers_is_refused_for_a_model_with_them(
     checkpoint, tmp_path: Path
 ) -> None:
     _, weights = checkpoint
-    path = write(tmp_path / "ckpt", {k: v for k, v in weights.items() if not k.startswith(MTP)})
+    main = {k: v for k, v in weights.items() if not k.startswith(MTP)}
+    path = write_checkpoint(tmp_path / "ckpt", main)
     count = sum(k.startswith(MTP) for k in weights)
     with pytest.raises(CheckpointMismatchError, match=rf"MTP\) weights missing from the "
                                                       rf"checkpoint \({count}\)"):  # fmt: skip
@@ -252,8 +193,8 @@ def test_a_deeper_layer_without_mtp_parts_is_not_skipped(checkpoint, tmp_path: P
     more plain decoder layer than the model is still refused as unexpected."""
     _, weights = checkpoint
     deeper = {k: v for k, v in weights.items() if not k.startswith(MTP)}
-    deeper.update({k: v for k, v in hf_checkpoint(ARGS).items() if k in layer_shapes(ARGS, L)})
+    deeper.update({k: v for k, v in random_checkpoint(ARGS).items() if k in layer_shapes(ARGS, L)})
     plain = dataclasses.replace(ARGS, mtp_layers=0)
     count = len(layer_shapes(ARGS, L))
     with pytest.raises(CheckpointMismatchError, match=rf"unexpected in the checkpoint \({count}\)"):
-        load_hf_checkpoint(build_model(plain, seed=6), write(tmp_path / "ckpt", deeper))
+        load_hf_checkpoint(build_model(plain, seed=6), write_checkpoint(tmp_path / "c", deeper))
