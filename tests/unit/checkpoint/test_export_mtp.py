@@ -4,7 +4,8 @@ names) → `model.from_pretrained` (+ its `checkpoint.init_from`) → 2 training
 `flashcp export`. Carried frozen (``model.mtp_loss_weight: 0``) the export holds the SAME MTP
 tensors, bit for bit, and says ``num_nextn_predict_layers: 1``, while the main model's tensors
 moved; trained (weight > 0) the MTP tensors move too; a LoRA run's merged export passes the
-frozen MTP base through unchanged (adapters on a frozen MTP layer are never merged)."""
+frozen MTP base through unchanged (adapters on a frozen MTP layer are never merged). GPT and
+GLM-4 models trained from scratch with MTP layers round-trip through their export."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from safetensors import safe_open
 
 from flashcp.checkpoint.export import export_run
 from flashcp.checkpoint.merge_export import merged_specs
+from flashcp.config import build_config
 from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.models import ModelArgs, build_model
 from flashcp.models.hf_weights import hf_state_map
 from flashcp.models.init import InitRule, fill_parameter
+from flashcp.trainer import default_model_factory
 from helpers.configs import Sections, tiny_config
 from helpers.hf_glm45 import hf_config_json, random_checkpoint, write_checkpoint
 from helpers.trainruns import fit
@@ -151,3 +154,30 @@ def test_merged_specs_never_merge_a_frozen_mtp_layer(weight: float) -> None:
         assert same == (key.startswith(MTP) and not weight), key
     for key in base.keys() - adapted:
         np.testing.assert_array_equal(merged[key], base[key], err_msg=key)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "glm"])
+def test_from_scratch_mtp_model_round_trips_through_its_export(arch: str, tmp_path: Path) -> None:
+    """GPT / GLM-4 trained from scratch with `model.mtp_layers: 1`: the export's config.json
+    declares the layer (GLM-4: ``num_nextn_predict_layers``, which transformers' Glm4Config
+    keeps as an extra attribute; GPT: in its flashcp args) and `model.from_pretrained` of it
+    builds the same model with the trained tensors, bit for bit."""
+    preset = "tiny" if arch == "gpt" else "tiny_glm"
+    model = {"preset": preset, "max_seq_len": 64, "mtp_layers": 1, "mtp_loss_weight": 0.5}
+    trainer = fit(tiny_config(tmp_path, base=RUN, model=model, train={"steps": 1},
+                              checkpoint={"every": 1})).trainer  # fmt: skip
+    out = tmp_path / "export"
+    export_run(tmp_path / "run", out)
+    config = json.loads((out / "config.json").read_text())
+    if arch == "glm":
+        assert config["num_nextn_predict_layers"] == 1
+    else:
+        assert config["flashcp_model_args"]["mtp_layers"] == 1
+    raw = {"model": {"from_pretrained": str(out)}, "data": {"seq_len": 32, "tokenizer": "byte"}}
+    reloaded = default_model_factory(build_config(raw))
+    assert reloaded.args.mtp_layers == 1 and len(reloaded.mtp_layers()) == 1
+    trained = trainer.model.state_dict()
+    assert reloaded.state_dict().keys() == trained.keys()
+    assert any(k.startswith("model.layers.2.eh_proj") for k in trained)
+    for name, t in reloaded.state_dict().items():
+        np.testing.assert_array_equal(t.numpy(), trained[name].numpy(), err_msg=name)
