@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -63,13 +64,20 @@ def checkpoint_shapes(args: ModelArgs) -> dict[str, list[int]]:
     return shapes
 
 
-def random_checkpoint(args: ModelArgs, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 tensors for `checkpoint_shapes(args)` (norms near 1)."""
+def random_checkpoint(
+    args: ModelArgs, seed: int = 0, dtype: str = "float32"
+) -> dict[str, np.ndarray]:
+    """Random tensors for `checkpoint_shapes(args)` (norms near 1) in `dtype` (float32 or
+    bfloat16, as `ml_dtypes` arrays); the router's ``e_score_correction_bias`` stays float32,
+    as GLM-4.5's bf16 checkpoints store it."""
     rng = np.random.default_rng(seed)
     out = {}
     for key, shape in checkpoint_shapes(args).items():
-        value = rng.standard_normal(shape) * 0.2
-        out[key] = (value + 1.0 if "norm" in key else value).astype(np.float32)
+        value = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        value = value + np.float32(1.0) if "norm" in key else value
+        if dtype == "bfloat16" and not key.endswith("e_score_correction_bias"):
+            value = value.astype(ml_dtypes.bfloat16)
+        out[key] = value
     return out
 
 

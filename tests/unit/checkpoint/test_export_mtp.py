@@ -47,12 +47,22 @@ RUN: Sections = {
 """Two steps on the CPU, checkpointed at the end: a run to export."""
 
 
+def _glm45(tmp: Path, dtype: str = "float32") -> tuple[Path, dict[str, np.ndarray]]:
+    """A GLM-4.5-shaped directory in `dtype` and its tensors (HF names and layout)."""
+    weights = random_checkpoint(ARGS, seed=11, dtype=dtype)
+    config = hf_config_json(ARGS, eos_token_id=257, pad_token_id=258, dtype=dtype)
+    return write_checkpoint(tmp, weights, config=config), weights
+
+
 @pytest.fixture(scope="module")
 def glm45(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
-    """The GLM-4.5-shaped directory and its tensors (HF names and layout)."""
-    weights = random_checkpoint(ARGS, seed=11)
-    config = hf_config_json(ARGS, eos_token_id=257, pad_token_id=258)
-    return write_checkpoint(tmp_path_factory.mktemp("glm45"), weights, config=config), weights
+    """The float32 GLM-4.5-shaped directory and its tensors."""
+    return _glm45(tmp_path_factory.mktemp("glm45"))
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """The same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _exported(out: Path) -> dict[str, np.ndarray]:
@@ -75,24 +85,28 @@ def _train_and_export(
     fitted = fit(cfg)
     out = tmp / "export"
     lora = "lora" in sections
-    report = export_run(tmp / "run", out, merge_lora=lora, max_shard_bytes=200_000)
+    report = export_run(tmp / "run", out, merge_lora=lora, max_shard_bytes=100_000)
     assert len(report.shards) > 1  # streamed: the MTP layer goes with the last shard
     return _exported(out), json.loads((out / "config.json").read_text()), fitted.records
 
 
 def _changed(exported: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> set[str]:
-    return {k for k in weights if not np.array_equal(exported[k], weights[k])}
+    return {k for k in weights if not _same(exported[k], weights[k])}
 
 
-def test_frozen_mtp_layer_is_exported_bitwise(glm45, tmp_path: Path) -> None:
-    base, weights = glm45
-    exported, config, records = _train_and_export(tmp_path, base, {"mtp_loss_weight": 0.0})
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_frozen_mtp_layer_is_exported_bitwise(tmp_path: Path, dtype: str) -> None:
+    """In the file's dtype: float32, or GLM-4.5's own bf16 trained in bf16 storage."""
+    base, weights = _glm45(tmp_path / "glm45", dtype)
+    exported, config, records = _train_and_export(
+        tmp_path, base, {"mtp_loss_weight": 0.0}, train={"param_dtype": dtype}
+    )
     assert exported.keys() == weights.keys()  # every MTP key under its HF name, nothing else
     mtp = sorted(k for k in weights if k.startswith(MTP))
     assert len(mtp) == 6 + 8 + 2 + 3 * 5  # its parts, attention + norms, router, 4+1 experts
+    assert str(weights[f"{MTP}eh_proj.weight"].dtype) == dtype
     for key in mtp:
-        assert exported[key].dtype == weights[key].dtype == np.float32, key
-        np.testing.assert_array_equal(exported[key], weights[key], err_msg=key)
+        assert _same(exported[key], weights[key]), key
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 2
     changed = _changed(exported, weights)  # not vacuous: training moved the main model
     assert not changed & set(mtp)
