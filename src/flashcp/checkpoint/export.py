@@ -27,7 +27,8 @@ the run's newest intact checkpoint (or `checkpoint`), reading only the shard's t
 The multi-token-prediction layers (`flashcp.models.mtp`, ``model.mtp_layers``) go with the last
 shard under their HF names (``model.layers.{num_layers + d}.*``) and config.json says
 ``num_nextn_predict_layers``; carried frozen (``model.mtp_loss_weight: 0``) they are written as
-they started, bit for bit (with LoRA: the base's, never merged with adapters).
+they started, bit for bit in the dtype they were loaded and stored in (with LoRA: the base's,
+never merged with adapters).
 
 The export dtype is the run's `train.param_dtype` unless `dtype` says otherwise (parameters are
 cast once, round-to-nearest-even into bfloat16; buffers such as GLM-4.5's float32
