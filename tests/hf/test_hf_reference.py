@@ -5,7 +5,8 @@ against HF on each document alone; both config.json layouts (transformers 5.x
 `rope_parameters`, 4.x top-level keys) with a non-default rope_theta and GLM-4.5's QK-norm.
 Then the other way: a flashcp run exported with `flashcp export` and loaded by transformers,
 also one trained from scratch with the byte tokenizer (`AutoModelForCausalLM` and
-`AutoTokenizer` on the export directory as it is).
+`AutoTokenizer` on the export directory as it is), and one with a multi-token-prediction layer
+(which transformers ignores).
 
 Marker `hf`: `bash scripts/test.sh hf` installs torch (a CPU wheel) and runs these; the default
 CI run deselects them (see README, "HF reference tier")."""
@@ -267,3 +268,39 @@ def test_transformers_loads_a_from_scratch_export(preset: str, tmp_path: Path, f
             tf.AutoModelForCausalLM.from_pretrained(str(out))
     else:
         assert tf.AutoConfig.from_pretrained(str(out)).eos_token_id is None
+
+
+@pytest.mark.parametrize("preset", ["tiny_glm", "tiny_glm_moe"])
+def test_transformers_loads_an_export_with_mtp_layers(
+    preset: str, tmp_path: Path, fit: Fit
+) -> None:
+    """An export with a (trained) multi-token-prediction layer still loads in transformers:
+    ``Glm4ForCausalLM`` / ``Glm4MoeForCausalLM`` build no MTP layer, report its weights
+    (``model.layers.{L}.*``, and nothing else) as unexpected and compute the main model's
+    logits; the config keeps ``num_nextn_predict_layers`` for the serving engines."""
+    raw = {
+        "model": {"preset": preset, "max_seq_len": 64, "mtp_layers": 1, "mtp_loss_weight": 0.5},
+        "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
+        "train": {"steps": 1, "lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-3, "seed": 2},
+        "checkpoint": {"every": 1},
+        "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
+    }
+    trainer = fit(tiny_config(tmp_path, base=raw)).trainer
+    out = tmp_path / "export"
+    export_run(tmp_path / "run", out, max_shard_bytes=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    mtp = f"model.layers.{trainer.model.args.num_layers}."
+    mtp_keys = {k for k in index if k.startswith(mtp)}
+    assert f"{mtp}eh_proj.weight" in mtp_keys and f"{mtp}shared_head.head.weight" in mtp_keys
+    tf = _transformers()
+    hf, info = tf.AutoModelForCausalLM.from_pretrained(
+        str(out), attn_implementation="eager", output_loading_info=True
+    )
+    hf.eval()
+    assert hf.config.num_nextn_predict_layers == 1
+    unexpected = set(info["unexpected_keys"])  # transformers 5 names fused experts its way
+    assert all(k.startswith(mtp) for k in unexpected) and not info["missing_keys"]
+    assert {k for k in mtp_keys if ".experts." not in k} <= unexpected
+    ids = np.random.default_rng(6).integers(3, 256, (2, 32))
+    want = _flashcp_logits(trainer.model, ids, masks.causal_mask(*ids.shape))
+    _close(_hf_logits(hf, ids), want)

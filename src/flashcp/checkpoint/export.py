@@ -24,6 +24,12 @@ the run's newest intact checkpoint (or `checkpoint`), reading only the shard's t
   the checkpoint's adapters (or ``RUN_DIR/adapters`` when no checkpoint was kept), merged as
   ``W + A·B·alpha/rank`` in float32 and rounded once to the export dtype.
 
+The multi-token-prediction layers (`flashcp.models.mtp`, ``model.mtp_layers``) go with the last
+shard under their HF names (``model.layers.{num_layers + d}.*``) and config.json says
+``num_nextn_predict_layers``; carried frozen (``model.mtp_loss_weight: 0``) they are written as
+they started, bit for bit in the dtype they were loaded and stored in (with LoRA: the base's,
+never merged with adapters).
+
 The export dtype is the run's `train.param_dtype` unless `dtype` says otherwise (parameters are
 cast once, round-to-nearest-even into bfloat16; buffers such as GLM-4.5's float32
 ``e_score_correction_bias`` keep their dtype). OUT is written under ``OUT.partial`` and renamed
@@ -54,6 +60,7 @@ from flashcp.lora.model import apply_lora
 from flashcp.models import StageSpec, build_model, estimate_parameters
 from flashcp.models.hf_config import TOKEN_ID_KEYS, read_config_json
 from flashcp.models.hf_weights import load_hf_checkpoint
+from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.models.safetensors_stream import write_streaming
 
 RUN_CONFIG = "config.yaml"
@@ -211,6 +218,8 @@ def _build_shard(cfg: Config, spec: StageSpec, reader: ckpt.TensorReader, lora: 
         seed=cfg.train.seed,
         require_match=False,
     )
+    if not args.mtp_trained:  # as training froze them (`flashcp.parallelize`): no adapters saved
+        freeze_mtp_layers(model)
     names = [n for n, p in model.named_parameters() if not p.stop_gradient]
     load_trainable_arrays(model, _read(reader, names, "adapters"))
     return model

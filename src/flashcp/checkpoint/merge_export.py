@@ -10,6 +10,11 @@ directory loads with `flashcp.models.hf_weights.load_hf_checkpoint` (or Hugging 
 loaders) whatever the pipeline layout was. A tied embedding is written once, by the first
 stage (the last stage's copy is equal).
 
+Multi-token-prediction layers (`flashcp.models.mtp`, the last stage's
+``model.layers.{num_layers + d}``) are written under the same names as any layer. Carried
+frozen (``model.mtp_loss_weight: 0``) they never trained, so any adapters on them are not
+merged: their base weights pass through unchanged, bit for bit.
+
 Expert parallelism: HF keys are per expert (``mlp.experts.{e}.gate_proj.weight``), so each ep
 rank's writer streams its own experts as a shard of its own — shard ``s·ep + r`` of ``pp·ep``
 for ep rank r of stage s — and only ep rank 0 adds the stage's other tensors; nothing is
@@ -36,6 +41,7 @@ from flashcp.models.hf_weights import (
     HFEntry,
     hf_config,
     hf_state_map,
+    mtp_depth,
 )
 from flashcp.models.precision import float32_math
 from flashcp.models.safetensors_stream import (
@@ -93,8 +99,10 @@ def merged_specs(
 
     `dtype` (float32 / bfloat16) casts every parameter on the way out (a merged weight is
     rounded once, from its float32 sum); buffers keep their dtype (GLM-4.5's float32
-    `e_score_correction_bias`, as its own checkpoints store it); None keeps every dtype."""
+    `e_score_correction_bias`, as its own checkpoints store it); None keeps every dtype.
+    Frozen MTP layers (`ModelArgs.mtp_trained` false) are written as they are, never merged."""
     adapted = dict(lora_layers(module))
+    args = module.args  # type: ignore[attr-defined]
     skip_tied = bool(getattr(module, "num_stages", 1) > 1 and not module.is_first)  # type: ignore[attr-defined]
     params = {name for name, _ in module.named_parameters()}
     specs = []
@@ -107,6 +115,8 @@ def merged_specs(
             continue
         owner = entry.name.rsplit(".", 1)[0]
         layer = adapted.get(owner) if key.endswith(".weight") or entry.is_piece else None
+        if layer is not None and not args.mtp_trained and mtp_depth(key, args) is not None:
+            layer = None  # frozen MTP layer: its adapters never trained
         cast = dtype if entry.name in params else None
         if layer is not None and entry.is_piece and is_expert_lora(layer):
             produce = lambda layer=layer, e=entry, c=cast: _merged_expert(layer, e, c)  # noqa: E731

@@ -20,10 +20,14 @@ transformers builds from the same file, or the file is refused with every reason
   plain top-k, and is accepted), an architecture / model_type other than the two above.
 * ``use_qk_norm`` (GLM-4.5): QK-norm is built (`ModelArgs.use_qk_norm`). GLM-4's
   ``Glm4Attention`` has no QK-norm, so the key is ignored there, as transformers does.
-* ``num_nextn_predict_layers`` (GLM-4.5's multi-token-prediction layers): ignored, as
-  ``Glm4MoeForCausalLM`` ignores them — their weights (decoder layers numbered from
-  ``num_hidden_layers`` on) are skipped when loading and absent from exports, whose config says
-  0 (`NOTE_MTP`).
+* ``num_nextn_predict_layers`` (GLM-4.5's multi-token-prediction layers, 1 in GLM-4.5 and
+  GLM-4.5-Air): `ModelArgs.mtp_layers`, so they are built (on the last pipeline stage) and
+  their weights ``model.layers.{num_hidden_layers + d}.*`` loaded and exported
+  (`flashcp.models.mtp`); transformers' ``Glm4MoeForCausalLM`` ignores them, the serving
+  engines use them for speculative decoding (`NOTE_MTP`). A run may carry fewer of them
+  (``model.mtp_layers`` is free, `TRAINING_FIELDS`: 0 skips their weights). GLM-4's
+  ``Glm4Config`` has no such key; flashcp reads it there too (its own GLM exports of a model
+  with MTP layers write it, see below).
 * Every other key must be one flashcp knows (`KNOWN_KEYS`: the model keys above and metadata
   such as ``torch_dtype``, token ids, ``use_cache``): an unknown key might change the model, so
   it is refused with the advice to remove it if it is only metadata.
@@ -31,7 +35,10 @@ transformers builds from the same file, or the file is refused with every reason
 Writing (`hf_config`): the same keys back, in BOTH RoPE layouts (top-level keys for
 transformers 4.x and PaddleFormers, ``rope_parameters`` for 5.x), with the right
 ``architectures``; a `ModelArgs` that no HF class computes (e.g. GLM with another rotary
-pairing) is refused.
+pairing) is refused. ``num_nextn_predict_layers`` is `ModelArgs.mtp_layers`: always written for
+GLM-4.5 (as its own configs do), for GLM-4 only when > 0 (``Glm4Config`` keeps an unknown key
+as a plain attribute and ``Glm4ForCausalLM`` ignores it and the MTP weights, so transformers
+still loads the export; flashcp reads it back); GPT exports carry it in `ARGS_KEY`.
 """
 
 from __future__ import annotations
@@ -61,9 +68,12 @@ SUPPORTED = (
     "GLM-4.5-Air, model_type glm4_moe) and flashcp's own exports (FlashcpGPTForCausalLM)"
 )
 NOTE_MTP = (
-    "num_nextn_predict_layers: GLM-4.5's multi-token-prediction layers are not built (as in "
-    "transformers' Glm4MoeForCausalLM); their weights are skipped"
+    "num_nextn_predict_layers: the multi-token-prediction layers (model.layers.{L}...) are "
+    "built on the last pipeline stage and loaded (transformers' Glm4MoeForCausalLM ignores "
+    "them); model.mtp_layers: 0 skips them"
 )
+MTP_KEY = "num_nextn_predict_layers"
+"""config.json key of the number of multi-token-prediction layers (`ModelArgs.mtp_layers`)."""
 
 _COMMON_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151552,
@@ -137,6 +147,7 @@ FIELD_KEYS: dict[str, str] = {
     "routed_scaling_factor": "routed_scaling_factor",
     "norm_topk_prob": "norm_topk_prob",
     "initializer_range": "initializer_range",
+    "mtp_layers": MTP_KEY,
 }
 """`ModelArgs` field → the config.json key that defines it (for messages)."""
 TRAINING_FIELDS = (
@@ -146,10 +157,15 @@ TRAINING_FIELDS = (
     "moe_capacity_factor",
     "router_bias_update_rate",
     "router_aux_loss_coef",
+    "mtp_layers",
+    "mtp_loss_weight",
 )
-"""`ModelArgs` fields config.json does not define — how the run trains (recompute, the residual
-stream's dtype between layers, sequence tiling, MoE token capacity, the router's load
-balancing), not which model it is: a run config sets them freely."""
+"""`ModelArgs` fields a run config sets freely over config.json — how the run trains
+(recompute, the residual stream's dtype between layers, sequence tiling, MoE token capacity,
+the router's load balancing, the MTP loss weight), not which model it is. ``mtp_layers`` is
+read from config.json (``num_nextn_predict_layers``) but a run may carry fewer of the
+checkpoint's MTP layers (0: their weights are skipped when loading, with a note); more than
+the checkpoint holds is refused when loading, naming the missing weights."""
 
 _MODEL_KEYS = {
     "architectures",
@@ -456,7 +472,13 @@ def parse_hf_config(
             norm_topk_prob=_get(config, defaults, "norm_topk_prob"),
             use_qk_norm=_get(config, defaults, "use_qk_norm"),
         )
-        if _get(config, defaults, "num_nextn_predict_layers"):
+    mtp = config.get(MTP_KEY)
+    mtp = 0 if mtp is None else mtp  # Glm4Config has no such key; Glm4MoeConfig's default
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        problems.append((MTP_KEY, f"{mtp!r} must be an integer >= 0 (the number of MTP layers)"))
+    else:
+        values["mtp_layers"] = mtp
+        if mtp:
             notes.append(NOTE_MTP)
     for key in ("rotary_base", "partial_rotary_factor", "norm_eps", "initializer_range"):
         if _number(values[key]):
@@ -557,9 +579,10 @@ def hf_config(
             norm_topk_prob=args.norm_topk_prob,
             n_group=1,
             topk_group=1,
-            num_nextn_predict_layers=0,
             use_qk_norm=args.use_qk_norm,
         )
+    if args.arch == "glm_moe" or args.arch == "glm" and args.mtp_layers:
+        cfg[MTP_KEY] = args.mtp_layers
     for key in TOKEN_ID_KEYS:
         if token_ids is not None and (token_ids.get(key) is not None or nulls and key in token_ids):
             cfg[key] = token_ids[key]

@@ -18,13 +18,22 @@ are left to their stage, which checks them. Every key, shape and dtype is checke
 headers before any tensor is read; then each tensor is read, cast to the parameter's own
 storage dtype (float32 or bfloat16: bf16 files fill bf16 parameters bit for bit) and
 assigned. `on_tensor` / `read_hf_float32` give the file's float32 values for master weights.
-Skipped, never errors: ``lm_head.weight`` when the embeddings are tied,
-``*.rotary_emb.inv_freq`` (old exports), and for ``glm_moe`` the multi-token-prediction
-layers GLM-4.5 ships after its last decoder layer.
 
-`save_hf_checkpoint` writes the same layout (sharded above `max_shard_bytes`) plus the HF
-``config.json`` (`flashcp.models.hf_config.hf_config`); `args_from_hf_config` reads it, or a
-transformers-written one, back.
+Multi-token-prediction (MTP) layers (`flashcp.models.mtp`; GLM-4.5's
+``num_nextn_predict_layers``) are decoder layers numbered from ``num_layers`` on,
+``model.layers.{num_layers + d}.*``, with the names and orientations of any layer (their
+``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, ``shared_head.head``
+beside the block; routed experts per expert, only this ep rank's), and go with the last stage.
+A model built with `ModelArgs.mtp_layers` needs them like any other tensor (missing ones are
+named, with what to do); a checkpoint's MTP layers beyond the model's (e.g. a run with
+``model.mtp_layers: 0`` from a GLM-4.5 directory) are skipped with a one-line note
+(`MTP_SKIP_NOTE`). Also skipped, never errors: ``lm_head.weight`` when the embeddings are tied
+and ``*.rotary_emb.inv_freq`` (old exports).
+
+`save_hf_checkpoint` writes the same layout, MTP layers included (sharded above
+`max_shard_bytes`), plus the HF ``config.json`` (`flashcp.models.hf_config.hf_config`, with
+``num_nextn_predict_layers``); `args_from_hf_config` reads it, or a transformers-written one,
+back.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import paddle
 from paddle import nn
 from safetensors.paddle import save_file
 
+from flashcp.log import log_once
 from flashcp.models.config import ModelArgs
 from flashcp.models.hf_config import (  # noqa: F401 - re-exported
     ARGS_KEY,
@@ -71,6 +81,13 @@ _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.")
 _SHOW = 12  # keys listed per kind of error
 _FIRST_STAGE = ("model.embed_tokens.", "model.embed_positions.")  # held with layer 0
 _LAST_STAGE = ("model.norm.", "lm_head.")  # held with the last layer
+MTP_MARK = "eh_proj.weight"
+"""The key (after ``model.layers.{i}.``) that makes checkpoint layer i an MTP layer."""
+MTP_SKIP_NOTE = (
+    "{source}: skipped its multi-token-prediction layers {layers}: model.mtp_layers is "
+    "{count} (set it to the checkpoint's num_nextn_predict_layers to keep and export them)"
+)
+"""One line when a load skips the checkpoint's MTP layers the model does not build."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -222,7 +239,11 @@ class LoadReport:
     """Weight files this load opened (read a header and tensors from)."""
     loaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    """Keys ignored on purpose (tied head, inv_freq, MTP layers, unexpected with strict=False)."""
+    """Keys ignored on purpose (tied head, inv_freq, MTP layers the model does not build,
+    unexpected with strict=False)."""
+    skipped_mtp: list[int] = field(default_factory=list)
+    """The checkpoint's MTP layers (global indices) skipped because the model builds fewer
+    (`ModelArgs.mtp_layers`); their keys are in `skipped`."""
     foreign: list[str] = field(default_factory=list)
     """Keys of other pipeline stages (or other ep ranks' experts): neither read nor checked
     here (their stage / ep rank checks them)."""
@@ -285,13 +306,28 @@ def _open_checkpoint(path: str | os.PathLike[str], counter: ReadCounter) -> _Che
     return _Checkpoint(str(p), {k: file for k in opened.tensors}, [file], {file: opened})
 
 
-def _skippable(key: str, args: ModelArgs) -> bool:
+def checkpoint_mtp_layers(keys: Collection[str], args: ModelArgs) -> set[int]:
+    """Indices of a checkpoint's MTP layers: those from ``num_layers`` on that have an
+    ``eh_proj`` (`MTP_MARK`), whatever `args.mtp_layers` builds."""
+    found = set()
+    for key in keys:
+        m = _LAYER_RE.match(key)
+        if m is None or key != f"model.layers.{m.group(1)}.{MTP_MARK}":
+            continue
+        if int(m.group(1)) >= args.num_layers:
+            found.add(int(m.group(1)))
+    return found
+
+
+def _skippable(key: str, args: ModelArgs, extra_mtp: Collection[int]) -> bool:
+    """Ignored on purpose: old ``inv_freq`` buffers, a tied head's copy, and the keys of the
+    checkpoint's MTP layers the model does not build (`extra_mtp`)."""
     if key.endswith("rotary_emb.inv_freq"):
         return True
     if key == "lm_head.weight" and args.tie_embeddings:
         return True
     m = _LAYER_RE.match(key)
-    return args.arch == "glm_moe" and m is not None and int(m.group(1)) >= args.num_layers
+    return m is not None and int(m.group(1)) in extra_mtp
 
 
 def held_experts(module: nn.Layer) -> dict[str, tuple[range, int]]:
@@ -311,9 +347,9 @@ def _foreign(
     """Whether `key` belongs to another pipeline stage than the module holding layers `held`,
     or to routed experts another ep rank holds (`experts`: `held_experts`).
 
-    Stages split the decoder layers; the embeddings go with layer 0 and the final norm and
-    head with the last layer (`flashcp.pipeline.stage`). The whole model holds every layer,
-    so nothing is foreign to it.
+    Stages split the decoder layers; the embeddings go with layer 0 and the final norm, head
+    and MTP layers with the last layer (`flashcp.pipeline.stage`). The whole model holds
+    every layer, so nothing is foreign to it.
     """
     e = _EXPERT_RE.match(key)
     if e is not None and e.group(1) in experts:
@@ -321,12 +357,25 @@ def _foreign(
         return int(e.group(2)) < total and int(e.group(2)) not in mine
     m = _LAYER_RE.match(key)
     if m is not None:
-        return int(m.group(1)) < args.num_layers and int(m.group(1)) not in held
+        index = int(m.group(1))
+        if index < args.num_layers:
+            return index not in held
+        if mtp_depth(key, args) is not None:  # the last stage's
+            return args.num_layers - 1 not in held
+        return False
     if key.startswith(_FIRST_STAGE):
         return 0 not in held
     if key.startswith(_LAST_STAGE):
         return args.num_layers - 1 not in held
     return False
+
+
+def mtp_depth(key: str, args: ModelArgs) -> int | None:
+    """The MTP depth (0-based) of the model's MTP layer `key` belongs to; None for other keys."""
+    m = _LAYER_RE.match(key)
+    if m is None or not args.num_layers <= int(m.group(1)) < args.num_layers + args.mtp_layers:
+        return None
+    return int(m.group(1)) - args.num_layers
 
 
 def _listing(title: str, items: list[str], hint: str = "") -> str:
@@ -364,9 +413,12 @@ def _plan(
             raise KeyError(f"not tensors of this module: {unknown[:_SHOW]}")
         entries = {k: held_entries[k] for k in names}
     missing = sorted(set(entries) - set(ckpt.key_files))
+    built = args.num_layers + args.mtp_layers
+    extra_mtp = {i for i in checkpoint_mtp_layers(ckpt.key_files, args) if i >= built}
+    report.skipped_mtp = sorted(extra_mtp)
     unexpected: list[str] = []
     for key in sorted(set(ckpt.key_files) - set(held_entries)):
-        if _skippable(key, args):
+        if _skippable(key, args, extra_mtp):
             report.skipped.append(key)
         elif _foreign(key, args, held, experts):
             report.foreign.append(key)
@@ -397,13 +449,24 @@ def _plan(
             continue
         plan.setdefault(f, []).append((entry, info))
     problems = []
-    if missing:
+    mtp_missing = [k for k in missing if mtp_depth(k, args) is not None]
+    if len(mtp_missing) < len(missing):
         problems.append(
             _listing(
                 "missing from the checkpoint",
-                missing,
+                [k for k in missing if mtp_depth(k, args) is None],
                 " [this module needs them: is checkpoint.init_from a checkpoint of this model "
                 "(arch, layers, sizes in its config.json)?]",
+            )
+        )
+    if mtp_missing:
+        problems.append(
+            _listing(
+                "multi-token-prediction (MTP) weights missing from the checkpoint",
+                mtp_missing,
+                f" [model.mtp_layers is {args.mtp_layers} (config.json "
+                "num_nextn_predict_layers): use a checkpoint that holds these MTP layers, or "
+                "set model.mtp_layers to the number it holds (0: none)]",
             )
         )
     if absent:
@@ -498,7 +561,17 @@ def load_hf_checkpoint(
             del tensor, value
             if on_tensor is not None:
                 on_tensor(info.key, Float32Source(raw, info.dtype, entry.transposed))
+    _note_skipped_mtp(module, path, report)
     return report
+
+
+def _note_skipped_mtp(module: nn.Layer, path: str | os.PathLike[str], report: LoadReport) -> None:
+    """Say once per process and checkpoint that its extra MTP layers were skipped."""
+    if report.skipped_mtp:
+        layers = ", ".join(f"model.layers.{i}" for i in report.skipped_mtp)
+        count = module.args.mtp_layers  # type: ignore[attr-defined]
+        note = MTP_SKIP_NOTE.format(source=path, layers=layers, count=count)
+        log_once(f"mtp-skip:{path}", note)
 
 
 def read_hf_float32(

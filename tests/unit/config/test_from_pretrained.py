@@ -4,6 +4,7 @@ contradiction refused naming both values."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from flashcp.config import (
 )
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
-from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.models.hf_weights import CheckpointMismatchError, save_hf_checkpoint
 from flashcp.trainer import default_model_factory
 
 ARGS = preset(
@@ -127,6 +128,29 @@ def test_training_side_keys_are_free_and_equal_keys_fine(model_dir: Path) -> Non
     assert {k: getattr(cfg.model, k) for k in free} == free
     same = {"hidden_size": 64, "rotary_base": 50000, "norm_eps": "1e-5", "use_qk_norm": True}
     assert build_config(_raw(model_dir, same)).model == build_config(_raw(model_dir)).model
+
+
+def test_mtp_layers_come_from_the_directory_and_may_be_dropped(tmp_path: Path) -> None:
+    """GLM-4.5's ``num_nextn_predict_layers: 1`` builds the MTP layer and loads it; its loss
+    weight is how the run trains (free); ``model.mtp_layers: 0`` drops it (its weights are
+    skipped); asking for more than the directory holds is refused naming the missing weights."""
+    args = dataclasses.replace(ARGS, mtp_layers=1)
+    directory = tmp_path / "glm45_mtp"
+    source = build_model(args, seed=12)
+    save_hf_checkpoint(source, directory)
+    assert json.loads((directory / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    cfg = build_config(_raw(directory, {"mtp_loss_weight": 0.3}))
+    assert cfg.model.mtp_layers == 1 and cfg.model.mtp_loss_weight == 0.3
+    loaded = default_model_factory(cfg)
+    for name, p in source.named_parameters():
+        np.testing.assert_array_equal(loaded.state_dict()[name].numpy(), p.numpy(), err_msg=name)
+    dropped = default_model_factory(build_config(_raw(directory, {"mtp_layers": 0})))
+    assert not dropped.mtp_layers()
+    assert not any(n.startswith("model.layers.2.") for n in dropped.state_dict())
+    more = build_config(_raw(directory, {"mtp_layers": 2}))
+    with pytest.raises(CheckpointMismatchError, match=r"MTP\) weights missing .*\n.*"
+                                                      r"model\.layers\.3\."):  # fmt: skip
+        default_model_factory(more)
 
 
 def test_preset_and_other_init_from_are_refused(model_dir: Path, tmp_path: Path) -> None:

@@ -176,10 +176,47 @@ def test_glm4_ignores_use_qk_norm_as_transformers_does() -> None:
     assert args.arch == "glm" and not args.use_qk_norm and args.interleaved_rotary
 
 
-def test_mtp_layers_are_noted_not_built() -> None:
-    values, notes = parse_hf_config({**MOE_5X, "num_nextn_predict_layers": 1})
-    assert notes == [NOTE_MTP] and values["num_layers"] == 2
-    assert parse_hf_config(MOE_5X)[1] == []
+@pytest.mark.parametrize("layout", [dict, as_4x], ids=["5.x", "4.x"])
+def test_mtp_layers_are_read_into_mtp_layers(layout: Any) -> None:
+    """GLM-4.5's ``num_nextn_predict_layers`` is `ModelArgs.mtp_layers` (both config layouts),
+    noted; absent it is 0 (the class default), as for GLM-4, whose class has no such key."""
+    values, notes = parse_hf_config(layout({**MOE_5X, "num_nextn_predict_layers": 1}))
+    assert notes == [NOTE_MTP] and values["mtp_layers"] == 1 and values["num_layers"] == 2
+    assert args_from_hf_config(layout({**MOE_5X, "num_nextn_predict_layers": 1})).mtp_layers == 1
+    values, notes = parse_hf_config(layout(MOE_5X))
+    assert notes == [] and values["mtp_layers"] == 0
+    glm4 = {**layout(MOE_5X), "architectures": ["Glm4ForCausalLM"], "model_type": "glm4"}
+    for key in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts", "topk_group",
+                "n_group", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "routed_scaling_factor"):  # fmt: skip
+        glm4.pop(key)
+    assert args_from_hf_config(glm4).mtp_layers == 0
+    assert args_from_hf_config({**glm4, "num_nextn_predict_layers": 2}).mtp_layers == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_bad_mtp_layer_counts_are_refused_naming_the_key(bad: Any) -> None:
+    text = _problems({**MOE_5X, "num_nextn_predict_layers": bad})
+    assert f"num_nextn_predict_layers: {bad!r} must be an integer >= 0" in text
+
+
+@pytest.mark.parametrize("arch", ["gpt", "glm", "glm_moe"])
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_exported_mtp_layers_round_trip(arch: str, mtp: int) -> None:
+    """An export writes ``num_nextn_predict_layers``: always for GLM-4.5 (as its own configs
+    do), for GLM-4 only when there are MTP layers (transformers' Glm4Config keeps it as an
+    extra attribute), GPT inside its flashcp args; each reads back the same model."""
+    name = "tiny" if arch == "gpt" else f"tiny_{arch}"
+    args = preset(name, mtp_layers=mtp, mtp_loss_weight=0.5 if mtp else 0.0)
+    config = hf_config(args)
+    back = args_from_hf_config(config)
+    assert back.mtp_layers == mtp
+    if arch == "glm_moe" or arch == "glm" and mtp:
+        assert config["num_nextn_predict_layers"] == mtp
+    else:
+        assert "num_nextn_predict_layers" not in config
+    if arch != "gpt":  # the loss weight is how a run trains, not the model: not in config.json
+        assert back == dataclasses.replace(args, head_dim=args.head_size, mtp_loss_weight=0.0)
 
 
 @pytest.mark.parametrize("arch", ["glm", "glm_moe"])

@@ -222,7 +222,7 @@ def test_load_glm4_single_file_matches_hf_reference(tmp_path: Path) -> None:
 def test_load_glm45_sharded_skips_mtp_layer_and_matches_reference(tmp_path: Path) -> None:
     args = _args("glm_moe")
     w = hf_weights(args)
-    mtp = {  # GLM-4.5 ships its multi-token-prediction layer after the last decoder layer
+    mtp = {  # GLM-4.5's multi-token-prediction layer: this model (mtp_layers 0) skips it
         "model.layers.2.eh_proj.weight": np.zeros((32, 64), np.float32),
         "model.layers.2.enorm.weight": np.ones(32, np.float32),
     }
@@ -240,6 +240,7 @@ def test_load_glm45_sharded_skips_mtp_layer_and_matches_reference(tmp_path: Path
     model = build_model(args)
     report = load_hf_checkpoint(model, tmp_path)
     assert sorted(report.skipped) == sorted(mtp) and len(report.files) == 2
+    assert report.skipped_mtp == [2]
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias.numpy()
     np.testing.assert_array_equal(bias, w["model.layers.1.mlp.gate.e_score_correction_bias"])
     np.testing.assert_allclose(
@@ -421,8 +422,9 @@ AIR_CONFIG = {
 
 
 def test_hf_air_config_gives_the_preset() -> None:
-    assert args_from_hf_config(AIR_CONFIG) == preset("glm45_air")
+    # with its multi-token-prediction layer (num_nextn_predict_layers 1)
+    assert args_from_hf_config(AIR_CONFIG) == preset("glm45_air", mtp_layers=1)
     full = args_from_hf_config({**AIR_CONFIG, "use_qk_norm": True})  # GLM-4.5 (not Air)
-    assert full == preset("glm45_air", use_qk_norm=True)
+    assert full == preset("glm45_air", use_qk_norm=True, mtp_layers=1)
     with pytest.raises(ValueError, match="'llama' is not supported"):
         args_from_hf_config({**AIR_CONFIG, "model_type": "llama", "architectures": None})
