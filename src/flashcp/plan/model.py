@@ -492,7 +492,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     # (and the MoE layers' all-to-all buffers under ep, while the MLP runs)
     mlp_moment: list[tuple[float, float, float, float]] = []
     attn_moment: list[tuple[float, float, float, float]] = []
-    for pos, index in enumerate(layers):
+    # trained MTP layers (`flashcp.models.mtp`, last stage): each depth's block is planned as
+    # one more layer above the stage's own (never offloaded: `DecoderOps.run_mtp`)
+    mtp = [args.num_layers + d for d in range(args.mtp_layers)] if last and args.mtp_trained else []
+    for pos, index in enumerate([*layers, *mtp]):
         lora_experts = act.experts_adapted(args, index, lora)
         saved = act.layer_saved(args, index, dt, buf, s.ep, experts_lora=lora_experts)
         saved += act.lora_saved(args, index, lora, s.lora_rank, dt, buf)
@@ -523,7 +526,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         keep = act.layer_output(args)
         if mode == "refined":
             keep = keep + act.refined_extra(args)
-        if offload:
+        if offload and index < args.num_layers:
             # the layer's input moves to host (the stage input, or the previous layer's
             # output), with refined recompute its stored attention output and LSE; the last
             # layer's output stays: the final norm (or the send to the next stage) holds it
@@ -545,6 +548,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
         mlp_moment.append((own, rerun + mlp_t + upcast, 0.0, ep_t))
         attn_moment.append((own, attn_part + replay + attn_t + upcast, attn.kv_gather, 0.0))
+    # the MTP depths' entries apart from the stage's layers
+    n_main = len(layers)
+    mtp_kept, mtp_mlp, mtp_attn = kept[n_main:], mlp_moment[n_main:], attn_moment[n_main:]
+    del kept[n_main:], mlp_moment[n_main:], attn_moment[n_main:]
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
     # per micro-batch: the rotary tables (and stage input) per token; under CP the attention
     # plan's rebased local mask, which every layer of the micro-batch shares
@@ -595,6 +602,34 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         micro_acts += T * (H * dt.res + 2 * 4)
     else:
         micro_acts += head_copy
+    # Trained MTP depths (`flashcp.models.mtp`): per micro-batch each keeps its input part
+    # (`act.mtp_input_saved`), its block (planned as a layer above the stage's, in the
+    # model's recompute mode), its head's saved tensors (and unchunked its softmax and the
+    # head weight's compute-dtype copy, as the main head's), and under autocast eh_proj's
+    # weight copy. They back-propagate before the stage's layers do.
+    mtp_in = act.mtp_input_saved(args, dt).bytes(dt) * T
+    mtp_head = act.mtp_head_saved(args, chunked=s.chunk > 0).bytes(dt) * T
+    mtp_head += (0 if s.chunk > 0 else head_copy) + (2 * H * H * dt.c if head_copy else 0)
+    mtp_own = [mtp_in + own + mtp_head for own in mtp_kept]
+    micro_mtp = int(sum(mtp_own))
+    micro_full = micro_acts + micro_mtp  # a micro-batch's activations before its backward
+    softmax_all = softmax_kept * (1 + len(mtp))  # the main head's and each MTP head's
+    mtp_head_grad = mtp_emb_grad = 0
+    for index in mtp:
+        p = f"model.layers.{index}"
+        names = {x.name for x in specs if x.trained}
+        mtp_head_grad = H * V * grad_bytes if f"{p}.shared_head.head.weight" in names else 0
+        mtp_emb_grad = V * H * grad_bytes if f"{p}.embed_tokens.weight" in names else 0
+    # the worst moment of an MTP depth's backward: the stage's layers and final norm all kept,
+    # the depths below it and its input part; the main head's gradient of the final hidden
+    # states waiting to be added to the MTP branch's
+    best_mtp = (0.0, 0.0, 0.0, 0.0)
+    for j in range(len(mtp)):
+        below = fixed_bytes + sum(kept) + norm_bytes + sum(mtp_own[:j]) + mtp_in
+        for acts_j, work_j, gather_j, ep_j in (mtp_mlp[j], mtp_attn[j]):
+            cand = (below + acts_j, work_j + T * H * 4, gather_j, ep_j)
+            if sum(cand) > sum(best_mtp):
+                best_mtp = cand
     # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs
     # (forward, and again for dx in backward), next to one [rows, V] buffer.
     head_upcast = H * V * 4 if (last and dt.upcast) else 0
@@ -639,28 +674,58 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         items.update({k: int(v) for k, v in extra.items()})
         moments[name] = items
 
-    all_acts = flight * micro_acts
+    others = (flight - 1) * micro_full  # the other in-flight micro-batches' activations
+    held = (flight - 1) * softmax_all if last else 0  # and their softmax (unchunked)
     if last:
-        held = (flight - 1) * softmax_kept  # other in-flight micro-batches' softmax
         moment(
             "forward: loss",
-            activations=all_acts,
+            activations=others + micro_acts,
             logits_loss=held + loss_peak,
         )
         moment(
             "backward: head",
-            activations=all_acts,
+            activations=others + micro_full,
             # the softmax turned gradient in place (chunked: the recomputed chunk's; its
             # re-run forward is the 'forward: loss' peak again), next to the head's weight
             # gradient being formed or (bf16 storage on CPU) the head weight upcast for dx
-            logits_loss=held + rows * V * 4,
+            logits_loss=held + softmax_all - softmax_kept + rows * V * 4,
             weight_grad_transient=max(head_grad, head_upcast) + T * H * dt.c,
             grad_buckets=backward_buckets("lm_head" if not args.tie_embeddings
                                           else "model.embed_tokens"),
         )
+        if mtp:
+            moment(
+                "forward: mtp loss",  # the last depth's head: every depth's activations kept
+                activations=others + micro_full,
+                logits_loss=held + softmax_all - softmax_kept + loss_peak,
+            )
+            moment(
+                "backward: mtp head",  # its softmax turned gradient, its head's weight gradient
+                activations=others + micro_full,
+                logits_loss=held + softmax_all - softmax_kept + rows * V * 4,
+                weight_grad_transient=max(mtp_head_grad, head_upcast) + T * H * dt.c,
+                grad_buckets=backward_buckets("layers"),
+            )
+            moment(
+                "backward: mtp layer",
+                activations=others + best_mtp[0],
+                logits_loss=held,
+                layer_working_set=best_mtp[1],
+                attention_kv_gather=best_mtp[2],
+                ep_buffers=best_mtp[3],
+                grad_buckets=backward_buckets("layers"),
+            )
+            if mtp_emb_grad:
+                moment(
+                    "backward: mtp embedding",  # its dense weight gradient being formed
+                    activations=others + fixed_bytes + sum(kept) + norm_bytes + mtp_in,
+                    logits_loss=held,
+                    weight_grad_transient=mtp_emb_grad,
+                    grad_buckets=backward_buckets("layers"),
+                )
         moment(
             "backward: layer",
-            activations=(flight - 1) * micro_acts + best[0],
+            activations=others + best[0],
             logits_loss=held,
             layer_working_set=best[1],
             attention_kv_gather=best[2],
@@ -670,7 +735,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     else:
         moment(
             "backward: layer",
-            activations=(flight - 1) * micro_acts + best[0],
+            activations=others + best[0],
             layer_working_set=best[1],
             attention_kv_gather=best[2],
             ep_buffers=best[3],
@@ -680,8 +745,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     if emb_grad:
         moment(
             "backward: embedding",
-            activations=(flight - 1) * micro_acts,
-            logits_loss=(flight - 1) * softmax_kept if last else 0,
+            activations=others,
+            logits_loss=held,
             weight_grad_transient=emb_grad,
             grad_buckets=backward_buckets("model.embed_tokens"),
         )
@@ -721,11 +786,28 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         )
         moment(
             "forward: layer",
-            activations=(flight - 1) * micro_acts + forward[0],
-            logits_loss=(flight - 1) * softmax_kept if last else 0,
+            activations=others + forward[0],
+            logits_loss=held,
             layer_working_set=forward[1],
             ep_buffers=forward[2],
             p2p_buffers=0,
+        )
+    if mode != "none" and mtp:
+        # an MTP depth's block forward (recompute's first pass), after the main head's loss
+        # (and the depths below it) ran: every stage layer kept, and the depth's input part
+        depth, (own_j, work_j, ep_j) = max(
+            (
+                (j, (micro_acts + sum(mtp_own[:j]) + mtp_in, *nograd(index)))
+                for j, index in enumerate(mtp)
+            ),
+            key=lambda x: sum(x[1]),
+        )
+        moment(
+            "forward: mtp layer",
+            activations=others + own_j,
+            logits_loss=held + softmax_kept * (1 + depth),
+            layer_working_set=work_j,
+            ep_buffers=ep_j,
         )
     if s.dpo:
         # the reference pass runs with the adapters off (LoRA) or on the reference copy
