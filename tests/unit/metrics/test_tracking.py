@@ -114,6 +114,27 @@ def test_matmul_parameters_are_the_models_matmul_weights(name: str) -> None:
     assert dpo == 8 * weights + attention * 16 / 12
 
 
+def test_trained_mtp_layers_count_one_more_layer_and_head_per_depth() -> None:
+    """Trained MTP depths (`model.mtp_loss_weight` > 0) run a block, eh_proj and a head per
+    token: every 2-D weight of the built model, and attention over L + D layers; frozen
+    ones never run: the count without them (negative control: the built weights exceed it)."""
+    trained = preset("tiny_glm", mtp_layers=2, mtp_loss_weight=0.3)
+    model = build_model(trained)
+    weights = sum(
+        int(np.prod(p.shape))
+        for n, p in model.named_parameters()
+        if len(p.shape) == 2 and "embed" not in n
+    )
+    assert matmul_parameters(trained) == weights
+    seq = 64
+    layers = trained.num_layers + 2
+    attention = 12 * layers * trained.num_heads * trained.head_size * seq
+    assert flops_per_token(trained, seq) == 6 * weights + attention
+    frozen = preset("tiny_glm", mtp_layers=2)
+    assert matmul_parameters(frozen) == matmul_parameters(preset("tiny_glm")) < weights
+    assert flops_per_token(frozen, seq) == flops_per_token(preset("tiny_glm"), seq)
+
+
 def test_moe_counts_only_the_experts_a_token_uses() -> None:
     """An MoE layer: the router, the shared expert and top-k of the routed experts."""
     args = preset("tiny_glm_moe")
