@@ -51,7 +51,13 @@ from flashcp.plan import activations as act
 from flashcp.plan.comms import Communicators, communicators
 from flashcp.plan.features import Features, features_of
 from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments
-from flashcp.plan.params import is_expert, layer_parameters, stage_buffers, stage_parameters
+from flashcp.plan.params import (
+    is_expert,
+    is_mtp,
+    layer_parameters,
+    stage_buffers,
+    stage_parameters,
+)
 
 GIB = 2**30
 
@@ -67,6 +73,8 @@ ITEMS: tuple[str, ...] = (
     "dpo_reference",
     "inputs",
     "activations",
+    "mtp_params",
+    "mtp_activations",
     "layer_working_set",
     "attention_kv_gather",
     "logits_loss",
@@ -96,6 +104,11 @@ ITEM_DOCS: dict[str, str] = {
     "inputs": "token ids, positions, labels (int64) and masks of the step's micro-batches",
     "activations": "what autograd keeps for the micro-batches in flight (per recompute mode), "
     "stage inputs, rotary tables, CP masks, final norm",
+    "mtp_params": "the multi-token-prediction layers' weights (last stage, model.mtp_layers) "
+    "in train.param_dtype: trained with model.mtp_loss_weight > 0 (their gradients and "
+    "optimizer state are in those items), else carried frozen",
+    "mtp_activations": "what the trained MTP depths keep for backward (embedding, norms, "
+    "eh_proj input, block per recompute mode, head), per micro-batch in flight",
     "layer_working_set": "one layer's backward: its activation gradients, and under recompute "
     "its re-run forward",
     "attention_kv_gather": "CP: full-sequence K/V all-gathered for one layer, dK/dV partial "
@@ -451,9 +464,19 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         lora_experts = act.experts_adapted(args, index, s.lora_targets)
         return act.ep_exchange_bytes(args, dt, tokens, s.ep, experts_lora=lora_experts)
 
+    # the MTP layers' weights, an item of their own (`flashcp.models.mtp`)
+    # (trained: PT; frozen: P, but frozen LoRA adapters on them stay float32)
+    mtp_trained = sum(x.numel for x in specs if x.trained and is_mtp(x, args))
+    mtp_frozen = sum(x.numel for x in specs if not x.trained and is_mtp(x, args))
+    mtp_adapters = sum(
+        x.numel
+        for x in specs
+        if not x.trained and is_mtp(x, args) and x.name.endswith(("lora_A", "lora_B"))
+    )
     persistent = {
-        "params_trained": n_trained * PT,
-        "params_frozen": n_frozen * P,
+        "params_trained": (n_trained - mtp_trained) * PT,
+        "params_frozen": (n_frozen - mtp_frozen) * P,
+        "mtp_params": mtp_trained * PT + (mtp_frozen - mtp_adapters) * P + mtp_adapters * 4,
         "buffers": _numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
         # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
         # release the bf16 `.grad` (`flashcp.optim.zero.attach_main_grad`).
@@ -612,7 +635,6 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     mtp_head += (0 if s.chunk > 0 else head_copy) + (2 * H * H * dt.c if head_copy else 0)
     mtp_own = [mtp_in + own + mtp_head for own in mtp_kept]
     micro_mtp = int(sum(mtp_own))
-    micro_full = micro_acts + micro_mtp  # a micro-batch's activations before its backward
     softmax_all = softmax_kept * (1 + len(mtp))  # the main head's and each MTP head's
     mtp_head_grad = mtp_emb_grad = 0
     for index in mtp:
@@ -623,9 +645,11 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     # the worst moment of an MTP depth's backward: the stage's layers and final norm all kept,
     # the depths below it and its input part; the main head's gradient of the final hidden
     # states waiting to be added to the MTP branch's
+    # (MTP activations, working set, K/V gather, ep buffers)
+    stage_kept = int(fixed_bytes + sum(kept)) + norm_bytes
     best_mtp = (0.0, 0.0, 0.0, 0.0)
     for j in range(len(mtp)):
-        below = fixed_bytes + sum(kept) + norm_bytes + sum(mtp_own[:j]) + mtp_in
+        below = sum(mtp_own[:j]) + mtp_in
         for acts_j, work_j, gather_j, ep_j in (mtp_mlp[j], mtp_attn[j]):
             cand = (below + acts_j, work_j + T * H * 4, gather_j, ep_j)
             if sum(cand) > sum(best_mtp):
@@ -674,17 +698,20 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         items.update({k: int(v) for k, v in extra.items()})
         moments[name] = items
 
-    others = (flight - 1) * micro_full  # the other in-flight micro-batches' activations
+    # the other in-flight micro-batches' activations (the MTP depths' apart)
+    others, others_mtp = (flight - 1) * micro_acts, (flight - 1) * micro_mtp
     held = (flight - 1) * softmax_all if last else 0  # and their softmax (unchunked)
     if last:
         moment(
             "forward: loss",
             activations=others + micro_acts,
+            mtp_activations=others_mtp,
             logits_loss=held + loss_peak,
         )
         moment(
             "backward: head",
-            activations=others + micro_full,
+            activations=others + micro_acts,
+            mtp_activations=others_mtp + micro_mtp,
             # the softmax turned gradient in place (chunked: the recomputed chunk's; its
             # re-run forward is the 'forward: loss' peak again), next to the head's weight
             # gradient being formed or (bf16 storage on CPU) the head weight upcast for dx
@@ -696,19 +723,22 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         if mtp:
             moment(
                 "forward: mtp loss",  # the last depth's head: every depth's activations kept
-                activations=others + micro_full,
+                activations=others + micro_acts,
+                mtp_activations=others_mtp + micro_mtp,
                 logits_loss=held + softmax_all - softmax_kept + loss_peak,
             )
             moment(
                 "backward: mtp head",  # its softmax turned gradient, its head's weight gradient
-                activations=others + micro_full,
+                activations=others + micro_acts,
+                mtp_activations=others_mtp + micro_mtp,
                 logits_loss=held + softmax_all - softmax_kept + rows * V * 4,
                 weight_grad_transient=max(mtp_head_grad, head_upcast) + T * H * dt.c,
                 grad_buckets=backward_buckets("layers"),
             )
             moment(
                 "backward: mtp layer",
-                activations=others + best_mtp[0],
+                activations=others + stage_kept,
+                mtp_activations=others_mtp + best_mtp[0],
                 logits_loss=held,
                 layer_working_set=best_mtp[1],
                 attention_kv_gather=best_mtp[2],
@@ -718,7 +748,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
             if mtp_emb_grad:
                 moment(
                     "backward: mtp embedding",  # its dense weight gradient being formed
-                    activations=others + fixed_bytes + sum(kept) + norm_bytes + mtp_in,
+                    activations=others + stage_kept,
+                    mtp_activations=others_mtp + mtp_in,
                     logits_loss=held,
                     weight_grad_transient=mtp_emb_grad,
                     grad_buckets=backward_buckets("layers"),
@@ -726,6 +757,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         moment(
             "backward: layer",
             activations=others + best[0],
+            mtp_activations=others_mtp,
             logits_loss=held,
             layer_working_set=best[1],
             attention_kv_gather=best[2],
@@ -736,6 +768,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         moment(
             "backward: layer",
             activations=others + best[0],
+            mtp_activations=others_mtp,
             layer_working_set=best[1],
             attention_kv_gather=best[2],
             ep_buffers=best[3],
@@ -746,6 +779,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         moment(
             "backward: embedding",
             activations=others,
+            mtp_activations=others_mtp,
             logits_loss=held,
             weight_grad_transient=emb_grad,
             grad_buckets=backward_buckets("model.embed_tokens"),
@@ -787,6 +821,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         moment(
             "forward: layer",
             activations=others + forward[0],
+            mtp_activations=others_mtp,
             logits_loss=held,
             layer_working_set=forward[1],
             ep_buffers=forward[2],
@@ -797,14 +832,15 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         # (and the depths below it) ran: every stage layer kept, and the depth's input part
         depth, (own_j, work_j, ep_j) = max(
             (
-                (j, (micro_acts + sum(mtp_own[:j]) + mtp_in, *nograd(index)))
+                (j, (sum(mtp_own[:j]) + mtp_in, *nograd(index)))
                 for j, index in enumerate(mtp)
             ),
             key=lambda x: sum(x[1]),
         )
         moment(
             "forward: mtp layer",
-            activations=others + own_j,
+            activations=others + micro_acts,
+            mtp_activations=others_mtp + own_j,
             logits_loss=held + softmax_kept * (1 + depth),
             layer_working_set=work_j,
             ep_buffers=ep_j,

@@ -250,29 +250,30 @@ def test_plan_counts_trained_mtp_within_15_percent_of_measured_peak(
 
 
 def test_plan_mtp_parameter_bytes_equal_the_model() -> None:
-    """The planned bytes of a stage with an MTP layer are the built model's: trained (weights,
-    gradients, moments) with a loss weight, frozen (weights only) without, the frozen plan
-    exactly one MTP layer's weights above the plan without one."""
+    """The MTP layer's weights are an item of their own (`mtp_params`) equal to the built
+    layer's; with a loss weight they are trained (gradients and AdamW moments grow with them),
+    without one carried frozen: weights only, the other items as without an MTP layer."""
     base = {"preset": "tiny_glm_moe", "mtp_layers": 1}
-    plans = {}
+    none = plan(build_config({"model": {"preset": "tiny_glm_moe"}})).ranks[0].items
     for weight in (0.3, 0.0):
         cfg = build_config({"model": {**base, "mtp_loss_weight": weight}})
         model = build_model(cfg.model, seed=0)
         if not cfg.model.mtp_trained:
             freeze_mtp_layers(model)
+        mtp = model.model.layers[model.args.num_layers]
+        layer = sum(int(np.prod(p.shape)) * 4 for p in mtp.parameters())
         trained = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if not p.stop_gradient)
-        frozen = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if p.stop_gradient)
         items = plan(cfg).ranks[0].items
-        assert (items["params_trained"], items["params_frozen"]) == (trained, frozen)
+        assert items["mtp_params"] == layer
+        assert items["params_trained"] == none["params_trained"]
+        assert items["params_frozen"] == none["params_frozen"] == 0
         assert items["gradients"] == trained
-        plans[weight] = items
-    none = plan(build_config({"model": {"preset": "tiny_glm_moe"}})).ranks[0].items
-    mtp = model.model.layers[model.args.num_layers]
-    layer = sum(int(np.prod(p.shape)) * 4 for p in mtp.parameters())
-    assert plans[0.0]["params_frozen"] == layer
-    assert plans[0.0]["params_trained"] == none["params_trained"]
-    assert plans[0.0]["optimizer_states"] == none["optimizer_states"]
-    assert plans[0.3]["optimizer_states"] > none["optimizer_states"]
+        if weight:
+            assert items["gradients"] == none["gradients"] + layer
+            assert items["optimizer_states"] > none["optimizer_states"]
+        else:
+            assert items["gradients"] == none["gradients"]
+            assert items["optimizer_states"] == none["optimizer_states"]
 
 
 # -- the grouped MoE layer against the allocator ----------------------------------------------
@@ -521,6 +522,22 @@ def test_format_plan_lists_items_per_stage(tiny_cfg: TinyCfg) -> None:
     text = format_plan(plan(cfg, budget_gib=1e-4), cfg, source="x.yaml")
     assert "stage 0 (rank 0)" in text and "stage 1 (rank 1)" in text
     assert "DOES NOT FIT" in text and "fits: NO" in text and "optimizer_states" in text
+    assert "MTP" not in text and "mtp_" not in text
+
+
+def test_format_plan_names_the_mtp_layers(tiny_cfg: TinyCfg) -> None:
+    """The last stage's MTP layers: named beside its decoder layers, their items by name."""
+    mtp = {"preset": "tiny_glm_moe", "mtp_layers": 1}
+    for weight, state, items in ((0.3, "trained", ("mtp_params", "mtp_activations")),
+                                 (0.0, "frozen", ("mtp_params",))):  # fmt: skip
+        cfg = tiny_cfg(
+            model={**mtp, "mtp_loss_weight": weight}, parallel={"pp": 2}, train={"grad_accum": 2}
+        )
+        text = format_plan(plan(cfg), cfg, source="x.yaml")
+        assert f"stage 1 (rank 1), layer 1 + MTP layer 2 ({state})" in text
+        assert "stage 0 (rank 0), layer 0:" in text
+        lines = [line.split()[0] for line in text.splitlines() if line.startswith("  mtp_")]
+        assert sorted(lines) == sorted(items)
 
 
 # -- the CLI --------------------------------------------------------------------------------
