@@ -36,6 +36,7 @@ EXPECTED = {
     "gpt/tiny_cp4.yaml",
     "glm/tiny_cp2.yaml",
     "glm/tiny_moe_cp2.yaml",
+    "glm/tiny_moe_mtp_cp2.yaml",
     "glm/glm4_9b_cp8.yaml",
     "glm/glm45_air_cp8.yaml",
     "gpt/tiny_sft_packed_cp2.yaml",
