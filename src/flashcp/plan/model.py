@@ -14,6 +14,12 @@ evaluates the moments where a rank can peak and keeps the largest:
   under recompute the layer's re-run forward; the worst one counts;
 * ``backward: embedding`` (first stage): the embedding's dense gradient being formed;
 * ``reference forward`` (DPO): the no-gradient reference pass;
+* trained multi-token-prediction layers (`model.mtp_layers`, `model.mtp_loss_weight` > 0; the
+  last stage): ``forward: mtp loss`` and ``backward: mtp head`` (a depth's head, every depth's
+  activations kept), ``backward: mtp layer`` (a depth's block backward above the stage's kept
+  layers, planned like one more layer), ``backward: mtp embedding``, and under recompute
+  ``forward: mtp layer``; the MTP branch back-propagates before the stage's layers, so their
+  moments hold none of it. Frozen MTP layers are weights only (item ``mtp_params``);
 * ``optimizer step``: gradient all-reduce buckets, the squared-norm temporaries, the pipeline
   clip's gradient copy; with float32 masters (bf16 storage or ZeRO) the flat reduce-scatter
   buffers, then the shard's gradients and their clipped copy and the all-gather buffers.
@@ -636,16 +642,19 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     mtp_own = [mtp_in + own + mtp_head for own in mtp_kept]
     micro_mtp = int(sum(mtp_own))
     softmax_all = softmax_kept * (1 + len(mtp))  # the main head's and each MTP head's
+    # an MTP head's / embedding's weight gradient being formed (trained unless under LoRA)
+    names = {x.name for x in specs if x.trained}
     mtp_head_grad = mtp_emb_grad = 0
     for index in mtp:
         p = f"model.layers.{index}"
-        names = {x.name for x in specs if x.trained}
-        mtp_head_grad = H * V * grad_bytes if f"{p}.shared_head.head.weight" in names else 0
-        mtp_emb_grad = V * H * grad_bytes if f"{p}.embed_tokens.weight" in names else 0
-    # the worst moment of an MTP depth's backward: the stage's layers and final norm all kept,
-    # the depths below it and its input part; the main head's gradient of the final hidden
-    # states waiting to be added to the MTP branch's
-    # (MTP activations, working set, K/V gather, ep buffers)
+        if f"{p}.shared_head.head.weight" in names:
+            mtp_head_grad = H * V * grad_bytes
+        if f"{p}.embed_tokens.weight" in names:
+            mtp_emb_grad = V * H * grad_bytes
+    # The worst moment of an MTP depth's backward (MTP activations, working set, K/V gather,
+    # ep buffers): the stage's layers and final norm all kept, the depths below it and its
+    # input part, and the main head's gradient of the final hidden states waiting to be added
+    # to the MTP branch's.
     stage_kept = int(fixed_bytes + sum(kept)) + norm_bytes
     best_mtp = (0.0, 0.0, 0.0, 0.0)
     for j in range(len(mtp)):
