@@ -335,6 +335,8 @@ def gpu_plans() -> list[dict[str, Any]]:
                 "stage": r.stage,
                 "ranks": [x.rank for x in p.ranks if x.stage == r.stage],
                 "layers": [r.layers.start, r.layers.stop],
+                # the last stage's multi-token-prediction layers (flashcp.models.mtp)
+                "mtp_layers": cfg.model.mtp_layers if r.stage == cfg.parallel.pp - 1 else 0,
                 "total_bytes": r.total_bytes,
                 "moment": r.moment,
                 "items": r.items,

@@ -72,6 +72,9 @@ def _config(tmp: Path, init_from: Path | None) -> Any:
     overrides = [
         "model.num_layers=3",
         "model.first_k_dense_replace=2",
+        # the recipe's frozen MTP layer (another real-width MoE block, embedding and head,
+        # ~3.6B parameters) is left out: the rehearsal is the stage's decoder layers and head
+        "model.mtp_layers=0",
         "model.recompute=none",
         "parallel.pp=2",
         f"parallel.pp_layers={PP_LAYERS}",

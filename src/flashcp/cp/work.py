@@ -9,8 +9,9 @@ the MFU figure (`flashcp.metrics.flops`) use:
   (`matmul_parameters`), w = 6 (forward 2N, backward 4N), 4 with LoRA (the frozen base
   weights get no weight gradient), + 2 for DPO's reference forward pass;
 * `attention_per_pair` = a · L · H · d for every (query, key) pair the mask leaves visible,
-  L layers × H query heads × head dim d: a = 12 (forward QKᵀ and AV, 4·H·d per pair and
-  layer, and twice that backward), + 4 for DPO's reference forward pass.
+  L layers (the trained MTP depths included) × H query heads × head dim d: a = 12 (forward
+  QKᵀ and AV, 4·H·d per pair and layer, and twice that backward), + 4 for DPO's reference
+  forward pass.
 
 `pairs` comes from the row's actual mask: `mask_pairs` counts them from any FlashMask in
 O(S), and `causal_pairs` / `share_question_pairs` give the same count from the segment lengths
@@ -48,21 +49,31 @@ def matmul_parameters(args: Any) -> int:
 
     Every decoder layer's attention and MLP — for an MoE layer the router, the shared experts
     and the `num_experts_per_tok` routed experts a token is sent to, not all experts — and the
-    LM head; embedding lookups, norms and biases are left out.
+    LM head; embedding lookups, norms and biases are left out. Trained multi-token-prediction
+    layers (`model.mtp_loss_weight` > 0, `flashcp.models.mtp`) add per depth one more such
+    layer, its `eh_proj` (2H × H) and its head; frozen ones never run and add nothing.
     """
     h, d = int(args.hidden_size), int(args.head_size)
     q, kv = int(args.num_heads) * d, int(args.num_kv_heads) * d
     attention = h * (q + 2 * kv) + q * h
     dense = (2 if args.arch == "gpt" else 3) * h * int(args.intermediate_size)
     total = 0
-    for layer in range(int(args.num_layers)):
+    depths = trained_mtp_depths(args)
+    for layer in range(int(args.num_layers) + depths):
         if args.is_moe_layer(layer):
             active = int(args.num_experts_per_tok) + int(args.num_shared_experts)
             mlp = active * 3 * h * int(args.moe_intermediate_size) + h * int(args.num_experts)
         else:
             mlp = dense
         total += attention + mlp
-    return total + int(args.vocab_size) * h
+    head = int(args.vocab_size) * h
+    return total + head + depths * (2 * h * h + head)
+
+
+def trained_mtp_depths(args: Any) -> int:
+    """The multi-token-prediction depths a step runs: `model.mtp_layers` when trained
+    (`mtp_loss_weight` > 0), else 0 (frozen MTP layers are carried, never run)."""
+    return int(getattr(args, "mtp_layers", 0)) if getattr(args, "mtp_trained", False) else 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,8 @@ class WorkModel:
         reference model's forward pass (DPO)."""
         weights = (LINEAR_LORA if lora else LINEAR_TRAIN) + (LINEAR_REFERENCE if reference else 0.0)
         attention = ATTENTION_TRAIN + (ATTENTION_REFERENCE if reference else 0.0)
-        heads = int(args.num_layers) * int(args.num_heads) * int(args.head_size)
+        layers = int(args.num_layers) + trained_mtp_depths(args)
+        heads = layers * int(args.num_heads) * int(args.head_size)
         return cls(weights * matmul_parameters(args), attention * heads)
 
     def flops(self, tokens: Any, pairs: Any) -> Any:

@@ -12,7 +12,9 @@ with `tokens_per_s` the whole job's tokens per second of step time (padding incl
 
 the coefficients of the one work model (`flashcp.cp.work.WorkModel`: N the weights a token
 multiplies in matmuls, `matmul_parameters`; w = 6, 4 with LoRA, + 2 for DPO's reference
-forward; a = 12, + 4 for DPO's reference forward), each query attending K keys. The `mfu`
+forward; a = 12, + 4 for DPO's reference forward), each query attending K keys; trained
+multi-token-prediction layers (`model.mtp_loss_weight` > 0) are D more layers in L and add
+their eh_proj and head to N (`flashcp.cp.work.trained_mtp_depths`). The `mfu`
 metric counts full (non-causal) attention, K = S, as PaLM does: the conventional, comparable
 figure. The memory plan's step-time estimate counts what a causal mask computes,
 K = (S + 1) / 2 on average (`causal_keys`): at millions of tokens attention dominates and the

@@ -2,7 +2,9 @@
 
 One panel per group present in the records (`plot_groups`), stacked over a shared step axis:
 
-* loss: the training loss, and `eval/loss` at the steps that evaluated;
+* loss: the training loss, and `eval/loss` at the steps that evaluated; with trained
+  multi-token-prediction layers (`model.mtp_loss_weight`) also its parts, `lm_loss` (the main
+  head's) and `mtp_loss` (the MTP depths' mean), and their `eval/` values;
 * learning rate; gradient norm;
 * throughput: tokens/s, and MFU (%, right axis) when `hardware.peak_tflops` was set;
 * memory: peak tensor memory (max over ranks) and peak RSS, GiB;
@@ -26,6 +28,9 @@ from flashcp.metrics.writer import read_metrics
 
 EVAL_COUNTS = ("eval/batches", "eval/rows", "eval/time_s", "eval/targets", "eval/examples")
 """Eval bookkeeping that is not plotted."""
+LOSSES = ("loss", "lm_loss", "mtp_loss")
+"""The loss panel's metrics (and their `eval/` values): the objective, and with trained MTP
+layers its main and MTP parts (`flashcp.recipes.lm`)."""
 
 
 def _prefixed(prefix: str, skip: tuple[str, ...] = ()) -> Callable[[str], bool]:
@@ -37,13 +42,13 @@ def _eval_panel(key: str) -> bool:
     the DPO log-prob sums (hundreds, next to rewards near 0)."""
     return (
         key.startswith("eval/")
-        and key not in ("eval/loss", *EVAL_COUNTS)
+        and key not in (*(f"eval/{x}" for x in LOSSES), *EVAL_COUNTS)
         and not key.startswith("eval/logps/")
     )
 
 
 GROUPS: list[tuple[str, str, Callable[[str], bool]]] = [
-    ("loss", "loss", lambda k: k in ("loss", "eval/loss")),
+    ("loss", "loss", lambda k: k in LOSSES or k.removeprefix("eval/") in LOSSES),
     ("lr", "learning rate", lambda k: k == "lr"),
     ("grad_norm", "gradient norm", lambda k: k == "grad_norm"),
     ("throughput", "tokens / s", lambda k: k in ("tokens_per_s", "mfu")),
@@ -85,14 +90,26 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write `<run_dir>/metrics.png` (or `out`): one panel per `plot_groups` group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
     if not records:
         raise ValueError(f"{run_dir}: metrics.jsonl has no steps yet")
+    fig = figure(records, Path(run_dir).name)
+    target = Path(out) if out else Path(run_dir) / "metrics.png"
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+    return target
+
+
+def figure(records: list[dict[str, Any]], title: str) -> Any:
+    """The matplotlib figure of `records`: one panel (axes, in `GROUPS` order) per group
+    present, each line labelled with its metric key."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     groups = plot_groups(records)
     labels = {name: label for name, label, _ in GROUPS}
     fig, axes = plt.subplots(len(groups), 1, figsize=(8, 2.2 * len(groups) + 0.6), sharex=True,
@@ -117,10 +134,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 more, more_names = twin.get_legend_handles_labels()
                 lines, names = lines + more, names + more_names
             ax.legend(lines, names, fontsize=7, loc="best")
-    axes[0, 0].figure.suptitle(f"{Path(run_dir).name}: {len(records)} steps", fontsize=10)
+    axes[0, 0].figure.suptitle(f"{title}: {len(records)} steps", fontsize=10)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    target = Path(out) if out else Path(run_dir) / "metrics.png"
-    fig.savefig(target, dpi=100)
-    plt.close(fig)
-    return target
+    return fig

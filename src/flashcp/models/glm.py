@@ -19,7 +19,8 @@ with half-split (NeoX) rotary; `mlp` is a dense SwiGLU (``gate_proj``/``up_proj`
 ``down_proj``, `intermediate_size`) for the first `first_k_dense_replace` layers and a
 `flashcp.models.moe.MoE` after, and QK-norm when `use_qk_norm` (the full GLM-4.5; off in
 GLM-4.5-Air; see `flashcp.models.attention.Attention`). GLM-4.5's multi-token-prediction
-layers are not modelled (HF ``Glm4MoeForCausalLM`` ignores them too).
+layers (`model.mtp_layers`, which HF ``Glm4MoeForCausalLM`` ignores) are these decoder layers
+plus their own parts, on the last stage: `flashcp.models.mtp`.
 """
 
 from __future__ import annotations

@@ -100,10 +100,12 @@ PRESETS: dict[str, Preset] = {
             first_k_dense_replace=1,
             routed_scaling_factor=1.0,
             norm_topk_prob=True,
+            mtp_layers=1,
             **_GLM,
         ),
         True,
-        "GLM-4.5-Air shape (MTP layer not modelled); built only on GPU, validated everywhere",
+        "GLM-4.5-Air shape with its MTP (NextN) layer, frozen unless model.mtp_loss_weight > 0; "
+        "built only on GPU, validated everywhere",
     ),
 }
 

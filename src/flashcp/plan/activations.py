@@ -573,6 +573,45 @@ def final_norm(args: ModelArgs) -> Counts:
     return n
 
 
+def mtp_input_saved(args: ModelArgs, dt: Dtypes) -> Counts:
+    """Per token and trained MTP depth (`flashcp.models.mtp.mtp_block_input`), besides its
+    decoder block (`layer_saved` of index num_layers + d): the embedding output `[H]` (float32,
+    kept by `enorm`'s pow), `enorm`'s and `hnorm`'s normalised inputs and rsqrt (hnorm's input
+    is the final norm's output, or the previous depth's block output, already kept), the
+    concat `[2H]` eh_proj saves as its input, and eh_proj's output, the block's input in the
+    residual dtype (the block does not count its own input, `layer_saved`). Under bf16
+    autocast eh_proj also saves its bf16 input copy."""
+    h = args.hidden_size
+    n = Counts()
+    n.add("MTP embedding output (enorm input)", "res", h)
+    n.add("MTP enorm, hnorm: normalised inputs", "res", 2 * h)
+    n.add("MTP enorm, hnorm: rsqrt", "f", 2)
+    if dt.boundary < dt.res:  # hnorm upcasts the previous depth's bf16 block output
+        n.add("MTP hnorm: input upcast to float32", "res", h)
+    n.add("MTP eh_proj input (concat)", "res", 2 * h)
+    n.add("MTP block input (eh_proj output)", "b", h)
+    if dt.autocast:
+        n.add("MTP eh_proj: bf16 copy of its input", "c", 2 * h)
+    return n
+
+
+def mtp_head_saved(args: ModelArgs, *, chunked: bool) -> Counts:
+    """Per token and trained MTP depth, what its head's loss keeps until backward besides the
+    logits (`flashcp.models.mtp.SharedHead` under `flashcp.models.head.chunked_token_logprobs`):
+    chunked, each chunk's gathered block-output rows (its recompute's input) and the float32
+    log-probs and their scatter `[2]`; unchunked, `shared_head.norm`'s normalised input,
+    rsqrt and output (the head matmul's input); the softmax is counted with the logits."""
+    h = args.hidden_size
+    n = Counts()
+    if chunked:
+        n.add("MTP head: gathered rows of each chunk", "res", h)
+        n.add("MTP head: log-probs", "f", 2)
+    else:
+        n.add("MTP shared_head.norm: normalised input + output", "res", 2 * h)
+        n.add("MTP shared_head.norm: rsqrt", "f", 1)
+    return n
+
+
 # -- sequence tiling and chunked attention (`flashcp.plan.features`) --------------------------
 
 ATTENTION_CORE = ("q/k/v projections", "rotated", "attention output", "attention LSE")

@@ -14,6 +14,12 @@ evaluates the moments where a rank can peak and keeps the largest:
   under recompute the layer's re-run forward; the worst one counts;
 * ``backward: embedding`` (first stage): the embedding's dense gradient being formed;
 * ``reference forward`` (DPO): the no-gradient reference pass;
+* trained multi-token-prediction layers (`model.mtp_layers`, `model.mtp_loss_weight` > 0; the
+  last stage): ``forward: mtp loss`` and ``backward: mtp head`` (a depth's head, every depth's
+  activations kept), ``backward: mtp layer`` (a depth's block backward above the stage's kept
+  layers, planned like one more layer), ``backward: mtp embedding``, and under recompute
+  ``forward: mtp layer``; the MTP branch back-propagates before the stage's layers, so their
+  moments hold none of it. Frozen MTP layers are weights only (item ``mtp_params``);
 * ``optimizer step``: gradient all-reduce buckets, the squared-norm temporaries, the pipeline
   clip's gradient copy; with float32 masters (bf16 storage or ZeRO) the flat reduce-scatter
   buffers, then the shard's gradients and their clipped copy and the all-gather buffers.
@@ -51,7 +57,13 @@ from flashcp.plan import activations as act
 from flashcp.plan.comms import Communicators, communicators
 from flashcp.plan.features import Features, features_of
 from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments
-from flashcp.plan.params import is_expert, layer_parameters, stage_buffers, stage_parameters
+from flashcp.plan.params import (
+    is_expert,
+    is_mtp,
+    layer_parameters,
+    stage_buffers,
+    stage_parameters,
+)
 
 GIB = 2**30
 
@@ -67,6 +79,8 @@ ITEMS: tuple[str, ...] = (
     "dpo_reference",
     "inputs",
     "activations",
+    "mtp_params",
+    "mtp_activations",
     "layer_working_set",
     "attention_kv_gather",
     "logits_loss",
@@ -96,6 +110,11 @@ ITEM_DOCS: dict[str, str] = {
     "inputs": "token ids, positions, labels (int64) and masks of the step's micro-batches",
     "activations": "what autograd keeps for the micro-batches in flight (per recompute mode), "
     "stage inputs, rotary tables, CP masks, final norm",
+    "mtp_params": "the multi-token-prediction layers' weights (last stage, model.mtp_layers) "
+    "in train.param_dtype: trained with model.mtp_loss_weight > 0 (their gradients and "
+    "optimizer state are in those items), else carried frozen",
+    "mtp_activations": "what the trained MTP depths keep for backward (embedding, norms, "
+    "eh_proj input, block per recompute mode, head), per micro-batch in flight",
     "layer_working_set": "one layer's backward: its activation gradients, and under recompute "
     "its re-run forward",
     "attention_kv_gather": "CP: full-sequence K/V all-gathered for one layer, dK/dV partial "
@@ -451,9 +470,19 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         lora_experts = act.experts_adapted(args, index, s.lora_targets)
         return act.ep_exchange_bytes(args, dt, tokens, s.ep, experts_lora=lora_experts)
 
+    # the MTP layers' weights, an item of their own (`flashcp.models.mtp`)
+    # (trained: PT; frozen: P, but frozen LoRA adapters on them stay float32)
+    mtp_trained = sum(x.numel for x in specs if x.trained and is_mtp(x, args))
+    mtp_frozen = sum(x.numel for x in specs if not x.trained and is_mtp(x, args))
+    mtp_adapters = sum(
+        x.numel
+        for x in specs
+        if not x.trained and is_mtp(x, args) and x.name.endswith(("lora_A", "lora_B"))
+    )
     persistent = {
-        "params_trained": n_trained * PT,
-        "params_frozen": n_frozen * P,
+        "params_trained": (n_trained - mtp_trained) * PT,
+        "params_frozen": (n_frozen - mtp_frozen) * P,
+        "mtp_params": mtp_trained * PT + (mtp_frozen - mtp_adapters) * P + mtp_adapters * 4,
         "buffers": _numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
         # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
         # release the bf16 `.grad` (`flashcp.optim.zero.attach_main_grad`).
@@ -492,7 +521,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     # (and the MoE layers' all-to-all buffers under ep, while the MLP runs)
     mlp_moment: list[tuple[float, float, float, float]] = []
     attn_moment: list[tuple[float, float, float, float]] = []
-    for pos, index in enumerate(layers):
+    # trained MTP layers (`flashcp.models.mtp`, last stage): each depth's block is planned as
+    # one more layer above the stage's own (never offloaded: `DecoderOps.run_mtp`)
+    mtp = [args.num_layers + d for d in range(args.mtp_layers)] if last and args.mtp_trained else []
+    for pos, index in enumerate([*layers, *mtp]):
         lora_experts = act.experts_adapted(args, index, lora)
         saved = act.layer_saved(args, index, dt, buf, s.ep, experts_lora=lora_experts)
         saved += act.lora_saved(args, index, lora, s.lora_rank, dt, buf)
@@ -523,7 +555,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         keep = act.layer_output(args)
         if mode == "refined":
             keep = keep + act.refined_extra(args)
-        if offload:
+        if offload and index < args.num_layers:
             # the layer's input moves to host (the stage input, or the previous layer's
             # output), with refined recompute its stored attention output and LSE; the last
             # layer's output stays: the final norm (or the send to the next stage) holds it
@@ -545,6 +577,10 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
         mlp_moment.append((own, rerun + mlp_t + upcast, 0.0, ep_t))
         attn_moment.append((own, attn_part + replay + attn_t + upcast, attn.kv_gather, 0.0))
+    # the MTP depths' entries apart from the stage's layers
+    n_main = len(layers)
+    mtp_kept, mtp_mlp, mtp_attn = kept[n_main:], mlp_moment[n_main:], attn_moment[n_main:]
+    del kept[n_main:], mlp_moment[n_main:], attn_moment[n_main:]
     norm_bytes = int(act.final_norm(args).bytes(dt) * T) if last else 0
     # per micro-batch: the rotary tables (and stage input) per token; under CP the attention
     # plan's rebased local mask, which every layer of the micro-batch shares
@@ -595,6 +631,38 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         micro_acts += T * (H * dt.res + 2 * 4)
     else:
         micro_acts += head_copy
+    # Trained MTP depths (`flashcp.models.mtp`): per micro-batch each keeps its input part
+    # (`act.mtp_input_saved`), its block (planned as a layer above the stage's, in the
+    # model's recompute mode), its head's saved tensors (and unchunked its softmax and the
+    # head weight's compute-dtype copy, as the main head's), and under autocast eh_proj's
+    # weight copy. They back-propagate before the stage's layers do.
+    mtp_in = act.mtp_input_saved(args, dt).bytes(dt) * T
+    mtp_head = act.mtp_head_saved(args, chunked=s.chunk > 0).bytes(dt) * T
+    mtp_head += (0 if s.chunk > 0 else head_copy) + (2 * H * H * dt.c if head_copy else 0)
+    mtp_own = [mtp_in + own + mtp_head for own in mtp_kept]
+    micro_mtp = int(sum(mtp_own))
+    softmax_all = softmax_kept * (1 + len(mtp))  # the main head's and each MTP head's
+    # an MTP head's / embedding's weight gradient being formed (trained unless under LoRA)
+    names = {x.name for x in specs if x.trained}
+    mtp_head_grad = mtp_emb_grad = 0
+    for index in mtp:
+        p = f"model.layers.{index}"
+        if f"{p}.shared_head.head.weight" in names:
+            mtp_head_grad = H * V * grad_bytes
+        if f"{p}.embed_tokens.weight" in names:
+            mtp_emb_grad = V * H * grad_bytes
+    # The worst moment of an MTP depth's backward (MTP activations, working set, K/V gather,
+    # ep buffers): the stage's layers and final norm all kept, the depths below it and its
+    # input part, and the main head's gradient of the final hidden states waiting to be added
+    # to the MTP branch's.
+    stage_kept = int(fixed_bytes + sum(kept)) + norm_bytes
+    best_mtp = (0.0, 0.0, 0.0, 0.0)
+    for j in range(len(mtp)):
+        below = sum(mtp_own[:j]) + mtp_in
+        for acts_j, work_j, gather_j, ep_j in (mtp_mlp[j], mtp_attn[j]):
+            cand = (below + acts_j, work_j + T * H * 4, gather_j, ep_j)
+            if sum(cand) > sum(best_mtp):
+                best_mtp = cand
     # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs
     # (forward, and again for dx in backward), next to one [rows, V] buffer.
     head_upcast = H * V * 4 if (last and dt.upcast) else 0
@@ -639,28 +707,66 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         items.update({k: int(v) for k, v in extra.items()})
         moments[name] = items
 
-    all_acts = flight * micro_acts
+    # the other in-flight micro-batches' activations (the MTP depths' apart)
+    others, others_mtp = (flight - 1) * micro_acts, (flight - 1) * micro_mtp
+    held = (flight - 1) * softmax_all if last else 0  # and their softmax (unchunked)
     if last:
-        held = (flight - 1) * softmax_kept  # other in-flight micro-batches' softmax
         moment(
             "forward: loss",
-            activations=all_acts,
+            activations=others + micro_acts,
+            mtp_activations=others_mtp,
             logits_loss=held + loss_peak,
         )
         moment(
             "backward: head",
-            activations=all_acts,
+            activations=others + micro_acts,
+            mtp_activations=others_mtp + micro_mtp,
             # the softmax turned gradient in place (chunked: the recomputed chunk's; its
             # re-run forward is the 'forward: loss' peak again), next to the head's weight
             # gradient being formed or (bf16 storage on CPU) the head weight upcast for dx
-            logits_loss=held + rows * V * 4,
+            logits_loss=held + softmax_all - softmax_kept + rows * V * 4,
             weight_grad_transient=max(head_grad, head_upcast) + T * H * dt.c,
             grad_buckets=backward_buckets("lm_head" if not args.tie_embeddings
                                           else "model.embed_tokens"),
         )
+        if mtp:
+            moment(
+                "forward: mtp loss",  # the last depth's head: every depth's activations kept
+                activations=others + micro_acts,
+                mtp_activations=others_mtp + micro_mtp,
+                logits_loss=held + softmax_all - softmax_kept + loss_peak,
+            )
+            moment(
+                "backward: mtp head",  # its softmax turned gradient, its head's weight gradient
+                activations=others + micro_acts,
+                mtp_activations=others_mtp + micro_mtp,
+                logits_loss=held + softmax_all - softmax_kept + rows * V * 4,
+                weight_grad_transient=max(mtp_head_grad, head_upcast) + T * H * dt.c,
+                grad_buckets=backward_buckets("layers"),
+            )
+            moment(
+                "backward: mtp layer",
+                activations=others + stage_kept,
+                mtp_activations=others_mtp + best_mtp[0],
+                logits_loss=held,
+                layer_working_set=best_mtp[1],
+                attention_kv_gather=best_mtp[2],
+                ep_buffers=best_mtp[3],
+                grad_buckets=backward_buckets("layers"),
+            )
+            if mtp_emb_grad:
+                moment(
+                    "backward: mtp embedding",  # its dense weight gradient being formed
+                    activations=others + stage_kept,
+                    mtp_activations=others_mtp + mtp_in,
+                    logits_loss=held,
+                    weight_grad_transient=mtp_emb_grad,
+                    grad_buckets=backward_buckets("layers"),
+                )
         moment(
             "backward: layer",
-            activations=(flight - 1) * micro_acts + best[0],
+            activations=others + best[0],
+            mtp_activations=others_mtp,
             logits_loss=held,
             layer_working_set=best[1],
             attention_kv_gather=best[2],
@@ -670,7 +776,8 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     else:
         moment(
             "backward: layer",
-            activations=(flight - 1) * micro_acts + best[0],
+            activations=others + best[0],
+            mtp_activations=others_mtp,
             layer_working_set=best[1],
             attention_kv_gather=best[2],
             ep_buffers=best[3],
@@ -680,8 +787,9 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     if emb_grad:
         moment(
             "backward: embedding",
-            activations=(flight - 1) * micro_acts,
-            logits_loss=(flight - 1) * softmax_kept if last else 0,
+            activations=others,
+            mtp_activations=others_mtp,
+            logits_loss=held,
             weight_grad_transient=emb_grad,
             grad_buckets=backward_buckets("model.embed_tokens"),
         )
@@ -721,11 +829,30 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         )
         moment(
             "forward: layer",
-            activations=(flight - 1) * micro_acts + forward[0],
-            logits_loss=(flight - 1) * softmax_kept if last else 0,
+            activations=others + forward[0],
+            mtp_activations=others_mtp,
+            logits_loss=held,
             layer_working_set=forward[1],
             ep_buffers=forward[2],
             p2p_buffers=0,
+        )
+    if mode != "none" and mtp:
+        # an MTP depth's block forward (recompute's first pass), after the main head's loss
+        # (and the depths below it) ran: every stage layer kept, and the depth's input part
+        depth, (own_j, work_j, ep_j) = max(
+            (
+                (j, (sum(mtp_own[:j]) + mtp_in, *nograd(index)))
+                for j, index in enumerate(mtp)
+            ),
+            key=lambda x: sum(x[1]),
+        )
+        moment(
+            "forward: mtp layer",
+            activations=others + micro_acts,
+            mtp_activations=others_mtp + own_j,
+            logits_loss=held + softmax_kept * (1 + depth),
+            layer_working_set=work_j,
+            ep_buffers=ep_j,
         )
     if s.dpo:
         # the reference pass runs with the adapters off (LoRA) or on the reference copy

@@ -17,6 +17,12 @@ matched experts layer gains per-expert adapters on both stacked weights
 adapters are the only trained parameters, everything else is frozen. Buffers (the MoE
 router's `e_score_correction_bias`, float32) are listed apart.
 
+The last stage also holds the `model.mtp_layers` multi-token-prediction layers
+(`flashcp.models.mtp`): layer ``model.layers.{L+d}`` is a decoder block of the family plus its
+own ``embed_tokens`` `[V, H]`, ``enorm``, ``hnorm``, ``eh_proj`` `[2H, H]` and
+``shared_head`` (``norm``, ``head`` `[H, V]`). With `model.mtp_loss_weight` 0 they are carried
+frozen (`flashcp.models.mtp.freeze_mtp_layers`, after LoRA: their adapters frozen too).
+
 The unit tests check names and shapes against real models, so the byte counts of the planner
 rest on an exact inventory.
 """
@@ -127,6 +133,29 @@ def layer_parameters(args: ModelArgs, index: int, ep: int = 1) -> list[ParamSpec
     return out
 
 
+def mtp_layer_parameters(args: ModelArgs, depth: int, ep: int = 1) -> list[ParamSpec]:
+    """MTP layer `depth` (0-based, `flashcp.models.mtp`): the decoder block built at global
+    index num_layers + depth, then its own parts (`add_mtp_parts`' order)."""
+    h = args.hidden_size
+    index = args.num_layers + depth
+    p = f"model.layers.{index}"
+    gpt = args.arch == "gpt"
+    out = layer_parameters(args, index, ep)
+    out.append(ParamSpec(f"{p}.embed_tokens.weight", (args.vocab_size, h)))
+    out += _norm(f"{p}.enorm", h, layer_norm=gpt)
+    out += _norm(f"{p}.hnorm", h, layer_norm=gpt)
+    out += _linear(f"{p}.eh_proj", 2 * h, h, False)
+    out += _norm(f"{p}.shared_head.norm", h, layer_norm=gpt)
+    out += _linear(f"{p}.shared_head.head", h, args.vocab_size, False)
+    return out
+
+
+def is_mtp(spec: ParamSpec, args: ModelArgs) -> bool:
+    """Whether `spec` belongs to an MTP layer (`model.layers.{i}` with i >= num_layers)."""
+    m = re.match(r"model\.layers\.(\d+)\.", spec.name)
+    return m is not None and int(m.group(1)) >= args.num_layers
+
+
 def layer_buffers(args: ModelArgs, index: int) -> list[ParamSpec]:
     """Persistent buffers of layer `index`: the MoE router's selection bias (float32 `[E]`)."""
     if not args.is_moe_layer(index):
@@ -201,16 +230,27 @@ def stage_parameters(
         specs += _norm("model.norm", h, layer_norm=args.arch == "gpt")
         if not tied:
             specs += _linear("lm_head", h, args.vocab_size, False)
+        for depth in range(args.mtp_layers):
+            specs += mtp_layer_parameters(args, depth, ep)
     if lora_targets:
         specs = _apply_lora(specs, lora_targets, lora_rank)
+    if not args.mtp_trained:  # carried frozen, adapters included (`freeze_mtp_layers`)
+        specs = [
+            ParamSpec(x.name, x.shape, trained=False, linear=x.linear, stacked=x.stacked)
+            if is_mtp(x, args) else x
+            for x in specs
+        ]  # fmt: skip
     return specs
 
 
 def stage_buffers(
     args: ModelArgs, stage: int = 0, pp: int = 1, pp_layers: Sequence[int] | None = None
 ) -> list[ParamSpec]:
-    """The persistent buffers of the stage's layers."""
+    """The persistent buffers of the stage's layers (the last stage's MTP layers included)."""
     out: list[ParamSpec] = []
     for index in stage_layers(args, stage, pp, pp_layers):
         out += layer_buffers(args, index)
+    if stage == pp - 1:
+        for depth in range(args.mtp_layers):
+            out += layer_buffers(args, args.num_layers + depth)
     return out

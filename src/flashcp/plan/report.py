@@ -249,6 +249,12 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
         span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
         first, last = r.layers.start, r.layers.stop - 1
         layers = f"layers {first}-{last}" if last > first else f"layer {first}"
+        depths = cfg.model.mtp_layers if r.stage == par.pp - 1 else 0
+        if depths:  # `flashcp.models.mtp`: on the last stage, after the decoder layers
+            n = cfg.model.num_layers
+            state = "trained" if cfg.model.mtp_trained else "frozen"
+            mtp = f"layers {n}-{n + depths - 1}" if depths > 1 else f"layer {n}"
+            layers += f" + MTP {mtp} ({state})"
         verdict = ""
         if p.budget_bytes is not None:
             verdict = "  fits" if r.total_bytes <= p.budget_bytes else "  DOES NOT FIT"

@@ -30,7 +30,7 @@ from flashcp.config import ConfigValidationError
 from flashcp.cp.work import matmul_parameters
 from flashcp.metrics import tracking
 from flashcp.metrics.flops import flops_per_token, mfu
-from flashcp.metrics.plot import plot_groups, plot_run
+from flashcp.metrics.plot import figure, plot_groups, plot_run
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
 from helpers.configs import TINY_LM, Sections, TinyCfg, merged
@@ -112,6 +112,27 @@ def test_matmul_parameters_are_the_models_matmul_weights(name: str) -> None:
     assert flops_per_token(args, seq, lora=True) == 4 * weights + attention
     dpo = flops_per_token(args, seq, reference=True)
     assert dpo == 8 * weights + attention * 16 / 12
+
+
+def test_trained_mtp_layers_count_one_more_layer_and_head_per_depth() -> None:
+    """Trained MTP depths (`model.mtp_loss_weight` > 0) run a block, eh_proj and a head per
+    token: every 2-D weight of the built model, and attention over L + D layers; frozen
+    ones never run: the count without them (negative control: the built weights exceed it)."""
+    trained = preset("tiny_glm", mtp_layers=2, mtp_loss_weight=0.3)
+    model = build_model(trained)
+    weights = sum(
+        int(np.prod(p.shape))
+        for n, p in model.named_parameters()
+        if len(p.shape) == 2 and "embed" not in n
+    )
+    assert matmul_parameters(trained) == weights
+    seq = 64
+    layers = trained.num_layers + 2
+    attention = 12 * layers * trained.num_heads * trained.head_size * seq
+    assert flops_per_token(trained, seq) == 6 * weights + attention
+    frozen = preset("tiny_glm", mtp_layers=2)
+    assert matmul_parameters(frozen) == matmul_parameters(preset("tiny_glm")) < weights
+    assert flops_per_token(frozen, seq) == flops_per_token(preset("tiny_glm"), seq)
 
 
 def test_moe_counts_only_the_experts_a_token_uses() -> None:
@@ -270,3 +291,38 @@ def test_plot_draws_every_group_present(tmp_path: Path, capsys: pytest.CaptureFi
     out = plot_run(plain, tmp_path / "plain.png")
     w2, h2 = _png_size(out)
     assert w2 == width and h2 < height
+
+
+def test_plot_draws_the_mtp_losses_on_the_loss_panel(tmp_path: Path) -> None:
+    """A run with trained MTP layers (`lm_loss`, `mtp_loss` beside `loss`, and their eval
+    values) draws them as lines of the loss panel, with their values; a run without has the
+    loss alone (negative control: the same file without the keys draws one line)."""
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for step in range(1, 5):
+        row = {"step": step, "loss": 3.0 - 0.1 * step, "lm_loss": 2.0 - 0.1 * step,
+               "mtp_loss": 3.5 - 0.2 * step, "lr": 1e-3}  # fmt: skip
+        if step % 2 == 0:
+            row.update({"eval/loss": 2.9, "eval/lm_loss": 1.9, "eval/mtp_loss": 3.2,
+                        "eval/perplexity": 7.0})  # fmt: skip
+        rows.append(row)
+    run = tmp_path / "mtp"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    groups = plot_groups(read_metrics(run))
+    assert groups["loss"] == ["loss", "lm_loss", "mtp_loss", "eval/loss", "eval/lm_loss",
+                              "eval/mtp_loss"]  # fmt: skip
+    assert groups["eval"] == ["eval/perplexity"]
+    fig = figure(read_metrics(run), "mtp")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert list(lines) == groups["loss"]
+    assert list(lines["mtp_loss"].get_ydata()) == [r["mtp_loss"] for r in rows]
+    assert list(lines["eval/lm_loss"].get_xdata()) == [2, 4]
+    plt.close(fig)
+    assert plot_run(run).is_file()
+    plain = [{k: v for k, v in r.items() if "lm_loss" not in k and "mtp_loss" not in k}
+             for r in rows]  # fmt: skip
+    fig = figure(plain, "plain")
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["loss", "eval/loss"]
+    plt.close(fig)

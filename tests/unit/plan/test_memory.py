@@ -18,6 +18,7 @@ from flashcp import cli
 from flashcp.config import build_config, load_config
 from flashcp.lora.model import apply_lora
 from flashcp.models import build_model, preset
+from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.pipeline.stage import build_stage, stage_spec
 from flashcp.plan import GIB, ITEMS, plan
 from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows, moe_backward_bytes
@@ -46,6 +47,11 @@ INVENTORY = [
     ("tiny_glm_moe", {"num_layers": 3}, None),
     ("tiny_glm_moe", {}, [".*o_proj", ".*mlp\\.experts"]),
     ("tiny_glm_moe", {"num_layers": 3}, [".*2\\.mlp\\.experts", ".*shared_experts.up_proj"]),
+    # multi-token prediction on the last stage: trained, frozen, with LoRA on the MTP block
+    ("tiny_glm_moe", {"mtp_layers": 1, "mtp_loss_weight": 0.3}, None),
+    ("tiny_glm", {"mtp_layers": 2}, None),
+    ("tiny_glm_moe", {"mtp_layers": 1, "mtp_loss_weight": 0.3}, [".*q_proj", ".*eh_proj"]),
+    ("tiny_glm", {"mtp_layers": 1}, [".*q_proj", ".*gate_up_proj"]),
 ]
 
 
@@ -59,6 +65,8 @@ def test_stage_parameters_match_the_built_model(
         module = build_stage(args, stage, pp, seed=0)  # only what this stage runs
         if lora:
             apply_lora(module, rank=4, alpha=8.0, target_modules=lora, require_match=False)
+        if not args.mtp_trained:  # as `flashcp.parallelize` carries them: frozen
+            freeze_mtp_layers(module)
         real = {n: (tuple(p.shape), not p.stop_gradient) for n, p in module.named_parameters()}
         mine = {
             s.name: (s.shape, s.trained)
@@ -90,12 +98,16 @@ def test_plan_parameter_bytes_equal_the_model() -> None:
 # -- expert parallelism: a rank holds E/ep routed experts --------------------------------------
 
 
+@pytest.mark.parametrize("mtp", [0, 1])
 @pytest.mark.parametrize("lora", [None, [".*o_proj", ".*mlp\\.experts"]])
 @pytest.mark.parametrize("pp", [1, 2])
-def test_stage_parameters_match_one_ep_rank_build(lora: list[str] | None, pp: int) -> None:
-    """Each ep rank's stage-only build (its E/ep experts, `StageSpec.ep_rank`) has exactly the
-    planned inventory; the negative control: the ep = 1 inventory does not match it."""
-    args = preset("tiny_glm_moe", num_layers=3)
+def test_stage_parameters_match_one_ep_rank_build(
+    lora: list[str] | None, pp: int, mtp: int
+) -> None:
+    """Each ep rank's stage-only build (its E/ep experts, `StageSpec.ep_rank`; with `mtp` a
+    trained MTP layer on the last stage, its MoE block split alike) has exactly the planned
+    inventory; the negative control: the ep = 1 inventory does not match it."""
+    args = preset("tiny_glm_moe", num_layers=3, mtp_layers=mtp, mtp_loss_weight=0.3 * mtp)
     for stage in range(pp):
         for ep_rank in range(2):
             spec = dataclasses.replace(stage_spec(args, stage, pp), ep_rank=ep_rank, ep_size=2)
@@ -218,6 +230,50 @@ def test_plan_within_15_percent_of_measured_peak(
         tiny_cfg(tmp_path, **{**sections, "model": {**sections["model"], "recompute": other}})
     )
     assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_plan_counts_trained_mtp_within_15_percent_of_measured_peak(
+    tmp_path: Path, recompute: str, tiny_cfg: TinyCfg
+) -> None:
+    """A trained MTP layer (`model.mtp_loss_weight` > 0) on the tiny MoE: its weights,
+    gradients, AdamW moments, block, input part and head as planned are what the allocator
+    sees; the negative control, the plan that carries it frozen (weights only), is far off."""
+    model = {"preset": "tiny_glm_moe", "recompute": recompute, "mtp_layers": 1}
+    cfg = tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.3})
+    predicted = plan(cfg).ranks[0]
+    assert predicted.moment.startswith(("forward: mtp", "backward: mtp"))
+    measured = _measured_peak(cfg)
+    assert abs(measured / predicted.total_bytes - 1) <= 0.15, (measured, predicted.total_bytes)
+    frozen = plan(tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.0}))
+    assert abs(measured / frozen.ranks[0].total_bytes - 1) > 0.15
+
+
+def test_plan_mtp_parameter_bytes_equal_the_model() -> None:
+    """The MTP layer's weights are an item of their own (`mtp_params`) equal to the built
+    layer's; with a loss weight they are trained (gradients and AdamW moments grow with them),
+    without one carried frozen: weights only, the other items as without an MTP layer."""
+    base = {"preset": "tiny_glm_moe", "mtp_layers": 1}
+    none = plan(build_config({"model": {"preset": "tiny_glm_moe"}})).ranks[0].items
+    for weight in (0.3, 0.0):
+        cfg = build_config({"model": {**base, "mtp_loss_weight": weight}})
+        model = build_model(cfg.model, seed=0)
+        if not cfg.model.mtp_trained:
+            freeze_mtp_layers(model)
+        mtp = model.model.layers[model.args.num_layers]
+        layer = sum(int(np.prod(p.shape)) * 4 for p in mtp.parameters())
+        trained = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if not p.stop_gradient)
+        items = plan(cfg).ranks[0].items
+        assert items["mtp_params"] == layer
+        assert items["params_trained"] == none["params_trained"]
+        assert items["params_frozen"] == none["params_frozen"] == 0
+        assert items["gradients"] == trained
+        if weight:
+            assert items["gradients"] == none["gradients"] + layer
+            assert items["optimizer_states"] > none["optimizer_states"]
+        else:
+            assert items["gradients"] == none["gradients"]
+            assert items["optimizer_states"] == none["optimizer_states"]
 
 
 # -- the grouped MoE layer against the allocator ----------------------------------------------
@@ -466,6 +522,22 @@ def test_format_plan_lists_items_per_stage(tiny_cfg: TinyCfg) -> None:
     text = format_plan(plan(cfg, budget_gib=1e-4), cfg, source="x.yaml")
     assert "stage 0 (rank 0)" in text and "stage 1 (rank 1)" in text
     assert "DOES NOT FIT" in text and "fits: NO" in text and "optimizer_states" in text
+    assert "MTP" not in text and "mtp_" not in text
+
+
+def test_format_plan_names_the_mtp_layers(tiny_cfg: TinyCfg) -> None:
+    """The last stage's MTP layers: named beside its decoder layers, their items by name."""
+    mtp = {"preset": "tiny_glm_moe", "mtp_layers": 1}
+    for weight, state, items in ((0.3, "trained", ("mtp_params", "mtp_activations")),
+                                 (0.0, "frozen", ("mtp_params",))):  # fmt: skip
+        cfg = tiny_cfg(
+            model={**mtp, "mtp_loss_weight": weight}, parallel={"pp": 2}, train={"grad_accum": 2}
+        )
+        text = format_plan(plan(cfg), cfg, source="x.yaml")
+        assert f"stage 1 (rank 1), layer 1 + MTP layer 2 ({state})" in text
+        assert "stage 0 (rank 0), layer 0:" in text
+        lines = [line.split()[0] for line in text.splitlines() if line.startswith("  mtp_")]
+        assert sorted(lines) == sorted(items)
 
 
 # -- the CLI --------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ EXPECTED = {
     "gpt/tiny_cp4.yaml",
     "glm/tiny_cp2.yaml",
     "glm/tiny_moe_cp2.yaml",
+    "glm/tiny_moe_mtp_cp2.yaml",
     "glm/glm4_9b_cp8.yaml",
     "glm/glm45_air_cp8.yaml",
     "gpt/tiny_sft_packed_cp2.yaml",
@@ -158,7 +159,7 @@ def test_flashcp_validate_all(monkeypatch: pytest.MonkeyPatch, capsys) -> None: 
     assert cli.main(["validate"]) == 0
     out = capsys.readouterr().out
     assert f"{len(CONFIGS)} of {len(CONFIGS)} config(s) valid" in out
-    assert "glm_moe ~106.9B params from /path/to/GLM-4.5-Air" in out
+    assert "glm_moe ~110.5B params from /path/to/GLM-4.5-Air" in out  # with the MTP layer
     assert out.count("fill in before training: model.from_pretrained (/path/to/") == len(GPU)
 
 
