@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import jobs
+from flashcp.metrics.writer import read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +50,9 @@ def test_tiny_config_job_is_clean_and_golden(config: str, tmp_path: Path) -> Non
     want = jobs.load_golden()["jobs"].get(config)
     problems = jobs.compare_losses(config, want, jobs.golden_entry(run))
     assert not problems, "\n".join(problems)
+    if "mtp" in Path(config).stem:  # trained MTP layers: their loss falls too (issue 23)
+        mtp = [float(r["mtp_loss"]) for r in read_metrics(run.out_dir)]
+        assert len(mtp) == jobs.GOLDEN_STEPS and mtp[-1] < mtp[0] - 0.05, mtp
 
 
 @pytest.mark.timeout(180)
