@@ -103,8 +103,16 @@ def _hf_model(arch: str) -> Any:
     else:
         config = tf.Glm4MoeConfig(**COMMON, **MOE, attn_implementation="eager")
         model = tf.Glm4MoeForCausalLM(config)
+    return perturbed(model)
+
+
+def perturbed(model: Any) -> Any:
+    """`model` (torch) in eval mode with every weight drawn afresh: norms 1 + noise, matrices
+    N(0, 0.1²), vectors N(0, 0.2²), so no layer is an identity (rotary buffers left alone)."""
     with _torch().no_grad():
         for name, tensor in model.state_dict().items():
+            if name.endswith("inv_freq"):
+                continue
             noise = _torch().randn(tensor.shape) * (0.05 if tensor.ndim > 1 else 0.2)
             if name.endswith("norm.weight"):
                 tensor.copy_(1.0 + noise)
@@ -229,20 +237,26 @@ def test_transformers_loads_a_flashcp_export(saved: tuple, tmp_path: Path, fit: 
     assert np.abs(before - want).max() > 100 * TOL
 
 
+def _scratch_config(tmp_path: Path, preset: str, **model: Any) -> Config:
+    """One step from scratch with the byte tokenizer, a checkpoint to export, in `tmp_path/run`
+    (`model` keys over the preset)."""
+    raw = {
+        "model": {"preset": preset, "max_seq_len": 64, **model},
+        "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
+        "train": {"steps": 1, "lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-3, "seed": 2},
+        "checkpoint": {"every": 1},
+        "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
+    }
+    return tiny_config(tmp_path, base=raw)
+
+
 @pytest.mark.parametrize("preset", ["tiny_glm", "tiny_glm_moe"])
 def test_transformers_loads_a_from_scratch_export(preset: str, tmp_path: Path, fit: Fit) -> None:
     """A run trained from scratch with the byte tokenizer (no starting config.json) exports
     to a directory transformers loads as it is: `AutoModelForCausalLM` with the run's token
     ids (not GLM's defaults, outside the 259-token vocabulary) and `AutoTokenizer` with the
     byte ids; the logits of the tokenizer's ids match the trained model's."""
-    raw = {
-        "model": {"preset": preset, "max_seq_len": 64},
-        "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
-        "train": {"steps": 1, "lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-3, "seed": 2},
-        "checkpoint": {"every": 1},
-        "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
-    }
-    trainer = fit(tiny_config(tmp_path, base=raw)).trainer
+    trainer = fit(_scratch_config(tmp_path, preset)).trainer
     out = tmp_path / "export"
     export_run(tmp_path / "run", out)
     tf = _transformers()
@@ -278,14 +292,7 @@ def test_transformers_loads_an_export_with_mtp_layers(
     ``Glm4ForCausalLM`` / ``Glm4MoeForCausalLM`` build no MTP layer, report its weights
     (``model.layers.{L}.*``, and nothing else) as unexpected and compute the main model's
     logits; the config keeps ``num_nextn_predict_layers`` for the serving engines."""
-    raw = {
-        "model": {"preset": preset, "max_seq_len": 64, "mtp_layers": 1, "mtp_loss_weight": 0.5},
-        "data": {"seq_len": 32, "micro_batch_size": 2, "tokenizer": "byte"},
-        "train": {"steps": 1, "lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-3, "seed": 2},
-        "checkpoint": {"every": 1},
-        "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
-    }
-    trainer = fit(tiny_config(tmp_path, base=raw)).trainer
+    trainer = fit(_scratch_config(tmp_path, preset, mtp_layers=1, mtp_loss_weight=0.5)).trainer
     out = tmp_path / "export"
     export_run(tmp_path / "run", out, max_shard_bytes=100_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]

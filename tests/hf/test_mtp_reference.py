@@ -38,7 +38,7 @@ from flashcp.models import build_model
 from flashcp.models.config import ModelArgs
 from flashcp.models.head import IGNORE_INDEX
 from flashcp.models.mtp import mtp_targets
-from hf.test_hf_reference import COMMON, MOE, _torch, _transformers
+from hf.test_hf_reference import COMMON, MOE, _torch, _transformers, perturbed
 
 pytestmark = pytest.mark.hf
 
@@ -129,18 +129,7 @@ def _reference_model(depths: int) -> Any:
         layer = nextn(config, LAYERS + d)
         assert type(layer.mlp).__name__ == "Glm4MoeMoE"  # GLM-4.5's MTP block is a MoE layer
         model.model.layers.append(layer)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name.endswith("inv_freq"):
-                continue
-            noise = torch.randn(tensor.shape) * (0.05 if tensor.ndim > 1 else 0.2)
-            if name.endswith("norm.weight"):
-                tensor.copy_(1.0 + noise)
-            elif tensor.ndim > 1:
-                tensor.copy_(noise * 2)
-            else:
-                tensor.copy_(noise)
-    return model.eval()
+    return perturbed(model)
 
 
 def _flashcp_model(reference: Any, depths: int) -> Any:
