@@ -95,16 +95,21 @@ def test_consumed_tokens_and_mfu(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) ->
     assert "mfu" not in read_metrics(plain.run.output_dir)[0]
 
 
+def _matmul_weights(model: Any) -> int:
+    """Elements of every 2-D weight the tokens multiply (the embedding lookups excluded)."""
+    return sum(
+        int(np.prod(p.shape))
+        for n, p in model.named_parameters()
+        if len(p.shape) == 2 and "embed" not in n
+    )
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny_glm"])
 def test_matmul_parameters_are_the_models_matmul_weights(name: str) -> None:
     """Dense models: every 2-D weight the token multiplies (not the embedding lookup)."""
     args = preset(name)
     model = build_model(args)
-    weights = sum(
-        int(np.prod(p.shape))
-        for n, p in model.named_parameters()
-        if len(p.shape) == 2 and "embed" not in n
-    )
+    weights = _matmul_weights(model)
     assert matmul_parameters(args) == weights
     seq = 64
     attention = 12 * args.num_layers * args.num_heads * args.head_size * seq
@@ -120,11 +125,7 @@ def test_trained_mtp_layers_count_one_more_layer_and_head_per_depth() -> None:
     ones never run: the count without them (negative control: the built weights exceed it)."""
     trained = preset("tiny_glm", mtp_layers=2, mtp_loss_weight=0.3)
     model = build_model(trained)
-    weights = sum(
-        int(np.prod(p.shape))
-        for n, p in model.named_parameters()
-        if len(p.shape) == 2 and "embed" not in n
-    )
+    weights = _matmul_weights(model)
     assert matmul_parameters(trained) == weights
     seq = 64
     layers = trained.num_layers + 2
