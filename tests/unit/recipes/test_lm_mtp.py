@@ -12,6 +12,7 @@ import numpy as np
 import paddle
 import pytest
 
+from bench import numerics
 from flashcp.config import IGNORE_INDEX, build_config
 from flashcp.data.packing import PackedSequence, collate
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
@@ -116,8 +117,12 @@ def test_chunked_mtp_head_equals_unchunked() -> None:
     _, _, _, want, want_stats = _loss(model, recipe, DEPTHS)
     _, model, recipe = _setup(WEIGHT, chunk=7)  # several chunks per depth
     _, _, _, got, got_stats = _loss(model, recipe, DEPTHS)
-    assert float(got) == pytest.approx(float(want), rel=1e-6)
-    assert got_stats == pytest.approx(want_stats, rel=1e-6)
+    # sums of per-token cross-entropies (all positive: scale = the sum) over the targets; the
+    # chunks may round a row differently where the BLAS picks kernels by row count
+    targets = want_stats[1] + want_stats[3]
+    assert abs(float(got) - float(want)) <= numerics.tolerance(targets, float(want))
+    for g, w in zip(got_stats, want_stats, strict=True):
+        assert abs(g - w) <= numerics.tolerance(targets, abs(w))
 
 
 def test_without_a_weight_no_mtp_is_computed_or_reported() -> None:
