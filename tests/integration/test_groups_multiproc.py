@@ -40,10 +40,25 @@ def _assert_clean(result: LaunchResult, nproc: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_processes_cp2_collectives_exact() -> None:
-    result = run_launch(WORKER, 2, ["check", "--topology", "1x1x2"], timeout=90, env=FAST_FAIL)
+    args = ["check", "--topology", "1x1x2", "--check-mode"]
+    result = run_launch(WORKER, 2, args, timeout=90, env=FAST_FAIL)
     _assert_clean(result, 2)
     for rank in range(2):
         assert _checked(result, rank) == {"1x1x2 world[0,1]", "1x1x2 cp[0,1]"}
+        # FLASHCP_CHECK_COLLECTIVES=1: both ranks name both calls of a diverged collective
+        found = re.findall(r"^MISMATCH (.*)$", result.log(rank), re.M)
+        assert len(found) == 2, result.summary()
+        assert re.fullmatch(
+            r"collective mismatch on cp\[0,1\] at call #3: rank 0 all_reduce float32\[3\] at "
+            r"groups_worker\.py:\d+ <lambda> < .* \| rank 1 all_gather\(axis=0\) float32\[1,4\] "
+            r"at groups_worker\.py:\d+ <lambda> < .*",
+            found[0],
+        ), found[0]
+        assert re.fullmatch(
+            r"collective mismatch on cp\[0,1\] at call #4: rank 0 send\(to rank 1\) "
+            r"float32\[2\] at .* \| rank 1 send\(to rank 0\) float32\[2\] at .*",
+            found[1],
+        ), found[1]
 
 
 @pytest.mark.timeout(180)

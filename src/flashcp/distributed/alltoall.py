@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import paddle
 import paddle.distributed as dist
 
+from flashcp.distributed import check
 from flashcp.distributed.collectives import (
     Watched,
     _check_group,
@@ -134,6 +135,8 @@ def all_to_all(
         with paddle.no_grad():
             return x.clone()
     shape = [int(s) for s in x.shape[1:]]
+    rows = check.tensor_text(x[:0]).replace("[0", "[*")  # the row shape: counts differ
+    check.agree("all_to_all", group, group_label(group), shapes=[rows], timeout=timeout)
     with paddle.no_grad():
         if group_backend(group) == "nccl":
             out = paddle.empty([sum(recv), *shape], dtype=x.dtype)
@@ -195,6 +198,7 @@ def gather_rows(
         )
     if p == 1:
         return x
+    check.agree(f"gather_rows(root={root})", group, group_label(group), [x], timeout=timeout)
     with paddle.no_grad(), watch("gather_rows", group, timeout) as w:
         if r != root:
             link = exchange.link(group.ranks[root])

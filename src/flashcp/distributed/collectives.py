@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import paddle
 import paddle.distributed as dist
 
+from flashcp.distributed import check
 from flashcp.distributed.counters import COUNTERS
 from flashcp.distributed.watchdog import ENV_TIMEOUT, WATCHDOG, resolve_timeout, sync_collectives
 from flashcp.log import process_rank
@@ -168,6 +169,7 @@ def barrier(group: Group, *, timeout: float | None = None, op: str = "barrier") 
     group = _check_group(group, op)
     if group.nranks == 1:
         return
+    check.agree("barrier", group, group_label(group), shown=op, timeout=timeout)
     with watch(op, group, timeout):
         dist.barrier(group=group)
     _record("barrier", group, 0, 0)
@@ -186,6 +188,7 @@ def all_gather_tensor(
     p = group.nranks
     if p == 1:
         return x
+    check.agree(f"all_gather(axis={axis})", group, group_label(group), [x], timeout=timeout)
     parts: list[Tensor] = []
     with paddle.no_grad(), watch("all_gather", group, timeout) as w:
         w.task(dist.all_gather(parts, x, group=group))
@@ -203,6 +206,7 @@ def all_gather_object(obj: Any, group: Group, *, timeout: float | None = None) -
     group = _check_group(group, "all_gather_object")
     if group.nranks == 1:
         return [obj]
+    check.agree("all_gather_object", group, group_label(group), timeout=timeout)
     out: list[Any] = []
     with watch("all_gather_object", group, timeout):
         dist.all_gather_object(out, obj, group=group)
@@ -221,6 +225,7 @@ def all_reduce_tensor(
     out = x if inplace else x.clone()
     if p == 1:
         return out
+    check.agree("all_reduce", group, group_label(group), [x], timeout=timeout)
     with paddle.no_grad(), watch("all_reduce", group, timeout) as w:
         w.task(dist.all_reduce(out, group=group))
     _record("all_reduce", group, 2 * (p - 1) * nbytes(x) / p, 2 * (p - 1) * nbytes(x) / p)
@@ -238,6 +243,7 @@ def broadcast_tensor(x: Tensor, src: int, group: Group, *, timeout: float | None
         raise ValueError(f"broadcast source rank {src} is not in group {group_label(group)}")
     if p == 1:
         return x
+    check.agree(f"broadcast(src={src})", group, group_label(group), [x], timeout=timeout)
     with paddle.no_grad(), watch("broadcast", group, timeout) as w:
         w.task(dist.broadcast(x, src=src, group=group))
     if process_rank() == src:
@@ -318,6 +324,7 @@ def ring_shift(x: Tensor, group: Group, shift: int = 1, *, timeout: float | None
     r = group.rank
     if p == 1 or shift % p == 0:
         return x.clone()
+    check.agree(f"ring_shift(shift={shift})", group, group_label(group), [x], timeout=timeout)
     if odd_gloo_cycle(group, shift):
         parts = all_gather_tensor(x.unsqueeze(0), group, timeout=timeout)
         with paddle.no_grad():
@@ -424,6 +431,7 @@ def reduce_scatter_chunks(
     if p == 1:
         return chunks[0].clone()
     chosen = _resolve_method(method, group)
+    check.agree("reduce_scatter", group, group_label(group), chunks, timeout=timeout)
     with paddle.no_grad(), watch(f"reduce_scatter[{chosen}]", group, timeout) as w:
         if chosen == "nccl":
             out = paddle.empty_like(chunks[0])

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import paddle
 import paddle.distributed as dist
 
+from flashcp.distributed import check
 from flashcp.distributed.collectives import group_backend, group_label, nbytes, watched
 from flashcp.distributed.counters import COUNTERS
 from flashcp.distributed.groups import NamedGroup, ParallelGroups, store_group
@@ -64,10 +65,27 @@ def p2p_timeout_message(op: str, peer: int, group: Group, seconds: float) -> str
     )
 
 
+@dataclass(frozen=True)
+class _Spec:
+    """The shape and dtype a receive expects (as a fingerprint shows a tensor)."""
+
+    shape: Any
+    dtype: Any
+
+
+def _agree(op: str, src: int, dst: int, group: Group, tensor: str, timeout: float | None) -> None:
+    """Check mode (`flashcp.distributed.check`): both ends of a transfer on a two-rank group
+    agree on its direction, shape and dtype before it is posted."""
+    if int(group.nranks) == 2:
+        check.agree(f"p2p {src}->{dst}", group, group_label(group), shapes=[tensor], shown=op,
+                    timeout=timeout)  # fmt: skip
+
+
 def send_tensor(x: Tensor, dst: int, group: Group, *, timeout: float | None = None) -> None:
     """Send `x` to global rank `dst` (blocks until `dst` receives it on gloo)."""
     op = f"send(to rank {dst})"
     _check_peer(op, dst, group)
+    _agree(op, process_rank(), dst, group, check.tensor_text(x), timeout)
     seconds = resolve_timeout(timeout)
     message = lambda: p2p_timeout_message(op, dst, group, seconds)  # noqa: E731 - built if due
     with paddle.no_grad(), watched(group, seconds, message) as w:
@@ -86,6 +104,7 @@ def recv_tensor(
     """Receive a tensor of `shape` / `dtype` from global rank `src`; returns a new tensor."""
     op = f"recv(from rank {src})"
     _check_peer(op, src, group)
+    _agree(op, src, process_rank(), group, check.tensor_text(_Spec(shape, dtype)), timeout)
     seconds = resolve_timeout(timeout)
     with paddle.no_grad():
         out = paddle.empty(list(shape), dtype=dtype)

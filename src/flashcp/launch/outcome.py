@@ -43,6 +43,9 @@ _PEER_LOST = re.compile(
 _ERROR = re.compile(
     r"^(\[rank \d+\] error: .*|(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b: .+)$", re.M
 )
+_WRAPPED = re.compile(r"^\s+((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b: .+)$", re.M)
+"""The error Paddle wraps in `OSError: (External)` when it was raised inside an autograd node's
+backward (a PyLayer: attention, the MoE exchange), indented under 'Error message in backward'."""
 _PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.M)
 _RANK_TAG = re.compile(r"\[rank \d+\] ")
 # Most telling first: the rank to blame for a failed job.
@@ -95,6 +98,8 @@ def classify_rank(rank: int, log: str | None, launcher_code: int | None = None) 
         failure = log[tracebacks[-1] :] if tracebacks else log
         errors = _ERROR.findall(failure)
         last_error = (errors[0] if tracebacks else errors[-1]).strip() if errors else ""
+        if last_error.startswith("OSError: (External)") and (inner := _WRAPPED.search(failure)):
+            last_error = inner.group(1).strip()  # what the backward node raised
         if lost := _PEER_LOST.search(failure):
             start = failure.rfind("\n", 0, lost.start()) + 1
             end = failure.find("\n", lost.end())

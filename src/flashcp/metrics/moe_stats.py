@@ -82,7 +82,10 @@ class RouterStats:
         return reduced[: len(self.layers) * self.experts].reshape(len(self.layers), self.experts)
 
     def metrics(self, reduced: np.ndarray) -> dict[str, float]:
-        """The step's summarised expert-load statistics (module docstring)."""
+        """The step's summarised expert-load statistics (module docstring); none for a
+        model without MoE layers (e.g. `first_k_dense_replace` >= the layer count)."""
+        if not self.layers:
+            return {}
         loads = self.loads(reduced)
         mean = loads.mean(axis=1)
         ratio = np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)

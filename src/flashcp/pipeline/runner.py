@@ -64,6 +64,7 @@ from flashcp.distributed.p2p import (
     send_tensor,
     swap_tensor,
 )
+from flashcp.log import process_rank
 from flashcp.models.head import HeadInput
 from flashcp.models.mtp import mtp_targets
 from flashcp.models.offload import release_sent
@@ -195,6 +196,26 @@ def sync_tied_gradients(stage: PipelineStage, group, *, timeout: float | None = 
         weight.grad = total  # type: ignore[misc]
     else:
         paddle.assign(total, weight.grad)
+
+
+class DetachedLossError(RuntimeError):
+    """A micro-batch's loss does not depend on the model: its backward would be skipped."""
+
+
+def check_attached(loss: paddle.Tensor, index: int) -> None:
+    """Refuse to back-propagate a loss cut off from the graph. Paddle's `backward()` on such a
+    tensor silently does nothing, so this rank would skip every collective of the backward
+    (the all-gather-KV reduce-scatter, the MoE exchange) that its cp / ep peers wait in: a
+    hang. A rank with nothing to contribute (no targets, no answer tokens) must return zeros
+    computed from the hidden states instead (`models.head.chunked_token_logprobs`,
+    `recipes.dpo_loss.sequence_logps` do)."""
+    if loss.stop_gradient:
+        raise DetachedLossError(
+            f"the loss of micro-batch {index} on rank {process_rank()} does not depend on the "
+            "model (stop_gradient): its backward would skip the collectives its peers run. A "
+            "recipe's loss must stay attached to the hidden states even when this rank holds "
+            "no targets (multiply by zero, not a constant)"
+        )
 
 
 def _check_head(module: Any) -> None:
@@ -353,6 +374,7 @@ class PipelineRunner:
         elif kind == "B":
             out = state.outputs.pop(m)
             if stage.is_last:
+                check_attached(out, m)
                 out.backward()
                 # read after backward and dropped: no loss tensor outlives its micro-batch
                 state.losses.append(float(out))

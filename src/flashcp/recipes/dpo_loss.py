@@ -85,11 +85,12 @@ def sequence_logps(
     seg = span_segments(sp, token_logps.shape, columns).reshape(-1)
     picked = np.nonzero(seg >= 0)[0]
     flat = token_logps.astype("float32").reshape([-1])
-    sums = paddle.zeros([2 * n], dtype="float32")
-    if picked.size:
-        values = paddle.gather(flat, paddle.to_tensor(picked, place=flat.place))
-        index = paddle.to_tensor(seg[picked], place=flat.place)
-        sums = paddle.index_add(sums, index, 0, values)
+    # No shortcut when no answer token is local (a cp rank whose chunks hold only prompts):
+    # the empty gather keeps the sums attached to `token_logps`, so this rank's loss still
+    # back-propagates through the model and runs every collective its cp peers run.
+    values = paddle.gather(flat, paddle.to_tensor(picked, place=flat.place))
+    index = paddle.to_tensor(seg[picked], place=flat.place)
+    sums = paddle.index_add(paddle.zeros([2 * n], dtype="float32"), index, 0, values)
     sums = sums.reshape([n, 2])
     if average:
         lens = np.maximum(sp[..., 2] - sp[..., 1], 1).astype(np.float32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from flashcp.distributed import (
     barrier,
     broadcast_tensor,
     build_groups,
+    check,
     comm_stats,
     destroy_groups,
     group_backend,
@@ -44,6 +46,7 @@ from flashcp.distributed import (
 )
 from flashcp.distributed.collectives import odd_gloo_cycle
 from flashcp.distributed.groups import NamedGroup
+from flashcp.distributed.p2p import recv_tensor, send_tensor
 
 
 def _topology(text: str) -> tuple[int, int, int]:
@@ -172,12 +175,44 @@ def scenario_timeout(skip_rank: int, seconds: float, rank: int) -> None:
     raise AssertionError("all_gather returned although a rank skipped it")
 
 
+def check_mode(groups: ParallelGroups, rank: int) -> None:
+    """`FLASHCP_CHECK_COLLECTIVES=1` on a two-rank cp group: matching calls pass (a
+    collective, an ordered send/recv), diverging ones raise `CollectiveMismatchError` on BOTH
+    ranks, naming each rank's call — a different collective, and two sends at once (which on
+    gloo would deadlock). Prints `MISMATCH <message>` for each."""
+    cp = groups.cp
+    peer = cp.ranks[1 - cp.rank]
+    os.environ[check.ENV_CHECK] = "1"
+    try:
+        all_reduce_tensor(paddle.ones([3]), cp)
+        if cp.rank == 0:
+            send_tensor(paddle.ones([2, 4]), peer, cp)
+        else:
+            recv_tensor([2, 4], paddle.float32, peer, cp)
+        diverging: list[Callable[[], object]] = [
+            lambda: all_reduce_tensor(paddle.ones([3]), cp)
+            if cp.rank == 0
+            else all_gather_tensor(paddle.ones([1, 4]), cp),
+            lambda: send_tensor(paddle.ones([2]), peer, cp),
+        ]
+        for call in diverging:
+            try:
+                call()
+            except check.CollectiveMismatchError as exc:
+                print(f"MISMATCH {exc}", flush=True)
+            else:
+                raise AssertionError("check mode let two ranks diverge")
+    finally:
+        del os.environ[check.ENV_CHECK]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["check", "timeout"])
     parser.add_argument("--topology", action="append", default=[], type=_topology)
     parser.add_argument("--skip-rank", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--check-mode", action="store_true", help="also check_mode (cp 2)")
     args = parser.parse_args(argv)
 
     started = time.monotonic()
@@ -190,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     for dp, pp, cp in args.topology:
         dims = ParallelDims(dp=dp, pp=pp, cp=cp, world_size=env.world_size)
         groups = build_and_check(dims, env.rank)
+        if args.check_mode:
+            check_mode(groups, env.rank)
         summary.append(groups.describe())
         destroy_groups(groups)
     shutdown()

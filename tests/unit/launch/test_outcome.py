@@ -44,6 +44,11 @@ PEER = TRACEBACK + (
     "OSError: (External)\n    RuntimeError: [pair.cc:576] Read error [127.0.0.1]:5021: "
     "Connection reset by peer\n[flashcp] rank 0 exit 1\n"
 )
+BACKWARD = (
+    "OSError: (External) \n{\n    ====== Error message in backward of GradNodePyLayer_Attn"
+    "(0x55) ======\n    CollectiveMismatchError: collective mismatch on cp[0,1] at call #75\n"
+    "    \n    At:\n      x.py(8): backward\n}\n"
+)
 SIGTERM = (
     "FatalError: `Termination signal` is detected by the operating system.\n"
     "  [SignalInfo: *** SIGTERM (@0x2800) received by PID 10252 (TID 0x7f) from PID 10240 ***]\n"
@@ -58,6 +63,8 @@ SIGTERM = (
         ("[rank 1] error: non-finite loss at step 3\n[flashcp] rank 1 exit 3\n", None, "error",
          "exited with code 3: [rank 1] error: non-finite loss at step 3"),
         (TRACEBACK + "ValueError: bad thing\n", 1, "error", "raised an exception: ValueError"),
+        # raised inside a backward node: Paddle's OSError wraps it, the rank names the inner one
+        (TRACEBACK + BACKWARD, 1, "error", "exception: CollectiveMismatchError: collective"),
         (PEER + SIGTERM, None, "peer", "Connection reset by peer"),
         (TRACEBACK + "RuntimeError: [pair.cc:584] TIMEOUT self_rank = 1 pair_rank = 0\n", None,
          "peer", "TIMEOUT self_rank"),

@@ -320,3 +320,15 @@ def test_trained_mtp_layers_route_and_update_frozen_ones_do_not() -> None:
     before = bias.numpy().copy()
     stats.update_biases(loads)
     np.testing.assert_array_equal(bias.numpy(), before + mb.bias_step(np.array([6, 0, 1, 1]), 0.5))
+
+
+def test_router_stats_of_a_moe_model_without_moe_layers() -> None:
+    """A GLM-4.5 directory with `first_k_dense_replace` >= its layer count has no MoE layer:
+    no router statistics (was: "zero-size array to reduction operation maximum", issue 31)."""
+    from flashcp.metrics.moe_stats import RouterStats
+
+    args = preset("tiny_glm_moe", first_k_dense_replace=2, router_bias_update_rate=0.01)
+    assert args.num_layers == 2
+    stats = RouterStats(build_model(args, seed=0), args)
+    assert stats.layers == [] and stats.metrics(stats.local_vector()) == {}
+    stats.update_biases(stats.local_vector())  # nothing to move

@@ -196,3 +196,22 @@ def test_schedule_errors() -> None:
     state.outputs[0] = paddle.zeros([1])
     with pytest.raises(RuntimeError, match="still in flight"):
         runner.finish(state)
+
+
+def test_a_detached_loss_is_refused_before_backward() -> None:
+    """Paddle's backward() on a tensor cut off from the graph does nothing: a rank would skip
+    the backward's collectives and its peers would hang. The runner refuses it, named."""
+    from flashcp.pipeline.runner import DetachedLossError
+
+    mbs, loss_fn = _micro_batches(2)
+    runner = PipelineRunner(_stage("tiny", {}, 0, 1))
+
+    def detached(out: HeadInput, mb: MicroBatch) -> tuple[paddle.Tensor, list[float]]:
+        loss, stats = loss_fn(out, mb)
+        return (loss.detach() if mb is mbs[1] else loss), stats
+
+    with pytest.raises(DetachedLossError, match="micro-batch 1 .* does not depend on the model"):
+        runner.train(mbs, detached)
+    # zeros computed from the hidden states are a loss like any other
+    losses, _ = runner.train(mbs, lambda out, mb: (loss_fn(out, mb)[0] * 0.0, [0.0]))
+    assert losses == [0.0, 0.0]

@@ -179,3 +179,18 @@ def test_sequence_logps_missing_answer_and_bad_spans() -> None:
         sequence_logps(token_lp, [[[2, 1, 4], [0, 4, 5]]])
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         sequence_logps(paddle.ones([6]), [[[0, 1, 4], [0, 4, 5]]])
+
+
+def test_sequence_logps_without_local_answer_tokens_stays_on_the_graph() -> None:
+    """A cp rank whose chunks hold no answer token (only prompts) returns zero sums that still
+    depend on the log-probs: its loss back-propagates through the model like its peers' (a
+    detached constant made backward a no-op there, and the peers hung in the attention's
+    reduce-scatter, issue 31)."""
+    token_lp = paddle.randn([1, 4])  # this rank's shard: global columns 0..3 of 8
+    token_lp.stop_gradient = False
+    spans = [[[0, 5, 7], [0, 7, 8]]]
+    c, r = sequence_logps(token_lp, spans, columns=np.arange(4))
+    assert c.numpy().tolist() == [0.0] and r.numpy().tolist() == [0.0]
+    assert not c.stop_gradient and not r.stop_gradient
+    (c.sum() + r.sum()).backward()
+    np.testing.assert_array_equal(token_lp.grad.numpy(), np.zeros([1, 4], np.float32))
