@@ -8,7 +8,8 @@ over cp and dp ranks is exactly the gradient of the global mean loss.
 Gradients are summed in buckets: the gradients of consecutive parameters are flattened into one
 buffer of at most `bucket_bytes` (never a copy of the whole model), all-reduced once per group,
 and written back. A parameter without a gradient on this rank (e.g. an expert no local token
-chose) gets zeros first, so every rank's buckets line up.
+chose) gets zeros first, so every rank's buckets line up — in one process too, so that it is
+stepped the same way in every layout (`fill_missing_grads`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ def squared_norm(params: Sequence[paddle.Tensor]) -> float:
     return float(np.sum(paddle.stack(parts).numpy().astype(np.float64)))
 
 
+def fill_missing_grads(params: Sequence[paddle.Tensor]) -> None:
+    """Zeros as the gradient of every parameter that got none this step (no target reached it:
+    a step without targets, an expert no token chose), in EVERY layout: such a parameter is
+    stepped like the others (weight decay, moments), exactly as when other ranks' gradients
+    are summed into its zeros — so one process and any parallel layout update it alike."""
+    for p in params:
+        if p.grad is None and not hasattr(p, "main_grad"):
+            p.grad = paddle.zeros_like(p)
+
+
 def sync_grads(
     params: Sequence[paddle.Tensor], groups: Sequence[Any], bucket_bytes: int = BUCKET_BYTES
 ) -> None:
@@ -66,12 +77,10 @@ def sync_grads(
 
     Groups of one rank are skipped, so single-process training pays nothing.
     """
+    fill_missing_grads(params)
     active = [g for g in groups if g is not None and int(g.nranks) > 1]
     if not active:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = paddle.zeros_like(p)
     for bucket in buckets(params, bucket_bytes):
         flat = paddle.concat([p.grad.astype("float32").reshape([-1]) for p in bucket])
         for group in active:

@@ -323,10 +323,6 @@ class ParamOptimizer(_NormOnce):
             sync_grads(self.tensors, [g.cp, g.dp], bucket_bytes=bucket)
             return
         sync_grads(self.dense, [g.cp, g.dp], bucket_bytes=bucket)
-        if int(g.cp.nranks) * int(g.dp.nranks) > 1:  # as the dp × cp sum would: zeros, stepped
-            for p in self.expert_tensors:
-                if p.grad is None:
-                    p.grad = paddle.zeros_like(p)
         sync_grads(self.expert_tensors, [g.edp], bucket_bytes=bucket)
 
     def _pieces(self) -> Iterable[tuple[str, paddle.Tensor | None]]:
@@ -415,13 +411,13 @@ class MasterShard:
             self.by_bucket.setdefault(seg.bucket, []).append(i)
         self.inner = build_adamw(self.masters, train, scheduler, self.decay)
 
-    def set_grads(self, b: int, piece: paddle.Tensor | None, present: set[str] | None) -> None:
+    def set_grads(self, b: int, piece: paddle.Tensor | None) -> None:
         """Bucket `b`'s summed gradient slice of this shard (`layout.piece(b)` elements) becomes
-        the gradient of its segments; a segment whose parameter is not in `present` (None: all)
-        gets none and is not stepped (as Paddle's AdamW skips a parameter without gradient)."""
+        the gradient of its segments (a parameter that got no gradient has zeros there and is
+        stepped, in every layout: `flashcp.optim.grads.fill_missing_grads`)."""
         for i in self.by_bucket.get(b, []):
             seg = self.segments[i]
-            if piece is None or (present is not None and seg.name not in present):
+            if piece is None:
                 self.masters[i].grad = None
             else:
                 self.masters[i].grad = piece[seg.piece_offset : seg.piece_offset + seg.length]
@@ -522,8 +518,6 @@ class MasterOptimizer(_NormOnce):
         self.sharded = shard
         self.shards = cp_size * dp_size if shard else 1
         index = int(g.cp.rank) * dp_size + int(g.dp.rank) if shard else 0
-        self.reducing = cp_size * dp_size > 1
-        """Whether gradients are summed over other ranks (else a missing one stays missing)."""
         self.low_precision = low_precision
         self.params = dict(held.params)
         self.tensors = [p for _, p in held.params]
@@ -624,13 +618,10 @@ class MasterOptimizer(_NormOnce):
         released bucket by bucket. Under ZeRO-2 the shard gradients were summed during
         backward: a bucket still filling is reduce-scattered here, in bucket order."""
         self._forget_norm()
-        present = None
-        if not self.reducing:
-            present = {n for n, p in self.params.items() if grad_of(p) is not None}
         for i, part in enumerate(self.parts):
             for b, bucket in enumerate(part.layout.buckets):
                 if self.sharder is not None and not self.sharder.deferred(i, b):
-                    part.shard.set_grads(b, self.sharder.take(i, b), present)
+                    part.shard.set_grads(b, self.sharder.take(i, b))
                     continue
                 flat = self._flat(part, b)
                 for name in bucket.names:
@@ -642,7 +633,7 @@ class MasterOptimizer(_NormOnce):
                         flat = reduce_scatter(flat, group)
                     else:
                         all_reduce_tensor(flat, group, inplace=True)
-                part.shard.set_grads(b, flat, present)
+                part.shard.set_grads(b, flat)
 
     @staticmethod
     def _release(p: paddle.Tensor) -> None:

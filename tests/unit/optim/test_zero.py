@@ -130,7 +130,7 @@ def _step_shards(
             for b in range(len(lay.buckets)):
                 flat = np.roll(_padded_flat(grads, lay, b), -shift)
                 q, i = lay.piece(b), lay.index
-                state.set_grads(b, paddle.to_tensor(flat[i * q : (i + 1) * q]), None)
+                state.set_grads(b, paddle.to_tensor(flat[i * q : (i + 1) * q]))
             state.step()
             state.clear_grads()
     out = {n: np.zeros(int(np.prod(s)), np.float32) for n, s in SHAPES.items()}
@@ -213,7 +213,7 @@ def test_shard_state_bytes_are_one_nth_of_unsharded() -> None:
             before = allocated()
             state = MasterShard(lay, params, train, 1e-3)
             for b, piece in enumerate(pieces):
-                state.set_grads(b, piece, None)
+                state.set_grads(b, piece)
             state.step()
             state.clear_grads()
             keep.append(state)
@@ -409,7 +409,7 @@ def _trained_shards(
         for _ in range(2):
             for b in range(len(state.layout.buckets)):
                 q = state.layout.piece(b)
-                state.set_grads(b, paddle.to_tensor(rng.normal(size=q).astype(np.float32)), None)
+                state.set_grads(b, paddle.to_tensor(rng.normal(size=q).astype(np.float32)))
             state.step()
         states.append(state)
     return states
@@ -685,8 +685,28 @@ def test_a_shard_of_padding_only_steps_saves_and_gathers_zeros() -> None:
     params = {"a": _param([2], rng)}
     state = MasterShard(shard_layout([("a", 2)], 4, 3, 100), params, TrainConfig(), 0.01)
     assert state.segments == [] and state.layout.piece(0) == 1
-    state.set_grads(0, paddle.ones([1]), None)
+    state.set_grads(0, paddle.ones([1]))
     state.step()
     np.testing.assert_array_equal(state.piece(0).numpy(), np.zeros(1, np.float32))
     arrays = _shard_arrays(state)
     assert arrays.segments == [] and arrays.packed["master"].size == 0
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_parameter_without_gradient_is_stepped_as_in_any_layout(shard: bool) -> None:
+    """A trainable parameter no target reached this step (a step without targets, an expert no
+    token chose) has zeros for a gradient in one process too, and is stepped (weight decay)
+    exactly as a multi-rank layout steps the zeros its ranks summed: one process and CP > 1
+    stay equal (issue 31)."""
+    paddle.seed(0)
+    model = paddle.nn.Sequential(paddle.nn.Linear(3, 4), paddle.nn.Linear(4, 2))
+    train = TrainConfig(lr=0.1, weight_decay=0.5, warmup_steps=0)
+    optimizer = _toy_optimizer(model, train, shard=shard)
+    unused = model[1].weight
+    before = unused.numpy().copy()
+    model[0](paddle.ones([2, 3])).sum().backward()  # the second layer gets no gradient
+    assert unused.grad is None
+    optimizer.reduce_grads()
+    optimizer.step()
+    # AdamW on a zero gradient: no moment update, the decoupled decay alone (lr · wd · p)
+    np.testing.assert_allclose(unused.numpy(), before * (1 - 0.1 * 0.5), rtol=1e-6)
