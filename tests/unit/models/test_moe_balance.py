@@ -17,12 +17,13 @@ from flashcp import cli
 from flashcp.config import Config, ConfigValidationError, build_config, check_config
 from flashcp.metrics.moe_stats import moe_layers
 from flashcp.metrics.writer import read_metrics
-from flashcp.models import build_model, preset
+from flashcp.models import ModelArgs, build_model, preset
 from flashcp.models import moe_balance as mb
 from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
 from flashcp.models.moe import MoE
 from flashcp.trainer import default_model_factory
 from helpers.configs import Sections, tiny_config
+from helpers.hf_glm45 import hf_config_json, random_checkpoint, write_checkpoint
 from helpers.trainruns import Fit, losses
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -322,13 +323,29 @@ def test_trained_mtp_layers_route_and_update_frozen_ones_do_not() -> None:
     np.testing.assert_array_equal(bias.numpy(), before + mb.bias_step(np.array([6, 0, 1, 1]), 0.5))
 
 
-def test_router_stats_of_a_moe_model_without_moe_layers() -> None:
-    """A GLM-4.5 directory with `first_k_dense_replace` >= its layer count has no MoE layer:
-    no router statistics (was: "zero-size array to reduction operation maximum", issue 31)."""
+def test_a_glm45_directory_without_moe_layers_trains(tmp_path: Path, fit: Fit) -> None:
+    """A GLM-4.5 directory whose `first_k_dense_replace` covers every layer has no MoE layer:
+    it loads, trains and reports no router statistics (was, at step 1: "zero-size array to
+    reduction operation maximum" in the router statistics, issue 31)."""
     from flashcp.metrics.moe_stats import RouterStats
 
-    args = preset("tiny_glm_moe", first_k_dense_replace=2, router_bias_update_rate=0.01)
-    assert args.num_layers == 2
-    stats = RouterStats(build_model(args, seed=0), args)
-    assert stats.layers == [] and stats.metrics(stats.local_vector()) == {}
+    args = ModelArgs(
+        arch="glm_moe", vocab_size=300, hidden_size=32, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, intermediate_size=48, max_seq_len=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=2,
+        router_bias_update_rate=0.01,
+    ).check()  # fmt: skip
+    config = hf_config_json(args, eos_token_id=257, pad_token_id=258)
+    base = write_checkpoint(tmp_path / "glm45", random_checkpoint(args), config=config)
+    run: Sections = {
+        "data": {"seq_len": 32, "tokenizer": "byte"}, "train": {"steps": 2, "warmup_steps": 0},
+        "run": {"device": "cpu"},
+    }  # fmt: skip
+    cfg = tiny_config(tmp_path, base=run, model={"from_pretrained": str(base)})
+    fitted = fit(cfg)
+    assert fitted.trainer.router is not None and fitted.trainer.router.layers == []
+    assert [r["step"] for r in fitted.records] == [1, 2]
+    assert not any(k.startswith("moe/") for r in fitted.records for k in r)
+    stats = RouterStats(fitted.trainer.model, cfg.model)
+    assert stats.metrics(stats.local_vector()) == {}
     stats.update_biases(stats.local_vector())  # nothing to move
