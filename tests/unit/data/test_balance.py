@@ -34,6 +34,7 @@ from flashcp.data.balance import (
     BalancedPlan,
     Row,
     StepLayout,
+    balance_window,
     fill_rows,
     step_balance,
     window_items,
@@ -165,6 +166,28 @@ def test_same_documents_per_epoch_and_exact_resume(
         again = BalancedPlan(PackedStream(_Lengths(lengths), seq_len, seed=seed), rows, window)
         again.load_state_dict(states[k])
         assert [again.next_step() for _ in range(len(steps) - k)] == steps[k:]
+
+
+def test_a_step_ending_exactly_with_its_epoch_keeps_the_whole_window() -> None:
+    """An epoch of exactly `window` steps of first-fit rows (96 tokens = 3 steps × 2 rows × 16):
+    the last row of its last step ends exactly with the epoch, so that step is not first-fit's
+    mixed step and the window is the whole epoch — each epoch's steps are
+    `balance_window` of the epoch's three first-fit steps, not of two and then one (the cut
+    window's last step would carry a max/mean of 1.49 instead of 1.03 here)."""
+    lengths = [40, 3, 5, 20, 2, 7, 9, 10]
+    seq_len, rows, window = 16, 2, 3
+    first_fit = PackedStream(_Lengths(lengths), seq_len, seed=0)
+    plan = BalancedPlan(PackedStream(_Lengths(lengths), seq_len, seed=0), rows, window)
+    for epoch in range(2):
+        steps = [[first_fit.plan_next() for _ in range(rows)] for _ in range(window)]
+        assert first_fit.state_dict() == {"epoch": epoch + 1, "doc": 0, "offset": 0,
+                                          "sequences": (epoch + 1) * window * rows}  # fmt: skip
+        whole = balance_window(steps, seq_len)
+        cut = balance_window(steps[:-1], seq_len) + balance_window(steps[-1:], seq_len)
+        assert cut != whole  # the two plans differ: the comparison below can tell them apart
+        got = [row for _ in range(window) for row in plan.next_step()]
+        cut_short = " (planned as 2 + 1 steps)" if got == cut else ""
+        assert got == whole, f"epoch {epoch}: not one window of its 3 steps{cut_short}"
 
 
 def _mean_balance(
