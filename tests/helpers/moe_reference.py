@@ -1,10 +1,14 @@
 """The routed part of a `flashcp.models.moe.MoE` written from its definition in float64 numpy —
-the tests' reference for the gradients through the combine (the per-expert loop,
-`bench.moe_loop.LoopMoE`, does not model capacity).
+the tests' reference for the gradients through the dispatch and the combine (the per-expert
+loop, `bench.moe_loop.LoopMoE`, does not model capacity).
 
 `routed_reference(moe, x, probe, capacity)`: routing, capacity drops in token order, the
-weighted sum, and the gradients of ``Σ probe · out`` with respect to the routing weights and the
-router's weight.
+weighted sum, and the gradients of ``Σ probe · out`` with respect to the routing weights, the
+router's weight and the input tokens.
+
+`kept_rows(ids, num_experts, capacity)` / `permute_reference(x, ...)`: the expert-sorted buffer
+of a dispatch with drops from the same definition, as a plain (differentiable) Paddle gather of
+the kept tokens: autograd's own backward of the permutation.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import paddle
 from paddle import nn
 
 
@@ -29,6 +34,8 @@ class RoutedReference:
     """`[T, E]`: d loss / d routing weight (0 where not chosen, and where dropped)."""
     router_grad: np.ndarray
     """`[H, E]`: d loss / d router weight (`moe.gate.weight`)."""
+    x_grad: np.ndarray
+    """`[T, H]`: d loss / d tokens, through the kept entries' experts and the router."""
     margin: float
     """Smallest gap between a token's k-th and (k+1)-th choice score: the choice is only
     meaningful to compare when it is well above float32 rounding."""
@@ -72,7 +79,8 @@ def routed_reference(
     gate_up = experts.gate_up_proj.astype("float32").numpy().astype(np.float64)
     down = experts.down_proj.astype("float32").numpy().astype(np.float64)
     h = np.einsum("th,ehi->tei", x64, gate_up)
-    act = h[..., :inter] * _sigmoid(h[..., :inter]) * h[..., inter:]
+    a, b = h[..., :inter], h[..., inter:]
+    act = a * _sigmoid(a) * b  # SwiGLU: silu(a) · b
     y = np.einsum("tei,eih->teh", act, down)  # every expert on every token
     used = np.where(keep, weights, 0.0)
     out = np.einsum("te,teh->th", used, y)
@@ -82,5 +90,30 @@ def routed_reference(
         score_grad = np.where(chosen, scale * (weight_grad - inner) / total, 0.0)
     else:
         score_grad = np.where(chosen, scale * weight_grad, 0.0)
-    router_grad = x64.T @ (score_grad * scores * (1.0 - scores))
-    return RoutedReference(out, chosen, keep, weight_grad, router_grad, float(gaps.min()))
+    logit_grad = score_grad * scores * (1.0 - scores)
+    router_grad = x64.T @ logit_grad
+    # through the experts: d/dx of Σ_e used[t, e] · probe[t] · y[t, e] (a dropped entry: 0)
+    act_grad = np.einsum("th,eih->tei", probe64, down) * used[..., None]
+    silu_grad = _sigmoid(a) * (1.0 + a * (1.0 - _sigmoid(a)))
+    h_grad = np.concatenate([act_grad * b * silu_grad, act_grad * a * _sigmoid(a)], axis=-1)
+    x_grad = np.einsum("tei,ehi->th", h_grad, gate_up) + logit_grad @ w_gate.T
+    return RoutedReference(out, chosen, keep, weight_grad, router_grad, x_grad, float(gaps.min()))
+
+
+def kept_rows(ids: np.ndarray, num_experts: int, capacity: int | None) -> np.ndarray:
+    """The token of every row of the expert-sorted buffer: expert by expert, its entries in
+    token order, the first `capacity` of them kept (None: all)."""
+    rows: list[int] = []
+    for e in range(num_experts):
+        tokens = [t for t in range(ids.shape[0]) for choice in ids[t] if choice == e]
+        rows += tokens if capacity is None else tokens[:capacity]
+    return np.asarray(rows, dtype=np.int64)
+
+
+def permute_reference(
+    x: paddle.Tensor, ids: np.ndarray, num_experts: int, capacity: int | None
+) -> paddle.Tensor:
+    """The buffer `[rows, H]` of tokens `x` `[T, H]`, by a plain `paddle.gather` of the kept
+    tokens (`kept_rows`): its gradient is Paddle's own, each token's kept rows summed and a
+    fully dropped token's zero."""
+    return paddle.gather(x, paddle.to_tensor(kept_rows(ids, num_experts, capacity)), axis=0)

@@ -2,8 +2,9 @@
 
 The trainer-level behaviour (bitwise resume, layouts, LoRA exports) is tested through
 `Trainer.fit` elsewhere (`test_trainer.py`, `optim/test_zero.py`, `test_resume_fixtures.py`,
-the integration jobs); here: what `resume` returns, the files it refuses, and where in the
-source tree checkpoint files may be opened at all.
+the integration jobs); here: what `resume` returns and restores (the data position, the LR
+schedule, each RNG, against the checkpoint's trainer state), the files it refuses, and where in
+the source tree checkpoint files may be opened at all.
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import random
 import re
 import shutil
 from pathlib import Path
 
+import numpy as np
+import paddle
+
 from flashcp.checkpoint.checkpointer import Checkpointer, Resumed
+from flashcp.checkpoint.state import rng_state
 from flashcp.config import load_config
 from flashcp.trainer import Trainer
 from helpers.paths import FIXTURES, ROOT
@@ -52,6 +58,47 @@ def test_resume_returns_the_step_and_the_recorded_tokens(tmp_path: Path) -> None
     run = Path(shutil.copytree(FIXTURE, tmp_path / "run"))
     got = _checkpointer(run).resume(tokens_per_step=10)
     assert got == Resumed(path=run / "checkpoints" / "step_3", step=3, consumed_tokens=192)
+
+
+def test_resume_restores_data_position_rng_and_lr_schedule(tmp_path: Path) -> None:
+    """Besides the arrays, `resume` restores what the checkpoint's trainer state holds, each
+    checked against that file: the data stream's position, the LR schedule and the RNGs. The
+    RNGs are moved on first (the fixture saved the seeded state a fresh trainer also has), and
+    so are the others (a fresh trainer starts at step 0), so nothing passes by coincidence. The
+    fixture predates the CPU engine text: its Paddle generator is re-seeded from the saved seed
+    (`flashcp.checkpoint.state`)."""
+    run = Path(shutil.copytree(FIXTURE, tmp_path / "run"))
+    saved = json.loads((run / "checkpoints" / "step_3" / "trainer_state.json").read_text())
+    checkpointer = _checkpointer(run)
+    paddle.rand([5])
+    np.random.rand(3)
+    random.random()
+    before = _restored(checkpointer)
+    checkpointer.resume(tokens_per_step=10)
+    after = _restored(checkpointer)
+    paddle.seed(saved["rng"]["paddle"]["generators"][0]["seed"])
+    want = {
+        "data": saved["data"]["stream"],
+        "scheduler": saved["scheduler"],
+        "python": saved["rng"]["python"],
+        "numpy": saved["rng"]["numpy"],
+        "paddle": rng_state()["paddle"],
+    }
+    assert all(before[key] != want[key] for key in want), "the fixture would pass unrestored"
+    assert after["data"] == want["data"], "the data position was not restored"
+    assert after["scheduler"] == want["scheduler"], "the LR schedule was not restored"
+    for key in ("python", "numpy", "paddle"):
+        assert after[key] == want[key], f"the {key} RNG state was not restored"
+
+
+def _restored(checkpointer: Checkpointer) -> dict[str, object]:
+    """What `resume` restores besides the arrays, as plain data."""
+    rng = rng_state()
+    return {
+        "data": checkpointer.data.state_dict()["stream"],  # (+ a window step when balanced)
+        "scheduler": checkpointer.scheduler.state_dict(),
+        **{key: rng[key] for key in ("python", "numpy", "paddle")},
+    }
 
 
 def test_resume_counts_tokens_a_checkpoint_did_not_record(tmp_path: Path) -> None:

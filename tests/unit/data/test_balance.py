@@ -2,15 +2,17 @@
 
 The work model's pair counts against the dense mask oracle; the balancer's rows against the
 first-fit stream they re-pack (the same tokens per window and per epoch, nothing dropped or
-duplicated, rows exactly full, DPO pairs never split); resume mid-window; layout invariance;
-the modelled imbalance on the long-tail mix at the issue's sizes; the metrics, the plot panel
-and `flashcp data-stats`.
+duplicated, rows exactly full, DPO pairs never split; a step ending exactly with its epoch
+keeps its window); resume mid-window; layout invariance; the modelled imbalance on the
+long-tail mix at the issue's sizes; the metrics (against per-dp-rank and per-micro-batch sums
+written out here), the plot panel and `flashcp data-stats`.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from flashcp.data.balance import (
     BalancedPlan,
     Row,
     StepLayout,
+    balance_window,
     fill_rows,
     step_balance,
     window_items,
@@ -167,6 +170,28 @@ def test_same_documents_per_epoch_and_exact_resume(
         assert [again.next_step() for _ in range(len(steps) - k)] == steps[k:]
 
 
+def test_a_step_ending_exactly_with_its_epoch_keeps_the_whole_window() -> None:
+    """An epoch of exactly `window` steps of first-fit rows (96 tokens = 3 steps × 2 rows × 16):
+    the last row of its last step ends exactly with the epoch, so that step is not first-fit's
+    mixed step and the window is the whole epoch — each epoch's steps are
+    `balance_window` of the epoch's three first-fit steps, not of two and then one (the cut
+    window's last step would carry a max/mean of 1.49 instead of 1.03 here)."""
+    lengths = [40, 3, 5, 20, 2, 7, 9, 10]
+    seq_len, rows, window = 16, 2, 3
+    first_fit = PackedStream(_Lengths(lengths), seq_len, seed=0)
+    plan = BalancedPlan(PackedStream(_Lengths(lengths), seq_len, seed=0), rows, window)
+    for epoch in range(2):
+        steps = [[first_fit.plan_next() for _ in range(rows)] for _ in range(window)]
+        assert first_fit.state_dict() == {"epoch": epoch + 1, "doc": 0, "offset": 0,
+                                          "sequences": (epoch + 1) * window * rows}  # fmt: skip
+        whole = balance_window(steps, seq_len)
+        cut = balance_window(steps[:-1], seq_len) + balance_window(steps[-1:], seq_len)
+        assert cut != whole  # the two plans differ: the comparison below can tell them apart
+        got = [row for _ in range(window) for row in plan.next_step()]
+        cut_short = " (planned as 2 + 1 steps)" if got == cut else ""
+        assert got == whole, f"epoch {epoch}: not one window of its 3 steps{cut_short}"
+
+
 def _mean_balance(
     next_rows: Any, steps: int, layout: StepLayout, model: WorkModel, seq_len: int
 ) -> dict[str, float]:
@@ -176,6 +201,28 @@ def _mean_balance(
         rows = [Row((), int(causal_pairs([p.length for p in r]).sum())) for r in next_rows()]
         got.append(step_balance(rows, layout, model, seq_len))
     return {k: float(np.mean([g[k] for g in got])) for k in got[0]}
+
+
+def _max_over_mean(work: dict[Any, float]) -> float:
+    return max(work.values()) / (sum(work.values()) / len(work))
+
+
+def test_balance_metrics_are_the_per_rank_and_per_micro_batch_work() -> None:
+    """A hand-built step of dp 2 × grad_accum 2 × micro-batch 2, rows in hand-out order
+    (micro-batch by micro-batch, rank by rank), FLOPs = attention pairs: rank 0 holds 120 and
+    rank 1 40, so `dp_work_max_over_mean` reads 1.5; its micro-batches 90, 30, 20, 20 read
+    2.25. Both against sums written out per (micro-batch, rank) here; summing over the wrong
+    axis (the micro-batches: 110 and 50) would read 1.375."""
+    layout = StepLayout(dp=2, grad_accum=2, micro_batch_size=2)
+    given = {(0, 0): [60, 30], (0, 1): [10, 10], (1, 0): [20, 10], (1, 1): [5, 15]}
+    """(micro-batch, dp rank) → the pairs of its two rows."""
+    rows = [Row((), n) for micro in range(2) for rank in range(2) for n in given[micro, rank]]
+    got = step_balance(rows, layout, WorkModel(0.0, 1.0), seq_len=16)
+    per_rank = {r: float(sum(sum(given[m, r]) for m in range(2))) for r in range(2)}
+    per_micro = {key: float(sum(pairs)) for key, pairs in given.items()}
+    assert (_max_over_mean(per_rank), _max_over_mean(per_micro)) == (1.5, 2.25)
+    assert got == {"balance/dp_work_max_over_mean": 1.5,
+                   "balance/microbatch_work_max_over_mean": 2.25}  # fmt: skip
 
 
 def test_long_tail_reaches_the_issue_targets() -> None:
@@ -299,6 +346,30 @@ def test_layouts_of_one_step_size_train_on_the_same_rows(tmp_path: Path) -> None
     assert set(metrics) == {"balance/dp_work_max_over_mean",
                             "balance/microbatch_work_max_over_mean"}  # fmt: skip
     assert all(v >= 1.0 for v in metrics.values())
+
+
+def test_loader_metrics_are_the_work_each_dp_rank_trained_on(tmp_path: Path) -> None:
+    """`TrainData.balance_metrics` after a step of dp 2 × grad_accum 2 × micro-batch 2 (first-fit
+    rows: uneven) equals max/mean of the work computed here from the micro-batches each dp
+    rank's `TrainData` handed out (their segment lengths, the model's work coefficients), per
+    rank and per micro-batch. (float64 sums of a few terms in another order: 1e-12.)"""
+    cfg = _cfg(tmp_path, data={"micro_batch_size": 2, "balance": "none"})
+    ranks = [TrainData(cfg, dp_rank=r, dp_size=2) for r in range(2)]
+    work = ranks[0].work
+    given = {}
+    for r, data in enumerate(ranks):
+        for k, batch in enumerate(data.next_step()):
+            pairs = sum(int(causal_pairs(lens).sum()) for lens in batch.doc_lens)
+            given[k, r] = float(work.flops(batch.input_ids.size, pairs))
+    per_rank = {r: given[0, r] + given[1, r] for r in range(2)}
+    want = {"balance/dp_work_max_over_mean": _max_over_mean(per_rank),
+            "balance/microbatch_work_max_over_mean": _max_over_mean(given)}  # fmt: skip
+    assert want["balance/dp_work_max_over_mean"] > 1.01  # uneven: a wrong grouping shows
+    for data in ranks:  # every rank reports the whole step's balance
+        got = data.balance_metrics()
+        assert got.keys() == want.keys()
+        for key in want:
+            assert math.isclose(got[key], want[key], rel_tol=1e-12), (key, got[key], want[key])
 
 
 def test_trainer_reports_balance_and_resumes_exactly(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Grouped expert compute (`flashcp.models.moe_dispatch`, `experts`, `grouped_matmul`) against the
 old per-expert loop (`scripts/bench/moe_loop.py`): same outputs and gradients (every layout, a
 skewed router), bitwise deterministic, bf16 storage upcast chunk by chunk, the
-capacity factor's drops (outputs, and gradients against a float64 reference:
-`moe_reference.routed_reference`), and the dispatch pieces on their own."""
+capacity factor's drops (outputs, and the routing, router and input gradients against a
+float64 reference: `moe_reference.routed_reference`; the permutation's backward against
+autograd's own gather), and the dispatch pieces on their own."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import LAYOUTS, plan_layout
 from flashcp.models.moe import MoE, Routing
 from flashcp.models.moe_dispatch import build_dispatch, capacity_for, combine, permute, relayout
-from helpers.moe_reference import routed_reference
+from helpers.moe_reference import permute_reference, routed_reference
 
 H = 32
 RTOL = 1e-6
@@ -224,8 +225,9 @@ def _routed_gradients(
     moe: MoE, x: paddle.Tensor, probe: paddle.Tensor, path: str
 ) -> tuple[np.ndarray, ...]:
     """(output `[T, H]`, expert ids `[T, k]`, routing-weight gradient `[T, k]`, router-weight
-    gradient) of ``Σ probe · moe(x)``: `grouped` is the layer's own forward; `expert_parallel`
-    the EP path (`expert_parallel_rows`) over a one-rank group, from the layer's pieces."""
+    gradient, input gradient `[T, H]`) of ``Σ probe · moe(x)``: `grouped` is the layer's own
+    forward; `expert_parallel` the EP path (`expert_parallel_rows`) over a one-rank group,
+    from the layer's pieces."""
     seen: list[Routing] = []
     grads: list[np.ndarray] = []
     route = moe.gate.route
@@ -237,6 +239,7 @@ def _routed_gradients(
         return routing
 
     moe.gate.clear_gradients()
+    x.clear_gradient()
     if path == "grouped":
         moe.gate.route = recorded  # the layer's forward, routing weights observed
         try:
@@ -259,6 +262,7 @@ def _routed_gradients(
         seen[0].ids.numpy(),
         grads[0],
         moe.gate.weight.grad.numpy(),
+        x.grad.numpy().reshape(-1, H),
     )
 
 
@@ -268,9 +272,10 @@ def test_capacity_drops_get_no_routing_gradient_and_the_router_gradient_is_right
     path: str, norm_topk_prob: bool
 ) -> None:
     """With entries dropped by the capacity: the routing weight of every dropped entry gets a
-    gradient of exactly 0 (it contributed nothing), and the routing-weight and router-weight
-    gradients equal a float64 reference written from the definition (`routed_reference`),
-    not the combine compared with itself."""
+    gradient of exactly 0 (it contributed nothing), and the routing-weight, router-weight and
+    input gradients equal a float64 reference written from the definition (`routed_reference`),
+    not the combine compared with itself: a dropped entry sends no gradient back through the
+    permutation to its token."""
     paddle.seed(2)
     moe = MoE(
         _args(
@@ -284,7 +289,7 @@ def test_capacity_drops_get_no_routing_gradient_and_the_router_gradient_is_right
     x = _x(rows=1, length=32, seed=5, shift=SHIFT)
     probe = paddle.to_tensor(np.random.default_rng(7).standard_normal(x.shape).astype("float32"))
     capacity = capacity_for(0.75, 32, 4, 16)
-    out, ids, weight_grad, router_grad = _routed_gradients(moe, x, probe, path)
+    out, ids, weight_grad, router_grad, x_grad = _routed_gradients(moe, x, probe, path)
     ref = routed_reference(moe, x.numpy().reshape(-1, H), probe.numpy().reshape(-1, H), capacity)
     assert ref.margin > 1e-4  # no near tie: the float32 choice is the float64 one
     chosen = np.zeros_like(ref.chosen)
@@ -301,9 +306,32 @@ def test_capacity_drops_get_no_routing_gradient_and_the_router_gradient_is_right
     assert np.abs(dense[ref.keep]).min() > 0  # and the kept ones do
     numerics.assert_close(dense, ref.weight_grad, n=H, norm="l2", what="routing-weight grad")
     numerics.assert_close(router_grad, ref.router_grad, n=32, norm="l2", what="router grad")
+    numerics.assert_close(x_grad, ref.x_grad, n=H, norm="l2", what="input grad")
     # negative control: the router gradient of the same tokens without drops is far away
     dropless = routed_reference(moe, x.numpy().reshape(-1, H), probe.numpy().reshape(-1, H), None)
     numerics.assert_rejects(router_grad, dropless.router_grad, n=32, norm="l2")
+
+
+def test_permute_backward_gives_a_dropped_entry_no_gradient() -> None:
+    """Capacity 2, three experts, top-2: experts 0 and 1 take tokens 0 and 1 first, so token 3
+    is dropped by both and token 2 by expert 0 (kept by expert 2). The buffer, and the tokens'
+    gradient for buffer-row gradients [1, 2], [3, 4], ..., equal a plain Paddle gather of the
+    kept tokens (`permute_reference`: autograd's own backward): the fully dropped token gets
+    exactly zero, the partly dropped one only its kept row's."""
+    ids = np.array([[0, 1], [1, 0], [0, 2], [0, 1]])
+    d = build_dispatch(paddle.to_tensor(ids), 3, capacity=2)
+    assert d.counts == [2, 2, 1] and d.dropped == 3
+    x0 = np.arange(8, dtype=np.float32).reshape(4, 2) + 1
+    got, want = (paddle.to_tensor(x0, stop_gradient=False) for _ in range(2))
+    rows = permute(got, d)
+    ref = permute_reference(want, ids, 3, capacity=2)
+    np.testing.assert_array_equal(rows.numpy(), ref.numpy())
+    grad = paddle.to_tensor(np.arange(10, dtype=np.float32).reshape(5, 2) + 1)
+    (rows * grad).sum().backward()
+    (ref * grad).sum().backward()
+    np.testing.assert_array_equal(got.grad.numpy(), want.grad.numpy())
+    np.testing.assert_array_equal(got.grad.numpy()[3], [0, 0])
+    np.testing.assert_array_equal(got.grad.numpy()[2], grad.numpy()[4])  # expert 2's row
 
 
 def test_bf16_storage_upcasts_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,9 @@
 """Multi-token prediction (`flashcp.models.mtp`, `model.mtp_layers`, `model.mtp_loss_weight`):
-the targets against a loop written from their definition, the parameter names the checkpoints
-use, the planner's count against the built model, the validation errors, recompute (bitwise)
-and loss chunks (the float32 rule) on the MTP gradients, and what λ = 0 freezes — trainer runs
-of two steps, with and without LoRA adapters on the MTP block.
+the targets against a loop written from their definition, the shared head's logits and the
+depth's log-probs against their float64 definition, the parameter names the checkpoints use,
+the planner's count against the built model, the validation errors, recompute (bitwise) and
+loss chunks (the float32 rule) on the MTP gradients, and what λ = 0 freezes — trainer runs of
+two steps, with and without LoRA adapters on the MTP block.
 (The forward against transformers' modules: `tests/hf/test_mtp_reference.py`; the parallel
 layouts: `tests/integration/test_mtp_multiproc.py`.)"""
 
@@ -259,6 +260,46 @@ def test_lora_on_the_mtp_block_trains_only_with_a_weight(
         # B starts at zero, so A's first gradient is zero; from step 2 both move
         assert all(np.abs(step1[n]).max() > 0 for n in on_mtp if n.endswith("lora_B"))
         assert all(np.abs(step2[n]).max() > 0 for n in on_mtp)
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_mtp_logits_follow_the_shared_heads_definition(chunk: int) -> None:
+    """An MTP depth's logits are ``head(norm(out))`` (HF's `shared_head.norm`, an RMSNorm
+    here, then `shared_head.head`) of the block output `run_mtp` gives, and its log-probs
+    their log-softmax at the targets: both written here in float64 numpy, the norm's weight
+    set away from one, so a head that skipped its norm (or its weight) is far off."""
+    model = build_model(_args(mtp_layers=1), seed=0)
+    (layer,) = model.mtp_layers()
+    head, width = layer.shared_head, model.args.hidden_size
+    weight = np.random.default_rng(3).uniform(0.5, 2.0, width).astype("float32")
+    head.norm.weight.set_value(weight)
+    docs = [[20, 12], [7, 25]]
+    rows = [_packed(d, [0] * len(d), seed) for seed, d in enumerate(docs)]
+    ids, labels = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+    mtp_ids, targets = mtp_targets(ids, labels, docs, 1)
+    pos = paddle.arange(32).reshape([1, 32]).tile([2, 1])
+    attn = AttentionContext(mask=causal_document_mask(docs).indices, causal=True)
+    with paddle.no_grad():
+        hidden = model(paddle.to_tensor(ids), pos, attn)
+        (out,) = model.model.run_mtp(hidden, paddle.to_tensor(mtp_ids), pos, attn)
+        logits = head.logits(out).numpy()
+        (logps,) = model.mtp_token_logprobs(hidden, paddle.to_tensor(mtp_ids),
+                                            paddle.to_tensor(targets), pos, attn,
+                                            chunk_tokens=chunk)  # fmt: skip
+    h = out.astype("float32").numpy().astype(np.float64)
+    normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + model.args.norm_eps) * weight
+    w = head.head.weight.numpy().astype(np.float64)  # [H, V]
+    want = normed @ w
+    scale = float((np.abs(normed) @ np.abs(w)).max())  # Σ|terms| of the largest logit
+    numerics.assert_close(logits, want, n=width, scale=scale, what="MTP logits")
+    top = want.max(axis=-1, keepdims=True)
+    lse = (top + np.log(np.exp(want - top).sum(axis=-1, keepdims=True)))[..., 0]
+    target = targets[0]
+    picked = np.take_along_axis(want, np.maximum(target, 0)[..., None], axis=-1)[..., 0]
+    want_logps = np.where(target != IGNORE_INDEX, picked - lse, 0.0)
+    assert (target != IGNORE_INDEX).sum() > 40
+    scale += float(np.abs(lse).max())  # and the log-sum-exp subtracted from it
+    numerics.assert_close(logps.numpy(), want_logps, n=width, scale=scale, what="MTP log-probs")
 
 
 def _mtp_grads(recompute: str, chunk: int) -> dict[str, np.ndarray]:

@@ -3,6 +3,8 @@
 * Same ops, same order: losses and gradients with offload are BITWISE those without, for GPT,
   GLM-4 and GLM-4.5 MoE, full and refined recompute, on the CP code path, with frozen
   embeddings (LoRA) and learned positions, and with micro-batches back-propagated in any order.
+* A tensor back from the host keeps its values and its `stop_gradient` flag, as Paddle's
+  backward receives it (a layer input restored as a constant crashes Paddle's recompute).
 * What moved is counted at the copy: the host bytes are exactly the layer inputs (plus the
   refined attention outputs and LSEs), and Paddle's allocator holds exactly that much less
   after the forward pass (numpy buffers are outside it).
@@ -451,6 +453,62 @@ def test_pinned_transport_uses_the_original_while_its_copy_is_in_flight() -> Non
     offloader = off.offloader_of(model)
     offloader.flush()
     assert off.offload_stats().host_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("stop_gradient", (False, True))
+def test_a_tensor_back_from_the_host_keeps_its_values_and_stop_gradient(
+    stop_gradient: bool, dtype: str
+) -> None:
+    """Sent to the host, its device buffer freed, taken back: the tensor returns bitwise, with
+    its shape, dtype and `stop_gradient` (a recompute's input takes a gradient: the replay
+    must see it so; a frozen one must stay frozen)."""
+    values = np.random.default_rng(4).standard_normal((2, 5, 3)).astype("float32")
+    x = paddle.to_tensor(values).astype(dtype)
+    x.stop_gradient = stop_gradient
+    want = x.astype("float32").numpy()
+    transport = off.NumpyTransport()
+    saved = off.SavedTensor(x)
+    saved.send(transport)
+    saved.release_device()
+    assert not x._is_initialized()
+    back, _ = saved.take(transport)
+    assert (back.stop_gradient, back.dtype, back.shape) == (stop_gradient, x.dtype, [2, 5, 3])
+    np.testing.assert_array_equal(back.astype("float32").numpy(), want)
+
+
+@pytest.mark.parametrize("mode", ("full", "refined"))
+def test_restored_tensors_reach_backward_with_their_flags(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tensor the unpack hook hands back to Paddle carries the `stop_gradient` its
+    original had (checked as Paddle receives it: a layer input restored as a constant makes
+    Paddle's recompute crash, not fail), and the gradients - the stage input's included - are
+    bitwise those without offload."""
+    restore = off.LayerOffload.restore
+    flags: list[tuple[bool, bool]] = []
+
+    def checked(self: off.LayerOffload, saved: off.SavedTensor) -> paddle.Tensor:
+        tensor = restore(self, saved)
+        flags.append((saved.stop_gradient, tensor.stop_gradient))
+        if tensor.stop_gradient != saved.stop_gradient:  # stop here, before Paddle uses it
+            raise AssertionError(f"restored with stop_gradient={tensor.stop_gradient}, "
+                                 f"saved with {saved.stop_gradient}")  # fmt: skip
+        return tensor
+
+    monkeypatch.setattr(off.LayerOffload, "restore", checked)
+    ids, pos, ctx = packed_batch()
+    results = []
+    for offload in (False, True):
+        model = _model("tiny_glm", mode, offload)
+        h = model.model.embed(ids, pos).detach()
+        h.stop_gradient = False
+        hidden = model.model.run_layers(h, pos, ctx)
+        F.cross_entropy(model.logits(hidden), ids.unsqueeze(-1)).mean().backward()
+        results.append((h.grad.numpy(), _grads(model)))
+    assert flags and (False, False) in flags, flags  # the layer inputs, restored trainable
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    _assert_same(results[1][1], results[0][1])
 
 
 def test_default_transport_on_cpu_is_numpy() -> None:

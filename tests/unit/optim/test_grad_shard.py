@@ -12,29 +12,37 @@ Covered: buckets shared by several parameters and buckets of one large parameter
 pieces (float32 and bfloat16 storage, padding, several micro-batches), the hooks firing during
 backward (inside a recompute replay, before the layers below it are replayed), a parameter
 that delivers twice, a bucket left partial (flushed with zeros at the step), deferred buckets,
-the allocator's bytes (no full-size float32 gradient ever), the config rule, and the trainer
-in one process (nothing to shard: ZeRO-1's path, bitwise). Real multi-rank runs:
+the allocator's bytes (no full-size float32 gradient ever), the per-rank non-finite check
+(every gradient, a bucket still filling at the step's end included; through the trainer, a NaN
+there skips the step and names the rank), the config rule, and the trainer in one process
+(nothing to shard: ZeRO-1's path, bitwise). Real multi-rank runs:
 `tests/integration/test_zero2_multiproc.py`.
 """
 
 from __future__ import annotations
 
+import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
 import pytest
 from paddle.distributed.fleet.utils import recompute
 
+from bench import numerics
 from flashcp.config import ConfigValidationError, build_config
-from flashcp.distributed import ParallelDims, build_groups
+from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups, build_groups
 from flashcp.metrics import memory
+from flashcp.models import build_model
 from flashcp.optim import grad_shard
 from flashcp.optim.grad_shard import GradientSharder, GradPart
 from flashcp.optim.grads import grad_of
 from flashcp.optim.layout import ShardLayout, shard_layout
 from flashcp.optim.zero import MasterOptimizer, attach_main_grad, build_distributed_optimizer
+from flashcp.trainer import Trainer
 from helpers.configs import Sections, TinyCfg
 from helpers.trainruns import Fit, losses
 
@@ -260,6 +268,35 @@ def test_a_bucket_left_partial_is_reduced_at_the_step_with_zeros(calls: list) ->
     assert sharder.pending() == []
 
 
+@pytest.mark.parametrize("poisoned", [None, "d", "a"])
+def test_the_nonfinite_check_sees_every_gradient_including_buckets_still_filling(
+    calls: list, poisoned: str | None
+) -> None:
+    """`local_squares` (the trainer's per-rank non-finite check) covers every gradient the
+    rank produced: the buckets reduced during backward (a and b's, big's) and the one still
+    filling when the step ends (c got no gradient, so c and d's waits in its buffer). Clean, it
+    is the float64 sum of squares of Paddle's own gradients; a NaN in d's gradient (filling)
+    or a's (reduced) makes it NaN."""
+    layout = _layout(2, 1)
+    net = Net(unused="c")
+    if poisoned is not None:
+        getattr(net, poisoned).register_hook(lambda g: g * math.nan)
+    sharder = GradientSharder({n: getattr(net, n) for n in SHAPES},
+                              [GradPart(layout, [FakeGroup(2, 1)])])  # fmt: skip
+    x = _inputs(1)
+    net(x[0]).backward()
+    (filling,) = [b for b, bucket in enumerate(layout.buckets) if "c" in bucket.names]
+    assert sharder.pending() == [(0, filling)] and "d" in layout.buckets[filling].names
+    got = sharder.local_squares()
+    if poisoned is not None:
+        assert math.isnan(got), f"a NaN in {poisoned}'s gradient, local_squares {got}"
+        return
+    grads = _plain_grads("float32", x, unused="c")
+    want = sum(float(np.square(g.astype(np.float64)).sum()) for g in grads.values())
+    numerics.assert_close(got, want, n=sum(g.size for g in grads.values()), scale=want,
+                          what="local sum of squares")  # fmt: skip
+
+
 def test_deferred_buckets_are_not_hooked(calls: list) -> None:
     layout = _layout(2, 0)
     net = Net()
@@ -366,3 +403,58 @@ def test_trainer_one_process_has_nothing_to_shard(
     assert isinstance(trainer.optimizer, MasterOptimizer) and trainer.optimizer.sharder is None
     assert "nothing to shard" in out
     assert losses(z1) == losses(z2)
+
+
+def _spare_norm_model(cfg: Any, stage: Any) -> paddle.nn.Layer:
+    """The configured model with one more trainable parameter on the final norm that no
+    forward uses: its bucket (with the last layer's MLP bias and the norm's own) is still
+    filling when the step ends."""
+    model = build_model(cfg.model, stage=stage)
+    norm = model.model.norm
+    norm.spare = norm.create_parameter([8])
+    return model
+
+
+def test_trainer_skips_a_step_whose_nan_waits_in_a_filling_bucket(
+    tmp_path: Path, tiny_cfg: TinyCfg, calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's non-finite check (`MasterOptimizer.local_squares`, per rank) through a
+    ZeRO-2 optimizer whose NaN sits in a bucket still filling at the step's end: the step is
+    skipped, its update never starts, and the warning names the rank. The optimizer is cp
+    rank 1 of 2 (`FakeGroup` reduce-scatters; one process cannot hold a real second rank);
+    the trainer's own groups are one process's, so the rank it names is 0."""
+    cfg = tiny_cfg(tmp_path, train={"on_nonfinite": "skip"})
+    trainer = Trainer(cfg, stream=io.StringIO(), model_factory=_spare_norm_model)
+    cp = NamedGroup("cp", 1, 5, [0, 1], pg=None)
+    groups = ParallelGroups(ParallelDims(dp=1, pp=1, cp=2, world_size=2), 1,
+                            NamedGroup("world", 1, 0, [0, 1], pg=None),
+                            NamedGroup("dp", 0, -1, [1], pg=None),
+                            NamedGroup("pp", 0, -1, [1], pg=None), cp, "none")  # fmt: skip
+    opt = build_distributed_optimizer(
+        trainer.model, cfg.train, trainer.scheduler, groups, shard=True, shard_gradients=True,
+        bucket_bytes=1200,
+    )  # fmt: skip
+    assert opt.sharder is not None
+    (filling,) = [b for b, bucket in enumerate(opt.layout.buckets)
+                  if "model.norm.spare" in bucket.names]  # fmt: skip
+    assert {"model.norm.weight", "model.norm.bias"} < set(opt.layout.buckets[filling].names)
+    checked: list[list[tuple[int, int]]] = []  # the buckets still filling at the check
+    squares = opt.local_squares
+    monkeypatch.setattr(
+        opt, "local_squares", lambda: checked.append(opt.sharder.pending()) or squares()
+    )
+    updates: list[str] = []  # a step that is not skipped reduces, takes the norm and steps
+    for name in ("reduce_grads", "grad_norm", "step"):
+        monkeypatch.setattr(opt, name, lambda name=name: updates.append(name) or 0.0)
+    trainer.optimizer = opt
+    dict(trainer.params)["model.norm.weight"].register_hook(lambda g: g * math.nan)
+    before = {n: p.numpy().copy() for n, p in trainer.params}
+    m = trainer.train_step()
+    assert checked == [[(0, filling)]] and calls  # the other buckets reduced during backward
+    assert m.skipped and updates == [], updates
+    assert math.isfinite(m.loss)  # the loss was fine: the gradients alone were caught
+    warning = "non-finite gradients on rank(s) 0 at step 1: update skipped"
+    assert warning in trainer.stream.getvalue()
+    for n, p in trainer.params:
+        np.testing.assert_array_equal(p.numpy(), before[n], err_msg=n)
+    assert opt.sharder.pending() == []  # the skipped step's buffers are forgotten
