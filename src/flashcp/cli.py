@@ -152,6 +152,11 @@ def _validate(args: argparse.Namespace) -> int:
             print(f"FAIL  {ConfigValidationError(errors, str(path))}")
             continue
         print(f"ok    {path}: {_config_summary(cfg, nnodes)}")
+        if cfg.model_from_pretrained is not None:
+            from flashcp.models.hf_config import directory_notes
+
+            for note in directory_notes(cfg.model_from_pretrained):
+                print(f"      note: {note}")
         if unfilled:  # a recipe's /path/to/... values: `flashcp train` refuses them unfilled
             keys = ", ".join(f"{k} ({v})" for k, v in unfilled)
             print(f"      fill in before training: {keys}")

@@ -31,12 +31,14 @@ from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
 from flashcp.distributed import ParallelGroups, barrier, startup_phase
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
+from flashcp.log import log_once
 from flashcp.metrics import memory, tracking
 from flashcp.metrics.moe_stats import RouterStats
 from flashcp.metrics.step_sums import StepSums
 from flashcp.metrics.writer import MetricsWriter, StepMetrics
 from flashcp.models import build_model
 from flashcp.models.base import StageSpec
+from flashcp.models.hf_config import directory_notes
 from flashcp.models.hf_weights import load_hf_checkpoint
 from flashcp.models.moe_balance import loss_scale_context
 from flashcp.models.offload import take_host_peak
@@ -87,6 +89,9 @@ def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) 
     """
     if cfg.checkpoint.init_from is None:
         return None
+    if cfg.model_from_pretrained is not None:
+        for note in directory_notes(cfg.model_from_pretrained):
+            log_once(f"hf-config-note:{note}", note)
     return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
 
 

@@ -245,6 +245,7 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
         FIELD_KEYS,
         TRAINING_FIELDS,
         HFConfigError,
+        mtp_refusal,
         parse_hf_config,
         read_config_json,
     )
@@ -303,6 +304,16 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
                     f"model.{name} (config.json defines the model)"
                 )
             errors.append(ConfigError(f"model.{name}", message))
+            ok = False
+    declared = values.get("mtp_layers", 0)
+    asked = raw.get("mtp_layers", declared)
+    if _convert(asked, int)[0]:  # a bad value is build_section's to report
+        try:
+            refusal = mtp_refusal(directory, values["num_layers"], declared, asked)
+        except (OSError, ValueError) as exc:
+            refusal = str(exc)
+        if refusal is not None:
+            errors.append(ConfigError("model.mtp_layers", refusal))
             ok = False
     return values if ok else None
 

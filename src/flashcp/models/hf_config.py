@@ -28,9 +28,24 @@ transformers builds from the same file, or the file is refused with every reason
   (``model.mtp_layers`` is free, `TRAINING_FIELDS`: 0 skips their weights). GLM-4's
   ``Glm4Config`` has no such key; flashcp reads it there too (its own GLM exports of a model
   with MTP layers write it, see below).
+* PaddleFormers (1.2.0) saves GLM-4.5 under its own class names (``architectures:
+  ['Glm4MoeForCausalLMDeprecated']``, its eager class, and the pipeline / fleet variants:
+  `PADDLEFORMERS_ARCHS`), in the HF layout (its ``_gen_inv_aoa_config`` splits its fused
+  ``qkv_proj`` / ``up_gate_proj`` back into the HF tensors; the router ``mlp.gate.weight`` is
+  stored in bfloat16 even in a float32 model, which the loader widens exactly), with keys of
+  its own. Each is classified (`IGNORED_KEYS`, `CHECKED_KEYS`): a key that steers only that
+  library's own training or inference (tensor/pipeline parallelism, kernel fusion, token
+  dispatch, its aux-loss style, transformers' ``output_router_logits``) is accepted with a note
+  (`NOTE_IGNORED`); a key that changes the maths is accepted at the value flashcp computes
+  (``scoring_func`` sigmoid, ``topk_method`` noaux_tc, ``use_fp8`` false, ``sliding_window``
+  null) and refused with the reason at any other.
 * Every other key must be one flashcp knows (`KNOWN_KEYS`: the model keys above and metadata
   such as ``torch_dtype``, token ids, ``use_cache``): an unknown key might change the model, so
   it is refused with the advice to remove it if it is only metadata.
+* `missing_mtp_layers` reads a directory's tensor index (no tensor data) to find declared MTP
+  layers without tensors, as transformers' ``save_pretrained`` writes GLM-4.5 (it keeps
+  ``num_nextn_predict_layers: 1`` but drops the layer): `flashcp validate` refuses that in one
+  line naming ``model.mtp_layers=0``.
 
 Writing (`hf_config`): the same keys back, in BOTH RoPE layouts (top-level keys for
 transformers 4.x and PaddleFormers, ``rope_parameters`` for 5.x), with the right
@@ -63,9 +78,23 @@ HF_ARCH = {
 }
 """flashcp arch → (HF ``architectures`` entry, ``model_type``)."""
 ARCH_OF_MODEL_TYPE = {model_type: arch for arch, (_, model_type) in HF_ARCH.items()}
+PADDLEFORMERS_ARCHS = {
+    name: "glm_moe"
+    for name in (
+        "Glm4MoeForCausalLMDeprecated",
+        "Glm4MoeForCausalLMPipe",
+        "Glm4MoeForCausalLMPipeDeprecated",
+        "Glm4MoeForCausalLMFleet",
+        "Glm4MoeForCausalLMPipeFleet",
+    )
+}
+"""PaddleFormers 1.2.0's GLM-4.5 classes (``paddleformers.transformers.glm4_moe``) → flashcp
+arch: each saves through the same inverse conversion (``_gen_inv_aoa_config``) into the HF
+tensor layout of ``Glm4MoeForCausalLM`` and writes its own class name into ``architectures``."""
 SUPPORTED = (
     "Glm4ForCausalLM (GLM-4-0414, model_type glm4), Glm4MoeForCausalLM (GLM-4.5 / "
-    "GLM-4.5-Air, model_type glm4_moe) and flashcp's own exports (FlashcpGPTForCausalLM)"
+    "GLM-4.5-Air, model_type glm4_moe; also as PaddleFormers saves it, e.g. "
+    "Glm4MoeForCausalLMDeprecated) and flashcp's own exports (FlashcpGPTForCausalLM)"
 )
 NOTE_MTP = (
     "num_nextn_predict_layers: the multi-token-prediction layers (model.layers.{L}...) are "
@@ -225,7 +254,44 @@ _METADATA_KEYS = {
     "use_sliding_window",  # written as false by some GLM exports; true is refused below
     ARGS_KEY,
 }
-KNOWN_KEYS = frozenset(_MODEL_KEYS | _METADATA_KEYS)
+IGNORED_KEYS: dict[str, str] = {
+    "paddleformers_version": "PaddleFormers",
+    "disable_ffn_model_parallel": "PaddleFormers",  # tensor parallelism of the MoE FFN
+    "pp_seg_method": "PaddleFormers",  # how its pipeline cuts the layers
+    "fuse_rms_norm": "PaddleFormers",  # a fused RMSNorm kernel, same maths
+    "fd_fallback": "PaddleFormers",  # FastDeploy's stacked-experts module, same maths
+    "using_flex_token": "PaddleFormers",  # its token dispatcher for expert parallelism
+    "moe_subbatch_token_num_before_dispatch": "PaddleFormers",  # rows per dispatch call
+    "seq_aux": "PaddleFormers",  # sequence-wise aux loss in its training: a loss, not the model
+    "output_router_logits": "transformers",  # return router logits (and their aux loss)
+}
+"""Keys that steer only a library's own training or inference (its parallelism, kernels,
+outputs, auxiliary losses), never the model's function: accepted whatever their value, named in
+one note (`NOTE_IGNORED`). flashcp's own router balancing is ``model.router_aux_loss_coef``."""
+CHECKED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "scoring_func": (
+        ("sigmoid",),
+        "flashcp's GLM-4.5 router scores experts with a sigmoid (as GLM-4.5 and transformers' "
+        "Glm4MoeForCausalLM do)",
+    ),
+    "topk_method": (
+        ("noaux_tc",),
+        "flashcp's GLM-4.5 router picks the top-k of sigmoid scores plus "
+        "e_score_correction_bias (noaux_tc, as GLM-4.5 does)",
+    ),
+    "use_fp8": ((False, None), "flashcp computes in float32 / bfloat16, not FP8"),
+    "sliding_window": (
+        (None,),
+        "flashcp computes GLM-4.5 with full causal attention in every layer, as GLM-4.5 does",
+    ),
+}
+"""Keys a library writes that change the model's maths: (the values flashcp computes exactly,
+why another value is refused)."""
+KNOWN_KEYS = frozenset(_MODEL_KEYS | _METADATA_KEYS | set(IGNORED_KEYS) | set(CHECKED_KEYS))
+NOTE_IGNORED = (
+    "config.json keys {keys} steer only {owners}'s own training or inference (parallelism, "
+    "kernels, outputs, auxiliary losses), not the model: ignored"
+)
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _ROPE_PARAMETER_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
@@ -268,7 +334,7 @@ def _architecture(config: Mapping[str, Any], problems: list[tuple[str, str]]) ->
     """flashcp arch of `config`, or None (with the reason in `problems`)."""
     archs = config.get("architectures")
     model_type = config.get("model_type")
-    names = {entry[0]: arch for arch, entry in HF_ARCH.items()}
+    names = {**{entry[0]: arch for arch, entry in HF_ARCH.items()}, **PADDLEFORMERS_ARCHS}
     arch_of_list = None
     if archs is not None:
         if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in names:
@@ -373,6 +439,11 @@ def read_rope(
     return float(theta) if _number(theta) else 0.0, float(partial) if _number(partial) else 0.0
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """`a == b` without True == 1 (a boolean key given 1 is not the value flashcp computes)."""
+    return type(a) is type(b) and a == b or a is b
+
+
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -431,8 +502,17 @@ def parse_hf_config(
         )
     if config.get("use_sliding_window"):
         problems.append(("use_sliding_window", "sliding-window attention is not implemented"))
+    for key, (allowed, why) in CHECKED_KEYS.items():
+        if key in config and not any(_same_value(config[key], a) for a in allowed):
+            shown = " or ".join(repr(a) for a in allowed)
+            problems.append(
+                (key, f"{config[key]!r} is not implemented ({why}): use a checkpoint with {shown}")
+            )
     theta, partial = read_rope(config, defaults, problems)
     notes: list[str] = []
+    if ignored := sorted(set(config) & set(IGNORED_KEYS)):
+        owners = " / ".join(sorted({IGNORED_KEYS[k] for k in ignored}))
+        notes.append(NOTE_IGNORED.format(keys=", ".join(ignored), owners=owners))
     values: dict[str, Any] = dict(
         arch=arch,
         vocab_size=_get(config, defaults, "vocab_size"),
@@ -493,6 +573,18 @@ def parse_hf_config(
     return values, notes
 
 
+def directory_notes(directory: str | os.PathLike[str]) -> list[str]:
+    """The notes `parse_hf_config` gives for a model directory's config.json (keys accepted
+    but ignored, MTP layers kept), each naming the directory; empty when it does not parse
+    (its refusal is reported where the config is validated)."""
+    try:
+        config, source = read_config_json(directory)
+        _, notes = parse_hf_config(config, source)
+    except (OSError, ValueError):
+        return []
+    return [f"{directory}: {note}" for note in notes]
+
+
 def args_from_hf_config(
     config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
 ) -> ModelArgs:
@@ -503,6 +595,73 @@ def args_from_hf_config(
         config, source = read_config_json(config)
     values, _ = parse_hf_config(config, source)
     return ModelArgs(**{**values, **overrides}).check()
+
+
+def checkpoint_keys(directory: str | os.PathLike[str]) -> list[str]:
+    """The tensor names of a model directory's safetensors weights, from its index
+    (``model.safetensors.index.json``) or the header of ``model.safetensors`` — no tensor data
+    is read. `FileNotFoundError` / `ValueError` when neither is there or readable."""
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object: re-download it")
+        return sorted(weight_map)
+    single = d / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{d} has no model.safetensors or model.safetensors.index.json")
+    with single.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{single} has no safetensors header: re-download it")
+    return sorted(k for k in header if k != "__metadata__")
+
+
+def missing_mtp_layers(keys: list[str], num_layers: int, mtp_layers: int) -> list[int]:
+    """The MTP layers ``model.layers.{num_layers + d}`` (d < `mtp_layers`) of which `keys` (a
+    checkpoint's tensor names) hold no tensor at all."""
+    prefixes = [f"model.layers.{num_layers + d}." for d in range(mtp_layers)]
+    return [
+        num_layers + d
+        for d, prefix in enumerate(prefixes)
+        if not any(k.startswith(prefix) for k in keys)
+    ]
+
+
+def mtp_refusal(
+    directory: str | os.PathLike[str], num_layers: int, declared: int, asked: int
+) -> str | None:
+    """One line refusing a run that asks for `asked` MTP layers (``model.mtp_layers``; config.json
+    ``num_nextn_predict_layers`` `declared` by default) the directory's weights do not hold —
+    transformers' ``save_pretrained`` writes GLM-4.5 so: the key kept, the layer dropped — with
+    the fix; None when they are there (or none is asked). A partly present layer is left to the
+    loader, which names each missing tensor."""
+    if asked <= 0:
+        return None
+    missing = missing_mtp_layers(checkpoint_keys(directory), num_layers, asked)
+    if not missing:
+        return None
+    layers = ", ".join(f"model.layers.{i}.*" for i in missing)
+    some = "s" if len(missing) > 1 else ""
+    why = (
+        f"{directory}/config.json declares {MTP_KEY}: {declared}"
+        if asked == declared
+        else f"model.mtp_layers is {asked}"
+    )
+    return (
+        f"{why}, but the weights in {directory} hold no tensor of the multi-token-prediction "
+        f"layer{some} {layers} (transformers' save_pretrained leaves them out): set "
+        f"model.mtp_layers={missing[0] - num_layers} to train without "
+        f"{'them' if some else 'it'}"
+    )
 
 
 def exportable(args: ModelArgs) -> list[str]:

@@ -384,6 +384,37 @@ def _listing(title: str, items: list[str], hint: str = "") -> str:
     return f"  {title} ({len(items)}){hint}:\n{shown}{more}"
 
 
+def _headline(
+    missing: list[str],
+    mtp_missing: list[str],
+    absent: list[str],
+    unexpected: list[str],
+    mismatched: list[str],
+    uncastable: list[str],
+    args: ModelArgs,
+) -> str:
+    """The first line of a `CheckpointMismatchError`: each kind of problem counted, with the
+    fix where one setting is it — what a failure summary that keeps one line shows."""
+    parts = []
+    if len(missing) > len(mtp_missing):
+        parts.append(f"{len(missing) - len(mtp_missing)} tensors missing")
+    if mtp_missing:
+        held = min(int(mtp_depth(k, args) or 0) for k in mtp_missing)
+        parts.append(
+            f"{len(mtp_missing)} multi-token-prediction tensors missing (set "
+            f"model.mtp_layers={held} to train without the layers it lacks)"
+        )
+    for items, what in (
+        (absent, "listed in the index but not in their shard"),
+        (unexpected, "unexpected"),
+        (mismatched, "of another shape"),
+        (uncastable, "of a dtype that cannot be loaded"),
+    ):
+        if items:
+            parts.append(f"{len(items)} {what}")
+    return "; ".join(parts) + " (listed below)"
+
+
 def _dtype_name(tensor: paddle.Tensor) -> str:
     return str(tensor.dtype).replace("paddle.", "")
 
@@ -489,7 +520,11 @@ def _plan(
         )
     if problems:
         raise CheckpointMismatchError(
-            f"checkpoint {ckpt.source} does not fit the {args.arch} model:\n" + "\n".join(problems)
+            f"checkpoint {ckpt.source} does not fit the {args.arch} model: "
+            + _headline(missing, mtp_missing, absent, unexpected if strict else [], mismatched,
+                        uncastable, args)  # fmt: skip
+            + "\n"
+            + "\n".join(problems)
         )
     report.skipped.extend(unexpected)
     return plan

@@ -25,7 +25,7 @@ from flashcp.config import (
 )
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
-from flashcp.models.hf_weights import CheckpointMismatchError, save_hf_checkpoint
+from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import default_model_factory
 
 ARGS = preset(
@@ -133,7 +133,8 @@ def test_training_side_keys_are_free_and_equal_keys_fine(model_dir: Path) -> Non
 def test_mtp_layers_come_from_the_directory_and_may_be_dropped(tmp_path: Path) -> None:
     """GLM-4.5's ``num_nextn_predict_layers: 1`` builds the MTP layer and loads it; its loss
     weight is how the run trains (free); ``model.mtp_layers: 0`` drops it (its weights are
-    skipped); asking for more than the directory holds is refused naming the missing weights."""
+    skipped); asking for more than the directory holds is refused before anything is built, in
+    one line naming the layer without tensors and the count that fits."""
     args = dataclasses.replace(ARGS, mtp_layers=1)
     directory = tmp_path / "glm45_mtp"
     source = build_model(args, seed=12)
@@ -147,10 +148,43 @@ def test_mtp_layers_come_from_the_directory_and_may_be_dropped(tmp_path: Path) -
     dropped = default_model_factory(build_config(_raw(directory, {"mtp_layers": 0})))
     assert not dropped.mtp_layers()
     assert not any(n.startswith("model.layers.2.") for n in dropped.state_dict())
-    more = build_config(_raw(directory, {"mtp_layers": 2}))
-    with pytest.raises(CheckpointMismatchError, match=r"MTP\) weights missing .*\n.*"
-                                                      r"model\.layers\.3\."):  # fmt: skip
-        default_model_factory(more)
+    errors = _errors(_raw(directory, {"mtp_layers": 2}))
+    assert errors == {
+        "model.mtp_layers": f"model.mtp_layers is 2, but the weights in {directory} hold no "
+        "tensor of the multi-token-prediction layer model.layers.3.* (transformers' "
+        "save_pretrained leaves them out): set model.mtp_layers=1 to train without it"
+    }
+
+
+def test_declared_mtp_layer_without_tensors_is_refused_in_one_line(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What transformers' save_pretrained writes for GLM-4.5 (issue 27, defect 9):
+    ``num_nextn_predict_layers: 1`` kept, the MTP layer's tensors dropped. `flashcp validate`
+    and `flashcp train` refuse it before anything starts, in one line with the fix, which
+    itself validates."""
+    directory = tmp_path / "saved"
+    directory.mkdir()
+    for f in model_dir.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    line = (
+        f"model.mtp_layers: {directory}/config.json declares num_nextn_predict_layers: 1, but "
+        f"the weights in {directory} hold no tensor of the multi-token-prediction layer "
+        "model.layers.2.* (transformers' save_pretrained leaves them out): set "
+        "model.mtp_layers=0 to train without it"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(_raw(directory)))
+    assert cli.main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"  - {line}\n" in out and out.count("\n") == 3  # header, the line, the count
+    assert cli.main(["train", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"  - {line}\n" in captured.err and "launch" not in captured.out
+    assert cli.main(["validate", str(path), "model.mtp_layers=0"]) == 0
+    assert _errors(_raw(model_dir)) == {}  # negative control: the layer is not declared there
 
 
 def test_preset_and_other_init_from_are_refused(model_dir: Path, tmp_path: Path) -> None:

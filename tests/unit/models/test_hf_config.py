@@ -119,7 +119,12 @@ def test_rope_parameters_alone_without_top_level_keys() -> None:
         ({"attention_dropout": 0.1}, "attention_dropout: 0.1: attention dropout is not"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
         ({"n_group": 4, "topk_group": 2}, "group-limited expert routing (n_group 4, topk_group 2)"),
-        ({"sliding_window": 128}, "keys flashcp does not know: ['sliding_window']"),
+        ({"layer_types": ["full_attention"]}, "keys flashcp does not know: ['layer_types']"),
+        ({"sliding_window": 128}, "sliding_window: 128 is not implemented (flashcp computes"),
+        ({"scoring_func": "softmax"}, "scoring_func: 'softmax' is not implemented (flashcp's"),
+        ({"topk_method": "greedy"}, "topk_method: 'greedy' is not implemented"),
+        ({"use_fp8": True}, "use_fp8: True is not implemented (flashcp computes in float32"),
+        ({"use_fp8": 1}, "use_fp8: 1 is not implemented"),
         ({"use_sliding_window": True}, "sliding-window attention is not implemented"),
         (
             {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},

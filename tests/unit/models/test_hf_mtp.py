@@ -163,9 +163,15 @@ def test_a_checkpoint_without_mtp_layers_is_refused_for_a_model_with_them(
     main = {k: v for k, v in weights.items() if not k.startswith(MTP)}
     path = write_checkpoint(tmp_path / "ckpt", main)
     count = sum(k.startswith(MTP) for k in weights)
-    with pytest.raises(CheckpointMismatchError, match=rf"MTP\) weights missing from the "
-                                                      rf"checkpoint \({count}\)"):  # fmt: skip
+    missing = rf"MTP\) weights missing from the checkpoint \({count}\)"
+    with pytest.raises(CheckpointMismatchError, match=missing) as info:
         load_hf_checkpoint(build_model(ARGS, seed=4), path)
+    first = str(info.value).splitlines()[0]  # what a one-line failure summary keeps
+    assert first == (
+        f"checkpoint {path} does not fit the glm_moe model: {count} multi-token-prediction "
+        "tensors missing (set model.mtp_layers=0 to train without the layers it lacks) "
+        "(listed below)"
+    )
     plain = dataclasses.replace(ARGS, mtp_layers=0)  # the model without them loads it
     assert load_hf_checkpoint(build_model(plain, seed=4), path).skipped == []
 
