@@ -306,10 +306,16 @@ def _export(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             checkpoint=args.checkpoint,
             max_shard_bytes=args.max_shard_size,
+            adapters_for=args.adapters_for,
         )
     except (ExportError, ConfigValidationError, CheckpointMismatchError, OSError) as exc:
         print(f"flashcp export: {exc}", file=sys.stderr)
         return 2
+    if args.adapters_for is not None:
+        print(f"wrote {report.out}: {args.adapters_for} LoRA adapters from {report.source}")
+        for note in report.notes:
+            print(f"  note: {note}")
+        return 0
     print(
         f"wrote {report.out}: {len(report.shards)} shard(s) in {report.dtype} from "
         f"{report.source} (at most {report.max_shard_parameters / 1e6:.2f}M parameters held at "
@@ -463,6 +469,14 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
     export.add_argument("out", help="the new directory to write (must not exist or be empty)")
     export.add_argument(
         "--merge-lora", action="store_true", help="fold a LoRA run's adapters into the weights"
+    )
+    export.add_argument(
+        "--adapters-for",
+        choices=["paddleformers"],
+        default=None,
+        help="write a LoRA run's adapters alone, loadable by PaddleFormers' GLM-4.5 class "
+        "(LoRAModel.from_pretrained): its fused qkv_proj / up_gate_proj layout, the same "
+        "function exactly (block-diagonal, rank padded)",
     )
     export.add_argument(
         "--dtype",

@@ -51,6 +51,8 @@ import numpy as np
 
 from flashcp.checkpoint import format as ckpt
 from flashcp.checkpoint.adapters import adapter_files, load_trainable_arrays
+from flashcp.checkpoint.fused_adapters import ADAPTERS_FOR, FusedExportError, export_fused_adapters
+from flashcp.checkpoint.fused_adapters import SHARD as FUSED_SHARD
 from flashcp.checkpoint.merge_export import merged_specs, write_merged_index
 from flashcp.checkpoint.parts import ADAPTER_DIR
 from flashcp.checkpoint.state import load_model_arrays
@@ -313,6 +315,41 @@ def _staging(out: Path) -> Iterator[Path]:
     tmp.rename(out)
 
 
+def _export_adapters(
+    run: Path,
+    out: Path,
+    cfg: Config,
+    target: str,
+    merge_lora: bool,
+    dtype: str | None,
+    checkpoint: str | Path | None,
+) -> ExportReport:
+    """`export_run(..., adapters_for=target)`: the run's adapters in the fused layout."""
+    if target not in ADAPTERS_FOR:
+        raise ExportError(f"--adapters-for {target!r}: use one of {', '.join(ADAPTERS_FOR)}")
+    if "lora" not in cfg.extras:
+        raise ExportError(
+            f"--adapters-for: {run} has no lora section (it trained every weight): export "
+            "without it"
+        )
+    if merge_lora or dtype not in (None, "float32"):
+        raise ExportError(
+            "--adapters-for writes the float32 adapters alone: drop --merge-lora / --dtype"
+        )
+    source, files = find_source(run, cfg, checkpoint)
+    try:
+        settings = export_fused_adapters(files, cfg.model, cfg.extras["lora"], out, _staging)
+    except FusedExportError as exc:
+        raise ExportError(str(exc)) from None
+    report = ExportReport(out=out, source=source, dtype="float32", shards=[FUSED_SHARD])
+    report.notes.append(
+        f"PaddleFormers LoRA (fused qkv_proj / up_gate_proj): r {settings['r']}, lora_alpha "
+        f"{settings['lora_alpha']:g} (scaling {settings['lora_alpha'] / settings['r']:g}, the "
+        "run's alpha / rank), target_modules " + ", ".join(settings["target_modules"])
+    )
+    return report
+
+
 def export_run(
     run_dir: str | Path,
     out: str | Path,
@@ -321,17 +358,23 @@ def export_run(
     dtype: str | None = None,
     checkpoint: str | Path | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    adapters_for: str | None = None,
 ) -> ExportReport:
-    """Write the run's model as a Hugging Face directory `out` (see the module docstring)."""
+    """Write the run's model as a Hugging Face directory `out` (see the module docstring);
+    with `adapters_for` ("paddleformers") the LoRA adapters alone, for PaddleFormers' fused
+    GLM-4.5 class (`flashcp.checkpoint.fused_adapters`)."""
     run, target = Path(run_dir), Path(out)
     _check_out(target)
     cfg = load_run_config(run)
     lora = "lora" in cfg.extras
+    if adapters_for is not None:
+        return _export_adapters(run, target, cfg, adapters_for, merge_lora, dtype, checkpoint)
     if lora and not merge_lora:
         raise ExportError(
             f"{run} trained LoRA adapters (its config has a lora section): pass --merge-lora to "
-            "fold them into the weights (the adapters alone, in PaddleFormers' format, are "
-            f"the checkpoint's {ADAPTER_DIR}/ directory)"
+            "fold them into the weights, or --adapters-for paddleformers to write the adapters "
+            "alone for PaddleFormers' GLM-4.5 class (flashcp's own adapters, in PaddleFormers' "
+            f"format on the HF projections, are the checkpoint's {ADAPTER_DIR}/ directory)"
         )
     if merge_lora and not lora:
         raise ExportError(f"--merge-lora: {run} has no lora section (it trained every weight)")

@@ -41,7 +41,9 @@ from paddle import nn
 
 from flashcp.lora import experts as lora_experts
 from flashcp.models.base import CausalLM
+from flashcp.models.config import ModelArgs
 from flashcp.models.experts import GroupedExperts
+from flashcp.models.hf_config import exportable, hf_config
 from flashcp.models.init import InitRule, fill_parameter
 from flashcp.models.layers import Linear
 from flashcp.models.precision import as_dtype, cast_linear, needs_cast
@@ -85,8 +87,10 @@ def flashcp_config(model: CausalLM) -> Any:
     """A PaddleFormers `PretrainedConfig` describing `model` (TP = 1), set as `model.config`.
 
     An existing `PretrainedConfig` is kept (its `tensor_model_parallel_size` must be 1: flashcp
-    shards sequences, not weights). The model's `ModelArgs` go into `flashcp_model_args` so the
-    `config.json` PaddleFormers writes next to the adapters says which model they belong to.
+    shards sequences, not weights). The base model's Hugging Face config (`hf_config`: its HF
+    ``architectures``, e.g. ``Glm4MoeForCausalLM``, and keys) and its `ModelArgs`
+    (`flashcp_model_args`) go in, so the `config.json` PaddleFormers writes next to the adapters
+    says which model they belong to.
     """
     from paddleformers.transformers import PretrainedConfig
 
@@ -105,11 +109,18 @@ def flashcp_config(model: CausalLM) -> Any:
             "remove it or set a PretrainedConfig before applying LoRA"
         )
     args = getattr(model, "args", None)
+    described: dict[str, Any] = {"architectures": [type(model).__name__]}
+    if isinstance(args, ModelArgs) and not exportable(args):
+        described = hf_config(args)  # the HF architecture and keys of the base model
     config = PretrainedConfig(
-        tensor_model_parallel_size=1,
-        tie_word_embeddings=bool(getattr(args, "tie_embeddings", False)),
-        architectures=[type(model).__name__],
-        flashcp_model_args=dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {},
+        **{
+            **described,
+            "tensor_model_parallel_size": 1,
+            "tie_word_embeddings": bool(getattr(args, "tie_embeddings", False)),
+            "flashcp_model_args": dataclasses.asdict(args)
+            if dataclasses.is_dataclass(args)
+            else {},
+        }
     )
     model.config = config
     return config

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import paddle
 import pytest
@@ -108,6 +110,8 @@ def test_save_then_load_into_fresh_model(tmp_path) -> None:
     expect = _run(lora)
     out = save_adapters(lora, tmp_path / "adapters")
     assert (out / "lora_config.json").is_file()
+    config = json.loads((out / "config.json").read_text())  # names the HF model, not flashcp's
+    assert config["architectures"] == ["Glm4ForCausalLM"] and config["num_hidden_layers"] == 2
     assert list(out.glob("*.safetensors"))
     fresh = load_adapters(_model(), out)  # same base weights (seed), new adapters loaded
     np.testing.assert_allclose(_run(fresh), expect, rtol=1e-6, atol=1e-6)
