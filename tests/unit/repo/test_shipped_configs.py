@@ -182,10 +182,15 @@ config.json (a copy with it raised: rotary positions only bound the sequence by 
 
 def _model_dir(root: Path, config_json: dict) -> Path:
     """A model directory as `model.from_pretrained` checks it before launch: config.json, a
-    weight index and tokenizer.json (the weights themselves are read only by the trainer)."""
+    weight index (naming the MTP layers' tensors it declares, as GLM-4.5's index does) and
+    tokenizer.json (the weights themselves are read only by the trainer)."""
     root.mkdir()
     (root / "config.json").write_text(json.dumps(config_json, indent=1))
-    (root / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
+    layers = config_json.get("num_hidden_layers", 0)
+    mtp = range(layers, layers + config_json.get("num_nextn_predict_layers", 0))
+    weight_map = {f"model.layers.{i}.eh_proj.weight": "model-00001.safetensors" for i in mtp}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "tokenizer.json").write_text("{}")
     return root
 
