@@ -289,7 +289,7 @@ CHECKED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 why another value is refused)."""
 KNOWN_KEYS = frozenset(_MODEL_KEYS | _METADATA_KEYS | set(IGNORED_KEYS) | set(CHECKED_KEYS))
 NOTE_IGNORED = (
-    "config.json keys {keys} steer only {owners}'s own training or inference (parallelism, "
+    "config.json keys {keys} steer only {owners}' own training or inference (parallelism, "
     "kernels, outputs, auxiliary losses), not the model: ignored"
 )
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -267,3 +267,15 @@ def test_read_config_json_errors(tmp_path: Path) -> None:
         read_config_json(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(MOE_5X))
     assert args_from_hf_config(tmp_path).rotary_base == 50000.0
+
+
+def test_keys_steering_only_a_librarys_own_outputs_are_noted_not_refused() -> None:
+    """transformers 5.24's ``output_router_logits`` (issue 27, defect 9) only changes what its
+    forward returns: accepted, named in one note; the model is the one without it."""
+    values, notes = parse_hf_config({**MOE_5X, "output_router_logits": False})
+    assert values == parse_hf_config(MOE_5X)[0]
+    assert notes == [
+        "config.json keys output_router_logits steer only transformers' own training or "
+        "inference (parallelism, kernels, outputs, auxiliary losses), not the model: ignored"
+    ]
+    assert parse_hf_config(MOE_5X)[1] == []  # negative control: nothing to note without it

@@ -82,7 +82,7 @@ def test_config_json_is_accepted_with_a_note(
         assert values[key] == getattr(ARGS, key), key
     ignored = sorted(PADDLEFORMERS_KEYS & set(IGNORED_KEYS))
     assert notes == [
-        f"config.json keys {', '.join(ignored)} steer only PaddleFormers's own training or "
+        f"config.json keys {', '.join(ignored)} steer only PaddleFormers' own training or "
         "inference (parallelism, kernels, outputs, auxiliary losses), not the model: ignored"
     ]
     path = tmp_path / "run.yaml"
