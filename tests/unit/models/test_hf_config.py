@@ -279,3 +279,31 @@ def test_keys_steering_only_a_librarys_own_outputs_are_noted_not_refused() -> No
         "inference (parallelism, kernels, outputs, auxiliary losses), not the model: ignored"
     ]
     assert parse_hf_config(MOE_5X)[1] == []  # negative control: nothing to note without it
+
+
+def test_mtp_refusal_reads_an_index_or_a_single_files_header(tmp_path: Path) -> None:
+    """The MTP check reads tensor names only: from the index, or from ``model.safetensors``'s
+    header; unreadable ones are errors naming the file."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from flashcp.models.hf_config import checkpoint_keys, mtp_refusal
+
+    one = np.zeros(2, np.float32)
+    save_file({"model.layers.2.eh_proj.weight": one, "model.norm.weight": one},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    assert checkpoint_keys(tmp_path) == ["model.layers.2.eh_proj.weight", "model.norm.weight"]
+    assert mtp_refusal(tmp_path, 2, declared=1, asked=1) is None
+    assert mtp_refusal(tmp_path, 2, declared=2, asked=0) is None
+    two = mtp_refusal(tmp_path, 2, declared=2, asked=2)
+    assert two is not None and "num_nextn_predict_layers: 2" in two
+    assert "layer model.layers.3.* (" in two
+    assert two.endswith("set model.mtp_layers=1 to train without it")
+    (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"not json")
+    with pytest.raises(ValueError, match="model.safetensors has no safetensors header"):
+        checkpoint_keys(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ValueError, match="index.json has no 'weight_map' object"):
+        checkpoint_keys(tmp_path)
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors or model.safetensors"):
+        checkpoint_keys(tmp_path / "nothing")

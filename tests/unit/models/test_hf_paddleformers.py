@@ -20,7 +20,7 @@ from safetensors import safe_open
 from bench import numerics
 from flashcp import cli, masks
 from flashcp.attention.context import AttentionContext
-from flashcp.checkpoint.export import export_run
+from flashcp.checkpoint.export import ExportError, export_run
 from flashcp.config import build_config, collect
 from flashcp.models import preset
 from flashcp.models.hf_config import IGNORED_KEYS, parse_hf_config
@@ -144,6 +144,8 @@ def test_trains_and_exports_back_into_paddleformers(
     assert [r["step"] for r in fitted.records] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in fitted.records)
     out = tmp_path / "export"
+    with pytest.raises(ExportError, match="--adapters-for: .* has no lora section"):
+        export_run(tmp_path / "run", out, adapters_for="paddleformers")
     export_run(tmp_path / "run", out)
     trained = _logits(fitted.trainer.model, IDS)
     back = load_glm(out)
