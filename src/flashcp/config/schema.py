@@ -30,6 +30,21 @@ PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
 DATA_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
 """File name endings data.path may have (JSON Lines, Parquet); a directory holds such files."""
 
+DATA_FORMATS: dict[str, tuple[str, ...]] = {
+    "auto": ("pretrain", "sft", "dpo"),
+    "text": ("pretrain",),
+    "messages": ("sft",),
+    "sharegpt": ("sft",),
+    "alpaca": ("sft",),
+    "prompt_response": ("sft",),
+    "paddleformers": ("sft", "dpo"),
+    "preference": ("dpo",),
+    "ultrafeedback": ("dpo",),
+    "implicit_prompt": ("dpo",),
+}
+"""`data.format` values → the recipes that read them (`flashcp.data.formats` holds the
+formats themselves)."""
+
 IGNORE_INDEX = -100
 """Label value of a position that has no target (end of a document, prompt, padding)."""
 
@@ -134,6 +149,15 @@ class DataConfig:
     Hugging Face tokenizer/model directory (`tokenizer.json` + `tokenizer_config.json`): its
     special tokens and chat template are used (needed for `messages` data). With
     `model.from_pretrained` the default is that model directory (its tokenizer)."""
+    format: str = "auto"
+    """The rows' layout: `auto` (each row in the first format of its recipe whose fields it
+    has) or one format for every row — sft: `messages`, `sharegpt` (`conversations` of
+    from/value turns), `alpaca` (instruction/input/output), `paddleformers` (src/tgt),
+    `prompt_response`; dpo: `preference` (prompt/chosen/rejected, strings or TRL messages),
+    `ultrafeedback` (prompt string + chosen/rejected conversations), `implicit_prompt` (TRL:
+    chosen/rejected conversations sharing the prompt turns), `paddleformers`
+    (src/tgt/response/sort); pretrain: `text`. Chat formats are rendered with the tokenizer's
+    chat template (docs/data.md)."""
     text_field: str = "text"
     """Field holding a document's text (pretrain recipe)."""
     prompt_field: str = "prompt"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from flashcp.attention import registry as cp_modes
 from flashcp.config.errors import ConfigError, suggest
-from flashcp.config.schema import DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
+from flashcp.config.schema import DATA_FORMATS, DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
 
 BYTE_VOCAB_SIZE = 259
 """256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
@@ -344,6 +344,16 @@ def _check_files(cfg: Config, c: _Checks) -> None:
             "data.path",
             f"the directory {d.path!r} holds no .jsonl, .json or .parquet files: give a data "
             "file or a directory of them, or null for the built-in data",
+        )
+    if d.format not in DATA_FORMATS:
+        c.add("data.format", f"unknown format {d.format!r}" + suggest(d.format, DATA_FORMATS))
+    elif d.format != "auto" and cfg.run.recipe not in DATA_FORMATS[d.format]:
+        fits = [name for name, recipes in DATA_FORMATS.items() if cfg.run.recipe in recipes]
+        c.add(
+            "data.format",
+            f"{d.format} is a format of run.recipe {' / '.join(DATA_FORMATS[d.format])}, not "
+            f"{cfg.run.recipe}: set data.format to one of {', '.join(fits)}",
+            "run.recipe",
         )
     tok = Path(d.tokenizer)
     if d.tokenizer != "byte" and tok.is_dir() and not (tok / "tokenizer.json").is_file():

@@ -19,14 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from flashcp.data import formats
 from flashcp.data.chat import chat_segments, tokenize_segments
-from flashcp.data.records import (
-    BadRecordError,
-    check_answers,
-    has_field,
-    message_list,
-    string_field,
-)
+from flashcp.data.records import BadRecordError, check_answers, string_field
 from flashcp.data.tokenizer import Tokenizer
 
 DEFAULT_CORPUS = "default_corpus.jsonl"
@@ -110,12 +105,14 @@ class DocumentBuilder:
     """A record → its `Document` (or `BadRecordError`), per recipe:
 
     * pretrain: `[BOS] text [EOS]`, every token after the first a target (`data.text_field`);
-    * sft, `data.messages_field` present: the conversation rendered by the tokenizer's chat
-      template (`flashcp.data.chat`, no BOS of our own: the template writes any prefix), the
-      assistant turns the targets, then EOS (a target) unless the last turn already ends the
-      text with it;
-    * sft otherwise: `[BOS] prompt response [EOS]` with `data.prompt_field` /
+    * sft, a conversation (`data.messages_field`, or a ShareGPT / Alpaca / PaddleFormers row:
+      `flashcp.data.formats`): rendered by the tokenizer's chat template (`flashcp.data.chat`,
+      no BOS of our own: the template writes any prefix), the assistant turns the targets,
+      then EOS (a target) unless the last turn already ends the text with it;
+    * sft, `prompt_response`: `[BOS] prompt response [EOS]` with `data.prompt_field` /
       `data.response_field` strings, the response and EOS the targets.
+
+    `format`: `data.format` (`auto`: each row in the first sft format whose fields it has).
 
     `max_len`: with `data.packing: false` each document is cut to seq_len, so one whose targets
     all lie beyond it is a bad record ("too long").
@@ -131,6 +128,7 @@ class DocumentBuilder:
         response_field: str = "response",
         messages_field: str = "messages",
         max_len: int | None = None,
+        format: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.recipe = recipe
@@ -139,6 +137,10 @@ class DocumentBuilder:
         self.response_field = response_field
         self.messages_field = messages_field
         self.max_len = max_len
+        self.fields = formats.Fields(
+            text=text_field, prompt=prompt_field, response=response_field, messages=messages_field
+        )
+        self.format = formats.get(format, "sft") if recipe == "sft" else None
 
     def __call__(self, record: dict[str, Any]) -> Document:
         doc = self._build(record)
@@ -159,18 +161,15 @@ class DocumentBuilder:
             if not ids:
                 raise BadRecordError("empty text", f"field {self.text_field!r} has no tokens")
             return _document(tok, ids, [True] * len(ids), chat=False)
-        if has_field(record, self.messages_field):
-            messages = message_list(record[self.messages_field], self.messages_field)
-            check_answers(messages, self.messages_field)
+        fmt = self.format or formats.row_format(record, "sft", self.fields)
+        if fmt is None:
+            raise formats.no_format(record, "sft", self.fields)
+        fmt.check(record, self.fields)
+        if fmt.messages is not None:
+            messages = fmt.messages(record, self.fields)
+            check_answers(messages, fmt.field(self.fields))
             ids, flags = tokenize_segments(tok, chat_segments(tok, messages))
             return _document(tok, ids, flags, chat=True)
-        if not has_field(record, self.prompt_field):
-            raise BadRecordError(
-                f"missing field {self.messages_field!r}",
-                f"an sft record needs {self.messages_field!r}, or {self.prompt_field!r} and "
-                f"{self.response_field!r} (named by data.messages_field, data.prompt_field, "
-                f"data.response_field); its keys: {', '.join(sorted(record)) or 'none'}",
-            )
         prompt = tok.encode(string_field(record, self.prompt_field, key="data.prompt_field"))
         response = tok.encode(
             string_field(record, self.response_field, key="data.response_field", allow_empty=False)

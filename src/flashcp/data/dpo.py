@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from flashcp.data import formats
 from flashcp.data.chat import answer_text, render
 from flashcp.data.records import (
     ROLE_ASSISTANT,
@@ -217,7 +218,12 @@ class DPORecords:
     `BadRecordError`: a missing or mistyped field, an empty answer, a prompt of fewer than 2
     tokens, strings mixed with messages, or an example too long even after `truncation`
     (the prompt leaving the answers no room). `truncation="error"` refuses any example longer
-    than `budget` with a `ValueError` (it stops the run, naming the row)."""
+    than `budget` with a `ValueError` (it stops the run, naming the row).
+
+    `format`: `data.format` (`auto`: each row in the first dpo format whose fields it has:
+    PaddleFormers, UltraFeedback, prompt/chosen/rejected, TRL's implicit prompt;
+    `flashcp.data.formats`). Every conversational format is tokenized like TRL's
+    conversational rows (the module docstring)."""
 
     def __init__(
         self,
@@ -229,6 +235,7 @@ class DPORecords:
         prompt_field: str = "prompt",
         chosen_field: str = "chosen",
         rejected_field: str = "rejected",
+        format: str = "auto",
     ) -> None:
         if truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got "
@@ -238,6 +245,9 @@ class DPORecords:
         self.truncation = truncation
         self.max_prompt_len = max_prompt_len
         self.fields = (prompt_field, chosen_field, rejected_field)
+        self.names = formats.Fields(prompt=prompt_field, chosen=chosen_field,
+                                    rejected=rejected_field)  # fmt: skip
+        self.format = formats.get(format, "dpo")
 
     def __call__(self, record: dict[str, Any]) -> DPOExample:
         example = self.tokenize(record)
@@ -255,6 +265,16 @@ class DPORecords:
 
     def tokenize(self, record: dict[str, Any]) -> DPOExample:
         """The example before truncation."""
+        fmt = self.format or formats.row_format(record, "dpo", self.names)
+        if fmt is None:
+            raise formats.no_format(record, "dpo", self.names)
+        fmt.check(record, self.names)
+        if fmt.preference is not None:
+            messages, chosen, rejected = fmt.preference(record, self.names)
+            return self._conversation(
+                message_list(messages, self.fields[0]),
+                ((chosen, self.fields[1]), (rejected, self.fields[2])),
+            )
         tok = self.tokenizer
         prompt_field, chosen_field, rejected_field = self.fields
         for name in self.fields:
@@ -266,30 +286,46 @@ class DPORecords:
                     f"{chosen_field!r} and {rejected_field!r} (data.prompt_field, "
                     "data.chosen_field, data.rejected_field name them)",
                 )
-        eos = int(tok.eos_id)
-        if isinstance(record[prompt_field], str):
-            prompt_text = record[prompt_field]
-            bos = getattr(tok, "bos_id", None)
-            prompt = ([int(bos)] if bos is not None else []) + list(tok.encode(prompt_text))
-            answers = []
-            for name in (chosen_field, rejected_field):
-                if isinstance(record[name], list | dict):
-                    raise BadRecordError(
-                        "prompt is a string but an answer is a message",
-                        f"{name!r} is a {type(record[name]).__name__}: give messages for the "
-                        "prompt too, or strings for both answers",
-                    )
-                text = string_field(record, name, allow_empty=False)
-                answers.append([*tok.encode(text), eos])
-        else:
+        if not isinstance(record[prompt_field], str):
             messages = message_list(record[prompt_field], prompt_field)
-            prompt_text = render(tok, messages, add_generation_prompt=True)
-            prompt = list(tok.encode(prompt_text))
-            answers = []
-            for name in (chosen_field, rejected_field):
-                turn = self._turn(record[name], name)
-                ids = list(tok.encode(answer_text(tok, messages, prompt_text, turn)))
-                answers.append(ids if eos in ids else [*ids, eos])
+            return self._conversation(
+                messages, ((record[chosen_field], chosen_field),
+                           (record[rejected_field], rejected_field))  # fmt: skip
+            )
+        eos = int(tok.eos_id)
+        prompt_text = record[prompt_field]
+        bos = getattr(tok, "bos_id", None)
+        prompt = ([int(bos)] if bos is not None else []) + list(tok.encode(prompt_text))
+        answers = []
+        for name in (chosen_field, rejected_field):
+            if isinstance(record[name], list | dict):
+                raise BadRecordError(
+                    "prompt is a string but an answer is a message",
+                    f"{name!r} is a {type(record[name]).__name__}: give messages for the "
+                    "prompt too, or strings for both answers",
+                )
+            text = string_field(record, name, allow_empty=False)
+            answers.append([*tok.encode(text), eos])
+        return self._example(prompt, answers)
+
+    def _conversation(
+        self, messages: list[dict[str, Any]], answers: Sequence[tuple[Any, str]]
+    ) -> DPOExample:
+        """A conversational example: the prompt `messages` rendered with the generation
+        prompt, each answer (a value and its field name) the text its assistant turn adds."""
+        tok = self.tokenizer
+        eos = int(tok.eos_id)
+        prompt_text = render(tok, messages, add_generation_prompt=True)
+        prompt = list(tok.encode(prompt_text))
+        ids_of = []
+        for value, name in answers:
+            turn = self._turn(value, name)
+            ids = list(tok.encode(answer_text(tok, messages, prompt_text, turn)))
+            ids_of.append(ids if eos in ids else [*ids, eos])
+        return self._example(prompt, ids_of)
+
+    @staticmethod
+    def _example(prompt: list[int], answers: list[list[int]]) -> DPOExample:
         if len(prompt) < 2:
             raise BadRecordError(
                 "prompt too short",

@@ -214,6 +214,7 @@ class DPOData:
             prompt_field=d.prompt_field,
             chosen_field=d.chosen_field,
             rejected_field=d.rejected_field,
+            format=d.format,
         )
         self.index: RowIndex = build_index(
             self.source,

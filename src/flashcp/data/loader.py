@@ -89,6 +89,7 @@ class TrainData:
             response_field=d.response_field,
             messages_field=d.messages_field,
             max_len=None if d.packing else d.seq_len,
+            format=d.format,
         )
         self.index: RowIndex = build_index(
             self.source, lambda r: len(build(r)), peers=peers, on_bad_record=d.on_bad_record

@@ -6,6 +6,9 @@ are read in name order, all of one format:
 * `.jsonl` / `.json` — JSON Lines, one object per line. Opening a file scans it once for line
   offsets (bytes only, nothing parsed; blank lines are not rows); `row(i)` seeks to line i and
   parses that line alone, so a line that is not JSON is a bad record of that row, not a crash.
+  A file holding one JSON array of objects (how Alpaca and ShareGPT ship: `[{...}, {...}]`)
+  is scanned once for its elements' byte offsets instead (each element parsed once, in 16 MiB
+  chunks, and dropped), then read the same way, element by element.
 * `.parquet` — read through the `datasets` library (`load_dataset("parquet")`), which converts
   the files once to an Arrow cache (`data.cache_dir`, default `HF_DATASETS_CACHE`) that every
   process memory-maps; `row(i)` materialises row i only.
@@ -18,8 +21,9 @@ them (`flashcp.data.index` for who reads which). Row locations in messages are
 from __future__ import annotations
 
 import bisect
+import codecs
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -108,7 +112,8 @@ def scan_lines(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class JsonlSource:
-    """JSON Lines files as one sequence of rows (the non-blank lines, file by file)."""
+    """JSON Lines files (or files of one JSON array) as one sequence of rows: the non-blank
+    lines (the array's elements), file by file."""
 
     def __init__(self, paths: Sequence[Path], name: str) -> None:
         self._handles: dict[int, Any] = {}
@@ -118,11 +123,10 @@ class JsonlSource:
         self._first: list[int] = []  # global index of each file's first row
         total = 0
         for p in self.paths:
-            starts, ends, numbers = scan_lines(p)
-            _refuse_json_array(p, starts, ends)
-            self._spans.append((starts, ends, numbers))
+            spans = scan_json_array(p) if _starts_array(p) else scan_lines(p)
+            self._spans.append(spans)
             self._first.append(total)
-            total += len(starts)
+            total += len(spans[0])
         self._len = total
 
     def __len__(self) -> int:
@@ -165,19 +169,105 @@ class JsonlSource:
         self.close()
 
 
-def _refuse_json_array(path: Path, starts: np.ndarray, ends: np.ndarray) -> None:
-    """A `.json` file holding one JSON array is not JSON Lines: say so instead of reporting
-    every line as a bad record."""
-    if not len(starts):
-        return
+def _starts_array(path: Path) -> bool:
+    """The file's first non-whitespace byte is `[`: one JSON array, not JSON Lines."""
     with open(path, "rb") as f:
-        f.seek(int(starts[0]))
-        head = f.read(min(int(ends[0] - starts[0]), 64)).lstrip()
-    if head.startswith(b"["):
-        raise ValueError(
-            f"data.path: {path} is a JSON array, not JSON Lines (one object per line): convert "
-            "it, e.g. `datasets.load_dataset('json', data_files=PATH)['train'].to_json(OUT)`"
-        )
+        while chunk := f.read(4096):
+            head = chunk.lstrip(b" \t\r\n\xef\xbb\xbf")
+            if head:
+                return head.startswith(b"[")
+    return False
+
+
+def iter_json_array(path: Path) -> Iterator[tuple[int, int, int, Any]]:
+    """`(start, end, line, element)` of each element of the JSON array that fills `path`:
+    byte offsets `[start, end)`, the 1-based line it starts on, the parsed value. Read in
+    16 MiB chunks, each element parsed once; `ValueError` naming the line when the file is
+    not one valid JSON array."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        buf, base, line, eof = "", 0, 1, False  # buf[0] is at byte `base`, on line `line`
+
+        def more() -> bool:
+            nonlocal buf, eof
+            if eof:
+                return False
+            chunk = f.read(_CHUNK)
+            eof = not chunk
+            buf += utf8.decode(chunk, final=eof)
+            return True
+
+        def advance(i: int) -> None:  # drop buf[:i], keeping the offsets
+            nonlocal buf, base, line
+            base += len(buf[:i].encode("utf-8"))
+            line += buf.count("\n", 0, i)
+            buf = buf[i:]
+
+        def next_char() -> str:  # skip whitespace; "" at the end of the file
+            while True:
+                stripped = buf.lstrip(" \t\r\n\ufeff")  # a BOM may lead the file
+                if stripped or not more():
+                    advance(len(buf) - len(stripped))
+                    return buf[:1]
+
+        def fail(what: str) -> ValueError:
+            return ValueError(f"data.path: {path} starts a JSON array but is not valid JSON at "
+                              f"line {line}: {what}")  # fmt: skip
+
+        if next_char() != "[":
+            raise fail("expected '['")
+        advance(1)
+        if next_char() == "]":
+            advance(1)
+        else:
+            while True:
+                next_char()
+                while True:  # parse one element, reading on while it is cut by the chunk end
+                    try:
+                        value, end = decoder.raw_decode(buf)
+                    except json.JSONDecodeError as exc:
+                        if more():
+                            continue
+                        raise fail(exc.msg) from None
+                    if end < len(buf) or not more():  # a number could go on in the next chunk
+                        break
+                start = base
+                width = len(buf[:end].encode("utf-8"))
+                yield start, start + width, line, value
+                advance(end)
+                sep = next_char()
+                advance(1)
+                if sep == "]":
+                    break
+                if sep != ",":
+                    raise fail(f"expected ',' or ']' after an element, got {sep or 'the end'!r}")
+        if next_char():
+            raise fail("more data after the array's closing ']'")
+
+
+def scan_json_array(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offsets `[start, end)` and 1-based start lines of the elements of the JSON array
+    that fills `path` (the values are parsed once and dropped)."""
+    starts, ends, lines = [], [], []
+    for start, end, line, _ in iter_json_array(path):
+        starts.append(start)
+        ends.append(end)
+        lines.append(line)
+    return (np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64),
+            np.asarray(lines, dtype=np.int64))  # fmt: skip
+
+
+def json_array_items(path: Path, limit: int) -> list[Any] | None:
+    """The first `limit` elements of a file holding one JSON array, None for another file."""
+    if not _starts_array(path):
+        return None
+    out = []
+    for _, _, _, value in iter_json_array(path):
+        if len(out) == limit:
+            break
+        out.append(value)
+    return out
 
 
 class ParquetSource:

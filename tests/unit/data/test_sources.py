@@ -25,6 +25,7 @@ from flashcp.data.balance import BalancedPlan
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.index import LazyItems, build_index
 from flashcp.data.peers import Peers
+from flashcp.data.records import BadRecordError
 from flashcp.data.sources import JsonlSource, ListSource, data_files, open_source
 from helpers.configs import TINY_GLM, merged, tiny_config
 
@@ -116,10 +117,52 @@ def test_jsonl_parquet_and_directories_give_the_same_batches(tmp_path: Path, tok
     assert list((tmp_path / "cache").iterdir())  # the Arrow cache went to data.cache_dir
 
 
+def test_json_array_files_are_read_element_by_element(
+    tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `.json` holding one JSON array (Alpaca's and ShareGPT's files: `json.dump(rows,
+    indent=4)`) gives the rows the same records as JSON Lines do, with elements cut by the
+    16 MiB read chunks (here 5 bytes), multi-byte text and a byte-order mark; rows that are not
+    objects are bad records, a broken array is refused naming the line."""
+    import json
+
+    from flashcp.data import sources
+
+    records = chat_records(30)
+    records[3] = dict(records[3], note="naïve café ✓")
+    jsonl = write_jsonl(tmp_path / "d.jsonl", records)
+    arr = tmp_path / "d.json"
+    arr.write_text("\ufeff" + json.dumps(records, indent=4, ensure_ascii=False), encoding="utf-8")
+    want = _ids(TrainData(_data_cfg(tmp_path, tok_dir, jsonl)), 8)
+    monkeypatch.setattr(sources, "_CHUNK", 5)
+    source = open_source(arr)
+    assert [source.row(i) for i in range(len(source))] == records
+    lines = [i + 2 for i, line in enumerate(arr.read_text("utf-8").splitlines()[1:])
+             if line == "    {"]  # fmt: skip
+    assert [source.where(i) for i in range(3)] == [f"{arr}:{n}" for n in lines[:3]]
+    data = TrainData(_data_cfg(tmp_path, tok_dir, arr))
+    got = _ids(data, 8)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    (tmp_path / "mixed.json").write_text('[{"text": "a"}, 7, [1], {"text": "b"}]')
+    mixed = open_source(tmp_path / "mixed.json")
+    assert len(mixed) == 4 and mixed.row(3) == {"text": "b"}
+    for i in (1, 2):
+        with pytest.raises(BadRecordError, match="not a JSON object"):
+            mixed.row(i)
+    for text, what in [
+        ('[{"text": "a"},\n {"text": "b"}', "line 2: expected ',' or ']'"),
+        ('[{"text": "a"},\n {"text": }]', "line 2: Expecting value"),
+        ('[{"text": "a"}] {"text": "b"}', "line 1: more data after the array's closing"),
+    ]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=f"bad.json starts a JSON array but is not valid "
+                                             f"JSON at {what}"):  # fmt: skip
+            open_source(tmp_path / "bad.json")
+    (tmp_path / "none.json").write_text(" [ ] ")
+    assert len(open_source(tmp_path / "none.json")) == 0
+
+
 def test_source_errors(tmp_path: Path) -> None:
-    (tmp_path / "arr.json").write_text('[{"text": "a"},\n {"text": "b"}]\n')
-    with pytest.raises(ValueError, match="is a JSON array, not JSON Lines"):
-        open_source(tmp_path / "arr.json")
     mixed = tmp_path / "mixed"
     write_jsonl(mixed / "a.jsonl", [{"text": "a"}])
     write_parquet(mixed / "b.parquet", [{"text": "b"}])
