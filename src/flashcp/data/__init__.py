@@ -6,9 +6,11 @@ records, packing into masked sequences of full length.
         local = flashcp.cp.shard.shard_batch(batch, cp_rank, assignment)  # CP: this rank's part
 
 `tokenizer` (byte / tokenizer.json / HF directory with its chat template), `chat` (assistant
-turns located in the rendered conversation), `sources` (rows by index), `index` (who reads which
-rows, bad-record report), `dataset` (records → documents), `packing` (labels and masks, built on
-the full sequence before sharding). docs/data.md has the whole picture.
+turns located in the rendered conversation), `formats` (the layouts the field's tools write:
+`data.format`, detection, the pre-launch check `detect` / `check_data`), `sources` (rows by
+index), `index` (who reads which rows, bad-record report), `dataset` (records → documents),
+`packing` (labels and masks, built on the full sequence before sharding). docs/data.md has the
+whole picture.
 """
 
 from flashcp.data.dataset import (

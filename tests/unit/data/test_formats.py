@@ -14,6 +14,7 @@ writes it (`tests/fixtures/data_formats/`, made by `tests/fixtures/make_data_for
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +310,25 @@ def test_paddleformers_sft_rows_match_paddleformers_own_reader(
         _msg("user", "How can we save water at home?"),
         _msg("assistant", "Use water-saving shower heads."),
         _msg("user", "Any other suggestions?"), _msg("assistant", "Fix leaking pipes quickly.")]}))
+
+
+def test_paddleformers_eos_after_a_template_that_closes_turns_with_it(tmp_path: Path) -> None:
+    """The documented EOS difference: with a ChatML template (answers end `<|im_end|>\\n`,
+    `<|im_end|>` the EOS) PaddleFormers appends a second EOS, flashcp none."""
+    from paddleformers.transformers import AutoTokenizer
+
+    from bench.hfdir import write_chatml_tokenizer
+
+    tok_dir = write_chatml_tokenizer(tmp_path / "chatml")
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"src": "Hi there", "tgt": "Hello friend"}\n')
+    ((tokens, labels),) = _pf_sft(AutoTokenizer.from_pretrained(str(tok_dir)), path,
+                                  one_turn=True)  # fmt: skip
+    tok = HFTokenizer(tok_dir)
+    doc = DocumentBuilder(tok, recipe="sft")(json.loads(path.read_text()))
+    ids = doc.tokens.tolist()
+    assert ids[-2:] == [tok.eos_id, tok.encode("\n")[0]] and tokens == [*ids, tok.eos_id]
+    assert labels[:-2] == _pf_labels(doc)[:-1]
 
 
 def test_paddleformers_dpo_rows_match_paddleformers_own_reader(
