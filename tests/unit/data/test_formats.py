@@ -389,6 +389,8 @@ def test_bad_paddleformers_rows(glm: HFTokenizer) -> None:
         (dpo, {"src": "Q", "tgt": [], "response": [["A", "Q2", "A2"], ["B"]], "sort": [1, 0]},
          "an answer is not one assistant turn"),
         (dpo, {"src": "Q", "tgt": [], "response": ["A", ""], "sort": [1, 0]}, "empty answer"),
+        (dpo, {"src": "Q", "tgt": [], "response": [3, "B"], "sort": [1, 0]},
+         "field 'response' is not two answers"),
     ]  # fmt: skip
     for build, row, reason in cases:
         with pytest.raises(BadRecordError) as info:
@@ -398,6 +400,9 @@ def test_bad_paddleformers_rows(glm: HFTokenizer) -> None:
     row = {"src": ["Be brief.", "Q"], "tgt": ["-", "A"], "is_system": 1}
     assert _same_doc(sft(row), sft({"messages": [_msg("system", "Be brief."), _msg("user", "Q"),
                                                  _msg("assistant", "A")]}))  # fmt: skip
+    dpo_system = {"src": ["Be brief.", "Q"], "tgt": ["-"], "is_system": 1, **pair}
+    assert dpo.tokenize(dpo_system) == dpo.tokenize(_explicit(
+        [_msg("system", "Be brief."), _msg("user", "Q")], "A", "B"))  # fmt: skip
     # a PaddleFormers DPO row under the sft recipe is in no sft format
     with pytest.raises(BadRecordError, match="missing field 'messages'.*PaddleFormers"):
         sft({"src": "Q", "tgt": [], **pair})
@@ -435,6 +440,25 @@ def test_each_file_is_detected_as_its_format(tmp_path: Path, tok_dir: Path) -> N
     assert data.num_documents == 4 and data.bad_records.total == 0
 
 
+def test_read_sample_reads_the_start_of_each_kind_of_file(tmp_path: Path) -> None:
+    from bench.hfdir import write_parquet
+    from flashcp.data.sources import iter_json_array
+
+    assert read_sample(FILES["alpaca"], 1) == _rows("alpaca")[:1]
+    assert read_sample(FILES["ultrafeedback"], 1) == _rows("ultrafeedback")[:1]
+    lines = tmp_path / "d.jsonl"
+    lines.write_text('{"text": "a"}\n\n{oops\n[1]\n{"text": "b"}\n{"text": "c"}\n')
+    assert read_sample(lines, 4) == [{"text": "a"}, None, [1], {"text": "b"}]
+    empty = write_parquet(tmp_path / "e.parquet", [{"text": "x"}])
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(empty).slice(0, 0), str(empty))
+    assert read_sample(empty, 4) == []
+    with pytest.raises(ValueError, match="starts a JSON array but is not valid JSON at line 1: "
+                                         "expected '\\['"):  # fmt: skip
+        list(iter_json_array(lines))
+
+
 def _refusal(rows: list[Any], recipe: str, **data: Any) -> str:
     from flashcp.config.schema import DataConfig
 
@@ -466,6 +490,10 @@ def test_data_in_no_format_is_refused_naming_fields_formats_and_the_setting() ->
     # TRL's implicit prompt (whole conversations), so no field names would help
     unreadable = _refusal([{"good": "A", "bad": "B"}], "dpo")
     assert unreadable.endswith("; convert them to one of these")
+    lists = _refusal([{"q": ["x"]}], "dpo")
+    assert "fields are q (list); convert them to one of these" in lists
+    nowhere = _refusal([{"q": 1}], "sft", format="sharegpt")
+    assert nowhere.endswith("fields are q (int); convert them to one of these")
     text = _refusal([{"content": "words"}], "pretrain")
     assert text.endswith("to read them set data.text_field=content")
     nothing = _refusal([None, 3], "sft")
