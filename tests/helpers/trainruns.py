@@ -127,7 +127,9 @@ def assert_training_matches(
     Per step s: the counts exactly; the loss, the gradient norm (and, for DPO — `beta` given
     — the rewards) within `numerics.tolerance(n, scale, steps=s)` with n and scale from the
     reference's metrics (`numerics.metric_basis`); every parameter's gradient norm-wise with
-    n = the step's target tokens. Returns the comparisons (the tests' negative controls feed
+    n = the step's tokens (a weight gradient sums over every token row: positions without a
+    target still carry gradient through attention, so a step with 2 targets among 128 tokens
+    reduces over 128 rows, not 2). Returns the comparisons (the tests' negative controls feed
     them wrong runs).
 
     Gradient scale: step 1 measures each tensor against its own norm (the layouts differ only
@@ -169,7 +171,7 @@ def assert_training_matches(
                 numerics.assert_close(
                     got[name],
                     exp[name],
-                    n=float(b["targets"]),
+                    n=float(max(b["targets"], b.get("tokens", 0))),
                     scale=norms[name] if step == 1 else max(norms[name], rms),
                     steps=step,
                     norm="l2",
