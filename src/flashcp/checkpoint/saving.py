@@ -408,16 +408,17 @@ class Saves:
         if self.rank == 0:
             shutil.rmtree(tmp_dir(self.root, step), ignore_errors=True)
         saved = list_checkpoints(self.root)
-        latest = f"step_{saved[-1][0]}" if saved else "none"
+        latest = f"step_{saved[-1][0]}" if saved else None
         text = f"checkpoint step {step} was not saved: {'; '.join(causes)}"
         if fatal or self.fail_on_error:
             raise SaveError(
-                f"{text} (the newest checkpoint is {latest})"
+                f"{text} (the newest checkpoint is {latest or 'none'})"
                 + ("" if fatal else "; set checkpoint.fail_on_error=false to train on instead")
             )
+        kept = f"The newest checkpoint is still {latest}" if latest else "No checkpoint exists yet"
         line = (
-            f"warning: {text}. The newest checkpoint is still {latest} (nothing pruned); "
-            "training continues and the next save tries again"
+            f"warning: {text}. {kept} (nothing pruned); training continues and the next save "
+            "tries again"
         )
         if self.rank == 0:
             self.echo(line)
