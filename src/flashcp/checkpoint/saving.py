@@ -21,8 +21,11 @@ A save of step N runs in four phases; only the third may leave the training thre
    `PartReport`s. Only when every rank wrote its whole part does rank 0 write the trainer
    state and the manifest — listing every rank's files with the checksums their writers
    computed — and rename the directory to `step_N/` (`flashcp.checkpoint.format.publish`:
-   manifest last, rename atomic, `keep_last` pruning after); a second gather tells every rank
-   how the commit went. A synchronous save agrees right after writing. An asynchronous one is
+   manifest last, rename atomic); a second gather tells every rank how the commit went. Rank 0
+   then prunes to `keep_last` on a background thread (deleting an old checkpoint can take long
+   on a parallel filesystem), joined before the next save begins and before the run ends, so
+   pruning never overlaps a save's temporary directory. A synchronous save agrees right after
+   writing. An asynchronous one is
    settled at the first step boundary at which every rank's writer has finished (each
    boundary while it is in flight, the ranks gather whether their writer is done: one small
    collective), and at the latest when the next save or the end of the run waits for it
@@ -66,6 +69,7 @@ from flashcp.checkpoint.format import (
     file_entry,
     fsync_file,
     list_checkpoints,
+    prune_checkpoints,
     publish,
 )
 from flashcp.checkpoint.parts import begin, tmp_dir
@@ -215,8 +219,9 @@ class Writer:
 
 def commit(root: Path, step: int, spec: Commit, reports: Sequence[PartReport]) -> Path:
     """Rank 0, once every rank wrote its part: the trainer state, `spec.finish`'s files and the
-    manifest (every file with the checksum its writer computed), then the atomic rename and
-    pruning (`format.publish`). Raises `OSError` (or `SaveError` for a part nobody wrote)."""
+    manifest (every file with the checksum its writer computed), then the atomic rename
+    (`format.publish`; pruning is the caller's). Raises `OSError` (or `SaveError` for a part
+    nobody wrote)."""
     tmp = tmp_dir(root, step)
     files: dict[str, dict[str, Any]] = {}
     for report in reports:
@@ -232,7 +237,7 @@ def commit(root: Path, step: int, spec: Commit, reports: Sequence[PartReport]) -
         fsync_file(tmp / name)
         files[name] = file_entry(tmp / name)
     extra = {"layout": dict(spec.layout)} if spec.layout is not None else None
-    return publish(root, tmp, step, files, keep_last=spec.keep_last, extra=extra)
+    return publish(root, tmp, step, files, keep_last=None, extra=extra)
 
 
 CLASSIC_FILES: tuple[str, str] = (MODEL_FILE, OPTIMIZER_FILE)
@@ -306,6 +311,8 @@ class Saves:
         """Rank 0: what the in-flight save's commit adds."""
         self.last_write_s = 0.0
         """How long this rank's last finished write took (the benchmark reads it)."""
+        self._pruner: threading.Thread | None = None
+        """Rank 0: pruning to `keep_last` after the last commit, in the background."""
 
     # -- the protocol -----------------------------------------------------------------------
 
@@ -319,6 +326,7 @@ class Saves:
         if self.inflight is not None:
             report = report.merge(self._settle(wait=True))
             wait = time.perf_counter() - start
+        self._join_pruner()
         causes = self._begin(step)
         if causes:
             report = report.merge(self._failed(step, causes, fatal=False))
@@ -349,11 +357,13 @@ class Saves:
         return report
 
     def finish(self) -> SaveReport:
-        """Wait for the save in flight and settle it (before the run ends or stops)."""
-        if self.inflight is None:
+        """Wait for the save in flight and settle it, and for the pruning after the last
+        commit (before the run ends or stops)."""
+        if self.inflight is None and self._pruner is None:
             return SaveReport()
         start = time.perf_counter()
-        report = self._settle(wait=True)
+        report = self._settle(wait=True) if self.inflight is not None else SaveReport()
+        self._join_pruner()
         report.metrics[STALL] = time.perf_counter() - start
         report.metrics[WAIT] = report.metrics[STALL]
         return report
@@ -398,9 +408,25 @@ class Saves:
             return self._failed(step, [f"rank 0 (commit): {outcome[0]}"], fatal=outcome[1])
         report = SaveReport(metrics={SAVED: float(step)})
         if path is not None:
+            assert spec is not None
+            self._prune(spec.keep_last)
             report.saved.append(path)
             report.messages.append(f"saved checkpoint {path}")
         return report
+
+    def _prune(self, keep_last: int | None) -> None:
+        """Rank 0: delete all but the newest `keep_last` checkpoints (and stale temporary
+        directories) in the background."""
+        if keep_last is None:
+            return
+        self._pruner = threading.Thread(target=prune_checkpoints, args=(self.root, keep_last),
+                                        name="flashcp-checkpoint-prune", daemon=True)  # fmt: skip
+        self._pruner.start()
+
+    def _join_pruner(self) -> None:
+        if self._pruner is not None:
+            self._pruner.join(self.timeout)
+            self._pruner = None
 
     def _failed(self, step: int, causes: list[str], *, fatal: bool) -> SaveReport:
         """A save that failed on some rank: every rank logs why, rank 0 removes the temporary
