@@ -122,6 +122,7 @@ class Checkpointer:
         self.saves = Saves(
             self.root, rank=int(groups.rank),
             gather=lambda obj: all_gather_object(obj, world, timeout=SAVE_BARRIER_TIMEOUT),
+            poll_gather=lambda obj: all_gather_object(obj, world),
             asynchronous=cfg.checkpoint.async_, fail_on_error=cfg.checkpoint.fail_on_error,
             timeout=SAVE_BARRIER_TIMEOUT, echo=self.echo, warn=_warn,
         )  # fmt: skip

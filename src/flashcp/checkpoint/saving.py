@@ -257,6 +257,7 @@ class SaveReport:
     """Steps whose save failed at this boundary."""
 
     def merge(self, other: SaveReport) -> SaveReport:
+        """Both reports as one (the seconds, `*_s`, added; other metrics `other`'s)."""
         metrics = dict(self.metrics)
         for key, value in other.metrics.items():
             metrics[key] = metrics.get(key, 0.0) + value if key.endswith("_s") else value
@@ -287,6 +288,7 @@ class Saves:
         *,
         rank: int,
         gather: Gather,
+        poll_gather: Gather | None = None,
         asynchronous: bool,
         fail_on_error: bool,
         timeout: float,
@@ -296,6 +298,10 @@ class Saves:
         self.root = root
         self.rank = rank
         self.gather = gather
+        """Gathers where a rank may wait long for another (its writer, rank 0's commit)."""
+        self.poll_gather = poll_gather or gather
+        """The per-boundary gather of the writers' state (ranks arrive together: the ordinary
+        collective timeout)."""
         self.asynchronous = asynchronous
         self.fail_on_error = fail_on_error
         self.timeout = timeout
@@ -351,7 +357,7 @@ class Saves:
             return SaveReport()
         start = time.perf_counter()
         report = SaveReport()
-        if all(self.gather(self.writer.done)):
+        if all(self.poll_gather(self.writer.done)):
             report = self._settle(wait=False)
         report.metrics[STALL] = time.perf_counter() - start
         return report
