@@ -1,13 +1,15 @@
 """Fault injection for reliability tests, driven by the `FLASHCP_FAULT` environment variable.
 
 Faults make the failure paths of a real launched job reproducible: a NaN at a chosen step on a
-chosen rank, a rank killed in the middle of a step, a crash while a checkpoint is half written.
+chosen rank, a rank killed in the middle of a step, a crash while a checkpoint is half written,
+a save that fails (disk full, permission denied, an I/O error).
 Nothing here runs unless `FLASHCP_FAULT` is set; a malformed value is an error (never ignored).
 
     FLASHCP_FAULT=nan_loss@step3:rank1                  # rank 1 outputs NaN at step 3
     FLASHCP_FAULT=nan_grad@step2:rank0,inf_loss@step4   # several faults, comma separated
     FLASHCP_FAULT=sigkill@step3:rank1                   # rank 1 SIGKILLs itself mid-step 3
-    FLASHCP_FAULT=crash_in_checkpoint_write@step4       # rank 0 dies inside step_4.tmp/
+    FLASHCP_FAULT=crash_in_checkpoint_write@step4       # the writing ranks die inside step_4.tmp/
+    FLASHCP_FAULT=save_enospc@step4:rank1               # rank 1's part of checkpoint 4: ENOSPC
 
 Each fault is `KIND@stepN[:rankR]` (no rank: every rank). Kinds:
 
@@ -17,17 +19,24 @@ Each fault is `KIND@stepN[:rankR]` (no rank: every rank). Kinds:
 * `nan_grad`: the rank's gradient of its first trainable parameter becomes NaN (loss finite).
 * `sigkill`: the rank sends itself SIGKILL right after its forward pass of that step, while its
   peers are inside the step's collectives.
-* `crash_in_checkpoint_write`: the rank writing checkpoint `step_N` SIGKILLs itself after
-  `model.safetensors` is in `step_N.tmp/` and before the manifest: a torn write.
+* `crash_in_checkpoint_write`: a rank writing files of checkpoint `step_N` SIGKILLs itself
+  after its first file is in `step_N.tmp/` (the one-writer layout: `model.safetensors`) and
+  before the manifest: a torn write. With `checkpoint.async` the kill comes from the background
+  writer, while training goes on.
+* `save_enospc`, `save_eacces`, `save_eio`: the rank's part of checkpoint `step_N` fails with
+  `OSError` ENOSPC (no space left on device), EACCES (permission denied) or EIO (an I/O error)
+  before it writes a file (every rank has a part, if only an empty one): the failed-save path
+  (`flashcp.checkpoint.saving`).
 
 Wiring: `install(trainer)` (called by `flashcp.launch.worker` after building the trainer) adds the
-forward/gradient hooks; `checkpoint.save_checkpoint` calls `on_checkpoint_write` at its fault
-point.
+forward/gradient hooks; the checkpoint writers call `on_checkpoint_write` (after each file) and
+`on_save_write` (before a rank's part) at their fault points.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import re
@@ -45,7 +54,16 @@ KINDS: tuple[str, ...] = (
     "nan_grad",
     "sigkill",
     "crash_in_checkpoint_write",
+    "save_enospc",
+    "save_eacces",
+    "save_eio",
 )
+SAVE_ERRORS: dict[str, int] = {
+    "save_enospc": errno.ENOSPC,
+    "save_eacces": errno.EACCES,
+    "save_eio": errno.EIO,
+}
+"""The failed-save kinds and the errno each raises."""
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
 
 
@@ -199,7 +217,8 @@ def install(trainer: Any, faults: list[Fault] | None = None) -> list[Fault]:
 
 
 def on_checkpoint_write(step: int, tmp_dir: Path) -> None:
-    """Fault point inside `save_checkpoint`: model written, manifest not yet (a torn write)."""
+    """Fault point of the checkpoint writers: a file written, the manifest not yet (a torn
+    write)."""
     if ENV_FAULT not in os.environ:
         return
     rank = _rank()
@@ -207,3 +226,17 @@ def on_checkpoint_write(step: int, tmp_dir: Path) -> None:
         if fault.kind == "crash_in_checkpoint_write" and fault.hits(step, rank):
             _announce(fault, rank, f"SIGKILL while writing {tmp_dir}")
             _kill_self()
+
+
+def on_save_write(step: int, tmp_dir: Path, rank: int | None = None) -> None:
+    """Fault point at the start of rank `rank`'s part (default: this process's) of checkpoint
+    `step`: raise the `OSError` of a `save_enospc` / `save_eacces` / `save_eio` fault (what a
+    full disk, a permission or a failing device raises from `open` or `write`)."""
+    if ENV_FAULT not in os.environ:
+        return
+    rank = _rank() if rank is None else rank
+    for fault in active_faults():
+        code = SAVE_ERRORS.get(fault.kind)
+        if code is not None and fault.hits(step, rank):
+            _announce(fault, rank, f"{errno.errorcode[code]} while saving into {tmp_dir}")
+            raise OSError(code, os.strerror(code), str(tmp_dir))

@@ -27,6 +27,7 @@ import paddle
 from flashcp import rundir
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
+from flashcp.checkpoint.saving import SaveReport
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
 from flashcp.distributed import ParallelGroups, barrier, startup_phase
@@ -328,20 +329,28 @@ class Trainer:
                 if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
                     results = self.evaluate()
                     m.extra.update(results)  # the step's record carries its eval/... values
+                saved = self._checkpoint(every > 0 and (self.step % every == 0 or self.step == end),
+                                         last=self.step == end)  # fmt: skip
+                m.extra.update(saved.metrics)  # checkpoint/stall_s, ... of this boundary
                 writer.log(m)
                 if results:
                     writer.echo(format_eval(self.step, results))
+                for line in saved.messages:
+                    writer.echo(line)
                 result.metrics.append(m)
                 result.final_step = self.step
-                if every > 0 and (self.step % every == 0 or self.step == end):
-                    path = self.checkpointer.save(self.step, self.consumed_tokens)
-                    if path is not None:
-                        writer.echo(f"saved checkpoint {path}")
             if self.checkpointer.lora is not None and self.step >= cfg.train.steps:
                 self._finish_lora(writer)
         finally:
             writer.close()
         return result
+
+    def _checkpoint(self, due: bool, *, last: bool) -> SaveReport:
+        """The checkpoint's share of a step boundary (collective): save when `due`, else let
+        an asynchronous save in flight commit; at the `last` step, wait for it to commit."""
+        ck = self.checkpointer
+        report = ck.save(self.step, self.consumed_tokens) if due else ck.poll()
+        return report.merge(ck.finish()) if last else report
 
     def _finish_lora(self, writer: MetricsWriter) -> None:
         """Export the adapters (and the merged model when `lora.merge_at_end`)."""

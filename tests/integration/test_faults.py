@@ -7,6 +7,9 @@
   checkpoint is refused naming the file and its checksum (exit 4), or skipped by `auto`.
 * NaN in the loss: exit 3 naming the step and the rank; with `train.on_nonfinite: skip` the
   job continues, says which steps it skipped, and `metrics.jsonl` marks them.
+* Asynchronous checkpoints: a failed save (ENOSPC on one rank) is survived, a rank killed by
+  its own background writer leaves the previous checkpoint the latest, and the resumed run
+  ends bitwise equal to an uninterrupted one.
 
 Faults are injected with `FLASHCP_FAULT` (`flashcp.faults`).
 """
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from bench import jobs
 from flashcp.checkpoint.format import verify_checkpoint
@@ -148,6 +153,67 @@ def test_crash_during_checkpoint_write_then_resume_and_corruption(tmp_path: Path
     assert "skipping broken checkpoint" in fallback.output
     assert "optimizer.safetensors does not match its sha256 checksum" in fallback.output
     assert f"resumed from {ckpts / 'step_2'} at step 2" in fallback.output
+
+
+def _contents(step_dir: Path) -> dict[str, object]:
+    """Every file a checkpoint's manifest lists: a safetensors file as its metadata and each
+    tensor's bytes (safetensors writes metadata keys in hash order, so equal files may differ
+    in their header bytes), any other file as its text."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    out: dict[str, object] = {}
+    for name in manifest["files"]:
+        if name.endswith(".safetensors"):
+            with safe_open(str(step_dir / name), "np") as f:
+                tensors = {k: f.get_tensor(k).tobytes() for k in f.keys()}  # noqa: SIM118
+                out[name] = (f.metadata(), tensors)
+        else:
+            out[name] = (step_dir / name).read_text()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_async_saves_survive_a_failed_save_and_a_kill_mid_write_then_resume_bitwise(
+    tmp_path: Path,
+) -> None:
+    """`checkpoint.async` with every rank writing a part (ZeRO-1: one optimizer shard each):
+    rank 1's part of step 2 fails (ENOSPC) and the job trains on; step 4 commits; rank 0 is
+    killed by its own background writer in the middle of step 6. The same command resumes from
+    step 4 (never the torn step 6) and ends bitwise equal to an uninterrupted synchronous run:
+    the same tensors, bit for bit, the same trainer state (data position, RNG, schedule), and
+    the same losses."""
+    args = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=3",
+            "parallel.shard_optimizer=true"]  # fmt: skip
+    reference = jobs.run_flashcp(GPT2, args, tmp_path / "sync")
+    assert jobs.hygiene_problems(reference) == [], reference.summary()
+    out = tmp_path / "async"
+    ckpts = out / "checkpoints"
+    faulty = jobs.run_flashcp(GPT2, [*args, "checkpoint.async=true"], out, env={
+        "FLASHCP_FAULT": "save_enospc@step2:rank1,crash_in_checkpoint_write@step6:rank0",
+    })  # fmt: skip
+    assert faulty.returncode != 0 and not faulty.timed_out, faulty.summary()
+    assert "rank 0 died without writing an error" in faulty.output, faulty.output
+    assert faulty.leftover == []
+    for rank in (0, 1):  # every rank logged the failed save with its cause, and trained on
+        assert re.search(r"warning: checkpoint step 2 was not saved: rank 1: ENOSPC \(No space "
+                         r"left on device\): \S+step_2\.tmp", faulty.log(rank)), faulty.log(rank)
+    # the failure settles at a later step boundary (the writers run in the background)
+    assert [r["checkpoint/failed_step"] for r in _metrics(out) if "checkpoint/failed_step" in r
+            ] == [2]  # fmt: skip
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_4", "step_6.tmp"]
+    assert not (ckpts / "step_6.tmp" / "manifest.json").exists()
+    assert verify_checkpoint(ckpts / "step_4") == []
+
+    resumed = jobs.run_flashcp(GPT2, [*args, "checkpoint.async=true"], out)
+    assert jobs.hygiene_problems(resumed) == [], resumed.summary()
+    assert f"resumed from {ckpts / 'step_4'} at step 4" in resumed.output
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_4", "step_6"]
+    want = tmp_path / "sync" / "checkpoints"
+    for step in (4, 6):
+        assert _contents(ckpts / f"step_{step}") == _contents(want / f"step_{step}"), step
+    key = ("step", "loss", "grad_norm")
+    assert [[r[k] for k in key] for r in _metrics(out)] == [
+        [r[k] for k in key] for r in _metrics(tmp_path / "sync")
+    ]
 
 
 @pytest.mark.timeout(180)

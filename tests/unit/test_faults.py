@@ -1,8 +1,10 @@
 """Fault injection (`flashcp.faults`) in one process: fault specs and their hooks (NaN/Inf loss,
-a poisoned gradient, SIGKILL after the forward, a torn checkpoint write)."""
+a poisoned gradient, SIGKILL after the forward, a torn checkpoint write, a failed save's
+`OSError`)."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -127,3 +129,23 @@ def test_poison_reaches_tensors_inside_containers() -> None:
     out = faults._poison((x, [x], {"h": x}, ids), float("nan"))
     assert np.isnan(out[0].numpy()).all() and np.isnan(out[1][0].numpy()).all()
     assert np.isnan(out[2]["h"].numpy()).all() and out[3].numpy().tolist() == [1]
+
+
+@pytest.mark.parametrize(("kind", "code"), [("save_enospc", "ENOSPC"), ("save_eacces", "EACCES"),
+                                            ("save_eio", "EIO")])  # fmt: skip
+def test_failed_save_faults_raise_their_errno_at_their_step_and_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    kind: str, code: str,
+) -> None:  # fmt: skip
+    monkeypatch.setenv(faults.ENV_FAULT, f"{kind}@step4:rank1")
+    faults.on_save_write(4, tmp_path, rank=0)  # another rank
+    faults.on_save_write(3, tmp_path, rank=1)  # another step
+    with pytest.raises(OSError) as raised:
+        faults.on_save_write(4, tmp_path, rank=1)
+    assert errno.errorcode[raised.value.errno] == code and raised.value.filename == str(tmp_path)
+    assert f"[flashcp fault] rank 1 step 4: {kind} ({code} while saving" in capsys.readouterr().err
+    monkeypatch.setenv(faults.ENV_FAULT, f"{kind}@step4")  # no rank: every rank's part
+    with pytest.raises(OSError):
+        faults.on_save_write(4, tmp_path)
+    monkeypatch.delenv(faults.ENV_FAULT)
+    faults.on_save_write(4, tmp_path, rank=1)  # unset: nothing

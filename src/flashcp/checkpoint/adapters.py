@@ -23,13 +23,14 @@ import paddle
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from flashcp.device import host_array
 from flashcp.lora.model import LORA_CONFIG_FILE, SAFE_INDEX_FILE, _quiet
 from flashcp.lora.setup import LoRASetup
 
 
 def trainable_arrays(module: paddle.nn.Layer) -> dict[str, np.ndarray]:
     """The trainable parameters of `module` (the adapters, under LoRA) by structured name."""
-    return {n: p.numpy() for n, p in module.named_parameters() if not p.stop_gradient}
+    return {n: host_array(p) for n, p in module.named_parameters() if not p.stop_gradient}
 
 
 def load_trainable_arrays(module: paddle.nn.Layer, arrays: Mapping[str, np.ndarray]) -> None:

@@ -4,11 +4,14 @@ checkpoints, and the exports at the end of a LoRA run.
 The trainer builds it once, from what a checkpoint holds — this rank's model (its pipeline
 stage), optimizer, LR scheduler and data stream, the LoRA setup — and calls:
 
-* `save(step, consumed_tokens)` every `checkpoint.every` steps (collective): one writer (rank
-  0) for a whole model (`flashcp.checkpoint.format`); with pipeline stages, LoRA adapters,
-  float32 master weights or expert parallelism each stage's writer adds its part and every rank
-  that owns an optimizer shard its shard (`flashcp.checkpoint.parts`); rank 0 then writes the
-  trainer state (LR schedule, data position, RNG, config hash) and commits; `keep_last` prunes.
+* `save(step, consumed_tokens)` when a save is due, `poll()` at every other step boundary and
+  `finish()` before the run ends (collective; `flashcp.checkpoint.saving`: the host snapshot,
+  the writer — inline, or in the background with `checkpoint.async` — the agreement, the
+  commit and a failed save): one writer (rank 0) for a whole model
+  (`flashcp.checkpoint.format`); with pipeline stages, LoRA adapters, float32 master weights or
+  expert parallelism each stage's writer adds its part and every rank that owns an optimizer
+  shard its shard (`flashcp.checkpoint.parts`); rank 0 then writes the trainer state (LR
+  schedule, data position, RNG, config hash) and commits; `keep_last` prunes.
 * `resume(tokens_per_step)` at the start of `fit`: the checkpoint `checkpoint.resume` selects
   (`auto`: the newest intact one), loaded into this rank's stage whatever layout wrote it
   (each stage takes the names it holds; expert tensors are whole on disk and sliced here:
@@ -19,12 +22,14 @@ stage), optimizer, LR scheduler and data stream, the LoRA setup — and calls:
 * `export_adapters()` / `export_merged()` when a LoRA run ends (`flashcp.checkpoint.adapters`,
   `flashcp.checkpoint.merge_export`); `dump_grads(step)` for `debug.dump_grads`.
 
-Nothing here decides when to save or what a step computes: that is the trainer's.
+Nothing here decides when to save or what a step computes: that is the trainer's (it asks
+"save now?" at each step boundary and calls `save` or `poll`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +49,17 @@ from flashcp.checkpoint.adapters import (
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.checkpoint.export import run_token_ids
 from flashcp.checkpoint.merge_export import MERGED_DIR, write_merged_index, write_merged_stage
+from flashcp.checkpoint.saving import (
+    CLASSIC_FILES,
+    Commit,
+    PartFile,
+    SaveReport,
+    Saves,
+    Snapshot,
+)
 from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state, set_rng_state
 from flashcp.config import Config, config_changes, config_hash, hashed_dict
-from flashcp.distributed import ParallelGroups, barrier
+from flashcp.distributed import ParallelGroups, all_gather_object, barrier
 from flashcp.lora.setup import LoRASetup
 from flashcp.models.hf_weights import read_hf_float32
 from flashcp.optim.zero import MasterOptimizer, ParamOptimizer
@@ -55,6 +68,15 @@ GRADS_DIR = "grads"
 """`debug.dump_grads` writes `<output_dir>/grads/step_N[.stageS].safetensors`."""
 SAVE_BARRIER_TIMEOUT = 3600.0
 """Other ranks wait this long (s) for the writers of a checkpoint or an export."""
+FORMAT_META = {"format": str(ckpt.FORMAT_VERSION)}
+"""safetensors metadata of flashcp's own checkpoint files."""
+ADAPTER_META = {"format": "np"}
+"""safetensors metadata of a LoRA adapter shard (PaddleFormers' format)."""
+
+
+def _warn(text: str) -> None:
+    """A line in this rank's log (stderr: each rank's worker log)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,15 @@ class Checkpointer:
         self.output_dir = Path(cfg.run.output_dir)
         self.root = self.output_dir / ckpt.CHECKPOINT_DIR
         self.is_main = int(groups.rank) == 0
+        world = groups.world
+        self.saves = Saves(
+            self.root, rank=int(groups.rank),
+            gather=lambda obj: all_gather_object(obj, world, timeout=SAVE_BARRIER_TIMEOUT),
+            poll_gather=lambda obj: all_gather_object(obj, world),
+            asynchronous=cfg.checkpoint.async_, fail_on_error=cfg.checkpoint.fail_on_error,
+            timeout=SAVE_BARRIER_TIMEOUT, echo=self.echo, warn=_warn,
+        )  # fmt: skip
+        """The save protocol's state on this rank (a save in flight)."""
 
     @property
     def _stage(self) -> tuple[int, int]:
@@ -209,92 +240,99 @@ class Checkpointer:
             "consumed_tokens": consumed_tokens,
         }
 
-    def save(self, step: int, consumed_tokens: int) -> Path | None:
-        """Write checkpoint `step` (collective: rank 0 returns its path); every rank waits.
+    def save(self, step: int, consumed_tokens: int) -> SaveReport:
+        """Save checkpoint `step` (collective; `flashcp.checkpoint.saving`): wait for the save
+        in flight, copy this rank's part to host memory, and write it — to the end and commit
+        (sync), or in the background (`checkpoint.async`; a later `poll` or `finish` commits).
+        A failed save is logged by every rank and training goes on (`checkpoint.fail_on_error`:
+        `SaveError`). The report carries `checkpoint/stall_s` and rank 0's lines to print."""
+        return self.saves.save(step, lambda: self.snapshot(step, consumed_tokens))
 
-        One writer (rank 0) for a whole model; with pipeline stages or LoRA adapters each
-        stage's writer adds its part, and float32 master weights (sharded or not) are written
-        as one optimizer shard per rank that owns one (`flashcp.checkpoint.parts`).
-        """
-        _, stages = self._stage
-        if stages > 1 or self.lora is not None or self._sharded or self.experts.active:
-            return self._save_parts(step, consumed_tokens)
-        path = None
-        if self.is_main:
-            assert isinstance(self.optimizer, ParamOptimizer)
-            path = ckpt.save_checkpoint(
-                self.root,
-                step,
-                model=model_arrays(self.model),
-                optimizer=optimizer_state.classic_arrays(self.optimizer.state_pieces()),
-                state=self._state(consumed_tokens),
-                keep_last=self.cfg.checkpoint.keep_last,
-            )
-        barrier(self.groups.world, timeout=SAVE_BARRIER_TIMEOUT)
-        return path
+    def poll(self) -> SaveReport:
+        """At a step boundary without a save (collective): commit the asynchronous save in
+        flight once every rank has written its part."""
+        return self.saves.poll()
 
-    def _save_parts(self, step: int, consumed_tokens: int) -> Path | None:
-        world = self.groups.world
+    def finish(self) -> SaveReport:
+        """Wait for the save in flight and commit it (collective): before the run ends."""
+        return self.saves.finish()
+
+    def snapshot(self, step: int, consumed_tokens: int) -> Snapshot:
+        """This rank's part of checkpoint `step`: the files it writes, produced one at a time
+        in host memory as they are iterated (every rank iterates them all: under expert
+        parallelism producing a file is a collective of the stage writer's ep group), and on
+        rank 0 what the commit adds (`flashcp.checkpoint.saving`).
+
+        One writer (rank 0) for a whole model: `model.safetensors` + `optimizer.safetensors`.
+        With pipeline stages, LoRA adapters, float32 master weights or expert parallelism, each
+        stage's writer has its stage's model (or adapter) part, and the optimizer state goes
+        as one part per stage or, with float32 masters, one shard file per rank that owns one
+        (`flashcp.checkpoint.parts`). Rank 0 adds the trainer state at the commit."""
         stage, stages = self._stage
+        keep = self.cfg.checkpoint.keep_last
+        state = self._state(consumed_tokens) if self.is_main else {}
+        if not (stages > 1 or self.lora is not None or self._sharded or self.experts.active):
+            files = self._classic_files() if self.is_main else iter(())
+            commit = Commit(state, None, CLASSIC_FILES, keep) if self.is_main else None
+            return Snapshot(step, files, commit)
         adapters = self.lora is not None
         model_files, optimizer_files = parts.part_names(stages, adapters=adapters)
         shard_files: list[list[str]] = []
         if isinstance(self.optimizer, MasterOptimizer):
             optimizer_files = []
             shard_files = parts.shard_names(stages, optimizer_state.shard_files(self.optimizer))
-        if self.is_main:
-            parts.begin(self.root, step, adapters=adapters)
-        state = self._state(consumed_tokens) if self.is_main else {}
-        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
-        tmp = parts.tmp_dir(self.root, step)
-        self._write_model_part(tmp, model_files[stage])
-        if isinstance(self.optimizer, MasterOptimizer):
-            self._write_optimizer_shard(self.optimizer, tmp, shard_files[stage])
-        else:
-            pieces = self.optimizer.state_pieces
-            arrays = self.experts.collect(
-                lambda: optimizer_state.classic_arrays(pieces()), optimizer_state.optimizer_key
-            )
-            if arrays is not None:  # the stage writer
-                parts.write_part(tmp / optimizer_files[stage], arrays)
-        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
-        path = None
-        if self.is_main:
-            extra = self._write_adapter_meta(tmp / parts.ADAPTER_DIR, model_files)
-            path = parts.commit(
-                self.root,
-                step,
-                state=state,
-                model_files=model_files,
-                optimizer_files=optimizer_files,
-                optimizer_shards=shard_files,
-                extra_files=[f"{parts.ADAPTER_DIR}/{name}" for name in extra],
-                keep_last=self.cfg.checkpoint.keep_last,
-            )
-        barrier(world, timeout=SAVE_BARRIER_TIMEOUT)
-        return path
+        files = self._part_files(model_files[stage], optimizer_files, shard_files)
+        if not self.is_main:
+            return Snapshot(step, files)
+        layout: dict[str, Any] = {"model": model_files, "optimizer": optimizer_files}
+        if shard_files:
+            layout["optimizer_shards"] = shard_files
+        expected = [*model_files, *optimizer_files, *(n for s in shard_files for n in s)]
+        finish = None
+        if adapters:
 
-    @staticmethod
-    def _write_optimizer_shard(opt: MasterOptimizer, directory: Path, names: list[str]) -> None:
-        """This rank's optimizer shard, if it writes one (unsharded masters: the stage writer;
-        with trainable experts under ep, each ep rank's first edp rank)."""
-        if not optimizer_state.writes_shard_file(opt):
-            return
-        arrays = optimizer_state.shard_file(opt)
-        parts.write_part(directory / names[arrays.index], arrays.tensors(), arrays.metadata())
+            def finish(tmp: Path) -> list[str]:
+                names = self._write_adapter_meta(tmp / parts.ADAPTER_DIR, model_files)
+                return [f"{parts.ADAPTER_DIR}/{name}" for name in names]
 
-    def _write_model_part(self, directory: Path, name: str) -> None:
-        """The stage writer writes its stage's model (or adapter) part, expert tensors whole
-        (collected from its ep group, `flashcp.checkpoint.experts`)."""
+        return Snapshot(step, files, Commit(state, layout, expected, keep, finish))
+
+    def _classic_files(self) -> Iterator[PartFile]:
+        """Rank 0's files of the one-writer layout."""
+        assert isinstance(self.optimizer, ParamOptimizer)
+        yield PartFile(ckpt.MODEL_FILE, model_arrays(self.model), FORMAT_META)
+        pieces = self.optimizer.state_pieces()
+        yield PartFile(ckpt.OPTIMIZER_FILE, optimizer_state.classic_arrays(pieces))
+
+    def _part_files(
+        self, model_file: str, optimizer_files: list[str], shard_files: list[list[str]]
+    ) -> Iterator[PartFile]:
+        """This rank's files of a checkpoint in parts: its stage's model (or adapter) part if
+        it is the stage writer (expert tensors whole, collected from its ep group), then its
+        optimizer part or shard (every rank runs the collections)."""
+        stage, _ = self._stage
         if self.lora is not None:
             arrays = self.experts.collect(lambda: trainable_arrays(self.model))
             if arrays is not None:
-                write_adapter_arrays(directory / name, arrays)
-                ckpt.fsync_file(directory / name)
+                yield PartFile(model_file, arrays, ADAPTER_META)
         else:
             arrays = self.experts.collect(lambda: model_arrays(self.model))
             if arrays is not None:
-                parts.write_part(directory / name, arrays)
+                yield PartFile(model_file, arrays, FORMAT_META)
+        del arrays
+        opt = self.optimizer
+        if isinstance(opt, MasterOptimizer):
+            if optimizer_state.writes_shard_file(opt):
+                shard = optimizer_state.shard_file(opt)
+                yield PartFile(shard_files[stage][shard.index], shard.tensors(),
+                               {**FORMAT_META, **shard.metadata()})  # fmt: skip
+            return
+        pieces = opt.state_pieces
+        arrays = self.experts.collect(
+            lambda: optimizer_state.classic_arrays(pieces()), optimizer_state.optimizer_key
+        )
+        if arrays is not None:  # the stage writer
+            yield PartFile(optimizer_files[stage], arrays, FORMAT_META)
 
     def _write_adapter_meta(self, directory: Path, model_files: list[str]) -> list[str]:
         if self.lora is None:

@@ -83,6 +83,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_entry(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: its sha256 and size."""
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -123,7 +128,7 @@ def save_checkpoint(
     files = {}
     for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
         fsync_file(tmp / name)
-        files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+        files[name] = file_entry(tmp / name)
     return publish(root, tmp, step, files, keep_last=keep_last)
 
 

@@ -38,7 +38,7 @@ from flashcp.checkpoint.format import (
     FORMAT_VERSION,
     STATE_FILE,
     _contiguous,
-    _sha256,
+    file_entry,
     fsync_file,
     publish,
 )
@@ -120,7 +120,7 @@ def commit(
         f = tmp / name
         if not f.is_file():
             raise FileNotFoundError(f"checkpoint part {f} was not written")
-        files[name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+        files[name] = file_entry(f)
     layout: dict[str, Any] = {"model": list(model_files), "optimizer": list(optimizer_files)}
     if shard_files:
         layout["optimizer_shards"] = [list(stage) for stage in optimizer_shards]

@@ -26,10 +26,12 @@ import numpy as np
 import paddle
 from paddle.base import core
 
+from flashcp.device import host_array
+
 
 def model_arrays(model: paddle.nn.Layer) -> dict[str, np.ndarray]:
     """Every parameter and persistent buffer as numpy, by structured name."""
-    return {name: t.numpy() for name, t in model.state_dict().items()}
+    return {name: host_array(t) for name, t in model.state_dict().items()}
 
 
 def load_model_arrays(model: paddle.nn.Layer, arrays: dict[str, np.ndarray]) -> None:

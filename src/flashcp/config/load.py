@@ -32,7 +32,7 @@ from flashcp.config.aliases import (
 from flashcp.config.errors import ConfigError, ConfigValidationError, suggest
 from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.placeholders import find_placeholders, is_placeholder, placeholder_message
-from flashcp.config.schema import SECTIONS, Config, extra_sections
+from flashcp.config.schema import SECTIONS, Config, config_key, extra_sections
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 """A `model.from_pretrained` directory holds one of these."""
@@ -139,24 +139,25 @@ def build_section(
         )
         raw = {}
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}  # by YAML key
     skip = set(ignore)
     for key in raw:
         if key not in fields and key not in skip:
             errors.append(ConfigError(f"{prefix}.{key}", "unknown key" + suggest(str(key), fields)))
     values: dict[str, Any] = dict(base or {})
     complete = True
-    for name, f in fields.items():
-        if name in raw:
-            ok, value = _convert(raw[name], hints.get(name, Any))
+    for key, f in fields.items():
+        name = f.name
+        if key in raw:
+            ok, value = _convert(raw[key], hints.get(name, Any))
             if ok:
                 values[name] = value
                 continue
             errors.append(
                 ConfigError(
-                    f"{prefix}.{name}",
-                    f"expected {_describe(hints.get(name, Any))}, got {raw[name]!r} "
-                    f"({_type_name(raw[name])})",
+                    f"{prefix}.{key}",
+                    f"expected {_describe(hints.get(name, Any))}, got {raw[key]!r} "
+                    f"({_type_name(raw[key])})",
                 )
             )
         if name in values:
@@ -166,8 +167,8 @@ def build_section(
         )
         if not has_default:
             complete = False
-            if name not in raw:
-                errors.append(ConfigError(f"{prefix}.{name}", "required key is missing"))
+            if key not in raw:
+                errors.append(ConfigError(f"{prefix}.{key}", "required key is missing"))
     if not complete:
         return None
     try:
@@ -319,7 +320,7 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
 
 
 def _section_dict(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+    return {config_key(f): getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,7 +607,7 @@ def _earlier_value(cfg: Config, dotted: str) -> Any:
     if not name or not dataclasses.is_dataclass(obj):
         return _MISSING
     for f in dataclasses.fields(obj):
-        if f.name == name:
+        if config_key(f) == name:
             if f.default is not dataclasses.MISSING:
                 default = f.default
             elif f.default_factory is not dataclasses.MISSING:

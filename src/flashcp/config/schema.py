@@ -278,6 +278,22 @@ class CheckpointConfig:
     `model.safetensors[.index.json]`) the model starts from; null = seeded random init, or the
     `model.from_pretrained` directory when that is set (another path is refused). A resumed run
     restores its own checkpoint instead."""
+    async_: bool = field(default=False, metadata={"key": "async"})
+    """`checkpoint.async` (a Python keyword, hence `async_` in code): at a save, each rank copies
+    its state to host memory (pinned on GPU) and training goes on while a background thread
+    writes it; the checkpoint appears (manifest last, atomically) once every rank's part is
+    written. At most one save is in flight: the next waits for it (`flashcp.checkpoint.saving`).
+    The host copy counts in the host plan (`flashcp plan`)."""
+    fail_on_error: bool = False
+    """A save that fails (disk full, permission denied, an I/O error) stops the job (exit 4);
+    false: every rank logs the cause, the latest good checkpoint and the `keep_last` rotation
+    stay as they were, and training continues (the next save retries)."""
+
+
+def config_key(f: Any) -> str:
+    """The YAML key of dataclass field `f`: its name, or `metadata["key"]` for a field whose
+    key is a Python keyword (`checkpoint.async` is the field `async_`)."""
+    return str(f.metadata.get("key", f.name))
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,7 @@ import numpy as np
 import paddle
 
 from flashcp.config.schema import TrainConfig
+from flashcp.device import host_array
 from flashcp.optim.grads import numel
 
 MOMENTS = {"moment1": "moment1_0", "moment2": "moment2_0"}
@@ -102,7 +103,7 @@ def adamw_state(
         for kind in ACCUMULATORS:
             value = state.get(accumulator_name(tensor.name, kind))
             if value is not None:
-                arrays[kind] = value.numpy()
+                arrays[kind] = host_array(value)
         out.append(StatePiece(name, start, numel(tensor), arrays))
     return out
 

@@ -77,6 +77,7 @@ import paddle
 from paddle.base.framework import EagerParamBase
 
 from flashcp.config.schema import TrainConfig
+from flashcp.device import host_array
 from flashcp.distributed import (
     ParallelGroups,
     all_gather_object,
@@ -461,7 +462,7 @@ class MasterShard:
         """Every segment's master weights and AdamW state."""
         pieces = adamw_state(self.inner, self._entries())
         return [
-            StatePiece(p.name, p.start, p.length, {"master": m.numpy(), **p.arrays})
+            StatePiece(p.name, p.start, p.length, {"master": host_array(m), **p.arrays})
             for p, m in zip(pieces, self.masters, strict=True)
         ]
 

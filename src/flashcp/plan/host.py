@@ -11,8 +11,11 @@ one of two moments:
   yet. On a GPU each copy is its own pinned buffer (`Tensor.pin_memory`), freed when it is
   back on the device: the offloaded bytes are the pinned bytes, no staging besides;
 * ``checkpoint save`` (when `checkpoint.every` > 0): the numpy copies a checkpoint is written
-  from (`flashcp.checkpoint.checkpointer`: one part at a time, the stage's model part by its
+  from (`flashcp.checkpoint.saving`: one file at a time, the stage's model part by its
   writer, then this rank's optimizer part; safetensors writes from them without another copy).
+  With `checkpoint.async` the copies of every file are taken at once and held while training
+  goes on (pinned on a GPU), so they are counted in the ``training step`` moment instead:
+  model part plus optimizer part.
 
 Both moments add the rank's own process memory (`HOST_PROCESS_BYTES` on a GPU node: Python,
 Paddle's and CUDA's libraries and host-side state, the data pipeline). On CPU the device plan is
@@ -43,7 +46,8 @@ HOST_ITEM_DOCS: dict[str, str] = {
     "attention outputs and LSEs) of the in-flight micro-batches, in the residual dtype (on GPU "
     "pinned memory)",
     "checkpoint_arrays": "numpy copies of this rank's model part or optimizer shard while a "
-    "checkpoint is written (checkpoint.every > 0)",
+    "checkpoint is written (checkpoint.every > 0); with checkpoint.async both, held while "
+    "training goes on (on GPU pinned memory)",
     "host_process": "the rank's process besides those: Python, Paddle's and CUDA's libraries "
     "and host-side state, the data pipeline (GPU estimate; 0 on CPU)",
 }
@@ -168,9 +172,11 @@ def rank_moments(
     writer: bool,
     gpu: bool,
     checkpoints: bool,
+    async_checkpoints: bool = False,
 ) -> dict[str, dict[str, int]]:
     """One rank's host moments (see the module docstring). `writer`: the rank writes its
-    stage's model part; `checkpoints`: the run saves checkpoints."""
+    stage's model part; `checkpoints`: the run saves checkpoints; `async_checkpoints`: in the
+    background, from copies held during the training step (`checkpoint.async`)."""
     process = HOST_PROCESS_BYTES if gpu else 0
 
     def items(**values: float) -> dict[str, int]:
@@ -178,15 +184,17 @@ def rank_moments(
         out.update({k: int(v) for k, v in values.items()})
         return out
 
+    optimizer = stage.writer_optimizer_part if writer else stage.optimizer_part
+    model = stage.model_part if writer else 0
+    held = model + optimizer if checkpoints and async_checkpoints else 0
     moments = {
         "training step": items(
             offloaded_activations=stage.flight * stage.offloaded,
+            checkpoint_arrays=held,
             host_process=process,
         )
     }
-    if checkpoints:
-        optimizer = stage.writer_optimizer_part if writer else stage.optimizer_part
-        model = stage.model_part if writer else 0
+    if checkpoints and not async_checkpoints:
         moments["checkpoint save"] = items(
             checkpoint_arrays=max(model, optimizer), host_process=process
         )

@@ -970,6 +970,7 @@ def plan(
         writer = rank == stage * s.cp  # dp 0, cp 0 of the stage
         host_ranks.append(HostRank(rank, stage, rank_moments(
             host, writer=writer, gpu=s.device == "gpu", checkpoints=checkpoints,
+            async_checkpoints=cfg.checkpoint.async_,
         )))  # fmt: skip
     notes = []
     if s.device == "gpu" and s.compute == "bfloat16":

@@ -13,6 +13,7 @@ import pytest
 
 from bench import (
     balance,
+    checkpoint_stall,
     cp_pages,
     dpo,
     kernel,
@@ -78,6 +79,15 @@ def test_tiling_memory_page_matches_its_json() -> None:
     changed = copy.deepcopy(rec)
     changed["cases"][0]["peak_slope"] *= 2
     assert tiling_memory.PAGE.render(changed) != tiling_memory.PAGE.render(rec)
+
+
+def test_checkpoint_stall_page_matches_its_json() -> None:
+    rec = _json("checkpoint_stall.json")
+    assert (DOCS / "checkpoint_stall.md").read_text() == checkpoint_stall.PAGE.render(rec)
+    changed = copy.deepcopy(rec)
+    changed["ratio"]["median"] = 0.5
+    page = checkpoint_stall.PAGE.render(changed)
+    assert page != checkpoint_stall.PAGE.render(rec) and "target ≤ 0.2: NOT met" in page
 
 
 def test_readme_table_matches_the_json(tmp_path: Path) -> None:

@@ -19,12 +19,19 @@ from pathlib import Path
 
 import numpy as np
 import paddle
+import pytest
 
+from flashcp import faults
+from flashcp.checkpoint import format as ck
 from flashcp.checkpoint.checkpointer import Checkpointer, Resumed
+from flashcp.checkpoint.saving import SaveError
 from flashcp.checkpoint.state import rng_state
 from flashcp.config import load_config
+from flashcp.metrics.writer import read_metrics
 from flashcp.trainer import Trainer
+from helpers.configs import TinyCfg
 from helpers.paths import FIXTURES, ROOT
+from helpers.trainruns import Fit, losses
 
 SRC = ROOT / "src" / "flashcp"
 FIXTURE = FIXTURES / "checkpoints" / "plain" / "run"
@@ -138,3 +145,87 @@ def test_only_the_checkpoint_package_opens_checkpoint_files() -> None:
         if re.search(r"^\s*(from|import) flashcp\.checkpoint", path.read_text(), re.M)
     ]
     assert imports == [], f"these modules import flashcp.checkpoint (a layer above): {imports}"
+
+
+# -- saving through the trainer: async checkpoints and failed saves ------------------------------
+
+
+def _tensors(step_dir: Path) -> dict[str, dict[str, np.ndarray]]:
+    loaded = ck.load_checkpoint(step_dir)
+    return {"model": loaded.model, "optimizer": loaded.optimizer}
+
+
+def _assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Bitwise the same tensors and trainer state (data position, RNG, schedule)."""
+    ta, tb = _tensors(a), _tensors(b)
+    for part in ("model", "optimizer"):
+        assert set(ta[part]) == set(tb[part]) and ta[part]
+        for name, value in ta[part].items():
+            np.testing.assert_array_equal(value, tb[part][name], err_msg=f"{a.name} {name}")
+    sa, sb = (ck.load_checkpoint(p).state for p in (a, b))
+    assert sa == sb
+
+
+def test_async_checkpoints_equal_sync_ones_and_resume_bitwise(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    sync = tiny_cfg(tmp_path / "sync", checkpoint={"every": 2, "keep_last": 3})
+    fit(sync)
+    every = {"every": 2, "keep_last": 3, "async": True}
+    cfg = tiny_cfg(tmp_path / "async", checkpoint=every)
+    _, result, out = fit(cfg)
+    root, want = Path(cfg.run.output_dir) / "checkpoints", Path(sync.run.output_dir) / "checkpoints"
+    assert [s for s, _ in ck.list_checkpoints(root)] == [2, 4, 6]
+    for step in (2, 4, 6):
+        _assert_same_checkpoint(root / f"step_{step}", want / f"step_{step}")
+        assert f"saved checkpoint {root / f'step_{step}'}" in out
+    records = read_metrics(cfg.run.output_dir)
+    stalls = {r["step"]: r.get("checkpoint/stall_s") for r in records}
+    assert all(stalls[s] is not None and stalls[s] >= 0 for s in (2, 4, 6)), stalls
+    assert records[-1]["checkpoint/saved_step"] == 6  # the last save settles before the end
+    committed = [r["checkpoint/saved_step"] for r in records if "checkpoint/saved_step" in r]
+    assert committed == [2, 4, 6]
+    assert all("checkpoint/stall_s" in r for r in read_metrics(sync.run.output_dir)
+               if r["step"] % 2 == 0)  # fmt: skip
+    # a crash after step 5 lost step 6: the run resumes from step 4 and ends bitwise equal
+    shutil.rmtree(root / "step_6")
+    _, again, out = fit(cfg)
+    assert again.start_step == 4 and f"resumed from {root / 'step_4'} at step 4" in out
+    _assert_same_checkpoint(root / "step_6", want / "step_6")
+    assert losses(cfg) == losses(sync)
+    assert result.final_step == again.final_step == 6
+
+
+def test_a_failed_save_is_survived_and_the_next_one_retries(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(faults.ENV_FAULT, "save_eio@step2,save_enospc@step6")
+    cfg = tiny_cfg(tmp_path, checkpoint={"every": 2, "async": True})
+    _, result, out = fit(cfg)
+    assert result.final_step == 6  # training went on past both failures
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_4"]  # no .tmp, nothing pruned
+    assert "warning: checkpoint step 2 was not saved: rank 0: EIO (Input/output error)" in out
+    assert "checkpoint step 6 was not saved: rank 0: ENOSPC" in out
+    assert "The newest checkpoint is still step_4 (nothing pruned)" in out
+    failed = [r["checkpoint/failed_step"] for r in read_metrics(cfg.run.output_dir)
+              if "checkpoint/failed_step" in r]  # fmt: skip
+    assert failed == [2, 6]
+    # a failed save costs nothing: the run's losses are those of a run without faults
+    monkeypatch.delenv(faults.ENV_FAULT)
+    clean = tiny_cfg(tmp_path / "clean", checkpoint={"every": 2})
+    fit(clean)
+    assert losses(cfg) == losses(clean)
+    _assert_same_checkpoint(root / "step_4", Path(clean.run.output_dir) / "checkpoints/step_4")
+
+
+def test_fail_on_error_stops_the_run(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(faults.ENV_FAULT, "save_eacces@step4")
+    cfg = tiny_cfg(tmp_path, checkpoint={"every": 2, "fail_on_error": True})
+    with pytest.raises(SaveError, match=r"checkpoint step 4 was not saved: rank 0: EACCES"):
+        fit(cfg)
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2"]
+    assert len(read_metrics(cfg.run.output_dir)) == 3  # the failing step's record is not written

@@ -403,6 +403,25 @@ def test_to_yaml_round_trip_and_hash() -> None:
     assert config_hash(other) != config_hash(cfg)
 
 
+def test_a_key_that_is_a_python_keyword() -> None:
+    """`checkpoint.async` is the field `async_`: read, written back and suggested as `async`
+    (file, override, config.yaml), never as the field's own name."""
+    cfg = build_config(_raw(checkpoint={"async": True}))
+    assert cfg.checkpoint.async_ is True and to_dict(cfg)["checkpoint"]["async"] is True
+    assert "async_" not in to_dict(cfg)["checkpoint"]
+    assert build_config(yaml.safe_load(to_yaml(cfg))).checkpoint.async_ is True
+    assert build_config(_raw(), overrides=["checkpoint.async=true"]).checkpoint.async_ is True
+    assert build_config(_raw()).checkpoint.async_ is False
+    errors = _by_key(_errors(_raw(checkpoint={"async_": True, "fail_on_error": 1})))
+    assert errors["checkpoint.async_"] == "unknown key (did you mean async?)"
+    assert "expected true or false" in errors["checkpoint.fail_on_error"]
+    bad = _by_key(_errors(_raw(), ("checkpoint.async=3",)))
+    assert bad["checkpoint.async"].startswith("expected true or false, got 3")
+    # async and fail_on_error do not change what a step computes: a checkpoint binds neither
+    assert config_hash(build_config(_raw(checkpoint={"async": True, "fail_on_error": True}))) \
+        == config_hash(build_config(_raw()))
+
+
 def test_config_changes_since_a_checkpoint_ignore_new_keys_at_their_default() -> None:
     """A checkpoint saved before a key existed lacks it: at its default (today's behaviour)
     the key is no change; set to anything else it is one, as is any changed value."""
