@@ -204,6 +204,15 @@ def _check_mask(cfg: Config, c: _Checks) -> None:
             "prefix model with pretrain or sft)",
             "run.recipe",
         )
+    if mask == "prefix_lm" and getattr(cfg.model, "mtp_trained", False):
+        c.add(
+            "attention.mask",
+            "prefix_lm with trained multi-token prediction (model.mtp_loss_weight > 0) would "
+            "train on seen targets: an MTP row holds the embedding of a later token, and "
+            "under prefix_lm an earlier prefix row sees it. Set model.mtp_loss_weight: 0 "
+            "(the MTP layers carried frozen) or use a causal mask",
+            "model.mtp_loss_weight",
+        )
     window = a.sliding_window
     if mask in _WINDOWED and window is None:
         c.add(

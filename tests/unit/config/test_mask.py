@@ -25,7 +25,14 @@ TINY = {
 
 
 def _raw(attention: dict[str, Any], recipe: str = "pretrain") -> dict[str, Any]:
-    return {**TINY, "attention": attention, "run": {**TINY["run"], "recipe": recipe}}
+    """The tiny config with `attention` (`"mtp": True`: on the tiny GLM with one trained MTP
+    layer) under `recipe`."""
+    attention = dict(attention)
+    model = TINY["model"]
+    if attention.pop("mtp", False):
+        model = {"preset": "tiny_glm", "mtp_layers": 1, "mtp_loss_weight": 0.3}
+    return {**TINY, "model": model, "attention": attention,
+            "run": {**TINY["run"], "recipe": recipe}}  # fmt: skip
 
 
 def test_the_config_offers_every_document_mask() -> None:
@@ -44,6 +51,7 @@ GOOD = [
     ({"mask": "prefix_lm", "prefix_len": 16}, "pretrain"),
     ({"mask": "prefix_lm"}, "sft"),
     ({"mask": "causal"}, "dpo"),
+    ({"mask": "sliding_window", "sliding_window": 8, "mtp": True}, "sft"),  # causal: no leak
 ]
 
 
@@ -74,6 +82,8 @@ BAD = [
     ({"prefix_len": 8}, "pretrain", "attention.prefix_len", r"read only with attention\.mask"),
     ({"mask": "sliding_window", "sliding_window": 8}, "dpo", "attention.mask",
      r"cannot be used with the dpo recipe.*share-question"),
+    ({"mask": "prefix_lm", "mtp": True}, "sft", "attention.mask",
+     r"trained multi-token prediction .* model\.mtp_loss_weight: 0"),
 ]
 
 
