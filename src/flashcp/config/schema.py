@@ -138,7 +138,8 @@ class AttentionConfig:
     counted inside its own document."""
     global_tokens: int = 0
     """attention.mask global_window: the first tokens of each document that every later token
-    of it sees, outside its window too."""
+    of it sees, outside its window too (of a document continued from the previous row: the
+    first tokens of its piece in this row)."""
     prefix_len: int | None = None
     """attention.mask prefix_lm with the pretrain recipe: the first prefix_len tokens of each
     document (its BOS included; at most all but its last token) form its bidirectional prefix
