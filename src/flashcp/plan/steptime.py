@@ -79,6 +79,8 @@ class StepTime:
     stages: int = 1
     """Pipeline stages: a step also waits for the pipeline to fill and drain."""
     """The most loaded stage's layers (stage 0's under an even split)."""
+    mask: str = "causal"
+    """The attention mask whose work is counted (`attention.mask`, `DocumentMasking.describe`)."""
 
     @property
     def flops_per_device(self) -> float:
@@ -207,6 +209,8 @@ def estimate(
             copy_s=copy / (link * 1e9) if link and copy else None,
         ))  # fmt: skip
     micro = t.grad_accum
-    return StepTime(per_token * tokens, p.world_size, peak, mfu, link, micro, layers, p.pp)
+    masking = document_masking(cfg).describe()
+    return StepTime(per_token * tokens, p.world_size, peak, mfu, link, micro, layers, p.pp,
+                    mask=masking)  # fmt: skip
 
 
