@@ -24,8 +24,9 @@ fewer query rows than keys (a CP rank's local rows, Sq != Sk) with
 `paddle.full([b, 1, Sk, 1], fill_value=Sk)`.
 
 Also here: `to_noncausal` (move causality into the indices, as CP needs), `validate`, one
-builder per mask family of the FlashMask docs (each returns a `Mask`), and `FAMILIES`, one
-seeded generator per family for parametrized kernel, CP and benchmark runs.
+builder per mask family of the FlashMask docs (each returns a `Mask`), `DocumentMasking` (the
+mask a run's config gives each packed document: `attention.mask`), and `FAMILIES`, one seeded
+generator per family for parametrized kernel, CP and benchmark runs.
 """
 
 from __future__ import annotations
@@ -378,6 +379,34 @@ def causal_document_mask(
     return _mask(rows, heads, causal=True)
 
 
+def sliding_window_document_mask(
+    doc_lens: Sequence[int] | Sequence[Sequence[int]],
+    window: int,
+    *,
+    global_tokens: int = 0,
+    batch: int | None = None,
+    heads: int = 1,
+) -> Mask:
+    """Packed documents, each causal within a sliding window: a token sees the last `window`
+    tokens of its own document (itself included, as `sliding_window_mask`), and with
+    `global_tokens` g also the document's first g tokens (global tokens, attention sinks).
+
+    LTS[j] = min(j + window, doc end), or doc end for a global column (1 column, causal).
+    """
+    if int(window) < 1 or int(global_tokens) < 0:
+        raise ValueError(
+            f"window must be >= 1 (a query sees itself) and global_tokens >= 0, got "
+            f"{window}, {global_tokens}"
+        )
+    rows = []
+    for lens in _doc_rows(doc_lens, batch):
+        end = np.repeat(np.cumsum(lens), lens)
+        offset = np.arange(len(end)) - (end - np.repeat(lens, lens))  # position in its doc
+        lts = np.minimum(np.arange(len(end)) + int(window), end)
+        rows.append(np.where(offset < int(global_tokens), end, lts)[:, None])
+    return _mask(rows, heads, causal=True)
+
+
 def document_mask(
     doc_lens: Sequence[int] | Sequence[Sequence[int]], batch: int | None = None, heads: int = 1
 ) -> Mask:
@@ -541,6 +570,78 @@ def qk_sparse_mask(
         lts[start:pos] = np.arange(start, pos)
         lte[start:pos] = pos
     return _mask([np.stack([lts, lte], axis=-1)] * batch, heads, causal=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The mask a run gives each packed document (`attention.mask` and its parameters).
+# --------------------------------------------------------------------------------------------
+
+DOCUMENT_MASKS: tuple[str, ...] = ("causal", "sliding_window", "global_window", "prefix_lm")
+"""What a language-model run can give each packed document (`DocumentMasking.kind`)."""
+
+
+@dataclass(frozen=True)
+class DocumentMasking:
+    """The mask of every packed document of a sequence (none sees another document):
+
+    * `causal`: the earlier tokens of its document (`causal_document_mask`);
+    * `sliding_window`: the last `window` of them, itself included
+      (`sliding_window_document_mask`);
+    * `global_window`: those and the document's first `global_tokens` tokens (the same);
+    * `prefix_lm`: the whole prefix (bidirectional), then causal (`prefix_lm_document_mask`;
+      each segment's prefix length given to `build`).
+    """
+
+    kind: str = "causal"
+    window: int | None = None
+    global_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in DOCUMENT_MASKS:
+            raise ValueError(f"document mask {self.kind!r}: expected one of {DOCUMENT_MASKS}")
+        if self.windowed and (self.window is None or self.window < 1):
+            raise ValueError(f"a {self.kind} mask needs a window >= 1, got {self.window}")
+        if self.kind == "global_window" and self.global_tokens < 1:
+            raise ValueError(f"a global_window mask needs global_tokens >= 1, got "
+                             f"{self.global_tokens}")  # fmt: skip
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a token sees only a window of its document."""
+        return self.kind in ("sliding_window", "global_window")
+
+    def describe(self) -> str:
+        """`sliding_window 4096` / `global_window 4 + 4096` / `prefix_lm` / `causal`."""
+        if self.kind == "sliding_window":
+            return f"sliding_window {self.window}"
+        if self.kind == "global_window":
+            return f"global_window {self.global_tokens} + {self.window}"
+        return self.kind
+
+    @property
+    def uses_prefixes(self) -> bool:
+        """Whether `build` reads each segment's prefix length."""
+        return self.kind == "prefix_lm"
+
+    def build(
+        self,
+        doc_lens: Sequence[Sequence[int]],
+        prefix_lens: Sequence[Sequence[int]] | None = None,
+        heads: int = 1,
+    ) -> Mask:
+        """The `[B, heads, S, C]` mask of B rows of segments `doc_lens[b]` (prefix_lm: with
+        their prefix lengths `prefix_lens[b]`, 0 for none)."""
+        batch = len(doc_lens)
+        if self.kind == "causal":
+            return causal_document_mask(doc_lens, batch=batch, heads=heads)
+        if self.windowed:
+            extra = self.global_tokens if self.kind == "global_window" else 0
+            return sliding_window_document_mask(
+                doc_lens, int(self.window or 0), global_tokens=extra, batch=batch, heads=heads
+            )
+        if prefix_lens is None:
+            raise ValueError("a prefix_lm mask needs each segment's prefix length")
+        return prefix_lm_document_mask(doc_lens, prefix_lens, batch=batch, heads=heads)
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import numpy as np
 import paddle
 
 from flashcp.config import Config
+from flashcp.data.packing import document_masking
 from flashcp.distributed import ParallelGroups, all_gather_object
 from flashcp.metrics import flops, memory, tracking
 from flashcp.optim.zero import MasterOptimizer
@@ -127,12 +128,17 @@ def banner(trainer: Any) -> str:
             f"eval {c.eval.path}: {trainer.evaluator.rows} rows in {trainer.evaluator.batches} "
             f"batches {when}after step {c.train.steps}"
         )
+    mask = ""
+    if c.attention.mask != "causal":
+        mask = f" | attention mask {document_masking(c).describe()} per document"
+        if c.attention.prefix_len:
+            mask += f" (prefix {c.attention.prefix_len} tokens)"
     return (
         f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
         f"dp={int(g.dp.nranks)} pp={pp} cp={int(g.cp.nranks)}"
         + (f" ep={ep}" if ep > 1 else "")
         + f" ({c.parallel.cp_mode}"
-        f"{stage}) | global batch {b['sequences']} seq × {b['seq_len']} = "
+        f"{stage}){mask} | global batch {b['sequences']} seq × {b['seq_len']} = "
         f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
         f"{b['grad_accum']} × dp {b['dp']}) | {f.device} {f.dtype} | "
         f"{trainer.data.describe()}"

@@ -76,6 +76,14 @@ def see_docs(lens: list[int]) -> np.ndarray:
     return doc[:, None] == doc[None, :]
 
 
+def see_windowed_docs(lens: list[int], window: int, g: int = 0) -> np.ndarray:
+    """Same document, causal, and the key among the query's last `window` tokens or among the
+    document's first `g`."""
+    start = np.repeat(np.cumsum(lens) - lens, lens)
+    i, j = _grid(sum(lens))
+    return see_causal_docs(lens) & ((j > i - window) | (j < start[None, :] + g))
+
+
 def see_share_question(examples: list[tuple[int, ...]], s: int) -> np.ndarray:
     """Same example, causal, and the key is in the prompt or in the query's own answer."""
     example = np.full(s, -1)  # padding: one group whose tokens all count as "prompt"
@@ -231,6 +239,65 @@ def test_prefix_lm_document(lens: list[int], prefixes: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
+    ("lens", "window", "g"),
+    [([3, 2, 5], 2, 0), ([9, 7], 3, 2), ([4], 1, 0), ([6, 1, 5], 9, 1), ([12], 4, 12)],
+)
+def test_sliding_window_document(lens: list[int], window: int, g: int) -> None:
+    m = masks.sliding_window_document_mask(lens, window, global_tokens=g, batch=2)
+    assert m.causal and m.indices.shape[-1] == 1
+    assert_mask(m, see_windowed_docs(lens, window, g), batch=2)
+
+
+@FAST
+@given(st.data())
+def test_document_masking_builds_each_kind(data: st.DataObject) -> None:
+    """`DocumentMasking.build`, the mask `attention.mask` gives each packed document, is the
+    definition of its kind on every row (own lengths, prefixes, window, global tokens)."""
+    kind = data.draw(st.sampled_from(masks.DOCUMENT_MASKS))
+    rows = data.draw(st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=4), min_size=1,
+                              max_size=3))  # fmt: skip
+    s = max(sum(r) for r in rows)
+    rows = [[*r, s - sum(r)] if sum(r) < s else r for r in rows]  # pad every row to s
+    prefixes = [[data.draw(st.integers(0, n)) for n in r] for r in rows]
+    window, g = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 5))
+    spec = masks.DocumentMasking(
+        kind, window if "window" in kind else None, g if kind == "global_window" else 0
+    )
+    m = spec.build(rows, prefixes)
+    for b, (lens, pre) in enumerate(zip(rows, prefixes, strict=True)):
+        if kind == "causal":
+            want = see_causal_docs(lens)
+        elif kind == "prefix_lm":
+            want = see_prefix_lm_docs(lens, pre)
+        else:
+            want = see_windowed_docs(lens, window, g if kind == "global_window" else 0)
+        np.testing.assert_array_equal(m.dense()[b, 0], ~want)
+    validate(m.indices, causal=m.causal)
+
+
+def test_document_masking_causal_is_the_causal_document_mask() -> None:
+    """The default keeps the exact mask (bytes, causal flag) runs trained on before it."""
+    rows = [[3, 5, 2], [10]]
+    got, want = masks.DocumentMasking().build(rows), causal_document_mask(rows, batch=2)
+    assert got.causal == want.causal and got.indices.tobytes() == want.indices.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kind": "banana"}, "expected one of"),
+        ({"kind": "sliding_window"}, "needs a window >= 1"),
+        ({"kind": "global_window", "window": 4}, "needs global_tokens >= 1"),
+    ],
+)
+def test_document_masking_refuses_incomplete_specs(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        masks.DocumentMasking(**kwargs)
+    with pytest.raises(ValueError, match="prefix length"):
+        masks.DocumentMasking("prefix_lm").build([[4]])
+
+
+@pytest.mark.parametrize(
     ("s", "g", "window"), [(10, 2, 1), (16, 3, (2, 4)), (9, 0, (0, 0)), (8, 8, 2), (13, 1, 20)]
 )
 def test_global_sliding_window(s: int, g: int, window: int | tuple[int, int]) -> None:
@@ -278,6 +345,7 @@ def test_random_eviction() -> None:
         (lambda: causal_document_mask([[4, 6]], batch=2), "1 batch rows but batch=2"),
         (lambda: sliding_window_mask(1, 8, 0), "windows must be >= 1"),
         (lambda: sliding_window_mask(1, 8, [1, 2], heads=3), "2 per-head windows"),
+        (lambda: masks.sliding_window_document_mask([4], 0), "window must be >= 1"),
         (lambda: share_question_mask([(4, 3, 3)], seq_len=9), "need 10 tokens"),
         (lambda: share_question_mask([(4,)]), "at least one answer"),
         (lambda: prefix_lm_causal_mask(1, 8, 9), r"in \[0, 8\]"),

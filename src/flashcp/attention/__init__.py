@@ -11,6 +11,36 @@
 * `flashcp.attention.allgather_kv`: all-gather-KV context parallelism (Llama 3 / PaddleFleet
   style) over a CP group; its public function is `flashmask_attention_cp`.
 
-This package module imports nothing: the config layer reads `flashcp.attention.registry`
-without paddle. Import what you use from its module.
+This package module imports nothing when imported: the config layer reads
+`flashcp.attention.registry` without paddle. Its public names — `flashmask_attention`,
+`flashmask_attention_with_version`, `flashmask_attention_cp`, `AttentionContext` — load from
+their modules on first use (PEP 562; `docs/api.md`).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+PUBLIC: dict[str, str] = {
+    "flashmask_attention": "flashcp.attention.flashmask",
+    "flashmask_attention_with_version": "flashcp.attention.flashmask",
+    "flashmask_attention_cp": "flashcp.attention.allgather_kv",
+    "AttentionContext": "flashcp.attention.context",
+}
+"""Public name → its defining module."""
+
+__all__ = list(PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashcp.attention' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *PUBLIC})

@@ -47,8 +47,8 @@ from flashcp.checkpoint.adapters import (
     write_adapter_meta,
 )
 from flashcp.checkpoint.experts import ExpertArrays
-from flashcp.checkpoint.export import run_token_ids
-from flashcp.checkpoint.merge_export import MERGED_DIR, write_merged_index, write_merged_stage
+from flashcp.checkpoint.export import finish_hf_directory
+from flashcp.checkpoint.merge_export import MERGED_DIR, write_merged_stage
 from flashcp.checkpoint.saving import (
     CLASSIC_FILES,
     Commit,
@@ -362,10 +362,11 @@ class Checkpointer:
         return out
 
     def export_merged(self) -> Path:
-        """Write base + adapters as an HF safetensors checkpoint in `<output_dir>/merged`,
+        """Write base + adapters as a Hugging Face model directory in `<output_dir>/merged`,
         streamed stage by stage (collective: each stage's writer merges and writes its own
-        shard — under ep each ep rank's writer its experts' — rank 0 the index; no rank holds
-        more than its stage)."""
+        shard — under ep each ep rank's writer its experts' — no rank holding more than its
+        stage), then rank 0 completes it as `flashcp export --merge-lora` does
+        (`finish_hf_directory`: index, config.json, tokenizer, generation config)."""
         g = self.groups
         ep_rank, ep = int(g.ep.rank), int(g.ep.nranks)
         out = self.output_dir / MERGED_DIR
@@ -376,8 +377,7 @@ class Checkpointer:
         barrier(g.world, timeout=SAVE_BARRIER_TIMEOUT)
         if self.is_main:
             shards = self._stage[1] * ep
-            write_merged_index(out, self.cfg.model, shards, self.cfg.train.param_dtype,
-                               token_ids=run_token_ids(self.cfg))  # fmt: skip
+            finish_hf_directory(out, self.cfg, shards, self.cfg.train.param_dtype)
         barrier(g.world, timeout=SAVE_BARRIER_TIMEOUT)
         return out
 

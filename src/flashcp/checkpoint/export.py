@@ -289,6 +289,24 @@ def write_generation_config(start: Path | None, token_ids: dict[str, Any], out: 
     return True
 
 
+def finish_hf_directory(
+    out: Path, cfg: Config, num_shards: int, dtype: str, notes: list[str] | None = None
+) -> tuple[list[str], list[str], bool]:
+    """Make a directory of merged weight shards a complete Hugging Face model directory: the
+    index and ``config.json`` (the run's token ids), the run's tokenizer (its chat template
+    with it) and ``generation_config.json``. The one finish of `export_run` (``flashcp export``)
+    and of a run's ``lora.merge_at_end`` (`flashcp.checkpoint.checkpointer`), so both
+    directories hold the same files. Returns (shard names, tokenizer files, whether a
+    generation config was written); problems worth saying go to `notes`."""
+    token_ids = run_token_ids(cfg, notes)
+    shards = write_merged_index(out, cfg.model, num_shards, dtype, token_ids=token_ids)
+    tokenizer_files = copy_tokenizer(cfg.data.tokenizer, out)
+    if not tokenizer_files and notes is not None:
+        notes.append(f"no tokenizer files: data.tokenizer is {cfg.data.tokenizer!r}")
+    generation = write_generation_config(_started_from(cfg), token_ids, out)
+    return shards, tokenizer_files, generation
+
+
 # ---------------------------------------------------------------------------------- export
 
 
@@ -384,9 +402,7 @@ def export_run(
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     source, files = find_source(run, cfg, checkpoint)
-    start = _started_from(cfg)
     report = ExportReport(out=target, source=source, dtype=dtype)
-    token_ids = run_token_ids(cfg, report.notes)
     groups = plan_shards(cfg.model, _ITEM_BYTES[dtype], max_shard_bytes)
     with _staging(target) as tmp, contextlib.ExitStack() as stack:
         reader = ckpt.TensorReader(files, stack)
@@ -402,12 +418,10 @@ def export_run(
                 metadata={"format": "pt"},
             )
             del model
-        report.shards = write_merged_index(tmp, cfg.model, len(groups), dtype, token_ids=token_ids)
+        report.shards, report.tokenizer_files, report.generation_config = finish_hf_directory(
+            tmp, cfg, len(groups), dtype, report.notes
+        )
         report.shard_layers = groups
-        report.tokenizer_files = copy_tokenizer(cfg.data.tokenizer, tmp)
-        if not report.tokenizer_files:
-            report.notes.append(f"no tokenizer files: data.tokenizer is {cfg.data.tokenizer!r}")
-        report.generation_config = write_generation_config(start, token_ids, tmp)
     if cfg.model.arch == "gpt":
         report.notes.append(
             "arch gpt is flashcp's own model: model.from_pretrained loads this export, "

@@ -116,12 +116,35 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class AttentionConfig:
-    """Attention kernel policy."""
+    """The attention mask of each document, and the kernel policy."""
 
     fa4_unavailable: Literal["error", "fallback"] = "error"
     """When FLAGS_flash_attn_version asks for a version this card (or call) cannot run - FA4
     without SM100 + CuTe kernels or beyond their mask limits, FA3 off SM90: fail (error), or fall
     back FA4 → FA3 → FA2 with one warning (fallback)."""
+    mask: Literal["causal", "sliding_window", "global_window", "prefix_lm"] = "causal"
+    """The mask inside each packed document (every document of a sequence gets its own and sees
+    no other; `flashcp.masks.DocumentMasking`): causal (each token sees the earlier tokens of
+    its document), sliding_window (only the last attention.sliding_window of them, itself
+    included), global_window (those, and the document's first attention.global_tokens tokens:
+    global tokens / attention sinks, still causal) or prefix_lm (bidirectional over the
+    document's prefix, causal after it; sft: the prefix is the prompt, every token before the
+    first trained one; pretrain: the first attention.prefix_len tokens, which are then not
+    trained on). Built on the whole sequence, so any parallel.cp gives the CP = 1 result. The
+    dpo recipe keeps its share-question mask (causal only)."""
+    sliding_window: int | None = None
+    """Keys a token sees under attention.mask sliding_window / global_window, itself included
+    (Hugging Face's and PaddleFormers' `sliding_window`; flash-attn's window_size w is w + 1),
+    counted inside its own document."""
+    global_tokens: int = 0
+    """attention.mask global_window: the first tokens of each document that every later token
+    of it sees, outside its window too (of a document continued from the previous row: the
+    first tokens of its piece in this row)."""
+    prefix_len: int | None = None
+    """attention.mask prefix_lm with the pretrain recipe: the first prefix_len tokens of each
+    document (its BOS included; at most all but its last token) form its bidirectional prefix
+    and get no loss, since a token that sees the next one cannot be trained to predict it.
+    null with sft (the prefix is each example's prompt)."""
     query_chunk: int = 0
     """Local query rows per attention kernel call (0 = all local rows in one call). > 0 (or
     attention.kv_chunk > 0) runs the CP mode's chunked attention

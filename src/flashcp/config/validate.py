@@ -185,6 +185,111 @@ def _check_attention(cfg: Config, c: _Checks) -> None:
         )
 
 
+_WINDOWED = ("sliding_window", "global_window")
+
+
+def _check_mask(cfg: Config, c: _Checks) -> None:
+    """`attention.mask` and its parameters: each parameter set exactly for the masks that read
+    it, in range, and a mask the recipe can train with."""
+    a, recipe = cfg.attention, cfg.run.recipe
+    mask = a.mask
+    if not c.ok("attention.mask"):
+        return
+    if recipe == "dpo" and mask != "causal":
+        c.add(
+            "attention.mask",
+            f"{mask} cannot be used with the dpo recipe: dpo packs preference pairs under its "
+            "share-question mask (each answer sees its prompt and itself), which has no "
+            "window or prefix form here; set attention.mask: causal (or train the windowed / "
+            "prefix model with pretrain or sft)",
+            "run.recipe",
+        )
+    if mask == "prefix_lm" and getattr(cfg.model, "mtp_trained", False):
+        c.add(
+            "attention.mask",
+            "prefix_lm with trained multi-token prediction (model.mtp_loss_weight > 0) would "
+            "train on seen targets: an MTP row holds the embedding of a later token, and "
+            "under prefix_lm an earlier prefix row sees it. Set model.mtp_loss_weight: 0 "
+            "(the MTP layers carried frozen) or use a causal mask",
+            "model.mtp_loss_weight",
+        )
+    window = a.sliding_window
+    if mask in _WINDOWED and window is None:
+        c.add(
+            "attention.sliding_window",
+            f"attention.mask {mask} needs attention.sliding_window: the keys each token sees, "
+            "itself included (e.g. 4096, a model's config.json sliding_window)",
+            "attention.mask",
+        )
+    elif mask in _WINDOWED and window is not None and window < 1:
+        c.add("attention.sliding_window", f"must be >= 1 (a token sees itself), got {window}")
+    elif mask not in _WINDOWED and window is not None:
+        c.add(
+            "attention.sliding_window",
+            f"is read only with attention.mask sliding_window or global_window, but "
+            f"attention.mask is {mask}: set attention.mask: sliding_window, or remove "
+            "attention.sliding_window",
+            "attention.mask",
+        )
+    g = a.global_tokens
+    if mask == "global_window" and g < 1:
+        c.add(
+            "attention.global_tokens",
+            f"attention.mask global_window needs attention.global_tokens >= 1 (the first "
+            f"tokens of each document every later token sees), got {g}; or use "
+            "attention.mask: sliding_window",
+            "attention.mask",
+        )
+    elif mask != "global_window" and g != 0:
+        c.add(
+            "attention.global_tokens",
+            f"is read only with attention.mask global_window, but attention.mask is {mask}: "
+            "set attention.mask: global_window (with attention.sliding_window), or remove "
+            "attention.global_tokens",
+            "attention.mask",
+        )
+    _check_prefix(cfg, c)
+
+
+def _check_prefix(cfg: Config, c: _Checks) -> None:
+    """`attention.prefix_len`: pretrain's prefix under prefix_lm; sft's prefix is the prompt."""
+    a, recipe = cfg.attention, cfg.run.recipe
+    n = a.prefix_len
+    if a.mask != "prefix_lm":
+        if n is not None:
+            c.add(
+                "attention.prefix_len",
+                f"is read only with attention.mask prefix_lm, but attention.mask is {a.mask}: "
+                "set attention.mask: prefix_lm, or remove attention.prefix_len",
+                "attention.mask",
+            )
+        return
+    if recipe == "sft" and n is not None:
+        c.add(
+            "attention.prefix_len",
+            f"{n}: with the sft recipe each example's prefix is its prompt (every token "
+            "before the first trained one); remove attention.prefix_len",
+            "run.recipe",
+        )
+    elif recipe == "pretrain" and n is None:
+        c.add(
+            "attention.prefix_len",
+            "attention.mask prefix_lm with the pretrain recipe needs attention.prefix_len: "
+            "the first tokens of each document that see each other both ways and get no "
+            f"loss (e.g. {max(1, cfg.data.seq_len // 4)})",
+            "attention.mask",
+        )
+    elif recipe == "pretrain" and n is not None and n < 1:
+        c.add("attention.prefix_len", f"must be >= 1 token, got {n}")
+    elif recipe == "pretrain" and n is not None and n >= cfg.data.seq_len:
+        c.add(
+            "attention.prefix_len",
+            f"{n} leaves no trained token in a {cfg.data.seq_len}-token sequence: set "
+            f"attention.prefix_len below data.seq_len (e.g. {max(1, cfg.data.seq_len // 4)})",
+            "data.seq_len",
+        )
+
+
 def _check_lengths(cfg: Config, c: _Checks) -> None:
     d, p, m = cfg.data, cfg.parallel, cfg.model
     if d.seq_len < 2:
@@ -547,6 +652,7 @@ def check_config(
     _check_parallel(cfg, c, world_size, nnodes)
     _check_cp_mode(cfg, c)
     _check_attention(cfg, c)
+    _check_mask(cfg, c)
     _check_lengths(cfg, c)
     _check_model(cfg, c)
     _check_train(cfg, c)

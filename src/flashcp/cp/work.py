@@ -14,9 +14,10 @@ the MFU figure (`flashcp.metrics.flops`) use:
   forward pass.
 
 `pairs` comes from the row's actual mask: `mask_pairs` counts them from any FlashMask in
-O(S), and `causal_pairs` / `share_question_pairs` give the same count from the segment lengths
-the data pipeline lays out (causal documents, DPO share-question examples), which is what the
-balancer needs before a row exists. Per token (`flops_per_token`), the MFU convention counts
+O(S), and `document_pairs` (causal, sliding-window, global + window and prefix-LM documents:
+the run's `attention.mask`) / `share_question_pairs` (DPO examples) give the same count from
+the segment lengths the data pipeline lays out, which is what the balancer needs before a row
+exists. Per token (`flops_per_token`), the MFU convention counts
 full attention instead (every token against all S keys), as PaLM does, and the planner's
 step-time estimate what a causal mask computes (`flashcp.metrics.flops`).
 The kernel computes whole 128 × 128 tiles, so a document much shorter than a tile costs it a
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.masks import as_numpy, to_noncausal
+from flashcp.masks import DocumentMasking, as_numpy, to_noncausal
 
 LINEAR_TRAIN = 6.0
 """Matmul FLOPs per weight and token of a trained step: forward 2, backward 4."""
@@ -109,6 +110,42 @@ def causal_pairs(length: Any) -> Any:
     """Visible pairs of causal documents of `length` tokens: n(n + 1) / 2 each (int64)."""
     n = np.asarray(length, dtype=np.int64)
     return n * (n + 1) // 2
+
+
+def _capped(n: Any, cap: Any) -> Any:
+    """Σ_{i<n} min(i + 1, cap): keys of n rows that each see at most `cap` (int64)."""
+    n, cap = np.asarray(n, dtype=np.int64), np.asarray(cap, dtype=np.int64)
+    m = np.minimum(n, cap)
+    return m * (m + 1) // 2 + (n - m) * cap
+
+
+def window_pairs(length: Any, window: Any, global_tokens: Any = 0) -> Any:
+    """Visible pairs of documents of `length` tokens under a causal sliding window of `window`
+    keys (`flashcp.masks.sliding_window_document_mask`): row i sees min(i + 1, window) keys,
+    and of the first `global_tokens` g those the window left behind, min(g, i - window + 1)
+    (int64)."""
+    n = np.asarray(length, dtype=np.int64)
+    behind = np.maximum(n - np.asarray(window, dtype=np.int64), 0)
+    return _capped(n, window) + _capped(behind, global_tokens)
+
+
+def prefix_pairs(length: Any, prefix: Any) -> Any:
+    """Visible pairs of prefix-LM documents of `length` tokens whose first `prefix` see each
+    other both ways (`flashcp.masks.prefix_lm_document_mask`): p² + the causal rest (int64)."""
+    n = np.asarray(length, dtype=np.int64)
+    p = np.minimum(np.asarray(prefix, dtype=np.int64), n)
+    return p * p + causal_pairs(n) - causal_pairs(p)
+
+
+def document_pairs(masking: DocumentMasking, length: Any, prefix: Any = 0) -> Any:
+    """Visible pairs of documents of `length` tokens under `masking` (the run's
+    `attention.mask`), prefix_lm with `prefix`-token prefixes (int64)."""
+    if masking.windowed:
+        extra = masking.global_tokens if masking.kind == "global_window" else 0
+        return window_pairs(length, int(masking.window or 0), extra)
+    if masking.uses_prefixes:
+        return prefix_pairs(length, prefix)
+    return causal_pairs(length)
 
 
 def share_question_pairs(prompt: Any, chosen: Any, rejected: Any) -> Any:

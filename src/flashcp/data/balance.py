@@ -93,12 +93,12 @@ def fill_rows(
     steps: int,
     rows_per_step: int,
     row_len: int,
-    cost_of: Callable[[int], int] | None = None,
+    cost_of: Callable[[Piece], int] | None = None,
 ) -> list[list[Piece]] | None:
     """The window's items in `steps × rows_per_step` rows of at most `row_len` tokens, step by
-    step (module docstring, step 2). `costs[i]` is item i's attention pairs; `cost_of(n)` those
-    of its first n tokens, for an item that may be cut (None: items are never cut, and the
-    result is None when one fits no row). Deterministic: ties go to the longer, then the
+    step (module docstring, step 2). `costs[i]` is item i's attention pairs; `cost_of(piece)`
+    those of a piece cut from an item, for items that may be cut (None: items are never cut,
+    and the result is None when one fits no row). Deterministic: ties go to the longer, then the
     earlier item and to the lower row; each row's pieces are in item order."""
     n_rows = steps * rows_per_step
     free = np.full(n_rows, row_len, dtype=np.int64)
@@ -133,9 +133,10 @@ def fill_rows(
                 if not take:
                     raise ValueError(f"the items hold more than {n_rows} rows of {row_len} tokens")
                 rest = Piece(piece.doc, piece.start + take, n - take)
-                heapq.heappush(heap, (-int(cost_of(rest.length)), -rest.length, order, rest))
+                heapq.heappush(heap, (-int(cost_of(rest)), -rest.length, order, rest))
                 order += 1
-                piece, n, neg_cost = Piece(piece.doc, piece.start, take), take, -int(cost_of(take))
+                piece, n = Piece(piece.doc, piece.start, take), take
+                neg_cost = -int(cost_of(piece))
         placed[r].append((seq, piece))
         free[r] -= n
         load[r] += -neg_cost
@@ -201,27 +202,45 @@ def epoch_window(
     return window
 
 
-def balance_window(steps: list[list[list[Piece]]], row_len: int) -> list[list[Piece]]:
+def causal_piece_pairs(piece: Piece) -> int:
+    """Visible pairs of a causal document piece (the default mask's)."""
+    return int(causal_pairs(piece.length))
+
+
+def balance_window(
+    steps: list[list[list[Piece]]],
+    row_len: int,
+    pairs: Callable[[Piece], int] = causal_piece_pairs,
+) -> list[list[Piece]]:
     """The rows of a window of first-fit LM `steps`, re-packed (module docstring), step by
-    step: the same tokens, each row exactly `row_len` long."""
+    step: the same tokens, each row exactly `row_len` long; `pairs(piece)` weighs a piece (its
+    visible attention pairs under the run's mask, `flashcp.data.loader.TrainData.piece_pairs`)."""
     items = window_items([row for step in steps for row in step], row_len)
-    costs = causal_pairs([p.length for p in items]).tolist()
-    cut = lambda m: int(causal_pairs(m))  # noqa: E731
+    costs = [pairs(p) for p in items]
     rows = len(steps[0])
     filled = fill_rows(items, costs, steps=len(steps), rows_per_step=rows, row_len=row_len,
-                       cost_of=cut)  # fmt: skip
+                       cost_of=pairs)  # fmt: skip
     assert filled is not None  # pieces may be cut, so they always fit
     return filled
 
 
 class BalancedPlan:
     """Steps of `rows_per_step` rows (lists of `Piece`s), window by window over the first-fit
-    `stream` (module docstring): `next_step()` hands out one step's rows."""
+    `stream` (module docstring): `next_step()` hands out one step's rows, weighed by `pairs`
+    (a piece's visible attention pairs; default: a causal document's)."""
 
-    def __init__(self, stream: PackedStream, rows_per_step: int, window: int) -> None:
+    def __init__(
+        self,
+        stream: PackedStream,
+        rows_per_step: int,
+        window: int,
+        *,
+        pairs: Callable[[Piece], int] = causal_piece_pairs,
+    ) -> None:
         if window < 1:
             raise ValueError(f"data.balance_window must be >= 1, got {window}")
         self.stream = stream
+        self.pairs = pairs
         self.rows_per_step = int(rows_per_step)
         self.window = int(window)
         self.start = stream.state_dict()
@@ -248,7 +267,7 @@ class BalancedPlan:
             steps=self.window,
             rows_per_step=self.rows_per_step,
         )
-        self._rows = balance_window(steps, self.stream.seq_len)
+        self._rows = balance_window(steps, self.stream.seq_len, self.pairs)
 
     def next_step(self) -> list[list[Piece]]:
         """The next step's rows (dealt to micro-batches and dp ranks in `StepLayout` order)."""

@@ -40,6 +40,13 @@ class Document:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def prefix_len(self) -> int:
+        """Tokens before the first target (sft: the prompt): a prefix-LM document's
+        bidirectional prefix (`attention.mask: prefix_lm`)."""
+        first = np.flatnonzero(self.targets)
+        return int(first[0]) if len(first) else len(self)
+
 
 def default_corpus_text() -> str:
     """The shipped corpus as text (read from package data, works from a wheel too)."""
@@ -115,7 +122,10 @@ class DocumentBuilder:
     `format`: `data.format` (`auto`: each row in the first sft format whose fields it has).
 
     `max_len`: with `data.packing: false` each document is cut to seq_len, so one whose targets
-    all lie beyond it is a bad record ("too long").
+    all lie beyond it is a bad record ("too long"). `prefix_len` (pretrain under
+    `attention.mask: prefix_lm`): the first prefix_len tokens, at most all but the last, are no
+    targets — they form the document's bidirectional prefix (`Document.prefix_len`), and a
+    token that sees the next one cannot be trained to predict it.
     """
 
     def __init__(
@@ -129,8 +139,10 @@ class DocumentBuilder:
         messages_field: str = "messages",
         max_len: int | None = None,
         format: str = "auto",
+        prefix_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.prefix_len = prefix_len
         self.recipe = recipe
         self.text_field = text_field
         self.prompt_field = prompt_field
@@ -160,7 +172,10 @@ class DocumentBuilder:
             ids = tok.encode(text)
             if not ids:
                 raise BadRecordError("empty text", f"field {self.text_field!r} has no tokens")
-            return _document(tok, ids, [True] * len(ids), chat=False)
+            doc = _document(tok, ids, [True] * len(ids), chat=False)
+            if self.prefix_len:
+                doc.targets[: min(self.prefix_len, len(doc) - 1)] = False
+            return doc
         fmt = self.format or formats.row_format(record, "sft", self.fields)
         if fmt is None:
             raise formats.no_format(record, "sft", self.fields)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from flashcp.config.schema import Config
-from flashcp.cp.work import WorkModel, causal_pairs
+from flashcp.cp.work import WorkModel, document_pairs
 from flashcp.data.balance import BalancedPlan, Row, StepLayout, step_balance
 from flashcp.data.dataset import (
     DEFAULT_CORPUS,
@@ -29,7 +31,7 @@ from flashcp.data.dataset import (
     parse_jsonl,
 )
 from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
-from flashcp.data.packing import Batch, PackedStream, Piece, collate
+from flashcp.data.packing import Batch, PackedStream, Piece, collate, document_masking
 from flashcp.data.peers import Peers
 from flashcp.data.sources import ListSource, RowSource, open_source
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
@@ -81,6 +83,8 @@ class TrainData:
         self.tokenizer = tokenizer or build_tokenizer(d.tokenizer)
         check_vocab(cfg, self.tokenizer)
         self.source = lm_source(cfg, peers)
+        self.masking = document_masking(cfg)
+        """The mask each packed document gets (`attention.mask`)."""
         build = DocumentBuilder(
             self.tokenizer,
             recipe=cfg.run.recipe,
@@ -90,13 +94,21 @@ class TrainData:
             messages_field=d.messages_field,
             max_len=None if d.packing else d.seq_len,
             format=d.format,
+            prefix_len=cfg.attention.prefix_len if self.masking.uses_prefixes else None,
         )
+        prefixed = self.masking.uses_prefixes  # index each document's prefix with its length
         self.index: RowIndex = build_index(
-            self.source, lambda r: len(build(r)), peers=peers, on_bad_record=d.on_bad_record
-        )
+            self.source,
+            (lambda r: (len(doc := build(r)), doc.prefix_len)) if prefixed
+            else (lambda r: len(build(r))),
+            peers=peers,
+            on_bad_record=d.on_bad_record,
+            columns=2 if prefixed else 1,
+        )  # fmt: skip
         self.docs: LazyItems[Document] = LazyItems(self.source, self.index, build, len)
         self.num_documents = len(self.index)
         self.num_tokens = int(self.index.lengths.sum())
+        extra = self.index.extra
         self.stream = PackedStream(
             self.docs,
             d.seq_len,
@@ -104,6 +116,7 @@ class TrainData:
             shuffle=d.shuffle,
             packing=d.packing,
             pad_id=self.tokenizer.pad_id,
+            prefixes=extra[:, 0] if prefixed and extra is not None else None,
         )
         divisor = cfg.parallel.seq_divisor
         padded = -(-d.seq_len // divisor) * divisor
@@ -113,7 +126,9 @@ class TrainData:
         """The work-balanced plan (`data.balance: work`, packed, > 1 row per step), else None:
         first-fit rows straight from the stream."""
         if d.balance == "work" and d.packing and self.layout.rows > 1:
-            self.plan = BalancedPlan(self.stream, self.layout.rows, d.balance_window)
+            self.plan = BalancedPlan(
+                self.stream, self.layout.rows, d.balance_window, pairs=self.piece_pairs
+            )
         self.work = WorkModel.for_model(cfg.model, lora=cfg.extras.get("lora") is not None)
         """The work model of `balance_metrics` (`flashcp.cp.work`)."""
         self._last: list[list[Piece]] = []
@@ -147,17 +162,27 @@ class TrainData:
                 self.stream.build(rows[self.layout.row(k, self.dp_rank, j)])
                 for j in range(self.layout.micro_batch_size)
             ]
-            out.append(collate(mine, pad_to=self.pad_to, pad_id=self.tokenizer.pad_id))
+            out.append(collate(
+                mine, pad_to=self.pad_to, pad_id=self.tokenizer.pad_id, masking=self.masking
+            ))  # fmt: skip
         return out
+
+    def piece_pairs(self, piece: Piece) -> int:
+        """Visible attention pairs of `piece` as one segment under the run's mask
+        (`flashcp.cp.work.document_pairs`): what the balancer weighs it by."""
+        prefix = self.stream.piece_prefix(piece)
+        return int(document_pairs(self.masking, piece.length, prefix))
 
     def row_info(self, pieces: list[Piece]) -> Row:
         """A planned row's segments as the model sees them (padding included) and their pairs."""
         lengths = [p.length for p in pieces]
         real, length = sum(lengths), self.cfg.data.seq_len
-        segments = lengths + ([length - real] if real < length else [])  # unpacked: its padding
+        padding = [length - real] if real < length else []  # unpacked: its padding
         if self.pad_to is not None:  # parallel.pad: one more segment (`collate`)
-            segments.append(self.pad_to - length)
-        return Row(tuple(lengths), int(causal_pairs(segments).sum()), self.seq_len - real)
+            padding.append(self.pad_to - length)
+        pairs = sum(self.piece_pairs(p) for p in pieces)
+        pairs += int(document_pairs(self.masking, np.asarray(padding, dtype=np.int64)).sum())
+        return Row(tuple(lengths), pairs, self.seq_len - real)
 
     def balance_metrics(self) -> dict[str, float]:
         """The last step's modelled imbalance (`flashcp.data.balance.step_balance`)."""

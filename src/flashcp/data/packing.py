@@ -2,8 +2,11 @@
 
 Packing (`data.packing: true`) lays documents back to back; a document that does not fit is
 continued at the start of the next sequence. Each sequence records its segment lengths
-(`doc_lens`), which give its causal-document FlashMask (`masks.causal_document_mask`): a token
-attends only to earlier tokens of its own segment. Labels are shifted on the FULL sequence,
+(`doc_lens`) and, per segment, the part of its document's prefix it holds (`prefix_lens`),
+which give its FlashMask: by default causal documents (`masks.causal_document_mask`), a token
+attending only to earlier tokens of its own segment; `attention.mask` picks another mask per
+segment (`masks.DocumentMasking`: a sliding window, global tokens + window, prefix-LM), built
+on the whole sequence as every mask is. Labels are shifted on the FULL sequence,
 before any context-parallel sharding: `labels[i] = tokens[i + 1]` when token i+1 is in the same
 segment and is a target, else `IGNORE_INDEX` (the last token of a segment never predicts the
 next document). Without packing, each sequence is one document, truncated or padded (the padding
@@ -24,9 +27,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flashcp.config.schema import IGNORE_INDEX
+from flashcp.config.schema import IGNORE_INDEX, Config
 from flashcp.data.dataset import Document
-from flashcp.masks import Mask, causal_document_mask
+from flashcp.masks import DocumentMasking, Mask
+
+
+def document_masking(cfg: Config) -> DocumentMasking:
+    """The mask each packed document gets under `cfg`'s `attention` section."""
+    a = cfg.attention
+    g = a.global_tokens if a.mask == "global_window" else 0
+    return DocumentMasking(a.mask, a.sliding_window, g)
 
 
 class Piece(NamedTuple):
@@ -39,11 +49,14 @@ class Piece(NamedTuple):
 
 @dataclass(eq=False)
 class PackedSequence:
-    """One global sequence: tokens, target flags (per token) and segment lengths."""
+    """One global sequence: tokens, target flags (per token), segment lengths and the prefix
+    tokens each segment holds (its document's leading non-targets, `Document.prefix_len`)."""
 
     tokens: np.ndarray
     targets: np.ndarray
     doc_lens: list[int]
+    prefix_lens: list[int] = field(default_factory=list)
+    """One per segment (empty: none anywhere)."""
 
 
 @dataclass
@@ -70,7 +83,9 @@ class PackedStream:
     """An endless, deterministic stream of `PackedSequence`s of length `seq_len`.
 
     `docs`: the documents, a list or any indexable with `lengths` (an array of their lengths,
-    such as `flashcp.data.index.LazyItems`), so planning needs no document.
+    such as `flashcp.data.index.LazyItems`), so planning needs no document. `prefixes`: each
+    document's prefix length (`Document.prefix_len`, e.g. from the index), which a piece's
+    `piece_prefix` is cut from; None: no prefixes.
     """
 
     def __init__(
@@ -82,6 +97,7 @@ class PackedStream:
         shuffle: bool = True,
         packing: bool = True,
         pad_id: int = 0,
+        prefixes: Any = None,
     ) -> None:
         if not len(docs):
             raise ValueError("PackedStream needs at least one document")
@@ -97,6 +113,10 @@ class PackedStream:
         self.shuffle = bool(shuffle)
         self.packing = bool(packing)
         self.pad_id = int(pad_id)
+        self.prefixes = None if prefixes is None else np.asarray(prefixes, dtype=np.int64)
+        if self.prefixes is not None and self.prefixes.shape != self.lengths.shape:
+            raise ValueError(f"prefixes {self.prefixes.shape} must give one per document "
+                             f"{self.lengths.shape}")  # fmt: skip
         self.state = StreamState()
         self._order = _epoch_order(len(self.docs), self.seed, 0, self.shuffle)
 
@@ -141,8 +161,15 @@ class PackedStream:
         self.state.sequences += 1
         return pieces
 
+    def piece_prefix(self, piece: Piece) -> int:
+        """The prefix tokens of its document that `piece` holds (0 without prefixes)."""
+        if self.prefixes is None:
+            return 0
+        return int(min(max(int(self.prefixes[piece.doc]) - piece.start, 0), piece.length))
+
     def build(self, pieces: Sequence[Piece]) -> PackedSequence:
         """The sequence made of `pieces` (back to back; unpacked: the one document, padded)."""
+        prefixes = [self.piece_prefix(p) for p in pieces] if self.prefixes is not None else []
         if not self.packing:
             (i, _, n) = pieces[0]
             doc = self.docs[i]
@@ -151,14 +178,14 @@ class PackedStream:
             tokens[:n] = doc.tokens[:n]
             targets[:n] = doc.targets[:n]
             lens = [n] if n == self.seq_len else [n, self.seq_len - n]
-            return PackedSequence(tokens, targets, lens)
+            return PackedSequence(tokens, targets, lens, prefixes + [0] * (len(lens) - 1))
         tokens, targets = [], []
         for i, start, take in pieces:
             doc = self.docs[i]
             tokens.append(doc.tokens[start : start + take])
             targets.append(doc.targets[start : start + take])
         lens = [p.length for p in pieces]
-        return PackedSequence(np.concatenate(tokens), np.concatenate(targets), lens)
+        return PackedSequence(np.concatenate(tokens), np.concatenate(targets), lens, prefixes)
 
     def _next_packed(self) -> list[Piece]:
         pieces = []
@@ -196,8 +223,9 @@ def shift_labels(tokens: np.ndarray, targets: np.ndarray, doc_lens: Sequence[int
 class Batch:
     """A micro-batch of full (global) sequences, ready to shard (`flashcp.cp.shard`).
 
-    `input_ids`, `labels`, `positions`: int64 `[B, S]`; `mask`: the global causal-document
-    FlashMask `[B, 1, S, 1]`; `doc_lens`: segment lengths per row (padding included).
+    `input_ids`, `labels`, `positions`: int64 `[B, S]`; `mask`: the global FlashMask
+    `[B, 1, S, C]` of its segments (causal documents `[B, 1, S, 1]` by default, `collate`);
+    `doc_lens`: segment lengths per row (padding included).
     """
 
     input_ids: np.ndarray
@@ -216,20 +244,30 @@ class Batch:
         return int(self.input_ids.shape[1])
 
 
-def collate(seqs: Sequence[PackedSequence], *, pad_to: int | None = None, pad_id: int = 0) -> Batch:
-    """Stack sequences into a `Batch`; `pad_to` appends a padding segment (parallel.pad)."""
-    rows_tok, rows_lab, rows_lens = [], [], []
+def collate(
+    seqs: Sequence[PackedSequence],
+    *,
+    pad_to: int | None = None,
+    pad_id: int = 0,
+    masking: DocumentMasking | None = None,
+) -> Batch:
+    """Stack sequences into a `Batch` whose mask gives each segment the `masking` mask (default
+    causal documents); `pad_to` appends a padding segment (parallel.pad, no prefix)."""
+    masking = masking or DocumentMasking()
+    rows_tok, rows_lab, rows_lens, rows_pre = [], [], [], []
     for s in seqs:
         tokens, labels, lens = s.tokens, shift_labels(s.tokens, s.targets, s.doc_lens), s.doc_lens
+        prefixes = list(s.prefix_lens) or [0] * len(lens)
         n = int(tokens.shape[0])
         if pad_to is not None and pad_to > n:
             extra = pad_to - n
             tokens = np.concatenate([tokens, np.full(extra, pad_id, dtype=np.int64)])
             labels = np.concatenate([labels, np.full(extra, IGNORE_INDEX, dtype=np.int64)])
-            lens = [*lens, extra]
+            lens, prefixes = [*lens, extra], [*prefixes, 0]
         rows_tok.append(tokens)
         rows_lab.append(labels)
         rows_lens.append([int(x) for x in lens])
+        rows_pre.append([int(x) for x in prefixes])
     input_ids = np.stack(rows_tok).astype(np.int64)
     b, s = input_ids.shape
     positions = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
@@ -237,6 +275,6 @@ def collate(seqs: Sequence[PackedSequence], *, pad_to: int | None = None, pad_id
         input_ids=input_ids,
         labels=np.stack(rows_lab).astype(np.int64),
         positions=positions,
-        mask=causal_document_mask(rows_lens, batch=b),
+        mask=masking.build(rows_lens, rows_pre),
         doc_lens=rows_lens,
     )

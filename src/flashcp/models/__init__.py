@@ -12,6 +12,9 @@ A forward pass takes `flashcp.attention.context.AttentionContext` (the mask, the
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import paddle
 
 from flashcp.models.attention import Attention
@@ -104,3 +107,19 @@ __all__ = [
     "preset",
     "token_logprobs",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`flashcp.models.AttentionContext`, the previous release's path: the class, with a
+    `DeprecationWarning` naming where it lives now."""
+    if name == "AttentionContext":
+        warnings.warn(
+            "flashcp.models.AttentionContext moved to flashcp.attention.context (also "
+            "flashcp.AttentionContext, docs/api.md); the old path goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from flashcp.attention.context import AttentionContext
+
+        return AttentionContext
+    raise AttributeError(f"module 'flashcp.models' has no attribute {name!r}")

@@ -315,8 +315,9 @@ def format_host(p: Plan) -> list[str]:
 
 def format_step_time(est: Any) -> str:
     """The step-time estimate (`flashcp.plan.steptime.StepTime`) as a few lines."""
-    lines = ["", f"step time: {est.flops / 1e15:,.1f} PFLOP of model FLOPs per step (causal "
-                 f"attention), {est.flops_per_device / 1e15:,.2f} PFLOP per device"]  # fmt: skip
+    lines = ["", f"step time: {est.flops / 1e15:,.1f} PFLOP of model FLOPs per step "
+                 f"({est.mask} attention), {est.flops_per_device / 1e15:,.2f} PFLOP per "
+                 "device"]  # fmt: skip
     if est.seconds_at_peak is None:
         lines.append("  no time estimate: set hardware.peak_tflops (TFLOP/s per device)")
         return "\n".join(lines)

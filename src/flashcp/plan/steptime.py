@@ -2,9 +2,11 @@
 copying offloaded activations between host and device would stall the compute.
 
 Compute: the model FLOPs of one optimizer step are `flashcp.metrics.flops.flops_per_token`
-(the `mfu` metric's formula) times the step's tokens, with the attention counted as a causal
-mask computes it (`causal_keys`: half the full count, which at millions of tokens is most of
-the step), spread evenly over the job's devices. At `hardware.peak_tflops` per device that is
+(the `mfu` metric's formula) times the step's tokens, with the attention counted as the run's
+mask computes it over one sequence-long document (`document_keys`: for the default causal mask
+half the full count, which at millions of tokens is most of the step; under a sliding window
+about the window per token; an sft prefix-LM's prompts, unknown here, as causal), spread
+evenly over the job's devices. At `hardware.peak_tflops` per device that is
 a lower bound; at a stated model-FLOPs utilisation (`mfu`, default `DEFAULT_MFU`), stretched by
 the pipeline's fill and drain ((pp - 1) / (micro-batches + pp - 1) of the step idle), an
 estimate.
@@ -28,7 +30,8 @@ from typing import Any
 
 from flashcp.config.device import compute_dtype, resolve_device
 from flashcp.config.schema import Config
-from flashcp.metrics.flops import causal_keys, flops_per_token
+from flashcp.data.packing import document_masking
+from flashcp.metrics.flops import document_keys, flops_per_token
 from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
 from flashcp.plan.features import Features, features_of
@@ -76,6 +79,8 @@ class StepTime:
     stages: int = 1
     """Pipeline stages: a step also waits for the pipeline to fill and drain."""
     """The most loaded stage's layers (stage 0's under an even split)."""
+    mask: str = "causal"
+    """The attention mask whose work is counted (`attention.mask`, `DocumentMasking.describe`)."""
 
     @property
     def flops_per_device(self) -> float:
@@ -169,7 +174,8 @@ def estimate(
     f = features_of(cfg) if features is None else features
     args, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
     seq = d.seq_len
-    keys = causal_keys(seq)
+    prefix = cfg.attention.prefix_len or 0  # pretrain prefix_lm; sft prompts: unknown here
+    keys = document_keys(document_masking(cfg), seq, prefix)
     lora = cfg.extras.get("lora") is not None
     dpo = cfg.run.recipe == "dpo"
     per_token = flops_per_token(args, seq, lora=lora, reference=dpo, keys=keys)
@@ -203,6 +209,8 @@ def estimate(
             copy_s=copy / (link * 1e9) if link and copy else None,
         ))  # fmt: skip
     micro = t.grad_accum
-    return StepTime(per_token * tokens, p.world_size, peak, mfu, link, micro, layers, p.pp)
+    masking = document_masking(cfg).describe()
+    return StepTime(per_token * tokens, p.world_size, peak, mfu, link, micro, layers, p.pp,
+                    mask=masking)  # fmt: skip
 
 

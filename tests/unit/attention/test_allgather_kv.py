@@ -13,7 +13,7 @@ from flashcp import dispatch, masks
 from flashcp.attention import allgather_kv as cp_attention
 from flashcp.attention import registry
 from flashcp.attention.allgather_kv import flashmask_attention_cp
-from flashcp.cp.layout import Assignment
+from flashcp.cp.layout import Assignment, shard_assigned, unshard_assigned
 from flashcp.dispatch import FlashAttnUnavailableError
 from flashcp.distributed import WORLD, NamedGroup
 from flashcp.kernels.registry import get_backend
@@ -234,3 +234,113 @@ def plan_positions(seq: int, rank: int) -> np.ndarray:
     return np.concatenate(
         [np.arange(rank * c, (rank + 1) * c), np.arange((3 - rank) * c, (4 - rank) * c)]
     )
+
+
+# ------------------------------- every config mask family: CP = 2 and 4 equal CP = 1, in-process
+
+CONFIG_MASKS = {
+    ("pretrain", "causal"): {},
+    ("pretrain", "sliding_window"): {"mask": "sliding_window", "sliding_window": 7},
+    ("sft", "global_window"): {"mask": "global_window", "sliding_window": 5, "global_tokens": 3},
+    ("pretrain", "prefix_lm"): {"mask": "prefix_lm", "prefix_len": 12},
+    ("sft", "prefix_lm"): {"mask": "prefix_lm"},
+}
+"""(recipe, attention.mask) → its `attention` section, sized so that windows, global tokens
+and prefixes cross the chunk boundaries of S = 64 at cp 2 and 4."""
+
+
+def _config_mask(recipe: str, attention: dict) -> masks.Mask:
+    """The global mask of the first micro-batch the data pipeline builds for the config,
+    checked to differ from plain causal documents as its family does (fewer visible pairs
+    under a window, more under a prefix)."""
+    from flashcp.data import TrainData
+    from helpers.configs import tiny_config
+
+    cfg = tiny_config(None, attention=attention, run={"recipe": recipe},
+                      data={"seq_len": S * 2, "micro_batch_size": B})  # fmt: skip
+    batch = TrainData(cfg).next_step()[0]
+    seen = (~batch.mask.dense()).sum()
+    causal = (~masks.causal_document_mask(batch.doc_lens, batch=B).dense()).sum()
+    kind = attention.get("mask", "causal")
+    assert {"causal": seen == causal, "prefix_lm": seen > causal}.get(kind, seen < causal)
+    return batch.mask
+
+
+def _simulated_cp(q, k, v, dout, mask: masks.Mask, world: int, mode: str, monkeypatch):
+    """`flashmask_attention_cp` on every rank of a `world`-rank cp group, one rank after the
+    other in this process: each rank plans (its layout, its rebased mask) and runs the real
+    forward and backward; the all-gather returns the ranks' K/V shards in rank order and the
+    reduce-scatter is summed over the ranks afterwards. Returns the global (out, lse, dq, dk,
+    dv)."""
+    idx, causal = mask.indices, mask.causal
+    assignment = registry.make_assignment(mode, world, idx, causal=causal)
+    shard = lambda x, r: shard_assigned(paddle.to_tensor(x), r, assignment, axis=1)  # noqa: E731
+    kv = {name: [shard(x, r) for r in range(world)] for name, x in (("k", k), ("v", v))}
+    sent: dict[int, list[list[np.ndarray]]] = {r: [] for r in range(world)}
+
+    def all_gather(x, group, axis=1, **_):
+        for parts in kv.values():
+            if np.array_equal(x.numpy(), parts[group.rank].numpy()):
+                return paddle.concat(parts, axis=axis)
+        raise AssertionError("gathered a tensor that is no rank's K or V shard")
+
+    def reduce_scatter(chunks, group, **_):
+        sent[group.rank].append([c.numpy() for c in chunks])  # dK then dV
+        return paddle.zeros_like(chunks[group.rank])
+
+    monkeypatch.setattr(cp_attention, "all_gather_tensor", all_gather)
+    monkeypatch.setattr(cp_attention, "reduce_scatter_chunks", reduce_scatter)
+    outs, lses, dqs = [], [], []
+    for r in range(world):
+        group = NamedGroup("cp", r, 9, list(range(world)), pg=None)
+        tq = shard(q, r)
+        tq.stop_gradient = False
+        tk, tv = (paddle.to_tensor(kv[n][r].numpy(), stop_gradient=False) for n in "kv")
+        out, lse = flashmask_attention_cp(tq, tk, tv, idx, causal=causal, group=group,
+                                          mode=mode, return_lse=True)  # fmt: skip
+        out.backward(shard(dout, r))
+        outs.append(out.numpy())
+        lses.append(lse.numpy())
+        dqs.append(tq.grad.numpy())
+    whole = lambda parts, axis=1: unshard_assigned(parts, assignment, axis=axis)  # noqa: E731
+    grads = [whole([sum(sent[s][i][r] for s in range(world)) for r in range(world)])
+             for i in (0, 1)]  # fmt: skip
+    return whole(outs), whole(lses, axis=2), whole(dqs), *grads
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", registry.names())
+@pytest.mark.parametrize("case", sorted(CONFIG_MASKS), ids="-".join)
+def test_config_mask_families_under_cp_equal_cp1(
+    case: tuple[str, str], mode: str, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each mask `attention.mask` can pick, as the data pipeline builds it for packed
+    documents: CP attention over `world` ranks (every layout) gives the CP = 1 result, both
+    within the float32 rule of the float64 reference. The mask is global and each rank rebases
+    it, so a window, global tokens or a prefix crossing a chunk boundary stays exact."""
+    mask = _config_mask(case[0], CONFIG_MASKS[case])
+    rng = np.random.default_rng(world)
+    shapes = [(B, S * 2, HQ, D), (B, S * 2, HKV, D), (B, S * 2, HKV, D), (B, S * 2, HQ, D)]
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
+    one = _run(q, k, v, dout, mask.indices, mask.causal, mode=mode)
+    many = _simulated_cp(q, k, v, dout, mask, world, mode, monkeypatch)
+    for label, got in (("cp1 ", one), (f"cp{world} ", many)):
+        bad = [c.describe() for c in compare_attention(got, want, label=label) if not c.ok]
+        assert not bad, "\n".join(bad)
+
+
+def test_simulated_cp_sees_a_wrong_rebase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of the in-process CP runs: every rank rebasing the window mask as
+    rank 0 would (a layout bug) is caught."""
+    mask = _config_mask("pretrain", CONFIG_MASKS[("pretrain", "sliding_window")])
+    real = cp_attention.rebase_mask
+    as_rank0 = lambda idx, **kw: real(idx, **{**kw, "rank": 0})  # noqa: E731
+    monkeypatch.setattr(cp_attention, "rebase_mask", as_rank0)
+    rng = np.random.default_rng(0)
+    shapes = [(B, S * 2, HQ, D), (B, S * 2, HKV, D), (B, S * 2, HKV, D), (B, S * 2, HQ, D)]
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
+    got = _simulated_cp(q, k, v, dout, mask, 2, registry.DEFAULT_MODE, monkeypatch)
+    assert any(not c.ok for c in compare_attention(got, want))

@@ -17,6 +17,7 @@ from flashcp import cli, masks
 from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import ExportError, copy_tokenizer, export_run, plan_shards
 from flashcp.config import build_config
+from flashcp.data.tokenizer import ByteTokenizer
 from flashcp.models import build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
@@ -69,10 +70,12 @@ def _logits(model: paddle.nn.Layer, ids: np.ndarray) -> np.ndarray:
         return model.logits(model(paddle.to_tensor(ids), pos, ctx)).numpy()
 
 
-def _reload(out: Path, param_dtype: str = "float32") -> paddle.nn.Layer:
+def _reload(out: Path, param_dtype: str = "float32", tokenizer: str | None = "byte"
+            ) -> paddle.nn.Layer:  # fmt: skip
+    """`model.from_pretrained: out` (`tokenizer` None: data.tokenizer defaults to `out`)."""
     raw = {
         "model": {"from_pretrained": str(out)},
-        "data": {"seq_len": 32, "tokenizer": "byte"},
+        "data": {"seq_len": 32, **({"tokenizer": tokenizer} if tokenizer else {})},
         "train": {"param_dtype": param_dtype, "seed": 99},
     }
     return default_model_factory(build_config(raw))
@@ -169,6 +172,46 @@ def test_lora_run_exports_base_plus_adapters(
     control = _logits(_reload(base_dir), IDS) if pretrained else None
     if control is not None:
         assert np.abs(control - want).max() > 100 * 1e-5 * np.abs(want).max()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_merge_at_end_writes_the_export_directory(base_dir: Path, tmp_path: Path) -> None:
+    """`lora.merge_at_end: true` (defect 6 of issue 27: it wrote config.json and weights only)
+    leaves the very directory `flashcp export --merge-lora` writes, file for file and byte for
+    byte — tokenizer with its chat template, generation config — which transformers'
+    AutoTokenizer and flashcp's `model.from_pretrained` load as the trained model."""
+    start = tmp_path / "start"  # the base model directory, with a chat tokenizer in it
+    start.mkdir()
+    for f in base_dir.iterdir():
+        (start / f.name).write_bytes(f.read_bytes())
+    ByteTokenizer().save_pretrained(start)
+    tok_config = json.loads((start / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = CHAT_TEMPLATE
+    (start / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    lora = {**LORA, "merge_at_end": True}
+    trainer = _train(tmp_path, {"from_pretrained": str(start)}, run={"recipe": "sft"},
+                     data={"tokenizer": str(start)}, lora=lora)  # fmt: skip
+    merged = tmp_path / "run" / "merged"
+    out = tmp_path / "export"
+    export_run(tmp_path / "run", out, merge_lora=True)
+    names = sorted(f.name for f in out.iterdir())
+    assert sorted(f.name for f in merged.iterdir()) == names
+    assert {"tokenizer_config.json", "generation_config.json", "config.json"} <= set(names)
+    for name in names:
+        assert (merged / name).read_bytes() == (out / name).read_bytes(), name
+    transformers = pytest.importorskip("transformers")  # a dependency of flashcp: always there
+    hf = transformers.AutoTokenizer.from_pretrained(str(merged))
+    chat = [{"role": "user", "content": "hi"}]
+    assert hf.apply_chat_template(chat, tokenize=False) == "<|user|>hi"
+    assert json.loads((merged / "generation_config.json").read_text())["top_p"] == 0.8
+    want = _logits(trainer.model, IDS)
+    got = _logits(_reload(merged, tokenizer=None), IDS)  # its own tokenizer too
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def hf_config_section() -> dict[str, Any]:

@@ -27,6 +27,7 @@ from flashcp.config import build_config, config_changes, hashed_dict, load_confi
 from flashcp.cp.work import (
     WorkModel,
     causal_pairs,
+    document_pairs,
     mask_pairs,
     matmul_parameters,
     share_question_pairs,
@@ -43,7 +44,13 @@ from flashcp.data.balance import (
 )
 from flashcp.data.dpo_stream import DPOData, DPORows
 from flashcp.data.packing import PackedStream, Piece
-from flashcp.masks import causal_document_mask, share_question_mask, sliding_window_mask
+from flashcp.masks import (
+    DOCUMENT_MASKS,
+    DocumentMasking,
+    causal_document_mask,
+    share_question_mask,
+    sliding_window_mask,
+)
 from flashcp.metrics.flops import flops_per_token
 from flashcp.metrics.plot import plot_groups
 from flashcp.metrics.writer import read_metrics
@@ -93,6 +100,23 @@ def test_pairs_from_segments_equal_the_masks_own() -> None:
     np.testing.assert_array_equal(mask_pairs(window.indices, causal=True), _dense_pairs(window))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_document_pairs_equal_the_masks_own(data: st.DataObject) -> None:
+    """Every `attention.mask` kind: the pairs the balancer counts from segment lengths (and
+    prefixes) are the visible pairs of the mask the data pipeline builds from them."""
+    kind = data.draw(st.sampled_from(DOCUMENT_MASKS))
+    lens = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=5))
+    prefixes = [data.draw(st.integers(0, n)) for n in lens]
+    window, g = data.draw(st.integers(1, 50)), data.draw(st.integers(1, 6))
+    spec = DocumentMasking(kind, window if "window" in kind else None,
+                           g if kind == "global_window" else 0)  # fmt: skip
+    mask = spec.build([lens], [prefixes])
+    want = int(document_pairs(spec, np.asarray(lens), np.asarray(prefixes)).sum())
+    assert mask_pairs(mask.indices, causal=mask.causal).tolist() == [want]
+    assert _dense_pairs(mask).tolist() == [want]
+
+
 def test_flops_per_token_is_the_work_models() -> None:
     args = preset("glm4_9b")
     n, heads = matmul_parameters(args), 40 * 32 * 128
@@ -125,7 +149,7 @@ def test_rows_hold_exactly_first_fits_tokens(
     items = window_items([r for s in steps for r in s], seq_len)
     assert all(0 < p.length <= seq_len for p in items)
     costs = causal_pairs([p.length for p in items]).tolist()
-    cut = lambda n: int(causal_pairs(n))  # noqa: E731
+    cut = lambda p: int(causal_pairs(p.length))  # noqa: E731
     got = fill_rows(items, costs, steps=window, rows_per_step=rows, row_len=seq_len, cost_of=cut)
     assert got is not None and len(got) == window * rows
     assert all(sum(p.length for p in row) == seq_len for row in got)
@@ -370,6 +394,58 @@ def test_loader_metrics_are_the_work_each_dp_rank_trained_on(tmp_path: Path) -> 
         assert got.keys() == want.keys()
         for key in want:
             assert math.isclose(got[key], want[key], rel_tol=1e-12), (key, got[key], want[key])
+
+
+MASKS = {
+    "sliding_window": {"mask": "sliding_window", "sliding_window": 24},
+    "global_window": {"mask": "global_window", "sliding_window": 24, "global_tokens": 4},
+    "prefix_lm": {"mask": "prefix_lm", "prefix_len": 40},
+}
+"""`attention` sections of each non-causal mask, sized for the long-tail corpus's 256-token
+rows (documents of 1-4,000 tokens, most much longer than the window)."""
+
+
+@pytest.mark.parametrize("kind", sorted(MASKS))
+def test_balanced_rows_are_weighed_by_their_masks_pairs(tmp_path: Path, kind: str) -> None:
+    """Under each `attention.mask` the balancer and the `balance/...` metrics weigh a row by
+    the pairs its built mask leaves visible (`mask_pairs`), not by causal documents' — the
+    weights that would balance a causal run put a window run's long documents in the wrong
+    rows (negative control)."""
+    data = TrainData(_cfg(tmp_path, attention=MASKS[kind]))
+    assert data.plan is not None and data.masking.kind == kind
+    modelled, causal = [], []
+    for _ in range(4):
+        batches = data.next_step()
+        rows = [data.row_info(r) for r in data._last]
+        built = [n for b in batches for n in mask_pairs(b.mask.indices, causal=b.mask.causal)]
+        assert [r.pairs for r in rows] == [int(n) for n in built]
+        modelled += [r.pairs for r in rows]
+        causal += [sum(int(causal_pairs(p.length)) for p in r) for r in data._last]
+    assert causal != modelled  # the mask matters: a causal count differs
+
+
+def test_prefix_lm_pretrain_trains_no_prefix_token(tmp_path: Path) -> None:
+    """`attention.prefix_len` N: each document's first N tokens see each other both ways and
+    no label points into them, so no row is trained to predict a token it sees."""
+    cfg = _cfg(tmp_path, attention=MASKS["prefix_lm"], data={"balance": "none"})
+    data = TrainData(cfg)
+    prefixed = 0
+    for _ in range(4):
+        for batch, pieces in zip(data.next_step(), data._last, strict=True):
+            visible = ~batch.mask.dense()[0, 0]
+            for i in np.flatnonzero(batch.labels[0] >= 0):  # token i + 1 is the target of row i
+                assert not visible[i, i + 1], i
+            start = 0
+            for piece in pieces:
+                k = data.stream.piece_prefix(piece)
+                whole = min(40, int(data.stream.lengths[piece.doc]) - 1)  # BOS in; 1 target
+                assert k == max(0, min(whole - piece.start, piece.length))
+                if k >= 2:  # the prefix's first row sees its last token, not the one after
+                    prefixed += 1
+                    assert visible[start, start + k - 1]
+                    assert k == piece.length or not visible[start, start + k]
+                start += piece.length
+    assert prefixed  # some documents started in these rows
 
 
 def test_trainer_reports_balance_and_resumes_exactly(tmp_path: Path) -> None:

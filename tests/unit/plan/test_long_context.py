@@ -22,7 +22,7 @@ from flashcp.plan.host import HOST_ITEMS, HOST_PROCESS_BYTES
 from flashcp.plan.longest import granularity, longest, with_seq_len
 from flashcp.plan.model import ranks_per_node
 from flashcp.plan.params import stage_parameters
-from flashcp.plan.report import format_plan, host_refusal
+from flashcp.plan.report import format_plan, format_step_time, host_refusal
 from flashcp.plan.steptime import estimate, layer_flops
 from helpers.configs import PLANNED, Sections, TinyCfg, merged
 from helpers.paths import ROOT
@@ -313,6 +313,30 @@ def test_step_time_is_the_mfu_formula_with_causal_attention() -> None:
     layers = sum(layer_flops(cfg.model, i, 1, (seq + 1) / 2) for i in range(40))
     head = 2 * cfg.model.vocab_size * cfg.model.hidden_size
     assert 3 * (layers + head) == pytest.approx(per_token, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("attention", "keys"),
+    [
+        (["attention.mask=sliding_window", "attention.sliding_window=4096"],
+         lambda s: (4096 * 4097 / 2 + (s - 4096) * 4096) / s),
+        (["attention.mask=global_window", "attention.sliding_window=4096",
+          "attention.global_tokens=4"],
+         lambda s: (4096 * 4097 / 2 + (s - 4096) * 4096 + 4 * (s - 4096) - 6) / s),
+        (["attention.mask=prefix_lm"], lambda s: (s + 1) / 2),  # sft prompts: unknown, causal
+    ],
+)  # fmt: skip
+def test_step_time_counts_the_runs_mask(attention: list[str], keys: Any) -> None:
+    """`attention.mask`: the estimate counts the keys a query of one data.seq_len document
+    sees under it (a 4096 window at 32K tokens: 1/8 of causal's), and says which mask."""
+    cfg = _load(GLM9B, "hardware.peak_tflops=148", *attention)
+    seq = cfg.data.seq_len
+    tokens = cfg.parallel.dp * cfg.train.grad_accum * cfg.data.micro_batch_size * seq
+    est = estimate(cfg, mfu=0.5)
+    assert est.flops == pytest.approx(flops_per_token(cfg.model, seq, keys=keys(seq)) * tokens)
+    assert f"({est.mask} attention)" in format_step_time(est)
+    if "prefix_lm" not in est.mask:
+        assert est.flops < estimate(_load(GLM9B, "hardware.peak_tflops=148")).flops
 
 
 def test_offload_copies_against_the_host_link() -> None:

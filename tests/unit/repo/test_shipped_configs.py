@@ -49,6 +49,9 @@ EXPECTED = {
     "glm/glm4_9b_dpo_lora_4m_cp8.yaml",
     "glm/glm4_9b_sft_4m_cp8.yaml",
     "glm/glm45_air_sft_ep8_pp4_cp8.yaml",
+    "gpt/tiny_sliding_window_cp2.yaml",
+    "gpt/tiny_global_window_cp2.yaml",
+    "glm/tiny_prefix_lm_sft_cp2.yaml",
 }
 
 
@@ -144,10 +147,11 @@ def test_config_builds_or_is_marked_gpu(path: Path) -> None:
         apply_lora_config(model, cfg.extras["lora"])  # every target pattern matches a layer
     data = DPOData(cfg) if cfg.run.recipe == "dpo" else TrainData(cfg)
     batch = data.next_step()[0]
-    asg = make_assignment(cfg.parallel.cp_mode, cfg.parallel.cp, batch.mask.indices, causal=True)
+    mask = batch.mask  # its attention.mask (causal documents by default)
+    asg = make_assignment(cfg.parallel.cp_mode, cfg.parallel.cp, mask.indices, causal=mask.causal)
     assert asg.world == cfg.parallel.cp
     asg.chunk_len(batch.seq_len)  # the layout splits this config's sequences
-    ctx = AttentionContext(mask=batch.mask.indices, causal=True)  # whole sequence, no CP group
+    ctx = AttentionContext(mask=mask.indices, causal=mask.causal)  # whole sequence, no CP group
     hidden = model(paddle.to_tensor(batch.input_ids), paddle.to_tensor(batch.positions), ctx)
     logits = model.logits(hidden)
     assert list(logits.shape) == [*batch.input_ids.shape, cfg.model.vocab_size]
