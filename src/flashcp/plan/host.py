@@ -29,6 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashcp.plan.params import stage_parameters
+from flashcp.plan.setup import Setup, numel
+from flashcp.plan.state import StageState
+
 GIB = 2**30
 
 HOST_ITEMS: tuple[str, ...] = (
@@ -191,3 +195,30 @@ def rank_moments(
             checkpoint_arrays=max(model, optimizer), host_process=process
         )
     return moments
+
+
+def stage_host(s: Setup, state: StageState, offloaded: float, flight: int) -> StageHost:
+    """What `state`'s stage puts in host memory: `offloaded` bytes per micro-batch
+    (activation offload) for `flight` micro-batches, and the checkpoint's numpy copies — the
+    stage's model part (LoRA: the adapters alone; else every parameter and persistent buffer,
+    the experts of the writer's ep group gathered whole) and its float32 masters and both
+    moments (one shard per rank under ZeRO-1, or the stage writer's whole copy; Paddle's
+    AdamW, no masters: its moments, by the writer)."""
+    whole = stage_parameters(
+        s.args, state.stage, s.pp, s.pp_layers, lora_targets=s.lora_targets,
+        lora_rank=s.lora_rank,
+    )  # fmt: skip
+    PT = state.trained_bytes
+    if s.lora_targets is not None:  # the adapters alone
+        model_part = numel(whole, True) * PT
+    else:  # every parameter and persistent buffer
+        model_part = (numel(whole, True) * PT + numel(whole, False) * state.dt.param
+                      + state.items["buffers"])  # fmt: skip
+    shard_part = state.n_state * (4 + 8)
+    return StageHost(
+        offloaded=float(offloaded),
+        flight=flight,
+        model_part=model_part,
+        optimizer_part=shard_part if state.master and s.shard else 0,
+        writer_optimizer_part=shard_part if state.master else 8 * state.n_trained,
+    )
