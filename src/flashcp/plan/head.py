@@ -94,8 +94,9 @@ def head_plan(s: Setup, state: StageState, layers: LayerSet) -> HeadPlan:
     head_copy = H * V * dt.c if (last and dt.autocast and dt.c < dt.param) else 0
     if s.chunk > 0:
         loss_peak += head_copy
-        # each chunk's gathered hidden rows (saved by its recompute) and the [T] log-probs
-        extra = T * (H * dt.res + 2 * 4)
+        # each chunk's gathered hidden rows (saved by its recompute) and the [T] log-probs:
+        # the last stage's (the stages before it run no loss)
+        extra = T * (H * dt.res + 2 * 4) if last else 0
     else:
         extra = head_copy
     # bf16 storage, float32 compute: the head's upcast weight exists while its matmul runs
