@@ -93,9 +93,13 @@ def _config_summary(cfg, nnodes: int | None = None) -> str:  # type: ignore[no-u
         if hw.memory_gib is not None:
             peak = planned.peak.total_bytes / GIB
             memory = f", planned peak {peak:.1f} of {hw.memory_gib:g} GiB per device"
+            if hw.memory_headroom:
+                memory += f" ({hw.memory_headroom * 100:g} % kept free)"
         if hw.host_memory_gib is not None and planned.host is not None:
             host = planned.host.peak.total_bytes / GIB
             memory += f", host {host:.1f} of {hw.host_memory_gib:g} GiB per node"
+            if hw.host_memory_reserve:
+                memory += f" ({hw.host_memory_reserve * 100:g} % reserved)"
     source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
         f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
@@ -383,10 +387,11 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "memory per node, a step-time estimate; --longest: the longest seq_len that fits",
         description="Plan CONFIG's memory per rank before launch: parameters, gradients, "
         "master weights, optimizer states, activations, logits/loss, communication buffers, "
-        "against hardware.memory_gib (or --device-memory); host memory per node (offloaded "
-        "activations, staging buffers, checkpoint arrays, processes) against "
-        "hardware.host_memory_gib (or --host-memory); and the step's model FLOPs at "
-        "hardware.peak_tflops and --mfu. Exit 1 when a rank or a node does not fit.",
+        "against hardware.memory_gib (or --device-memory) less hardware.memory_headroom; host "
+        "memory per node (offloaded activations, staging buffers, checkpoint arrays, "
+        "processes) against hardware.host_memory_gib (or --host-memory) less "
+        "hardware.host_memory_reserve; and the step's model FLOPs at hardware.peak_tflops and "
+        "--mfu. Exit 1 when a rank or a node does not fit.",
     )
     plan.add_argument("config", help="YAML run config")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -414,7 +419,8 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "--longest",
         action="store_true",
         help="find the longest data.seq_len (a multiple of the layout's granularity) whose "
-        "plan fits both budgets, everything else as configured",
+        "plan fits both budgets less their margins (and, apart, without them), everything "
+        "else as configured",
     )
     plan.add_argument(
         "--mfu",
@@ -427,8 +433,9 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "--json",
         action="store_true",
         help='print {"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", '
-        '"fits", "host", "features", "step_time"}; with --longest {"longest_seq_len", '
-        '"granularity", "assumed", "limit", "plan", "step_time"}',
+        '"headroom", "usable_budget_bytes", "fits", "host", "features", "step_time"}; with '
+        '--longest {"longest_seq_len", "without_margins_seq_len", "granularity", "assumed", '
+        '"limit", "plan", "step_time"}',
     )
     plan.set_defaults(func=_plan)
     stats = sub.add_parser(

@@ -59,7 +59,7 @@ from flashcp.plan.comms import Communicators, communicators
 from flashcp.plan.features import Features
 from flashcp.plan.forward import forward_moments
 from flashcp.plan.head import InFlight, embedding_moment, head_plan, loss_moments
-from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments, stage_host
+from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments, stage_host, usable
 from flashcp.plan.items import GIB, GPU_FIXED_BYTES, ITEM_DOCS, ITEMS, Moments
 from flashcp.plan.layer import stage_layers
 from flashcp.plan.optimizer import backward_bucket_set, optimizer_moments
@@ -100,7 +100,8 @@ class RankPlan:
 
 @dataclass
 class Plan:
-    """The plan of every rank of a job, and the device budget it is checked against."""
+    """The plan of every rank of a job, and the device budget it is checked against: the
+    device's memory (`budget_bytes`) less the `headroom` kept free (`usable_bytes`)."""
 
     ranks: list[RankPlan]
     budget_bytes: int | None
@@ -112,17 +113,30 @@ class Plan:
     """The host-memory plan (`flashcp.plan.host`), per rank and per node."""
     features: Features = Features()
     """The long-context mechanisms this plan assumed (`flashcp.plan.features`)."""
+    headroom: float = 0.0
+    """Fraction of the device budget kept free (`hardware.memory_headroom`)."""
 
     @property
     def peak(self) -> RankPlan:
         return max(self.ranks, key=lambda r: (r.total_bytes, -r.rank))
 
     @property
+    def usable_bytes(self) -> int | None:
+        """What the plan may fill: the budget less its headroom (None: no budget)."""
+        return usable(self.budget_bytes, self.headroom)
+
+    @property
+    def margin_bytes(self) -> int | None:
+        """What the peak rank leaves of the usable budget (negative: over; None: no
+        budget)."""
+        use = self.usable_bytes
+        return None if use is None else use - self.peak.total_bytes
+
+    @property
     def device_fits(self) -> bool:
-        """Every rank within the device budget (or no budget)."""
-        return self.budget_bytes is None or all(
-            r.total_bytes <= self.budget_bytes for r in self.ranks
-        )
+        """Every rank within the usable device budget (or no budget)."""
+        use = self.usable_bytes
+        return use is None or all(r.total_bytes <= use for r in self.ranks)
 
     @property
     def host_fits(self) -> bool:
@@ -144,9 +158,9 @@ class Plan:
         return [seen[s] for s in sorted(seen)]
 
     def to_json(self) -> dict[str, Any]:
-        """`{"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "fits",
-        "host": HostPlan.to_json(), "features": {non-default Features}}`; `fits` is both
-        budgets'."""
+        """`{"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", "headroom",
+        "usable_budget_bytes", "fits", "host": HostPlan.to_json(), "features": {non-default
+        Features}}`; `fits` is both budgets' (after their margins)."""
         return {
             "ranks": [
                 {
@@ -158,6 +172,8 @@ class Plan:
                 for r in self.ranks
             ],
             "budget_bytes": self.budget_bytes,
+            "headroom": self.headroom,
+            "usable_budget_bytes": self.usable_bytes,
             "fits": self.fits,
             "host": self.host.to_json() if self.host is not None else None,
             "features": self.features.overrides(),
@@ -231,6 +247,7 @@ def plan(
     host_budget_gib: float | None = None,
     features: Features | None = None,
     nnodes: int | None = None,
+    margins: bool = True,
 ) -> Plan:
     """The memory plan of every rank of `cfg` (see the module docstring), device and host.
 
@@ -238,9 +255,14 @@ def plan(
     `hardware.memory_gib` and `host_budget_gib` (per node) to `hardware.host_memory_gib`
     (None: no budget, that side fits); `features` to what `cfg` asks for
     (`flashcp.plan.features.features_of`); `nnodes`: the launch's node count (ranks per node
-    = world / nnodes; default `hardware.gpus_per_node`).
+    = world / nnodes; default `hardware.gpus_per_node`). The budgets keep
+    `hardware.memory_headroom` and `hardware.host_memory_reserve` free; `margins=False`
+    plans against the whole budgets (what fits to the last byte).
     """
     s = setup(cfg, device, features)
+    hw = cfg.hardware
+    headroom = float(hw.memory_headroom) if margins else 0.0
+    reserve = float(hw.host_memory_reserve) if margins else 0.0
     gib = budget_gib if budget_gib is not None else cfg.hardware.memory_gib
     budget = None if gib is None else int(gib * GIB)
     host_gib = host_budget_gib if host_budget_gib is not None else cfg.hardware.host_memory_gib
@@ -278,6 +300,7 @@ def plan(
         host_ranks,
         ranks_per_node(cfg, nnodes),
         None if host_gib is None else int(host_gib * GIB),
+        reserve=reserve,
     )
     return Plan(ranks, budget, s.device, s.compute, s.param_dtype, notes, host_plan,
-                s.features)  # fmt: skip
+                s.features, headroom)  # fmt: skip

@@ -228,7 +228,7 @@ def test_longest_equals_a_linear_scan(features: Features, tiny_cfg: TinyCfg) -> 
 
 
 def test_longest_respects_the_host_budget_and_learned_positions(tiny_cfg: TinyCfg) -> None:
-    cfg = tiny_cfg(parallel={"cp": 2})
+    cfg = tiny_cfg(parallel={"cp": 2}, hardware={"host_memory_reserve": 0})
     f = Features(offload_activations=True)
     host = plan(with_seq_len(cfg, 2000), features=f, device="gpu")
     host_gib = host.host.peak.total_bytes / GIB  # type: ignore[union-attr]
@@ -241,6 +241,72 @@ def test_longest_respects_the_host_budget_and_learned_positions(tiny_cfg: TinyCf
         longest(cfg)  # no device budget
     nothing = longest(cfg, budget_gib=1e-6)
     assert nothing.seq_len == 0 and nothing.plan is None
+
+
+def test_longest_leaves_the_stated_margins(
+    tiny_cfg: TinyCfg, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--longest` answers keep hardware.memory_headroom of the device budget and
+    hardware.host_memory_reserve of the host's free: the answer's peaks are within the
+    budgets less their margins and one granule more is not. Negative control: the answer
+    without the margins is longer, and its peaks eat into them."""
+    f = Features(offload_activations=True)
+    base = tiny_cfg(parallel={"cp": 2})
+    gib = plan(with_seq_len(base, 3000), features=f).peak.total_bytes / GIB
+    cfg = tiny_cfg(parallel={"cp": 2}, hardware={"memory_gib": gib, "memory_headroom": 0.2})
+    found = longest(cfg, features=f)
+    assert found.plan is not None and found.next_plan is not None and found.limit == "device"
+    assert found.plan.peak.total_bytes <= 0.8 * gib * GIB < found.next_plan.peak.total_bytes
+    assert found.plan.margin_bytes is not None and found.plan.margin_bytes >= 0
+    assert found.without_margins is not None and found.without_margins > found.seq_len
+    full = plan(with_seq_len(cfg, found.without_margins), features=f)
+    assert 0.8 * gib * GIB < full.peak.total_bytes <= gib * GIB  # the margin, used up
+    assert full.fits is False and plan(with_seq_len(cfg, found.without_margins),
+                                       features=f, margins=False).fits
+    # the host side: a node's planned host memory within the budget less its reserve
+    host_gib = plan(with_seq_len(base, 3000), features=f).host.peak.total_bytes
+    host_gib /= GIB  # type: ignore[union-attr]
+    roomy = tiny_cfg(parallel={"cp": 2}, hardware={
+        "memory_gib": 10_000, "host_memory_gib": host_gib * 2, "host_memory_reserve": 0.5,
+    })  # fmt: skip
+    held = longest(roomy, features=f)
+    assert held.limit == "host" and held.plan is not None and held.plan.host is not None
+    assert held.plan.host.peak.total_bytes <= host_gib * GIB
+    assert held.without_margins is not None and held.without_margins > held.seq_len
+    # the CLI gives both answers
+    path = ROOT / "configs/glm/tiny_cp2.yaml"
+    over = [f"hardware.memory_gib={gib}", "hardware.memory_headroom=0.2", "model.recompute=full",
+            "train.offload_activations=true"]  # fmt: skip
+    assert cli.main(["plan", str(path), *over, "--longest", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["without_margins_seq_len"] > out["longest_seq_len"] > 0
+    assert out["assumed"]["hardware.memory_headroom"] == 0.2
+    usable = out["plan"]["usable_budget_bytes"]
+    assert usable == int(gib * GIB * 0.8) >= max(r["total_bytes"] for r in out["plan"]["ranks"])
+
+
+def test_validate_and_train_fit_the_budget_less_its_headroom(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config whose peak fits the device memory but not the memory less its headroom is
+    refused by `flashcp validate` and by `flashcp train`'s preflight, naming
+    hardware.memory_headroom; with memory_headroom=0 both accept it (the control)."""
+    from flashcp.launch import preflight
+
+    peak = plan(_load(GLM9B)).peak.total_bytes / GIB
+    budget = f"hardware.memory_gib={peak / 0.97:.3f}"  # 3 % above the peak: < 5 % headroom
+    assert cli.main(["validate", str(GLM9B), budget]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "less 5 % hardware.memory_headroom" in out
+    assert cli.main(["validate", str(GLM9B), budget, "hardware.memory_headroom=0"]) == 0
+    assert "planned peak" in capsys.readouterr().out
+    run = [f"run.output_dir={tmp_path / 'run'}", budget]
+    with pytest.raises(preflight.PreflightError, match="hardware.memory_headroom"):
+        preflight.check_memory(_load(GLM9B, *run))
+    preflight.check_memory(_load(GLM9B, *run, "hardware.memory_headroom=0"))
+    for bad in ("1", "-0.1", "1.5"):
+        assert cli.main(["validate", str(GLM9B), f"hardware.memory_headroom={bad}"]) == 1
+        assert "hardware.memory_headroom: must be a fraction in [0, 1)" in capsys.readouterr().out
 
 
 def test_granularity_is_the_layouts(tiny_cfg: TinyCfg) -> None:

@@ -470,7 +470,9 @@ def test_dpo_reference_copy_only_without_lora(tiny_cfg: TinyCfg) -> None:
 def test_json_shape_and_budget(tiny_cfg: TinyCfg) -> None:
     cfg = tiny_cfg(parallel={"cp": 2}, hardware={"memory_gib": 1.0})
     out = plan(cfg).to_json()
-    assert set(out) == {"ranks", "budget_bytes", "fits", "host", "features"}
+    assert set(out) == {"ranks", "budget_bytes", "headroom", "usable_budget_bytes", "fits",
+                        "host", "features"}  # fmt: skip
+    assert out["headroom"] == 0.05 and out["usable_budget_bytes"] == int(0.95 * GIB)
     assert out["features"] == {}  # no long-context mechanism unless asked for
     assert out["host"]["budget_bytes"] is None and out["host"]["ranks_per_node"] == 2
     assert out["budget_bytes"] == GIB and out["fits"] is True
@@ -569,7 +571,8 @@ def test_cli_validate_refuses_over_budget(
     over.write_text(yaml.safe_dump(raw))
     assert cli.main(["validate", str(over)]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "hardware.memory_gib" in out and "exceeds 96.00 GiB" in out
+    assert "FAIL" in out and "hardware.memory_gib" in out
+    assert "exceeds 91.20 GiB (96.00 GiB less 5 % hardware.memory_headroom)" in out
     fits = tmp_path / "fits.yaml"
     raw["hardware"]["memory_gib"] = 4096
     fits.write_text(yaml.safe_dump(raw))
