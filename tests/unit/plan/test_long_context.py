@@ -4,6 +4,7 @@ mechanisms (offload, residual dtype, tiling, chunked attention, ZeRO-2) as plan 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -431,7 +432,7 @@ def test_tiling_bounds_the_layer_working_set() -> None:
     untiled = plan(cfg, features=Features(offload_activations=True))
     full = untiled.ranks[0].moments["backward: layer"]["layer_working_set"]
     sizes = [work(n) for n in (1024, 4096, 16384)]
-    assert sizes == sorted(sizes) and sizes[-1] < full and sizes[0] < full / 2
+    assert sizes == sorted(sizes) and sizes[-1] < full
     # the MLP's intermediates (4·I per token, bf16) of one tile, not of the 64K local tokens
     mlp = 4 * cfg.model.intermediate_size * 2
     assert full - sizes[0] > (65536 - 1024) * mlp
@@ -447,21 +448,84 @@ def test_chunked_attention_bounds_the_kv_gather() -> None:
     whole = attention_backward_bytes(args, dt, T, S, cp=True)
     assert whole.kv_gather == S * kv * (2 * 2 + 4 * 4)  # K, V in bf16 + 4 float32 [S, kv]
     chunked = attention_backward_bytes(args, dt, T, S, cp=True, query_chunk=8192, kv_chunk=65536)
-    # one key chunk's K, V and one call's dK, dV (bf16), its float32 sums and scatter parts
-    assert chunked.kv_gather == 65536 * kv * (2 * 2 + 2 * 2 + 4 * 4)
+    # one key chunk's K, V and one call's dK, dV (bf16), its float32 sums and scatter parts,
+    # and the local full-length dK, dV (bf16) the chunks' reduce-scatters fill
+    assert chunked.kv_gather == 65536 * kv * (2 * 2 + 2 * 2 + 4 * 4) + 2 * T * kv * 2
     # dO (bf16) and dQ summed over key chunks (float32) stay full-length; the kernel's
-    # scratch (3·q bf16, the GPU's float32 dQ accumulator and D) is per query chunk; at the
-    # end dQ's float32 sum and its bf16 cast coexist
+    # scratch (3·q bf16; on the GPU the float32 dQ accumulator and D of one query chunk, and
+    # FA2's dK/dV expanded to the 32 query heads for one key chunk) is per call; at the end
+    # dQ's float32 sum and its bf16 cast coexist
+    expanded = 2 * 65536 * q * 2
+    assert chunked.scratch == 8192 * (q + 32) * 4 + expanded
     assert chunked.transient == max(
-        T * q * (2 + 4 + 2), T * q * (2 + 4) + 8192 * (3 * q * 2 + (q + 32) * 4)
+        T * q * (2 + 4 + 2), T * q * (2 + 4) + 8192 * (3 * q * 2 + (q + 32) * 4) + expanded
     )
-    assert whole.transient == T * (5 * q * 2 + (q + 32) * 4)
+    assert whole.transient == T * (5 * q * 2 + (q + 32) * 4) + 2 * S * q * 2
     cfg = _load(GLM9B, "data.seq_len=1048576", "model.max_seq_len=1048576",
                 "train.grad_accum=1")  # fmt: skip
     f = Features(offload_activations=True, tile_tokens=4096)
     peaks = [plan(cfg, features=g).peak.total_bytes
              for g in (f, f.with_(query_chunk=8192, kv_chunk=65536))]  # fmt: skip
     assert peaks[1] < peaks[0]
+
+
+def test_chunked_attention_backward_matches_the_allocator() -> None:
+    """The chunked attention backward (`flashcp.attention.allgather_kv_chunked`) allocates
+    the local full-length dK and dV when it starts and fills them chunk by chunk: measured
+    with Paddle's allocator in one process (one rank: the gathers are the local rows), its
+    peak is within 15 % of `attention_backward_bytes` (the incoming dO, allocated before,
+    taken out). Negative control: the plan without the local dK/dV is more than 15 % short."""
+    import paddle
+
+    from flashcp.attention import registry
+    from flashcp.attention.context import AttentionContext
+    from flashcp.metrics.memory import PeakMeter
+    from flashcp.models import preset
+    from flashcp.plan.activations import Dtypes, attention_backward_bytes
+
+    args = preset("small_glm")
+    T, hq, hkv, d = 4096, args.num_heads, args.num_kv_heads, args.head_size
+    rng = np.random.default_rng(0)
+
+    def tensor(heads: int) -> Any:
+        x = rng.standard_normal((1, T, heads, d)).astype(np.float32)
+        return paddle.to_tensor(x, stop_gradient=False)
+
+    q, k, v, dout = tensor(hq), tensor(hkv), tensor(hkv), tensor(hq)
+    mask = masks.causal_mask(1, T)
+    ctx = AttentionContext(mask=mask.indices, causal=True, query_chunk=512, kv_chunk=1024)
+    impl = registry.implementation_for(ctx)
+    plan_ = ctx.plan(impl, q, k, v)
+    out, lse = impl.apply_with_lse(q, k, v, plan_)
+    with PeakMeter() as meter:
+        grads = impl.backward(q, k, v, out, lse, dout, plan_)
+    del grads
+    cost = attention_backward_bytes(args, Dtypes.of("float32", "float32"), T, T, cp=True,
+                                    query_chunk=512, kv_chunk=1024)  # fmt: skip
+    planned = cost.transient + cost.kv_gather - T * hq * d * 4  # dO was there before
+    assert abs(meter.peak_bytes / planned - 1) <= 0.15, (meter.peak_bytes, planned)
+    without = planned - 2 * T * hkv * d * 4
+    assert meter.peak_bytes / without - 1 > 0.15, (meter.peak_bytes, without)
+
+
+def test_attention_backward_scratch_is_paddles_kernels() -> None:
+    """`kernel_backward_scratch`, counted independently from Paddle's grad kernels
+    (paddle/phi/kernels/gpu/flash_attn_grad_kernel.cu, flash_attn_v3_grad_kernel.cu): FA2
+    expands dK/dV to the query heads for grouped KV heads, `[keys, Hq, d]` each in bf16;
+    FA3 keeps float32 accumulators at the KV heads. The larger one counts: FA2's at GLM-4-9B's
+    32/2 heads (1 GiB per 65,536 keys), FA3's rows without grouped heads, nothing on CPU."""
+    from flashcp.plan.activations import Dtypes, kernel_backward_scratch
+
+    args = _load(GLM9B).model
+    gpu = Dtypes.of("bfloat16", "bfloat16", "gpu", "bfloat16")
+    rows, keys = 8192, 65536
+    fa2 = rows * (32 * 128 + 32) * 4 + 2 * keys * 32 * 128 * 2
+    fa3 = rows * (32 * 128 + 64) * 4 + 2 * keys * 2 * 128 * 4
+    assert kernel_backward_scratch(args, gpu, rows, keys) == fa2 > fa3
+    assert 2 * keys * 32 * 128 * 2 == GIB
+    mha = dataclasses.replace(args, num_kv_heads=32)  # no grouped heads: no expansion
+    assert kernel_backward_scratch(mha, gpu, rows, keys) == rows * (32 * 128 + 64) * 4
+    assert kernel_backward_scratch(args, Dtypes.of("float32", "float32"), rows, keys) == 0.0
 
 
 def test_zero2_replaces_full_gradients_with_the_shard() -> None:
