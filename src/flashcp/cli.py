@@ -224,6 +224,15 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     budgets = {"device": args.device, "budget_gib": args.device_memory,
                "host_budget_gib": args.host_memory}  # fmt: skip
+    docs = None
+    if args.docs is not None:
+        from flashcp.plan.documents import load_documents
+
+        try:
+            docs = load_documents(args.docs, cfg)
+        except (ValueError, OSError) as exc:
+            print(f"flashcp plan --docs: {exc}", file=sys.stderr)
+            return 2
     if args.longest:
         try:
             result = longest(cfg, **budgets)
@@ -231,7 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"flashcp plan --longest: {exc}", file=sys.stderr)
             return 2
         at = with_seq_len(cfg, max(result.seq_len, result.granularity))
-        est = estimate(at, mfu=mfu, device=args.device)
+        est = estimate(at, mfu=mfu, device=args.device, docs=docs)
         if args.json:
             print(json.dumps({**result.to_json(), "step_time": est.to_json()}))
         else:
@@ -240,7 +249,7 @@ def _plan(args: argparse.Namespace) -> int:
                 print(format_step_time(est))
         return 0 if result.seq_len else 1
     p = plan(cfg, **budgets)
-    est = estimate(cfg, mfu=mfu, device=args.device)
+    est = estimate(cfg, mfu=mfu, device=args.device, docs=docs)
     if args.json:
         print(json.dumps({**p.to_json(), "step_time": est.to_json()}))
     else:
@@ -390,8 +399,9 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "against hardware.memory_gib (or --device-memory) less hardware.memory_headroom; host "
         "memory per node (offloaded activations, staging buffers, checkpoint arrays, "
         "processes) against hardware.host_memory_gib (or --host-memory) less "
-        "hardware.host_memory_reserve; and the step's model FLOPs at hardware.peak_tflops and "
-        "--mfu. Exit 1 when a rank or a node does not fit.",
+        "hardware.host_memory_reserve; and a step-time estimate: model and executed FLOPs at "
+        "hardware.peak_tflops and --mfu, for one document per row or --docs. Exit 1 when a "
+        "rank or a node does not fit.",
     )
     plan.add_argument("config", help="YAML run config")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -428,6 +438,15 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         default=None,
         help="model-FLOPs utilisation the step-time estimate assumes (default 0.4: stated, "
         "not measured; flashcp.plan.steptime.DEFAULT_MFU)",
+    )
+    plan.add_argument(
+        "--docs",
+        default=None,
+        metavar="SAMPLE",
+        help="the documents packed into each row, for the step-time estimate (default: one "
+        "causal document per row): a data sample in the config's format (JSON Lines / "
+        "Parquet, tokenized as training would), a file of document lengths (.txt, or .json: "
+        "a list or a `flashcp data-stats --json` report), or a built-in mix (long_tail, chat)",
     )
     plan.add_argument(
         "--json",

@@ -342,19 +342,43 @@ def format_host(p: Plan) -> list[str]:
 
 
 def format_step_time(est: Any) -> str:
-    """The step-time estimate (`flashcp.plan.steptime.StepTime`) as a few lines."""
-    lines = ["", f"step time: {est.flops / 1e15:,.1f} PFLOP of model FLOPs per step (causal "
-                 f"attention), {est.flops_per_device / 1e15:,.2f} PFLOP per device"]  # fmt: skip
+    """The step-time estimate (`flashcp.plan.steptime.StepTime`) as a few lines: model and
+    executed FLOPs, the MFU stated and the hardware utilisation it implies, and the busiest
+    stage's parts per micro-batch, which add up to the step."""
+    lines = [
+        "",
+        f"step time: {_flop(est.flops)} of model FLOPs per step ({_flop(est.flops_per_device)} "
+        f"per device), {est.documents}: a token attends {est.keys:,.0f} keys on average; "
+        f"executed {_flop(est.executed_per_device)} per device ({est.executed_over_model:.2f}× "
+        "the model FLOPs: recompute, tile re-runs, the attention backward at 2.5× its "
+        "forward, the chunked loss's re-run)",
+    ]
     if est.seconds_at_peak is None:
         lines.append("  no time estimate: set hardware.peak_tflops (TFLOP/s per device)")
         return "\n".join(lines)
     bubble = f", the pipeline idle {est.bubble:.0%} of it" if est.stages > 1 else ""
+    reach = "" if est.hfu <= 1 else " — more than the hardware can: lower --mfu"
     lines.append(
-        f"  at {est.peak_tflops:g} TFLOP/s per device: >= {_duration(est.seconds_at_peak)} "
-        f"at 100 %, ~{_duration(est.seconds)} at {est.mfu:.0%} MFU (stated, not measured)"
+        f"  at {est.peak_tflops:g} TFLOP/s per device and {_pct(est.mfu)} MFU (stated, not "
+        f"measured), i.e. {_pct(round(est.hfu, 2))} of the peak in executed FLOPs{reach}: "
+        f"~{_duration(est.seconds)} (>= {_duration(est.seconds_at_peak)} at 100 % MFU)"
         f"{bubble}"
     )
-    copies = [x for x in est.layers if x.copy_bytes]
+    layers = est.layers
+    others = [x for x in est.parts if x.index is None]
+    if layers:
+        first, last = layers[0], layers[-1]
+        span = f"{first.name}-{last.name.split()[-1]}" if len(layers) > 1 else first.name
+        lines.append(
+            f"  per micro-batch on the busiest stage's ranks: {span}: forward "
+            f"{_duration(first.forward_s)}, backward {_duration(first.backward_s)} each"
+            + (" (layer 0's; they differ)" if len({round(x.seconds, 9) for x in layers}) > 1
+               else "")
+            + "".join(f"; {x.name} {_duration(x.seconds)}" for x in others)
+            + f"; × {est.micro_batches} micro-batch{'es' if est.micro_batches > 1 else ''} = "
+            f"{_duration(est.micro_batches * sum(x.seconds for x in est.parts))}"
+        )  # fmt: skip
+    copies = [x for x in layers if x.copy_bytes]
     if copies:
         x = copies[0]
         if x.copy_s is None:
@@ -366,10 +390,17 @@ def format_step_time(est: Any) -> str:
             lines.append(
                 f"  offload: {x.copy_bytes / 2**20:,.0f} MiB per layer each way at "
                 f"{est.link_gb_per_s:g} GB/s = {_duration(x.copy_s)}, vs the layer's forward "
-                f"{_duration(x.forward_s)} / backward {_duration(x.backward_s)} at "
-                f"{est.mfu:.0%} MFU: {verdict}"
+                f"{_duration(x.forward_s)} / backward {_duration(x.backward_s)}: {verdict}"
             )
     return "\n".join(lines)
+
+
+def _flop(n: float) -> str:
+    """FLOPs with a unit that keeps them readable: "2,189.3 PFLOP", "4.1 GFLOP"."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e6:,.1f} MFLOP"
 
 
 def _duration(seconds: float | None) -> str:

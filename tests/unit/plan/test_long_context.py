@@ -382,6 +382,94 @@ def test_step_time_is_the_mfu_formula_with_causal_attention() -> None:
     assert 3 * (layers + head) == pytest.approx(per_token, rel=1e-12)
 
 
+@pytest.mark.parametrize("overrides", [(), ("parallel.pp=2", "train.grad_accum=4",
+                                             "parallel.pp_layers=null")])
+def test_step_time_parts_add_up_to_the_step(overrides: tuple[str, ...]) -> None:
+    """One basis: the busiest stage's parts (layers, head), per micro-batch, add up to the
+    stage's compute and, with one stage, to the step; their model FLOPs over every rank add up
+    to the `mfu` metric's count, their executed FLOPs to the executed total. The step is the
+    model FLOPs per device at peak × MFU (pp = 1)."""
+    cfg = _load(GLM9B, "hardware.peak_tflops=148", *overrides)
+    est = estimate(cfg, mfu=0.4)
+    micro, ranks = cfg.train.grad_accum, cfg.parallel.dp * cfg.parallel.cp
+    parts_s = micro * sum(x.forward_s + x.backward_s for x in est.parts)
+    assert parts_s == pytest.approx(est.compute_s, rel=1e-12)
+    seq = cfg.data.seq_len
+    tokens = cfg.parallel.dp * micro * seq
+    assert est.flops == pytest.approx(flops_per_token(cfg.model, seq, keys=(seq + 1) / 2)
+                                      * tokens, rel=1e-12)  # fmt: skip
+    assert est.executed == pytest.approx(sum(est.stage_executed) * ranks, rel=1e-12)
+    if cfg.parallel.pp == 1:
+        assert sum(x.model_flops for x in est.parts) * micro * ranks == pytest.approx(est.flops)
+        assert est.seconds == pytest.approx(parts_s, rel=1e-12)
+        assert est.seconds == pytest.approx(est.flops / 8 / (148e12 * 0.4), rel=1e-12)
+        assert est.hfu == pytest.approx(0.4 * est.executed / est.flops)
+    else:  # the busiest stage sets the pace, the bubble stretches it
+        assert est.seconds == pytest.approx(parts_s / (1 - est.bubble), rel=1e-12)
+        assert est.seconds > est.flops / est.devices / (148e12 * 0.4)
+
+
+def test_executed_flops_count_recompute_tiles_and_the_attention_backward() -> None:
+    """Independent count for one layer and the head of GLM-4-9B's full fine-tune at 4M tokens
+    (full recompute, tiles, chunked loss): forward F, backward 2 F for the matmuls and 2.5 F
+    for attention, recompute's F again, tiling's third matmul forward, the chunked loss's
+    head again. Executed ≈ 1.5× the model FLOPs at 4M, where attention is nearly all of it."""
+    cfg = _load(ROOT / "configs/glm/glm4_9b_sft_4m_cp8.yaml")
+    est = estimate(cfg)
+    args, T, S = cfg.model, cfg.data.seq_len // 8, cfg.data.seq_len
+    h, q, kv, i = args.hidden_size, args.num_heads * args.head_size, 256, args.intermediate_size
+    w = h * (q + 2 * kv) + q * h + 3 * h * i
+    mm, att = 2 * w * T, 4 * q * T * (S + 1) / 2
+    layer = est.parts[0]
+    assert layer.forward_flops == pytest.approx(mm + att, rel=1e-12)
+    assert layer.backward_flops == pytest.approx(2 * mm + 2.5 * att + (mm + att) + mm, rel=1e-12)
+    assert layer.model_flops == pytest.approx(3 * mm + 3 * att, rel=1e-12)
+    head = est.parts[-1]
+    f_head = 2 * args.vocab_size * h * T
+    assert head.name == "head" and head.backward_flops == pytest.approx(3 * f_head, rel=1e-12)
+    assert 1.45 < est.executed_over_model < 1.55
+    # negative control: without recompute and tiling the backward is 2 F + 2.5 F
+    plain = estimate(_load(GLM9B, "model.recompute=none")).parts[0]
+    assert plain.backward_flops / plain.forward_flops < layer.backward_flops / layer.forward_flops
+
+
+def test_document_structure_sets_the_attention_work(tmp_path: Path) -> None:
+    """Packed documents attend within themselves: `DocumentMix` counts each packed row's
+    visible pairs as the mask of that row does (`mask_pairs` of its causal-document mask);
+    documents longer than the row are cut. `--docs` takes lengths from a file or a data
+    sample, and the step it estimates is a fraction of one 4M-token document's."""
+    from flashcp.plan.documents import DocumentMix, keys_per_token
+
+    row = 1000
+    mix = DocumentMix(np.array([300, 500, 200, 700, 300]))
+    # the sample laid end to end, cut at 1000: rows [300, 500, 200], [700, 300]
+    pieces = [[300, 500, 200], [700, 300]]
+    want = np.mean([attended_keys(masks.causal_document_mask(p)) for p in pieces])
+    got = mix.keys_per_token(row)
+    assert got == pytest.approx(want, rel=0.15)  # the shuffled order packs alike on average
+    long = DocumentMix(np.array([5000]))
+    assert long.keys_per_token(row) == causal_keys(row)  # cut into whole rows
+    assert keys_per_token(None, row) == causal_keys(row)
+    cfg = _load(ROOT / "configs/glm/glm4_9b_sft_4m_cp8.yaml")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text(" ".join(["4096"] * 2048))
+    from flashcp.plan.documents import read_lengths
+
+    packed = estimate(cfg, docs=read_lengths(lengths))
+    assert packed.keys == pytest.approx(4097 / 2, rel=1e-6)
+    assert packed.seconds < estimate(cfg).seconds / 50  # type: ignore[operator]
+    assert cli.main(["plan", str(ROOT / "configs/glm/tiny_cp2.yaml"), "--json",
+                     "--docs", str(lengths)]) == 0  # fmt: skip
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "x" * n}) for n in (10, 50, 90)) + "\n")
+    from flashcp.plan.documents import load_documents
+
+    sample = load_documents(str(data), _load(ROOT / "configs/glm/tiny_cp2.yaml"))
+    assert sorted(sample.lengths.tolist()) == [12, 52, 92]  # bytes + BOS + EOS
+    with pytest.raises(ValueError, match="not a built-in mix"):
+        load_documents(str(tmp_path / "missing"), cfg)
+
+
 def test_offload_copies_against_the_host_link() -> None:
     cfg = _load(GLM9B, "hardware.peak_tflops=148", "hardware.host_link_gb_per_s=32")
     f = Features(offload_activations=True, residual_dtype="bfloat16")
