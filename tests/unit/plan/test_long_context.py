@@ -470,6 +470,35 @@ def test_document_structure_sets_the_attention_work(tmp_path: Path) -> None:
         load_documents(str(tmp_path / "missing"), cfg)
 
 
+def test_document_sources(tmp_path: Path) -> None:
+    """`--docs` sources: a JSON list, a `flashcp data-stats --json` report (its rows'
+    segments), DPO preference pairs (whole examples with their share-question pairs, fewer
+    than causal), a built-in mix; bad input is refused naming the file."""
+    from flashcp.plan.documents import load_documents, mix, read_lengths
+
+    listed = tmp_path / "lengths.json"
+    listed.write_text("[100, 300]")
+    assert read_lengths(listed).lengths.tolist() == [100, 300]
+    report = tmp_path / "stats.json"
+    report.write_text(json.dumps({"steps": [{"ranks": [{"micro_batches": [
+        {"rows": [[10, 20], [30]]}]}]}]}))  # fmt: skip
+    assert read_lengths(report).lengths.tolist() == [10, 20, 30]
+    for bad, text in ((listed, '{"a": 1}'), (tmp_path / "x.txt", "12 twelve")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=str(bad.name)):
+            read_lengths(bad)
+    dpo_cfg = _load(ROOT / "configs/glm/tiny_dpo_lora_cp2.yaml")
+    pairs = load_documents(str(ROOT / "src/flashcp/data/dpo_default.jsonl"), dpo_cfg)
+    assert pairs.pairs is not None and len(pairs.pairs) == len(pairs.lengths)
+    causal = load_documents(str(ROOT / "src/flashcp/data/dpo_default.jsonl"), dpo_cfg)
+    object.__setattr__(causal, "pairs", None)  # the same examples as causal documents
+    row = dpo_cfg.data.seq_len
+    assert pairs.keys_per_token(row) < causal.keys_per_token(row)
+    assert load_documents("chat", dpo_cfg).name.startswith("chat mix")
+    with pytest.raises(ValueError, match="unknown document mix"):
+        mix("nope")
+
+
 def test_offload_copies_against_the_host_link() -> None:
     cfg = _load(GLM9B, "hardware.peak_tflops=148", "hardware.host_link_gb_per_s=32")
     f = Features(offload_activations=True, residual_dtype="bfloat16")
