@@ -693,11 +693,12 @@ def kernel_backward_scratch(args: ModelArgs, dt: Dtypes, rows: int, keys: int) -
       `[Hq, rows]`; with grouped KV heads (Hq ≠ Hkv) `dk_tmp` and `dv_tmp` of shape
       `[keys, Hkv, Hq/Hkv, d]` in the compute dtype — dK and dV expanded to every query head,
       summed over each group after the kernel (`kvReduceBatchedForGQA` / `SumKernel`);
-    * FA3 and FlashMask v2 (`FlashAttnV3GradBaseKernel` in
-      paddle/phi/kernels/gpu/flash_attn_v3_grad_kernel.cu; PaddlePaddle/flash-attention
-      csrc/flashmask_v2): float32 `dq_accum`, `softmax_d` and `softmax_lse_log2`, and for
-      grouped KV heads float32 `dk_accum` / `dv_accum` `[Hkv, keys, d]` — GQA is folded into
-      the kernel, the accumulators stay at the KV heads.
+    * FA3 and FlashMask v2 (`FlashAttnV3GradBaseKernel` and `FlashMaskV2GradBaseKernel` in
+      paddle/phi/kernels/gpu/flash_attn_v3_grad_kernel.cu, over the kernels of
+      PaddlePaddle/flash-attention csrc/flashmask_v2): float32 `dq_accum`, `softmax_d` and
+      `softmax_lse_log2`, and for grouped KV heads float32 `dk_accum` / `dv_accum`
+      `[Hkv, keys, d]` — GQA is folded into the kernel, the accumulators stay at the KV
+      heads.
 
     At GLM-4-9B's 32 query and 2 KV heads the FA2 expansion is 16 KiB per key (1 GiB for a
     65,536-key chunk), FA3's accumulators 2 KiB."""

@@ -135,8 +135,9 @@ def longest(
     found = _search(cfg, device, gib, host_budget_gib, f, nnodes, margins)
     hw = cfg.hardware
     if margins and (hw.memory_headroom or hw.host_memory_reserve):
-        found.without_margins = _search(cfg, device, gib, host_budget_gib, f, nnodes,
-                                        False).seq_len  # fmt: skip
+        start = found.seq_len // found.granularity  # fits without the margins too
+        found.without_margins = _search(cfg, device, gib, host_budget_gib, f, nnodes, False,
+                                        start).seq_len  # fmt: skip
     return found
 
 
@@ -148,8 +149,10 @@ def _search(
     f: Features,
     nnodes: int | None,
     margins: bool,
+    start: int = 1,
 ) -> Longest:
-    """`longest`'s search at one setting of the margins."""
+    """`longest`'s search at one setting of the margins, doubling from `start` granules (a
+    length known to fit: the answer with margins, for the search without them)."""
     step = granularity(cfg)
     cap = SEARCH_LIMIT
     capped = cfg.model.uses_learned_positions
@@ -166,7 +169,7 @@ def _search(
 
     best: tuple[int, Plan] | None = None
     bad: tuple[int, Plan] | None = None
-    k = 1
+    k = max(1, start)
     while k * step <= cap:
         p = attempt(k * step)
         if not p.fits:

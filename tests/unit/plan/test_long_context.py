@@ -260,6 +260,7 @@ def test_longest_leaves_the_stated_margins(
     assert found.plan.peak.total_bytes <= 0.8 * gib * GIB < found.next_plan.peak.total_bytes
     assert found.plan.margin_bytes is not None and found.plan.margin_bytes >= 0
     assert found.without_margins is not None and found.without_margins > found.seq_len
+    assert found.without_margins == longest(cfg, features=f, margins=False).seq_len
     full = plan(with_seq_len(cfg, found.without_margins), features=f)
     assert 0.8 * gib * GIB < full.peak.total_bytes <= gib * GIB  # the margin, used up
     assert full.fits is False and plan(with_seq_len(cfg, found.without_margins),
