@@ -356,7 +356,7 @@ def format_step_time(est: Any) -> str:
     if est.seconds_at_peak is None:
         lines.append("  no time estimate: set hardware.peak_tflops (TFLOP/s per device)")
         return "\n".join(lines)
-    bubble = f", the pipeline idle {est.bubble:.0%} of it" if est.stages > 1 else ""
+    bubble = f", the pipeline idle {_pct(round(est.bubble, 2))} of it" if est.stages > 1 else ""
     reach = "" if est.hfu <= 1 else " — more than the hardware can: lower --mfu"
     lines.append(
         f"  at {est.peak_tflops:g} TFLOP/s per device and {_pct(est.mfu)} MFU (stated, not "
@@ -364,19 +364,19 @@ def format_step_time(est: Any) -> str:
         f"~{_duration(est.seconds)} (>= {_duration(est.seconds_at_peak)} at 100 % MFU)"
         f"{bubble}"
     )
-    layers = est.layers
-    others = [x for x in est.parts if x.index is None]
+    layers = [x for x in est.parts if x.name.startswith("layer ")]
+    others = [x for x in est.parts if not x.name.startswith("layer ")]
     if layers:
         first, last = layers[0], layers[-1]
-        span = f"{first.name}-{last.name.split()[-1]}" if len(layers) > 1 else first.name
+        span = f"layers {first.index}-{last.index}" if len(layers) > 1 else first.name
+        differ = len({round(x.seconds, 9) for x in layers}) > 1
         lines.append(
             f"  per micro-batch on the busiest stage's ranks: {span}: forward "
             f"{_duration(first.forward_s)}, backward {_duration(first.backward_s)} each"
-            + (" (layer 0's; they differ)" if len({round(x.seconds, 9) for x in layers}) > 1
-               else "")
+            + (f" ({first.name}'s; they differ)" if differ else "")
             + "".join(f"; {x.name} {_duration(x.seconds)}" for x in others)
             + f"; × {est.micro_batches} micro-batch{'es' if est.micro_batches > 1 else ''} = "
-            f"{_duration(est.micro_batches * sum(x.seconds for x in est.parts))}"
+            f"{_duration(est.micro_batches * sum(x.seconds for x in est.parts))} of compute"
         )  # fmt: skip
     copies = [x for x in layers if x.copy_bytes]
     if copies:
