@@ -396,6 +396,9 @@ def test_step_time_parts_add_up_to_the_step(overrides: tuple[str, ...]) -> None:
     micro, ranks = cfg.train.grad_accum, cfg.parallel.dp * cfg.parallel.cp
     parts_s = micro * sum(x.forward_s + x.backward_s for x in est.parts)
     assert parts_s == pytest.approx(est.compute_s, rel=1e-12)
+    from flashcp.plan.report import _duration, format_step_time
+
+    assert f"= {_duration(parts_s)} of compute" in format_step_time(est)
     seq = cfg.data.seq_len
     tokens = cfg.parallel.dp * micro * seq
     assert est.flops == pytest.approx(flops_per_token(cfg.model, seq, keys=(seq + 1) / 2)
