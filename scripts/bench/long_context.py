@@ -14,9 +14,16 @@ memory of `HARDWARE`), searched over:
 * the model-per-node side: the fewest GPUs on which GLM-4.5-Air's full fine-tune fits at its
   shipped 64K tokens, over pp × cp × ep layouts.
 
-Each answer carries the plan's peaks, what stopped it (device or host budget, and the item),
-and a step-time estimate at that length (`flashcp.plan.steptime`: model FLOPs with causal
-attention at the H20's peak and a stated MFU). Writes `--json` (default
+Every answer leaves the plan's margins free (`hardware.memory_headroom` of each GPU,
+`hardware.host_memory_reserve` of the host) and also says what fits without them. Each carries
+the plan's peaks, what stopped it (device or host budget, and the item), and a step-time
+estimate at that length (`flashcp.plan.steptime`: executed FLOPs at the utilisation a stated
+MFU implies, for one causal document per row and for rows packed from the long-tail mix of
+`flashcp.data.mixes`).
+
+The practical-lengths side: for each model row in its best "after" layout, the plan and the
+step time at 128K … 4M tokens, and the lengths at which a step takes about one minute and
+ten minutes. Writes `--json` (default
 docs/long_context.json) and the page rendered from it alone (`--markdown`, default
 docs/long_context.md); `--report-only` re-renders the page.
 
@@ -42,12 +49,15 @@ HARDWARE = {
     "gpus_per_node": 8,
     "peak_tflops": 148.0,
     "host_link_gb_per_s": 32.0,
+    "memory_headroom": 0.05,
+    "host_memory_reserve": 0.1,
 }
 """One 8×H20 node as the page plans it. 96 GiB HBM3 and 148 dense bf16 TFLOP/s per H20
 (NVIDIA's H20 specification); host memory 1.9 TB (1769 GiB), what ALST's H100 nodes had, so
 the comparison assumes the same host; host link 32 GB/s per GPU per direction: PCIe Gen5 x16
 gives 63 GB/s, halved because on HGX-style boards two GPUs share a PCIe switch's uplink to
-the CPU when all offload at once."""
+the CPU when all offload at once. The margins are the config defaults
+(`flashcp.config.schema.HardwareConfig`), stated here so the page says what it assumed."""
 MFU = 0.4
 """The model-FLOPs utilisation the step times assume (stated, not measured)."""
 TARGET = 4_194_304
@@ -101,15 +111,22 @@ ALST = {
 """ALST's published figures and what they assume (`--report-only` re-renders them)."""
 
 
-AFTER = (
-    "train.offload_activations=true",
-    "model.residual_dtype=bfloat16",
-    "model.tile_tokens=4096",
-    "attention.query_chunk=16384",
-    "attention.kv_chunk=65536",
-)
-"""The long-context mechanisms of the "after" column, as config overrides (ZeRO-2 added where
-the optimizer is sharded: `after_overrides`)."""
+def _after() -> tuple[str, ...]:
+    from flashcp.plan.features import AFTER as FEATURES
+    from flashcp.plan.features import as_overrides
+
+    return tuple(o for o in as_overrides(FEATURES) if not o.startswith("parallel.shard_gradients"))
+
+
+AFTER = _after()
+"""The long-context mechanisms of the "after" column (`flashcp.plan.features.AFTER`), as config
+overrides (ZeRO-2 added where the optimizer is sharded: `after_overrides`)."""
+LENGTHS = (131072, 262144, 524288, 1048576, 2097152, 4194304)
+"""The practical-lengths table's sequence lengths."""
+STEP_TARGETS = (60.0, 600.0)
+"""The step times (s) whose lengths the practical-lengths table gives."""
+MIX = "long_tail"
+"""The packed mix of the step times beside one document per row (`flashcp.plan.documents`)."""
 PER_NODE_AFTER = (
     "train.offload_activations=true",
     "model.residual_dtype=bfloat16",
@@ -181,11 +198,13 @@ def answer(cfg: Any, overrides: list[str]) -> dict[str, Any] | None:
     p = found.plan
     at = with_seq_len(new, found.seq_len)
     est = estimate(at, mfu=MFU)
+    mixed = estimate(at, mfu=MFU, docs=_mix())
     limit = found.to_json()["limit"]
     host = p.host.peak if p.host is not None else None
     return {
         **head,
         "longest_seq_len": found.seq_len,
+        "without_margins_seq_len": found.without_margins,
         "granularity": found.granularity,
         "limit": limit,
         "device_peak_gib": p.peak.total_bytes / GIB,
@@ -195,9 +214,69 @@ def answer(cfg: Any, overrides: list[str]) -> dict[str, Any] | None:
         "host_items_gib": {k: v / GIB for k, v in host.items.items() if v} if host else {},
         "step_seconds": est.seconds,
         "step_seconds_at_peak": est.seconds_at_peak,
+        "step_hfu": est.hfu,
+        "executed_over_model": est.executed_over_model,
+        "step_seconds_mix": mixed.seconds,
         "copy_hidden": est.copy_hidden,
         "plans": found.plans,
     }
+
+
+def _mix() -> Any:
+    from flashcp.plan.documents import mix
+
+    return mix(MIX)
+
+
+def practical(spec: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The practical-lengths rows of one model (`row`: its `longest_row`) in its best "after"
+    layout: the plan and the step time (one document; the long-tail mix) at each of
+    `LENGTHS`, and the lengths at which a step takes `STEP_TARGETS` seconds."""
+    from flashcp.config import load_config
+    from flashcp.plan import GIB, plan
+    from flashcp.plan.longest import granularity, with_seq_len
+    from flashcp.plan.steptime import estimate
+
+    cfg = load_config(ROOT / spec["config"], [*spec["overrides"], *_hardware_overrides()],
+                      allow_placeholders=True)  # fmt: skip
+    new = _variant(cfg, row["after"]["overrides"])
+    assert new is not None
+    step, docs = granularity(new), _mix()
+    longest = row["after"]["longest_seq_len"]
+    lengths = []
+    for n in LENGTHS:
+        at = with_seq_len(new, n)
+        p = plan(at)
+        lengths.append({
+            "seq_len": n,
+            "fits": p.fits,
+            "device_peak_gib": p.peak.total_bytes / GIB,
+            "margin_gib": (p.margin_bytes or 0) / GIB,
+            "host_peak_gib": p.host.peak.total_bytes / GIB if p.host is not None else None,
+            "step_seconds": estimate(at, mfu=MFU).seconds,
+            "step_seconds_mix": estimate(at, mfu=MFU, docs=docs).seconds,
+        })  # fmt: skip
+
+    def seconds(n: int, mixed: bool) -> float:
+        at = with_seq_len(new, n)
+        out = estimate(at, mfu=MFU, docs=docs if mixed else None).seconds
+        assert out is not None
+        return out
+
+    targets = []
+    for target in STEP_TARGETS:
+        for mixed in (False, True):
+            lo, hi = 1, 1  # granules: seconds(lo) <= target < seconds(hi)
+            while seconds(hi * step, mixed) <= target and hi * step < 2**31:
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if seconds(mid * step, mixed) <= target else (lo, mid)
+            n = lo * step
+            targets.append({"seconds": target, "documents": MIX if mixed else "one",
+                            "seq_len": n, "fits": n <= longest})  # fmt: skip
+    return {"name": row["name"], "layout": row["after"]["layout"], "longest_seq_len": longest,
+            "lengths": lengths, "targets": targets}  # fmt: skip
 
 
 def longest_row(spec: dict[str, Any]) -> dict[str, Any]:
@@ -344,6 +423,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({row['before']['layout']}), after {row['after']['longest_seq_len']:,} "
               f"({row['after']['layout']})", flush=True)  # fmt: skip
         rows.append(row)
+    lengths = [practical(spec, row) for spec, row in zip(ROWS, rows, strict=True)]
+    for x in lengths:
+        print(f"{x['name']}: ~1 min / ~10 min per step at "
+              + ", ".join(f"{t['seq_len']:,} ({t['documents']})" for t in x["targets"]),
+              flush=True)  # fmt: skip
     per_node = model_per_node()
     print(f"{per_node['name']}: before {per_node['before']}, after {per_node['after']}")
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])
@@ -354,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "after_overrides": list(AFTER),
         "per_node_after_overrides": list(PER_NODE_AFTER),
         "rows": rows,
+        "practical": lengths,
+        "mix": MIX,
         "model_per_node": per_node,
         "alst": ALST,
         "commit": _commit(),

@@ -362,10 +362,123 @@ def gpu_plans() -> list[dict[str, Any]]:
             "fits": p.fits,
             "peak_bytes": p.peak.total_bytes,
             "budget_bytes": p.budget_bytes,
+            "usable_bytes": p.usable_bytes,
             "stages": stages,
             "fit_options": [o.to_json() for o in options],
         })  # fmt: skip
     return out
+
+
+# -- a published run beside the plan -------------------------------------------------------------
+
+TORCHTITAN = {
+    "source": "pytorch/torchtitan docs/performance.md, Table 2 (FSDP + CP + torch.compile + "
+    "Float8; the page was replaced by benchmarks/ in commit 820504e2, 2025-06-13; its versions "
+    "table: torch 1963fc8, torchao eab345c, torchtitan 9dec370, December 2024)",
+    "model": "Llama-3.1-8B",
+    "gpus": 8,
+    "seq_len": 262144,
+    "memory_gib": 84.5,
+    "tokens_per_s_per_gpu": 548,
+    "hardware": "8 × H100 with 96 GB HBM2e each (Grand Teton, 500 W power limit)",
+    "peak_tflops": 989.0,
+    "memory_metric": "max reserved memory of PyTorch's caching allocator "
+    "(`reserved_bytes.all.peak`, torchtitan/metrics.py at 9dec370), read at iteration 90",
+}
+"""torchtitan's published Llama-3.1-8B CP 8 row (a run), and what its memory figure measures."""
+LLAMA_8B = (
+    "model.hidden_size=4096", "model.num_layers=32", "model.num_heads=32",
+    "model.num_kv_heads=8", "model.head_dim=128", "model.intermediate_size=14336",
+    "model.vocab_size=128256", "model.max_seq_len=262144", "model.rotary_base=500000",
+    "model.partial_rotary_factor=1.0", "model.qkv_bias=false",
+)  # fmt: skip
+"""Llama-3.1-8B's shapes in flashcp's GLM architecture (torchtitan's `llama3` "8B" flavour:
+dim 4096, 32 layers, 32/8 heads, FFN 14336, vocabulary 128,256, RoPE θ 500,000)."""
+TORCHTITAN_CLOSEST = (
+    "parallel.dp=1", "parallel.pp=1", "parallel.cp=8", "data.seq_len=262144",
+    "data.micro_batch_size=1", "train.grad_accum=1", "model.recompute=full",
+    "train.param_dtype=bfloat16", "parallel.shard_optimizer=true",
+    "parallel.shard_gradients=true", "train.loss_chunk_tokens=0", "hardware.peak_tflops=989",
+)  # fmt: skip
+"""flashcp's closest settings to torchtitan's row: CP 8 over the node, one 262,144-token
+sequence per step, full recompute, ZeRO-2 (FSDP shards the parameters too: ZeRO-3, which
+flashcp does not have), the loss over the whole logits (torchtitan's `cross_entropy` on
+`pred.float()`)."""
+TORCHTITAN_DIFFERENCES = (
+    ("model", "Llama-3.1-8B: 2 RMSNorms per layer, no q/k/v bias, full RoPE",
+     "GLM-4 layer at Llama's shapes: 4 RMSNorms per layer (sandwich), q/k/v bias off, "
+     "full RoPE (partial_rotary_factor 1.0); 8.03B parameters either way"),
+    ("parameters", "FSDP2 over the 8 ranks (dp_shard × cp mesh): float32 parameters, "
+     "gradients and AdamW state all sharded (ZeRO-3); bf16 copies of one layer gathered "
+     "at a time", "bf16 parameters whole on every rank (15 GiB); float32 gradients, masters "
+     "and moments sharded over the 8 ranks (ZeRO-2)"),
+    ("matmuls", "Float8 (torchao) for the linear layers, torch.compile per block",
+     "bf16 (Paddle O1 autocast), eager"),
+    ("attention", "PyTorch context_parallel: SDPA ring attention, K/V all-gathered "
+     "(rotate allgather), head-tail load balance", "FlashMask all-gather-KV, dual-chunk "
+     "balance (the same chunks), the GPU kernels' own buffers planned"),
+    ("activations", "full activation checkpointing", "model.recompute: full"),
+    ("loss", "cross-entropy over the whole float32 logits", "train.loss_chunk_tokens: 0 (the "
+     "closest); chunks of 2,048 tokens shown as well"),
+    ("memory figure", "max reserved by the caching allocator (allocated plus its cached "
+     "free blocks; no CUDA context, no NCCL buffers)", "planned peak: tensors plus 5 % "
+     "allocator slack, 1 GiB CUDA context and the NCCL communicators"),
+    ("hardware", "H100, 96 GB HBM2e, 500 W", "planned for 8 × 80 GB (the common H100) and "
+     "for torchtitan's 96 GB, each less the 5 % headroom"),
+)  # fmt: skip
+"""(setting, torchtitan, flashcp) — every difference between the two rows."""
+
+
+def torchtitan_check() -> dict[str, Any]:
+    """flashcp's plan and step-time estimate of a Llama-3.1-8B-shaped model at torchtitan's
+    row's settings (`TORCHTITAN_CLOSEST`), beside the published figures."""
+    from flashcp.config import load_config
+    from flashcp.metrics.flops import causal_keys, flops_per_token
+    from flashcp.models import estimate_parameters
+    from flashcp.plan import GIB, plan
+    from flashcp.plan.steptime import DEFAULT_MFU, estimate
+
+    t = TORCHTITAN
+    rows = []
+    variants = (("closest", ()), ("loss chunks of 2,048", ("train.loss_chunk_tokens=2048",)))
+    for name, extra in variants:
+        cfg = load_config(ROOT / "configs/glm/glm4_9b_cp8.yaml",
+                          [*LLAMA_8B, *TORCHTITAN_CLOSEST, *extra], allow_placeholders=True)
+        fits = {}
+        for gb in (80, 96):
+            p = plan(cfg, budget_gib=gb * 1e9 / GIB)
+            fits[str(gb)] = {"fits": p.fits, "usable_gib": (p.usable_bytes or 0) / GIB}
+        peak = p.peak
+        est = estimate(cfg, mfu=DEFAULT_MFU)
+        assert est.seconds is not None
+        rows.append({
+            "name": name,
+            "overrides": list(extra),
+            "peak_gib": peak.total_bytes / GIB,
+            "tensor_gib": (peak.total_bytes - peak.items["fixed_overhead"]
+                           - peak.items["nccl_communicators"]) / GIB,
+            "moment": peak.moment,
+            "items_gib": {k: v / GIB for k, v in peak.items.items() if v},
+            "fits": fits,
+            "step_seconds": est.seconds,
+            "tokens_per_s_per_gpu": t["seq_len"] / est.seconds / t["gpus"],
+            "hfu": est.hfu,
+        })  # fmt: skip
+    per_token = flops_per_token(cfg.model, t["seq_len"], keys=causal_keys(t["seq_len"]))
+    full = flops_per_token(cfg.model, t["seq_len"])
+    return {
+        **t,
+        "params": estimate_parameters(cfg.model),
+        "model_overrides": list(LLAMA_8B),
+        "overrides": list(TORCHTITAN_CLOSEST),
+        "differences": [list(d) for d in TORCHTITAN_DIFFERENCES],
+        "mfu": DEFAULT_MFU,
+        "rows": rows,
+        # the MFU the published throughput is, counted as flashcp counts (causal pairs) and
+        # as torchtitan counts (every key: 12·L·H·d·S per token)
+        "published_mfu_causal": t["tokens_per_s_per_gpu"] * per_token / (t["peak_tflops"] * 1e12),
+        "published_mfu_full": t["tokens_per_s_per_gpu"] * full / (t["peak_tflops"] * 1e12),
+    }
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -511,6 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for case in data["cases"]:
         replan(case)
     data["gpu_plans"] = gpu_plans()
+    data["torchtitan"] = torchtitan_check()
     PAGE.write(args, data)
     return 0
 

@@ -119,6 +119,7 @@ def memory_view(rep: Record) -> Record:
         "tolerance": round(100 * rep["tolerance"]),
         "largest_node": max(node, key=lambda g: (g["params"], g["peak_bytes"])) if node else None,
         "more": [(Path(g["config"]).stem, g) for g in sorted(more, key=lambda g: g["world"])],
+        "torchtitan": rep.get("torchtitan"),
     }
 
 
@@ -165,6 +166,25 @@ def long_context_view(rep: Record) -> Record:
         "alst": {"model": rep["alst"]["model"],
                  **next(r for r in rep["alst"]["rows"] if r["gpus"] == 8)},  # one node
         "host_tb": rep["hardware"]["host_memory_gib"] * 2**30 / 1e12,
+        "headroom": 100 * rep["hardware"].get("memory_headroom", 0),
+        "reserve": 100 * rep["hardware"].get("host_memory_reserve", 0),
+        "mfu_pct": 100 * rep["mfu"],
+        "mix": rep.get("mix", "").replace("_", "-"),
+        "practical": _practical(rep.get("practical")),
+    }
+
+
+def _practical(rows: list[Record] | None) -> Record | None:
+    """The first model's (GLM-4-9B full fine-tune) lengths at a ~1 and ~10 minute step."""
+    if not rows:
+        return None
+    x = rows[0]
+    by = {(t["seconds"], t["documents"] == "one"): t for t in x["targets"]}
+    return {
+        "name": x["name"],
+        "one": [by[(60.0, True)]["seq_len"], by[(600.0, True)]["seq_len"]],
+        "mix": [by[(60.0, False)]["seq_len"], by[(600.0, False)]["seq_len"]],
+        "mix_fits": [by[(60.0, False)]["fits"], by[(600.0, False)]["fits"]],
     }
 
 

@@ -93,9 +93,13 @@ def _config_summary(cfg, nnodes: int | None = None) -> str:  # type: ignore[no-u
         if hw.memory_gib is not None:
             peak = planned.peak.total_bytes / GIB
             memory = f", planned peak {peak:.1f} of {hw.memory_gib:g} GiB per device"
+            if hw.memory_headroom:
+                memory += f" ({hw.memory_headroom * 100:g} % kept free)"
         if hw.host_memory_gib is not None and planned.host is not None:
             host = planned.host.peak.total_bytes / GIB
             memory += f", host {host:.1f} of {hw.host_memory_gib:g} GiB per node"
+            if hw.host_memory_reserve:
+                memory += f" ({hw.host_memory_reserve * 100:g} % reserved)"
     source = f" from {cfg.model_from_pretrained}" if cfg.model_from_pretrained else ""
     return (
         f"{recipe}, {cfg.model.arch} ~{size} params{source}, dp={p.dp} pp={p.pp} cp={p.cp} "
@@ -220,6 +224,15 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     budgets = {"device": args.device, "budget_gib": args.device_memory,
                "host_budget_gib": args.host_memory}  # fmt: skip
+    docs = None
+    if args.docs is not None:
+        from flashcp.plan.documents import load_documents
+
+        try:
+            docs = load_documents(args.docs, cfg)
+        except (ValueError, OSError) as exc:
+            print(f"flashcp plan --docs: {exc}", file=sys.stderr)
+            return 2
     if args.longest:
         try:
             result = longest(cfg, **budgets)
@@ -227,7 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"flashcp plan --longest: {exc}", file=sys.stderr)
             return 2
         at = with_seq_len(cfg, max(result.seq_len, result.granularity))
-        est = estimate(at, mfu=mfu, device=args.device)
+        est = estimate(at, mfu=mfu, device=args.device, docs=docs)
         if args.json:
             print(json.dumps({**result.to_json(), "step_time": est.to_json()}))
         else:
@@ -236,7 +249,7 @@ def _plan(args: argparse.Namespace) -> int:
                 print(format_step_time(est))
         return 0 if result.seq_len else 1
     p = plan(cfg, **budgets)
-    est = estimate(cfg, mfu=mfu, device=args.device)
+    est = estimate(cfg, mfu=mfu, device=args.device, docs=docs)
     if args.json:
         print(json.dumps({**p.to_json(), "step_time": est.to_json()}))
     else:
@@ -383,10 +396,12 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "memory per node, a step-time estimate; --longest: the longest seq_len that fits",
         description="Plan CONFIG's memory per rank before launch: parameters, gradients, "
         "master weights, optimizer states, activations, logits/loss, communication buffers, "
-        "against hardware.memory_gib (or --device-memory); host memory per node (offloaded "
-        "activations, staging buffers, checkpoint arrays, processes) against "
-        "hardware.host_memory_gib (or --host-memory); and the step's model FLOPs at "
-        "hardware.peak_tflops and --mfu. Exit 1 when a rank or a node does not fit.",
+        "against hardware.memory_gib (or --device-memory) less hardware.memory_headroom; host "
+        "memory per node (offloaded activations, staging buffers, checkpoint arrays, "
+        "processes) against hardware.host_memory_gib (or --host-memory) less "
+        "hardware.host_memory_reserve; and a step-time estimate: model and executed FLOPs at "
+        "hardware.peak_tflops and --mfu, for one document per row or --docs. Exit 1 when a "
+        "rank or a node does not fit.",
     )
     plan.add_argument("config", help="YAML run config")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -414,7 +429,8 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "--longest",
         action="store_true",
         help="find the longest data.seq_len (a multiple of the layout's granularity) whose "
-        "plan fits both budgets, everything else as configured",
+        "plan fits both budgets less their margins (and, apart, without them), everything "
+        "else as configured",
     )
     plan.add_argument(
         "--mfu",
@@ -424,11 +440,21 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         "not measured; flashcp.plan.steptime.DEFAULT_MFU)",
     )
     plan.add_argument(
+        "--docs",
+        default=None,
+        metavar="SAMPLE",
+        help="the documents packed into each row, for the step-time estimate (default: one "
+        "causal document per row): a data sample in the config's format (JSON Lines / "
+        "Parquet, tokenized as training would), a file of document lengths (.txt, or .json: "
+        "a list or a `flashcp data-stats --json` report), or a built-in mix (long_tail, chat)",
+    )
+    plan.add_argument(
         "--json",
         action="store_true",
         help='print {"ranks": [{"rank", "stage", "total_bytes", "items"}], "budget_bytes", '
-        '"fits", "host", "features", "step_time"}; with --longest {"longest_seq_len", '
-        '"granularity", "assumed", "limit", "plan", "step_time"}',
+        '"headroom", "usable_budget_bytes", "fits", "host", "features", "step_time"}; with '
+        '--longest {"longest_seq_len", "without_margins_seq_len", "granularity", "assumed", '
+        '"limit", "plan", "step_time"}',
     )
     plan.set_defaults(func=_plan)
     stats = sub.add_parser(

@@ -6,8 +6,8 @@ within the float32 rule (`bench.numerics`).
 The length mixes (seeded) are made so that, over each run's steps, every cp rank holds
 micro-batches without a single target (prompt-only chunks: a DPO row whose long prompt fills
 the rank's two chunks, an SFT row cut from the middle of a long prompt), answers cut at chunk
-boundaries and answers ending exactly on one, whole micro-batches with nothing to predict on the last pipeline stage, and expert
-loads that leave experts without tokens; `layout_coverage` counts them from the very batches
+boundaries and answers ending exactly on one, and (SFT) whole micro-batches with nothing to
+predict, on the last pipeline stage too; `layout_coverage` counts them from the very batches
 the runs train on, and the test asserts each kind occurred at every cp position. With the DPO
 fix reverted (the span sums of a rank without answer tokens detached from the graph) the
 launched job stops at the first such micro-batch, named (`DetachedLossError`), where it used

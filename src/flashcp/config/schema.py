@@ -373,11 +373,23 @@ class HardwareConfig:
     memory_gib: float | None = None
     """Per-device memory budget in GiB the memory plan must fit (`flashcp plan`); null = no
     budget check (CPU configs). The GPU configs set 96 (an H20)."""
+    memory_headroom: float = 0.05
+    """Fraction of `memory_gib` the plan keeps free, beyond its own allowances (CUDA context,
+    5 % allocator slack, NCCL communicators): `flashcp plan --longest`, `validate` and `train`
+    fit the plan into memory_gib × (1 − memory_headroom). 0.05 is what Paddle's allocator
+    itself keeps back (`fraction_reserve_gpu_memory`, 5 % of the free device memory,
+    paddle/phi/backends/gpu/gpu_info.cc); its default auto_growth strategy "may lead to more
+    memory fragmentation" (paddle/common/flags.cc). 0 = fit to the last byte."""
     host_memory_gib: float | None = None
     """Host (CPU) memory budget in GiB of ONE node that the host plan must fit (`flashcp
     plan`): what the ranks on a node keep in host memory — activations moved there by an
     offload, pinned staging buffers, checkpoint arrays being written, each process's own
     memory — summed over the node's ranks. null = no host budget check."""
+    host_memory_reserve: float = 0.1
+    """Fraction of `host_memory_gib` the host plan leaves to the operating system, its page
+    cache (data files, checkpoint writes) and what the plan does not count; the ranks' planned
+    host memory must fit host_memory_gib × (1 − host_memory_reserve). An allowance, not a
+    measurement; 0 = fit to the last byte."""
     gpus_per_node: int = 8
     """Ranks (devices) per node, for the host plan: a job's ranks fill nodes of this many in
     rank order. `flashcp train --nnodes N` and `flashcp validate --nnodes N` use the launch's

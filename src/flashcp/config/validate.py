@@ -623,13 +623,19 @@ def _check_dpo_mtp(cfg: Config, c: _Checks) -> None:
 
 
 def _check_hardware(cfg: Config, c: _Checks) -> None:
-    """The host budget, node size and host-link bandwidth of `hardware` (the device budget and
-    peak TFLOP/s are checked with the keys they belong to)."""
+    """The host budget, the margins kept free, node size and host-link bandwidth of
+    `hardware` (the device budget and peak TFLOP/s are checked with the keys they belong
+    to)."""
     hw = cfg.hardware
     host = hw.host_memory_gib
     if host is not None and not host > 0:
         c.add("hardware.host_memory_gib", f"must be > 0 GiB per node or null (no host budget), "
                                           f"got {host}")  # fmt: skip
+    for key in ("memory_headroom", "host_memory_reserve"):
+        value = getattr(hw, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            c.add(f"hardware.{key}", f"must be a fraction in [0, 1) of the budget kept free, got "
+                                     f"{value!r}: e.g. 0.05")  # fmt: skip
     per_node = hw.gpus_per_node
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         c.add("hardware.gpus_per_node", f"must be an integer >= 1 (devices per node), got "

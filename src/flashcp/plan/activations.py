@@ -673,11 +673,42 @@ def tiled_io(args: ModelArgs, dt: Dtypes, *, mlp: bool) -> Counts:
 
 @dataclass(frozen=True)
 class AttentionCost:
-    """Bytes one layer's attention backward adds beyond what the layer keeps (`transient`)
-    and the full-sequence K/V terms under CP (`kv_gather`), see `attention_backward_bytes`."""
+    """Bytes one layer's attention backward adds beyond what the layer keeps (`transient`,
+    with `scratch` of it the GPU kernel's own buffers) and the sequence-length K/V terms under
+    CP (`kv_gather`), see `attention_backward_bytes`."""
 
     transient: float
     kv_gather: float
+    scratch: float = 0.0
+
+
+def kernel_backward_scratch(args: ModelArgs, dt: Dtypes, rows: int, keys: int) -> float:
+    """GPU: the buffers one FlashAttention / FlashMask backward call allocates besides its
+    inputs and dQ, dK, dV, over `rows` query rows and `keys` keys — the larger of the two
+    kernels an SM80/SM90 card may run (0 on CPU). Read from Paddle's kernels:
+
+    * FA2 (`flashmask_attention_grad`, `FlashAttnGradBaseKernel` in
+      paddle/phi/kernels/gpu/flash_attn_grad_kernel.cu, `FlashAttnBwdParamsV2` in
+      flash_attn_utils.h): the float32 dQ accumulator `[rows, Hq, d]` and softmax row sums
+      `[Hq, rows]`; with grouped KV heads (Hq ≠ Hkv) `dk_tmp` and `dv_tmp` of shape
+      `[keys, Hkv, Hq/Hkv, d]` in the compute dtype — dK and dV expanded to every query head,
+      summed over each group after the kernel (`kvReduceBatchedForGQA` / `SumKernel`);
+    * FA3 and FlashMask v2 (`FlashAttnV3GradBaseKernel` and `FlashMaskV2GradBaseKernel` in
+      paddle/phi/kernels/gpu/flash_attn_v3_grad_kernel.cu, over the kernels of
+      PaddlePaddle/flash-attention csrc/flashmask_v2): float32 `dq_accum`, `softmax_d` and
+      `softmax_lse_log2`, and for grouped KV heads float32 `dk_accum` / `dv_accum`
+      `[Hkv, keys, d]` — GQA is folded into the kernel, the accumulators stay at the KV
+      heads.
+
+    At GLM-4-9B's 32 query and 2 KV heads the FA2 expansion is 16 KiB per key (1 GiB for a
+    65,536-key chunk), FA3's accumulators 2 KiB."""
+    if not dt.gpu:
+        return 0.0
+    hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_size
+    gqa = hq != hkv
+    fa2 = rows * (hq * d + hq) * 4 + (2 * keys * hq * d * dt.c if gqa else 0)
+    fa3 = rows * (hq * d + 2 * hq) * 4 + (2 * keys * hkv * d * 4 if gqa else 0)
+    return float(max(fa2, fa3))
 
 
 def attention_backward_bytes(
@@ -694,37 +725,43 @@ def attention_backward_bytes(
     included), beyond its saved inputs and outputs.
 
     Unchunked (today, measured on CPU): `attention_backward_transient` per local token, on GPU
-    FlashAttention's float32 dQ accumulator and softmax row sums (D) per local row, and under
-    CP `CP_KV_UNITS` full-sequence `[S, kv]` tensors: the re-gathered K and V (compute dtype),
-    dK/dV partial sums and their reduce-scatter chunks (float32).
+    the kernel's own buffers (`kernel_backward_scratch`: the float32 dQ accumulator and
+    softmax row sums per local row, and with grouped KV heads dK/dV over all keys expanded to
+    the query heads), and under CP `CP_KV_UNITS` full-sequence `[S, kv]` tensors: the
+    re-gathered K and V (compute dtype), dK/dV partial sums and their reduce-scatter chunks
+    (float32).
 
     Chunked (`flashcp.attention.allgather_kv_chunked`: `query_chunk` rows, `kv_chunk` global
     keys at a time): K and V are gathered, and dK/dV summed in float32 and reduce-scattered,
     one key chunk at a time (the chunk's K, V and one kernel call's dK, dV in the compute
-    dtype, its float32 partial sums and reduce-scatter parts); for every key chunk the kernel
-    runs over the local queries one query chunk at a time with the GLOBAL output and LSE, so
-    the output gradient and dQ stay full-length — dQ in float32 while it sums over more than
-    one key chunk, then cast — while the kernel's own scratch (the ``3·q`` of the unchunked
-    measure beyond dO and dQ, and on GPU the float32 dQ accumulator and D) is per query chunk.
-    Without CP, dK/dV stay local (``4·kv`` per token, unchunked)."""
+    dtype, its float32 partial sums and reduce-scatter parts) into the local full-length dK
+    and dV `[T, kv]` (compute dtype), allocated when the backward starts; for every key chunk
+    the kernel runs over the local queries one query chunk at a time with the GLOBAL output
+    and LSE, so the output gradient and dQ stay full-length — dQ in float32 while it sums over
+    more than one key chunk, then cast — while the kernel's own scratch (the ``3·q`` of the
+    unchunked measure beyond dO and dQ, and on GPU `kernel_backward_scratch` of one query
+    chunk against one key chunk) is per call. Without CP, dK/dV stay local (``4·kv`` per
+    token, unchunked)."""
     hd = args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     c = dt.c
-    gpu_rows = (q + args.num_heads) * 4 if dt.gpu else 0
     if not (query_chunk or kv_chunk):
         transient = attention_backward_transient(args, cp=cp).bytes(dt) * tokens
         gather = keys * kv * (2 * c + (CP_KV_UNITS - 2) * 4) if cp else 0.0
-        return AttentionCost(transient + tokens * gpu_rows, float(gather))
+        scratch = kernel_backward_scratch(args, dt, tokens, keys)
+        return AttentionCost(transient + scratch, float(gather), scratch)
     rows = min(query_chunk or tokens, tokens)
     span = min(kv_chunk or keys, keys)
     summed = span < keys  # dQ sums over several key chunks: a float32 accumulator, then cast
     full = tokens * q * (c + (4 + c if summed else c))  # dO, dQ (accumulator and its cast)
-    transient = max(full, tokens * q * (c + (4 if summed else c)) + rows * (3 * q * c + gpu_rows))
+    scratch = kernel_backward_scratch(args, dt, rows, span)
+    transient = max(full, tokens * q * (c + (4 if summed else c)) + rows * 3 * q * c + scratch)
     if not cp:
         transient += tokens * 4 * kv * c
-        return AttentionCost(float(transient), 0.0)
-    chunk = span * kv * (2 * c + 2 * c + (CP_KV_UNITS - 2) * 4)
-    return AttentionCost(float(transient), float(chunk))
+        return AttentionCost(float(transient), 0.0, scratch)
+    # the chunk's K, V, one call's dK, dV, the float32 sums and scatter parts; the local dK, dV
+    chunk = span * kv * (2 * c + 2 * c + (CP_KV_UNITS - 2) * 4) + 2 * tokens * kv * c
+    return AttentionCost(float(transient), float(chunk), scratch)
 
 
 def attention_forward_bytes(

@@ -1,7 +1,9 @@
 """The host-memory plan: what each rank keeps in host (CPU) memory, summed per node.
 
 Device memory is planned per rank (`flashcp.plan.model`); host memory is shared by the ranks of
-a node, so its budget (`hardware.host_memory_gib`) is per node. A rank's host memory peaks at
+a node, so its budget (`hardware.host_memory_gib`) is per node, of which
+`hardware.host_memory_reserve` (a fraction) is left to the operating system, its page cache and
+what the plan does not count. A rank's host memory peaks at
 one of two moments:
 
 * ``training step``: the activations an offload moved out (`flashcp.plan.features`,
@@ -31,6 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from flashcp.plan.params import stage_parameters
+from flashcp.plan.setup import Setup, numel
+from flashcp.plan.state import StageState
 
 GIB = 2**30
 
@@ -113,14 +119,26 @@ class NodeHost:
         return name, self.items[name]
 
 
+def usable(budget: int | None, margin: float) -> int | None:
+    """A budget less the fraction `margin` of it kept free (None: no budget)."""
+    return None if budget is None else int(budget * (1.0 - margin))
+
+
 @dataclass
 class HostPlan:
-    """Every rank's host plan, its nodes and the per-node budget."""
+    """Every rank's host plan, its nodes and the per-node budget, of which `reserve` (a
+    fraction, `hardware.host_memory_reserve`) is left to the operating system."""
 
     ranks: list[HostRank]
     ranks_per_node: int
     budget_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    reserve: float = 0.0
+
+    @property
+    def usable_bytes(self) -> int | None:
+        """What the nodes' ranks may fill: the budget less its reserve (None: no budget)."""
+        return usable(self.budget_bytes, self.reserve)
 
     def nodes(self) -> list[NodeHost]:
         """Each node's plan: per moment the sum of its ranks' items, at the largest moment."""
@@ -143,14 +161,17 @@ class HostPlan:
 
     @property
     def fits(self) -> bool:
-        return self.budget_bytes is None or all(
-            x.total_bytes <= self.budget_bytes for x in self.nodes()
-        )
+        """Every node within the usable budget (or no budget)."""
+        use = self.usable_bytes
+        return use is None or all(x.total_bytes <= use for x in self.nodes())
 
     def to_json(self) -> dict[str, Any]:
-        """`{"budget_bytes", "ranks_per_node", "fits", "nodes": [...], "ranks": [...]}`."""
+        """`{"budget_bytes", "reserve", "usable_budget_bytes", "ranks_per_node", "fits",
+        "nodes": [...], "ranks": [...]}`."""
         return {
             "budget_bytes": self.budget_bytes,
+            "reserve": self.reserve,
+            "usable_budget_bytes": self.usable_bytes,
             "ranks_per_node": self.ranks_per_node,
             "fits": self.fits,
             "nodes": [
@@ -199,3 +220,30 @@ def rank_moments(
             checkpoint_arrays=max(model, optimizer), host_process=process
         )
     return moments
+
+
+def stage_host(s: Setup, state: StageState, offloaded: float, flight: int) -> StageHost:
+    """What `state`'s stage puts in host memory: `offloaded` bytes per micro-batch
+    (activation offload) for `flight` micro-batches, and the checkpoint's numpy copies — the
+    stage's model part (LoRA: the adapters alone; else every parameter and persistent buffer,
+    the experts of the writer's ep group gathered whole) and its float32 masters and both
+    moments (one shard per rank under ZeRO-1, or the stage writer's whole copy; Paddle's
+    AdamW, no masters: its moments, by the writer)."""
+    whole = stage_parameters(
+        s.args, state.stage, s.pp, s.pp_layers, lora_targets=s.lora_targets,
+        lora_rank=s.lora_rank,
+    )  # fmt: skip
+    PT = state.trained_bytes
+    if s.lora_targets is not None:  # the adapters alone
+        model_part = numel(whole, True) * PT
+    else:  # every parameter and persistent buffer
+        model_part = (numel(whole, True) * PT + numel(whole, False) * state.dt.param
+                      + state.items["buffers"])  # fmt: skip
+    shard_part = state.n_state * (4 + 8)
+    return StageHost(
+        offloaded=float(offloaded),
+        flight=flight,
+        model_part=model_part,
+        optimizer_part=shard_part if state.master and s.shard else 0,
+        writer_optimizer_part=shard_part if state.master else 8 * state.n_trained,
+    )

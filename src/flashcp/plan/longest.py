@@ -8,6 +8,11 @@ one (`hardware.memory_gib` or `--device-memory`) on every rank and the host one
 layout's, `parallel.cp` × the CP mode's chunks per rank (`flashcp.attention.registry`); the
 tiles and attention chunks of the mechanisms need not divide anything (the last is shorter).
 
+Both budgets keep their margins (`hardware.memory_headroom` of the device memory,
+`hardware.host_memory_reserve` of the host's): the answer leaves them free. The search runs
+once more without them, so the answer also says what fits to the last byte (an upper bound,
+not a length to train at).
+
 A rank's planned bytes grow with the sequence, so fitting is monotone in it: the search
 doubles from one granule until a candidate does not fit, then bisects over the multiples in
 between — about 2·log2(longest / granule) plans, well under a second for GLM-4-9B.
@@ -47,6 +52,9 @@ class Longest:
     assumed: dict[str, Any]
     plans: int
     """Candidates planned."""
+    without_margins: int | None = None
+    """The longest length that fits with no margin kept (None: the margins are 0, or this is
+    that search)."""
 
     @property
     def limit(self) -> str | None:
@@ -66,16 +74,19 @@ class Longest:
                 worst = nxt.peak
                 name, size = worst.largest_item()
                 limit = {"budget": "device", "seq_len": self.seq_len + self.granularity,
-                         "peak_bytes": worst.total_bytes, "rank": worst.rank,
+                         "peak_bytes": worst.total_bytes, "usable_bytes": nxt.usable_bytes,
+                         "rank": worst.rank,
                          "moment": worst.moment, "largest_item": name, "item_bytes": size}
             elif nxt.host is not None and not nxt.host.fits:
                 node = nxt.host.peak
                 name, size = node.largest_item()
                 limit = {"budget": "host", "seq_len": self.seq_len + self.granularity,
-                         "peak_bytes": node.total_bytes, "node": node.node,
+                         "peak_bytes": node.total_bytes, "usable_bytes": nxt.host.usable_bytes,
+                         "node": node.node,
                          "moment": node.moment, "largest_item": name, "item_bytes": size}
         return {
             "longest_seq_len": self.seq_len,
+            "without_margins_seq_len": self.without_margins,
             "granularity": self.granularity,
             "assumed": self.assumed,
             "limit": limit,
@@ -109,9 +120,11 @@ def longest(
     host_budget_gib: float | None = None,
     features: Features | None = None,
     nnodes: int | None = None,
+    margins: bool = True,
 ) -> Longest:
     """The longest `data.seq_len` of `cfg` whose plan fits (module docstring); the budgets
-    default as `flashcp.plan.plan`'s do. `ValueError` without a device budget."""
+    default as `flashcp.plan.plan`'s do, and keep their margins unless `margins` is False
+    (then the answer fits to the last byte). `ValueError` without a device budget."""
     gib = budget_gib if budget_gib is not None else cfg.hardware.memory_gib
     if gib is None:
         raise ValueError(
@@ -119,6 +132,27 @@ def longest(
             "--device-memory GiB)"
         )
     f = features_of(cfg) if features is None else features
+    found = _search(cfg, device, gib, host_budget_gib, f, nnodes, margins)
+    hw = cfg.hardware
+    if margins and (hw.memory_headroom or hw.host_memory_reserve):
+        start = found.seq_len // found.granularity  # fits without the margins too
+        found.without_margins = _search(cfg, device, gib, host_budget_gib, f, nnodes, False,
+                                        start).seq_len  # fmt: skip
+    return found
+
+
+def _search(
+    cfg: Config,
+    device: str | None,
+    gib: float,
+    host_budget_gib: float | None,
+    f: Features,
+    nnodes: int | None,
+    margins: bool,
+    start: int = 1,
+) -> Longest:
+    """`longest`'s search at one setting of the margins, doubling from `start` granules (a
+    length known to fit: the answer with margins, for the search without them)."""
     step = granularity(cfg)
     cap = SEARCH_LIMIT
     capped = cfg.model.uses_learned_positions
@@ -130,11 +164,12 @@ def longest(
         nonlocal count
         count += 1
         return plan(with_seq_len(cfg, n), device=device, budget_gib=gib,
-                    host_budget_gib=host_budget_gib, features=f, nnodes=nnodes)  # fmt: skip
+                    host_budget_gib=host_budget_gib, features=f, nnodes=nnodes,
+                    margins=margins)  # fmt: skip
 
     best: tuple[int, Plan] | None = None
     bad: tuple[int, Plan] | None = None
-    k = 1
+    k = max(1, start)
     while k * step <= cap:
         p = attempt(k * step)
         if not p.fits:
@@ -164,7 +199,7 @@ def longest(
     nxt = bad[1] if bad is not None and bad[0] * step == seq + step else None
     if nxt is None and best is not None and (seq + step) <= cap:
         nxt = attempt(seq + step)
-    assumed = _assumed(cfg, f, seq, gib, host_budget_gib, nnodes, device)
+    assumed = _assumed(cfg, f, seq, gib, host_budget_gib, nnodes, device, margins)
     assumed["capped_by_max_seq_len"] = bool(capped and seq + step > cap)
     return Longest(seq, step, best[1] if best is not None else None, nxt, assumed, count)
 
@@ -177,9 +212,10 @@ def _assumed(
     host_gib: float | None,
     nnodes: int | None,
     device: str | None,
+    margins: bool = True,
 ) -> dict[str, Any]:
     """The settings the answer holds for (everything but data.seq_len, as the config has it)."""
-    p, d, t, m = cfg.parallel, cfg.data, cfg.train, cfg.model
+    p, d, t, m, hw = cfg.parallel, cfg.data, cfg.train, cfg.model, cfg.hardware
     dev = device or resolve_device(cfg)
     host = host_gib if host_gib is not None else cfg.hardware.host_memory_gib
     out: dict[str, Any] = {
@@ -194,7 +230,9 @@ def _assumed(
         "parallel.shard_optimizer": p.shard_optimizer,
         "train.loss_chunk_tokens": t.loss_chunk_tokens,
         "device_budget_gib": gib,
+        "hardware.memory_headroom": hw.memory_headroom if margins else 0.0,
         "host_budget_gib": host,
+        "hardware.host_memory_reserve": hw.host_memory_reserve if margins else 0.0,
         "ranks_per_node": ranks_per_node(cfg, nnodes),
         "features": f.overrides(),
     }

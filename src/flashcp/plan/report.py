@@ -68,15 +68,24 @@ def variant(cfg: Config, overrides: Sequence[str]) -> Config | None:
     return None if errors or new is None else new
 
 
-def _peak(cfg: Config, device: str | None, budget_gib: float) -> int:
-    return plan(cfg, device=device, budget_gib=budget_gib).peak.total_bytes
+def budget_text(budget: int, margin: float, key: str) -> str:
+    """"91.20 GiB (96.00 GiB less 5 % hardware.memory_headroom)": a usable budget with its
+    margin named (just the budget when there is none)."""
+    if not margin:
+        return _gib(budget)
+    return f"{_gib(int(budget * (1 - margin)))} ({_gib(budget)} less {_pct(margin)} {key})"
+
+
+def _pct(fraction: float) -> str:
+    """0.05 → "5 %"."""
+    return f"{fraction * 100:g} %"
 
 
 HOST_FIXES = (
     "lower data.seq_len (`flashcp plan CONFIG --longest` finds the longest that fits), set "
     "model.residual_dtype=bfloat16 (half the bytes an offload moves), spread the job over "
     "more nodes (fewer ranks per node), or raise hardware.host_memory_gib if the nodes have "
-    "more"
+    "more (lowering hardware.host_memory_reserve leaves the operating system less)"
 )
 """What lowers a node's host plan, for the refusal."""
 
@@ -125,18 +134,18 @@ def _degree(cfg: Config, dim: str, value: int) -> list[str] | None:
 def fit_options(
     cfg: Config, *, budget_gib: float, device: str | None = None, limit: int = 4
 ) -> list[FitOption]:
-    """Changes (override lists) under which every rank's plan fits `budget_gib`: the smallest
-    sets of the cheap knobs that fit on the same devices; failing those, all knobs with the
-    pipeline and/or context-parallel degree multiplied, fewest devices first."""
-    budget = budget_gib * GIB
+    """Changes (override lists) under which every rank's plan fits `budget_gib` less the
+    config's `hardware.memory_headroom`: the smallest sets of the cheap knobs that fit on the
+    same devices; failing those, all knobs with the pipeline and/or context-parallel degree
+    multiplied, fewest devices first."""
 
     def attempt(overrides: list[str]) -> FitOption | None:
         new = variant(cfg, overrides)
         if new is None:
             return None
-        peak = _peak(new, device, budget_gib)
-        option = FitOption(tuple(overrides), peak, new.parallel.world_size)
-        return option if peak <= budget else None
+        p = plan(new, device=device, budget_gib=budget_gib)
+        option = FitOption(tuple(overrides), p.peak.total_bytes, new.parallel.world_size)
+        return option if p.device_fits else None
 
     knobs = _cheap_knobs(cfg)
     found: list[FitOption] = []
@@ -176,10 +185,13 @@ def over_budget(p: Plan) -> str | None:
         return None
     worst = p.peak
     name, size = worst.largest_item()
-    over = [r.rank for r in p.ranks if r.total_bytes > p.budget_bytes]
+    use = p.usable_bytes
+    assert use is not None
+    over = [r.rank for r in p.ranks if r.total_bytes > use]
     ranks = f"rank {worst.rank}" if len(over) == 1 else f"{len(over)} ranks, e.g. {worst.rank}"
+    budget = budget_text(p.budget_bytes, p.headroom, "hardware.memory_headroom")
     return (
-        f"the memory plan exceeds {_gib(p.budget_bytes)} per device: {ranks} (stage "
+        f"the memory plan exceeds {budget} per device: {ranks} (stage "
         f"{worst.stage}) peaks at {_gib(worst.total_bytes)} ({worst.moment}); largest item "
         f"{name} {_gib(size)} ({ITEM_DOCS[name]})"
     )
@@ -192,11 +204,14 @@ def host_over_budget(p: Plan) -> str | None:
         return None
     worst = host.peak
     name, size = worst.largest_item()
-    over = [x.node for x in host.nodes() if x.total_bytes > host.budget_bytes]
+    use = host.usable_bytes
+    assert use is not None
+    over = [x.node for x in host.nodes() if x.total_bytes > use]
     nodes = f"node {worst.node}" if len(over) == 1 else f"{len(over)} nodes, e.g. {worst.node}"
     span = f"{worst.ranks[0]}-{worst.ranks[-1]}" if len(worst.ranks) > 1 else f"{worst.ranks[0]}"
+    budget = budget_text(host.budget_bytes, host.reserve, "hardware.host_memory_reserve")
     return (
-        f"the host memory plan exceeds {_gib(host.budget_bytes)} per node: {nodes} (ranks "
+        f"the host memory plan exceeds {budget} per node: {nodes} (ranks "
         f"{span}, {host.ranks_per_node} per node) peaks at {_gib(worst.total_bytes)} "
         f"({worst.moment}); largest item {name} {_gib(size)} ({HOST_ITEM_DOCS[name]})"
     )
@@ -241,8 +256,9 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
         f"{p.compute_dtype}, parameters {p.param_dtype}, "
         f"recompute {cfg.model.recompute}",
         "budget: "
-        + (f"{_gib(p.budget_bytes)} per device" if p.budget_bytes is not None else "none "
-           "(hardware.memory_gib is null; --device-memory GiB sets one)"),
+        + (f"{budget_text(p.budget_bytes, p.headroom, 'hardware.memory_headroom')} per device"
+           if p.budget_bytes is not None else "none (hardware.memory_gib is null; "
+           "--device-memory GiB sets one)"),
     ]  # fmt: skip
     for r in p.stages():
         ranks = [x.rank for x in p.ranks if x.stage == r.stage]
@@ -256,8 +272,9 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
             mtp = f"layers {n}-{n + depths - 1}" if depths > 1 else f"layer {n}"
             layers += f" + MTP {mtp} ({state})"
         verdict = ""
-        if p.budget_bytes is not None:
-            verdict = "  fits" if r.total_bytes <= p.budget_bytes else "  DOES NOT FIT"
+        if p.usable_bytes is not None and p.budget_bytes is not None:
+            verdict = _verdict(p.usable_bytes - r.total_bytes, p.budget_bytes - p.usable_bytes,
+                               "headroom")  # fmt: skip
         lines += [
             "",
             f"stage {r.stage} (rank{'s' if len(ranks) > 1 else ''} {span}), {layers}: peak "
@@ -283,6 +300,15 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
     return "\n".join(lines)
 
 
+def _verdict(left: int, margin: int, name: str) -> str:
+    """"  fits, 0.11 GiB left beyond the 4.80 GiB headroom" / "  DOES NOT FIT, 1.2 GiB over"."""
+    beyond = f" beyond the {_gib(margin)} {name}" if margin else ""
+    if left >= 0:
+        return f"  fits, {_size(left).strip()} left{beyond}"
+    less = f" the budget less its {name}" if margin else ""
+    return f"  DOES NOT FIT, {_size(-left).strip()} over{less}"
+
+
 def format_host(p: Plan) -> list[str]:
     """The host plan's lines: per node its items at its peak (nothing when every item is 0
     and there is no host budget)."""
@@ -292,7 +318,8 @@ def format_host(p: Plan) -> list[str]:
     nodes = host.nodes()
     if host.budget_bytes is None and not any(x.total_bytes for x in nodes):
         return []
-    budget = (f"{_gib(host.budget_bytes)} per node" if host.budget_bytes is not None
+    budget = (f"{budget_text(host.budget_bytes, host.reserve, 'hardware.host_memory_reserve')}"
+              " per node" if host.budget_bytes is not None
               else "none (hardware.host_memory_gib is null)")  # fmt: skip
     lines = ["", f"host memory ({host.ranks_per_node} ranks per node), budget: {budget}"]
     seen: set[tuple[int, ...]] = set()
@@ -303,8 +330,9 @@ def format_host(p: Plan) -> list[str]:
         seen.add(key)  # type: ignore[arg-type]
         span = f"{x.ranks[0]}-{x.ranks[-1]}" if len(x.ranks) > 1 else f"{x.ranks[0]}"
         verdict = ""
-        if host.budget_bytes is not None:
-            verdict = "  fits" if x.total_bytes <= host.budget_bytes else "  DOES NOT FIT"
+        if host.usable_bytes is not None and host.budget_bytes is not None:
+            verdict = _verdict(host.usable_bytes - x.total_bytes,
+                               host.budget_bytes - host.usable_bytes, "reserve")  # fmt: skip
         lines.append(f"node {x.node} (ranks {span}): peak {_size(x.total_bytes).strip()} at "
                      f"'{x.moment}'{verdict}")  # fmt: skip
         for name, size in sorted(x.items.items(), key=lambda kv: -kv[1]):
@@ -314,20 +342,44 @@ def format_host(p: Plan) -> list[str]:
 
 
 def format_step_time(est: Any) -> str:
-    """The step-time estimate (`flashcp.plan.steptime.StepTime`) as a few lines."""
-    lines = ["", f"step time: {est.flops / 1e15:,.1f} PFLOP of model FLOPs per step "
-                 f"({est.mask} attention), {est.flops_per_device / 1e15:,.2f} PFLOP per "
-                 "device"]  # fmt: skip
+    """The step-time estimate (`flashcp.plan.steptime.StepTime`) as a few lines: model and
+    executed FLOPs, the MFU stated and the hardware utilisation it implies, and the busiest
+    stage's parts per micro-batch, which add up to the step."""
+    lines = [
+        "",
+        f"step time: {_flop(est.flops)} of model FLOPs per step ({est.mask} attention), "
+        f"{_flop(est.flops_per_device)} per device, {est.documents}: a token attends "
+        f"{est.keys:,.0f} keys on average; "
+        f"executed {_flop(est.executed_per_device)} per device ({est.executed_over_model:.2f}× "
+        "the model FLOPs: recompute, tile re-runs, the attention backward at 2.5× its "
+        "forward, the chunked loss's re-run)",
+    ]
     if est.seconds_at_peak is None:
         lines.append("  no time estimate: set hardware.peak_tflops (TFLOP/s per device)")
         return "\n".join(lines)
-    bubble = f", the pipeline idle {est.bubble:.0%} of it" if est.stages > 1 else ""
+    bubble = f", the pipeline idle {_pct(round(est.bubble, 2))} of it" if est.stages > 1 else ""
+    reach = "" if est.hfu <= 1 else " — more than the hardware can: lower --mfu"
     lines.append(
-        f"  at {est.peak_tflops:g} TFLOP/s per device: >= {_duration(est.seconds_at_peak)} "
-        f"at 100 %, ~{_duration(est.seconds)} at {est.mfu:.0%} MFU (stated, not measured)"
+        f"  at {est.peak_tflops:g} TFLOP/s per device and {_pct(est.mfu)} MFU (stated, not "
+        f"measured), i.e. {_pct(round(est.hfu, 2))} of the peak in executed FLOPs{reach}: "
+        f"~{_duration(est.seconds)} (>= {_duration(est.seconds_at_peak)} at 100 % MFU)"
         f"{bubble}"
     )
-    copies = [x for x in est.layers if x.copy_bytes]
+    layers = [x for x in est.parts if x.name.startswith("layer ")]
+    others = [x for x in est.parts if not x.name.startswith("layer ")]
+    if layers:
+        first, last = layers[0], layers[-1]
+        span = f"layers {first.index}-{last.index}" if len(layers) > 1 else first.name
+        differ = len({round(x.seconds, 9) for x in layers}) > 1
+        lines.append(
+            f"  per micro-batch on the busiest stage's ranks: {span}: forward "
+            f"{_duration(first.forward_s)}, backward {_duration(first.backward_s)} each"
+            + (f" ({first.name}'s; they differ)" if differ else "")
+            + "".join(f"; {x.name} {_duration(x.seconds)}" for x in others)
+            + f"; × {est.micro_batches} micro-batch{'es' if est.micro_batches > 1 else ''} = "
+            f"{_duration(est.micro_batches * sum(x.seconds for x in est.parts))} of compute"
+        )  # fmt: skip
+    copies = [x for x in layers if x.copy_bytes]
     if copies:
         x = copies[0]
         if x.copy_s is None:
@@ -339,10 +391,17 @@ def format_step_time(est: Any) -> str:
             lines.append(
                 f"  offload: {x.copy_bytes / 2**20:,.0f} MiB per layer each way at "
                 f"{est.link_gb_per_s:g} GB/s = {_duration(x.copy_s)}, vs the layer's forward "
-                f"{_duration(x.forward_s)} / backward {_duration(x.backward_s)} at "
-                f"{est.mfu:.0%} MFU: {verdict}"
+                f"{_duration(x.forward_s)} / backward {_duration(x.backward_s)}: {verdict}"
             )
     return "\n".join(lines)
+
+
+def _flop(n: float) -> str:
+    """FLOPs with a unit that keeps them readable: "2,189.3 PFLOP", "4.1 GFLOP"."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e6:,.1f} MFLOP"
 
 
 def _duration(seconds: float | None) -> str:
@@ -353,6 +412,14 @@ def _duration(seconds: float | None) -> str:
     if seconds >= 60:
         return f"{seconds / 60:.1f} min"
     return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def _left(budget: int, peak: int, margin: float, key: str) -> str:
+    """"8.70 GiB left, of which 4.80 GiB is the 5 % hardware.memory_headroom kept free"."""
+    text = f"{_gib(budget - peak)} left"
+    if margin:
+        text += f", of which {_gib(budget * margin)} is the {_pct(margin)} hardware.{key} kept free"
+    return text
 
 
 def format_longest(result: Any, cfg: Config, *, source: str = "") -> str:
@@ -366,18 +433,28 @@ def format_longest(result: Any, cfg: Config, *, source: str = "") -> str:
         lines.append(
             f"  longest data.seq_len: {result.seq_len:,} tokens (a multiple of "
             f"{result.granularity}), device peak {_gib(peak.total_bytes)} (rank {peak.rank}, "
-            f"'{peak.moment}') of {_gib(p.budget_bytes or 0)}"
+            f"'{peak.moment}') of {_gib(p.budget_bytes or 0)}: "
+            + _left(p.budget_bytes or 0, peak.total_bytes, p.headroom, "memory_headroom")
         )
-        if p.host is not None and (p.host.budget_bytes is not None or p.host.peak.total_bytes):
-            node = p.host.peak
-            of = f" of {_gib(p.host.budget_bytes)}" if p.host.budget_bytes is not None else ""
+        host = p.host
+        if host is not None and (host.budget_bytes is not None or host.peak.total_bytes):
+            node = host.peak
+            of = ""
+            if host.budget_bytes is not None:
+                of = f" of {_gib(host.budget_bytes)}: " + _left(
+                    host.budget_bytes, node.total_bytes, host.reserve, "host_memory_reserve")
             lines.append(f"  host peak {_gib(node.total_bytes)} per node ('{node.moment}'){of}")
+        if result.without_margins is not None:
+            lines.append(f"  without the margins (hardware.memory_headroom=0 "
+                         f"hardware.host_memory_reserve=0): {result.without_margins:,} tokens, "
+                         "fitting to the last byte")  # fmt: skip
     limit = result.to_json()["limit"]
     if limit is not None:
         budget = "device" if limit["budget"] == "device" else "host (per node)"
+        over = _size(limit["peak_bytes"] - limit["usable_bytes"]).strip()
         lines.append(
             f"  {limit['seq_len']:,} does not fit the {budget} budget: "
-            f"{_gib(limit['peak_bytes'])} at '{limit['moment']}', largest item "
+            f"{_gib(limit['peak_bytes'])} at '{limit['moment']}', {over} over, largest item "
             f"{limit['largest_item']} {_gib(limit['item_bytes'])}"
         )
     elif result.limit == "max_seq_len":

@@ -119,7 +119,9 @@ def test_memory_page_and_readme_rows_match_their_json(tmp_path: Path) -> None:
     rec = _json("memory.json")
     assert (DOCS / "memory.md").read_text() == memory_check.PAGE.render(rec)
     rows = _memory_rows(DOCS)
-    assert len(rows) == 3 and "within ±15 %" in rows[0][1] and "8×H20" in rows[1][0]
+    assert len(rows) == 4 and "within ±15 %" in rows[0][1] and "8×H20" in rows[1][0]
+    assert "torchtitan" in rows[2][0] and f"{rec['torchtitan']['rows'][0]['peak_gib']:.1f} GiB" \
+        in rows[2][1]
     changed = copy.deepcopy(rec)
     changed["cases"][0]["ranks"][0]["ratio"] = 1.5  # one rank off by 50 %
     changed["cases"][0]["within"] = False
@@ -140,9 +142,11 @@ def test_long_context_page_and_readme_rows_match_their_json(tmp_path: Path) -> N
     rec = _json("long_context.json")
     assert (DOCS / "long_context.md").read_text() == long_context.PAGE.render(rec)
     rows = [row for row in tables.rows(DOCS) if row[2] == "`docs/long_context.md`"]
-    assert len(rows) == 2 and "8×H20" in rows[0][0] and "ALST" in rows[0][0]
+    assert len(rows) == 3 and "8×H20" in rows[0][0] and "ALST" in rows[0][0]
     first = rec["rows"][0]
     assert f"{first['after']['longest_seq_len']:,}" in rows[0][1]
+    assert f"({first['after']['without_margins_seq_len']:,})" in rows[0][1]  # no margin
+    assert "~1 min / ~10 min" in rows[1][0]  # the practical lengths
     changed = copy.deepcopy(rec)
     changed["rows"][0]["after"]["longest_seq_len"] = 1234
     assert long_context.PAGE.render(changed) != long_context.PAGE.render(rec)

@@ -4,6 +4,7 @@ mechanisms (offload, residual dtype, tiling, chunked attention, ZeRO-2) as plan 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -228,7 +229,7 @@ def test_longest_equals_a_linear_scan(features: Features, tiny_cfg: TinyCfg) -> 
 
 
 def test_longest_respects_the_host_budget_and_learned_positions(tiny_cfg: TinyCfg) -> None:
-    cfg = tiny_cfg(parallel={"cp": 2})
+    cfg = tiny_cfg(parallel={"cp": 2}, hardware={"host_memory_reserve": 0})
     f = Features(offload_activations=True)
     host = plan(with_seq_len(cfg, 2000), features=f, device="gpu")
     host_gib = host.host.peak.total_bytes / GIB  # type: ignore[union-attr]
@@ -243,6 +244,73 @@ def test_longest_respects_the_host_budget_and_learned_positions(tiny_cfg: TinyCf
     assert nothing.seq_len == 0 and nothing.plan is None
 
 
+def test_longest_leaves_the_stated_margins(
+    tiny_cfg: TinyCfg, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--longest` answers keep hardware.memory_headroom of the device budget and
+    hardware.host_memory_reserve of the host's free: the answer's peaks are within the
+    budgets less their margins and one granule more is not. Negative control: the answer
+    without the margins is longer, and its peaks eat into them."""
+    f = Features(offload_activations=True)
+    base = tiny_cfg(parallel={"cp": 2})
+    gib = plan(with_seq_len(base, 3000), features=f).peak.total_bytes / GIB
+    cfg = tiny_cfg(parallel={"cp": 2}, hardware={"memory_gib": gib, "memory_headroom": 0.2})
+    found = longest(cfg, features=f)
+    assert found.plan is not None and found.next_plan is not None and found.limit == "device"
+    assert found.plan.peak.total_bytes <= 0.8 * gib * GIB < found.next_plan.peak.total_bytes
+    assert found.plan.margin_bytes is not None and found.plan.margin_bytes >= 0
+    assert found.without_margins is not None and found.without_margins > found.seq_len
+    assert found.without_margins == longest(cfg, features=f, margins=False).seq_len
+    full = plan(with_seq_len(cfg, found.without_margins), features=f)
+    assert 0.8 * gib * GIB < full.peak.total_bytes <= gib * GIB  # the margin, used up
+    assert full.fits is False and plan(with_seq_len(cfg, found.without_margins),
+                                       features=f, margins=False).fits
+    # the host side: a node's planned host memory within the budget less its reserve
+    host_gib = plan(with_seq_len(base, 3000), features=f).host.peak.total_bytes
+    host_gib /= GIB  # type: ignore[union-attr]
+    roomy = tiny_cfg(parallel={"cp": 2}, hardware={
+        "memory_gib": 10_000, "host_memory_gib": host_gib * 2, "host_memory_reserve": 0.5,
+    })  # fmt: skip
+    held = longest(roomy, features=f)
+    assert held.limit == "host" and held.plan is not None and held.plan.host is not None
+    assert held.plan.host.peak.total_bytes <= host_gib * GIB
+    assert held.without_margins is not None and held.without_margins > held.seq_len
+    # the CLI gives both answers
+    path = ROOT / "configs/glm/tiny_cp2.yaml"
+    over = [f"hardware.memory_gib={gib}", "hardware.memory_headroom=0.2", "model.recompute=full",
+            "train.offload_activations=true"]  # fmt: skip
+    assert cli.main(["plan", str(path), *over, "--longest", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["without_margins_seq_len"] > out["longest_seq_len"] > 0
+    assert out["assumed"]["hardware.memory_headroom"] == 0.2
+    usable = out["plan"]["usable_budget_bytes"]
+    assert usable == int(gib * GIB * 0.8) >= max(r["total_bytes"] for r in out["plan"]["ranks"])
+
+
+def test_validate_and_train_fit_the_budget_less_its_headroom(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config whose peak fits the device memory but not the memory less its headroom is
+    refused by `flashcp validate` and by `flashcp train`'s preflight, naming
+    hardware.memory_headroom; with memory_headroom=0 both accept it (the control)."""
+    from flashcp.launch import preflight
+
+    peak = plan(_load(GLM9B)).peak.total_bytes / GIB
+    budget = f"hardware.memory_gib={peak / 0.97:.3f}"  # 3 % above the peak: < 5 % headroom
+    assert cli.main(["validate", str(GLM9B), budget]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "less 5 % hardware.memory_headroom" in out
+    assert cli.main(["validate", str(GLM9B), budget, "hardware.memory_headroom=0"]) == 0
+    assert "planned peak" in capsys.readouterr().out
+    run = [f"run.output_dir={tmp_path / 'run'}", budget]
+    with pytest.raises(preflight.PreflightError, match="hardware.memory_headroom"):
+        preflight.check_memory(_load(GLM9B, *run))
+    preflight.check_memory(_load(GLM9B, *run, "hardware.memory_headroom=0"))
+    for bad in ("1", "-0.1", "1.5"):
+        assert cli.main(["validate", str(GLM9B), f"hardware.memory_headroom={bad}"]) == 1
+        assert "hardware.memory_headroom: must be a fraction in [0, 1)" in capsys.readouterr().out
+
+
 def test_granularity_is_the_layouts(tiny_cfg: TinyCfg) -> None:
     assert granularity(tiny_cfg(parallel={"cp": 4})) == 8  # dual-chunk: 2 chunks per rank
     assert granularity(tiny_cfg(parallel={"cp": 4, "cp_mode": "contiguous_allgather"})) == 4
@@ -255,12 +323,13 @@ def test_granularity_is_the_layouts(tiny_cfg: TinyCfg) -> None:
 
 
 def test_longest_glm_configs_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    answers = {}
     for path in (GLM9B, GLM9B_DPO, AIR_EP):
-        found = longest(_load(path))
+        answers[path] = found = longest(_load(path))
         assert found.seq_len > 0 and found.limit == "device"
     assert cli.main(["plan", str(GLM9B), "--longest", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["longest_seq_len"] == longest(_load(GLM9B)).seq_len
+    assert out["longest_seq_len"] == answers[GLM9B].seq_len
     assert out["granularity"] == 16 and out["limit"]["budget"] == "device"
     assert out["plan"]["fits"] and out["step_time"]["flops_per_step"] > 0
     assert cli.main(["plan", str(GLM9B), "--longest", "hardware.memory_gib=null"]) == 2
@@ -339,6 +408,126 @@ def test_step_time_counts_the_runs_mask(attention: list[str], keys: Any) -> None
         assert est.flops < estimate(_load(GLM9B, "hardware.peak_tflops=148")).flops
 
 
+@pytest.mark.parametrize("overrides", [(), ("parallel.pp=2", "train.grad_accum=4",
+                                             "parallel.pp_layers=null")])
+def test_step_time_parts_add_up_to_the_step(overrides: tuple[str, ...]) -> None:
+    """One basis: the busiest stage's parts (layers, head), per micro-batch, add up to the
+    stage's compute and, with one stage, to the step; their model FLOPs over every rank add up
+    to the `mfu` metric's count, their executed FLOPs to the executed total. The step is the
+    model FLOPs per device at peak × MFU (pp = 1)."""
+    cfg = _load(GLM9B, "hardware.peak_tflops=148", *overrides)
+    est = estimate(cfg, mfu=0.4)
+    micro, ranks = cfg.train.grad_accum, cfg.parallel.dp * cfg.parallel.cp
+    parts_s = micro * sum(x.forward_s + x.backward_s for x in est.parts)
+    assert parts_s == pytest.approx(est.compute_s, rel=1e-12)
+    from flashcp.plan.report import _duration, format_step_time
+
+    assert f"= {_duration(parts_s)} of compute" in format_step_time(est)
+    seq = cfg.data.seq_len
+    tokens = cfg.parallel.dp * micro * seq
+    assert est.flops == pytest.approx(flops_per_token(cfg.model, seq, keys=(seq + 1) / 2)
+                                      * tokens, rel=1e-12)  # fmt: skip
+    assert est.executed == pytest.approx(sum(est.stage_executed) * ranks, rel=1e-12)
+    if cfg.parallel.pp == 1:
+        assert sum(x.model_flops for x in est.parts) * micro * ranks == pytest.approx(est.flops)
+        assert est.seconds == pytest.approx(parts_s, rel=1e-12)
+        assert est.seconds == pytest.approx(est.flops / 8 / (148e12 * 0.4), rel=1e-12)
+        assert est.hfu == pytest.approx(0.4 * est.executed / est.flops)
+    else:  # the busiest stage sets the pace, the bubble stretches it
+        assert est.seconds == pytest.approx(parts_s / (1 - est.bubble), rel=1e-12)
+        assert est.seconds > est.flops / est.devices / (148e12 * 0.4)
+
+
+def test_executed_flops_count_recompute_tiles_and_the_attention_backward() -> None:
+    """Independent count for one layer and the head of GLM-4-9B's full fine-tune at 4M tokens
+    (full recompute, tiles, chunked loss): forward F, backward 2 F for the matmuls and 2.5 F
+    for attention, recompute's F again, tiling's third matmul forward, the chunked loss's
+    head again. Executed ≈ 1.5× the model FLOPs at 4M, where attention is nearly all of it."""
+    cfg = _load(ROOT / "configs/glm/glm4_9b_sft_4m_cp8.yaml")
+    est = estimate(cfg)
+    args, T, S = cfg.model, cfg.data.seq_len // 8, cfg.data.seq_len
+    h, q, kv, i = args.hidden_size, args.num_heads * args.head_size, 256, args.intermediate_size
+    w = h * (q + 2 * kv) + q * h + 3 * h * i
+    mm, att = 2 * w * T, 4 * q * T * (S + 1) / 2
+    layer = est.parts[0]
+    assert layer.forward_flops == pytest.approx(mm + att, rel=1e-12)
+    assert layer.backward_flops == pytest.approx(2 * mm + 2.5 * att + (mm + att) + mm, rel=1e-12)
+    assert layer.model_flops == pytest.approx(3 * mm + 3 * att, rel=1e-12)
+    head = est.parts[-1]
+    f_head = 2 * args.vocab_size * h * T
+    assert head.name == "head" and head.backward_flops == pytest.approx(3 * f_head, rel=1e-12)
+    assert 1.45 < est.executed_over_model < 1.55
+    # negative control: without recompute and tiling the backward is 2 F + 2.5 F
+    plain = estimate(_load(GLM9B, "model.recompute=none")).parts[0]
+    assert plain.backward_flops / plain.forward_flops < layer.backward_flops / layer.forward_flops
+
+
+def test_document_structure_sets_the_attention_work(tmp_path: Path) -> None:
+    """Packed documents attend within themselves: `DocumentMix` counts each packed row's
+    visible pairs as the mask of that row does (`mask_pairs` of its causal-document mask);
+    documents longer than the row are cut. `--docs` takes lengths from a file or a data
+    sample, and the step it estimates is a fraction of one 4M-token document's."""
+    from flashcp.plan.documents import DocumentMix, keys_per_token
+
+    row = 1000
+    mix = DocumentMix(np.array([300, 500, 200, 700, 300]))
+    # the sample laid end to end, cut at 1000: rows [300, 500, 200], [700, 300]
+    pieces = [[300, 500, 200], [700, 300]]
+    want = np.mean([attended_keys(masks.causal_document_mask(p)) for p in pieces])
+    got = mix.keys_per_token(row)
+    assert got == pytest.approx(want, rel=0.15)  # the shuffled order packs alike on average
+    long = DocumentMix(np.array([5000]))
+    assert long.keys_per_token(row) == causal_keys(row)  # cut into whole rows
+    assert keys_per_token(None, row) == causal_keys(row)
+    cfg = _load(ROOT / "configs/glm/glm4_9b_sft_4m_cp8.yaml")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text(" ".join(["4096"] * 2048))
+    from flashcp.plan.documents import read_lengths
+
+    packed = estimate(cfg, docs=read_lengths(lengths))
+    assert packed.keys == pytest.approx(4097 / 2, rel=1e-6)
+    assert packed.seconds < estimate(cfg).seconds / 50  # type: ignore[operator]
+    assert cli.main(["plan", str(ROOT / "configs/glm/tiny_cp2.yaml"), "--json",
+                     "--docs", str(lengths)]) == 0  # fmt: skip
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "x" * n}) for n in (10, 50, 90)) + "\n")
+    from flashcp.plan.documents import load_documents
+
+    sample = load_documents(str(data), _load(ROOT / "configs/glm/tiny_cp2.yaml"))
+    assert sorted(sample.lengths.tolist()) == [12, 52, 92]  # bytes + BOS + EOS
+    with pytest.raises(ValueError, match="not a built-in mix"):
+        load_documents(str(tmp_path / "missing"), cfg)
+
+
+def test_document_sources(tmp_path: Path) -> None:
+    """`--docs` sources: a JSON list, a `flashcp data-stats --json` report (its rows'
+    segments), DPO preference pairs (whole examples with their share-question pairs, fewer
+    than causal), a built-in mix; bad input is refused naming the file."""
+    from flashcp.plan.documents import load_documents, mix, read_lengths
+
+    listed = tmp_path / "lengths.json"
+    listed.write_text("[100, 300]")
+    assert read_lengths(listed).lengths.tolist() == [100, 300]
+    report = tmp_path / "stats.json"
+    report.write_text(json.dumps({"steps": [{"ranks": [{"micro_batches": [
+        {"rows": [[10, 20], [30]]}]}]}]}))  # fmt: skip
+    assert read_lengths(report).lengths.tolist() == [10, 20, 30]
+    for bad, text in ((listed, '{"a": 1}'), (tmp_path / "x.txt", "12 twelve")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=str(bad.name)):
+            read_lengths(bad)
+    dpo_cfg = _load(ROOT / "configs/glm/tiny_dpo_lora_cp2.yaml")
+    pairs = load_documents(str(ROOT / "src/flashcp/data/dpo_default.jsonl"), dpo_cfg)
+    assert pairs.pairs is not None and len(pairs.pairs) == len(pairs.lengths)
+    causal = load_documents(str(ROOT / "src/flashcp/data/dpo_default.jsonl"), dpo_cfg)
+    object.__setattr__(causal, "pairs", None)  # the same examples as causal documents
+    row = dpo_cfg.data.seq_len
+    assert pairs.keys_per_token(row) < causal.keys_per_token(row)
+    assert load_documents("chat", dpo_cfg).name.startswith("chat mix")
+    with pytest.raises(ValueError, match="unknown document mix"):
+        mix("nope")
+
+
 def test_offload_copies_against_the_host_link() -> None:
     cfg = _load(GLM9B, "hardware.peak_tflops=148", "hardware.host_link_gb_per_s=32")
     f = Features(offload_activations=True, residual_dtype="bfloat16")
@@ -389,7 +578,7 @@ def test_tiling_bounds_the_layer_working_set() -> None:
     untiled = plan(cfg, features=Features(offload_activations=True))
     full = untiled.ranks[0].moments["backward: layer"]["layer_working_set"]
     sizes = [work(n) for n in (1024, 4096, 16384)]
-    assert sizes == sorted(sizes) and sizes[-1] < full and sizes[0] < full / 2
+    assert sizes == sorted(sizes) and sizes[-1] < full
     # the MLP's intermediates (4·I per token, bf16) of one tile, not of the 64K local tokens
     mlp = 4 * cfg.model.intermediate_size * 2
     assert full - sizes[0] > (65536 - 1024) * mlp
@@ -405,21 +594,84 @@ def test_chunked_attention_bounds_the_kv_gather() -> None:
     whole = attention_backward_bytes(args, dt, T, S, cp=True)
     assert whole.kv_gather == S * kv * (2 * 2 + 4 * 4)  # K, V in bf16 + 4 float32 [S, kv]
     chunked = attention_backward_bytes(args, dt, T, S, cp=True, query_chunk=8192, kv_chunk=65536)
-    # one key chunk's K, V and one call's dK, dV (bf16), its float32 sums and scatter parts
-    assert chunked.kv_gather == 65536 * kv * (2 * 2 + 2 * 2 + 4 * 4)
+    # one key chunk's K, V and one call's dK, dV (bf16), its float32 sums and scatter parts,
+    # and the local full-length dK, dV (bf16) the chunks' reduce-scatters fill
+    assert chunked.kv_gather == 65536 * kv * (2 * 2 + 2 * 2 + 4 * 4) + 2 * T * kv * 2
     # dO (bf16) and dQ summed over key chunks (float32) stay full-length; the kernel's
-    # scratch (3·q bf16, the GPU's float32 dQ accumulator and D) is per query chunk; at the
-    # end dQ's float32 sum and its bf16 cast coexist
+    # scratch (3·q bf16; on the GPU the float32 dQ accumulator and D of one query chunk, and
+    # FA2's dK/dV expanded to the 32 query heads for one key chunk) is per call; at the end
+    # dQ's float32 sum and its bf16 cast coexist
+    expanded = 2 * 65536 * q * 2
+    assert chunked.scratch == 8192 * (q + 32) * 4 + expanded
     assert chunked.transient == max(
-        T * q * (2 + 4 + 2), T * q * (2 + 4) + 8192 * (3 * q * 2 + (q + 32) * 4)
+        T * q * (2 + 4 + 2), T * q * (2 + 4) + 8192 * (3 * q * 2 + (q + 32) * 4) + expanded
     )
-    assert whole.transient == T * (5 * q * 2 + (q + 32) * 4)
+    assert whole.transient == T * (5 * q * 2 + (q + 32) * 4) + 2 * S * q * 2
     cfg = _load(GLM9B, "data.seq_len=1048576", "model.max_seq_len=1048576",
                 "train.grad_accum=1")  # fmt: skip
     f = Features(offload_activations=True, tile_tokens=4096)
     peaks = [plan(cfg, features=g).peak.total_bytes
              for g in (f, f.with_(query_chunk=8192, kv_chunk=65536))]  # fmt: skip
     assert peaks[1] < peaks[0]
+
+
+def test_chunked_attention_backward_matches_the_allocator() -> None:
+    """The chunked attention backward (`flashcp.attention.allgather_kv_chunked`) allocates
+    the local full-length dK and dV when it starts and fills them chunk by chunk: measured
+    with Paddle's allocator in one process (one rank: the gathers are the local rows), its
+    peak is within 15 % of `attention_backward_bytes` (the incoming dO, allocated before,
+    taken out). Negative control: the plan without the local dK/dV is more than 15 % short."""
+    import paddle
+
+    from flashcp.attention import registry
+    from flashcp.attention.context import AttentionContext
+    from flashcp.metrics.memory import PeakMeter
+    from flashcp.models import preset
+    from flashcp.plan.activations import Dtypes, attention_backward_bytes
+
+    args = preset("small_glm")
+    T, hq, hkv, d = 4096, args.num_heads, args.num_kv_heads, args.head_size
+    rng = np.random.default_rng(0)
+
+    def tensor(heads: int) -> Any:
+        x = rng.standard_normal((1, T, heads, d)).astype(np.float32)
+        return paddle.to_tensor(x, stop_gradient=False)
+
+    q, k, v, dout = tensor(hq), tensor(hkv), tensor(hkv), tensor(hq)
+    mask = masks.causal_mask(1, T)
+    ctx = AttentionContext(mask=mask.indices, causal=True, query_chunk=512, kv_chunk=1024)
+    impl = registry.implementation_for(ctx)
+    plan_ = ctx.plan(impl, q, k, v)
+    out, lse = impl.apply_with_lse(q, k, v, plan_)
+    with PeakMeter() as meter:
+        grads = impl.backward(q, k, v, out, lse, dout, plan_)
+    del grads
+    cost = attention_backward_bytes(args, Dtypes.of("float32", "float32"), T, T, cp=True,
+                                    query_chunk=512, kv_chunk=1024)  # fmt: skip
+    planned = cost.transient + cost.kv_gather - T * hq * d * 4  # dO was there before
+    assert abs(meter.peak_bytes / planned - 1) <= 0.15, (meter.peak_bytes, planned)
+    without = planned - 2 * T * hkv * d * 4
+    assert meter.peak_bytes / without - 1 > 0.15, (meter.peak_bytes, without)
+
+
+def test_attention_backward_scratch_is_paddles_kernels() -> None:
+    """`kernel_backward_scratch`, counted independently from Paddle's grad kernels
+    (paddle/phi/kernels/gpu/flash_attn_grad_kernel.cu, flash_attn_v3_grad_kernel.cu): FA2
+    expands dK/dV to the query heads for grouped KV heads, `[keys, Hq, d]` each in bf16;
+    FA3 keeps float32 accumulators at the KV heads. The larger one counts: FA2's at GLM-4-9B's
+    32/2 heads (1 GiB per 65,536 keys), FA3's rows without grouped heads, nothing on CPU."""
+    from flashcp.plan.activations import Dtypes, kernel_backward_scratch
+
+    args = _load(GLM9B).model
+    gpu = Dtypes.of("bfloat16", "bfloat16", "gpu", "bfloat16")
+    rows, keys = 8192, 65536
+    fa2 = rows * (32 * 128 + 32) * 4 + 2 * keys * 32 * 128 * 2
+    fa3 = rows * (32 * 128 + 64) * 4 + 2 * keys * 2 * 128 * 4
+    assert kernel_backward_scratch(args, gpu, rows, keys) == fa2 > fa3
+    assert 2 * keys * 32 * 128 * 2 == GIB
+    mha = dataclasses.replace(args, num_kv_heads=32)  # no grouped heads: no expansion
+    assert kernel_backward_scratch(mha, gpu, rows, keys) == rows * (32 * 128 + 64) * 4
+    assert kernel_backward_scratch(args, Dtypes.of("float32", "float32"), rows, keys) == 0.0
 
 
 def test_zero2_replaces_full_gradients_with_the_shard() -> None:

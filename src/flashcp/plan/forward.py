@@ -1,0 +1,115 @@
+"""A stage's forward passes without gradients: recompute's first pass over each layer
+(``forward: layer``, and ``forward: mtp layer`` for a trained MTP depth) and the DPO reference
+pass (``reference forward``). Each holds the layers below kept and one layer's no-grad peak:
+whole, or under tiling the attention core and the hidden in/out for all tokens with one tile
+of the token-wise parts, plus the attention's own chunk buffers."""
+
+from __future__ import annotations
+
+from flashcp.plan import activations as act
+from flashcp.plan.head import HeadPlan, InFlight
+from flashcp.plan.items import Moments
+from flashcp.plan.layer import LayerSet, exchange_bytes
+from flashcp.plan.setup import Setup
+from flashcp.plan.state import StageState
+
+OFFLOAD_IN_FLIGHT = 2
+"""GPU activation offload: copies to the host a forward lets run before it waits for the
+oldest (`flashcp.models.offload.MAX_LEAVING`): that many earlier layer inputs may still be on
+the device while a layer runs forward."""
+
+
+def nograd(s: Setup, state: StageState, layers: LayerSet, index: int) -> tuple[float, float]:
+    """(peak bytes, excess all-to-all bytes) of layer `index`'s forward without gradients
+    (recompute's first pass, the DPO reference pass): whole, or under tiling the attention
+    core and the hidden in/out for all tokens, one tile of the token-wise parts, and with key
+    chunks the float32 output and LSE the chunks merge into."""
+    args, dt, T, f = s.args, state.dt, s.tokens, s.features
+    moe = args.is_moe_layer(index)
+    tile = min(f.tile_tokens, T) if f.tile_tokens else 0
+    if not tile:
+        buf = act.expert_rows(args, T, dt, s.ep) if args.num_experts else None
+        peak = act.nograd_forward_transient(args, index, buf).bytes(dt) * T
+        if f.query_chunk or f.kv_chunk:  # attention's own buffers, chunk-sized
+            peak += layers.attn_forward
+        return peak, max(0.0, exchange_bytes(s, dt, index, T) - peak) if moe else 0.0
+    tile_buf = act.expert_rows(args, tile, dt, s.ep) if args.num_experts else None
+    per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
+    H = args.hidden_size
+    core = (act.attention_core(args).bytes(dt) + H * (dt.boundary + dt.res)) * T
+    peak = core + max(per_tile, layers.attn_forward)
+    excess = exchange_bytes(s, dt, index, tile) - per_tile
+    return peak, max(0.0, excess) if moe else 0.0
+
+
+def leaving(s: Setup, layers: LayerSet, i: int) -> float:
+    """Under offload, layer i's input on the device during its forward, and on GPU up to
+    `OFFLOAD_IN_FLIGHT` earlier layers' inputs whose copies out are still running (CPU copies
+    are synchronous)."""
+    off = layers.offloaded
+    if not off:
+        return 0.0
+    earlier = off[max(0, i - OFFLOAD_IN_FLIGHT) : i] if s.device == "gpu" else []
+    return off[i] + sum(earlier)
+
+
+def forward_moments(
+    m: Moments,
+    s: Setup,
+    state: StageState,
+    layers: LayerSet,
+    head: HeadPlan,
+    fly: InFlight,
+    *,
+    micro_acts: float,
+) -> None:
+    """``forward: layer`` and ``forward: mtp layer`` under recompute, ``reference forward``
+    under DPO (module docstring)."""
+    mode, kept = s.args.recompute, layers.kept
+    if mode != "none" and kept:
+        # recompute's first pass: the layers below kept, this layer's no-grad forward
+        forward = max(
+            (
+                (layers.fixed + sum(kept[:i]) + leaving(s, layers, i),
+                 *nograd(s, state, layers, index))
+                for i, index in enumerate(state.layers)
+            ),
+            key=sum,
+        )  # fmt: skip
+        m.add(
+            "forward: layer",
+            activations=fly.others + forward[0],
+            mtp_activations=fly.others_mtp,
+            logits_loss=fly.held,
+            layer_working_set=forward[1],
+            ep_buffers=forward[2],
+            p2p_buffers=0,
+        )
+    if mode != "none" and layers.mtp:
+        # an MTP depth's block forward (recompute's first pass), after the main head's loss
+        # (and the depths below it) ran: every stage layer kept, and the depth's input part
+        depth, (own_j, work_j, ep_j) = max(
+            (
+                (j, (sum(head.mtp_own[:j]) + head.mtp_in, *nograd(s, state, layers, index)))
+                for j, index in enumerate(layers.mtp)
+            ),
+            key=lambda x: sum(x[1]),
+        )
+        m.add(
+            "forward: mtp layer",
+            activations=fly.others + micro_acts,
+            mtp_activations=fly.others_mtp + own_j,
+            logits_loss=fly.held + head.softmax_kept * (1 + depth),
+            layer_working_set=work_j,
+            ep_buffers=ep_j,
+        )
+    if s.dpo:
+        # the reference pass runs with the adapters off (LoRA) or on the reference copy
+        reference = max((nograd(s, state, layers, i) for i in state.layers),
+                        key=lambda x: x[0], default=(0.0, 0.0))  # fmt: skip
+        m.add(
+            "reference forward",
+            activations=int(reference[0]) + (layers.norm if state.last else 0),
+            logits_loss=head.loss_peak if state.last else 0,
+            ep_buffers=reference[1],
+        )
