@@ -479,6 +479,12 @@ def test_document_structure_sets_the_attention_work(tmp_path: Path) -> None:
     long = DocumentMix(np.array([5000]))
     assert long.keys_per_token(row) == causal_keys(row)  # cut into whole rows
     assert keys_per_token(None, row) == causal_keys(row)
+    # under a mask family each packed piece is counted as that mask builds it: a 100-key
+    # window over rows cut from one long document is the window mask's count of one row
+    window = masks.DocumentMasking("sliding_window", 100)
+    assert long.keys_per_token(row, window) == attended_keys(window.build([[row]]))
+    assert keys_per_token(None, row, window) == long.keys_per_token(row, window)
+    assert mix.keys_per_token(row, window) < got  # and the window is cheaper than causal
     cfg = _load(ROOT / "configs/glm/glm4_9b_sft_4m_cp8.yaml")
     lengths = tmp_path / "lengths.txt"
     lengths.write_text(" ".join(["4096"] * 2048))
