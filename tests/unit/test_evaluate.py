@@ -9,6 +9,9 @@
 * Training is bitwise the same with and without eval (losses and gradient norms), also with
   LoRA dropout drawing random numbers during training, and for DPO.
 * One pass over the eval set, `eval.max_batches`, and when evaluation runs.
+* Every eval document counts once, packed or not: a one-document set is one row of its own
+  targets, and packed and unpacked evaluation of one model give the same targets and, within
+  the float32 rule, the same loss.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
 from flashcp.data.dataset import read_records
 from flashcp.data.dpo_stream import DPOData
-from flashcp.evaluate import data_epoch, format_eval, is_due, pass_rows
+from flashcp.evaluate import Evaluator, data_epoch, format_eval, is_due, pass_rows
 from flashcp.lora.model import disable_adapters
 from flashcp.metrics.writer import read_metrics
+from flashcp.recipes import build_recipe
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMData
 from flashcp.trainer import Trainer
@@ -55,8 +59,8 @@ def tiny_base() -> Sections:
 
 @pytest.fixture
 def text_eval(tmp_path: Path) -> Path:
-    """12 held-out documents (the last of the shipped corpus: not what training starts on)."""
-    return _write_jsonl(tmp_path / "eval.jsonl", read_records(None)[-12:])
+    """11 held-out documents (the last of the shipped corpus: not what training starts on)."""
+    return _write_jsonl(tmp_path / "eval.jsonl", read_records(None)[-11:])
 
 
 def _training(run: Any) -> list[tuple[float, float]]:
@@ -89,7 +93,7 @@ def test_eval_loss_equals_the_models_own_loss_on_the_eval_set(
     assert "eval step 1 | loss " in out and f"eval {text_eval}:" in out
     last = rows[-1]
     # independent: the trained model's full logits on the same sequences, paddle's CE
-    data = LMData(_eval_cfg(cfg))
+    data = LMData(_eval_cfg(cfg), one_pass=True)
     model = trainer.model
     model.eval()
     nll, targets = 0.0, 0
@@ -115,7 +119,7 @@ def test_eval_loss_equals_the_models_own_loss_on_the_eval_set(
     # negative control: the eval of one step earlier (other weights) fails the same rule
     numerics.assert_rejects(rows[0]["eval/loss"], want, n=targets, scale=want)
     # one pass: every sequence of the eval set's first epoch once, 2 per batch
-    stream = LMData(_eval_cfg(cfg)).stream
+    stream = LMData(_eval_cfg(cfg), one_pass=True).stream
     sequences = 0
     while stream.state.epoch == 0:
         stream.next()
@@ -170,6 +174,50 @@ def test_max_batches_and_when_eval_runs(
     only_end = tiny_cfg(tmp_path / "end", train={"steps": 2}, eval={"path": str(text_eval)})
     fit(only_end)
     assert [("eval/loss" in r) for r in read_metrics(only_end.run.output_dir)] == [False, True]
+
+
+SFT_PAIRS = [("Hi there?", "Hello world")] + [
+    (f"Question {i} is here?", "Answer " + "x" * (3 + 2 * i)) for i in range(8)
+]
+"""(prompt, response) pairs; with the byte tokenizer a record is BOS + prompt + response +
+EOS, its targets the response's bytes and EOS. The first: 22 tokens, 12 targets."""
+
+
+def _targets(pairs: list[tuple[str, str]]) -> int:
+    """The targets of `pairs`, counted from their text (response bytes + EOS each)."""
+    return sum(len(response.encode()) + 1 for _, response in pairs)
+
+
+@pytest.mark.equivalence
+def test_every_eval_document_counts_once_packed_or_not(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    """Packed eval rows hold each document once and whole (they used to be filled by
+    repeating the set: one 22-token conversation with 12 targets reported 136 targets), so a
+    packed and an unpacked pass of the same trained model count the same targets and agree
+    on the loss within the float32 rule."""
+    one = _write_jsonl(tmp_path / "one.jsonl", [{"prompt": p, "response": r}
+                                                for p, r in SFT_PAIRS[:1]])  # fmt: skip
+    many = _write_jsonl(tmp_path / "many.jsonl", [{"prompt": p, "response": r}
+                                                  for p, r in SFT_PAIRS[1:]])  # fmt: skip
+    assert len(b"Hi there?Hello world") + 2 == 22 and _targets(SFT_PAIRS[:1]) == 12
+    cfg = tiny_cfg(tmp_path, run={"recipe": "sft"}, train={"steps": 1},
+                   eval={"path": str(one)}, checkpoint={"every": 0})  # fmt: skip
+    trainer = fit(cfg).trainer
+    last = read_metrics(cfg.run.output_dir)[-1]
+    assert (last["eval/rows"], last["eval/batches"], last["eval/targets"]) == (1, 1, 12)
+    results = {}
+    for packing in (True, False):
+        c = replace(cfg, data=replace(cfg.data, packing=packing))
+        evaluator = Evaluator(build_recipe(c, trainer.groups), str(many), max_batches=None,
+                              groups=trainer.step_groups, rows_per_rank=2)  # fmt: skip
+        results[packing] = evaluator.run(trainer.runner)
+    packed, unpacked = results[True], results[False]
+    want = _targets(SFT_PAIRS[1:])
+    assert packed["eval/targets"] == unpacked["eval/targets"] == want
+    assert packed["eval/rows"] < unpacked["eval/rows"] == 8  # packing did pack
+    loss = unpacked["eval/loss"]
+    numerics.assert_close(packed["eval/loss"], loss, n=want, scale=loss, what="packed eval/loss")
 
 
 def test_is_due() -> None:

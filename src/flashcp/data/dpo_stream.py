@@ -180,7 +180,8 @@ class DPORows:
 
 
 class DPOData:
-    """Packed DPO micro-batches for dp rank `dp_rank` of `dp_size` (see the module docstring)."""
+    """Packed DPO micro-batches for dp rank `dp_rank` of `dp_size` (see the module docstring).
+    `one_pass` (an eval set) changes nothing: rows hold whole examples of one epoch already."""
 
     def __init__(
         self,
@@ -190,7 +191,9 @@ class DPOData:
         dp_size: int = 1,
         tokenizer: Tokenizer | None = None,
         peers: Peers | None = None,
+        one_pass: bool = False,
     ) -> None:
+        del one_pass  # an example is never split and no row crosses an epoch: one pass as is
         d = cfg.data
         self.cfg = cfg
         self.dpo: DPOConfig = cfg.extras.get("dpo") or DPOConfig()

@@ -65,7 +65,8 @@ class TrainData:
     """Micro-batches for dp rank `dp_rank` of `dp_size`, from the config's data section.
 
     `peers`: the processes indexing the rows together (default: this one alone, which reads
-    every row once to index it).
+    every row once to index it). `one_pass`: the rows of one pass over the data, each document
+    once and whole (an eval set: `PackedStream`'s `one_pass`).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class TrainData:
         dp_size: int = 1,
         tokenizer: Tokenizer | None = None,
         peers: Peers | None = None,
+        one_pass: bool = False,
     ) -> None:
         d = cfg.data
         self.cfg = cfg
@@ -117,6 +119,7 @@ class TrainData:
             packing=d.packing,
             pad_id=self.tokenizer.pad_id,
             prefixes=extra[:, 0] if prefixed and extra is not None else None,
+            one_pass=one_pass,
         )
         divisor = cfg.parallel.seq_divisor
         padded = -(-d.seq_len // divisor) * divisor

@@ -17,6 +17,12 @@ on the seed; `PackedStream.state_dict()` (epoch, document, offset, count) restor
 The stream plans from the documents' lengths alone: `skip()` moves past a sequence without
 touching its documents, `next()` builds one, fetching only the documents it holds (so with
 `flashcp.data.index.LazyItems` a process tokenizes only the documents of its own sequences).
+
+`one_pass` (evaluation, `flashcp.evaluate`): the rows of one pass over the documents, each
+document exactly once and whole. A document that does not fit the rest of a row starts the
+next row (one longer than seq_len fills rows of its own, cut where a row ends), and the row that
+takes the last document is padded instead of continuing into the next epoch, so a pass scores
+every document once, with the context it would have alone (packed and unpacked eval agree).
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class PackedStream:
         packing: bool = True,
         pad_id: int = 0,
         prefixes: Any = None,
+        one_pass: bool = False,
     ) -> None:
         if not len(docs):
             raise ValueError("PackedStream needs at least one document")
@@ -117,6 +124,8 @@ class PackedStream:
         if self.prefixes is not None and self.prefixes.shape != self.lengths.shape:
             raise ValueError(f"prefixes {self.prefixes.shape} must give one per document "
                              f"{self.lengths.shape}")  # fmt: skip
+        self.one_pass = bool(one_pass)
+        """Rows of one pass: documents whole, no row crosses an epoch (module docstring)."""
         self.state = StreamState()
         self._order = _epoch_order(len(self.docs), self.seed, 0, self.shuffle)
 
@@ -168,7 +177,8 @@ class PackedStream:
         return int(min(max(int(self.prefixes[piece.doc]) - piece.start, 0), piece.length))
 
     def build(self, pieces: Sequence[Piece]) -> PackedSequence:
-        """The sequence made of `pieces` (back to back; unpacked: the one document, padded)."""
+        """The sequence made of `pieces` (back to back; unpacked: the one document, padded; a
+        `one_pass` row that ends the pass: padded after its last piece)."""
         prefixes = [self.piece_prefix(p) for p in pieces] if self.prefixes is not None else []
         if not self.packing:
             (i, _, n) = pieces[0]
@@ -185,15 +195,26 @@ class PackedStream:
             tokens.append(doc.tokens[start : start + take])
             targets.append(doc.targets[start : start + take])
         lens = [p.length for p in pieces]
+        if (pad := self.seq_len - sum(lens)) > 0:  # a one-pass row: the rest is padding
+            tokens.append(np.full(pad, self.pad_id, dtype=np.int64))
+            targets.append(np.zeros(pad, dtype=bool))
+            lens.append(pad)
+            prefixes = prefixes + [0] if prefixes else prefixes
         return PackedSequence(np.concatenate(tokens), np.concatenate(targets), lens, prefixes)
 
     def _next_packed(self) -> list[Piece]:
-        pieces = []
+        pieces: list[Piece] = []
         space = self.seq_len
+        epoch = self.state.epoch
         while space:
+            if self.one_pass and self.state.epoch != epoch:
+                break  # the pass is over: pad the row rather than start the next epoch
             i = int(self._order[self.state.doc])
             start = self.state.offset
-            take = min(int(self.lengths[i]) - start, space)
+            left = int(self.lengths[i]) - start
+            if self.one_pass and pieces and left > space:
+                break  # a document that does not fit the rest of the row starts the next row
+            take = min(left, space)
             pieces.append(Piece(i, start, take))
             space -= take
             self.state.offset += take

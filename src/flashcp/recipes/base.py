@@ -101,7 +101,7 @@ class Recipe:
 
     name: ClassVar[str] = ""
     data_class: ClassVar[Callable[..., StepSource]]
-    """Builds the step source: `(cfg, dp_rank=, dp_size=, peers=)`."""
+    """Builds the step source: `(cfg, dp_rank=, dp_size=, peers=, one_pass=)`."""
     stats: ClassVar[tuple[str, ...]] = ()
     """The names of the numbers `loss` returns beside the loss, summed by the trainer."""
     step_metrics: ClassVar[tuple[str, ...]] = ()
@@ -119,11 +119,12 @@ class Recipe:
         ONE row per `next_step()` (a list holding one one-row batch), the same rows on every
         rank: this recipe's data (format, tokenizer, packing, seq_len) on `path` in file order,
         built as for one dp rank (the evaluator deals the rows to the dp ranks itself, so a
-        pass ends exactly at the set's end)."""
+        pass ends exactly at the set's end), each document once and whole (`one_pass`)."""
         cfg, dp_rank, dp_size = self.cfg, int(self.groups.dp.rank), int(self.groups.dp.nranks)
         if path is not None:
             cfg, dp_rank, dp_size = eval_config(cfg, path), 0, 1
-        return self.data_class(cfg, dp_rank=dp_rank, dp_size=dp_size, peers=data_peers(self.groups))
+        return self.data_class(cfg, dp_rank=dp_rank, dp_size=dp_size, peers=data_peers(self.groups),
+                               one_pass=path is not None)  # fmt: skip
 
     def setup(self, model: paddle.nn.Layer) -> None:
         """Recipe business on this rank's parallelized stage before training (default: none)."""

@@ -162,3 +162,58 @@ def test_collate_pad_to_keeps_real_tokens_unchanged() -> None:
     np.testing.assert_array_equal(padded.labels[:, :10], plain.labels)
     np.testing.assert_array_equal(padded.mask.dense()[0, 0, :10, :10], plain.mask.dense()[0, 0])
     assert padded.mask.dense()[0, 0, :10, 10:].all()  # real rows never see padding
+
+
+def _one_pass_rows(stream: PackedStream) -> list[list[tuple[int, int, int]]]:
+    """The planned rows of one pass (until the stream's epoch turns)."""
+    rows = []
+    while stream.state.epoch == 0:
+        rows.append([tuple(p) for p in stream.plan_next()])
+    return rows
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_one_pass_holds_every_document_once_and_whole(shuffle: bool) -> None:
+    """An eval pass (`one_pass`): every document's tokens exactly once, a document never cut
+    unless longer than seq_len (then cut where rows end), the last row padded rather than
+    continued into the next epoch; without `one_pass` the last row wraps into it (control)."""
+    lengths = [5, 17, 3, 9, 30, 2, 11]
+    docs = marked_documents(lengths)
+    seq_len = 16
+    stream = PackedStream(docs, seq_len, seed=3, shuffle=shuffle, one_pass=True, pad_id=99)
+    rows = _one_pass_rows(stream)
+    covered = {i: 0 for i in range(len(docs))}
+    for row in rows:
+        assert sum(n for _, _, n in row) <= seq_len
+        for i, start, n in row:
+            assert start == covered[i]  # each document's tokens in order, none twice
+            covered[i] += n
+            whole = start == 0 and n == lengths[i]
+            assert whole or lengths[i] > seq_len  # only a too-long document is cut
+    assert covered == dict(enumerate(lengths))
+    assert rows[-1] and stream.state.doc == 0  # the pass ended with the set's last document
+    # the built rows: real tokens, then padding (no targets) up to seq_len
+    stream = PackedStream(docs, seq_len, seed=3, shuffle=shuffle, one_pass=True, pad_id=99)
+    targets = 0
+    for row in rows:
+        seq = stream.next()
+        real = sum(n for _, _, n in row)
+        assert seq.tokens.shape == (seq_len,) and sum(seq.doc_lens) == seq_len
+        assert seq.doc_lens[: len(row)] == [n for _, _, n in row]
+        assert (seq.tokens[real:] == 99).all() and not seq.targets[real:].any()
+        targets += int(seq.targets.sum())
+    assert targets == sum(int(d.targets.sum()) for d in docs)
+    # control: the training stream fills its last row from the next epoch
+    wrap = PackedStream(docs, seq_len, seed=3, shuffle=shuffle)
+    wrapped = _one_pass_rows(wrap)
+    assert sum(n for row in wrapped for _, _, n in row) > sum(lengths)
+
+
+def test_one_pass_of_one_short_document_is_one_padded_row() -> None:
+    """The defect: one 22-token document in 128-token rows was packed six times over."""
+    docs = marked_documents([22])
+    stream = PackedStream(docs, 128, shuffle=False, one_pass=True)
+    seq = stream.next()
+    assert seq.doc_lens == [22, 106] and stream.state.epoch == 1
+    assert int(seq.targets.sum()) == 21
+    assert int(PackedStream(docs, 128, shuffle=False).next().targets.sum()) > 21  # control
