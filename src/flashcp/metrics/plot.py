@@ -15,6 +15,11 @@ One panel per group present in the records (`plot_groups`), stacked over a share
   (`balance/dp_work_max_over_mean`, `balance/microbatch_work_max_over_mean`,
   `flashcp.data.balance`) and as the ranks' measured busy time
   (`balance/rank_time_max_over_mean`).
+
+Every panel has a legend naming its lines (also a panel of one line, such as an SFT run's eval
+panel, `eval/perplexity`), and evaluations are drawn as points joined by a line, so an eval
+that ran once (`eval.every: 0`: after the last step) is a visible point, as is any metric with
+a single value.
 """
 
 from __future__ import annotations
@@ -88,6 +93,20 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [int(r["step"]) for r in rows], [_num(r[key]) for r in rows]
 
 
+def ylabel(name: str, keys: list[str]) -> str:
+    """The y-axis label of panel `name` drawing `keys`: the group's label, or for the eval
+    panel with one metric (an SFT run's perplexity) that metric's name."""
+    if name == "eval" and len(keys) == 1:
+        return keys[0].removeprefix("eval/")
+    return {group: label for group, label, _ in GROUPS}[name]
+
+
+def line_style(key: str, points: int) -> str:
+    """Points for evaluations and for a series of one value (a line alone would not show it),
+    a plain line otherwise."""
+    return "o-" if key.startswith("eval/") or points == 1 else "-"
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write `<run_dir>/metrics.png` (or `out`): one panel per `plot_groups` group."""
     import matplotlib.pyplot as plt
@@ -104,14 +123,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def figure(records: list[dict[str, Any]], title: str) -> Any:
     """The matplotlib figure of `records`: one panel (axes, in `GROUPS` order) per group
-    present, each line labelled with its metric key."""
+    present, each line labelled with its metric key and named in the panel's legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     groups = plot_groups(records)
-    labels = {name: label for name, label, _ in GROUPS}
     fig, axes = plt.subplots(len(groups), 1, figsize=(8, 2.2 * len(groups) + 0.6), sharex=True,
                              squeeze=False)  # fmt: skip
     for ax, (name, keys) in zip(axes[:, 0], groups.items(), strict=True):
@@ -123,18 +142,19 @@ def figure(records: list[dict[str, Any]], title: str) -> Any:
                 twin.plot(steps, [100 * v for v in values], color="tab:red", label="mfu")
                 twin.set_ylabel("MFU %")
                 continue
-            style = "o-" if key.startswith("eval/") and name == "loss" else "-"
-            ax.plot(steps, values, style, label=key, markersize=3)
-        ax.set_ylabel(labels[name])
+            ax.plot(steps, values, line_style(key, len(steps)), label=key, markersize=3)
+        ax.set_ylabel(ylabel(name, keys))
         ax.set_title(name, fontsize=9, loc="left")
         ax.grid(alpha=0.3)
-        if len(keys) > 1 or twin is not None:
-            lines, names = ax.get_legend_handles_labels()
-            if twin is not None:
-                more, more_names = twin.get_legend_handles_labels()
-                lines, names = lines + more, names + more_names
-            ax.legend(lines, names, fontsize=7, loc="best")
-    axes[0, 0].figure.suptitle(f"{title}: {len(records)} steps", fontsize=10)
+        lines, names = ax.get_legend_handles_labels()
+        if twin is not None:
+            more, more_names = twin.get_legend_handles_labels()
+            lines, names = lines + more, names + more_names
+        ax.legend(lines, names, fontsize=7, loc="best")
+    steps = f"{len(records)} step" + ("" if len(records) == 1 else "s")
+    axes[0, 0].figure.suptitle(f"{title}: {steps}", fontsize=10)
     axes[-1, 0].set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # steps, not 0.98
     fig.tight_layout()
     return fig
