@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,10 +79,10 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
 
 
 def _config_summary(cfg, nnodes: int | None = None) -> str:  # type: ignore[no-untyped-def]
+    from flashcp.log import readable_count
     from flashcp.models import estimate_parameters
 
-    n = estimate_parameters(cfg.model)
-    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    size = readable_count(estimate_parameters(cfg.model))
     p = cfg.parallel
     recipe = cfg.run.recipe + (" + LoRA" if "lora" in cfg.extras else "")
     memory = ""
@@ -201,7 +202,7 @@ def _train(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     nodes = Nodes(count=args.nnodes, rank=args.node_rank, master=args.master)
-    return run_job(cfg, args.config, args.overrides, nodes=nodes)
+    return run_job(cfg, args.config, args.overrides, nodes=nodes, command=args.command_line)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -309,6 +310,7 @@ def _parse_size(text: str) -> int:
 def _export(args: argparse.Namespace) -> int:
     from flashcp.checkpoint.export import ExportError, export_run
     from flashcp.config import ConfigValidationError
+    from flashcp.log import readable_count
     from flashcp.models.hf_weights import CheckpointMismatchError
 
     try:
@@ -331,8 +333,8 @@ def _export(args: argparse.Namespace) -> int:
         return 0
     print(
         f"wrote {report.out}: {len(report.shards)} shard(s) in {report.dtype} from "
-        f"{report.source} (at most {report.max_shard_parameters / 1e6:.2f}M parameters held at "
-        "once)"
+        f"{report.source} (at most {readable_count(report.max_shard_parameters)} parameters held "
+        "at once)"
     )
     extras = report.tokenizer_files + (["generation_config.json"] if report.generation_config
                                        else [])  # fmt: skip
@@ -591,10 +593,14 @@ def package_version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from flashcp.log import quiet_third_party
+
+    quiet_third_party()  # before any command imports Paddle or PaddleFormers
     parser = build_parser()
     # `flashcp train CONFIG --nnodes 2 key=value`: overrides may follow the options too (as
     # for plan, validate and data-stats)
     args, extra = parser.parse_known_args(argv)
+    args.command_line = shlex.join(["flashcp", *(sys.argv[1:] if argv is None else argv)])
     if extra:
         takes = ("train", "plan", "validate", "data-stats")
         if args.command not in takes or any(a.startswith("-") for a in extra):

@@ -11,7 +11,13 @@
      "plan": {"ranks": [{"rank": 0, "stage": 0, "total_bytes": ..., "items": {...}}, ...],
               "budget_bytes": null, "fits": true, "device": "cpu", "peak_rank": 0,
               "peak_bytes": ..., "moments": {"0": "backward: layer", ...}, ...},
-     "data": {"source": ..., "rows": ..., "bad_records": {...}}}
+     "data": {"source": ..., "rows": ..., "bad_records": {...}},
+     "provenance": {"flashcp": "0.1.0", "paddle": "3.3.1", "python": "3.11.7",
+                    "git": {"commit": "bd5d1fe...", "dirty": false},
+                    "command": "flashcp train configs/gpt/tiny_cp2.yaml train.steps=20",
+                    "host": ..., "started": "2026-12-02T06:34:17Z"},
+     "end": {"ended": "2026-12-02T06:35:02Z", "wall_time_s": 45.1, "status": "completed",
+             "first_step": 1, "final_step": 20, "final_loss": 2.31, "eval": {...}}}
 
 `global_batch` is what one optimizer step consumes, the whole job (`global_batch`:
 micro_batch_size × grad_accum × dp sequences of seq_len tokens). `params_local` /
@@ -24,14 +30,27 @@ more than its stage, even briefly, shows it there. `plan` is the memory planner'
 config on the run's device (`plan_summary`, `flashcp.plan`): per rank the planned bytes at its
 peak, item by item, against `hardware.memory_gib`. `data` is what the recipe's data
 read (`data_report`): rows, usable documents, tokens, and the bad records it skipped.
+`provenance` is what made the run: the flashcp, Paddle and Python versions, the git commit
+(and whether the tree had uncommitted changes) when flashcp runs from a checkout, the command
+line (`flashcp train ...` as typed, passed to the ranks in `FLASHCP_COMMAND`; a rank started
+by the launcher directly records its own argv) and the start time (UTC). `end` is written when
+the run ends (`finish_run_info`): end time, wall time since the trainer was built, how it ended,
+the steps it ran, the final loss and the last evaluation.
 
-The same facts make the trainer's start line (`banner`) and the `mfu` metric (`RunFacts`).
+The same facts make the trainer's start line (`banner`), its last line (`summary`) and the
+`mfu` metric (`RunFacts`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,11 +61,16 @@ import paddle
 from flashcp.config import Config
 from flashcp.data.packing import document_masking
 from flashcp.distributed import ParallelGroups, all_gather_object
+from flashcp.log import readable_count
 from flashcp.metrics import flops, memory, tracking
 from flashcp.optim.zero import MasterOptimizer
 from flashcp.plan import plan
 
 RUN_INFO_FILE = "run_info.json"
+COMMAND_ENV = "FLASHCP_COMMAND"
+"""The command line `flashcp train` was given, handed to every rank it launches."""
+GIT_TIMEOUT_S = 10.0
+"""How long the git commit lookup may take (a slow network file system: left out)."""
 
 
 def global_batch(cfg: Config, dp: int, seq_len: int) -> dict[str, int]:
@@ -134,7 +158,7 @@ def banner(trainer: Any) -> str:
         if c.attention.prefix_len:
             mask += f" (prefix {c.attention.prefix_len} tokens)"
     return (
-        f"flashcp {c.run.recipe}: {c.model.arch} model, {n / 1e6:.2f}M {what} on rank 0 | "
+        f"flashcp {c.run.recipe}: {c.model.arch} model, {readable_count(n)} {what} on rank 0 | "
         f"dp={int(g.dp.nranks)} pp={pp} cp={int(g.cp.nranks)}"
         + (f" ep={ep}" if ep > 1 else "")
         + f" ({c.parallel.cp_mode}"
@@ -215,6 +239,7 @@ def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, A
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
         "plan": plan_summary(cfg, f.device),
         "data": data_report(trainer),
+        "provenance": provenance(getattr(trainer, "started", time.time())),
     }
 
 
@@ -223,6 +248,139 @@ def data_report(trainer: Any) -> dict[str, Any] | None:
     bad records skipped (by reason, with their first rows); None if the data has none."""
     report = getattr(getattr(trainer, "data", None), "data_report", None)
     return report() if callable(report) else None
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that started this run: `FLASHCP_COMMAND` (set by `flashcp train`), else
+    this process's own argv (`python -m paddle.distributed.launch` started it directly)."""
+    given = os.environ.get(COMMAND_ENV)
+    if given:
+        return given
+    args = list(sys.argv if argv is None else argv)
+    if args:
+        args[0] = Path(args[0]).name
+    return shlex.join(args)
+
+
+def source_revision(where: str | Path | None = None) -> dict[str, Any] | None:
+    """`{"commit", "dirty"}` of the git checkout flashcp's own source lies in (an editable
+    install from a clone), or None: an installed wheel, no git, or no answer in time."""
+    here = Path(where) if where is not None else Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(here), *args], capture_output=True,
+                                  text=True, timeout=GIT_TIMEOUT_S, check=False)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def utc(seconds: float) -> str:
+    """`seconds` since the epoch as an ISO 8601 UTC time to the second."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def provenance(started: float) -> dict[str, Any]:
+    """What made this run (module docstring): versions, git commit, command, host, start."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        flashcp_version = version("flashcp")
+    except PackageNotFoundError:  # a source tree that was never installed
+        flashcp_version = "unknown"
+    return {
+        "flashcp": flashcp_version,
+        "paddle": str(paddle.__version__),
+        "python": platform.python_version(),
+        "git": source_revision(),
+        "command": command_line(),
+        "host": socket.gethostname(),
+        "started": utc(started),
+    }
+
+
+def duration(seconds: float) -> str:
+    """`seconds` for a person: 12.3 s, 4m 05s, 2h 03m."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a `fit` ended, for `run_info.json`'s `end` and the last line (`summary`)."""
+
+    status: str
+    """`completed` (train.steps reached), `stopped` (run.stop_after_steps) or `failed: ...`."""
+    started: float
+    ended: float
+    first_step: int
+    """The first step this run trained (1, or one past the checkpoint it resumed)."""
+    final_step: int
+    total_steps: int
+    first_loss: float | None
+    final_loss: float | None
+    eval: dict[str, float]
+    """The last evaluation's `eval/...` metrics (empty without one)."""
+    checkpoint: str | None
+    """The newest checkpoint in the run directory when it ended."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ended": utc(self.ended),
+            "wall_time_s": round(self.ended - self.started, 3),
+            "status": self.status,
+            "first_step": self.first_step,
+            "final_step": self.final_step,
+            "total_steps": self.total_steps,
+            "final_loss": self.final_loss,
+            "eval": dict(self.eval),
+            "checkpoint": self.checkpoint,
+        }
+
+
+def summary(recipe: str, output_dir: str | Path, end: RunEnd) -> str:
+    """The run's last line: how it ended, steps, time, loss, eval, newest checkpoint, where."""
+    ran = end.final_step - end.first_step + 1
+    steps = f"step {end.final_step} of {end.total_steps}"
+    if ran > 0 and end.first_step > 1:
+        steps += f" ({ran} this run, resumed at {end.first_step - 1})"
+    parts = [f"flashcp {recipe}: {end.status} at {steps} in {duration(end.ended - end.started)}"]
+    if end.final_loss is not None:
+        first = f"{end.first_loss:.4f} -> " if end.first_loss is not None and ran > 1 else ""
+        parts.append(f"loss {first}{end.final_loss:.4f}")
+    for key in ("eval/loss", "eval/rewards/accuracy"):
+        if key in end.eval:
+            parts.append(f"{key} {end.eval[key]:.4f}")
+    if end.checkpoint is not None:
+        parts.append(f"checkpoint {end.checkpoint}")
+    parts.append(f"run {output_dir}")
+    return " | ".join(parts)
+
+
+def finish_run_info(output_dir: str | Path, end: RunEnd) -> Path | None:
+    """Add `end` to `<output_dir>/run_info.json` (rank 0, after `write_run_info`); None when
+    there is no such file (nothing to add to)."""
+    path = Path(output_dir) / RUN_INFO_FILE
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text())
+    info["end"] = end.to_json()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def write_run_info(trainer: Any) -> Path | None:

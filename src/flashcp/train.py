@@ -7,7 +7,9 @@
 flag. `flashcp train CONFIG` runs this file too, `flashcp.launch.job.train_script`.) On several
 nodes, each runs the launcher with `--nnodes N --rank R --master HOST:PORT --nproc_per_node
 dp·pp·cp/N`; the launcher's `PADDLE_NNODES` makes the degree check name the node count. What a
-rank does, its exit codes and its last line: `flashcp.launch.worker`.
+rank does, its exit codes and its last line: `flashcp.launch.worker`. Without `--log_dir` the
+launcher writes its logs to `./log/` (git-ignored here); `flashcp train` puts them in
+`<run.output_dir>/logs`.
 """
 
 import sys

@@ -27,6 +27,7 @@ import paddle
 from flashcp import rundir
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
+from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
 from flashcp.checkpoint.saving import SaveReport
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
@@ -51,7 +52,7 @@ from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
 from flashcp.recipes import build_recipe
 from flashcp.recipes.base import StepSource, normalised
-from flashcp.run_info import RunFacts, banner, write_run_info
+from flashcp.run_info import RunEnd, RunFacts, banner, finish_run_info, summary, write_run_info
 from flashcp.runtime import forward_context, process_groups, resolve_runtime, seed_rngs, use_device
 
 
@@ -118,6 +119,8 @@ class Trainer:
         data: StepSource | None = None,
         stream: TextIO | None = None,
     ) -> None:
+        self.started = time.time()
+        """When this run began (its build included): `run_info.json` and the last line."""
         self.cfg, self.stream = cfg, stream
         self.groups = groups = process_groups(cfg, groups)
         device, dtype = resolve_runtime(cfg)
@@ -322,6 +325,8 @@ class Trainer:
         end = end_all = cfg.train.steps
         if cfg.run.stop_after_steps:
             end = min(end, start + cfg.run.stop_after_steps)
+        evaluated: dict[str, float] = {}
+        failure: BaseException | None = None
         try:
             while self.step < end:
                 m = self.train_step()
@@ -335,14 +340,20 @@ class Trainer:
                 writer.log(m)
                 if results:
                     writer.echo(format_eval(self.step, results))
+                    evaluated = results
                 for line in saved.messages:
                     writer.echo(line)
                 result.metrics.append(m)
                 result.final_step = self.step
             if self.checkpointer.lora is not None and self.step >= cfg.train.steps:
                 self._finish_lora(writer)
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             writer.close()
+            if main:
+                self._finish(result, evaluated, failure)
         return result
 
     def _checkpoint(self, due: bool, *, last: bool) -> SaveReport:
@@ -351,6 +362,28 @@ class Trainer:
         ck = self.checkpointer
         report = ck.save(self.step, self.consumed_tokens) if due else ck.poll()
         return report.merge(ck.finish()) if last else report
+
+    def _finish(
+        self, result: TrainResult, evaluated: dict[str, float], failure: BaseException | None
+    ) -> None:
+        """Rank 0: how the run ended into `run_info.json` (`end`), and, when it did not fail,
+        its last line (`flashcp.run_info.summary`)."""
+        cfg = self.cfg
+        if failure is not None:
+            status = f"failed: {type(failure).__name__}"
+        else:
+            status = "completed" if self.step >= cfg.train.steps else "stopped"
+        saved = list_checkpoints(Path(cfg.run.output_dir) / CHECKPOINT_DIR)
+        done = RunEnd(
+            status=status, started=self.started, ended=time.time(),
+            first_step=result.start_step + 1, final_step=self.step, total_steps=cfg.train.steps,
+            first_loss=result.metrics[0].loss if result.metrics else None,
+            final_loss=result.metrics[-1].loss if result.metrics else None,
+            eval=evaluated, checkpoint=str(saved[-1][1]) if saved else None,
+        )  # fmt: skip
+        finish_run_info(cfg.run.output_dir, done)
+        if failure is None:
+            self.echo(summary(cfg.run.recipe, cfg.run.output_dir, done))
 
     def _finish_lora(self, writer: MetricsWriter) -> None:
         """Export the adapters (and the merged model when `lora.merge_at_end`)."""

@@ -39,6 +39,8 @@ from flashcp.config import Config
 from flashcp.distributed.watchdog import resolve_timeout
 from flashcp.launch import outcome, supervise
 from flashcp.launch.preflight import EXIT_PREFLIGHT, Nodes, PreflightError, preflight
+from flashcp.log import python_warnings
+from flashcp.run_info import COMMAND_ENV
 
 _HIDDEN_PREFIXES = ("LAUNCH INFO", "FLAGS(name=", "=====")
 _NOISE = (
@@ -140,6 +142,7 @@ def run_job(
     out: TextIO | None = None,
     progress: bool | None = None,
     nodes: Nodes | None = None,
+    command: str | None = None,
 ) -> int:
     """Check and launch the job of `cfg` (loaded from `config` with `overrides`, which the
     ranks are given to load it themselves), stream rank 0, return the job's exit code (the
@@ -147,7 +150,8 @@ def run_job(
     Ctrl-C, 143 SIGTERM).
 
     With `nodes` (several), this node launches its share of `cfg.parallel.world_size` and
-    joins the others at `nodes.master` (node 0 alone moves an earlier run aside)."""
+    joins the others at `nodes.master` (node 0 alone moves an earlier run aside). `command`:
+    the command line as typed, recorded by the ranks in run_info.json."""
     out = out or sys.stdout
     nodes = nodes or Nodes()
     nproc = cfg.parallel.world_size
@@ -160,6 +164,10 @@ def run_job(
     log_dir = ready.log_dir
     offsets = outcome.log_sizes(log_dir, local)
     env = supervise.job_env(uuid.uuid4().hex)
+    # the launcher imports Paddle before any flashcp code: its known notices, by message
+    env["PYTHONWARNINGS"] = python_warnings(env.get("PYTHONWARNINGS"))
+    if command is not None:
+        env[COMMAND_ENV] = command
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(nproc, 1))))
     if progress is None:
         progress = out.isatty() if hasattr(out, "isatty") else False

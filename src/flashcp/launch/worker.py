@@ -31,7 +31,7 @@ from flashcp import dispatch, distributed, faults, rundir
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import Config, ConfigValidationError, load_config
 from flashcp.launch.outcome import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_LINE, EXIT_NONFINITE
-from flashcp.log import process_rank
+from flashcp.log import process_rank, quiet_third_party
 from flashcp.trainer import NonFiniteError, Trainer
 
 DETERMINISTIC_FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run this rank's share of the job; returns the process exit code."""
+    quiet_third_party()  # before PaddleFormers is imported (LoRA, HF tokenizers)
     args = build_parser().parse_args(argv)
     rank = process_rank()
     try:

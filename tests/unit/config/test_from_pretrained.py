@@ -233,7 +233,7 @@ def test_validate_reads_config_json_only(model_dir: Path, tmp_path: Path, capsys
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(_raw(model_dir)))
     assert cli.main(["validate", str(path)]) == 0
-    assert f"glm_moe ~0.12M params from {model_dir}" in capsys.readouterr().out
+    assert f"glm_moe ~119.2K params from {model_dir}" in capsys.readouterr().out
     path.write_text(yaml.safe_dump(_raw(model_dir, {"hidden_size": 8})))
     assert cli.main(["validate", str(path)]) == 1
     out = capsys.readouterr().out
