@@ -59,10 +59,12 @@ import numpy as np
 import paddle
 
 from flashcp.config import Config
+from flashcp.data.epochs import format_passes, passes
 from flashcp.data.packing import document_masking
 from flashcp.distributed import ParallelGroups, all_gather_object
 from flashcp.log import readable_count
 from flashcp.metrics import flops, memory, tracking
+from flashcp.optim.lr import describe as lr_schedule
 from flashcp.optim.zero import MasterOptimizer
 from flashcp.plan import plan
 
@@ -128,7 +130,7 @@ class RunFacts:
 
 def banner(trainer: Any) -> str:
     """The trainer's start line: recipe, model, parameters, layout, global batch, device,
-    data, optimizer, reporting, mfu basis and evaluation."""
+    data, optimizer, steps and epochs, LR schedule, reporting, mfu basis and evaluation."""
     c, g, f = trainer.cfg, trainer.groups, trainer.facts
     n = sum(int(np.prod(p.shape)) for _, p in trainer.params)
     lora = c.extras.get("lora") is not None
@@ -141,6 +143,8 @@ def banner(trainer: Any) -> str:
     masters = isinstance(trainer.optimizer, MasterOptimizer)
     peak = c.hardware.peak_tflops
     parts = [
+        run_length(c, b["sequences"], getattr(trainer.data, "rows_per_epoch", None)),
+        lr_schedule(c.train),
         f"reporting to {tracking.describe(c.run.report_to)}",
         f"mfu vs {peak:g} TFLOP/s per device ({f.flops_per_token / 1e9:.3g} GFLOP/token)"
         if peak is not None
@@ -169,6 +173,18 @@ def banner(trainer: Any) -> str:
         + (f" | {trainer.optimizer.describe()}" if masters else "")
         + f" | {' | '.join(parts)}"
     )
+
+
+def run_length(cfg: Config, rows_per_step: int, rows_per_epoch: float | None) -> str:
+    """How long the run is: its steps and the passes over the data they make ("60 steps ≈ 2.3
+    epochs"; with `train.epochs`, the steps they gave)."""
+    steps = f"{cfg.train.steps} steps"
+    if rows_per_epoch is None or rows_per_epoch <= 0:
+        return steps
+    made = format_passes(passes(cfg.train.steps, rows_per_step, rows_per_epoch))
+    if cfg.train.epochs is not None:
+        return f"{steps} for train.epochs {cfg.train.epochs:g} ({made} passes over the data)"
+    return f"{steps} ≈ {made} epochs of the data"
 
 
 def parameter_totals(module: paddle.nn.Layer | None) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
 from flashcp.checkpoint.saving import SaveReport
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
+from flashcp.data.epochs import steps_for_epochs
 from flashcp.distributed import ParallelGroups, barrier, startup_phase
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.log import log_once
@@ -97,6 +98,20 @@ def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) 
     return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
 
 
+def epoch_steps(cfg: Config, data: StepSource) -> Config:
+    """`cfg` with `train.steps` counted from `train.epochs` and `data`'s rows per pass
+    (`flashcp.data.epochs`)."""
+    rows = getattr(data, "rows_per_epoch", None)
+    if rows is None:
+        raise ValueError(
+            f"train.epochs is set but the {type(data).__name__} data source does not count its "
+            "rows per pass: set train.steps"
+        )
+    per_step = cfg.data.micro_batch_size * cfg.train.grad_accum * cfg.parallel.dp
+    steps = steps_for_epochs(float(cfg.train.epochs or 0.0), float(rows), per_step)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+
+
 class Trainer:
     """Trains `cfg` on this process's share of the job (see the module docstring).
 
@@ -128,6 +143,8 @@ class Trainer:
         seed_rngs(cfg)
         self.recipe = build_recipe(cfg, groups)
         self.data = data or self.recipe.data()
+        if cfg.train.epochs is not None:  # the steps of train.epochs passes over this data
+            cfg = self.cfg = epoch_steps(cfg, self.data)
         stage = stage_spec(
             cfg.model, int(groups.pp.rank), int(groups.pp.nranks), cfg.parallel.pp_layers
         )

@@ -23,8 +23,9 @@ from flashcp.launch import outcome, worker
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import estimate_parameters
 from flashcp.optim.lr import build_scheduler, lr_at
+from flashcp.recipes.lm import LMData
 from flashcp.trainer import NonFiniteError, Trainer
-from helpers.configs import TinyCfg, tiny_config
+from helpers.configs import TINY_LM, TinyCfg, merged, tiny_config
 from helpers.trainruns import Fit, losses, nan_model
 
 # -- schedule ---------------------------------------------------------------------------------
@@ -92,6 +93,26 @@ def test_twenty_steps_learn(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None
     assert all(r["peak_memory_rank"] == 0 for r in records)
     assert peaks == sorted(peaks) and peaks[-1] * 2**30 >= 3 * 4 * n  # + AdamW's two moments
     assert records[-1]["peak_rss_gib"] > peaks[-1]
+
+
+def test_epochs_give_the_steps_and_the_start_line_counts_passes(
+    tmp_path: Path, fit: Fit
+) -> None:
+    """`train.epochs` (no `train.steps`): the run takes ceil(E × rows per pass / rows per
+    step) steps of this data, its LR decays to min_lr on the last of them, and the start line
+    says so; a run of steps states the passes it makes."""
+    raw = merged(TINY_LM, train={"epochs": 0.1}, checkpoint={"every": 0})
+    del raw["train"]["steps"]
+    cfg = tiny_config(tmp_path / "epochs", base=raw)
+    trainer, result, out = fit(cfg)
+    rows = LMData(cfg).rows_per_epoch
+    want = math.ceil(0.1 * rows / 2)  # micro-batches of 2 rows, one per step
+    assert trainer.cfg.train.steps == want == result.final_step > 2
+    records = read_metrics(cfg.run.output_dir)
+    assert len(records) == want and records[-1]["lr"] == pytest.approx(cfg.train.min_lr)
+    assert f"{want} steps for train.epochs 0.1 ({want * 2 / rows:.2g} passes over the data)" in out
+    plain = fit(tiny_config(tmp_path / "steps", base=TINY_LM, checkpoint={"every": 0})).out
+    assert f"6 steps ≈ {6 * 2 / rows:.2g} epochs of the data" in plain
 
 
 def test_resume_reproduces_losses_bitwise(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:

@@ -413,6 +413,7 @@ def collect(
     parsed, alias_errors = resolve_override_aliases(parsed)
     errors += bad + alias_errors
     errors += apply_overrides(data, parsed)
+    errors += _steps_or_epochs(data, {ov.key for ov in parsed})
     for ov in parsed:  # the command line replaced what the file gave through an alias
         aliased.pop(ov.key, None)
     extras = extra_sections()
@@ -466,6 +467,28 @@ def collect(
     return cfg, _mark_overrides(mark_aliases(errors, aliased), parsed)
 
 
+def _steps_or_epochs(data: dict[str, Any], command_line: set[str]) -> list[ConfigError]:
+    """`train.steps` and `train.epochs` are alternatives: given in the same place (both in
+    the file, or both on the command line) they are refused; one in the file and the other on
+    the command line, the command line's wins (as for any key) and the file's is dropped."""
+    train = data.get("train")
+    if not isinstance(train, dict) or train.get("steps") is None or train.get("epochs") is None:
+        return []
+    typed = [key for key in ("train.steps", "train.epochs") if key in command_line]
+    if len(typed) == 1:
+        train.pop("epochs" if typed[0] == "train.steps" else "steps")
+        return []
+    where = "on the command line" if typed else "in the file"
+    return [
+        ConfigError(
+            "train.epochs",
+            f"train.steps ({train['steps']}) and train.epochs ({train['epochs']}) are both set "
+            f"{where}: set exactly one (train.epochs counts the steps from the data's size at "
+            "the start)",
+        )
+    ]
+
+
 def _pretrained_path(data: Mapping[str, Any]) -> str | None:
     model = data.get("model")
     path = model.get("from_pretrained") if isinstance(model, Mapping) else None
@@ -514,13 +537,16 @@ def load_config(
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    """The resolved config as plain data (the `model` section with every field, no preset)."""
+    """The resolved config as plain data (the `model` section with every field, no preset;
+    with `train.epochs` no `train.steps`, which the epochs give at the start)."""
     model = _section_dict(cfg.model)
     if cfg.model_from_pretrained is not None:
         model = {"from_pretrained": cfg.model_from_pretrained, **model}
     out: dict[str, Any] = {"model": model}
     for name in SECTIONS:
         out[name] = _section_dict(getattr(cfg, name))
+    if cfg.train.epochs is not None:
+        out["train"].pop("steps", None)
     for name, value in cfg.extras.items():
         out[name] = _section_dict(value)
     return json.loads(json.dumps(out, default=list))
@@ -540,6 +566,7 @@ HASH_EXCLUDE: tuple[str, ...] = (
     "eval",
     "hardware",
     "train.steps",
+    "train.epochs",
     "train.log_every",
     "train.offload_activations",
     "parallel.shard_gradients",

@@ -232,13 +232,21 @@ class TrainConfig:
     """Optimisation: steps, AdamW, schedule, precision, determinism."""
 
     steps: int = 100
-    """Optimizer steps to run (the total, counting steps done before a resume)."""
+    """Optimizer steps to run (the total, counting steps done before a resume). Set this or
+    `epochs`, not both."""
+    epochs: float | None = None
+    """Passes over the training data instead of `steps`: the run takes
+    ceil(epochs × rows per pass / rows per step) steps, counted from the data at the start
+    (`flashcp.data.epochs`; rows per step = micro_batch_size × grad_accum × dp). null: run
+    `steps`."""
     lr: float = 3.0e-4
     """Peak learning rate, reached after warmup."""
     min_lr: float = 3.0e-5
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 10
-    """Linear warmup from 0 to `lr` over this many steps."""
+    warmup_steps: int | None = None
+    """Linear warmup from 0 to `lr` over this many steps; null = 10, or a tenth of the run if
+    that is fewer, so a short run still decays (`flashcp.optim.lr.warmup_steps`). A value you
+    set is kept, even one that leaves no decay (the start line then says so)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not applied to norms and biases)."""
     beta1: float = 0.9

@@ -8,6 +8,7 @@ that fixes it; checks whose keys already failed type-checking are skipped (no ca
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -378,8 +379,10 @@ def _check_train(cfg: Config, c: _Checks) -> None:
     _positive(c, "train.min_lr", t.min_lr, zero_ok=True)
     if c.ok("train.lr", "train.min_lr") and t.min_lr > t.lr:
         c.add("train.min_lr", f"{t.min_lr} is above train.lr {t.lr}: set train.min_lr <= lr")
-    if t.warmup_steps < 0:
+    if t.warmup_steps is not None and t.warmup_steps < 0:
         c.add("train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    if t.epochs is not None and not (math.isfinite(t.epochs) and t.epochs > 0):
+        c.add("train.epochs", f"must be > 0 (passes over the data), got {t.epochs}")
     _positive(c, "train.weight_decay", t.weight_decay, zero_ok=True)
     for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         if not 0.0 <= beta < 1.0:

@@ -85,6 +85,8 @@ class DPORows:
         self.epoch = 0
         self.row = 0
         self._rows = self._epoch_rows(0)
+        self.first_epoch_rows = len(self._rows)
+        """First-fit rows of epoch 0 (a pass over the examples)."""
         self.start = (0, 0)
         """The first-fit (epoch, row) where the current window began."""
         self.window_step = 0
@@ -258,6 +260,12 @@ class DPOData:
     def epoch(self) -> int:
         """The epoch the plan has reached."""
         return self.plan.epoch
+
+    @property
+    def rows_per_epoch(self) -> float:
+        """Rows of one pass over the pairs: the first epoch's packed rows (an example is never
+        split; a reshuffled epoch packs within a row or so of it)."""
+        return float(self.plan.first_epoch_rows)
 
     def step_rows(self) -> list[list[int]]:
         """Every row of the next step (the whole job's, in `StepLayout` order): example

@@ -142,6 +142,14 @@ class TrainData:
         return self.pad_to or self.cfg.data.seq_len
 
     @property
+    def rows_per_epoch(self) -> float:
+        """Rows (sequences) of one pass over the data: packed, its real tokens over seq_len
+        (documents continue across rows); unpacked, one row per document."""
+        if self.cfg.data.packing:
+            return self.num_tokens / self.cfg.data.seq_len
+        return float(self.num_documents)
+
+    @property
     def bad_records(self) -> BadRecords:
         """The rows left out, by reason (`data.on_bad_record: skip`)."""
         return self.index.bad

@@ -1,0 +1,78 @@
+"""Epochs (`train.epochs`, `flashcp.data.epochs`): the rows one pass over the data takes,
+counted by the data sources against stepping them until their epoch turns; the steps of E
+epochs; and the config rule that steps and epochs are alternatives."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from flashcp.config import ConfigValidationError, build_config, to_dict, to_yaml
+from flashcp.data.dpo_stream import DPOData
+from flashcp.data.epochs import format_passes, passes, steps_for_epochs
+from flashcp.recipes.lm import LMData
+
+TINY = {"model": {"preset": "tiny"}, "data": {"seq_len": 64, "micro_batch_size": 2}}
+
+
+def _rows_until_next_epoch(stream_next, epoch) -> int:  # type: ignore[no-untyped-def]
+    rows = 0
+    while epoch() == 0:
+        stream_next()
+        rows += 1
+    return rows
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_lm_rows_per_epoch(packing: bool) -> None:
+    cfg = build_config({**TINY, "data": {**TINY["data"], "packing": packing}})
+    data = LMData(cfg)
+    stepped = _rows_until_next_epoch(data.stream.plan_next, lambda: data.stream.state.epoch)
+    if packing:  # documents continue across rows: the pass ends inside the last row
+        assert math.ceil(data.rows_per_epoch) == stepped
+        assert data.rows_per_epoch == data.num_tokens / 64
+    else:
+        assert data.rows_per_epoch == stepped == data.num_documents
+
+
+def test_dpo_rows_per_epoch() -> None:
+    cfg = build_config({"model": {"preset": "tiny_glm"}, "run": {"recipe": "dpo"},
+                        "data": {"seq_len": 256, "micro_batch_size": 1}})  # fmt: skip
+    data = DPOData(cfg)
+    taken = _rows_until_next_epoch(data.step_rows, lambda: data.epoch)
+    # DPO turns its epoch when the next row is asked for: that row is epoch 1's first
+    assert data.rows_per_epoch == taken - 1 == data.plan.first_epoch_rows > 5
+
+
+def test_steps_for_epochs_and_back() -> None:
+    assert steps_for_epochs(1, 20.0, 2) == 10 and steps_for_epochs(2, 20.0, 2) == 20
+    assert steps_for_epochs(1, 20.5, 2) == 11  # the last, partial step is run
+    assert steps_for_epochs(0.01, 20.0, 2) == 1  # at least one step
+    assert passes(10, 2, 20.0) == 1.0 and format_passes(passes(23, 2, 20.0)) == "2.3"
+    assert format_passes(0.2612) == "0.26" and format_passes(12.4) == "12"
+    with pytest.raises(ValueError, match="0 rows per pass"):
+        steps_for_epochs(1, 0.0, 2)
+
+
+def test_steps_and_epochs_are_alternatives() -> None:
+    both = {**TINY, "train": {"steps": 5, "epochs": 2}}
+    with pytest.raises(ConfigValidationError, match=r"both set in the file: set exactly one"):
+        build_config(both)
+    with pytest.raises(ConfigValidationError, match=r"both set on the command line"):
+        build_config(TINY, overrides=["train.steps=5", "train.epochs=2"])
+    # one in the file, the other on the command line: the command line's wins
+    cfg = build_config({**TINY, "train": {"steps": 5}}, overrides=["train.epochs=2"])
+    assert cfg.train.epochs == 2.0
+    cfg = build_config({**TINY, "train": {"epochs": 2}}, overrides=["max_steps=7"])
+    assert (cfg.train.steps, cfg.train.epochs) == (7, None)
+    with pytest.raises(ConfigValidationError, match=r"train\.epochs: must be > 0"):
+        build_config(TINY, overrides=["train.epochs=0"])
+    # a run's written config (config.yaml) reloads: the epochs, no steps
+    cfg = build_config({**TINY, "train": {"epochs": 1.5}})
+    assert "steps" not in to_dict(cfg)["train"]
+    import yaml
+
+    again = build_config(yaml.safe_load(to_yaml(replace(cfg, train=replace(cfg.train, steps=9)))))
+    assert again.train.epochs == 1.5
