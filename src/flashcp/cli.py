@@ -1,5 +1,5 @@
-"""The `flashcp` command: train, validate, plan, data-stats, plot, export, explain-dispatch,
---version.
+"""The `flashcp` command: train, eval, validate, plan, data-stats, plot, export,
+explain-dispatch, --version.
 
 Each subcommand imports what it runs when it runs: PaddlePaddle is an optional extra, and
 `flashcp --version` and the missing-Paddle message must work without it."""
@@ -205,6 +205,59 @@ def _train(args: argparse.Namespace) -> int:
     return run_job(cfg, args.config, args.overrides, nodes=nodes, command=args.command_line)
 
 
+def _eval_target(config: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """`flashcp eval`'s CONFIG and overrides: a run directory is read through its
+    `config.yaml`, with `run.output_dir` pointing at it (the user's overrides after it)."""
+    path = Path(config)
+    if not path.is_dir():
+        return config, overrides
+    saved = path / "config.yaml"
+    if not saved.is_file():
+        raise FileNotFoundError(
+            f"{path} is a directory without config.yaml: give a run directory (what `flashcp "
+            "train` wrote) or a config file"
+        )
+    return str(saved), [f"run.output_dir={path}", *overrides]
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from flashcp.checkpoint.format import CheckpointError
+    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.evaluation import EvalError, Evaluation, check
+    from flashcp.launch.job import run_job
+    from flashcp.launch.preflight import Nodes
+    from flashcp.launch.worker import set_runtime_flags
+
+    problem = _node_problem(args)
+    if problem is not None:
+        print(f"flashcp eval: {problem}", file=sys.stderr)
+        return 2
+    try:
+        config, overrides = _eval_target(args.config, list(args.overrides))
+        cfg = load_config(config, overrides, nnodes=args.nnodes)
+        check(cfg)
+    except ConfigValidationError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except (EvalError, FileNotFoundError) as exc:
+        print(f"flashcp eval: {exc}", file=sys.stderr)
+        return 2
+    if cfg.parallel.world_size > 1 or args.nnodes > 1:  # the same launcher as training
+        nodes = Nodes(count=args.nnodes, rank=args.node_rank, master=args.master)
+        return run_job(cfg, config, overrides, nodes=nodes, command=args.command_line,
+                       evaluate=True)  # fmt: skip
+    set_runtime_flags(cfg)  # one process: here, as a launched rank would
+    try:
+        Evaluation(cfg, stream=sys.stdout).run()
+    except EvalError as exc:
+        print(f"flashcp eval: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print(f"flashcp eval: {exc}", file=sys.stderr)
+        return 4
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     import json
 
@@ -345,20 +398,9 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
-    train = sub.add_parser(
-        "train",
-        help="run a config as a paddle.distributed.launch job (dp×pp×cp processes)",
-        description="Validate CONFIG, launch dp×pp×cp processes of flashcp/train.py with "
-        "logs in <run.output_dir>/logs, stream rank 0, exit with the job's code.",
-    )
-    train.add_argument("config", help="YAML run config, e.g. configs/gpt/tiny_cp2.yaml")
-    train.add_argument(
-        "overrides",
-        nargs="*",
-        help="key.sub=value overrides (train.steps=10; aliases such as max_steps=10 too)",
-    )
-    nodes = train.add_argument_group(
+def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--nnodes`, `--node-rank`, `--master` of `flashcp train` and `flashcp eval`."""
+    nodes = parser.add_argument_group(
         "more than one node",
         "Run the same command on every node, each with its --node-rank; the dp·pp·cp "
         "processes are split evenly over the nodes. run.output_dir should be one shared "
@@ -374,7 +416,39 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         metavar="HOST:PORT",
         help="node 0's address and a free port where the nodes' launchers meet",
     )
+
+
+def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
+    train = sub.add_parser(
+        "train",
+        help="run a config as a paddle.distributed.launch job (dp×pp×cp processes)",
+        description="Validate CONFIG, launch dp×pp×cp processes of flashcp/train.py with "
+        "logs in <run.output_dir>/logs, stream rank 0, exit with the job's code.",
+    )
+    train.add_argument("config", help="YAML run config, e.g. configs/gpt/tiny_cp2.yaml")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.sub=value overrides (train.steps=10; aliases such as max_steps=10 too)",
+    )
+    _add_node_arguments(train)
     train.set_defaults(func=_train)
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a model directory or a run's checkpoint on eval.path, without training",
+        description="Evaluate on eval.path (one pass, or eval.max_batches) what CONFIG points "
+        "at: the newest checkpoint of run.output_dir (or checkpoint.resume=PATH), else "
+        "model.from_pretrained / checkpoint.init_from. RUN_DIR (a run's output_dir) reads its "
+        "config.yaml. Runs under the config's dp×pp×cp layout (launched like flashcp train; "
+        "in this process when that is 1); prints loss, perplexity and targets (DPO: rewards, "
+        "margin, accuracy) and writes <run.output_dir>/eval_results.json.",
+    )
+    evaluate.add_argument("config", help="YAML run config, or a run directory (RUN_DIR)")
+    evaluate.add_argument(
+        "overrides", nargs="*", help="key.sub=value overrides (eval.path=FILE, parallel.cp=2)"
+    )
+    _add_node_arguments(evaluate)
+    evaluate.set_defaults(func=_eval)
     validate = sub.add_parser(
         "validate",
         help="check configs (default: every configs/**/*.yaml); lists every problem",
@@ -602,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.command_line = shlex.join(["flashcp", *(sys.argv[1:] if argv is None else argv)])
     if extra:
-        takes = ("train", "plan", "validate", "data-stats")
+        takes = ("train", "eval", "plan", "validate", "data-stats")
         if args.command not in takes or any(a.startswith("-") for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "validate":

@@ -35,6 +35,7 @@ from flashcp.data.epochs import steps_for_epochs
 from flashcp.distributed import ParallelGroups, barrier, startup_phase
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.log import log_once
+from flashcp.lora.setup import LoRASetup
 from flashcp.metrics import memory, tracking
 from flashcp.metrics.moe_stats import RouterStats
 from flashcp.metrics.step_sums import StepSums
@@ -52,7 +53,7 @@ from flashcp.parallelize import parallelize
 from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
 from flashcp.recipes import build_recipe
-from flashcp.recipes.base import StepSource, normalised
+from flashcp.recipes.base import Recipe, StepSource, normalised
 from flashcp.run_info import RunEnd, RunFacts, banner, finish_run_info, summary, write_run_info
 from flashcp.runtime import forward_context, process_groups, resolve_runtime, seed_rngs, use_device
 
@@ -96,6 +97,56 @@ def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) 
         for note in directory_notes(cfg.model_from_pretrained):
             log_once(f"hf-config-note:{note}", note)
     return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
+
+
+def step_groups(groups: ParallelGroups) -> list[Any]:
+    """A step's (and an evaluation's) statistics are summed over these: cp, dp, pp."""
+    return [groups.cp, groups.dp, groups.pp]
+
+
+def build_stage(
+    cfg: Config,
+    groups: ParallelGroups,
+    model_factory: Callable[[Config, StageSpec], paddle.nn.Layer] | None = None,
+) -> tuple[paddle.nn.Layer, StageSpec, LoRASetup | None]:
+    """This rank's part of the model: its pipeline stage and ep share built by
+    `model_factory` (default: `default_model_factory`), every rank met after the build (load
+    times differ), then parallelized (`flashcp.parallelize`); with its spec and LoRA setup."""
+    stage = stage_spec(
+        cfg.model, int(groups.pp.rank), int(groups.pp.nranks), cfg.parallel.pp_layers
+    )
+    spec = dataclasses.replace(stage, ep_rank=int(groups.ep.rank), ep_size=cfg.parallel.ep)
+    model = (model_factory or default_model_factory)(cfg, spec)
+    # Load times differ between ranks (weights from shared storage): meet here first.
+    barrier(groups.world, op="barrier after building the model")
+    lora = parallelize(model, cfg, groups)
+    return model, spec, lora
+
+
+def build_runner(
+    cfg: Config, groups: ParallelGroups, model: paddle.nn.Layer, dtype: str
+) -> PipelineRunner:
+    """The pipeline runner of this rank's stage under the config's layout."""
+    return PipelineRunner(
+        model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
+        forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
+        fa4_unavailable=cfg.attention.fa4_unavailable,
+        query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
+        mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
+    )  # fmt: skip
+
+
+def build_evaluator(
+    cfg: Config, groups: ParallelGroups, recipe: Recipe, path: str
+) -> Evaluator:
+    """The evaluator of `recipe` on the eval set at `path` under the run's layout (an eval
+    batch is one step's rows, `flashcp.evaluate`)."""
+    return Evaluator(
+        recipe, path, max_batches=cfg.eval.max_batches, groups=step_groups(groups),
+        dp_rank=int(groups.dp.rank), dp_size=int(groups.dp.nranks),
+        rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
+        lockstep=ep_lockstep(cfg.parallel.ep, cfg.parallel.cp),
+    )  # fmt: skip
 
 
 def epoch_steps(cfg: Config, data: StepSource) -> Config:
@@ -145,14 +196,7 @@ class Trainer:
         self.data = data or self.recipe.data()
         if cfg.train.epochs is not None:  # the steps of train.epochs passes over this data
             cfg = self.cfg = epoch_steps(cfg, self.data)
-        stage = stage_spec(
-            cfg.model, int(groups.pp.rank), int(groups.pp.nranks), cfg.parallel.pp_layers
-        )
-        spec = dataclasses.replace(stage, ep_rank=int(groups.ep.rank), ep_size=cfg.parallel.ep)
-        self.model = (model_factory or default_model_factory)(cfg, spec)
-        # Load times differ between ranks (weights from shared storage): meet here first.
-        barrier(groups.world, op="barrier after building the model")
-        lora = parallelize(self.model, cfg, groups)
+        self.model, spec, lora = build_stage(cfg, groups, model_factory)
         self.model.train()
         self.router = RouterStats(self.model, cfg.model) if cfg.model.arch == "glm_moe" else None
         """Expert-load statistics and the router bias update (MoE models only)."""
@@ -168,23 +212,11 @@ class Trainer:
             data=self.data, experts=ExpertArrays(self.model, groups), lora=lora, echo=self.echo,
         )  # fmt: skip
         self.checkpointer.init_masters()
-        self.runner = PipelineRunner(
-            self.model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
-            forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
-            fa4_unavailable=cfg.attention.fa4_unavailable,
-            query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
-            mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
-        )  # fmt: skip
+        self.runner = build_runner(cfg, groups, self.model, dtype)
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (`eval.path`; `flashcp.evaluate`), None without."""
         if cfg.eval.path is not None:
-            self.evaluator = Evaluator(
-                self.recipe, cfg.eval.path, max_batches=cfg.eval.max_batches,
-                groups=self.step_groups, dp_rank=int(groups.dp.rank),
-                dp_size=int(groups.dp.nranks),
-                rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
-                lockstep=ep_lockstep(cfg.parallel.ep, cfg.parallel.cp),
-            )  # fmt: skip
+            self.evaluator = build_evaluator(cfg, groups, self.recipe, cfg.eval.path)
         self.facts = RunFacts.of(
             cfg, groups, device=device, dtype=dtype, layers=spec.layers, seq_len=self.data.seq_len
         )
@@ -200,7 +232,7 @@ class Trainer:
     @property
     def step_groups(self) -> list[Any]:
         """Step statistics (loss, flags, recipe sums) are summed over these."""
-        return [self.groups.cp, self.groups.dp, self.groups.pp]
+        return step_groups(self.groups)
 
     def resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` selects, if any; returns its path. (The run

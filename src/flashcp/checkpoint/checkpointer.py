@@ -88,6 +88,43 @@ class Resumed:
     consumed_tokens: int
 
 
+def resume_source(cfg: Config, *, warn: bool = True) -> Path | None:
+    """The checkpoint `checkpoint.resume` selects in `cfg`'s run: none (`never`), the newest
+    intact one under `<run.output_dir>/checkpoints` (`auto`, broken ones skipped, with a
+    warning when `warn`), or the path it names."""
+    policy = cfg.checkpoint.resume
+    if policy == "never":
+        return None
+    if policy == "auto":
+        root = Path(cfg.run.output_dir) / ckpt.CHECKPOINT_DIR
+        return ckpt.latest_checkpoint(root, warn=warn)
+    return Path(policy)
+
+
+def load_weights(
+    model: paddle.nn.Layer,
+    loaded: ckpt.Checkpoint,
+    *,
+    stages: int,
+    lora: bool,
+    experts: ExpertArrays,
+) -> None:
+    """Fill this rank's `model` (its pipeline stage, its ep share of the experts) from a
+    checkpoint's model arrays: with LoRA only the trained adapters (the base comes from where
+    the run started), else every parameter of the stage; a stage takes the names it holds, so
+    a checkpoint of any pipeline layout loads."""
+    arrays = loaded.model
+    if lora:
+        names = {n for n, p in model.named_parameters() if not p.stop_gradient}
+        arrays = {k: v for k, v in arrays.items() if k in names}
+        load_trainable_arrays(model, experts.slice(arrays))
+        return
+    if stages > 1:
+        own = set(model.state_dict())
+        arrays = {k: v for k, v in arrays.items() if k in own}
+    load_model_arrays(model, experts.slice(arrays))
+
+
 class Checkpointer:
     """This rank's checkpoint reads and writes (see the module docstring)."""
 
@@ -162,14 +199,8 @@ class Checkpointer:
     # -- resume -----------------------------------------------------------------------------
 
     def source(self) -> Path | None:
-        """The checkpoint `checkpoint.resume` selects: none (`never`), the newest intact one
-        under the run's checkpoints (`auto`, broken ones skipped with a warning), or a path."""
-        policy = self.cfg.checkpoint.resume
-        if policy == "never":
-            return None
-        if policy == "auto":
-            return ckpt.latest_checkpoint(self.root, warn=self.is_main)
-        return Path(policy)
+        """The checkpoint `checkpoint.resume` selects (`resume_source`)."""
+        return resume_source(self.cfg, warn=self.is_main)
 
     def resume(self, tokens_per_step: int) -> Resumed | None:
         """Load the checkpoint `source()` selects into this rank's model, optimizer, LR
@@ -205,17 +236,9 @@ class Checkpointer:
         """Model (or adapters) and optimizer state; a pipeline stage takes the names it holds,
         so a checkpoint of any pipeline layout loads (the optimizer reads only its own
         parameters' state, by element range: any dp × cp × ep layout)."""
-        model = loaded.model
         _, stages = self._stage
-        if self.lora is not None:
-            names = {n for n, p in self.model.named_parameters() if not p.stop_gradient}
-            model = {k: v for k, v in model.items() if k in names}
-            load_trainable_arrays(self.model, self.experts.slice(model))
-        else:
-            if stages > 1:
-                own = set(self.model.state_dict())
-                model = {k: v for k, v in model.items() if k in own}
-            load_model_arrays(self.model, self.experts.slice(model))
+        load_weights(self.model, loaded, stages=stages, lora=self.lora is not None,
+                     experts=self.experts)  # fmt: skip
         source = optimizer_state.source_for(loaded.optimizer, loaded.optimizer_shards)
         self.optimizer.load_state(source)
 

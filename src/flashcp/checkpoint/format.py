@@ -261,15 +261,16 @@ def read_tensors(files: Sequence[Path]) -> dict[str, np.ndarray]:
         return reader.read(reader.names())
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Verify, then read the checkpoint at `path`; `CheckpointError` naming every problem."""
+def load_checkpoint(path: str | Path, *, optimizer: bool = True) -> Checkpoint:
+    """Verify, then read the checkpoint at `path`; `CheckpointError` naming every problem.
+    `optimizer=False` leaves the optimizer state unread (`flashcp eval` needs the weights)."""
     layout = read_layout(path)
     state = json.loads((layout.path / STATE_FILE).read_text())
     return Checkpoint(
         path=layout.path,
         step=int(state["step"]),
         model=read_tensors(layout.model),
-        optimizer=read_tensors(layout.optimizer),
+        optimizer=read_tensors(layout.optimizer) if optimizer else {},
         state=state,
         optimizer_shards=layout.optimizer_shards,
     )

@@ -69,16 +69,19 @@ def launch_command(
     log_dir: Path,
     master_port: int | None = None,
     nodes: Nodes | None = None,
+    evaluate: bool = False,
 ) -> list[str]:
     """The `python -m paddle.distributed.launch ...` command for a job (`nproc` processes on
-    this node; with `nodes.multi`, node `nodes.rank` of `nodes.count`)."""
+    this node; with `nodes.multi`, node `nodes.rank` of `nodes.count`; `evaluate`: the ranks
+    evaluate instead of training, `flashcp eval`)."""
     master = ["--master", f"127.0.0.1:{master_port}"] if master_port else []
     if nodes is not None and nodes.master:
         master = ["--master", nodes.master]
     if nodes is not None and nodes.multi:
         master = ["--nnodes", str(nodes.count), "--rank", str(nodes.rank), *master]
+    mode = ["--eval"] if evaluate else []
     return supervise.launcher_command(
-        train_script(), ["--config", str(config), *overrides],
+        train_script(), ["--config", str(config), *mode, *overrides],
         nproc=nproc, log_dir=log_dir, launcher_args=master,
     )  # fmt: skip
 
@@ -143,6 +146,7 @@ def run_job(
     progress: bool | None = None,
     nodes: Nodes | None = None,
     command: str | None = None,
+    evaluate: bool = False,
 ) -> int:
     """Check and launch the job of `cfg` (loaded from `config` with `overrides`, which the
     ranks are given to load it themselves), stream rank 0, return the job's exit code (the
@@ -151,13 +155,15 @@ def run_job(
 
     With `nodes` (several), this node launches its share of `cfg.parallel.world_size` and
     joins the others at `nodes.master` (node 0 alone moves an earlier run aside). `command`:
-    the command line as typed, recorded by the ranks in run_info.json."""
+    the command line as typed, recorded by the ranks in run_info.json. `evaluate`: a
+    `flashcp eval` job (the ranks evaluate; `preflight(evaluating=True)`)."""
     out = out or sys.stdout
     nodes = nodes or Nodes()
     nproc = cfg.parallel.world_size
     local = nproc // nodes.count
     try:
-        ready = preflight(cfg, nodes, say=lambda text: print(text, file=out, flush=True))
+        ready = preflight(cfg, nodes, say=lambda text: print(text, file=out, flush=True),
+                          evaluating=evaluate)  # fmt: skip
     except PreflightError as exc:
         print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
@@ -174,7 +180,7 @@ def run_job(
     env.setdefault("FLASHCP_PROGRESS", "1" if progress else "0")
     if ready.lease is not None:
         env.update(ready.lease.env())
-    cmd = launch_command(config, overrides, local, log_dir, ready.master_port, nodes)
+    cmd = launch_command(config, overrides, local, log_dir, ready.master_port, nodes, evaluate)
     where = ""
     if nodes.multi:
         first = nodes.rank * local

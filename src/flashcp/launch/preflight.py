@@ -39,6 +39,8 @@ from flashcp.plan.report import host_refusal, refusal
 
 EXIT_PREFLIGHT = 2
 """`flashcp train`'s exit code when a check refuses the launch."""
+EVAL_LOG_DIR = "eval"
+"""`flashcp eval`'s launcher logs: `<run.output_dir>/logs/eval`."""
 ENV_MASTER_PORT = "FLASHCP_MASTER_PORT"
 """A fixed port for the launcher's master (default: the launcher picks a free one)."""
 
@@ -244,10 +246,13 @@ def preflight(
     *,
     environ: Mapping[str, str] | None = None,
     say: Callable[[str], None] = print,
+    evaluating: bool = False,
 ) -> Prepared:
     """Every check, in order, for this node's share of the job; then node 0 moves an earlier
     run aside (`run.overwrite`, told through `say`) and the log directory is created.
-    Raises `PreflightError` with nothing launched, written or moved (no lease held)."""
+    Raises `PreflightError` with nothing launched, written or moved (no lease held).
+    `evaluating` (`flashcp eval`): no run directory check and nothing moved (an evaluation
+    writes no checkpoint or metrics), logs in `<run.output_dir>/logs/eval`."""
     environ = os.environ if environ is None else environ
     output_dir = cfg.run.output_dir
     lease: PortLease | None = None
@@ -258,10 +263,14 @@ def preflight(
         lease = launcher_ports(environ, cfg.parallel.world_size // nodes.count)
         if nodes.master is not None:
             check_master(nodes)
-        check_run_dir(output_dir, resume=cfg.checkpoint.resume, overwrite=cfg.run.overwrite)
-        if nodes.rank == 0 and cfg.run.overwrite and (moved := move_aside(output_dir)):
-            say(f"flashcp: run.overwrite: moved the earlier run in {output_dir} to {moved}")
-        log_dir = check_output_dir(output_dir, nodes.log_dir(output_dir))
+        logs = nodes.log_dir(output_dir)
+        if evaluating:
+            logs = logs / EVAL_LOG_DIR
+        else:
+            check_run_dir(output_dir, resume=cfg.checkpoint.resume, overwrite=cfg.run.overwrite)
+            if nodes.rank == 0 and cfg.run.overwrite and (moved := move_aside(output_dir)):
+                say(f"flashcp: run.overwrite: moved the earlier run in {output_dir} to {moved}")
+        log_dir = check_output_dir(output_dir, logs)
     except PreflightError:
         if lease is not None:
             lease.release()

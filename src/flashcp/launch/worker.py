@@ -8,7 +8,9 @@ launcher's environment), checks the run directory (`flashcp.rundir`; a rank neve
 earlier run aside for `run.overwrite`, `flashcp train` does) and `FLASHCP_FAULT`, sets the
 process's runtime flags (`set_runtime_flags`: the `Trainer` writes no environment variable),
 initialises the distributed runtime, builds the process groups and the `Trainer`, installs
-injected faults (`flashcp.faults`) and fits.
+injected faults (`flashcp.faults`) and fits. With `--eval` (`flashcp eval`) it builds a
+`flashcp.evaluation.Evaluation` instead and evaluates (no run directory check: nothing of a
+run is written but `eval_results.json`).
 
 Exit codes (`flashcp.launch.outcome`): 0 done, 2 bad config or a run directory the run may not
 start in (every problem printed by rank 0, before the distributed runtime starts), 3 non-finite
@@ -30,6 +32,8 @@ import paddle
 from flashcp import dispatch, distributed, faults, rundir
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import Config, ConfigValidationError, load_config
+from flashcp.evaluation import EvalError, Evaluation
+from flashcp.evaluation import check as check_evaluation
 from flashcp.launch.outcome import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_LINE, EXIT_NONFINITE
 from flashcp.log import process_rank, quiet_third_party
 from flashcp.trainer import NonFiniteError, Trainer
@@ -62,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one rank of a flashcp job (run under paddle.distributed.launch).",
     )
     parser.add_argument("--config", required=True, help="YAML run config")
+    parser.add_argument(
+        "--eval",
+        action="store_true",
+        help="evaluate on eval.path instead of training (`flashcp eval`, flashcp.evaluation)",
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     return parser
 
@@ -77,8 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes
         )
         injected = faults.active_faults()
-        rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
-    except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError) as exc:
+        if args.eval:  # evaluating writes no checkpoint or metrics: any run dir will do
+            check_evaluation(cfg)
+        else:
+            rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
+    except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError, EvalError) as exc:
         if rank == 0:
             print(exc, file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -89,9 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_runtime_flags(cfg)
     code = 0
     try:
-        trainer = Trainer(cfg, groups)
-        faults.install(trainer, injected)  # FLASHCP_FAULT (tests); nothing when unset
-        trainer.fit()
+        if args.eval:
+            Evaluation(cfg, groups).run()
+        else:
+            trainer = Trainer(cfg, groups)
+            faults.install(trainer, injected)  # FLASHCP_FAULT (tests); nothing when unset
+            trainer.fit()
     except NonFiniteError as exc:
         print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
