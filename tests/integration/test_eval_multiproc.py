@@ -9,17 +9,24 @@
   policy run forward through the pipeline, each answer's log-prob sum all-reduced over cp, the
   DPO terms on the last stage (reported by cp rank 0): loss, rewards and log-prob sums within
   the rule's DPO basis (answer tokens per pair, β·|log π|), counts and accuracy exactly.
+* `flashcp eval RUN_DIR parallel.cp=2` (the CLI, its launcher, 2 processes) on a run trained
+  here in one process: the checkpoint's eval under CP = 2 equals the run's own last eval within
+  the float32 rule, counts exactly; the run's first eval (other weights) is rejected.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from bench import numerics
+from bench.jobs import leftover_after, start_job
 from flashcp.data.dataset import read_records
+from flashcp.evaluation import RESULTS_FILE
 from flashcp.metrics.writer import read_metrics
 from helpers.paths import ROOT
 from helpers.trainruns import train_in_process, train_launched
@@ -95,3 +102,29 @@ def test_dpo_lora_eval_pp2_cp2_equals_one_process(tmp_path: Path) -> None:
     numerics.assert_rejects(
         got[0]["eval/rewards/margin"], want[1]["eval/rewards/margin"], n=n, scale=scale, steps=2
     )
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(240)
+def test_flashcp_eval_of_a_checkpoint_at_cp2(tmp_path: Path) -> None:
+    docs = read_records(None)[-9:]
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    config = CONFIGS / "gpt" / "tiny_cp2.yaml"
+    overrides = [f"train.steps={STEPS}", "eval.every=1", f"eval.path={path}",
+                 f"checkpoint.every={STEPS}", "parallel.cp=1"]  # fmt: skip
+    run = train_in_process(config, tmp_path / "run", overrides)
+    marker = uuid.uuid4().hex
+    job = start_job([sys.executable, "-m", "flashcp", "eval", str(run), "parallel.cp=2"], marker)
+    code, timed_out, output = job.wait(180)
+    assert code == 0 and not timed_out, output
+    assert leftover_after(marker) == []
+    assert "launching 2 process(es)" in output and "flashcp eval pretrain: loss" in output
+    result = json.loads((run / RESULTS_FILE).read_text())
+    assert result["degrees"]["cp"] == 2 and result["weights"]["step"] == STEPS
+    got, want = result["metrics"], _evals(run)
+    for key in ("eval/rows", "eval/batches", "eval/targets"):
+        assert got[key] == want[-1][key], key
+    n, scale = want[-1]["eval/targets"], want[-1]["eval/loss"]
+    numerics.assert_close(got["eval/loss"], want[-1]["eval/loss"], n=n, scale=scale)
+    numerics.assert_rejects(got["eval/loss"], want[0]["eval/loss"], n=n, scale=scale)
