@@ -68,12 +68,26 @@ def test_run_job_launches_the_ranks_with_the_file_and_overrides(
         seen.append(args)
         return [sys.executable, "-c", "pass"]
 
+    original = job.launch_command
     monkeypatch.setattr(job, "launch_command", command)
     monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
     overrides = ["train.steps=3", f"run.output_dir={tmp_path / 'run'}"]
     assert job.run_job(load_config(CONFIG, overrides), CONFIG, overrides, out=io.StringIO()) == 0
-    ((config, passed, nproc, log_dir, _port, _nodes),) = seen
+    ((config, passed, nproc, log_dir, _port, _nodes, evaluate),) = seen
     assert (config, passed, nproc, log_dir) == (CONFIG, overrides, 2, tmp_path / "run" / "logs")
+    assert not evaluate
+    # `flashcp eval`: the ranks evaluate (`--eval`), logs apart, and a run directory training
+    # would refuse (a fresh run over checkpoints) is not refused: nothing of it is written
+    (tmp_path / "run" / "checkpoints" / "step_2").mkdir(parents=True)
+    fresh = [*overrides, "checkpoint.resume=never"]
+    assert job.run_job(load_config(CONFIG, fresh), CONFIG, fresh, out=io.StringIO()) == 2
+    seen.clear()
+    assert job.run_job(load_config(CONFIG, fresh), CONFIG, fresh, out=io.StringIO(),
+                       evaluate=True) == 0  # fmt: skip
+    ((_, _, _, log_dir, _, _, evaluate),) = seen
+    assert evaluate and log_dir == tmp_path / "run" / "logs" / "eval"
+    cmd = original(CONFIG, ["a=1"], 2, log_dir, None, None, True)
+    assert cmd[cmd.index("--config") + 1 :] == [str(CONFIG), "--eval", "a=1"]
 
 
 # -- layers -----------------------------------------------------------------------------------
