@@ -183,7 +183,8 @@ def run_length(cfg: Config, rows_per_step: int, rows_per_epoch: float | None) ->
         return steps
     made = format_passes(passes(cfg.train.steps, rows_per_step, rows_per_epoch))
     if cfg.train.epochs is not None:
-        return f"{steps} for train.epochs {cfg.train.epochs:g} ({made} passes over the data)"
+        noun = "pass" if made == "1" else "passes"
+        return f"{steps} for train.epochs {cfg.train.epochs:g} ({made} {noun} over the data)"
     return f"{steps} ≈ {made} epochs of the data"
 
 
