@@ -27,6 +27,7 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
 
     inputs = dispatch.probe_inputs(
         policy=args.fa4_unavailable,
+        policy_source="--fa4-unavailable",
         deterministic=True if args.deterministic else None,
         capability=args.capability,
     )

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import numpy as np
 import paddle
 
-from flashcp import rundir
+from flashcp import dispatch, rundir
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.checkpoint.saving import SaveReport
@@ -151,7 +151,7 @@ class Trainer:
         self.runner = PipelineRunner(
             self.model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
             forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
-            fa4_unavailable=cfg.attention.fa4_unavailable,
+            fa4_unavailable=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
             query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
             mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
         )  # fmt: skip

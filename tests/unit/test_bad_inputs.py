@@ -191,7 +191,7 @@ ROWS = [
         r"model\.num_layers: 2 layers cannot fill parallel\.pp = 3 pipeline stages: lower "
         r"parallel\.pp to at most 2 or add layers"),
     cli("bad_fa_policy", ["attention.fa4_unavailable=maybe"],
-        r"attention\.fa4_unavailable: expected one of 'error', 'fallback', got 'maybe'"),
+        r"attention\.fa4_unavailable: expected one of 'error', 'fallback' or null, got 'maybe'"),
     cli("bad_on_nonfinite", ["train.on_nonfinite=ignore"],
         r"train\.on_nonfinite: expected one of 'stop', 'skip', got 'ignore'"),
     cli("negative_lr", ["train.lr=-1"],
@@ -295,8 +295,11 @@ ROWS = [
         r"FLAGS_flash_attn_version='three' is not an integer: set it to 2, 3 or 4",
         env={"FLAGS_flash_attn_version": "three"}),
     cli("fa4_unavailable", [],
-        r"FLAGS_flash_attn_version=4 asks for FA4, .* Set FLAGS_flash_attn_version to 3 or 2 "
-        r"on this card \(or FLASHCP_FA4_UNAVAILABLE=fallback",
+        r"FLAGS_flash_attn_version=4 asks for FA4, which is unavailable: it needs an SM100 GPU "
+        r"with the paddlefleet_ops CuTe FlashMask kernels .*, and this machine has no CUDA "
+        r"device\. Set FLAGS_flash_attn_version=2 \(FA2, Paddle's default\): FA3 is unavailable "
+        r"too .*; or set FLASHCP_FA4_UNAVAILABLE=fallback \(or attention\.fa4_unavailable: "
+        r"fallback\) to fall back to FA2 with a warning \(the policy is 'error', from the default",
         env={"FLAGS_flash_attn_version": "4"}),
     # -- conventions, evaluation, tracking ------------------------------------------------------
     cli("alias_and_key", ["max_steps=3", "train.steps=4"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, to_dict
 from flashcp.launch import outcome, worker
+from flashcp.log import reset_once
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import estimate_parameters
 from flashcp.optim.lr import build_scheduler, lr_at
@@ -196,6 +198,41 @@ def test_the_trainer_writes_no_environment_variable(
     fit(tiny_cfg(tmp_path, train={"steps": 1, "deterministic": True}))
     assert dict(os.environ) == before
     assert dispatch.probe_deterministic() == seen
+
+
+def test_fa4_policy_from_the_environment_reaches_the_rank(
+    tmp_path: Path,
+    tiny_cfg: TinyCfg,
+    fit: Fit,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 27, defect 1: a rank resolves the FA4 policy as preflight does (config >
+    FLASHCP_FA4_UNAVAILABLE > error): the environment's fallback reaches its attention when the
+    config sets none, the config's own value wins over it, and every message names where the
+    policy came from."""
+    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")  # no FA4 (nor FA3) on this CPU machine
+    monkeypatch.setenv(dispatch.ENV_FA4_POLICY, "fallback")
+    reset_once("dispatch:")
+    with caplog.at_level(logging.WARNING, logger="flashcp"):
+        fit(tiny_cfg(tmp_path / "env", train={"steps": 1}))
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "to FA3 (policy 'fallback', from FLASHCP_FA4_UNAVAILABLE=fallback)" in warned
+    error = tiny_cfg(
+        tmp_path / "config", train={"steps": 1}, attention={"fa4_unavailable": "error"}
+    )
+    with pytest.raises(dispatch.FlashAttnUnavailableError) as info:
+        fit(error)
+    assert "the policy is 'error', from attention.fa4_unavailable: error" in str(info.value)
+    assert "set attention.fa4_unavailable: fallback" in str(info.value)  # the env cannot help
+    monkeypatch.delenv(dispatch.ENV_FA4_POLICY)
+    reset_once("dispatch:")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashcp"):
+        fit(tiny_cfg(tmp_path / "fallback", train={"steps": 1},
+                     attention={"fa4_unavailable": "fallback"}))  # fmt: skip
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "from attention.fa4_unavailable: fallback" in warned and "FLASHCP_FA4" not in warned
 
 
 @pytest.mark.parametrize(

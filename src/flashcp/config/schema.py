@@ -118,10 +118,13 @@ class ParallelConfig:
 class AttentionConfig:
     """The attention mask of each document, and the kernel policy."""
 
-    fa4_unavailable: Literal["error", "fallback"] = "error"
+    fa4_unavailable: Literal["error", "fallback"] | None = None
     """When FLAGS_flash_attn_version asks for a version this card (or call) cannot run - FA4
     without SM100 + CuTe kernels or beyond their mask limits, FA3 off SM90: fail (error), or fall
-    back FA4 → FA3 → FA2 with one warning (fallback)."""
+    back FA4 → FA3 → FA2 with one warning (fallback). null: the environment's
+    FLASHCP_FA4_UNAVAILABLE, else error (`flashcp.dispatch.resolve_policy`: config >
+    environment > error, the one resolution preflight, every rank and `flashcp
+    explain-dispatch` use)."""
     mask: Literal["causal", "sliding_window", "global_window", "prefix_lm"] = "causal"
     """The mask inside each packed document (every document of a sequence gets its own and sees
     no other; `flashcp.masks.DocumentMasking`): causal (each token sees the earlier tokens of

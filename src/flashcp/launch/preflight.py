@@ -191,7 +191,8 @@ def check_dispatch(cfg: Config) -> None:
     """The FlashAttention version the workers will resolve: env flags parse, FA4 policy holds."""
     try:
         inputs = dispatch.probe_inputs(
-            policy=cfg.attention.fa4_unavailable, deterministic=cfg.train.deterministic
+            policy=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
+            deterministic=cfg.train.deterministic,
         )
         # FA3/FA4 availability on this card included (`dispatch.probe_inputs`).
         dispatch.explain_inputs(inputs, int(cfg.model.head_size))
