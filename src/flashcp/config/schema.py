@@ -238,8 +238,12 @@ class TrainConfig:
     """Optimizer steps to run (the total, counting steps done before a resume)."""
     lr: float = 3.0e-4
     """Peak learning rate, reached after warmup."""
-    min_lr: float = 3.0e-5
-    """Learning rate at the end of the cosine decay."""
+    min_lr: float | None = None
+    """Learning rate at the end of the cosine decay; null: train.min_lr_ratio × train.lr (a
+    floor that follows the peak, so any train.lr is valid as it is)."""
+    min_lr_ratio: float = 0.1
+    """The end of the cosine decay as a fraction of train.lr, when train.min_lr is null (0.1:
+    down to 10 % of the peak, as Llama 2's cosine schedule decays)."""
     warmup_steps: int = 10
     """Linear warmup from 0 to `lr` over this many steps."""
     weight_decay: float = 0.1
@@ -286,6 +290,17 @@ class TrainConfig:
     vocabulary a chunk of 4096 is 2.5 GB, the whole 16k local tokens ~10 GB per copy); the
     loss equals the unchunked one up to float summation order. 0 = unchunked (the full logits
     at once). Also used by the DPO answer log-probs."""
+
+    @property
+    def final_ratio(self) -> float:
+        """The end of the cosine decay as a fraction of `lr`: `min_lr / lr`, or `min_lr_ratio`
+        when `min_lr` is null (the one rule `flashcp.optim.lr` schedules with)."""
+        return self.min_lr / self.lr if self.min_lr is not None else self.min_lr_ratio
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate at the end of the decay: `min_lr`, or `min_lr_ratio × lr`."""
+        return self.min_lr if self.min_lr is not None else self.min_lr_ratio * self.lr
 
 
 @dataclass(kw_only=True)

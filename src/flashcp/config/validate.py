@@ -375,9 +375,13 @@ def _check_train(cfg: Config, c: _Checks) -> None:
     if t.steps < 1:
         c.add("train.steps", f"must be >= 1, got {t.steps}")
     _positive(c, "train.lr", t.lr)
-    _positive(c, "train.min_lr", t.min_lr, zero_ok=True)
-    if c.ok("train.lr", "train.min_lr") and t.min_lr > t.lr:
-        c.add("train.min_lr", f"{t.min_lr} is above train.lr {t.lr}: set train.min_lr <= lr")
+    if t.min_lr is not None:
+        _positive(c, "train.min_lr", t.min_lr, zero_ok=True)
+        if c.ok("train.lr", "train.min_lr") and t.min_lr > t.lr:
+            c.add("train.min_lr", f"{t.min_lr} is above train.lr {t.lr}: set train.min_lr <= lr")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        c.add("train.min_lr_ratio", f"must be in [0, 1] (a fraction of train.lr), got "
+                                    f"{t.min_lr_ratio}")  # fmt: skip
     if t.warmup_steps < 0:
         c.add("train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _positive(c, "train.weight_decay", t.weight_decay, zero_ok=True)

@@ -1,4 +1,5 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to `train.min_lr`.
+"""The learning-rate schedule: linear warmup, then cosine decay to `train.min_lr` (null:
+`train.min_lr_ratio` × `train.lr`, `TrainConfig.final_ratio`).
 
 Only the schedule's shape is written here, as the pure function `lr_factor`, so it can be
 tested and plotted without Paddle; `build_scheduler` hands it to Paddle's `LambdaDecay`.
@@ -19,7 +20,7 @@ from flashcp.config.schema import TrainConfig
 
 def lr_at(step: int, train: TrainConfig) -> float:
     """The learning rate of optimizer step `step` (0-based) under `train`'s schedule."""
-    return train.lr * lr_factor(step, train.steps, train.warmup_steps, train.min_lr / train.lr)
+    return train.lr * lr_factor(step, train.steps, train.warmup_steps, train.final_ratio)
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
@@ -35,7 +36,7 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
 
 def build_scheduler(train: TrainConfig) -> paddle.optimizer.lr.LRScheduler:
     """A `LambdaDecay` whose `last_epoch` is the optimizer step about to run."""
-    ratio = train.min_lr / train.lr
+    ratio = train.final_ratio
 
     def factor(step: int) -> float:
         return lr_factor(step, train.steps, train.warmup_steps, ratio)

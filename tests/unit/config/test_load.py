@@ -508,3 +508,21 @@ def test_required_and_rejected_fields_in_recipe_sections() -> None:
         assert "expected a number" in errors["pref.beta"]
     finally:
         del RECIPES["dpo_test"]
+
+
+def test_min_lr_follows_lr_unless_set() -> None:
+    """Issue 27, defect 11: an unset train.min_lr is a fraction of train.lr, so a full
+    fine-tune's train.lr=1e-5 is valid as it is; an explicit min_lr keeps its exact ratio (the
+    golden losses' schedules)."""
+    from flashcp.optim.lr import lr_at
+
+    cfg = build_config(_raw(train={"steps": 5, "lr": 1e-5, "warmup_steps": 1}))
+    assert cfg.train.min_lr is None and cfg.train.final_ratio == 0.1
+    assert lr_at(4, cfg.train) == pytest.approx(1e-6, rel=1e-12)  # the last step's rate
+    ratio = build_config(_raw(train={"lr": 1e-5, "min_lr_ratio": 0.05})).train
+    assert ratio.final_lr == pytest.approx(5e-7, rel=1e-12)
+    explicit = build_config(_raw(train={"lr": 3e-3, "min_lr": 3e-4})).train
+    assert explicit.final_ratio == 3e-4 / 3e-3 and explicit.final_lr == 3e-4
+    assert "must be in [0, 1]" in _by_key(_errors(_raw(train={"min_lr_ratio": 1.5})))[
+        "train.min_lr_ratio"
+    ]
