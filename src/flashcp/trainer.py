@@ -182,6 +182,13 @@ class Trainer:
         """Step statistics (loss, flags, recipe sums) are summed over these."""
         return [self.groups.cp, self.groups.dp, self.groups.pp]
 
+    @property
+    def last_step(self) -> int:
+        """The step this run stops after: `train.steps`, or `run.stop_after_steps` beyond the
+        step it starts from (read after `resume`)."""
+        stop = self.cfg.run.stop_after_steps
+        return min(self.cfg.train.steps, self.step + stop) if stop else self.cfg.train.steps
+
     def resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` selects, if any; returns its path. (The run
         directory check `flashcp train` and every rank made before, here for in-process use.)"""
@@ -318,10 +325,7 @@ class Trainer:
             reporters=tracking.build_reporters(cfg) if main else (),
         )  # fmt: skip
         result = TrainResult(start_step=start, final_step=start, resumed_from=source)
-        every = cfg.checkpoint.every
-        end = end_all = cfg.train.steps
-        if cfg.run.stop_after_steps:
-            end = min(end, start + cfg.run.stop_after_steps)
+        end, end_all = self.last_step, cfg.train.steps
         try:
             while self.step < end:
                 m = self.train_step()
@@ -329,8 +333,8 @@ class Trainer:
                 if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
                     results = self.evaluate()
                     m.extra.update(results)  # the step's record carries its eval/... values
-                saved = self._checkpoint(every > 0 and (self.step % every == 0 or self.step == end),
-                                         last=self.step == end)  # fmt: skip
+                # every checkpoint.every steps, and the last one (checkpoint.save_last)
+                saved = self._checkpoint(cfg.checkpoint.due(self.step, end), last=self.step == end)
                 m.extra.update(saved.metrics)  # checkpoint/stall_s, ... of this boundary
                 writer.log(m)
                 if results:

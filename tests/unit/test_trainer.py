@@ -189,6 +189,44 @@ def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     assert "train.steps changed from 2 to 3" in out
 
 
+def test_the_last_step_is_saved_by_default(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    """Issue 27, defect 10: with checkpoint.every 0 (the default) the last step is still saved,
+    also where run.stop_after_steps stops a run; the start line says what is saved and where;
+    checkpoint.save_last false saves nothing and says so."""
+    cfg = tiny_cfg(tmp_path / "a", train={"steps": 3}, run={"stop_after_steps": 2})
+    assert cfg.checkpoint.every == 0 and cfg.checkpoint.save_last
+    _, _, out = fit(cfg)
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2"]
+    assert f"checkpoints the last step (2) in {root} (newest 2 kept)" in out
+    _, result, out = fit(tiny_cfg(tmp_path / "a", train={"steps": 3}))  # resumes, saves step 3
+    assert result.start_step == 2 and (root / "step_3").is_dir()
+    periodic = tiny_cfg(tmp_path / "b", train={"steps": 3}, checkpoint={"every": 2})
+    _, _, out = fit(periodic)
+    assert "checkpoints every 2 steps and the last step (3) in" in out
+    assert sorted(p.name for p in (tmp_path / "b" / "run" / "checkpoints").iterdir()) == [
+        "step_2", "step_3"
+    ]  # fmt: skip
+    never = tiny_cfg(tmp_path / "c", train={"steps": 1}, checkpoint={"save_last": False})
+    _, _, out = fit(never)
+    assert "no checkpoints (checkpoint.every 0, checkpoint.save_last false)" in out
+    assert not (tmp_path / "c" / "run" / "checkpoints").exists()
+
+
+def test_save_decision() -> None:
+    """`CheckpointConfig.due`: every N steps and the last one; neither when both are off."""
+    from flashcp.config import CheckpointConfig
+
+    due = lambda ck, last: [s for s in range(1, last + 1) if ck.due(s, last)]  # noqa: E731
+    assert due(CheckpointConfig(), 7) == [7]
+    assert due(CheckpointConfig(every=3), 7) == [3, 6, 7]
+    assert due(CheckpointConfig(every=3, save_last=False), 7) == [3, 6]
+    assert due(CheckpointConfig(save_last=False), 7) == []
+    assert not CheckpointConfig(save_last=False).saves and CheckpointConfig(every=5).saves
+    text = CheckpointConfig(every=3).describe(6, "d")  # the last step is a multiple of 3
+    assert text == "checkpoints every 3 steps in d (newest 2 kept)"
+
+
 def test_the_trainer_writes_no_environment_variable(
     tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
 ) -> None:

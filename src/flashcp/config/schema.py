@@ -308,7 +308,12 @@ class CheckpointConfig:
     """When to save and where to resume from."""
 
     every: int = 0
-    """Save every this many steps (and at the last step); 0 = never save."""
+    """Save every this many steps; 0 = no periodic saves (the last step is still saved unless
+    checkpoint.save_last is false)."""
+    save_last: bool = True
+    """Save the run's last step (train.steps, or where run.stop_after_steps stops it), so a
+    finished run's weights are there for `flashcp export` and a stopped run resumes. false
+    (with checkpoint.every 0): nothing is saved, and the start line says so."""
     keep_last: int = 2
     """Keep only the newest this many checkpoints."""
     resume: str = "auto"
@@ -329,6 +334,27 @@ class CheckpointConfig:
     """A save that fails (disk full, permission denied, an I/O error) stops the job (exit 4);
     false: every rank logs the cause, the latest good checkpoint and the `keep_last` rotation
     stay as they were, and training continues (the next save retries)."""
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether to save after optimizer step `step` of a run whose last step is `last`:
+        every `every` steps, and the last one unless `save_last` is false."""
+        return (self.every > 0 and step % self.every == 0) or (self.save_last and step == last)
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run writes any checkpoint."""
+        return self.every > 0 or self.save_last
+
+    def describe(self, last: int, where: str) -> str:
+        """What the run will save and where, for the start line."""
+        if not self.saves:
+            return "no checkpoints (checkpoint.every 0, checkpoint.save_last false)"
+        when = []
+        if self.every > 0:
+            when.append(f"every {self.every} steps")
+        if self.save_last and not (self.every > 0 and last % self.every == 0):
+            when.append(f"the last step ({last})")
+        return f"checkpoints {' and '.join(when)} in {where} (newest {self.keep_last} kept)"
 
 
 def config_key(f: Any) -> str:
@@ -450,6 +476,10 @@ class RecipeSpec:
     description: str
     sections: dict[str, type] = field(default_factory=dict)
     """Extra top-level sections this recipe reads (e.g. `lora`, `dpo`), name → dataclass."""
+    settings: tuple[str, ...] = ()
+    """Those of `sections` the recipe reads with or without them (absent: their defaults, as
+    `dpo` for the dpo recipe), unlike a section whose presence turns something on (`lora`):
+    `SECTION=null` on the command line cannot remove them (it would silently reset them)."""
 
 
 RECIPES: dict[str, RecipeSpec] = {}
@@ -499,3 +529,7 @@ class Config:
     """The file this config was read from (None when built in code)."""
     overrides: tuple[str, ...] = ()
     """The `key=value` overrides applied on top of the file."""
+    notes: tuple[str, ...] = ()
+    """What loading decided that the user should hear (e.g. a command-line
+    `model.from_pretrained` replacing the file's `model.preset`): the start line and `flashcp
+    validate` print them."""

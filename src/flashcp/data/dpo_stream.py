@@ -45,7 +45,7 @@ from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
 from flashcp.data.loader import check_vocab
 from flashcp.data.packing import Piece
 from flashcp.data.peers import Peers
-from flashcp.data.sources import JsonlSource, RowSource, open_source
+from flashcp.data.sources import JsonlSource, RowSource, SampleSource, open_source
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -190,6 +190,7 @@ class DPOData:
         dp_size: int = 1,
         tokenizer: Tokenizer | None = None,
         peers: Peers | None = None,
+        sample: int | None = None,
     ) -> None:
         d = cfg.data
         self.cfg = cfg
@@ -206,6 +207,8 @@ class DPOData:
             if d.path is None
             else open_source(d.path, cache_dir=d.cache_dir, peers=peers)
         )
+        if sample is not None:  # a preflight's look at the data (`SampleSource`)
+            self.source = SampleSource(self.source, sample)
         build = DPORecords(
             self.tokenizer,
             budget=d.seq_len,

@@ -140,6 +140,7 @@ def run_job(
     out: TextIO | None = None,
     progress: bool | None = None,
     nodes: Nodes | None = None,
+    checked: bool = False,
 ) -> int:
     """Check and launch the job of `cfg` (loaded from `config` with `overrides`, which the
     ranks are given to load it themselves), stream rank 0, return the job's exit code (the
@@ -147,13 +148,15 @@ def run_job(
     Ctrl-C, 143 SIGTERM).
 
     With `nodes` (several), this node launches its share of `cfg.parallel.world_size` and
-    joins the others at `nodes.master` (node 0 alone moves an earlier run aside)."""
+    joins the others at `nodes.master` (node 0 alone moves an earlier run aside). `checked`:
+    the caller already ran the config's preflight (`preflight.check_config_file`)."""
     out = out or sys.stdout
     nodes = nodes or Nodes()
     nproc = cfg.parallel.world_size
     local = nproc // nodes.count
     try:
-        ready = preflight(cfg, nodes, say=lambda text: print(text, file=out, flush=True))
+        ready = preflight(cfg, nodes, say=lambda text: print(text, file=out, flush=True),
+                          checked=checked)  # fmt: skip
     except PreflightError as exc:
         print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT

@@ -319,6 +319,56 @@ def checkpoint_mtp_layers(keys: Collection[str], args: ModelArgs) -> set[int]:
     return found
 
 
+def index_problems(
+    path: str | os.PathLike[str], args: ModelArgs
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """What the checkpoint at `path` lacks for a model of `args`, from its index (or its single
+    file's header) alone, no tensor read: the embeddings, every decoder layer and every MTP
+    layer `args` builds must have tensors there. Each problem is (config key, what is wrong,
+    the change that fixes it, or {}) — a directory that declares MTP layers its weights lack
+    (what transformers' `save_pretrained` writes for GLM-4.5) is refused before any rank
+    builds the model. A checkpoint that cannot be opened raises as `load_hf_checkpoint`."""
+    ckpt = _open_checkpoint(path, ReadCounter())
+    where = ckpt.index or ckpt.files[0]
+    layers = {int(m.group(1)) for k in ckpt.key_files if (m := _LAYER_RE.match(k))}
+    problems: list[tuple[str, str, dict[str, Any]]] = []
+    missing = [i for i in range(args.num_layers) if i not in layers]
+    if missing or not any(k.startswith("model.embed_tokens.") for k in ckpt.key_files):
+        what = f"decoder layers {_ranges(missing)}" if missing else "model.embed_tokens"
+        problems.append((
+            "checkpoint.init_from",
+            f"{where} has no tensors of {what} (model.num_layers {args.num_layers}): it is not a "
+            "complete checkpoint of this model; download the missing shards or point at the "
+            "complete directory",
+            {},
+        ))  # fmt: skip
+    held = checkpoint_mtp_layers(ckpt.key_files, args)
+    mtp = range(args.num_layers, args.num_layers + args.mtp_layers)
+    absent = [i for i in mtp if i not in held]
+    if absent:
+        kept = next((d for d, i in enumerate(mtp) if i not in held), args.mtp_layers)
+        problems.append((
+            "model.mtp_layers",
+            f"{args.mtp_layers} multi-token-prediction layer(s) are built (config.json "
+            f"num_nextn_predict_layers, or model.mtp_layers), but {where} holds no "
+            f"model.layers.{absent[0]}.{MTP_MARK} (MTP layer {_ranges(absent)} is absent, as "
+            "in directories transformers' save_pretrained writes)",
+            {"model.mtp_layers": kept},
+        ))  # fmt: skip
+    return problems
+
+
+def _ranges(values: list[int]) -> str:
+    """`3`, `3-5`, `3-5, 9`: sorted integers as ranges."""
+    spans: list[list[int]] = []
+    for v in sorted(values):
+        if spans and spans[-1][1] == v - 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def _skippable(key: str, args: ModelArgs, extra_mtp: Collection[int]) -> bool:
     """Ignored on purpose: old ``inv_freq`` buffers, a tied head's copy, and the keys of the
     checkpoint's MTP layers the model does not build (`extra_mtp`)."""
