@@ -44,7 +44,10 @@ class _Checks:
         `fixes` that resolve it (`{dotted key: value}` each, validated before printing:
         `flashcp.config.errors.prune_fixes`) and any `other` way out."""
         if self.ok(key, *also):
-            unique = list(dict.fromkeys(as_fix(f) for f in fixes))
+            unique: list[Any] = []
+            for fix in map(as_fix, fixes):
+                if fix not in unique:
+                    unique.append(fix)
             self.errors.append(ConfigError(key, message, tuple(unique), other))
             self.skip.add(key)
 
