@@ -213,6 +213,10 @@ ROWS = [
     cli("bf16_on_cpu", ["train.dtype=bfloat16", "run.device=cpu"],
         r"train\.dtype: bfloat16 needs a GPU \(run\.device is cpu\): set train\.dtype=auto, or "
         r"set train\.dtype=float32 \[set on the command line"),  # no GPU here: not run.device=gpu
+    cli("core_section_null", ["train=null"],
+        r"train: train=null: the train section is not optional and cannot be removed \(null "
+        r"would silently reset every train\.\* key to its default\): set the train\.\* keys you "
+        r"want to change instead"),
     cli("unknown_recipe", ["run.recipe=pretrian"],
         r"run\.recipe: unknown recipe 'pretrian' \(did you mean pretrain\?\)"),
     cli("unknown_preset", ["model.preset=huge"],
@@ -259,6 +263,15 @@ ROWS = [
         r"data\.path: '{tmp}/a_file' is not a JSON Lines \(\.jsonl, \.json\) or Parquet "
         r"\(\.parquet\) file: give one of those, a directory of them, or null for the built-in "
         r"data"),
+    cli("data_no_usable_records", ["data.path={tmp}/data/no_text.jsonl"],
+        r"data\.path: {tmp}/data/no_text\.jsonl: no usable records \(2 rows; 2 bad records "
+        r"skipped: missing field 'text' ×2"),
+    cli("bf16_without_a_gpu", ["train.dtype=bfloat16"],
+        r"train\.dtype: bfloat16 needs a GPU and this run is on CPU: set train\.dtype=auto, or "
+        r"set train\.dtype=float32"),
+    cli("gpu_device_without_a_gpu", ["run.device=gpu"],
+        r"run\.device: gpu, but Paddle sees no GPU here \(CPU build or no device\): set "
+        r"run\.device=auto, or set run\.device=cpu"),
     cli("on_bad_record_unknown", ["data.on_bad_record=ignore"],
         r"data\.on_bad_record: expected one of"),
     cli("output_dir_under_a_file", ["run.output_dir={tmp}/a_file/out"],
@@ -402,6 +415,12 @@ ROWS = [
            r"paddle\.distributed\.launch do not: run "
            r"`flashcp train CONFIG run\.overwrite=true`, or move {out} away yourself\n\Z",
            ["run.overwrite=true"]),
+    worker("worker_fa4_unavailable", {**W2, "FLAGS_flash_attn_version": "4"},
+           r"FlashAttention dispatch: FLAGS_flash_attn_version=4 asks for FA4, which is "
+           r"unavailable: .*the policy is 'error', from the default"),
+    worker("worker_no_usable_records", W2,
+           r"data\.path: {tmp}/data/no_text\.jsonl: no usable records",
+           ["data.path={tmp}/data/no_text.jsonl"]),
     worker("worker_recipe_placeholder", {"PADDLE_TRAINERS_NUM": "16"},
            r"model\.from_pretrained: '/path/to/GLM-4\.5-Air' is a placeholder still to fill in",
            config="@configs/glm/glm45_air_dpo_lora_pp_cp.yaml"),
@@ -555,12 +574,12 @@ def _config_path(row: Row, tmp: Path) -> str:
     return str(path)
 
 
-COUNTS = {"cli": 65, "worker": 9, "call": 26}
+COUNTS = {"cli": 69, "worker": 11, "call": 26}
 """Rows per entry point (docs/reliability.md quotes the total)."""
 
 
 def test_table_size_is_exact_and_covers_every_entry() -> None:
-    assert len(ROWS) == sum(COUNTS.values()) == 100
+    assert len(ROWS) == sum(COUNTS.values()) == 106
     assert {e: sum(r.entry == e for r in ROWS) for e in COUNTS} == COUNTS
     assert len({r.id for r in ROWS}) == len(ROWS)
 
@@ -585,6 +604,9 @@ def test_bad_input(
     for key, value in row.env.items():
         monkeypatch.setenv(key, str(busy_port) if value == PORT else value)
     (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "data").mkdir()  # (not in {tmp} itself: data.path={tmp} holds no data file)
+    (tmp_path / "data" / "no_text.jsonl").write_text('{"txt": "a"}\n{"txt": "b"}\n')  # no 'text'
+
 
     if row.entry == "call":
         with pytest.raises(row.expect, match=row.match):  # type: ignore[arg-type]
