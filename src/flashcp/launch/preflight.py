@@ -228,12 +228,6 @@ def dispatch_refusal(cfg: Config) -> str | None:
     return None
 
 
-def check_dispatch(cfg: Config) -> None:
-    """`dispatch_refusal` as a `PreflightError`."""
-    if (message := dispatch_refusal(cfg)) is not None:
-        raise PreflightError(f"{DISPATCH_KEY}: {message}")
-
-
 def memory_refusal(cfg: Config) -> str | None:
     """The over-budget message of `cfg`'s memory plan (None: it fits, or no
     `hardware.memory_gib` to check against)."""

@@ -4,6 +4,7 @@ launched rank share (device, dispatch, data sample, model directory)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 from pathlib import Path
@@ -155,3 +156,54 @@ def test_validate_train_and_a_rank_refuse_before_compute(
     for setting in (a.removeprefix("env:") for a in valid if a.startswith("env:")):
         monkeypatch.setenv(*setting.split("=", 1))
     assert cli.main(["validate", path, *args, *fixed]) == 0, capsys.readouterr().out
+
+
+def test_model_directory_index_names_what_is_missing(tmp_path: Path) -> None:
+    """The tensor index alone (no tensor read) against the layers the model builds: a missing
+    decoder layer, an MTP layer declared without tensors (its fix: the layers held), a shard the
+    index names but the directory lacks."""
+    from flashcp.config import build_config
+    from flashcp.models import build_model, preset
+    from flashcp.models.hf_weights import index_problems, save_hf_checkpoint
+
+    args = preset("tiny_glm_moe", vocab_size=300, max_seq_len=64, num_layers=3)
+    directory = tmp_path / "sharded"
+    save_hf_checkpoint(build_model(args, seed=1), directory, max_shard_bytes=60_000)
+    assert index_problems(directory, args) == []
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items()
+                           if not k.startswith(("model.layers.0.", "model.layers.2."))}  # fmt: skip
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    deeper = dataclasses.replace(args, mtp_layers=2)
+    (layers, mtp) = index_problems(directory, deeper)
+    assert layers[0] == "checkpoint.init_from" and "no tensors of decoder layers 0, 2" in layers[1]
+    assert mtp[0] == "model.mtp_layers" and "MTP layer 3-4 is absent" in mtp[1]
+    assert mtp[2] == {"model.mtp_layers": 0}
+    shard = sorted(directory.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    raw = {"model": {"preset": "tiny_glm_moe", "vocab_size": 300, "max_seq_len": 64,
+                     "num_layers": 3},
+           "checkpoint": {"init_from": str(directory)}, "data": {"seq_len": 64}}  # fmt: skip
+    (problem,) = preflight.model_dir_problems(build_config(raw))
+    assert problem.key == "checkpoint.init_from" and f"to {shard.name}, which does not exist" in (
+        problem.message
+    )
+
+
+def test_one_tokenizer_problem_is_reported_once_and_a_config_built_in_code_is_checked(
+    tmp_path: Path, inputs: dict[str, str]
+) -> None:
+    """data.path and eval.path read through one tokenizer: its problem is one line, not two; a
+    `Config` built in code (no file) gets the same preflight from its resolved mapping."""
+    from flashcp.config import build_config
+
+    chat = f"{inputs['tmp']}/chat.jsonl"
+    raw = {"model": {"preset": "tiny", "max_seq_len": 64}, "data": {"seq_len": 64, "path": chat},
+           "eval": {"path": chat},
+           "run": {"recipe": "sft", "output_dir": str(tmp_path)}}  # fmt: skip
+    cfg = build_config(raw)
+    (problem,) = preflight.preflight_problems(cfg)
+    assert problem.key == "data.path" and "has no chat template" in problem.message
+    raw["data"]["path"] = raw["eval"]["path"] = f"{inputs['tmp']}/docs.jsonl"
+    raw["run"]["recipe"] = "pretrain"
+    assert preflight.preflight_problems(build_config(raw)) == []
