@@ -649,7 +649,7 @@ def _check_lora(cfg: Config, c: _Checks) -> None:
             "model.router_bias_update_rate",
             f"is {rate}, but with a lora section the router is frozen and only the adapters "
             "are trained and saved (the moved biases would be lost at resume)",
-            fixes=[{"model.router_bias_update_rate": 0.0}, {"lora": None}],
+            fixes=[{"model.router_bias_update_rate": 0}, {"lora": None}],
         )
     if lora.rank < 1:
         c.add("lora.rank", f"must be an integer >= 1, got {lora.rank}")
@@ -682,7 +682,7 @@ def _check_dpo(cfg: Config, c: _Checks) -> None:
             "dpo.label_smoothing",
             f"applies to the sigmoid loss only; dpo.loss_type is {dpo.loss_type}",
             "dpo.loss_type",
-            fixes=[{"dpo.label_smoothing": 0.0}, {"dpo.loss_type": "sigmoid"}],
+            fixes=[{"dpo.label_smoothing": 0}, {"dpo.loss_type": "sigmoid"}],
         )
     if dpo.max_prompt_len is not None and dpo.max_prompt_len < 2:
         c.add("dpo.max_prompt_len", f"must be >= 2 or null, got {dpo.max_prompt_len}")
@@ -701,7 +701,7 @@ def _check_dpo_mtp(cfg: Config, c: _Checks) -> None:
             "cross-entropy on both answers would also pull the policy toward the rejected "
             "one (with 0 the MTP layers are carried frozen and exported unchanged; train them "
             "with the sft recipe)",
-            fixes=[{"model.mtp_loss_weight": 0.0}],
+            fixes=[{"model.mtp_loss_weight": 0}],
         )
 
 
