@@ -61,6 +61,7 @@ from flashcp.models.hf_config import (  # noqa: F401 - re-exported
     HFConfigError,
     args_from_hf_config,
     hf_config,
+    missing_mtp_layers,
 )
 from flashcp.models.moe import TopkRouter
 from flashcp.models.safetensors_io import (
@@ -325,15 +326,18 @@ def index_problems(
     """What the checkpoint at `path` lacks for a model of `args`, from its index (or its single
     file's header) alone, no tensor read: the embeddings, every decoder layer and every MTP
     layer `args` builds must have tensors there. Each problem is (config key, what is wrong,
-    the change that fixes it, or {}) — a directory that declares MTP layers its weights lack
-    (what transformers' `save_pretrained` writes for GLM-4.5) is refused before any rank
-    builds the model. A checkpoint that cannot be opened raises as `load_hf_checkpoint`."""
+    the change that fixes it, or {}). (A `model.from_pretrained` directory whose config.json
+    declares MTP layers its weights lack is refused by the config's own check,
+    `hf_config.mtp_refusal`; this covers `checkpoint.init_from`, with the same rule,
+    `hf_config.missing_mtp_layers`.) A checkpoint that cannot be opened raises as
+    `load_hf_checkpoint`."""
     ckpt = _open_checkpoint(path, ReadCounter())
     where = ckpt.index or ckpt.files[0]
-    layers = {int(m.group(1)) for k in ckpt.key_files if (m := _LAYER_RE.match(k))}
+    keys = list(ckpt.key_files)
+    layers = {int(m.group(1)) for k in keys if (m := _LAYER_RE.match(k))}
     problems: list[tuple[str, str, dict[str, Any]]] = []
     missing = [i for i in range(args.num_layers) if i not in layers]
-    if missing or not any(k.startswith("model.embed_tokens.") for k in ckpt.key_files):
+    if missing or not any(k.startswith("model.embed_tokens.") for k in keys):
         what = f"decoder layers {_ranges(missing)}" if missing else "model.embed_tokens"
         problems.append((
             "checkpoint.init_from",
@@ -342,18 +346,14 @@ def index_problems(
             "complete directory",
             {},
         ))  # fmt: skip
-    held = checkpoint_mtp_layers(ckpt.key_files, args)
-    mtp = range(args.num_layers, args.num_layers + args.mtp_layers)
-    absent = [i for i in mtp if i not in held]
+    absent = missing_mtp_layers(keys, args.num_layers, args.mtp_layers)
     if absent:
-        kept = next((d for d, i in enumerate(mtp) if i not in held), args.mtp_layers)
         problems.append((
             "model.mtp_layers",
-            f"{args.mtp_layers} multi-token-prediction layer(s) are built (config.json "
-            f"num_nextn_predict_layers, or model.mtp_layers), but {where} holds no "
-            f"model.layers.{absent[0]}.{MTP_MARK} (MTP layer {_ranges(absent)} is absent, as "
-            "in directories transformers' save_pretrained writes)",
-            {"model.mtp_layers": kept},
+            f"{args.mtp_layers} multi-token-prediction layer(s) are built (model.mtp_layers), "
+            f"but {where} holds no tensor of model.layers.{absent[0]}.* (MTP layer "
+            f"{_ranges(absent)} is absent)",
+            {"model.mtp_layers": absent[0] - args.num_layers},
         ))  # fmt: skip
     return problems
 

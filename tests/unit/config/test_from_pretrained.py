@@ -179,12 +179,12 @@ def test_declared_mtp_layer_without_tensors_is_refused_in_one_line(
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(_raw(directory)))
-    assert cli.main(["validate", str(path)]) == 1
+    assert cli.main(["validate", str(path)]) == 2
     out = capsys.readouterr().out
-    assert f"  - {line}\n" in out and out.count("\n") == 3  # header, the line, the count
+    assert f": {line}\n" in out and out.count("\n") == 2  # the one line, the count
     assert cli.main(["train", str(path)]) == 2
     captured = capsys.readouterr()
-    assert f"  - {line}\n" in captured.err and "launch" not in captured.out
+    assert f": {line}\n" in captured.err and "launch" not in captured.out
     assert cli.main(["validate", str(path), "model.mtp_layers=0"]) == 0
     assert _errors(_raw(model_dir)) == {}  # negative control: the layer is not declared there
 

@@ -97,9 +97,10 @@ REFUSED = [
      "eval.path: {tmp}/no_text.jsonl: no usable records", ["eval.path={tmp}/docs.jsonl"]),
     ("mtp_without_tensors", MOE,
      ["model.from_pretrained={mtp_dir}", "data.tokenizer=byte", "data.seq_len=64"], {},
-     "model.mtp_layers: 1 multi-token-prediction layer(s) are built (config.json "
-     "num_nextn_predict_layers, or model.mtp_layers), but {mtp_dir}/model.safetensors holds no "
-     "model.layers.2.eh_proj.weight", ["model.mtp_layers=0"]),
+     "model.mtp_layers: {mtp_dir}/config.json declares num_nextn_predict_layers: 1, but the "
+     "weights in {mtp_dir} hold no tensor of the multi-token-prediction layer model.layers.2.* "
+     "(transformers' save_pretrained leaves them out): set model.mtp_layers=0",
+     ["model.mtp_layers=0"]),
 ]  # fmt: skip
 
 
@@ -178,6 +179,7 @@ def test_model_directory_index_names_what_is_missing(tmp_path: Path) -> None:
     (layers, mtp) = index_problems(directory, deeper)
     assert layers[0] == "checkpoint.init_from" and "no tensors of decoder layers 0, 2" in layers[1]
     assert mtp[0] == "model.mtp_layers" and "MTP layer 3-4 is absent" in mtp[1]
+    assert "no tensor of model.layers.3.*" in mtp[1]
     assert mtp[2] == {"model.mtp_layers": 0}
     shard = sorted(directory.glob("model-*.safetensors"))[-1]
     shard.unlink()
