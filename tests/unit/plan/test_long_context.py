@@ -300,7 +300,7 @@ def test_validate_and_train_fit_the_budget_less_its_headroom(
 
     peak = plan(_load(GLM9B)).peak.total_bytes / GIB
     budget = f"hardware.memory_gib={peak / 0.97:.3f}"  # 3 % above the peak: < 5 % headroom
-    assert cli.main(["validate", str(GLM9B), budget]) == 1
+    assert cli.main(["validate", str(GLM9B), budget]) == 2
     out = capsys.readouterr().out
     assert "FAIL" in out and "less 5 % hardware.memory_headroom" in out
     assert cli.main(["validate", str(GLM9B), budget, "hardware.memory_headroom=0"]) == 0
@@ -310,7 +310,7 @@ def test_validate_and_train_fit_the_budget_less_its_headroom(
         preflight.check_memory(_load(GLM9B, *run))
     preflight.check_memory(_load(GLM9B, *run, "hardware.memory_headroom=0"))
     for bad in ("1", "-0.1", "1.5"):
-        assert cli.main(["validate", str(GLM9B), f"hardware.memory_headroom={bad}"]) == 1
+        assert cli.main(["validate", str(GLM9B), f"hardware.memory_headroom={bad}"]) == 2
         assert "hardware.memory_headroom: must be a fraction in [0, 1)" in capsys.readouterr().out
 
 
