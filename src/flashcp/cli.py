@@ -28,6 +28,7 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
 
     inputs = dispatch.probe_inputs(
         policy=args.fa4_unavailable,
+        policy_source="--fa4-unavailable",
         deterministic=True if args.deterministic else None,
         capability=args.capability,
     )
@@ -123,10 +124,14 @@ def _split_overrides(items: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from flashcp.config import ConfigError, collect, read_yaml
+    """`flashcp train`'s checks without the launch: the config, then the preflight every
+    launch and every rank runs (`flashcp.launch.preflight.preflight_problems`). A shipped
+    recipe with `/path/to/...` placeholders is checked as shipped: its machine checks wait for
+    the placeholders (it says what is left to fill in). Exit 2 when any config is refused."""
+    from flashcp.config import read_yaml
     from flashcp.config.errors import ConfigValidationError
     from flashcp.config.placeholders import find_placeholders
-    from flashcp.launch.preflight import host_memory_refusal, memory_refusal
+    from flashcp.launch.preflight import EXIT_PREFLIGHT, check_raw
 
     names, overrides = _split_overrides(args.files)
     files = [Path(f) for f in names]
@@ -141,17 +146,13 @@ def _validate(args: argparse.Namespace) -> int:
         unfilled: list[tuple[str, str]] = []
         try:
             raw = read_yaml(path)
-            unfilled = find_placeholders(raw)
-            cfg, errors = collect(raw, source=str(path), overrides=overrides,
-                                  world_size=args.world_size, nnodes=args.nnodes,
-                                  allow_placeholders=True)  # fmt: skip
+            unfilled = find_placeholders(_with_overrides(raw, overrides))
+            cfg, errors = check_raw(
+                raw, source=str(path), overrides=overrides, world_size=args.world_size,
+                nnodes=args.nnodes, machine=not unfilled, allow_placeholders=True,
+            )  # fmt: skip
         except ConfigValidationError as exc:
             cfg, errors = None, exc.errors
-        if not errors and cfg is not None:
-            if (message := memory_refusal(cfg)) is not None:
-                errors = [ConfigError("hardware.memory_gib", message)]
-            if (message := host_memory_refusal(cfg, nnodes)) is not None:
-                errors.append(ConfigError("hardware.host_memory_gib", message))
         if errors or cfg is None:
             failed += 1
             print(f"FAIL  {ConfigValidationError(errors, str(path))}")
@@ -162,12 +163,27 @@ def _validate(args: argparse.Namespace) -> int:
 
             for note in directory_notes(cfg.model_from_pretrained):
                 print(f"      note: {note}")
+        for note in cfg.notes:
+            print(f"      note: {note}")
         if unfilled:  # a recipe's /path/to/... values: `flashcp train` refuses them unfilled
             keys = ", ".join(f"{k} ({v})" for k, v in unfilled)
             print(f"      fill in before training: {keys}")
     total = len(files)
     print(f"{total - failed} of {total} config(s) valid")
-    return 1 if failed else 0
+    return EXIT_PREFLIGHT if failed else 0
+
+
+def _with_overrides(raw: dict, overrides: Sequence[str]) -> dict:  # type: ignore[type-arg]
+    """A copy of the file's mapping with the `key=value` overrides set (what is left to fill
+    in is what neither gives)."""
+    import copy
+
+    from flashcp.config import apply_overrides, parse_overrides
+
+    parsed, _ = parse_overrides(overrides)
+    out = copy.deepcopy(raw)
+    apply_overrides(out, parsed)
+    return out
 
 
 def _node_problem(args: argparse.Namespace) -> str | None:
@@ -188,21 +204,25 @@ def _node_problem(args: argparse.Namespace) -> str | None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.config import ConfigValidationError
     from flashcp.launch.job import run_job
-    from flashcp.launch.preflight import Nodes
+    from flashcp.launch.preflight import EXIT_PREFLIGHT, Nodes, check_config_file
 
     problem = _node_problem(args)
     if problem is not None:
         print(f"flashcp train: {problem}", file=sys.stderr)
         return 2
-    try:  # the one load in this process: preflight and the launch use this Config
-        cfg = load_config(args.config, args.overrides, nnodes=args.nnodes)
+    try:  # the one load in this process, with the preflight `flashcp validate` runs
+        cfg, problems = check_config_file(args.config, args.overrides, nnodes=args.nnodes)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return EXIT_PREFLIGHT
+    if problems or cfg is None:
+        print(ConfigValidationError(problems, args.config), file=sys.stderr)
+        return EXIT_PREFLIGHT
     nodes = Nodes(count=args.nnodes, rank=args.node_rank, master=args.master)
-    return run_job(cfg, args.config, args.overrides, nodes=nodes, command=args.command_line)
+    return run_job(cfg, args.config, args.overrides, nodes=nodes, command=args.command_line,
+                   checked=True)  # fmt: skip
 
 
 def _eval_target(config: str, overrides: list[str]) -> tuple[str, list[str]]:

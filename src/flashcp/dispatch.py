@@ -26,6 +26,7 @@ FA4_POLICIES = ("error", "fallback")
 FLAG_VERSION = "FLAGS_flash_attn_version"
 FLAG_DETERMINISTIC = "FLAGS_cudnn_deterministic"
 ENV_FA4_POLICY = "FLASHCP_FA4_UNAVAILABLE"
+CONFIG_POLICY_KEY = "attention.fa4_unavailable"
 DEFAULT_FA_VERSION = 2  # Paddle's own default for FLAGS_flash_attn_version
 DETERMINISTIC_MAX_HEAD_DIM = 128
 FA3_CAPABILITY_MAJOR = 9  # FA3 kernels: SM90 (Hopper) only
@@ -61,13 +62,92 @@ class Resolution:
         return "; ".join(self.rules)
 
 
-def _check_policy(fa4_unavailable: str) -> None:
+def _check_policy(fa4_unavailable: str, name: str = "fa4_unavailable") -> None:
     if fa4_unavailable not in FA4_POLICIES:
         raise ValueError(
-            f"fa4_unavailable={fa4_unavailable!r} is not a policy: use one of "
-            f"{', '.join(FA4_POLICIES)} (config key `attention.fa4_unavailable` or env "
+            f"{name}={fa4_unavailable!r} is not a policy: use one of "
+            f"{', '.join(FA4_POLICIES)} (config key `{CONFIG_POLICY_KEY}` or env "
             f"{ENV_FA4_POLICY})."
         )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The FA4-unavailable policy ("error" or "fallback") and where it was set: `source` is
+    "config" (`attention.fa4_unavailable`), "environment" (`FLASHCP_FA4_UNAVAILABLE`),
+    "default" (neither set), "argument" (a library call's `fa4_unavailable=`) or the
+    command-line flag that gave it (`--fa4-unavailable`). `resolve_policy` makes one."""
+
+    value: str
+    source: str = "argument"
+
+    def __post_init__(self) -> None:
+        names = {"config": CONFIG_POLICY_KEY, "environment": ENV_FA4_POLICY}
+        _check_policy(self.value, names.get(self.source, "fa4_unavailable"))
+
+    @property
+    def origin(self) -> str:
+        """Where the policy came from, as messages name it."""
+        if self.source == "config":
+            return f"{CONFIG_POLICY_KEY}: {self.value}"
+        if self.source == "environment":
+            return f"{ENV_FA4_POLICY}={self.value}"
+        if self.source == "default":
+            return f"the default, neither {CONFIG_POLICY_KEY} nor {ENV_FA4_POLICY} being set"
+        if self.source == "argument":
+            return f"fa4_unavailable={self.value!r}"
+        return f"{self.source} {self.value}"
+
+    @property
+    def how_to_fallback(self) -> str:
+        """What to set to fall back instead (the config's policy wins over the environment)."""
+        if self.source == "config":
+            return f"set {CONFIG_POLICY_KEY}: fallback"
+        if self.source in ("environment", "default"):
+            return f"set {ENV_FA4_POLICY}=fallback (or {CONFIG_POLICY_KEY}: fallback)"
+        if self.source == "argument":
+            return "pass fa4_unavailable='fallback'"
+        return f"pass {self.source} fallback"
+
+
+def _fa4_missing(
+    capability: tuple[int, int] | None, fa4_available: bool, fa4_limit: str | None
+) -> str:
+    """Why FA4 cannot run: what this machine (or this call) lacks."""
+    if fa4_available:
+        return f"this call is beyond the SM100 CuTe kernel: {fa4_limit}"
+    kernels = f"the paddlefleet_ops CuTe FlashMask kernels ({CUTE_INTERFACE_MODULE})"
+    if capability is not None and capability[0] == FA4_CAPABILITY_MAJOR:
+        why = (
+            f"it needs {kernels}, which this {capability_text(capability)} card does not "
+            "have (their wheel is not on PyPI: install paddlefleet_ops)"
+        )
+    else:
+        have = (
+            "this machine has no CUDA device"
+            if capability is None
+            else f"this card is {capability_text(capability)}"
+        )
+        why = f"it needs an SM{FA4_CAPABILITY_MAJOR}0 GPU with {kernels}, and {have}"
+    return why + ("" if fa4_limit is None else f"; also {fa4_limit}")
+
+
+def _fa3_missing(capability: tuple[int, int] | None) -> str:
+    """Why FA3 cannot run on this machine."""
+    return (
+        f"FA3 kernels exist for SM{FA3_CAPABILITY_MAJOR}0 (Hopper) only and this machine "
+        f"has {capability_text(capability)}"
+    )
+
+
+def _runnable_here(fa3_available: bool, capability: tuple[int, int] | None) -> str:
+    """The FlashAttention versions this card runs, as the setting to choose one."""
+    if fa3_available:
+        return f"Set {FLAG_VERSION}=3 (FA3 runs on this {capability_text(capability)} card) or 2"
+    return (
+        f"Set {FLAG_VERSION}=2 (FA2, Paddle's default): FA3 is unavailable too ("
+        f"{_fa3_missing(capability)})"
+    )
 
 
 def explain_fa_version(
@@ -78,7 +158,7 @@ def explain_fa_version(
     deterministic: bool,
     head_dim: int,
     device: str = "gpu",
-    fa4_unavailable: str = "error",
+    fa4_unavailable: str | Policy = "error",
     fa3_available: bool = True,
     capability: tuple[int, int] | None = None,
     fa4_limit: str | None = None,
@@ -88,6 +168,8 @@ def explain_fa_version(
     `capability` (the card's compute capability) and `fa4_limit` (why this call's mask is
     beyond the CuTe kernel, from `fa4_call_limit`) only feed the messages, except that a
     `fa4_limit` makes FA4 unavailable for this call like `fa4_available=False`.
+    `fa4_unavailable` is the policy, a `Policy` (which names where it was set in every
+    message) or its bare value.
     """
     if (
         isinstance(requested, bool)
@@ -97,7 +179,7 @@ def explain_fa_version(
         raise ValueError(
             f"{FLAG_VERSION}={requested!r} is not a FlashAttention version: set it to 2, 3 or 4."
         )
-    _check_policy(fa4_unavailable)
+    policy = fa4_unavailable if isinstance(fa4_unavailable, Policy) else Policy(fa4_unavailable)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
         raise ValueError(f"head_dim={head_dim!r} must be a positive int (q.shape[-1]).")
 
@@ -108,51 +190,48 @@ def explain_fa_version(
     version = requested
     fa4_usable = fa4_available and fa4_limit is None
     if version == 4 and not fa4_usable:
-        why = (
-            f"this call is beyond the SM100 CuTe kernel: {fa4_limit}"
-            if fa4_available
-            else f"it needs the CuTe FlashMask backend ({CUTE_INTERFACE_MODULE}) on an SM100 "
-            f"GPU, and this machine has {capability_text(capability)}"
-            + ("" if fa4_limit is None else f"; also {fa4_limit}")
-        )
-        if fa4_unavailable == "error":
+        why = _fa4_missing(capability, fa4_available, fa4_limit)
+        if policy.value == "error":
             raise FlashAttnUnavailableError(
-                f"{FLAG_VERSION}=4 asks for FA4, which is unavailable: {why}. Set "
-                f"{FLAG_VERSION} to 3 or 2 on this card (or {ENV_FA4_POLICY}=fallback / "
-                "attention.fa4_unavailable: fallback to fall back to FA3 with a warning)."
+                f"{FLAG_VERSION}=4 asks for FA4, which is unavailable: {why}. "
+                f"{_runnable_here(fa3_available, capability)}; or {policy.how_to_fallback} to "
+                f"fall back to FA{3 if fa3_available else 2} with a warning (the policy is "
+                f"'error', from {policy.origin})."
             )
         log_once(
             f"dispatch:fa4-fallback:{fa4_limit or ''}",
-            f"FA4 requested but unavailable ({why}): falling back to FA3 "
-            f"({ENV_FA4_POLICY}=fallback)",
+            f"FA4 requested but unavailable ({why}): falling back to FA3 (policy 'fallback', "
+            f"from {policy.origin})",
             level=logging.WARNING,
             rank0_only=False,
         )
         version = 3
-        rules.append(f"FA4 requested but unavailable ({why}): normalised to 3 (policy 'fallback')")
+        rules.append(
+            f"FA4 requested but unavailable ({why}): normalised to 3 (policy 'fallback', from "
+            f"{policy.origin})"
+        )
     else:
         rules.append(f"requested {requested}")
 
     if version == 3 and not fa3_available:
-        why = (
-            f"FA3 kernels exist for SM{FA3_CAPABILITY_MAJOR}0 (Hopper) only and this machine "
-            f"has {capability_text(capability)}"
-        )
-        if fa4_unavailable == "error":
+        why = _fa3_missing(capability)
+        if policy.value == "error":
             raise FlashAttnUnavailableError(
                 f"{FLAG_VERSION}={requested} asks for FA3 (effective version 3), which is "
-                f"unavailable: {why}. Set {FLAG_VERSION}=2 on this card (or "
-                f"{ENV_FA4_POLICY}=fallback / attention.fa4_unavailable: fallback to fall back "
-                "to FA2 with a warning)."
+                f"unavailable: {why}. Set {FLAG_VERSION}=2 on this card; or "
+                f"{policy.how_to_fallback} to fall back to FA2 with a warning (the policy is "
+                f"'error', from {policy.origin})."
             )
         log_once(
             "dispatch:fa3-fallback",
-            f"FA3 unavailable ({why}): falling back to FA2 ({ENV_FA4_POLICY}=fallback)",
+            f"FA3 unavailable ({why}): falling back to FA2 (policy 'fallback', from "
+            f"{policy.origin})",
             level=logging.WARNING,
             rank0_only=False,
         )
         version = 2
-        rules.append(f"FA3 unavailable ({why}): normalised to 2 (policy 'fallback')")
+        rules.append(f"FA3 unavailable ({why}): normalised to 2 (policy 'fallback', from "
+                     f"{policy.origin})")  # fmt: skip
 
     if version == 3 and deterministic:
         if not block_mask_api:
@@ -178,7 +257,7 @@ def resolve_fa_version(
     deterministic: bool,
     head_dim: int,
     device: str = "gpu",
-    fa4_unavailable: str = "error",
+    fa4_unavailable: str | Policy = "error",
     fa3_available: bool = True,
     capability: tuple[int, int] | None = None,
     fa4_limit: str | None = None,
@@ -380,28 +459,33 @@ def clear_probe_caches() -> None:
         fn.cache_clear()
 
 
-def resolve_policy(policy: str | None = None) -> tuple[str, str]:
-    """The FA4-unavailable policy: explicit (config) > FLASHCP_FA4_UNAVAILABLE > "error"."""
+def resolve_policy(policy: str | Policy | None = None, *, source: str = "config") -> Policy:
+    """THE resolution of the FA4-unavailable policy, for preflight, every rank and
+    `flashcp explain-dispatch`: `policy` (the config's `attention.fa4_unavailable`, or what
+    `source` names, e.g. `--fa4-unavailable`) > `FLASHCP_FA4_UNAVAILABLE` > "error". A
+    `Policy` (resolved before) is kept as it is."""
+    if isinstance(policy, Policy):
+        return policy
     if policy is not None:
-        _check_policy(policy)
-        return policy, "config"
+        return Policy(policy, source)
     env = os.environ.get(ENV_FA4_POLICY)
     if env is not None:
-        _check_policy(env.strip())
-        return env.strip(), "environment"
-    return "error", "default"
+        return Policy(env.strip(), "environment")
+    return Policy("error", "default")
 
 
 def probe_inputs(
     *,
-    policy: str | None = None,
+    policy: str | Policy | None = None,
+    policy_source: str = "config",
     deterministic: bool | None = None,
     capability: tuple[int, int] | None = None,
 ) -> DispatchInputs:
     """Gather the rule's inputs from Paddle and the environment.
 
-    `capability` stands in for the probed compute capability (`flashcp explain-dispatch
-    --capability 9.0` rehearses a Hopper card's dispatch on any machine).
+    `policy` / `policy_source`: see `resolve_policy`. `capability` stands in for the probed
+    compute capability (`flashcp explain-dispatch --capability 9.0` rehearses a Hopper card's
+    dispatch on any machine).
     """
     import paddle
 
@@ -416,14 +500,14 @@ def probe_inputs(
     else:
         cap, cap_src = capability, "argument"
         (fa3, fa3_src), (fa4, fa4_src) = probe_fa3(cap), probe_fa4(cap)
-    pol, pol_src = resolve_policy(policy)
+    pol = resolve_policy(policy, source=policy_source)
     return DispatchInputs(
         requested=requested,
         fa4_available=fa4,
         block_mask_api=probe_block_mask_api(),
         deterministic=deterministic,
         device=paddle.get_device(),
-        fa4_unavailable=pol,
+        fa4_unavailable=pol.value,
         fa3_available=fa3,
         capability=cap,
         sources={
@@ -432,7 +516,7 @@ def probe_inputs(
             "capability": cap_src,
             "fa3_available": fa3_src,
             "fa4_available": fa4_src,
-            "fa4_unavailable": pol_src,
+            "fa4_unavailable": pol.source,
             "block_mask_api": "inspect.signature(paddle.nn.functional.flashmask_attention)",
             "device": "paddle.get_device()",
         },
@@ -450,7 +534,9 @@ def explain_inputs(
         deterministic=inputs.deterministic,
         head_dim=head_dim,
         device=inputs.device,
-        fa4_unavailable=inputs.fa4_unavailable,
+        fa4_unavailable=Policy(
+            inputs.fa4_unavailable, inputs.sources.get("fa4_unavailable", "argument")
+        ),
         fa3_available=inputs.fa3_available,
         capability=inputs.capability,
         fa4_limit=fa4_limit,
@@ -472,18 +558,20 @@ def resolve_from_inputs(
 def resolve_current(
     head_dim: int,
     *,
-    policy: str | None = None,
+    policy: str | Policy | None = None,
     mask_shape: tuple[int, ...] | None = None,
     num_kv_heads: int | None = None,
     head_dim_v: int | None = None,
 ) -> Resolution:
     """Probe the environment and resolve: what an attention forward calls, once per call.
 
-    With `num_kv_heads` given, the call's shape (`mask_shape` of the mask handed to the kernel,
+    `policy`: the trainer's `Policy` (`resolve_policy` of the config), a library caller's
+    `fa4_unavailable` argument, or None (the environment's, else "error"). With
+    `num_kv_heads` given, the call's shape (`mask_shape` of the mask handed to the kernel,
     `head_dim_v`) is checked against the FA4 kernel's limits (`fa4_call_limit`); a call beyond
     them treats FA4 as unavailable.
     """
-    inputs = probe_inputs(policy=policy)
+    inputs = probe_inputs(policy=policy, policy_source="argument")
     limit = None
     if num_kv_heads is not None and inputs.requested == 4:
         limit = fa4_call_limit(

@@ -150,6 +150,8 @@ def banner(trainer: Any) -> str:
         if peak is not None
         else "mfu not reported (set hardware.peak_tflops)",
     ]
+    parts.append(c.checkpoint.describe(trainer.last_step, str(trainer.checkpointer.root)))
+    parts += c.notes  # what the loader decided for the user (`Config.notes`)
     if trainer.evaluator is not None:
         when = f"every {c.eval.every} steps and " if c.eval.every else ""
         parts.append(

@@ -41,11 +41,15 @@ def process_groups(cfg: Config, groups: ParallelGroups | None = None) -> Paralle
     return groups
 
 
+def gpu_visible() -> bool:
+    """Whether Paddle sees a GPU on this machine (a CUDA build with a device)."""
+    return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
+
+
 def resolve_runtime(cfg: Config) -> tuple[str, str]:
     """(device, compute dtype) of this process: `run.device` (auto: GPU when Paddle sees one)
     and `train.dtype` resolved."""
-    gpu = bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
-    device = resolve_device(cfg, gpu)
+    device = resolve_device(cfg, gpu_visible())
     return device, compute_dtype(cfg, device)
 
 

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import numpy as np
 import paddle
 
-from flashcp import rundir
+from flashcp import dispatch, rundir
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
@@ -130,7 +130,7 @@ def build_runner(
     return PipelineRunner(
         model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
         forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
-        fa4_unavailable=cfg.attention.fa4_unavailable,
+        fa4_unavailable=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
         query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
         mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
     )  # fmt: skip
@@ -233,6 +233,13 @@ class Trainer:
     def step_groups(self) -> list[Any]:
         """Step statistics (loss, flags, recipe sums) are summed over these."""
         return step_groups(self.groups)
+
+    @property
+    def last_step(self) -> int:
+        """The step this run stops after: `train.steps`, or `run.stop_after_steps` beyond the
+        step it starts from (read after `resume`)."""
+        stop = self.cfg.run.stop_after_steps
+        return min(self.cfg.train.steps, self.step + stop) if stop else self.cfg.train.steps
 
     def resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` selects, if any; returns its path. (The run
@@ -370,10 +377,7 @@ class Trainer:
             reporters=tracking.build_reporters(cfg) if main else (),
         )  # fmt: skip
         result = TrainResult(start_step=start, final_step=start, resumed_from=source)
-        every = cfg.checkpoint.every
-        end = end_all = cfg.train.steps
-        if cfg.run.stop_after_steps:
-            end = min(end, start + cfg.run.stop_after_steps)
+        end, end_all = self.last_step, cfg.train.steps
         evaluated: dict[str, float] = {}
         failure: BaseException | None = None
         try:
@@ -383,8 +387,8 @@ class Trainer:
                 if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
                     results = self.evaluate()
                     m.extra.update(results)  # the step's record carries its eval/... values
-                saved = self._checkpoint(every > 0 and (self.step % every == 0 or self.step == end),
-                                         last=self.step == end)  # fmt: skip
+                # every checkpoint.every steps, and the last one (checkpoint.save_last)
+                saved = self._checkpoint(cfg.checkpoint.due(self.step, end), last=self.step == end)
                 m.extra.update(saved.metrics)  # checkpoint/stall_s, ... of this boundary
                 writer.log(m)
                 if results:

@@ -34,14 +34,14 @@ TINY_GLM: Sections = {
 TINY_GLM_ACCUM: Sections = {
     **TINY_GLM,
     "train": {"lr": 3e-3, "warmup_steps": 0, "grad_accum": 2},
-    "checkpoint": {"every": 0},
+    "checkpoint": {"every": 0, "save_last": False},
 }
 """The tiny GLM trained with two micro-batches per step, no checkpoints (LM and DPO recipes)."""
 
 PLANNED: Sections = {
     **TINY_GLM,
     "train": {"steps": 3, "warmup_steps": 1, "loss_chunk_tokens": 0},
-    "checkpoint": {"resume": "never"},
+    "checkpoint": {"resume": "never", "save_last": False},
     "run": {"output_dir": "/nonexistent/run"},
 }
 """What the planner tests ask about: the tiny GLM, its loss unchunked; nothing is written."""

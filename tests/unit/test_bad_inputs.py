@@ -176,28 +176,29 @@ ROWS = [
         r"'workload_balanced', got 'ring'"),
     cli("seq_len_vs_2cp", ["data.seq_len=250"],
         r"data\.seq_len: 250 is not a multiple of 2·cp = 4 \(parallel\.cp_mode "
-        r"dualchunk_allgather, parallel\.cp 2\): set data\.seq_len to a multiple of 4 "
-        r"\(e\.g\. 250→252\) or set parallel\.pad: true"),
+        r"dualchunk_allgather, parallel\.cp 2\): set data\.seq_len=252, or set "
+        r"parallel\.pad=true"),
     cli("seq_len_vs_4cp_balanced", ["parallel.cp_mode=workload_balanced", "data.seq_len=252"],
         r"data\.seq_len: 252 is not a multiple of 4·cp = 8 \(parallel\.cp_mode workload_balanced, "
-        r"parallel\.cp 2\): set data\.seq_len to a multiple of 8 \(e\.g\. 252→256\)"),
+        r"parallel\.cp 2\): set data\.seq_len=256, or set parallel\.pad=true"),
     cli("seq_len_vs_cp_contiguous", ["parallel.cp_mode=contiguous_allgather", "parallel.cp=3"],
         r"data\.seq_len: 256 is not a multiple of cp = 3 \(parallel\.cp_mode contiguous_allgather, "
-        r"parallel\.cp 3\): set data\.seq_len to a multiple of 3 \(e\.g\. 256→258\)"),
+        r"parallel\.cp 3\): set data\.seq_len=255\n"),  # 258 (or padding) > max_seq_len 256
     cli("heads_vs_gqa", ["model.num_heads=8", "model.num_kv_heads=3"],
         r"model\.num_heads: num_heads 8 is not a multiple of num_kv_heads 3: grouped-query "
         r"attention shares each KV head among num_heads / num_kv_heads query heads"),
     cli("layers_vs_stages", ["parallel.pp=3"],
-        r"model\.num_layers: 2 layers cannot fill parallel\.pp = 3 pipeline stages: lower "
-        r"parallel\.pp to at most 2 or add layers"),
+        r"model\.num_layers: 2 layers cannot fill parallel\.pp = 3 pipeline stages: set "
+        r"parallel\.pp=2, or set model\.num_layers=3"),
     cli("bad_fa_policy", ["attention.fa4_unavailable=maybe"],
-        r"attention\.fa4_unavailable: expected one of 'error', 'fallback', got 'maybe'"),
+        r"attention\.fa4_unavailable: expected one of 'error', 'fallback' or null, got 'maybe'"),
     cli("bad_on_nonfinite", ["train.on_nonfinite=ignore"],
         r"train\.on_nonfinite: expected one of 'stop', 'skip', got 'ignore'"),
     cli("negative_lr", ["train.lr=-1"],
         r"train\.lr: must be > 0, got -1\.0 \[set on the command line: train\.lr=-1\]"),
     cli("min_lr_above_lr", ["train.min_lr=1.0"],
-        r"train\.min_lr: 1\.0 is above train\.lr 0\.003: set train\.min_lr <= lr"),
+        r"train\.min_lr: 1\.0 is above train\.lr 0\.003 \(the decay's floor\): set "
+        r"train\.min_lr=null, or set train\.min_lr=0\.003"),
     cli("zero_dp", ["parallel.dp=0"],
         r"parallel\.dp: must be an integer >= 1, got 0 "
         r"\[set on the command line: parallel\.dp=0\]"),
@@ -205,13 +206,17 @@ ROWS = [
         r"data\.micro_batch_size: must be >= 1, got 0"),
     cli("vocab_vs_tokenizer", ["model.vocab_size=100"],
         r"model\.vocab_size: 100 is smaller than the byte tokenizer's 259 ids: set "
-        r"model\.vocab_size >= 259"),
+        r"model\.vocab_size=259"),
     cli("seq_len_vs_max", ["data.seq_len=4096"],
-        r"data\.seq_len: data\.seq_len 4096 exceeds model\.max_seq_len 256: lower data\.seq_len "
-        r"or raise model\.max_seq_len"),
+        r"data\.seq_len: data\.seq_len 4096 exceeds model\.max_seq_len 256: set "
+        r"data\.seq_len=256, or set model\.max_seq_len=4096"),
     cli("bf16_on_cpu", ["train.dtype=bfloat16", "run.device=cpu"],
-        r"train\.dtype: bfloat16 needs a GPU \(run\.device is cpu\): set train\.dtype: float32 "
-        r"\(or auto\) or run\.device: gpu"),
+        r"train\.dtype: bfloat16 needs a GPU \(run\.device is cpu\): set train\.dtype=auto, or "
+        r"set train\.dtype=float32 \[set on the command line"),  # no GPU here: not run.device=gpu
+    cli("core_section_null", ["train=null"],
+        r"train: train=null: the train section is not optional and cannot be removed \(null "
+        r"would silently reset every train\.\* key to its default\): set the train\.\* keys you "
+        r"want to change instead"),
     cli("unknown_recipe", ["run.recipe=pretrian"],
         r"run\.recipe: unknown recipe 'pretrian' \(did you mean pretrain\?\)"),
     cli("unknown_preset", ["model.preset=huge"],
@@ -228,7 +233,7 @@ ROWS = [
     cli("config_missing", [],
         r"<file>: cannot read {tmp}/missing\.yaml: No such file or directory", config="missing"),
     cli("config_not_yaml", [],
-        r"config problem in {tmp}/config\.yaml:\n  - <file>: not valid YAML: while parsing a "
+        r"\Aconfig problem in {tmp}/config\.yaml: <file>: not valid YAML: while parsing a "
         r"flow node", config="model: [1,\n"),
     cli("config_not_mapping", [],
         r"<file>: the top level must be a mapping of sections, got a list", config="- 1\n"),
@@ -239,14 +244,14 @@ ROWS = [
         ["parallel.shard_optimizer=true", "debug.dump_grads=true"],
         r"debug\.dump_grads: needs the full summed gradients, but under "
         r"parallel\.shard_optimizer: true each rank keeps only its shard of them: set "
-        r"debug\.dump_grads: false or parallel\.shard_optimizer: false"),
+        r"debug\.dump_grads=false, or set parallel\.shard_optimizer=false"),
     cli("overwrite_not_bool", ["run.overwrite=maybe"],
         r"run\.overwrite: expected true or false, got 'maybe' \(a string\)"),
     cli("overwrite_resume_inside_output_dir",
         ["run.overwrite=true", "checkpoint.resume={out}/checkpoints/step_2"],
         r"run\.overwrite: true moves run\.output_dir {out} aside before the run, but "
-        r"checkpoint\.resume '{out}/checkpoints/step_2' is inside it: resume from a checkpoint "
-        r"outside run\.output_dir, or set run\.overwrite=false"),
+        r"checkpoint\.resume '{out}/checkpoints/step_2' is inside it: set run\.overwrite=false, "
+        r"or resume from a checkpoint outside run\.output_dir"),
     # -- launch: data file, output dir, port, FlashAttention flags (before launching) ----------
     cli("missing_data_file", ["data.path={tmp}/no_such.jsonl"],
         r"data\.path: no file or directory at '{tmp}/no_such\.jsonl': give a JSON Lines or "
@@ -258,6 +263,15 @@ ROWS = [
         r"data\.path: '{tmp}/a_file' is not a JSON Lines \(\.jsonl, \.json\) or Parquet "
         r"\(\.parquet\) file: give one of those, a directory of them, or null for the built-in "
         r"data"),
+    cli("data_no_usable_records", ["data.path={tmp}/data/no_text.jsonl"],
+        r"data\.path: {tmp}/data/no_text\.jsonl: no usable records \(2 rows; 2 bad records "
+        r"skipped: missing field 'text' ×2"),
+    cli("bf16_without_a_gpu", ["train.dtype=bfloat16"],
+        r"train\.dtype: bfloat16 needs a GPU and this run is on CPU: set train\.dtype=auto, or "
+        r"set train\.dtype=float32"),
+    cli("gpu_device_without_a_gpu", ["run.device=gpu"],
+        r"run\.device: gpu, but Paddle sees no GPU here \(CPU build or no device\): set "
+        r"run\.device=auto, or set run\.device=cpu"),
     cli("on_bad_record_unknown", ["data.on_bad_record=ignore"],
         r"data\.on_bad_record: expected one of"),
     cli("output_dir_under_a_file", ["run.output_dir={tmp}/a_file/out"],
@@ -295,8 +309,11 @@ ROWS = [
         r"FLAGS_flash_attn_version='three' is not an integer: set it to 2, 3 or 4",
         env={"FLAGS_flash_attn_version": "three"}),
     cli("fa4_unavailable", [],
-        r"FLAGS_flash_attn_version=4 asks for FA4, .* Set FLAGS_flash_attn_version to 3 or 2 "
-        r"on this card \(or FLASHCP_FA4_UNAVAILABLE=fallback",
+        r"FLAGS_flash_attn_version=4 asks for FA4, which is unavailable: it needs an SM100 GPU "
+        r"with the paddlefleet_ops CuTe FlashMask kernels .*, and this machine has no CUDA "
+        r"device\. Set FLAGS_flash_attn_version=2 \(FA2, Paddle's default\): FA3 is unavailable "
+        r"too .*; or set FLASHCP_FA4_UNAVAILABLE=fallback \(or attention\.fa4_unavailable: "
+        r"fallback\) to fall back to FA2 with a warning \(the policy is 'error', from the default",
         env={"FLAGS_flash_attn_version": "4"}),
     # -- conventions, evaluation, tracking ------------------------------------------------------
     cli("alias_and_key", ["max_steps=3", "train.steps=4"],
@@ -349,8 +366,8 @@ ROWS = [
     # -- more than one node (before launching) -------------------------------------------------
     cli("nnodes_indivisible", ["--nnodes", "3", "--master", "127.0.0.1:29500"],
         r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 processes cannot be split over --nnodes 3 "
-        r"nodes \(dp·pp·cp must equal nnodes × nproc_per_node\): set parallel\.dp, parallel\.pp "
-        r"or parallel\.cp so their product is a multiple of 3, or use another --nnodes"),
+        r"nodes \(dp·pp·cp must equal nnodes × nproc_per_node, a multiple of 3\): set "
+        r"parallel\.dp=3, or use another --nnodes"),
     cli("node_rank_out_of_range", ["--nnodes", "2", "--node-rank", "2", "--master", "h:1"],
         r"flashcp train: --node-rank 2 is not in 0\.\.1 \(--nnodes 2\): number the nodes 0, 1, "
         r"\.\.\. and start node 0 first"),
@@ -369,14 +386,14 @@ ROWS = [
     # -- one rank of a launched job ------------------------------------------------------------
     worker("world_size_mismatch", {"PADDLE_TRAINERS_NUM": "4"},
            r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 4 processes: set "
-           r"parallel\.cp to 4 or set parallel\.dp to 2, or launch with --nproc_per_node 2"),
+           r"parallel\.cp=4, or set parallel\.dp=2, or launch with --nproc_per_node 2"),
     worker("world_size_vs_nodes", {"PADDLE_TRAINERS_NUM": "4", "PADDLE_NNODES": "2"},
            r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 4 processes \(2 nodes × 2 "
-           r"per node\): set parallel\.cp to 4 or set parallel\.dp to 2, or launch with --nnodes "
+           r"per node\): set parallel\.cp=4, or set parallel\.dp=2, or launch with --nnodes "
            r"2 --nproc_per_node 1"),
     worker("world_size_indivisible", {"PADDLE_TRAINERS_NUM": "3"},
            r"parallel: dp\(1\) × pp\(1\) × cp\(2\) = 2 but the job has 3 processes: set "
-           r"parallel\.cp to 3, or launch with --nproc_per_node 2"),
+           r"parallel\.cp=3 data\.seq_len=252, or launch with --nproc_per_node 2"),
     worker("worker_bad_override", W2,
            r"train\.lr: expected a number, got 'fast' \(a string\) \[set on the command line: "
            r"train\.lr=fast\]", ["train.lr=fast"]),
@@ -398,6 +415,12 @@ ROWS = [
            r"paddle\.distributed\.launch do not: run "
            r"`flashcp train CONFIG run\.overwrite=true`, or move {out} away yourself\n\Z",
            ["run.overwrite=true"]),
+    worker("worker_fa4_unavailable", {**W2, "FLAGS_flash_attn_version": "4"},
+           r"FlashAttention dispatch: FLAGS_flash_attn_version=4 asks for FA4, which is "
+           r"unavailable: .*the policy is 'error', from the default"),
+    worker("worker_no_usable_records", W2,
+           r"data\.path: {tmp}/data/no_text\.jsonl: no usable records",
+           ["data.path={tmp}/data/no_text.jsonl"]),
     worker("worker_recipe_placeholder", {"PADDLE_TRAINERS_NUM": "16"},
            r"model\.from_pretrained: '/path/to/GLM-4\.5-Air' is a placeholder still to fill in",
            config="@configs/glm/glm45_air_dpo_lora_pp_cp.yaml"),
@@ -551,12 +574,12 @@ def _config_path(row: Row, tmp: Path) -> str:
     return str(path)
 
 
-COUNTS = {"cli": 65, "worker": 9, "call": 26}
+COUNTS = {"cli": 69, "worker": 11, "call": 26}
 """Rows per entry point (docs/reliability.md quotes the total)."""
 
 
 def test_table_size_is_exact_and_covers_every_entry() -> None:
-    assert len(ROWS) == sum(COUNTS.values()) == 100
+    assert len(ROWS) == sum(COUNTS.values()) == 106
     assert {e: sum(r.entry == e for r in ROWS) for e in COUNTS} == COUNTS
     assert len({r.id for r in ROWS}) == len(ROWS)
 
@@ -581,6 +604,9 @@ def test_bad_input(
     for key, value in row.env.items():
         monkeypatch.setenv(key, str(busy_port) if value == PORT else value)
     (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "data").mkdir()  # (not in {tmp} itself: data.path={tmp} holds no data file)
+    (tmp_path / "data" / "no_text.jsonl").write_text('{"txt": "a"}\n{"txt": "b"}\n')  # no 'text'
+
 
     if row.entry == "call":
         with pytest.raises(row.expect, match=row.match):  # type: ignore[arg-type]

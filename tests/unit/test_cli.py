@@ -57,12 +57,29 @@ def test_explain_dispatch_fa4_unavailable(
 ) -> None:
     monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
     assert cli.main(["explain-dispatch"]) == 2
-    assert "needs the CuTe FlashMask backend" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "paddlefleet_ops CuTe FlashMask kernels" in out and "no CUDA device" in out
+    # no card: FA3 is unavailable too, so the advice is FA2 (issue 27, defect 2)
+    assert "FLAGS_flash_attn_version=2 (FA2" in out and "=3 (" not in out
+    assert "the default, neither attention.fa4_unavailable nor FLASHCP_FA4_UNAVAILABLE" in out
     assert cli.main(["explain-dispatch", "--fa4-unavailable", "fallback"]) == 0
-    assert "Effective fa_version: 2" in capsys.readouterr().out  # no card: no FA3 either
+    out = capsys.readouterr().out
+    assert "Effective fa_version: 2" in out  # no card: no FA3 either
+    assert "policy 'fallback', from --fa4-unavailable fallback" in out
     args = ["explain-dispatch", "--fa4-unavailable", "fallback", "--capability", "9.0"]
     assert cli.main(args) == 0
     assert "Effective fa_version: 3" in capsys.readouterr().out
+    # the environment's policy, named as such (defect 1)
+    monkeypatch.setenv(dispatch.ENV_FA4_POLICY, "fallback")
+    assert cli.main(["explain-dispatch", "--capability", "9.0"]) == 0
+    out = capsys.readouterr().out
+    assert "Effective fa_version: 3" in out and "from FLASHCP_FA4_UNAVAILABLE=fallback" in out
+    # on an SM100 card without the CuTe kernels: name them, never "needs SM100 ... has SM100"
+    monkeypatch.delenv(dispatch.ENV_FA4_POLICY)
+    assert cli.main(["explain-dispatch", "--capability", "10.0"]) == 2
+    out = capsys.readouterr().out
+    assert "which this SM100 (compute capability 10.0) card does not have" in out
+    assert "needs an SM100" not in out and "FLAGS_flash_attn_version=2 (FA2" in out
 
 
 def test_explain_dispatch_fa4_mask_limit(

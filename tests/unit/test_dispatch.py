@@ -211,8 +211,16 @@ def test_decision_table(row, req, fa3, fa4, bm, det, hd, fallback, error, policy
         assert "FLAGS_flash_attn_version" in msg and "fallback" in msg
         assert isinstance(info.value, NotImplementedError)
         if expected == R4:
-            assert "CuTe" in msg and "SM100" in msg and "3 or 2" in msg
+            assert "CuTe" in msg and "SM100" in msg
+            assert ("paddlefleet_ops" in msg) == (fa4 == "N")  # what is missing, when it is
             assert (LIMIT in msg) == (fa4 == "M")
+            # the advice is what this card runs: FA3 only on SM90 (issue 27, defect 2)
+            if fa3 == "Y":
+                assert "FLAGS_flash_attn_version=3 (FA3 runs on this SM90" in msg
+                assert "fall back to FA3" in msg
+            else:
+                assert "=3" not in msg and "FLAGS_flash_attn_version=2 (FA2" in msg
+                assert "FA3 is unavailable too" in msg and "fall back to FA2" in msg
         else:
             major, minor = _capability(fa3, fa4)
             assert "SM90" in msg and f"compute capability {major}.{minor}" in msg
@@ -334,6 +342,84 @@ def test_explain_names_the_rule() -> None:
     kwargs = {**_kwargs("N", "N", "Y", "N", 64), "fa4_limit": LIMIT}
     with pytest.raises(FlashAttnUnavailableError, match="also a 4-column"):
         explain_fa_version(4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("capability", "fa3", "missing", "advice"),
+    [
+        (None, False, "an SM100 GPU with the paddlefleet_ops CuTe FlashMask kernels "
+         "(paddlefleet_ops.flash_mask.cute.interface), and this machine has no CUDA device",
+         "FLAGS_flash_attn_version=2 (FA2, Paddle's default): FA3 is unavailable too (FA3 "
+         "kernels exist for SM90 (Hopper) only and this machine has no CUDA device"),
+        ((8, 0), False, "and this card is SM80 (compute capability 8.0)",
+         "FLAGS_flash_attn_version=2 (FA2"),
+        ((9, 0), True, "and this card is SM90 (compute capability 9.0)",
+         "FLAGS_flash_attn_version=3 (FA3 runs on this SM90 (compute capability 9.0) card) "
+         "or 2"),
+        ((10, 0), False, "it needs the paddlefleet_ops CuTe FlashMask kernels "
+         "(paddlefleet_ops.flash_mask.cute.interface), which this SM100 (compute capability "
+         "10.0) card does not have", "FLAGS_flash_attn_version=2 (FA2"),
+    ],
+    ids=["cpu", "sm80", "sm90", "sm100_without_kernels"],
+)  # fmt: skip
+def test_fa4_refusal_names_what_is_missing_and_what_this_card_runs(
+    capability, fa3, missing, advice
+) -> None:
+    """Issue 27, defect 2: the advice comes from the availability facts (FA3 only where it
+    runs), the reason names what is missing, and an SM100 card is never told it needs SM100."""
+    with pytest.raises(FlashAttnUnavailableError) as info:
+        explain_fa_version(
+            4, fa4_available=False, fa3_available=fa3, capability=capability,
+            block_mask_api=True, deterministic=False, head_dim=128,
+        )  # fmt: skip
+    msg = str(info.value)
+    assert missing in msg and advice in msg
+    assert ("FLAGS_flash_attn_version=3" in msg) == fa3
+    assert f"fall back to FA{3 if fa3 else 2} with a warning" in msg
+    if capability == (10, 0):
+        assert "needs an SM100" not in msg
+
+
+def test_one_policy_resolution_names_its_origin(clean_env) -> None:
+    """Issue 27, defect 1: config > FLASHCP_FA4_UNAVAILABLE > error, resolved in one place;
+    each refusal and each fallback names where the policy came from and how to change it."""
+    Policy = dispatch.Policy
+    assert dispatch.resolve_policy() == Policy("error", "default")
+    clean_env.setenv(dispatch.ENV_FA4_POLICY, " fallback ")
+    assert dispatch.resolve_policy() == Policy("fallback", "environment")
+    assert dispatch.resolve_policy("error") == Policy("error", "config")  # the config wins
+    given = Policy("fallback", "config")
+    assert dispatch.resolve_policy(given) is given  # resolved once, then passed along
+    flag = dispatch.resolve_policy("error", source="--fa4-unavailable")
+    assert (flag.origin, flag.how_to_fallback) == (
+        "--fa4-unavailable error", "pass --fa4-unavailable fallback"
+    )
+    cases = {
+        "config": ("attention.fa4_unavailable: error", "set attention.fa4_unavailable: fallback"),
+        "environment": ("FLASHCP_FA4_UNAVAILABLE=error",
+                        "set FLASHCP_FA4_UNAVAILABLE=fallback (or attention.fa4_unavailable: "
+                        "fallback)"),
+        "default": ("the default, neither attention.fa4_unavailable nor "
+                    "FLASHCP_FA4_UNAVAILABLE being set",
+                    "set FLASHCP_FA4_UNAVAILABLE=fallback (or attention.fa4_unavailable: "
+                    "fallback)"),
+        "argument": ("fa4_unavailable='error'", "pass fa4_unavailable='fallback'"),
+    }  # fmt: skip
+    kwargs = _kwargs("N", "N", "Y", "N", 64)
+    for source, (origin, way_out) in cases.items():
+        policy = Policy("error", source)
+        assert (policy.origin, policy.how_to_fallback) == (origin, way_out)
+        for requested in (3, 4):
+            with pytest.raises(FlashAttnUnavailableError) as info:
+                explain_fa_version(requested, fa4_unavailable=policy, **kwargs)
+            assert f"from {origin})" in str(info.value) and way_out in str(info.value)
+        res = explain_fa_version(4, fa4_unavailable=Policy("fallback", source), **kwargs)
+        fallback = Policy("fallback", source).origin
+        assert res.version == 2 and res.reason.count(f"(policy 'fallback', from {fallback})") == 2
+    for source, name in (("environment", "FLASHCP_FA4_UNAVAILABLE"),
+                         ("config", "attention.fa4_unavailable"), ("argument", "fa4_unavailable")):
+        with pytest.raises(ValueError, match=f"{name}='sometimes' is not a policy"):
+            Policy("sometimes", source)  # fmt: skip
 
 
 # Call shapes (mask [B, Hm, Sk, C], KV heads, head_dim, value head_dim) against the SM100 CuTe

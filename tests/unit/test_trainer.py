@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, to_dict
 from flashcp.launch import outcome, worker
+from flashcp.log import reset_once
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import estimate_parameters
 from flashcp.optim.lr import build_scheduler, lr_at
@@ -208,6 +210,44 @@ def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     assert "train.steps changed from 2 to 3" in out
 
 
+def test_the_last_step_is_saved_by_default(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
+    """Issue 27, defect 10: with checkpoint.every 0 (the default) the last step is still saved,
+    also where run.stop_after_steps stops a run; the start line says what is saved and where;
+    checkpoint.save_last false saves nothing and says so."""
+    cfg = tiny_cfg(tmp_path / "a", train={"steps": 3}, run={"stop_after_steps": 2})
+    assert cfg.checkpoint.every == 0 and cfg.checkpoint.save_last
+    _, _, out = fit(cfg)
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2"]
+    assert f"checkpoints the last step (2) in {root} (newest 2 kept)" in out
+    _, result, out = fit(tiny_cfg(tmp_path / "a", train={"steps": 3}))  # resumes, saves step 3
+    assert result.start_step == 2 and (root / "step_3").is_dir()
+    periodic = tiny_cfg(tmp_path / "b", train={"steps": 3}, checkpoint={"every": 2})
+    _, _, out = fit(periodic)
+    assert "checkpoints every 2 steps and the last step (3) in" in out
+    assert sorted(p.name for p in (tmp_path / "b" / "run" / "checkpoints").iterdir()) == [
+        "step_2", "step_3"
+    ]  # fmt: skip
+    never = tiny_cfg(tmp_path / "c", train={"steps": 1}, checkpoint={"save_last": False})
+    _, _, out = fit(never)
+    assert "no checkpoints (checkpoint.every 0, checkpoint.save_last false)" in out
+    assert not (tmp_path / "c" / "run" / "checkpoints").exists()
+
+
+def test_save_decision() -> None:
+    """`CheckpointConfig.due`: every N steps and the last one; neither when both are off."""
+    from flashcp.config import CheckpointConfig
+
+    due = lambda ck, last: [s for s in range(1, last + 1) if ck.due(s, last)]  # noqa: E731
+    assert due(CheckpointConfig(), 7) == [7]
+    assert due(CheckpointConfig(every=3), 7) == [3, 6, 7]
+    assert due(CheckpointConfig(every=3, save_last=False), 7) == [3, 6]
+    assert due(CheckpointConfig(save_last=False), 7) == []
+    assert not CheckpointConfig(save_last=False).saves and CheckpointConfig(every=5).saves
+    text = CheckpointConfig(every=3).describe(6, "d")  # the last step is a multiple of 3
+    assert text == "checkpoints every 3 steps in d (newest 2 kept)"
+
+
 def test_the_trainer_writes_no_environment_variable(
     tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
 ) -> None:
@@ -217,6 +257,41 @@ def test_the_trainer_writes_no_environment_variable(
     fit(tiny_cfg(tmp_path, train={"steps": 1, "deterministic": True}))
     assert dict(os.environ) == before
     assert dispatch.probe_deterministic() == seen
+
+
+def test_fa4_policy_from_the_environment_reaches_the_rank(
+    tmp_path: Path,
+    tiny_cfg: TinyCfg,
+    fit: Fit,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 27, defect 1: a rank resolves the FA4 policy as preflight does (config >
+    FLASHCP_FA4_UNAVAILABLE > error): the environment's fallback reaches its attention when the
+    config sets none, the config's own value wins over it, and every message names where the
+    policy came from."""
+    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")  # no FA4 (nor FA3) on this CPU machine
+    monkeypatch.setenv(dispatch.ENV_FA4_POLICY, "fallback")
+    reset_once("dispatch:")
+    with caplog.at_level(logging.WARNING, logger="flashcp"):
+        fit(tiny_cfg(tmp_path / "env", train={"steps": 1}))
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "to FA3 (policy 'fallback', from FLASHCP_FA4_UNAVAILABLE=fallback)" in warned
+    error = tiny_cfg(
+        tmp_path / "config", train={"steps": 1}, attention={"fa4_unavailable": "error"}
+    )
+    with pytest.raises(dispatch.FlashAttnUnavailableError) as info:
+        fit(error)
+    assert "the policy is 'error', from attention.fa4_unavailable: error" in str(info.value)
+    assert "set attention.fa4_unavailable: fallback" in str(info.value)  # the env cannot help
+    monkeypatch.delenv(dispatch.ENV_FA4_POLICY)
+    reset_once("dispatch:")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashcp"):
+        fit(tiny_cfg(tmp_path / "fallback", train={"steps": 1},
+                     attention={"fa4_unavailable": "fallback"}))  # fmt: skip
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "from attention.fa4_unavailable: fallback" in warned and "FLASHCP_FA4" not in warned
 
 
 @pytest.mark.parametrize(

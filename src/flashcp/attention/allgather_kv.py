@@ -128,7 +128,7 @@ def plan_cp_attention(
     softmax_scale: float | None = None,
     mode: str = registry.DEFAULT_MODE,
     assignment: Assignment | None = None,
-    fa4_unavailable: str | None = None,
+    fa4_unavailable: str | dispatch.Policy | None = None,
 ) -> CPPlan:
     """Validate, pick the layout, rebase the mask and resolve the FA version — before compute.
 
@@ -249,7 +249,7 @@ def flashmask_attention_cp(
     return_lse: bool = False,
     dropout: float = 0.0,
     fixed_seed_offset: Any = None,
-    fa4_unavailable: str | None = None,
+    fa4_unavailable: str | dispatch.Policy | None = None,
 ) -> Any:
     """Exact FlashMask attention of this rank's query shard against the whole sequence.
 

@@ -18,6 +18,7 @@ import paddle
 
 from flashcp.attention.interface import AttentionImpl, PlanT
 from flashcp.attention.registry import DEFAULT_MODE
+from flashcp.dispatch import Policy
 from flashcp.masks import as_numpy
 
 
@@ -41,7 +42,7 @@ class AttentionContext:
     group: Any = None
     assignment: Any = None
     mode: str = DEFAULT_MODE
-    fa4_unavailable: str | None = None
+    fa4_unavailable: str | Policy | None = None
     query_chunk: int = 0
     """`attention.query_chunk`: local query rows per kernel call (0: all of them)."""
     kv_chunk: int = 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from flashcp.attention.interface import AttentionPlan
 from flashcp.attention.local import LOCAL, plan_local, validate_attention_inputs
+from flashcp.dispatch import Policy
 from flashcp.kernels import registry
 
 
@@ -60,7 +61,7 @@ def flashmask_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     dropout: float = 0.0,
-    fa4_unavailable: str | None = None,
+    fa4_unavailable: str | Policy | None = None,
 ) -> Any:
     """FlashMask attention `softmax(q kᵀ * scale + M) v` with a column-wise mask M.
 

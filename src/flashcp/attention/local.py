@@ -156,7 +156,7 @@ def plan_local(
     causal: bool = False,
     softmax_scale: float | None = None,
     dropout: float = 0.0,
-    fa4_unavailable: str | None = None,
+    fa4_unavailable: str | dispatch.Policy | None = None,
 ) -> AttentionPlan:
     """Validate the inputs and resolve the FlashAttention version: the call's plan.
 

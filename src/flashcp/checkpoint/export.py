@@ -152,8 +152,8 @@ def find_source(
     raise ExportError(
         f"no intact checkpoint under {run_dir / ckpt.CHECKPOINT_DIR}"
         + (f" and no {final}" if lora else "")
-        + ": train with checkpoint.every > 0 (the last step is always saved), or pass "
-        "--checkpoint"
+        + ": train with checkpoint.save_last true (the default: the last step is saved) or "
+        "checkpoint.every > 0, or pass --checkpoint"
     )
 
 

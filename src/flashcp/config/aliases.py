@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
-from flashcp.config.errors import ConfigError
+from flashcp.config.errors import ConfigError, with_note
 from flashcp.config.overrides import Override
 
 ALIASES: dict[str, str] = {
@@ -102,7 +102,7 @@ def mark_aliases(errors: Sequence[ConfigError], used: dict[str, str]) -> list[Co
     for err in errors:
         alias = used.get(err.key)
         if alias is not None:
-            err = ConfigError(err.key, f"{err.message} [given as {alias}]")
+            err = with_note(err, f" [given as {alias}]")
         out.append(err)
     return out
 

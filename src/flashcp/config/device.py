@@ -8,17 +8,31 @@ refused (a what-if).
 
 from __future__ import annotations
 
+from typing import Any
+
+from flashcp.config.errors import ConfigError, as_fix
 from flashcp.config.schema import Config
+
+
+class DeviceError(RuntimeError):
+    """A `run.device` / `train.dtype` no kernel of this machine runs: `error` names the key and
+    the changes that fix it (a `ConfigError`, so preflight validates them like any other)."""
+
+    def __init__(self, key: str, problem: str, fixes: list[dict[str, Any]]) -> None:
+        self.error = ConfigError(key, problem, tuple(as_fix(f) for f in fixes))
+        super().__init__(str(self.error))
 
 
 def resolve_device(cfg: Config, gpu_visible: bool | None = None) -> str:
     """`cpu` or `gpu` for `run.device`: auto is gpu when `gpu_visible` (None: unknown, so
-    cpu); gpu without a visible GPU (`gpu_visible` False) is refused."""
+    cpu); gpu without a visible GPU (`gpu_visible` False) is refused (`DeviceError`)."""
     wanted = cfg.run.device
     if wanted == "gpu" and gpu_visible is False:
-        raise RuntimeError(
-            "run.device is gpu but Paddle sees no GPU here (CPU build or no device): set "
-            "run.device: cpu (or auto)"
+        on_cpu = {} if cfg.train.dtype != "bfloat16" else {"train.dtype": "auto"}
+        raise DeviceError(
+            "run.device",
+            "gpu, but Paddle sees no GPU here (CPU build or no device)",
+            [{"run.device": "auto", **on_cpu}, {"run.device": "cpu", **on_cpu}],
         )
     return "gpu" if wanted == "gpu" or (wanted == "auto" and bool(gpu_visible)) else "cpu"
 
@@ -32,14 +46,16 @@ def compute_dtype(cfg: Config, device: str, *, check: bool = True) -> str:
     if dtype == "auto":
         return "bfloat16" if device == "gpu" else "float32"
     if check and dtype == "bfloat16" and device != "gpu":
-        raise RuntimeError(
-            "train.dtype bfloat16 needs a GPU and this run is on CPU: set train.dtype=float32 "
-            "(or auto)"
+        raise DeviceError(
+            "train.dtype",
+            "bfloat16 needs a GPU and this run is on CPU",
+            [{"train.dtype": "auto"}, {"train.dtype": "float32"}],
         )
     if check and dtype == "float32" and device == "gpu":
-        raise RuntimeError(
-            "train.dtype float32 cannot run on this GPU: Paddle's FlashAttention/FlashMask "
-            "kernels exist for float16/bfloat16 only. Set train.dtype=auto (bfloat16 on GPU) "
-            "or bfloat16, or run.device=cpu"
+        raise DeviceError(
+            "train.dtype",
+            "float32 cannot run on this GPU: Paddle's FlashAttention/FlashMask kernels exist "
+            "for float16/bfloat16 only",
+            [{"train.dtype": "auto"}, {"train.dtype": "bfloat16"}, {"run.device": "cpu"}],
         )
     return dtype

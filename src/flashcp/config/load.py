@@ -17,7 +17,7 @@ import json
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,10 +29,16 @@ from flashcp.config.aliases import (
     resolve_file_aliases,
     resolve_override_aliases,
 )
-from flashcp.config.errors import ConfigError, ConfigValidationError, suggest
+from flashcp.config.errors import (
+    ConfigError,
+    ConfigValidationError,
+    prune_fixes,
+    suggest,
+    with_note,
+)
 from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.placeholders import find_placeholders, is_placeholder, placeholder_message
-from flashcp.config.schema import SECTIONS, Config, config_key, extra_sections
+from flashcp.config.schema import RECIPES, SECTIONS, Config, config_key, extra_sections
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 """A `model.from_pretrained` directory holds one of these."""
@@ -185,14 +191,17 @@ def _model_api() -> tuple[type, dict[str, Any]]:
     return ModelArgs, {name: getattr(p, "args", p) for name, p in PRESETS.items()}
 
 
-def build_model_args(raw: Any, errors: list[ConfigError]) -> tuple[Any, str | None]:
+def build_model_args(
+    raw: Any, errors: list[ConfigError], *, given: Collection[str] = ()
+) -> tuple[Any, str | None]:
     """`(ModelArgs | None, preset name | None)` from the `model` section.
 
     The section starts from `preset: <name>` or `from_pretrained: <HF directory>` (its
     `config.json`, `flashcp.models.hf_config`), plus the fields to change. A key that
     contradicts that config.json is refused naming both values; one that equals it is fine
     (only the training-side fields, `flashcp.models.hf_config.TRAINING_FIELDS`, may be set
-    freely)."""
+    freely). `given`: the keys set on the command line (the refusal of a preset with a
+    directory names the override that resolves it)."""
     ModelArgs, presets = _model_api()
     if raw is None:
         errors.append(
@@ -208,11 +217,15 @@ def build_model_args(raw: Any, errors: list[ConfigError]) -> tuple[Any, str | No
     preset = raw.get("preset") if isinstance(raw, Mapping) else None
     pretrained = raw.get("from_pretrained") if isinstance(raw, Mapping) else None
     if preset is not None and pretrained is not None:
+        fix = "remove one of them"
+        if "model.preset" in given and "model.from_pretrained" not in given:
+            fix = ("add model.from_pretrained=null to build the preset instead (the file's "
+                   "other model keys then change the preset)")  # fmt: skip
         errors.append(
             ConfigError(
                 "model.preset",
                 f"{preset!r} cannot be combined with model.from_pretrained {pretrained!r} (its "
-                "config.json defines the model): remove one of them",
+                f"config.json defines the model): {fix}",
             )
         )
         return None, None
@@ -359,7 +372,7 @@ def _mark_overrides(errors: list[ConfigError], overrides: Sequence[Override]) ->
         hits = [o for o in overrides if err.key == o.key or err.key.startswith(o.key + ".")]
         hit = max(hits, key=lambda o: len(o.key)) if hits else None
         if hit is not None:
-            err = ConfigError(err.key, f"{err.message} [set on the command line: {hit.text}]")
+            err = with_note(err, f" [set on the command line: {hit.text}]")
         out.append(err)
     return out
 
@@ -400,13 +413,27 @@ def collect(
     nnodes: int = 1,
     check: bool = True,
     allow_placeholders: bool = False,
+    validate_fixes: bool = True,
 ) -> tuple[Config | None, list[ConfigError]]:
     """`(config or None, every problem)` without raising: what `flashcp validate` reports.
 
     A placeholder path (`/path/to/...`, `flashcp.config.placeholders`) is a problem naming its
     key and what to put there, unless `allow_placeholders` (`flashcp validate`'s static check
     of a shipped recipe): then it is accepted unchecked, and a placeholder
-    `model.from_pretrained` leaves the model to the section's other keys."""
+    `model.from_pretrained` leaves the model to the section's other keys. With
+    `validate_fixes`, each problem keeps only the fixes that pass this same check once applied
+    (`flashcp.config.errors.prune_fixes`)."""
+
+    def finish(errors: list[ConfigError]) -> list[ConfigError]:
+        errors = _mark_overrides(mark_aliases(errors, aliased), parsed)
+        if not validate_fixes or not any(e.fixes for e in errors):
+            return errors
+        return prune_fixes(errors, lambda extra: collect(
+            raw, source=source, overrides=[*overrides, *extra], world_size=world_size,
+            nnodes=nnodes, check=check, allow_placeholders=allow_placeholders,
+            validate_fixes=False,
+        )[1])  # fmt: skip
+
     data: dict[str, Any] = json.loads(json.dumps(dict(raw), default=str))  # deep copy
     aliased, errors = resolve_file_aliases(data)
     parsed, bad = parse_overrides(overrides)
@@ -417,6 +444,9 @@ def collect(
     for ov in parsed:  # the command line replaced what the file gave through an alias
         aliased.pop(ov.key, None)
     extras = extra_sections()
+    removed, problems = _remove_null_sections(data, parsed, extras)
+    errors += problems
+    notes = _command_line_model(data, parsed)
     known = ["model", *SECTIONS, *extras]
     for key in data:
         if key not in known:
@@ -434,7 +464,7 @@ def collect(
             section = data["data"] = {}
         if isinstance(section, dict) and "tokenizer" not in section:
             section["tokenizer"] = pretrained  # the model directory's tokenizer by default
-    model, preset = build_model_args(data.get("model"), errors)
+    model, preset = build_model_args(data.get("model"), errors, given={o.key for o in parsed})
     sections = {
         name: build_section(cls, data.get(name), name, errors) for name, cls in SECTIONS.items()
     }
@@ -445,7 +475,7 @@ def collect(
     }
     errors = explain_misplaced(errors)
     if model is None or any(v is None for v in sections.values()):
-        return None, _mark_overrides(mark_aliases(errors, aliased), parsed)
+        return None, finish(errors)
     if pretrained is not None and not unfilled:
         _pretrained_weights(sections["checkpoint"], pretrained, errors)
     cfg = Config(
@@ -455,8 +485,19 @@ def collect(
         extras=extra_values,
         source=source,
         overrides=tuple(overrides),
+        notes=tuple(notes),
         **sections,
     )
+    spec = RECIPES.get(cfg.run.recipe)
+    for name in sorted(removed & set(spec.settings if spec else ())):
+        errors.append(
+            ConfigError(
+                name,
+                f"{name}=null cannot remove the {name} section: run.recipe {cfg.run.recipe} "
+                f"reads it with or without it, so it would silently fall back to its defaults; "
+                f"set the {name}.* keys you want instead, or another run.recipe",
+            )
+        )
     if check:
         from flashcp.config.validate import check_config
 
@@ -464,7 +505,55 @@ def collect(
         if unfilled and cfg.data.tokenizer == pretrained:
             failed.add("data.tokenizer")  # the placeholder directory's tokenizer
         errors += check_config(cfg, world_size=world_size, nnodes=nnodes, skip=failed)
-    return cfg, _mark_overrides(mark_aliases(errors, aliased), parsed)
+    return cfg, finish(errors)
+
+
+def _remove_null_sections(
+    data: dict[str, Any], overrides: Sequence[Override], extras: Mapping[str, type]
+) -> tuple[set[str], list[ConfigError]]:
+    """`SECTION=null` on the command line removes an optional section (a recipe's, e.g.
+    `lora=null`: no adapters) and is refused for a core one, which has no "absent" (its keys
+    would silently fall back to their defaults). Returns the removed names and the refusals;
+    an unknown name is left to the unknown-section check."""
+    removed: set[str] = set()
+    errors: list[ConfigError] = []
+    for ov in overrides:
+        name = ov.key
+        if len(ov.parts) != 1 or ov.value is not None or data.get(name) is not None:
+            continue  # not a section=null, or a later override gave the section keys again
+        if name in extras:
+            data.pop(name, None)
+            removed.add(name)
+        elif name in SECTIONS:  # (model=null: "required section is missing")
+            errors.append(
+                ConfigError(
+                    name,
+                    f"{name}=null: the {name} section is not optional and cannot be removed "
+                    f"(null would silently reset every {name}.* key to its default): set the "
+                    f"{name}.* keys you want to change instead",
+                )
+            )
+    return removed, errors
+
+
+def _command_line_model(data: dict[str, Any], overrides: Sequence[Override]) -> list[str]:
+    """A `model.from_pretrained=DIR` given on the command line replaces the file's
+    `model.preset` (the command line wins over the file); the note says so."""
+    given = {o.key for o in overrides}
+    model = data.get("model")
+    if (
+        "model.from_pretrained" not in given
+        or "model.preset" in given
+        or not isinstance(model, dict)
+        or model.get("from_pretrained") is None
+        or model.get("preset") is None
+    ):
+        return []
+    preset = model.pop("preset")
+    return [
+        f"model.from_pretrained={model['from_pretrained']} on the command line replaces the "
+        f"file's model.preset {preset!r}: the model is the directory's (its config.json)"
+    ]
 
 
 def _steps_or_epochs(data: dict[str, Any], command_line: set[str]) -> list[ConfigError]:
@@ -570,11 +659,14 @@ HASH_EXCLUDE: tuple[str, ...] = (
     "train.log_every",
     "train.offload_activations",
     "parallel.shard_gradients",
+    "attention.fa4_unavailable",
 )
 """Keys that do not change what a step computes, left out of `config_hash` (a resumed run may
 change them). Activation offload moves kept tensors to the host and back unchanged;
 `parallel.shard_gradients` changes only when the gradients are reduce-scattered and writes the
-same checkpoints as ZeRO-1."""
+same checkpoints as ZeRO-1; `attention.fa4_unavailable` only decides whether an unavailable
+FlashAttention version is refused or replaced (a run that trained under one policy computed
+what it would have under the other)."""
 
 EARLIER_VALUES: dict[str, Any] = {"data.balance": "none"}
 """Keys added after checkpoints were written whose default is not what earlier runs computed,
@@ -613,7 +705,13 @@ def config_changes(saved: Mapping[str, Any], cfg: Config) -> list[str]:
             _lookup(saved, key) is _MISSING
             and _lookup(current, key) == _earlier_value(cfg, key)
         )
+        and not _excluded(key)  # hashed by a flashcp that still counted it
     ]
+
+
+def _excluded(dotted: str) -> bool:
+    """Whether the dotted key is (inside) a `HASH_EXCLUDE` entry."""
+    return any(dotted == key or dotted.startswith(key + ".") for key in HASH_EXCLUDE)
 
 
 def _lookup(data: Mapping[str, Any], dotted: str) -> Any:

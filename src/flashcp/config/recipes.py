@@ -58,5 +58,6 @@ register_recipe(
         "dpo",
         "DPO on prompt/chosen/rejected pairs packed with the share-question FlashMask",
         sections={"dpo": DPOConfig, "lora": LoRAConfig},
+        settings=("dpo",),
     )
 )

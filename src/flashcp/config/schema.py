@@ -118,10 +118,13 @@ class ParallelConfig:
 class AttentionConfig:
     """The attention mask of each document, and the kernel policy."""
 
-    fa4_unavailable: Literal["error", "fallback"] = "error"
+    fa4_unavailable: Literal["error", "fallback"] | None = None
     """When FLAGS_flash_attn_version asks for a version this card (or call) cannot run - FA4
     without SM100 + CuTe kernels or beyond their mask limits, FA3 off SM90: fail (error), or fall
-    back FA4 → FA3 → FA2 with one warning (fallback)."""
+    back FA4 → FA3 → FA2 with one warning (fallback). null: the environment's
+    FLASHCP_FA4_UNAVAILABLE, else error (`flashcp.dispatch.resolve_policy`: config >
+    environment > error, the one resolution preflight, every rank and `flashcp
+    explain-dispatch` use)."""
     mask: Literal["causal", "sliding_window", "global_window", "prefix_lm"] = "causal"
     """The mask inside each packed document (every document of a sequence gets its own and sees
     no other; `flashcp.masks.DocumentMasking`): causal (each token sees the earlier tokens of
@@ -241,8 +244,12 @@ class TrainConfig:
     `steps`."""
     lr: float = 3.0e-4
     """Peak learning rate, reached after warmup."""
-    min_lr: float = 3.0e-5
-    """Learning rate at the end of the cosine decay."""
+    min_lr: float | None = None
+    """Learning rate at the end of the cosine decay; null: train.min_lr_ratio × train.lr (a
+    floor that follows the peak, so any train.lr is valid as it is)."""
+    min_lr_ratio: float = 0.1
+    """The end of the cosine decay as a fraction of train.lr, when train.min_lr is null (0.1:
+    down to 10 % of the peak, as Llama 2's cosine schedule decays)."""
     warmup_steps: int | None = None
     """Linear warmup from 0 to `lr` over this many steps; null = 10, or a tenth of the run if
     that is fewer, so a short run still decays (`flashcp.optim.lr.warmup_steps`). A value you
@@ -292,13 +299,29 @@ class TrainConfig:
     loss equals the unchunked one up to float summation order. 0 = unchunked (the full logits
     at once). Also used by the DPO answer log-probs."""
 
+    @property
+    def final_ratio(self) -> float:
+        """The end of the cosine decay as a fraction of `lr`: `min_lr / lr`, or `min_lr_ratio`
+        when `min_lr` is null (the one rule `flashcp.optim.lr` schedules with)."""
+        return self.min_lr / self.lr if self.min_lr is not None else self.min_lr_ratio
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate at the end of the decay: `min_lr`, or `min_lr_ratio × lr`."""
+        return self.min_lr if self.min_lr is not None else self.min_lr_ratio * self.lr
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """When to save and where to resume from."""
 
     every: int = 0
-    """Save every this many steps (and at the last step); 0 = never save."""
+    """Save every this many steps; 0 = no periodic saves (the last step is still saved unless
+    checkpoint.save_last is false)."""
+    save_last: bool = True
+    """Save the run's last step (train.steps, or where run.stop_after_steps stops it), so a
+    finished run's weights are there for `flashcp export` and a stopped run resumes. false
+    (with checkpoint.every 0): nothing is saved, and the start line says so."""
     keep_last: int = 2
     """Keep only the newest this many checkpoints."""
     resume: str = "auto"
@@ -319,6 +342,27 @@ class CheckpointConfig:
     """A save that fails (disk full, permission denied, an I/O error) stops the job (exit 4);
     false: every rank logs the cause, the latest good checkpoint and the `keep_last` rotation
     stay as they were, and training continues (the next save retries)."""
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether to save after optimizer step `step` of a run whose last step is `last`:
+        every `every` steps, and the last one unless `save_last` is false."""
+        return (self.every > 0 and step % self.every == 0) or (self.save_last and step == last)
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run writes any checkpoint."""
+        return self.every > 0 or self.save_last
+
+    def describe(self, last: int, where: str) -> str:
+        """What the run will save and where, for the start line."""
+        if not self.saves:
+            return "no checkpoints (checkpoint.every 0, checkpoint.save_last false)"
+        when = []
+        if self.every > 0:
+            when.append(f"every {self.every} steps")
+        if self.save_last and not (self.every > 0 and last % self.every == 0):
+            when.append(f"the last step ({last})")
+        return f"checkpoints {' and '.join(when)} in {where} (newest {self.keep_last} kept)"
 
 
 def config_key(f: Any) -> str:
@@ -440,6 +484,10 @@ class RecipeSpec:
     description: str
     sections: dict[str, type] = field(default_factory=dict)
     """Extra top-level sections this recipe reads (e.g. `lora`, `dpo`), name → dataclass."""
+    settings: tuple[str, ...] = ()
+    """Those of `sections` the recipe reads with or without them (absent: their defaults, as
+    `dpo` for the dpo recipe), unlike a section whose presence turns something on (`lora`):
+    `SECTION=null` on the command line cannot remove them (it would silently reset them)."""
 
 
 RECIPES: dict[str, RecipeSpec] = {}
@@ -489,3 +537,7 @@ class Config:
     """The file this config was read from (None when built in code)."""
     overrides: tuple[str, ...] = ()
     """The `key=value` overrides applied on top of the file."""
+    notes: tuple[str, ...] = ()
+    """What loading decided that the user should hear (e.g. a command-line
+    `model.from_pretrained` replacing the file's `model.preset`): the start line and `flashcp
+    validate` print them."""

@@ -12,9 +12,10 @@ import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from flashcp.attention import registry as cp_modes
-from flashcp.config.errors import ConfigError, suggest
+from flashcp.config.errors import ConfigError, as_fix, suggest
 from flashcp.config.schema import DATA_FORMATS, DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
 
 BYTE_VOCAB_SIZE = 259
@@ -31,9 +32,23 @@ class _Checks:
     def ok(self, *keys: str) -> bool:
         return not any(k in self.skip for k in keys)
 
-    def add(self, key: str, message: str, *also: str) -> None:
+    def add(
+        self,
+        key: str,
+        message: str,
+        *also: str,
+        fixes: Iterable[dict[str, Any]] = (),
+        other: str = "",
+    ) -> None:
+        """Report `message` about `key` (unless it or one of `also` already failed), with the
+        `fixes` that resolve it (`{dotted key: value}` each, validated before printing:
+        `flashcp.config.errors.prune_fixes`) and any `other` way out."""
         if self.ok(key, *also):
-            self.errors.append(ConfigError(key, message))
+            unique: list[Any] = []
+            for fix in map(as_fix, fixes):
+                if fix not in unique:
+                    unique.append(fix)
+            self.errors.append(ConfigError(key, message, tuple(unique), other))
             self.skip.add(key)
 
 
@@ -41,6 +56,40 @@ def _positive(c: _Checks, key: str, value: float, *, zero_ok: bool = False) -> N
     if value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
         c.add(key, f"must be {bound}, got {value}")
+
+
+def _fit_length(cfg: Config, length: int, divisor: int) -> int:
+    """The multiple of `divisor` nearest above `length`, or below it when above exceeds
+    model.max_seq_len (and below is a sequence of >= 2 tokens)."""
+    up = -(-length // divisor) * divisor
+    max_len = getattr(cfg.model, "max_seq_len", None)
+    down = length // divisor * divisor
+    if isinstance(max_len, int) and up > max_len and down >= 2:
+        return down
+    return up
+
+
+def _with_lengths(cfg: Config, fix: dict[str, Any]) -> dict[str, Any]:
+    """`fix` plus what a changed parallel.cp / cp_mode needs: data.seq_len a multiple of the
+    new divisor (unless parallel.pad), attention.kv_chunk a multiple of the new cp."""
+    p = cfg.parallel
+    cp, mode = fix.get("parallel.cp", p.cp), cp_modes.MODES.get(fix.get("parallel.cp_mode",
+                                                                           p.cp_mode))  # fmt: skip
+    out = dict(fix)
+    if mode is None or cp < 1:
+        return out
+    divisor = cp * mode.chunks_per_rank
+    if not p.pad and cfg.data.seq_len % divisor:
+        out["data.seq_len"] = _fit_length(cfg, cfg.data.seq_len, divisor)
+    kv = cfg.attention.kv_chunk
+    if kv > 0 and kv % cp:
+        out["attention.kv_chunk"] = -(-kv // cp) * cp
+    return out
+
+
+def _nearest(values: Iterable[int], target: int, n: int = 3) -> list[int]:
+    """The `n` of `values` closest to `target` (ties: the smaller first), in that order."""
+    return sorted(values, key=lambda v: (abs(v - target), v))[:n]
 
 
 def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int = 1) -> None:
@@ -53,17 +102,17 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int
         c.add(
             "parallel.shard_gradients",
             "true shards the float32 gradients over the ranks that hold the optimizer's shards, "
-            "but parallel.shard_optimizer is false: set parallel.shard_optimizer: true (ZeRO-2 "
-            "is ZeRO-1 plus sharded gradients) or parallel.shard_gradients: false",
+            "but parallel.shard_optimizer is false (ZeRO-2 is ZeRO-1 plus sharded gradients)",
             "parallel.shard_optimizer",
+            fixes=[{"parallel.shard_optimizer": True}, {"parallel.shard_gradients": False}],
         )
     if p.shard_optimizer and cfg.debug.dump_grads:
         c.add(
             "debug.dump_grads",
             "needs the full summed gradients, but under parallel.shard_optimizer: true each "
-            "rank keeps only its shard of them: set debug.dump_grads: false or "
-            "parallel.shard_optimizer: false",
+            "rank keeps only its shard of them",
             "parallel.shard_optimizer",
+            fixes=[{"debug.dump_grads": False}, {"parallel.shard_optimizer": False}],
         )
     if not c.ok("parallel.dp", "parallel.pp", "parallel.cp"):
         return
@@ -71,11 +120,10 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int
     degrees = f"dp({p.dp}) × pp({p.pp}) × cp({p.cp}) = {p.world_size}"
     if world_size is not None and p.world_size != world_size:
         fixes = [
-            f"set parallel.{dim} to {world_size // others}"
+            _with_lengths(cfg, {f"parallel.{dim}": world_size // others})
             for dim, others in (("cp", p.dp * p.pp), ("dp", p.pp * p.cp))
             if world_size % others == 0
         ]
-        change = " or ".join(fixes) if fixes else "change parallel.dp/pp/cp"
         job = f"{world_size} process{'es' if world_size != 1 else ''}"
         launch = f"--nproc_per_node {p.world_size}"
         if nnodes > 1:
@@ -85,13 +133,16 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int
                 if p.world_size % nnodes == 0
                 else f"a node count that divides {p.world_size}"
             )
-        c.add("parallel", f"{degrees} but the job has {job}: {change}, or launch with {launch}")
+        c.add("parallel", f"{degrees} but the job has {job}", fixes=fixes,
+              other=f"launch with {launch}")  # fmt: skip
     elif world_size is None and nnodes > 1 and p.world_size % nnodes:
+        dp = p.dp * nnodes // math.gcd(p.world_size, nnodes)
         c.add(
             "parallel",
             f"{degrees} processes cannot be split over --nnodes {nnodes} nodes (dp·pp·cp must "
-            f"equal nnodes × nproc_per_node): set parallel.dp, parallel.pp or parallel.cp so "
-            f"their product is a multiple of {nnodes}, or use another --nnodes",
+            f"equal nnodes × nproc_per_node, a multiple of {nnodes})",
+            fixes=[{"parallel.dp": dp}],
+            other="use another --nnodes",
         )
     _check_pipeline(cfg, c)
 
@@ -109,22 +160,33 @@ def _check_ep(cfg: Config, c: _Checks) -> None:
         c.add(
             "parallel.ep",
             f"parallel.ep={p.ep} splits the routed experts of a MoE model, but model.arch is "
-            f"{arch} (no experts): set parallel.ep=1 or use a glm_moe model",
+            f"{arch} (no experts)",
             "model.arch",
+            fixes=[{"parallel.ep": 1}],
+            other="use a glm_moe model",
         )
         return
-    if (p.dp * p.cp) % p.ep:
-        from flashcp.distributed.dims import ep_divides_message
-
-        c.add("parallel.ep", ep_divides_message(p.ep, p.dp, p.cp))
     experts = getattr(m, "num_experts", None)
+    fits = [
+        d
+        for d in range(1, p.dp * p.cp + 1)
+        if (p.dp * p.cp) % d == 0 and (not isinstance(experts, int) or experts % max(d, 1) == 0)
+    ]
+    if (p.dp * p.cp) % p.ep:
+        c.add(
+            "parallel.ep",
+            f"parallel.ep={p.ep} does not divide dp×cp={p.dp * p.cp} (parallel.dp={p.dp}, "
+            f"parallel.cp={p.cp}): the expert-parallel groups are carved from the dp × cp "
+            "ranks of a pipeline stage",
+            fixes=[{"parallel.ep": d} for d in _nearest(fits, p.ep)],
+        )
     if isinstance(experts, int) and experts > 0 and experts % p.ep:
-        fits = [d for d in range(1, experts + 1) if experts % d == 0 and (p.dp * p.cp) % d == 0]
         c.add(
             "parallel.ep",
             f"model.num_experts={experts} % parallel.ep={p.ep} = {experts % p.ep}: every ep "
-            f"rank holds the same number of experts; set parallel.ep to one of {fits}",
+            "rank holds the same number of experts",
             "model.num_experts",
+            fixes=[{"parallel.ep": d} for d in _nearest(fits, p.ep)],
         )
 
 
@@ -138,14 +200,16 @@ def _check_pipeline(cfg: Config, c: _Checks) -> None:
         try:
             split_layers(layers, p.pp, p.pp_layers)
         except ValueError as exc:
-            c.add("parallel.pp_layers", str(exc), "model.num_layers")
+            c.add("parallel.pp_layers", str(exc), "model.num_layers",
+                  fixes=[{"parallel.pp_layers": None}])  # fmt: skip
     if p.pp > 1 and cfg.train.grad_accum < p.pp:
         c.add(
             "train.grad_accum",
             f"{cfg.train.grad_accum} micro-batches cannot fill a {p.pp_schedule} pipeline of "
-            f"parallel.pp = {p.pp} stages: set train.grad_accum >= {p.pp} (the micro-batches "
-            "per step; more shrink the pipeline bubble)",
+            f"parallel.pp = {p.pp} stages (train.grad_accum >= {p.pp}: the micro-batches per "
+            "step; more shrink the pipeline bubble)",
             "parallel.pp",
+            fixes=[{"train.grad_accum": p.pp}],
         )
 
 
@@ -170,19 +234,23 @@ def _check_attention(cfg: Config, c: _Checks) -> None:
         c.add(
             "attention.kv_chunk",
             f"{a.kv_chunk} is not a multiple of parallel.cp = {p.cp}: each cp rank contributes "
-            f"kv_chunk / cp of its rows to a gathered key chunk; set attention.kv_chunk to a "
-            f"multiple of {p.cp} (e.g. {up})",
+            "kv_chunk / cp of its rows to a gathered key chunk",
             "parallel.cp",
+            fixes=[{"attention.kv_chunk": up}],
         )
     chunked = a.query_chunk > 0 or a.kv_chunk > 0
     mode = cp_modes.MODES.get(p.cp_mode)
     if chunked and mode is not None and mode.chunked_implementation is None:
+        chunked_modes = [n for n, m in cp_modes.MODES.items() if m.chunked_implementation]
         c.add(
             "attention.query_chunk",
             f"chunked attention (attention.query_chunk {a.query_chunk}, attention.kv_chunk "
-            f"{a.kv_chunk}) has no implementation for parallel.cp_mode {p.cp_mode}: set both "
-            "to 0 or use a mode that has one",
+            f"{a.kv_chunk}) has no implementation for parallel.cp_mode {p.cp_mode}",
             "parallel.cp_mode",
+            fixes=[
+                {"attention.query_chunk": 0, "attention.kv_chunk": 0},
+                *(_with_lengths(cfg, {"parallel.cp_mode": n}) for n in chunked_modes[:2]),
+            ],
         )
 
 
@@ -314,20 +382,23 @@ def _check_lengths(cfg: Config, c: _Checks) -> None:
             c.add(
                 "data.seq_len",
                 f"{d.seq_len} is not a multiple of {how} = {divisor} (parallel.cp_mode "
-                f"{p.cp_mode}, parallel.cp {p.cp}): set data.seq_len to a multiple of {divisor} "
-                f"(e.g. {d.seq_len}→{up}) or set parallel.pad: true",
+                f"{p.cp_mode}, parallel.cp {p.cp})",
                 "parallel.cp",
                 "parallel.cp_mode",
+                fixes=[{"data.seq_len": _fit_length(cfg, d.seq_len, divisor)},
+                       {"parallel.pad": True}],  # fmt: skip
             )
     max_len = getattr(m, "max_seq_len", None)
     if isinstance(max_len, int) and length > max_len:
         what = f"data.seq_len {d.seq_len}" + (f" (padded to {length})" if length != d.seq_len
                                               else "")  # fmt: skip
+        lower = max_len // divisor * divisor if chunks else max_len
         c.add(
             "data.seq_len",
-            f"{what} exceeds model.max_seq_len {max_len}: lower data.seq_len or raise "
+            f"{what} exceeds model.max_seq_len {max_len}",
             "model.max_seq_len",
-            "model.max_seq_len",
+            # a from_pretrained model's max_seq_len is its config.json's: that fix is pruned
+            fixes=[{"data.seq_len": lower}, {"model.max_seq_len": length}],
         )
 
 
@@ -358,16 +429,16 @@ def _check_model(cfg: Config, c: _Checks) -> None:
     if isinstance(layers, int) and layers < cfg.parallel.pp:
         c.add(
             "model.num_layers",
-            f"{layers} layers cannot fill parallel.pp = {cfg.parallel.pp} pipeline stages: "
-            f"lower parallel.pp to at most {layers} or add layers",
+            f"{layers} layers cannot fill parallel.pp = {cfg.parallel.pp} pipeline stages",
+            fixes=[{"parallel.pp": max(layers, 1)}, {"model.num_layers": cfg.parallel.pp}],
         )
     vocab = getattr(m, "vocab_size", None)
     if cfg.data.tokenizer == "byte" and isinstance(vocab, int) and vocab < BYTE_VOCAB_SIZE:
         c.add(
             "model.vocab_size",
-            f"{vocab} is smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} ids: set "
-            f"model.vocab_size >= {BYTE_VOCAB_SIZE}",
+            f"{vocab} is smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} ids",
             "data.tokenizer",
+            fixes=[{"model.vocab_size": BYTE_VOCAB_SIZE}],
         )
 
 
@@ -376,9 +447,14 @@ def _check_train(cfg: Config, c: _Checks) -> None:
     if t.steps < 1:
         c.add("train.steps", f"must be >= 1, got {t.steps}")
     _positive(c, "train.lr", t.lr)
-    _positive(c, "train.min_lr", t.min_lr, zero_ok=True)
-    if c.ok("train.lr", "train.min_lr") and t.min_lr > t.lr:
-        c.add("train.min_lr", f"{t.min_lr} is above train.lr {t.lr}: set train.min_lr <= lr")
+    if t.min_lr is not None:
+        _positive(c, "train.min_lr", t.min_lr, zero_ok=True)
+        if c.ok("train.lr", "train.min_lr") and t.min_lr > t.lr:
+            c.add("train.min_lr", f"{t.min_lr} is above train.lr {t.lr} (the decay's floor)",
+                  fixes=[{"train.min_lr": None}, {"train.min_lr": t.lr}])  # fmt: skip
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        c.add("train.min_lr_ratio", f"must be in [0, 1] (a fraction of train.lr), got "
+                                    f"{t.min_lr_ratio}")  # fmt: skip
     if t.warmup_steps is not None and t.warmup_steps < 0:
         c.add("train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     if t.epochs is not None and not (math.isfinite(t.epochs) and t.epochs > 0):
@@ -401,14 +477,16 @@ def _check_train(cfg: Config, c: _Checks) -> None:
             "train.offload_activations",
             "moves what a RECOMPUTED layer keeps (its input) to host memory, but "
             "model.recompute is none (autograd keeps every layer's intermediates, which are not "
-            "moved): set model.recompute: full (or refined), or train.offload_activations: "
-            "false",
+            "moved)",
             "model.recompute",
+            fixes=[{"model.recompute": "full"}, {"model.recompute": "refined"},
+                   {"train.offload_activations": False}],  # fmt: skip
         )
     if t.loss_chunk_tokens < 0:
         c.add(
             "train.loss_chunk_tokens",
-            f"must be >= 0 (0 = unchunked), got {t.loss_chunk_tokens}: e.g. 4096",
+            f"must be >= 0 (0 = unchunked), got {t.loss_chunk_tokens}",
+            fixes=[{"train.loss_chunk_tokens": 4096}],
         )
     gib = cfg.hardware.memory_gib
     if gib is not None and not gib > 0:
@@ -416,17 +494,17 @@ def _check_train(cfg: Config, c: _Checks) -> None:
     if t.dtype == "bfloat16" and cfg.run.device == "cpu":
         c.add(
             "train.dtype",
-            "bfloat16 needs a GPU (run.device is cpu): set train.dtype: float32 (or auto) or "
-            "run.device: gpu",
+            "bfloat16 needs a GPU (run.device is cpu)",
             "run.device",
+            fixes=[{"train.dtype": "auto"}, {"train.dtype": "float32"}, {"run.device": "gpu"}],
         )
     if t.dtype == "float32" and cfg.run.device == "gpu":
         c.add(
             "train.dtype",
             "float32 cannot run on a GPU (run.device is gpu): every attention layer calls "
-            "Paddle's FlashAttention/FlashMask kernels, which exist for float16/bfloat16 only. "
-            "Set train.dtype: auto (bfloat16 on GPU) or bfloat16, or run.device: cpu",
+            "Paddle's FlashAttention/FlashMask kernels, which exist for float16/bfloat16 only",
             "run.device",
+            fixes=[{"train.dtype": "auto"}, {"train.dtype": "bfloat16"}, {"run.device": "cpu"}],
         )
 
 
@@ -494,13 +572,14 @@ def _check_run(cfg: Config, c: _Checks) -> None:
             users = [r for r, s in RECIPES.items() if name in s.sections]
             c.add(
                 name,
-                f"section is read only by recipe(s) {', '.join(users)}: set run.recipe to one "
-                f"of them or remove the section",
+                f"section is read only by recipe(s) {', '.join(users)}",
                 "run.recipe",
+                # `{name}=null` removes an optional section (`flashcp.config.load`)
+                fixes=[{"run.recipe": r} for r in users] + [{name: None}],
             )
     ck = cfg.checkpoint
     if ck.every < 0:
-        c.add("checkpoint.every", f"must be >= 0 (0 = never save), got {ck.every}")
+        c.add("checkpoint.every", f"must be >= 0 (0 = no periodic saves), got {ck.every}")
     if ck.keep_last < 1:
         c.add("checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}")
     if ck.init_from is not None and not Path(ck.init_from).exists():
@@ -520,9 +599,10 @@ def _check_run(cfg: Config, c: _Checks) -> None:
             c.add(
                 "run.overwrite",
                 f"true moves run.output_dir {cfg.run.output_dir} aside before the run, but "
-                f"checkpoint.resume {ck.resume!r} is inside it: resume from a checkpoint "
-                "outside run.output_dir, or set run.overwrite=false (keep the directory)",
+                f"checkpoint.resume {ck.resume!r} is inside it",
                 "run.output_dir",
+                fixes=[{"run.overwrite": False}],
+                other="resume from a checkpoint outside run.output_dir",
             )
 
 
@@ -570,8 +650,8 @@ def _check_lora(cfg: Config, c: _Checks) -> None:
         c.add(
             "model.router_bias_update_rate",
             f"is {rate}, but with a lora section the router is frozen and only the adapters "
-            "are trained and saved (the moved biases would be lost at resume): set "
-            "model.router_bias_update_rate: 0, or train without lora",
+            "are trained and saved (the moved biases would be lost at resume)",
+            fixes=[{"model.router_bias_update_rate": 0}, {"lora": None}],
         )
     if lora.rank < 1:
         c.add("lora.rank", f"must be an integer >= 1, got {lora.rank}")
@@ -581,7 +661,8 @@ def _check_lora(cfg: Config, c: _Checks) -> None:
     if not c.ok("lora.target_modules"):
         return
     if not lora.target_modules:
-        c.add("lora.target_modules", "is empty: give regexes such as ['.*q_proj', '.*v_proj']")
+        c.add("lora.target_modules", "is empty (regexes of the linear layers to adapt)",
+              fixes=[{"lora.target_modules": [".*q_proj", ".*v_proj"]}])  # fmt: skip
     for pattern in lora.target_modules:
         try:
             re.compile(pattern)
@@ -601,9 +682,9 @@ def _check_dpo(cfg: Config, c: _Checks) -> None:
     elif dpo.label_smoothing and dpo.loss_type != "sigmoid":
         c.add(
             "dpo.label_smoothing",
-            f"applies to the sigmoid loss only; dpo.loss_type is {dpo.loss_type}: set "
-            "dpo.label_smoothing: 0 or dpo.loss_type: sigmoid",
+            f"applies to the sigmoid loss only; dpo.loss_type is {dpo.loss_type}",
             "dpo.loss_type",
+            fixes=[{"dpo.label_smoothing": 0}, {"dpo.loss_type": "sigmoid"}],
         )
     if dpo.max_prompt_len is not None and dpo.max_prompt_len < 2:
         c.add("dpo.max_prompt_len", f"must be >= 2 or null, got {dpo.max_prompt_len}")
@@ -620,8 +701,9 @@ def _check_dpo_mtp(cfg: Config, c: _Checks) -> None:
             f"{weight} trains the MTP layers with a cross-entropy, but the dpo recipe's loss "
             "compares answer log-probabilities with its reference model's: an MTP "
             "cross-entropy on both answers would also pull the policy toward the rejected "
-            "one. Set model.mtp_loss_weight: 0 (the MTP layers are then carried frozen and "
-            "exported unchanged) and train them with the sft recipe",
+            "one (with 0 the MTP layers are carried frozen and exported unchanged; train them "
+            "with the sft recipe)",
+            fixes=[{"model.mtp_loss_weight": 0}],
         )
 
 

@@ -45,7 +45,7 @@ from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
 from flashcp.data.loader import check_vocab
 from flashcp.data.packing import Piece
 from flashcp.data.peers import Peers
-from flashcp.data.sources import JsonlSource, RowSource, open_source
+from flashcp.data.sources import JsonlSource, RowSource, SampleSource, open_source
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -194,6 +194,7 @@ class DPOData:
         tokenizer: Tokenizer | None = None,
         peers: Peers | None = None,
         one_pass: bool = False,
+        sample: int | None = None,
     ) -> None:
         del one_pass  # an example is never split and no row crosses an epoch: one pass as is
         d = cfg.data
@@ -211,6 +212,8 @@ class DPOData:
             if d.path is None
             else open_source(d.path, cache_dir=d.cache_dir, peers=peers)
         )
+        if sample is not None:  # a preflight's look at the data (`SampleSource`)
+            self.source = SampleSource(self.source, sample)
         build = DPORecords(
             self.tokenizer,
             budget=d.seq_len,

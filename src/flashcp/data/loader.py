@@ -33,7 +33,7 @@ from flashcp.data.dataset import (
 from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
 from flashcp.data.packing import Batch, PackedStream, Piece, collate, document_masking
 from flashcp.data.peers import Peers
-from flashcp.data.sources import ListSource, RowSource, open_source
+from flashcp.data.sources import ListSource, RowSource, SampleSource, open_source
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -66,7 +66,8 @@ class TrainData:
 
     `peers`: the processes indexing the rows together (default: this one alone, which reads
     every row once to index it). `one_pass`: the rows of one pass over the data, each document
-    once and whole (an eval set: `PackedStream`'s `one_pass`).
+    once and whole (an eval set: `PackedStream`'s `one_pass`). `sample`: read only that many
+    rows, spread over the data (`SampleSource`; a preflight's check).
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class TrainData:
         tokenizer: Tokenizer | None = None,
         peers: Peers | None = None,
         one_pass: bool = False,
+        sample: int | None = None,
     ) -> None:
         d = cfg.data
         self.cfg = cfg
@@ -85,6 +87,8 @@ class TrainData:
         self.tokenizer = tokenizer or build_tokenizer(d.tokenizer)
         check_vocab(cfg, self.tokenizer)
         self.source = lm_source(cfg, peers)
+        if sample is not None:  # a preflight's look at the data (`SampleSource`)
+            self.source = SampleSource(self.source, sample)
         self.masking = document_masking(cfg)
         """The mask each packed document gets (`attention.mask`)."""
         build = DocumentBuilder(

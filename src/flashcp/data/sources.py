@@ -72,6 +72,31 @@ class ListSource:
         return f"{self.name} record {i + 1}"
 
 
+class SampleSource:
+    """At most `rows` rows of `source`, spread evenly over it (its first and last row
+    included): what a preflight reads of a dataset (`flashcp.launch.preflight`), through the
+    same data classes training uses."""
+
+    def __init__(self, source: RowSource, rows: int) -> None:
+        total = len(source)
+        picks = np.linspace(0, total - 1, num=min(rows, total)) if total else np.zeros(0)
+        self.rows = np.unique(np.round(picks).astype(np.int64))
+        self.source = source
+        self.total = total
+        self.name = source.name if len(self.rows) == total else (
+            f"{source.name} (a sample of {len(self.rows)} of its {total} rows)"
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def row(self, i: int) -> dict[str, Any]:
+        return self.source.row(int(self.rows[i]))
+
+    def where(self, i: int) -> str:
+        return self.source.where(int(self.rows[i]))
+
+
 def scan_lines(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Byte offsets `[start, end)` and 1-based line numbers of the non-blank lines of `path`,
     read in 16 MiB chunks (whitespace-only lines are blank; `\\r\\n` endings are fine)."""

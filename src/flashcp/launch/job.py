@@ -147,6 +147,7 @@ def run_job(
     nodes: Nodes | None = None,
     command: str | None = None,
     evaluate: bool = False,
+    checked: bool = False,
 ) -> int:
     """Check and launch the job of `cfg` (loaded from `config` with `overrides`, which the
     ranks are given to load it themselves), stream rank 0, return the job's exit code (the
@@ -156,14 +157,15 @@ def run_job(
     With `nodes` (several), this node launches its share of `cfg.parallel.world_size` and
     joins the others at `nodes.master` (node 0 alone moves an earlier run aside). `command`:
     the command line as typed, recorded by the ranks in run_info.json. `evaluate`: a
-    `flashcp eval` job (the ranks evaluate; `preflight(evaluating=True)`)."""
+    `flashcp eval` job (the ranks evaluate; `preflight(evaluating=True)`). `checked`: the
+    caller already ran the config's preflight (`preflight.check_config_file`)."""
     out = out or sys.stdout
     nodes = nodes or Nodes()
     nproc = cfg.parallel.world_size
     local = nproc // nodes.count
     try:
         ready = preflight(cfg, nodes, say=lambda text: print(text, file=out, flush=True),
-                          evaluating=evaluate)  # fmt: skip
+                          evaluating=evaluate, checked=checked)  # fmt: skip
     except PreflightError as exc:
         print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT

@@ -1,17 +1,26 @@
-"""What `flashcp train` checks before it launches anything, on the loaded `Config`.
+"""What `flashcp validate`, `flashcp train` and every launched rank check before compute.
 
-`preflight` runs the checks the config's own validation cannot make, in this order: the
-FlashAttention flags in the environment resolve for this model (`check_dispatch`), the memory
-plan fits `hardware.memory_gib` per device and `hardware.host_memory_gib` per node
-(`check_memory`, `flashcp plan`), `FLASHCP_MASTER_PORT` (an
-optional fixed port for the launcher's master) is free (`master_port`), the launcher's ports
-can be leased (`launcher_ports`), the `--master` of a multi-node job is usable
-(`check_master`), the run may start in `run.output_dir` (`check_run_dir`: no fresh run over an
-earlier run's checkpoints, see `flashcp.rundir`), and `run.output_dir` can be written
-(`check_output_dir`). A problem raises `PreflightError` (printed as one line, exit code
-`EXIT_PREFLIGHT`), with nothing launched and nothing written or moved. Only then, with
-`run.overwrite: true`, node 0 moves an earlier run aside (`rundir.move_aside`), and the last
-check creates the log directory.
+One preflight, in two parts. The first needs no launch and is shared by all three
+(`preflight_problems`): after the config's own validation (`flashcp.config.load`), this
+machine's device and compute dtype (`flashcp.config.device`) and the FlashAttention version
+the ranks will resolve under this environment's flags and FA4 policy (`flashcp.dispatch`), the
+memory plan against `hardware.memory_gib` per device and `hardware.host_memory_gib` per node
+(`flashcp plan`), the model directory's tensor index (`checkpoint.init_from` /
+`model.from_pretrained`: every layer the model builds has tensors there), and a sample of the
+data (`data.path` and `eval.path`, `DATA_SAMPLE_ROWS` rows read by the recipe's own data class:
+its tokenizer, format, chat template and bad-record rules). Every problem is a `ConfigError`
+naming its key and the fix, each fix validated through this same preflight before it is
+printed; `flashcp validate` lists them, `flashcp train` and a rank refuse with them (exit code
+`EXIT_PREFLIGHT`, 2: bad config), one line per problem.
+
+The second part is `flashcp train`'s launch (`preflight`): `FLASHCP_MASTER_PORT` (an optional
+fixed port for the launcher's master) is free (`master_port`), the launcher's ports can be
+leased (`launcher_ports`), the `--master` of a multi-node job is usable (`check_master`), the
+run may start in `run.output_dir` (`check_run_dir`: no fresh run over an earlier run's
+checkpoints, see `flashcp.rundir`), and `run.output_dir` can be written (`check_output_dir`). A
+problem raises `PreflightError` (printed as one line, exit code `EXIT_PREFLIGHT`), with
+nothing launched and nothing written or moved. Only then, with `run.overwrite: true`, node 0
+moves an earlier run aside (`rundir.move_aside`), and the last check creates the log directory.
 
 More than one node (`Nodes`): node 0 checks the master port is free (its launcher serves the
 rendezvous there) and alone moves an earlier run aside; the other nodes first wait for that
@@ -24,12 +33,17 @@ import contextlib
 import errno
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flashcp import dispatch, rundir
-from flashcp.config import Config
+from flashcp.config import Config, ConfigError, ConfigValidationError, collect, to_dict
+from flashcp.config import load as config_load
+from flashcp.config.device import DeviceError, compute_dtype, resolve_device
+from flashcp.config.errors import as_fix, prune_fixes
+from flashcp.config.placeholders import is_placeholder
 from flashcp.distributed.groups import wait_for_port
 from flashcp.distributed.ports import PortLease
 from flashcp.distributed.watchdog import resolve_timeout
@@ -41,6 +55,10 @@ EXIT_PREFLIGHT = 2
 """`flashcp train`'s exit code when a check refuses the launch."""
 EVAL_LOG_DIR = "eval"
 """`flashcp eval`'s launcher logs: `<run.output_dir>/logs/eval`."""
+DATA_SAMPLE_ROWS = 64
+"""Rows of `data.path` (and `eval.path`) the preflight reads, spread over the data."""
+DISPATCH_KEY = "FlashAttention dispatch"
+"""The key a dispatch refusal is reported under (its message names the flag and the policy)."""
 ENV_MASTER_PORT = "FLASHCP_MASTER_PORT"
 """A fixed port for the launcher's master (default: the launcher picks a free one)."""
 
@@ -189,16 +207,27 @@ def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> No
         raise PreflightError(problem)
 
 
-def check_dispatch(cfg: Config) -> None:
-    """The FlashAttention version the workers will resolve: env flags parse, FA4 policy holds."""
+def dispatch_refusal(cfg: Config) -> str | None:
+    """Why the ranks could not resolve a FlashAttention version for `cfg`'s model under this
+    environment's flags and the FA4 policy (`dispatch.resolve_policy`: config > environment >
+    error, as every rank resolves it), or None. The head dims are checked against FA4's kernel
+    limits; a mask's limits show per call."""
     try:
         inputs = dispatch.probe_inputs(
-            policy=cfg.attention.fa4_unavailable, deterministic=cfg.train.deterministic
+            policy=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
+            deterministic=cfg.train.deterministic,
         )
+        head_dim = int(cfg.model.head_size)
+        limit = None
+        if inputs.requested == 4:
+            limit = dispatch.fa4_call_limit(
+                mask_shape=None, num_kv_heads=int(cfg.model.num_kv_heads), head_dim=head_dim
+            )
         # FA3/FA4 availability on this card included (`dispatch.probe_inputs`).
-        dispatch.explain_inputs(inputs, int(cfg.model.head_size))
+        dispatch.explain_inputs(inputs, head_dim, fa4_limit=limit)
     except (ValueError, NotImplementedError) as exc:
-        raise PreflightError(f"FlashAttention dispatch: {exc}") from None
+        return str(exc)
+    return None
 
 
 def memory_refusal(cfg: Config) -> str | None:
@@ -218,18 +247,168 @@ def host_memory_refusal(cfg: Config, nnodes: int | None = None) -> str | None:
     return host_refusal(plan(cfg, nnodes=nnodes))
 
 
-def check_memory(cfg: Config, nnodes: int | None = None) -> None:
-    """The memory plan fits `hardware.memory_gib` per device and `hardware.host_memory_gib`
+def memory_problems(cfg: Config, nnodes: int | None = None) -> list[ConfigError]:
+    """The memory plan against `hardware.memory_gib` per device and `hardware.host_memory_gib`
     per node (`flashcp.plan`; no check of a budget that is null)."""
+    problems = []
     if (message := memory_refusal(cfg)) is not None:
-        raise PreflightError(
-            f"{message}; or set hardware.memory_gib=null to launch without the memory check"
-        )
+        problems.append(ConfigError(
+            "hardware.memory_gib",
+            f"{message}; or set hardware.memory_gib=null to launch without the memory check",
+        ))  # fmt: skip
     if (message := host_memory_refusal(cfg, nnodes)) is not None:
-        raise PreflightError(
+        problems.append(ConfigError(
+            "hardware.host_memory_gib",
             f"{message}; or set hardware.host_memory_gib=null to launch without the host "
-            "memory check"
-        )
+            "memory check",
+        ))  # fmt: skip
+    return problems
+
+
+def check_memory(cfg: Config, nnodes: int | None = None) -> None:
+    """`memory_problems` as a `PreflightError` (the first)."""
+    for problem in memory_problems(cfg, nnodes):
+        raise PreflightError(problem.message)
+
+
+def machine_problems(cfg: Config) -> list[ConfigError]:
+    """This machine against `cfg`: a device and compute dtype Paddle runs here
+    (`flashcp.config.device`, the rule every rank applies) and the FlashAttention dispatch
+    (`dispatch_refusal`)."""
+    from flashcp.runtime import gpu_visible
+
+    problems = []
+    try:
+        compute_dtype(cfg, resolve_device(cfg, gpu_visible()))
+    except DeviceError as exc:
+        problems.append(exc.error)
+    if (message := dispatch_refusal(cfg)) is not None:
+        problems.append(ConfigError(DISPATCH_KEY, message))
+    return problems
+
+
+def model_dir_problems(cfg: Config) -> list[ConfigError]:
+    """The weights the ranks will load (`checkpoint.init_from`, implied by
+    `model.from_pretrained`): their index holds every layer the model builds
+    (`flashcp.models.hf_weights.index_problems`; no tensor is read)."""
+    path = cfg.checkpoint.init_from
+    if path is None or is_placeholder(path):
+        return []
+    from flashcp.models.hf_weights import index_problems
+
+    key = "model.from_pretrained" if cfg.model_from_pretrained else "checkpoint.init_from"
+    try:
+        found = index_problems(path, cfg.model)
+    except (OSError, ValueError) as exc:
+        return [ConfigError(key, _one_line(str(exc)))]
+    return [
+        ConfigError(key if name == "checkpoint.init_from" else name, problem,
+                    (as_fix(fix),) if fix else ())  # fmt: skip
+        for name, problem, fix in found
+    ]
+
+
+def data_problems(cfg: Config) -> list[ConfigError]:
+    """A sample of `data.path` and `eval.path` (`DATA_SAMPLE_ROWS` rows, spread over each)
+    read by the recipe's own data class as a rank reads it: tokenizer, format, chat template,
+    bad-record policy, no usable record. Placeholders are left to the config's check."""
+    from flashcp.recipes import RECIPE_CLASSES
+    from flashcp.recipes.base import eval_config
+
+    data_class = RECIPE_CLASSES[cfg.run.recipe].data_class
+    problems: list[ConfigError] = []
+    sets = [("data.path", cfg.data.path, cfg)]
+    if cfg.eval.path is not None:
+        sets.append(("eval.path", cfg.eval.path, eval_config(cfg, cfg.eval.path)))
+    for key, path, each in sets:
+        if path is not None and is_placeholder(path):
+            continue
+        try:
+            data_class(each, dp_rank=0, dp_size=1, sample=DATA_SAMPLE_ROWS)
+        except (ValueError, OSError) as exc:
+            message = _one_line(str(exc))
+            if not any(p.problem == message for p in problems):  # one tokenizer, one message
+                problems.append(ConfigError(key, message))
+    return problems
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def static_problems(
+    cfg: Config, *, nnodes: int | None = None, machine: bool = True
+) -> list[ConfigError]:
+    """Every check of a loaded (and so validated) `cfg` that needs no compute and no launch:
+    this `machine`'s (device, dispatch), the memory plans, the model directory's index, a
+    sample of the data. Fixes are not validated here (`preflight_problems` does)."""
+    problems = machine_problems(cfg) if machine else []
+    problems += memory_problems(cfg, nnodes)
+    problems += model_dir_problems(cfg)
+    problems += data_problems(cfg)
+    return problems
+
+
+def check_raw(
+    raw: Mapping[str, Any],
+    *,
+    source: str | None = None,
+    overrides: Sequence[str] = (),
+    world_size: int | None = None,
+    nnodes: int = 1,
+    machine: bool = True,
+    allow_placeholders: bool = False,
+) -> tuple[Config | None, list[ConfigError]]:
+    """THE preflight of a config (a file's mapping plus `key=value` overrides, for
+    `world_size` processes on `nnodes` nodes): its validation (`flashcp.config.collect`), then,
+    when it is valid, `static_problems`. Every problem keeps only the fixes that pass this whole
+    preflight once applied (`flashcp.config.errors.prune_fixes`), so no refusal suggests a
+    change that would be refused in turn."""
+    per_node = nnodes if nnodes > 1 else None
+
+    def run(extra: Sequence[str]) -> tuple[Config | None, list[ConfigError]]:
+        cfg, errors = collect(
+            raw, source=source, overrides=[*overrides, *extra], world_size=world_size,
+            nnodes=nnodes, allow_placeholders=allow_placeholders, validate_fixes=False,
+        )  # fmt: skip
+        if errors or cfg is None:
+            return cfg, errors
+        return cfg, static_problems(cfg, nnodes=per_node, machine=machine)
+
+    cfg, problems = run(())
+    if any(p.fixes for p in problems):
+        problems = prune_fixes(problems, lambda extra: run(extra)[1])
+    return cfg, problems
+
+
+def check_config_file(
+    path: str | Path, overrides: Sequence[str] = (), **kwargs: Any
+) -> tuple[Config | None, list[ConfigError]]:
+    """`check_raw` of the YAML file at `path` (unreadable: `ConfigValidationError`)."""
+    return check_raw(config_load.read_yaml(path), source=str(path), overrides=overrides, **kwargs)
+
+
+def preflight_problems(
+    cfg: Config,
+    *,
+    world_size: int | None = None,
+    nnodes: int = 1,
+    machine: bool = True,
+    allow_placeholders: bool = False,
+) -> list[ConfigError]:
+    """`check_raw` of a loaded `cfg` (from `cfg.source` and `cfg.overrides`, or its resolved
+    mapping when built in code): what its launch (`preflight`) refuses."""
+    raw = config_load.read_yaml(cfg.source) if cfg.source else to_dict(cfg)
+    _, problems = check_raw(
+        raw, source=cfg.source, overrides=cfg.overrides, world_size=world_size, nnodes=nnodes,
+        machine=machine, allow_placeholders=allow_placeholders,
+    )  # fmt: skip
+    return problems
+
+
+def refusal_text(problems: list[ConfigError], source: str | None) -> str:
+    """The problems as printed: one line for one, a heading and one line each for several."""
+    return ConfigValidationError(problems, source).render()
 
 
 def move_aside(output_dir: str | Path) -> Path | None:
@@ -247,18 +426,20 @@ def preflight(
     environ: Mapping[str, str] | None = None,
     say: Callable[[str], None] = print,
     evaluating: bool = False,
+    checked: bool = False,
 ) -> Prepared:
-    """Every check, in order, for this node's share of the job; then node 0 moves an earlier
-    run aside (`run.overwrite`, told through `say`) and the log directory is created.
-    Raises `PreflightError` with nothing launched, written or moved (no lease held).
-    `evaluating` (`flashcp eval`): no run directory check and nothing moved (an evaluation
-    writes no checkpoint or metrics), logs in `<run.output_dir>/logs/eval`."""
+    """Every check, in order, for this node's share of the job (`preflight_problems`, unless
+    `checked`: the caller ran `check_config_file`; then the launch's own); then node 0 moves
+    an earlier run aside (`run.overwrite`, told through `say`) and the log directory is
+    created. Raises `PreflightError` with nothing launched, written or moved (no lease
+    held). `evaluating` (`flashcp eval`): no run directory check and nothing moved (an
+    evaluation writes no checkpoint or metrics), logs in `<run.output_dir>/logs/eval`."""
     environ = os.environ if environ is None else environ
     output_dir = cfg.run.output_dir
     lease: PortLease | None = None
     try:
-        check_dispatch(cfg)
-        check_memory(cfg, nodes.count if nodes.multi else None)
+        if not checked and (problems := preflight_problems(cfg, nnodes=nodes.count)):
+            raise PreflightError(refusal_text(problems, cfg.source))
         port = master_port(environ) if nodes.master is None else None
         lease = launcher_ports(environ, cfg.parallel.world_size // nodes.count)
         if nodes.master is not None:

@@ -4,8 +4,11 @@
         --config configs/gpt/tiny_cp2.yaml train.steps=10
 
 `main` loads the config (once: this process's own copy; world size and node count from the
-launcher's environment), checks the run directory (`flashcp.rundir`; a rank never moves an
-earlier run aside for `run.overwrite`, `flashcp train` does) and `FLASHCP_FAULT`, sets the
+launcher's environment), runs the preflight `flashcp train` and `flashcp validate` run
+(`flashcp.launch.preflight.preflight_problems`: device, FlashAttention dispatch, memory plan,
+model directory, a sample of the data), checks the run directory (`flashcp.rundir`; a rank
+never moves an earlier run aside for `run.overwrite`, `flashcp train` does) and
+`FLASHCP_FAULT`, sets the
 process's runtime flags (`set_runtime_flags`: the `Trainer` writes no environment variable),
 initialises the distributed runtime, builds the process groups and the `Trainer`, installs
 injected faults (`flashcp.faults`) and fits. With `--eval` (`flashcp eval`) it builds a
@@ -31,10 +34,11 @@ import paddle
 
 from flashcp import dispatch, distributed, faults, rundir
 from flashcp.checkpoint.format import CheckpointError
-from flashcp.config import Config, ConfigValidationError, load_config
+from flashcp.config import Config, ConfigValidationError
 from flashcp.evaluation import EvalError, Evaluation
 from flashcp.evaluation import check as check_evaluation
 from flashcp.launch.outcome import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_LINE, EXIT_NONFINITE
+from flashcp.launch.preflight import check_config_file
 from flashcp.log import process_rank, quiet_third_party
 from flashcp.trainer import NonFiniteError, Trainer
 
@@ -82,9 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = process_rank()
     try:
         launched = distributed.launch_env()
-        cfg = load_config(
+        # the checks `flashcp train` and `flashcp validate` run (config, device, dispatch, data)
+        cfg, problems = check_config_file(
             args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes
         )
+        if problems or cfg is None:
+            raise ConfigValidationError(problems, args.config)
         injected = faults.active_faults()
         if args.eval:  # evaluating writes no checkpoint or metrics: any run dir will do
             check_evaluation(cfg)

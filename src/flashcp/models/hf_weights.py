@@ -61,6 +61,7 @@ from flashcp.models.hf_config import (  # noqa: F401 - re-exported
     HFConfigError,
     args_from_hf_config,
     hf_config,
+    missing_mtp_layers,
 )
 from flashcp.models.moe import TopkRouter
 from flashcp.models.safetensors_io import (
@@ -317,6 +318,55 @@ def checkpoint_mtp_layers(keys: Collection[str], args: ModelArgs) -> set[int]:
         if int(m.group(1)) >= args.num_layers:
             found.add(int(m.group(1)))
     return found
+
+
+def index_problems(
+    path: str | os.PathLike[str], args: ModelArgs
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """What the checkpoint at `path` lacks for a model of `args`, from its index (or its single
+    file's header) alone, no tensor read: the embeddings, every decoder layer and every MTP
+    layer `args` builds must have tensors there. Each problem is (config key, what is wrong,
+    the change that fixes it, or {}). (A `model.from_pretrained` directory whose config.json
+    declares MTP layers its weights lack is refused by the config's own check,
+    `hf_config.mtp_refusal`; this covers `checkpoint.init_from`, with the same rule,
+    `hf_config.missing_mtp_layers`.) A checkpoint that cannot be opened raises as
+    `load_hf_checkpoint`."""
+    ckpt = _open_checkpoint(path, ReadCounter())
+    where = ckpt.index or ckpt.files[0]
+    keys = list(ckpt.key_files)
+    layers = {int(m.group(1)) for k in keys if (m := _LAYER_RE.match(k))}
+    problems: list[tuple[str, str, dict[str, Any]]] = []
+    missing = [i for i in range(args.num_layers) if i not in layers]
+    if missing or not any(k.startswith("model.embed_tokens.") for k in keys):
+        what = f"decoder layers {_ranges(missing)}" if missing else "model.embed_tokens"
+        problems.append((
+            "checkpoint.init_from",
+            f"{where} has no tensors of {what} (model.num_layers {args.num_layers}): it is not a "
+            "complete checkpoint of this model; download the missing shards or point at the "
+            "complete directory",
+            {},
+        ))  # fmt: skip
+    absent = missing_mtp_layers(keys, args.num_layers, args.mtp_layers)
+    if absent:
+        problems.append((
+            "model.mtp_layers",
+            f"{args.mtp_layers} multi-token-prediction layer(s) are built (model.mtp_layers), "
+            f"but {where} holds no tensor of model.layers.{absent[0]}.* (MTP layer "
+            f"{_ranges(absent)} is absent)",
+            {"model.mtp_layers": absent[0] - args.num_layers},
+        ))  # fmt: skip
+    return problems
+
+
+def _ranges(values: list[int]) -> str:
+    """`3`, `3-5`, `3-5, 9`: sorted integers as ranges."""
+    spans: list[list[int]] = []
+    for v in sorted(values):
+        if spans and spans[-1][1] == v - 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _skippable(key: str, args: ModelArgs, extra_mtp: Collection[int]) -> bool:

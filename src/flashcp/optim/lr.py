@@ -1,4 +1,5 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to `train.min_lr`.
+"""The learning-rate schedule: linear warmup, then cosine decay to `train.min_lr` (null:
+`train.min_lr_ratio` × `train.lr`, `TrainConfig.final_ratio`).
 
 Only the schedule's shape is written here, as the pure function `lr_factor`, so it can be
 tested and plotted without Paddle; `build_scheduler` hands it to Paddle's `LambdaDecay`.
@@ -36,7 +37,7 @@ def warmup_steps(train: TrainConfig) -> int:
 
 def lr_at(step: int, train: TrainConfig) -> float:
     """The learning rate of optimizer step `step` (0-based) under `train`'s schedule."""
-    return train.lr * lr_factor(step, train.steps, warmup_steps(train), train.min_lr / train.lr)
+    return train.lr * lr_factor(step, train.steps, warmup_steps(train), train.final_ratio)
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
@@ -55,7 +56,7 @@ def describe(train: TrainConfig) -> str:
     one)."""
     w = warmup_steps(train)
     decay = max(train.steps - w, 0)
-    text = f"lr {train.lr:g}, warmup {w}, cosine to {train.min_lr:g} over {decay} steps"
+    text = f"lr {train.lr:g}, warmup {w}, cosine to {train.final_lr:g} over {decay} steps"
     note = schedule_note(train)
     return f"{text} ({note})" if note else text
 
@@ -76,7 +77,7 @@ def schedule_note(train: TrainConfig) -> str | None:
 
 def build_scheduler(train: TrainConfig) -> paddle.optimizer.lr.LRScheduler:
     """A `LambdaDecay` whose `last_epoch` is the optimizer step about to run."""
-    ratio = train.min_lr / train.lr
+    ratio = train.final_ratio
     warmup = warmup_steps(train)
 
     def factor(step: int) -> float:

@@ -55,6 +55,7 @@ from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import DEFAULT_MODE, make_assignment
 from flashcp.cp.layout import shard_assigned
 from flashcp.cp.shard import shard_batch
+from flashcp.dispatch import Policy
 from flashcp.distributed.collectives import group_label
 from flashcp.distributed.groups import ParallelGroups
 from flashcp.distributed.p2p import (
@@ -113,7 +114,7 @@ class MicroBatch:
         group: Any = None,
         *,
         mode: str = DEFAULT_MODE,
-        fa4_unavailable: str | None = None,
+        fa4_unavailable: str | Policy | None = None,
         query_chunk: int = 0,
         kv_chunk: int = 0,
         mtp_depth: int = 0,
@@ -252,7 +253,7 @@ class PipelineRunner:
         timeout: float | None = None,
         forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
         cp_mode: str = DEFAULT_MODE,
-        fa4_unavailable: str | None = None,
+        fa4_unavailable: str | Policy | None = None,
         query_chunk: int = 0,
         kv_chunk: int = 0,
         mtp_depth: int = 0,

@@ -12,12 +12,12 @@ one of two moments:
   when the last forward of the step has run and its backward has not fetched anything back
   yet. On a GPU each copy is its own pinned buffer (`Tensor.pin_memory`), freed when it is
   back on the device: the offloaded bytes are the pinned bytes, no staging besides;
-* ``checkpoint save`` (when `checkpoint.every` > 0): the numpy copies a checkpoint is written
-  from (`flashcp.checkpoint.saving`: one file at a time, the stage's model part by its
-  writer, then this rank's optimizer part; safetensors writes from them without another copy).
-  With `checkpoint.async` the copies of every file are taken at once and held while training
-  goes on (pinned on a GPU), so they are counted in the ``training step`` moment instead:
-  model part plus optimizer part.
+* ``checkpoint save`` (when the run saves, `CheckpointConfig.saves`): the numpy copies a
+  checkpoint is written from (`flashcp.checkpoint.saving`: one file at a time, the stage's
+  model part by its writer, then this rank's optimizer part; safetensors writes from them
+  without another copy). With `checkpoint.async` the copies of every file are taken at once
+  and held while training goes on (pinned on a GPU), so they are counted in the ``training
+  step`` moment instead: model part plus optimizer part.
 
 Both moments add the rank's own process memory (`HOST_PROCESS_BYTES` on a GPU node: Python,
 Paddle's and CUDA's libraries and host-side state, the data pipeline). On CPU the device plan is
@@ -52,8 +52,8 @@ HOST_ITEM_DOCS: dict[str, str] = {
     "attention outputs and LSEs) of the in-flight micro-batches, in the residual dtype (on GPU "
     "pinned memory)",
     "checkpoint_arrays": "numpy copies of this rank's model part or optimizer shard while a "
-    "checkpoint is written (checkpoint.every > 0); with checkpoint.async both, held while "
-    "training goes on (on GPU pinned memory)",
+    "checkpoint is written (checkpoint.every > 0 or checkpoint.save_last); with "
+    "checkpoint.async both, held while training goes on (on GPU pinned memory)",
     "host_process": "the rank's process besides those: Python, Paddle's and CUDA's libraries "
     "and host-side state, the data pipeline (GPU estimate; 0 on CPU)",
 }

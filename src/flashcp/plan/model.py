@@ -274,7 +274,7 @@ def plan(
         per_stage[stage] = (name, moments, layers, host)
     ranks = []
     host_ranks = []
-    checkpoints = cfg.checkpoint.every > 0
+    checkpoints = cfg.checkpoint.saves
     for rank in range(s.dp * s.pp * s.cp):
         stage = (rank // s.cp) % s.pp
         name, moments, layers, host = per_stage[stage]

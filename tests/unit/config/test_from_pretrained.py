@@ -21,12 +21,14 @@ from flashcp.config import (
     build_config,
     collect,
     config_hash,
+    load_config,
     to_yaml,
 )
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import default_model_factory
+from helpers.paths import ROOT
 
 ARGS = preset(
     "tiny_glm_moe", vocab_size=300, use_qk_norm=True, rotary_base=50_000.0, max_seq_len=64
@@ -177,12 +179,12 @@ def test_declared_mtp_layer_without_tensors_is_refused_in_one_line(
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(_raw(directory)))
-    assert cli.main(["validate", str(path)]) == 1
+    assert cli.main(["validate", str(path)]) == 2
     out = capsys.readouterr().out
-    assert f"  - {line}\n" in out and out.count("\n") == 3  # header, the line, the count
+    assert f": {line}\n" in out and out.count("\n") == 2  # the one line, the count
     assert cli.main(["train", str(path)]) == 2
     captured = capsys.readouterr()
-    assert f"  - {line}\n" in captured.err and "launch" not in captured.out
+    assert f": {line}\n" in captured.err and "launch" not in captured.out
     assert cli.main(["validate", str(path), "model.mtp_layers=0"]) == 0
     assert _errors(_raw(model_dir)) == {}  # negative control: the layer is not declared there
 
@@ -235,8 +237,36 @@ def test_validate_reads_config_json_only(model_dir: Path, tmp_path: Path, capsys
     assert cli.main(["validate", str(path)]) == 0
     assert f"glm_moe ~119.2K params from {model_dir}" in capsys.readouterr().out
     path.write_text(yaml.safe_dump(_raw(model_dir, {"hidden_size": 8})))
-    assert cli.main(["validate", str(path)]) == 1
+    assert cli.main(["validate", str(path)]) == 2
     out = capsys.readouterr().out
     assert "model.hidden_size" in out and "contradicts config.json hidden_size" in out
     with pytest.raises(ConfigValidationError):
         build_config(_raw(model_dir, {"hidden_size": 8}))
+
+
+def test_a_directory_on_the_command_line_replaces_the_files_preset(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 32: a shipped config (model.preset) plus `model.from_pretrained=DIR` on the
+    command line trains DIR's model (the command line wins over the file), with a note; the
+    file's training-side model keys still apply. A preset given on the command line against
+    the file's directory is refused naming the override that resolves it."""
+    shipped = ROOT / "configs" / "glm" / "tiny_moe_cp2.yaml"
+    args = [f"model.from_pretrained={model_dir}", "data.tokenizer=byte", "data.seq_len=64"]
+    cfg = load_config(shipped, args)
+    assert cfg.model_preset is None and cfg.model_from_pretrained == str(model_dir)
+    assert cfg.model.use_qk_norm and cfg.model.rotary_base == 50_000.0  # DIR's config.json
+    assert cfg.model.recompute == "full"  # the file's own (training-side) key
+    (note,) = cfg.notes
+    assert f"model.from_pretrained={model_dir} on the command line replaces the file's " \
+           "model.preset 'tiny_glm_moe'" in note  # fmt: skip
+    assert cli.main(["validate", str(shipped), *args]) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+    errors = _errors_of(_raw(model_dir), ["model.preset=tiny_glm"])
+    assert "add model.from_pretrained=null to build the preset instead" in errors["model.preset"]
+    assert "remove one of them" in _errors(_raw(model_dir, {"preset": "tiny_glm"}))["model.preset"]
+
+
+def _errors_of(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]:
+    _, errors = collect(raw, overrides=overrides)
+    return {e.key: e.message for e in errors}

@@ -27,6 +27,7 @@ from flashcp.config import (
     to_dict,
     to_yaml,
 )
+from helpers.paths import ROOT
 
 BASE: dict[str, Any] = {
     "model": {"preset": "tiny"},
@@ -97,7 +98,7 @@ def test_every_problem_is_reported_at_once() -> None:
     ("section", "values", "key", "needle"),
     [
         ("train", {"lr": -1.0}, "train.lr", "must be > 0"),
-        ("train", {"min_lr": 1.0, "lr": 0.1}, "train.min_lr", "set train.min_lr <= lr"),
+        ("train", {"min_lr": 1.0, "lr": 0.1}, "train.min_lr", "set train.min_lr=null"),
         ("train", {"beta2": 1.0}, "train.beta2", "[0, 1)"),
         ("train", {"grad_accum": 0}, "train.grad_accum", ">= 1"),
         ("train", {"steps": 0}, "train.steps", ">= 1"),
@@ -111,14 +112,14 @@ def test_every_problem_is_reported_at_once() -> None:
         ("data", {"tokenizer": "/no/tok.json"}, "data.tokenizer", "neither 'byte'"),
         ("data", {"tokenizer": "/"}, "data.tokenizer", "the directory '/' has no tokenizer.json"),
         ("checkpoint", {"keep_last": 0}, "checkpoint.keep_last", ">= 1"),
-        ("checkpoint", {"every": -1}, "checkpoint.every", "0 = never"),
+        ("checkpoint", {"every": -1}, "checkpoint.every", "0 = no periodic saves"),
         ("checkpoint", {"resume": "/no/ckpt"}, "checkpoint.resume", "'auto', 'never'"),
         ("run", {"recipe": "pretrian"}, "run.recipe", "did you mean pretrain?"),
         ("run", {"output_dir": " "}, "run.output_dir", "non-empty"),
         ("run", {"stop_after_steps": -2}, "run.stop_after_steps", ">= 0"),
         ("parallel", {"dp": 0}, "parallel.dp", ">= 1"),
         ("parallel", {"grad_bucket_mb": 0}, "parallel.grad_bucket_mb", "> 0"),
-        ("parallel", {"pp": 2}, "train.grad_accum", "set train.grad_accum >= 2"),
+        ("parallel", {"pp": 2}, "train.grad_accum", "set train.grad_accum=2"),
         ("parallel", {"pp": 2, "pp_layers": [2, 1]}, "parallel.pp_layers", "sums to 3"),
         ("parallel", {"pp_layers": [1, 1]}, "parallel.pp_layers", "has 2 entries"),
         ("model", {"num_heads": 6, "num_kv_heads": 4}, "model.num_heads", "multiple of"),
@@ -137,7 +138,7 @@ def test_value_checks_name_key_and_fix(
 def test_bfloat16_needs_gpu_device() -> None:
     errors = _by_key(_errors(_raw(train={"dtype": "bfloat16"}, run={"device": "cpu"})))
     assert "bfloat16 needs a GPU" in errors["train.dtype"]
-    assert "set train.dtype: float32" in errors["train.dtype"]
+    assert "set train.dtype=float32" in errors["train.dtype"]
     assert _errors(_raw(train={"dtype": "bfloat16"}, run={"device": "gpu"})) == []
 
 
@@ -147,7 +148,7 @@ def test_float32_refused_on_gpu_naming_train_dtype(tmp_path: Path, capsys) -> No
     errors = _by_key(_errors(_raw(train={"dtype": "float32"}, run={"device": "gpu"})))
     message = errors["train.dtype"]
     assert "float32 cannot run on a GPU" in message
-    assert "FlashAttention" in message and "train.dtype: auto" in message
+    assert "FlashAttention" in message and "set train.dtype=auto" in message
     for dtype in ("auto", "bfloat16"):
         assert _errors(_raw(train={"dtype": dtype}, run={"device": "gpu"})) == []
     for device in ("cpu", "auto"):
@@ -155,7 +156,7 @@ def test_float32_refused_on_gpu_naming_train_dtype(tmp_path: Path, capsys) -> No
     assert build_config(_raw()).train.dtype == "auto"  # the default
     path = tmp_path / "fp32_gpu.yaml"
     path.write_text(yaml.safe_dump(_raw(train={"dtype": "float32"}, run={"device": "gpu"})))
-    assert cli.main(["validate", str(path)]) == 1
+    assert cli.main(["validate", str(path)]) == 2
     out = capsys.readouterr().out
     assert "FAIL" in out and "train.dtype" in out and "float16/bfloat16 only" in out
 
@@ -191,7 +192,7 @@ def test_resolve_device_for_the_trainer_and_the_planner() -> None:
     auto, gpu = build_config(_raw()), build_config(_raw(run={"device": "gpu"}))
     assert [resolve_device(auto, seen) for seen in (True, False, None)] == ["gpu", "cpu", "cpu"]
     assert resolve_device(gpu, True) == resolve_device(gpu, None) == "gpu"
-    with pytest.raises(RuntimeError, match="run.device is gpu but Paddle sees no GPU"):
+    with pytest.raises(RuntimeError, match="run.device: gpu, but Paddle sees no GPU"):
         resolve_device(gpu, False)
 
 
@@ -209,7 +210,7 @@ def test_resolve_device_auto_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(paddle.device, "cuda", _Cuda)
     assert resolve_runtime(build_config(_raw())) == ("gpu", "bfloat16")
-    with pytest.raises(RuntimeError, match="train.dtype float32 cannot run"):
+    with pytest.raises(RuntimeError, match="train.dtype: float32 cannot run"):
         resolve_runtime(build_config(_raw(train={"dtype": "float32"})))
 
 
@@ -234,7 +235,7 @@ def test_seq_len_divisibility_per_mode(mode: str, cp: int, good: int, bad: int) 
     assert "data.seq_len" not in errs(good)
     msg = errs(bad)["data.seq_len"]
     divisor = cp * cp_modes.get(mode).chunks_per_rank
-    assert f"= {divisor}" in msg and "parallel.pad: true" in msg
+    assert f"= {divisor}" in msg and "set parallel.pad=true" in msg
     assert "data.seq_len" not in errs(bad, pad=True)
 
 
@@ -248,7 +249,7 @@ def test_padding_counts_against_max_seq_len() -> None:
 def test_world_size_mismatch_suggests_fixes() -> None:
     msg = _by_key(_errors(_raw(), world_size=4))["parallel"]
     assert "dp(1) × pp(1) × cp(2) = 2 but the job has 4 processes" in msg
-    assert "set parallel.cp to 4" in msg and "--nproc_per_node 2" in msg
+    assert "set parallel.cp=4" in msg and "--nproc_per_node 2" in msg
     assert _errors(_raw(), world_size=2) == []
 
 
@@ -432,6 +433,9 @@ def test_config_changes_since_a_checkpoint_ignore_new_keys_at_their_default() ->
     tiled = build_config(_raw(), overrides=["model.tile_tokens=64", "train.lr=0.5"])
     assert config_changes(saved, tiled) == ["model.tile_tokens", "train.lr"]
     assert config_changes(hashed_dict(cfg), tiled) == ["model.tile_tokens", "train.lr"]
+    # a key since left out of the hash (the FA4 policy changes no step) is no change either
+    older = {**saved, "attention": {**saved["attention"], "fa4_unavailable": "error"}}
+    assert config_changes(older, cfg) == [] and "fa4_unavailable" not in str(hashed_dict(cfg))
 
 
 def test_cp_modes_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -472,11 +476,11 @@ def test_cli_validate_reports_every_problem(
     bad.write_text(yaml.safe_dump(_raw(train={"lr": "x", "stepz": 1})))
     assert cli.main(["validate", str(good)]) == 0
     assert "ok    " in capsys.readouterr().out
-    assert cli.main(["validate", str(good), str(bad)]) == 1
+    assert cli.main(["validate", str(good), str(bad)]) == 2
     out = capsys.readouterr().out
     assert "train.lr: expected a number" in out and "did you mean steps" in out
     assert "1 of 2 config(s) valid" in out
-    assert cli.main(["validate", "--world-size", "3", str(good)]) == 1
+    assert cli.main(["validate", "--world-size", "3", str(good)]) == 2
     assert "the job has 3 processes" in capsys.readouterr().out
 
 
@@ -508,3 +512,51 @@ def test_required_and_rejected_fields_in_recipe_sections() -> None:
         assert "expected a number" in errors["pref.beta"]
     finally:
         del RECIPES["dpo_test"]
+
+
+def test_min_lr_follows_lr_unless_set() -> None:
+    """Issue 27, defect 11: an unset train.min_lr is a fraction of train.lr, so a full
+    fine-tune's train.lr=1e-5 is valid as it is; an explicit min_lr keeps its exact ratio (the
+    golden losses' schedules)."""
+    from flashcp.optim.lr import lr_at
+
+    cfg = build_config(_raw(train={"steps": 5, "lr": 1e-5, "warmup_steps": 1}))
+    assert cfg.train.min_lr is None and cfg.train.final_ratio == 0.1
+    assert lr_at(4, cfg.train) == pytest.approx(1e-6, rel=1e-12)  # the last step's rate
+    ratio = build_config(_raw(train={"lr": 1e-5, "min_lr_ratio": 0.05})).train
+    assert ratio.final_lr == pytest.approx(5e-7, rel=1e-12)
+    explicit = build_config(_raw(train={"lr": 3e-3, "min_lr": 3e-4})).train
+    assert explicit.final_ratio == 3e-4 / 3e-3 and explicit.final_lr == 3e-4
+    assert "must be in [0, 1]" in _by_key(_errors(_raw(train={"min_lr_ratio": 1.5})))[
+        "train.min_lr_ratio"
+    ]
+
+
+def test_section_null_on_the_command_line_removes_or_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 27, defect 5: `lora=null` removes the optional section (no adapters), never
+    resets it to its defaults; a section that has no "absent" (a core one, or the dpo recipe's
+    own settings) is refused, naming the keys to set instead."""
+    targets = [".*q_proj", ".*k_proj", ".*v_proj", ".*o_proj"]
+    raw = _raw(run={"recipe": "sft"}, lora={"target_modules": targets})
+    assert build_config(raw).extras["lora"].target_modules == targets
+    assert "lora" not in build_config(raw, overrides=["lora=null"]).extras
+    again = build_config(raw, overrides=["lora=null", "lora.rank=4"]).extras["lora"]
+    assert again.rank == 4  # the command line's later keys make a new section
+    errors = _by_key(_errors(raw, ("train=null", "model=null")))
+    assert "train=null: the train section is not optional" in errors["train"]
+    assert "set the train.* keys you want to change" in errors["train"]
+    assert errors["model"].startswith("required section is missing")
+    assert errors["model"].endswith("[set on the command line: model=null]")
+    dpo = _raw(run={"recipe": "dpo"}, dpo={"beta": 0.5})
+    errors = _by_key(_errors(dpo, ("dpo=null",)))
+    assert "run.recipe dpo reads it with or without it" in errors["dpo"]
+    assert "dpo" not in build_config(dpo, overrides=["dpo=null", "run.recipe=sft"]).extras
+    # as a user would: flashcp validate a shipped DPO + LoRA config without its adapters
+    shipped = str(ROOT / "configs" / "glm" / "tiny_dpo_lora_cp2.yaml")
+    assert cli.main(["validate", shipped]) == 0
+    assert "dpo + LoRA, " in capsys.readouterr().out
+    assert cli.main(["validate", shipped, "lora=null"]) == 0
+    out = capsys.readouterr().out
+    assert "ok    " in out and "dpo, glm" in out and "LoRA" not in out

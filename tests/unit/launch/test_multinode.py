@@ -153,8 +153,8 @@ def test_degrees_against_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
         load_config(CP2, nnodes=3)
     load_config(CP2, world_size=2, nnodes=2)
     with pytest.raises(ConfigValidationError, match=r"the job has 6 processes \(3 nodes × 2 per "
-                       r"node\): set parallel\.cp to 6 or set parallel\.dp to 3, or launch with "
-                       r"a node count that divides 2"):  # fmt: skip
+                       r"node\): set parallel\.cp=6 data\.seq_len=252, or set parallel\.dp=3, "
+                       r"or launch with a node count that divides 2"):  # fmt: skip
         load_config(CP2, world_size=6, nnodes=3)
     monkeypatch.setenv("PADDLE_NNODES", "2")
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
@@ -165,5 +165,5 @@ def test_cli_node_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["train", str(CP2), "--nnodes", "0"]) == 2
     assert "--nnodes must be >= 1, got 0" in capsys.readouterr().err
     assert cli.main(["validate", str(CP2), "--nnodes", "2"]) == 0
-    assert cli.main(["validate", str(CP2), "--nnodes", "4"]) == 1
+    assert cli.main(["validate", str(CP2), "--nnodes", "4"]) == 2  # 2: a refused config
     assert "cannot be split over --nnodes 4 nodes" in capsys.readouterr().out

@@ -359,7 +359,8 @@ def _config(**parallel):
     ("raw", "message"),
     [
         (_config(ep=3), r"parallel\.ep=3 does not divide dp×cp=2"),
-        (_config(dp=4, ep=8), r"model\.num_experts=4 % parallel\.ep=8 = 4: .*one of \[1, 2, 4\]"),
+        (_config(dp=4, ep=8), r"model\.num_experts=4 % parallel\.ep=8 = 4: .*set parallel\.ep=4, "
+                              r"or set parallel\.ep=2, or set parallel\.ep=1"),
         ({**_config(ep=2), "model": {"preset": "tiny"}}, r"model\.arch is gpt \(no experts\)"),
         (_config(ep=0), r"parallel\.ep: must be an integer >= 1"),
     ],

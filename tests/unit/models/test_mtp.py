@@ -180,7 +180,7 @@ def test_config_loading_names_the_mtp_keys() -> None:
     with pytest.raises(ConfigValidationError) as bad:
         tiny_config(base={**dpo, "model": {**dpo["model"], "mtp_loss_weight": 0.3}})
     assert [e.key for e in bad.value.errors] == ["model.mtp_loss_weight"]
-    assert "Set model.mtp_loss_weight: 0" in bad.value.errors[0].message
+    assert "set model.mtp_loss_weight=0" in bad.value.errors[0].message
     assert tiny_config(base=dpo).model.mtp_layers == 1  # carried frozen: fine under dpo
 
 

@@ -368,7 +368,7 @@ def test_config_needs_shard_optimizer(tmp_path: Path) -> None:
     with pytest.raises(ConfigValidationError) as err:
         build_config(raw)
     text = str(err.value)
-    assert "parallel.shard_gradients" in text and "parallel.shard_optimizer: true" in text
+    assert "parallel.shard_gradients" in text and "set parallel.shard_optimizer=true" in text
     raw["parallel"]["shard_optimizer"] = True
     assert build_config(raw).parallel.shard_gradients
     groups = build_groups(ParallelDims(dp=1, pp=1, cp=1, world_size=1))

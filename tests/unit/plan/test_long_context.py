@@ -85,13 +85,15 @@ def test_ranks_per_node_from_the_key_or_the_launch(tiny_cfg: TinyCfg) -> None:
 
 
 def test_gpu_host_plan_counts_processes_and_checkpoint_arrays(tiny_cfg: TinyCfg) -> None:
-    cfg = tiny_cfg(parallel={"cp": 2}, checkpoint={"every": 0})
+    cfg = tiny_cfg(parallel={"cp": 2}, checkpoint={"every": 0})  # the base saves nothing
     host = plan(cfg, device="gpu").host
     assert host is not None
     (node,) = host.nodes()
     assert node.moment == "training step"
     assert node.items == {**dict.fromkeys(HOST_ITEMS, 0), "host_process": 2 * HOST_PROCESS_BYTES}
     assert not any(plan(cfg, device="cpu").host.peak.items.values())  # type: ignore[union-attr]
+    last = plan(tiny_cfg(parallel={"cp": 2}, checkpoint={"save_last": True}), device="gpu").host
+    assert last is not None and last.peak.moment == "checkpoint save"  # the last step's save
     saving = plan(tiny_cfg(parallel={"cp": 2}, checkpoint={"every": 5}), device="gpu").host
     assert saving is not None
     writer, other = saving.ranks
@@ -163,9 +165,9 @@ def test_host_budget_refused_naming_node_item_and_key(
     # the same budget through `flashcp validate` and the pre-launch check (no offload key
     # exists yet: a budget below the processes' own memory is refused the same way)
     small = ["hardware.host_memory_gib=10"]
-    assert cli.main(["validate", str(GLM9B), *small]) == 1
+    assert cli.main(["validate", str(GLM9B), *small]) == 2
     out = capsys.readouterr().out
-    assert "FAIL" in out and "- hardware.host_memory_gib: the host memory plan exceeds" in out
+    assert "FAIL" in out and ": hardware.host_memory_gib: the host memory plan exceeds" in out
     assert "checkpoint_arrays" in out and "hardware.memory_gib" not in out.split("host_memory")[0]
     assert cli.main(["validate", str(GLM9B), "hardware.host_memory_gib=1000"]) == 0
     node = plan(_load(GLM9B)).host.peak.total_bytes / GIB  # type: ignore[union-attr]
@@ -181,7 +183,8 @@ def test_host_budget_refused_naming_node_item_and_key(
     tiny = ROOT / "configs/gpt/tiny_cp2.yaml"
     over = ["hardware.host_memory_gib=1e-9", "run.device=cpu", f"run.output_dir={out_dir}"]
     # CPU plans count no process memory: without checkpoints nothing is outside the allocator
-    preflight.check_memory(load_config(tiny, [*over, "checkpoint.every=0"]))
+    preflight.check_memory(load_config(tiny, [*over, "checkpoint.every=0",
+                                              "checkpoint.save_last=false"]))  # fmt: skip
     with pytest.raises(preflight.PreflightError, match="checkpoint_arrays"):
         preflight.check_memory(load_config(tiny, [*over, "checkpoint.every=5"]))
     big = load_config(GLM9B, [*small, f"run.output_dir={out_dir}"], allow_placeholders=True)
@@ -195,10 +198,10 @@ def test_validate_takes_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     config = str(ROOT / "configs/glm/tiny_cp2.yaml")
     assert cli.main(["validate", config, "train.steps=7"]) == 0
     assert "1 of 1 config(s) valid" in capsys.readouterr().out
-    assert cli.main(["validate", config, "parallel.cp=3"]) == 1  # 256 % (2·3) != 0
+    assert cli.main(["validate", config, "parallel.cp=3"]) == 2  # 256 % (2·3) != 0
     out = capsys.readouterr().out
     assert "FAIL" in out and "data.seq_len" in out and "parallel.cp 3" in out
-    assert cli.main(["validate", config, "train.nope=1"]) == 1
+    assert cli.main(["validate", config, "train.nope=1"]) == 2
     assert "train.nope" in capsys.readouterr().out
 
 
@@ -297,7 +300,7 @@ def test_validate_and_train_fit_the_budget_less_its_headroom(
 
     peak = plan(_load(GLM9B)).peak.total_bytes / GIB
     budget = f"hardware.memory_gib={peak / 0.97:.3f}"  # 3 % above the peak: < 5 % headroom
-    assert cli.main(["validate", str(GLM9B), budget]) == 1
+    assert cli.main(["validate", str(GLM9B), budget]) == 2
     out = capsys.readouterr().out
     assert "FAIL" in out and "less 5 % hardware.memory_headroom" in out
     assert cli.main(["validate", str(GLM9B), budget, "hardware.memory_headroom=0"]) == 0
@@ -307,7 +310,7 @@ def test_validate_and_train_fit_the_budget_less_its_headroom(
         preflight.check_memory(_load(GLM9B, *run))
     preflight.check_memory(_load(GLM9B, *run, "hardware.memory_headroom=0"))
     for bad in ("1", "-0.1", "1.5"):
-        assert cli.main(["validate", str(GLM9B), f"hardware.memory_headroom={bad}"]) == 1
+        assert cli.main(["validate", str(GLM9B), f"hardware.memory_headroom={bad}"]) == 2
         assert "hardware.memory_headroom: must be a fraction in [0, 1)" in capsys.readouterr().out
 
 

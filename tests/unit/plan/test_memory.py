@@ -569,7 +569,7 @@ def test_cli_validate_refuses_over_budget(
     raw["train"]["param_dtype"] = "float32"
     over = tmp_path / "over.yaml"
     over.write_text(yaml.safe_dump(raw))
-    assert cli.main(["validate", str(over)]) == 1
+    assert cli.main(["validate", str(over)]) == 2
     out = capsys.readouterr().out
     assert "FAIL" in out and "hardware.memory_gib" in out
     assert "exceeds 91.20 GiB (96.00 GiB less 5 % hardware.memory_headroom)" in out
@@ -593,7 +593,8 @@ def test_train_preflight_refuses_over_budget(
     code = job.run_job(load_config(config, overrides), config, overrides, out=io.StringIO())
     err = capsys.readouterr().err
     assert code == preflight.EXIT_PREFLIGHT and not out.exists()
-    assert err.startswith("flashcp: cannot launch: the memory plan exceeds 0.00 GiB")
+    assert err.startswith("flashcp: cannot launch: config problem in ") and err.count("\n") == 1
+    assert "hardware.memory_gib: the memory plan exceeds 0.00 GiB" in err
     assert "hardware.memory_gib=null" in err
     preflight.check_memory(load_config(config, ["hardware.memory_gib=1"]))  # fits: no error
 
