@@ -584,4 +584,4 @@ def check_data(cfg: Any, n: int = 64) -> Format | None:
     if cfg.data.path is None or not formats_of(cfg.run.recipe):
         return None
     return detect(read_sample(cfg.data.path, n), recipe=cfg.run.recipe, data=cfg.data,
-                  source=f"data.path {cfg.data.path}")  # fmt: skip
+                  source=str(cfg.data.path))  # fmt: skip

@@ -310,8 +310,11 @@ def model_dir_problems(cfg: Config) -> list[ConfigError]:
 
 def data_problems(cfg: Config) -> list[ConfigError]:
     """A sample of `data.path` and `eval.path` (`DATA_SAMPLE_ROWS` rows, spread over each)
-    read by the recipe's own data class as a rank reads it: tokenizer, format, chat template,
-    bad-record policy, no usable record. Placeholders are left to the config's check."""
+    checked for a format the recipe reads (`flashcp.data.formats.check_data`: else the fields
+    found, the formats accepted and the setting that would read them), then read by the
+    recipe's own data class as a rank reads it: tokenizer, chat template, bad-record policy,
+    no usable record. Placeholders are left to the config's check."""
+    from flashcp.data.formats import check_data
     from flashcp.recipes import RECIPE_CLASSES
     from flashcp.recipes.base import eval_config
 
@@ -324,6 +327,8 @@ def data_problems(cfg: Config) -> list[ConfigError]:
         if path is not None and is_placeholder(path):
             continue
         try:
+            # rows in no format this recipe reads: the fields found, the formats, the setting
+            check_data(each, DATA_SAMPLE_ROWS)
             data_class(each, dp_rank=0, dp_size=1, sample=DATA_SAMPLE_ROWS)
         except (ValueError, OSError) as exc:
             message = _one_line(str(exc))

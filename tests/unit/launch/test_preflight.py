@@ -66,6 +66,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Files the refused runs point at."""
     tmp = tmp_path_factory.mktemp("inputs")
     (tmp / "no_text.jsonl").write_text('{"txt": "a"}\n{"txt": "b"}\n')
+    (tmp / "empty_text.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    (tmp / "qa.jsonl").write_text('{"question": "2+2?", "answer": "4"}\n')
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     (tmp / "chat.jsonl").write_text(json.dumps(chat) + "\n")
     (tmp / "docs.jsonl").write_text('{"text": "a document"}\n')
@@ -88,13 +90,25 @@ REFUSED = [
     ("fa4_flag", GPT, [], {"FLAGS_flash_attn_version": "4"},
      "FlashAttention dispatch: FLAGS_flash_attn_version=4 asks for FA4",
      ["env:FLASHCP_FA4_UNAVAILABLE=fallback"]),
-    ("no_usable_records", GPT, ["data.path={tmp}/no_text.jsonl"], {},
-     "data.path: {tmp}/no_text.jsonl: no usable records (2 rows; 2 bad records skipped: "
-     "missing field 'text'", ["data.path={tmp}/docs.jsonl"]),
+    ("no_usable_records", GPT, ["data.path={tmp}/empty_text.jsonl"], {},
+     "data.path: {tmp}/empty_text.jsonl: no usable records (2 rows; 2 bad records skipped: "
+     "empty text", ["data.path={tmp}/docs.jsonl"]),
+    ("no_format", GPT, ["data.path={tmp}/no_text.jsonl"], {},
+     "data.path: {tmp}/no_text.jsonl: none of the 2 rows sampled is in a format run.recipe "
+     "pretrain reads (`text`: a string): the rows' fields are txt (string); to read them set "
+     "data.text_field=txt", ["data.text_field=txt"]),
+    ("sft_fields", SFT, ["data.path={tmp}/qa.jsonl"], {},
+     "data.path: {tmp}/qa.jsonl: none of the 1 rows sampled is in a format run.recipe sft "
+     "reads (`messages`: [{role, content}]; ShareGPT `conversations`: [{from, value}] "
+     "(human/gpt/system); PaddleFormers `src`, `tgt` (+ `system`); Alpaca `instruction`, "
+     "`input`, `output`; `prompt`, `response` strings (no chat template)): the rows' fields "
+     "are question (string), answer (string); to read them set data.prompt_field=question "
+     "data.response_field=answer",
+     ["data.prompt_field=question", "data.response_field=answer"]),
     ("no_chat_template", SFT, ["data.path={tmp}/chat.jsonl"], {},
      "data.path: {tmp}/chat.jsonl:1: the byte tokenizer has no chat template", ["data.path=null"]),
-    ("eval_no_usable_records", GPT, ["eval.path={tmp}/no_text.jsonl"], {},
-     "eval.path: {tmp}/no_text.jsonl: no usable records", ["eval.path={tmp}/docs.jsonl"]),
+    ("eval_no_usable_records", GPT, ["eval.path={tmp}/empty_text.jsonl"], {},
+     "eval.path: {tmp}/empty_text.jsonl: no usable records", ["eval.path={tmp}/docs.jsonl"]),
     ("mtp_without_tensors", MOE,
      ["model.from_pretrained={mtp_dir}", "data.tokenizer=byte", "data.seq_len=64"], {},
      "model.mtp_layers: {mtp_dir}/config.json declares num_nextn_predict_layers: 1, but the "
