@@ -284,7 +284,7 @@ def _plan(args: argparse.Namespace) -> int:
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.plan import plan
     from flashcp.plan.longest import longest, with_seq_len
-    from flashcp.plan.report import format_longest, format_plan, format_step_time
+    from flashcp.plan.report import format_longest, format_plan, format_step_time, format_summary
     from flashcp.plan.steptime import DEFAULT_MFU, estimate
 
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
@@ -326,6 +326,8 @@ def _plan(args: argparse.Namespace) -> int:
     est = estimate(cfg, mfu=mfu, device=args.device, docs=docs)
     if args.json:
         print(json.dumps({**p.to_json(), "step_time": est.to_json()}))
+    elif args.summary:
+        print(format_summary(p, cfg, source=str(args.config)))
     else:
         print(format_plan(p, cfg, source=str(args.config)))
         print(format_step_time(est))
@@ -520,6 +522,12 @@ def _add_run_commands(sub) -> None:  # type: ignore[no-untyped-def]
         default=None,
         metavar="GiB",
         help="per-node host budget in GiB (default: hardware.host_memory_gib)",
+    )
+    plan.add_argument(
+        "--summary",
+        action="store_true",
+        help="one line per pipeline stage (peak, fits, largest item) and for the host, then "
+        "whether it fits and, when not, the changes that would (as flashcp validate prints)",
     )
     plan.add_argument(
         "--longest",

@@ -293,10 +293,55 @@ def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
     lines += format_host(p)
     for note in p.notes:
         lines.append(f"note: {note}")
-    if p.budget_bytes is not None or (p.host is not None and p.host.budget_bytes is not None):
-        problems = [m for m in (over_budget(p), host_over_budget(p)) if m is not None]
-        lines.append("")
-        lines.append("fits: yes" if not problems else f"fits: NO — {'; '.join(problems)}")
+    lines += ["", *_fits_lines(cfg, p)] if _has_budget(p) else []
+    return "\n".join(lines)
+
+
+def _has_budget(p: Plan) -> bool:
+    return p.budget_bytes is not None or (p.host is not None and p.host.budget_bytes is not None)
+
+
+def _fits_lines(cfg: Config, p: Plan) -> list[str]:
+    """"fits: yes", or "fits: NO" with what is over and the fixes `flashcp validate` prints
+    (`refusal`, `host_refusal`: the same changes, each checked to fit)."""
+    problems = [m for m in (refusal(cfg, p, p.device), host_refusal(p)) if m is not None]
+    return ["fits: yes"] if not problems else [f"fits: NO — {m}" for m in problems]
+
+
+def format_summary(p: Plan, cfg: Config, *, source: str = "") -> str:
+    """`flashcp plan --summary`: one line per pipeline stage (its peak, whether it fits, its
+    largest item) and per kind of node for the host, then whether the job fits (with the
+    fixes when it does not)."""
+    par = cfg.parallel
+    budget = (budget_text(p.budget_bytes, p.headroom, "hardware.memory_headroom")
+              if p.budget_bytes is not None else "none")  # fmt: skip
+    lines = [f"flashcp plan {source}: {len(p.ranks)} rank(s) (dp {par.dp} × pp {par.pp} × cp "
+             f"{par.cp}{f', ep {par.ep}' if par.ep > 1 else ''}), {p.device} "
+             f"{p.compute_dtype}; budget {budget} per device"]  # fmt: skip
+    for r in p.stages():
+        verdict = ""
+        if p.usable_bytes is not None:
+            left = p.usable_bytes - r.total_bytes
+            verdict = (f", fits ({_size(left).strip()} left)" if left >= 0
+                       else f", DOES NOT FIT ({_size(-left).strip()} over)")  # fmt: skip
+        name, size = r.largest_item()
+        lines.append(f"stage {r.stage}: peak {_size(r.total_bytes).strip()} at '{r.moment}'"
+                     f"{verdict}; largest {name} {_size(size).strip()}")  # fmt: skip
+    host = p.host
+    if host is not None and (host.budget_bytes is not None
+                             or any(x.total_bytes for x in host.nodes())):  # fmt: skip
+        x = host.peak
+        verdict = ""
+        if host.usable_bytes is not None:
+            left = host.usable_bytes - x.total_bytes
+            verdict = (f", fits ({_size(left).strip()} left)" if left >= 0
+                       else f", DOES NOT FIT ({_size(-left).strip()} over)")  # fmt: skip
+        name, size = x.largest_item()
+        lines.append(f"host, node {x.node} ({host.ranks_per_node} ranks): peak "
+                     f"{_size(x.total_bytes).strip()} at '{x.moment}'{verdict}; largest {name} "
+                     f"{_size(size).strip()}")  # fmt: skip
+    if _has_budget(p):
+        lines += _fits_lines(cfg, p)
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ import gc
 import io
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -648,3 +649,33 @@ def test_only_the_last_stage_plans_the_loss(tiny_cfg: TinyCfg) -> None:
     whole = plan(tiny_cfg(**merged(sections, train={"loss_chunk_tokens": 0})))
     assert chunked.ranks[0].moments == whole.ranks[0].moments
     assert chunked.ranks[1].moments != whole.ranks[1].moments
+
+
+def test_plan_summary_one_line_per_stage_and_the_fixes_validate_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`flashcp plan --summary`: a line per pipeline stage (peak, fits, largest item) and the
+    host's, then "fits"; a plan that does not fit prints the changes `flashcp validate`
+    prints (the same `refusal`), and the change it names does fit (issue 27)."""
+    from flashcp.launch.preflight import memory_refusal
+
+    config = str(ROOT / "configs" / "glm" / "glm45_air_dpo_lora_pp_cp.yaml")
+    assert cli.main(["plan", config, "--summary"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    stages = [x for x in lines if x.startswith("stage ")]
+    assert len(stages) == 8 and all(", fits (" in x and "; largest " in x for x in stages)
+    assert lines[-1] == "fits: yes" and any(x.startswith("host, node 0") for x in lines)
+    nine = str(ROOT / "configs" / "glm" / "glm4_9b_cp8.yaml")
+    over = ["model.recompute=none", "train.offload_activations=false"]
+    assert cli.main(["plan", nine, *over, "--summary"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^stage 0: peak [\d.]+ GiB at '[^']+', DOES NOT FIT \([\d.]+ GiB over\); "
+                     r"largest activations", out, re.M), out
+    refused = memory_refusal(load_config(nine, over, allow_placeholders=True))
+    assert refused is not None and f"fits: NO — {refused}" in out
+    assert "To fit, set: model.recompute=full (→ 78.72 GiB, 8 devices)" in out
+    # the full plan prints the same fixes; the change they name fits
+    assert cli.main(["plan", nine, *over]) == 1
+    assert f"fits: NO — {refused}" in capsys.readouterr().out
+    assert cli.main(["plan", nine, *over, "model.recompute=full", "--summary"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "fits: yes"
