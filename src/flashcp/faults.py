@@ -10,8 +10,11 @@ Nothing here runs unless `FLASHCP_FAULT` is set; a malformed value is an error (
     FLASHCP_FAULT=sigkill@step3:rank1                   # rank 1 SIGKILLs itself mid-step 3
     FLASHCP_FAULT=crash_in_checkpoint_write@step4       # the writing ranks die inside step_4.tmp/
     FLASHCP_FAULT=save_enospc@step4:rank1               # rank 1's part of checkpoint 4: ENOSPC
+    FLASHCP_FAULT=sigkill@step3:rank1,hang@step5:rank0:attempt1   # then, relaunched, a hang
 
-Each fault is `KIND@stepN[:rankR]` (no rank: every rank). Kinds:
+Each fault is `KIND@stepN[:rankR][:attemptA]` (no rank: every rank). A fault fires in one
+launch attempt only (`flashcp.attempt`: 0, the first launch of a `flashcp train`, unless
+`:attemptA` says otherwise), so a job that restarts after it does not meet it again. Kinds:
 
 * `nan_loss` / `inf_loss`: the model's output (its final hidden states) is multiplied by NaN /
   +Inf on that step, so the rank's loss (and its gradients) are non-finite; the trainer must
@@ -27,6 +30,12 @@ Each fault is `KIND@stepN[:rankR]` (no rank: every rank). Kinds:
   `OSError` ENOSPC (no space left on device), EACCES (permission denied) or EIO (an I/O error)
   before it writes a file (every rank has a part, if only an empty one): the failed-save path
   (`flashcp.checkpoint.saving`).
+* `hang`: the rank stops answering right after its forward pass of that step (it sleeps,
+  deaf to SIGTERM, until it is killed): its peers' collectives time out (the watchdog).
+* `slow`: from step N on, the rank sleeps `FLASHCP_FAULT_SLOW_S` seconds (default 0.3) after
+  each forward pass: a straggler (`flashcp.metrics.straggler`).
+* `sigterm`: the rank sends itself SIGTERM right after its forward pass of that step: a
+  pre-emption of one rank (`flashcp.launch.preempt`).
 
 Wiring: `install(trainer)` (called by `flashcp.launch.worker` after building the trainer) adds the
 forward/gradient hooks; the checkpoint writers call `on_checkpoint_write` (after each file) and
@@ -42,10 +51,13 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from flashcp.attempt import current as current_attempt
 
 ENV_FAULT = "FLASHCP_FAULT"
 KINDS: tuple[str, ...] = (
@@ -57,6 +69,9 @@ KINDS: tuple[str, ...] = (
     "save_enospc",
     "save_eacces",
     "save_eio",
+    "hang",
+    "slow",
+    "sigterm",
 )
 SAVE_ERRORS: dict[str, int] = {
     "save_enospc": errno.ENOSPC,
@@ -64,7 +79,14 @@ SAVE_ERRORS: dict[str, int] = {
     "save_eio": errno.EIO,
 }
 """The failed-save kinds and the errno each raises."""
-_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
+FORWARD_KINDS = ("nan_loss", "inf_loss", "sigkill", "hang", "slow", "sigterm")
+"""The kinds applied by the forward post-hook (`forward_hook`)."""
+ENV_SLOW = "FLASHCP_FAULT_SLOW_S"
+"""Seconds a `slow` rank sleeps after each forward pass (default `SLOW_SECONDS`)."""
+SLOW_SECONDS = 0.3
+_SPEC = re.compile(
+    r"^(?P<kind>[a-z_]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?(?::attempt(?P<attempt>\d+))?$"
+)
 
 
 class FaultSpecError(ValueError):
@@ -73,14 +95,19 @@ class FaultSpecError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault: what, at which optimizer step (1-based), on which rank (None: all)."""
+    """One injected fault: what, at which optimizer step (1-based), on which rank (None: all),
+    in which launch attempt (`flashcp.attempt`)."""
 
     kind: str
     step: int
     rank: int | None = None
+    attempt: int = 0
 
     def hits(self, step: int, rank: int) -> bool:
-        return step == self.step and (self.rank is None or self.rank == rank)
+        """Whether it fires at `step` on `rank` (of this process's attempt): at its step, or
+        from it on for `slow`."""
+        at = step >= self.step if self.kind == "slow" else step == self.step
+        return at and (self.rank is None or self.rank == rank)
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -92,7 +119,7 @@ def parse_faults(text: str | None) -> list[Fault]:
         m = _SPEC.match(item)
         if m is None:
             raise FaultSpecError(
-                f"{ENV_FAULT}: cannot parse {item!r}: expected KIND@stepN or KIND@stepN:rankR "
+                f"{ENV_FAULT}: cannot parse {item!r}: expected KIND@stepN[:rankR][:attemptA] "
                 f"(e.g. nan_loss@step3:rank1) with KIND one of {', '.join(KINDS)}"
             )
         kind = m.group("kind")
@@ -104,14 +131,16 @@ def parse_faults(text: str | None) -> list[Fault]:
         step = int(m.group("step"))
         if step < 1:
             raise FaultSpecError(f"{ENV_FAULT}: {item!r}: steps count from 1 (use @step1 or later)")
-        rank = m.group("rank")
-        faults.append(Fault(kind, step, None if rank is None else int(rank)))
+        rank, attempt = m.group("rank"), m.group("attempt")
+        faults.append(Fault(kind, step, None if rank is None else int(rank),
+                            int(attempt or 0)))  # fmt: skip
     return faults
 
 
 def active_faults() -> list[Fault]:
-    """The faults `FLASHCP_FAULT` asks for in this process."""
-    return parse_faults(os.environ.get(ENV_FAULT))
+    """The faults `FLASHCP_FAULT` asks for in this process's launch attempt."""
+    index = current_attempt().index
+    return [f for f in parse_faults(os.environ.get(ENV_FAULT)) if f.attempt == index]
 
 
 def _rank() -> int:
@@ -136,6 +165,25 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _hang() -> None:
+    """Stop answering: sleep (SIGTERM ignored) until killed, like a rank stuck in a kernel."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1.0)
+
+
+def slow_seconds() -> float:
+    """How long a `slow` rank sleeps per step (`FLASHCP_FAULT_SLOW_S`)."""
+    raw = os.environ.get(ENV_SLOW, "").strip()
+    try:
+        return float(raw) if raw else SLOW_SECONDS
+    except ValueError:
+        raise FaultSpecError(f"{ENV_SLOW}={raw!r} is not a number of seconds") from None
+
+
 def _poison(output: Any, factor: float) -> Any:
     """`output` times `factor`: a tensor, or the floating tensors of a tuple/list/dict."""
     if isinstance(output, (tuple, list)):
@@ -150,8 +198,10 @@ def _poison(output: Any, factor: float) -> Any:
 def forward_hook(
     faults: list[Fault], rank: int, current_step: Callable[[], int]
 ) -> Callable[[Any, Any, Any], Any]:
-    """A forward post-hook applying `nan_loss`, `inf_loss` and `sigkill` to the model output."""
+    """A forward post-hook applying `nan_loss`, `inf_loss`, `sigkill`, `hang`, `slow` and
+    `sigterm` after the model's forward pass."""
     announced: set[Fault] = set()
+    pause = slow_seconds() if any(f.kind == "slow" for f in faults) else 0.0
 
     def hook(_layer: Any, _inputs: Any, output: Any) -> Any:
         step = current_step()
@@ -161,6 +211,18 @@ def forward_hook(
             if fault.kind == "sigkill":
                 _announce(fault, rank, "SIGKILL after the forward pass")
                 _kill_self()
+            if fault.kind == "hang":
+                _announce(fault, rank, "stops answering after the forward pass")
+                _hang()
+            if fault.kind == "slow":
+                if fault not in announced:
+                    _announce(fault, rank, f"{pause:g} s more per step from here on")
+                    announced.add(fault)
+                time.sleep(pause)
+            if fault.kind == "sigterm" and fault not in announced:
+                _announce(fault, rank, "SIGTERM to itself after the forward pass")
+                announced.add(fault)
+                os.kill(os.getpid(), signal.SIGTERM)
             if fault.kind in ("nan_loss", "inf_loss"):
                 if fault not in announced:
                     _announce(fault, rank, "model output made non-finite")
@@ -206,7 +268,7 @@ def install(trainer: Any, faults: list[Fault] | None = None) -> list[Fault]:
     def current_step() -> int:
         return int(trainer.step) + 1
 
-    if any(f.kind in ("nan_loss", "inf_loss", "sigkill") for f in mine):
+    if any(f.kind in FORWARD_KINDS for f in mine):
         trainer.model.register_forward_post_hook(forward_hook(mine, rank, current_step))
     if any(f.kind == "nan_grad" for f in mine):
         params = list(getattr(trainer, "params", []))

@@ -67,6 +67,7 @@ from flashcp.metrics import flops, memory, tracking
 from flashcp.optim.lr import describe as lr_schedule
 from flashcp.optim.zero import MasterOptimizer
 from flashcp.plan import plan
+from flashcp.plan.steptime import estimate
 
 RUN_INFO_FILE = "run_info.json"
 COMMAND_ENV = "FLASHCP_COMMAND"
@@ -413,3 +414,43 @@ def write_run_info(trainer: Any) -> Path | None:
     tmp.write_text(json.dumps(run_info(trainer.cfg, trainer, ranks), indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def preempt_seconds(step_s: float | None, save_s: float) -> float:
+    """Seconds a pre-emption may take: up to two steps (a signal that arrives after a step's
+    numbers were exchanged is acted on at the next step, `flashcp.launch.preempt`), then the
+    save."""
+    return 2.0 * (step_s or 0.0) + save_s
+
+
+def grace_warning(cfg: Config, *, step_s: float | None, save_s: float, basis: str) -> str | None:
+    """The warning when `run.preempt_grace_s` cannot fit a pre-emption (`preempt_seconds`) of
+    steps of `step_s` (None: unknown) and a save of `save_s` (`basis`: where that comes from);
+    None when it fits."""
+    need = preempt_seconds(step_s, save_s)
+    grace = cfg.run.preempt_grace_s
+    if need <= grace:
+        return None
+    steps = f"up to two steps of {step_s:.3g} s and " if step_s else ""
+    return (
+        f"warning: run.preempt_grace_s is {grace:g} s but a pre-emption here needs about "
+        f"{need:.3g} s ({steps}a save of {basis}): raise run.preempt_grace_s and the "
+        "scheduler's grace period to fit it, or a pre-empted run loses the steps since its last "
+        "checkpoint"
+    )
+
+
+def planned_grace_warning(cfg: Config, device: str | None = None) -> str | None:
+    """`grace_warning` by the plan, at start: the most bytes one rank writes per checkpoint
+    (`flashcp.plan`) at `hardware.checkpoint_write_gb_per_s`, and the plan's step-time estimate
+    (with `hardware.peak_tflops`); None without a write bandwidth (the first save is judged
+    instead) or when it fits."""
+    bandwidth = cfg.hardware.checkpoint_write_gb_per_s
+    if bandwidth is None:
+        return None
+    p = plan(cfg, device=device)
+    most = max((r.checkpoint_bytes for r in p.host.ranks), default=0) if p.host else 0
+    step = estimate(cfg, device=device).seconds
+    return grace_warning(cfg, step_s=step, save_s=most / (bandwidth * 1e9),
+                         basis=f"{most / 2**30:.3g} GiB per writer at {bandwidth:g} GB/s, by the "
+                         "plan")  # fmt: skip

@@ -18,7 +18,8 @@ reserved with `mkdir` first, so two moves cannot collide) before any process sta
 writes into a fresh directory. Ranks never move anything (ranks of one job would race, and a
 job may span hosts): a rank that finds an earlier run while `run.overwrite` is true refuses and
 points at `flashcp train`. A directory holding only `logs/` (what the launcher writes before
-the ranks start) is not an earlier run.
+the ranks start) is not an earlier run. Ranks relaunched by an automatic restart
+(`flashcp.attempt`: attempt > 0) skip the check: what they find there is their own run's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import time
 from pathlib import Path
 
+from flashcp.attempt import current as current_attempt
 from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
 from flashcp.metrics.writer import METRICS_FILE
 
@@ -115,7 +117,10 @@ def start_conflict(output_dir: str | Path, resume: str, overwrite: bool) -> str 
 
 
 def check_start(output_dir: str | Path, resume: str, overwrite: bool) -> None:
-    """Raise `RunDirError` when a run cannot start in `output_dir` (`start_conflict`)."""
+    """Raise `RunDirError` when a run cannot start in `output_dir` (`start_conflict`); never
+    in a relaunch of the same run (`flashcp.attempt`)."""
+    if current_attempt().relaunch:
+        return
     if (problem := start_conflict(output_dir, resume, overwrite)) is not None:
         raise RunDirError(problem)
 

@@ -9,12 +9,19 @@ step's numbers (`flashcp.metrics.step_sums`) → non-finite stop/skip, or reduce
 one global norm and step AdamW → metrics, eval and checkpoints when due. The walk-through,
 module by module: docs/architecture.md ("One step, end to end", "The trainer, recipes and
 parallelize").
+
+Long jobs: the step's exchange also carries each rank's pre-emption request (`stop`, set by
+a signal: `flashcp.launch.preempt`) and its compute time; at the step boundary the loop asks
+"stop now?" (every rank gets the same answer from the exchange) and then saves and returns
+`preempted`. Compute times name stragglers (`flashcp.metrics.straggler`); rank 0 keeps the
+goodput ledger (`flashcp.metrics.goodput`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,20 +32,23 @@ import numpy as np
 import paddle
 
 from flashcp import dispatch, rundir
+from flashcp.attempt import current as current_attempt
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
-from flashcp.checkpoint.saving import SaveReport
+from flashcp.checkpoint.saving import SAVED, STALL, SaveReport
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
 from flashcp.data.epochs import steps_for_epochs
-from flashcp.distributed import ParallelGroups, barrier, startup_phase
+from flashcp.distributed import ParallelGroups, barrier, startup_phase, waited_seconds
 from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
 from flashcp.log import log_once
 from flashcp.lora.setup import LoRASetup
 from flashcp.metrics import memory, tracking
+from flashcp.metrics.goodput import Goodput
 from flashcp.metrics.moe_stats import RouterStats
 from flashcp.metrics.step_sums import StepSums
+from flashcp.metrics.straggler import StragglerWatch
 from flashcp.metrics.writer import MetricsWriter, StepMetrics
 from flashcp.models import build_model
 from flashcp.models.base import StageSpec
@@ -54,8 +64,19 @@ from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
 from flashcp.recipes import build_recipe
 from flashcp.recipes.base import Recipe, StepSource, normalised
-from flashcp.run_info import RunEnd, RunFacts, banner, finish_run_info, summary, write_run_info
+from flashcp.run_info import (
+    RunEnd,
+    RunFacts,
+    banner,
+    finish_run_info,
+    grace_warning,
+    planned_grace_warning,
+    summary,
+    write_run_info,
+)
 from flashcp.runtime import forward_context, process_groups, resolve_runtime, seed_rngs, use_device
+
+_SIGNALS = {int(s) for s in signal.Signals}
 
 
 class NonFiniteError(RuntimeError):
@@ -70,6 +91,8 @@ class TrainResult:
     final_step: int
     metrics: list[StepMetrics] = field(default_factory=list)
     resumed_from: Path | None = None
+    preempted: bool = False
+    """Stopped early at a pre-emption request, after saving a checkpoint."""
 
 
 def default_model_factory(cfg: Config, stage: StageSpec | None = None) -> paddle.nn.Layer:
@@ -172,7 +195,8 @@ class Trainer:
     holds the full model — and `data` replaces the recipe's step source (tests pass small
     stand-ins for both). Initial values depend on (train.seed, parameter name) only, so each
     stage starts from exactly the weights one process would have. `self.model` is this rank's
-    module (a `CausalLM`: the whole model, or its stage).
+    module (a `CausalLM`: the whole model, or its stage). `stop()` is this rank's pre-emption
+    request (0: none, else the signal's number; `flashcp.launch.preempt.StopSignals`).
     """
 
     @startup_phase()  # ranks build at their own pace: collectives wait the start-up timeout
@@ -184,10 +208,14 @@ class Trainer:
         model_factory: Callable[[Config, StageSpec], paddle.nn.Layer] | None = None,
         data: StepSource | None = None,
         stream: TextIO | None = None,
+        stop: Callable[[], int] | None = None,
     ) -> None:
         self.started = time.time()
         """When this run began (its build included): `run_info.json` and the last line."""
         self.cfg, self.stream = cfg, stream
+        self.stop_requested: Callable[[], int] = stop or (lambda: 0)
+        self.stop_ranks: dict[int, int] = {}
+        """Ranks that asked to stop, as the last step's exchange told (rank → signal)."""
         self.groups = groups = process_groups(cfg, groups)
         device, dtype = resolve_runtime(cfg)
         use_device(device)
@@ -221,6 +249,17 @@ class Trainer:
             cfg, groups, device=device, dtype=dtype, layers=spec.layers, seq_len=self.data.seq_len
         )
         """Device, compute dtype, layers, global batch, FLOPs per token of this run."""
+        dims = groups.dims
+        self.stragglers = StragglerWatch(
+            [dims.coords(r)["pp"] for r in range(int(groups.world.nranks))],
+            ratio=cfg.run.straggler_ratio, window=cfg.run.straggler_window,
+        )  # fmt: skip
+        self.goodput = Goodput(cfg.run.output_dir, attempt=current_attempt(),
+                               enabled=int(groups.rank) == 0)  # fmt: skip
+        """Rank 0's goodput ledger (`goodput.json`)."""
+        self._grace_judged = False
+        self._save_stalls: dict[int, float] = {}
+        """The stall of each save by step, until the first commit is judged (grace)."""
         self.step = self.consumed_tokens = 0
         """The last step done, and the tokens (padding included) the whole job trained on."""
 
@@ -260,6 +299,7 @@ class Trainer:
         batches = self.data.next_step()
         norm, targets = all_reduce_values(recipe.count(batches), [self.groups.dp])
         computing = time.perf_counter()  # the dp ranks left that reduction together
+        waited = waited_seconds()
         micro = self.runner.micro_batches(batches)
         recipe.prepare(micro, self.runner)
         loss_fn = normalised(recipe.loss, float(max(int(round(norm)), 1)))
@@ -267,13 +307,20 @@ class Trainer:
         with loss_scale_context(1.0 / (len(micro) * int(self.groups.dp.nranks))):
             losses, stats = self.runner.train(micro, loss_fn)
         busy = time.perf_counter() - computing  # this rank's forward and backward
-        sums = self._step_sums(losses, stats, busy)
+        compute = busy - (waited_seconds() - waited)  # less its waits in collectives
+        sums = self._step_sums(losses, stats, busy, compute)
+        self.stop_ranks = {r: int(v) for r, v in enumerate(sums["stop"]) if v}
         loss = float(sums["loss"][0])
         bad_loss, bad_grads = (np.flatnonzero(sums[k]).tolist() for k in ("bad_loss", "bad_grads"))
         finished = recipe.finish(sums["recipe"]) if recipe.step_metrics else {}
         extra = {key: finished[key] for key in recipe.step_metrics}
         extra.update(self.data.balance_metrics())  # modelled (flashcp.data.balance), measured:
         extra["balance/rank_time_max_over_mean"] = imbalance(sums["busy"])
+        straggler, change = self.stragglers.observe(sums["compute"])
+        if straggler is not None:
+            extra.update(straggler.metrics())
+        if change is not None:
+            self.echo(change)
         if self.router is not None:
             extra.update(self.router.metrics(sums["routing"]))
         if "offload_host" in sums:  # the most any rank's host copies held during the step
@@ -305,10 +352,11 @@ class Trainer:
         )  # fmt: skip
 
     def _step_sums(
-        self, losses: list[float], stats: np.ndarray | None, busy: float
+        self, losses: list[float], stats: np.ndarray | None, busy: float, compute: float
     ) -> dict[str, np.ndarray]:
-        """The step's loss, per-rank non-finite flags, memory peaks and busy times (`busy`: s
-        from the count's reduction to the end of backward), the recipe's statistics and the
+        """The step's loss, per-rank non-finite flags, memory peaks, busy times (`busy`: s
+        from the count's reduction to the end of backward; `compute`: that less the rank's
+        waits in collectives) and pre-emption requests, the recipe's statistics and the
         routers' loads, summed over the step groups in one all-reduce (a replicated recipe's
         loss and statistics count on cp rank 0 only: `Recipe.counted`)."""
         counted = self.recipe.counted()
@@ -320,6 +368,8 @@ class Trainer:
         sums.per_rank("peak", memory.peak_bytes())
         sums.per_rank("rss", memory.peak_rss_bytes())
         sums.per_rank("busy", busy)
+        sums.per_rank("compute", compute)
+        sums.per_rank("stop", float(self.stop_requested()))
         if self.cfg.train.offload_activations:
             sums.per_rank("offload_host", take_host_peak())
         mine = stats if counted and stats is not None else np.zeros(len(self.recipe.stats))
@@ -371,6 +421,8 @@ class Trainer:
         self.echo(banner(self))
         if source is not None:
             self.echo(f"resumed from {source} at step {start}")
+        if main and (warning := planned_grace_warning(cfg, self.facts.device)):
+            self.echo(warning)
         writer = MetricsWriter(
             output_dir, enabled=main, total_steps=cfg.train.steps, log_every=cfg.train.log_every,
             start_step=start, stream=self.stream,
@@ -380,6 +432,7 @@ class Trainer:
         end, end_all = self.last_step, cfg.train.steps
         evaluated: dict[str, float] = {}
         failure: BaseException | None = None
+        self.goodput.start(start if source is not None else None)
         try:
             while self.step < end:
                 m = self.train_step()
@@ -387,19 +440,31 @@ class Trainer:
                 if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
                     results = self.evaluate()
                     m.extra.update(results)  # the step's record carries its eval/... values
-                # every checkpoint.every steps, and the last one (checkpoint.save_last)
-                saved = self._checkpoint(cfg.checkpoint.due(self.step, end), last=self.step == end)
+                # "stop now?": every rank has the same answer, from the step's exchange
+                stopping = bool(self.stop_ranks) and self.step < end
+                # every checkpoint.every steps, the last one (checkpoint.save_last), and a
+                # pre-emption's
+                due = cfg.checkpoint.due(self.step, end) or stopping
+                saved = self._checkpoint(due, last=self.step == end or stopping)
                 m.extra.update(saved.metrics)  # checkpoint/stall_s, ... of this boundary
+                warning = self._account(m, saved, due)
+                m.extra.update(self.goodput.metrics())
                 writer.log(m)
                 if results:
                     writer.echo(format_eval(self.step, results))
                     evaluated = results
-                for line in saved.messages:
+                if stopping:
+                    writer.echo(self._stop_message())
+                for line in [*saved.messages, *([warning] if warning else [])]:
                     writer.echo(line)
                 result.metrics.append(m)
                 result.final_step = self.step
+                if stopping:
+                    result.preempted = True
+                    break
             if self.checkpointer.lora is not None and self.step >= cfg.train.steps:
                 self._finish_lora(writer)
+            self.goodput.finish(complete=self.step >= cfg.train.steps)
         except BaseException as exc:
             failure = exc
             raise
@@ -411,7 +476,8 @@ class Trainer:
 
     def _checkpoint(self, due: bool, *, last: bool) -> SaveReport:
         """The checkpoint's share of a step boundary (collective): save when `due`, else let
-        an asynchronous save in flight commit; at the `last` step, wait for it to commit."""
+        an asynchronous save in flight commit; at the `last` step (or a pre-emption's), wait
+        for it to commit."""
         ck = self.checkpointer
         report = ck.save(self.step, self.consumed_tokens) if due else ck.poll()
         return report.merge(ck.finish()) if last else report
@@ -424,6 +490,8 @@ class Trainer:
         cfg = self.cfg
         if failure is not None:
             status = f"failed: {type(failure).__name__}"
+        elif result.preempted:
+            status = "pre-empted"
         else:
             status = "completed" if self.step >= cfg.train.steps else "stopped"
         saved = list_checkpoints(Path(cfg.run.output_dir) / CHECKPOINT_DIR)
@@ -437,6 +505,38 @@ class Trainer:
         finish_run_info(cfg.run.output_dir, done)
         if failure is None:
             self.echo(summary(cfg.run.recipe, cfg.run.output_dir, done))
+
+    def _account(self, m: StepMetrics, saved: SaveReport, due: bool) -> str | None:
+        """The step and its boundary's checkpoint stall in the goodput ledger; once the first
+        save has committed, whether a pre-emption (up to two steps and a whole save: its
+        stall, and with `checkpoint.async` its background write) fits `run.preempt_grace_s`
+        (the warning to print when it does not)."""
+        stall = float(saved.metrics.get(STALL, 0.0))
+        self.goodput.step(self.step, m.step_time_s)
+        self.goodput.checkpoint(self.step if due else None, stall)
+        if due:
+            self._save_stalls[self.step] = stall
+        committed = saved.metrics.get(SAVED)
+        if self._grace_judged or committed is None:
+            return None
+        self._grace_judged = True
+        step = int(committed)
+        save_s = self._save_stalls.get(step, stall)
+        if self.cfg.checkpoint.async_:
+            save_s += self.checkpointer.saves.last_write_s
+        basis = f"{save_s:.3g} s, as the one of step {step} took"
+        return grace_warning(self.cfg, step_s=m.step_time_s, save_s=save_s, basis=basis)
+
+    def _stop_message(self) -> str:
+        """What rank 0 says when the step's exchange carried a pre-emption request."""
+        asked = ", ".join(
+            f"{r} ({signal.Signals(s).name if s in _SIGNALS else f'signal {s}'})"
+            for r, s in sorted(self.stop_ranks.items())
+        )
+        return (
+            f"pre-emption requested on rank(s) {asked}: saving step {self.step} and stopping "
+            "(run the same command again to resume)"
+        )
 
     def _finish_lora(self, writer: MetricsWriter) -> None:
         """Export the adapters (and the merged model when `lora.merge_at_end`)."""

@@ -1,12 +1,21 @@
-"""Faults in real `flashcp train` jobs: a killed rank, a torn checkpoint, NaN/Inf.
+"""Faults in real `flashcp train` jobs: a killed rank, a hang, pre-emption, a torn checkpoint,
+NaN/Inf.
 
 * A rank SIGKILLed mid-step: the job exits non-zero well within 60 s, names the dead rank, and
   leaves no process behind (checked through the launch marker).
-* A crash while rank 0 writes `step_N.tmp/`: the previous checkpoint stays intact and
-  `checkpoint.resume: auto` continues from it, reproducing the golden losses; a corrupted
-  checkpoint is refused naming the file and its checksum (exit 4), or skipped by `auto`.
-* NaN in the loss: exit 3 naming the step and the rank; with `train.on_nonfinite: skip` the
-  job continues, says which steps it skipped, and `metrics.jsonl` marks them.
+* Automatic restarts (`run.max_restarts`): one job loses a rank to SIGKILL, then (relaunched)
+  a rank hangs until the collective watchdog ends its peer; it is relaunched each time from
+  the latest complete checkpoint and ends bitwise where an uninterrupted run ends (every
+  loss, the final weights and optimizer state), with both restarts in `restarts.jsonl`.
+* Pre-emption: SIGTERM to one rank, then SIGUSR1 to `flashcp train` itself: every rank
+  finishes its step, saves, exits 75; the same command resumes, and the run ends bitwise as
+  the uninterrupted one. A rank made slow meanwhile is named a straggler.
+* A crash while rank 0 writes `step_N.tmp/`: the previous checkpoint stays intact and the
+  automatic restart continues from it, reproducing the golden losses; a corrupted checkpoint is
+  refused naming the file and its checksum (exit 4, never restarted), or skipped by `auto`.
+* NaN in the loss: exit 3 naming the step and the rank (never restarted); with
+  `train.on_nonfinite: skip` the job continues, says which steps it skipped, and
+  `metrics.jsonl` marks them.
 * Asynchronous checkpoints: a failed save (ENOSPC on one rank) is survived, a rank killed by
   its own background writer leaves the previous checkpoint the latest, and the resumed run
   ends bitwise equal to an uninterrupted one.
@@ -26,9 +35,11 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from bench import jobs
-from flashcp.checkpoint.format import verify_checkpoint
+from flashcp.checkpoint.format import MODEL_FILE, OPTIMIZER_FILE, verify_checkpoint
+from flashcp.launch import outcome, restart
 from flashcp.launch.supervise import alive
 from helpers.launch import kill_marked, marked_pids
 
@@ -105,6 +116,131 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# -- long jobs: restarts and pre-emption, against one uninterrupted run -----------------------
+
+LONG = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=2"]
+"""The long-job tests' run: 8 steps, a checkpoint every 2."""
+WATCHDOG_S = "12"
+"""The collective timeout of the hang test: a hung rank is found after this long."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`LONG` run once without a fault: what every interrupted run must end as, bitwise."""
+    run = jobs.run_flashcp(GPT2, LONG, tmp_path_factory.mktemp("uninterrupted") / "run")
+    assert jobs.hygiene_problems(run) == [], run.summary()
+    return run.out_dir
+
+
+def _same_run(out: Path, ref: Path) -> None:
+    """`out` ended bitwise as `ref`: one record per step with the same loss and gradient norm,
+    and the same final weights and optimizer state."""
+    got, want = _metrics(out), _metrics(ref)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 9))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
+    for name in (MODEL_FILE, OPTIMIZER_FILE):
+        a = load_file(str(out / "checkpoints" / "step_8" / name))
+        b = load_file(str(ref / "checkpoints" / "step_8" / name))
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), name
+
+
+PREEMPTION_LINE = re.compile(r"pre-emption requested on rank|\[flashcp fault\] .*: sigterm")
+
+
+def _preempted_cleanly(run: jobs.JobRun) -> list[str]:
+    """`jobs.hygiene_problems` of a pre-empted job (exit 75): its logs may name SIGTERM only
+    in the pre-emption's own lines (the request, the injected signal)."""
+    logs = [run.log(rank) for rank in range(run.nproc)] + [run.launcher_log()]
+    named = [line for text in logs for line in text.splitlines() if "SIGTERM" in line]
+    strays = [line for line in named if not PREEMPTION_LINE.search(line)]
+    problems = jobs.hygiene_problems(run, expect_code=outcome.EXIT_PREEMPTED)
+    return strays + [p for p in problems if not p.endswith("contains 'SIGTERM'")]
+
+
+def _last_exit_codes(run: jobs.JobRun) -> list[int]:
+    """Each rank's exit code in its last launch (the rank logs hold every launch's)."""
+    return [jobs.rank_exit_codes(run.log(rank))[-1] for rank in range(run.nproc)]
+
+
+@pytest.mark.timeout(400)
+def test_restarts_after_a_killed_and_a_hung_rank(tmp_path: Path, uninterrupted: Path) -> None:
+    """Rank 1 SIGKILLed at step 3; relaunched from step_2, rank 0 hangs at step 5 and rank 1's
+    watchdog ends the launch; relaunched from step_4, the run finishes."""
+    run = jobs.run_flashcp(
+        GPT2, [*LONG, "run.max_restarts=3", "run.restart_backoff_s=0.5"], tmp_path / "run",
+        env={"FLASHCP_FAULT": "sigkill@step3:rank1,hang@step5:rank0:attempt1",
+             "FLASHCP_COLLECTIVE_TIMEOUT": WATCHDOG_S}, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and not run.timed_out, run.summary()
+    assert run.leftover == [] and _last_exit_codes(run) == [0, 0], run.summary()
+    records = restart.read_records(run.out_dir)
+    assert [(r["restart"], r["cause"], r["rank"], r["resume_step"], r["backoff_s"])
+            for r in records] == [(1, "killed", 1, 2, 0.5), (2, "hang", 0, 4, 1.0)]  # fmt: skip
+    ckpts = run.out_dir / "checkpoints"
+    for step in (2, 4):
+        assert f"resumed from {ckpts / f'step_{step}'} at step {step}" in run.output
+    assert "restart 2 of 3 (run.max_restarts) after hang of rank 0" in run.output
+    assert "timed out after 12 s on rank 1: rank 0 may be dead, hung" in run.output
+    assert run.output.count("flashcp: launching 2 process(es)") == 3
+    _same_run(run.out_dir, uninterrupted)
+    ledger = json.loads((run.out_dir / "goodput.json").read_text())
+    assert ledger["complete"] and ledger["restarts"] == 2 and ledger["step"] == 8
+    assert ledger["restart_s"] > float(WATCHDOG_S)  # the hang's wait is time lost to it
+    assert _metrics(run.out_dir)[-1]["restarts"] == 2
+
+
+@pytest.mark.timeout(400)
+def test_preemption_saves_and_the_same_command_resumes(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    """SIGTERM to rank 1 at step 3 (the fault); then, started again, SIGUSR1 to `flashcp train`
+    once step 5 is recorded, while rank 1 runs slow; then started again to the end."""
+    out = tmp_path / "run"
+    args = [*LONG, "run.max_restarts=2", "run.straggler_window=2"]
+    one = jobs.run_flashcp(GPT2, args, out, env={"FLASHCP_FAULT": "sigterm@step3:rank1"})
+    assert _preempted_cleanly(one) == [], one.summary()
+    assert "pre-emption requested on rank(s) 1 (SIGTERM): saving step 3" in one.output
+    assert "pre-empted: every rank saved and stopped; run the same command again" in one.output
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+    assert verify_checkpoint(out / "checkpoints" / "step_3") == []
+    assert not (out / "restarts.jsonl").exists()  # a pre-emption is never restarted
+
+    marker = uuid.uuid4().hex
+    env = {"FLASHCP_FAULT": "slow@step1:rank1", "FLASHCP_FAULT_SLOW_S": "0.4"}
+    proc = jobs.start_flashcp(GPT2, [*args, f"run.output_dir={out}"], marker, env)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(r["step"] >= 5 for r in _metrics(out)):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGUSR1)
+        signalled = time.monotonic()
+        text, _ = proc.communicate(timeout=120)
+        assert proc.returncode == outcome.EXIT_PREEMPTED, text
+        assert time.monotonic() - signalled < 120  # run.preempt_grace_s
+        assert jobs.leftover_after(marker) == []
+    finally:
+        kill_marked(marker)
+    assert "pre-emption (SIGUSR1): passed on to 2 rank(s)" in text
+    assert "(SIGUSR1): saving step" in text
+    assert f"resumed from {out / 'checkpoints' / 'step_3'}" in text
+    assert "straggler: rank 1 computed" in text
+    slow = [r for r in _metrics(out) if r["step"] > 3 and "straggler/rank" in r]
+    assert slow and all(r["straggler/rank"] == 1 and r["straggler/ratio"] > 1.2 for r in slow)
+    stopped_at = _metrics(out)[-1]["step"]
+    assert 5 <= stopped_at < 8
+    assert verify_checkpoint(out / "checkpoints" / f"step_{stopped_at}") == []
+
+    three = jobs.run_flashcp(GPT2, args, out)
+    assert jobs.hygiene_problems(three) == [], three.summary()
+    assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'}" in three.output
+    _same_run(out, uninterrupted)
+    ledger = json.loads((out / "goodput.json").read_text())
+    assert ledger["complete"] and ledger["restarts"] == 0 and ledger["startup_s"] > 0
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -117,35 +253,39 @@ def test_crash_during_checkpoint_write_then_resume_and_corruption(tmp_path: Path
     ckpts = out / "checkpoints"
     args = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=2"]
 
-    # 1. rank 0 dies inside step_4.tmp/: step_2 must stay intact, step_4 must not appear
+    # 1. rank 0 dies inside step_4.tmp/ (step_4 never appears, step_2 stays intact); the
+    #    automatic restart resumes from step_2, never from the torn write, and the run ends on
+    #    the golden losses
     crashed = jobs.run_flashcp(
-        GPT2, args, out, env={"FLASHCP_FAULT": "crash_in_checkpoint_write@step4"}
-    )
-    assert crashed.returncode != 0 and not crashed.timed_out, crashed.summary()
+        GPT2, [*args, "run.max_restarts=1", "run.restart_backoff_s=0"], out,
+        env={"FLASHCP_FAULT": "crash_in_checkpoint_write@step4"},
+    )  # fmt: skip
+    assert crashed.returncode == 0 and not crashed.timed_out, crashed.summary()
     assert "rank 0 died without writing an error" in crashed.output, crashed.output
     assert crashed.leftover == []
-    assert (ckpts / "step_4.tmp" / "model.safetensors").is_file()
-    assert not (ckpts / "step_4").exists()
-    assert verify_checkpoint(ckpts / "step_2") == []
-
-    # 2. resume: auto picks step_2 and the run ends on the golden losses
-    resumed = jobs.run_flashcp(GPT2, args, out)
-    assert jobs.hygiene_problems(resumed) == [], resumed.summary()
-    assert f"resumed from {ckpts / 'step_2'} at step 2" in resumed.output
+    (record,) = restart.read_records(out)
+    assert (record["cause"], record["rank"], record["resume_step"]) == ("killed", 0, 2)
+    assert f"resumed from {ckpts / 'step_2'} at step 2" in crashed.output
+    assert "skipping broken checkpoint" not in crashed.output
     golden = jobs.load_golden()["jobs"][GPT2]
-    losses = resumed.losses()
+    losses = crashed.losses()
     for step in golden["losses"]:
         result = jobs.compare_loss(golden, step, losses[int(step)])
         assert result.ok, result.describe()
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_4"]  # .tmp cleaned
+    assert verify_checkpoint(ckpts / "step_4") == []
 
-    # 3. a corrupted file (same size, one byte flipped) is refused, naming file and checksum
+    # 3. a corrupted file (same size, one byte flipped) is refused, naming file and checksum,
+    #    and never restarted
     _flip_byte(ckpts / "step_4" / "optimizer.safetensors")
-    refused = jobs.run_flashcp(GPT2, [*args, f"checkpoint.resume={ckpts / 'step_4'}"], out)
+    refused = jobs.run_flashcp(
+        GPT2, [*args, f"checkpoint.resume={ckpts / 'step_4'}", "run.max_restarts=2"], out
+    )
     assert refused.returncode == 4, refused.summary()
     assert "is broken and was not loaded" in refused.output
     assert "optimizer.safetensors does not match its sha256 checksum" in refused.output
-    assert refused.leftover == []
+    assert "not restarting: a broken checkpoint (exit 4)" in refused.output
+    assert refused.leftover == [] and len(restart.read_records(out)) == 1
 
     # 4. resume: auto skips it with a warning and continues from the intact step_2
     fallback = jobs.run_flashcp(GPT2, ["train.steps=6", *args[1:]], out)
@@ -220,14 +360,18 @@ def test_async_saves_survive_a_failed_save_and_a_kill_mid_write_then_resume_bitw
 def test_nan_loss_stops_naming_step_and_rank(tmp_path: Path) -> None:
     run = jobs.run_flashcp(
         GPT2,
-        ["train.steps=4", "checkpoint.every=0", "checkpoint.resume=never"],
+        ["train.steps=4", "checkpoint.every=0", "checkpoint.resume=never", "run.max_restarts=2"],
         tmp_path / "run",
         env={"FLASHCP_FAULT": "nan_loss@step3:rank1"},
     )
-    # every rank stops at the same step with exit 3, through a clean teardown
+    # every rank stops at the same step with exit 3, through a clean teardown, and a relaunch
+    # would not change that: no restart
     assert jobs.hygiene_problems(run, expect_code=3) == [], run.summary()
     assert "non-finite loss on rank(s) 1" in run.output and "at step 3" in run.output
     assert "flashcp: the job failed (exit 3)" in run.output
+    assert "not restarting: a non-finite loss (exit 3) is not fixed by a relaunch" in run.output
+    assert run.output.count("flashcp: launching") == 1
+    assert restart.read_records(run.out_dir) == []
     assert [r["step"] for r in _metrics(run.out_dir)] == [1, 2]  # nothing trained on garbage
 
 

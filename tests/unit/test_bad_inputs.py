@@ -401,8 +401,8 @@ ROWS = [
            r"FLASHCP_FAULT: unknown fault kind 'explode' in 'explode@step1': use one of "
            r"nan_loss, inf_loss, nan_grad, sigkill, crash_in_checkpoint_write"),
     worker("fault_bad_syntax", {**W2, "FLASHCP_FAULT": "nan_loss:step3"},
-           r"FLASHCP_FAULT: cannot parse 'nan_loss:step3': expected KIND@stepN or "
-           r"KIND@stepN:rankR \(e\.g\. nan_loss@step3:rank1\)"),
+           r"FLASHCP_FAULT: cannot parse 'nan_loss:step3': expected "
+           r"KIND@stepN\[:rankR\]\[:attemptA\] \(e\.g\. nan_loss@step3:rank1\)"),
     worker("worker_fresh_run_over_checkpoints", W2,
            r"\Arun\.output_dir {out} already holds checkpoints \(step_2\) and checkpoint\.resume "
            r"is never: set checkpoint\.resume=auto to continue that run, run\.overwrite=true to "
@@ -410,7 +410,8 @@ ROWS = [
            ["checkpoint.resume=never"]),
     worker("worker_overwrite_over_an_earlier_run", W2,
            r"\Arun\.overwrite is true and run\.output_dir {out} holds an earlier run "
-           r"\(checkpoints, config\.yaml, metrics\.jsonl, run_info\.json\): `flashcp train` "
+           r"\(checkpoints, config\.yaml, goodput\.json, metrics\.jsonl, run_info\.json\): "
+           r"`flashcp train` "
            r"moves it aside before launching, the ranks of a job started by "
            r"paddle\.distributed\.launch do not: run "
            r"`flashcp train CONFIG run\.overwrite=true`, or move {out} away yourself\n\Z",

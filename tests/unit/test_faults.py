@@ -5,6 +5,8 @@ a poisoned gradient, SIGKILL after the forward, a torn checkpoint write, a faile
 from __future__ import annotations
 
 import errno
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +14,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import faults
+from flashcp import attempt, faults
 from flashcp.checkpoint import format as ck
 from flashcp.faults import Fault
 
@@ -22,9 +24,15 @@ def test_parse_faults() -> None:
     got = faults.parse_faults("nan_loss@step3:rank1, sigkill@step2 ,nan_grad@step10:rank0")
     assert got == [Fault("nan_loss", 3, 1), Fault("sigkill", 2, None), Fault("nan_grad", 10, 0)]
     assert got[1].hits(2, 5) and not got[0].hits(3, 0) and not got[0].hits(4, 1)
+    assert faults.parse_faults("hang@step5:rank0:attempt1,slow@step2:attempt2") == [
+        Fault("hang", 5, 0, 1), Fault("slow", 2, None, 2),
+    ]  # fmt: skip
+    slow = Fault("slow", 3, 1)
+    assert [slow.hits(s, 1) for s in (2, 3, 4, 9)] == [False, True, True, True]  # from step 3 on
     for bad, match in [
         ("nan_loss", "cannot parse"),
         ("nan_loss@3", "cannot parse"),
+        ("nan_loss@step3:attempt1:rank0", "cannot parse"),  # rank before attempt
         ("boom@step1", "unknown fault kind 'boom'"),
         ("nan_loss@step0", "steps count from 1"),
     ]:
@@ -149,3 +157,53 @@ def test_failed_save_faults_raise_their_errno_at_their_step_and_rank(
         faults.on_save_write(4, tmp_path)
     monkeypatch.delenv(faults.ENV_FAULT)
     faults.on_save_write(4, tmp_path, rank=1)  # unset: nothing
+
+
+def test_a_fault_fires_in_its_launch_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relaunched job (`flashcp.attempt`) does not meet the fault that failed the launch
+    before it again; `:attemptA` names a later launch."""
+    monkeypatch.setenv(faults.ENV_FAULT, "sigkill@step3:rank1,hang@step5:rank0:attempt1")
+    monkeypatch.delenv(attempt.ENV_ATTEMPT, raising=False)
+    assert faults.active_faults() == [Fault("sigkill", 3, 1)]
+    monkeypatch.setenv(attempt.ENV_ATTEMPT, "1")
+    assert faults.active_faults() == [Fault("hang", 5, 0, 1)]
+    monkeypatch.setenv(attempt.ENV_ATTEMPT, "2")
+    assert faults.active_faults() == []
+
+
+def test_slow_sleeps_every_step_from_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setenv(faults.ENV_SLOW, "0.05")
+    t = _trainer(rank=1)
+    faults.install(t, [Fault("slow", 2, 1)])
+    for step in range(4):
+        t.step = step
+        t.model(paddle.ones([1, 3]))
+    assert slept == [0.05, 0.05, 0.05]  # steps 2, 3, 4
+    monkeypatch.setenv(faults.ENV_SLOW, "soon")
+    with pytest.raises(faults.FaultSpecError, match="FLASHCP_FAULT_SLOW_S"):
+        faults.install(_trainer(rank=1), [Fault("slow", 2, 1)])
+
+
+def test_sigterm_fault_signals_once_and_hang_never_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    t = _trainer(rank=0)
+    faults.install(t, [Fault("sigterm", 1, 0), Fault("hang", 3, 0)])
+    t.model(paddle.ones([1, 3]))
+    t.model(paddle.ones([1, 3]))  # same step again: not twice
+    assert sent == [(os.getpid(), signal.SIGTERM)]
+
+    class _HungError(Exception):
+        pass
+
+    def hang() -> None:
+        raise _HungError
+
+    monkeypatch.setattr(faults, "_hang", hang)
+    t.step = 2
+    with pytest.raises(_HungError):
+        t.model(paddle.ones([1, 3]))

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from bench import numerics
-from flashcp import cli, dispatch
+from flashcp import cli, dispatch, faults
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, to_dict
@@ -131,6 +132,42 @@ def test_resume_reproduces_losses_bitwise(tmp_path: Path, tiny_cfg: TinyCfg, fit
     assert [m.step for m in r2.metrics] == [4, 5, 6]
 
 
+def test_preemption_saves_the_step_and_the_run_resumes_bitwise(
+    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
+) -> None:
+    """A rank's stop request (`stop`, a signal's number) is exchanged with the step's numbers:
+    the step ends, is saved (no checkpoint was due), `fit` returns preempted; the run then
+    resumes to the losses of an uninterrupted one, and the goodput ledger carries on."""
+    full = tiny_cfg(tmp_path / "a")
+    fit(full)
+    cfg = tiny_cfg(tmp_path / "b", checkpoint={"every": 4})
+    calls = [0]
+
+    def stop() -> int:  # asked after step 2's exchange: it is seen at step 3's
+        calls[0] += 1
+        return int(signal.SIGUSR1) if calls[0] >= 3 else 0
+
+    t1, r1, out1 = fit(cfg, stop=stop)
+    assert r1.preempted and r1.final_step == 3 and t1.stop_ranks == {0: signal.SIGUSR1}
+    assert "pre-emption requested on rank(s) 0 (SIGUSR1): saving step 3" in out1
+    run = Path(cfg.run.output_dir)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3"]
+    ledger = json.loads((run / "goodput.json").read_text())
+    assert not ledger["complete"] and ledger["step"] == 3 and set(ledger["saves"]) == {"3"}
+    _, r2, _ = fit(cfg)
+    assert not r2.preempted and r2.start_step == 3 and r2.final_step == 6
+    assert losses(cfg) == losses(full)  # exact
+    end = json.loads((run / "goodput.json").read_text())
+    assert end["complete"] and end["step"] == 6 and end["restarts"] == 0
+    assert end["productive_s"] > ledger["productive_s"] and end["wall_s"] > ledger["wall_s"]
+    record = read_metrics(run)[-1]
+    assert record["goodput/productive_s"] == pytest.approx(end["productive_s"])
+    # negative control: a request on the last step finishes the run as it is
+    asked = iter([0, int(signal.SIGTERM)])
+    last = fit(tiny_cfg(tmp_path / "c", train={"steps": 2}), stop=lambda: next(asked))
+    assert not last.result.preempted and last.result.final_step == 2
+
+
 @pytest.mark.equivalence
 def test_grad_accumulation_matches_one_big_batch(
     tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
@@ -196,7 +233,7 @@ def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     # the Trainer never moves a run aside (that is `flashcp train`'s job, before launch)
     overwrite = tiny_cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
     with pytest.raises(RuntimeError, match=r"run\.overwrite is true and .* holds an earlier "
-                       r"run \(checkpoints, config\.yaml, metrics\.jsonl, "
+                       r"run \(checkpoints, config\.yaml, goodput\.json, metrics\.jsonl, "
                        r"run_info\.json\)"):  # fmt: skip
         Trainer(overwrite, stream=io.StringIO()).fit()
     step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
@@ -380,6 +417,20 @@ def test_rank_entry_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     broken = ["--config", path, f"checkpoint.resume={step1}", f"run.output_dir={tmp_path / 'b'}"]
     assert worker.main(broken) == outcome.EXIT_CHECKPOINT
     assert "manifest.json is missing" in capsys.readouterr().err
+    # bad data: a record the recipe cannot use, under data.on_bad_record: error
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine words here"}\n{"txt": "no text field"}\n')
+    data = [f"data.path={bad}", "data.on_bad_record=error", f"run.output_dir={tmp_path / 'd'}"]
+    assert worker.main(["--config", path, *data]) == outcome.EXIT_DATA
+    assert "bad record at" in capsys.readouterr().err
+    # pre-empted (SIGTERM to itself after step 2's forward): the step ends, is saved, exit 75
+    os.environ[faults.ENV_FAULT] = "sigterm@step2"
+    pre = ["--config", path, "train.steps=4", f"run.output_dir={tmp_path / 'p'}"]
+    assert worker.main(pre) == outcome.EXIT_PREEMPTED
+    assert "pre-emption requested on rank(s) 0 (SIGTERM): saving step 2" in capsys.readouterr().out
+    assert (tmp_path / "p" / "checkpoints" / "step_2").is_dir()
+    assert [r["step"] for r in read_metrics(tmp_path / "p")] == [1, 2]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back after training
 
 
 def test_metrics_writer_progress_and_truncation(

@@ -25,6 +25,10 @@ REPORT_BACKENDS: dict[str, tuple[str, str] | None] = {
 }
 """`run.report_to` values → (module to import, pip package) they need (None: built in)."""
 
+PREEMPT_SIGNALS: tuple[str, ...] = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+"""Names `run.preempt_signal` may take (besides null): SIGTERM always pre-empts, SIGINT
+(Ctrl-C) stops at once, and Slurm sends SIGCONT before its SIGTERM."""
+
 JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".json")
 PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
 DATA_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
@@ -397,6 +401,32 @@ class RunConfig:
     with paddleformers), `wandb` (needs `pip install wandb`), `tensorboard` (event files in
     output_dir/tensorboard; needs `pip install tensorboardX`). Every backend gets the same
     scalars, named as in metrics.jsonl."""
+    max_restarts: int = 0
+    """Relaunch the job this many times at most when a rank dies, hangs (the collective
+    watchdog) or a node is lost: `flashcp train` stops every rank and starts them again from
+    the latest complete checkpoint, after `restart_backoff_s` (doubled each time). Never after
+    a refused config (exit 2), a non-finite loss (3), a broken checkpoint (4), bad data (5) or
+    a pre-emption (75). Each restart is a line of `restarts.jsonl` in output_dir. 0 = no
+    restarts (`flashcp.launch.restart`)."""
+    restart_backoff_s: float = 10.0
+    """Seconds to wait before the first relaunch; each further one waits twice as long as the
+    one before, at most 300 s."""
+    preempt_grace_s: float = 120.0
+    """Pre-emption: after SIGTERM or `preempt_signal` (to `flashcp train`, to one rank or to
+    every rank) all ranks finish the step they are in, save a checkpoint and exit 75 within
+    this many seconds; the same command then resumes. `flashcp train` stops the job when the
+    time is up. Set it to the scheduler's grace period (Kubernetes
+    terminationGracePeriodSeconds, the lead of Slurm's `--signal=USR1@SECONDS`)."""
+    preempt_signal: str | None = "SIGUSR1"
+    """A second signal that pre-empts like SIGTERM (Slurm `--signal=USR1@120`), by name:
+    SIGUSR1, SIGUSR2, SIGHUP or SIGQUIT; null = SIGTERM only."""
+    straggler_ratio: float = 1.2
+    """A rank whose compute time per step (busy time less its waits in collectives) stays
+    above this many times the median of its pipeline stage's ranks for `straggler_window`
+    steps is named in the log and metrics (`straggler/rank`, `straggler/ratio`)."""
+    straggler_window: int = 20
+    """Steps in a row a rank must stay above `straggler_ratio` to be named. 0 = no straggler
+    detection."""
 
 
 @dataclass(kw_only=True)
@@ -451,6 +481,11 @@ class HardwareConfig:
     for the plan's step-time estimate: whether copying offloaded activations would stall the
     compute. An H20 sits on PCIe Gen5 x16 (63 GB/s per direction before protocol overhead); the
     GPU configs state what they assume. null = no copy-time estimate."""
+    checkpoint_write_gb_per_s: float | None = None
+    """Write bandwidth of ONE checkpoint writer to the checkpoint storage in GB/s (10^9 bytes
+    per second): with it `flashcp train` says at start when `run.preempt_grace_s` cannot fit a
+    step and the pre-emption save of the planned checkpoint bytes. null = judged from the first
+    save's measured time instead."""
 
 
 @dataclass(kw_only=True)

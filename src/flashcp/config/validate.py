@@ -16,7 +16,14 @@ from typing import Any
 
 from flashcp.attention import registry as cp_modes
 from flashcp.config.errors import ConfigError, as_fix, suggest
-from flashcp.config.schema import DATA_FORMATS, DATA_SUFFIXES, RECIPES, REPORT_BACKENDS, Config
+from flashcp.config.schema import (
+    DATA_FORMATS,
+    DATA_SUFFIXES,
+    PREEMPT_SIGNALS,
+    RECIPES,
+    REPORT_BACKENDS,
+    Config,
+)
 
 BYTE_VOCAB_SIZE = 259
 """256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
@@ -566,6 +573,7 @@ def _check_run(cfg: Config, c: _Checks) -> None:
                                       f"{cfg.run.stop_after_steps}")  # fmt: skip
     if not cfg.run.output_dir.strip():
         c.add("run.output_dir", "must be a non-empty directory path")
+    _check_long_jobs(cfg, c)
     spec = RECIPES.get(cfg.run.recipe)
     for name in cfg.extras:
         if spec is None or name not in spec.sections:
@@ -604,6 +612,26 @@ def _check_run(cfg: Config, c: _Checks) -> None:
                 fixes=[{"run.overwrite": False}],
                 other="resume from a checkpoint outside run.output_dir",
             )
+
+
+def _check_long_jobs(cfg: Config, c: _Checks) -> None:
+    """Restarts, pre-emption and straggler detection (`run.*`)."""
+    r = cfg.run
+    if r.max_restarts < 0:
+        c.add("run.max_restarts", f"must be >= 0 (0 = no automatic restart), got "
+                                  f"{r.max_restarts}")  # fmt: skip
+    _positive(c, "run.restart_backoff_s", r.restart_backoff_s, zero_ok=True)
+    _positive(c, "run.preempt_grace_s", r.preempt_grace_s)
+    if r.preempt_signal is not None and r.preempt_signal not in PREEMPT_SIGNALS:
+        c.add("run.preempt_signal", f"{r.preempt_signal!r} is not a pre-emption signal: use "
+                                    f"one of {', '.join(PREEMPT_SIGNALS)}, or null for SIGTERM "
+                                    "only")  # fmt: skip
+    if not r.straggler_ratio > 1:
+        c.add("run.straggler_ratio", f"must be > 1 (times the median compute time), got "
+                                     f"{r.straggler_ratio}: e.g. 1.2")  # fmt: skip
+    if r.straggler_window < 0:
+        c.add("run.straggler_window", f"must be >= 0 steps (0 = no straggler detection), got "
+                                      f"{r.straggler_window}")  # fmt: skip
 
 
 def _check_report_to(cfg: Config, c: _Checks) -> None:
@@ -732,6 +760,10 @@ def _check_hardware(cfg: Config, c: _Checks) -> None:
             f"must be > 0 GB/s or null (no copy-time estimate), got {link}: e.g. 50 for a "
             "PCIe Gen5 x16 link",
         )
+    write = hw.checkpoint_write_gb_per_s
+    if write is not None and not write > 0:
+        c.add("hardware.checkpoint_write_gb_per_s", f"must be > 0 GB/s or null (judged from the "
+                                                    f"first save), got {write}")  # fmt: skip
 
 
 def check_config(

@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from flashcp.data.peers import Peers
-from flashcp.data.records import BadRecordError
+from flashcp.data.records import BadRecordError, DataError
 from flashcp.data.sources import RowSource
 
 T = TypeVar("T")
@@ -128,7 +128,7 @@ def build_index(
     """Measure every row of `source` (`measure(record)` → tokens, or `BadRecordError`), each
     process its share, and gather the index (module docstring). With `columns` > 1 the
     measure gives that many ints, the length first (the rest: `RowIndex.extra`). Raises
-    `ValueError` on every process alike: a bad record under `on_bad_record="error"`, any other
+    `DataError` on every process alike: a bad record under `on_bad_record="error"`, any other
     error of a row, or no usable row at all."""
     if on_bad_record not in BAD_RECORD_POLICIES:
         raise ValueError(f"data.on_bad_record must be one of {BAD_RECORD_POLICIES}, got "
@@ -142,11 +142,11 @@ def build_index(
     )
     fatal = [s.fatal for s in shares if s.fatal is not None]
     if fatal:
-        raise ValueError(min(fatal)[1])
+        raise DataError(min(fatal)[1])
     bad_rows = sorted(b for s in shares for b in s.bad)
     if bad_rows and on_bad_record == "error":
         _, where, reason, detail = bad_rows[0]
-        raise ValueError(
+        raise DataError(
             f"bad record at {where}: {reason}" + (f": {detail}" if detail else "") + ". "
             "data.on_bad_record is 'error': fix the record, or set data.on_bad_record: skip to "
             "leave bad records out (they are counted and reported at the start)"
@@ -159,7 +159,7 @@ def build_index(
     rows = np.flatnonzero(sizes[:, 0] >= 0).astype(np.int64)
     if not len(rows):
         what = report.summary() or "it is empty"
-        raise ValueError(f"{source.name}: no usable records ({n} rows; {what})")
+        raise DataError(f"{source.name}: no usable records ({n} rows; {what})")
     extra = sizes[rows, 1:] if columns > 1 else None
     return RowIndex(rows=rows, lengths=sizes[rows, 0], total_rows=n, bad=report, extra=extra)
 

@@ -14,6 +14,12 @@ from typing import Any
 ROLE_ASSISTANT = "assistant"
 
 
+class DataError(ValueError):
+    """The data cannot be trained on: a bad record under `data.on_bad_record: error`, a row that
+    fails to read, or no usable record. Every process raises it alike (`build_index`); a rank
+    exits with `flashcp.launch.outcome.EXIT_DATA` and the job is not restarted."""
+
+
 class BadRecordError(ValueError):
     """One record cannot be used. `reason` groups records in the report; `detail` says more
     about this one (its keys, the type found, the lengths)."""

@@ -36,7 +36,13 @@ from flashcp.distributed.collectives import (
     sends_first,
     timeout_message,
 )
-from flashcp.distributed.counters import COUNTERS, CommStats, comm_stats, reset_comm_stats
+from flashcp.distributed.counters import (
+    COUNTERS,
+    CommStats,
+    comm_stats,
+    reset_comm_stats,
+    waited_seconds,
+)
 from flashcp.distributed.dims import DIM_ORDER, WORLD, ParallelDims
 from flashcp.distributed.groups import (
     NamedGroup,
@@ -108,6 +114,7 @@ __all__ = [
     "startup_phase",
     "start_group_store",
     "store_group",
+    "waited_seconds",
     "timeout_message",
     "wait_for_port",
     "world_group",

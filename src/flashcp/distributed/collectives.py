@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from math import gcd
@@ -119,15 +120,18 @@ def watched(group: Group, seconds: float, message: str | Callable[[], str]) -> I
     itself. The tasks the block hands over are tracked instead (`Watchdog.track`: the
     watchdog thread polls `task.is_completed()`, a CUDA event query) — the device is never
     drained. Debug mode (`FLASHCP_SYNC_COLLECTIVES=1`) drains it inside the armed block, so a
-    hang stops at the call with its host stack. Gloo calls are synchronous already.
+    hang stops at the call with its host stack. Gloo calls are synchronous already. The time
+    the block took is added to this process's waiting time (`counters.waited_seconds`).
     """
     body = Watched()
     nccl = group_backend(group) == "nccl"
     drain = nccl and sync_collectives()
+    start = time.perf_counter()
     with WATCHDOG.watch(seconds, message):
         yield body
         if drain:
             _drain_device()
+    COUNTERS.add_wait(time.perf_counter() - start)
     if nccl and not drain and body.tasks:
         queue = group_label(group)
 

@@ -11,6 +11,11 @@ the parts the call returned from the other ranks; sent: the input's nbytes once 
 it was delivered to). Collectives whose algorithm runs inside the library (`all_reduce`,
 `broadcast`, the NCCL and all-reduce reduce-scatter variants) count its bandwidth-optimal
 model applied to the tensors handed to it (see `docs/distributed.md`).
+
+Every call that waits on other ranks also adds the seconds this process spent inside it
+(`waited_seconds`): the part of a rank's busy time it spent waiting for its peers (or moving
+bytes), which the straggler watch takes out of it (`flashcp.metrics.straggler`). On NCCL a
+call returns once its work is queued, so the device's own waiting is not in it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,18 @@ class CommCounters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats: dict[tuple[str, str], CommStats] = {}
+        self._waited = 0.0
+
+    def add_wait(self, seconds: float) -> None:
+        """Add `seconds` spent inside a waiting call."""
+        with self._lock:
+            self._waited += float(seconds)
+
+    @property
+    def waited(self) -> float:
+        """Seconds spent inside waiting calls since the start (never reset)."""
+        with self._lock:
+            return self._waited
 
     def record(self, op: str, group: str, *, sent: int, received: int) -> None:
         with self._lock:
@@ -70,6 +87,11 @@ COUNTERS = CommCounters()
 def comm_stats(op: str | None = None, group: str | None = None) -> CommStats:
     """Bytes this process sent/received in flashcp collectives (filter by op / group label)."""
     return COUNTERS.total(op, group)
+
+
+def waited_seconds() -> float:
+    """Seconds this process has spent inside flashcp's waiting calls (collectives, send/recv)."""
+    return COUNTERS.waited
 
 
 def reset_comm_stats() -> None:

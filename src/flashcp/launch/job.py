@@ -18,10 +18,20 @@ processes have not started within the init timeout (`rendezvous_lost`).
 
 When the job fails, `flashcp.launch.outcome.failure_report` says which rank failed first and
 how, which ranks only went down with it, and the failed rank's last log lines.
+
+Long jobs. With `run.max_restarts` a failed launch is relaunched from the latest complete
+checkpoint, after a backoff, unless a relaunch cannot fix it (`flashcp.launch.restart`; every
+node of a multi-node job decides alike, `flashcp.launch.nodesync`); each restart is a line of
+`restarts.jsonl`. SIGTERM or `run.preempt_signal` to `flashcp train` pre-empts: the signal is
+passed on to every rank of this node, which finish their step, save and exit 75
+(`flashcp.launch.preempt`); the job is stopped if that takes longer than
+`run.preempt_grace_s`, and a second such signal stops it at once. Ctrl-C (SIGINT) stops it at
+once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -32,12 +42,17 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
+from flashcp.attempt import Attempt
+from flashcp.attempt import restarts as count_restarts
 from flashcp.config import Config
 from flashcp.distributed.watchdog import resolve_timeout
-from flashcp.launch import outcome, supervise
+from flashcp.launch import outcome, restart, supervise
+from flashcp.launch.nodesync import NodeSync
+from flashcp.launch.preempt import preempt_signals
 from flashcp.launch.preflight import EXIT_PREFLIGHT, Nodes, PreflightError, preflight
 from flashcp.log import python_warnings
 from flashcp.run_info import COMMAND_ENV
@@ -92,10 +107,10 @@ def rendezvous_timeout() -> float:
     return resolve_timeout(init=True)
 
 
-def workers_started(marker: str) -> bool:
-    """Whether the launcher of job `marker` has started its training processes (after the
-    nodes met), i.e. a process of the job runs `flashcp/train.py`."""
+def worker_pids(marker: str) -> list[int]:
+    """The training processes of job `marker`: the processes that run `flashcp/train.py`."""
     script = str(train_script()).encode()
+    found = []
     for pid in supervise.marked_pids(marker):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -103,8 +118,14 @@ def workers_started(marker: str) -> bool:
             continue
         # a worker runs the script itself; the launcher only has it among its arguments
         if script in argv and b"paddle.distributed.launch" not in argv:
-            return True
-    return False
+            found.append(pid)
+    return found
+
+
+def workers_started(marker: str) -> bool:
+    """Whether the launcher of job `marker` has started its training processes (after the
+    nodes met)."""
+    return bool(worker_pids(marker))
 
 
 def rendezvous_lost(nodes: Nodes) -> str:
@@ -137,6 +158,149 @@ def pump(src: TextIO, log: TextIO, out: TextIO) -> None:
         out.flush()
 
 
+class Signals:
+    """What `flashcp train` does with signals while its job runs (module docstring): Ctrl-C
+    stops at once; the first pre-emption signal is passed on to the ranks (`preempting`), a
+    second one stops at once (`stop`)."""
+
+    def __init__(self, preempt: tuple[signal.Signals, ...]) -> None:
+        self.preempt = preempt
+        self.preempting: int | None = None
+        self.preempted_at = 0.0
+        self.stop: int | None = None
+        self.passed_on: set[int] = set()
+        """The ranks (pids) the pre-emption signal was passed on to."""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> Signals:
+        for sig in {signal.SIGINT, *self.preempt}:
+            self._previous[int(sig)] = signal.signal(sig, self._on)
+        return self
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT or self.preempting is not None:
+            self.stop = self.stop or signum
+        else:
+            self.preempting, self.preempted_at = signum, time.monotonic()
+
+    def pass_on(self, ranks: list[int]) -> list[int]:
+        """Send the pre-emption signal to those of `ranks` (pids) that have not had it yet (a
+        rank started after the signal came gets it too); returns them."""
+        if self.preempting is None:
+            return []
+        fresh = [pid for pid in ranks if pid not in self.passed_on]
+        for pid in fresh:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, self.preempting)
+            self.passed_on.add(pid)
+        return fresh
+
+    @property
+    def code(self) -> int:
+        """The exit code after a stop: 128 + the signal."""
+        return 128 + int(self.stop or self.preempting or signal.SIGTERM)
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep up to `seconds`; False as soon as a signal came (`stop` or `preempting`)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stop is not None or self.preempting is not None:
+                return False
+            time.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
+        return self.stop is None and self.preempting is None
+
+
+@dataclass
+class Ended:
+    """How one launch ended."""
+
+    code: int
+    """The launcher's exit code (0: every rank finished)."""
+    logs: dict[int, str | None] = field(default_factory=dict)
+    launcher_output: str = ""
+    stopped: str = ""
+    """Why `flashcp train` stopped the job itself (empty: it ended by itself)."""
+    elsewhere: restart.Report | None = None
+    """Another node's failure report, which made this node stop its job."""
+    unmet: bool = False
+    """The nodes did not all meet within the init timeout (`rendezvous_lost`)."""
+
+
+def _launch(
+    cfg: Config,
+    cmd: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    offsets: dict[int, int],
+    *,
+    out: TextIO,
+    nodes: Nodes,
+    signals: Signals,
+    sync: NodeSync | None,
+    attempt: int,
+) -> Ended:
+    """Run one launch of the job to its end (module docstring); never outlives a stop."""
+    launcher_log = log_dir / "launcher.log"
+    offset = launcher_log.stat().st_size if attempt and launcher_log.is_file() else 0
+    job = supervise.Job.start(
+        cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+    )  # fmt: skip
+    stopped, elsewhere, unmet = "", None, False
+    with open(launcher_log, "a" if attempt else "w") as log:
+        assert job.proc.stdout is not None
+        copier = threading.Thread(target=pump, args=(job.proc.stdout, log, out), daemon=True)
+        copier.start()
+        deadline = time.monotonic() + rendezvous_timeout() if nodes.multi else None
+        polled = passed = 0.0
+        while job.proc.poll() is None:
+            time.sleep(0.1)
+            if signals.preempting is not None and time.monotonic() - passed > 1.0:
+                passed = time.monotonic()
+                if fresh := signals.pass_on(worker_pids(job.marker)):
+                    name = signal.Signals(signals.preempting).name
+                    print(f"\nflashcp: pre-emption ({name}): passed on to {len(fresh)} rank(s); "
+                          f"they finish the step, save and stop (run.preempt_grace_s "
+                          f"{cfg.run.preempt_grace_s:g} s)", file=out, flush=True)  # fmt: skip
+            if signals.stop is not None:
+                stopped = f"stopping the job (signal {signals.stop})"
+            elif signals.preempting is not None and (
+                time.monotonic() - signals.preempted_at > cfg.run.preempt_grace_s
+            ):
+                stopped = (f"the ranks did not save and stop within run.preempt_grace_s "
+                           f"{cfg.run.preempt_grace_s:g} s: stopping the job")  # fmt: skip
+            elif deadline is not None and time.monotonic() > deadline:
+                if workers_started(job.marker):
+                    deadline = None
+                else:
+                    stopped, unmet = rendezvous_lost(nodes), True
+            elif sync is not None and time.monotonic() - polled > 1.0:
+                polled = time.monotonic()
+                if (elsewhere := sync.failed_elsewhere(attempt)) is not None:
+                    stopped = (f"node {elsewhere.node} reports that its launch failed (rank "
+                               f"{elsewhere.rank} {elsewhere.text}): stopping this node's "
+                               "ranks")  # fmt: skip
+            if stopped:
+                print(f"\nflashcp: {stopped}", file=out, flush=True)
+                job.stop()
+                break
+        job.proc.wait(timeout=supervise.REAP_TIMEOUT)  # exited, or stopped above
+        copier.join(timeout=5)
+    job.stop(grace=supervise.KILL_GRACE)  # nothing of this launch outlives it
+    code = int(job.proc.returncode)
+    if code == 0 and not stopped:
+        return Ended(0)
+    with open(launcher_log, "rb") as f:
+        f.seek(offset)
+        launcher_output = f.read().decode("utf-8", "replace")
+    logs = outcome.read_rank_logs(log_dir, offsets)
+    return Ended(code, logs, launcher_output, stopped, elsewhere, unmet)
+
+
 def run_job(
     cfg: Config,
     config: str | Path,
@@ -150,9 +314,10 @@ def run_job(
     checked: bool = False,
 ) -> int:
     """Check and launch the job of `cfg` (loaded from `config` with `overrides`, which the
-    ranks are given to load it themselves), stream rank 0, return the job's exit code (the
-    blamed rank's own code when it gave one: `outcome.job_code`; 130 after
-    Ctrl-C, 143 SIGTERM).
+    ranks are given to load it themselves), stream rank 0, relaunch it after failures a
+    relaunch can fix (`run.max_restarts`), and return the job's exit code (the blamed rank's
+    own code when it gave one: `outcome.job_code`; 75 pre-empted; 130 after Ctrl-C, 128 + the
+    signal after any other stop).
 
     With `nodes` (several), this node launches its share of `cfg.parallel.world_size` and
     joins the others at `nodes.master` (node 0 alone moves an earlier run aside). `command`:
@@ -161,6 +326,7 @@ def run_job(
     caller already ran the config's preflight (`preflight.check_config_file`)."""
     out = out or sys.stdout
     nodes = nodes or Nodes()
+    started = time.time()
     nproc = cfg.parallel.world_size
     local = nproc // nodes.count
     try:
@@ -169,69 +335,141 @@ def run_job(
     except PreflightError as exc:
         print(f"flashcp: cannot launch: {exc}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
-    log_dir = ready.log_dir
-    offsets = outcome.log_sizes(log_dir, local)
-    env = supervise.job_env(uuid.uuid4().hex)
-    # the launcher imports Paddle before any flashcp code: its known notices, by message
-    env["PYTHONWARNINGS"] = python_warnings(env.get("PYTHONWARNINGS"))
-    if command is not None:
-        env[COMMAND_ENV] = command
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(nproc, 1))))
     if progress is None:
         progress = out.isatty() if hasattr(out, "isatty") else False
-    env.setdefault("FLASHCP_PROGRESS", "1" if progress else "0")
-    if ready.lease is not None:
-        env.update(ready.lease.env())
-    cmd = launch_command(config, overrides, local, log_dir, ready.master_port, nodes, evaluate)
-    where = ""
-    if nodes.multi:
-        first = nodes.rank * local
-        where = (f" as node {nodes.rank} of {nodes.count} (ranks {first}-{first + local - 1} of "
-                 f"{nproc}, rendezvous {nodes.master})")  # fmt: skip
-    print(f"flashcp: launching {local} process(es){where}; logs in {log_dir}", file=out,
-          flush=True)  # fmt: skip
-    job = supervise.Job.start(
-        cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, errors="replace",
-    )  # fmt: skip
-    received: list[int] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    sync = NodeSync(cfg.run.output_dir, nodes.rank, nodes.count) if nodes.multi else None
+    if sync is not None:
+        sync.reset()
+    signals = Signals(preempt_signals(cfg.run.preempt_signal)).install()
+    lease, extra, attempt = ready.lease, [], Attempt(0, started, started)
     try:
-        with open(log_dir / "launcher.log", "w") as log:
-            assert job.proc.stdout is not None
-            copier = threading.Thread(target=pump, args=(job.proc.stdout, log, out), daemon=True)
-            copier.start()
-            deadline = time.monotonic() + rendezvous_timeout() if nodes.multi else None
-            while job.proc.poll() is None and not received:
-                time.sleep(0.1)
-                if deadline is not None and time.monotonic() > deadline:
-                    if workers_started(job.marker):
-                        deadline = None
-                    else:
-                        print(f"flashcp: {rendezvous_lost(nodes)}", file=out, flush=True)
-                        job.stop()
-                        return EXIT_PREFLIGHT
-            if received:
-                print(f"\nflashcp: stopping the job (signal {received[0]})", file=out, flush=True)
-                job.stop()
-            job.proc.wait(timeout=supervise.REAP_TIMEOUT)  # exited, or stopped above
-            copier.join(timeout=5)
+        while True:
+            log_dir = ready.log_dir
+            offsets = outcome.log_sizes(log_dir, local)
+            env = supervise.job_env(uuid.uuid4().hex, extra=attempt.env())
+            # the launcher imports Paddle before any flashcp code: its known notices, by message
+            env["PYTHONWARNINGS"] = python_warnings(env.get("PYTHONWARNINGS"))
+            if command is not None:
+                env[COMMAND_ENV] = command
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(nproc, 1))))
+            env.setdefault("FLASHCP_PROGRESS", "1" if progress else "0")
+            if lease is not None:
+                env.update(lease.env())
+            cmd = launch_command(config, [*overrides, *extra], local, log_dir,
+                                 ready.master_port, nodes, evaluate)  # fmt: skip
+            print(f"flashcp: launching {local} process(es){_where(nodes, local, nproc)}"
+                  f"{_restarted(attempt)}; logs in {log_dir}", file=out, flush=True)  # fmt: skip
+            ended = _launch(cfg, cmd, env, log_dir, offsets, out=out, nodes=nodes,
+                            signals=signals, sync=sync, attempt=attempt.index)  # fmt: skip
+            if lease is not None:
+                lease.release()
+                lease = None
+            if ended.code == 0 and not ended.stopped:
+                return 0
+            if signals.stop is not None or (ended.stopped and signals.preempting is not None):
+                return signals.code
+            if ended.unmet:
+                return EXIT_PREFLIGHT
+            code = _report(ended, out, log_dir, nodes.rank * local)
+            if code == outcome.EXIT_PREEMPTED:
+                print("flashcp: pre-empted: every rank saved and stopped; run the same command "
+                      "again to resume", file=out, flush=True)  # fmt: skip
+                return code
+            if signals.preempting is not None:  # asked to go: no relaunch
+                return signals.code
+            budget = 0 if evaluate else cfg.run.max_restarts  # an evaluation is not restarted
+            decision, more, step = _decide(cfg, ended, code, attempt.index, nodes, local, sync,
+                                           budget)  # fmt: skip
+            if not decision.restart:
+                if decision.why:
+                    print(f"flashcp: not restarting: {decision.why}", file=out, flush=True)
+                return decision.code
+            done = count_restarts(cfg.run.output_dir) + 1
+            wait = restart.backoff_s(cfg.run.restart_backoff_s, attempt.index + 1)
+            if nodes.rank == 0:
+                record = restart.RestartRecord.of(decision, done, step, wait)
+                restart.append_record(cfg.run.output_dir, record)
+            where = f"checkpoint step {step}" if step is not None else "the start"
+            print(f"flashcp: restart {attempt.index + 1} of {cfg.run.max_restarts} "
+                  f"(run.max_restarts) after {decision.cause} of rank {decision.rank}: "
+                  f"relaunching from {where} in {wait:g} s", file=out, flush=True)  # fmt: skip
+            if not signals.sleep(wait):
+                if signals.stop is not None:
+                    return signals.code
+                print("flashcp: pre-empted before the relaunch: run the same command again to "
+                      "resume", file=out, flush=True)  # fmt: skip
+                return outcome.EXIT_PREEMPTED
+            extra = more
+            lease = supervise.launcher_lease(os.environ, local)
+            attempt = Attempt(attempt.index + 1, started, time.time())
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if ready.lease is not None:
-            ready.lease.release()
-    if received:
-        return 128 + received[0]
-    code = int(job.proc.returncode)
-    if code != 0:
-        launcher_output = (log_dir / "launcher.log").read_text(errors="replace")
-        logs = outcome.read_rank_logs(log_dir, offsets)
-        code = outcome.job_code(code, outcome.diagnose(logs, launcher_output))
-        report = outcome.failure_report(code, logs, launcher_output, log_dir, nodes.rank * local)
+        signals.uninstall()
+        if lease is not None:
+            lease.release()
+
+
+def _where(nodes: Nodes, local: int, nproc: int) -> str:
+    if not nodes.multi:
+        return ""
+    first = nodes.rank * local
+    return (f" as node {nodes.rank} of {nodes.count} (ranks {first}-{first + local - 1} of "
+            f"{nproc}, rendezvous {nodes.master})")  # fmt: skip
+
+
+def _restarted(attempt: Attempt) -> str:
+    return f" (restart {attempt.index})" if attempt.relaunch else ""
+
+
+def _report(ended: Ended, out: TextIO, log_dir: Path, rank_offset: int) -> int:
+    """Print why the launch failed (unless it was a pre-emption); returns the job's code."""
+    if ended.elsewhere is not None:
+        return ended.elsewhere.code or 1
+    code = outcome.job_code(ended.code, outcome.diagnose(ended.logs, ended.launcher_output))
+    if code != outcome.EXIT_PREEMPTED:
+        report = outcome.failure_report(code, ended.logs, ended.launcher_output, log_dir,
+                                        rank_offset)  # fmt: skip
         print(report, file=out, flush=True)
     return code
+
+
+def _decide(
+    cfg: Config,
+    ended: Ended,
+    code: int,
+    attempt: int,
+    nodes: Nodes,
+    local: int,
+    sync: NodeSync | None,
+    budget: int,
+) -> tuple[restart.Decision, list[str], int | None]:
+    """Whether to relaunch after a failed `attempt`, with the relaunch's overrides and the
+    step it resumes from: this node's verdict alone, or node 0's decision from every node's
+    (`local` processes per node; at most `budget` restarts)."""
+    offset = nodes.rank * local
+    if ended.elsewhere is not None:
+        mine = restart.Report(nodes.rank, code, "peer lost", None, ended.stopped, time.time())
+    else:
+        verdict = outcome.verdict(ended.code, outcome.diagnose(ended.logs, ended.launcher_output),
+                                  offset)  # fmt: skip
+        mine = restart.Report.of(nodes.rank, verdict)
+    done = attempt  # restarts so far by this `flashcp train`
+    if sync is None:
+        decision = restart.decide({0: mine}, restarts=done, max_restarts=budget)
+        more, step = restart.relaunch_overrides(cfg) if decision.restart else ([], None)
+        return decision, more, step
+    sync.report(attempt, mine)
+    timeout = rendezvous_timeout()
+    if nodes.rank == 0:
+        reports = sync.reports(attempt, timeout)
+        decision = restart.decide(reports, restarts=done, max_restarts=budget,
+                                  nodes=nodes.count)  # fmt: skip
+        more, step = restart.relaunch_overrides(cfg) if decision.restart else ([], None)
+        sync.publish(attempt, decision, more, step)
+        return decision, more, step
+    got = sync.decision(attempt, timeout + 2 * rendezvous_timeout())
+    if got is None:
+        lost = restart.Decision(False, 1, "node lost", 0, None, "node 0 made no decision",
+                                "node 0 is lost: start the same command on every node to "
+                                "resume")  # fmt: skip
+        return lost, [], None
+    return got

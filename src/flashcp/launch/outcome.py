@@ -24,7 +24,20 @@ EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 """Non-finite loss or gradients (`train.on_nonfinite: stop`)."""
 EXIT_CHECKPOINT = 4
-"""A broken checkpoint was asked for."""
+"""A broken checkpoint was asked for (or a restart's checkpoint failed its checksum)."""
+EXIT_DATA = 5
+"""Bad data: a bad record under `data.on_bad_record: error`, or no usable record."""
+EXIT_PREEMPTED = 75
+"""Pre-empted (SIGTERM or `run.preempt_signal`): every rank finished its step, saved a
+checkpoint and stopped; run the same command again to resume (sysexits' EX_TEMPFAIL)."""
+FINAL_CODES: dict[int, str] = {
+    EXIT_CONFIG: "a refused config",
+    EXIT_NONFINITE: "a non-finite loss",
+    EXIT_CHECKPOINT: "a broken checkpoint",
+    EXIT_DATA: "bad data",
+    EXIT_PREEMPTED: "a pre-emption",
+}
+"""Exit codes a relaunch cannot change: an automatic restart never follows them."""
 EXIT_LINE = "[flashcp] rank {rank} exit {code}"
 """Each rank's last line in its log."""
 EXIT_LINE_RE = re.compile(r"^\[flashcp\] rank (\d+) exit (-?\d+)\s*$", re.M)
@@ -49,7 +62,9 @@ backward (a PyLayer: attention, the MoE exchange), indented under 'Error message
 _PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.M)
 _RANK_TAG = re.compile(r"\[rank \d+\] ")
 # Most telling first: the rank to blame for a failed job.
-_SEVERITY = ("killed", "signal", "error", "timeout", "peer", "stopped", "finished", "unknown")
+_SEVERITY = (
+    "killed", "hung", "signal", "error", "timeout", "peer", "stopped", "finished", "unknown",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,9 +73,10 @@ class RankOutcome:
 
     rank: int
     kind: str
-    """One of `_SEVERITY`: killed (no word: SIGKILL, OOM), signal (fatal signal), error (own
-    non-zero exit), timeout (watchdog), peer (lost a peer), stopped (by the launcher), finished
-    (exit 0), unknown (no log)."""
+    """One of `_SEVERITY`: killed (no word: SIGKILL, OOM), hung (did not reach the collective
+    the others timed out in), signal (fatal signal), error (own non-zero exit), timeout
+    (watchdog), peer (lost a peer), stopped (by the launcher), finished (exit 0), unknown (no
+    log)."""
     text: str
     """The sentence that explains it."""
     code: int | None = None
@@ -124,11 +140,71 @@ def launcher_codes(launcher_output: str) -> dict[int, int]:
     return {int(r): int(c) for r, c in _CONTAINER.findall(launcher_output)}
 
 
+def _after_first(outcome: RankOutcome, codes: Mapping[int, int], hang: bool) -> RankOutcome:
+    """A rank that left without a word after the launcher had seen another rank fail (the
+    launcher reports only the first failure, then stops the rest): stopped by it; when that
+    first failure was the watchdog's, the rank never reached the collective: it hung."""
+    if outcome.kind not in ("killed", "stopped") or outcome.rank in codes or not codes:
+        return outcome
+    first = min(codes)
+    if hang:
+        return RankOutcome(outcome.rank, "hung", f"did not reach the collective rank {first} "
+                           "timed out in (hung), and was stopped by the launcher")  # fmt: skip
+    return RankOutcome(outcome.rank, "stopped",
+                       f"was stopped by the launcher after rank {first} failed")  # fmt: skip
+
+
 def diagnose(logs: Mapping[int, str | None], launcher_output: str = "") -> list[RankOutcome]:
     """Every rank's outcome, the rank to blame first (then by rank)."""
     codes = launcher_codes(launcher_output)
     outcomes = [classify_rank(r, logs[r], codes.get(r)) for r in sorted(logs)]
+    timed_out = {o.rank for o in outcomes if o.kind == "timeout"}
+    hang = bool(codes) and all(r in timed_out for r in codes)
+    outcomes = [_after_first(o, codes, hang) for o in outcomes]
     return sorted(outcomes, key=lambda o: (_SEVERITY.index(o.kind), o.rank))
+
+
+CAUSES: dict[str, str] = {
+    "killed": "killed",
+    "hung": "hang",
+    "timeout": "hang",
+    "signal": "crash",
+    "error": "error",
+    "peer": "peer lost",
+    "stopped": "stopped",
+    "unknown": "unknown",
+    "finished": "unknown",
+}
+"""The cause a restart record gives for the blamed rank's kind of ending."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a failed launch ended and whether a relaunch can help."""
+
+    code: int
+    """The job's exit code (`job_code`)."""
+    cause: str
+    """One of `CAUSES`' values: killed, hang, crash, error, peer lost, stopped, unknown."""
+    rank: int | None
+    """The job rank to blame (None: no rank's log said anything)."""
+    text: str
+    """What happened to it (`RankOutcome.text`)."""
+
+    @property
+    def final(self) -> str | None:
+        """What a relaunch cannot fix (`FINAL_CODES`), None when a restart may help."""
+        return FINAL_CODES.get(self.code)
+
+
+def verdict(code: int, outcomes: list[RankOutcome], rank_offset: int = 0) -> Verdict:
+    """The `Verdict` of a launch that exited with `code` (the launcher's, non-zero), from its
+    ranks' `diagnose`d outcomes (keyed by local index; `rank_offset` makes job ranks)."""
+    job = job_code(code, outcomes)
+    if not outcomes:
+        return Verdict(job, "unknown", None, f"the launcher exited with code {code}")
+    first = outcomes[0]
+    return Verdict(job, CAUSES[first.kind], first.rank + rank_offset, first.text)
 
 
 def job_code(launcher_code: int, outcomes: list[RankOutcome]) -> int:

@@ -17,9 +17,11 @@ run is written but `eval_results.json`).
 
 Exit codes (`flashcp.launch.outcome`): 0 done, 2 bad config or a run directory the run may not
 start in (every problem printed by rank 0, before the distributed runtime starts), 3 non-finite
-loss or gradients, 4 a broken checkpoint was asked for, 1 anything else. `run` prints every
-rank's last line, `[flashcp] rank R exit CODE` (after the process groups are torn down), so a
-supervisor can tell a rank that finished from one that was killed.
+loss or gradients, 4 a broken checkpoint was asked for, 5 bad data, 75 pre-empted (SIGTERM or
+`run.preempt_signal`: the step finished and a checkpoint saved, `flashcp.launch.preempt`), 1
+anything else. `run` prints every rank's last line, `[flashcp] rank R exit CODE` (after the
+process groups are torn down), so a supervisor can tell a rank that finished from one that was
+killed.
 """
 
 from __future__ import annotations
@@ -35,9 +37,18 @@ import paddle
 from flashcp import dispatch, distributed, faults, rundir
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import Config, ConfigValidationError
+from flashcp.data.records import DataError
 from flashcp.evaluation import EvalError, Evaluation
 from flashcp.evaluation import check as check_evaluation
-from flashcp.launch.outcome import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_LINE, EXIT_NONFINITE
+from flashcp.launch.outcome import (
+    EXIT_CHECKPOINT,
+    EXIT_CONFIG,
+    EXIT_DATA,
+    EXIT_LINE,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+)
+from flashcp.launch.preempt import StopSignals, preempt_signals
 from flashcp.launch.preflight import check_config_file
 from flashcp.log import process_rank, quiet_third_party
 from flashcp.trainer import NonFiniteError, Trainer
@@ -101,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(exc, file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    # From here a pre-emption signal is a request to stop at the next step boundary.
+    stop = StopSignals(preempt_signals(cfg.run.preempt_signal)).install()
     env = distributed.init_distributed()
     p = cfg.parallel
     dims = distributed.ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size, ep=p.ep)
@@ -111,15 +124,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.eval:
             Evaluation(cfg, groups).run()
         else:
-            trainer = Trainer(cfg, groups)
+            trainer = Trainer(cfg, groups, stop=stop)
             faults.install(trainer, injected)  # FLASHCP_FAULT (tests); nothing when unset
-            trainer.fit()
+            if trainer.fit().preempted:
+                code = EXIT_PREEMPTED
     except NonFiniteError as exc:
         print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
     except CheckpointError as exc:
         print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_CHECKPOINT
+    except DataError as exc:
+        print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_DATA
+    finally:
+        stop.uninstall()  # the teardown below ends at once on the launcher's SIGTERM again
     # Reached on success and on the errors above, which every rank raises at the same step;
     # any other exception propagates (exit 1) and the launcher stops the other ranks.
     distributed.shutdown()

@@ -87,6 +87,9 @@ class HostRank:
     rank: int
     stage: int
     moments: dict[str, dict[str, int]]
+    checkpoint_bytes: int = 0
+    """Bytes this rank writes per checkpoint (its stage's model part if it is the stage's
+    writer, and its optimizer part): what a pre-emption save must fit in its grace period."""
 
     @property
     def moment(self) -> str:
@@ -181,10 +184,19 @@ class HostPlan:
             ],  # fmt: skip
             "ranks": [
                 {"rank": r.rank, "stage": r.stage, "moment": r.moment,
-                 "total_bytes": r.total_bytes, "items": r.items}
+                 "total_bytes": r.total_bytes, "items": r.items,
+                 "checkpoint_bytes": r.checkpoint_bytes}
                 for r in self.ranks
             ],  # fmt: skip
         }
+
+
+def written_bytes(stage: StageHost, *, writer: bool) -> int:
+    """Bytes one rank writes per checkpoint: the stage writer its model part and optimizer
+    part (or whole unsharded state), another rank its optimizer shard, if any."""
+    if writer:
+        return int(stage.model_part + stage.writer_optimizer_part)
+    return int(stage.optimizer_part)
 
 
 def rank_moments(

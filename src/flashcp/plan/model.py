@@ -59,7 +59,15 @@ from flashcp.plan.comms import Communicators, communicators
 from flashcp.plan.features import Features
 from flashcp.plan.forward import forward_moments
 from flashcp.plan.head import InFlight, embedding_moment, head_plan, loss_moments
-from flashcp.plan.host import HostPlan, HostRank, StageHost, rank_moments, stage_host, usable
+from flashcp.plan.host import (
+    HostPlan,
+    HostRank,
+    StageHost,
+    rank_moments,
+    stage_host,
+    usable,
+    written_bytes,
+)
 from flashcp.plan.items import GIB, GPU_FIXED_BYTES, ITEM_DOCS, ITEMS, Moments
 from flashcp.plan.layer import stage_layers
 from flashcp.plan.optimizer import backward_bucket_set, optimizer_moments
@@ -287,7 +295,7 @@ def plan(
         host_ranks.append(HostRank(rank, stage, rank_moments(
             host, writer=writer, gpu=s.device == "gpu", checkpoints=checkpoints,
             async_checkpoints=cfg.checkpoint.async_,
-        )))  # fmt: skip
+        ), written_bytes(host, writer=writer)))  # fmt: skip
     notes = []
     if s.device == "gpu" and s.compute == "bfloat16":
         notes.append(

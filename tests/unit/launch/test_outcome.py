@@ -147,3 +147,55 @@ def test_pump_hides_banner_exit_lines_and_the_launchers_repeat() -> None:
     job.pump(io.StringIO("".join(lines)), log, out)
     assert log.getvalue() == "".join(lines)
     assert out.getvalue() == "step 1/2 | loss 5.5\n"
+
+
+# -- after the first failure: stopped ranks, hangs, and whether a relaunch helps -------------
+
+WATCHDOG = ("[flashcp] all_gather on group cp[0,1] timed out after 15 s on rank 1: rank 0 may be "
+            "dead, hung or skipped this collective\n")  # fmt: skip
+
+
+def test_a_rank_silent_after_another_failed_was_stopped_not_killed() -> None:
+    """The launcher reports only the first failure, then stops (SIGTERM, then SIGKILL) the
+    rest: a rank that left without a word then was stopped, and is not blamed."""
+    logs = {0: "I1129 connected\n", 1: "I1129 connected\n"}
+    launcher = "Container rank 1 status failed cmd ['python'] code -9 log /x/workerlog.1\n"
+    first, other = outcome.diagnose(logs, launcher)
+    assert (first.rank, first.kind) == (1, "killed")
+    assert (other.rank, other.kind) == (0, "stopped") and "after rank 1 failed" in other.text
+    # negative control: without the launcher's word, both are killed (rank 0 blamed first)
+    assert [o.kind for o in outcome.diagnose(logs, "")] == ["killed", "killed"]
+
+
+def test_the_rank_that_never_reached_a_timed_out_collective_hung() -> None:
+    logs = {0: "I1129 connected\n[flashcp fault] rank 0 step 5: hang\n", 1: WATCHDOG}
+    launcher = "Container rank 1 status failed cmd ['python'] code 124 log /x/workerlog.1\n"
+    outcomes = outcome.diagnose(logs, launcher)
+    assert [(o.rank, o.kind) for o in outcomes] == [(0, "hung"), (1, "timeout")]
+    v = outcome.verdict(247, outcomes, rank_offset=2)
+    assert (v.cause, v.rank, v.code, v.final) == ("hang", 2, 247, None)
+    assert "did not reach the collective rank 1 timed out in" in v.text
+
+
+@pytest.mark.parametrize(
+    ("code", "final"),
+    [
+        (outcome.EXIT_CONFIG, "a refused config"),
+        (outcome.EXIT_NONFINITE, "a non-finite loss"),
+        (outcome.EXIT_CHECKPOINT, "a broken checkpoint"),
+        (outcome.EXIT_DATA, "bad data"),
+        (outcome.EXIT_PREEMPTED, "a pre-emption"),
+        (1, None),
+    ],
+)
+def test_a_ranks_own_exit_code_decides_whether_a_relaunch_helps(
+    code: int, final: str | None
+) -> None:
+    logs = {r: f"[rank {r}] error: x\n[flashcp] rank {r} exit {code}\n" for r in (0, 1)}
+    v = outcome.verdict(code, outcome.diagnose(logs, ""))
+    assert (v.code, v.cause, v.rank, v.final) == (code, "error", 0, final)
+
+
+def test_verdict_without_any_rank_log() -> None:
+    v = outcome.verdict(-9, [])
+    assert (v.code, v.cause, v.rank) == (-9, "unknown", None)

@@ -1,0 +1,74 @@
+"""Pre-emption in a rank: SIGTERM or `run.preempt_signal` asks this rank to stop after the step
+it is in, with a checkpoint; the process keeps running until then.
+
+A scheduler may signal `flashcp train` (which passes the signal on to every rank,
+`flashcp.launch.job`), one rank, or every rank. The rank only notes it (`StopSignals`): the
+trainer exchanges each rank's note with the step's other numbers (one all-reduce,
+`flashcp.metrics.step_sums`), so every rank learns at the same step that some rank was asked to
+stop, finishes that step, saves, and exits with `EXIT_PREEMPTED` (75). Nothing else in the
+rank is interrupted: the handler sets a value and returns (system calls it interrupts are
+restarted), and only SIGKILL — from the launcher, `flashcp train` after `run.preempt_grace_s`,
+or the scheduler — ends a rank that cannot reach a step boundary in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+PREEMPT_BASE = (signal.SIGTERM,)
+"""Signals that always pre-empt (`run.preempt_signal` adds one)."""
+
+
+def preempt_signals(second: str | None) -> tuple[signal.Signals, ...]:
+    """SIGTERM and the configured second signal (by name, e.g. "SIGUSR1"; None: none)."""
+    extra = () if second is None else (signal.Signals[second],)
+    return tuple(dict.fromkeys((*PREEMPT_BASE, *extra)))
+
+
+@dataclass
+class Received:
+    """The first pre-emption signal this process got, and when (wall clock, s)."""
+
+    signum: int
+    at: float
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class StopSignals:
+    """Notes the first pre-emption signal this process receives; `()` is 0 until then, then
+    the signal's number (what the rank contributes to the step's exchange)."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPT_BASE) -> None:
+        self.signals = signals
+        self.received: Received | None = None
+        self._previous: dict[int, object] = {}
+
+    def _note(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = Received(int(signum), time.time())
+
+    def install(self) -> StopSignals:
+        """Handle `signals` from now on (in the main thread, as Python requires)."""
+        for sig in self.signals:
+            self._previous[int(sig)] = signal.signal(sig, self._note)
+            with contextlib.suppress(OSError, ValueError):
+                signal.siginterrupt(sig, False)  # restart the system calls it interrupts
+        return self
+
+    def uninstall(self) -> None:
+        """Put back the handlers `install` replaced (the default where it replaced one set
+        outside Python): after training, SIGTERM ends the rank again at once."""
+        for signum, handler in self._previous.items():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def __call__(self) -> int:
+        return 0 if self.received is None else self.received.signum

@@ -1,0 +1,154 @@
+"""`flashcp train`'s restart loop and pre-emption in one process, over a stand-in launcher
+(`job.launch_command` patched): a script that plays one launch per attempt — a killed rank, a
+rank's own exit code, a pre-emption — and writes the logs Paddle's launcher would. The real
+launched jobs are `tests/integration/test_faults.py`."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashcp import attempt
+from flashcp.config import load_config
+from flashcp.launch import job, outcome, preflight, restart
+from helpers.paths import ROOT
+
+CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
+
+FAKE = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    log_dir, seen, plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    n = int(os.environ.get("FLASHCP_ATTEMPT", "0"))
+    with open(seen, "a") as f:
+        f.write(json.dumps({"attempt": n, "argv": sys.argv[5:]}) + "\\n")
+    what = plan[min(n, len(plan) - 1)]
+    def log(rank, text):
+        with open(os.path.join(log_dir, f"workerlog.{rank}"), "a") as f:
+            f.write(text)
+    if what == "ok":
+        for r in (0, 1):
+            log(r, f"[flashcp] rank {r} exit 0\\n")
+        sys.exit(0)
+    if what == "kill":
+        log(0, "[flashcp fault] rank 0 step 3: sigkill\\n")
+        log(1, "I1202 connected\\n")
+        print("Container rank 0 status failed cmd ['python'] code -9 log x", flush=True)
+        sys.exit(1)
+    if what.startswith("exit"):
+        code = int(what[4:])
+        for r in (0, 1):
+            log(r, f"[rank {r}] error: stop\\n[flashcp] rank {r} exit {code}\\n")
+        sys.exit(code)
+    if what == "preempt":  # the ranks save and stop when the signal reaches them
+        got = []
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+        open(seen + ".started", "w").close()
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for r in (0, 1):
+            log(r, f"[flashcp] rank {r} exit 75\\n")
+        sys.exit(75 if got else 9)
+    """
+)
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`fake(plan)`: every launch runs the stand-in with `plan` (one action per attempt);
+    returns where it records the attempt number and overrides each launch saw."""
+    script = tmp_path / "fake_launcher.py"
+    script.write_text(FAKE)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
+
+    def use(plan: list[str]) -> Path:
+        def command(config: Any, overrides: list[str], nproc: int, log_dir: Path,
+                    *_: Any) -> list[str]:  # fmt: skip
+            # the train script among the arguments: the stand-in is a "rank" to signal
+            return [sys.executable, str(script), str(log_dir), str(seen), json.dumps(plan),
+                    str(job.train_script()), *overrides]  # fmt: skip
+
+        monkeypatch.setattr(job, "launch_command", command)
+        return seen
+
+    return use
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[int, str]:
+    args = [f"run.output_dir={tmp_path / 'run'}", "run.restart_backoff_s=0", *overrides]
+    printed = io.StringIO()
+    code = job.run_job(load_config(CONFIG, args), CONFIG, args, out=printed)
+    return code, printed.getvalue()
+
+
+def _seen(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_killed_rank_is_relaunched_from_the_latest_checkpoint(tmp_path: Path, fake: Any) -> None:
+    seen = fake(["kill", "kill", "ok"])
+    (tmp_path / "run" / "checkpoints" / "step_4").mkdir(parents=True)  # a complete one
+    code, out = _run(tmp_path, "run.max_restarts=3")
+    assert code == 0, out
+    launches = _seen(seen)
+    assert [s["attempt"] for s in launches] == [0, 1, 2]
+    resume = f"checkpoint.resume={json.dumps(str(tmp_path / 'run' / 'checkpoints' / 'step_4'))}"
+    assert launches[0]["argv"][-1] == "run.max_restarts=3"  # the command's own alone
+    assert launches[1]["argv"][-2:] == ["run.overwrite=false", resume]
+    records = restart.read_records(tmp_path / "run")
+    assert [(r["restart"], r["cause"], r["rank"], r["resume_step"]) for r in records] == [
+        (1, "killed", 0, 4), (2, "killed", 0, 4),
+    ]  # fmt: skip
+    assert "restart 1 of 3 (run.max_restarts) after killed of rank 0" in out
+    assert "launching 2 process(es) (restart 2)" in out
+    assert attempt.restarts(tmp_path / "run") == 2
+
+
+def test_no_restart_without_budget_or_after_a_final_exit(tmp_path: Path, fake: Any) -> None:
+    seen = fake(["kill", "ok"])
+    code, out = _run(tmp_path)  # run.max_restarts: 0 by default
+    assert code != 0 and "not restarting: run.max_restarts is 0" in out
+    assert [s["attempt"] for s in _seen(seen)] == [0]
+    seen.unlink()
+    fake(["exit3", "ok"])
+    code, out = _run(tmp_path, "run.max_restarts=5")
+    assert code == outcome.EXIT_NONFINITE
+    assert "not restarting: a non-finite loss (exit 3) is not fixed by a relaunch" in out
+    assert [s["attempt"] for s in _seen(seen)] == [0]
+    assert restart.read_records(tmp_path / "run") == []
+
+
+def test_a_sigterm_to_flashcp_train_is_passed_on_and_the_ranks_save(
+    tmp_path: Path, fake: Any
+) -> None:
+    seen = fake(["preempt"])
+    started = Path(str(seen) + ".started")
+
+    def signal_when_started() -> None:
+        deadline = time.monotonic() + 20
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    sender = threading.Thread(target=signal_when_started)
+    sender.start()
+    code, out = _run(tmp_path, "run.max_restarts=3")
+    sender.join()
+    assert code == outcome.EXIT_PREEMPTED, out
+    assert "pre-emption (SIGTERM): passed on to 1 rank(s)" in out
+    assert "pre-empted: every rank saved and stopped; run the same command again" in out
+    assert "the job failed" not in out and restart.read_records(tmp_path / "run") == []
+    assert signal.getsignal(signal.SIGTERM) == before  # flashcp train's handlers are gone
