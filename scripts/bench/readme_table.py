@@ -218,6 +218,7 @@ def view(docs: Path) -> Record:
         "scaling": _load(docs, "cp_scaling.json"),
         "groups": _load(docs, "stress_groups.json"),
         "launch": _load(docs, "stress_launch.json"),
+        "resilience": _load(docs, "resilience.json"),
         "dpo": _load(docs, "bench_dpo.json"),
         "loss": loss,
         "loss_case": max(loss["cases"], key=lambda c: (c["vocab"], c["tokens"])) if loss else None,

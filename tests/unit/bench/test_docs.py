@@ -21,6 +21,7 @@ from bench import (
     loss_memory,
     memory_check,
     moe,
+    resilience,
     tiling_memory,
 )
 from bench import readme_table as tables
@@ -153,3 +154,12 @@ def test_long_context_page_and_readme_rows_match_their_json(tmp_path: Path) -> N
     assert "NOT met by the plan" in long_context.PAGE.render(changed)  # below the 4M target
     (tmp_path / "long_context.json").write_text(json.dumps(changed))
     assert "→ **1,234**" in [r for r in tables.rows(tmp_path) if "8×H20" in r[0]][0][1]
+
+
+def test_reliability_section_matches_its_json() -> None:
+    rec = _json("resilience.json")
+    text = (DOCS / "reliability.md").read_text()
+    assert resilience.with_section(text, rec) == text, "scripts/bench_resilience.py --report-only"
+    changed = copy.deepcopy(rec)
+    changed["goodput"]["productive_s"] += 1.0
+    assert resilience.section(changed) != resilience.section(rec)
