@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from flashcp import rundir
+from flashcp import attempt, rundir
 from flashcp.checkpoint.format import CHECKPOINT_DIR
 from flashcp.config import load_config
 from flashcp.launch import job, preflight
@@ -65,6 +65,19 @@ def test_fresh_run_over_checkpoints_is_refused_with_three_ways_out(tmp_path: Pat
         rundir.check_start(out, "never", False)
     assert str(err.value) == line
     rundir.check_start(out, "auto", False)  # continuing is fine
+
+
+def test_a_relaunch_continues_its_own_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks relaunched by an automatic restart (`FLASHCP_ATTEMPT` > 0) find their own run's
+    metrics there, with no checkpoint yet when it failed before the first save: not refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    monkeypatch.delenv(attempt.ENV_ATTEMPT, raising=False)
+    with pytest.raises(rundir.RunDirError, match="holds metrics.jsonl of an earlier run"):
+        rundir.check_start(out, "auto", False)
+    monkeypatch.setenv(attempt.ENV_ATTEMPT, "1")
+    rundir.check_start(out, "auto", False)
 
 
 def test_ranks_never_move_an_earlier_run(tmp_path: Path) -> None:

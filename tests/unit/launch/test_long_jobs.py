@@ -57,9 +57,10 @@ FAKE = textwrap.dedent(
         deadline = time.monotonic() + 20
         while not got and time.monotonic() < deadline:
             time.sleep(0.05)
+        code = 75 if got else 9
         for r in (0, 1):
-            log(r, f"[flashcp] rank {r} exit 75\\n")
-        sys.exit(75 if got else 9)
+            log(r, f"[flashcp] rank {r} exit {code}\\n")
+        sys.exit(code)
     """
 )
 
