@@ -3,15 +3,17 @@ while it writes a checkpoint — faults at steps drawn from a seed — finishes 
 bitwise where an uninterrupted run ends.
 
 The job is `configs/gpt/tiny_cp2.yaml` at `parallel.dp=2` (4 processes, deterministic), `--steps`
-steps with a checkpoint every `--every`, `run.max_restarts` enough for every fault. From
-`--seed` the benchmark draws one step for each fault and the rank it hits:
+steps with a checkpoint every `--every`, `run.max_restarts` enough for every fault, run as
+`--nodes` nodes of this machine (`flashcp train --nnodes N --node-rank R --master ...`, each
+node its share of the ranks; the nodes restart together). From `--seed` the benchmark draws one
+step for each fault and the rank it hits:
 
 * `kill`: the rank SIGKILLs itself after its forward pass (`sigkill`, `flashcp.faults`);
 * `hang`: the rank stops answering after its forward pass (`hang`): its peers' collective
   watchdog (`FLASHCP_COLLECTIVE_TIMEOUT`, `--watchdog-s`) ends the launch;
-* `preempt`: SIGTERM to `flashcp train` once the step is in `metrics.jsonl`, as a scheduler
-  would send it; the ranks finish their step, save and exit 75, and the benchmark starts the
-  same command again, as the scheduler would;
+* `preempt`: SIGTERM to (node 0's) `flashcp train` once the step is in `metrics.jsonl`, as a
+  scheduler would send it; the ranks finish their step, save and exit 75, and the benchmark
+  starts the same command again (on every node), as the scheduler would;
 * `torn_write`: rank 0 SIGKILLs itself inside the checkpoint it writes at that step (the step
   rounded up to a checkpoint step; `crash_in_checkpoint_write`).
 
@@ -20,7 +22,9 @@ fault is given the launch attempt it hits (`flashcp.attempt`: the faults are ord
 each relaunch meets the next). Recorded: every fault and how the job met it, every
 `flashcp train` run (exit code, wall time, processes left behind), `restarts.jsonl`, the goodput
 ledgers (`goodput.json`) of the faulted and the uninterrupted run, and whether the two ended
-bitwise equal: every step's loss and gradient norm, the final weights and optimizer state.
+bitwise equal: every step's loss and gradient norm, the final weights and optimizer state (the
+uninterrupted run is one 4-process node: a job split over nodes trains bitwise like one node,
+`tests/integration/test_multinode.py`).
 
 Writes `--json` (default docs/resilience.json) and the generated section of
 docs/reliability.md (between its `resilience:begin` / `resilience:end` markers);
@@ -30,6 +34,7 @@ docs/reliability.md (between its `resilience:begin` / `resilience:end` markers);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -52,6 +57,7 @@ from bench import machine
 from bench.jobs import INHERITED, MARKER_ENV
 from bench.report import DOCS, ROOT, render, shown, write_json
 from flashcp.checkpoint.format import MODEL_FILE, OPTIMIZER_FILE
+from flashcp.distributed import ports
 from flashcp.launch import supervise
 from flashcp.launch.outcome import EXIT_PREEMPTED
 from flashcp.launch.restart import read_records
@@ -134,10 +140,12 @@ def overrides(steps: int, every: int, restarts: int, backoff: float) -> list[str
 
 
 def run_once(
-    args: Sequence[str], out: Path, env: dict[str, str], preempt_at: int | None
+    args: Sequence[str], out: Path, env: dict[str, str], preempt_at: int | None, nodes: int
 ) -> Record:
-    """One `flashcp train` run to its end; with `preempt_at`, SIGTERM to it once that step is
-    recorded. Its exit code, wall time, output tail, processes left behind."""
+    """One `flashcp train` run to its end — `nodes` of them on this machine, meeting at a
+    leased `--master` port, when `nodes` > 1; with `preempt_at`, SIGTERM to (node 0's)
+    `flashcp train` once that step is recorded. Its exit code (node 0's; every node's too),
+    wall time, node 0's output tail, processes left behind."""
     marker = uuid.uuid4().hex
     job_env = supervise.job_env(marker, marker_env=MARKER_ENV, drop=INHERITED,
                                 extra={"OMP_NUM_THREADS": "1", **env})  # fmt: skip
@@ -145,28 +153,39 @@ def run_once(
         job_env.pop("FLASHCP_FAULT", None)
     cmd = [sys.executable, "-m", "flashcp", "train", CONFIG, *args, f"run.output_dir={out}"]
     start = time.monotonic()
-    job = supervise.Job.start(cmd, job_env, marker_env=MARKER_ENV, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace")  # fmt: skip
-    signalled = None
-    if preempt_at is not None:
-        metrics = out / "metrics.jsonl"
-        while job.proc.poll() is None and time.monotonic() - start < RUN_TIMEOUT:
-            if metrics.is_file() and any(r["step"] >= preempt_at for r in read_metrics(out)):
-                job.proc.send_signal(signal.SIGTERM)
-                signalled = time.monotonic()
-                break
-            time.sleep(0.05)
-    code, timed_out, output = job.wait(RUN_TIMEOUT)
-    ended = time.monotonic()
-    left = job.leftover(10.0)
-    text = output or ""
+    master = ""
+    with contextlib.ExitStack() as held:
+        if nodes > 1:
+            master = f"127.0.0.1:{held.enter_context(ports.reserve(1)).first}"
+        jobs = []
+        for node in range(nodes):
+            where = ["--nnodes", str(nodes), "--node-rank", str(node), "--master", master] \
+                if nodes > 1 else []  # fmt: skip
+            jobs.append(supervise.Job.start(
+                [*cmd, *where], job_env, marker_env=MARKER_ENV, cwd=ROOT,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            ))  # fmt: skip
+            time.sleep(0.5)
+        signalled = None
+        if preempt_at is not None:
+            metrics = out / "metrics.jsonl"
+            while jobs[0].proc.poll() is None and time.monotonic() - start < RUN_TIMEOUT:
+                if metrics.is_file() and any(r["step"] >= preempt_at for r in read_metrics(out)):
+                    jobs[0].proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+                    break
+                time.sleep(0.05)
+        ended = [j.wait(max(RUN_TIMEOUT - (time.monotonic() - start), 1.0)) for j in jobs]
+    finished = time.monotonic()
+    left = jobs[0].leftover(10.0)
+    text = ended[0][2] or ""
     print(text[-3000:], flush=True)
     return {
-        "exit_code": code,
-        "timed_out": timed_out,
-        "wall_s": ended - start,
-        "signal_to_exit_s": None if signalled is None else ended - signalled,
+        "exit_code": ended[0][0],
+        "node_exit_codes": [e[0] for e in ended],
+        "timed_out": any(e[1] for e in ended),
+        "wall_s": finished - start,
+        "signal_to_exit_s": None if signalled is None else finished - signalled,
         "leftover": left,
         "launches": text.count("flashcp: launching "),
         "output_tail": text.splitlines()[-12:],
@@ -190,8 +209,10 @@ def bitwise(out: Path, ref: Path, steps: int) -> Record:
     return record
 
 
-def measure(seed: int, steps: int, every: int, watchdog: float, backoff: float) -> Record:
-    """The faulted run and the uninterrupted one (module docstring)."""
+def measure(
+    seed: int, steps: int, every: int, watchdog: float, backoff: float, nodes: int
+) -> Record:
+    """The faulted run (on `nodes` nodes) and the uninterrupted one (module docstring)."""
     faults = draw(seed, steps, every)
     invocations = max(f.invocation for f in faults) + 1
     restarts = sum(1 for f in faults if f.kind != "preempt")
@@ -200,19 +221,20 @@ def measure(seed: int, steps: int, every: int, watchdog: float, backoff: float) 
     env = {"FLASHCP_COLLECTIVE_TIMEOUT": f"{watchdog:g}"}
     runs = []
     with machine.load_window() as load:
-        reference = run_once(base, work / "uninterrupted", env, None)
+        reference = run_once(base, work / "uninterrupted", env, None, 1)
         if reference["exit_code"] != 0:
             raise RuntimeError(f"the uninterrupted run failed: {reference}")
         for n in range(invocations):
             mine = [f for f in faults if f.invocation == n]
             specs = ",".join(f.spec() for f in mine if f.kind != "preempt")
             preempt = next((f.step for f in mine if f.kind == "preempt"), None)
-            run = run_once(base, work / "faulted", {**env, "FLASHCP_FAULT": specs}, preempt)
+            run = run_once(base, work / "faulted", {**env, "FLASHCP_FAULT": specs}, preempt,
+                           nodes)  # fmt: skip
             runs.append({**run, "faults": specs, "preempt_at": preempt})
             print(f"run {n + 1}: exit {run['exit_code']} in {run['wall_s']:.1f} s", flush=True)
         extra = 0
         while runs[-1]["exit_code"] == EXIT_PREEMPTED and extra < 2:  # a late pre-emption
-            runs.append({**run_once(base, work / "faulted", env, None), "faults": "",
+            runs.append({**run_once(base, work / "faulted", env, None, nodes), "faults": "",
                          "preempt_at": None})  # fmt: skip
             extra += 1
     faulted, ref = work / "faulted", work / "uninterrupted"
@@ -221,6 +243,7 @@ def measure(seed: int, steps: int, every: int, watchdog: float, backoff: float) 
         "config": CONFIG,
         "overrides": base,
         "world": WORLD,
+        "nodes": nodes,
         "seed": seed,
         "steps": steps,
         "every": every,
@@ -270,6 +293,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=4, help="checkpoint.every")
     p.add_argument("--watchdog-s", type=float, default=30.0, help="FLASHCP_COLLECTIVE_TIMEOUT")
     p.add_argument("--backoff-s", type=float, default=1.0, help="run.restart_backoff_s")
+    p.add_argument("--nodes", type=int, default=2, choices=[1, 2, 4],
+                   help="run the faulted job as this many nodes on localhost")  # fmt: skip
     p.add_argument("--json", type=Path, default=DOCS / "resilience.json")
     p.add_argument("--markdown", type=Path, default=RELIABILITY,
                    help="the page holding the generated section")  # fmt: skip
@@ -282,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report_only:
         record = json.loads(args.json.read_text())
     else:
-        record = measure(args.seed, args.steps, args.every, args.watchdog_s, args.backoff_s)
+        record = measure(args.seed, args.steps, args.every, args.watchdog_s, args.backoff_s,
+                         args.nodes)  # fmt: skip
         write_json(args.json, record)
         print(f"wrote {shown(args.json)}")
     args.markdown.write_text(with_section(args.markdown.read_text(), record))

@@ -447,7 +447,8 @@ def _decide(
     (`local` processes per node; at most `budget` restarts)."""
     offset = nodes.rank * local
     if ended.elsewhere is not None:
-        mine = restart.Report(nodes.rank, code, "peer lost", None, ended.stopped, time.time())
+        mine = restart.Report(nodes.rank, code, "peer lost", None, ended.stopped, time.time(),
+                              "peer")  # fmt: skip
     else:
         verdict = outcome.verdict(ended.code, outcome.diagnose(ended.logs, ended.launcher_output),
                                   offset)  # fmt: skip

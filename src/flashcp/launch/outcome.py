@@ -61,10 +61,10 @@ _WRAPPED = re.compile(r"^\s+((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b: .+)$", r
 backward (a PyLayer: attention, the MoE exchange), indented under 'Error message in backward'."""
 _PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):", re.M)
 _RANK_TAG = re.compile(r"\[rank \d+\] ")
-# Most telling first: the rank to blame for a failed job.
-_SEVERITY = (
+SEVERITY = (
     "killed", "hung", "signal", "error", "timeout", "peer", "stopped", "finished", "unknown",
 )  # fmt: skip
+"""Kinds of ending, the most telling first: the rank to blame for a failed job."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class RankOutcome:
 
     rank: int
     kind: str
-    """One of `_SEVERITY`: killed (no word: SIGKILL, OOM), hung (did not reach the collective
+    """One of `SEVERITY`: killed (no word: SIGKILL, OOM), hung (did not reach the collective
     the others timed out in), signal (fatal signal), error (own non-zero exit), timeout
     (watchdog), peer (lost a peer), stopped (by the launcher), finished (exit 0), unknown (no
     log)."""
@@ -161,7 +161,7 @@ def diagnose(logs: Mapping[int, str | None], launcher_output: str = "") -> list[
     timed_out = {o.rank for o in outcomes if o.kind == "timeout"}
     hang = bool(codes) and all(r in timed_out for r in codes)
     outcomes = [_after_first(o, codes, hang) for o in outcomes]
-    return sorted(outcomes, key=lambda o: (_SEVERITY.index(o.kind), o.rank))
+    return sorted(outcomes, key=lambda o: (SEVERITY.index(o.kind), o.rank))
 
 
 CAUSES: dict[str, str] = {
@@ -190,6 +190,8 @@ class Verdict:
     """The job rank to blame (None: no rank's log said anything)."""
     text: str
     """What happened to it (`RankOutcome.text`)."""
+    kind: str = "unknown"
+    """Its `RankOutcome.kind` (`SEVERITY`)."""
 
     @property
     def final(self) -> str | None:
@@ -204,7 +206,7 @@ def verdict(code: int, outcomes: list[RankOutcome], rank_offset: int = 0) -> Ver
     if not outcomes:
         return Verdict(job, "unknown", None, f"the launcher exited with code {code}")
     first = outcomes[0]
-    return Verdict(job, CAUSES[first.kind], first.rank + rank_offset, first.text)
+    return Verdict(job, CAUSES[first.kind], first.rank + rank_offset, first.text, first.kind)
 
 
 def job_code(launcher_code: int, outcomes: list[RankOutcome]) -> int:

@@ -32,12 +32,10 @@ from typing import Any
 from flashcp.attempt import RESTARTS_FILE
 from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
 from flashcp.config import Config
-from flashcp.launch.outcome import FINAL_CODES, Verdict
+from flashcp.launch.outcome import FINAL_CODES, SEVERITY, Verdict
 
 BACKOFF_MAX_S = 300.0
 """The longest wait before a relaunch, however many came before."""
-BLAME_ORDER = ("killed", "hang", "crash", "error", "unknown", "peer lost", "stopped")
-"""Causes from the most telling: the node whose report names the first is blamed."""
 
 
 def backoff_s(base: float, restart: int) -> float:
@@ -57,17 +55,21 @@ class Report:
     text: str
     at: float
     """Wall clock when its launcher exited."""
+    kind: str = "unknown"
+    """How its blamed rank ended (`outcome.SEVERITY`): a node whose rank hung is blamed before
+    one whose ranks timed out waiting for it."""
 
     @classmethod
     def of(cls, node: int, v: Verdict, at: float | None = None) -> Report:
-        return cls(node, v.code, v.cause, v.rank, v.text, time.time() if at is None else at)
+        at = time.time() if at is None else at
+        return cls(node, v.code, v.cause, v.rank, v.text, at, v.kind)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Report:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,8 @@ def decide(
     got = [r for r in reports.values() if r is not None]
     failed = [r for r in got if r.code != 0] or got
     final = [r for r in failed if r.code in FINAL_CODES]
-    rank = {c: i for i, c in enumerate(BLAME_ORDER)}
-    blamed = min(final or failed, key=lambda r: (rank.get(r.cause, len(rank)), r.at, r.node))
+    order = {kind: i for i, kind in enumerate(SEVERITY)}
+    blamed = min(final or failed, key=lambda r: (order.get(r.kind, len(order)), r.at, r.node))
     base = Decision(True, blamed.code, blamed.cause, blamed.node, blamed.rank, blamed.text, "")
     if final:
         why = f"{FINAL_CODES[blamed.code]} (exit {blamed.code}) is not fixed by a relaunch"

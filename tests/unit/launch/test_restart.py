@@ -19,9 +19,12 @@ from flashcp.launch.nodesync import NodeSync
 from flashcp.launch.restart import Decision, Report
 from helpers.paths import CONFIGS
 
+KIND = {"killed": "killed", "hang": "timeout", "peer lost": "peer", "error": "error"}
 
-def _report(node: int = 0, code: int = 247, cause: str = "killed", at: float = 1.0) -> Report:
-    return Report(node, code, cause, 1, "died", at)
+
+def _report(node: int = 0, code: int = 247, cause: str = "killed", at: float = 1.0,
+            kind: str | None = None) -> Report:  # fmt: skip
+    return Report(node, code, cause, 1, "died", at, kind or KIND[cause])
 
 
 def test_backoff_doubles_up_to_its_cap() -> None:
@@ -53,6 +56,10 @@ def test_the_node_that_saw_the_cause_is_blamed_and_a_silent_node_is_lost() -> No
     reports = {0: _report(0, 1, "peer lost", at=1.0), 1: _report(1, 124, "hang", at=5.0)}
     got = restart.decide(reports, restarts=0, max_restarts=1, nodes=2)
     assert got.restart and (got.node, got.cause, got.code) == (1, "hang", 124)
+    # both nodes saw the hang: the one whose rank never reached the collective is blamed, not
+    # the one whose ranks timed out waiting for it first
+    waited = {0: _report(0, 124, "hang", at=1.0), 1: _report(1, 247, "hang", 5.0, "hung")}
+    assert restart.decide(waited, restarts=0, max_restarts=1, nodes=2).node == 1
     lost = restart.decide({0: _report(0, 1, "peer lost"), 1: None}, restarts=0,
                           max_restarts=3, nodes=2)  # fmt: skip
     assert not lost.restart and (lost.cause, lost.node) == ("node lost", 1)
