@@ -116,17 +116,18 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-# -- long jobs: restarts and pre-emption, against one uninterrupted run -----------------------
+# -- a long job: restarts and pre-emption, against one uninterrupted run ----------------------
 
-LONG = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=2"]
-"""The long-job tests' run: 8 steps, a checkpoint every 2."""
+STEPS = 12
+LONG = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep_last=2"]
+"""The long job: 12 steps, a checkpoint every 2."""
 WATCHDOG_S = "12"
-"""The collective timeout of the hang test: a hung rank is found after this long."""
+"""The collective timeout of the long job: a hung rank is found after this long."""
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`LONG` run once without a fault: what every interrupted run must end as, bitwise."""
+    """`LONG` run once without a fault: what the interrupted run must end as, bitwise."""
     run = jobs.run_flashcp(GPT2, LONG, tmp_path_factory.mktemp("uninterrupted") / "run")
     assert jobs.hygiene_problems(run) == [], run.summary()
     return run.out_dir
@@ -136,11 +137,11 @@ def _same_run(out: Path, ref: Path) -> None:
     """`out` ended bitwise as `ref`: one record per step with the same loss and gradient norm,
     and the same final weights and optimizer state."""
     got, want = _metrics(out), _metrics(ref)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 9))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
     for name in (MODEL_FILE, OPTIMIZER_FILE):
-        a = load_file(str(out / "checkpoints" / "step_8" / name))
-        b = load_file(str(ref / "checkpoints" / "step_8" / name))
+        a = load_file(str(out / "checkpoints" / f"step_{STEPS}" / name))
+        b = load_file(str(ref / "checkpoints" / f"step_{STEPS}" / name))
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), name
 
 
@@ -148,8 +149,8 @@ PREEMPTION_LINE = re.compile(r"pre-emption requested on rank|\[flashcp fault\] .
 
 
 def _preempted_cleanly(run: jobs.JobRun) -> list[str]:
-    """`jobs.hygiene_problems` of a pre-empted job (exit 75): its logs may name SIGTERM only
-    in the pre-emption's own lines (the request, the injected signal)."""
+    """`jobs.hygiene_problems` of a launch that ended pre-empted (exit 75): its logs may name
+    SIGTERM only in the pre-emption's own lines (the request, the injected signal)."""
     logs = [run.log(rank) for rank in range(run.nproc)] + [run.launcher_log()]
     named = [line for text in logs for line in text.splitlines() if "SIGTERM" in line]
     strays = [line for line in named if not PREEMPTION_LINE.search(line)]
@@ -157,88 +158,75 @@ def _preempted_cleanly(run: jobs.JobRun) -> list[str]:
     return strays + [p for p in problems if not p.endswith("contains 'SIGTERM'")]
 
 
-def _last_exit_codes(run: jobs.JobRun) -> list[int]:
-    """Each rank's exit code in its last launch (the rank logs hold every launch's)."""
-    return [jobs.rank_exit_codes(run.log(rank))[-1] for rank in range(run.nproc)]
-
-
-@pytest.mark.timeout(400)
-def test_restarts_after_a_killed_and_a_hung_rank(tmp_path: Path, uninterrupted: Path) -> None:
-    """Rank 1 SIGKILLed at step 3; relaunched from step_2, rank 0 hangs at step 5 and rank 1's
-    watchdog ends the launch; relaunched from step_4, the run finishes."""
-    run = jobs.run_flashcp(
-        GPT2, [*LONG, "run.max_restarts=3", "run.restart_backoff_s=0.5"], tmp_path / "run",
-        env={"FLASHCP_FAULT": "sigkill@step3:rank1,hang@step5:rank0:attempt1",
-             "FLASHCP_COLLECTIVE_TIMEOUT": WATCHDOG_S}, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0 and not run.timed_out, run.summary()
-    assert run.leftover == [] and _last_exit_codes(run) == [0, 0], run.summary()
-    records = restart.read_records(run.out_dir)
-    assert [(r["restart"], r["cause"], r["rank"], r["resume_step"], r["backoff_s"])
-            for r in records] == [(1, "killed", 1, 2, 0.5), (2, "hang", 0, 4, 1.0)]  # fmt: skip
-    ckpts = run.out_dir / "checkpoints"
-    for step in (2, 4):
-        assert f"resumed from {ckpts / f'step_{step}'} at step {step}" in run.output
-    assert "restart 2 of 3 (run.max_restarts) after hang of rank 0" in run.output
-    assert "timed out after 12 s on rank 1: rank 0 may be dead, hung" in run.output
-    assert run.output.count("flashcp: launching 2 process(es)") == 3
-    _same_run(run.out_dir, uninterrupted)
-    ledger = json.loads((run.out_dir / "goodput.json").read_text())
-    assert ledger["complete"] and ledger["restarts"] == 2 and ledger["step"] == 8
-    assert ledger["restart_s"] > float(WATCHDOG_S)  # the hang's wait is time lost to it
-    assert _metrics(run.out_dir)[-1]["restarts"] == 2
-
-
-@pytest.mark.timeout(400)
-def test_preemption_saves_and_the_same_command_resumes(
+@pytest.mark.timeout(600)
+def test_a_long_job_survives_a_kill_a_hang_and_two_preemptions(
     tmp_path: Path, uninterrupted: Path
 ) -> None:
-    """SIGTERM to rank 1 at step 3 (the fault); then, started again, SIGUSR1 to `flashcp train`
-    once step 5 is recorded, while rank 1 runs slow; then started again to the end."""
-    out = tmp_path / "run"
-    args = [*LONG, "run.max_restarts=2", "run.straggler_window=2"]
-    one = jobs.run_flashcp(GPT2, args, out, env={"FLASHCP_FAULT": "sigterm@step3:rank1"})
-    assert _preempted_cleanly(one) == [], one.summary()
-    assert "pre-emption requested on rank(s) 1 (SIGTERM): saving step 3" in one.output
+    """One run, three `flashcp train` commands, as a scheduler would start them:
+
+    1. rank 1 SIGKILLed at step 3 (restart from step_2); relaunched, rank 0 hangs at step 5 and
+       rank 1's watchdog ends the launch (restart from step_4); relaunched, rank 1 gets SIGTERM
+       at step 7: every rank saves step 7 and exits 75, with no restart;
+    2. the same command, rank 1 slow (named a straggler), SIGUSR1 to `flashcp train` once step
+       8 is recorded: passed on, saved, 75;
+    3. the same command runs to the end: bitwise the uninterrupted run."""
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = [*LONG, "run.max_restarts=3", "run.restart_backoff_s=0.5", "run.straggler_window=2"]
+    faults = "sigkill@step3:rank1,hang@step5:rank0:attempt1,sigterm@step7:rank1:attempt2"
+    one = jobs.run_flashcp(GPT2, args, out, timeout=400,
+                           env={"FLASHCP_FAULT": faults, "FLASHCP_COLLECTIVE_TIMEOUT": WATCHDOG_S})
+    assert one.returncode == outcome.EXIT_PREEMPTED and not one.timed_out, one.summary()
+    assert one.leftover == [], one.summary()
+    records = restart.read_records(out)
+    assert [(r["restart"], r["cause"], r["rank"], r["resume_step"], r["backoff_s"])
+            for r in records] == [(1, "killed", 1, 2, 0.5), (2, "hang", 0, 4, 1.0)]  # fmt: skip
+    for step in (2, 4):
+        assert f"resumed from {ckpts / f'step_{step}'} at step {step}" in one.output
+    assert "restart 2 of 3 (run.max_restarts) after hang of rank 0" in one.output
+    assert "timed out after 12 s on rank 1: rank 0 may be dead, hung" in one.output
+    assert one.output.count("flashcp: launching 2 process(es)") == 3  # a pre-emption: no 4th
+    assert "pre-emption requested on rank(s) 1 (SIGTERM): saving step 7" in one.output
     assert "pre-empted: every rank saved and stopped; run the same command again" in one.output
-    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
-    assert verify_checkpoint(out / "checkpoints" / "step_3") == []
-    assert not (out / "restarts.jsonl").exists()  # a pre-emption is never restarted
+    assert [r["step"] for r in _metrics(out)] == list(range(1, 8))
+    assert verify_checkpoint(ckpts / "step_7") == []
+    assert [jobs.rank_exit_codes(one.log(r))[-1] for r in range(2)] == [75, 75]
 
     marker = uuid.uuid4().hex
     env = {"FLASHCP_FAULT": "slow@step1:rank1", "FLASHCP_FAULT_SLOW_S": "0.4"}
+    offsets = outcome.log_sizes(out / "logs", 2)
     proc = jobs.start_flashcp(GPT2, [*args, f"run.output_dir={out}"], marker, env)
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
-            if any(r["step"] >= 5 for r in _metrics(out)):
+            if any(r["step"] >= 8 for r in _metrics(out)):
                 break
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[0]
         proc.send_signal(signal.SIGUSR1)
-        signalled = time.monotonic()
-        text, _ = proc.communicate(timeout=120)
-        assert proc.returncode == outcome.EXIT_PREEMPTED, text
-        assert time.monotonic() - signalled < 120  # run.preempt_grace_s
-        assert jobs.leftover_after(marker) == []
+        text, _ = proc.communicate(timeout=120)  # run.preempt_grace_s is 120 s
+        two = jobs.JobRun(GPT2, 2, proc.returncode, text, out, 0.0,
+                          leftover=jobs.leftover_after(marker), log_offsets=offsets)
+        assert _preempted_cleanly(two) == [], two.summary()
     finally:
         kill_marked(marker)
     assert "pre-emption (SIGUSR1): passed on to 2 rank(s)" in text
-    assert "(SIGUSR1): saving step" in text
-    assert f"resumed from {out / 'checkpoints' / 'step_3'}" in text
+    assert "(SIGUSR1): saving step" in text and f"resumed from {ckpts / 'step_7'}" in text
     assert "straggler: rank 1 computed" in text
-    slow = [r for r in _metrics(out) if r["step"] > 3 and "straggler/rank" in r]
+    slow = [r for r in _metrics(out) if r["step"] > 7 and "straggler/rank" in r]
     assert slow and all(r["straggler/rank"] == 1 and r["straggler/ratio"] > 1.2 for r in slow)
     stopped_at = _metrics(out)[-1]["step"]
-    assert 5 <= stopped_at < 8
-    assert verify_checkpoint(out / "checkpoints" / f"step_{stopped_at}") == []
+    assert 8 <= stopped_at < STEPS
+    assert verify_checkpoint(ckpts / f"step_{stopped_at}") == []
 
     three = jobs.run_flashcp(GPT2, args, out)
     assert jobs.hygiene_problems(three) == [], three.summary()
-    assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'}" in three.output
+    assert f"resumed from {ckpts / f'step_{stopped_at}'}" in three.output
+    assert len(restart.read_records(out)) == 2
     _same_run(out, uninterrupted)
     ledger = json.loads((out / "goodput.json").read_text())
-    assert ledger["complete"] and ledger["restarts"] == 0 and ledger["startup_s"] > 0
+    assert ledger["complete"] and ledger["restarts"] == 2 and ledger["step"] == STEPS
+    assert ledger["restart_s"] > float(WATCHDOG_S)  # the hang's wait is time lost to it
+    assert _metrics(out)[-1]["restarts"] == 2
 
 
 def _flip_byte(path: Path) -> None:
