@@ -286,11 +286,13 @@ def _launch(
                                "ranks")  # fmt: skip
             if stopped:
                 print(f"\nflashcp: {stopped}", file=out, flush=True)
-                job.stop()
+                # a rank takes SIGTERM for a pre-emption: past its grace, it is killed
+                job.stop(grace=supervise.KILL_GRACE)
                 break
         job.proc.wait(timeout=supervise.REAP_TIMEOUT)  # exited, or stopped above
         copier.join(timeout=5)
-    job.stop(grace=supervise.KILL_GRACE)  # nothing of this launch outlives it
+    if supervise.marked_pids(job.marker):  # nothing of this launch outlives it
+        supervise.stop(job.marker, grace=supervise.KILL_GRACE)
     code = int(job.proc.returncode)
     if code == 0 and not stopped:
         return Ended(0)
