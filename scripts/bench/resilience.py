@@ -1,9 +1,10 @@
-"""Resilience: a launched dp 2 × cp 2 job that loses a rank, hangs, is pre-empted and is killed
-while it writes a checkpoint — faults at steps drawn from a seed — finishes unattended and ends
-bitwise where an uninterrupted run ends.
+"""Resilience: a launched dp 2 × cp 2 job that loses a rank, hangs, is pre-empted, fails a save
+and is killed while it writes a checkpoint — faults at steps drawn from a seed — finishes
+unattended and ends bitwise where an uninterrupted run ends.
 
 The job is `configs/gpt/tiny_cp2.yaml` at `parallel.dp=2` (4 processes, deterministic), `--steps`
-steps with a checkpoint every `--every`, `run.max_restarts` enough for every fault, run as
+steps with an asynchronous checkpoint (`checkpoint.async`) every `--every`, `run.max_restarts`
+enough for every fault, run as
 `--nodes` nodes of this machine (`flashcp train --nnodes N --node-rank R --master ...`, each
 node its share of the ranks; the nodes restart together). From `--seed` the benchmark draws one
 step for each fault and the rank it hits:
@@ -14,17 +15,21 @@ step for each fault and the rank it hits:
 * `preempt`: SIGTERM to (node 0's) `flashcp train` once the step is in `metrics.jsonl`, as a
   scheduler would send it; the ranks finish their step, save and exit 75, and the benchmark
   starts the same command again (on every node), as the scheduler would;
-* `torn_write`: rank 0 SIGKILLs itself inside the checkpoint it writes at that step (the step
-  rounded up to a checkpoint step; `crash_in_checkpoint_write`).
+* `failed_save`: the rank's part of the checkpoint of that step (rounded up to a checkpoint
+  step) fails with ENOSPC (`save_enospc`): the save is logged as failed on every rank, the
+  previous checkpoint stays the latest, and training goes on;
+* `torn_write`: rank 0's background writer SIGKILLs it in the middle of the checkpoint of that
+  step (rounded up to a checkpoint step; `crash_in_checkpoint_write`): a kill during an
+  asynchronous write.
 
 Kills, hangs and torn writes are recovered by `flashcp train` itself (`run.max_restarts`); each
 fault is given the launch attempt it hits (`flashcp.attempt`: the faults are ordered by step,
-each relaunch meets the next). Recorded: every fault and how the job met it, every
-`flashcp train` run (exit code, wall time, processes left behind), `restarts.jsonl`, the goodput
-ledgers (`goodput.json`) of the faulted and the uninterrupted run, and whether the two ended
-bitwise equal: every step's loss and gradient norm, the final weights and optimizer state (the
-uninterrupted run is one 4-process node: a job split over nodes trains bitwise like one node,
-`tests/integration/test_multinode.py`).
+each relaunch meets the next; a failed save ends no launch). Recorded: every fault and how the
+job met it, every `flashcp train` run (exit code, wall time, processes left behind),
+`restarts.jsonl`, the goodput ledgers (`goodput.json`) of the faulted and the uninterrupted run,
+and whether the two ended bitwise equal: every step's loss and gradient norm, the final weights
+and optimizer state (the uninterrupted run is one 4-process node: a job split over nodes trains
+bitwise like one node, `tests/integration/test_multinode.py`).
 
 Writes `--json` (default docs/resilience.json) and the generated section of
 docs/reliability.md (between its `resilience:begin` / `resilience:end` markers);
@@ -66,9 +71,12 @@ from flashcp.metrics.writer import read_metrics
 
 CONFIG = "configs/gpt/tiny_cp2.yaml"
 WORLD = 4
-KINDS = ("kill", "hang", "preempt", "torn_write")
+KINDS = ("kill", "hang", "preempt", "failed_save", "torn_write")
 """The faults of one run, in the order the seed shuffles them onto steps."""
-SPEC = {"kill": "sigkill", "hang": "hang", "torn_write": "crash_in_checkpoint_write"}
+SPEC = {"kill": "sigkill", "hang": "hang", "failed_save": "save_enospc",
+        "torn_write": "crash_in_checkpoint_write"}  # fmt: skip
+ON_SAVE = ("failed_save", "torn_write")
+"""Faults of a checkpoint: their step is a checkpoint step."""
 """`FLASHCP_FAULT` kind of the faults `flashcp train` recovers from by itself."""
 RUN_TIMEOUT = 900.0
 GAP = 4
@@ -100,8 +108,8 @@ class Fault:
 
 def draw(seed: int, steps: int, every: int) -> list[Fault]:
     """The seed's faults: steps in (every, steps - every] at least `GAP` apart, one per kind
-    in `KINDS` (shuffled), a torn write on a checkpoint step; ordered by step and given the
-    run and attempt each one hits."""
+    in `KINDS` (shuffled), the faults of a save on a checkpoint step; ordered by step and given
+    the run and attempt each one hits."""
     rng = random.Random(seed)
     kinds = list(KINDS)
     rng.shuffle(kinds)
@@ -110,7 +118,7 @@ def draw(seed: int, steps: int, every: int) -> list[Fault]:
     for kind in kinds:
         while True:
             step = rng.randint(every + 1, steps - every)
-            if kind == "torn_write":
+            if kind in ON_SAVE:
                 step = -(-step // every) * every
             if all(abs(step - t) >= GAP for t in taken):  # each is met on its own
                 break
@@ -123,7 +131,7 @@ def draw(seed: int, steps: int, every: int) -> list[Fault]:
         out.append(Fault(f.kind, f.step, f.rank, invocation, attempt))
         if f.kind == "preempt":
             invocation, attempt = invocation + 1, 0
-        else:
+        elif f.kind != "failed_save":  # the launch ends; the next is a relaunch
             attempt += 1
     return out
 
@@ -133,6 +141,7 @@ def overrides(steps: int, every: int, restarts: int, backoff: float) -> list[str
         "parallel.dp=2",
         f"train.steps={steps}",
         f"checkpoint.every={every}",
+        "checkpoint.async=true",
         "checkpoint.keep_last=2",
         f"run.max_restarts={restarts}",
         f"run.restart_backoff_s={backoff:g}",
@@ -215,7 +224,7 @@ def measure(
     """The faulted run (on `nodes` nodes) and the uninterrupted one (module docstring)."""
     faults = draw(seed, steps, every)
     invocations = max(f.invocation for f in faults) + 1
-    restarts = sum(1 for f in faults if f.kind != "preempt")
+    restarts = sum(1 for f in faults if f.kind not in ("preempt", "failed_save"))
     base = overrides(steps, every, restarts, backoff)
     work = Path(tempfile.mkdtemp(prefix="flashcp-bench-resilience-"))
     env = {"FLASHCP_COLLECTIVE_TIMEOUT": f"{watchdog:g}"}

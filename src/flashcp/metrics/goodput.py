@@ -10,9 +10,9 @@ run's totals at its end (`complete`). Every metrics record carries the same tota
 * `wall_s`: the time the job ran — every launch from its start (`flashcp.attempt`) to its last
   step, and the time between a failure and the relaunch; not the time a pre-empted or failed
   run spent waiting to be started again by hand or by a scheduler;
-* lost to `checkpoint_s` (the time the loop waited for saves), `startup_s` (from a launch by
-  `flashcp train` or the scheduler to its first step: checks, processes, imports, model
-  build, checkpoint load), `restart_s` (after an automatic restart: everything from the
+* lost to `checkpoint_s` (`checkpoint/stall_s`: the loop held by saves), `startup_s` (from a
+  launch by `flashcp train` or the scheduler to its first step: checks, processes, imports,
+  model build, checkpoint load), `restart_s` (after an automatic restart: everything from the
   ledger's last update before the failure to the relaunched first step — detection, stop,
   backoff, relaunch, reload — plus the steps redone since the checkpoint resumed from), and
   `other_s` (the rest: evaluation, logging, gaps between steps).
