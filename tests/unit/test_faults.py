@@ -207,3 +207,19 @@ def test_sigterm_fault_signals_once_and_hang_never_returns(
     t.step = 2
     with pytest.raises(_HungError):
         t.model(paddle.ones([1, 3]))
+
+
+def test_a_hung_rank_ignores_sigterm_and_never_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_to: list[tuple[int, object]] = []
+    monkeypatch.setattr(faults.signal, "signal", lambda sig, h: set_to.append((sig, h)))
+
+    class _WokenError(Exception):
+        pass
+
+    def sleep(_seconds: float) -> None:
+        raise _WokenError  # the only way out of the hang here
+
+    monkeypatch.setattr(faults.time, "sleep", sleep)
+    with pytest.raises(_WokenError):
+        faults._hang()
+    assert set_to == [(signal.SIGTERM, signal.SIG_IGN)]

@@ -138,3 +138,6 @@ def test_the_planned_checkpoint_bytes_are_what_a_save_writes(
     tight = tiny_cfg(tmp_path / "tight", train={"steps": 1}, checkpoint={"every": 1},
                      run={"preempt_grace_s": 1e-6})  # fmt: skip
     assert "warning: run.preempt_grace_s is 1e-06 s but a pre-emption here needs" in fit(tight).out
+    planned = tiny_cfg(tmp_path / "planned", train={"steps": 1}, run={"preempt_grace_s": 1e-6},
+                       hardware={"checkpoint_write_gb_per_s": 1.0})  # fmt: skip
+    assert "per writer at 1 GB/s, by the plan" in fit(planned).out  # said at start

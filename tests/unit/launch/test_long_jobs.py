@@ -153,3 +153,53 @@ def test_a_sigterm_to_flashcp_train_is_passed_on_and_the_ranks_save(
     assert "pre-empted: every rank saved and stopped; run the same command again" in out
     assert "the job failed" not in out and restart.read_records(tmp_path / "run") == []
     assert signal.getsignal(signal.SIGTERM) == before  # flashcp train's handlers are gone
+
+
+# -- flashcp train's own signals; the nodes' decision -----------------------------------------
+
+
+def test_signals_a_second_one_stops_and_a_sleep_ends_early() -> None:
+    sig = job.Signals((signal.SIGTERM, signal.SIGUSR1))
+    assert sig.pass_on([os.getpid()]) == []  # nothing to pass on yet
+    assert sig.sleep(0.01) and sig.code == 128 + signal.SIGTERM
+    sig._on(signal.SIGUSR1, None)
+    assert (sig.preempting, sig.stop) == (signal.SIGUSR1, None)
+    assert not sig.sleep(5.0)  # ends at once: a pre-emption came
+    sig._on(signal.SIGTERM, None)  # a second one: stop now
+    assert sig.stop == signal.SIGTERM and sig.code == 128 + signal.SIGTERM
+    ctrl_c = job.Signals((signal.SIGTERM,))
+    ctrl_c._on(signal.SIGINT, None)
+    assert (ctrl_c.preempting, ctrl_c.stop, ctrl_c.code) == (None, signal.SIGINT, 130)
+
+
+def _ended(node_logs: dict[int, str | None], launcher: str = "") -> job.Ended:
+    return job.Ended(247, node_logs, launcher)
+
+
+def test_every_node_takes_node_0s_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 1 saw its rank 2 killed; node 0 stopped its ranks on node 1's report: node 0 decides
+    from both reports, node 1 follows — the same restart, from the same checkpoint."""
+    cfg = load_config(CONFIG, [f"run.output_dir={tmp_path}", "run.max_restarts=2"])
+    (tmp_path / "checkpoints" / "step_6").mkdir(parents=True)
+    nodes = [preflight.Nodes(2, r, "127.0.0.1:1") for r in (0, 1)]
+    syncs = [job.NodeSync(tmp_path, r, 2) for r in (0, 1)]
+    killed = _ended({0: "I1202 connected\n", 1: "I1202 connected\n"},
+                    "Container rank 0 status failed cmd ['python'] code -9 log x\n")  # fmt: skip
+    theirs = restart.Report(1, 247, "killed", 2, "died", time.time(), "killed")
+    elsewhere = job.Ended(-15, {}, "", "node 1 reports ...", theirs)
+    assert job._report(elsewhere, io.StringIO(), tmp_path, 0) == 247
+    got: dict[int, Any] = {}
+    follower = threading.Thread(target=lambda: got.update(
+        {1: job._decide(cfg, killed, 247, 0, nodes[1], 2, syncs[1])}))  # fmt: skip
+    follower.start()
+    got[0] = job._decide(cfg, elsewhere, 247, 0, nodes[0], 2, syncs[0])
+    follower.join(30)
+    assert got[0] == got[1]
+    decision, overrides, step = got[0]
+    assert decision.restart and (decision.cause, decision.node, decision.rank) == ("killed", 1, 2)
+    assert step == 6 and overrides[-1].endswith('step_6"')
+    # node 0 gone: node 1 stops after the rendezvous timeout, saying so
+    monkeypatch.setattr(job, "rendezvous_timeout", lambda: 0.2)
+    lost, more, _ = job._decide(cfg, killed, 247, 1, nodes[1], 2, syncs[1])
+    assert not lost.restart and lost.cause == "node lost" and "node 0 is lost" in lost.why
+    assert more == []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flashcp import attempt
-from flashcp.metrics.goodput import GOODPUT_FILE, Goodput, Totals, read_goodput
+from flashcp.metrics.goodput import GOODPUT_FILE, KEEP_SAVES, Goodput, Totals, read_goodput
 
 
 def _ledger(tmp: Path, index: int = 0, started: float = 100.0, launched: float = 100.0) -> Goodput:
@@ -84,3 +84,14 @@ def test_only_rank_0_keeps_a_ledger(tmp_path: Path) -> None:
     off.checkpoint(1, 1.0)
     assert off.finish(True) is None and off.metrics() == {}
     assert not (tmp_path / GOODPUT_FILE).exists()
+
+
+def test_the_ledger_remembers_the_newest_saves(tmp_path: Path) -> None:
+    g = _ledger(tmp_path)
+    g.start(None, now=100.0)
+    for step in range(1, KEEP_SAVES + 3):
+        g.step(step, 1.0, now=100.0 + step)
+        g.checkpoint(step, 0.0, now=100.0 + step)
+    g.checkpoint(None, 0.5, now=200.0)  # an asynchronous save's commit: no new checkpoint
+    assert sorted(map(int, g.totals.saves)) == list(range(3, KEEP_SAVES + 3))
+    assert g.totals.checkpoint_s == 0.5
