@@ -42,6 +42,11 @@ EXIT_LINE = "[flashcp] rank {rank} exit {code}"
 """Each rank's last line in its log."""
 EXIT_LINE_RE = re.compile(r"^\[flashcp\] rank (\d+) exit (-?\d+)\s*$", re.M)
 """`EXIT_LINE` as the supervisor reads it: (rank, code)."""
+SIGNAL_NOTED = "[flashcp] rank {rank} got signal {signum}: it stops after the step in progress"
+"""What a rank logs the moment a pre-emption signal reaches it (`flashcp.launch.preempt`), even
+while it waits inside a collective: a rank the launcher stops and then kills is told apart from
+one killed without a word."""
+SIGNAL_NOTED_RE = re.compile(r"^\[flashcp\] rank \d+ got signal \d+: ", re.M)
 TAIL_LINES = 12
 
 _CONTAINER = re.compile(r"Container rank (\d+) status \w+ .*? code (-?\d+) log ")
@@ -123,7 +128,7 @@ def classify_rank(rank: int, log: str | None, launcher_code: int | None = None) 
             return RankOutcome(rank, "peer", f"lost its connection to a peer ({line})")
         what = f"exited with code {code}" if code is not None else "raised an exception"
         return RankOutcome(rank, "error", what + (f": {last_error}" if last_error else ""), code)
-    if _FATAL.search(log):  # SIGTERM, and nothing of its own before it
+    if _FATAL.search(log) or SIGNAL_NOTED_RE.search(log):  # SIGTERM, nothing of its own before
         return RankOutcome(rank, "stopped", "was stopped by the launcher (SIGTERM)")
     if launcher_code is not None and launcher_code > 0:
         return RankOutcome(rank, "error", f"exited with code {launcher_code} without an error")
@@ -141,17 +146,14 @@ def launcher_codes(launcher_output: str) -> dict[int, int]:
 
 
 def _after_first(outcome: RankOutcome, codes: Mapping[int, int], hang: bool) -> RankOutcome:
-    """A rank that left without a word after the launcher had seen another rank fail (the
-    launcher reports only the first failure, then stops the rest): stopped by it; when that
-    first failure was the watchdog's, the rank never reached the collective: it hung."""
-    if outcome.kind not in ("killed", "stopped") or outcome.rank in codes or not codes:
+    """A rank that left without a word or was stopped, when the launcher's failure was the
+    watchdog's (`hang`): it never reached the collective its peers timed out in — it hung (or
+    died without a word where no connection reset told its peers)."""
+    if not hang or outcome.kind not in ("killed", "stopped") or outcome.rank in codes:
         return outcome
     first = min(codes)
-    if hang:
-        return RankOutcome(outcome.rank, "hung", f"did not reach the collective rank {first} "
-                           "timed out in (hung), and was stopped by the launcher")  # fmt: skip
-    return RankOutcome(outcome.rank, "stopped",
-                       f"was stopped by the launcher after rank {first} failed")  # fmt: skip
+    return RankOutcome(outcome.rank, "hung", f"did not reach the collective rank {first} timed "
+                       "out in (hung), and was stopped by the launcher")  # fmt: skip
 
 
 def diagnose(logs: Mapping[int, str | None], launcher_output: str = "") -> list[RankOutcome]:

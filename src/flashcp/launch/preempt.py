@@ -14,10 +14,14 @@ or the scheduler — ends a rank that cannot reach a step boundary in time.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
+
+from flashcp.launch.outcome import SIGNAL_NOTED
 
 PREEMPT_BASE = (signal.SIGTERM,)
 """Signals that always pre-empt (`run.preempt_signal` adds one)."""
@@ -43,16 +47,40 @@ class Received:
 
 class StopSignals:
     """Notes the first pre-emption signal this process receives; `()` is 0 until then, then
-    the signal's number (what the rank contributes to the step's exchange)."""
+    the signal's number (what the rank contributes to the step's exchange).
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPT_BASE) -> None:
+    Python runs a signal handler in the main thread, which may be waiting inside a collective
+    for a long time; the signal's arrival is also written to a pipe (`signal.set_wakeup_fd`)
+    that a thread reads, so the rank logs it at once (`outcome.SIGNAL_NOTED`): a rank the
+    launcher stops, and kills when it does not exit, is told apart from one killed without a
+    word."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPT_BASE, rank: int = 0) -> None:
         self.signals = signals
+        self.rank = rank
         self.received: Received | None = None
         self._previous: dict[int, object] = {}
+        self._pipe: tuple[int, int] | None = None
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
         if self.received is None:
             self.received = Received(int(signum), time.time())
+
+    def _log_arrivals(self, read_fd: int) -> None:
+        """The wakeup pipe's reader: one line per arriving pre-emption signal, until closed."""
+        wanted = {int(s) for s in self.signals}
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in wanted:
+                    line = SIGNAL_NOTED.format(rank=self.rank, signum=signum)
+                    with contextlib.suppress(OSError):
+                        os.write(2, (line + "\n").encode())
 
     def install(self) -> StopSignals:
         """Handle `signals` from now on (in the main thread, as Python requires)."""
@@ -60,6 +88,12 @@ class StopSignals:
             self._previous[int(sig)] = signal.signal(sig, self._note)
             with contextlib.suppress(OSError, ValueError):
                 signal.siginterrupt(sig, False)  # restart the system calls it interrupts
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._pipe = (read_fd, write_fd)
+        threading.Thread(target=self._log_arrivals, args=(read_fd,), name="flashcp-signals",
+                         daemon=True).start()  # fmt: skip
         return self
 
     def uninstall(self) -> None:
@@ -69,6 +103,13 @@ class StopSignals:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
         self._previous.clear()
+        if self._pipe is not None:
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(-1)
+            for fd in reversed(self._pipe):  # the write end first: the reader sees the end
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._pipe = None
 
     def __call__(self) -> int:
         return 0 if self.received is None else self.received.signum

@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(exc, file=sys.stderr, flush=True)
         return EXIT_CONFIG
     # From here a pre-emption signal is a request to stop at the next step boundary.
-    stop = StopSignals(preempt_signals(cfg.run.preempt_signal)).install()
+    stop = StopSignals(preempt_signals(cfg.run.preempt_signal), rank).install()
     env = distributed.init_distributed()
     p = cfg.parallel
     dims = distributed.ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size, ep=p.ep)

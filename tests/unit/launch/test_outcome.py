@@ -155,16 +155,26 @@ WATCHDOG = ("[flashcp] all_gather on group cp[0,1] timed out after 15 s on rank 
             "dead, hung or skipped this collective\n")  # fmt: skip
 
 
-def test_a_rank_silent_after_another_failed_was_stopped_not_killed() -> None:
-    """The launcher reports only the first failure, then stops (SIGTERM, then SIGKILL) the
-    rest: a rank that left without a word then was stopped, and is not blamed."""
-    logs = {0: "I1129 connected\n", 1: "I1129 connected\n"}
-    launcher = "Container rank 1 status failed cmd ['python'] code -9 log /x/workerlog.1\n"
-    first, other = outcome.diagnose(logs, launcher)
-    assert (first.rank, first.kind) == (1, "killed")
-    assert (other.rank, other.kind) == (0, "stopped") and "after rank 1 failed" in other.text
-    # negative control: without the launcher's word, both are killed (rank 0 blamed first)
-    assert [o.kind for o in outcome.diagnose(logs, "")] == ["killed", "killed"]
+def test_a_rank_that_noted_the_launchers_sigterm_was_stopped_not_killed() -> None:
+    """A rank takes SIGTERM for a pre-emption, so the launcher's stop ends it only with the
+    SIGKILL after it; the line it logs on the signal tells it from a rank killed without a word."""
+    noted = "I1129 connected\n" + outcome.SIGNAL_NOTED.format(rank=0, signum=15) + "\n"
+    logs = {0: noted, 1: TRACEBACK + "ValueError: bad\n[flashcp] rank 1 exit 1\n"}
+    first, other = outcome.diagnose(logs, "")
+    assert (first.rank, first.kind) == (1, "error")
+    assert (other.rank, other.kind) == (0, "stopped")
+    # negative control: without the line the silent rank is the one killed, and blamed
+    logs[0] = "I1129 connected\n"
+    assert [(o.rank, o.kind) for o in outcome.diagnose(logs, "")] == [(0, "killed"), (1, "error")]
+
+
+def test_a_killed_rank_stays_blamed_whichever_rank_the_launcher_names() -> None:
+    """Paddle's launcher names the lowest failed rank it sees, not the first: rank 0 lost its
+    peer (exit 1) before the launcher noticed rank 2's SIGKILL. Rank 2 is still to blame."""
+    logs = {0: PEER, 1: PEER.replace("rank 0", "rank 1"), 2: "I1129 connected\n"}
+    launcher = "Container rank 0 status failed cmd ['python'] code 1 log /x/workerlog.0\n"
+    blamed = outcome.diagnose(logs, launcher)[0]
+    assert (blamed.rank, blamed.kind) == (2, "killed")
 
 
 def test_the_rank_that_never_reached_a_timed_out_collective_hung() -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from flashcp.launch import preempt
+from flashcp.launch import outcome, preempt
 
 
 def test_the_signals_are_sigterm_and_the_configured_one() -> None:
@@ -27,9 +27,11 @@ def _wait(stop: preempt.StopSignals) -> int:
     return stop()
 
 
-def test_a_signal_is_noted_and_the_process_keeps_running() -> None:
+def test_a_signal_is_noted_and_the_process_keeps_running(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     before = signal.getsignal(signal.SIGUSR2)
-    stop = preempt.StopSignals(preempt.preempt_signals("SIGUSR2")).install()
+    stop = preempt.StopSignals(preempt.preempt_signals("SIGUSR2"), rank=3).install()
     try:
         assert stop() == 0 and stop.received is None
         os.kill(os.getpid(), signal.SIGUSR2)
@@ -38,9 +40,17 @@ def test_a_signal_is_noted_and_the_process_keeps_running() -> None:
         time.sleep(0.05)
         assert stop() == signal.SIGUSR2 and stop.received is not None
         assert stop.received.name == "SIGUSR2" and stop.received.at > 0
+        err, deadline = "", time.monotonic() + 5  # logged by the pipe's reader thread
+        while "got signal 15" not in err and time.monotonic() < deadline:
+            err += capfd.readouterr().err
+            time.sleep(0.01)
+        assert f"[flashcp] rank 3 got signal {int(signal.SIGUSR2)}: it stops after" in err
+        assert outcome.SIGNAL_NOTED_RE.search(err)
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGUSR2) == before
+    assert signal.set_wakeup_fd(-1) == -1  # the wakeup pipe is gone too
+
 
 
 def test_uninstall_puts_back_the_default_where_python_had_none(
