@@ -619,19 +619,22 @@ def _check_long_jobs(cfg: Config, c: _Checks) -> None:
     r = cfg.run
     if r.max_restarts < 0:
         c.add("run.max_restarts", f"must be >= 0 (0 = no automatic restart), got "
-                                  f"{r.max_restarts}")  # fmt: skip
+                                  f"{r.max_restarts}", fixes=[{"run.max_restarts": 0}])  # fmt: skip
     _positive(c, "run.restart_backoff_s", r.restart_backoff_s, zero_ok=True)
     _positive(c, "run.preempt_grace_s", r.preempt_grace_s)
     if r.preempt_signal is not None and r.preempt_signal not in PREEMPT_SIGNALS:
         c.add("run.preempt_signal", f"{r.preempt_signal!r} is not a pre-emption signal: use "
                                     f"one of {', '.join(PREEMPT_SIGNALS)}, or null for SIGTERM "
-                                    "only")  # fmt: skip
+                                    "only", fixes=[{"run.preempt_signal": "SIGUSR1"},
+                                                   {"run.preempt_signal": None}])  # fmt: skip
     if not r.straggler_ratio > 1:
         c.add("run.straggler_ratio", f"must be > 1 (times the median compute time), got "
-                                     f"{r.straggler_ratio}: e.g. 1.2")  # fmt: skip
+                                     f"{r.straggler_ratio}",
+              fixes=[{"run.straggler_ratio": 1.2}])  # fmt: skip
     if r.straggler_window < 0:
         c.add("run.straggler_window", f"must be >= 0 steps (0 = no straggler detection), got "
-                                      f"{r.straggler_window}")  # fmt: skip
+                                      f"{r.straggler_window}",
+              fixes=[{"run.straggler_window": 20}, {"run.straggler_window": 0}])  # fmt: skip
 
 
 def _check_report_to(cfg: Config, c: _Checks) -> None:
@@ -763,7 +766,8 @@ def _check_hardware(cfg: Config, c: _Checks) -> None:
     write = hw.checkpoint_write_gb_per_s
     if write is not None and not write > 0:
         c.add("hardware.checkpoint_write_gb_per_s", f"must be > 0 GB/s or null (judged from the "
-                                                    f"first save), got {write}")  # fmt: skip
+                                                    f"first save), got {write}",
+              fixes=[{"hardware.checkpoint_write_gb_per_s": None}])  # fmt: skip
 
 
 def check_config(

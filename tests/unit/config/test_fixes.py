@@ -78,6 +78,12 @@ CASES: list[tuple[str, str, list[str], dict[str, int], str]] = [
      "dpo.label_smoothing"),
     ("dpo_trains_no_mtp", DPO, ["model.mtp_layers=1", "model.mtp_loss_weight=0.3"], {},
      "model.mtp_loss_weight"),
+    ("max_restarts_negative", GPT, ["run.max_restarts=-1"], {}, "run.max_restarts"),
+    ("preempt_signal_unknown", GPT, ["run.preempt_signal=SIGKILL"], {}, "run.preempt_signal"),
+    ("straggler_ratio_not_above_1", GPT, ["run.straggler_ratio=1"], {}, "run.straggler_ratio"),
+    ("straggler_window_negative", GPT, ["run.straggler_window=-1"], {}, "run.straggler_window"),
+    ("checkpoint_write_zero", GPT, ["hardware.checkpoint_write_gb_per_s=0"], {},
+     "hardware.checkpoint_write_gb_per_s"),
     # this machine (no GPU) and the model directory, checked by the same preflight
     ("gpu_device_here", GPT, ["run.device=gpu"], {}, "run.device"),
     ("bf16_here", GPT, ["train.dtype=bfloat16"], {}, "train.dtype"),
