@@ -21,6 +21,7 @@ from flashcp import cli, dispatch, faults
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, to_dict
+from flashcp.data.records import DataError
 from flashcp.launch import outcome, worker
 from flashcp.log import reset_once
 from flashcp.metrics.writer import read_metrics
@@ -417,12 +418,22 @@ def test_rank_entry_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     broken = ["--config", path, f"checkpoint.resume={step1}", f"run.output_dir={tmp_path / 'b'}"]
     assert worker.main(broken) == outcome.EXIT_CHECKPOINT
     assert "manifest.json is missing" in capsys.readouterr().err
-    # bad data: a record the recipe cannot use, under data.on_bad_record: error
+    # bad data the ranks meet while building (a bad record under on_bad_record: error is found
+    # by the preflight, exit 2; one that only reading every row finds reaches the data's index)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "fine words here"}\n{"txt": "no text field"}\n')
+    bad.write_text('{"text": "fine words here"}\n' * 64 + '{"text": ""}\n')
     data = [f"data.path={bad}", "data.on_bad_record=error", f"run.output_dir={tmp_path / 'd'}"]
-    assert worker.main(["--config", path, *data]) == outcome.EXIT_DATA
+    assert worker.main(["--config", path, *data]) == outcome.EXIT_CONFIG
     assert "bad record at" in capsys.readouterr().err
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise DataError(f"{bad}:65: unreadable row")
+
+    with pytest.MonkeyPatch.context() as patch:  # what the ranks' own index raises
+        patch.setattr(worker, "Trainer", broken)
+        code = worker.main(["--config", path, f"run.output_dir={tmp_path / 'd'}"])
+    assert code == outcome.EXIT_DATA
+    assert f"[rank 0] error: {bad}:65: unreadable row" in capsys.readouterr().err
     # pre-empted (SIGTERM to itself after step 2's forward): the step ends, is saved, exit 75
     os.environ[faults.ENV_FAULT] = "sigterm@step2"
     pre = ["--config", path, "train.steps=4", f"run.output_dir={tmp_path / 'p'}"]

@@ -26,7 +26,9 @@ EXIT_NONFINITE = 3
 EXIT_CHECKPOINT = 4
 """A broken checkpoint was asked for (or a restart's checkpoint failed its checksum)."""
 EXIT_DATA = 5
-"""Bad data: a bad record under `data.on_bad_record: error`, or no usable record."""
+"""Bad data the ranks met (`flashcp.data.records.DataError`: a bad record under
+`data.on_bad_record: error`, a row that fails to read, no usable record) — what the preflight's
+data check did not already refuse (exit 2)."""
 EXIT_PREEMPTED = 75
 """Pre-empted (SIGTERM or `run.preempt_signal`): every rank finished its step, saved a
 checkpoint and stopped; run the same command again to resume (sysexits' EX_TEMPFAIL)."""

@@ -190,9 +190,9 @@ def test_every_node_takes_node_0s_decision(tmp_path: Path, monkeypatch: pytest.M
     assert job._report(elsewhere, io.StringIO(), tmp_path, 0) == 247
     got: dict[int, Any] = {}
     follower = threading.Thread(target=lambda: got.update(
-        {1: job._decide(cfg, killed, 247, 0, nodes[1], 2, syncs[1])}))  # fmt: skip
+        {1: job._decide(cfg, killed, 247, 0, nodes[1], 2, syncs[1], 2)}))  # fmt: skip
     follower.start()
-    got[0] = job._decide(cfg, elsewhere, 247, 0, nodes[0], 2, syncs[0])
+    got[0] = job._decide(cfg, elsewhere, 247, 0, nodes[0], 2, syncs[0], 2)
     follower.join(30)
     assert got[0] == got[1]
     decision, overrides, step = got[0]
@@ -200,6 +200,6 @@ def test_every_node_takes_node_0s_decision(tmp_path: Path, monkeypatch: pytest.M
     assert step == 6 and overrides[-1].endswith('step_6"')
     # node 0 gone: node 1 stops after the rendezvous timeout, saying so
     monkeypatch.setattr(job, "rendezvous_timeout", lambda: 0.2)
-    lost, more, _ = job._decide(cfg, killed, 247, 1, nodes[1], 2, syncs[1])
+    lost, more, _ = job._decide(cfg, killed, 247, 1, nodes[1], 2, syncs[1], 2)
     assert not lost.restart and lost.cause == "node lost" and "node 0 is lost" in lost.why
     assert more == []
