@@ -263,9 +263,10 @@ ROWS = [
         r"data\.path: '{tmp}/a_file' is not a JSON Lines \(\.jsonl, \.json\) or Parquet "
         r"\(\.parquet\) file: give one of those, a directory of them, or null for the built-in "
         r"data"),
-    cli("data_no_usable_records", ["data.path={tmp}/data/no_text.jsonl"],
-        r"data\.path: {tmp}/data/no_text\.jsonl: no usable records \(2 rows; 2 bad records "
-        r"skipped: missing field 'text' ×2"),
+    cli("data_in_no_format", ["data.path={tmp}/data/no_text.jsonl"],
+        r"data\.path: {tmp}/data/no_text\.jsonl: none of the 2 rows sampled is in a format "
+        r"run\.recipe pretrain reads \(`text`: a string\): the rows' fields are txt \(string\); "
+        r"to read them set data\.text_field=txt"),
     cli("bf16_without_a_gpu", ["train.dtype=bfloat16"],
         r"train\.dtype: bfloat16 needs a GPU and this run is on CPU: set train\.dtype=auto, or "
         r"set train\.dtype=float32"),
@@ -419,8 +420,8 @@ ROWS = [
     worker("worker_fa4_unavailable", {**W2, "FLAGS_flash_attn_version": "4"},
            r"FlashAttention dispatch: FLAGS_flash_attn_version=4 asks for FA4, which is "
            r"unavailable: .*the policy is 'error', from the default"),
-    worker("worker_no_usable_records", W2,
-           r"data\.path: {tmp}/data/no_text\.jsonl: no usable records",
+    worker("worker_data_in_no_format", W2,
+           r"data\.path: {tmp}/data/no_text\.jsonl: none of the 2 rows sampled is in a format",
            ["data.path={tmp}/data/no_text.jsonl"]),
     worker("worker_recipe_placeholder", {"PADDLE_TRAINERS_NUM": "16"},
            r"model\.from_pretrained: '/path/to/GLM-4\.5-Air' is a placeholder still to fill in",
