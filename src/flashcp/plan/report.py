@@ -308,6 +308,15 @@ def _fits_lines(cfg: Config, p: Plan) -> list[str]:
     return ["fits: yes"] if not problems else [f"fits: NO — {m}" for m in problems]
 
 
+def _fits_text(usable: int | None, peak: int) -> str:
+    """", fits (1.2 GiB left)" / ", DOES NOT FIT (3.4 GiB over)" ("" without a budget)."""
+    if usable is None:
+        return ""
+    left = usable - peak
+    return (f", fits ({_size(left).strip()} left)" if left >= 0
+            else f", DOES NOT FIT ({_size(-left).strip()} over)")  # fmt: skip
+
+
 def format_summary(p: Plan, cfg: Config, *, source: str = "") -> str:
     """`flashcp plan --summary`: one line per pipeline stage (its peak, whether it fits, its
     largest item) and per kind of node for the host, then whether the job fits (with the
@@ -319,11 +328,7 @@ def format_summary(p: Plan, cfg: Config, *, source: str = "") -> str:
              f"{par.cp}{f', ep {par.ep}' if par.ep > 1 else ''}), {p.device} "
              f"{p.compute_dtype}; budget {budget} per device"]  # fmt: skip
     for r in p.stages():
-        verdict = ""
-        if p.usable_bytes is not None:
-            left = p.usable_bytes - r.total_bytes
-            verdict = (f", fits ({_size(left).strip()} left)" if left >= 0
-                       else f", DOES NOT FIT ({_size(-left).strip()} over)")  # fmt: skip
+        verdict = _fits_text(p.usable_bytes, r.total_bytes)
         name, size = r.largest_item()
         lines.append(f"stage {r.stage}: peak {_size(r.total_bytes).strip()} at '{r.moment}'"
                      f"{verdict}; largest {name} {_size(size).strip()}")  # fmt: skip
@@ -331,11 +336,7 @@ def format_summary(p: Plan, cfg: Config, *, source: str = "") -> str:
     if host is not None and (host.budget_bytes is not None
                              or any(x.total_bytes for x in host.nodes())):  # fmt: skip
         x = host.peak
-        verdict = ""
-        if host.usable_bytes is not None:
-            left = host.usable_bytes - x.total_bytes
-            verdict = (f", fits ({_size(left).strip()} left)" if left >= 0
-                       else f", DOES NOT FIT ({_size(-left).strip()} over)")  # fmt: skip
+        verdict = _fits_text(host.usable_bytes, x.total_bytes)
         name, size = x.largest_item()
         lines.append(f"host, node {x.node} ({host.ranks_per_node} ranks): peak "
                      f"{_size(x.total_bytes).strip()} at '{x.moment}'{verdict}; largest {name} "
