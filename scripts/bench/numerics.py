@@ -189,7 +189,9 @@ def metric_basis(
     """(n, scale) of metric `key` of one `metrics.jsonl` row (the reference's).
 
     LM losses: the mean over `targets` tokens of non-negative cross-entropies (n = targets,
-    scale = the loss). `grad_norm`: every gradient is a sum over the step's target tokens.
+    scale = the loss). `grad_norm`: every weight gradient is a sum over the step's token rows
+    — all of them, not only the targets: a position without a target still carries gradient
+    through attention (n = the row's `tokens` when it has them, at least the targets).
     DPO (`beta` given; the row carries `logps/chosen`, `logps/rejected`): the loss and the
     rewards are β-weighted differences of per-answer log-prob sums over `targets / examples`
     tokens, so their error scales with β·(|log π(chosen)| + |log π(rejected)|), not with
@@ -197,7 +199,7 @@ def metric_basis(
     """
     targets = max(float(row["targets"]), 1.0)
     if key == "grad_norm":
-        return targets, abs(float(row["grad_norm"]))
+        return max(targets, float(row.get("tokens", 0))), abs(float(row["grad_norm"]))
     if beta is not None:
         per_example = targets / max(float(row["examples"]), 1.0)
         logps = abs(float(row["logps/chosen"])) + abs(float(row["logps/rejected"]))

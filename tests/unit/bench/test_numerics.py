@@ -116,6 +116,10 @@ def test_metric_basis() -> None:
     assert numerics.metric_basis(row, "grad_norm") == (400.0, 2.0)
     assert numerics.metric_basis(row, "loss", beta=0.1) == (100.0, pytest.approx(20.0))
     assert numerics.metric_basis(row, "grad_norm", beta=0.1) == (400.0, 2.0)
+    # a weight gradient sums over every token row, targets or not
+    few = {**row, "targets": 2, "tokens": 128}
+    assert numerics.metric_basis(few, "grad_norm") == (128.0, 2.0)
+    assert numerics.metric_basis(few, "loss") == (2.0, 5.5)
     with pytest.raises(KeyError, match="rewards/chosen"):
         numerics.metric_basis(row, "rewards/chosen")
 
