@@ -51,7 +51,9 @@ from flashcp.plan import plan
 from flashcp.plan.params import stage_buffers, stage_parameters
 from helpers.paths import ROOT
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("one_process")]
+"""One process, no launched job: under `-n 2 --dist loadgroup` it runs on the worker the unit
+tests use, beside the launched jobs' group (tests/conftest.py), not after them."""
 
 CONFIG = ROOT / "configs" / "glm" / "glm45_air_dpo_lora_pp_cp.yaml"
 SEQ = 128

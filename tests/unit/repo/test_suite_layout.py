@@ -4,7 +4,10 @@ files with one basename broke CI once), and nothing reaches the helpers through 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+import pytest
 
 from helpers.paths import ROOT, TESTS
 
@@ -39,3 +42,30 @@ def test_no_test_edits_sys_path() -> None:
         if p != Path(__file__).resolve() and "sys.path.insert" in p.read_text()
     ]
     assert offenders == []
+
+
+def test_integration_items_run_in_their_xdist_lanes(request: pytest.FixtureRequest) -> None:
+    """Under `-n 2 --dist loadgroup` (scripts/test.sh) every integration item's node id carries
+    its lane's xdist group suffix (`@integration`, `@integration_2`; a one-process test may name
+    its own), so each lane's launched jobs run one after another on one worker. The suite's
+    collection hook must run before xdist's worker hook that turns the mark into the suffix,
+    and pytest must be one whose node ids take it (pytest 9.2 silently dropped it:
+    pytest-dev/pytest-xdist#1386). Without xdist: the hook's order and the lanes' modules."""
+    conftest = [
+        impl for impl in request.config.pluginmanager.hook.pytest_collection_modifyitems
+        .get_hookimpls() if impl.plugin_name.endswith("tests/conftest.py")
+    ]  # fmt: skip
+    assert len(conftest) == 1 and conftest[0].tryfirst
+    lanes = sys.modules[conftest[0].plugin.__name__].SECOND_LANE
+    assert {n for n in lanes if not (TESTS / "integration" / f"{n}.py").is_file()} == set()
+    if hasattr(request.config, "workerinput") and request.config.getvalue("loadgroup"):
+        wrong = [
+            i.nodeid for i in request.session.items if i.get_closest_marker("integration")
+            and not i.nodeid.endswith("@" + i.get_closest_marker("xdist_group").args[0])
+        ]  # fmt: skip
+        assert wrong == []
+        lanes_seen = {
+            i.nodeid.rsplit("@", 1)[-1] for i in request.session.items
+            if i.module.__name__.split(".")[-1] in lanes
+        }  # fmt: skip
+        assert lanes_seen <= {"integration_2"}
