@@ -104,8 +104,8 @@ fi
 
 echo "== pytest ${SEL[*]}"
 set +e
-# -n 2: unit tests spread over both cores; integration tests share one xdist group so the
-# multi-process jobs run one after another (see tests/conftest.py).
+# -n 2: the integration tests in two xdist lanes, each lane's multi-process jobs one after
+# another on its worker, the unit tests filling in (see tests/conftest.py).
 "$VPY" -m coverage run -m pytest "${SEL[@]}" -n 2 --dist loadgroup -p no:cacheprovider 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
