@@ -34,8 +34,8 @@ SECOND_LANE = frozenset({
 (`integration`). Under `-n 2 --dist loadgroup` each lane runs its launched jobs one after
 another on its own worker, and the unit tests fill in. Two lanes, not one: a launched job waits
 on process start-up, rendezvous, polls and timeouts, and one lane left a core idle (main pass
-~2,100 s against ~1,600 s here). Balanced on measured durations in both passes of
-scripts/test.sh (the main pass and the `equivalence` pass), to within a few seconds."""
+1,939 s against 1,557 s in two lanes, runs on one machine). Balanced on measured durations in
+both passes of scripts/test.sh (the main and the `equivalence` pass), to within seconds."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -49,8 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("integration") is not None and (
             item.get_closest_marker("xdist_group") is None  # a one-process test names its own
         ):
-            lane = "integration_2" if item.module.__name__.split(".")[-1] in SECOND_LANE else None
-            item.add_marker(pytest.mark.xdist_group(lane or "integration"))
+            second = item.module.__name__.split(".")[-1] in SECOND_LANE
+            item.add_marker(pytest.mark.xdist_group("integration_2" if second else "integration"))
         if item.get_closest_marker("gpu") is not None:
             if have_gpu is None:
                 have_gpu = _has_cuda_gpu()

@@ -4,7 +4,6 @@ files with one basename broke CI once), and nothing reaches the helpers through 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,7 +55,7 @@ def test_integration_items_run_in_their_xdist_lanes(request: pytest.FixtureReque
         .get_hookimpls() if impl.plugin_name.endswith("tests/conftest.py")
     ]  # fmt: skip
     assert len(conftest) == 1 and conftest[0].tryfirst
-    lanes = sys.modules[conftest[0].plugin.__name__].SECOND_LANE
+    lanes = conftest[0].plugin.SECOND_LANE  # the plugin is the conftest module
     assert {n for n in lanes if not (TESTS / "integration" / f"{n}.py").is_file()} == set()
     if hasattr(request.config, "workerinput") and request.config.getvalue("loadgroup"):
         integration = [i for i in request.session.items if i.get_closest_marker("integration")]
