@@ -226,7 +226,7 @@ class Trainer:
             cfg = self.cfg = epoch_steps(cfg, self.data)
         self.model, spec, lora = build_stage(cfg, groups, model_factory)
         self.model.train()
-        self.router = RouterStats(self.model, cfg.model) if cfg.model.arch == "glm_moe" else None
+        self.router = RouterStats(self.model, cfg.model) if cfg.model.is_moe else None
         """Expert-load statistics and the router bias update (MoE models only)."""
         self.recipe.setup(self.model)
         self.scheduler = build_scheduler(cfg.train)

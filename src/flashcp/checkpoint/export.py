@@ -422,9 +422,10 @@ def export_run(
             tmp, cfg, len(groups), dtype, report.notes
         )
         report.shard_layers = groups
-    if cfg.model.arch == "gpt":
+    hf = cfg.model.family.hf
+    if hf is not None and not hf.transformers:
         report.notes.append(
-            "arch gpt is flashcp's own model: model.from_pretrained loads this export, "
-            "transformers does not"
+            f"arch {cfg.model.arch} is flashcp's own model: model.from_pretrained loads this "
+            "export, transformers does not"
         )
     return report

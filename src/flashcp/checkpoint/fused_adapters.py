@@ -105,7 +105,7 @@ def fuse_adapters(
     """flashcp's adapter arrays (`name.lora_A` / `name.lora_B`, stacked experts'
     `..._lora_A` `[E, in, r]`) → PaddleFormers module name → `FusedModule`.
     `FusedExportError` for adapters PaddleFormers' GLM-4.5 has no module for."""
-    if args.arch != "glm_moe":
+    if not args.family.paddleformers_fused_adapters:
         raise FusedExportError(
             f"PaddleFormers 1.2.0 has no class with fused projections for arch {args.arch!r} "
             "(its fused GLM class is GLM-4.5, glm_moe): export with --merge-lora instead"

@@ -81,7 +81,8 @@ def _cast(t: paddle.Tensor, dtype: str | None) -> paddle.Tensor:
 def _plain(entry: HFEntry, dtype: str | None = None) -> np.ndarray:
     with paddle.no_grad():
         t = _cast(entry.value().detach(), dtype)
-        return (t.transpose([1, 0]) if entry.transposed else t).contiguous().numpy()
+        out = (t.transpose([1, 0]) if entry.transposed else t).contiguous().numpy()
+        return out.reshape(entry.stored) if entry.stored is not None else out
 
 
 def _merged_expert(layer: Any, entry: HFEntry, dtype: str | None = None) -> np.ndarray:

@@ -57,8 +57,8 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if origin is list:
-        (item,) = typing.get_args(tp) or (Any,)
+    if origin is list or origin is tuple:
+        (item, *_) = typing.get_args(tp) or (Any,)
         return f"a list of {_describe(item).removeprefix('a ').removeprefix('an ')}s"
     names = {
         bool: "true or false",
@@ -87,12 +87,13 @@ def _convert(value: Any, tp: Any) -> tuple[bool, Any]:
         return False, value
     if tp is type(None):
         return value is None, value
-    if origin is list:
-        (item,) = typing.get_args(tp) or (Any,)
-        if not isinstance(value, list):
+    if origin is list or origin is tuple:  # tuple[X, ...]: a list in YAML, kept as a tuple
+        (item, *_) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
             return False, value
         items = [_convert(v, item) for v in value]
-        return all(ok for ok, _ in items), [v for _, v in items]
+        converted = [v for _, v in items]
+        return all(ok for ok, _ in items), tuple(converted) if origin is tuple else converted
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:

@@ -97,15 +97,14 @@ class ParallelConfig:
     micro-batches: equal to ZeRO-1 up to rounding, bitwise with one micro-batch). Checkpoints
     are those of parallel.shard_optimizer."""
     ep: int = 1
-    """Expert-parallel degree (MoE models, model.arch glm_moe): each MoE layer's routed experts
-    are split over ep ranks, which send every token's rows to the rank holding its expert and
-    back (all-to-all dispatch and combine). Rule (Megatron-Core / DeepSeek-V3): the ep ranks are
-    carved from the dp × cp ranks of one pipeline stage, so ep must divide dp × cp, and
-    model.num_experts must divide by ep. Rank j of a stage (j = dp_index · cp + cp_index) is ep
-    rank j mod ep and holds experts [(j mod ep)·E/ep, (j mod ep + 1)·E/ep); ep <= cp keeps every
-    ep group inside a cp group. Expert gradients are summed over the dp·cp/ep ranks holding the
-    same experts, everything else over dp × cp as without ep. 1: every rank holds every
-    expert."""
+    """Expert-parallel degree (MoE families: glm_moe, ernie4_5_moe, qwen3_moe): each MoE layer's
+    routed experts are split over ep ranks, which send every token's rows to the rank holding its
+    expert and back (all-to-all dispatch and combine). Rule (Megatron-Core / DeepSeek-V3): the ep
+    ranks are carved from the dp × cp ranks of one pipeline stage, so ep must divide dp × cp, and
+    model.num_experts must divide by ep. Rank j of a stage (j = dp_index · cp + cp_index) is ep rank
+    j mod ep and holds experts [(j mod ep)·E/ep, (j mod ep + 1)·E/ep); ep <= cp keeps every ep group
+    inside a cp group. Expert gradients are summed over the dp·cp/ep ranks holding the same experts,
+    everything else over dp × cp as without ep. 1: every rank holds every expert."""
 
     @property
     def world_size(self) -> int:

@@ -154,6 +154,12 @@ def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int
     _check_pipeline(cfg, c)
 
 
+def _moe_archs() -> list[str]:
+    from flashcp.models.families import FAMILIES
+
+    return [arch for arch, fam in FAMILIES.items() if fam.is_moe]
+
+
 def _check_ep(cfg: Config, c: _Checks) -> None:
     """`parallel.ep`: divides dp × cp and model.num_experts, on a MoE model only."""
     p, m = cfg.parallel, cfg.model
@@ -162,15 +168,14 @@ def _check_ep(cfg: Config, c: _Checks) -> None:
         return
     if p.ep == 1:
         return
-    arch = getattr(m, "arch", None)
-    if arch != "glm_moe":
+    if not getattr(m, "is_moe", False):
         c.add(
             "parallel.ep",
             f"parallel.ep={p.ep} splits the routed experts of a MoE model, but model.arch is "
-            f"{arch} (no experts)",
+            f"{getattr(m, 'arch', None)} (no experts)",
             "model.arch",
             fixes=[{"parallel.ep": 1}],
-            other="use a glm_moe model",
+            other="use a MoE model (" + ", ".join(_moe_archs()) + ")",
         )
         return
     experts = getattr(m, "num_experts", None)

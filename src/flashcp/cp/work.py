@@ -46,42 +46,12 @@ ATTENTION_REFERENCE = 4.0
 
 
 def matmul_parameters(args: Any) -> int:
-    """N: the weights one token multiplies in matmuls, for `flashcp.models.ModelArgs` `args`.
-
-    Every decoder layer's attention and MLP — for an MoE layer the router, the shared experts
-    and the `num_experts_per_tok` routed experts a token is sent to, not all experts — and the
-    LM head; embedding lookups, norms and biases are left out. Trained multi-token-prediction
-    layers (`model.mtp_loss_weight` > 0, `flashcp.models.mtp`) add per depth one more such
-    layer, its `eh_proj` (2H × H) and its head; frozen ones never run and add nothing.
-    """
-    depths = trained_mtp_depths(args)
-    layers = sum(layer_weights(args, i) for i in range(int(args.num_layers) + depths))
-    return layers + head_weights(args) * (1 + depths) + depths * mtp_projection_weights(args)
-
-
-def layer_weights(args: Any, layer: int) -> int:
-    """The matmul weights one token multiplies in decoder layer `layer` (an MTP depth's block
-    is layer num_layers + d): attention's projections, and the dense MLP or, for an MoE layer,
-    the router, the shared experts and the `num_experts_per_tok` routed experts."""
-    h, d = int(args.hidden_size), int(args.head_size)
-    q, kv = int(args.num_heads) * d, int(args.num_kv_heads) * d
-    attention = h * (q + 2 * kv) + q * h
-    if args.is_moe_layer(layer):
-        active = int(args.num_experts_per_tok) + int(args.num_shared_experts)
-        return attention + active * 3 * h * int(args.moe_intermediate_size) + h * int(
-            args.num_experts
-        )
-    return attention + (2 if args.arch == "gpt" else 3) * h * int(args.intermediate_size)
-
-
-def head_weights(args: Any) -> int:
-    """The LM head's matmul weights (an MTP depth's shared head has as many)."""
-    return int(args.vocab_size) * int(args.hidden_size)
-
-
-def mtp_projection_weights(args: Any) -> int:
-    """An MTP depth's eh_proj (2H × H)."""
-    return 2 * int(args.hidden_size) ** 2
+    """N: the weights one token multiplies in matmuls, for `flashcp.models.ModelArgs` `args` —
+    its family's count (`ModelArgs.matmul_weights`, `flashcp.models.families.inventory`):
+    every decoder layer's attention and MLP (for an MoE layer the router, the shared experts
+    and the `num_experts_per_tok` routed experts a token is sent to) and the LM head; trained
+    multi-token-prediction layers add one such layer, their eh_proj and head per depth."""
+    return int(args.matmul_weights())
 
 
 def trained_mtp_depths(args: Any) -> int:

@@ -11,18 +11,18 @@ with `tokens_per_s` the whole job's tokens per second of step time (padding incl
     flops_per_token = w · N + a · L · H · d · K
 
 the coefficients of the one work model (`flashcp.cp.work.WorkModel`: N the weights a token
-multiplies in matmuls, `matmul_parameters`; w = 6, 4 with LoRA, + 2 for DPO's reference
-forward; a = 12, + 4 for DPO's reference forward), each query attending K keys; trained
-multi-token-prediction layers (`model.mtp_loss_weight` > 0) are D more layers in L and add
-their eh_proj and head to N (`flashcp.cp.work.trained_mtp_depths`). The `mfu`
-metric counts full (non-causal) attention, K = S, as PaLM does: the conventional, comparable
-figure. The memory plan's step-time estimate counts what the run's mask computes over one
-S-token document (`document_keys`): K = (S + 1) / 2 for the default causal mask
-(`causal_keys`), about the window under a sliding window; at millions of tokens attention
-dominates and the full count would double the estimate. Packed documents attend fewer keys
-still: the data balancer and the `balance/...` metrics count a row's visible pairs from its
-segments (`flashcp.cp.work.document_pairs`, equal to `mask_pairs` of its mask) with the same
-coefficients.
+multiplies in matmuls, counted by the model's family, `ModelArgs.matmul_weights`; w = 6, 4 with
+LoRA, + 2 for DPO's reference forward; a = 12, + 4 for DPO's reference forward), each query
+attending K keys; trained multi-token-prediction layers (`model.mtp_loss_weight` > 0) are D more
+layers in L and add their eh_proj and head to N
+(`flashcp.models.families.inventory.trained_mtp_depths`). The `mfu` metric counts full (non-causal)
+attention, K = S, as PaLM does: the conventional, comparable figure. The memory plan's step-time
+estimate counts what the run's mask computes over one S-token document (`document_keys`): K = (S +
+1) / 2 for the default causal mask (`causal_keys`), about the window under a sliding window; at
+millions of tokens attention dominates and the full count would double the estimate. Packed
+documents attend fewer keys still: the data balancer and the `balance/...` metrics count a row's
+visible pairs from its segments (`flashcp.cp.work.document_pairs`, equal to `mask_pairs` of its
+mask) with the same coefficients.
 
 Recomputed activations (`model.recompute`) are not model FLOPs and are not counted (that
 would be hardware FLOPs utilisation).

@@ -1,4 +1,5 @@
-"""Models: GPT, GLM-4 dense and GLM-4.5 MoE, with rotary on GLOBAL positions, FlashMask
+"""Models of every registered family (`flashcp.models.families`: GPT, GLM-4, GLM-4.5, ERNIE-4.5
+dense and MoE, Llama-3, Qwen2, Qwen3, Qwen3-MoE), with rotary on GLOBAL positions, FlashMask
 attention (context-parallel when a CP group is given), activation recompute and HF weights.
 A forward pass takes `flashcp.attention.context.AttentionContext` (the mask, the CP group).
 
@@ -19,9 +20,9 @@ import paddle
 
 from flashcp.models.attention import Attention
 from flashcp.models.base import CausalLM, StageSpec
-from flashcp.models.config import ARCHS, RECOMPUTE_MODES, ModelArgs, estimate_parameters
-from flashcp.models.glm import GLMForCausalLM
-from flashcp.models.gpt import GPTForCausalLM
+from flashcp.models.config import RECOMPUTE_MODES, ModelArgs, estimate_parameters
+from flashcp.models.decoder import DecoderLM
+from flashcp.models.families import names
 from flashcp.models.head import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     HeadInput,
@@ -65,7 +66,7 @@ def build_model(
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {param_dtype!r}")
     spec = (stage or StageSpec.whole(args.num_layers)).check(args.num_layers)
-    if spec.ep_size > 1 and args.arch != "glm_moe":
+    if spec.ep_size > 1 and not args.is_moe:
         raise ValueError(
             f"parallel.ep={spec.ep_size} splits the routed experts of a MoE model, but arch "
             f"{args.arch} has none: set parallel.ep=1"
@@ -79,13 +80,15 @@ def build_model(
             "GPU (the CPU build would need tens of GB); use a tiny/small preset on CPU"
         )
     seed = draw_seed() if seed is None else int(seed)
-    cls = GPTForCausalLM if args.arch == "gpt" else GLMForCausalLM
     with default_dtype(param_dtype), deferred_init():
-        model = cls(args, stage=spec)
+        model = DecoderLM(args, stage=spec)
     if initialise:
         init_parameters(model, seed)
     return model
 
+
+ARCHS = names()
+"""The registered model families' `ModelArgs.arch` values."""
 
 __all__ = [
     "ARCHS",
@@ -96,8 +99,7 @@ __all__ = [
     "StageSpec",
     "Attention",
     "CausalLM",
-    "GLMForCausalLM",
-    "GPTForCausalLM",
+    "DecoderLM",
     "PARAM_DTYPES",
     "HeadInput",
     "ModelArgs",
@@ -112,6 +114,14 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """`flashcp.models.AttentionContext`, the previous release's path: the class, with a
     `DeprecationWarning` naming where it lives now."""
+    if name in ("GPTForCausalLM", "GLMForCausalLM"):
+        warnings.warn(
+            f"flashcp.models.{name} is now flashcp.models.DecoderLM, the one causal LM of every "
+            "family (ModelArgs.arch picks it); the old name goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return DecoderLM
     if name == "AttentionContext":
         warnings.warn(
             "flashcp.models.AttentionContext moved to flashcp.attention.context (also "

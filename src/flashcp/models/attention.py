@@ -22,11 +22,12 @@ from flashcp.models.layers import RMSNorm, RotaryTables, apply_rotary, linear
 
 class Attention(nn.Layer):
     """GQA self-attention: q/k/v projections (optional bias), optional QK-norm, rotary,
-    FlashMask, o_proj.
+    FlashMask, o_proj (optional bias, `ModelArgs.o_bias`).
 
-    QK-norm (`ModelArgs.use_qk_norm`, GLM-4.5): `q_norm` / `k_norm` are RMSNorms over one head
-    (`head_dim` weights, `norm_eps`) applied to every head of q and k BEFORE rotary, as HF
-    ``Glm4MoeAttention`` does (checkpoint keys ``self_attn.q_norm.weight`` / ``k_norm.weight``).
+    QK-norm (`ModelArgs.use_qk_norm`: GLM-4.5, Qwen3): `q_norm` / `k_norm` are RMSNorms over one
+    head (`head_dim` weights, `norm_eps`) applied to every head of q and k BEFORE rotary, as HF
+    ``Glm4MoeAttention`` and ``Qwen3Attention`` do (checkpoint keys ``self_attn.q_norm.weight``
+    / ``k_norm.weight``).
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -36,7 +37,7 @@ class Attention(nn.Layer):
         self.q_proj = linear(args.hidden_size, args.num_heads * hd, bias=args.qkv_bias, std=std)
         self.k_proj = linear(args.hidden_size, args.num_kv_heads * hd, bias=args.qkv_bias, std=std)
         self.v_proj = linear(args.hidden_size, args.num_kv_heads * hd, bias=args.qkv_bias, std=std)
-        self.o_proj = linear(args.num_heads * hd, args.hidden_size, bias=False, std=std)
+        self.o_proj = linear(args.num_heads * hd, args.hidden_size, bias=args.o_bias, std=std)
         self.use_qk_norm = bool(args.use_qk_norm)
         if self.use_qk_norm:
             self.q_norm = RMSNorm(hd, args.norm_eps)

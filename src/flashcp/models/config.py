@@ -1,15 +1,13 @@
-"""`ModelArgs`: the shape and options of one model, for all three architectures.
+"""`ModelArgs`: the shape and options of one model, for every model family.
 
-`arch` picks the family:
-
-* ``gpt``: pre-LN decoder with LayerNorm, rotary or learned positions, GELU MLP.
-* ``glm``: GLM-4 dense (HF ``Glm4ForCausalLM``): RMSNorm, partial *interleaved* rotary,
-  QKV bias, GQA, SwiGLU with a fused ``gate_up_proj``, and GLM-4's two extra norms
-  (``post_self_attn_layernorm``, ``post_mlp_layernorm``).
-* ``glm_moe``: GLM-4.5 (HF ``Glm4MoeForCausalLM``): RMSNorm, partial *half-split* (NeoX)
-  rotary, QKV bias, GQA, sigmoid top-k routed experts with a selection-only correction bias,
-  shared experts, the first ``first_k_dense_replace`` layers dense; optionally QK-norm
-  (`use_qk_norm`: RMSNorm over each head of q and k before rotary, as the full GLM-4.5).
+`arch` picks the family from the registry (`flashcp.models.families`: ``gpt``, ``glm``,
+``glm_moe``, ``ernie4_5``, ``ernie4_5_moe``, ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``).
+The family declares its layers' constant parts (norm, MLP kind, router, sandwich norms, the
+default rotary pairing) and the values its reference class always computes; the fields here are
+the widths and options a checkpoint sets: q/k/v and o biases, MLP biases, QK-norm, partial and
+Llama-3-scaled rotary (`flashcp.models.rope`), tied embeddings, and for MoE families the
+experts and which layers hold them (`is_moe_layer`: from `first_k_dense_replace` on, up to
+`moe_layer_end`, every `moe_layer_interval`-th, except `mlp_only_layers`).
 
 Training options: `recompute` (``none``; ``full``: each decoder layer keeps only its input
 and reruns in backward; ``refined``: also keeps the attention output and LSE, so attention
@@ -35,16 +33,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-ARCHS = ("gpt", "glm", "glm_moe")
+if TYPE_CHECKING:
+    from flashcp.models.families.spec import Family, LayerBlocks
+
 POSITIONS = ("rotary", "learned")
 RECOMPUTE_MODES = ("none", "full", "refined")
 RESIDUAL_DTYPES = ("float32", "bfloat16")
+ROPE_SCALINGS = ("none", "llama3")
 
-Arch = Literal["gpt", "glm", "glm_moe"]
+Arch = str  # a registered family (`flashcp.models.families.names()`)
 Position = Literal["rotary", "learned"]
 Recompute = Literal["none", "full", "refined"]
+RopeScaling = Literal["none", "llama3"]
 ResidualDtype = Literal["float32", "bfloat16"]
 ErrFn = Callable[[str, str], None]  # (field name, message)
 
@@ -62,22 +64,33 @@ class ModelArgs:
     head_dim: int | None = None  # None: hidden_size // num_heads
     intermediate_size: int = 256
     max_seq_len: int = 256
-    position: Position = "rotary"  # GPT only; GLM is always rotary
+    position: Position = "rotary"  # "learned" only where the family allows it (GPT)
     rotary_base: float = 10000.0
     partial_rotary_factor: float = 1.0  # GLM uses 0.5: rotary on the first half of each head
-    rotary_interleaved: bool | None = None  # None: per arch (glm True, gpt/glm_moe False)
+    rotary_interleaved: bool | None = None  # None: the family's pairing (glm, ernie: True)
+    rope_scaling: RopeScaling = "none"  # "llama3": Llama-3.1's frequency scaling (`rope`)
+    rope_factor: float = 1.0  # llama3: the long-wavelength frequencies divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
+    rope_original_max_len: int = 0  # llama3: original_max_position_embeddings
     qkv_bias: bool = False
-    use_qk_norm: bool = False  # glm_moe only: RMSNorm(head_dim) on each q and k head, pre-rotary
+    o_bias: bool = False  # o_proj's bias (Llama / ERNIE-4.5 with attention_bias / use_bias)
+    mlp_bias: bool = False  # the SwiGLU projections' biases (Llama mlp_bias, ERNIE use_bias)
+    use_qk_norm: bool = False  # RMSNorm(head_dim) on each q and k head, pre-rotary
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
-    # MoE (glm_moe only)
+    # MoE (families with a router)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     num_shared_experts: int = 0
-    first_k_dense_replace: int = 0
+    first_k_dense_replace: int = 0  # the first MoE layer (ERNIE's moe_layer_start_index)
+    moe_layer_end: int = -1  # the last MoE layer; -1: no end (the MTP layers included)
+    moe_layer_interval: int = 1  # layer i is MoE when (i + 1) % interval == 0 (Qwen's step)
+    mlp_only_layers: tuple[int, ...] = ()  # dense layers among them (Qwen3-MoE)
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
+    moe_norm_min: float = 1e-12  # "clamp" routers: weights / max(sum, moe_norm_min)
     moe_capacity_factor: float = 0.0  # 0: dropless; else rows per expert = ceil(f·T·k/E)
     router_bias_update_rate: float = 0.0  # γ of the aux-loss-free bias update; 0: off
     router_aux_loss_coef: float = 0.0  # α of the sequence-wise balance loss; 0: off
@@ -89,6 +102,11 @@ class ModelArgs:
     # multi-token prediction (`flashcp.models.mtp`)
     mtp_layers: int = 0  # MTP depths after the last layer (GLM-4.5's num_nextn_predict_layers)
     mtp_loss_weight: float = 0.0  # λ of loss = main + λ·mean over depths; 0: carried frozen
+
+    def __post_init__(self) -> None:
+        # a YAML / JSON list of layers is the same as the tuple the dataclass keeps
+        if isinstance(self.mlp_only_layers, list):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
 
     # ------------------------------------------------------------------ derived values
 
@@ -107,19 +125,51 @@ class ModelArgs:
         return int(self.head_size * self.partial_rotary_factor)
 
     @property
+    def family(self) -> Family:
+        """The registered family of `arch` (`flashcp.models.families`); `ValueError` if none."""
+        from flashcp.models.families import family
+
+        return family(self.arch)
+
+    @property
     def interleaved_rotary(self) -> bool:
-        """GLM-4 rotates pairs (2i, 2i+1); GLM-4.5 and GPT rotate (i, i + rotary_dim/2)."""
+        """Pairs (2i, 2i+1) rotate (GLM-4, ERNIE-4.5) or (i, i + rotary_dim/2) (the others):
+        `rotary_interleaved`, or the family's pairing when unset."""
         if self.rotary_interleaved is not None:
             return bool(self.rotary_interleaved)
-        return self.arch == "glm"
+        return self.family.rotary_interleaved
 
     @property
     def uses_learned_positions(self) -> bool:
-        return self.arch == "gpt" and self.position == "learned"
+        return self.position == "learned" and self.family.learned_positions
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the family routes tokens to experts (some layers may still be dense)."""
+        return self.family.is_moe
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether decoder layer `layer` (0-based) uses routed experts."""
-        return self.arch == "glm_moe" and layer >= self.first_k_dense_replace
+        """Whether decoder layer `layer` (0-based; MTP layers are num_layers + d) uses routed
+        experts: a MoE family's layers from `first_k_dense_replace` to `moe_layer_end` (-1: no
+        end) whose (index + 1) is a multiple of `moe_layer_interval`, except `mlp_only_layers`
+        (transformers' rules of GLM-4.5, ERNIE-4.5 and Qwen3-MoE in one)."""
+        if not self.family.is_moe or layer < self.first_k_dense_replace:
+            return False
+        if 0 <= self.moe_layer_end < layer:
+            return False
+        interval = max(int(self.moe_layer_interval), 1)
+        return (layer + 1) % interval == 0 and layer not in self.mlp_only_layers
+
+    def layer_blocks(self, layer: int) -> LayerBlocks:
+        """The building blocks of decoder layer `layer` (`flashcp.models.families.spec`)."""
+        return self.family.layer(self, layer)
+
+    def matmul_weights(self) -> int:
+        """The weights one token multiplies in matmuls (the FLOPs' N,
+        `flashcp.models.families.inventory.matmul_weights`)."""
+        from flashcp.models.families.inventory import matmul_weights
+
+        return matmul_weights(self)
 
     # ------------------------------------------------------------------ validation
 
@@ -130,8 +180,12 @@ class ModelArgs:
         def err(name: str, message: str) -> None:
             errs.append((f"model.{name}", message))
 
-        if self.arch not in ARCHS:
-            err("arch", f"arch {self.arch!r} is not supported: use one of {', '.join(ARCHS)}")
+        from flashcp.models.families import FAMILIES
+
+        fam = FAMILIES.get(self.arch) if isinstance(self.arch, str) else None
+        if fam is None:
+            err("arch", f"arch {self.arch!r} is not supported: use one of {', '.join(FAMILIES)}")
+            return errs  # every other rule depends on the family
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
             _positive_int(err, name, getattr(self, name))
         _positive_int(err, "intermediate_size", self.intermediate_size)
@@ -153,15 +207,10 @@ class ModelArgs:
             )
         if self.position not in POSITIONS:
             err("position", f"position {self.position!r}: use one of {', '.join(POSITIONS)}")
-        elif self.arch in ("glm", "glm_moe") and self.position != "rotary":
+        elif self.position != "rotary" and not fam.learned_positions:
             err("position", f"arch {self.arch} always uses rotary positions; set position: rotary")
         self._validate_rotary(err)
-        if self.use_qk_norm and self.arch != "glm_moe":
-            err(
-                "use_qk_norm",
-                f"use_qk_norm is GLM-4.5's QK-norm (arch glm_moe); arch {self.arch} has none: "
-                "set use_qk_norm: false",
-            )
+        fam.validate(self, err)
         if not self.norm_eps > 0:
             err("norm_eps", f"norm_eps {self.norm_eps} must be > 0")
         if not self.initializer_range > 0:
@@ -181,12 +230,48 @@ class ModelArgs:
         self._validate_mtp(err)
         return errs
 
+    def _validate_scaling(self, err: ErrFn) -> None:
+        """`rope_scaling` and its numbers (transformers' `_validate_llama3_parameters`)."""
+        if self.rope_scaling not in ROPE_SCALINGS:
+            err(
+                "rope_scaling",
+                f"rope_scaling {self.rope_scaling!r}: use one of {', '.join(ROPE_SCALINGS)}",
+            )
+            return
+        if self.rope_scaling == "none":
+            return
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                err(name, f"{name} {value!r} must be a number > 0 (rope_scaling llama3)")
+        if _is_int(self.rope_original_max_len) and self.rope_original_max_len > 0:
+            pass
+        else:
+            err(
+                "rope_original_max_len",
+                f"rope_original_max_len {self.rope_original_max_len!r} must be a positive "
+                "integer (config.json rope_scaling.original_max_position_embeddings)",
+            )
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if _number(low) and _number(high) and not high > low:
+            err(
+                "rope_high_freq_factor",
+                f"rope_high_freq_factor {high} must exceed rope_low_freq_factor {low} "
+                "(llama3 scaling interpolates between them)",
+            )
+
     def _validate_mtp(self, err: ErrFn) -> None:
         """`mtp_layers` >= 0 on rotary models; `mtp_loss_weight` >= 0, > 0 only with layers."""
         n, weight = self.mtp_layers, self.mtp_loss_weight
         if not _is_int(n) or n < 0:
             err("mtp_layers", f"mtp_layers {n!r} must be an integer >= 0 (0 = no MTP layer)")
             return
+        if n and not self.family.mtp:
+            err(
+                "mtp_layers",
+                f"mtp_layers {n}: arch {self.arch} has no multi-token-prediction layers flashcp "
+                "builds (GLM-4 and GLM-4.5 do); set model.mtp_layers: 0",
+            )
         if n and self.uses_learned_positions:
             err(
                 "mtp_layers",
@@ -217,7 +302,7 @@ class ModelArgs:
         if not _is_int(tile) or tile < 0:
             err("tile_tokens", f"tile_tokens {tile!r} must be an integer >= 0 (0 = no tiling)")
             return
-        if tile == 0 or self.arch != "glm_moe":
+        if tile == 0 or not self.is_moe:
             return
         if self.moe_capacity_factor:
             err(
@@ -241,6 +326,7 @@ class ModelArgs:
     def _validate_rotary(self, err: ErrFn) -> None:
         if self.uses_learned_positions:
             return
+        self._validate_scaling(err)
         if not self.rotary_base > 0:
             err("rotary_base", f"rotary_base {self.rotary_base} must be > 0")
         if not 0 < self.partial_rotary_factor <= 1:
@@ -261,11 +347,41 @@ class ModelArgs:
     def _validate_moe(self, err: ErrFn) -> None:
         moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
         options = ("moe_capacity_factor", "router_bias_update_rate", "router_aux_loss_coef")
-        if self.arch != "glm_moe":
+        router = self.family.router
+        if router is None:
             for name in (*moe_fields, "num_shared_experts", "first_k_dense_replace", *options):
                 if getattr(self, name):
-                    err(name, f"{name} is only used by arch glm_moe (arch is {self.arch}); set 0")
+                    err(
+                        name,
+                        f"{name} is only used by MoE families (arch {self.arch} has no experts); "
+                        "set 0",
+                    )
+            for name, default in _MOE_PATTERN.items():
+                if getattr(self, name) != default:
+                    err(
+                        name,
+                        f"{name} only places MoE layers (arch {self.arch} has no experts); set "
+                        f"model.{name}: {default!r}",
+                    )
             return
+        self._validate_moe_pattern(err)
+        if router.normalise != "clamp" and self.moe_norm_min != _MOE_NORM_MIN:
+            err(
+                "moe_norm_min",
+                f"moe_norm_min {self.moe_norm_min!r}: arch {self.arch}'s router does not clamp "
+                f"the top-k weights' sum (ERNIE-4.5's does); set model.moe_norm_min: "
+                f"{_MOE_NORM_MIN}",
+            )
+        elif router.normalise == "clamp" and not (_number(self.moe_norm_min)
+                                                   and self.moe_norm_min > 0):  # fmt: skip
+            err("moe_norm_min", f"moe_norm_min {self.moe_norm_min!r} must be a number > 0")
+        if self.router_bias_update_rate and not router.correction_bias:
+            err(
+                "router_bias_update_rate",
+                f"router_bias_update_rate {self.router_bias_update_rate} moves the router's "
+                f"selection bias, but arch {self.arch}'s router has none; set "
+                "model.router_bias_update_rate: 0 (model.router_aux_loss_coef balances it)",
+            )
         for name in options:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -295,6 +411,19 @@ class ModelArgs:
                 f"routed_scaling_factor {self.routed_scaling_factor} must be > 0",
             )
 
+    def _validate_moe_pattern(self, err: ErrFn) -> None:
+        """`moe_layer_end` >= -1, `moe_layer_interval` >= 1, `mlp_only_layers` layer indices."""
+        if not _is_int(self.moe_layer_end) or self.moe_layer_end < -1:
+            err("moe_layer_end", f"moe_layer_end {self.moe_layer_end!r} must be -1 or a layer")
+        if not _is_pos_int(self.moe_layer_interval):
+            err(
+                "moe_layer_interval",
+                f"moe_layer_interval {self.moe_layer_interval!r} must be a positive integer",
+            )
+        only = self.mlp_only_layers
+        if not isinstance(only, tuple) or not all(_is_int(i) and i >= 0 for i in only):
+            err("mlp_only_layers", f"mlp_only_layers {only!r} must be a list of layer indices")
+
     def check(self) -> ModelArgs:
         """Raise `ValueError` listing every problem; return self when valid."""
         errs = self.validate()
@@ -306,6 +435,15 @@ class ModelArgs:
     def to_dict(self) -> dict[str, object]:
         """Field name → value (for logs, checkpoints and `config.json`)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_MOE_PATTERN: dict[str, object] = {"moe_layer_end": -1, "moe_layer_interval": 1,
+                                   "mlp_only_layers": ()}  # fmt: skip
+_MOE_NORM_MIN = 1e-12
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _is_int(x: object) -> bool:
@@ -337,34 +475,8 @@ def estimate_parameters(
     of one pipeline stage: decoder `layers` (GLOBAL indices), the embeddings when `first`, the
     final norm and LM head when `last` (its own copy of a tied embedding when not `first`, and
     the `mtp_layers` multi-token-prediction layers); under expert parallelism (`ep_size` > 1)
-    with 1/ep_size of the routed experts."""
-    h, hd = args.hidden_size, args.head_size
-    q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if args.qkv_bias else 0)
-    attn += 2 * hd if args.use_qk_norm else 0
-    if args.arch == "gpt":
-        norms, dense_mlp = 2 * 2 * h, 2 * h * args.intermediate_size + args.intermediate_size + h
-    else:
-        norms = (4 if args.arch == "glm" else 2) * h
-        dense_mlp = 3 * h * args.intermediate_size
-    moe_mlp = 0
-    if args.arch == "glm_moe":
-        expert = 3 * h * args.moe_intermediate_size
-        held = args.num_experts // max(ep_size, 1)
-        moe_mlp = held * expert + args.num_experts * h + args.num_shared_experts * expert
-    total = 0
-    for layer in range(args.num_layers) if layers is None else layers:
-        total += attn + norms + (moe_mlp if args.is_moe_layer(layer) else dense_mlp)
-    embed = args.vocab_size * h
-    if first:
-        total += embed + (args.max_seq_len * h if args.uses_learned_positions else 0)
-    if last:
-        norm = 2 * h if args.arch == "gpt" else h
-        total += norm
-        if not args.tie_embeddings or not first:
-            total += embed
-        for depth in range(args.mtp_layers):  # the MTP layers: a block and its own parts
-            layer = args.num_layers + depth
-            block = attn + norms + (moe_mlp if args.is_moe_layer(layer) else dense_mlp)
-            total += block + 2 * embed + 3 * norm + 2 * h * h
-    return total
+    with 1/ep_size of the routed experts. The sum of the family's parameter inventory
+    (`flashcp.models.families.inventory`), the planner's one source."""
+    from flashcp.models.families.inventory import parameter_count
+
+    return parameter_count(args, layers=layers, first=first, last=last, ep=ep_size)

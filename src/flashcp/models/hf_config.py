@@ -1,59 +1,46 @@
-"""Hugging Face ``config.json`` ↔ `ModelArgs`, without Paddle (so `flashcp validate` reads it).
+"""Hugging Face ``config.json`` ↔ `ModelArgs`, without Paddle (so `flashcp validate` reads it),
+for every registered model family (`flashcp.models.families`).
 
-Reading (`parse_hf_config`, `args_from_hf_config`): GLM-4 (``Glm4ForCausalLM``, model_type
-``glm4``) and GLM-4.5 / GLM-4.5-Air (``Glm4MoeForCausalLM``, ``glm4_moe``) configs as written
-by transformers 4.x or 5.x, and flashcp's own GPT exports (``FlashcpGPTForCausalLM``, which
-carry the exact `ModelArgs` under `ARGS_KEY`). The rule: the model built is the one
-transformers builds from the same file, or the file is refused with every reason at once.
+Reading (`parse_hf_config`, `args_from_hf_config`): the family is the one whose
+``architectures`` entry (or an alias, e.g. PaddleFormers' class names) and ``model_type`` the
+file names; the rule: the model built is the one transformers builds from the same file, or the
+file is refused with every reason at once.
 
-* A key the file lacks takes the default of the transformers config class (5.3; e.g. GLM-4
-  ``head_dim`` 128 and ``attention_bias`` true, GLM-4.5 ``attention_bias`` false and
-  ``first_k_dense_replace`` 1: `HF_DEFAULTS`), never a flashcp default.
+* A key the file lacks takes the default of the transformers config class (5.3, the family's
+  `HFSide.defaults`), never a flashcp default.
+* The keys every decoder shares (`flashcp.models.families.hf.COMMON_FIELDS`) are read here, the
+  family's own by its `HFSide.read`.
 * RoPE in both layouts: 4.x top-level ``rope_theta`` / ``rope_scaling`` /
-  ``partial_rotary_factor``, 5.x ``rope_parameters: {rope_type, rope_theta,
-  partial_rotary_factor}``. Only plain RoPE (``rope_type`` "default") is implemented: any
-  other type, any non-null ``rope_scaling``, any other ``rope_parameters`` key (scaling factors,
-  per-layer-type dicts) is refused, and so are both layouts giving different values.
-* Refused because flashcp would compute another model: ``hidden_act`` other than silu,
-  non-zero ``attention_dropout``, ``quantization_config``, group-limited routing
-  (``topk_group`` < ``n_group``; ``n_group == topk_group`` selects among all experts, which is
-  plain top-k, and is accepted), an architecture / model_type other than the two above.
-* ``use_qk_norm`` (GLM-4.5): QK-norm is built (`ModelArgs.use_qk_norm`). GLM-4's
-  ``Glm4Attention`` has no QK-norm, so the key is ignored there, as transformers does.
-* ``num_nextn_predict_layers`` (GLM-4.5's multi-token-prediction layers, 1 in GLM-4.5 and
-  GLM-4.5-Air): `ModelArgs.mtp_layers`, so they are built (on the last pipeline stage) and
-  their weights ``model.layers.{num_hidden_layers + d}.*`` loaded and exported
-  (`flashcp.models.mtp`); transformers' ``Glm4MoeForCausalLM`` ignores them, the serving
-  engines use them for speculative decoding (`NOTE_MTP`). A run may carry fewer of them
-  (``model.mtp_layers`` is free, `TRAINING_FIELDS`: 0 skips their weights). GLM-4's
-  ``Glm4Config`` has no such key; flashcp reads it there too (its own GLM exports of a model
-  with MTP layers write it, see below).
-* PaddleFormers (1.2.0) saves GLM-4.5 under its own class names (``architectures:
-  ['Glm4MoeForCausalLMDeprecated']``, its eager class, and the pipeline / fleet variants:
-  `PADDLEFORMERS_ARCHS`), in the HF layout (its ``_gen_inv_aoa_config`` splits its fused
-  ``qkv_proj`` / ``up_gate_proj`` back into the HF tensors; the router ``mlp.gate.weight`` is
-  stored in bfloat16 even in a float32 model, which the loader widens exactly), with keys of
-  its own. Each is classified (`IGNORED_KEYS`, `CHECKED_KEYS`): a key that steers only that
-  library's own training or inference (tensor/pipeline parallelism, kernel fusion, token
-  dispatch, its aux-loss style, transformers' ``output_router_logits``) is accepted with a note
-  (`NOTE_IGNORED`); a key that changes the maths is accepted at the value flashcp computes
-  (``scoring_func`` sigmoid, ``topk_method`` noaux_tc, ``use_fp8`` false, ``sliding_window``
-  null) and refused with the reason at any other.
-* Every other key must be one flashcp knows (`KNOWN_KEYS`: the model keys above and metadata
-  such as ``torch_dtype``, token ids, ``use_cache``): an unknown key might change the model, so
-  it is refused with the advice to remove it if it is only metadata.
+  ``partial_rotary_factor``, 5.x ``rope_parameters: {rope_type, rope_theta, ...}``. Plain RoPE
+  (``rope_type`` "default") and Llama-3.1's ``llama3`` frequency scaling (``factor``,
+  ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``;
+  `flashcp.models.rope`) are implemented; any other type or key (per-layer-type dicts) is
+  refused, and so are the two layouts giving different values.
+* Refused because flashcp would compute another model: a ``hidden_act`` other than the
+  family's, non-zero ``attention_dropout``, ``quantization_config``, ``use_sliding_window``
+  true, a value the family's class fixes otherwise, an architecture / model_type no family has.
+* ``num_nextn_predict_layers`` (GLM-4.5's multi-token-prediction layers) of families that build
+  them (`Family.mtp`): `ModelArgs.mtp_layers`, so they are built (on the last pipeline stage)
+  and their weights ``model.layers.{num_hidden_layers + d}.*`` loaded and exported
+  (`flashcp.models.mtp`); transformers' ``Glm4MoeForCausalLM`` ignores them (`NOTE_MTP`). A run
+  may carry fewer of them (``model.mtp_layers`` is free, `TRAINING_FIELDS`: 0 skips them).
+* Keys a library writes: those that steer only its own training or inference are accepted
+  with a note (`NOTE_IGNORED`: `IGNORED_KEYS` and the family's `HFSide.ignored`); those that
+  change the maths are accepted at the value flashcp computes and refused with the reason at
+  any other (`CHECKED_KEYS`, `HFSide.checked`).
+* Every other key must be one flashcp knows (the family's keys and metadata such as
+  ``torch_dtype``, token ids, ``use_cache``): an unknown key might change the model, so it is
+  refused with the advice to remove it if it is only metadata.
 * `missing_mtp_layers` reads a directory's tensor index (no tensor data) to find declared MTP
   layers without tensors, as transformers' ``save_pretrained`` writes GLM-4.5 (it keeps
   ``num_nextn_predict_layers: 1`` but drops the layer): `flashcp validate` refuses that in one
   line naming ``model.mtp_layers=0``.
 
-Writing (`hf_config`): the same keys back, in BOTH RoPE layouts (top-level keys for
-transformers 4.x and PaddleFormers, ``rope_parameters`` for 5.x), with the right
-``architectures``; a `ModelArgs` that no HF class computes (e.g. GLM with another rotary
-pairing) is refused. ``num_nextn_predict_layers`` is `ModelArgs.mtp_layers`: always written for
-GLM-4.5 (as its own configs do), for GLM-4 only when > 0 (``Glm4Config`` keeps an unknown key
-as a plain attribute and ``Glm4ForCausalLM`` ignores it and the MTP weights, so transformers
-still loads the export; flashcp reads it back); GPT exports carry it in `ARGS_KEY`.
+Writing (`hf_config`): the common keys and the family's (`HFSide.write`), RoPE in BOTH layouts
+(top-level keys for transformers 4.x and PaddleFormers, ``rope_parameters`` for 5.x), with the
+family's ``architectures``; a `ModelArgs` that the family's class does not compute (e.g. GLM
+with another rotary pairing) is refused (`exportable`). flashcp's GPT, which no transformers
+class computes, carries its exact `ModelArgs` under `ARGS_KEY`.
 """
 
 from __future__ import annotations
@@ -61,41 +48,18 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from flashcp.models.config import ModelArgs
+from flashcp.models.families import FAMILIES
+from flashcp.models.families.gpt import ARGS_KEY
+from flashcp.models.families.hf import COMMON_FIELDS, COMMON_KEYS, HFSide, Reader
+from flashcp.models.families.spec import Family
 
 CONFIG_FILE = "config.json"
-ARGS_KEY = "flashcp_model_args"
-"""Key of the exact `ModelArgs` in a flashcp GPT export's config.json."""
+__all__ = ["ARGS_KEY", "CONFIG_FILE", "HFConfigError", "args_from_hf_config", "hf_config"]
 
-HF_ARCH = {
-    "gpt": ("FlashcpGPTForCausalLM", "flashcp_gpt"),
-    "glm": ("Glm4ForCausalLM", "glm4"),
-    "glm_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
-}
-"""flashcp arch → (HF ``architectures`` entry, ``model_type``)."""
-ARCH_OF_MODEL_TYPE = {model_type: arch for arch, (_, model_type) in HF_ARCH.items()}
-PADDLEFORMERS_ARCHS = {
-    name: "glm_moe"
-    for name in (
-        "Glm4MoeForCausalLMDeprecated",
-        "Glm4MoeForCausalLMPipe",
-        "Glm4MoeForCausalLMPipeDeprecated",
-        "Glm4MoeForCausalLMFleet",
-        "Glm4MoeForCausalLMPipeFleet",
-    )
-}
-"""PaddleFormers 1.2.0's GLM-4.5 classes (``paddleformers.transformers.glm4_moe``) → flashcp
-arch: each saves through the same inverse conversion (``_gen_inv_aoa_config``) into the HF
-tensor layout of ``Glm4MoeForCausalLM`` and writes its own class name into ``architectures``."""
-SUPPORTED = (
-    "Glm4ForCausalLM (GLM-4-0414, model_type glm4), Glm4MoeForCausalLM (GLM-4.5 / "
-    "GLM-4.5-Air, model_type glm4_moe; also as PaddleFormers saves it, e.g. "
-    "Glm4MoeForCausalLMDeprecated) and flashcp's own exports (FlashcpGPTForCausalLM)"
-)
 NOTE_MTP = (
     "num_nextn_predict_layers: the multi-token-prediction layers (model.layers.{L}...) are "
     "built on the last pipeline stage and loaded (transformers' Glm4MoeForCausalLM ignores "
@@ -103,82 +67,6 @@ NOTE_MTP = (
 )
 MTP_KEY = "num_nextn_predict_layers"
 """config.json key of the number of multi-token-prediction layers (`ModelArgs.mtp_layers`)."""
-
-_COMMON_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 151552,
-    "hidden_size": 4096,
-    "max_position_embeddings": 131072,
-    "initializer_range": 0.02,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "attention_dropout": 0.0,
-    "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.5,
-}
-HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "glm4": {
-        **_COMMON_DEFAULTS,
-        "intermediate_size": 13696,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 2,
-        "head_dim": 128,
-        "rms_norm_eps": 1.5625e-07,
-        "attention_bias": True,
-    },
-    "glm4_moe": {
-        **_COMMON_DEFAULTS,
-        "intermediate_size": 10944,
-        "num_hidden_layers": 46,
-        "num_attention_heads": 96,
-        "num_key_value_heads": 8,
-        "head_dim": None,  # hidden_size // num_attention_heads
-        "rms_norm_eps": 1e-5,
-        "attention_bias": False,
-        "moe_intermediate_size": 1408,
-        "num_experts_per_tok": 8,
-        "n_shared_experts": 1,
-        "n_routed_experts": 128,
-        "routed_scaling_factor": 1.0,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "norm_topk_prob": True,
-        "use_qk_norm": False,
-        "num_nextn_predict_layers": 0,
-    },
-}
-"""Defaults of transformers' (5.3) ``Glm4Config`` / ``Glm4MoeConfig`` for the keys read here."""
-
-FIELD_KEYS: dict[str, str] = {
-    "arch": "architectures",
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "intermediate_size": "intermediate_size",
-    "max_seq_len": "max_position_embeddings",
-    "position": "architectures",
-    "rotary_base": "rope_theta",
-    "partial_rotary_factor": "partial_rotary_factor",
-    "rotary_interleaved": "architectures",
-    "qkv_bias": "attention_bias",
-    "use_qk_norm": "use_qk_norm",
-    "tie_embeddings": "tie_word_embeddings",
-    "norm_eps": "rms_norm_eps",
-    "num_experts": "n_routed_experts",
-    "num_experts_per_tok": "num_experts_per_tok",
-    "moe_intermediate_size": "moe_intermediate_size",
-    "num_shared_experts": "n_shared_experts",
-    "first_k_dense_replace": "first_k_dense_replace",
-    "routed_scaling_factor": "routed_scaling_factor",
-    "norm_topk_prob": "norm_topk_prob",
-    "initializer_range": "initializer_range",
-    "mtp_layers": MTP_KEY,
-}
-"""`ModelArgs` field → the config.json key that defines it (for messages)."""
 TRAINING_FIELDS = (
     "recompute",
     "residual_dtype",
@@ -195,42 +83,14 @@ the router's load balancing, the MTP loss weight), not which model it is. ``mtp_
 read from config.json (``num_nextn_predict_layers``) but a run may carry fewer of the
 checkpoint's MTP layers (0: their weights are skipped when loading, with a note); more than
 the checkpoint holds is refused when loading, naming the missing weights."""
-
-_MODEL_KEYS = {
-    "architectures",
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "max_position_embeddings",
-    "initializer_range",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "attention_bias",
-    "attention_dropout",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "partial_rotary_factor",
-    "moe_intermediate_size",
-    "num_experts_per_tok",
-    "n_shared_experts",
-    "n_routed_experts",
-    "num_experts",
-    "routed_scaling_factor",
-    "n_group",
-    "topk_group",
-    "first_k_dense_replace",
-    "norm_topk_prob",
-    "use_qk_norm",
-    "num_nextn_predict_layers",
-    "quantization_config",
+ROPE_FIELDS: dict[str, str] = {
+    "rope_scaling": "rope_parameters.rope_type",
+    "rope_factor": "rope_parameters.factor",
+    "rope_low_freq_factor": "rope_parameters.low_freq_factor",
+    "rope_high_freq_factor": "rope_parameters.high_freq_factor",
+    "rope_original_max_len": "rope_parameters.original_max_position_embeddings",
 }
+"""The scaled-RoPE fields and the config.json keys that set them."""
 _METADATA_KEYS = {
     "_name_or_path",
     "transformers_version",
@@ -251,49 +111,53 @@ _METADATA_KEYS = {
     "tokenizer_class",
     "torchscript",
     "_attn_implementation",
-    "use_sliding_window",  # written as false by some GLM exports; true is refused below
-    ARGS_KEY,
+    "use_sliding_window",  # written as false by some exports; true is refused below
 }
 IGNORED_KEYS: dict[str, str] = {
-    "paddleformers_version": "PaddleFormers",
-    "disable_ffn_model_parallel": "PaddleFormers",  # tensor parallelism of the MoE FFN
-    "pp_seg_method": "PaddleFormers",  # how its pipeline cuts the layers
-    "fuse_rms_norm": "PaddleFormers",  # a fused RMSNorm kernel, same maths
-    "fd_fallback": "PaddleFormers",  # FastDeploy's stacked-experts module, same maths
-    "using_flex_token": "PaddleFormers",  # its token dispatcher for expert parallelism
-    "moe_subbatch_token_num_before_dispatch": "PaddleFormers",  # rows per dispatch call
-    "seq_aux": "PaddleFormers",  # sequence-wise aux loss in its training: a loss, not the model
     "output_router_logits": "transformers",  # return router logits (and their aux loss)
+    "router_aux_loss_coef": "transformers",  # its aux loss weight: model.router_aux_loss_coef
 }
 """Keys that steer only a library's own training or inference (its parallelism, kernels,
-outputs, auxiliary losses), never the model's function: accepted whatever their value, named in
-one note (`NOTE_IGNORED`). flashcp's own router balancing is ``model.router_aux_loss_coef``."""
+outputs, auxiliary losses), never the model's function, in every family: accepted whatever their
+value, named in one note (`NOTE_IGNORED`); a family adds its own (`HFSide.ignored`, e.g.
+PaddleFormers' keys). flashcp's own router balancing is ``model.router_aux_loss_coef``."""
 CHECKED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "scoring_func": (
-        ("sigmoid",),
-        "flashcp's GLM-4.5 router scores experts with a sigmoid (as GLM-4.5 and transformers' "
-        "Glm4MoeForCausalLM do)",
-    ),
-    "topk_method": (
-        ("noaux_tc",),
-        "flashcp's GLM-4.5 router picks the top-k of sigmoid scores plus "
-        "e_score_correction_bias (noaux_tc, as GLM-4.5 does)",
-    ),
     "use_fp8": ((False, None), "flashcp computes in float32 / bfloat16, not FP8"),
-    "sliding_window": (
-        (None,),
-        "flashcp computes GLM-4.5 with full causal attention in every layer, as GLM-4.5 does",
-    ),
 }
-"""Keys a library writes that change the model's maths: (the values flashcp computes exactly,
-why another value is refused)."""
-KNOWN_KEYS = frozenset(_MODEL_KEYS | _METADATA_KEYS | set(IGNORED_KEYS) | set(CHECKED_KEYS))
+"""Keys a library writes that change the maths, in every family: (the values flashcp computes
+exactly, why another value is refused); a family adds its own (`HFSide.checked`)."""
 NOTE_IGNORED = (
     "config.json keys {keys} steer only {owners}' own training or inference (parallelism, "
     "kernels, outputs, auxiliary losses), not the model: ignored"
 )
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-_ROPE_PARAMETER_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")  # fmt: skip
+_ROPE_TYPES = ("default", "llama3")
+
+
+def supported() -> str:
+    """The Hugging Face classes flashcp reads, for messages."""
+    return ", ".join(
+        f"{f.hf.architecture} ({f.hf.model_type})" for f in FAMILIES.values() if f.hf is not None
+    )
+
+
+def field_keys(arch: str | None = None) -> dict[str, str]:
+    """`ModelArgs` field → the config.json key that defines it (for messages), for the family
+    of `arch` (None: every family's)."""
+    keys: dict[str, str] = {"arch": "architectures", "position": "architectures",
+                            "rotary_interleaved": "architectures", "mtp_layers": MTP_KEY,
+                            **ROPE_FIELDS}  # fmt: skip
+    for fam in FAMILIES.values():
+        if fam.hf is not None and (arch is None or fam.arch == arch):
+            keys.update(fam.hf.all_fields)
+    return keys
+
+
+FIELD_KEYS = field_keys()
+"""`ModelArgs` field → a config.json key that defines it (every family's names)."""
 
 
 class HFConfigError(ValueError):
@@ -330,115 +194,6 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _architecture(config: Mapping[str, Any], problems: list[tuple[str, str]]) -> str | None:
-    """flashcp arch of `config`, or None (with the reason in `problems`)."""
-    archs = config.get("architectures")
-    model_type = config.get("model_type")
-    names = {**{entry[0]: arch for arch, entry in HF_ARCH.items()}, **PADDLEFORMERS_ARCHS}
-    arch_of_list = None
-    if archs is not None:
-        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in names:
-            problems.append(
-                (
-                    "architectures",
-                    f"{archs!r} (model_type {model_type!r}) is not supported: flashcp builds "
-                    f"{SUPPORTED}",
-                )
-            )
-            return None
-        arch_of_list = names[archs[0]]
-    arch_of_type = ARCH_OF_MODEL_TYPE.get(str(model_type)) if model_type is not None else None
-    if model_type is not None and arch_of_type is None:
-        problems.append(
-            ("model_type", f"{model_type!r} is not supported: flashcp builds {SUPPORTED}")
-        )
-        return None
-    if arch_of_list and arch_of_type and arch_of_list != arch_of_type:
-        problems.append(
-            (
-                "model_type",
-                f"{model_type!r} does not match architectures {archs!r}: fix config.json",
-            )
-        )
-        return None
-    arch = arch_of_list or arch_of_type
-    if arch is None:
-        problems.append(
-            (
-                "architectures",
-                f"config.json names neither architectures nor model_type: "
-                f"flashcp builds {SUPPORTED}",
-            )  # fmt: skip
-        )
-    return arch
-
-
-def read_rope(
-    config: Mapping[str, Any], defaults: Mapping[str, Any], problems: list[tuple[str, str]]
-) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from either RoPE layout; unimplemented variants and
-    contradictions between the layouts go to `problems`."""
-    scaling = config.get("rope_scaling")
-    if scaling not in (None, {}):
-        problems.append(
-            (
-                "rope_scaling",
-                f"{scaling!r}: scaled RoPE is not implemented (flashcp computes plain RoPE): "
-                "use a checkpoint without rope_scaling",
-            )
-        )
-    params = config.get("rope_parameters")
-    nested: Mapping[str, Any] = {}
-    if params is not None:
-        if not isinstance(params, Mapping):
-            problems.append(("rope_parameters", f"{params!r} must be an object"))
-        elif any(isinstance(v, Mapping) for v in params.values()):
-            problems.append(
-                (
-                    "rope_parameters",
-                    "per-layer-type RoPE parameters are not implemented (GLM-4 / GLM-4.5 have "
-                    f"one RoPE): {sorted(params)}",
-                )
-            )
-        else:
-            nested = params
-            rope_type = params.get("rope_type", params.get("type", "default"))
-            if rope_type not in ("default", None):
-                problems.append(
-                    (
-                        "rope_parameters.rope_type",
-                        f"{rope_type!r} is not implemented: flashcp computes plain RoPE "
-                        "(rope_type 'default')",
-                    )
-                )
-            extra = sorted(set(params) - _ROPE_PARAMETER_KEYS)
-            if extra:
-                problems.append(
-                    (
-                        "rope_parameters",
-                        f"keys {extra} are not implemented (plain RoPE takes rope_type, "
-                        "rope_theta and partial_rotary_factor)",
-                    )
-                )
-    values = []
-    for key in ("rope_theta", "partial_rotary_factor"):
-        top, inner = config.get(key), nested.get(key)
-        if top is not None and inner is not None and not _same(top, inner):
-            problems.append(
-                (
-                    f"rope_parameters.{key}",
-                    f"{inner!r} contradicts the top-level {key} {top!r}: fix config.json",
-                )
-            )
-        value = inner if inner is not None else top
-        values.append(defaults[key] if value is None else value)
-    theta, partial = values
-    for key, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append((key, f"{value!r} must be a number"))
-    return float(theta) if _number(theta) else 0.0, float(partial) if _number(partial) else 0.0
-
-
 def _same_value(a: Any, b: Any) -> bool:
     """`a == b` without True == 1 (a boolean key given 1 is not the value flashcp computes)."""
     return type(a) is type(b) and a == b or a is b
@@ -448,9 +203,142 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _get(config: Mapping[str, Any], defaults: Mapping[str, Any], key: str) -> Any:
-    value = config.get(key)
-    return defaults[key] if value is None and key in defaults else value
+def family_of_config(config: Mapping[str, Any], problems: list[tuple[str, str]]) -> Family | None:
+    """The family `config` names (``architectures`` and ``model_type``), or None with the
+    reason in `problems`."""
+    archs = config.get("architectures")
+    model_type = config.get("model_type")
+    names: dict[str, Family] = {}
+    types: dict[str, Family] = {}
+    for fam in FAMILIES.values():
+        if fam.hf is not None:
+            names[fam.hf.architecture] = fam
+            names.update({alias: fam for alias in fam.hf.aliases})
+            types[fam.hf.model_type] = fam
+    by_list = None
+    if archs is not None:
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in names:
+            problems.append(
+                (
+                    "architectures",
+                    f"{archs!r} (model_type {model_type!r}) is not supported: flashcp builds "
+                    f"{supported()}",
+                )
+            )
+            return None
+        by_list = names[archs[0]]
+    by_type = types.get(str(model_type)) if model_type is not None else None
+    if model_type is not None and by_type is None:
+        problems.append(
+            ("model_type", f"{model_type!r} is not supported: flashcp builds {supported()}")
+        )
+        return None
+    if by_list and by_type and by_list is not by_type:
+        problems.append(
+            ("model_type",
+             f"{model_type!r} does not match architectures {archs!r}: fix config.json")  # fmt: skip
+        )
+        return None
+    fam = by_list or by_type
+    if fam is None:
+        problems.append(
+            (
+                "architectures",
+                f"config.json names neither architectures nor model_type: flashcp builds "
+                f"{supported()}",
+            )
+        )
+    return fam
+
+
+def read_rope(
+    config: Mapping[str, Any], defaults: Mapping[str, Any], problems: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """The RoPE fields of `ModelArgs` (`rotary_base`, `partial_rotary_factor`, `rope_scaling`
+    and its numbers) from either layout; unimplemented variants and contradictions between the
+    layouts go to `problems`."""
+    legacy = config.get("rope_scaling")
+    params = config.get("rope_parameters")
+    layouts: list[tuple[str, Mapping[str, Any]]] = [("", config)]
+    for name, value in (("rope_scaling", legacy), ("rope_parameters", params)):
+        if value in (None, {}):
+            continue
+        if not isinstance(value, Mapping):
+            problems.append((name, f"{value!r} must be an object"))
+        elif any(isinstance(v, Mapping) for v in value.values()):
+            problems.append(
+                (
+                    name,
+                    "per-layer-type RoPE parameters are not implemented (flashcp computes one "
+                    f"RoPE for every layer): {sorted(value)}",
+                )
+            )
+        else:
+            layouts.append((f"{name}.", value))
+    found: dict[str, tuple[str, Any]] = {}
+    for prefix, mapping in layouts:
+        keys = ("rope_theta", "partial_rotary_factor") if not prefix else tuple(mapping)
+        for key in keys:
+            value = mapping.get(key)
+            if value is None:
+                continue
+            canonical = "rope_type" if key == "type" else key
+            if canonical not in _ROPE_KEYS | set(_LLAMA3_KEYS):
+                problems.append(
+                    (
+                        f"{prefix}{key}",
+                        f"not implemented (flashcp's RoPE takes rope_type {_ROPE_TYPES}, "
+                        f"rope_theta, partial_rotary_factor and llama3's {list(_LLAMA3_KEYS)})",
+                    )
+                )
+                continue
+            if canonical in found and not _same(found[canonical][1], value):
+                first, got = found[canonical]
+                where = f"{first}{canonical}" if first else f"the top-level {canonical}"
+                problems.append(
+                    (f"{prefix}{key}", f"{value!r} contradicts {where} {got!r}: fix config.json")
+                )
+                continue
+            found.setdefault(canonical, (prefix, value))
+    rope_type = found.get("rope_type", ("", "default"))[1]
+    if rope_type not in _ROPE_TYPES:
+        problems.append(
+            (
+                "rope_parameters.rope_type",
+                f"{rope_type!r} is not implemented: flashcp computes plain RoPE ('default') and "
+                "Llama-3's 'llama3' scaling",
+            )
+        )
+    values: dict[str, Any] = {}
+    for field, key in (("rotary_base", "rope_theta"), ("partial_rotary_factor",
+                                                       "partial_rotary_factor")):  # fmt: skip
+        value = found[key][1] if key in found else defaults.get(key, 1.0)
+        if not _number(value):
+            problems.append((key, f"{value!r} must be a number"))
+            value = 0.0
+        values[field] = float(value)
+    values["rope_scaling"] = "llama3" if rope_type == "llama3" else "none"
+    if rope_type != "llama3":
+        stray = sorted(k for k in _LLAMA3_KEYS if k in found)
+        if stray:
+            problems.append(
+                ("rope_parameters", f"keys {stray} belong to rope_type 'llama3', not {rope_type!r}")
+            )
+        return values
+    for field, key in zip(("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                           "rope_original_max_len"), _LLAMA3_KEYS, strict=True):  # fmt: skip
+        if key not in found:
+            problems.append(
+                (f"rope_parameters.{key}", "rope_type 'llama3' needs it (transformers does too)")
+            )
+            continue
+        value = found[key][1]
+        integer = field == "rope_original_max_len"
+        if not _number(value) or integer and value != int(value):
+            problems.append((f"rope_parameters.{key}", f"{value!r} must be a number"))
+            continue
+        values[field] = int(value) if integer else float(value)
+    return values
 
 
 def parse_hf_config(
@@ -459,37 +347,81 @@ def parse_hf_config(
     """(`ModelArgs` field values, notes) for an HF ``config.json`` mapping (see the module
     docstring); `HFConfigError` listing every reason it cannot be built exactly."""
     problems: list[tuple[str, str]] = []
-    arch = _architecture(config, problems)
-    if arch is None:
+    notes: list[str] = []
+    fam = family_of_config(config, problems)
+    if fam is None or fam.hf is None:
         raise HFConfigError(source, problems)
-    if arch == "gpt":
-        if not isinstance(config.get(ARGS_KEY), Mapping):
-            raise HFConfigError(
-                source, [(ARGS_KEY, "a FlashcpGPTForCausalLM config needs its flashcp_model_args")]
+    hf = fam.hf
+    reader = Reader(config, hf.defaults, problems, notes)
+    if hf.own_args:
+        values = {"arch": fam.arch, **hf.read(reader)}
+        if problems:
+            raise HFConfigError(source, problems)
+        return values, notes
+    _check_keys(config, fam, hf, problems)
+    ignored = {**IGNORED_KEYS, **hf.ignored}
+    if found := sorted(set(config) & set(ignored)):
+        owners = " / ".join(sorted({ignored[k] for k in found}))
+        notes.append(NOTE_IGNORED.format(keys=", ".join(found), owners=owners))
+    values: dict[str, Any] = {"arch": fam.arch}
+    for name, key in COMMON_FIELDS.items():
+        if key not in ("rope_theta", "partial_rotary_factor"):
+            values[name] = reader.get(key)
+    if values["num_kv_heads"] is None:  # transformers: num_key_value_heads = num_attention_heads
+        values["num_kv_heads"] = values["num_heads"]
+    values.update(read_rope(config, hf.defaults, problems))
+    values.update(hf.read(reader))
+    if fam.mtp:
+        mtp = config.get(MTP_KEY)
+        mtp = 0 if mtp is None else mtp  # a config class without the key; Glm4MoeConfig's default
+        if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+            problems.append(
+                (MTP_KEY, f"{mtp!r} must be an integer >= 0 (the number of MTP layers)")
             )
-        names = {f.name for f in fields(ModelArgs)}
-        return {k: v for k, v in config[ARGS_KEY].items() if k in names}, []
-    model_type = HF_ARCH[arch][1]
-    defaults = HF_DEFAULTS[model_type]
-    unknown = sorted(set(config) - KNOWN_KEYS)
+        else:
+            values["mtp_layers"] = mtp
+            if mtp:
+                notes.append(NOTE_MTP)
+    for key in ("norm_eps", "initializer_range"):
+        if _number(values[key]):
+            values[key] = float(values[key])
+    keys = hf.all_fields
+    for key, value in values.items():
+        if key not in ("arch", "rope_scaling") and not isinstance(
+            value, (int, float, bool, tuple, type(None))
+        ):
+            problems.append((keys.get(key, key), f"{value!r} must be a number or boolean"))
+    if not problems:
+        _check_family(fam, values, problems)
+    if problems:
+        raise HFConfigError(source, problems)
+    return values, notes
+
+
+def _check_keys(
+    config: Mapping[str, Any], fam: Family, hf: HFSide, problems: list[tuple[str, str]]
+) -> None:
+    """Unknown keys, the common refusals, and the keys a library writes that change the maths."""
+    known = COMMON_KEYS | hf.keys | _METADATA_KEYS | set(IGNORED_KEYS) | set(hf.ignored)
+    known |= set(CHECKED_KEYS) | set(hf.checked) | ({MTP_KEY} if fam.mtp else set())
+    unknown = sorted(set(config) - known)
     if unknown:
         problems.append(
             (
                 "config.json",
-                f"keys flashcp does not know: {unknown}. They may change the model; if they "
-                "are only metadata, remove them from config.json",
+                f"keys flashcp does not know for {hf.architecture}: {unknown}. They may change "
+                "the model; if they are only metadata, remove them from config.json",
             )
         )
     if config.get("quantization_config") is not None:
         problems.append(
-            (
-                "quantization_config",
-                "quantized checkpoints are not supported: use the bf16/fp32 weights",
-            )  # fmt: skip
+            ("quantization_config", "quantized checkpoints are not supported: use the bf16/fp32 "
+                                    "weights")  # fmt: skip
         )
-    if config.get("hidden_act", "silu") != "silu":
+    act = config.get("hidden_act", hf.activation)
+    if act != hf.activation:
         problems.append(
-            ("hidden_act", f"{config['hidden_act']!r}: GLM MLPs here are SwiGLU (silu)")
+            ("hidden_act", f"{act!r}: {hf.architecture}'s MLPs here use {hf.activation!r}")
         )
     dropout = config.get("attention_dropout", 0.0)
     if not _number(dropout) or dropout != 0:
@@ -502,75 +434,28 @@ def parse_hf_config(
         )
     if config.get("use_sliding_window"):
         problems.append(("use_sliding_window", "sliding-window attention is not implemented"))
-    for key, (allowed, why) in CHECKED_KEYS.items():
+    for key, (allowed, why) in {**CHECKED_KEYS, **hf.checked}.items():
         if key in config and not any(_same_value(config[key], a) for a in allowed):
             shown = " or ".join(repr(a) for a in allowed)
             problems.append(
                 (key, f"{config[key]!r} is not implemented ({why}): use a checkpoint with {shown}")
             )
-    theta, partial = read_rope(config, defaults, problems)
-    notes: list[str] = []
-    if ignored := sorted(set(config) & set(IGNORED_KEYS)):
-        owners = " / ".join(sorted({IGNORED_KEYS[k] for k in ignored}))
-        notes.append(NOTE_IGNORED.format(keys=", ".join(ignored), owners=owners))
-    values: dict[str, Any] = dict(
-        arch=arch,
-        vocab_size=_get(config, defaults, "vocab_size"),
-        hidden_size=_get(config, defaults, "hidden_size"),
-        num_layers=_get(config, defaults, "num_hidden_layers"),
-        num_heads=_get(config, defaults, "num_attention_heads"),
-        num_kv_heads=_get(config, defaults, "num_key_value_heads"),
-        head_dim=_get(config, defaults, "head_dim"),
-        intermediate_size=_get(config, defaults, "intermediate_size"),
-        max_seq_len=_get(config, defaults, "max_position_embeddings"),
-        rotary_base=theta,
-        partial_rotary_factor=partial,
-        qkv_bias=_get(config, defaults, "attention_bias"),
-        tie_embeddings=_get(config, defaults, "tie_word_embeddings"),
-        norm_eps=_get(config, defaults, "rms_norm_eps"),
-        initializer_range=_get(config, defaults, "initializer_range"),
-    )
-    if arch == "glm_moe":
-        n_group = _get(config, defaults, "n_group")
-        topk_group = _get(config, defaults, "topk_group")
-        if n_group != 1 and topk_group != n_group:
-            problems.append(
-                (
-                    "topk_group",
-                    f"group-limited expert routing (n_group {n_group}, topk_group "
-                    f"{topk_group}) is not implemented: flashcp routes top-k over all experts",
-                )
-            )
-        experts = config.get("n_routed_experts", config.get("num_experts"))
-        values.update(
-            num_experts=defaults["n_routed_experts"] if experts is None else experts,
-            num_experts_per_tok=_get(config, defaults, "num_experts_per_tok"),
-            moe_intermediate_size=_get(config, defaults, "moe_intermediate_size"),
-            num_shared_experts=_get(config, defaults, "n_shared_experts"),
-            first_k_dense_replace=_get(config, defaults, "first_k_dense_replace"),
-            routed_scaling_factor=_get(config, defaults, "routed_scaling_factor"),
-            norm_topk_prob=_get(config, defaults, "norm_topk_prob"),
-            use_qk_norm=_get(config, defaults, "use_qk_norm"),
-        )
-    mtp = config.get(MTP_KEY)
-    mtp = 0 if mtp is None else mtp  # Glm4Config has no such key; Glm4MoeConfig's default
-    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
-        problems.append((MTP_KEY, f"{mtp!r} must be an integer >= 0 (the number of MTP layers)"))
-    else:
-        values["mtp_layers"] = mtp
-        if mtp:
-            notes.append(NOTE_MTP)
-    for key in ("rotary_base", "partial_rotary_factor", "norm_eps", "initializer_range"):
-        if _number(values[key]):
-            values[key] = float(values[key])
-    if arch == "glm_moe" and _number(values["routed_scaling_factor"]):
-        values["routed_scaling_factor"] = float(values["routed_scaling_factor"])
-    for key, value in values.items():
-        if key != "arch" and not isinstance(value, (int, float, bool, type(None))):
-            problems.append((FIELD_KEYS.get(key, key), f"{value!r} must be a number or boolean"))
-    if problems:
-        raise HFConfigError(source, problems)
-    return values, notes
+
+
+def _check_family(fam: Family, values: dict[str, Any], problems: list[tuple[str, str]]) -> None:
+    """What `values` would build, checked by the family's own rules (a value its class fixes
+    that the file sets otherwise), reported under the config.json key."""
+    keys = field_keys(fam.arch)
+    try:
+        args = ModelArgs(**values)
+    except TypeError as exc:
+        problems.append(("config.json", str(exc)))
+        return
+
+    def err(name: str, message: str) -> None:
+        problems.append((keys.get(name, name), message))
+
+    fam.validate(args, err)
 
 
 def directory_notes(directory: str | os.PathLike[str]) -> list[str]:
@@ -588,8 +473,8 @@ def directory_notes(directory: str | os.PathLike[str]) -> list[str]:
 def args_from_hf_config(
     config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
 ) -> ModelArgs:
-    """`ModelArgs` from a `config.json` (path, directory or mapping): GLM-4 / GLM-4.5 by their
-    HF keys, flashcp GPT exports exactly; `HFConfigError` when that model cannot be built."""
+    """`ModelArgs` from a `config.json` (path, directory or mapping) of any registered family,
+    flashcp GPT exports exactly; `HFConfigError` when that model cannot be built."""
     source = CONFIG_FILE
     if not isinstance(config, Mapping):
         config, source = read_config_json(config)
@@ -664,15 +549,45 @@ def mtp_refusal(
     )
 
 
+
+
 def exportable(args: ModelArgs) -> list[str]:
-    """Why `args` is not what its HF class computes (empty when an HF export is exact)."""
+    """Why `args` is not what its family's HF class computes (empty when an HF export is
+    exact): a rotary pairing other than the family's, and the family's own `HFSide.exact`."""
+    fam = args.family
+    if fam.hf is None:
+        return [f"arch {args.arch} has no Hugging Face class"]
     problems = []
-    if args.arch in ("glm", "glm_moe") and args.interleaved_rotary != (args.arch == "glm"):
+    if fam.hf.transformers and args.interleaved_rotary != fam.rotary_interleaved:
         problems.append(
-            f"model.rotary_interleaved {args.rotary_interleaved}: {HF_ARCH[args.arch][0]} "
-            f"rotates {'interleaved' if args.arch == 'glm' else 'half-split'} pairs"
+            f"model.rotary_interleaved {args.rotary_interleaved}: {fam.hf.architecture} "
+            f"rotates {'interleaved' if fam.rotary_interleaved else 'half-split'} pairs"
         )
+    if fam.hf.exact is not None:
+        problems += fam.hf.exact(args)
     return problems
+
+
+def rope_config(args: ModelArgs, partial: bool) -> dict[str, Any]:
+    """The RoPE keys of an export, in both layouts (`partial`: write partial_rotary_factor)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rotary_base}
+    if partial:
+        params["partial_rotary_factor"] = args.partial_rotary_factor
+    scaling = None
+    if args.rope_scaling == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": args.rope_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_len,
+        }
+        params.update(scaling)
+    out: dict[str, Any] = {"rope_theta": args.rotary_base, "rope_scaling": scaling,
+                           "rope_parameters": params}  # fmt: skip
+    if partial:
+        out["partial_rotary_factor"] = args.partial_rotary_factor
+    return out
 
 
 def hf_config(
@@ -682,7 +597,7 @@ def hf_config(
     token_ids: Mapping[str, Any] | None = None,
     nulls: bool = False,
 ) -> dict[str, Any]:
-    """The HF ``config.json`` of `args` (both RoPE layouts; GPT also gets `ARGS_KEY`).
+    """The HF ``config.json`` of `args` (both RoPE layouts; GPT gets `ARGS_KEY`).
 
     `token_ids`: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to record (e.g. those
     of the config.json the run started from); a None value is left out, or with `nulls`
@@ -692,10 +607,12 @@ def hf_config(
     problems = exportable(args)
     if problems:
         raise ValueError("this model has no exact Hugging Face config: " + "; ".join(problems))
-    architecture, model_type = HF_ARCH[args.arch]
+    fam = args.family
+    hf = fam.hf
+    assert hf is not None
     cfg: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [hf.architecture],
+        "model_type": hf.model_type,
         "vocab_size": args.vocab_size,
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,
@@ -705,42 +622,23 @@ def hf_config(
         "head_dim": args.head_size,
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rotary_base,
-        "partial_rotary_factor": args.partial_rotary_factor,
-        "attention_bias": args.qkv_bias,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": args.initializer_range,
         "torch_dtype": dtype,
     }
-    if args.arch == "gpt":
-        cfg.update(layer_norm_eps=args.norm_eps, hidden_act="gelu", position=args.position)
-        cfg[ARGS_KEY] = args.to_dict()
+    if not hf.transformers:
+        cfg["partial_rotary_factor"] = args.partial_rotary_factor
     else:
+        partial = "partial_rotary_factor" in hf.defaults or args.partial_rotary_factor != 1.0
         cfg.update(
             rms_norm_eps=args.norm_eps,
-            hidden_act="silu",
+            hidden_act=hf.activation,
             attention_dropout=0.0,
-            rope_scaling=None,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": args.rotary_base,
-                "partial_rotary_factor": args.partial_rotary_factor,
-            },
+            **rope_config(args, partial),
             use_cache=True,
         )
-    if args.arch == "glm_moe":
-        cfg.update(
-            n_routed_experts=args.num_experts,
-            num_experts_per_tok=args.num_experts_per_tok,
-            moe_intermediate_size=args.moe_intermediate_size,
-            n_shared_experts=args.num_shared_experts,
-            first_k_dense_replace=args.first_k_dense_replace,
-            routed_scaling_factor=args.routed_scaling_factor,
-            norm_topk_prob=args.norm_topk_prob,
-            n_group=1,
-            topk_group=1,
-            use_qk_norm=args.use_qk_norm,
-        )
-    if args.arch == "glm_moe" or args.arch == "glm" and args.mtp_layers:
+    cfg.update(hf.write(args))
+    if fam.mtp and hf.transformers and (fam.is_moe or args.mtp_layers):
         cfg[MTP_KEY] = args.mtp_layers
     for key in TOKEN_ID_KEYS:
         if token_ids is not None and (token_ids.get(key) is not None or nulls and key in token_ids):

@@ -57,7 +57,6 @@ from flashcp.models.config import ModelArgs
 from flashcp.models.hf_config import (  # noqa: F401 - re-exported
     ARGS_KEY,
     CONFIG_FILE,
-    HF_ARCH,
     HFConfigError,
     args_from_hf_config,
     hf_config,
@@ -101,7 +100,9 @@ class HFEntry:
     stacked expert weight) and whether HF stores it transposed.
 
     A piece is ``tensor[expert][:, columns[0]:columns[1]]`` in the Paddle layout (`[in, out]`,
-    columns = output features); `name` is the state-dict name of `tensor`.
+    columns = output features); `name` is the state-dict name of `tensor`. `stored`: the shape
+    the checkpoint keeps it in when that is another view of the same elements (a family's
+    `flashcp.models.families.hf.Rename`, e.g. ERNIE-4.5's `[1, E]` correction bias).
     """
 
     key: str
@@ -110,6 +111,7 @@ class HFEntry:
     name: str = ""
     expert: int | None = None
     columns: tuple[int, int] | None = None
+    stored: tuple[int, ...] | None = None
 
     @property
     def is_piece(self) -> bool:
@@ -128,6 +130,8 @@ class HFEntry:
 
     @property
     def hf_shape(self) -> list[int]:
+        if self.stored is not None:
+            return list(self.stored)
         shape = self.shape
         return shape[::-1] if self.transposed else shape
 
@@ -144,7 +148,8 @@ class HFEntry:
         """This key's values as HF stores them (transposed back if need be), numpy."""
         with paddle.no_grad():
             t = self.value().detach()
-            return (t.transpose([1, 0]) if self.transposed else t).contiguous().numpy()
+            out = (t.transpose([1, 0]) if self.transposed else t).contiguous().numpy()
+            return out.reshape(self.stored) if self.stored is not None else out
 
     @paddle.no_grad()
     def assign(self, value: paddle.Tensor) -> None:
@@ -176,8 +181,13 @@ def _expert_pieces(prefix: str, layer: nn.Layer, state: Mapping[str, Any]) -> li
 
 def hf_state_map(model: nn.Layer) -> dict[str, HFEntry]:
     """Checkpoint key → `HFEntry` for every parameter and persistent buffer of `model`; a
-    stacked-experts layer's two weights become their per-expert HF keys (`_expert_pieces`)."""
+    stacked-experts layer's two weights become their per-expert HF keys (`_expert_pieces`);
+    the family's renamed tensors take their checkpoint names and shapes
+    (`flashcp.models.families.hf.HFSide.renames`)."""
     state = model.state_dict()
+    args = getattr(model, "args", None)
+    hf = args.family.hf if isinstance(args, ModelArgs) else None
+    renames = hf.renames if hf is not None else ()
     transposed = set()
     entries: dict[str, HFEntry] = {}
     stacked: set[str] = set()
@@ -189,8 +199,16 @@ def hf_state_map(model: nn.Layer) -> dict[str, HFEntry]:
                 entries[entry.key] = entry
                 stacked.add(entry.name)
     for name, tensor in state.items():
-        if name not in stacked:
-            entries[name] = HFEntry(name, tensor, name in transposed, name)
+        if name in stacked:
+            continue
+        key, stored = name, None
+        for r in renames:
+            if name.endswith(r.ours):
+                key = name[: -len(r.ours)] + r.theirs
+                shape = [int(d) for d in tensor.shape]
+                stored = tuple(r.stored(shape)) if r.stored is not None else None
+                break
+        entries[key] = HFEntry(key, tensor, name in transposed, name, stored=stored)
     return entries
 
 
@@ -642,6 +660,8 @@ def load_hf_checkpoint(
                 raise AssertionError(f"{info.key}: {tensor.dtype} != {entry.tensor.dtype}")
             if entry.transposed:  # on the device (Paddle's kernel beats numpy's strided copy)
                 tensor = tensor.transpose([1, 0]).contiguous()
+            if entry.stored is not None:  # another view of the same elements
+                tensor = tensor.reshape(entry.shape)
             entry.assign(tensor)
             del tensor, value
             if on_tensor is not None:
@@ -751,6 +771,8 @@ def save_hf_checkpoint(
         t = entry.value().detach()
         if entry.transposed:
             t = t.transpose([1, 0])
+        if entry.stored is not None:
+            t = t.reshape(list(entry.stored))
         if dtype is not None:
             t = t.astype(dtype)
         tensors[key] = t.cpu().contiguous()

@@ -165,23 +165,26 @@ class GeluMLP(nn.Layer):
 
 
 class SwiGLU(nn.Layer):
-    """`down_proj(silu(gate) * up)`, bias-free (GLM-4 / GLM-4.5 MLPs and experts).
+    """`down_proj(silu(gate) * up)` (the MLPs, shared experts and dense layers of every family
+    but GPT), bias-free unless `bias` (Llama's ``mlp_bias``, ERNIE-4.5's ``use_bias``).
 
     `fused=True` keeps gate and up in one `gate_up_proj` (HF ``Glm4MLP``; the gate is the
     first half of its outputs); `fused=False` uses `gate_proj` and `up_proj` (HF
-    ``Glm4MoeMLP``, dense layers, experts and shared experts of GLM-4.5).
+    ``Glm4MoeMLP``, ``LlamaMLP``, ``Qwen3MLP``, ``Ernie4_5MLP``...).
     """
 
-    def __init__(self, hidden: int, intermediate: int, *, fused: bool, std: float) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, *, fused: bool, std: float, bias: bool = False
+    ) -> None:
         super().__init__()
         self.fused = fused
         self.intermediate = intermediate
         if fused:
-            self.gate_up_proj = linear(hidden, 2 * intermediate, bias=False, std=std)
+            self.gate_up_proj = linear(hidden, 2 * intermediate, bias=bias, std=std)
         else:
-            self.gate_proj = linear(hidden, intermediate, bias=False, std=std)
-            self.up_proj = linear(hidden, intermediate, bias=False, std=std)
-        self.down_proj = linear(intermediate, hidden, bias=False, std=std)
+            self.gate_proj = linear(hidden, intermediate, bias=bias, std=std)
+            self.up_proj = linear(hidden, intermediate, bias=bias, std=std)
+        self.down_proj = linear(intermediate, hidden, bias=bias, std=std)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.fused:

@@ -1,18 +1,21 @@
-"""GLM-4.5 mixture of experts: sigmoid top-k router, grouped routed experts, shared experts.
+"""Mixture of experts: a top-k router of the family's kind, grouped routed experts, shared
+experts (GLM-4.5, ERNIE-4.5 MoE, Qwen3-MoE).
 
-Routing (HF ``Glm4MoeTopkRouter``, from DeepSeek-V3), per token in float32:
+Routing, per token in float32, as the family's `flashcp.models.families.spec.Router` says:
 
-1. ``scores = sigmoid(x @ W_gate)`` over the E routed experts (a true float32 matmul on every
-   device: autocast and TF32 off, `flashcp.models.precision.float32_matmul`);
-2. choose the top-k of ``scores + e_score_correction_bias`` — the bias (a persistent float32
-   buffer, no gradient) steers selection only; load balancing moves it between steps
-   (`flashcp.models.moe_balance`, `model.router_bias_update_rate`);
-3. weights are the RAW scores of the chosen experts, divided by their sum when
-   `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
+1. ``scores = sigmoid(x @ W_gate)`` (GLM-4.5, HF ``Glm4MoeTopkRouter`` from DeepSeek-V3) or
+   ``softmax(x @ W_gate)`` (HF ``Qwen3MoeTopKRouter``, ``Ernie4_5_MoeTopKRouter``) over the E
+   routed experts (a true float32 matmul on every device: autocast and TF32 off,
+   `flashcp.models.precision.float32_matmul`);
+2. choose the top-k of ``scores`` plus, for routers with one, ``e_score_correction_bias`` —
+   the bias (a persistent float32 buffer, no gradient) steers selection only; load balancing
+   moves it between steps (`flashcp.models.moe_balance`, `model.router_bias_update_rate`);
+3. weights are the RAW scores of the chosen experts, normalised (GLM-4.5: divided by their sum
+   + 1e-20 when `norm_topk_prob`; Qwen3-MoE: by their sum when `norm_topk_prob`; ERNIE-4.5:
+   always by max(sum, `moe_norm_min`)), then multiplied by `routed_scaling_factor`.
 
 The layer output is ``sum_k w_k · expert_k(x) + shared_experts(x)``, the routed sum in float32.
-GLM-4.5-Air uses one expert group (``n_group = topk_group = 1``), so group-limited selection is
-not implemented.
+Group-limited selection (DeepSeek-V3's ``n_group`` > ``topk_group``) is not implemented.
 
 Expert parallelism (`parallel.ep` > 1): a rank holds only its ep rank's share of the routed
 experts; between the sort and the combine the rows travel to the experts' ranks and back
@@ -48,9 +51,10 @@ from paddle import nn
 from flashcp.models.config import ModelArgs
 from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import GroupedExperts
+from flashcp.models.families.spec import Router
 from flashcp.models.init import normal_attr
 from flashcp.models.layers import SwiGLU
-from flashcp.models.moe_balance import add_loss_gradient, sequence_balance_loss
+from flashcp.models.moe_balance import add_loss_gradient, balance_loss
 from flashcp.models.moe_dispatch import (
     build_dispatch,
     capacity_for,
@@ -72,35 +76,51 @@ class Routing:
 
 class TopkRouter(nn.Layer):
     """The gate: weight `[hidden, E]` (Paddle orientation; HF stores `[E, hidden]`), stored in
-    the parameter dtype and used in float32; the correction bias is a float32 buffer."""
+    the parameter dtype and used in float32; the correction bias (routers with one) is a
+    float32 buffer."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        kind = args.family.router
+        if kind is None:
+            raise ValueError(f"arch {args.arch} has no router (not a MoE family)")
+        self.kind: Router = kind
         self.top_k = args.num_experts_per_tok
         self.num_experts = args.num_experts
         self.norm_topk_prob = args.norm_topk_prob
+        self.norm_min = float(args.moe_norm_min)
         self.routed_scaling_factor = float(args.routed_scaling_factor)
         self.weight = self.create_parameter(
             [args.hidden_size, args.num_experts],
             attr=normal_attr(args.initializer_range),
         )
-        self.register_buffer(
-            "e_score_correction_bias",
-            paddle.zeros([args.num_experts], dtype="float32"),
-            persistable=True,
-        )
+        if kind.correction_bias:
+            self.register_buffer(
+                "e_score_correction_bias",
+                paddle.zeros([args.num_experts], dtype="float32"),
+                persistable=True,
+            )
+        else:
+            self.e_score_correction_bias = None
 
     def route(self, x: paddle.Tensor) -> Routing:
         """`x` `[T, hidden]` → affinities, expert ids (int64) and weights (float32)."""
         # float32 on every device (autocast and TF32 off, `precision.float32_math`): expert
         # choice is sensitive to the affinities' rounding (near-ties)
         logits = float32_matmul(x, self.weight)
-        scores = F.sigmoid(logits)
-        choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)
+        kind = self.kind
+        scores = F.sigmoid(logits) if kind.score == "sigmoid" else F.softmax(logits, axis=-1)
+        choice = scores.detach()
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias.unsqueeze(0)
         _, ids = paddle.topk(choice, k=self.top_k, axis=-1)
         weights = paddle.take_along_axis(scores, ids, axis=-1)
-        if self.norm_topk_prob:
+        if kind.normalise == "clamp":
+            weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
+        elif self.norm_topk_prob and kind.normalise == "sum_eps":
             weights = weights / (weights.sum(axis=-1, keepdim=True) + 1e-20)
+        elif self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdim=True)
         return Routing(scores, ids, weights * self.routed_scaling_factor)
 
     def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -163,6 +183,8 @@ class MoE(nn.Layer):
             )
         self.capacity_factor = float(args.moe_capacity_factor)
         self.aux_loss_coef = float(args.router_aux_loss_coef)
+        self.moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+        """The model's MoE decoder layers: a Switch balance loss is their mean."""
         self.last_tokens_per_expert: np.ndarray | None = None
         self._reset_stats()
 
@@ -225,11 +247,13 @@ class MoE(nn.Layer):
     def _balance(self, out: paddle.Tensor, routing: Routing, shape: Any, group: Any) -> Any:
         rows = int(shape[0]) if len(shape) == 3 else 1
         experts, top_k = self.gate.num_experts, self.gate.top_k
-        loss = sequence_balance_loss(
+        loss = balance_loss(
+            self.gate.kind.aux_loss,
             routing.scores.reshape([rows, -1, experts]),
             routing.ids.reshape([rows, -1, top_k]),
             self.aux_loss_coef,
             group,
+            layers=self.moe_layers,
         )
         value = loss.detach()
         self._aux = value if self._aux is None else self._aux + value

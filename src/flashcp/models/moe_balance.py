@@ -36,6 +36,20 @@ balance loss is the mean over all its sequences); `α` is `model.router_aux_loss
 the layer's output (the DeepSeek-MoE "AddAuxiliaryLoss" construction), so it flows under
 pipeline parallelism and recompute without touching the recipes' losses; its value is
 reported as a step statistic (`moe/aux_loss`).
+
+**Switch load-balancing loss** (Switch Transformer, Fedus et al. 2022, eq. 4; GShard), the
+auxiliary loss of transformers' ``Qwen3MoeForCausalLM`` and ``Ernie4_5_MoeForCausalLM``
+(``load_balancing_loss_func``, with ``router_aux_loss_coef``), per MoE layer and micro-batch::
+
+    L_switch = α · E · Σ_i (c_i / T) · P_i,    P_i = 1/T · Σ_t p_{i,t}
+
+over the micro-batch's `T` tokens (every row, every cp rank: the same all-reduce), `c_i` the
+(token, choice) entries routed to expert i and `p` the softmax probabilities. flashcp takes
+the mean of the layers' losses (`layers`: the model's MoE layers); transformers computes one
+loss over all layers' tokens concatenated (the same value when every layer routes alike, and
+for one MoE layer), and its 5.3 Qwen3-MoE class applies that softmax to the router's
+probabilities a second time (its recorded "router_logits" are already softmaxed): flashcp
+uses the probabilities once, as the formula and transformers' ERNIE-4.5 class do.
 """
 
 from __future__ import annotations
@@ -70,6 +84,44 @@ def loss_scale_context(scale: float) -> Iterator[None]:
 def loss_scale() -> float:
     """The current scale of the sequence-balance loss (1 outside `loss_scale_context`)."""
     return float(getattr(_local, "scale", 1.0))
+
+
+def balance_loss(
+    kind: str,
+    scores: paddle.Tensor,
+    ids: paddle.Tensor,
+    coef: float,
+    group: Any = None,
+    *,
+    layers: int = 1,
+) -> paddle.Tensor:
+    """This rank's part of the micro-batch's balance loss of the router's `kind` (``sequence``:
+    `sequence_balance_loss`; ``switch``: `switch_balance_loss`, a mean over `layers`)."""
+    if kind == "switch":
+        return switch_balance_loss(scores, ids, coef, group) / max(int(layers), 1)
+    return sequence_balance_loss(scores, ids, coef, group)
+
+
+def switch_balance_loss(
+    scores: paddle.Tensor, ids: paddle.Tensor, coef: float, group: Any = None
+) -> paddle.Tensor:
+    """This rank's part of one layer's Switch loss over the whole micro-batch (a scalar with
+    gradient through `scores`; summed over the cp ranks it is the loss): `scores` `[B, L, E]`
+    float32 softmax probabilities, `ids` `[B, L, k]` chosen experts, `group` the cp group."""
+    experts = int(scores.shape[-1])
+    flat = scores.reshape([-1, experts])
+    probability = flat.sum(axis=0, keepdim=True)  # [1, E], this rank's tokens, with gradient
+    chosen = F.one_hot(ids.reshape([-1]), experts).sum(axis=0, keepdim=True)  # [1, E]
+    stats = paddle.concat(
+        [chosen.astype("float32"), paddle.full([1, 1], float(flat.shape[0]), dtype="float32")],
+        axis=1,
+    )
+    if group is not None and int(group.nranks) > 1:
+        stats = all_reduce_tensor(stats, group)
+    counts, tokens = stats[:, :experts], stats[:, experts:]
+    f = counts / tokens  # [1, E], no gradient
+    share = (f * probability / tokens).sum()  # this rank's share of Σ f·P
+    return share * (float(coef) * experts * loss_scale())
 
 
 def sequence_balance_loss(

@@ -1,113 +1,25 @@
-"""Shipped model presets: CPU-sized ones for tests and smoke runs, and two real GLM shapes.
-
-`glm4_9b` (HF ``THUDM/GLM-4-9B-0414``) and `glm45_air` (HF ``zai-org/GLM-4.5-Air``) carry the
-public `config.json` shapes. They are *built only on GPU* (`build_model` refuses them on
-CPU, where they would need tens of GB) but *validated everywhere*: `preset("glm45_air")`
+"""Shipped model presets, gathered from the model families (`flashcp.models.families`): each
+family declares its own — CPU-sized ones for tests and smoke runs (``tiny_<family>``,
+``small``...) and real shapes (``glm4_9b``, ``glm45_air``, ``ernie45_21b_a3b``, ``llama31_8b``,
+``qwen3_8b``, ``qwen3_30b_a3b``...). Real shapes are *built only on GPU* (`build_model` refuses
+them on CPU, where they would need tens of GB) but *validated everywhere*: `preset(name)`
 returns checked `ModelArgs` on any machine, so configs that use them fail early and clearly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from flashcp.models.config import ModelArgs
+from flashcp.models.families import FAMILIES
+from flashcp.models.families.spec import BYTE_VOCAB, Preset
 
-BYTE_VOCAB = 260  # 256 byte values + a few specials (the byte tokenizer's vocabulary)
-
-
-@dataclass(frozen=True)
-class Preset:
-    args: ModelArgs
-    gpu_only: bool
-    note: str
-
-
-_TINY = dict(
-    vocab_size=BYTE_VOCAB,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    max_seq_len=256,
-)
-_SMALL = dict(
-    vocab_size=BYTE_VOCAB,
-    hidden_size=256,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    max_seq_len=1024,
-)
-_GLM = dict(partial_rotary_factor=0.5, qkv_bias=True)
-_TINY_MOE = dict(
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    num_shared_experts=1,
-    first_k_dense_replace=1,
-)
+__all__ = ["BYTE_VOCAB", "PRESETS", "Preset", "preset"]
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(ModelArgs(arch="gpt", intermediate_size=256, **_TINY), False, "CPU tests"),
-    "tiny_glm": Preset(
-        ModelArgs(arch="glm", intermediate_size=128, **_TINY, **_GLM), False, "CPU tests"
-    ),
-    "tiny_glm_moe": Preset(
-        ModelArgs(arch="glm_moe", intermediate_size=128, **_TINY, **_GLM, **_TINY_MOE),
-        False,
-        "CPU tests",
-    ),
-    "small": Preset(ModelArgs(arch="gpt", intermediate_size=1024, **_SMALL), False, "CPU runs"),
-    "small_glm": Preset(
-        ModelArgs(arch="glm", intermediate_size=704, **_SMALL, **_GLM), False, "CPU runs"
-    ),
-    "glm4_9b": Preset(
-        ModelArgs(
-            arch="glm",
-            vocab_size=151552,
-            hidden_size=4096,
-            num_layers=40,
-            num_heads=32,
-            num_kv_heads=2,
-            head_dim=128,
-            intermediate_size=13696,
-            max_seq_len=32768,
-            rotary_base=10000.0,
-            norm_eps=1e-5,
-            **_GLM,
-        ),
-        True,
-        "GLM-4-9B-0414 shape; built only on GPU, validated everywhere",
-    ),
-    "glm45_air": Preset(
-        ModelArgs(
-            arch="glm_moe",
-            vocab_size=151552,
-            hidden_size=4096,
-            num_layers=46,
-            num_heads=96,
-            num_kv_heads=8,
-            head_dim=128,
-            intermediate_size=10944,
-            max_seq_len=131072,
-            rotary_base=1000000.0,
-            norm_eps=1e-5,
-            num_experts=128,
-            num_experts_per_tok=8,
-            moe_intermediate_size=1408,
-            num_shared_experts=1,
-            first_k_dense_replace=1,
-            routed_scaling_factor=1.0,
-            norm_topk_prob=True,
-            mtp_layers=1,
-            **_GLM,
-        ),
-        True,
-        "GLM-4.5-Air shape with its MTP (NextN) layer, frozen unless model.mtp_loss_weight > 0; "
-        "built only on GPU, validated everywhere",
-    ),
+    name: p for fam in FAMILIES.values() for name, p in fam.presets.items()
 }
+"""Preset name → `Preset`, every family's."""
 
 
 def preset(name: str, **overrides: object) -> ModelArgs:

@@ -43,6 +43,7 @@ from statistics import NormalDist
 
 from flashcp.models.config import ModelArgs
 from flashcp.models.experts import cost_chosen_groups
+from flashcp.models.families.spec import DenseMLP, MoEMLP
 from flashcp.models.grouped_matmul import CAST_CHUNK_BYTES
 from flashcp.models.moe_dispatch import capacity_for
 from flashcp.plan.params import ParamSpec, is_adapted, layer_parameters
@@ -174,13 +175,17 @@ def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes, ep: int = 1) -> Expert
     return ExpertRows(rows / max(tokens, 1), True, min(largest, per_chunk), chunks)
 
 
-def _attention(args: ModelArgs, counts: Counts) -> None:
+def _attention(args: ModelArgs, counts: Counts, qk_norm: bool = False) -> None:
     """Self-attention (`flashcp.models.attention`): the q/k/v projection outputs stay alive
     (rotary keeps slices of them), the rotated q/k, v and the output are saved by the FlashMask
-    PyLayer (and the output by o_proj), plus the float32 LSE `[Hq]` per token."""
+    PyLayer (and the output by o_proj), plus the float32 LSE `[Hq]` per token. QK-norm (an
+    RMSNorm per head of q and k) also keeps its normalised q and k and their rsqrt."""
     hd = args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     counts.add("q/k/v projections", "c", q + 2 * kv)
+    if qk_norm:
+        counts.add("q/k QK-norm: normalised q, k", "c", q + kv)
+        counts.add("q/k QK-norm: rsqrt", "f", args.num_heads + args.num_kv_heads)
     if not args.uses_learned_positions:
         counts.add("rotated q, k", "c", q + kv)
     counts.add("attention output", "c", q)
@@ -222,26 +227,26 @@ def layer_saved(
         if out_saved:
             n.add(f"{name}: output (matmul input)", "res", h)
 
-    gpt = args.arch == "gpt"
-    if gpt:
+    blocks = args.layer_blocks(index)
+    rms = blocks.norm == "rms"
+    if not rms:
         n.add("input_layernorm: output (matmul input)", "res", h)
         n.add("input_layernorm: mean, variance", "f", 2)
     else:
         norm("input_layernorm", new_input=False, out_saved=True)
-    _attention(args, n)
-    if args.arch == "glm":
-        norm("post_self_attn_layernorm", new_input=True, out_saved=False)
-    if gpt:
-        norm("post_attention_layernorm", new_input=True, out_saved=True, rms=False)
-        n.add("MLP fc_in output, gelu output", "c", 2 * args.intermediate_size)
+    _attention(args, n, blocks.attention.qk_norm)
+    if blocks.sandwich_norms:
+        norm("post_self_attn_layernorm", new_input=True, out_saved=False, rms=rms)
+    norm("post_attention_layernorm", new_input=True, out_saved=True, rms=rms)
+    mlp = blocks.mlp
+    if isinstance(mlp, MoEMLP):
+        _moe(args, n, rows or _unpadded(args), ep, experts_lora=experts_lora)
+    elif mlp.kind == "gelu":
+        n.add("MLP fc_in output, gelu output", "c", 2 * mlp.intermediate)
     else:
-        norm("post_attention_layernorm", new_input=True, out_saved=True)
-        if args.is_moe_layer(index):
-            _moe(args, n, rows or _unpadded(args), ep, experts_lora=experts_lora)
-        else:
-            n.add("MLP gate/up, silu, product", "c", 4 * args.intermediate_size)
-    if args.arch == "glm":
-        norm("post_mlp_layernorm", new_input=True, out_saved=False)
+        n.add("MLP gate/up, silu, product", "c", 4 * mlp.intermediate)
+    if blocks.sandwich_norms:
+        norm("post_mlp_layernorm", new_input=True, out_saved=False, rms=rms)
     n.add("layer output", "b", h)
     if dt.boundary < dt.res:  # the layer computes on its input upcast (`from_residual`)
         n.add("layer input upcast to float32 (kept by the input norm)", "res", h)
@@ -255,12 +260,11 @@ def _float32_matmul_inputs(args: ModelArgs, index: int) -> float:
     H): q, k and v; the MLP's first projection(s), or the router and the shared expert's gate
     and up (the routed experts' grouped matmuls are not autocast: they cast their inputs
     themselves, counted in the ``e`` class)."""
-    if args.arch == "gpt":
-        return 3 + 1
-    if args.is_moe_layer(index):
-        shared = 2 if args.num_shared_experts else 0
+    mlp = args.layer_blocks(index).mlp
+    if isinstance(mlp, MoEMLP):
+        shared = 2 if mlp.shared else 0
         return 3 + 1 + shared
-    return 3 + (1 if args.arch == "glm" else 2)
+    return 3 + (1 if mlp.kind == "gelu" or mlp.fused else 2)
 
 
 def _unpadded(args: ModelArgs) -> ExpertRows:
@@ -359,7 +363,7 @@ def frozen_input_savings(
     h, hd = args.hidden_size, args.head_size
     n = Counts()
     n.add("stage input (not saved)", "b", h)
-    if args.arch == "gpt":
+    if args.family.norm == "layer":
         n.add("input_layernorm mean/var (not saved)", "f", 2)
     else:
         n.add("input_layernorm normalised input (not saved)", "res", h)
@@ -392,10 +396,12 @@ def mlp_backward_transient(args: ModelArgs, index: int) -> Counts:
     state: the parameter gradients already exist), measured per architecture on CPU: GLM-4
     fused SwiGLU ``2·I − H``, unfused SwiGLU ``2·I + H``, GPT ``I + 2.5·H``. (MoE layers:
     `moe_backward_bytes`.)"""
-    h, i = args.hidden_size, args.intermediate_size
-    if args.arch == "gpt":
+    h = args.hidden_size
+    mlp = args.layer_blocks(index).mlp
+    i = mlp.intermediate
+    if isinstance(mlp, DenseMLP) and mlp.kind == "gelu":
         n = i + 2.5 * h
-    elif args.arch == "glm":
+    elif isinstance(mlp, DenseMLP) and mlp.fused:
         n = 2 * i - h
     else:
         n = 2 * i + h
@@ -528,9 +534,10 @@ def nograd_forward_transient(
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     n = Counts()
-    if args.arch == "gpt":
+    blocks = args.layer_blocks(index)
+    if isinstance(blocks.mlp, DenseMLP) and blocks.mlp.kind == "gelu":
         mlp = 2 * args.intermediate_size
-    elif args.is_moe_layer(index):
+    elif blocks.moe is not None:
         rows = rows or _unpadded(args)
         r, im, k = rows.per_token, args.moe_intermediate_size, args.num_experts_per_tok
         parts = 2 if rows.chunks > 1 else 1
@@ -564,7 +571,7 @@ def final_norm(args: ModelArgs) -> Counts:
     output (the head's matmul input), LayerNorm its output and mean/var."""
     h = args.hidden_size
     n = Counts()
-    if args.arch == "gpt":
+    if args.family.norm == "layer":
         n.add("final norm output", "res", h)
         n.add("final norm mean/var", "f", 2)
     else:

@@ -47,12 +47,14 @@ from flashcp.cp.work import (
     LINEAR_LORA,
     LINEAR_REFERENCE,
     LINEAR_TRAIN,
+)
+from flashcp.data.packing import document_masking
+from flashcp.models.families.inventory import (
     head_weights,
-    layer_weights,
+    layer_matmul_weights,
     mtp_projection_weights,
     trained_mtp_depths,
 )
-from flashcp.data.packing import document_masking
 from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
 from flashcp.plan.documents import DocumentMix, keys_per_token
@@ -237,9 +239,9 @@ class StepTime:
 
 def layer_flops(args: Any, index: int, tokens: int, keys: float) -> float:
     """Forward FLOPs of decoder layer `index` over `tokens` local tokens each attending `keys`
-    keys: 2 per matmul weight a token multiplies (`flashcp.cp.work.layer_weights`) and
+    keys: 2 per matmul weight a token multiplies (the family's `layer_matmul_weights`) and
     4·K·H·d for attention."""
-    return tokens * (2.0 * layer_weights(args, index) + 4.0 * keys * args.num_heads
+    return tokens * (2.0 * layer_matmul_weights(args, index) + 4.0 * keys * args.num_heads
                      * args.head_size)  # fmt: skip
 
 
@@ -325,11 +327,11 @@ def estimate(
     stages = split_layers(args.num_layers, p.pp, p.pp_layers)
     per_stage: list[list[_Part]] = []
     for s, layers in enumerate(stages):
-        parts = [basis.part(f"layer {i}", i, layer_weights(args, i), True) for i in layers]
+        parts = [basis.part(f"layer {i}", i, layer_matmul_weights(args, i), True) for i in layers]
         if s == p.pp - 1:
             for depth in range(trained_mtp_depths(args)):
                 index = args.num_layers + depth
-                weights = layer_weights(args, index) + mtp_projection_weights(args)
+                weights = layer_matmul_weights(args, index) + mtp_projection_weights(args)
                 parts.append(basis.part(f"mtp {depth}", index, weights, True))
                 parts.append(basis.part(f"mtp {depth} head", None, head_weights(args), False))
             parts.append(basis.part("head", None, head_weights(args), False))

@@ -98,13 +98,13 @@ def test_rope_parameters_alone_without_top_level_keys() -> None:
         ),
         (
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}},
-            "keys ['factor'] are not implemented",
+            "keys ['factor'] belong to rope_type 'llama3', not 'default'",
         ),
         (
             {"rope_parameters": {"full_attention": {"rope_theta": 1e4}}},
             "per-layer-type RoPE parameters are not implemented",
         ),
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling: {'type': 'yarn'"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "'yarn' is not implemented"),
         (
             {"rope_theta": 10000.0},
             "rope_parameters.rope_theta: 50000.0 contradicts the top-level rope_theta 10000.0",
@@ -119,7 +119,10 @@ def test_rope_parameters_alone_without_top_level_keys() -> None:
         ({"attention_dropout": 0.1}, "attention_dropout: 0.1: attention dropout is not"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
         ({"n_group": 4, "topk_group": 2}, "group-limited expert routing (n_group 4, topk_group 2)"),
-        ({"layer_types": ["full_attention"]}, "keys flashcp does not know: ['layer_types']"),
+        (
+            {"layer_types": ["full_attention"]},
+            "keys flashcp does not know for Glm4MoeForCausalLM: ['layer_types']",
+        ),
         ({"sliding_window": 128}, "sliding_window: 128 is not implemented (flashcp computes"),
         ({"scoring_func": "softmax"}, "scoring_func: 'softmax' is not implemented (flashcp's"),
         ({"topk_method": "greedy"}, "topk_method: 'greedy' is not implemented"),
@@ -127,9 +130,9 @@ def test_rope_parameters_alone_without_top_level_keys() -> None:
         ({"use_fp8": 1}, "use_fp8: 1 is not implemented"),
         ({"use_sliding_window": True}, "sliding-window attention is not implemented"),
         (
-            {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
-            "architectures: ['LlamaForCausalLM'] (model_type 'llama') is not supported: flashcp "
-            "builds Glm4ForCausalLM",
+            {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+            "architectures: ['MistralForCausalLM'] (model_type 'mistral') is not supported: "
+            "flashcp builds FlashcpGPTForCausalLM (flashcp_gpt), Glm4ForCausalLM (glm4)",
         ),
         ({"model_type": "glm4"}, "does not match architectures"),
         ({"architectures": None, "model_type": None}, "names neither architectures nor"),
@@ -251,7 +254,7 @@ def test_models_hf_cannot_compute_are_not_exported() -> None:
 
 def test_qk_norm_is_glm45_only() -> None:
     errs = dict(ModelArgs(arch="glm", use_qk_norm=True).validate())
-    assert "arch glm has none" in errs["model.use_qk_norm"]
+    assert "always computes use_qk_norm=False" in errs["model.use_qk_norm"]
 
 
 def test_read_config_json_errors(tmp_path: Path) -> None:

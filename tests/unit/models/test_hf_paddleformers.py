@@ -23,6 +23,7 @@ from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import ExportError, export_run
 from flashcp.config import build_config, collect
 from flashcp.models import preset
+from flashcp.models.families.glm4 import PADDLEFORMERS_IGNORED
 from flashcp.models.hf_config import IGNORED_KEYS, parse_hf_config
 from flashcp.trainer import default_model_factory
 from helpers.configs import tiny_config
@@ -80,7 +81,7 @@ def test_config_json_is_accepted_with_a_note(
     values, notes = parse_hf_config(config)
     for key in ("num_layers", "num_experts", "use_qk_norm", "rotary_base", "qkv_bias"):
         assert values[key] == getattr(ARGS, key), key
-    ignored = sorted(PADDLEFORMERS_KEYS & set(IGNORED_KEYS))
+    ignored = sorted(PADDLEFORMERS_KEYS & (set(IGNORED_KEYS) | set(PADDLEFORMERS_IGNORED)))
     assert notes == [
         f"config.json keys {', '.join(ignored)} steer only PaddleFormers' own training or "
         "inference (parallelism, kernels, outputs, auxiliary losses), not the model: ignored"

@@ -20,7 +20,7 @@ from flashcp.models import (
     preset,
     token_logprobs,
 )
-from flashcp.models.glm import GLMDecoderLayer
+from flashcp.models.decoder import Block
 from flashcp.models.layers import apply_rotary, rotary_tables
 from flashcp.models.moe import MoE
 
@@ -110,7 +110,7 @@ def test_parameter_count_matches_estimate() -> None:
 
 def test_glm_layer_structure() -> None:
     dense = _model("tiny_glm").model.layers[0]
-    assert isinstance(dense, GLMDecoderLayer)
+    assert isinstance(dense, Block)
     assert hasattr(dense, "post_self_attn_layernorm") and hasattr(dense, "post_mlp_layernorm")
     assert dense.mlp.fused and dense.self_attn.q_proj.bias is not None
     moe = _model("tiny_glm_moe").model.layers
