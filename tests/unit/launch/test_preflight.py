@@ -223,3 +223,38 @@ def test_one_tokenizer_problem_is_reported_once_and_a_config_built_in_code_is_ch
     raw["data"]["path"] = raw["eval"]["path"] = f"{inputs['tmp']}/docs.jsonl"
     raw["run"]["recipe"] = "pretrain"
     assert preflight.preflight_problems(build_config(raw)) == []
+
+
+@pytest.mark.parametrize(
+    ("config_policy", "env_policy", "refused"),
+    [
+        ("fallback", None, False),
+        ("fallback", "error", False),  # the config's policy beats the environment's
+        ("error", "fallback", True),
+        (None, "fallback", False),
+        (None, None, True),
+    ],
+)
+def test_preflight_honours_the_configs_fa4_policy(
+    config_policy: str | None,
+    env_policy: str | None,
+    refused: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FA4 asked for (FLAGS_flash_attn_version=4) and absent on this CPU: the preflight
+    resolves the policy as every rank does, `attention.fa4_unavailable` first, then
+    FLASHCP_FA4_UNAVAILABLE, then error; only an `error` policy refuses."""
+    from flashcp.config import load_config
+
+    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
+    monkeypatch.delenv(dispatch.ENV_FA4_POLICY, raising=False)
+    if env_policy is not None:
+        monkeypatch.setenv(dispatch.ENV_FA4_POLICY, env_policy)
+    over = [] if config_policy is None else [f"attention.fa4_unavailable={config_policy}"]
+    cfg = load_config(ROOT / GPT, over)
+    assert cfg.attention.fa4_unavailable == config_policy
+    refusal = preflight.dispatch_refusal(cfg)
+    if refused:
+        assert refusal is not None and "FLAGS_flash_attn_version=4 asks for FA4" in refusal
+    else:
+        assert refusal is None, refusal
