@@ -167,3 +167,31 @@ def test_cli_node_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["validate", str(CP2), "--nnodes", "2"]) == 0
     assert cli.main(["validate", str(CP2), "--nnodes", "4"]) == 2  # 2: a refused config
     assert "cannot be split over --nnodes 4 nodes" in capsys.readouterr().out
+
+
+def test_only_node0_moves_the_earlier_run_aside(tmp_path: Path, listening: int) -> None:
+    """`run.overwrite: true` over two nodes sharing `run.output_dir`: node 0 moves the earlier
+    run aside before its launcher serves `--master`; node 1, which starts once it does, leaves
+    the directory alone — node 0's new logs in it stay where they are, nothing is moved twice."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / "checkpoints" / "step_2" / "model.safetensors").write_bytes(b"earlier")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    cfg = load_config(CP2, [f"run.output_dir={out}", "run.overwrite=true"], nnodes=2)
+    environ = {"PORT_RANGE": "40000:40100"}  # no port lease: none is needed to prepare
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    said: list[str] = []
+    node0 = preflight.preflight(cfg, Nodes(count=2, rank=0, master=f"127.0.0.1:{free}"),
+                                environ=environ, say=said.append, checked=True)  # fmt: skip
+    assert node0.log_dir == out / "logs" / "node0" and node0.log_dir.is_dir()
+    (aside,) = tmp_path.glob("run.old-*")
+    assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoints" / "step_2").is_dir()
+    assert said == [f"flashcp: run.overwrite: moved the earlier run in {out} to {aside}"]
+    (node0.log_dir / "workerlog.0").write_text("step 1/4\n")  # node 0's job has started
+    node1 = preflight.preflight(cfg, Nodes(count=2, rank=1, master=f"127.0.0.1:{listening}"),
+                                environ=environ, say=said.append, checked=True)  # fmt: skip
+    assert node1.log_dir == out / "logs" / "node1" and node1.log_dir.is_dir()
+    assert (out / "logs" / "node0" / "workerlog.0").read_text() == "step 1/4\n"
+    assert list(tmp_path.glob("run.old-*")) == [aside] and len(said) == 1
