@@ -56,6 +56,28 @@ def test_steps_for_epochs_and_back() -> None:
         steps_for_epochs(1, 0.0, 2)
 
 
+def test_whole_step_counts_up_to_float_error_are_not_rounded_up() -> None:
+    """1.1 epochs of a 100-step pass are 110 steps: 1.1 × 100 is 110.00000000000001 in
+    float64, and a ceil of it alone would run a 111th step. The slack is float error only: a
+    real fraction of a step, one row in a million, still adds the step."""
+    assert 1.1 * 100.0 / 1 > 110  # the float error the slack absorbs
+    assert steps_for_epochs(1.1, 100.0, 1) == 110
+    assert steps_for_epochs(1.1, 100.0, 5) == 22  # 22.000000000000004
+    assert steps_for_epochs(2.3, 100.0, 1) == 230  # 229.99999999999997: no step lost
+    assert steps_for_epochs(1, 1_000_001.0, 10_000) == 101  # 100.0001 steps: the last runs
+
+
+def test_too_few_epochs_for_one_step_still_run_one() -> None:
+    """`train.epochs` > 0 (the config refuses 0) never gives zero steps: a fraction of one
+    step runs one, even when the product underflows to 0.0 (5e-324 epochs pass the config's
+    > 0 check)."""
+    assert steps_for_epochs(1e-6, 20.0, 2) == 1
+    assert 5e-324 * 1.0 / 4 == 0.0
+    assert steps_for_epochs(5e-324, 1.0, 4) == 1
+    cfg = build_config(TINY, overrides=["train.epochs=5e-324"])
+    assert cfg.train.epochs is not None and cfg.train.epochs > 0
+
+
 def test_steps_and_epochs_are_alternatives() -> None:
     both = {**TINY, "train": {"steps": 5, "epochs": 2}}
     with pytest.raises(ConfigValidationError, match=r"both set in the file: set exactly one"):
