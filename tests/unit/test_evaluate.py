@@ -277,6 +277,86 @@ def test_a_pass_is_every_row_once(lazy: bool, n: int) -> None:
     assert data.seen == [(0, r) for r in range(n)]
 
 
+class _DealtRows(_Rows):
+    """`_Rows` whose step is one batch naming its row: (epoch, row)."""
+
+    def next_step(self) -> list[Any]:
+        super().next_step()
+        return [self.seen[-1]]
+
+
+class _CountingRecipe:
+    """A recipe whose one statistic counts the batches a rank evaluated."""
+
+    stats = ("batches",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def data(self, path: str) -> _DealtRows:
+        return _DealtRows(self.n, lazy=False)
+
+    def prepare(self, micro: Any, runner: Any) -> None:
+        pass
+
+    def counted(self) -> bool:
+        return True
+
+    def loss(self, out: Any, mb: Any) -> tuple[None, list[float]]:
+        return None, [1.0]
+
+    def finish(self, sums: np.ndarray) -> dict[str, float]:
+        return {"counted": float(sums[0])}
+
+
+class _RecordingRunner:
+    """A stage runner that records the batches each eval batch dealt this rank."""
+
+    def __init__(self) -> None:
+        self.stage = paddle.nn.Layer()
+        self.dealt: list[list[Any]] = []
+
+    def micro_batches(self, batches: list[Any]) -> list[Any]:
+        self.dealt.append(list(batches))
+        return list(batches)
+
+    def forward_only(self, micro: list[Any], fn: Any) -> list[Any]:
+        return [fn(None, mb) for mb in micro]
+
+
+@pytest.mark.parametrize(
+    ("rows", "dp", "per_rank", "max_batches"),
+    [(10, 3, 2, None), (12, 2, 3, None), (9, 2, 4, 1), (7, 4, 2, None)],
+)
+def test_dp_ranks_eval_disjoint_rows_that_cover_each_batch(
+    rows: int, dp: int, per_rank: int, max_batches: int | None
+) -> None:
+    """With dp > 1 and several rows per rank, eval batch b deals its rows in order: dp rank r
+    takes rows [r·n, (r+1)·n) of the batch (n = grad_accum × micro_batch_size), so the ranks'
+    rows are disjoint and together are the batch (the short last one too, where later ranks
+    get fewer rows or none), and every rank runs the same number of eval batches."""
+    want = min(rows, (max_batches or rows) * dp * per_rank)
+    runners = []
+    for rank in range(dp):
+        evaluator = Evaluator(_CountingRecipe(rows), "eval.jsonl",  # type: ignore[arg-type]
+                              max_batches=max_batches, groups=[], dp_rank=rank, dp_size=dp,
+                              rows_per_rank=per_rank)  # fmt: skip
+        runner = _RecordingRunner()
+        metrics = evaluator.run(runner)  # type: ignore[arg-type]
+        assert metrics["eval/rows"] == want
+        assert metrics["eval/counted"] == sum(len(b) for b in runner.dealt)
+        runners.append(runner)
+    batches = -(-want // (dp * per_rank))
+    assert all(len(r.dealt) == batches for r in runners)
+    for b in range(batches):
+        first = b * dp * per_rank
+        batch = [(0, i) for i in range(first, min(first + dp * per_rank, want))]
+        for rank, runner in enumerate(runners):
+            assert runner.dealt[b] == batch[rank * per_rank : (rank + 1) * per_rank]
+        dealt = [row for runner in runners for row in runner.dealt[b]]
+        assert sorted(dealt) == batch and len(set(dealt)) == len(dealt)
+
+
 def test_data_epoch_and_a_source_without_epochs() -> None:
     assert data_epoch({"stream": {"epoch": 3, "doc": 1}}) == 3
     assert data_epoch({"position": 5}) is None and data_epoch([1]) is None
