@@ -464,3 +464,80 @@ def test_reports_merge_stalls_and_keep_events() -> None:
     assert merged.messages == ["a", "b"] and merged.saved == [Path("2"), Path("4")]
     assert merged.failed == [6]
     assert PartReport(0).error is None
+
+
+class _DiskEvents:
+    """The order of a commit's writes, fsyncs and renames, by file name (`os.fsync` and
+    `os.rename` recorded, then done; `Path.write_text` recorded)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import os
+
+        self.events: list[tuple[str, str]] = []
+        fsync, rename, write_text = os.fsync, os.rename, Path.write_text
+
+        def on_fsync(fd: int) -> None:
+            self.events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+            fsync(fd)
+
+        def on_rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+            self.events.append(("rename", Path(src).name))
+            rename(src, dst, *a, **k)
+
+        def on_write_text(path: Path, *a: Any, **k: Any) -> int:
+            self.events.append(("write", path.name))
+            return write_text(path, *a, **k)
+
+        monkeypatch.setattr(os, "fsync", on_fsync)
+        monkeypatch.setattr(os, "rename", on_rename)
+        monkeypatch.setattr(Path, "write_text", on_write_text)
+
+    def at(self, event: tuple[str, str]) -> int:
+        assert event in self.events, (event, self.events)
+        return self.events.index(event)
+
+
+def _commit_saves(root: Path, step: int) -> Path:
+    """`saving.commit`, what `Saves` runs on rank 0: one part written, then the commit."""
+    tmp = tmp_dir(root, step)
+    tmp.mkdir(parents=True)
+    for name in saving.CLASSIC_FILES:
+        (tmp / name).write_bytes(b"tensors")
+    report = PartReport(0, files={n: ck.file_entry(tmp / n) for n in saving.CLASSIC_FILES})
+    spec = Commit(state={"data": {"row": 3}}, layout=None, expected=saving.CLASSIC_FILES,
+                  keep_last=None)  # fmt: skip
+    return saving.commit(root, step, spec, [report])
+
+
+def _commit_parts(root: Path, step: int) -> Path:
+    from flashcp.checkpoint import parts
+
+    model, optimizer = parts.part_names(1, adapters=False)
+    tmp = parts.begin(root, step)
+    parts.write_part(tmp / model[0], {"w": np.ones(3)})
+    parts.write_part(tmp / optimizer[0], {"w::moment1_0": np.zeros(3)})
+    return parts.commit(root, step, state={"data": {"row": 3}}, model_files=model,
+                        optimizer_files=optimizer)  # fmt: skip
+
+
+def _commit_single(root: Path, step: int) -> Path:
+    return ck.save_checkpoint(root, step, model={"w": np.ones(3)},
+                              optimizer={"w::moment1_0": np.zeros(3)},
+                              state={"data": {"row": 3}})  # fmt: skip
+
+
+@pytest.mark.parametrize("write", [_commit_saves, _commit_parts, _commit_single],
+                         ids=["saves", "parts", "single"])  # fmt: skip
+def test_the_trainer_state_is_on_disk_before_the_manifest_and_the_rename(
+    write: Callable[[Path, int], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Durability after a crash: a checkpoint directory that has its manifest, or its final
+    name, has its trainer_state.json on disk — fsynced after it was written and before the
+    manifest is written and the directory renamed (else a power cut could leave step_N/
+    with a manifest over an empty or stale trainer state)."""
+    disk = _DiskEvents(monkeypatch)
+    final = write(tmp_path, 3)
+    assert final == tmp_path / "step_3" and ck.verify_checkpoint(final) == []
+    synced = disk.at(("fsync", ck.STATE_FILE))
+    assert disk.at(("write", ck.STATE_FILE)) < synced
+    assert synced < disk.at(("write", ck.MANIFEST_FILE)) < disk.at(("rename", "step_3.tmp"))
