@@ -81,3 +81,29 @@ def test_a_diverging_rank_is_named_with_its_call(exchange: Exchange) -> None:
     exchange.peer = check.Fingerprint(1, "all_reduce", ("float64[3]",), 7, "t.py:1", "all_reduce")
     with pytest.raises(check.CollectiveMismatchError, match=r"at call #2: .* \(call #7\)$"):
         check.agree("all_reduce", GROUP, "cp[0,1]", [paddle.ones([3], "float64")])
+
+
+@pytest.mark.parametrize(
+    ("mine", "peers"),
+    [
+        (paddle.ones([3], "float64"), ("float64[4]",)),  # another length
+        (paddle.ones([2, 8]), ("float32[8,2]",)),  # the same size, transposed
+        (paddle.ones([3], "float64"), ("float32[3]",)),  # another dtype
+        (paddle.ones([3], "float64"), ("float64[3]", "float64[3]")),  # another tensor count
+    ],
+    ids=["shape", "transposed", "dtype", "count"],
+)
+def test_same_operation_with_other_shapes_or_dtypes_is_a_mismatch(
+    exchange: Exchange, mine: paddle.Tensor, peers: tuple[str, ...]
+) -> None:
+    """Ranks in the same collective at the same call index, handing it tensors of another
+    shape or dtype, raise naming both (gloo would sum mismatched buffers or hang)."""
+    exchange.peer = check.Fingerprint(1, "all_reduce", peers, 1, "t.py:1 f", "all_reduce")
+    with pytest.raises(check.CollectiveMismatchError) as info:
+        check.agree("all_reduce", GROUP, "cp[0,1]", [mine])
+    text = str(info.value)
+    assert f"rank 0 all_reduce {check.tensor_text(mine)} at test_check.py:" in text
+    assert text.endswith(f"| rank 1 all_reduce {' '.join(peers)} at t.py:1 f")
+    # the negative control: the peer's fingerprint with this rank's tensors passes
+    exchange.peer = None
+    check.agree("all_reduce", GROUP, "cp[0,1]", [mine])
