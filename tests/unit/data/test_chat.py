@@ -167,6 +167,40 @@ def test_template_that_closes_turns_with_eos_gets_no_second_eos(chatml: HFTokeni
     assert doc.tokens[0] == im_start
 
 
+EOS_CLOSED_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|endoftext|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A template whose every turn ends with the EOS token itself (nothing after it)."""
+
+
+def test_dpo_answers_of_a_template_that_closes_turns_with_eos_get_one_eos(
+    glm: HFTokenizer, chatml: HFTokenizer, tmp_path: Path
+) -> None:
+    """A conversational DPO answer is the text its assistant turn adds, + EOS unless that
+    text holds it already: exactly one EOS whether the template closes the turn with EOS
+    (then newline: ChatML; or last: `EOS_CLOSED_TEMPLATE`) or not at all (GLM-4)."""
+    closed = HFTokenizer(write_tokenizer_files(tmp_path / "closed",
+                                               chat_template=EOS_CLOSED_TEMPLATE))  # fmt: skip
+    row = {"prompt": [CONV[1]], "chosen": [CONV[2]],
+           "rejected": [{"role": "assistant", "content": "Lyon."}]}  # fmt: skip
+    good, bad = CONV[2]["content"], "Lyon."
+    newline = chatml.encode("\n")
+    want = {  # (tokenizer, chosen, rejected), by hand from each template's text
+        "chatml": (chatml, [*chatml.encode(good), chatml.eos_id, *newline],
+                   [*chatml.encode(bad), chatml.eos_id, *newline]),
+        "eos_last": (closed, [*closed.encode(good), closed.eos_id],
+                     [*closed.encode(bad), closed.eos_id]),
+        "glm4": (glm, [*glm.encode("\n" + good), glm.eos_id],
+                 [*glm.encode("\n" + bad), glm.eos_id]),
+    }  # fmt: skip
+    for name, (tok, chosen, rejected) in want.items():
+        example = DPORecords(tok, budget=4096).tokenize(row)
+        assert list(example.chosen) == chosen, name
+        assert list(example.rejected) == rejected, name
+        assert example.chosen.count(tok.eos_id) == example.rejected.count(tok.eos_id) == 1
+
+
 def test_segments_join_to_the_full_rendering(glm: HFTokenizer, chatml: HFTokenizer) -> None:
     for tok in (glm, chatml):
         for record in chat_records(6):
