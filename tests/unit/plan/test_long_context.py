@@ -554,6 +554,31 @@ def test_offload_copies_against_the_host_link() -> None:
     assert "hidden under the compute" in format_step_time(est)
 
 
+def test_offload_stall_counts_the_copy_back_in_the_backward(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`flashcp plan --json`: each offloaded layer input goes to host during the layer's
+    forward and comes back during the backward of the layer above; on a link slow enough
+    that a copy outlasts both, the step stalls by (copy − forward) + (copy − backward) per
+    layer and micro-batch — the host→device copy counted, not only the device→host one."""
+    link = 0.5  # GB/s: a 64 MiB copy (0.13 s) outlasts a layer's forward and its backward
+    over = ["train.offload_activations=true", "hardware.peak_tflops=148",
+            f"hardware.host_link_gb_per_s={link}"]  # fmt: skip
+    cfg = _load(GLM9B, *over)
+    assert cli.main(["plan", str(GLM9B), *over, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["step_time"]
+    copy_s = st["layer"]["copy_bytes"] / (link * 1e9)
+    layers = [x for x in st["parts"] if x["name"].startswith("layer ")]
+    assert len(layers) == cfg.model.num_layers
+    assert all(x["forward_s"] < x["backward_s"] < copy_s for x in layers)
+    one_way = sum(copy_s - x["forward_s"] for x in layers)  # device→host only
+    both = sum((copy_s - x["forward_s"]) + (copy_s - x["backward_s"]) for x in layers)
+    micro = cfg.train.grad_accum
+    assert st["offload_stall_s"] == pytest.approx(micro * both, rel=1e-12)
+    assert st["offload_stall_s"] > micro * one_way * 1.2  # the way back: a fifth more here
+    assert st["copy_hidden"] is False
+
+
 # -- the mechanisms as plan items ------------------------------------------------------------------
 
 
