@@ -217,3 +217,21 @@ def test_one_pass_of_one_short_document_is_one_padded_row() -> None:
     assert seq.doc_lens == [22, 106] and stream.state.epoch == 1
     assert int(seq.targets.sum()) == 21
     assert int(PackedStream(docs, 128, shuffle=False).next().targets.sum()) > 21  # control
+
+
+def test_prefix_lm_prefix_stays_with_the_piece_that_holds_it() -> None:
+    """`attention.mask: prefix_lm`: a piece's prefix is the part of its document's prefix
+    (the leading non-targets) it holds. A document cut at a row's end keeps its prefix in
+    the first piece; the piece continuing it in the next row has none — or, when the cut
+    falls inside the prefix, the rest of it."""
+
+    def doc(n: int, prefix: int) -> Document:
+        return Document(np.arange(n, dtype=np.int64), np.arange(n) >= prefix)
+
+    docs = [doc(10, 4), doc(5, 2), doc(9, 7)]
+    stream = PackedStream(docs, 6, shuffle=False, prefixes=[d.prefix_len for d in docs])
+    rows = [stream.next() for _ in range(4)]
+    assert [r.doc_lens for r in rows] == [[6], [4, 2], [3, 3], [6]]
+    # doc 0 cut after 6 of 10 tokens: its 4-token prefix in row 0 only; doc 2 cut after 3 of
+    # its 7 prefix tokens: 3 in row 2, the other 4 at the head of row 3
+    assert [r.prefix_lens for r in rows] == [[4], [0, 2], [0, 3], [4]]
