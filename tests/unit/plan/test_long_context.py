@@ -290,6 +290,33 @@ def test_longest_leaves_the_stated_margins(
     assert usable == int(gib * GIB * 0.8) >= max(r["total_bytes"] for r in out["plan"]["ranks"])
 
 
+def test_longest_without_margins_when_only_the_host_reserve_is_set(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`flashcp plan --longest` with hardware.memory_headroom 0 and only
+    hardware.host_memory_reserve kept: the answer still says what fits without the margins
+    (the host's reserve used up). The control: with both margins 0 there is no second
+    answer."""
+    path = str(ROOT / "configs/glm/tiny_cp2.yaml")
+    over = ["model.recompute=full", "train.offload_activations=true", "model.max_seq_len=3000"]
+    assert cli.main(["plan", path, *over, "data.seq_len=3000", "--json"]) == 0
+    host_bytes = json.loads(capsys.readouterr().out)["host"]["nodes"][0]["total_bytes"]
+    budgets = ["hardware.memory_gib=10000", "hardware.memory_headroom=0",
+               f"hardware.host_memory_gib={2 * host_bytes / GIB}"]  # fmt: skip
+    answers = {}
+    for reserve in (0.5, 0):
+        args = [*over, *budgets, f"hardware.host_memory_reserve={reserve}"]
+        assert cli.main(["plan", path, *args, "--longest", "--json"]) == 0
+        answers[reserve] = out = json.loads(capsys.readouterr().out)
+        assert out["limit"]["budget"] == "host"
+        assert out["assumed"]["hardware.memory_headroom"] == 0
+        assert out["assumed"]["hardware.host_memory_reserve"] == reserve
+    kept, none = answers[0.5], answers[0]
+    assert 0 < kept["longest_seq_len"] <= 3000 < kept["without_margins_seq_len"]
+    assert kept["without_margins_seq_len"] == none["longest_seq_len"]
+    assert none["without_margins_seq_len"] is None
+
+
 def test_validate_and_train_fit_the_budget_less_its_headroom(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
