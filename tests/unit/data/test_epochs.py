@@ -78,6 +78,16 @@ def test_too_few_epochs_for_one_step_still_run_one() -> None:
     assert cfg.train.epochs is not None and cfg.train.epochs > 0
 
 
+def test_passes_and_their_text_at_the_edges() -> None:
+    """The start line's pass count: no rows counted is infinitely many passes (not a division
+    by zero), a fraction of a row per pass still divides; 10 passes and more print whole
+    (`123`, not `1.2e+02`); a step of no rows cannot count steps."""
+    assert passes(10, 2, 0.0) == math.inf and passes(4, 2, 0.5) == 16.0
+    assert format_passes(123.4) == "123" and format_passes(9.96) == "10"
+    with pytest.raises(ValueError, match="a step takes 0"):
+        steps_for_epochs(1, 20.0, 0)
+
+
 def test_steps_and_epochs_are_alternatives() -> None:
     both = {**TINY, "train": {"steps": 5, "epochs": 2}}
     with pytest.raises(ConfigValidationError, match=r"both set in the file: set exactly one"):
