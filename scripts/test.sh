@@ -9,6 +9,7 @@
 #   bash scripts/test.sh integration  # multi-process gloo jobs only
 #   bash scripts/test.sh gpu          # gpu-marked tests (skip with a reason without a GPU)
 #   bash scripts/test.sh hf           # transformers' own GLM models as the reference (torch)
+#   bash scripts/test.sh mutation [PATH ...]  # mutmut on the changed modules (scripts/mutation.py)
 #
 # The hf tier (marker `hf`, tests/hf) needs PyTorch: it is installed on first use into
 # .venv/hf-torch (pip --target, torch without its CUDA extras plus sympy/mpmath, ~0.9 GB) and
@@ -19,8 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 TIER=${1:-all}
-case "$TIER" in all | unit | integration | gpu | hf) ;; *)
-  echo "usage: bash scripts/test.sh [all|unit|integration|gpu|hf]" >&2
+case "$TIER" in all | unit | integration | gpu | hf | mutation) ;; *)
+  echo "usage: bash scripts/test.sh [all|unit|integration|gpu|hf|mutation [PATH ...]]" >&2
   exit 2
   ;;
 esac
@@ -37,6 +38,11 @@ echo "== installing flashcp with CPU paddlepaddle and the test extras"
 # The stamp scripts/quickstart.sh checks: this install covers its own (no reinstall needed).
 "$VPY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())' \
   >.venv/flashcp-install.sha256
+
+if [ "$TIER" = mutation ]; then  # not CI: mutmut into .venv/mutmut, each module against its tests
+  shift
+  exec "$VPY" scripts/mutation.py "$@"
+fi
 
 echo "== ruff"
 "$VPY" -m ruff check src tests scripts
