@@ -45,6 +45,7 @@ class computes, carries its exact `ModelArgs` under `ARGS_KEY`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -341,6 +342,12 @@ def read_rope(
     return values
 
 
+_BOOL_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(ModelArgs) if f.type in ("bool", bool)
+)
+"""`ModelArgs` fields that are flags (config.json may write them as 0 / 1)."""
+
+
 def parse_hf_config(
     config: Mapping[str, Any], source: str = CONFIG_FILE
 ) -> tuple[dict[str, Any], list[str]]:
@@ -386,6 +393,12 @@ def parse_hf_config(
         if _number(values[key]):
             values[key] = float(values[key])
     keys = hf.all_fields
+    for key in _BOOL_FIELDS & set(values):  # transformers tests a flag's truth: 0 / 1 are flags
+        value = values[key]
+        if not isinstance(value, bool) and _number(value) and value in (0, 1):
+            values[key] = bool(value)
+        elif not isinstance(value, bool):
+            problems.append((keys.get(key, key), f"{value!r} must be true or false"))
     for key, value in values.items():
         if key not in ("arch", "rope_scaling") and not isinstance(
             value, (int, float, bool, tuple, type(None))

@@ -337,17 +337,8 @@ BOOL_FIELDS = {  # config.json key → the ModelArgs field it defines
     "use_qk_norm": "use_qk_norm",
     "norm_topk_prob": "norm_topk_prob",
 }
-NEEDS_HF_CONFIG_FIX = pytest.mark.xfail(
-    strict=True,
-    reason="issue 39 item 12: parse_hf_config passes a boolean key's 0 / 1 through as an int "
-    "(ModelArgs.qkv_bias == 1), which the run's config.yaml then writes and cannot reload "
-    "('expected true or false, got 1'). The fix is in flashcp/models/hf_config.py (left to "
-    "the models refactor): read these keys as bool(value) for 0 / 1, as transformers' "
-    "truthiness does, or refuse other values; then drop this marker.",
-)
 
 
-@NEEDS_HF_CONFIG_FIX
 @pytest.mark.parametrize("value", [0, 1])
 @pytest.mark.parametrize("key", sorted(BOOL_FIELDS))
 def test_a_model_boolean_given_as_0_or_1_is_read_as_transformers_reads_it(
@@ -364,7 +355,6 @@ def test_a_model_boolean_given_as_0_or_1_is_read_as_transformers_reads_it(
     assert type(got) is bool and got is bool(value), (key, value, got)
 
 
-@NEEDS_HF_CONFIG_FIX
 def test_a_run_from_a_directory_with_0_or_1_booleans_reloads_its_config(tmp_path: Path) -> None:
     """A run's config.yaml (what resume, `flashcp eval RUN_DIR` and export read) from a
     `model.from_pretrained` directory whose config.json writes booleans as 0 / 1 reloads to
