@@ -1,7 +1,7 @@
-"""GPT, GLM-4 and GLM-4.5-MoE under CP = 2 and 4 equal CP = 1 (logits and gradients, 1e-5).
-
-Every CP mode × every recompute mode (none, full, refined); see
-`workers/model_cp_worker.py`.
+"""Every model family under CP = 2 and 4 equals CP = 1 (logits and gradients, under the
+numerics rule): GPT, GLM-4 and GLM-4.5-MoE in every CP mode × every recompute mode (none,
+full, refined), ERNIE-4.5 (dense, MoE), Llama-3.1, Qwen2.5, Qwen3 and Qwen3-MoE in every CP
+mode; see `workers/model_cp_worker.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,6 @@ def test_models_cp_equals_single_process(nproc: int, tmp_path: Path) -> None:
     for rank in range(nproc):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         cases = report["cases"]
-        assert len(cases) == 3 * len(MODES) * 3
+        assert len(cases) == 3 * len(MODES) * 3 + 6 * len(MODES)
         for case in cases:
             assert case["ok"], case

@@ -220,7 +220,7 @@ ROWS = [
     cli("unknown_recipe", ["run.recipe=pretrian"],
         r"run\.recipe: unknown recipe 'pretrian' \(did you mean pretrain\?\)"),
     cli("unknown_preset", ["model.preset=huge"],
-        r"model\.preset: unknown preset 'huge' \(presets: glm45_air, .*\btiny\b"),
+        r"model\.preset: unknown preset 'huge' \(presets: ernie45_0p3b, .*\btiny\b"),
     cli("malformed_override", ["train.steps"],
         r"train\.steps: override 'train\.steps' is not of the form key\.sub=value "
         r"\(e\.g\. train\.steps=10\)"),

@@ -38,6 +38,7 @@ from flashcp.models.mtp import add_mtp_parts, mtp_block_input
 from flashcp.models.offload import ActivationOffloader
 from flashcp.models.precision import cast_linear
 from flashcp.models.recompute import checkpoint
+from flashcp.models.rope import model_inverse_frequencies
 from flashcp.models.tiling import tiled
 
 
@@ -180,7 +181,7 @@ class DecoderOps:
         if args.uses_learned_positions:
             return None
         return rotary_tables(
-            positions, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
+            positions, model_inverse_frequencies(args), interleaved=args.interleaved_rotary
         )
 
     def final_norm(self, h: paddle.Tensor) -> paddle.Tensor:

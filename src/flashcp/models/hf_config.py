@@ -112,6 +112,7 @@ _METADATA_KEYS = {
     "tokenizer_class",
     "torchscript",
     "_attn_implementation",
+    "auto_map",  # the remote-code classes of a release (ERNIE-4.5's first upload)
     "use_sliding_window",  # written as false by some exports; true is refused below
 }
 IGNORED_KEYS: dict[str, str] = {
@@ -328,6 +329,10 @@ def read_rope(
         return values
     for field, key in zip(("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                            "rope_original_max_len"), _LLAMA3_KEYS, strict=True):  # fmt: skip
+        if key not in found and key == "original_max_position_embeddings":
+            # transformers' standardize_rope_params: the model's max_position_embeddings
+            found[key] = ("", config.get("max_position_embeddings",
+                                         defaults.get("max_position_embeddings")))  # fmt: skip
         if key not in found:
             problems.append(
                 (f"rope_parameters.{key}", "rope_type 'llama3' needs it (transformers does too)")

@@ -388,11 +388,15 @@ def _ranges(values: list[int]) -> str:
 
 
 def _skippable(key: str, args: ModelArgs, extra_mtp: Collection[int]) -> bool:
-    """Ignored on purpose: old ``inv_freq`` buffers, a tied head's copy, and the keys of the
-    checkpoint's MTP layers the model does not build (`extra_mtp`)."""
+    """Ignored on purpose: old ``inv_freq`` buffers, a tied head's copy, keys the family's
+    reference class never reads (`HFSide.unread`), and the keys of the checkpoint's MTP layers
+    the model does not build (`extra_mtp`)."""
     if key.endswith("rotary_emb.inv_freq"):
         return True
     if key == "lm_head.weight" and args.tie_embeddings:
+        return True
+    hf = args.family.hf
+    if hf is not None and any(re.search(pattern, key) for pattern in hf.unread):
         return True
     m = _LAYER_RE.match(key)
     return m is not None and int(m.group(1)) in extra_mtp

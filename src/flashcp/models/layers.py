@@ -114,20 +114,15 @@ class RotaryTables:
     interleaved: bool
 
 
-def inverse_frequencies(rotary_dim: int, base: float) -> np.ndarray:
-    """`f_i = base ** (-2i / rotary_dim)`, i < rotary_dim / 2, float32 (HF's formula)."""
-    exponent = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim
-    return (1.0 / (np.float32(base) ** exponent)).astype(np.float32)
-
-
 def rotary_tables(
-    positions: paddle.Tensor, rotary_dim: int, base: float, *, interleaved: bool
+    positions: paddle.Tensor, inv_freq: np.ndarray, *, interleaved: bool
 ) -> RotaryTables:
-    """Angles for `positions` `[B, L]` (int, global token positions)."""
-    inv = paddle.to_tensor(inverse_frequencies(rotary_dim, base), place=positions.place)
+    """Angles for `positions` `[B, L]` (int, global token positions) at the inverse
+    frequencies `inv_freq` (`flashcp.models.rope`)."""
+    inv = paddle.to_tensor(inv_freq, place=positions.place)
     angles = positions.astype("float32").unsqueeze(-1) * inv  # [B, L, r/2]
     angles = angles.unsqueeze(2)  # broadcast over heads
-    return RotaryTables(paddle.cos(angles), paddle.sin(angles), rotary_dim, interleaved)
+    return RotaryTables(paddle.cos(angles), paddle.sin(angles), 2 * len(inv_freq), interleaved)
 
 
 def apply_rotary(x: paddle.Tensor, tables: RotaryTables) -> paddle.Tensor:

@@ -206,10 +206,10 @@ def test_directory_problems(model_dir: Path, tmp_path: Path) -> None:
     assert (
         "has no model.safetensors or model.safetensors.index.json" in _errors(_raw(tmp_path))[key]
     )
-    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    (tmp_path / "config.json").write_text(json.dumps(llama))
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
     message = _errors(_raw(tmp_path))[key]
-    assert "architectures: ['LlamaForCausalLM'] (model_type 'llama') is not supported" in message
+    assert "['MistralForCausalLM'] (model_type 'mistral') is not supported" in message
     assert "Glm4MoeForCausalLM" in message
     linear = {**json.loads((model_dir / "config.json").read_text())}
     linear["rope_parameters"] = {**linear["rope_parameters"], "rope_type": "linear"}

@@ -426,5 +426,5 @@ def test_hf_air_config_gives_the_preset() -> None:
     assert args_from_hf_config(AIR_CONFIG) == preset("glm45_air", mtp_layers=1)
     full = args_from_hf_config({**AIR_CONFIG, "use_qk_norm": True})  # GLM-4.5 (not Air)
     assert full == preset("glm45_air", use_qk_norm=True, mtp_layers=1)
-    with pytest.raises(ValueError, match="'llama' is not supported"):
-        args_from_hf_config({**AIR_CONFIG, "model_type": "llama", "architectures": None})
+    with pytest.raises(ValueError, match="'mistral' is not supported"):
+        args_from_hf_config({**AIR_CONFIG, "model_type": "mistral", "architectures": None})

@@ -23,6 +23,7 @@ from flashcp.models import (
 from flashcp.models.decoder import Block
 from flashcp.models.layers import apply_rotary, rotary_tables
 from flashcp.models.moe import MoE
+from flashcp.models.rope import inverse_frequencies
 
 ARCH_PRESETS = ["tiny", "tiny_glm", "tiny_glm_moe"]
 B, S = 2, 32
@@ -149,7 +150,9 @@ def test_rotary_matches_hf_conventions(interleaved: bool, rot: int) -> None:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 5, 3, 16)).astype(np.float32)
     pos = rng.integers(0, 5000, (2, 5))
-    tables = rotary_tables(paddle.to_tensor(pos), rot, 10000.0, interleaved=interleaved)
+    tables = rotary_tables(
+        paddle.to_tensor(pos), inverse_frequencies(rot, 10000.0), interleaved=interleaved
+    )
     got = apply_rotary(paddle.to_tensor(x), tables).numpy()
     ref = _hf_interleaved if interleaved else _hf_half_split
     want = ref(x.astype(np.float64), pos.astype(np.float64), rot, 10000.0)
@@ -283,7 +286,7 @@ def test_unknown_preset() -> None:
         ({"vocab_size": 0}, "model.vocab_size", "positive integer"),
         ({"recompute": "some"}, "model.recompute", "none, full, refined"),
         ({"norm_eps": 0.0}, "model.norm_eps", "> 0"),
-        ({"arch": "llama"}, "model.arch", "gpt, glm, glm_moe"),
+        ({"arch": "mistral"}, "model.arch", "gpt, glm, glm_moe, ernie4_5"),
     ],
 )
 def test_validate_messages(overrides: dict, key: str, text: str) -> None:

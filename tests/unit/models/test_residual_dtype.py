@@ -27,6 +27,7 @@ from flashcp.config import load_config
 from flashcp.config.errors import ConfigValidationError
 from flashcp.models import build_model, preset
 from flashcp.models.layers import rotary_tables
+from flashcp.models.rope import model_inverse_frequencies
 from flashcp.pipeline.stage import build_stage
 from helpers.batches import packed_batch
 from helpers.paths import CONFIGS
@@ -98,7 +99,7 @@ def _reference(name: str, at_boundary, keep: list | None = None):
     rotary = None
     if not args.uses_learned_positions:
         rotary = rotary_tables(
-            pos, args.rotary_dim, args.rotary_base, interleaved=args.interleaved_rotary
+            pos, model_inverse_frequencies(args), interleaved=args.interleaved_rotary
         )
     for i, layer in enumerate(model.model.layers):
         h = at_boundary(layer(h, rotary, ctx), i + 1)

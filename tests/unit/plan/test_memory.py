@@ -53,6 +53,17 @@ INVENTORY = [
     ("tiny_glm", {"mtp_layers": 2}, None),
     ("tiny_glm_moe", {"mtp_layers": 1, "mtp_loss_weight": 0.3}, [".*q_proj", ".*eh_proj"]),
     ("tiny_glm", {"mtp_layers": 1}, [".*q_proj", ".*gate_up_proj"]),
+    # every other family: tied heads, biases, QK-norm, its MoE layer rule and router
+    ("tiny_ernie", {}, None),
+    ("tiny_ernie", {}, [".*q_proj", ".*up_proj"]),
+    ("tiny_ernie_moe", {"num_layers": 3}, None),
+    ("tiny_ernie_moe", {"num_layers": 4, "moe_layer_end": 2}, [".*o_proj", ".*mlp\\.experts"]),
+    ("tiny_llama", {"mlp_bias": True}, None),
+    ("tiny_llama", {"tie_embeddings": True}, [".*v_proj", "lm_head"]),
+    ("tiny_qwen2", {}, None),
+    ("tiny_qwen3", {"qkv_bias": True, "o_bias": True}, None),
+    ("tiny_qwen3_moe", {"num_layers": 4, "moe_layer_interval": 2}, None),
+    ("tiny_qwen3_moe", {}, [".*k_proj", ".*shared_experts.*", ".*mlp\\.experts"]),
 ]
 
 

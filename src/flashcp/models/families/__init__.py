@@ -46,9 +46,19 @@ def names() -> tuple[str, ...]:
 
 
 def _register_shipped() -> None:
-    from flashcp.models.families import glm4, glm4_moe, gpt
+    from flashcp.models.families import (
+        ernie4_5,
+        ernie4_5_moe,
+        glm4,
+        glm4_moe,
+        gpt,
+        llama,
+        qwen2,
+        qwen3,
+        qwen3_moe,
+    )
 
-    for module in (gpt, glm4, glm4_moe):
+    for module in (gpt, glm4, glm4_moe, ernie4_5, ernie4_5_moe, llama, qwen2, qwen3, qwen3_moe):
         register(module.FAMILY)
 
 

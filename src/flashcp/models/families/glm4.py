@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashcp.models.config import ModelArgs
-from flashcp.models.families.hf import HFSide, Reader
+from flashcp.models.families.hf import PADDLEFORMERS_IGNORED, HFSide, Reader
 from flashcp.models.families.spec import SMALL, TINY, Family, Preset
 
 GLM_DEFAULTS: dict[str, Any] = {
@@ -30,18 +30,6 @@ GLM_DEFAULTS: dict[str, Any] = {
 """Defaults transformers' (5.3) ``Glm4Config`` and ``Glm4MoeConfig`` share."""
 GLM_SHAPE: dict[str, Any] = dict(partial_rotary_factor=0.5, qkv_bias=True)
 """What the GLM presets share: half of each head rotated, q/k/v biases."""
-PADDLEFORMERS_IGNORED: dict[str, str] = {
-    "paddleformers_version": "PaddleFormers",
-    "disable_ffn_model_parallel": "PaddleFormers",  # tensor parallelism of the MoE FFN
-    "pp_seg_method": "PaddleFormers",  # how its pipeline cuts the layers
-    "fuse_rms_norm": "PaddleFormers",  # a fused RMSNorm kernel, same maths
-    "fd_fallback": "PaddleFormers",  # FastDeploy's stacked-experts module, same maths
-    "using_flex_token": "PaddleFormers",  # its token dispatcher for expert parallelism
-    "moe_subbatch_token_num_before_dispatch": "PaddleFormers",  # rows per dispatch call
-    "seq_aux": "PaddleFormers",  # sequence-wise aux loss in its training: a loss, not the model
-}
-"""Keys PaddleFormers 1.2.0 writes into its GLM configs that steer only its own training or
-inference (parallelism, kernels, its aux-loss style), never the model's function."""
 GLM_CHECKED: dict[str, tuple[tuple[Any, ...], str]] = {
     "scoring_func": (
         ("sigmoid",),

@@ -49,6 +49,19 @@ COMMON_KEYS = frozenset(
 )
 """The config.json keys the generic reader handles for every family."""
 
+PADDLEFORMERS_IGNORED: dict[str, str] = {
+    "paddleformers_version": "PaddleFormers",
+    "disable_ffn_model_parallel": "PaddleFormers",  # tensor parallelism of the MoE FFN
+    "pp_seg_method": "PaddleFormers",  # how its pipeline cuts the layers
+    "fuse_rms_norm": "PaddleFormers",  # a fused RMSNorm kernel, same maths
+    "fd_fallback": "PaddleFormers",  # FastDeploy's stacked-experts module, same maths
+    "using_flex_token": "PaddleFormers",  # its token dispatcher for expert parallelism
+    "moe_subbatch_token_num_before_dispatch": "PaddleFormers",  # rows per dispatch call
+    "seq_aux": "PaddleFormers",  # sequence-wise aux loss in its training: a loss, not the model
+}
+"""Keys PaddleFormers 1.2.0 writes into its GLM configs that steer only its own training or
+inference (parallelism, kernels, its aux-loss style), never the model's function."""
+
 
 @dataclass(frozen=True)
 class Rename:
@@ -121,6 +134,9 @@ class HFSide:
     exact: Callable[[ModelArgs], list[str]] | None = None
     transformers: bool = True
     activation: str = "silu"
+    unread: tuple[str, ...] = ()
+    """Regular expressions of checkpoint keys the reference class never reads (searched, as
+    transformers' ``_keys_to_ignore_on_load_unexpected``), e.g. ERNIE-4.5's ``mtp`` parts."""
     own_args: bool = False
     """The config.json carries the exact `ModelArgs` (flashcp's GPT exports): `read` gets the
     raw mapping and no key is checked."""
@@ -144,3 +160,31 @@ def moe_counts(reader: Reader, experts: str, top_k: str, shared: str | None) -> 
         "moe_intermediate_size": reader.get("moe_intermediate_size"),
         "num_shared_experts": 0 if shared is None else reader.get(shared),
     }
+
+
+WINDOW_KEYS = frozenset(
+    {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+)
+"""Qwen's sliding-window keys: every published Qwen2.5 / Qwen3 file writes them with
+``use_sliding_window: false`` (then transformers computes full attention in every layer and
+``sliding_window`` / ``max_window_layers`` change nothing); ``use_sliding_window: true`` is
+refused by the generic reader."""
+
+
+def full_attention_only(reader: Reader) -> None:
+    """Refuse a ``layer_types`` list naming a layer other than ``full_attention`` (Qwen's
+    per-layer attention kinds; flashcp computes full causal attention in every layer)."""
+    kinds = reader.config.get("layer_types")
+    if kinds is None:
+        return
+    if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
+        other = (
+            sorted({str(k) for k in kinds} - {"full_attention"})
+            if isinstance(kinds, list)
+            else kinds
+        )
+        reader.problem(
+            "layer_types",
+            f"{other!r}: flashcp computes full causal attention in every layer; use a "
+            "checkpoint whose layers are all full_attention (use_sliding_window false)",
+        )
