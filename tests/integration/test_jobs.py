@@ -55,6 +55,35 @@ def test_tiny_config_job_is_clean_and_golden(config: str, tmp_path: Path) -> Non
         assert len(mtp) == jobs.GOLDEN_STEPS and mtp[-1] < mtp[0] - 0.05, mtp
 
 
+FAMILY_CONFIGS = [c for c in CONFIGS if Path(c).parts[1] in ("ernie", "llama", "qwen")]
+"""The newer families' tiny configs, each also run as one process (`test_..._one_process_run`)."""
+
+
+def test_every_new_family_ships_a_tiny_config() -> None:
+    assert {"configs/ernie/tiny_cp2.yaml", "configs/ernie/tiny_moe_ep2_cp2.yaml",
+            "configs/llama/tiny_cp2.yaml", "configs/qwen/tiny_qwen2_cp2.yaml",
+            "configs/qwen/tiny_qwen3_cp2.yaml", "configs/qwen/tiny_qwen3_moe_ep2_cp2.yaml",
+            "configs/qwen/tiny_qwen3_dpo_lora_cp2.yaml"} <= set(FAMILY_CONFIGS)  # fmt: skip
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("config", FAMILY_CONFIGS)
+def test_a_family_config_equals_its_one_process_run(config: str, tmp_path: Path) -> None:
+    """The same config on ONE process (cp 1, ep 1: no sharding, no token exchange) gives the
+    CP 2 (and EP 2) golden job's losses and gradient norms under the float32 rule."""
+    one = [*jobs.golden_overrides(), "parallel.cp=1", "parallel.ep=1"]
+    run = jobs.run_flashcp(config, one, tmp_path / "run", nproc=1)
+    assert jobs.hygiene_problems(run) == [], run.summary()
+    assert run.nproc == 1 and "launching 1 process(es)" in run.output
+    want = jobs.load_golden()["jobs"][config]
+    got = jobs.golden_entry(run)
+    for step in want["losses"]:
+        loss = jobs.compare_loss(want, step, got["losses"][step])
+        norm = jobs.compare_grad_norm(want, step, got["grad_norms"][step])
+        assert loss.ok and norm.ok, (config, loss, norm)
+
+
 @pytest.mark.timeout(180)
 def test_fixed_master_port(tmp_path: Path) -> None:
     """`FLASHCP_MASTER_PORT` pins the launcher's master port; the job runs as usual."""
