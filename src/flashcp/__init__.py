@@ -52,6 +52,7 @@ PUBLIC: dict[str, str] = {
     "AttentionContext": "flashcp.attention.context",
     **dict.fromkeys(_MASK_NAMES, "flashcp.masks"),
     "build_model": "flashcp.models",
+    "from_pretrained": "flashcp.pretrained",
     "load_config": "flashcp.config",
     "Trainer": "flashcp.trainer",
 }
