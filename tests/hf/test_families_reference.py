@@ -17,6 +17,7 @@ control per family shows the comparison catches a wrong model.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,50 @@ def test_transformers_loads_a_flashcp_export(saved: tuple, tmp_path: Path, fit: 
     want = _flashcp_logits(trainer.model, ids, masks.causal_mask(2, 40))
     _close(_hf_logits(hf, ids), want)
     assert np.abs(_hf_logits(hf_before, ids) - want).max() > 100 * TOL  # the step changed it
+
+
+def test_a_paddleformers_ernie_moe_directory_reads_as_transformers_reads_it(
+    tmp_path: Path,
+) -> None:
+    """PaddleFormers' own ``Ernie4_5_MoeForCausalLM`` (1.2.0), random weights, saved by its
+    ``save_pretrained`` (its fused q/k/v and gate/up split back, its own config keys): flashcp
+    computes what transformers computes from the same directory (PaddleFormers' own forward
+    needs GPU kernels, so transformers is the reference)."""
+    import paddle
+    from paddleformers.transformers.ernie4_5_moe import (
+        Ernie4_5_MoeConfig,
+        Ernie4_5_MoeForCausalLM,
+    )
+
+    import flashcp
+
+    paddle.seed(0)
+    config = Ernie4_5_MoeConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2,
+        moe_layer_start_index=1, rope_theta=2500.0, num_nextn_predict_layers=0,
+        dtype="float32", fuse_rms_norm=False,
+    )  # fmt: skip
+    model = Ernie4_5_MoeForCausalLM(config)
+    with paddle.no_grad():  # no identity anywhere: norms 1 + noise, the correction bias too
+        for name, p in model.named_parameters():
+            noise = paddle.randn(p.shape, dtype=p.dtype) * (0.1 if len(p.shape) > 1 else 0.2)
+            p.set_value(noise + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["paddleformers_version"]
+    ours = flashcp.from_pretrained(tmp_path)
+    tf = _transformers()
+    hf, info = tf.Ernie4_5_MoeForCausalLM.from_pretrained(
+        str(tmp_path), attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = np.random.default_rng(7).integers(3, 320, (2, 40))
+    want = _hf_logits(hf.eval(), ids)
+    _close(_flashcp_logits(ours, ids, masks.causal_mask(2, 40)), want)
+    fresh = flashcp.from_pretrained(tmp_path)  # control: its correction bias zeroed
+    for layer in fresh.decoder_layers()[1:]:
+        bias = layer.mlp.gate.e_score_correction_bias
+        bias.set_value(paddle.zeros_like(bias))
+    err = np.abs(_flashcp_logits(fresh, ids, masks.causal_mask(2, 40)) - want).max()
+    assert err > 100 * TOL
