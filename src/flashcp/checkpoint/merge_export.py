@@ -36,8 +36,6 @@ from flashcp.lora.experts import is_expert_lora, merged_piece
 from flashcp.lora.model import lora_layers
 from flashcp.models.hf_weights import (
     CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
     HFEntry,
     hf_config,
     hf_state_map,
@@ -50,6 +48,7 @@ from flashcp.models.safetensors_stream import (
     safetensors_dtype,
     write_streaming,
 )
+from flashcp.models.weight_files import INDEX_FILE, SINGLE_FILE
 
 MERGED_DIR = "merged"
 """Where a run's merged model is exported in run.output_dir (`lora.merge_at_end`)."""

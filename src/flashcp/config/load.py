@@ -40,7 +40,6 @@ from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.placeholders import find_placeholders, is_placeholder, placeholder_message
 from flashcp.config.schema import RECIPES, SECTIONS, Config, config_key, extra_sections
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 """A `model.from_pretrained` directory holds one of these."""
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 _MISSING = object()
@@ -264,6 +263,7 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
         parse_hf_config,
         read_config_json,
     )
+    from flashcp.models.weight_files import WEIGHT_FILES
 
     ModelArgs, _ = _model_api()
     path = raw["from_pretrained"]

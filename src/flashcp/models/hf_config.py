@@ -31,7 +31,8 @@ file is refused with every reason at once.
 * Every other key must be one flashcp knows (the family's keys and metadata such as
   ``torch_dtype``, token ids, ``use_cache``): an unknown key might change the model, so it is
   refused with the advice to remove it if it is only metadata.
-* `missing_mtp_layers` reads a directory's tensor index (no tensor data) to find declared MTP
+* `mtp_refusal` reads a directory's tensor index (`flashcp.models.weight_files`, no tensor
+  data) to find declared MTP
   layers without tensors, as transformers' ``save_pretrained`` writes GLM-4.5 (it keeps
   ``num_nextn_predict_layers: 1`` but drops the layer): `flashcp validate` refuses that in one
   line naming ``model.mtp_layers=0``.
@@ -57,6 +58,7 @@ from flashcp.models.families import FAMILIES
 from flashcp.models.families.gpt import ARGS_KEY
 from flashcp.models.families.hf import COMMON_FIELDS, COMMON_KEYS, HFSide, Reader
 from flashcp.models.families.spec import Family
+from flashcp.models.weight_files import checkpoint_keys, missing_mtp_layers
 
 CONFIG_FILE = "config.json"
 __all__ = ["ARGS_KEY", "CONFIG_FILE", "HFConfigError", "args_from_hf_config", "hf_config"]
@@ -498,45 +500,6 @@ def args_from_hf_config(
         config, source = read_config_json(config)
     values, _ = parse_hf_config(config, source)
     return ModelArgs(**{**values, **overrides}).check()
-
-
-def checkpoint_keys(directory: str | os.PathLike[str]) -> list[str]:
-    """The tensor names of a model directory's safetensors weights, from its index
-    (``model.safetensors.index.json``) or the header of ``model.safetensors`` — no tensor data
-    is read. `FileNotFoundError` / `ValueError` when neither is there or readable."""
-    d = Path(directory)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, AttributeError):
-            weight_map = None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map' object: re-download it")
-        return sorted(weight_map)
-    single = d / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{d} has no model.safetensors or model.safetensors.index.json")
-    with single.open("rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            header = None
-    if not isinstance(header, dict):
-        raise ValueError(f"{single} has no safetensors header: re-download it")
-    return sorted(k for k in header if k != "__metadata__")
-
-
-def missing_mtp_layers(keys: list[str], num_layers: int, mtp_layers: int) -> list[int]:
-    """The MTP layers ``model.layers.{num_layers + d}`` (d < `mtp_layers`) of which `keys` (a
-    checkpoint's tensor names) hold no tensor at all."""
-    prefixes = [f"model.layers.{num_layers + d}." for d in range(mtp_layers)]
-    return [
-        num_layers + d
-        for d, prefix in enumerate(prefixes)
-        if not any(k.startswith(prefix) for k in keys)
-    ]
 
 
 def mtp_refusal(

@@ -60,7 +60,6 @@ from flashcp.models.hf_config import (  # noqa: F401 - re-exported
     HFConfigError,
     args_from_hf_config,
     hf_config,
-    missing_mtp_layers,
 )
 from flashcp.models.moe import TopkRouter
 from flashcp.models.safetensors_io import (
@@ -72,17 +71,20 @@ from flashcp.models.safetensors_io import (
     cast_raw,
     to_float32,
 )
+from flashcp.models.weight_files import (  # noqa: F401 - re-exported
+    INDEX_FILE,
+    SINGLE_FILE,
+    locate,
+    missing_mtp_layers,
+    mtp_layers_in,
+)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.")
 _SHOW = 12  # keys listed per kind of error
 _FIRST_STAGE = ("model.embed_tokens.", "model.embed_positions.")  # held with layer 0
 _LAST_STAGE = ("model.norm.", "lm_head.")  # held with the last layer
-MTP_MARK = "eh_proj.weight"
-"""The key (after ``model.layers.{i}.``) that makes checkpoint layer i an MTP layer."""
 MTP_SKIP_NOTE = (
     "{source}: skipped its multi-token-prediction layers {layers}: model.mtp_layers is "
     "{count} (set it to the checkpoint's num_nextn_predict_layers to keep and export them)"
@@ -285,57 +287,11 @@ class _Checkpoint:
 
 
 def _open_checkpoint(path: str | os.PathLike[str], counter: ReadCounter) -> _Checkpoint:
-    """A file, a single-file directory or a sharded directory (only the index is read)."""
-    p = Path(path)
-    if p.is_dir() and (p / INDEX_FILE).is_file():
-        index_path = p / INDEX_FILE
-        try:
-            index = json.loads(counter.read_text(index_path))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{index_path} is not JSON ({exc}): re-download it") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index_path} has no 'weight_map' object")
-        key_files = {k: p / v for k, v in weight_map.items()}
-        files = sorted(set(key_files.values()))
-        for f in files:
-            if not f.is_file():
-                keys = sorted(k for k, v in key_files.items() if v == f)
-                raise FileNotFoundError(
-                    f"{index_path} maps {len(keys)} tensors (e.g. {keys[0]}) to {f.name}, which "
-                    f"does not exist in {p}: download the missing shard, or point "
-                    "checkpoint.init_from at a complete checkpoint"
-                )
-        return _Checkpoint(str(p), key_files, files, {}, index_path)
-    if p.is_file():
-        file = p
-    elif p.is_dir() and (p / SINGLE_FILE).is_file():
-        file = p / SINGLE_FILE
-    elif p.is_dir():
-        found = sorted(p.glob("*.safetensors"))
-        if len(found) != 1:
-            raise FileNotFoundError(
-                f"{p} has no {SINGLE_FILE} or {INDEX_FILE} and {len(found)} other .safetensors "
-                "files: point at one file or add the index"
-            )
-        file = found[0]
-    else:
-        raise FileNotFoundError(f"checkpoint {p} does not exist")
-    opened = SafetensorsFile(file, counter)
-    return _Checkpoint(str(p), {k: file for k in opened.tensors}, [file], {file: opened})
-
-
-def checkpoint_mtp_layers(keys: Collection[str], args: ModelArgs) -> set[int]:
-    """Indices of a checkpoint's MTP layers: those from ``num_layers`` on that have an
-    ``eh_proj`` (`MTP_MARK`), whatever `args.mtp_layers` builds."""
-    found = set()
-    for key in keys:
-        m = _LAYER_RE.match(key)
-        if m is None or key != f"model.layers.{m.group(1)}.{MTP_MARK}":
-            continue
-        if int(m.group(1)) >= args.num_layers:
-            found.add(int(m.group(1)))
-    return found
+    """A file, a single-file directory or a sharded directory (only the index is read:
+    `flashcp.models.weight_files.locate`)."""
+    found = locate(path, counter)
+    opened = {found.files[0]: found.single} if found.single is not None else {}
+    return _Checkpoint(found.path, found.key_files, found.files, opened, found.index)
 
 
 def index_problems(
@@ -347,7 +303,7 @@ def index_problems(
     the change that fixes it, or {}). (A `model.from_pretrained` directory whose config.json
     declares MTP layers its weights lack is refused by the config's own check,
     `hf_config.mtp_refusal`; this covers `checkpoint.init_from`, with the same rule,
-    `hf_config.missing_mtp_layers`.) A checkpoint that cannot be opened raises as
+    `weight_files.missing_mtp_layers`.) A checkpoint that cannot be opened raises as
     `load_hf_checkpoint`."""
     ckpt = _open_checkpoint(path, ReadCounter())
     where = ckpt.index or ckpt.files[0]
@@ -517,7 +473,7 @@ def _plan(
         entries = {k: held_entries[k] for k in names}
     missing = sorted(set(entries) - set(ckpt.key_files))
     built = args.num_layers + args.mtp_layers
-    extra_mtp = {i for i in checkpoint_mtp_layers(ckpt.key_files, args) if i >= built}
+    extra_mtp = {i for i in mtp_layers_in(ckpt.key_files, args.num_layers) if i >= built}
     report.skipped_mtp = sorted(extra_mtp)
     unexpected: list[str] = []
     for key in sorted(set(ckpt.key_files) - set(held_entries)):

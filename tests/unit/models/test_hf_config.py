@@ -290,7 +290,8 @@ def test_mtp_refusal_reads_an_index_or_a_single_files_header(tmp_path: Path) -> 
     import numpy as np
     from safetensors.numpy import save_file
 
-    from flashcp.models.hf_config import checkpoint_keys, mtp_refusal
+    from flashcp.models.hf_config import mtp_refusal
+    from flashcp.models.weight_files import checkpoint_keys
 
     one = np.zeros(2, np.float32)
     save_file({"model.layers.2.eh_proj.weight": one, "model.norm.weight": one},
@@ -303,13 +304,16 @@ def test_mtp_refusal_reads_an_index_or_a_single_files_header(tmp_path: Path) -> 
     assert "layer model.layers.3.* (" in two
     assert two.endswith("set model.mtp_layers=1 to train without it")
     (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"not json")
-    with pytest.raises(ValueError, match="model.safetensors has no safetensors header"):
+    with pytest.raises(ValueError, match="model.safetensors is not a valid safetensors file"):
         checkpoint_keys(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text("[]")
     with pytest.raises(ValueError, match="index.json has no 'weight_map' object"):
         checkpoint_keys(tmp_path)
-    with pytest.raises(FileNotFoundError, match="has no model.safetensors or model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="nothing does not exist"):
         checkpoint_keys(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors or model.safetensors"):
+        checkpoint_keys(tmp_path / "empty")
 
 
 # -- booleans given as 0 / 1 (issue 39, item 12) ------------------------------------------------
