@@ -1,6 +1,7 @@
 """Pipeline parallelism on gloo: PP = 2 and 3, and CP = 2 × PP = 2, equal one process.
 
-The worker (`workers/pipeline_worker.py`) runs the tiny GPT and tiny GLM presets on
+The worker (`workers/pipeline_worker.py`) runs the tiny GPT and tiny GLM presets (and ERNIE-4.5
+and Qwen2.5, whose families tie the head to the embedding, and Qwen3-MoE) on
 causal-document masks under the 1F1B (and GPipe) schedule and compares every stage
 parameter's gradient and the losses with the single-process step built from the same seed:
 

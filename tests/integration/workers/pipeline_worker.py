@@ -92,6 +92,8 @@ def cases_for(pp: int, cp: int) -> list[Case]:
             Case("gpt", "tiny", 5),
             Case("glm", "tiny_glm", 4),
             Case("gpt_tied", "tiny", 4, {"tie_embeddings": True}),
+            Case("ernie_tied", "tiny_ernie", 4),  # tied by its family, biases everywhere
+            Case("qwen3_moe", "tiny_qwen3_moe", 3),
             Case(
                 "glm_3layers_recompute",
                 "tiny_glm",
@@ -106,6 +108,7 @@ def cases_for(pp: int, cp: int) -> list[Case]:
         Case("gpt", "tiny", pp, {"num_layers": layers}),
         Case("glm", "tiny_glm", 2 * pp + 1, {"num_layers": layers}),
         Case("gpt_tied", "tiny", pp + 1, {"num_layers": layers, "tie_embeddings": True}),
+        Case("qwen2_tied", "tiny_qwen2", pp + 1, {"num_layers": layers}),
     ]
 
 
@@ -266,7 +269,7 @@ def run_case(case: Case, groups, pp: int, cp: int) -> dict:
         "tied_grad_sha": {n: hashlib.sha256(got[n].tobytes()).hexdigest() for n in tied_names},
         "p2p_bytes_sent": sent,
         "num_micro": case.num_micro,
-        "tied_embeddings": bool(case.overrides.get("tie_embeddings", False)),
+        "tied_embeddings": bool(preset(case.model, **case.overrides).tie_embeddings),
         "loss": float(loss),
         "loss_bitwise": loss_bitwise,
         "micro_bitwise": micro_bitwise,
