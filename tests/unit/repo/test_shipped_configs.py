@@ -52,6 +52,13 @@ EXPECTED = {
     "gpt/tiny_sliding_window_cp2.yaml",
     "gpt/tiny_global_window_cp2.yaml",
     "glm/tiny_prefix_lm_sft_cp2.yaml",
+    "ernie/tiny_cp2.yaml",
+    "ernie/tiny_moe_ep2_cp2.yaml",
+    "llama/tiny_cp2.yaml",
+    "qwen/tiny_qwen2_cp2.yaml",
+    "qwen/tiny_qwen3_cp2.yaml",
+    "qwen/tiny_qwen3_moe_ep2_cp2.yaml",
+    "qwen/tiny_qwen3_dpo_lora_cp2.yaml",
 }
 
 
