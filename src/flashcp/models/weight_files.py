@@ -41,10 +41,13 @@ class WeightFiles:
     single: SafetensorsFile | None = None
 
 
-def locate(path: str | os.PathLike[str], counter: ReadCounter | None = None) -> WeightFiles:
+def locate(
+    path: str | os.PathLike[str], counter: ReadCounter | None = None, *, shards: bool = True
+) -> WeightFiles:
     """The weights of a file, a single-file directory or a sharded directory (only the index,
     or the one file's header, is read; through `counter` when given). `FileNotFoundError` /
-    `ValueError` naming the file and what to do."""
+    `ValueError` naming the file and what to do; with `shards` every shard the index names
+    must exist (a load), without it only the index is read (the config checks)."""
     counter = counter or ReadCounter()
     p = Path(path)
     if p.is_dir() and (p / INDEX_FILE).is_file():
@@ -58,7 +61,7 @@ def locate(path: str | os.PathLike[str], counter: ReadCounter | None = None) -> 
             raise ValueError(f"{index_path} has no 'weight_map' object: re-download it")
         key_files = {k: p / v for k, v in weight_map.items()}
         files = sorted(set(key_files.values()))
-        for f in files:
+        for f in files if shards else ():
             if not f.is_file():
                 keys = sorted(k for k, v in key_files.items() if v == f)
                 raise FileNotFoundError(
@@ -88,7 +91,7 @@ def locate(path: str | os.PathLike[str], counter: ReadCounter | None = None) -> 
 
 def checkpoint_keys(path: str | os.PathLike[str]) -> list[str]:
     """The tensor names of the weights at `path`, sorted (no tensor data is read)."""
-    found = locate(path)
+    found = locate(path, shards=False)
     if found.single is not None:
         found.single.close()
     return sorted(found.key_files)
