@@ -9,113 +9,80 @@ Typical use inside a launched worker::
     ...
     shutdown()
 
-See `docs/distributed.md` for the layout, the gloo workarounds and the timeout behaviour.
+Names load on first use (PEP 562): the layout (`dims`) imports without Paddle, for the
+planner. See `docs/distributed.md` for the layout, the gloo workarounds and the timeout behaviour.
 """
 
-from flashcp.distributed.alltoall import Exchange, all_to_all, gather_rows
-from flashcp.distributed.bootstrap import (
-    DistEnv,
-    init_distributed,
-    launch_env,
-    master_endpoint,
-    shutdown,
-)
-from flashcp.distributed.collectives import (
-    REDUCE_SCATTER_METHODS,
-    all_gather_object,
-    all_gather_tensor,
-    all_reduce_tensor,
-    barrier,
-    broadcast_tensor,
-    group_backend,
-    group_label,
-    nbytes,
-    reduce_scatter,
-    reduce_scatter_chunks,
-    ring_shift,
-    sends_first,
-    timeout_message,
-)
-from flashcp.distributed.counters import (
-    COUNTERS,
-    CommStats,
-    comm_stats,
-    reset_comm_stats,
-    waited_seconds,
-)
-from flashcp.distributed.dims import DIM_ORDER, WORLD, ParallelDims
-from flashcp.distributed.groups import (
-    NamedGroup,
-    ParallelGroups,
-    build_groups,
-    destroy_all_groups,
-    destroy_groups,
-    endpoint_host,
-    start_group_store,
-    store_group,
-    wait_for_port,
-    world_group,
-)
-from flashcp.distributed.watchdog import (
-    ENV_INIT_TIMEOUT,
-    ENV_STARTUP_TIMEOUT,
-    ENV_SYNC,
-    ENV_TIMEOUT,
-    TIMEOUT_EXIT_CODE,
-    WATCHDOG,
-    Watchdog,
-    resolve_timeout,
-    startup_phase,
-)
+from __future__ import annotations
 
-__all__ = [
-    "COUNTERS",
-    "DIM_ORDER",
-    "ENV_INIT_TIMEOUT",
-    "ENV_STARTUP_TIMEOUT",
-    "ENV_SYNC",
-    "ENV_TIMEOUT",
-    "REDUCE_SCATTER_METHODS",
-    "TIMEOUT_EXIT_CODE",
-    "WATCHDOG",
-    "WORLD",
-    "CommStats",
-    "DistEnv",
-    "Exchange",
-    "NamedGroup",
-    "ParallelDims",
-    "ParallelGroups",
-    "Watchdog",
-    "all_gather_object",
-    "all_to_all",
-    "all_gather_tensor",
-    "all_reduce_tensor",
-    "barrier",
-    "broadcast_tensor",
-    "build_groups",
-    "comm_stats",
-    "destroy_all_groups",
-    "destroy_groups",
-    "endpoint_host",
-    "gather_rows",
-    "group_backend",
-    "group_label",
-    "init_distributed",
-    "launch_env",
-    "master_endpoint",
-    "nbytes",
-    "reduce_scatter",
-    "reduce_scatter_chunks",
-    "reset_comm_stats",
-    "resolve_timeout",
-    "ring_shift",
-    "sends_first",
-    "shutdown",
-    "startup_phase",
-    "start_group_store",
-    "store_group",
-    "waited_seconds",
-    "timeout_message",
-    "wait_for_port",
-    "world_group",
-]
+import importlib
+from typing import Any
+
+EXPORTS: dict[str, str] = {
+    "Exchange": "flashcp.distributed.alltoall",
+    "all_to_all": "flashcp.distributed.alltoall",
+    "gather_rows": "flashcp.distributed.alltoall",
+    "DistEnv": "flashcp.distributed.bootstrap",
+    "init_distributed": "flashcp.distributed.bootstrap",
+    "launch_env": "flashcp.distributed.bootstrap",
+    "master_endpoint": "flashcp.distributed.bootstrap",
+    "shutdown": "flashcp.distributed.bootstrap",
+    "REDUCE_SCATTER_METHODS": "flashcp.distributed.collectives",
+    "all_gather_object": "flashcp.distributed.collectives",
+    "all_gather_tensor": "flashcp.distributed.collectives",
+    "all_reduce_tensor": "flashcp.distributed.collectives",
+    "barrier": "flashcp.distributed.collectives",
+    "broadcast_tensor": "flashcp.distributed.collectives",
+    "group_backend": "flashcp.distributed.collectives",
+    "group_label": "flashcp.distributed.collectives",
+    "nbytes": "flashcp.distributed.collectives",
+    "reduce_scatter": "flashcp.distributed.collectives",
+    "reduce_scatter_chunks": "flashcp.distributed.collectives",
+    "ring_shift": "flashcp.distributed.collectives",
+    "sends_first": "flashcp.distributed.collectives",
+    "timeout_message": "flashcp.distributed.collectives",
+    "COUNTERS": "flashcp.distributed.counters",
+    "CommStats": "flashcp.distributed.counters",
+    "comm_stats": "flashcp.distributed.counters",
+    "reset_comm_stats": "flashcp.distributed.counters",
+    "waited_seconds": "flashcp.distributed.counters",
+    "DIM_ORDER": "flashcp.distributed.dims",
+    "WORLD": "flashcp.distributed.dims",
+    "ParallelDims": "flashcp.distributed.dims",
+    "NamedGroup": "flashcp.distributed.groups",
+    "ParallelGroups": "flashcp.distributed.groups",
+    "build_groups": "flashcp.distributed.groups",
+    "destroy_all_groups": "flashcp.distributed.groups",
+    "destroy_groups": "flashcp.distributed.groups",
+    "endpoint_host": "flashcp.distributed.groups",
+    "start_group_store": "flashcp.distributed.groups",
+    "store_group": "flashcp.distributed.groups",
+    "wait_for_port": "flashcp.distributed.groups",
+    "world_group": "flashcp.distributed.groups",
+    "ENV_INIT_TIMEOUT": "flashcp.distributed.watchdog",
+    "ENV_STARTUP_TIMEOUT": "flashcp.distributed.watchdog",
+    "ENV_SYNC": "flashcp.distributed.watchdog",
+    "ENV_TIMEOUT": "flashcp.distributed.watchdog",
+    "TIMEOUT_EXIT_CODE": "flashcp.distributed.watchdog",
+    "WATCHDOG": "flashcp.distributed.watchdog",
+    "Watchdog": "flashcp.distributed.watchdog",
+    "resolve_timeout": "flashcp.distributed.watchdog",
+    "startup_phase": "flashcp.distributed.watchdog",
+}
+"""Each name → the module that defines it."""
+
+__all__ = sorted(EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """A name of `EXPORTS`, imported from its module on first use."""
+    module = EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashcp.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *EXPORTS})

@@ -258,3 +258,19 @@ def ep_divides_message(ep: int, dp: int, cp: int) -> str:
         f"the expert-parallel groups are carved from the dp × cp ranks of a pipeline stage; "
         f"set parallel.ep to one of {fits}"
     )
+
+
+GROUP_KINDS: tuple[str, ...] = (*DIM_ORDER, "ep", "edp")
+"""Every kind of group `build_groups` makes, in creation order (mesh dimensions, then the
+expert-parallel groups)."""
+
+
+def kind_groups(dims: ParallelDims, kind: str) -> list[list[int]]:
+    """Every rank list of group kind `kind` (a mesh dimension, `ep` or `edp`); none for a
+    trivial kind (one rank per group)."""
+    if kind in DIM_ORDER:
+        return dims.groups_for(kind) if dims.enabled(kind) else []
+    if dims.ep == 1:
+        return []
+    groups = dims.expert_groups_for(kind)
+    return [] if len(groups[0]) == 1 else groups

@@ -43,7 +43,7 @@ from paddle.distributed.communication.group import Group
 from flashcp.distributed import ports
 from flashcp.distributed.alltoall import Exchange
 from flashcp.distributed.collectives import barrier, group_backend
-from flashcp.distributed.dims import DIM_ORDER, WORLD, ParallelDims
+from flashcp.distributed.dims import DIM_ORDER, GROUP_KINDS, WORLD, ParallelDims, kind_groups
 from flashcp.distributed.watchdog import WATCHDOG, resolve_timeout
 from flashcp.log import logger
 
@@ -51,9 +51,6 @@ GROUP_ID_BASE = 4096
 """Group ids of flashcp gloo groups start here, far above Paddle's own ring ids."""
 _STORE_KEY = "flashcp/groups/{build}/{dim}/{index}"
 _PORT_ATTEMPTS = 5
-GROUP_KINDS: tuple[str, ...] = (*DIM_ORDER, "ep", "edp")
-"""Every kind of group `build_groups` makes, in creation order (mesh dimensions, then the
-expert-parallel groups)."""
 EP_LINK_ID_BASE = 1 << 26
 """Group ids of the ep pair groups (gloo) start here, above the pipeline links' ids."""
 _EP_LINK_KEY = "flashcp/ep_link/{build}/{a}-{b}"
@@ -250,17 +247,6 @@ def _gloo_group(
     key = _STORE_KEY.format(build=build, dim=dim, index=index)
     group_id = GROUP_ID_BASE + build * len(GROUP_KINDS) + GROUP_KINDS.index(dim)
     return store_group(dim, key, ranks, rank, group_id, timeout, name=f"flashcp_{dim}_{index}")
-
-
-def kind_groups(dims: ParallelDims, kind: str) -> list[list[int]]:
-    """Every rank list of group kind `kind` (a mesh dimension, `ep` or `edp`); none for a
-    trivial kind (one rank per group)."""
-    if kind in DIM_ORDER:
-        return dims.groups_for(kind) if dims.enabled(kind) else []
-    if dims.ep == 1:
-        return []
-    groups = dims.expert_groups_for(kind)
-    return [] if len(groups[0]) == 1 else groups
 
 
 def ep_link_pairs(dims: ParallelDims, backend: str) -> list[tuple[int, int]]:

@@ -31,8 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashcp.config.schema import Config
-from flashcp.distributed.dims import ParallelDims
-from flashcp.distributed.groups import GROUP_KINDS, kind_groups
+from flashcp.distributed.dims import GROUP_KINDS, ParallelDims, kind_groups
 
 GIB = 2**30
 NCCL_COMMUNICATOR_BYTES = 1 * GIB

@@ -27,7 +27,8 @@ from flashcp.distributed import (
     gather_rows,
     reset_comm_stats,
 )
-from flashcp.distributed.groups import NamedGroup, _nccl_groups, ep_link_pairs, kind_groups
+from flashcp.distributed.dims import kind_groups
+from flashcp.distributed.groups import NamedGroup, _nccl_groups, ep_link_pairs
 from flashcp.models import StageSpec, build_model, estimate_parameters, preset
 from flashcp.models.expert_parallel import (
     DispatchPlan,

@@ -48,7 +48,7 @@ def test_init_from_draws_no_initial_values(
     """With `checkpoint.init_from` every parameter is read from the checkpoint, so the build
     draws none of them first (a real-size stage would spend minutes on host random numbers);
     a missing parameter is still an error, never a silently zero weight."""
-    import flashcp.models as models
+    import flashcp.models.build as models
 
     base = load_config(CONFIG, [f"run.output_dir={tmp_path / 'a'}"], world_size=2)
     source = build_model(base.model, seed=5)
