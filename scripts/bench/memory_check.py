@@ -82,13 +82,13 @@ def allocator() -> tuple[Any, Any, Any]:
 
 def worker(config: Path, out_dir: Path) -> int:
     """Train `config` on this rank and write its allocator peaks to `out_dir`."""
-    import flashcp.models
+    import flashcp.models.build
     from flashcp.config import load_config
     from flashcp.launch.worker import set_runtime_flags
     from flashcp.trainer import Trainer
 
     # Real-width layers at reduced depth exceed the CPU build guard meant for whole real models.
-    flashcp.models.CPU_MAX_PARAMETERS = 10**12
+    flashcp.models.build.CPU_MAX_PARAMETERS = 10**12
     cfg = load_config(config, allow_placeholders=True)
     groups = None
     if cfg.parallel.world_size > 1:
