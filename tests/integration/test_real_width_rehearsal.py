@@ -219,7 +219,7 @@ def test_glm45_air_stage_at_real_width_loads_its_share_and_fits_its_plan(
     from flashcp.pipeline.stage import stage_spec
     from flashcp.trainer import init_weights
 
-    monkeypatch.setattr(flashcp.models.build, "CPU_MAX_PARAMETERS", 10**12)  # real width, on purpose
+    monkeypatch.setattr(flashcp.models.build, "CPU_MAX_PARAMETERS", 10**12)  # real width
     args = _config(tmp_path, None).model
     assert (args.hidden_size, args.num_experts, args.vocab_size) == (4096, 128, 151552)
     assert [args.is_moe_layer(i) for i in range(3)] == [False, False, True]
