@@ -203,7 +203,8 @@ def test_every_preset_round_trips_through_config_json(name: str) -> None:
     assert _model(again) == _model(args)
 
 
-def test_llama3_scaling_equals_its_definition() -> None:
+@pytest.mark.parametrize(("low", "high"), [(1.0, 4.0), (2.0, 4.0), (1.0, 8.0)])
+def test_llama3_scaling_equals_its_definition(low: float, high: float) -> None:
     """Llama-3.1's published rule (float64 here): a wavelength above original / low is
     slowed by `factor`, below original / high kept, between interpolated by
     s = (original / wavelength - low) / (high - low)."""
@@ -211,17 +212,33 @@ def test_llama3_scaling_equals_its_definition() -> None:
     want = []
     for f in inv:
         wavelen = 2 * np.pi / f
-        if wavelen < 8192 / 4.0:
+        if wavelen < 8192 / high:
             want.append(f)
-        elif wavelen > 8192 / 1.0:
+        elif wavelen > 8192 / low:
             want.append(f / 8.0)
         else:
-            s = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            s = (8192 / wavelen - low) / (high - low)
             want.append((1 - s) * f / 8.0 + s * f)
-    got = llama3_scaled(inv.astype(np.float32), 8.0, 1.0, 4.0, 8192)
+    got = llama3_scaled(inv.astype(np.float32), 8.0, low, high, 8192)
     np.testing.assert_allclose(got, want, rtol=2e-6)
-    medium = [(8192 / 4) <= 2 * np.pi / f <= 8192 for f in inv]
-    assert sum(medium) >= 3  # the three branches are all exercised
-    assert np.array_equal(model_inverse_frequencies(preset("llama31_8b")), got)
+    medium = [(8192 / high) <= 2 * np.pi / f <= 8192 / low for f in inv]
+    assert sum(medium) >= 2  # the three branches are all exercised
+    if (low, high) == (1.0, 4.0):
+        assert np.array_equal(model_inverse_frequencies(preset("llama31_8b")), got)
     assert np.array_equal(model_inverse_frequencies(preset("qwen3_8b")),
                           inverse_frequencies(128, 1e6))  # fmt: skip
+
+
+def test_rope_tables_are_float32_as_transformers_computes_them() -> None:
+    """transformers computes the inverse frequencies in float32 (an int64 arange cast to float,
+    float32 powers and division): the tables are float32 and bitwise that computation, and the
+    scaling stays in float32 too (another dtype anywhere changes the bits)."""
+    d, base = 64, 500000.0
+    want = np.float32(1.0) / (np.float32(base) ** (np.arange(0, d, 2).astype(np.float32)
+                                                   / np.float32(d)))  # fmt: skip
+    got = inverse_frequencies(d, base)
+    assert got.dtype == np.float32 and np.array_equal(got, want.astype(np.float32))
+    scaled = llama3_scaled(got, 8.0, 1.0, 4.0, 8192)
+    assert scaled.dtype == np.float32
+    wide = llama3_scaled(got.astype(np.float64), 8.0, 1.0, 4.0, 8192)
+    assert np.array_equal(scaled, wide)  # the input is taken as float32 whatever it came as
