@@ -92,8 +92,8 @@ def module_path(arg: str, root: Path = ROOT) -> str:
 
 
 def unit_tests_for(module: str, root: Path = ROOT) -> list[str]:
-    """The unit tests of `module`'s package (tests mirror the package: README, "Running the
-    tests by tier"): `tests/unit/<package>/` for `src/flashcp/<package>/...`,
+    """The unit tests of `module`'s package (tests mirror the package: docs/testing.md,
+    "The tiers"): `tests/unit/<package>/` for `src/flashcp/<package>/...`,
     `tests/unit/test_<name>.py` for a top-level `src/flashcp/<name>.py`;
     `FLASHCP_MUTATION_TESTS` (paths, space-separated) overrides. SystemExit when none is
     found."""

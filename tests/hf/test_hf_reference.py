@@ -9,7 +9,7 @@ also one trained from scratch with the byte tokenizer (`AutoModelForCausalLM` an
 (which transformers ignores).
 
 Marker `hf`: `bash scripts/test.sh hf` installs torch (a CPU wheel) and runs these; the default
-CI run deselects them (see README, "HF reference tier")."""
+CI run deselects them (docs/testing.md, "The tiers")."""
 
 from __future__ import annotations
 
