@@ -191,6 +191,10 @@ def test_a_fixed_value_set_otherwise_in_the_run_config_is_refused_naming_the_fix
         dataclasses.replace(preset("tiny_qwen2"), qkv_bias=False).check()
     with pytest.raises(ValueError, match=r"sets qkv_bias and o_bias together"):
         dataclasses.replace(preset("tiny_llama"), o_bias=True).check()
+    with pytest.raises(ValueError, match=r"o_bias=False; set model.o_bias: false"):
+        dataclasses.replace(preset("tiny_qwen2"), o_bias=True).check()
+    with pytest.raises(ValueError, match=r"dense_replace=0; set model.first_k_dense_replace: 0"):
+        dataclasses.replace(preset("tiny_qwen3_moe"), first_k_dense_replace=1).check()
 
 
 @pytest.mark.parametrize(
