@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -241,6 +242,7 @@ def _eval_target(config: str, overrides: list[str]) -> tuple[str, list[str]]:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from flashcp import runlock
     from flashcp.checkpoint.format import CheckpointError
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.evaluation import EvalError, Evaluation, check
@@ -267,6 +269,14 @@ def _eval(args: argparse.Namespace) -> int:
         return run_job(cfg, config, overrides, nodes=nodes, command=args.command_line,
                        evaluate=True)  # fmt: skip
     set_runtime_flags(cfg)  # one process: here, as a launched rank would
+    try:  # it writes eval_results.json there: not into a run directory another job holds
+        lock = runlock.acquire(cfg.run.output_dir, runlock.Holder(
+            "flashcp eval", os.getpid(), command=args.command_line))  # fmt: skip
+    except (runlock.RunLockError, OSError) as exc:
+        print(f"flashcp eval: {exc}", file=sys.stderr)
+        return 2
+    if lock.note:
+        print(f"flashcp eval: {lock.note}", file=sys.stderr)
     try:
         Evaluation(cfg, stream=sys.stdout).run()
     except EvalError as exc:
@@ -275,6 +285,8 @@ def _eval(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"flashcp eval: {exc}", file=sys.stderr)
         return 4
+    finally:
+        lock.release()
     return 0
 
 

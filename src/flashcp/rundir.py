@@ -15,11 +15,13 @@ both the trainer and `flashcp.launch`, which import it.
 `run.overwrite: true` never deletes: `flashcp train` renames the directory to
 `<output_dir>.old-<YYYYmmdd-HHMMSS>[-N]` (`move_aside`: one rename in the same parent, to a name
 reserved with `mkdir` first, so two moves cannot collide) before any process starts, and the job
-writes into a fresh directory. Ranks never move anything (ranks of one job would race, and a
+writes into a fresh directory; a directory another job holds (`flashcp.runlock`) is never moved.
+Ranks never move anything (ranks of one job would race, and a
 job may span hosts): a rank that finds an earlier run while `run.overwrite` is true refuses and
 points at `flashcp train`. A directory holding only `logs/` (what the launcher writes before
-the ranks start) is not an earlier run. Ranks relaunched by an automatic restart
-(`flashcp.attempt`: attempt > 0) skip the check: what they find there is their own run's.
+the ranks start) and the job's lock (`flashcp.runlock.LOCK_FILE`) is not an earlier run. Ranks
+relaunched by an automatic restart (`flashcp.attempt`: attempt > 0) skip the check: what they
+find there is their own run's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from flashcp.attempt import current as current_attempt
 from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
 from flashcp.metrics.writer import METRICS_FILE
+from flashcp.runlock import LOCK_FILE
 
 LOG_DIR = "logs"
 ASIDE = ".old-"
@@ -43,11 +46,12 @@ class RunDirError(RuntimeError):
 
 
 def earlier_run(output_dir: str | Path) -> list[str]:
-    """Names of what an earlier run left in `output_dir` (all entries but `logs/`), sorted."""
+    """Names of what an earlier run left in `output_dir` (all entries but `logs/` and the
+    lock), sorted."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    return sorted(p.name for p in out.iterdir() if p.name != LOG_DIR)
+    return sorted(p.name for p in out.iterdir() if p.name not in (LOG_DIR, LOCK_FILE))
 
 
 def checkpoint_conflict(output_dir: str | Path, resume: str) -> str | None:
@@ -137,7 +141,7 @@ def move_aside(output_dir: str | Path, when: float | None = None) -> Path | None
     move). The target name is reserved with `mkdir` (`-2`, `-3`, ... when taken), then the
     directory is renamed onto that empty placeholder: nothing is copied or deleted."""
     out = Path(output_dir)
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p.name != LOCK_FILE for p in out.iterdir()):
         return None
     if holds_cwd(out):
         raise RunDirError(

@@ -10,6 +10,9 @@ dp·pp·cp/N`; the launcher's `PADDLE_NNODES` makes the degree check name the no
 rank does, its exit codes and its last line: `flashcp.launch.worker`. Without `--log_dir` the
 launcher writes its logs to `./log/` (git-ignored here); `flashcp train` puts them in
 `<run.output_dir>/logs`.
+
+First of all, before its imports (Paddle's take seconds), a rank ties itself to its launcher
+(`flashcp.launch.lifeline.hold`): it ends when the launcher does, however that ends.
 """
 
 import sys
@@ -18,6 +21,11 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: don't let this package's dir shadow top-level names
     _here = str(Path(__file__).resolve().parent)
     sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _here]
+
+from flashcp.launch.lifeline import hold  # noqa: E402
+
+if __name__ == "__main__":
+    hold()
 
 from flashcp.launch.worker import run  # noqa: E402
 

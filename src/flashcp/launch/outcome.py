@@ -262,6 +262,44 @@ def failure_report(
     return "\n".join(lines)
 
 
+def launcher_killed_text(signum: int) -> str:
+    """What happened when Paddle's launcher itself was killed by `signum`."""
+    return (f"Paddle's launcher was killed by {_signal_name(-signum)} from outside (the "
+            "out-of-memory killer, a kill, a scheduler), and its ranks ended with it")  # fmt: skip
+
+
+def launcher_killed(code: int, signum: int) -> str:
+    """The failure line when Paddle's launcher was killed (no rank is to blame)."""
+    return f"flashcp: the job failed (exit {code}): {launcher_killed_text(signum)}"
+
+
+def ending_line(
+    how: str,
+    code: int,
+    *,
+    saved: tuple[int, Path, int] | None,
+    newest: tuple[int, Path, int] | None,
+    interrupted: bool = False,
+    training: bool = True,
+) -> str:
+    """`flashcp train`'s last line: how the job ended, the step it saved (`saved`: the newest
+    complete checkpoint, when this command wrote it; else none, and `newest` the one a resume
+    would start from), and its exit code; an `interrupted` job that can resume says so."""
+    parts = [f"flashcp: {how}"]
+    if training:
+        if saved is not None:
+            parts.append(f"saved step {saved[0]} ({saved[1]})")
+        elif newest is not None:
+            parts.append(f"no step saved (the newest checkpoint is step {newest[0]}, {newest[1]})")
+        else:
+            parts.append("no step saved")
+        if interrupted and code != 0:
+            since = "from it" if newest is not None else "from the start"
+            parts[-1] += f"; run the same command again to resume {since}"
+    parts.append(f"exit {code}")
+    return "; ".join(parts)
+
+
 def log_sizes(log_dir: Path, nproc: int) -> dict[int, int]:
     """Current sizes of the rank logs: the launcher appends, so a run's part starts there."""
     sizes = {}

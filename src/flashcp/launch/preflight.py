@@ -13,18 +13,24 @@ naming its key and the fix, each fix validated through this same preflight befor
 printed; `flashcp validate` lists them, `flashcp train` and a rank refuse with them (exit code
 `EXIT_PREFLIGHT`, 2: bad config), one line per problem.
 
-The second part is `flashcp train`'s launch (`preflight`): `FLASHCP_MASTER_PORT` (an optional
+The second part is `flashcp train`'s launch (`preflight`): no other job holds `run.output_dir`
+(`flashcp.runlock`: said first, it is the reason to know), `FLASHCP_MASTER_PORT` (an optional
 fixed port for the launcher's master) is free (`master_port`), the launcher's ports can be
 leased (`launcher_ports`), the `--master` of a multi-node job is usable (`check_master`), the
 run may start in `run.output_dir` (`check_run_dir`: no fresh run over an earlier run's
 checkpoints, see `flashcp.rundir`), and `run.output_dir` can be written (`check_output_dir`). A
 problem raises `PreflightError` (printed as one line, exit code `EXIT_PREFLIGHT`), with
 nothing launched and nothing written or moved. Only then, with `run.overwrite: true`, node 0
-moves an earlier run aside (`rundir.move_aside`), and the last check creates the log directory.
+moves an earlier run aside (`rundir.move_aside`, holding its lock meanwhile), the last check
+creates the log directory, and the job takes `run.output_dir`'s lock for its whole life
+(`Prepared.lock`; a lock left by a job that is gone is taken over, said through `say`).
 
 More than one node (`Nodes`): node 0 checks the master port is free (its launcher serves the
-rendezvous there) and alone moves an earlier run aside; the other nodes first wait for that
-port (`check_master`, `FLASHCP_INIT_TIMEOUT`), so node 0 has done its checks before they start.
+rendezvous there), alone moves an earlier run aside and takes the run directory's lock for the
+job; the other nodes first wait for that port (`check_master`, `FLASHCP_INIT_TIMEOUT`), so node 0
+has done its checks before they start, then check that node 0 of their job (the same
+`--master` and node count) holds the lock (`job_lock`), and each takes its own node's
+(`logs/node<R>`: one process per node of a job).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashcp import dispatch, rundir
+from flashcp import dispatch, rundir, runlock
 from flashcp.config import Config, ConfigError, ConfigValidationError, collect, to_dict
 from flashcp.config import load as config_load
 from flashcp.config.device import DeviceError, compute_dtype, resolve_device
@@ -102,11 +108,23 @@ class Nodes:
 @dataclass
 class Prepared:
     """What a passed preflight hands the launch: where the logs go, the master port, the
-    port lease (the caller releases it when the job ends)."""
+    port lease and the run directory's lock (the caller releases both when the job ends), and
+    the job's lock token (`runlock.ENV_TOKEN`, for its ranks)."""
 
     log_dir: Path
     master_port: int | None
     lease: PortLease | None
+    lock: runlock.Held | None = None
+    token: str | None = None
+
+    def release(self) -> None:
+        """Release the port lease and the lock (idempotent)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def master_port(environ: Mapping[str, str] | None = None) -> int | None:
@@ -189,12 +207,53 @@ def check_output_dir(output_dir: str | Path, log_dir: Path | None = None) -> Pat
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise PreflightError(
-            f"run.output_dir {out} is not a writable directory: {exc.strerror or exc}{where}; "
-            "set run.output_dir to a directory you can write"
-        ) from None
+        raise _not_writable(out, exc) from None
     return logs
+
+
+def _not_writable(out: str | Path, exc: OSError) -> PreflightError:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return PreflightError(
+        f"run.output_dir {out} is not a writable directory: {exc.strerror or exc}{where}; "
+        "set run.output_dir to a directory you can write"
+    )
+
+
+def take_lock(output_dir: str | Path, holder: runlock.Holder) -> runlock.Held:
+    """`runlock.acquire`, its refusal and a directory it cannot write as `PreflightError`."""
+    try:
+        return runlock.acquire(output_dir, holder)
+    except runlock.RunLockError as exc:
+        raise PreflightError(str(exc)) from None
+    except OSError as exc:
+        raise _not_writable(output_dir, exc) from None
+
+
+def check_lock(output_dir: str | Path) -> None:
+    """`runlock.probe` (another job holds `output_dir`) as `PreflightError`."""
+    try:
+        runlock.probe(output_dir)
+    except runlock.RunLockError as exc:
+        raise PreflightError(str(exc)) from None
+
+
+def job_lock(output_dir: str | Path, nodes: Nodes) -> runlock.Holder:
+    """Node R > 0: the holder of `output_dir`'s lock, which must be node 0 of this job (the
+    same `--master` and node count), running."""
+    holder, live = runlock.read_holder(output_dir)
+    ours = live and holder is not None and (holder.master, holder.nnodes) == (
+        nodes.master, nodes.count
+    )  # fmt: skip
+    if holder is not None and ours:
+        return holder
+    if live and holder is not None:
+        why = runlock.refusal(output_dir, holder, stale_s=runlock.stale_seconds())
+        raise PreflightError(f"node {nodes.rank}: {why}")
+    raise PreflightError(
+        f"node {nodes.rank}: node 0's launcher serves --master {nodes.master} but holds no lock "
+        f"on run.output_dir {output_dir} ({runlock.LOCK_FILE}): run.output_dir must be one "
+        "directory shared by every node (and node 0 started with the same --master and --nnodes)"
+    )
 
 
 def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> None:
@@ -424,6 +483,20 @@ def move_aside(output_dir: str | Path) -> Path | None:
         raise PreflightError(str(exc)) from None
 
 
+def _overwrite(output_dir: str | Path, holder: runlock.Holder) -> Path | None:
+    """`run.overwrite` on node 0: move the earlier run aside while holding its lock (a run
+    directory another job holds is never moved)."""
+    if not rundir.earlier_run(output_dir) and not (Path(output_dir) / rundir.LOG_DIR).exists():
+        return None
+    held = take_lock(output_dir, holder)
+    moved = None
+    try:
+        moved = move_aside(output_dir)
+    finally:
+        held.release(moved_to=moved)
+    return moved
+
+
 def preflight(
     cfg: Config,
     nodes: Nodes,
@@ -432,33 +505,54 @@ def preflight(
     say: Callable[[str], None] = print,
     evaluating: bool = False,
     checked: bool = False,
+    command: str = "",
 ) -> Prepared:
     """Every check, in order, for this node's share of the job (`preflight_problems`, unless
     `checked`: the caller ran `check_config_file`; then the launch's own); then node 0 moves
-    an earlier run aside (`run.overwrite`, told through `say`) and the log directory is
-    created. Raises `PreflightError` with nothing launched, written or moved (no lease
-    held). `evaluating` (`flashcp eval`): no run directory check and nothing moved (an
-    evaluation writes no checkpoint or metrics), logs in `<run.output_dir>/logs/eval`."""
+    an earlier run aside (`run.overwrite`, told through `say`), the log directory is created
+    and the run directory's lock taken (node 0: the job's, naming `command`; the other nodes:
+    their node's, once node 0 of their job holds the job's). Raises `PreflightError` with
+    nothing launched, written or moved (no lease or lock held). `evaluating` (`flashcp
+    eval`): no run directory check and nothing moved (an evaluation writes no checkpoint or
+    metrics), logs in `<run.output_dir>/logs/eval`; it takes the lock all the same (it writes
+    its results there)."""
     environ = os.environ if environ is None else environ
     output_dir = cfg.run.output_dir
-    lease: PortLease | None = None
+    ready = Prepared(log_dir=Path(output_dir), master_port=None, lease=None)
+    holder = runlock.Holder(
+        "flashcp eval" if evaluating else "flashcp train", os.getpid(), command=command,
+        master=nodes.master if nodes.multi else None, nnodes=nodes.count,
+    )  # fmt: skip
     try:
         if not checked and (problems := preflight_problems(cfg, nnodes=nodes.count)):
             raise PreflightError(refusal_text(problems, cfg.source))
-        port = master_port(environ) if nodes.master is None else None
-        lease = launcher_ports(environ, cfg.parallel.world_size // nodes.count)
+        if nodes.rank == 0:
+            check_lock(output_dir)
+        ready.master_port = master_port(environ) if nodes.master is None else None
+        ready.lease = launcher_ports(environ, cfg.parallel.world_size // nodes.count)
         if nodes.master is not None:
             check_master(nodes)
+        job = job_lock(output_dir, nodes) if nodes.rank > 0 else None
         logs = nodes.log_dir(output_dir)
         if evaluating:
             logs = logs / EVAL_LOG_DIR
         else:
             check_run_dir(output_dir, resume=cfg.checkpoint.resume, overwrite=cfg.run.overwrite)
-            if nodes.rank == 0 and cfg.run.overwrite and (moved := move_aside(output_dir)):
+            if nodes.rank == 0 and cfg.run.overwrite and (moved := _overwrite(output_dir, holder)):
                 say(f"flashcp: run.overwrite: moved the earlier run in {output_dir} to {moved}")
-        log_dir = check_output_dir(output_dir, logs)
+        ready.log_dir = check_output_dir(output_dir, logs)
+        if job is None:  # node 0: the job's lock
+            ready.lock = take_lock(output_dir, holder)
+            ready.token = ready.lock.token
+        else:  # another node: its node's lock, under the job's
+            node = runlock.Holder(f"{holder.what} node {nodes.rank}", os.getpid(),
+                                  command=command, master=nodes.master,
+                                  nnodes=nodes.count)  # fmt: skip
+            ready.lock = take_lock(nodes.log_dir(output_dir), node)
+            ready.token = job.token
+        if ready.lock.note:
+            say(f"flashcp: {ready.lock.note}")
     except PreflightError:
-        if lease is not None:
-            lease.release()
+        ready.release()
         raise
-    return Prepared(log_dir=log_dir, master_port=port, lease=lease)
+    return ready

@@ -127,6 +127,20 @@ def latest_complete(output_dir: str | Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def newest_checkpoint(output_dir: str | Path) -> tuple[int, Path, int] | None:
+    """`latest_complete` with its manifest's modification time (ns): a checkpoint of the same
+    step written again (after a resume from an older one) is a new one."""
+    found = latest_complete(output_dir)
+    if found is None:
+        return None
+    step, path = found
+    try:
+        stamp = (path / "manifest.json").stat().st_mtime_ns
+    except OSError:
+        stamp = 0
+    return step, path, stamp
+
+
 def relaunch_overrides(cfg: Config) -> tuple[list[str], int | None]:
     """The overrides a relaunch adds to the command's own, and the step it resumes from (None:
     the start, or the `checkpoint.resume` path the run began from).

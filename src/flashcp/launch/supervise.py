@@ -5,7 +5,8 @@ another session, so the group alone does not reach them: every process of a job 
 marker in its environment (`<marker_env>=<marker>`, by default `FLASHCP_JOB_ID`) and is found
 through /proc (Linux). `stop` sends SIGTERM to the launcher's group and to every marked process,
 then SIGKILL to what outlives the grace period; `leftover` finds (and kills) marked processes
-that outlive the launcher.
+that outlive the launcher. A launcher started `tether`ed ends with the process that started it,
+even by SIGKILL (`flashcp.launch.lifeline`: its ranks end with it in turn).
 
 `run_launch` is the blocking form used by the test harness (`tests/helpers/launch.py`)
 and the benchmark scripts: the launcher draws its ports from a lease (`launcher_lease`), the
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.distributed import ports
+from flashcp.launch import lifeline
 
 JOB_MARKER = "FLASHCP_JOB_ID"
 """The default environment variable that marks every process of a job."""
@@ -175,11 +177,15 @@ class Job:
         env: Mapping[str, str],
         *,
         marker_env: str = JOB_MARKER,
+        tether: bool = False,
         **popen: Any,
     ) -> Job:
-        """Start `cmd` in a new session; `env` must carry the marker (see `job_env`)."""
+        """Start `cmd` in a new session; `env` must carry the marker (see `job_env`). `tether`:
+        it ends when this process does, however this one ends (`lifeline.tethered`; start it
+        from the thread that outlives it: the kernel ties it to that thread)."""
         marker = env[marker_env]
-        proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True, **popen)
+        argv = lifeline.tethered(cmd) if tether else list(cmd)
+        proc = subprocess.Popen(argv, env=dict(env), start_new_session=True, **popen)
         return cls(proc, marker, marker_env)
 
     def stop(self, grace: float = GRACE_SECONDS) -> list[int]:
@@ -277,7 +283,7 @@ def run_launch(
             held.callback(lease.release)
             child_env.update(lease.env())
         sink = held.enter_context(open(launcher_log, "wb"))
-        job = Job.start(cmd, child_env, marker_env=marker_env, stdout=sink,
+        job = Job.start(cmd, child_env, marker_env=marker_env, tether=True, stdout=sink,
                         stderr=subprocess.STDOUT)  # fmt: skip
         returncode, timed_out, _ = job.wait(timeout)
     duration = time.monotonic() - start

@@ -6,17 +6,20 @@
 `main` loads the config (once: this process's own copy; world size and node count from the
 launcher's environment), runs the preflight `flashcp train` and `flashcp validate` run
 (`flashcp.launch.preflight.preflight_problems`: device, FlashAttention dispatch, memory plan,
-model directory, a sample of the data), checks the run directory (`flashcp.rundir`; a rank
-never moves an earlier run aside for `run.overwrite`, `flashcp train` does) and
-`FLASHCP_FAULT`, sets the
+model directory, a sample of the data), checks that the run directory is its job's
+(`run_dir_lock`: the lock its `flashcp train` holds, or, for ranks started by
+`paddle.distributed.launch` directly, the lock the job's first rank takes), that the run may
+start there (`flashcp.rundir`; a rank never moves an earlier run aside for `run.overwrite`,
+`flashcp train` does) and `FLASHCP_FAULT`, sets the
 process's runtime flags (`set_runtime_flags`: the `Trainer` writes no environment variable),
 initialises the distributed runtime, builds the process groups and the `Trainer`, installs
 injected faults (`flashcp.faults`) and fits. With `--eval` (`flashcp eval`) it builds a
 `flashcp.evaluation.Evaluation` instead and evaluates (no run directory check: nothing of a
 run is written but `eval_results.json`).
 
-Exit codes (`flashcp.launch.outcome`): 0 done, 2 bad config or a run directory the run may not
-start in (every problem printed by rank 0, before the distributed runtime starts), 3 non-finite
+Exit codes (`flashcp.launch.outcome`): 0 done, 2 bad config, a run directory another job holds
+or one the run may not start in (every problem printed by rank 0, before the distributed
+runtime starts), 3 non-finite
 loss or gradients, 4 a broken checkpoint was asked for, 5 bad data, 75 pre-empted (SIGTERM or
 `run.preempt_signal`: the step finished and a checkpoint saved, `flashcp.launch.preempt`), 1
 anything else. `run` prints every rank's last line, `[flashcp] rank R exit CODE` (after the
@@ -34,7 +37,7 @@ from collections.abc import Sequence
 
 import paddle
 
-from flashcp import dispatch, distributed, faults, rundir
+from flashcp import dispatch, distributed, faults, rundir, runlock
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import Config, ConfigValidationError
 from flashcp.data.records import DataError
@@ -51,6 +54,7 @@ from flashcp.launch.outcome import (
 from flashcp.launch.preempt import StopSignals, preempt_signals
 from flashcp.launch.preflight import check_config_file
 from flashcp.log import process_rank, quiet_third_party
+from flashcp.run_info import command_line
 from flashcp.trainer import NonFiniteError, Trainer
 
 DETERMINISTIC_FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
@@ -75,6 +79,24 @@ def set_runtime_flags(cfg: Config) -> None:
             paddle.set_flags({name: True if name == dispatch.FLAG_DETERMINISTIC else 1})
 
 
+def run_dir_lock(output_dir: str, environ: dict[str, str] | None = None) -> runlock.Held | None:
+    """Make sure `output_dir` is this rank's job's: under `flashcp train` (or `flashcp eval`)
+    its lock still carries the job's token (`runlock.ENV_TOKEN`); ranks started by
+    `paddle.distributed.launch` directly take the lock for their job (the first of them to
+    come holds it, returned; the others find their job's token in it). Raises
+    `runlock.RunLockError` when another job holds it; None outside a launch (a process run by
+    hand or in a test takes no lock)."""
+    env = dict(os.environ) if environ is None else environ
+    if token := env.get(runlock.ENV_TOKEN):
+        runlock.check_token(output_dir, token)
+        return None
+    if (token := runlock.paddle_token(env)) is None:
+        return None
+    holder = runlock.Holder("paddle.distributed.launch", os.getppid(), command=command_line(),
+                            token=token)  # fmt: skip
+    return runlock.join(output_dir, holder)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashcp.train",
@@ -95,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_third_party()  # before PaddleFormers is imported (LoRA, HF tokenizers)
     args = build_parser().parse_args(argv)
     rank = process_rank()
+    lock: runlock.Held | None = None
     try:
         launched = distributed.launch_env()
         # the checks `flashcp train` and `flashcp validate` run (config, device, dispatch, data)
@@ -104,14 +127,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problems or cfg is None:
             raise ConfigValidationError(problems, args.config)
         injected = faults.active_faults()
+        lock = run_dir_lock(cfg.run.output_dir)  # before anything may write there
         if args.eval:  # evaluating writes no checkpoint or metrics: any run dir will do
             check_evaluation(cfg)
         else:
             rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
-    except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError, EvalError) as exc:
+    except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError, EvalError,
+            runlock.RunLockError) as exc:  # fmt: skip
+        if lock is not None:
+            lock.release()
         if rank == 0:
             print(exc, file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    try:
+        return _run(args, cfg, injected, rank)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: argparse.Namespace, cfg: Config, injected: list[faults.Fault], rank: int) -> int:
+    """`main` once the checks passed: initialise, build, train (or evaluate), tear down."""
     # From here a pre-emption signal is a request to stop at the next step boundary.
     stop = StopSignals(preempt_signals(cfg.run.preempt_signal), rank).install()
     env = distributed.init_distributed()

@@ -119,10 +119,15 @@ def test_nothing_below_launch_imports_it() -> None:
 
 
 def test_the_launchers_script_imports_only_the_rank_entry() -> None:
+    """The rank entry, and before it the tie to the launcher (`lifeline`: it imports nothing
+    of flashcp or Paddle, so a rank ties itself before its seconds of imports)."""
     assert _flashcp_imports(SRC / "train.py") == {
+        "flashcp.launch.lifeline",
+        "flashcp.launch.lifeline.hold",
         "flashcp.launch.worker",
         "flashcp.launch.worker.run",
     }
+    assert _flashcp_imports(SRC / "launch" / "lifeline.py") == set()
     assert job.train_script() == (SRC / "train.py").resolve()
 
 
@@ -131,7 +136,7 @@ def test_supervisor_and_outcomes_know_no_training() -> None:
     for name in ("supervise.py", "outcome.py"):
         imported = _flashcp_imports(SRC / "launch" / name)
         assert {m for m in imported if not m.startswith("flashcp.distributed.ports")} <= {
-            "flashcp.distributed",
+            "flashcp.distributed", "flashcp.launch", "flashcp.launch.lifeline",
         }, (name, imported)
 
 

@@ -53,14 +53,22 @@ FAKE = textwrap.dedent(
     if what == "preempt":  # the ranks save and stop when the signal reaches them
         got = []
         signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+        signal.signal(signal.SIGINT, lambda s, f: got.append(s))  # it must never come here
         open(seen + ".started", "w").close()
         deadline = time.monotonic() + 20
         while not got and time.monotonic() < deadline:
             time.sleep(0.05)
-        code = 75 if got else 9
+        code = 75 if got == [signal.SIGTERM] else 9
+        if code == 75:  # step 3 saved (a complete checkpoint: its directory and manifest)
+            step = os.path.join(os.path.dirname(log_dir), "checkpoints", "step_3")
+            os.makedirs(step)
+            open(os.path.join(step, "manifest.json"), "w").close()
+            log(0, f"saved checkpoint {step}\\n")  # never echoed by this launcher
         for r in (0, 1):
             log(r, f"[flashcp] rank {r} exit {code}\\n")
         sys.exit(code)
+    if what == "die":  # the launcher itself killed from outside
+        os.kill(os.getpid(), signal.SIGKILL)
     """
 )
 
@@ -131,9 +139,24 @@ def test_no_restart_without_budget_or_after_a_final_exit(tmp_path: Path, fake: A
     assert restart.read_records(tmp_path / "run") == []
 
 
-def test_a_sigterm_to_flashcp_train_is_passed_on_and_the_ranks_save(
-    tmp_path: Path, fake: Any
+@pytest.mark.parametrize(
+    ("signum", "code", "told", "how"),
+    [
+        (signal.SIGTERM, outcome.EXIT_PREEMPTED,
+         "flashcp: pre-emption (SIGTERM): passed on to 1 rank(s); they finish the step",
+         "flashcp: pre-empted (SIGTERM): every rank saved and stopped"),
+        (signal.SIGINT, 130,
+         "flashcp: Ctrl-C: passed on to 1 rank(s) as SIGTERM; they finish the step, save and "
+         "stop (run.preempt_grace_s 120 s; Ctrl-C again stops them at once)",
+         "flashcp: stopped by Ctrl-C (SIGINT): every rank saved and stopped"),
+    ],
+)  # fmt: skip
+def test_a_sigterm_or_ctrl_c_to_flashcp_train_is_passed_on_and_the_ranks_save(
+    tmp_path: Path, fake: Any, signum: int, code: int, told: str, how: str
 ) -> None:
+    """The ranks get SIGTERM (for Ctrl-C too), save step 3 and stop; rank 0's last line,
+    which the launcher never echoed, reaches the console, then the line that says how the
+    job ended, the step saved and the exit code."""
     seen = fake(["preempt"])
     started = Path(str(seen) + ".started")
 
@@ -141,18 +164,41 @@ def test_a_sigterm_to_flashcp_train_is_passed_on_and_the_ranks_save(
         deadline = time.monotonic() + 20
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signum)
     sender = threading.Thread(target=signal_when_started)
     sender.start()
-    code, out = _run(tmp_path, "run.max_restarts=3")
+    got, out = _run(tmp_path, "run.max_restarts=3")
     sender.join()
-    assert code == outcome.EXIT_PREEMPTED, out
-    assert "pre-emption (SIGTERM): passed on to 1 rank(s)" in out
-    assert "pre-empted: every rank saved and stopped; run the same command again" in out
+    assert got == code, out
+    assert told in out
+    step = tmp_path / "run" / "checkpoints" / "step_3"
+    assert out.endswith(f"saved checkpoint {step}\n{how}; saved step 3 ({step}); run the same "
+                        f"command again to resume from it; exit {code}\n"), out
     assert "the job failed" not in out and restart.read_records(tmp_path / "run") == []
-    assert signal.getsignal(signal.SIGTERM) == before  # flashcp train's handlers are gone
+    assert signal.getsignal(signum) == before  # flashcp train's handlers are gone
+
+
+def test_a_killed_launcher_is_named_and_the_last_line_says_no_step_was_saved(
+    tmp_path: Path, fake: Any
+) -> None:
+    """Paddle's launcher SIGKILLed from outside (its ranks end with it, `lifeline`): the job
+    failed because of it, not a rank, and no checkpoint was written by this command."""
+    fake(["die"])
+    (tmp_path / "run" / "checkpoints" / "step_2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_2" / "manifest.json").write_text("{}")
+    code, out = _run(tmp_path)
+    assert code == 128 + signal.SIGKILL, out
+    assert ("flashcp: the job failed (exit 137): Paddle's launcher was killed by SIGKILL from "
+            "outside") in out  # fmt: skip
+    assert "pre-empted" not in out and "rank 0 died" not in out
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    assert out.endswith(
+        "flashcp: failed: Paddle's launcher was killed by SIGKILL; no step saved (the newest "
+        f"checkpoint is step 2, {step}); run the same command again to resume from it; "
+        "exit 137\n"
+    ), out
 
 
 # -- flashcp train's own signals; the nodes' decision -----------------------------------------
@@ -168,8 +214,11 @@ def test_signals_a_second_one_stops_and_a_sleep_ends_early() -> None:
     sig._on(signal.SIGTERM, None)  # a second one: stop now
     assert sig.stop == signal.SIGTERM and sig.code == 128 + signal.SIGTERM
     ctrl_c = job.Signals((signal.SIGTERM,))
-    ctrl_c._on(signal.SIGINT, None)
-    assert (ctrl_c.preempting, ctrl_c.stop, ctrl_c.code) == (None, signal.SIGINT, 130)
+    ctrl_c._on(signal.SIGINT, None)  # Ctrl-C: the ranks save and stop, on SIGTERM
+    assert (ctrl_c.preempting, ctrl_c.stop, ctrl_c.code) == (signal.SIGINT, None, 130)
+    assert ctrl_c.ctrl_c and ctrl_c.passed == signal.SIGTERM
+    ctrl_c._on(signal.SIGINT, None)  # Ctrl-C again: at once
+    assert ctrl_c.stop == signal.SIGINT and ctrl_c.code == 130
 
 
 def _ended(node_logs: dict[int, str | None], launcher: str = "") -> job.Ended:
