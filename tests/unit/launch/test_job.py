@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import io
+import json
 import os
 import sys
 import textwrap
@@ -17,9 +18,9 @@ from typing import Any
 import pytest
 
 import flashcp.config.load
-from flashcp import cli, dispatch
+from flashcp import cli, dispatch, runlock
 from flashcp.config import load_config
-from flashcp.launch import job, preflight, supervise, worker
+from flashcp.launch import job, lifeline, preflight, supervise, worker
 from helpers.paths import ROOT
 
 SRC = ROOT / "src" / "flashcp"
@@ -214,3 +215,78 @@ def test_the_rank_entry_sets_deterministic_mode_for_the_dispatch() -> None:
     worker.set_runtime_flags(load_config(CONFIG))  # train.deterministic: true
     assert dispatch.probe_deterministic()[0] is True
     assert all(os.environ[name] == "1" for name in worker.DETERMINISTIC_FLAGS)
+
+
+# -- one job per run directory ----------------------------------------------------------------
+
+
+def test_a_second_job_on_a_run_directory_in_use_is_refused_before_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flashcp train` and `flashcp eval` on a directory another job holds: exit 2, one line
+    naming the holder, nothing launched; once it is free, the job holds the lock while it runs
+    (its ranks get the token and its PID) and removes it at the end."""
+    seen: list[dict[str, str]] = []
+    dump = tmp_path / "env.json"
+    write = f"import json, os; json.dump(dict(os.environ), open({str(dump)!r}, 'w'))"
+    monkeypatch.setattr(job, "launch_command", lambda *a, **k: [sys.executable, "-c", write])
+    monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
+    out = tmp_path / "run"
+    other = runlock.acquire(out, runlock.Holder("flashcp train", 4321, command="flashcp train x"))
+    try:
+        for evaluate in (False, True):
+            args = [f"run.output_dir={out}", "eval.path=null"]
+            code = job.run_job(load_config(CONFIG, args), CONFIG, args, out=io.StringIO(),
+                               evaluate=evaluate)  # fmt: skip
+            err = capsys.readouterr().err
+            assert code == 2 and not dump.exists(), err
+            assert err.count("\n") == 1 and err.startswith(
+                f"flashcp: cannot launch: run.output_dir {out} is in use by flashcp train "
+                "(pid 4321 on "
+            ), err
+            assert "`flashcp train x`): wait for that job to end or stop it (kill 4321" in err
+    finally:
+        other.release()
+    args = [f"run.output_dir={out}"]
+    printed = io.StringIO()
+    assert job.run_job(load_config(CONFIG, args), CONFIG, args, out=printed) == 0
+    seen.append(json.loads(dump.read_text()))
+    assert seen[0][lifeline.ENV_OWNER_PID] == str(os.getpid())
+    token = seen[0][runlock.ENV_TOKEN]
+    assert len(token) == 32 and seen[0][lifeline.ENV_LAUNCHER_PID]  # started tethered
+    assert not (out / runlock.LOCK_FILE).exists()  # released at the end
+    assert printed.getvalue().endswith("flashcp: finished; no step saved; exit 0\n")
+
+
+def test_the_launch_holds_the_lock_while_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stand-in launcher reads the lock while it runs: the job's own token is in it."""
+    dump = tmp_path / "lock.json"
+    out = tmp_path / "run"
+    read = f"import shutil; shutil.copy({str(out / runlock.LOCK_FILE)!r}, {str(dump)!r})"
+    monkeypatch.setattr(job, "launch_command", lambda *a, **k: [sys.executable, "-c", read])
+    monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
+    args = [f"run.output_dir={out}"]
+    assert job.run_job(load_config(CONFIG, args), CONFIG, args, out=io.StringIO(),
+                       command="flashcp train c.yaml") == 0  # fmt: skip
+    held = json.loads(dump.read_text())
+    assert (held["what"], held["pid"], held["command"]) == (
+        "flashcp train", os.getpid(), "flashcp train c.yaml",
+    )  # fmt: skip
+
+
+def test_rank_zero_lines_the_launcher_did_not_echo_are_found(tmp_path: Path) -> None:
+    """The launcher echoed rank 0's first lines among its own; the rest is what it never did."""
+    log = tmp_path / "workerlog.0"
+    log.write_text("earlier run\n")
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("step 1\nstep 2\nsaved checkpoint x/step_2\n[flashcp] rank 0 exit 75\nlast")
+    echo = job.RankZeroEcho(log, offset)
+    for line in ("LAUNCH INFO banner\n", "step 1\n", "I1202 glog\n", "step 2\n"):
+        echo.saw(line)
+    assert echo.rest() == ["saved checkpoint x/step_2\n", "[flashcp] rank 0 exit 75\n", "last\n"]
+    missing = job.RankZeroEcho(tmp_path / "workerlog.9", 0)
+    missing.saw("step 1\n")
+    assert missing.rest() == []

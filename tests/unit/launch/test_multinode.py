@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flashcp import cli
+from flashcp import cli, runlock
 from flashcp.config import ConfigValidationError, load_config
 from flashcp.distributed import launch_env
 from flashcp.launch import job, outcome, preflight, supervise
@@ -195,3 +195,23 @@ def test_only_node0_moves_the_earlier_run_aside(tmp_path: Path, listening: int) 
     assert node1.log_dir == out / "logs" / "node1" and node1.log_dir.is_dir()
     assert (out / "logs" / "node0" / "workerlog.0").read_text() == "step 1/4\n"
     assert list(tmp_path.glob("run.old-*")) == [aside] and len(said) == 1
+
+
+def test_the_other_nodes_check_that_node_0_of_their_job_holds_the_lock(tmp_path: Path) -> None:
+    """The lock is the job's: node 0 takes it naming `--master` and the node count; node 1
+    goes on under it, and is refused when another job holds it or none does."""
+    master = "127.0.0.1:29517"
+    node1 = Nodes(count=2, rank=1, master=master)
+    with pytest.raises(PreflightError, match=r"node 1: node 0's launcher serves --master "
+                       r"127\.0\.0\.1:29517 but holds no lock on run\.output_dir .* shared by "
+                       r"every node"):  # fmt: skip
+        preflight.job_lock(tmp_path, node1)
+    held = runlock.acquire(tmp_path, runlock.Holder("flashcp train", os.getpid(), master=master,
+                                                    nnodes=2))  # fmt: skip
+    try:
+        assert preflight.job_lock(tmp_path, node1).token == held.token
+        with pytest.raises(PreflightError, match=r"node 1: run\.output_dir .* is in use by "
+                           r"flashcp train \(pid"):  # fmt: skip
+            preflight.job_lock(tmp_path, Nodes(count=2, rank=1, master="127.0.0.1:29518"))
+    finally:
+        held.release()
