@@ -179,7 +179,9 @@ def test_a_held_lock_whose_record_is_not_written_yet_is_waited_for(tmp_path: Pat
     naps: list[float] = []
     try:
         with pytest.raises(RunLockError, match="held and names no holder yet"):
-            runlock.join(tmp_path, _holder(token="t"), wait_s=0.5, sleep=naps.append)
+            # longer than one `acquire`'s own retries of the flock (RETRY_S)
+            runlock.join(tmp_path, _holder(token="t"), wait_s=runlock.RETRY_S + 0.5,
+                         sleep=naps.append)  # fmt: skip
         assert naps  # it waited
 
         def written(_: float) -> None:  # the peer writes its record while this rank waits

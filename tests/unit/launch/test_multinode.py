@@ -190,8 +190,11 @@ def test_only_node0_moves_the_earlier_run_aside(tmp_path: Path, listening: int) 
     assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoints" / "step_2").is_dir()
     assert said == [f"flashcp: run.overwrite: moved the earlier run in {out} to {aside}"]
     (node0.log_dir / "workerlog.0").write_text("step 1/4\n")  # node 0's job has started
-    node1 = preflight.preflight(cfg, Nodes(count=2, rank=1, master=f"127.0.0.1:{listening}"),
-                                environ=environ, say=said.append, checked=True)  # fmt: skip
+    with socket.socket() as served:  # node 0's launcher serves --master; node 1 starts
+        served.bind(("127.0.0.1", free))
+        served.listen()
+        node1 = preflight.preflight(cfg, Nodes(count=2, rank=1, master=f"127.0.0.1:{free}"),
+                                    environ=environ, say=said.append, checked=True)  # fmt: skip
     assert node1.log_dir == out / "logs" / "node1" and node1.log_dir.is_dir()
     assert (out / "logs" / "node0" / "workerlog.0").read_text() == "step 1/4\n"
     assert list(tmp_path.glob("run.old-*")) == [aside] and len(said) == 1
