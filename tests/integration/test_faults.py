@@ -186,7 +186,9 @@ def test_a_long_job_survives_a_kill_a_hang_and_two_preemptions(
     assert "timed out after 12 s on rank 1: rank 0 may be dead, hung" in one.output
     assert one.output.count("flashcp: launching 2 process(es)") == 3  # a pre-emption: no 4th
     assert "pre-emption requested on rank(s) 1 (SIGTERM): saving step 7" in one.output
-    assert "pre-empted: every rank saved and stopped; run the same command again" in one.output
+    assert ("flashcp: pre-empted: every rank saved and stopped (a rank was signalled); saved "
+            f"step 7 ({ckpts / 'step_7'}); run the same command again to resume from it; "
+            "exit 75") in one.output.splitlines()[-1]  # the console's last line (issue 37)
     assert [r["step"] for r in _metrics(out)] == list(range(1, 8))
     assert verify_checkpoint(ckpts / "step_7") == []
     assert [jobs.rank_exit_codes(one.log(r))[-1] for r in range(2)] == [75, 75]
