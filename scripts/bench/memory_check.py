@@ -56,6 +56,11 @@ GPU_CONFIGS = (
     "configs/glm/glm4_9b_dpo_lora_4m_cp8.yaml",
     "configs/glm/glm4_9b_sft_4m_cp8.yaml",
     "configs/glm/glm45_air_sft_ep8_pp4_cp8.yaml",
+    "configs/llama/llama31_8b_sft_256k_cp8.yaml",
+    "configs/qwen/qwen3_8b_sft_256k_cp8.yaml",
+    "configs/qwen/qwen3_30b_a3b_dpo_lora_ep.yaml",
+    "configs/ernie/ernie45_21b_a3b_sft_128k_cp8.yaml",
+    "configs/ernie/ernie45_21b_a3b_dpo_lora_128k_cp8.yaml",
 )
 H20_GIB = 96.0
 GPUS_PER_NODE = 8
@@ -386,14 +391,9 @@ TORCHTITAN = {
     "(`reserved_bytes.all.peak`, torchtitan/metrics.py at 9dec370), read at iteration 90",
 }
 """torchtitan's published Llama-3.1-8B CP 8 row (a run), and what its memory figure measures."""
-LLAMA_8B = (
-    "model.hidden_size=4096", "model.num_layers=32", "model.num_heads=32",
-    "model.num_kv_heads=8", "model.head_dim=128", "model.intermediate_size=14336",
-    "model.vocab_size=128256", "model.max_seq_len=262144", "model.rotary_base=500000",
-    "model.partial_rotary_factor=1.0", "model.qkv_bias=false",
-)  # fmt: skip
-"""Llama-3.1-8B's shapes in flashcp's GLM architecture (torchtitan's `llama3` "8B" flavour:
-dim 4096, 32 layers, 32/8 heads, FFN 14336, vocabulary 128,256, RoPE θ 500,000)."""
+LLAMA_RECIPE = "configs/llama/llama31_8b_sft_256k_cp8.yaml"
+"""The shipped Llama-3.1-8B recipe at torchtitan's row's length (CP 8, 262,144 tokens): the
+plan starts from it, the settings below moved to torchtitan's."""
 TORCHTITAN_CLOSEST = (
     "parallel.dp=1", "parallel.pp=1", "parallel.cp=8", "data.seq_len=262144",
     "data.micro_batch_size=1", "train.grad_accum=1", "model.recompute=full",
@@ -405,9 +405,9 @@ sequence per step, full recompute, ZeRO-2 (FSDP shards the parameters too: ZeRO-
 flashcp does not have), the loss over the whole logits (torchtitan's `cross_entropy` on
 `pred.float()`)."""
 TORCHTITAN_DIFFERENCES = (
-    ("model", "Llama-3.1-8B: 2 RMSNorms per layer, no q/k/v bias, full RoPE",
-     "GLM-4 layer at Llama's shapes: 4 RMSNorms per layer (sandwich), q/k/v bias off, "
-     "full RoPE (partial_rotary_factor 1.0); 8.03B parameters either way"),
+    ("model", "Llama-3.1-8B (torchtitan's llama3 8B flavour)", "Llama-3.1-8B (flashcp's llama "
+     "family, transformers' LlamaForCausalLM exactly, llama3 RoPE scaling): the shipped "
+     f"{LLAMA_RECIPE}; 8.03B parameters"),
     ("parameters", "FSDP2 over the 8 ranks (dp_shard × cp mesh): float32 parameters, "
      "gradients and AdamW state all sharded (ZeRO-3); bf16 copies of one layer gathered "
      "at a time", "bf16 parameters whole on every rank (15 GiB); float32 gradients, masters "
@@ -442,8 +442,8 @@ def torchtitan_check() -> dict[str, Any]:
     rows = []
     variants = (("closest", ()), ("loss chunks of 2,048", ("train.loss_chunk_tokens=2048",)))
     for name, extra in variants:
-        cfg = load_config(ROOT / "configs/glm/glm4_9b_cp8.yaml",
-                          [*LLAMA_8B, *TORCHTITAN_CLOSEST, *extra], allow_placeholders=True)
+        cfg = load_config(ROOT / LLAMA_RECIPE, [*TORCHTITAN_CLOSEST, *extra],
+                          allow_placeholders=True)  # fmt: skip
         fits = {}
         for gb in (80, 96):
             p = plan(cfg, budget_gib=gb * 1e9 / GIB)
@@ -469,7 +469,7 @@ def torchtitan_check() -> dict[str, Any]:
     return {
         **t,
         "params": estimate_parameters(cfg.model),
-        "model_overrides": list(LLAMA_8B),
+        "recipe": LLAMA_RECIPE,
         "overrides": list(TORCHTITAN_CLOSEST),
         "differences": [list(d) for d in TORCHTITAN_DIFFERENCES],
         "mfu": DEFAULT_MFU,

@@ -203,6 +203,10 @@ def _same_value(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b or a is b
 
 
+def _positive(*xs: Any) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in xs)
+
+
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -383,6 +387,10 @@ def parse_hf_config(
             values[name] = reader.get(key)
     if values["num_kv_heads"] is None:  # transformers: num_key_value_heads = num_attention_heads
         values["num_kv_heads"] = values["num_heads"]
+    if values["head_dim"] is None and _positive(values["hidden_size"], values["num_heads"]):
+        # transformers: head_dim = hidden_size // num_attention_heads; stated, so a run config
+        # restating the model (`model.head_dim: 128`) agrees with a file that leaves it out
+        values["head_dim"] = values["hidden_size"] // values["num_heads"]
     values.update(read_rope(config, hf.defaults, problems))
     values.update(hf.read(reader))
     if fam.mtp:

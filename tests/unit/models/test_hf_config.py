@@ -171,7 +171,7 @@ def test_absent_keys_take_the_transformers_class_defaults() -> None:
                                                           "head_dim", "use_qk_norm")}  # fmt: skip
     args = args_from_hf_config(moe)
     assert not args.qkv_bias and args.first_k_dense_replace == 1 and not args.use_qk_norm
-    assert args.head_dim is None and args.head_size == 32 // 4
+    assert args.head_dim == args.head_size == 32 // 4  # hidden_size // num_attention_heads
 
 
 def test_glm4_ignores_use_qk_norm_as_transformers_does() -> None:

@@ -185,8 +185,15 @@ GPU = {  # recipe → (preset with the public config.json shape, run.recipe)
     "glm/glm45_air_dpo_lora_pp_cp.yaml": ("glm45_air", "dpo"),
     "glm/glm45_air_dpo_lora_ep.yaml": ("glm45_air", "dpo"),
     "glm/glm45_air_sft_ep8_pp4_cp8.yaml": ("glm45_air", "sft"),
+    "llama/llama31_8b_sft_256k_cp8.yaml": ("llama31_8b", "sft"),
+    "qwen/qwen3_8b_sft_256k_cp8.yaml": ("qwen3_8b", "sft"),
+    "qwen/qwen3_30b_a3b_dpo_lora_ep.yaml": ("qwen3_30b_a3b", "dpo"),
+    "ernie/ernie45_21b_a3b_sft_128k_cp8.yaml": ("ernie45_21b_a3b", "sft"),
+    "ernie/ernie45_21b_a3b_dpo_lora_128k_cp8.yaml": ("ernie45_21b_a3b", "dpo"),
 }
-LONG = {"glm/glm4_9b_dpo_lora_4m_cp8.yaml": 4194304, "glm/glm4_9b_sft_4m_cp8.yaml": 4194304}
+LONG = {"glm/glm4_9b_dpo_lora_4m_cp8.yaml": 4194304, "glm/glm4_9b_sft_4m_cp8.yaml": 4194304,
+        "llama/llama31_8b_sft_256k_cp8.yaml": 262144,
+        "qwen/qwen3_8b_sft_256k_cp8.yaml": 262144}  # fmt: skip
 """Recipes whose model directory must state a longer max_position_embeddings than the public
 config.json (a copy with it raised: rotary positions only bound the sequence by it)."""
 
@@ -235,7 +242,9 @@ def test_gpu_recipe_needs_its_model_directory_and_data(name: str, tmp_path: Path
 
     # filled in with that model's directory (config.json as transformers 4.x writes it for the
     # checkpoint, with its multi-token-prediction layer and token ids): the same model
-    ids = {"eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329}
+    ids = {"eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329}  # GLM's
+    if not shape.startswith("glm"):  # the others' own ids sit below their vocabularies
+        ids = {"eos_token_id": 2, "pad_token_id": 0}
     config = hf_config(preset(shape, **longer), "bfloat16", token_ids=ids)
     if shape == "glm45_air":
         config["num_nextn_predict_layers"] = 1

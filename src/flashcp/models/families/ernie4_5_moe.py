@@ -108,7 +108,8 @@ FAMILY = Family(
         "ernie45_21b_a3b": Preset(
             ModelArgs(
                 arch="ernie4_5_moe", vocab_size=103424, hidden_size=2560, num_layers=28,
-                num_heads=20, num_kv_heads=4, intermediate_size=12288, max_seq_len=131072,
+                num_heads=20, num_kv_heads=4, head_dim=128, intermediate_size=12288,
+                max_seq_len=131072,
                 rotary_base=500000.0, norm_eps=1e-5, tie_embeddings=True, num_experts=64,
                 num_experts_per_tok=6, moe_intermediate_size=1536, num_shared_experts=2,
                 first_k_dense_replace=1, moe_layer_end=27,

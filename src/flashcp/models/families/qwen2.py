@@ -61,6 +61,7 @@ FAMILY = Family(
         "qwen25_7b": Preset(
             ModelArgs(
                 arch="qwen2", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+                head_dim=128,
                 num_kv_heads=4, intermediate_size=18944, max_seq_len=131072,
                 rotary_base=1000000.0, norm_eps=1e-6, qkv_bias=True,
             ),  # fmt: skip
