@@ -22,6 +22,7 @@ import numpy as np
 from flashcp.data import formats
 from flashcp.data.chat import chat_segments, tokenize_segments
 from flashcp.data.records import BadRecordError, check_answers, string_field
+from flashcp.data.sources import json_problem
 from flashcp.data.tokenizer import Tokenizer
 
 DEFAULT_CORPUS = "default_corpus.jsonl"
@@ -61,7 +62,7 @@ def parse_jsonl(text: str, source: str) -> Iterator[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{source}:{number}: not valid JSON ({exc.msg})") from None
+            raise ValueError(f"{source}:{number}: not valid JSON ({json_problem(exc)})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{source}:{number}: expected a JSON object, got {record!r:.60}")
         yield record

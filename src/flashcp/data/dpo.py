@@ -59,6 +59,7 @@ from flashcp.data.records import (
     message_list,
     string_field,
 )
+from flashcp.data.sources import json_problem
 from flashcp.masks import Mask, causal_document_mask, share_question_mask
 
 IGNORE_INDEX = -100
@@ -163,7 +164,7 @@ def parse_dpo_jsonl(text: str, source: str = "<string>") -> list[dict[str, str]]
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source}:{lineno}: not valid JSON ({err.msg})") from err
+            raise ValueError(f"{source}:{lineno}: not valid JSON ({json_problem(err)})") from err
         if not isinstance(obj, dict):
             raise ValueError(f"{source}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         for key in ("prompt", "chosen", "rejected"):

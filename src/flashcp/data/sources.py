@@ -38,6 +38,13 @@ _CHUNK = 1 << 24
 _WHITESPACE = np.array([9, 10, 13, 32], dtype=np.uint8)
 
 
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """Python's JSON error for one record (a line of its file), with where in it: e.g.
+    ``Unterminated string starting at column 12`` (the record's own line is named beside)."""
+    where = f"column {exc.colno}" if exc.lineno == 1 else f"line {exc.lineno} column {exc.colno}"
+    return f"{exc.msg} at {where}" if not exc.msg.endswith(" at") else f"{exc.msg} {where}"
+
+
 class RowSource(Protocol):
     """A dataset readable row by row."""
 
@@ -180,7 +187,7 @@ class JsonlSource:
         except UnicodeDecodeError as exc:
             raise BadRecordError("not UTF-8 text", str(exc)) from None
         except json.JSONDecodeError as exc:
-            raise BadRecordError("not valid JSON", exc.msg) from None
+            raise BadRecordError("not valid JSON", json_problem(exc)) from None
         if not isinstance(record, dict):
             raise BadRecordError("not a JSON object", f"got {type(record).__name__}")
         return record

@@ -464,3 +464,18 @@ def test_dpo_data_from_message_files_per_rank(tmp_path: Path, tok_dir: Path, mon
     tok = HFTokenizer(tok_dir)
     (first,) = one.next_step()
     assert tok.decode(first.input_ids[0].tolist()).count("\n") >= 2  # rendered turns
+
+
+def test_a_record_that_is_not_json_is_reported_with_where_in_it(
+    tmp_path: Path, tok_dir: Path
+) -> None:
+    """Python's JSON message keeps its position (issue 37: it was cut to 'Unterminated string
+    starting at.'): the record's file line, and the column in it."""
+    import json
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD[0]) + '\n{"messages": "unterminated\n')
+    strict = _data_cfg(tmp_path, tok_dir, path, packing=False, seq_len=64, on_bad_record="error")
+    with pytest.raises(ValueError, match=rf"bad record at {path}:2: not valid JSON: "
+                       r"Unterminated string starting at column 14\b"):  # fmt: skip
+        TrainData(strict)
