@@ -162,7 +162,7 @@ def _validate(args: argparse.Namespace) -> int:
         if cfg.model_from_pretrained is not None:
             from flashcp.models.hf_config import directory_notes
 
-            for note in directory_notes(cfg.model_from_pretrained):
+            for note in directory_notes(cfg.model_from_pretrained, cfg.model.mtp_layers):
                 print(f"      note: {note}")
         for note in cfg.notes:
             print(f"      note: {note}")

@@ -117,7 +117,7 @@ def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) 
     if cfg.checkpoint.init_from is None:
         return None
     if cfg.model_from_pretrained is not None:
-        for note in directory_notes(cfg.model_from_pretrained):
+        for note in directory_notes(cfg.model_from_pretrained, cfg.model.mtp_layers):
             log_once(f"hf-config-note:{note}", note)
     return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
 

@@ -486,15 +486,24 @@ def _check_family(fam: Family, values: dict[str, Any], problems: list[tuple[str,
     fam.validate(args, err)
 
 
-def directory_notes(directory: str | os.PathLike[str]) -> list[str]:
+NOTE_MTP_SKIPPED = (
+    "num_nextn_predict_layers: model.mtp_layers is 0: the multi-token-prediction layers are "
+    "not built, their weights not read (an export leaves them out)"
+)
+
+
+def directory_notes(directory: str | os.PathLike[str], mtp_layers: int | None = None) -> list[str]:
     """The notes `parse_hf_config` gives for a model directory's config.json (keys accepted
-    but ignored, MTP layers kept), each naming the directory; empty when it does not parse
-    (its refusal is reported where the config is validated)."""
+    but ignored, MTP layers kept — or skipped when the run's `mtp_layers` is 0), each naming
+    the directory; empty when it does not parse (its refusal is reported where the config is
+    validated)."""
     try:
         config, source = read_config_json(directory)
         _, notes = parse_hf_config(config, source)
     except (OSError, ValueError):
         return []
+    if mtp_layers == 0:
+        notes = [NOTE_MTP_SKIPPED if n == NOTE_MTP else n for n in notes]
     return [f"{directory}: {note}" for note in notes]
 
 

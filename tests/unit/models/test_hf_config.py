@@ -380,3 +380,16 @@ def test_a_run_from_a_directory_with_0_or_1_booleans_reloads_its_config(tmp_path
     assert cfg.model.qkv_bias and not cfg.model.tie_embeddings and cfg.model.use_qk_norm
     again = build_config(yaml.safe_load(to_yaml(cfg)))
     assert again.model == cfg.model
+
+
+def test_a_run_without_the_mtp_layers_is_told_they_are_skipped(tmp_path: Path) -> None:
+    """`model.mtp_layers=0` over a directory declaring them: the note says they are skipped,
+    never that they 'are built on the last pipeline stage and loaded' (issue 37)."""
+    from flashcp.models.hf_config import NOTE_MTP_SKIPPED, directory_notes
+
+    (tmp_path / "config.json").write_text(json.dumps({**MOE_5X, "num_nextn_predict_layers": 1}))
+    kept, skipped = directory_notes(tmp_path), directory_notes(tmp_path, mtp_layers=0)
+    assert any(NOTE_MTP in n for n in kept) and not any(NOTE_MTP_SKIPPED in n for n in kept)
+    assert any(NOTE_MTP_SKIPPED in n for n in skipped)
+    assert not any("built on the last pipeline stage" in n for n in skipped)
+    assert directory_notes(tmp_path, mtp_layers=1) == kept
