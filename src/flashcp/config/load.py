@@ -32,6 +32,7 @@ from flashcp.config.aliases import (
 from flashcp.config.errors import (
     ConfigError,
     ConfigValidationError,
+    as_fix,
     prune_fixes,
     suggest,
     with_note,
@@ -230,6 +231,8 @@ def build_model_args(
         )
         return None, None
     if pretrained is not None:
+        # `model.X=null` removes a restated key (config.json gives it), whatever X's type
+        raw = {k: v for k, v in raw.items() if v is not None or k in ("preset", "from_pretrained")}
         base = _pretrained_values(raw, errors)
         if base is None:
             return None, None
@@ -308,17 +311,20 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
             hf_key = FIELD_KEYS.get(name, name)
             shown = config.get(hf_key, want) if hf_key != "architectures" else want
             if hf_key == "architectures":
-                message = (
+                problem = (
                     f"{value!r} contradicts config.json architectures "
-                    f"{config.get('architectures')!r} in {path} (which gives {want!r}): "
-                    f"remove model.{name}"
+                    f"{config.get('architectures')!r} in {path} (which gives {want!r}); "
+                    "config.json defines the model"
                 )
             else:
-                message = (
-                    f"{value!r} contradicts config.json {hf_key} {shown!r} in {path}: remove "
-                    f"model.{name} (config.json defines the model)"
+                problem = (
+                    f"{value!r} contradicts config.json {hf_key} {shown!r} in {path}; "
+                    "config.json defines the model"
                 )
-            errors.append(ConfigError(f"model.{name}", message))
+            errors.append(ConfigError(
+                f"model.{name}", problem, fixes=(as_fix({f"model.{name}": None}),),
+                other=f"remove model.{name} from the file",
+            ))  # fmt: skip
             ok = False
     declared = values.get("mtp_layers", 0)
     asked = raw.get("mtp_layers", declared)

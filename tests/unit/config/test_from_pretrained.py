@@ -108,7 +108,8 @@ def test_tokenizer_defaults_to_the_directory(model_dir: Path) -> None:
 def test_contradicting_keys_are_refused_naming_both_values(model_dir: Path) -> None:
     errors = _errors(_raw(model_dir, {"hidden_size": 32, "rotary_base": 10000.0}))
     assert errors["model.hidden_size"].startswith(
-        f"32 contradicts config.json hidden_size 64 in {model_dir}: remove model.hidden_size"
+        f"32 contradicts config.json hidden_size 64 in {model_dir}; config.json defines the "
+        "model: set model.hidden_size=null, or remove model.hidden_size from the file"
     )
     assert "10000.0 contradicts config.json rope_theta 50000.0" in errors["model.rotary_base"]
     errors = _errors(_raw(model_dir, {"num_layers": 3, "rotary_interleaved": True}))
@@ -120,6 +121,16 @@ def test_contradicting_keys_are_refused_naming_both_values(model_dir: Path) -> N
     assert _errors(_raw(model_dir, {"num_layers": 2, "arch": "glm_moe"})) == {}  # agreeing
     assert "unknown key" in _errors(_raw(model_dir, {"num_layer": 2}))["model.num_layer"]
 
+
+def test_a_null_removes_any_restated_key(model_dir: Path) -> None:
+    """`model.X=null` (the printed fix, validated before it is printed) removes a key the file
+    restates, for every key — `head_dim` too, whose type takes None (issue 37): the model is
+    config.json's."""
+    restated = {"hidden_size": 64, "head_dim": 16, "rotary_base": 50000}
+    want = build_config(_raw(model_dir)).model
+    assert build_config(_raw(model_dir, {k: None for k in restated})).model == want
+    wrong = _errors(_raw(model_dir, {"head_dim": 8}))["model.head_dim"]
+    assert "set model.head_dim=null" in wrong
 
 def test_training_side_keys_are_free_and_equal_keys_fine(model_dir: Path) -> None:
     """How the run trains (recompute, MoE capacity, router balancing) is not in config.json;
