@@ -164,8 +164,8 @@ def _validate(args: argparse.Namespace) -> int:
 
             for note in directory_notes(cfg.model_from_pretrained, cfg.model.mtp_layers):
                 print(f"      note: {note}")
-        for note in cfg.notes:
-            print(f"      note: {note}")
+        for note in cfg.notes:  # the data sample's bad records come as "warning: ..."
+            print(f"      {note}" if note.startswith("warning: ") else f"      note: {note}")
         if unfilled:  # a recipe's /path/to/... values: `flashcp train` refuses them unfilled
             keys = ", ".join(f"{k} ({v})" for k, v in unfilled)
             print(f"      fill in before training: {keys}")

@@ -12,6 +12,7 @@ order: bitwise.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 import uuid
@@ -159,7 +160,11 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         text, _ = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGINT, text
-        assert "stopping the job" in text
+        # Ctrl-C saves and stops like a pre-emption; the console's last line says so (issue 37)
+        last = text.strip().splitlines()[-1]
+        saved = re.search(r"saved step (\d+) \((.*?)\); run the same command again", last)
+        assert last.startswith("flashcp: ") and last.endswith("exit 130") and saved, last
+        assert Path(saved.group(2)).is_dir() and saved.group(2).endswith(f"step_{saved.group(1)}")
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(alive(p) for p in marked_pids(marker)):
             time.sleep(0.2)

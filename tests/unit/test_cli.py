@@ -135,3 +135,29 @@ def test_missing_paddle_names_the_extras(monkeypatch, capsys: pytest.CaptureFixt
     assert cli.main(["explain-dispatch"]) == 2
     err = capsys.readouterr().err
     assert '".[cpu]"' in err and '".[gpu]"' in err and "paddlepaddle.org.cn" in err
+
+
+def test_validate_warns_of_the_bad_records_its_data_sample_holds(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flashcp validate` reads a sample of data.path as training does: the bad records in it
+    (which training skips) are a warning saying how many and why, not a silent `ok`
+    (issue 37)."""
+    import json
+
+    from helpers.paths import ROOT
+
+    lines = [json.dumps({"text": f"good row {i}"}) for i in range(20)]
+    lines[3], lines[9] = "{oops", "[1, 2]"
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    config = str(ROOT / "configs/gpt/tiny_cp2.yaml")
+    assert cli.main(["validate", config, f"data.path={data}"]) == 0
+    out = capsys.readouterr().out
+    assert ("      warning: data.path: 2 bad record(s) in a sample of 64 rows, which training "
+            "skips (data.on_bad_record: skip): ") in out  # fmt: skip
+    assert f"not valid JSON ×1 ({data}:4)" in out and f"not a JSON object ×1 ({data}:10)" in out
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(20)) + "\n")
+    assert cli.main(["validate", config, f"data.path={clean}"]) == 0
+    assert "warning" not in capsys.readouterr().out

@@ -36,6 +36,7 @@ has done its checks before they start, then check that node 0 of their job (the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import socket
@@ -367,12 +368,14 @@ def model_dir_problems(cfg: Config) -> list[ConfigError]:
     ]
 
 
-def data_problems(cfg: Config) -> list[ConfigError]:
+def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[ConfigError]:
     """A sample of `data.path` and `eval.path` (`DATA_SAMPLE_ROWS` rows, spread over each)
     checked for a format the recipe reads (`flashcp.data.formats.check_data`: else the fields
     found, the formats accepted and the setting that would read them), then read by the
     recipe's own data class as a rank reads it: tokenizer, chat template, bad-record policy,
-    no usable record. Placeholders are left to the config's check."""
+    no usable record. Placeholders are left to the config's check. Bad records the sample
+    held (which training skips, `data.on_bad_record: skip`) go to `warnings`: how many, and
+    why."""
     from flashcp.data.formats import check_data
     from flashcp.recipes import RECIPE_CLASSES
     from flashcp.recipes.base import eval_config
@@ -388,7 +391,13 @@ def data_problems(cfg: Config) -> list[ConfigError]:
         try:
             # rows in no format this recipe reads: the fields found, the formats, the setting
             check_data(each, DATA_SAMPLE_ROWS)
-            data_class(each, dp_rank=0, dp_size=1, sample=DATA_SAMPLE_ROWS)
+            data = data_class(each, dp_rank=0, dp_size=1, sample=DATA_SAMPLE_ROWS)
+            bad = getattr(data, "bad_records", None)
+            if warnings is not None and bad is not None and bad.total:
+                reasons = bad.summary().split(": ", 1)[1]
+                warnings.append(f"{key}: {bad.total} bad record(s) in a sample of "
+                                f"{DATA_SAMPLE_ROWS} rows, which training skips "
+                                f"(data.on_bad_record: skip): {reasons}")  # fmt: skip
         except (ValueError, OSError) as exc:
             message = _one_line(str(exc))
             if not any(p.problem == message for p in problems):  # one tokenizer, one message
@@ -401,15 +410,20 @@ def _one_line(text: str) -> str:
 
 
 def static_problems(
-    cfg: Config, *, nnodes: int | None = None, machine: bool = True
+    cfg: Config,
+    *,
+    nnodes: int | None = None,
+    machine: bool = True,
+    warnings: list[str] | None = None,
 ) -> list[ConfigError]:
     """Every check of a loaded (and so validated) `cfg` that needs no compute and no launch:
     this `machine`'s (device, dispatch), the memory plans, the model directory's index, a
-    sample of the data. Fixes are not validated here (`preflight_problems` does)."""
+    sample of the data (its bad records, which do not refuse, go to `warnings`). Fixes are not
+    validated here (`preflight_problems` does)."""
     problems = machine_problems(cfg) if machine else []
     problems += memory_problems(cfg, nnodes)
     problems += model_dir_problems(cfg)
-    problems += data_problems(cfg)
+    problems += data_problems(cfg, warnings)
     return problems
 
 
@@ -437,9 +451,12 @@ def check_raw(
         )  # fmt: skip
         if errors or cfg is None:
             return cfg, errors
-        return cfg, static_problems(cfg, nnodes=per_node, machine=machine)
+        return cfg, static_problems(cfg, nnodes=per_node, machine=machine, warnings=warnings)
 
+    warnings: list[str] = []
     cfg, problems = run(())
+    if cfg is not None and warnings:  # the first run's: shown with the config's own notes
+        cfg = dataclasses.replace(cfg, notes=(*cfg.notes, *(f"warning: {w}" for w in warnings)))
     if any(p.fixes for p in problems):
         problems = prune_fixes(problems, lambda extra: run(extra)[1])
     return cfg, problems
