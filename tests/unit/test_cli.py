@@ -161,3 +161,19 @@ def test_validate_warns_of_the_bad_records_its_data_sample_holds(
     clean.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(20)) + "\n")
     assert cli.main(["validate", config, f"data.path={clean}"]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+def test_conversation_rows_without_a_chat_template_are_named_by_their_format(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PaddleFormers `src` / `tgt` rows with the byte tokenizer: the refusal names the rows'
+    own format, not "records with a `messages` list" (issue 37)."""
+    from helpers.paths import ROOT
+
+    data = tmp_path / "st.jsonl"
+    data.write_text('{"src": "Translate: hi", "tgt": "bonjour"}\n' * 4)
+    config = str(ROOT / "configs/gpt/tiny_sft_packed_cp2.yaml")
+    assert cli.main(["validate", config, f"data.path={data}"]) != 0
+    out = capsys.readouterr().out
+    assert "the byte tokenizer has no chat template, so `paddleformers` rows (PaddleFormers" in out
+    assert "`messages` list" not in out

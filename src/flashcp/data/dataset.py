@@ -23,7 +23,7 @@ from flashcp.data import formats
 from flashcp.data.chat import chat_segments, tokenize_segments
 from flashcp.data.records import BadRecordError, check_answers, string_field
 from flashcp.data.sources import json_problem
-from flashcp.data.tokenizer import Tokenizer
+from flashcp.data.tokenizer import Tokenizer, require_template
 
 DEFAULT_CORPUS = "default_corpus.jsonl"
 """The small English corpus shipped inside the package (used when data.path is null)."""
@@ -182,6 +182,7 @@ class DocumentBuilder:
             raise formats.no_format(record, "sft", self.fields)
         fmt.check(record, self.fields)
         if fmt.messages is not None:
+            require_template(tok, fmt.name, fmt.layout)
             messages = fmt.messages(record, self.fields)
             check_answers(messages, fmt.field(self.fields))
             ids, flags = tokenize_segments(tok, chat_segments(tok, messages))

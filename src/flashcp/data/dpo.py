@@ -60,6 +60,7 @@ from flashcp.data.records import (
     string_field,
 )
 from flashcp.data.sources import json_problem
+from flashcp.data.tokenizer import require_template
 from flashcp.masks import Mask, causal_document_mask, share_question_mask
 
 IGNORE_INDEX = -100
@@ -271,6 +272,7 @@ class DPORecords:
             raise formats.no_format(record, "dpo", self.names)
         fmt.check(record, self.names)
         if fmt.preference is not None:
+            require_template(self.tokenizer, fmt.name, fmt.layout)
             messages, chosen, rejected = fmt.preference(record, self.names)
             return self._conversation(
                 message_list(messages, self.fields[0]),

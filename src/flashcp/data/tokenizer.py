@@ -59,12 +59,23 @@ class Tokenizer(Protocol):
         ...
 
 
-def _no_template(name: str) -> ValueError:
+def _no_template(
+    name: str, rows: str = "records with a `messages` list (or DPO message lists)"
+) -> ValueError:
     return ValueError(
-        f"{name} has no chat template, so records with a `messages` list (or DPO message "
-        "lists) cannot be rendered: set data.tokenizer to a Hugging Face tokenizer directory "
-        "whose tokenizer_config.json has a chat_template, or give prompt/response strings"
+        f"{name} has no chat template, so {rows} cannot be rendered: set data.tokenizer to a "
+        "Hugging Face tokenizer directory whose tokenizer_config.json has a chat_template, or "
+        "give prompt/response strings"
     )
+
+
+def require_template(tokenizer: Tokenizer, fmt_name: str, layout: str) -> None:
+    """Refuse, naming the row's own format (`fmt_name`, what it holds: `layout`), a
+    conversational row for a tokenizer without a chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        path = getattr(tokenizer, "path", None)
+        name = f"the tokenizer {path}" if path else "the byte tokenizer"
+        raise _no_template(name, f"`{fmt_name}` rows ({layout}), conversations,")
 
 
 class ByteTokenizer:
