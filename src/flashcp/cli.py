@@ -233,12 +233,35 @@ def _eval_target(config: str, overrides: list[str]) -> tuple[str, list[str]]:
     if not path.is_dir():
         return config, overrides
     saved = path / "config.yaml"
+    if not saved.is_file() and (path / "config.json").is_file():
+        return _model_dir_config(path), overrides
     if not saved.is_file():
         raise FileNotFoundError(
-            f"{path} is a directory without config.yaml: give a run directory (what `flashcp "
-            "train` wrote) or a config file"
+            f"{path} is a directory without config.yaml or config.json: give a run directory "
+            "(what `flashcp train` wrote), a Hugging Face model directory or a config file"
         )
     return str(saved), [f"run.output_dir={path}", *overrides]
+
+
+def _model_dir_config(path: Path) -> str:
+    """A Hugging Face model directory evaluated as it is (as `lm-eval` / transformers do): a
+    config of its model, its weights and its tokenizer (`model.from_pretrained`), written to a
+    file the launched ranks read too; `eval.path`, `run.recipe` and the rest come from the
+    command line. Results go to `runs/eval_<directory name>` unless `run.output_dir` says."""
+    import tempfile
+
+    import yaml
+
+    raw = {
+        "model": {"from_pretrained": str(path.resolve())},
+        "run": {"output_dir": f"runs/eval_{path.resolve().name}"},
+    }
+    handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept for the job's ranks)
+        "w", prefix="flashcp-eval-", suffix=".yaml", delete=False
+    )
+    with handle:
+        yaml.safe_dump(raw, handle)
+    return handle.name
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -161,10 +161,40 @@ def test_what_eval_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     code, _, err = _eval([str(config)], capsys)
     assert code == 2 and "eval.path is null: set eval.path" in err
     code, _, err = _eval([str(tmp_path)], capsys)
-    assert code == 2 and "without config.yaml" in err
+    assert code == 2 and "without config.yaml or config.json" in err
     broken = tmp_path / "empty" / "checkpoints" / "step_3"
     broken.mkdir(parents=True)
     (broken / "model.safetensors").write_bytes(b"torn")
     code, _, err = _eval([str(config), f"eval.path={held_out}"], capsys)
     assert code == 2 and "no intact checkpoint" in err
     assert not (tmp_path / "empty" / RESULTS_FILE).exists()
+
+
+def test_eval_of_a_hugging_face_model_directory_as_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flashcp eval DIR` on a model directory (config.json + weights + tokenizer, no
+    config.yaml) evaluates that model with its tokenizer, as `lm-eval` / transformers do
+    (issue 37): the loss of its own weights, not of a seeded initialisation."""
+    from flashcp.data.tokenizer import ByteTokenizer
+    from flashcp.models import build_model, preset
+    from flashcp.models.hf_weights import save_hf_checkpoint
+
+    directory = tmp_path / "Qwen3-tiny"
+    save_hf_checkpoint(build_model(preset("tiny_qwen3"), seed=3), directory)
+    ByteTokenizer().save_pretrained(directory)  # a tokenizer directory AutoTokenizer reads
+    held_out = tmp_path / "x.jsonl"
+    held_out.write_text("".join(json.dumps({"text": f"held out row {i}"}) + "\n"
+                                for i in range(8)))  # fmt: skip
+    out = tmp_path / "eval"
+    code, text, err = _eval([str(directory), f"eval.path={held_out}", f"run.output_dir={out}"],
+                            capsys)  # fmt: skip
+    assert code == 0, err
+    got = _results(out)
+    assert got["weights"]["start"] == str(directory.resolve())
+    again = tmp_path / "again"
+    save_hf_checkpoint(build_model(preset("tiny_qwen3"), seed=4), directory)  # other weights
+    code, _, err = _eval([str(directory), f"eval.path={held_out}", f"run.output_dir={again}"],
+                         capsys)  # fmt: skip
+    assert code == 0, err
+    assert _results(again)["metrics"]["eval/loss"] != got["metrics"]["eval/loss"]
