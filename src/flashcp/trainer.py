@@ -49,7 +49,7 @@ from flashcp.metrics.goodput import Goodput
 from flashcp.metrics.moe_stats import RouterStats
 from flashcp.metrics.step_sums import StepSums
 from flashcp.metrics.straggler import StragglerWatch
-from flashcp.metrics.writer import MetricsWriter, StepMetrics
+from flashcp.metrics.writer import MetricsWriter, StepMetrics, layout_text
 from flashcp.models import build_model
 from flashcp.models.base import StageSpec
 from flashcp.models.hf_config import directory_notes
@@ -427,6 +427,7 @@ class Trainer:
             output_dir, enabled=main, total_steps=cfg.train.steps, log_every=cfg.train.log_every,
             start_step=start, stream=self.stream,
             reporters=tracking.build_reporters(cfg) if main else (),
+            start={"layout": layout_text(cfg), "resumed": source is not None},
         )  # fmt: skip
         result = TrainResult(start_step=start, final_step=start, resumed_from=source)
         end, end_all = self.last_step, cfg.train.steps

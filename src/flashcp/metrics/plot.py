@@ -107,6 +107,24 @@ def line_style(key: str, points: int) -> str:
     return "o-" if key.startswith("eval/") or points == 1 else "-"
 
 
+def start_marks(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(step, label) where a start of the run began other than at its very beginning: a
+    resume (``resumed``) and, when the layout changed, from what to what (``resumed: dp 1 × pp
+    1 × cp 2 → dp 2 × pp 1 × cp 1``) — throughput jumps there for a reason."""
+    marks: list[tuple[int, str]] = []
+    layout = None
+    for r in records:
+        start = r.get("start")
+        if not isinstance(start, dict):
+            continue
+        now = str(start.get("layout", ""))
+        if start.get("resumed"):
+            label = "resumed" if layout in (None, now) else f"resumed: {layout} → {now}"
+            marks.append((int(r["step"]), label))
+        layout = now
+    return marks
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write `<run_dir>/metrics.png` (or `out`): one panel per `plot_groups` group."""
     import matplotlib.pyplot as plt
@@ -151,6 +169,11 @@ def figure(records: list[dict[str, Any]], title: str) -> Any:
             more, more_names = twin.get_legend_handles_labels()
             lines, names = lines + more, names + more_names
         ax.legend(lines, names, fontsize=7, loc="best")
+    for step, label in start_marks(records):  # resumes and layout changes on the step axis
+        for ax in axes[:, 0]:
+            ax.axvline(step - 0.5, color="0.4", linestyle=":", linewidth=1)
+        axes[0, 0].annotate(label, (step - 0.5, 1.0), xycoords=("data", "axes fraction"),
+                            fontsize=7, rotation=90, va="top", ha="right")  # fmt: skip
     steps = f"{len(records)} step" + ("" if len(records) == 1 else "s")
     axes[0, 0].figure.suptitle(f"{title}: {steps}", fontsize=10)
     axes[-1, 0].set_xlabel("step")

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -124,6 +124,13 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
+def layout_text(cfg: Any) -> str:
+    """A run's layout as a start record names it: ``dp 1 × pp 1 × cp 2 (ep 2)``."""
+    par = cfg.parallel
+    ep = f" (ep {par.ep})" if getattr(par, "ep", 1) > 1 else ""
+    return f"dp {par.dp} × pp {par.pp} × cp {par.cp}{ep}"
+
+
 class MetricsWriter:
     """Appends `StepMetrics` to `<output_dir>/metrics.jsonl` and prints log lines (rank 0)."""
 
@@ -137,8 +144,12 @@ class MetricsWriter:
         start_step: int = 0,
         stream: TextIO | None = None,
         reporters: Sequence[Reporter] = (),
+        start: Mapping[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled
+        self._start = dict(start) if start else None
+        """Written once, into this start's first record (``"start": {"layout", "resumed"}``):
+        `flashcp plot` marks a resume or a layout change on the step axis there."""
         self.reporters = list(reporters) if enabled else []
         """Tracking backends (`flashcp.metrics.tracking`) fed every record's `scalars`."""
         self.total = total_steps
@@ -169,8 +180,12 @@ class MetricsWriter:
         """Record one step (JSON every step, a text line every `log_every` steps)."""
         if not self.enabled:
             return
+        line = m.to_json()
+        if self._start is not None:  # this start's first record: where it began, and how
+            line = json.dumps({**json.loads(line), "start": self._start})
+            self._start = None
         with open(self.path, "a") as f:
-            f.write(m.to_json() + "\n")
+            f.write(line + "\n")
         values = scalars(m.record())
         for reporter in self.reporters:
             reporter.log(m.step, values)

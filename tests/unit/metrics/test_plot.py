@@ -104,3 +104,34 @@ def test_the_step_axis_counts_whole_steps() -> None:
         assert ticks == [1.0] and fig._suptitle.get_text() == "one step: 1 step"
     finally:
         plt.close(fig)
+
+
+def test_a_resume_and_a_layout_change_are_marked_on_the_step_axis(tmp_path: Path) -> None:
+    """Each start writes where it began into its first record; `flashcp plot` draws a line
+    there, labelled `resumed` or, across a layout change, from what to what (issue 37: the
+    throughput jumps at a CP 2 → DP 2 resume with no explanation)."""
+    from flashcp.metrics.plot import start_marks
+    from flashcp.metrics.writer import read_metrics
+    from helpers.configs import tiny_config
+    from helpers.trainruns import fit
+
+    def cfg(steps: int) -> Any:
+        return tiny_config(tmp_path, train={"steps": steps}, checkpoint={"every": 1})
+
+    fit(cfg(2))
+    fit(cfg(4))  # resumes at step 3, same layout
+    records = read_metrics(tmp_path / "run")
+    starts = {r["step"]: r["start"] for r in records if "start" in r}
+    assert starts == {1: {"layout": "dp 1 × pp 1 × cp 1", "resumed": False},
+                      3: {"layout": "dp 1 × pp 1 × cp 1", "resumed": True}}  # fmt: skip
+    assert start_marks(records) == [(3, "resumed")]
+    rows = _sft_rows(())
+    rows[0]["start"] = {"layout": "dp 1 × pp 1 × cp 2", "resumed": False}
+    rows[2]["start"] = {"layout": "dp 2 × pp 1 × cp 1", "resumed": True}
+    label = "resumed: dp 1 × pp 1 × cp 2 → dp 2 × pp 1 × cp 1"
+    assert start_marks(rows) == [(3, label)]
+    fig = figure(rows, "run")
+    for ax in fig.axes:
+        if ax.get_title(loc="left"):
+            assert any(list(line.get_xdata()) == [2.5, 2.5] for line in ax.get_lines())
+    assert [t.get_text() for t in fig.axes[0].texts] == [label]
