@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from flashcp.launch.outcome import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
+
 CONFIG_DIR = Path("configs")
 
 
@@ -70,14 +72,14 @@ def _explain_dispatch(args: argparse.Namespace) -> int:
         res = dispatch.explain_inputs(inputs, args.head_dim, fa4_limit=limit)
     except (ValueError, NotImplementedError) as exc:
         print(f"Effective fa_version: none: {exc}")
-        return 2
+        return EXIT_CONFIG
     print(f"Effective fa_version: {res.version}")
     print(f"Why: {res.reason}")
     if inputs.device.startswith("cpu"):
         print("Kernel: flashcp's CPU reference FlashMask kernel (no GPU on this machine); the")
         print("version above is what a GPU with these flags (and this compute capability)")
         print("would run, and is checked the same.")
-    return 0
+    return EXIT_OK
 
 
 def _config_summary(cfg, nnodes: int | None = None) -> str:  # type: ignore[no-untyped-def]
@@ -140,7 +142,7 @@ def _validate(args: argparse.Namespace) -> int:
     if not files:
         if not CONFIG_DIR.is_dir():
             print(f"no files given and no {CONFIG_DIR}/ directory here", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
         files = sorted(CONFIG_DIR.rglob("*.yaml"))
     failed = 0
     for path in files:
@@ -171,7 +173,7 @@ def _validate(args: argparse.Namespace) -> int:
             print(f"      fill in before training: {keys}")
     total = len(files)
     print(f"{total - failed} of {total} config(s) valid")
-    return EXIT_PREFLIGHT if failed else 0
+    return EXIT_PREFLIGHT if failed else EXIT_OK
 
 
 def _with_overrides(raw: dict, overrides: Sequence[str]) -> dict:  # type: ignore[type-arg]
@@ -212,7 +214,7 @@ def _train(args: argparse.Namespace) -> int:
     problem = _node_problem(args)
     if problem is not None:
         print(f"flashcp train: {problem}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     try:  # the one load in this process, with the preflight `flashcp validate` runs
         cfg, problems = check_config_file(args.config, args.overrides, nnodes=args.nnodes)
     except ConfigValidationError as exc:
@@ -276,17 +278,17 @@ def _eval(args: argparse.Namespace) -> int:
     problem = _node_problem(args)
     if problem is not None:
         print(f"flashcp eval: {problem}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     try:
         config, overrides = _eval_target(args.config, list(args.overrides))
         cfg = load_config(config, overrides, nnodes=args.nnodes)
         check(cfg)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except (EvalError, FileNotFoundError) as exc:
         print(f"flashcp eval: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if cfg.parallel.world_size > 1 or args.nnodes > 1:  # the same launcher as training
         nodes = Nodes(count=args.nnodes, rank=args.node_rank, master=args.master)
         return run_job(cfg, config, overrides, nodes=nodes, command=args.command_line,
@@ -297,20 +299,20 @@ def _eval(args: argparse.Namespace) -> int:
             "flashcp eval", os.getpid(), command=args.command_line))  # fmt: skip
     except (runlock.RunLockError, OSError) as exc:
         print(f"flashcp eval: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if lock.note:
         print(f"flashcp eval: {lock.note}", file=sys.stderr)
     try:
         Evaluation(cfg, stream=sys.stdout).run()
     except EvalError as exc:
         print(f"flashcp eval: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except CheckpointError as exc:
         print(f"flashcp eval: {exc}", file=sys.stderr)
-        return 4
+        return EXIT_CHECKPOINT
     finally:
         lock.release()
-    return 0
+    return EXIT_OK
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -325,12 +327,12 @@ def _plan(args: argparse.Namespace) -> int:
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
     if not 0 < mfu <= 1:
         print(f"flashcp plan: --mfu must be in (0, 1], got {mfu}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     try:
         cfg = load_config(args.config, args.overrides, allow_placeholders=True)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     budgets = {"device": args.device, "budget_gib": args.device_memory,
                "host_budget_gib": args.host_memory}  # fmt: skip
     docs = None
@@ -341,13 +343,13 @@ def _plan(args: argparse.Namespace) -> int:
             docs = load_documents(args.docs, cfg)
         except (ValueError, OSError) as exc:
             print(f"flashcp plan --docs: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
     if args.longest:
         try:
             result = longest(cfg, **budgets)
         except ValueError as exc:
             print(f"flashcp plan --longest: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
         at = with_seq_len(cfg, max(result.seq_len, result.granularity))
         est = estimate(at, mfu=mfu, device=args.device, docs=docs)
         if args.json:
@@ -356,7 +358,7 @@ def _plan(args: argparse.Namespace) -> int:
             print(format_longest(result, cfg, source=str(args.config)))
             if result.plan is not None:
                 print(format_step_time(est))
-        return 0 if result.seq_len else 1
+        return EXIT_OK if result.seq_len else EXIT_NO_FIT
     p = plan(cfg, **budgets)
     est = estimate(cfg, mfu=mfu, device=args.device, docs=docs)
     if args.json:
@@ -366,7 +368,7 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(p, cfg, source=str(args.config)))
         print(format_step_time(est))
-    return 0 if p.fits else 1
+    return EXIT_OK if p.fits else EXIT_NO_FIT
 
 
 def _data_stats(args: argparse.Namespace) -> int:
@@ -380,11 +382,11 @@ def _data_stats(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     data = RECIPE_CLASSES[cfg.run.recipe].data_class(cfg, dp_rank=0, dp_size=cfg.parallel.dp)
     report = data_stats(data, args.steps)  # type: ignore[arg-type]  # LM or DPO data
     print(json.dumps(report) if args.json else format_stats(report))
-    return 0
+    return EXIT_OK
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -394,9 +396,9 @@ def _plot(args: argparse.Namespace) -> int:
         out = plot_run(args.run_dir, args.out)
     except (FileNotFoundError, ValueError) as exc:
         print(f"flashcp plot: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(f"wrote {out}")
-    return 0
+    return EXIT_OK
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
@@ -435,12 +437,12 @@ def _export(args: argparse.Namespace) -> int:
         )
     except (ExportError, ConfigValidationError, CheckpointMismatchError, OSError) as exc:
         print(f"flashcp export: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if args.adapters_for is not None:
         print(f"wrote {report.out}: {args.adapters_for} LoRA adapters from {report.source}")
         for note in report.notes:
             print(f"  note: {note}")
-        return 0
+        return EXIT_OK
     print(
         f"wrote {report.out}: {len(report.shards)} shard(s) in {report.dtype} from "
         f"{report.source} (at most {readable_count(report.max_shard_parameters)} parameters held "
@@ -452,7 +454,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"  with {', '.join(extras)}")
     for note in report.notes:
         print(f"  note: {note}")
-    return 0
+    return EXIT_OK
 
 
 def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
@@ -748,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
     if importlib.util.find_spec("paddle") is None:
         print(f"flashcp: {NO_PADDLE}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     return int(args.func(args))
 
 

@@ -19,6 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+EXIT_OK = 0
+"""Done: trained, evaluated, validated, planned within the budget."""
+EXIT_NO_FIT = 1
+"""`flashcp plan`: the plan does not fit (or `--longest` finds no length that does)."""
 EXIT_CONFIG = 2
 """A bad config, fault spec, or a run directory the run may not start in (before init)."""
 EXIT_NONFINITE = 3
@@ -32,6 +36,26 @@ data check did not already refuse (exit 2)."""
 EXIT_PREEMPTED = 75
 """Pre-empted (SIGTERM or `run.preempt_signal`): every rank finished its step, saved a
 checkpoint and stopped; run the same command again to resume (sysexits' EX_TEMPFAIL)."""
+EXIT_SIGNAL_BASE = 128
+"""A job stopped by a signal exits 128 + its number: 130 after Ctrl-C (SIGINT), 143 after a
+stop by SIGTERM beyond the pre-emption's grace."""
+EXIT_CODES: dict[str, str] = {
+    str(EXIT_OK): "done",
+    str(EXIT_NO_FIT): "`flashcp plan`: the plan does not fit the budget (or `--longest` finds "
+    "no length that does)",
+    str(EXIT_CONFIG): "a bad config, command line, model directory, data sample or run "
+    "directory (another job holds it), refused before anything is launched or computed",
+    str(EXIT_NONFINITE): "a non-finite loss or gradients (`train.on_nonfinite: stop`)",
+    str(EXIT_CHECKPOINT): "a broken checkpoint, or a failed save with "
+    "`checkpoint.fail_on_error`",
+    str(EXIT_DATA): "bad data the ranks met (`data.on_bad_record: error`, a row that fails to "
+    "read, no usable record)",
+    str(EXIT_PREEMPTED): "pre-empted: every rank saved and stopped; run the same command "
+    "again to resume",
+    "128 + N": "stopped by signal N (130: Ctrl-C, after saving); every rank ended with it",
+}
+"""THE table of flashcp's exit codes, every command's (`docs/training.md`, "Exit codes", is
+checked against it: `tests/unit/launch/test_outcome.py`)."""
 FINAL_CODES: dict[int, str] = {
     EXIT_CONFIG: "a refused config",
     EXIT_NONFINITE: "a non-finite loss",

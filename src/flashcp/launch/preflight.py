@@ -54,11 +54,12 @@ from flashcp.config.placeholders import is_placeholder
 from flashcp.distributed.groups import wait_for_port
 from flashcp.distributed.ports import PortLease
 from flashcp.distributed.watchdog import resolve_timeout
+from flashcp.launch.outcome import EXIT_CONFIG
 from flashcp.launch.supervise import launcher_lease
 from flashcp.plan import plan
 from flashcp.plan.report import host_refusal, refusal
 
-EXIT_PREFLIGHT = 2
+EXIT_PREFLIGHT = EXIT_CONFIG
 """`flashcp train`'s exit code when a check refuses the launch."""
 EVAL_LOG_DIR = "eval"
 """`flashcp eval`'s launcher logs: `<run.output_dir>/logs/eval`."""

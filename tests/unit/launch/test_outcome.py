@@ -209,3 +209,26 @@ def test_a_ranks_own_exit_code_decides_whether_a_relaunch_helps(
 def test_verdict_without_any_rank_log() -> None:
     v = outcome.verdict(-9, [])
     assert (v.code, v.cause, v.rank) == (-9, "unknown", None)
+
+
+def test_the_exit_codes_are_one_table() -> None:
+    """docs/training.md's table is `EXIT_CODES`, row for row; every `EXIT_*` constant is in it;
+    `flashcp.cli` returns no literal exit code (issue 38, item 2)."""
+    import ast
+    import re
+
+    from flashcp import cli
+    from flashcp.launch import outcome
+    from helpers.paths import ROOT
+
+    text = (ROOT / "docs" / "training.md").read_text().split("# Exit codes", 1)[1]
+    rows = dict(re.findall(r"^\| (.+?) \| (.+?) \|$", text, re.M)[1:])
+    rows.pop("---", None)
+    assert rows == outcome.EXIT_CODES
+    constants = {v for k, v in vars(outcome).items()
+                 if k.startswith("EXIT_") and isinstance(v, int)}  # fmt: skip
+    assert {str(c) for c in constants if c != outcome.EXIT_SIGNAL_BASE} <= set(outcome.EXIT_CODES)
+    tree = ast.parse(Path(cli.__file__).read_text())
+    literal = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Return)
+               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)]
+    assert literal == [], f"cli.py returns literal exit codes at lines {literal}"
