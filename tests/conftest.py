@@ -91,3 +91,16 @@ def fit() -> trainruns.Fit:
     """`fit(cfg, **trainer_kwargs)`: the config trained here; `.trainer`, `.result`, `.out`
     (what it printed), `.records` (its metrics rows) (`helpers.trainruns.fit`)."""
     return trainruns.fit
+
+
+@pytest.fixture(autouse=True)
+def _flashcp_logger_as_a_library() -> Iterator[None]:
+    """Undoes an in-process entry point's `own_console_format` after each test, so `caplog` (on
+    the root logger) sees flashcp's records in the next one whatever ran before."""
+    import logging
+
+    flashcp_logger = logging.getLogger("flashcp")
+    handlers, propagate = list(flashcp_logger.handlers), flashcp_logger.propagate
+    yield
+    flashcp_logger.handlers[:] = handlers
+    flashcp_logger.propagate = propagate

@@ -732,9 +732,10 @@ def package_version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from flashcp.log import quiet_third_party
+    from flashcp.log import own_console_format, quiet_third_party
 
     quiet_third_party()  # before any command imports Paddle or PaddleFormers
+    own_console_format()
     parser = build_parser()
     # `flashcp train CONFIG --nnodes 2 key=value`: overrides may follow the options too (as
     # for plan, validate and data-stats)

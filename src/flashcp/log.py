@@ -21,12 +21,31 @@ def process_rank() -> int:
     return 0
 
 
+CONSOLE_FORMAT = "[flashcp %(levelname)s] %(message)s"
+"""The one format of flashcp's own lines, on the console and in every rank's log."""
+
+
+def _add_console_handler() -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+    handler.set_name("flashcp-console")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def _ensure_handler() -> None:
     if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[flashcp %(levelname)s] %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        _add_console_handler()
+
+
+def own_console_format() -> None:
+    """flashcp's lines in `CONSOLE_FORMAT`, not in the root handler Paddle installs on import
+    (`[date] [    INFO] log.py:40 - …`, naming this helper's file and line). Called by the
+    entry points (the CLI, a launched rank); a library user's logging setup is left alone.
+    Idempotent."""
+    if not any(h.get_name() == "flashcp-console" for h in logger.handlers):
+        _add_console_handler()
+    logger.propagate = False
 
 
 def log_once(key: str, message: str, *, level: int = logging.INFO, rank0_only: bool = True) -> bool:

@@ -77,3 +77,32 @@ def test_python_warnings_for_launched_processes() -> None:
 )  # fmt: skip
 def test_readable_count(n: float, text: str) -> None:
     assert readable_count(n) == text
+
+
+def _paddle_then_log(own_format: bool) -> str:
+    """A fresh Python importing Paddle (which installs a root handler) and then logging one
+    flashcp line, with or without the entry points' `own_console_format`; its stderr."""
+    code = "import paddle; from flashcp import log; "
+    code += "log.own_console_format(); " if own_format else ""
+    code += "log.log_once('k', 'fa_version=2 (the reason)')"
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                          text=True, timeout=300, check=True)  # fmt: skip
+    return proc.stderr
+
+
+def test_flashcp_lines_have_one_format_after_paddle_installs_its_handler() -> None:
+    """Paddle's root handler would print `[date] [    INFO] log.py:NN - …` (control); the entry
+    points' format prints `[flashcp INFO] …`, once, with no file and line of the helper."""
+    loud = _paddle_then_log(False)
+    assert "log.py:" in loud and "fa_version=2" in loud  # the problem is real
+    own = _paddle_then_log(True)
+    assert own.strip().splitlines() == ["[flashcp INFO] fa_version=2 (the reason)"]
+
+
+def test_own_console_format_is_idempotent() -> None:
+    from flashcp import log
+
+    log.own_console_format()
+    log.own_console_format()
+    assert sum(h.get_name() == "flashcp-console" for h in log.logger.handlers) == 1
+    assert log.logger.propagate is False

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from flashcp.distributed.watchdog import TIMEOUT_EXIT_CODE
+
 EXIT_OK = 0
 """Done: trained, evaluated, validated, planned within the budget."""
 EXIT_NO_FIT = 1
@@ -36,6 +38,9 @@ data check did not already refuse (exit 2)."""
 EXIT_PREEMPTED = 75
 """Pre-empted (SIGTERM or `run.preempt_signal`): every rank finished its step, saved a
 checkpoint and stopped; run the same command again to resume (sysexits' EX_TEMPFAIL)."""
+EXIT_HANG = TIMEOUT_EXIT_CODE
+"""A rank the collective watchdog ended: a peer dead, hung or skipping a collective (its log
+names the collective and the peer it waited for)."""
 EXIT_SIGNAL_BASE = 128
 """A job stopped by a signal exits 128 + its number: 130 after Ctrl-C (SIGINT), 143 after a
 stop by SIGTERM beyond the pre-emption's grace."""
@@ -52,6 +57,8 @@ EXIT_CODES: dict[str, str] = {
     "read, no usable record)",
     str(EXIT_PREEMPTED): "pre-empted: every rank saved and stopped; run the same command "
     "again to resume",
+    str(EXIT_HANG): "a rank ended by the collective watchdog: a peer dead, hung or skipping a "
+    "collective (its log names which)",
     "128 + N": "stopped by signal N (130: Ctrl-C, after saving); every rank ended with it",
 }
 """THE table of flashcp's exit codes, every command's (`docs/training.md`, "Exit codes", is

@@ -53,7 +53,7 @@ from flashcp.launch.outcome import (
 )
 from flashcp.launch.preempt import StopSignals, preempt_signals
 from flashcp.launch.preflight import check_config_file
-from flashcp.log import process_rank, quiet_third_party
+from flashcp.log import own_console_format, process_rank, quiet_third_party
 from flashcp.run_info import command_line
 from flashcp.trainer import NonFiniteError, Trainer
 
@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run this rank's share of the job; returns the process exit code."""
     quiet_third_party()  # before PaddleFormers is imported (LoRA, HF tokenizers)
+    own_console_format()
     args = build_parser().parse_args(argv)
     rank = process_rank()
     lock: runlock.Held | None = None
