@@ -1,40 +1,54 @@
-"""Where a MoE training step's time goes, against its own GEMM floor and the core's GEMM peak.
+"""Where a MoE training step's time goes, phase by phase, against its own GEMM floor and the
+core's GEMM peak.
 
 One training step (forward, the chunked loss, backward, AdamW) of a MoE model at GLM-4.5-Air's
 and Qwen3-MoE's shapes scaled down to what one CPU core runs in seconds (`SHAPES`: every width
 divided, the expert count and top-k kept), float32, one thread. In the same run, interleaved
-rounds, medians of process CPU seconds:
+rounds (the order rotates), process CPU seconds:
 
-* the step, and its parts each run alone, forward + backward, on inputs of the step's shapes:
-  per decoder layer the attention sublayer (input norm, projections, rotary, the FlashMask CPU
-  kernel, output projection) and the MoE sublayer; within the MoE sublayer the router (scores,
-  top-k, normalisation), the routed experts' compute on the laid-out rows (their GEMMs and
-  SwiGLU) and the shared expert; the LM head with the chunked loss; the optimizer step. What
-  the MoE sublayer spends besides its three parts is the token movement around the experts
-  (dispatch plan, permute, relayout, combine); what the step spends besides its parts is
-  unattributed (embedding, residual adds, the post-attention norm, the autograd engine);
-* the step's GEMM floor: every matrix multiply the step runs (`gemm_shapes`: attention's
-  projections, the router, each expert's rows at this step's routing, the shared expert, the
-  head), forward and the two backward GEMMs (dX, dW) each, back to back;
-* the core's GEMM peak: a 2048³ float32 matmul.
+* **the step** (`plain step`), exactly as the trainer's loss path runs it;
+* **the same step with a timer around every phase** (`timed step`, `bench.phase_timer`: each
+  phase's forward and its backward are one call each, timed exclusive of nested phases; the
+  loss is bitwise the plain step's and every gradient equal under the numerics rule, checked
+  before the rounds). The phases
+  (`PHASES`): embedding; norms (input, post-attention, final, QK); rotary; attention
+  projections (q/k/v/o); the attention kernel (the CPU FlashMask kernel); the router (scores,
+  top-k, normalisation); dispatch / permute (the dispatch plan, the expert layout, the
+  permute into it); the experts' GEMMs; the experts' SwiGLU (what the routed experts spend
+  besides their GEMMs); combine / unpermute; the shared expert; the head and the chunked loss;
+  the optimizer. `unattributed` = the timed step minus its phases (residual adds, reshapes,
+  the autograd engine between phases, the timers' bookkeeping);
+* **the step's GEMM floor** (`gemm_shapes`): every matrix multiply the step's model FLOPs
+  count — attention's projections, its QKᵀ and PV at the causal mask's keys per query (as
+  batched matmuls over the heads), the router, each expert's rows at this step's routing, the
+  shared expert, the head — forward and the two backward GEMMs (dX, dW) each, back to back,
+  timed per phase;
+* **the core's GEMM peak**: a 2048³ float32 matmul.
 
-The model FLOPs come from `flashcp.metrics.flops` (the family's inventory: one source). Results:
-`docs/moe_step.json`, rendered into `docs/moe_step.md`.
+The model FLOPs come from `flashcp.metrics.flops` (the family's inventory: one source; the
+floor's GEMM list matches it, `tests/unit/bench/test_moe_step.py`). The phase shares are those
+of the median round (by timed step), so they add up to 100 % exactly.
+
+`--compare NAME` (a key of `VARIANTS`) also times the plain step with that change undone,
+interleaved with the rest: the before/after of a cut, side by side in one run.
+
+Results: `docs/moe_step.json`, rendered into `docs/moe_step.md`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from bench import report, stats
+from bench import numerics, phase_timer, report, stats
 from bench.rounds import interleave
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -52,53 +66,102 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 """Each shape: GLM-4.5-Air's widths ÷ 8 (hidden 4096 → 512, heads 96/8 → 12/1, expert 1408 →
 176), Qwen3-30B-A3B's ÷ 4 (2048 → 512, 32/4 → 8/1, expert 768 → 192); 128 experts top-8 kept;
-the vocabulary 32,768 (÷ 4.6); two MoE layers."""
+the vocabulary 32,768 (÷ 4.6); two MoE layers; 2,048 tokens (one causal document)."""
 TOKENS = 2048
 PEAK_N = 2048
+PHASES = (
+    "embedding", "norms", "rotary", "attention projections", "attention kernel",
+    "router and top-k", "dispatch / permute", "expert GEMMs", "expert SwiGLU",
+    "combine / unpermute", "shared expert", "head and loss", "optimizer",
+)  # fmt: skip
+"""The phases of a step, in the order the page lists them (module docstring)."""
+UNATTRIBUTED = "unattributed"
 
 
 @dataclass(frozen=True)
 class Gemm:
-    """One matrix multiply of the step: `[m, k] @ [k, n]`, `what` it is."""
+    """One matrix multiply of the step: `batch` × `[m, k] @ [k, n]`, in phase `phase`."""
 
-    what: str
+    phase: str
     m: int
     k: int
     n: int
+    batch: int = 1
 
     @property
     def flops(self) -> int:
-        """Forward and the two backward GEMMs (dX, dW): 3 × 2mkn."""
-        return 6 * self.m * self.k * self.n
+        """Forward and the two backward GEMMs (dX, dW): 3 × 2mkn per batch entry."""
+        return 6 * self.batch * self.m * self.k * self.n
+
+
+def kernel_keys(tokens: int) -> int:
+    """Keys per query of the floor's attention GEMMs: the causal mask's average (T + 1) / 2,
+    rounded down to whole columns (T = 2048: 1024 for 1024.5, 0.05 % fewer FLOPs)."""
+    return (tokens + 1) // 2
 
 
 def gemm_shapes(args: Any, tokens: int, expert_rows: Sequence[Sequence[int]]) -> list[Gemm]:
-    """Every GEMM of a step of `tokens` tokens through `args`' decoder layers (each a MoE layer
-    here, `expert_rows[layer][e]` rows routed to expert e) and the LM head."""
+    """Every GEMM of a step of `tokens` tokens (one causal document) through `args`' decoder
+    layers (each a MoE layer here, `expert_rows[layer][e]` rows routed to expert e) and the LM
+    head, each in its phase (`PHASES`)."""
     h, d = int(args.hidden_size), int(args.head_size)
-    q, kv = int(args.num_heads) * d, int(args.num_kv_heads) * d
+    heads = int(args.num_heads)
+    q, kv = heads * d, int(args.num_kv_heads) * d
+    keys = kernel_keys(tokens)
     out: list[Gemm] = []
     for layer in range(int(args.num_layers)):
-        out += [Gemm("attention q/k/v", tokens, h, q + 2 * kv), Gemm("attention o", tokens, q, h),
-                Gemm("router", tokens, h, int(args.num_experts))]  # fmt: skip
+        out += [Gemm("attention projections", tokens, h, q + 2 * kv),
+                Gemm("attention projections", tokens, q, h),
+                Gemm("attention kernel", tokens, d, keys, heads),  # QKᵀ (dQ, dK)
+                Gemm("attention kernel", tokens, keys, d, heads),  # PV (dP, dV)
+                Gemm("router and top-k", tokens, h, int(args.num_experts))]  # fmt: skip
         inter = int(args.moe_intermediate_size)
         for rows in expert_rows[layer]:
             if rows:
-                out += [Gemm("experts gate/up", int(rows), h, 2 * inter),
-                        Gemm("experts down", int(rows), inter, h)]  # fmt: skip
+                out += [Gemm("expert GEMMs", int(rows), h, 2 * inter),
+                        Gemm("expert GEMMs", int(rows), inter, h)]  # fmt: skip
         if args.num_shared_experts:
             shared = inter * int(args.num_shared_experts)
-            out += [Gemm("shared gate/up", tokens, h, 2 * shared),
-                    Gemm("shared down", tokens, shared, h)]  # fmt: skip
-    out.append(Gemm("head", tokens, h, int(args.vocab_size)))
+            out += [Gemm("shared expert", tokens, h, 2 * shared),
+                    Gemm("shared expert", tokens, shared, h)]  # fmt: skip
+    out.append(Gemm("head and loss", tokens, h, int(args.vocab_size)))
     return out
 
 
-def shares(phases: dict[str, float], step: float) -> dict[str, float]:
-    """Each phase's fraction of the step, `unattributed` the rest (may be < 0 within noise)."""
-    out = {name: t / step for name, t in phases.items()}
-    out["unattributed"] = 1.0 - sum(out.values())
+def account(step: float, phases: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """One timed step's accounting: each phase's forward / backward / update seconds and its
+    total, `unattributed` = the step minus every phase (negative only if the timers are
+    wrong), and each phase's share of the step (the shares, unattributed included, sum to 1)."""
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown:
+        raise ValueError(f"phases {unknown} are not in PHASES")
+    rows: dict[str, dict[str, float]] = {}
+    for name in PHASES:
+        passes = phases.get(name, {})
+        total = float(sum(passes.values()))
+        rows[name] = {**{p: float(passes.get(p, 0.0)) for p in phase_timer.PASSES},
+                      "total": total}  # fmt: skip
+    rest = step - sum(r["total"] for r in rows.values())
+    rows[UNATTRIBUTED] = {**dict.fromkeys(phase_timer.PASSES, 0.0), "total": rest}
+    for r in rows.values():
+        r["share"] = r["total"] / step
+    return {"step": step, "phases": rows}
+
+
+def floor_by_phase(gemm_seconds: dict[str, float], gemms: Sequence[Gemm]) -> dict[str, Any]:
+    """Per phase: its GEMMs' floor seconds and FLOPs (phases without GEMMs absent)."""
+    out: dict[str, Any] = {}
+    for g in gemms:
+        row = out.setdefault(g.phase, {"seconds": gemm_seconds[g.phase], "flops": 0})
+        row["flops"] += g.flops
     return out
+
+
+# -- the variants a cut is compared against ----------------------------------------------------
+
+
+VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {}
+"""`--compare` choices: a context manager under which the step runs as before a cut."""
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -110,16 +173,68 @@ def _cpu(fn: Callable[[], Any]) -> float:
     return time.process_time() - start
 
 
-def measure_shape(name: str, spec: dict[str, Any], rounds: int) -> dict[str, Any]:
+def instrument(model: Any, clock: phase_timer.PhaseClock) -> phase_timer.Patches:
+    """Timers around every phase of `model`'s step (`PHASES`); `remove()` takes them off."""
+    import paddle.nn.functional as F
+
+    import flashcp.models.attention as attention_module
+    import flashcp.models.moe as moe_module
+
+    p = phase_timer.Patches()
+    emb = model.model.embed_tokens
+
+    def lookup(weight: Any, ids: Any) -> Any:
+        return F.embedding(ids, weight=weight, padding_idx=emb._padding_idx, sparse=emb._sparse)
+
+    timed_lookup = phase_timer.timed(clock, "embedding", lookup)
+    p.set(emb, "forward", lambda ids: timed_lookup(emb.weight, ids))
+    p.wrap(clock, model.model.norm, "forward", "norms")
+    p.wrap(clock, attention_module, "apply_rotary", "rotary")
+    for name in ("build_dispatch", "relayout", "permute"):
+        p.wrap(clock, moe_module, name, "dispatch / permute", backward=name == "permute")
+    p.wrap(clock, moe_module, "combine", "combine / unpermute")
+    for layer in model.decoder_layers():
+        p.wrap(clock, layer.input_layernorm, "forward", "norms")
+        p.wrap(clock, layer.post_attention_layernorm, "forward", "norms")
+        attn = layer.self_attn
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            p.wrap(clock, getattr(attn, proj), "forward", "attention projections")
+        if attn.use_qk_norm:
+            p.wrap(clock, attn.q_norm, "forward", "norms")
+            p.wrap(clock, attn.k_norm, "forward", "norms")
+        p.wrap(clock, attn, "core", "attention kernel")
+        moe = layer.mlp
+        p.wrap(clock, moe.gate, "route", "router and top-k")
+        p.wrap(clock, moe.experts, "plan", "dispatch / permute", backward=False)
+        p.wrap(clock, moe.experts, "forward", "expert SwiGLU")
+        p.wrap(clock, moe.experts, "project", "expert GEMMs")
+        if moe.shared_experts is not None:
+            p.wrap(clock, moe.shared_experts, "forward", "shared expert")
+    p.wrap(clock, model, "token_logprobs", "head and loss")
+    return p
+
+
+@contextlib.contextmanager
+def _installed(patches: Callable[[], phase_timer.Patches]) -> Iterator[None]:
+    p = patches()
+    try:
+        yield
+    finally:
+        p.remove()
+
+
+def _grads(model: Any) -> dict[str, np.ndarray]:
+    return {p.name: p.grad.numpy().copy() for p in model.parameters() if p.grad is not None}
+
+
+def measure_shape(name: str, spec: dict[str, Any], rounds: int,
+                  compare: str | None = None) -> dict[str, Any]:  # fmt: skip
     import paddle
 
     from flashcp import masks
     from flashcp.attention.context import AttentionContext
     from flashcp.metrics.flops import causal_keys, flops_per_token
     from flashcp.models import build_model, preset
-    from flashcp.models.layers import rotary_tables
-    from flashcp.models.moe_dispatch import build_dispatch, permute, relayout
-    from flashcp.models.rope import model_inverse_frequencies
 
     spec = dict(spec)
     args = preset(spec.pop("preset"), max_seq_len=TOKENS, **spec)
@@ -131,106 +246,103 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int) -> dict[str, Any
     labels = paddle.to_tensor(rng.integers(0, args.vocab_size, (1, TOKENS)))
     pos = paddle.arange(TOKENS, dtype="int64").unsqueeze(0)
     ctx = AttentionContext(mask=masks.causal_mask(1, TOKENS).indices, causal=True)
-    inv = model_inverse_frequencies(args)
-    rotary = rotary_tables(pos, inv, interleaved=args.interleaved_rotary)
-    layers = model.decoder_layers()
-    h = int(args.hidden_size)
+    clock = phase_timer.PhaseClock()
+    routed: list[list[int]] = []
 
-    def x_like() -> paddle.Tensor:
-        x = paddle.to_tensor(rng.standard_normal((1, TOKENS, h)).astype("float32"))
-        x.stop_gradient = False
-        return x
-
-    def step() -> None:
+    def forward_backward() -> float:
         hidden = model(ids, pos, ctx)
         loss = -model.token_logprobs(hidden, labels).mean()
         loss.backward()
-        opt.step()
-        opt.clear_grad()
+        return float(loss)
 
-    def backward_of(out: paddle.Tensor) -> None:
-        (out * paddle.ones_like(out)).sum().backward()
+    def update() -> None:
+        with clock.phase("optimizer", "update"):
+            opt.step()
+            opt.clear_grad()
 
-    layer = layers[0]
-    moe = layer.mlp
-    flat = x_like().reshape([-1, h])
-    routing = moe.gate.route(flat.detach())
-    dispatch = build_dispatch(routing.ids, moe.gate.num_experts, None)
-    layout = moe.experts.plan(dispatch.counts, flat)
-    laid = relayout(dispatch, layout.row_index(), layout.rows)
-    rows = permute(flat.detach(), laid, "float32").detach()
-    rows.stop_gradient = False
+    def step() -> None:
+        forward_backward()
+        update()
 
-    def attention() -> None:
-        backward_of(layer.self_attn(layer.input_layernorm(x_like()), rotary, ctx))
-
-    def moe_layer() -> None:
-        backward_of(moe(layer.post_attention_layernorm(x_like())))
-
-    def router() -> None:
-        r = moe.gate.route(x_like().reshape([-1, h]))
-        backward_of(r.weights)
-
-    def experts() -> None:
-        backward_of(moe.experts(rows, layout))
-
-    def shared() -> None:
-        if moe.shared_experts is not None:
-            backward_of(moe.shared_experts(x_like()))
-
-    def head_loss() -> None:
-        (-model.token_logprobs(model.model.norm(x_like()), labels).mean()).backward()
-
-    def optimizer() -> None:
-        opt.step()
-
-    counts = []
-    for each in layers:  # this step's routing per layer, from the step's own inputs
-        with paddle.no_grad():
-            r = each.mlp.gate.route(x_like().reshape([-1, h]))
-        counts.append(np.bincount(r.ids.numpy().ravel(), minlength=args.num_experts).tolist())
-    gemms = gemm_shapes(args, TOKENS, counts)
-    mats = [(paddle.randn([g.m, g.k]), paddle.randn([g.k, g.n]), paddle.randn([g.m, g.n]))
-            for g in gemms]  # fmt: skip
+    # the timers change no value: the same loss, the gradients equal under the numerics rule
+    # (the autograd engine may sum a tensor's three or more gradient contributions in another
+    # order once the phases are separate graphs)
+    plain_loss = forward_backward()
+    plain_grads = _grads(model)
+    opt.clear_grad()
+    with _installed(lambda: instrument(model, clock)):
+        timed_loss = forward_backward()
+    timed_grads = _grads(model)
+    opt.clear_grad()
+    clock.reset()
+    if plain_grads.keys() != timed_grads.keys():
+        missing = plain_grads.keys() ^ timed_grads.keys()
+        raise RuntimeError(f"the timed step's gradients differ in {sorted(missing)}")
+    units = max(numerics.compare(timed_grads[k], plain_grads[k], n=TOKENS, norm="l2").units
+                for k in plain_grads)  # fmt: skip
+    if plain_loss != timed_loss or units > numerics.FACTOR:
+        raise RuntimeError(f"the timers changed the step: loss {timed_loss} vs {plain_loss}, "
+                           f"gradients {units:.2f} units of the numerics rule")  # fmt: skip
+    for layer in model.decoder_layers():  # this step's routing per layer, for the floor
+        routed.append(np.asarray(layer.mlp.last_tokens_per_expert).tolist())
+    gemms = gemm_shapes(args, TOKENS, routed)
+    by_phase: dict[str, list[tuple[Any, Any, Any]]] = {}
+    for g in gemms:
+        shape = [g.batch] if g.batch > 1 else []
+        by_phase.setdefault(g.phase, []).append(
+            (paddle.randn([*shape, g.m, g.k]), paddle.randn([*shape, g.k, g.n]),
+             paddle.randn([*shape, g.m, g.n]))
+        )  # fmt: skip
+    floor_phase: dict[str, float] = {}
 
     def floor() -> None:
-        for a, b, c in mats:
-            paddle.matmul(a, b)
-            paddle.matmul(c, b, transpose_y=True)
-            paddle.matmul(a, c, transpose_x=True)
+        for phase, mats in by_phase.items():
+            start = time.process_time()
+            for a, b, c in mats:
+                paddle.matmul(a, b)
+                paddle.matmul(c, b, transpose_y=True)
+                paddle.matmul(a, c, transpose_x=True)
+            floor_phase[phase] = time.process_time() - start
 
     big = paddle.randn([PEAK_N, PEAK_N])
 
-    def peak() -> None:
-        paddle.matmul(big, big)
+    def timed_step() -> None:
+        clock.reset()
+        with _installed(lambda: instrument(model, clock)):
+            step()
 
     parts: dict[str, Callable[[], None]] = {
-        "step": step, "attention": attention, "moe": moe_layer, "router": router,
-        "routed experts": experts, "shared expert": shared, "head and loss": head_loss,
-        "optimizer": optimizer, "gemm floor": floor, "peak": peak,
+        "plain step": step, "timed step": timed_step, "gemm floor": floor,
+        "peak": lambda: paddle.matmul(big, big),
     }  # fmt: skip
+    if compare is not None:
+        undo = VARIANTS[compare]
+
+        def before() -> None:
+            with undo():
+                step()
+
+        parts[f"plain step, before {compare}"] = before
     times: dict[str, list[float]] = {k: [] for k in parts}
+    timed_rounds: list[dict[str, Any]] = []
+    floor_rounds: list[dict[str, float]] = []
     for rnd in interleave(list(parts), rounds, warmup=1):
         for part in rnd.order:
             t = _cpu(parts[part])
-            opt.clear_grad()
-            if rnd.timed:
-                times[part].append(t)
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    n_layers = len(layers)
-    moe_rest = med["moe"] - med["router"] - med["routed experts"] - med["shared expert"]
-    phases = {
-        "attention (norm, projections, rotary, kernel)": n_layers * med["attention"],
-        "router (scores, top-k, normalisation)": n_layers * med["router"],
-        "routed experts (GEMMs, SwiGLU)": n_layers * med["routed experts"],
-        "dispatch / permute / combine": n_layers * moe_rest,
-        "shared expert": n_layers * med["shared expert"],
-        "head and loss": med["head and loss"],
-        "optimizer": med["optimizer"],
-    }
+            if not rnd.timed:
+                continue
+            times[part].append(t)
+            if part == "timed step":
+                timed_rounds.append(account(t, clock.by_phase()))
+            elif part == "gemm floor":
+                floor_rounds.append(dict(floor_phase))
+    med = {k: stats.median(v) for k, v in times.items()}
+    order = np.argsort([r["step"] for r in timed_rounds], kind="stable")
+    median_round = timed_rounds[int(order[len(order) // 2])]
+    floor_med = {k: stats.median([r[k] for r in floor_rounds]) for k in floor_rounds[0]}
     model_flops = flops_per_token(args, TOKENS, keys=causal_keys(TOKENS)) * TOKENS
     peak_flops = 2 * PEAK_N**3 / med["peak"]
-    return {
+    out: dict[str, Any] = {
         "name": name,
         "shape": {k: getattr(args, k) for k in ("hidden_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "num_experts", "num_experts_per_tok",
@@ -238,25 +350,45 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int) -> dict[str, Any
         "tokens": TOKENS,
         "rounds": rounds,
         "seconds": {k: stats.spread(v) for k, v in times.items()},
-        "phases": phases,
-        "shares": shares(phases, med["step"]),
+        "timers_loss_equal": plain_loss == timed_loss,
+        "timers_grad_units": units,
+        "timer_overhead": stats.spread(
+            [a - b for a, b in zip(times["timed step"], times["plain step"], strict=True)]
+        ),
+        "accounting": median_round,
+        "timed_rounds": timed_rounds,
+        "floor": floor_by_phase(floor_med, gemms),
         "model_flops": model_flops,
         "gemm_flops": sum(g.flops for g in gemms),
         "peak_gflops": peak_flops / 1e9,
-        "step_gflops": model_flops / med["step"] / 1e9,
-        "fraction_of_peak": model_flops / med["step"] / peak_flops,
-        "step_over_floor": med["step"] / med["gemm floor"],
-        "expert_rows_max_over_mean": float(max(max(c) / np.mean(c) for c in counts)),
+        "step_gflops": model_flops / med["plain step"] / 1e9,
+        "fraction_of_peak": model_flops / med["plain step"] / peak_flops,
+        "floor_fraction_of_peak": model_flops / med["gemm floor"] / peak_flops,
+        "step_over_floor": med["plain step"] / med["gemm floor"],
+        "expert_rows_max_over_mean": float(max(max(c) / np.mean(c) for c in routed)),
     }
+    if compare is not None:
+        key = f"plain step, before {compare}"
+        out["compare"] = {
+            "variant": compare,
+            "before": stats.spread(times[key]),
+            "after": stats.spread(times["plain step"]),
+            "speedup": stats.spread(stats.ratios(times[key], times["plain step"])),
+        }
+    return out
 
 
 def view(rec: dict[str, Any]) -> dict[str, Any]:
-    """The cases that meet the issue's targets (≥ 0.75 of the peak or ≤ 1.25× the floor)."""
-    top = {c["name"]: [f"{k} {100 * v:.0f} %" for k, v in sorted(
-        c["shares"].items(), key=lambda kv: -kv[1])[:3]] for c in rec["cases"]}  # fmt: skip
-    return {"met": [c["name"] for c in rec["cases"]
-                    if c["fraction_of_peak"] >= 0.75 or c["step_over_floor"] <= 1.25],
-            "top": top}  # fmt: skip
+    """The phases in page order with their floors, the largest shares, and the cases that meet
+    the issue's targets (≥ 0.75 of the peak or ≤ 1.25× the floor)."""
+    top = {}
+    for c in rec["cases"]:
+        rows = c["accounting"]["phases"]
+        best = sorted(rows.items(), key=lambda kv: -kv[1]["share"])[:3]
+        top[c["name"]] = [f"{k} {100 * v['share']:.0f} %" for k, v in best]
+    met = [c["name"] for c in rec["cases"]
+           if c["fraction_of_peak"] >= 0.75 or c["step_over_floor"] <= 1.25]  # fmt: skip
+    return {"phases": [*PHASES, UNATTRIBUTED], "top": top, "met": met}
 
 
 PAGE = report.Page("moe_step.md.j2", report.DOCS / "moe_step.json", view=view)
@@ -264,25 +396,40 @@ PAGE = report.Page("moe_step.md.j2", report.DOCS / "moe_step.json", view=view)
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (>= 3 for docs)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES keys")
+    parser.add_argument("--compare", default=None, choices=sorted(VARIANTS) or None,
+                        help="also time the step with this cut undone (before/after)")  # fmt: skip
     PAGE.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.report_only:
         return PAGE.rewrite(args)
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in names if s not in SHAPES]
+    if bad or not names or args.rounds < 1:
+        raise SystemExit(f"--shapes {bad or names}: use names from {list(SHAPES)}; --rounds >= 1")
     import paddle
 
+    paddle.set_device("cpu")
     cases = []
-    for name, spec in SHAPES.items():
+    for name in names:
         print(f"== {name}", flush=True)
-        case = measure_shape(name, spec, args.rounds)
-        print(f"   step {case['seconds']['step']['median']:.2f} s, "
+        case = measure_shape(name, SHAPES[name], args.rounds, args.compare)
+        print(f"   step {case['seconds']['plain step']['median']:.2f} s, "
               f"{case['fraction_of_peak']:.2f} of the GEMM peak, "
-              f"{case['step_over_floor']:.2f}× its GEMM floor", flush=True)  # fmt: skip
+              f"{case['step_over_floor']:.2f}× its GEMM floor; timed-step gradients "
+              f"{case['timers_grad_units']:.2f} units of the rule", flush=True)  # fmt: skip
+        for phase, row in case["accounting"]["phases"].items():
+            print(f"     {phase:24s} {row['total']:7.3f} s {100 * row['share']:5.1f} %")
+        if "compare" in case:
+            print(f"   before/after {args.compare}: {case['compare']['speedup']}")
         cases.append(case)
     rec = {
         "environment": {"paddle": paddle.__version__, "python": platform.python_version(),
-                        "cpus": os.cpu_count(), "threads": os.environ.get("OMP_NUM_THREADS"),
+                        "machine": platform.machine(), "cpus": os.cpu_count(),
+                        "threads": os.environ.get("OMP_NUM_THREADS"),
                         "loadavg": list(os.getloadavg())},  # fmt: skip
+        "compare": args.compare,
         "cases": cases,
     }
     PAGE.write(args, rec)

@@ -1,5 +1,5 @@
-"""`bench.moe_step`: the step's GEMM list counts exactly the matmul weights the family's
-inventory counts (the FLOP counter's one source), the phase shares add up to the step, and the
+"""`bench.moe_step`: the step's GEMM list counts exactly the FLOPs the family's inventory and
+`flashcp.metrics.flops` count (one source), the phase accounting adds up to the step, and the
 page is rendered from its JSON alone."""
 
 from __future__ import annotations
@@ -11,34 +11,69 @@ import numpy as np
 import pytest
 
 from bench import moe_step
+from flashcp.metrics.flops import causal_keys, flops_per_token
 from flashcp.models import preset
 from helpers.paths import ROOT
 
 
-@pytest.mark.parametrize("name", list(moe_step.SHAPES))
-def test_the_gemms_are_the_inventory_s_matmul_weights(name: str) -> None:
-    """Forward GEMM FLOPs = 2 × tokens × the weights a token multiplies (`matmul_weights`), at
-    any routing that sends each token to top-k experts."""
+def _args_and_routing(name: str, tokens: int) -> tuple[object, list[list[int]]]:
     spec = dict(moe_step.SHAPES[name])
     args = preset(spec.pop("preset"), **spec)
-    tokens = 256
     rng = np.random.default_rng(0)
     counts = []
     for _ in range(args.num_layers):
         picks = np.stack([rng.choice(args.num_experts, args.num_experts_per_tok, replace=False)
                           for _ in range(tokens)])  # fmt: skip
         counts.append(np.bincount(picks.ravel(), minlength=args.num_experts).tolist())
+    return args, counts
+
+
+@pytest.mark.parametrize("name", list(moe_step.SHAPES))
+def test_the_gemms_are_the_model_flops(name: str) -> None:
+    """Without the attention kernel's GEMMs: 3 × 2 × tokens × the weights a token multiplies
+    (`matmul_weights`), exactly, at any top-k routing; with them, the model FLOPs of a causal
+    document (`flops_per_token`) up to the floor's whole-column rounding of (T + 1) / 2 keys."""
+    tokens = 256
+    args, counts = _args_and_routing(name, tokens)
     gemms = moe_step.gemm_shapes(args, tokens, counts)
-    assert sum(g.flops for g in gemms) == 3 * 2 * tokens * args.matmul_weights()
+    weights = sum(g.flops for g in gemms if g.phase != "attention kernel")
+    assert weights == 3 * 2 * tokens * args.matmul_weights()
+    model = flops_per_token(args, tokens, keys=causal_keys(tokens)) * tokens
+    total = sum(g.flops for g in gemms)
+    assert total < model and total == pytest.approx(model, rel=1 / tokens)
     fewer = [c[:-1] + [0] for c in counts]  # control: an expert's rows lost
-    assert sum(g.flops for g in moe_step.gemm_shapes(args, tokens, fewer)) < 6 * tokens * (
-        args.matmul_weights()
+    lost = sum(g.flops for g in moe_step.gemm_shapes(args, tokens, fewer))
+    assert lost < total
+
+
+def test_every_gemm_belongs_to_a_phase() -> None:
+    args, counts = _args_and_routing("glm45_air / 8", 64)
+    phases = {g.phase for g in moe_step.gemm_shapes(args, 64, counts)}
+    assert phases <= set(moe_step.PHASES)
+    assert "shared expert" in phases and "attention kernel" in phases
+
+
+def test_the_accounting_adds_up_to_the_step() -> None:
+    got = moe_step.account(
+        4.0, {"expert GEMMs": {"forward": 1.0, "backward": 1.5}, "optimizer": {"update": 0.5}}
     )
+    rows = got["phases"]
+    assert rows["expert GEMMs"] == {"forward": 1.0, "backward": 1.5, "update": 0.0,
+                                    "total": 2.5, "share": 0.625}  # fmt: skip
+    assert rows["optimizer"]["total"] == 0.5 and rows["norms"]["total"] == 0.0
+    assert rows["unattributed"]["total"] == 1.0
+    assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0)
+    assert list(rows) == [*moe_step.PHASES, "unattributed"]
+    with pytest.raises(ValueError, match="not in PHASES"):
+        moe_step.account(1.0, {"typo": {"forward": 0.1}})
 
 
-def test_the_shares_add_up_to_the_step() -> None:
-    got = moe_step.shares({"a": 2.0, "b": 1.0}, 4.0)
-    assert got == {"a": 0.5, "b": 0.25, "unattributed": 0.25}
+def test_the_floor_is_grouped_by_phase() -> None:
+    gemms = [moe_step.Gemm("head and loss", 2, 3, 4), moe_step.Gemm("expert GEMMs", 1, 1, 1),
+             moe_step.Gemm("expert GEMMs", 2, 1, 1, batch=3)]  # fmt: skip
+    got = moe_step.floor_by_phase({"head and loss": 0.5, "expert GEMMs": 0.25}, gemms)
+    assert got == {"head and loss": {"seconds": 0.5, "flops": 144},
+                   "expert GEMMs": {"seconds": 0.25, "flops": 6 + 36}}  # fmt: skip
 
 
 def test_the_page_is_its_json() -> None:
@@ -48,4 +83,5 @@ def test_the_page_is_its_json() -> None:
     changed["cases"][0]["step_over_floor"] += 1.0
     assert moe_step.PAGE.render(changed) != moe_step.PAGE.render(rec)
     for case in rec["cases"]:
-        assert sum(case["shares"].values()) == pytest.approx(1.0)
+        shares = [r["share"] for r in case["accounting"]["phases"].values()]
+        assert sum(shares) == pytest.approx(1.0)
