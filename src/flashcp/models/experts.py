@@ -49,12 +49,11 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.autograd import PyLayer
 
-from flashcp.models.grouped_matmul import Group, batched_gemm_matmul, grouped_matmul
+from flashcp.models.expert_layout import Group, cost_chosen_groups, layout_groups
+from flashcp.models.grouped_matmul import batched_gemm_matmul, grouped_matmul
 from flashcp.models.init import normal_attr
 from flashcp.models.precision import as_dtype
 
-GROUP_COST_ROWS = 64
-"""The cost of one more group (its calls), in padded rows (`plan_layout`)."""
 LAYOUTS = ("auto", "padded", "ragged", "grouped")
 """`GroupedExperts.layout`: auto (per device), or forced (tests, the benchmark): one padded
 group, one group per expert (the ragged loop), or the cost-chosen groups."""
@@ -121,20 +120,6 @@ class ExpertLayout:
         return grouped_matmul(x, w, self.groups)
 
 
-def _groups(counts: Sequence[int], order: Sequence[int], size: int) -> tuple[Group, ...]:
-    """Consecutive runs of `size` experts of `order`, each padded to its largest count; an
-    expert without rows is left out (empty runs too)."""
-    out, start = [], 0
-    for a in range(0, len(order), size):
-        experts = tuple(int(e) for e in order[a : a + size] if counts[e] > 0)
-        if not experts:
-            continue
-        capacity = max(counts[e] for e in experts)
-        out.append(Group(experts, capacity, start))
-        start += len(experts) * capacity
-    return tuple(out)
-
-
 def on_grouped_gemm(x: paddle.Tensor) -> bool:
     """Whether rows like `x` go through Paddle's grouped GEMM (on a GPU) rather than the
     batched matmuls of the CPU groups (tests substitute a fake GEMM on CPU through this)."""
@@ -154,31 +139,10 @@ def plan_layout(counts: Sequence[int], x: paddle.Tensor, mode: str = "auto") -> 
     if mode == "ragged" and on_grouped_gemm(x):
         return ExpertLayout(counts, None)
     if mode == "padded":
-        return ExpertLayout(counts, _groups(counts, range(experts), experts))
+        return ExpertLayout(counts, layout_groups(counts, range(experts), experts))
     if mode == "ragged":
-        return ExpertLayout(counts, _groups(counts, range(experts), 1))
+        return ExpertLayout(counts, layout_groups(counts, range(experts), 1))
     return ExpertLayout(counts, cost_chosen_groups(counts))
-
-
-def cost_chosen_groups(counts: Sequence[int]) -> tuple[Group, ...]:
-    """The CPU "grouped" layout of rows `counts` per expert (module docstring): the experts
-    sorted by count, largest first, cut into runs of E, E/2, ..., 1 experts; the cut with the
-    fewest ``padded rows + GROUP_COST_ROWS · groups``. Pure (host ints), so the memory planner
-    (`flashcp.plan.activations`) evaluates it on expected counts."""
-    counts = tuple(int(c) for c in counts)
-    order = np.argsort(-np.asarray(counts), kind="stable")  # largest first
-    best: tuple[Group, ...] = ()
-    best_cost = None
-    size = len(counts)
-    while size >= 1:
-        groups = _groups(counts, order, size)
-        cost = sum(g.rows for g in groups) + GROUP_COST_ROWS * len(groups)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = groups, cost
-        if size == 1:
-            break
-        size = max(1, size // 2)
-    return best
 
 
 class _GatherRows(PyLayer):

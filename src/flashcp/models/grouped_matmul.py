@@ -29,33 +29,13 @@ weight gradient. Every path is deterministic (no atomics, fixed summation order)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-CAST_CHUNK_BYTES = 64 * 2**20
-"""Weights taken out of the stack (and upcast) at once, in bytes of the compute dtype."""
-
-
-@dataclass(frozen=True)
-class Group:
-    """Experts `experts` (global stack indices), each padded to `capacity` rows, starting at
-    buffer row `start`: rows ``start + i·capacity + r`` belong to ``experts[i]``."""
-
-    experts: tuple[int, ...]
-    capacity: int
-    start: int
-
-    @property
-    def rows(self) -> int:
-        return len(self.experts) * self.capacity
-
-
-def _contiguous(experts: Sequence[int]) -> bool:
-    return list(experts) == list(range(experts[0], experts[0] + len(experts)))
+from flashcp.models.expert_layout import CAST_CHUNK_BYTES, Group, contiguous
 
 
 def _weights(
@@ -63,7 +43,7 @@ def _weights(
 ) -> paddle.Tensor:
     """`w[experts]` `[n, K, N]` in `dtype` (`index`: `experts` as a tensor): a slice when the
     run is contiguous, else a gather."""
-    if _contiguous(experts):
+    if contiguous(experts):
         part = w[experts[0] : experts[0] + len(experts)]
     else:
         part = paddle.gather(w, index, axis=0)

@@ -49,6 +49,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from flashcp.models.config import ModelArgs
+from flashcp.models.expert_layout import capacity_for
 from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import GroupedExperts
 from flashcp.models.families.spec import Router
@@ -57,7 +58,6 @@ from flashcp.models.layers import SwiGLU
 from flashcp.models.moe_balance import add_loss_gradient, balance_loss
 from flashcp.models.moe_dispatch import (
     build_dispatch,
-    capacity_for,
     combine,
     permute,
     relayout,

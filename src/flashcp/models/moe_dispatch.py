@@ -37,7 +37,6 @@ no atomic scatter-add.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,14 +80,6 @@ class Dispatch:
     def dropped(self) -> int:
         """Entries dropped by the capacity (0 when dropless)."""
         return int(self.routed.sum()) - int(sum(self.counts))
-
-
-def capacity_for(factor: float, tokens: int, top_k: int, num_experts: int) -> int | None:
-    """Rows per expert for `model.moe_capacity_factor` `factor` (0: dropless → None):
-    ``ceil(factor · tokens · k / E)``, at least 1."""
-    if factor <= 0:
-        return None
-    return max(1, math.ceil(factor * tokens * top_k / num_experts))
 
 
 def build_dispatch(ids: paddle.Tensor, num_experts: int, capacity: int | None = None) -> Dispatch:

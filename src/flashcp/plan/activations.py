@@ -42,10 +42,8 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 from flashcp.models.config import ModelArgs
-from flashcp.models.experts import cost_chosen_groups
+from flashcp.models.expert_layout import CAST_CHUNK_BYTES, capacity_for, cost_chosen_groups
 from flashcp.models.families.spec import DenseMLP, MoEMLP
-from flashcp.models.grouped_matmul import CAST_CHUNK_BYTES
-from flashcp.models.moe_dispatch import capacity_for
 from flashcp.plan.params import ParamSpec, is_adapted, layer_parameters
 
 
@@ -134,7 +132,7 @@ class ExpertRows:
     """CPU padded groups (padding rows); False: GPU ragged (Paddle's grouped GEMM)."""
     chunk_experts: int
     """Experts whose weights one grouped-matmul chunk takes out of the stack at once (CPU: a
-    copy, upcast to the compute dtype, `flashcp.models.grouped_matmul.CAST_CHUNK_BYTES`);
+    copy, upcast to the compute dtype, `flashcp.models.expert_layout.CAST_CHUNK_BYTES`);
     0 on GPU (no copies)."""
     chunks: int
     """Batched matmuls per projection (CPU; > 1: their outputs are concatenated)."""
@@ -157,7 +155,7 @@ def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
 
 def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes, ep: int = 1) -> ExpertRows:
     """The `ExpertRows` of a call of `tokens` tokens (see `expected_loads`): on GPU ragged, on
-    CPU the cost-chosen padded groups of `flashcp.models.experts.cost_chosen_groups`, each cut
+    CPU the cost-chosen padded groups of `flashcp.models.expert_layout.cost_chosen_groups`, each cut
     into chunks of at most `CAST_CHUNK_BYTES` of gate/up weights in the compute dtype.
 
     Under expert parallelism (`ep` > 1) a rank's E/ep experts receive the rows of all ep

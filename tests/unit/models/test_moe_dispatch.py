@@ -18,10 +18,11 @@ from flashcp.distributed.groups import NamedGroup
 from flashcp.metrics import memory
 from flashcp.models import grouped_matmul as gm
 from flashcp.models import preset
+from flashcp.models.expert_layout import capacity_for
 from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import LAYOUTS, plan_layout
 from flashcp.models.moe import MoE, Routing
-from flashcp.models.moe_dispatch import build_dispatch, capacity_for, combine, permute, relayout
+from flashcp.models.moe_dispatch import build_dispatch, combine, permute, relayout
 from helpers.moe_reference import permute_reference, routed_reference
 
 H = 32
