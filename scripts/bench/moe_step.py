@@ -235,6 +235,7 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
     from flashcp.attention.context import AttentionContext
     from flashcp.metrics.flops import causal_keys, flops_per_token
     from flashcp.models import build_model, preset
+    from flashcp.models.head import backward_follows
 
     spec = dict(spec)
     args = preset(spec.pop("preset"), max_seq_len=TOKENS, **spec)
@@ -251,7 +252,8 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
 
     def forward_backward() -> float:
         hidden = model(ids, pos, ctx)
-        loss = -model.token_logprobs(hidden, labels).mean()
+        with backward_follows():  # as the step runner calls the head (its backward is next)
+            loss = -model.token_logprobs(hidden, labels).mean()
         loss.backward()
         return float(loss)
 

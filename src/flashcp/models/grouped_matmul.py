@@ -61,6 +61,44 @@ def _chunks(group: Group, w: paddle.Tensor, dtype: Any) -> list[Group]:
     return out
 
 
+def _expert_rows(groups: Sequence[Group]) -> list[tuple[int, int, int]]:
+    """(expert, first buffer row, rows) of every expert of `groups`, in buffer order."""
+    return [
+        (e, g.start + i * g.capacity, g.capacity) for g in groups for i, e in enumerate(g.experts)
+    ]
+
+
+class _ExpertMatmuls(PyLayer):
+    """The groups' rows expert by expert, one 2-D matmul each on the stacked weights' own
+    slice: when no cast is needed (weights in the rows' dtype) nothing is copied out of the
+    stack, and the transposes of the backward are GEMM flags (`scripts/bench/moe_step.py`: a
+    2-D GEMM runs closer to the core's peak than a batched one with a transposed operand)."""
+
+    @staticmethod
+    def forward(ctx, x, w, groups):  # type: ignore[no-untyped-def, override]
+        ctx.rows = _expert_rows(groups)
+        ctx.save_for_backward(x, w)
+        parts = [paddle.matmul(x[a : a + n], w[e]) for e, a, n in ctx.rows]
+        if not parts:
+            return paddle.zeros([int(x.shape[0]), int(w.shape[2])], dtype=x.dtype)
+        return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
+        x, w = ctx.saved_tensor()
+        dx = dw = None
+        if not x.stop_gradient:
+            parts = [paddle.matmul(dy[a : a + n], w[e], transpose_y=True) for e, a, n in ctx.rows]
+            dx = paddle.concat(parts, axis=0) if parts else paddle.zeros_like(x)
+        if not w.stop_gradient:
+            blocks: list[Any] = [None] * int(w.shape[0])
+            for e, a, n in ctx.rows:
+                blocks[e] = paddle.matmul(x[a : a + n], dy[a : a + n], transpose_x=True)
+            zero = paddle.zeros(w.shape[1:], dtype=w.dtype)
+            dw = paddle.stack([zero if b is None else b for b in blocks])
+        return dx, dw
+
+
 class _GroupedMatmul(PyLayer):
     """Every group's batched matmul (see the module docstring); saves `x` and `w` as given."""
 
@@ -131,6 +169,8 @@ def grouped_matmul(x: paddle.Tensor, w: paddle.Tensor, groups: Sequence[Group]) 
     covered = sum(g.rows for g in groups)
     if covered != int(x.shape[0]):
         raise ValueError(f"grouped_matmul: groups cover {covered} rows, x has {int(x.shape[0])}")
+    if w.dtype == x.dtype:
+        return _ExpertMatmuls.apply(x, w, list(groups))
     return _GroupedMatmul.apply(x, w, list(groups))
 
 

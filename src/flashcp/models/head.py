@@ -17,6 +17,15 @@ GLM-4's 151,552-token vocabulary and 16k local tokens that is ~10 GB each.
    state of the forward) and back-propagates through it into the hidden rows and the head's
    parameters. At most one chunk's logits, softmax and logit gradient exist at a time.
 
+When the head's backward follows its forward at once (`backward_follows`: the step runner says
+so for a micro-batch whose backward is the stage's next pass, and the model has no MTP heads)
+and the target rows fit one chunk, the recompute is skipped: the chunk's logits and softmax
+would be rebuilt at the very start of that backward anyway, next to the same trunk activations,
+so keeping them from the forward costs no peak memory and saves one `[rows, H] × [H, V]` GEMM and
+one cross-entropy pass (measured: `docs/moe_step.md`). Only the first call inside the context
+keeps its graph; any other (a second head, several chunks, a GPipe schedule whose forwards run
+ahead of their backwards) recomputes as above. The values are the same ops on the same rows.
+
 Why recompute and not a PyLayer with a hand-written softmax-minus-one-hot backward: the
 recompute calls the real head module in both passes, so the head may be a plain Linear, the
 tied embedding, a LoRA-wrapped Linear (whose dropout mask is replayed from the saved RNG state)
@@ -33,7 +42,8 @@ in one GEMM, which changes only the summation order over tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -51,6 +61,21 @@ DEFAULT_LOSS_CHUNK_TOKENS = 4096
 
 LogitsFn = Callable[[paddle.Tensor], paddle.Tensor]
 """Hidden states `[..., H]` to float32 logits `[..., V]` (e.g. `LMHead.logits`)."""
+
+_keep_one_chunk: list[bool] = [False]
+"""Whether the next single-chunk head call may keep its graph (`backward_follows`)."""
+
+
+@contextmanager
+def backward_follows(enabled: bool = True) -> Iterator[None]:
+    """Within: the head's backward runs right after this forward, so the first one-chunk head
+    call keeps its logits' graph instead of recomputing it in backward (module docstring)."""
+    before = _keep_one_chunk[0]
+    _keep_one_chunk[0] = enabled
+    try:
+        yield
+    finally:
+        _keep_one_chunk[0] = before
 
 
 def token_logprobs(
@@ -120,12 +145,15 @@ def chunked_token_logprobs(
     rows = np.nonzero(flat_y.numpy() != ignore_index)[0].astype(np.int64)
     record = paddle.is_grad_enabled()
     run = partial(_chunk_logprobs, logits_fn)
+    bounds = chunk_bounds(len(rows), chunk)
+    keep = record and len(bounds) == 1 and _keep_one_chunk[0]
+    _keep_one_chunk[0] = _keep_one_chunk[0] and not keep  # one kept chunk per context
     parts = []
-    for start, stop in chunk_bounds(len(rows), chunk):
+    for start, stop in bounds:
         index = paddle.to_tensor(rows[start:stop], place=flat_h.place)
         h = paddle.gather(flat_h, index)
         y = paddle.gather(flat_y, index)
-        if not record:
+        if not record or keep:
             parts.append(run(h, y))
             continue
         if h.stop_gradient:  # a frozen trunk: the head's own parameters still get gradients

@@ -66,7 +66,7 @@ from flashcp.distributed.p2p import (
     swap_tensor,
 )
 from flashcp.log import process_rank
-from flashcp.models.head import HeadInput
+from flashcp.models.head import HeadInput, backward_follows
 from flashcp.models.mtp import mtp_targets
 from flashcp.models.offload import release_sent
 from flashcp.pipeline.schedule import (
@@ -168,6 +168,25 @@ class StepState:
     losses: list[float] = field(default_factory=list)
     sums: np.ndarray | None = None
     """The micro-batches' statistics summed, in micro-batch order (last stage)."""
+    backward_follows: frozenset[int] = frozenset()
+    """Micro-batches whose backward is this stage's next pass after their forward (one stage,
+    and 1F1B's last stage): their head may keep its one loss chunk (`models.head`)."""
+
+
+def _next_pass_is_own_backward(plan: Sequence[Op]) -> frozenset[int]:
+    """The micro-batches m whose ("F", m) is followed, among the passes, by ("B", m)."""
+    passes = [op for op in plan if op[0] in ("F", "B")]
+    return frozenset(
+        m
+        for (kind, m), nxt in zip(passes, passes[1:], strict=False)
+        if kind == "F" and nxt == ("B", m)
+    )
+
+
+def _has_mtp(stage: Any) -> bool:
+    """Whether the stage computes MTP heads besides its LM head (several head calls)."""
+    layers = getattr(stage, "mtp_layers", None)
+    return bool(layers()) if callable(layers) else False
 
 
 def sync_tied_gradients(stage: PipelineStage, group, *, timeout: float | None = None) -> None:
@@ -344,7 +363,10 @@ class PipelineRunner:
             raise ValueError(
                 "the last pipeline stage needs the step's loss function: train(micro, loss_fn)"
             )
-        return StepState(list(micro_batches), self.plan(len(micro_batches)), loss_fn)
+        plan = self.plan(len(micro_batches))
+        return StepState(
+            list(micro_batches), plan, loss_fn, backward_follows=_next_pass_is_own_backward(plan)
+        )
 
     def step(self, state: StepState, op: Op) -> None:
         """Execute one plan step (a pass or a transfer) of this stage."""
@@ -361,7 +383,9 @@ class PipelineRunner:
             with self.forward_context():
                 out = stage(x, mb.positions, mb.attn)
                 if stage.is_last:
-                    out, state.stats[m] = state.loss_fn(HeadInput(out, stage), mb)  # type: ignore[misc]
+                    keep = m in state.backward_follows and not _has_mtp(stage)
+                    with backward_follows(keep):
+                        out, state.stats[m] = state.loss_fn(HeadInput(out, stage), mb)  # type: ignore[misc]
             # the last stage keeps only the loss: no reference to the hidden states outlives
             # the forward pass (the memory planner's count)
             state.outputs[m] = out

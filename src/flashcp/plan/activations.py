@@ -131,11 +131,13 @@ class ExpertRows:
     padded: bool
     """CPU padded groups (padding rows); False: GPU ragged (Paddle's grouped GEMM)."""
     chunk_experts: int
-    """Experts whose weights one grouped-matmul chunk takes out of the stack at once (CPU: a
-    copy, upcast to the compute dtype, `flashcp.models.expert_layout.CAST_CHUNK_BYTES`);
-    0 on GPU (no copies)."""
+    """Experts whose weights one grouped-matmul chunk takes out of the stack at once (CPU with
+    bf16 storage: a copy, upcast to the compute dtype,
+    `flashcp.models.expert_layout.CAST_CHUNK_BYTES`); 0 without copies (GPU; CPU weights in
+    the rows' dtype)."""
     chunks: int
-    """Batched matmuls per projection (CPU; > 1: their outputs are concatenated)."""
+    """Matmuls per projection (CPU: per chunk, or per expert without a cast; > 1: their
+    outputs are concatenated)."""
 
 
 def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
@@ -155,8 +157,10 @@ def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
 
 def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes, ep: int = 1) -> ExpertRows:
     """The `ExpertRows` of a call of `tokens` tokens (see `expected_loads`): on GPU ragged, on
-    CPU the cost-chosen padded groups of `flashcp.models.expert_layout.cost_chosen_groups`, each cut
-    into chunks of at most `CAST_CHUNK_BYTES` of gate/up weights in the compute dtype.
+    CPU the cost-chosen padded groups of `flashcp.models.expert_layout.cost_chosen_groups`:
+    with weights stored in the rows' dtype each expert is one 2-D matmul on its own slice of the
+    stack (no copy, its output one part of many); with bf16 storage each group is cut into
+    chunks of at most `CAST_CHUNK_BYTES` of gate/up weights upcast to the compute dtype.
 
     Under expert parallelism (`ep` > 1) a rank's E/ep experts receive the rows of all ep
     ranks' `tokens`: every ep-th of the expected loads of ``ep · tokens`` tokens over the E
@@ -165,6 +169,9 @@ def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes, ep: int = 1) -> Expert
     if dt.gpu:
         return ExpertRows(sum(loads) / max(tokens, 1), False, 0, 0)
     groups = cost_chosen_groups(loads)
+    if dt.param == dt.experts:  # no cast: one 2-D matmul per expert on the stack's own slices
+        rows = sum(g.rows for g in groups)  # (`grouped_matmul._ExpertMatmuls`), in parts
+        return ExpertRows(rows / max(tokens, 1), True, 0, sum(len(g.experts) for g in groups))
     per_expert = args.hidden_size * 2 * args.moe_intermediate_size * dt.c
     per_chunk = max(1, CAST_CHUNK_BYTES // per_expert)
     rows = sum(g.rows for g in groups)

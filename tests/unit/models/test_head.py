@@ -453,3 +453,72 @@ def test_chunked_peak_memory_drops_the_full_logits() -> None:
     assert chunked <= bound, (chunked, bound)
     assert bound < logits
     assert chunked <= full - (2 * logits - bound)
+
+
+# -------------------------------------------------- keeping the one chunk when backward follows
+
+
+def _counted_head(vocab: int = 97) -> tuple[paddle.nn.Linear, list[int], Any]:
+    """A bare head and a logits function that counts its calls (forward and recompute)."""
+    paddle.seed(3)
+    head = paddle.nn.Linear(16, vocab, bias_attr=False)
+    calls: list[int] = []
+
+    def logits(x: paddle.Tensor) -> paddle.Tensor:
+        calls.append(int(x.shape[0]))
+        return head(x).astype("float32")
+
+    return head, calls, logits
+
+
+def _step(logits: Any, head: paddle.nn.Linear, chunk: int, keep: bool, calls_per: int = 1):
+    """`calls_per` head calls on the same hidden states (inside `backward_follows(keep)`), their
+    summed loss back-propagated; the hidden states' and head's gradients."""
+    rng = np.random.default_rng(4)
+    labels = paddle.to_tensor(_labels((2, 40), 97, ignored=20))
+    h = paddle.to_tensor(rng.standard_normal((2, 40, 16)).astype(np.float32))
+    h.stop_gradient = False
+    head.weight.clear_gradient(False)
+    with head_mod.backward_follows(keep):
+        lps = [
+            chunked_token_logprobs(logits, h, labels, chunk_tokens=chunk) for _ in range(calls_per)
+        ]
+    sum(-lp.sum() for lp in lps).backward()
+    return h.grad.numpy(), head.weight.grad.numpy()
+
+
+def test_one_chunk_keeps_its_graph_when_backward_follows_bitwise_equal() -> None:
+    """60 target rows in one chunk: recomputed, the head runs twice (forward, backward); with
+    its backward following, once, and every gradient is bitwise the recomputed one's."""
+    head, calls, logits = _counted_head()
+    want = _step(logits, head, 4096, keep=False)
+    assert calls == [60, 60]  # control: the recompute reruns the chunk in backward
+    calls.clear()
+    got = _step(logits, head, 4096, keep=True)
+    assert calls == [60]
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_kept_chunk_only_once_per_context_and_never_for_several_chunks() -> None:
+    """Two head calls in one context (a second head): the first keeps, the second recomputes;
+    several chunks always recompute (their logits would otherwise all be alive at once)."""
+    head, calls, logits = _counted_head()
+    _step(logits, head, 4096, keep=True, calls_per=2)
+    assert calls == [60, 60, 60]
+    calls.clear()
+    _step(logits, head, 16, keep=True)
+    assert calls == [16, 16, 16, 12] * 2
+    assert head_mod._keep_one_chunk == [False]  # the context restores the default
+
+
+def test_the_step_keeps_the_head_chunk_only_where_backward_follows() -> None:
+    """One stage and 1F1B's last stage run each backward right after its forward; GPipe's
+    forwards run ahead, and no other stage has a head."""
+    from flashcp.pipeline.runner import _next_pass_is_own_backward
+    from flashcp.pipeline.schedule import build_plans
+
+    assert _next_pass_is_own_backward(build_plans("1f1b", 1, 3)[0]) == {0, 1, 2}
+    assert _next_pass_is_own_backward(build_plans("1f1b", 4, 5)[3]) == {0, 1, 2, 3, 4}
+    assert _next_pass_is_own_backward(build_plans("gpipe", 2, 3)[1]) == frozenset()
+    assert _next_pass_is_own_backward(build_plans("1f1b", 4, 5)[0]) == frozenset()
