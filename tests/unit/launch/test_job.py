@@ -139,6 +139,7 @@ def test_supervisor_and_outcomes_know_no_training() -> None:
         assert {m for m in imported if not m.startswith("flashcp.distributed.ports")} <= {
             "flashcp.distributed", "flashcp.launch", "flashcp.launch.lifeline",
             "flashcp.distributed.watchdog",  # the hang's exit code (process plumbing, no Paddle)
+            "flashcp.distributed.watchdog.TIMEOUT_EXIT_CODE",
         }, (name, imported)
 
 
