@@ -40,11 +40,8 @@ sums per-token log-probs over them.
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -59,14 +56,11 @@ from flashcp.data.records import (
     message_list,
     string_field,
 )
-from flashcp.data.sources import json_problem
 from flashcp.data.tokenizer import require_template
 from flashcp.masks import Mask, causal_document_mask, share_question_mask
 
 IGNORE_INDEX = -100
 TRUNCATION_POLICIES = ("error", "truncate")
-DEFAULT_DPO_DATA = Path(__file__).resolve().parents[1] / "data" / "dpo_default.jsonl"
-"""A small embedded preference set (prompt/chosen/rejected), used when no path is given."""
 
 
 class DPOTokenizer(Protocol):
@@ -153,66 +147,7 @@ class DPOBatch:
         return np.stack([c[:, 0], c[:, 1], r[:, 1], r[:, 2]], axis=1).astype(np.int64)
 
 
-# ------------------------------------------------------------------------------ reading
-
-
-def parse_dpo_jsonl(text: str, source: str = "<string>") -> list[dict[str, str]]:
-    """Records of a JSONL text; each line an object with string prompt/chosen/rejected."""
-    records: list[dict[str, str]] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{source}:{lineno}: not valid JSON ({json_problem(err)})") from err
-        if not isinstance(obj, dict):
-            raise ValueError(f"{source}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(obj.get(key), str):
-                got = "missing" if key not in obj else type(obj[key]).__name__
-                raise ValueError(
-                    f"{source}:{lineno}: field {key!r} must be a string ({got}); DPO records "
-                    "need 'prompt', 'chosen' and 'rejected'"
-                )
-        records.append({k: obj[k] for k in ("prompt", "chosen", "rejected")})
-    if not records:
-        raise ValueError(f"{source}: no DPO records")
-    return records
-
-
-def read_dpo_jsonl(path: str | os.PathLike[str] | None = None) -> list[dict[str, str]]:
-    """Records of a JSONL file (`None`: the embedded `DEFAULT_DPO_DATA`)."""
-    p = DEFAULT_DPO_DATA if path is None else Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"DPO data file {p} does not exist")
-    return parse_dpo_jsonl(p.read_text(encoding="utf-8"), source=str(p))
-
-
-def tokenize_dpo(
-    records: Iterable[dict[str, str]], tokenizer: DPOTokenizer, *, add_bos: bool = True
-) -> list[DPOExample]:
-    """`prompt = [BOS] + encode(prompt)`, `answer = encode(answer) + [EOS]`.
-
-    The packed layout repeats the prompt's last token, so the prompt needs >= 2 tokens (BOS
-    plus text, or two text tokens without BOS): a shorter one raises `ValueError`.
-    """
-    bos = getattr(tokenizer, "bos_id", None) if add_bos else None
-    eos = int(tokenizer.eos_id)
-    out: list[DPOExample] = []
-    for i, rec in enumerate(records):
-        prompt = ([int(bos)] if bos is not None else []) + [
-            int(t) for t in tokenizer.encode(rec["prompt"])
-        ]
-        if len(prompt) < 2:
-            raise ValueError(
-                f"DPO record {i}: the prompt {rec['prompt']!r} has {len(prompt)} token(s); it "
-                "needs at least 2 (BOS and one text token) for the packed layout"
-            )
-        chosen = [int(t) for t in tokenizer.encode(rec["chosen"])] + [eos]
-        rejected = [int(t) for t in tokenizer.encode(rec["rejected"])] + [eos]
-        out.append(DPOExample(tuple(prompt), tuple(chosen), tuple(rejected)))
-    return out
+# ------------------------------------------------------------------------------ records
 
 
 class DPORecords:

@@ -26,6 +26,7 @@ import numpy as np
 from flashcp.config import Config
 from flashcp.config.recipes import DPOConfig
 from flashcp.cp.work import WorkModel, causal_pairs, share_question_pairs
+from flashcp.data import formats
 from flashcp.data.balance import (
     Row,
     StepLayout,
@@ -34,7 +35,6 @@ from flashcp.data.balance import (
     step_balance,
 )
 from flashcp.data.dpo import (
-    DEFAULT_DPO_DATA,
     DPOBatch,
     DPOExample,
     DPORecords,
@@ -45,7 +45,13 @@ from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
 from flashcp.data.loader import check_vocab
 from flashcp.data.packing import Piece
 from flashcp.data.peers import Peers
-from flashcp.data.sources import JsonlSource, RowSource, SampleSource, open_source
+from flashcp.data.sources import (
+    BUILTIN_PREFERENCES,
+    JsonlSource,
+    RowSource,
+    SampleSource,
+    open_source,
+)
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -208,12 +214,13 @@ class DPOData:
         self.seq_len = padded if cfg.parallel.pad else d.seq_len
         """Length of the rows the model sees (after parallel.pad)."""
         self.source: RowSource = (
-            JsonlSource([DEFAULT_DPO_DATA], "built-in preference set")
+            JsonlSource([BUILTIN_PREFERENCES], "built-in preference set")
             if d.path is None
             else open_source(d.path, cache_dir=d.cache_dir, peers=peers)
         )
-        if sample is not None:  # a preflight's look at the data (`SampleSource`)
+        if sample is not None:  # a preflight's look at the data: rows in a format it reads
             self.source = SampleSource(self.source, sample)
+            formats.check_data(cfg, self.source)
         build = DPORecords(
             self.tokenizer,
             budget=d.seq_len,
