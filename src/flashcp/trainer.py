@@ -58,7 +58,7 @@ from flashcp.models.moe_balance import loss_scale_context
 from flashcp.models.offload import take_host_peak
 from flashcp.optim.grads import all_reduce_values, trainable
 from flashcp.optim.lr import build_scheduler
-from flashcp.optim.zero import build_distributed_optimizer
+from flashcp.optim.optimizer import build_distributed_optimizer
 from flashcp.parallelize import parallelize
 from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec

@@ -39,8 +39,9 @@ from flashcp.distributed import (
     init_distributed,
     shutdown,
 )
-from flashcp.optim import zero
+from flashcp.optim import master_optimizer, param_optimizer
 from flashcp.optim.clip import GlobalNorm
+from flashcp.optim.optimizer import build_distributed_optimizer
 
 TOTAL, HELD = 4, 2
 SHAPES = {"w": [8, 5], "b": [5], "experts.gate": [TOTAL, 6, 3], "experts.down": [TOTAL, 3, 6]}
@@ -109,11 +110,13 @@ def without_ep_sum(ep: Any) -> Iterator[None]:
             partial = {n: [g for g in gs if g is not ep] for n, gs in (partial or {}).items()}
             super().__init__(order, partial=partial, **kw)
 
-    zero.GlobalNorm = Mutant  # type: ignore[misc]
+    for module in (param_optimizer, master_optimizer):
+        module.GlobalNorm = Mutant  # type: ignore[misc]
     try:
         yield
     finally:
-        zero.GlobalNorm = GlobalNorm  # type: ignore[misc]
+        for module in (param_optimizer, master_optimizer):
+            module.GlobalNorm = GlobalNorm  # type: ignore[misc]
 
 
 def run(groups: Any, values: dict[str, np.ndarray], shard: bool, control: bool) -> Any:
@@ -121,10 +124,11 @@ def run(groups: Any, values: dict[str, np.ndarray], shard: bool, control: bool) 
     model = Toy(HELD * rank, HELD, values)
     if control:
         with without_ep_sum(groups.ep):
-            opt = zero.build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
+            opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
     else:
-        opt = zero.build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
-    assert isinstance(opt, zero.MasterOptimizer if shard else zero.ParamOptimizer)
+        opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
+    assert isinstance(opt, master_optimizer.MasterOptimizer if shard
+                      else param_optimizer.ParamOptimizer)  # fmt: skip
     assert set(opt.held.experts) == {"experts.gate", "experts.down"}
     norms = []
     for factor in FACTORS:

@@ -41,7 +41,7 @@ from flashcp.models.expert_parallel import (
 )
 from flashcp.models.moe import MoE
 from flashcp.models.moe_dispatch import build_dispatch, combine, permute, relayout
-from flashcp.optim.zero import Trainable
+from flashcp.optim.trainable import Trainable
 from helpers.fakegroups import FakeNewGroup, ep_groups
 
 EXPERTS_OF = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

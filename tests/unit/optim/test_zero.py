@@ -33,13 +33,11 @@ from flashcp.config import TrainConfig, build_config
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.optim.adamw import build_adamw, decay_names
 from flashcp.optim.layout import group_buckets, shard_layout
-from flashcp.optim.zero import (
-    MasterOptimizer,
-    MasterShard,
-    ParamOptimizer,
-    build_distributed_optimizer,
-    low_precision_dtype,
-)
+from flashcp.optim.master_optimizer import MasterOptimizer
+from flashcp.optim.master_shard import MasterShard
+from flashcp.optim.optimizer import build_distributed_optimizer
+from flashcp.optim.param_optimizer import ParamOptimizer
+from flashcp.optim.trainable import low_precision_dtype
 from flashcp.trainer import Trainer
 from helpers.bf16toy import Bf16ToyLM
 from helpers.configs import TinyCfg
