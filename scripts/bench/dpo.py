@@ -95,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def build_examples(args: argparse.Namespace) -> list[Any]:
-    from flashcp.data.dpo import DPORecords, fit_examples
+    from flashcp.data.dpo_records import DPORecords, fit_examples
     from flashcp.data.sources import BUILTIN_PREFERENCES, read_records
     from flashcp.data.tokenizer import ByteTokenizer
 
@@ -109,7 +109,7 @@ def build_examples(args: argparse.Namespace) -> list[Any]:
 
 
 def layouts(args: argparse.Namespace, examples: list[Any]) -> dict[str, list[Any]]:
-    from flashcp.data.dpo import pack_dpo_batches, unpack_dpo
+    from flashcp.data.dpo_packing import pack_dpo_batches, unpack_dpo
     from flashcp.data.tokenizer import ByteTokenizer
 
     pad = ByteTokenizer().pad_id

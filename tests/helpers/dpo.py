@@ -1,12 +1,12 @@
 """A reference for DPO tests: preference records of strings tokenized the plain way, written
-independently of `flashcp.data.dpo.DPORecords` so that tests can compare the two."""
+independently of `flashcp.data.dpo_records.DPORecords` so that tests can compare the two."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from flashcp.data.dpo import DPOExample
+from flashcp.data.dpo_records import DPOExample
 from flashcp.data.sources import BUILTIN_PREFERENCES, read_records
 
 

@@ -34,13 +34,8 @@ from flashcp.data.balance import (
     fill_rows,
     step_balance,
 )
-from flashcp.data.dpo import (
-    DPOBatch,
-    DPOExample,
-    DPORecords,
-    assign_rows,
-    collate_packed,
-)
+from flashcp.data.dpo_packing import DPOBatch, assign_rows, collate_packed
+from flashcp.data.dpo_records import DPOExample, DPORecords
 from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
 from flashcp.data.loader import check_vocab
 from flashcp.data.packing import Piece

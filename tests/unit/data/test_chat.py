@@ -22,7 +22,7 @@ from flashcp.config import IGNORE_INDEX
 from flashcp.data import ByteTokenizer, HFTokenizer, PackedSequence, build_tokenizer, collate
 from flashcp.data.chat import chat_segments
 from flashcp.data.dataset import DocumentBuilder
-from flashcp.data.dpo import DPORecords
+from flashcp.data.dpo_records import DPORecords
 from flashcp.data.records import BadRecordError
 from helpers.dpo import plain_dpo_examples
 

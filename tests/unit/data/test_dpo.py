@@ -9,15 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import numerics
-from flashcp.data.dpo import (
+from flashcp.data.dpo_packing import (
     IGNORE_INDEX,
-    DPOExample,
     assign_rows,
-    fit_example,
     pack_dpo,
     pack_dpo_batches,
     unpack_dpo,
 )
+from flashcp.data.dpo_records import DPOExample, fit_example
 from flashcp.masks import causal_mask, to_dense
 from flashcp.models import build_model, preset
 from flashcp.recipes.dpo_loss import answer_logps

@@ -26,7 +26,7 @@ from flashcp.config import Config
 from flashcp.config.errors import ConfigValidationError
 from flashcp.data import HFTokenizer, TrainData
 from flashcp.data.dataset import Document, DocumentBuilder
-from flashcp.data.dpo import DPOExample, DPORecords
+from flashcp.data.dpo_records import DPOExample, DPORecords
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.formats import (
     FORMATS,
