@@ -6,9 +6,10 @@ optionally sharded over the ranks that hold the same parameters (ZeRO-1), gradie
 implementations of one interface (`DistributedOptimizer`: `local_squares`, `reduce_grads`,
 `grad_norm`, `step`, `clear_grad`, `full_grads`, `state_pieces`, `load_state`, `describe`).
 What they need beyond the model, the config and the groups is derived once, from those
-(`flashcp.optim.trainable.Trainable`): the trainable parameters, the expert-parallel ones (the
-model's own `expert_tensors`, ep > 1), the whole model's parameter order (gathered over the
-pipeline stages) and the tied copy another stage counts.
+(`flashcp.optim.trainable.Trainable`): the trainable parameters, the expert-parallel ones
+(ep > 1: `experts`, name → `RowSlice`, given by the caller, which knows the model), the whole
+model's parameter order (gathered over the pipeline stages) and the tied copy another stage
+counts.
 
 * `ParamOptimizer` (`flashcp.optim.param_optimizer`) - float32 parameters and
   `parallel.shard_optimizer: false` (the default): Paddle's AdamW on the parameters
@@ -51,8 +52,9 @@ Why own master weights instead of Paddle's `multi_precision`: Paddle 3.3.1's Ada
 on CPU ("kernel adamw ... bfloat16 is not registered"), and ZeRO-1 needs masters that exist only
 as shards anyway.
 
-Expert parallelism (`parallel.ep` > 1; `flashcp.models.expert_parallel.expert_tensors` names
-the expert-parallel tensors): a rank holds only its experts' rows, equal on the dp·cp/ep ranks
+Expert parallelism (`parallel.ep` > 1; the caller's `experts` name the expert-parallel tensors
+and the rows each holds, the trainer's from `flashcp.models.expert_parallel.expert_tensors`): a
+rank holds only its experts' rows, equal on the dp·cp/ep ranks
 of its `edp` group, so those gradients are summed over `edp` alone (bucketed all-reduce, or
 reduce-scatter under ZeRO-1, which then shards the expert masters over `edp`:
 `MasterOptimizer` keeps two parts, the replicated parameters over dp × cp and the expert
@@ -69,6 +71,7 @@ out in checkpoint files, and which rank writes which file, is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -80,7 +83,7 @@ from flashcp.optim.adamw import OptimizerSource, StatePiece
 from flashcp.optim.grads import BUCKET_BYTES
 from flashcp.optim.master_optimizer import MasterOptimizer
 from flashcp.optim.param_optimizer import ParamOptimizer
-from flashcp.optim.trainable import Trainable, low_precision_dtype
+from flashcp.optim.trainable import RowSlice, Trainable, low_precision_dtype
 
 
 class DistributedOptimizer(Protocol):
@@ -106,17 +109,19 @@ def build_distributed_optimizer(
     shard: bool = False,
     shard_gradients: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
+    experts: Mapping[str, RowSlice] | None = None,
 ) -> ParamOptimizer | MasterOptimizer:
     """The optimizer of this rank's `model` (its pipeline stage): `ParamOptimizer` for float32
     parameters without sharding, else `MasterOptimizer` (`shard`: ZeRO-1; `shard_gradients`
     too: ZeRO-2). `scheduler`: the LR scheduler (`flashcp.optim.lr.build_scheduler`) or a
-    fixed LR. Collective over pp."""
+    fixed LR. `experts`: the expert-parallel parameters and the rows this rank holds of each
+    (required when the ep group has more than one rank). Collective over pp."""
     if shard_gradients and not shard:
         raise ValueError(
             "parallel.shard_gradients: true shards the gradients like the optimizer state, "
             "which needs parallel.shard_optimizer: true"
         )
-    held = Trainable.of(model, groups)
+    held = Trainable.of(model, groups, experts)
     low = low_precision_dtype([p for _, p in held.params])
     if low is None and not shard:
         return ParamOptimizer(held, train, scheduler, groups, bucket_bytes=bucket_bytes)

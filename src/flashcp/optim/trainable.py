@@ -1,11 +1,16 @@
 """What an optimizer knows of this rank's part of the model (`Trainable`: the trainable
-parameters, the expert-parallel ones, the whole model's order, the tied copy another stage
-counts), and the storage dtypes whose parameters get float32 master weights and float32
-`main_grad` accumulation (`attach_main_grad`)."""
+parameters, the ones it holds only some rows of (`RowSlice`), the whole model's order, the tied
+copy another stage counts), and the storage dtypes whose parameters get float32 master weights
+and float32 `main_grad` accumulation (`attach_main_grad`).
+
+The optimizer knows no architecture: which parameters are expert-parallel reaches it as data
+(name → `RowSlice`, from its caller; the trainer reads them off the model,
+`flashcp.models.expert_parallel.expert_tensors`), and the groups they are summed over are
+`ParallelGroups`' (`edp`, `ep`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -13,7 +18,6 @@ from typing import Any
 import paddle
 
 from flashcp.distributed import ParallelGroups, all_gather_object
-from flashcp.models.expert_parallel import ExpertSlice, expert_tensors
 from flashcp.optim.grads import numel, trainable
 
 LOW_PRECISION = ("bfloat16", "float16")
@@ -44,6 +48,17 @@ def attach_main_grad(model: paddle.nn.Layer, dtype: str) -> Any:
     return MixPrecisionLayer(model, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class RowSlice:
+    """The rows `[first, first + count)` a rank holds of a parameter whose full tensor has
+    `total` along its leading axis (an expert-parallel tensor: one row per expert). Its
+    gradients are summed over `edp`, not dp × cp, and its norm adds over `ep`."""
+
+    first: int
+    count: int
+    total: int
+
+
 def holder(params: Sequence[paddle.Tensor]) -> paddle.nn.Layer:
     """A layer holding just `params` (for `attach_main_grad` on some parameters only)."""
     holder = paddle.nn.Layer()
@@ -57,7 +72,7 @@ class Trainable:
     """What an optimizer needs to know about this rank's part of the model (`of`).
 
     `params`: trainable `(structured name, parameter)` pairs, in the model's order; `experts`:
-    the expert-parallel ones (rows of the full tensor; empty at ep = 1); `order`: the whole
+    the expert-parallel ones (their rows of the full tensor; empty at ep = 1); `order`: the whole
     model's trainable names (every pipeline stage's, the optimizer order of one process);
     `skip`: names held here but counted by another stage (the last stage's copy of a tied
     embedding).
@@ -65,19 +80,31 @@ class Trainable:
 
     model: paddle.nn.Layer
     params: list[tuple[str, paddle.Tensor]]
-    experts: dict[str, ExpertSlice]
+    experts: dict[str, RowSlice]
     order: list[str]
     skip: set[str]
 
     @classmethod
-    def of(cls, model: paddle.nn.Layer, groups: ParallelGroups) -> Trainable:
-        """From the model (this rank's stage) and its groups; collective over pp."""
+    def of(
+        cls,
+        model: paddle.nn.Layer,
+        groups: ParallelGroups,
+        experts: Mapping[str, RowSlice] | None = None,
+    ) -> Trainable:
+        """From the model (this rank's stage), its groups and its expert-parallel parameters
+        (`experts`: structured name → the rows held; required when ep > 1); collective over
+        pp."""
         params = trainable(model)
         names = [n for n, _ in params]
-        experts: dict[str, ExpertSlice] = {}
+        held_experts: dict[str, RowSlice] = {}
         if int(groups.ep.nranks) > 1:
+            if experts is None:
+                raise ValueError(
+                    f"the ep group has {int(groups.ep.nranks)} ranks but the optimizer was not "
+                    "told which parameters are expert-parallel: pass experts= (name → RowSlice)"
+                )
             held = set(names)
-            experts = {n: s for n, s in expert_tensors(model).items() if n in held}
+            held_experts = {n: s for n, s in experts.items() if n in held}
         order = names
         if int(groups.pp.nranks) > 1:  # stages hold consecutive layers, in stage order
             parts = all_gather_object(names, groups.pp)
@@ -86,7 +113,7 @@ class Trainable:
         skip: set[str] = set()
         if tied is not None and not getattr(model, "is_first", True):
             skip = {n for n, p in params if p is tied}
-        return cls(model, params, experts, order, skip)
+        return cls(model, params, held_experts, order, skip)
 
     @cached_property
     def by_name(self) -> dict[str, paddle.Tensor]:

@@ -3,7 +3,8 @@
 Run under `paddle.distributed.launch` (layout dp=1, pp=1, cp=2, ep=2; edp trivial). A toy
 model: dense `w` [8, 5] and `b` [5], and a stacked-experts layer of 4 experts (`gate`
 [4, 6, 3], `down` [4, 3, 6]) of which each rank holds 2 (rows [2r, 2r + 2): the layout
-`flashcp.models.expert_parallel.expert_tensors` reads). Gradients come from one seeded full set
+`flashcp.models.expert_parallel.expert_tensors` reads, handed to the optimizer as the trainer
+hands it, `flashcp.trainer.expert_rows`). Gradients come from one seeded full set
 G: half of the dense ones on each rank (the cp sum gives G exactly), each rank its experts'
 rows. Two optimizer steps, gradients 3·G then 0.02·G (the first clipped, the second not: Adam
 ignores a scale common to every step, so only the clip shows), with `ParamOptimizer` and with
@@ -42,6 +43,7 @@ from flashcp.distributed import (
 from flashcp.optim import master_optimizer, param_optimizer
 from flashcp.optim.clip import GlobalNorm
 from flashcp.optim.optimizer import build_distributed_optimizer
+from flashcp.trainer import expert_rows
 
 TOTAL, HELD = 4, 2
 SHAPES = {"w": [8, 5], "b": [5], "experts.gate": [TOTAL, 6, 3], "experts.down": [TOTAL, 3, 6]}
@@ -122,11 +124,14 @@ def without_ep_sum(ep: Any) -> Iterator[None]:
 def run(groups: Any, values: dict[str, np.ndarray], shard: bool, control: bool) -> Any:
     rank = int(groups.ep.rank)
     model = Toy(HELD * rank, HELD, values)
+    experts = expert_rows(model)
     if control:
         with without_ep_sum(groups.ep):
-            opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
+            opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard,
+                                              experts=experts)  # fmt: skip
     else:
-        opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
+        opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard,
+                                          experts=experts)  # fmt: skip
     assert isinstance(opt, master_optimizer.MasterOptimizer if shard
                       else param_optimizer.ParamOptimizer)  # fmt: skip
     assert set(opt.held.experts) == {"experts.gate", "experts.down"}
