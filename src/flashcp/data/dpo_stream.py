@@ -5,7 +5,7 @@ ranks together (`flashcp.data.index`: each tokenizes its share of the records; e
 every example's packed length and the bad-record report). Each epoch the examples are put in
 an order drawn from `(train.seed, epoch)` (or file order with `data.shuffle: false`) and packed
 first-fit, in that order, into rows of `data.seq_len` tokens with the share-question layout
-(`flashcp.data.dpo`): the prompt once, each answer continuing from it with restarting
+(`flashcp.data.dpo_packing`): the prompt once, each answer continuing from it with restarting
 positions, several examples per row (`data.packing: false`: one example per row). The packing
 needs only the lengths, so every rank plans the same rows. A step consumes `grad_accum × dp ×
 micro_batch_size` rows, dp rank r taking rows `[r·mbs, (r+1)·mbs)` of each micro-batch and
