@@ -15,8 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from flashcp.checkpoint import saving
+from flashcp.checkpoint.checkpointer import FORMAT_META
 from flashcp.checkpoint.export import export_run
-from flashcp.checkpoint.format import save_checkpoint
+from flashcp.checkpoint.format import MODEL_FILE, OPTIMIZER_FILE
+from flashcp.checkpoint.parts import begin
 from flashcp.checkpoint.state import model_arrays
 from flashcp.config import build_config, to_yaml
 from flashcp.metrics import memory
@@ -29,13 +32,15 @@ def main() -> None:
     raw = {"model": args.to_dict(), "data": {"seq_len": 64}, "run": {"output_dir": str(tmp)}}
     cfg = build_config(raw)
     model = build_model(args, seed=0)
-    save_checkpoint(
-        tmp / "checkpoints",
-        1,
-        model=model_arrays(model),
-        optimizer={"unused": np.zeros(1, np.float32)},
-        state={},
-    )
+    root = tmp / "checkpoints"  # written as a one-rank run writes it (checkpoint.saving)
+    root.mkdir()
+    files = [saving.PartFile(MODEL_FILE, model_arrays(model), FORMAT_META),
+             saving.PartFile(OPTIMIZER_FILE, {"unused": np.zeros(1, np.float32)})]  # fmt: skip
+    report = saving.write_part(begin(root, 1), saving.Snapshot(1, files), 0)
+    if report.error is not None:
+        raise SystemExit(f"could not write the checkpoint: {report.error}")
+    commit = saving.Commit(state={}, layout=None, expected=[f.name for f in files], keep_last=None)
+    saving.commit(root, 1, commit, [report])
     (tmp / "config.yaml").write_text(to_yaml(cfg))
     del model
     total = estimate_parameters(args) * 4

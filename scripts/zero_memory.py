@@ -1,7 +1,7 @@
 """Optimizer-state bytes per rank with and without ZeRO-1, measured by Paddle's allocator.
 
 For a model's trainable parameters (one pipeline stage = the whole model here), builds the
-optimizer state one rank would hold — `flashcp.optim.zero.MasterShard` for shard `index` of
+optimizer state one rank would hold — `flashcp.optim.master_shard.MasterShard` for shard `index` of
 N (float32 masters + both AdamW moments + beta powers), after one AdamW step so every
 accumulator exists — and reads `paddle.base.core.host_memory_stat_current_value("Allocated")`
 before and after. N = 1 is the unsharded master state (bf16 storage); the last row is the
@@ -31,7 +31,7 @@ from flashcp.config import TrainConfig
 from flashcp.models import build_model, preset
 from flashcp.optim.adamw import build_adamw, decay_names
 from flashcp.optim.layout import shard_layout
-from flashcp.optim.zero import MasterShard
+from flashcp.optim.master_shard import MasterShard
 
 
 def allocated() -> int:

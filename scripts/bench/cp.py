@@ -78,7 +78,8 @@ from flashcp.attention.registry import MODES
 from flashcp.cp.balance import assign_chunks, balanced_assignment, chunk_work, imbalance, rank_work
 from flashcp.cp.layout import Assignment
 from flashcp.launch import supervise
-from flashcp.masks import FAMILIES, Mask, causal_document_mask, share_question_mask
+from flashcp.mask_families import FAMILIES
+from flashcp.masks import Mask, causal_document_mask, share_question_mask
 
 WORKER = ROOT / "scripts" / "bench_cp_worker.py"
 

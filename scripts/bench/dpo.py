@@ -95,11 +95,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def build_examples(args: argparse.Namespace) -> list[Any]:
-    from flashcp.data.dpo import fit_examples, read_dpo_jsonl, tokenize_dpo
+    from flashcp.data.dpo_records import DPORecords, fit_examples
+    from flashcp.data.sources import BUILTIN_PREFERENCES, read_records
     from flashcp.data.tokenizer import ByteTokenizer
 
-    records = read_dpo_jsonl(None) * args.repeat
-    examples = tokenize_dpo(records, ByteTokenizer())
+    records = read_records(BUILTIN_PREFERENCES) * args.repeat
+    build = DPORecords(ByteTokenizer(), budget=1 << 30)  # untruncated: truncated below
+    examples = [build.tokenize(r) for r in records]
     top = max(int(b) for b in args.buckets.split(","))
     # truncate once for the tighter of the two budgets, then both layouts get these tokens
     examples = fit_examples(examples, top, layout="unpacked", truncation="truncate")
@@ -107,7 +109,7 @@ def build_examples(args: argparse.Namespace) -> list[Any]:
 
 
 def layouts(args: argparse.Namespace, examples: list[Any]) -> dict[str, list[Any]]:
-    from flashcp.data.dpo import pack_dpo_batches, unpack_dpo
+    from flashcp.data.dpo_packing import pack_dpo_batches, unpack_dpo
     from flashcp.data.tokenizer import ByteTokenizer
 
     pad = ByteTokenizer().pad_id

@@ -35,9 +35,9 @@ memory in use just before (valid because SDPA's peak dominates; recorded only wh
 peak). The dense mask is built after the baseline, so it counts against SDPA.
 
 Families: the headline `causal_document_<docs>docs` (`--docs` equal documents) and every entry
-of `flashcp.masks.FAMILIES` (one seeded mask each, `--seed`). Masks whose heads all agree are
-passed with one mask head (Hm = 1). Points: every family at `--seq-lens`, the headline also at
-`--headline-seq-lens`; SDPA up to `--sdpa-max-seq`.
+of `flashcp.mask_families.FAMILIES` (one seeded mask each, `--seed`). Masks whose heads all
+agree are passed with one mask head (Hm = 1). Points: every family at `--seq-lens`, the headline
+also at `--headline-seq-lens`; SDPA up to `--sdpa-max-seq`.
 
 Writes `--json` (default docs/bench_kernel.json) and the whole markdown page `--markdown`
 (default: the JSON path with `.md`), generated from the JSON alone (`--report-only` regenerates
@@ -91,9 +91,9 @@ def headline_name(docs: int) -> str:
 
 
 def family_names() -> list[str]:
-    from flashcp import masks
+    from flashcp import mask_families
 
-    return list(masks.FAMILIES)
+    return list(mask_families.FAMILIES)
 
 
 def _rss_mb() -> float:
@@ -114,16 +114,16 @@ def build_mask(family: str, seq_len: int, heads: int, seed: int):
     """The `flashcp.masks.Mask` of `family` for B = 1, with Hm = 1 when all heads agree."""
     import numpy as np
 
-    from flashcp import masks
+    from flashcp import mask_families, masks
 
     m = HEADLINE_RE.match(family)
     if m:
         docs = int(m.group(1))
         bounds = np.linspace(0, seq_len, docs + 1).astype(np.int64)
         return masks.causal_document_mask([int(n) for n in np.diff(bounds)])
-    if family not in masks.FAMILIES:
+    if family not in mask_families.FAMILIES:
         raise ValueError(f"unknown mask family {family!r}")
-    mask = masks.FAMILIES[family](1, seq_len, heads, seed)
+    mask = mask_families.FAMILIES[family](1, seq_len, heads, seed)
     idx = mask.indices
     if idx.shape[1] > 1 and (idx == idx[:, :1]).all():
         mask = masks.Mask(np.ascontiguousarray(idx[:, :1]), mask.causal)
@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--families",
         default=None,
         help="comma-separated mask families (default: causal_document_<docs>docs, then every "
-        "flashcp.masks.FAMILIES entry)",
+        "flashcp.mask_families.FAMILIES entry)",
     )
     p.add_argument("--seq-lens", default="2048", help="S values for every family")
     p.add_argument(

@@ -65,7 +65,7 @@ from flashcp.distributed import ParallelGroups, all_gather_object
 from flashcp.log import readable_count
 from flashcp.metrics import flops, memory, tracking
 from flashcp.optim.lr import describe as lr_schedule
-from flashcp.optim.zero import MasterOptimizer
+from flashcp.optim.master_optimizer import MasterOptimizer
 from flashcp.plan import plan
 from flashcp.plan.steptime import estimate
 

@@ -52,13 +52,17 @@ from flashcp.metrics.straggler import StragglerWatch
 from flashcp.metrics.writer import MetricsWriter, StepMetrics, layout_text
 from flashcp.models import build_model
 from flashcp.models.base import StageSpec
+from flashcp.models.expert_parallel import expert_tensors
 from flashcp.models.hf_config import directory_notes
 from flashcp.models.hf_weights import load_hf_checkpoint
 from flashcp.models.moe_balance import loss_scale_context
 from flashcp.models.offload import take_host_peak
 from flashcp.optim.grads import all_reduce_values, trainable
 from flashcp.optim.lr import build_scheduler
-from flashcp.optim.zero import build_distributed_optimizer
+from flashcp.optim.master_optimizer import MasterOptimizer
+from flashcp.optim.optimizer import build_distributed_optimizer
+from flashcp.optim.param_optimizer import ParamOptimizer
+from flashcp.optim.trainable import RowSlice
 from flashcp.parallelize import parallelize
 from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
@@ -146,6 +150,25 @@ def build_stage(
     return model, spec, lora
 
 
+def expert_rows(model: paddle.nn.Layer) -> dict[str, RowSlice]:
+    """The expert-parallel parameters of `model` as the optimizer takes them: structured name
+    → the rows this rank holds (`flashcp.models.expert_parallel.expert_tensors`; empty
+    without expert parallelism). The optimizer knows no architecture: this is all it learns."""
+    return {n: RowSlice(s.first, s.count, s.total) for n, s in expert_tensors(model).items()}
+
+
+def build_optimizer(
+    cfg: Config, groups: ParallelGroups, model: paddle.nn.Layer, scheduler: Any
+) -> ParamOptimizer | MasterOptimizer:
+    """This rank's optimizer under the config's layout, told the model's expert-parallel
+    parameters (`expert_rows`)."""
+    return build_distributed_optimizer(
+        model, cfg.train, scheduler, groups, shard=cfg.parallel.shard_optimizer,
+        shard_gradients=cfg.parallel.shard_gradients,
+        bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20), experts=expert_rows(model),
+    )  # fmt: skip
+
+
 def build_runner(
     cfg: Config, groups: ParallelGroups, model: paddle.nn.Layer, dtype: str
 ) -> PipelineRunner:
@@ -230,11 +253,7 @@ class Trainer:
         """Expert-load statistics and the router bias update (MoE models only)."""
         self.recipe.setup(self.model)
         self.scheduler = build_scheduler(cfg.train)
-        self.optimizer = build_distributed_optimizer(
-            self.model, cfg.train, self.scheduler, groups, shard=cfg.parallel.shard_optimizer,
-            shard_gradients=cfg.parallel.shard_gradients,
-            bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20),
-        )  # fmt: skip
+        self.optimizer = build_optimizer(cfg, groups, self.model, self.scheduler)
         self.checkpointer = Checkpointer(
             cfg, groups, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             data=self.data, experts=ExpertArrays(self.model, groups), lora=lora, echo=self.echo,

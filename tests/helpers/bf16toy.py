@@ -1,14 +1,13 @@
 """A tiny language model stored in bfloat16 that computes in float32, for optimizer tests.
 
 Paddle 3.3.1 has no bfloat16 matmul on CPU, so the parameters (bfloat16 storage) are cast to
-float32 inside `forward`: their gradients come back through the casts in bfloat16, which is
-what the float32 `main_grad` accumulation and master weights of `flashcp.optim.zero` exist
-for. Position-wise (no attention), so any context-parallel split of a sequence gives the same
-per-token losses; same call signature and contract as flashcp's models (`ids, positions,
+float32 inside `forward`: their gradients come back through the casts in bfloat16, which is what
+the float32 `main_grad` accumulation and master weights of `flashcp.optim.master_optimizer`
+exist for. Position-wise (no attention), so any context-parallel split of a sequence gives the
+same per-token losses; same call signature and contract as flashcp's models (`ids, positions,
 attention` to the final hidden states; `logits` / `token_logprobs` apply the head, the latter
-over token chunks like `flashcp.models.LMHead`).
-Parameters: a 2-D embedding, hidden matrix and head (weight decay) and a 1-D bias and scale
-(no weight decay).
+over token chunks like `flashcp.models.LMHead`). Parameters: a 2-D embedding, hidden matrix and
+head (weight decay) and a 1-D bias and scale (no weight decay).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.numerics import FACTOR
-from flashcp import masks
+from flashcp import mask_families
 from flashcp.attention.registry import MODES
 from helpers.launch import run_launch
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.equivalence]
 
 def _expected_cases() -> int:
     per_head = {"sliding_window_per_head": 2, "random_eviction": 2}
-    return sum(1 + per_head.get(f, 0) for f in masks.FAMILIES) * len(MODES)
+    return sum(1 + per_head.get(f, 0) for f in mask_families.FAMILIES) * len(MODES)
 
 
 @pytest.mark.timeout(300)
@@ -39,7 +39,7 @@ def test_cp_parity_every_family_every_mode(nproc: int, tmp_path: Path) -> None:
         assert report["world"] == nproc
         cases = report["cases"]
         assert len(cases) == _expected_cases()
-        assert {c["family"] for c in cases} == set(masks.FAMILIES)
+        assert {c["family"] for c in cases} == set(mask_families.FAMILIES)
         assert {c["mode"] for c in cases} == set(MODES)
         for case in cases:
             assert case["ok"] and max(case["units"].values()) <= FACTOR, case

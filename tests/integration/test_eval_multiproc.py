@@ -25,7 +25,7 @@ import pytest
 
 from bench import numerics
 from bench.jobs import leftover_after, start_job
-from flashcp.data.dataset import read_records
+from flashcp.data.sources import BUILTIN_CORPUS, read_records
 from flashcp.evaluation import RESULTS_FILE
 from flashcp.metrics.writer import read_metrics
 from helpers.paths import ROOT
@@ -47,7 +47,7 @@ def _evals(run: Path) -> list[dict[str, float]]:
 @pytest.mark.equivalence
 @pytest.mark.timeout(240)
 def test_lm_eval_dp2_cp2_equals_one_process(tmp_path: Path) -> None:
-    docs = read_records(None)[-15:]
+    docs = read_records(BUILTIN_CORPUS)[-15:]
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
     config = CONFIGS / "gpt" / "tiny_cp2.yaml"
@@ -107,7 +107,7 @@ def test_dpo_lora_eval_pp2_cp2_equals_one_process(tmp_path: Path) -> None:
 @pytest.mark.equivalence
 @pytest.mark.timeout(240)
 def test_flashcp_eval_of_a_checkpoint_at_cp2(tmp_path: Path) -> None:
-    docs = read_records(None)[-9:]
+    docs = read_records(BUILTIN_CORPUS)[-9:]
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
     config = CONFIGS / "gpt" / "tiny_cp2.yaml"

@@ -30,8 +30,8 @@ import pytest
 from bench import numerics
 from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
-from flashcp.data.dataset import read_records
 from flashcp.data.dpo_stream import DPOData
+from flashcp.data.sources import BUILTIN_CORPUS, read_records
 from flashcp.evaluate import Evaluator, data_epoch, format_eval, is_due, pass_rows
 from flashcp.lora.model import disable_adapters
 from flashcp.metrics.writer import read_metrics
@@ -60,7 +60,7 @@ def tiny_base() -> Sections:
 @pytest.fixture
 def text_eval(tmp_path: Path) -> Path:
     """11 held-out documents (the last of the shipped corpus: not what training starts on)."""
-    return _write_jsonl(tmp_path / "eval.jsonl", read_records(None)[-11:])
+    return _write_jsonl(tmp_path / "eval.jsonl", read_records(BUILTIN_CORPUS)[-11:])
 
 
 def _training(run: Any) -> list[tuple[float, float]]:

@@ -22,7 +22,7 @@ import pytest
 
 from bench import numerics
 from flashcp import cli
-from flashcp.data.dataset import read_records
+from flashcp.data.sources import BUILTIN_CORPUS, read_records
 from flashcp.evaluation import RESULTS_FILE
 from flashcp.metrics.writer import read_metrics
 from helpers.configs import TINY_GLM, TINY_LM, merged, tiny_config
@@ -53,7 +53,7 @@ def test_a_run_checkpoint_evaluates_as_the_run_did(
     tmp_path: Path, fit: Fit, capsys: pytest.CaptureFixture[str]
 ) -> None:
     held_out = tmp_path / "eval.jsonl"
-    held_out.write_text("".join(json.dumps(r) + "\n" for r in read_records(None)[-9:]))
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in read_records(BUILTIN_CORPUS)[-9:]))
     cfg = tiny_config(tmp_path, base=TINY_LM, train={"steps": 2},
                       checkpoint={"every": 1, "keep_last": 2},
                       eval={"path": str(held_out), "every": 1})  # fmt: skip

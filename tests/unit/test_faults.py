@@ -17,6 +17,7 @@ import pytest
 from flashcp import attempt, faults
 from flashcp.checkpoint import format as ck
 from flashcp.faults import Fault
+from helpers.checkpoints import save_checkpoint
 
 
 def test_parse_faults() -> None:
@@ -86,8 +87,8 @@ def test_nan_grad_poisons_one_gradient() -> None:
                        [Fault("nan_grad", 1, None)])  # fmt: skip
 
 
-class _KilledError(Exception):
-    pass
+class _KilledError(BaseException):
+    """The stand-in for SIGKILL: like the signal, no `except Exception` in flashcp stops it."""
 
 
 def _no_kill() -> None:
@@ -106,7 +107,7 @@ def test_sigkill_fault_kills_after_the_forward(monkeypatch: pytest.MonkeyPatch) 
 
 def _save(root: Path, step: int) -> Path:
     arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3) * step}
-    return ck.save_checkpoint(root, step, model=arrays, optimizer=arrays, state={"x": 1})
+    return save_checkpoint(root, step, model=arrays, optimizer=arrays, state={"x": 1})
 
 
 def test_torn_checkpoint_write_keeps_the_previous_one(

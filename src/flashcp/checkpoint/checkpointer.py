@@ -62,7 +62,8 @@ from flashcp.config import Config, config_changes, config_hash, hashed_dict
 from flashcp.distributed import ParallelGroups, all_gather_object, barrier
 from flashcp.lora.setup import LoRASetup
 from flashcp.models.hf_weights import read_hf_float32
-from flashcp.optim.zero import MasterOptimizer, ParamOptimizer
+from flashcp.optim.master_optimizer import MasterOptimizer
+from flashcp.optim.param_optimizer import ParamOptimizer
 
 GRADS_DIR = "grads"
 """`debug.dump_grads` writes `<output_dir>/grads/step_N[.stageS].safetensors`."""

@@ -9,11 +9,13 @@ Layout of `<output_dir>/checkpoints/step_<N>/`:
 * `manifest.json`         sha256 and size of each file above, written last
 
 Pipeline stages, LoRA adapters and float32 master weights (bf16 storage, ZeRO-1) write the
-model and optimizer in parts instead (`flashcp.checkpoint.parts`): the manifest's `layout` lists
-them, and optimizer shards are handed to the optimizer as files (`Checkpoint.optimizer_shards`).
+model and optimizer in parts instead (`flashcp.checkpoint.parts` names them): the manifest's
+`layout` lists them, and optimizer shards are handed to the optimizer as files
+(`Checkpoint.optimizer_shards`).
 
 A checkpoint is written into `step_N.tmp/`, every file fsynced, then renamed to `step_N/` (and
-the parent directory fsynced), so a crash never leaves a half-written `step_N/`. Loading checks
+the parent directory fsynced; `publish`), so a crash never leaves a half-written `step_N/`.
+`flashcp.checkpoint.saving` writes it (every rank its part, rank 0 the commit). Loading checks
 the manifest first: a missing, truncated or altered file is refused with the reason, and
 `latest_checkpoint` skips such checkpoints (with a warning) to resume from an older intact one.
 Reading: `read_layout` (the manifest: which files hold what), then `load_checkpoint` (every
@@ -35,9 +37,7 @@ from typing import Any
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from flashcp import faults
 from flashcp.log import logger
 
 MODEL_FILE = "model.safetensors"
@@ -101,37 +101,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _contiguous(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-
-
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    *,
-    model: Mapping[str, np.ndarray],
-    optimizer: Mapping[str, np.ndarray],
-    state: Mapping[str, Any],
-    keep_last: int | None = None,
-) -> Path:
-    """Write checkpoint `step` under `root` atomically; prune to `keep_last`. Returns its path."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"step_{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(_contiguous(model), str(tmp / MODEL_FILE), metadata={"format": str(FORMAT_VERSION)})
-    faults.on_checkpoint_write(step, tmp)  # no-op unless FLASHCP_FAULT asks for a torn write
-    save_file(_contiguous(optimizer), str(tmp / OPTIMIZER_FILE))
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1, sort_keys=True))
-    files = {}
-    for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
-        fsync_file(tmp / name)
-        files[name] = file_entry(tmp / name)
-    return publish(root, tmp, step, files, keep_last=keep_last)
-
-
 def publish(
     root: Path,
     tmp: Path,
@@ -144,7 +113,7 @@ def publish(
     """Write the checksum manifest into `tmp`, then atomically rename it to `step_N`.
 
     A step saved again swaps out the old directory first; `keep_last` then prunes. The one
-    commit path for single-file and per-stage (sharded) checkpoints.
+    commit path of every checkpoint (`flashcp.checkpoint.saving.commit`).
     """
     manifest = {"format": FORMAT_VERSION, "step": step, "files": dict(files), **(extra or {})}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))

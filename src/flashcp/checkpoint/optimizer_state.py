@@ -45,7 +45,7 @@ from flashcp.optim.adamw import (
     StatePiece,
     fresh_state,
 )
-from flashcp.optim.zero import MasterOptimizer
+from flashcp.optim.master_optimizer import MasterOptimizer
 
 SEP = "::"
 """`<structured parameter name>::<accumulator>`: the unsharded form's keys."""

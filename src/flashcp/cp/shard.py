@@ -1,6 +1,6 @@
 """Sharding a batch for context parallelism: this rank's tokens, labels and positions.
 
-Every recipe's batch (`flashcp.data.Batch` for pretrain / sft, `flashcp.data.dpo.DPOBatch`)
+Every recipe's batch (`flashcp.data.Batch` for pretrain / sft, `flashcp.data.dpo_packing.DPOBatch`)
 holds FULL sequences `[B, S]` — labels already shifted on the whole sequence — and the global
 FlashMask mask. `shard_batch` cuts this rank's part of each sequence (axis 1) under the step's
 `Assignment`; the mask is not sharded: every rank keeps the global one, and attention rebases

@@ -7,21 +7,13 @@ records, packing into masked sequences of full length.
 
 `tokenizer` (byte / tokenizer.json / HF directory with its chat template), `chat` (assistant
 turns located in the rendered conversation), `formats` (the layouts the field's tools write:
-`data.format`, detection, the pre-launch check `detect` / `check_data`), `sources` (rows by
-index), `index` (who reads which rows, bad-record report), `dataset` (records → documents),
-`packing` (labels and masks, built on the full sequence before sharding). docs/data.md has the
-whole picture.
+`data.format`, detection, the pre-launch check `detect` / `check_data`), `sources` (the one
+reader of JSON Lines / Parquet records, rows by index), `index` (who reads which rows,
+bad-record report), `dataset` (records → documents), `packing` (labels and masks, built on the
+full sequence before sharding). docs/data.md has the whole picture.
 """
 
-from flashcp.data.dataset import (
-    DEFAULT_CORPUS,
-    Document,
-    DocumentBuilder,
-    default_corpus_text,
-    parse_jsonl,
-    read_records,
-    tokenize_records,
-)
+from flashcp.data.dataset import Document, DocumentBuilder, tokenize_records
 from flashcp.data.index import BadRecords, RowIndex, build_index
 from flashcp.data.loader import TrainData
 from flashcp.data.packing import (
@@ -34,11 +26,11 @@ from flashcp.data.packing import (
 )
 from flashcp.data.peers import Peers
 from flashcp.data.records import BadRecordError
-from flashcp.data.sources import RowSource, open_source
+from flashcp.data.sources import BUILTIN_CORPUS, RowSource, open_source, read_records
 from flashcp.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
-    "DEFAULT_CORPUS",
+    "BUILTIN_CORPUS",
     "BadRecordError",
     "BadRecords",
     "Batch",
@@ -57,9 +49,7 @@ __all__ = [
     "build_index",
     "build_tokenizer",
     "collate",
-    "default_corpus_text",
     "open_source",
-    "parse_jsonl",
     "read_records",
     "shift_labels",
     "tokenize_records",

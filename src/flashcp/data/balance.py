@@ -1,10 +1,10 @@
 """Work-balanced packing: every row of an optimizer step costs about the same.
 
-First-fit packing (`flashcp.data.packing`, `flashcp.data.dpo`) fills rows in stream order, so
-one row may hold a single 30K-token document (~(30K)²/2 attention pairs) and another twenty
-1.5K-token ones (20× less), and every step waits for its slowest data-parallel rank. With
-`data.balance: work` the data sources re-pack, window by window, the very tokens first-fit
-would train on:
+First-fit packing (`flashcp.data.packing`, `flashcp.data.dpo_packing`) fills rows in stream
+order, so one row may hold a single 30K-token document (~(30K)²/2 attention pairs) and another
+twenty 1.5K-token ones (20× less), and every step waits for its slowest data-parallel rank. With
+`data.balance: work` the data sources re-pack, window by window, the very tokens first-fit would
+train on:
 
 1. A window is the next `data.balance_window` steps of first-fit rows (`rows_per_step` = dp ×
    grad_accum × micro_batch_size each), fewer where an epoch ends (`epoch_window`: the one

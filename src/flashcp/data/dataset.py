@@ -10,11 +10,8 @@ labels.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,13 +19,8 @@ import numpy as np
 from flashcp.data import formats
 from flashcp.data.chat import chat_segments, tokenize_segments
 from flashcp.data.records import BadRecordError, check_answers, string_field
-from flashcp.data.sources import json_problem
+from flashcp.data.sources import BUILTIN_PREFERENCES, read_records
 from flashcp.data.tokenizer import Tokenizer, require_template
-
-DEFAULT_CORPUS = "default_corpus.jsonl"
-"""The small English corpus shipped inside the package (used when data.path is null)."""
-DPO_DEFAULT = "dpo_default.jsonl"
-"""The small preference set shipped inside the package (prompt / chosen / rejected)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,43 +41,15 @@ class Document:
         return int(first[0]) if len(first) else len(self)
 
 
-def default_corpus_text() -> str:
-    """The shipped corpus as text (read from package data, works from a wheel too)."""
-    return resources.files("flashcp.data").joinpath(DEFAULT_CORPUS).read_text(encoding="utf-8")
-
-
-def parse_jsonl(text: str, source: str) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL text; `ValueError` naming `source:line` on a bad line."""
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{source}:{number}: not valid JSON ({json_problem(exc)})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{source}:{number}: expected a JSON object, got {record!r:.60}")
-        yield record
-
-
 def builtin_sft_records(
     prompt_field: str = "prompt", response_field: str = "response"
 ) -> list[dict[str, Any]]:
     """The built-in instruction set: the built-in DPO preference pairs' prompts, each with its
     preferred ("chosen") answer as the response (used by the sft recipe when data.path is null)."""
-    text = resources.files("flashcp.data").joinpath(DPO_DEFAULT).read_text(encoding="utf-8")
     return [
         {prompt_field: r["prompt"], response_field: r["chosen"]}
-        for r in parse_jsonl(text, f"flashcp/data/{DPO_DEFAULT}")
+        for r in read_records(BUILTIN_PREFERENCES, name="built-in preference set")
     ]
-
-
-def read_records(path: str | Path | None) -> list[dict[str, Any]]:
-    """Every record of the JSONL file at `path` (None: the shipped corpus)."""
-    if path is None:
-        return list(parse_jsonl(default_corpus_text(), f"flashcp/data/{DEFAULT_CORPUS}"))
-    p = Path(path)
-    return list(parse_jsonl(p.read_text(encoding="utf-8"), str(p)))
 
 
 def _document(

@@ -5,7 +5,7 @@ ranks together (`flashcp.data.index`: each tokenizes its share of the records; e
 every example's packed length and the bad-record report). Each epoch the examples are put in
 an order drawn from `(train.seed, epoch)` (or file order with `data.shuffle: false`) and packed
 first-fit, in that order, into rows of `data.seq_len` tokens with the share-question layout
-(`flashcp.data.dpo`): the prompt once, each answer continuing from it with restarting
+(`flashcp.data.dpo_packing`): the prompt once, each answer continuing from it with restarting
 positions, several examples per row (`data.packing: false`: one example per row). The packing
 needs only the lengths, so every rank plans the same rows. A step consumes `grad_accum × dp ×
 micro_batch_size` rows, dp rank r taking rows `[r·mbs, (r+1)·mbs)` of each micro-batch and
@@ -26,6 +26,7 @@ import numpy as np
 from flashcp.config import Config
 from flashcp.config.recipes import DPOConfig
 from flashcp.cp.work import WorkModel, causal_pairs, share_question_pairs
+from flashcp.data import formats
 from flashcp.data.balance import (
     Row,
     StepLayout,
@@ -33,19 +34,19 @@ from flashcp.data.balance import (
     fill_rows,
     step_balance,
 )
-from flashcp.data.dpo import (
-    DEFAULT_DPO_DATA,
-    DPOBatch,
-    DPOExample,
-    DPORecords,
-    assign_rows,
-    collate_packed,
-)
+from flashcp.data.dpo_packing import DPOBatch, assign_rows, collate_packed
+from flashcp.data.dpo_records import DPOExample, DPORecords
 from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
 from flashcp.data.loader import check_vocab
 from flashcp.data.packing import Piece
 from flashcp.data.peers import Peers
-from flashcp.data.sources import JsonlSource, RowSource, SampleSource, open_source
+from flashcp.data.sources import (
+    BUILTIN_PREFERENCES,
+    JsonlSource,
+    RowSource,
+    SampleSource,
+    open_source,
+)
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -208,12 +209,13 @@ class DPOData:
         self.seq_len = padded if cfg.parallel.pad else d.seq_len
         """Length of the rows the model sees (after parallel.pad)."""
         self.source: RowSource = (
-            JsonlSource([DEFAULT_DPO_DATA], "built-in preference set")
+            JsonlSource([BUILTIN_PREFERENCES], "built-in preference set")
             if d.path is None
             else open_source(d.path, cache_dir=d.cache_dir, peers=peers)
         )
-        if sample is not None:  # a preflight's look at the data (`SampleSource`)
+        if sample is not None:  # a preflight's look at the data: rows in a format it reads
             self.source = SampleSource(self.source, sample)
+            formats.check_data(cfg, self.source)
         build = DPORecords(
             self.tokenizer,
             budget=d.seq_len,

@@ -24,9 +24,10 @@ flashcp formats (`text`, `messages`, `prompt`, `response`, `chosen`, `rejected`)
 `data.format: auto` (the default) reads each row in the first format of its recipe's list
 (the table's order) whose fields it has, so one file (or a directory) may mix formats; a set
 format reads every row in it (a row without its fields is a bad record). `detect(rows, ...)`
-is the pre-launch check of a sample: it refuses data in which no row fits, naming the fields
-found, the formats accepted and the setting that would read it. docs/data.md has the details
-of each format and where renderings differ from PaddleFormers'.
+is the pre-launch check of a sample (`check_data`: the rows a preflight's `SampleSource`
+read): it refuses data in which no row fits, naming the fields found, the formats accepted and
+the setting that would read it. docs/data.md has the details of each format and where
+renderings differ from PaddleFormers'.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from flashcp.config.schema import DATA_FORMATS, JSONL_SUFFIXES, DataConfig
+from flashcp.config.schema import DATA_FORMATS, DataConfig
 from flashcp.data.records import ROLE_ASSISTANT, BadRecordError, has_field, message_list
+from flashcp.data.sources import SampleSource
 
 Messages = list[dict[str, Any]]
 Preference = tuple[Messages, Any, Any]
@@ -547,41 +548,12 @@ def detect(
     )
 
 
-def read_sample(path: str | Path, n: int = 64) -> list[Any]:
-    """Up to `n` rows from the start of `data.path` (its first file), cheaply, for `detect`:
-    JSON Lines lines, a JSON array's first elements, or a Parquet file's first rows (no Arrow
-    cache is built). A line that is not JSON is a `None` row."""
-    from flashcp.data.sources import data_files, json_array_items
-
-    first = data_files(path)[0]
-    if first.suffix.lower() not in JSONL_SUFFIXES:
-        import pyarrow.parquet as pq
-
-        for batch in pq.ParquetFile(first).iter_batches(batch_size=n):
-            return batch.to_pylist()[:n]
-        return []
-    array = json_array_items(first, limit=n)
-    if array is not None:
-        return array
-    rows: list[Any] = []
-    with open(first, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                rows.append(None)
-            if len(rows) == n:
-                break
-    return rows
-
-
-def check_data(cfg: Any, n: int = 64) -> Format | None:
+def check_data(cfg: Any, sample: SampleSource) -> Format | None:
     """The pre-launch data check of a run (`cfg`: a `flashcp.config.Config`): `detect` on the
-    first `n` rows of `data.path` for `run.recipe` (None when data.path is null: flashcp's
-    built-in sets; or for a recipe registered elsewhere, whose data flashcp does not read)."""
+    rows of `sample` (the data class's `SampleSource` of `data.path`, read once) for
+    `run.recipe`. None when data.path is null (flashcp's built-in sets) or for a recipe
+    registered elsewhere, whose data flashcp does not read."""
     if cfg.data.path is None or not formats_of(cfg.run.recipe):
         return None
-    return detect(read_sample(cfg.data.path, n), recipe=cfg.run.recipe, data=cfg.data,
+    return detect(sample.records(), recipe=cfg.run.recipe, data=cfg.data,
                   source=str(cfg.data.path))  # fmt: skip

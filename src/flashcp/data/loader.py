@@ -21,19 +21,20 @@ import numpy as np
 
 from flashcp.config.schema import Config
 from flashcp.cp.work import WorkModel, document_pairs
+from flashcp.data import formats
 from flashcp.data.balance import BalancedPlan, Row, StepLayout, step_balance
-from flashcp.data.dataset import (
-    DEFAULT_CORPUS,
-    Document,
-    DocumentBuilder,
-    builtin_sft_records,
-    default_corpus_text,
-    parse_jsonl,
-)
+from flashcp.data.dataset import Document, DocumentBuilder, builtin_sft_records
 from flashcp.data.index import BadRecords, LazyItems, RowIndex, build_index
 from flashcp.data.packing import Batch, PackedStream, Piece, collate, document_masking
 from flashcp.data.peers import Peers
-from flashcp.data.sources import ListSource, RowSource, SampleSource, open_source
+from flashcp.data.sources import (
+    BUILTIN_CORPUS,
+    JsonlSource,
+    ListSource,
+    RowSource,
+    SampleSource,
+    open_source,
+)
 from flashcp.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -57,8 +58,7 @@ def lm_source(cfg: Config, peers: Peers | None = None) -> RowSource:
         return ListSource(
             builtin_sft_records(d.prompt_field, d.response_field), "built-in instruction set"
         )
-    records = parse_jsonl(default_corpus_text(), f"flashcp/data/{DEFAULT_CORPUS}")
-    return ListSource(list(records), "built-in corpus")
+    return JsonlSource([BUILTIN_CORPUS], "built-in corpus")
 
 
 class TrainData:
@@ -87,8 +87,9 @@ class TrainData:
         self.tokenizer = tokenizer or build_tokenizer(d.tokenizer)
         check_vocab(cfg, self.tokenizer)
         self.source = lm_source(cfg, peers)
-        if sample is not None:  # a preflight's look at the data (`SampleSource`)
+        if sample is not None:  # a preflight's look at the data: rows in a format it reads
             self.source = SampleSource(self.source, sample)
+            formats.check_data(cfg, self.source)
         self.masking = document_masking(cfg)
         """The mask each packed document gets (`attention.mask`)."""
         build = DocumentBuilder(

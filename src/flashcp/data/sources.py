@@ -16,6 +16,10 @@ are read in name order, all of one format:
 Either way no process holds the dataset as Python objects: rows are read when a process needs
 them (`flashcp.data.index` for who reads which). Row locations in messages are
 `file.jsonl:LINE` (1-based line) and `file.parquet row N` (0-based, as `dataset[N]`).
+
+This is flashcp's one reader of records: training, DPO, evaluation, the pre-launch format
+check (`SampleSource`) and the shipped sets (`BUILTIN_CORPUS`, `BUILTIN_PREFERENCES`) all read
+through it; `read_records` gives a whole (small) file's records as a list.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ from flashcp.config.schema import DATA_SUFFIXES as SUFFIXES
 from flashcp.config.schema import JSONL_SUFFIXES, PARQUET_SUFFIXES
 from flashcp.data.peers import Peers
 from flashcp.data.records import BadRecordError
+
+BUILTIN_CORPUS = Path(__file__).resolve().parent / "default_corpus.jsonl"
+"""The small English corpus shipped inside the package (pretrain data when data.path is null)."""
+BUILTIN_PREFERENCES = Path(__file__).resolve().parent / "dpo_default.jsonl"
+"""The small preference set shipped inside the package (prompt / chosen / rejected strings):
+DPO data when data.path is null, and the sft recipe's built-in instruction set."""
 
 _CHUNK = 1 << 24
 _WHITESPACE = np.array([9, 10, 13, 32], dtype=np.uint8)
@@ -82,7 +92,8 @@ class ListSource:
 class SampleSource:
     """At most `rows` rows of `source`, spread evenly over it (its first and last row
     included): what a preflight reads of a dataset (`flashcp.launch.preflight`), through the
-    same data classes training uses."""
+    same data classes training uses. Each row is read once, here: the format check
+    (`flashcp.data.formats.check_data`) and the indexing that follow read these copies."""
 
     def __init__(self, source: RowSource, rows: int) -> None:
         total = len(source)
@@ -93,12 +104,25 @@ class SampleSource:
         self.name = source.name if len(self.rows) == total else (
             f"{source.name} (a sample of {len(self.rows)} of its {total} rows)"
         )  # fmt: skip
+        self._read: list[dict[str, Any] | BadRecordError] = []
+        for i in self.rows:
+            try:
+                self._read.append(source.row(int(i)))
+            except BadRecordError as exc:
+                self._read.append(exc)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
     def row(self, i: int) -> dict[str, Any]:
-        return self.source.row(int(self.rows[i]))
+        got = self._read[i]
+        if isinstance(got, BadRecordError):
+            raise BadRecordError(got.reason, got.detail)
+        return dict(got)
+
+    def records(self) -> list[dict[str, Any]]:
+        """The rows that are records (a bad one, not JSON say, left out)."""
+        return [dict(r) for r in self._read if not isinstance(r, BadRecordError)]
 
     def where(self, i: int) -> str:
         return self.source.where(int(self.rows[i]))
@@ -290,17 +314,6 @@ def scan_json_array(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.asarray(lines, dtype=np.int64))  # fmt: skip
 
 
-def json_array_items(path: Path, limit: int) -> list[Any] | None:
-    """The first `limit` elements of a file holding one JSON array, None for another file."""
-    if not _starts_array(path):
-        return None
-    out = []
-    for _, _, _, value in iter_json_array(path):
-        if len(out) == limit:
-            break
-        out.append(value)
-    return out
-
 
 class ParquetSource:
     """Parquet files through `datasets` (a memory-mapped Arrow cache), row by row."""
@@ -389,3 +402,23 @@ def open_source(
     if first is not None:
         raise ValueError(f"data.path {path}: could not read the Parquet data: {first}")
     return source if source is not None else ParquetSource(files, name, cache_dir)
+
+
+def read_records(path: str | Path, *, name: str | None = None) -> list[dict[str, Any]]:
+    """Every record of `path` (a data file or directory, as `data.path`), in memory: for small
+    sets (the shipped ones, a test's file). A row that is not a record is a `ValueError`
+    naming its file and line (`file.jsonl:12: not valid JSON: Expecting ',' delimiter at
+    column 14`)."""
+    files = data_files(path)
+    label = name or str(path)
+    source = (JsonlSource(files, label) if files[0].suffix.lower() in JSONL_SUFFIXES
+              else ParquetSource(files, label))  # fmt: skip
+    out = []
+    for i in range(len(source)):
+        try:
+            out.append(source.row(i))
+        except BadRecordError as exc:
+            raise ValueError(f"{source.where(i)}: {exc}") from None
+    if isinstance(source, JsonlSource):
+        source.close()
+    return out

@@ -190,7 +190,7 @@ class ParallelDims:
 
         Gradients are reduce-scattered over the cp group first (rank j of it keeps chunk j),
         then over the dp group (rank i keeps sub-chunk i of that), so the sums run in the same
-        order as the unsharded all-reduce over cp, then dp (`flashcp.optim.zero`).
+        order as the unsharded all-reduce over cp, then dp (`flashcp.optim.master_optimizer`).
         """
         c = self.coords(rank)
         return c["cp"] * self.dp + c["dp"]

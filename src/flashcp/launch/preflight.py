@@ -370,14 +370,12 @@ def model_dir_problems(cfg: Config) -> list[ConfigError]:
 
 
 def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[ConfigError]:
-    """A sample of `data.path` and `eval.path` (`DATA_SAMPLE_ROWS` rows, spread over each)
-    checked for a format the recipe reads (`flashcp.data.formats.check_data`: else the fields
-    found, the formats accepted and the setting that would read them), then read by the
-    recipe's own data class as a rank reads it: tokenizer, chat template, bad-record policy,
-    no usable record. Placeholders are left to the config's check. Bad records the sample
-    held (which training skips, `data.on_bad_record: skip`) go to `warnings`: how many, and
-    why."""
-    from flashcp.data.formats import check_data
+    """A sample of `data.path` and `eval.path` (`DATA_SAMPLE_ROWS` rows, spread over each, each
+    read once) read by the recipe's own data class as a rank reads it: a format the recipe
+    reads (`flashcp.data.formats.check_data`: else the fields found, the formats accepted and
+    the setting that would read them), tokenizer, chat template, bad-record policy, no usable
+    record. Placeholders are left to the config's check. Bad records the sample held (which
+    training skips, `data.on_bad_record: skip`) go to `warnings`: how many, and why."""
     from flashcp.recipes import RECIPE_CLASSES
     from flashcp.recipes.base import eval_config
 
@@ -390,8 +388,6 @@ def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[Config
         if path is not None and is_placeholder(path):
             continue
         try:
-            # rows in no format this recipe reads: the fields found, the formats, the setting
-            check_data(each, DATA_SAMPLE_ROWS)
             data = data_class(each, dp_rank=0, dp_size=1, sample=DATA_SAMPLE_ROWS)
             bad = getattr(data, "bad_records", None)
             if warnings is not None and bad is not None and bad.total:

@@ -1,12 +1,12 @@
 """AdamW: the one builder of Paddle's optimizer, and the one map of the names of its state.
 
-`build_adamw` makes every `paddle.optimizer.AdamW` flashcp steps — over the float32
-parameters (`flashcp.optim.zero.ParamOptimizer`) and over float32 master shards
-(`flashcp.optim.zero.MasterShard`) — from `train`: betas, epsilon, weight decay (on the tensors
-named in `decay`: matrices and embeddings, not biases and norm scales, judged by the PARAMETER,
-since a master shard is a flat slice of it) and the LR scheduler (`flashcp.optim.lr`). It never
-gets a `grad_clip`: the optimizers clip before the step, with the norm they computed once
-(`flashcp.optim.clip`).
+`build_adamw` makes every `paddle.optimizer.AdamW` flashcp steps — over the float32 parameters
+(`flashcp.optim.param_optimizer.ParamOptimizer`) and over float32 master shards
+(`flashcp.optim.master_shard.MasterShard`) — from `train`: betas, epsilon, weight decay (on the
+tensors named in `decay`: matrices and embeddings, not biases and norm scales, judged by the
+PARAMETER, since a master shard is a flat slice of it) and the LR scheduler
+(`flashcp.optim.lr`). It never gets a `grad_clip`: the optimizers clip before the step, with the
+norm they computed once (`flashcp.optim.clip`).
 
 Paddle keeps AdamW's state in accumulators named `<tensor name>_<accumulator>`
 (`linear_3.w_0_moment1_0`). `ACCUMULATORS` maps flashcp's kinds (`moment1`, `beta1_pow`, ...) to

@@ -31,6 +31,7 @@ from typing import Any
 import paddle
 from paddle import _C_ops
 
+from flashcp.config.schema import TrainConfig
 from flashcp.distributed import all_reduce_tensor
 
 
@@ -108,3 +109,38 @@ def clip_factor(norm: paddle.Tensor, max_norm: float) -> paddle.Tensor:
     """`max_norm / max(norm, max_norm)` in float32 (0-D): what every gradient is multiplied by."""
     limit = paddle.full([], max_norm, dtype="float32")
     return paddle.divide(limit, paddle.maximum(norm, limit))
+
+
+class NormOnce:
+    """The step's global norm, computed once: by `grad_norm()` (the logged value) or, if it
+    was not asked for, by `_clip()`, which scales the gradients with it."""
+
+    norm: GlobalNorm
+    train: TrainConfig
+    """The optimizer's `GlobalNorm` and its `train` section (`grad_clip`)."""
+    _norm: paddle.Tensor | None = None
+
+    def _pieces(self) -> Iterable[tuple[str, paddle.Tensor | None]]:
+        """`(structured name, gradient piece)` this rank holds, after `reduce_grads`."""
+        raise NotImplementedError
+
+    def _scale(self, factor: paddle.Tensor) -> None:
+        """Multiply every gradient `step` uses by `factor`."""
+        raise NotImplementedError
+
+    def _step_norm(self) -> paddle.Tensor:
+        if self._norm is None:
+            self._norm = self.norm(self._pieces())
+        return self._norm
+
+    def _forget_norm(self) -> None:
+        self._norm = None
+
+    def grad_norm(self) -> float:
+        """The global gradient norm (after `reduce_grads`; collective)."""
+        return float(self._step_norm())
+
+    @paddle.no_grad()
+    def _clip(self) -> None:
+        if self.train.grad_clip > 0:
+            self._scale(clip_factor(self._step_norm(), self.train.grad_clip))

@@ -1,11 +1,12 @@
 """ZeRO-2: float32 gradients reduce-scattered into their shard while backward produces them.
 
-Under ZeRO-1 (`flashcp.optim.zero.MasterOptimizer`) every rank keeps the full float32 gradient
-of its stage (`.grad`, or `main_grad` for bf16 storage) until the optimizer step, and only then
-reduce-scatters it: 37.6 GiB per rank for GLM-4-9B. Under `parallel.shard_gradients` a rank
-never holds more of the full gradient than the bucket being filled: `GradientSharder` turns
-each bucket (`flashcp.optim.layout`: the same buckets, shards and segments as ZeRO-1) into its
-shard's slice as soon as the backward pass has produced every gradient of the bucket.
+Under ZeRO-1 (`flashcp.optim.master_optimizer.MasterOptimizer`) every rank keeps the full
+float32 gradient of its stage (`.grad`, or `main_grad` for bf16 storage) until the optimizer
+step, and only then reduce-scatters it: 37.6 GiB per rank for GLM-4-9B. Under
+`parallel.shard_gradients` a rank never holds more of the full gradient than the bucket being
+filled: `GradientSharder` turns each bucket (`flashcp.optim.layout`: the same buckets, shards
+and segments as ZeRO-1) into its shard's slice as soon as the backward pass has produced every
+gradient of the bucket.
 
 Per trainable parameter, a void backward hook (`Tensor._register_backward_hook`: Paddle runs it
 in `GradNodeAccumulation` after the parameter's gradient of ONE backward pass has been

@@ -34,7 +34,7 @@ def trainable(model: paddle.nn.Layer) -> list[tuple[str, paddle.Tensor]]:
 
 def grad_of(p: paddle.Tensor) -> paddle.Tensor | None:
     """The accumulated gradient of `p`: its float32 `main_grad` when hooked
-    (`flashcp.optim.zero.attach_main_grad`), else `.grad`."""
+    (`flashcp.optim.trainable.attach_main_grad`), else `.grad`."""
     return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 

@@ -1,6 +1,7 @@
 """Which float32 slice of a pipeline stage's trainable parameters each optimizer shard owns.
 
-Pure arithmetic (no Paddle), used by the ZeRO-1 optimizer (`flashcp.optim.zero`) and tests.
+Pure arithmetic (no Paddle), used by the ZeRO-1 optimizer (`flashcp.optim.master_optimizer`)
+and tests.
 
 The stage's trainable parameters, in the trainer's fixed order, are grouped into buckets of
 consecutive parameters of at most `bucket_numel` float32 elements (a larger parameter gets a

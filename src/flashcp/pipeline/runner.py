@@ -195,7 +195,7 @@ def sync_tied_gradients(stage: PipelineStage, group, *, timeout: float | None = 
     `group` holds both the first and the last stage's rank (`pipeline_links(...).ends`).
     Both stages end with `embedding_grad + head_grad` (float addition commutes, so the two
     copies stay bitwise equal). A weight with float32 gradient accumulation (`main_grad`,
-    `flashcp.optim.zero.attach_main_grad`: low-precision storage) adds those instead.
+    `flashcp.optim.trainable.attach_main_grad`: low-precision storage) adds those instead.
     """
     weight = stage.tied_weight
     if weight is None:

@@ -45,8 +45,8 @@ working set (``ep_buffers``: the excess).
 
 What it models is flashcp's code: each rank builds only its stage, directly in
 `train.param_dtype` (bf16: float32 `main_grad` accumulation, float32 master weights; LoRA
-adapters stay float32), `parallel.shard_optimizer` (`flashcp.optim.zero`), the loss over
-final hidden states (`flashcp.models.head`), recompute none / full / refined.
+adapters stay float32), `parallel.shard_optimizer` (`flashcp.optim.master_optimizer`), the
+loss over final hidden states (`flashcp.models.head`), recompute none / full / refined.
 """
 
 from __future__ import annotations

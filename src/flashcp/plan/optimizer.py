@@ -1,7 +1,7 @@
 """The gradient side of a step: the ZeRO-2 buckets that live while backward produces the
 gradients, and the optimizer step's moments — Paddle's AdamW on the parameters
 (``optimizer step``) or, with float32 masters, ``optimizer step: reduce`` and ``optimizer
-step: update`` (`flashcp.optim.zero`)."""
+step: update`` (`flashcp.optim.optimizer`)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def optimizer_moments(m: Moments, s: Setup, state: StageState) -> None:
     """The optimizer step's moments (module docstring)."""
     n_trained, bucket = state.n_trained, bucket_bytes(s, state)
     if not state.master:
-        # Paddle's AdamW on the parameters (`flashcp.optim.zero.ParamOptimizer`): the bucketed
+        # Paddle's AdamW on the parameters (`flashcp.optim.param_optimizer`): the bucketed
         # all-reduce over cp/dp, the squared-norm temporaries (one parameter at a time), and
         # under pp > 1 the pipeline clip's copy of every gradient (Paddle's own clip, pp = 1,
         # scales in place).

@@ -86,7 +86,7 @@ def stage_state(s: Setup, stage: int) -> StageState:
         "mtp_params": mtp_trained * PT + (mtp_frozen - mtp_adapters) * P + mtp_adapters * 4,
         "buffers": numel(stage_buffers(args, stage, s.pp, s.pp_layers)) * 4,
         # bf16 storage: fleet's main_grad hooks add each gradient into float32 `main_grad` and
-        # release the bf16 `.grad` (`flashcp.optim.zero.attach_main_grad`).
+        # release the bf16 `.grad` (`flashcp.optim.trainable.attach_main_grad`).
         "gradients": n_trained * PT if PT == 4 and not zero2 else 0,
         "main_grads": n_trained * 4 if PT != 4 and not zero2 else 0,
         "grad_shard": n_state * 4 if zero2 else 0,

@@ -5,7 +5,7 @@
 * `flashcp.recipes.lm`: `pretrain` / `sft` (next-token cross-entropy on packed documents).
 * `flashcp.recipes.dpo`: `dpo` (share-question packed preference pairs, DPO losses, reference
   log-probs from a frozen copy or the LoRA model with adapters off, CP-summed answer log-probs);
-  its data is `flashcp.data.dpo` / `flashcp.data.dpo_stream`.
+  its data is `flashcp.data.dpo_records` / `dpo_packing` / `dpo_stream`.
 * `flashcp.recipes.dpo_loss`: answer log-prob sums over packed spans and the DPO losses.
 
 `RECIPE_CLASSES` maps `run.recipe` (its config spec: `flashcp.config.RECIPES`) to its class;

@@ -45,7 +45,7 @@ from paddle.autograd import PyLayer
 
 from flashcp.config.recipes import DPOConfig
 from flashcp.cp.layout import assigned_positions
-from flashcp.data.dpo import IGNORE_INDEX, DPOBatch
+from flashcp.data.dpo_packing import IGNORE_INDEX, DPOBatch
 from flashcp.data.dpo_stream import DPOData
 from flashcp.distributed import all_reduce_tensor
 from flashcp.lora.model import disable_adapters, lora_layers

@@ -23,7 +23,7 @@ import numpy as np
 import paddle
 
 from bench.numerics import FACTOR
-from flashcp import masks
+from flashcp import mask_families, masks
 from flashcp.attention import allgather_kv_chunked as chunked
 from flashcp.attention.allgather_kv import ALLGATHER_KV
 from flashcp.attention.allgather_kv_chunked import ALLGATHER_KV_CHUNKED
@@ -109,7 +109,7 @@ def main() -> None:
 
     results = []
     for family, heads in FAMILIES.items():
-        mask = masks.FAMILIES[family](B, seq, heads, 7)
+        mask = mask_families.FAMILIES[family](B, seq, heads, 7)
         dense = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
         for mode in MODES:
             plain, pos = run(ALLGATHER_KV, q, k, v, dout, mask.indices, mask.causal, mode,
@@ -126,7 +126,7 @@ def main() -> None:
                 print(f"CASE {family} {mode} q={qc} kv={kc} ok={case['ok']}", flush=True)
 
     # negative control: merging the key chunks without the LSE rescale
-    mask = masks.FAMILIES["causal_document"](B, seq, 1, 7)
+    mask = mask_families.FAMILIES["causal_document"](B, seq, 1, 7)
     want, _ = run(ALLGATHER_KV, q, k, v, dout, mask.indices, True, "dualchunk_allgather",
                   group, rank, world)  # fmt: skip
     real = chunked.merge_partial

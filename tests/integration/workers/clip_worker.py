@@ -3,7 +3,8 @@
 Run under `paddle.distributed.launch` (layout dp=1, pp=1, cp=2, ep=2; edp trivial). A toy
 model: dense `w` [8, 5] and `b` [5], and a stacked-experts layer of 4 experts (`gate`
 [4, 6, 3], `down` [4, 3, 6]) of which each rank holds 2 (rows [2r, 2r + 2): the layout
-`flashcp.models.expert_parallel.expert_tensors` reads). Gradients come from one seeded full set
+`flashcp.models.expert_parallel.expert_tensors` reads, handed to the optimizer as the trainer
+hands it, `flashcp.trainer.expert_rows`). Gradients come from one seeded full set
 G: half of the dense ones on each rank (the cp sum gives G exactly), each rank its experts'
 rows. Two optimizer steps, gradients 3·G then 0.02·G (the first clipped, the second not: Adam
 ignores a scale common to every step, so only the clip shows), with `ParamOptimizer` and with
@@ -39,8 +40,10 @@ from flashcp.distributed import (
     init_distributed,
     shutdown,
 )
-from flashcp.optim import zero
+from flashcp.optim import master_optimizer, param_optimizer
 from flashcp.optim.clip import GlobalNorm
+from flashcp.optim.optimizer import build_distributed_optimizer
+from flashcp.trainer import expert_rows
 
 TOTAL, HELD = 4, 2
 SHAPES = {"w": [8, 5], "b": [5], "experts.gate": [TOTAL, 6, 3], "experts.down": [TOTAL, 3, 6]}
@@ -109,22 +112,28 @@ def without_ep_sum(ep: Any) -> Iterator[None]:
             partial = {n: [g for g in gs if g is not ep] for n, gs in (partial or {}).items()}
             super().__init__(order, partial=partial, **kw)
 
-    zero.GlobalNorm = Mutant  # type: ignore[misc]
+    for module in (param_optimizer, master_optimizer):
+        module.GlobalNorm = Mutant  # type: ignore[misc]
     try:
         yield
     finally:
-        zero.GlobalNorm = GlobalNorm  # type: ignore[misc]
+        for module in (param_optimizer, master_optimizer):
+            module.GlobalNorm = GlobalNorm  # type: ignore[misc]
 
 
 def run(groups: Any, values: dict[str, np.ndarray], shard: bool, control: bool) -> Any:
     rank = int(groups.ep.rank)
     model = Toy(HELD * rank, HELD, values)
+    experts = expert_rows(model)
     if control:
         with without_ep_sum(groups.ep):
-            opt = zero.build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
+            opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard,
+                                              experts=experts)  # fmt: skip
     else:
-        opt = zero.build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard)
-    assert isinstance(opt, zero.MasterOptimizer if shard else zero.ParamOptimizer)
+        opt = build_distributed_optimizer(model, TRAIN, TRAIN.lr, groups, shard=shard,
+                                          experts=experts)  # fmt: skip
+    assert isinstance(opt, master_optimizer.MasterOptimizer if shard
+                      else param_optimizer.ParamOptimizer)  # fmt: skip
     assert set(opt.held.experts) == {"experts.gate", "experts.down"}
     norms = []
     for factor in FACTORS:

@@ -29,7 +29,7 @@ import paddle
 import paddle.distributed as dist
 
 from bench.numerics import FACTOR
-from flashcp import masks
+from flashcp import mask_families, masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.cp.layout import (
     Assignment,
@@ -114,7 +114,7 @@ def main() -> None:
     reset_comm_stats()
     cases = []
     for family in FAMILIES:
-        mask = masks.FAMILIES[family](B, seq, 1, 11)
+        mask = mask_families.FAMILIES[family](B, seq, 1, 11)
         ref = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
         got = run(q, k, v, dout, mask.indices, mask.causal, asg, rank)
         over = overshoot(mask.indices, seq, seed=rank)  # ranks may even differ in the values
@@ -148,7 +148,7 @@ def main() -> None:
 
     # Negative control: the old reading of group=None (this rank alone) cannot run this call.
     one_rank = NamedGroup(WORLD, 0, -1, [rank], pg=None, name="one_rank")
-    mask = masks.FAMILIES["causal_document"](B, seq, 1, 11)
+    mask = mask_families.FAMILIES["causal_document"](B, seq, 1, 11)
     try:
         run(q, k, v, dout, mask.indices, True, asg, rank, group=one_rank)
         single_rank_error = ""

@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 
 from bench.numerics import FACTOR
-from flashcp import masks
+from flashcp import mask_families
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.registry import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned
@@ -83,7 +83,7 @@ def main() -> None:
     dout = rng.standard_normal((B, seq, HQ, D)).astype(np.float32)
 
     results = []
-    for family, make in sorted(masks.FAMILIES.items()):
+    for family, make in sorted(mask_families.FAMILIES.items()):
         for heads in (1, *PER_HEAD.get(family, ())):
             mask = make(B, seq, heads, 7)
             ref = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
@@ -105,7 +105,7 @@ def main() -> None:
                 print(f"CASE {family} heads={heads} mode={mode} ok={case['ok']}", flush=True)
 
     # Determinism: the same case twice gives bitwise-identical outputs and gradients.
-    mask = masks.FAMILIES["causal_document"](B, seq, 1, 7)
+    mask = mask_families.FAMILIES["causal_document"](B, seq, 1, 7)
     first, _ = run_cp(q, k, v, dout, mask.indices, True, "dualchunk_allgather", group, rank, world)
     second, _ = run_cp(q, k, v, dout, mask.indices, True, "dualchunk_allgather", group, rank, world)
     bitwise = all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))

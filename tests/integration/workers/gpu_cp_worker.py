@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from flashcp import dispatch, masks
+from flashcp import dispatch, mask_families
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.registry import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned
@@ -69,7 +69,7 @@ def main() -> None:
     version = dispatch.resolve_current(D, policy="fallback").version
     cases = []
     for family in FAMILIES:
-        mask = masks.FAMILIES[family](B, seq, 1, 5)
+        mask = mask_families.FAMILIES[family](B, seq, 1, 5)
         ref = cpu_reference(q, k, v, dout, mask.indices, causal=mask.causal)
         whole = (ref[0], ref[2], ref[3], ref[4])  # out, dq, dk, dv
         for mode in MODES:
@@ -90,7 +90,7 @@ def main() -> None:
                           "wrong_shard_rejected": wrong_rejected})  # fmt: skip
             print(f"CASE {family} {mode} ok={all(ok.values())} errors={errors}", flush=True)
 
-    mask = masks.FAMILIES["causal_document"](B, seq, 1, 5)
+    mask = mask_families.FAMILIES["causal_document"](B, seq, 1, 5)
     again = (q, k, v, dout, mask.indices, True, "dualchunk_allgather", group, rank, world, dtype)
     first, _ = run_cp(*again)
     second, _ = run_cp(*again)

@@ -44,7 +44,7 @@ from flashcp.faults import install, parse_faults
 from flashcp.metrics import memory
 from flashcp.optim import grad_shard
 from flashcp.optim.grads import grad_of, numel
-from flashcp.optim.zero import attach_main_grad
+from flashcp.optim.trainable import attach_main_grad
 from flashcp.pipeline.runner import sync_tied_gradients
 from flashcp.trainer import Trainer
 from helpers.bf16toy import Bf16ToyLM

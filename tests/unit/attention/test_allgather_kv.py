@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch, masks
+from flashcp import dispatch, mask_families, masks
 from flashcp.attention import allgather_kv as cp_attention
 from flashcp.attention import registry
 from flashcp.attention.allgather_kv import flashmask_attention_cp
@@ -41,7 +41,7 @@ def _run(q, k, v, dout, idx, causal, **kwargs):
 @pytest.mark.parametrize("family", ["causal", "causal_document", "share_question", "document"])
 def test_single_rank_matches_dense(family: str, mode: str) -> None:
     q, k, v, dout = _inputs()
-    mask = masks.FAMILIES[family](B, S, 1, 3)
+    mask = mask_families.FAMILIES[family](B, S, 1, 3)
     got = _run(q, k, v, dout, mask.indices, mask.causal, mode=mode)
     want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
     bad = [c.describe() for c in compare_attention(got, want) if not c.ok]  # bench.numerics
@@ -54,7 +54,7 @@ def test_values_beyond_seq_equal_the_clipped_mask(mode: str) -> None:
     to the same mask with S: same rebased local mask, same kernel call."""
     q, k, v, dout = _inputs(1)
     for family in ("causal", "document", "qk_sparse"):
-        mask = masks.FAMILIES[family](B, S, 1, 5)
+        mask = mask_families.FAMILIES[family](B, S, 1, 5)
         over = overshoot(mask.indices, S, seed=2)
         assert (over > S).any()
         got = _run(q, k, v, dout, over, mask.causal, mode=mode)

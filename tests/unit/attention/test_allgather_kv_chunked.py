@@ -17,7 +17,7 @@ import paddle.nn.functional as F
 import pytest
 
 from bench import numerics
-from flashcp import masks
+from flashcp import mask_families, masks
 from flashcp.attention import allgather_kv_chunked as chunked
 from flashcp.attention import registry
 from flashcp.attention.allgather_kv import ALLGATHER_KV
@@ -44,7 +44,7 @@ def _inputs(seed: int = 0, seq: int = S):
 
 def _mask(family: str, seq: int = S):
     heads = HKV if family == "random_eviction" else 1
-    return masks.FAMILIES[family](B, seq, heads, 3)
+    return mask_families.FAMILIES[family](B, seq, heads, 3)
 
 
 def _run(impl, ctx, q, k, v, dout):

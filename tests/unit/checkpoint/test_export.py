@@ -22,6 +22,7 @@ from flashcp.models import build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
+from helpers.checkpoints import save_stages
 from helpers.configs import Sections, tiny_config
 from helpers.trainruns import fit
 
@@ -425,7 +426,6 @@ def test_gpt_run_exports_for_from_pretrained(tmp_path: Path) -> None:
 def test_pipeline_checkpoint_parts_export(tmp_path: Path) -> None:
     """A pp = 2 checkpoint (one model part per stage, written by the trainer's own part
     writer; the tied embedding in both parts) exports the stages' values under full names."""
-    from flashcp.checkpoint import parts as sharded
     from flashcp.checkpoint.state import model_arrays
     from flashcp.config import to_yaml
     from flashcp.pipeline.stage import build_stage
@@ -441,12 +441,8 @@ def test_pipeline_checkpoint_parts_export(tmp_path: Path) -> None:
     cfg = build_config(raw)
     stages = [build_stage(args, s, 2, seed=42) for s in range(2)]  # not train.seed's values
     root = tmp_path / "run" / "checkpoints"
-    models, optimizers = sharded.part_names(2, adapters=False)
-    tmp = sharded.begin(root, 4)
-    for stage, model_file, optimizer_file in zip(stages, models, optimizers, strict=True):
-        sharded.write_part(tmp / model_file, model_arrays(stage))
-        sharded.write_part(tmp / optimizer_file, {"unused": np.zeros(1, np.float32)})
-    sharded.commit(root, 4, state={}, model_files=models, optimizer_files=optimizers)
+    save_stages(root, 4, [model_arrays(stage) for stage in stages],
+                [{"unused": np.zeros(1, np.float32)}] * 2, state={})  # fmt: skip
     (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
     report = export_run(tmp_path / "run", tmp_path / "out", max_shard_bytes=1)
     assert report.source.name == "step_4" and len(report.shards) == 3

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from flashcp.checkpoint import format as ck
+from helpers.checkpoints import save_checkpoint
 
 
 def _save(root: Path, step: int, keep_last: int | None = None) -> Path:
     rng = np.random.default_rng(step)
-    return ck.save_checkpoint(
+    return save_checkpoint(
         root,
         step,
         model={"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.arange(3.0)},
@@ -95,6 +96,6 @@ def test_keep_last_prunes_oldest_and_stale_dirs(tmp_path: Path) -> None:
 
 def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
     _save(tmp_path, 5)
-    again = ck.save_checkpoint(tmp_path, 5, model={"w": np.ones(2)}, optimizer={}, state={})
+    again = save_checkpoint(tmp_path, 5, model={"w": np.ones(2)}, optimizer={}, state={})
     assert ck.load_checkpoint(again).model["w"].tolist() == [1.0, 1.0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]

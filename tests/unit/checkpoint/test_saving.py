@@ -509,34 +509,15 @@ def _commit_saves(root: Path, step: int) -> Path:
     return saving.commit(root, step, spec, [report])
 
 
-def _commit_parts(root: Path, step: int) -> Path:
-    from flashcp.checkpoint import parts
-
-    model, optimizer = parts.part_names(1, adapters=False)
-    tmp = parts.begin(root, step)
-    parts.write_part(tmp / model[0], {"w": np.ones(3)})
-    parts.write_part(tmp / optimizer[0], {"w::moment1_0": np.zeros(3)})
-    return parts.commit(root, step, state={"data": {"row": 3}}, model_files=model,
-                        optimizer_files=optimizer)  # fmt: skip
-
-
-def _commit_single(root: Path, step: int) -> Path:
-    return ck.save_checkpoint(root, step, model={"w": np.ones(3)},
-                              optimizer={"w::moment1_0": np.zeros(3)},
-                              state={"data": {"row": 3}})  # fmt: skip
-
-
-@pytest.mark.parametrize("write", [_commit_saves, _commit_parts, _commit_single],
-                         ids=["saves", "parts", "single"])  # fmt: skip
 def test_the_trainer_state_is_on_disk_before_the_manifest_and_the_rename(
-    write: Callable[[Path, int], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Durability after a crash: a checkpoint directory that has its manifest, or its final
     name, has its trainer_state.json on disk — fsynced after it was written and before the
     manifest is written and the directory renamed (else a power cut could leave step_N/
     with a manifest over an empty or stale trainer state)."""
     disk = _DiskEvents(monkeypatch)
-    final = write(tmp_path, 3)
+    final = _commit_saves(tmp_path, 3)
     assert final == tmp_path / "step_3" and ck.verify_checkpoint(final) == []
     synced = disk.at(("fsync", ck.STATE_FILE))
     assert disk.at(("write", ck.STATE_FILE)) < synced

@@ -22,7 +22,8 @@ from flashcp.cp.balance import (
     rank_work,
 )
 from flashcp.cp.layout import Assignment
-from flashcp.masks import FAMILIES, TILE_MASKED, classify_tiles, to_dense
+from flashcp.mask_families import FAMILIES
+from flashcp.masks import TILE_MASKED, classify_tiles, to_dense
 
 S = 128
 BLOCK = 8

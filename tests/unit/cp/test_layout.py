@@ -25,7 +25,8 @@ from flashcp.cp.layout import (
     unshard_contiguous,
     unshard_dualchunk,
 )
-from flashcp.masks import FAMILIES, to_dense, validate
+from flashcp.mask_families import FAMILIES
+from flashcp.masks import to_dense, validate
 from helpers.maskcases import overshoot
 
 

@@ -22,8 +22,9 @@ from flashcp.config import IGNORE_INDEX
 from flashcp.data import ByteTokenizer, HFTokenizer, PackedSequence, build_tokenizer, collate
 from flashcp.data.chat import chat_segments
 from flashcp.data.dataset import DocumentBuilder
-from flashcp.data.dpo import DPORecords, tokenize_dpo
+from flashcp.data.dpo_records import DPORecords
 from flashcp.data.records import BadRecordError
+from helpers.dpo import plain_dpo_examples
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 CONV = [
@@ -288,7 +289,7 @@ def test_dpo_from_strings_matches_the_plain_tokenization() -> None:
     tok = ByteTokenizer()
     records = preference_records(20, as_messages=False)
     build = DPORecords(tok, budget=4096)
-    assert [build(r) for r in records] == tokenize_dpo(records, tok)
+    assert [build(r) for r in records] == plain_dpo_examples(records, tok)
 
 
 def test_dpo_from_messages_uses_the_template(glm: HFTokenizer) -> None:

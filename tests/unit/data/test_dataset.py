@@ -10,21 +10,27 @@ import pytest
 
 from flashcp.config import IGNORE_INDEX
 from flashcp.data import (
+    BUILTIN_CORPUS,
     ByteTokenizer,
     Document,
     collate,
-    default_corpus_text,
-    parse_jsonl,
     read_records,
     tokenize_records,
 )
 
 
-def test_jsonl_errors_name_the_line() -> None:
-    with pytest.raises(ValueError, match=r"f.jsonl:2: not valid JSON"):
-        list(parse_jsonl('{"text": "a"}\n{oops\n', "f.jsonl"))
-    with pytest.raises(ValueError, match=r"f.jsonl:1: expected a JSON object"):
-        list(parse_jsonl("[1, 2]\n", "f.jsonl"))
+def test_jsonl_errors_name_the_file_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "f.jsonl"
+    bad.write_text('{"text": "a"}\n\n{"text" "b"}\n')
+    with pytest.raises(ValueError) as info:
+        read_records(bad)
+    assert str(info.value) == (f"{bad}:3: not valid JSON: Expecting ':' delimiter at column 9")
+    bad.write_text("[1, 2]\n")  # a JSON array of numbers: elements that are no records
+    with pytest.raises(ValueError, match=rf"{bad}:1: not a JSON object: got int"):
+        read_records(bad)
+    bad.write_text('{"text": "a"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=rf"{bad}:2: not a JSON object: got list"):
+        read_records(bad)
     with pytest.raises(ValueError, match="record 1: missing field 'text'.*set data.text_field"):
         tokenize_records([{"body": "x"}], ByteTokenizer())
     with pytest.raises(ValueError, match="record 2: empty text"):
@@ -34,11 +40,11 @@ def test_jsonl_errors_name_the_line() -> None:
 
 
 def test_default_corpus_is_shipped_and_clean() -> None:
-    records = read_records(None)
+    records = read_records(BUILTIN_CORPUS)
     assert len(records) >= 200
     texts = [r["text"] for r in records]
     assert len(set(texts)) == len(texts) and all(len(t) > 80 for t in texts)
-    assert default_corpus_text().count("\n") == len(records)
+    assert BUILTIN_CORPUS.read_text(encoding="utf-8").count("\n") == len(records)
 
 
 def test_read_records_from_file(tmp_path: Path) -> None:

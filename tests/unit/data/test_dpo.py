@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import paddle
 import pytest
@@ -11,22 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import numerics
-from flashcp.data.dpo import (
-    DEFAULT_DPO_DATA,
+from flashcp.data.dpo_packing import (
     IGNORE_INDEX,
-    DPOExample,
     assign_rows,
-    fit_example,
     pack_dpo,
     pack_dpo_batches,
-    parse_dpo_jsonl,
-    read_dpo_jsonl,
-    tokenize_dpo,
     unpack_dpo,
 )
+from flashcp.data.dpo_records import DPOExample, fit_example
 from flashcp.masks import causal_mask, to_dense
 from flashcp.models import build_model, preset
 from flashcp.recipes.dpo_loss import answer_logps
+from helpers.dpo import builtin_preferences, plain_dpo_examples
 
 BOS, EOS, PAD = 256, 257, 258
 
@@ -52,28 +46,14 @@ def ex(p: int, c: int, r: int, base: int = 0) -> DPOExample:
 
 
 def test_default_set_reads_and_tokenizes() -> None:
-    records = read_dpo_jsonl()
-    assert DEFAULT_DPO_DATA.is_file() and len(records) >= 50
+    records = builtin_preferences()
+    assert len(records) >= 50
     assert all(r["chosen"] != r["rejected"] for r in records)
-    exs = tokenize_dpo(records, ByteTok())
+    exs = plain_dpo_examples(records, ByteTok())
     first = exs[0]
     assert first.prompt[0] == BOS and first.chosen[-1] == EOS and first.rejected[-1] == EOS
     assert bytes(first.prompt[1:]).decode() == records[0]["prompt"]
     assert bytes(first.chosen[:-1]).decode() == records[0]["chosen"]
-
-
-def test_parse_errors_name_the_line(tmp_path) -> None:
-    good = json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
-    with pytest.raises(ValueError, match=r"x\.jsonl:2: field 'rejected' must be a string"):
-        parse_dpo_jsonl(good + "\n" + json.dumps({"prompt": "a", "chosen": "b"}), "x.jsonl")
-    with pytest.raises(ValueError, match="<string>:1: not valid JSON"):
-        parse_dpo_jsonl("{oops")
-    with pytest.raises(ValueError, match="no DPO records"):
-        parse_dpo_jsonl("\n\n")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        read_dpo_jsonl(tmp_path / "missing.jsonl")
-    with pytest.raises(ValueError, match="needs at least 2"):
-        tokenize_dpo([{"prompt": "", "chosen": "b", "rejected": "c"}], ByteTok())
 
 
 # ---------------------------------------------------------------------------- packed layout
@@ -218,7 +198,7 @@ def test_packed_logps_equal_unpacked(name: str) -> None:
     paddle.seed(0)
     model = build_model(preset(name))
     model.eval()
-    exs = tokenize_dpo(read_dpo_jsonl()[:5], ByteTok())
+    exs = plain_dpo_examples(builtin_preferences()[:5], ByteTok())
     packed = pack_dpo(exs, 160, pad_id=PAD)
     rows = packed.spans[:, 0, 0].tolist()
     assert packed.shape[0] >= 2 and len(set(rows)) < len(rows)  # several examples per row

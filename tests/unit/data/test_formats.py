@@ -26,7 +26,7 @@ from flashcp.config import Config
 from flashcp.config.errors import ConfigValidationError
 from flashcp.data import HFTokenizer, TrainData
 from flashcp.data.dataset import Document, DocumentBuilder
-from flashcp.data.dpo import DPOExample, DPORecords
+from flashcp.data.dpo_records import DPOExample, DPORecords
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.formats import (
     FORMATS,
@@ -36,10 +36,9 @@ from flashcp.data.formats import (
     detect,
     formats_of,
     get,
-    read_sample,
 )
 from flashcp.data.records import BadRecordError
-from flashcp.data.sources import open_source
+from flashcp.data.sources import JsonlSource, SampleSource, open_source
 from helpers.configs import TINY_GLM, merged, tiny_config
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures" / "data_formats"
@@ -421,13 +420,12 @@ def test_each_file_is_detected_as_its_format(tmp_path: Path, tok_dir: Path) -> N
         "paddleformers_dpo": ("dpo", "paddleformers"),
     }
     for name, (recipe, fmt) in want.items():
-        sample = read_sample(FILES[name], 64)
-        assert len(sample) == len(_rows(name)), name
-        assert detect(sample, recipe=recipe).name == fmt, name
-        cfg = _cfg(tmp_path, tok_dir, FILES[name], recipe)
-        found = check_data(cfg)
+        sample = SampleSource(open_source(FILES[name]), 64)
+        assert sample.records() == _rows(name), name
+        assert detect(sample.records(), recipe=recipe).name == fmt, name
+        found = check_data(_cfg(tmp_path, tok_dir, FILES[name], recipe), sample)
         assert found is not None and found.name == fmt
-    assert check_data(_cfg(tmp_path, tok_dir, None, "sft")) is None  # built-in data
+    assert check_data(_cfg(tmp_path, tok_dir, None, "sft"), sample) is None  # built-in data
     assert {f.name for f in formats_of("sft")} == {"messages", "sharegpt", "paddleformers",
                                                    "alpaca", "prompt_response"}  # fmt: skip
     assert len(FORMATS) == 10
@@ -440,20 +438,28 @@ def test_each_file_is_detected_as_its_format(tmp_path: Path, tok_dir: Path) -> N
     assert data.num_documents == 4 and data.bad_records.total == 0
 
 
-def test_read_sample_reads_the_start_of_each_kind_of_file(tmp_path: Path) -> None:
-    from bench.hfdir import write_parquet
+def test_a_preflight_reads_each_sampled_row_once_and_checks_its_format(
+    tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from flashcp.data.sources import iter_json_array
 
-    assert read_sample(FILES["alpaca"], 1) == _rows("alpaca")[:1]
-    assert read_sample(FILES["ultrafeedback"], 1) == _rows("ultrafeedback")[:1]
+    reads: list[int] = []
+    row = JsonlSource.row
+    monkeypatch.setattr(JsonlSource, "row", lambda self, i: (reads.append(i), row(self, i))[1])
     lines = tmp_path / "d.jsonl"
-    lines.write_text('{"text": "a"}\n\n{oops\n[1]\n{"text": "b"}\n{"text": "c"}\n')
-    assert read_sample(lines, 4) == [{"text": "a"}, None, [1], {"text": "b"}]
-    empty = write_parquet(tmp_path / "e.parquet", [{"text": "x"}])
-    import pyarrow.parquet as pq
-
-    pq.write_table(pq.read_table(empty).slice(0, 0), str(empty))
-    assert read_sample(empty, 4) == []
+    lines.write_text('{"text": "a"}\n\n{oops\n{"text": "b"}\n{"text": "c"}\n')
+    sample = SampleSource(open_source(lines), 64)
+    assert sample.records() == [{"text": "a"}, {"text": "b"}, {"text": "c"}]
+    with pytest.raises(BadRecordError, match="not valid JSON: Expecting property name"):
+        sample.row(1)
+    assert reads == [0, 1, 2, 3]  # each row once, however often the sample is asked
+    # the preflight's one call: the data class samples the rows and refuses them before indexing
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"question": "Q", "answer": "A"}\n' * 3)
+    reads.clear()
+    with pytest.raises(DataFormatError, match="data.prompt_field=question data.response_field"):
+        TrainData(_cfg(tmp_path, tok_dir, qa, "sft"), sample=64)
+    assert reads == [0, 1, 2]
     with pytest.raises(ValueError, match="starts a JSON array but is not valid JSON at line 1: "
                                          "expected '\\['"):  # fmt: skip
         list(iter_json_array(lines))

@@ -39,7 +39,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from flashcp import dispatch, masks
+from flashcp import dispatch, mask_families
 from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import (
     AttentionBackend,
@@ -686,10 +686,10 @@ def test_cp_rebasing_makes_fa4_unavailable_for_causal_two_column_masks(sm100) ->
     q = paddle.to_tensor(rng.standard_normal((1, 16, 2, 8)).astype("float32"))
     k = paddle.to_tensor(rng.standard_normal((1, 16, 2, 8)).astype("float32"))
     asg = Assignment.dualchunk(2)
-    one_col = masks.FAMILIES["causal_document"](1, 32, 1, 0)
+    one_col = mask_families.FAMILIES["causal_document"](1, 32, 1, 0)
     plan = plan_cp_attention(q, k, one_col.indices, group=Rank0Of2(), causal=True, assignment=asg)
     assert plan.version == 4 and plan.mask.shape[-1] == 2
-    two_col = masks.FAMILIES["causal_blockwise"](1, 32, 1, 0)
+    two_col = mask_families.FAMILIES["causal_blockwise"](1, 32, 1, 0)
     assert two_col.causal and two_col.indices.shape[-1] == 2
     with pytest.raises(dispatch.FlashAttnUnavailableError, match="4-column"):
         plan_cp_attention(q, k, two_col.indices, group=Rank0Of2(), causal=True, assignment=asg)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import numerics
-from flashcp import dispatch, masks
+from flashcp import dispatch, mask_families, masks
 from flashcp.attention import interface, local
 from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import CpuReferenceBackend, registry
@@ -119,11 +119,11 @@ def test_oracle_matches_paddle_autograd() -> None:
 
 
 @pytest.mark.parametrize("blocks", [(16, 16, 32), (32, 8, 1024)], indirect=True)
-@pytest.mark.parametrize("family", sorted(masks.FAMILIES))
+@pytest.mark.parametrize("family", sorted(mask_families.FAMILIES))
 def test_every_mask_family(family: str, blocks) -> None:
     rng = np.random.default_rng(zlib.crc32(family.encode()))  # stable across processes
     B, S = 2, 75
-    mask = masks.FAMILIES[family](B, S, 1, 7)
+    mask = mask_families.FAMILIES[family](B, S, 1, 7)
     check(rng, B, S, S, 4, 2, 16, mask.indices, causal=mask.causal)
 
 
@@ -131,7 +131,7 @@ def test_every_mask_family(family: str, blocks) -> None:
 @pytest.mark.parametrize(("hq", "hkv", "hm"), [(4, 2, 2), (4, 2, 4), (4, 1, 4), (4, 1, 1)])
 def test_gqa_and_per_head_masks(family: str, hq: int, hkv: int, hm: int) -> None:
     rng = np.random.default_rng(hq * 100 + hkv * 10 + hm)
-    mask = masks.FAMILIES[family](2, 53, hm, 3)
+    mask = mask_families.FAMILIES[family](2, 53, hm, 3)
     check(rng, 2, 53, 53, hq, hkv, 16, mask.indices, causal=mask.causal)
 
 
@@ -157,7 +157,7 @@ def test_no_mask(sq: int, sk: int, causal: bool, blocks) -> None:
 def test_odd_sizes_batch_and_head_dims() -> None:
     """S = 37 with tiles of 16/8, batch 3, Dv != D, custom scale."""
     rng = np.random.default_rng(5)
-    mask = masks.FAMILIES["global_sliding_window"](3, 37, 1, 11)
+    mask = mask_families.FAMILIES["global_sliding_window"](3, 37, 1, 11)
     check(rng, 3, 37, 37, 6, 3, 12, mask.indices, causal=mask.causal, Dv=20, scale=0.3)
 
 
@@ -173,7 +173,7 @@ def test_longer_sequence_with_default_tiles() -> None:
 def test_float64_is_exact() -> None:
     rng = np.random.default_rng(2)
     q, k, v, dout = make_inputs(rng, 2, 41, 41, 4, 2, 8, dtype=np.float64)
-    mask = masks.FAMILIES["share_question"](2, 41, 2, 1)
+    mask = mask_families.FAMILIES["share_question"](2, 41, 2, 1)
     got = run_front_door(q, k, v, dout, mask.indices, causal=mask.causal)
     assert got[1].dtype == np.float64
     want = dense_reference(q, k, v, dout, mask.indices, causal=mask.causal)
@@ -513,7 +513,7 @@ def assert_bitwise(got, want) -> None:
 
 @pytest.mark.parametrize("blocks", [(8, 8, 16), (16, 8, 1024)], indirect=True)
 @pytest.mark.parametrize("sq", [45, 29])
-@pytest.mark.parametrize("family", sorted(masks.FAMILIES))
+@pytest.mark.parametrize("family", sorted(mask_families.FAMILIES))
 def test_values_beyond_sq_equal_the_clipped_mask(family: str, sq: int, blocks) -> None:
     """Upstream reads any value >= Sq as Sq: same output, LSE and grads, bit for bit.
 
@@ -523,8 +523,8 @@ def test_values_beyond_sq_equal_the_clipped_mask(family: str, sq: int, blocks) -
     dense float64 oracle checks that both are right.
     """
     sk = 45
-    rng = np.random.default_rng(sq * 1000 + sorted(masks.FAMILIES).index(family))
-    mask = masks.FAMILIES[family](2, sk, 1, 3)
+    rng = np.random.default_rng(sq * 1000 + sorted(mask_families.FAMILIES).index(family))
+    mask = mask_families.FAMILIES[family](2, sk, 1, 3)
     over = overshoot(mask.indices, sq, seed=sq)
     clipped = masks.clip_rows(over, sq)
     assert (over > sq).any() and not np.array_equal(over, clipped)

@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch, masks
+from flashcp import dispatch, mask_families, masks
 from flashcp.attention.flashmask import flashmask_attention_with_version
 from flashcp.attention.registry import make_assignment
 from flashcp.cp.rebase import rebase_mask
@@ -139,7 +139,7 @@ def _compare(version, B, S, Hq, Hkv, D, idx, causal, seed, dtype):
 @pytest.mark.parametrize("version", _version_params())
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flashmask_families(version: int, family: str, dtype: str) -> None:
-    mask = masks.FAMILIES[family](2, 256, 1, 3)
+    mask = mask_families.FAMILIES[family](2, 256, 1, 3)
     _compare(version, 2, 256, 4, 2, 64, mask.indices, mask.causal, 1, dtype)
 
 
@@ -147,7 +147,7 @@ def test_flashmask_families(version: int, family: str, dtype: str) -> None:
 @pytest.mark.parametrize("version", _version_params())
 @pytest.mark.parametrize("hm", [2, 4])
 def test_per_head_masks_gqa(version: int, hm: int, dtype: str) -> None:
-    mask = masks.FAMILIES["sliding_window_per_head"](1, 192, hm, 5)
+    mask = mask_families.FAMILIES["sliding_window_per_head"](1, 192, hm, 5)
     _compare(version, 1, 192, 4, 2, 64, mask.indices, mask.causal, 2, dtype)
 
 
@@ -164,7 +164,7 @@ def test_no_mask(version: int, causal: bool, dtype: str) -> None:
 def test_production_head_dim_128(version: int, family: str, dtype: str) -> None:
     """The shipped GLM recipes' head_dim (the tiny configs have 16): other kernel tiles, and
     the dispatch's deterministic FA3 rules depend on it (`flashcp.dispatch`)."""
-    mask = masks.FAMILIES[family](1, 256, 1, 4)
+    mask = mask_families.FAMILIES[family](1, 256, 1, 4)
     _compare(version, 1, 256, 4, 2, 128, mask.indices, mask.causal, 4, dtype)
 
 
@@ -180,7 +180,7 @@ REHEARSAL_FAMILIES = ["causal", "causal_document", "share_question", "causal_blo
 def test_cp_rehearsal_one_gpu(version: int, family: str, world: int) -> None:
     """Every rank r of a world of `world`: rebased local mask, local Q vs all K, causal=False."""
     dtype, B, S, Hq, Hkv, D = "bfloat16", 1, 256, 4, 2, 64
-    mask = masks.FAMILIES[family](B, S, 1, 11)
+    mask = mask_families.FAMILIES[family](B, S, 1, 11)
     q, k, v, dout = _inputs(7, [(B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D)],
                             dtype)  # fmt: skip
     whole = cpu_reference(q, k, v, dout, mask.indices, causal=mask.causal)

@@ -17,6 +17,7 @@ from flashcp.config.overrides import parse_override
 from flashcp.launch import outcome, restart
 from flashcp.launch.nodesync import NodeSync
 from flashcp.launch.restart import Decision, Report
+from helpers.checkpoints import save_checkpoint
 from helpers.paths import CONFIGS
 
 KIND = {"killed": "killed", "hang": "timeout", "peer lost": "peer", "error": "error"}
@@ -68,7 +69,7 @@ def test_the_node_that_saw_the_cause_is_blamed_and_a_silent_node_is_lost() -> No
 
 def _save(root: Path, step: int) -> None:
     arrays = {"w": np.full(3, step, np.float32)}
-    ck.save_checkpoint(root, step, model=arrays, optimizer=arrays, state={})
+    save_checkpoint(root, step, model=arrays, optimizer=arrays, state={})
 
 
 def test_a_relaunch_resumes_from_the_latest_complete_checkpoint_by_name(tmp_path: Path) -> None:

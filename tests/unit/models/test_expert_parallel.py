@@ -41,7 +41,8 @@ from flashcp.models.expert_parallel import (
 )
 from flashcp.models.moe import MoE
 from flashcp.models.moe_dispatch import build_dispatch, combine, permute, relayout
-from flashcp.optim.zero import Trainable
+from flashcp.optim.trainable import RowSlice, Trainable
+from flashcp.trainer import expert_rows
 from helpers.fakegroups import FakeNewGroup, ep_groups
 
 EXPERTS_OF = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -301,7 +302,7 @@ def test_checkpoint_arrays_are_sliced_to_the_ranks_experts() -> None:
     assert got["other"] == 1
     # the optimizer's state is not sliced: it reads its rows of the whole saved moments by
     # element range (`Trainable.first_element`); beta powers are per tensor
-    held = Trainable.of(stage, ep_groups(1, ep=2))
+    held = Trainable.of(stage, ep_groups(1, ep=2), expert_rows(stage))
     rows = dict(held.params)[name]
     pows = {f"{name}::beta{i}_pow_acc_0": np.ones(1) for i in (1, 2)}
     saved = ClassicSource({f"{name}::moment1_0": full[name], **pows})
@@ -312,6 +313,11 @@ def test_checkpoint_arrays_are_sliced_to_the_ranks_experts() -> None:
     with pytest.raises(ValueError, match=r"has shape \[2, 32, 64\], expected 4 experts"):
         arrays.slice({name: full[name][:2]})
     assert held.full_numel(name) == full[name].size  # the whole tensor's, of this rank's rows
+    # the optimizer learns the expert layout as data only: ep > 1 without it is refused
+    assert held.experts == {f"model.layers.{i}.{n}": RowSlice(2, 2, 4)
+                            for i in (1, 2) for n in EXPERTS_OF}  # fmt: skip
+    with pytest.raises(ValueError, match=r"ep group has 2 ranks but the optimizer was not told"):
+        Trainable.of(stage, ep_groups(1, ep=2))
     assert model_key(name) == name and optimizer_key(f"{name}::beta2_pow_acc_0") is None
     solo = ExpertArrays(build_model(args, seed=0), ep_groups(0, ep=1))
     assert not solo.active and solo.collect(lambda: {"a": np.ones(1)}) == {"a": np.ones(1)}

@@ -25,7 +25,8 @@ import pytest
 from bench import numerics
 from flashcp.attention.context import AttentionContext
 from flashcp.config import ConfigValidationError, TrainConfig, build_config
-from flashcp.data.dpo import DPOExample, pack_dpo
+from flashcp.data.dpo_packing import pack_dpo
+from flashcp.data.dpo_records import DPOExample
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
 from flashcp.lora.model import apply_lora
 from flashcp.metrics.memory import PeakMeter

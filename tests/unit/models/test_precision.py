@@ -250,9 +250,9 @@ def test_lora_dpo_trains_on_a_bf16_base_like_float32_on_its_rounded_weights(
 
 def test_training_bf16_weights_steps_float32_masters(tmp_path: Path) -> None:
     """Trained weights stored in bf16 (no lora section: the whole policy trains) get float32
-    master weights from the optimizer (`flashcp.optim.zero.MasterOptimizer`); the
+    master weights from the optimizer (`flashcp.optim.master_optimizer.MasterOptimizer`); the
     parameters stay bf16 and move after a step."""
-    from flashcp.optim.zero import MasterOptimizer
+    from flashcp.optim.master_optimizer import MasterOptimizer
 
     cfg = _dpo(tmp_path, param_dtype="bfloat16")
     cfg.extras.pop("lora")

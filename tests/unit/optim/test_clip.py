@@ -18,7 +18,8 @@ import pytest
 from flashcp.config import TrainConfig
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.optim.clip import GlobalNorm, clip_factor
-from flashcp.optim.zero import ParamOptimizer, build_distributed_optimizer
+from flashcp.optim.optimizer import build_distributed_optimizer
+from flashcp.optim.param_optimizer import ParamOptimizer
 from flashcp.trainer import Trainer
 from helpers.configs import TINY_LM, Sections, TinyCfg, merged
 

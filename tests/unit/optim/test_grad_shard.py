@@ -41,7 +41,9 @@ from flashcp.optim import grad_shard
 from flashcp.optim.grad_shard import GradientSharder, GradPart
 from flashcp.optim.grads import grad_of
 from flashcp.optim.layout import ShardLayout, shard_layout
-from flashcp.optim.zero import MasterOptimizer, attach_main_grad, build_distributed_optimizer
+from flashcp.optim.master_optimizer import MasterOptimizer
+from flashcp.optim.optimizer import build_distributed_optimizer
+from flashcp.optim.trainable import attach_main_grad
 from flashcp.trainer import Trainer
 from helpers.configs import Sections, TinyCfg
 from helpers.trainruns import Fit, losses

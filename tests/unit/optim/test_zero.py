@@ -19,8 +19,8 @@ import numpy as np
 import paddle
 import pytest
 from paddle.base import core
+from safetensors.numpy import save_file
 
-from flashcp.checkpoint import parts as sharded_ckpt
 from flashcp.checkpoint.optimizer_state import (
     ClassicSource,
     ShardArrays,
@@ -33,13 +33,11 @@ from flashcp.config import TrainConfig, build_config
 from flashcp.distributed import ParallelDims, build_groups
 from flashcp.optim.adamw import build_adamw, decay_names
 from flashcp.optim.layout import group_buckets, shard_layout
-from flashcp.optim.zero import (
-    MasterOptimizer,
-    MasterShard,
-    ParamOptimizer,
-    build_distributed_optimizer,
-    low_precision_dtype,
-)
+from flashcp.optim.master_optimizer import MasterOptimizer
+from flashcp.optim.master_shard import MasterShard
+from flashcp.optim.optimizer import build_distributed_optimizer
+from flashcp.optim.param_optimizer import ParamOptimizer
+from flashcp.optim.trainable import low_precision_dtype
 from flashcp.trainer import Trainer
 from helpers.bf16toy import Bf16ToyLM
 from helpers.configs import TinyCfg
@@ -437,7 +435,7 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
     for state in saved:
         arrays = _shard_arrays(state)
         path = tmp_path / f"shard{arrays.index}.safetensors"
-        sharded_ckpt.write_part(path, arrays.tensors(), arrays.metadata())
+        save_file(dict(arrays.tensors()), str(path), metadata=arrays.metadata())
         files.append(path)
     want = _full(saved)
     assert not any(np.isnan(v).any() for kind in want.values() for v in kind.values())
@@ -487,7 +485,7 @@ def test_shard_files_load_into_any_layout(tmp_path: Path) -> None:
         ShardSource([files[:3]]).read("emb", "moment1", 0, 91)
     with pytest.raises(ValueError, match="not a flashcp optimizer shard"):
         other = tmp_path / "plain.safetensors"
-        sharded_ckpt.write_part(other, {"x": np.zeros(2, np.float32)})
+        save_file({"x": np.zeros(2, np.float32)}, str(other))
         ShardSource([[other]])
 
 
@@ -503,7 +501,7 @@ def test_a_tied_matrix_is_read_from_its_first_stage(tmp_path: Path) -> None:
             arrays = _shard_arrays(MasterShard(lay, params, TrainConfig(), 0.01))
             arrays.packed["moment1"][:] = stage + 1  # tell the stages apart
             path = tmp_path / f"s{stage}_{i}.safetensors"
-            sharded_ckpt.write_part(path, arrays.tensors(), arrays.metadata())
+            save_file(dict(arrays.tensors()), str(path), metadata=arrays.metadata())
             paths.append(path)
         stage_files.append(paths)
     got = ShardSource(stage_files).read("emb", "moment1", 0, 91)

@@ -12,7 +12,8 @@ from paddleformers.nn.criterion import dpo_loss as pf_dpo
 
 from bench import numerics
 from flashcp.cp.layout import Assignment, assigned_positions, shard_assigned
-from flashcp.data.dpo import DPOExample, pack_dpo
+from flashcp.data.dpo_packing import pack_dpo
+from flashcp.data.dpo_records import DPOExample
 from flashcp.models import token_logprobs
 from flashcp.recipes.dpo_loss import dpo_loss, sequence_logps
 

@@ -94,6 +94,15 @@ def test_the_leaves_import_nothing_of_flashcp() -> None:
     assert graph["dispatch"] <= {"log"} and graph["faults"] <= {"log", "attempt"}
 
 
+def test_the_optimizer_knows_no_model() -> None:
+    """optim imports nothing of models (downward, but an optimizer that knows an architecture):
+    the expert-parallel parameters reach it as data (`flashcp.optim.trainable.RowSlice`, from
+    the trainer's `expert_rows`); docs/architecture.md states the rule."""
+    graph = package_graph()
+    assert "models" not in graph["optim"], sorted(graph["optim"])
+    assert "optim imports nothing of models" in DOC.read_text()
+
+
 DOC = SRC.parents[1] / "docs" / "architecture.md"
 
 
