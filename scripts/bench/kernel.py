@@ -15,7 +15,8 @@ family. Per (family, S) point, in ONE fresh subprocess, the implementations are 
 * `bound` (the ACTIVE-TILE BOUND): the time this machine's GEMM needs for only the FLOPs of
   the tiles the kernel does not skip. In every round the GEMMs of one tile are timed at the
   kernel's shape, batched over the heads as the kernel batches them (the library the kernel
-  uses: numpy on CPU, paddle on GPU): A = [bq, D] x [D, bk] (QK^T; dP = dO V^T) and
+  uses: Paddle's matmul, on CPU through `flashcp.kernels.numpy_bridge`, where numpy's own matmul
+  is timed beside it): A = [bq, D] x [D, bk] (QK^T; dP = dO V^T) and
   B = [bq, bk] x [bk, D] (PV; dV, dQ, dK). Forward needs 1 A + 1 B per active tile and head,
   backward 2 A + 3 B (recomputed QK^T, dP, dV, dQ, dK); bound = active tiles x those times.
   The kernel's "% of bound" is bound time / kernel time (100 % = the kernel is as fast as its
@@ -251,11 +252,14 @@ def _tile_gemm_timer(args: argparse.Namespace, gpu: bool, dtype: str) -> Callabl
 
         sync = paddle.device.cuda.synchronize
     else:
-        operands = {
-            k: tuple(rng.standard_normal(s, dtype=np.float32) for s in shp)
-            for k, shp in shapes.items()
-        }
-        matmul = np.matmul
+        from flashcp.kernels.numpy_bridge import matmul as kernel_matmul
+
+        cpu = {k: tuple(rng.standard_normal(s, dtype=np.float32) for s in shp)
+               for k, shp in shapes.items()}  # fmt: skip
+        # The kernel's GEMM engine (Paddle's CPU matmul through `numpy_bridge`), and numpy's own
+        # matmul at the same shapes beside it: the engine comparison the kernel's choice rests on.
+        operands = {**cpu, **{f"numpy_{k}": ab for k, ab in cpu.items()}}
+        matmul = kernel_matmul
 
         def sync() -> None:
             return None
@@ -263,10 +267,11 @@ def _tile_gemm_timer(args: argparse.Namespace, gpu: bool, dtype: str) -> Callabl
     def timed() -> dict:
         out = {}
         for name, (a, b) in operands.items():
+            mm = np.matmul if name.startswith("numpy_") else matmul
             sync()
             t0 = time.perf_counter()
             for _ in range(GEMM_CALLS):
-                matmul(a, b)
+                mm(a, b)
             sync()
             out[name] = (time.perf_counter() - t0) / GEMM_CALLS
         return out
@@ -371,7 +376,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {
         n: {"fwd_s": [], "bwd_s": [], "total_s": [], "peak_mem_growth_mb": None} for n in names
     }
-    bound: dict[str, list[float]] = {"fwd_s": [], "bwd_s": [], "total_s": [], "gflops": []}
+    bound: dict[str, list[float]] = {
+        "fwd_s": [], "bwd_s": [], "total_s": [], "gflops": [], "numpy_gflops": []
+    }  # fmt: skip
     orders = []
     flops_tile = 2 * args.block_q * args.block_k * D  # one A or B GEMM, one head
     for rnd in rounds.interleave(names, args.rounds, warmup=args.warmup):
@@ -411,6 +418,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             bound["bwd_s"].append(bwd)
             bound["total_s"].append(fwd + bwd)
             bound["gflops"].append(2 * flops_tile / (per_head["A"] + per_head["B"]) / 1e9)
+            if "numpy_A" in per_head:
+                numpy_s = per_head["numpy_A"] + per_head["numpy_B"]
+                bound["numpy_gflops"].append(2 * flops_tile / numpy_s / 1e9)
     return {
         "family": args.family,
         "seq_len": S,
@@ -504,6 +514,11 @@ def summarize_point(rec: dict[str, Any]) -> dict[str, Any]:
         "bwd": {name: stats.spread(r["bwd_s"]) for name, r in impls.items()},
         "bound": {key: stats.spread(rec["bound"][key]) for key in ("fwd_s", "bwd_s", "total_s")},
         "gemm_gflops": stats.spread(rec["bound"]["gflops"]),
+        "numpy_gemm_ratio": stats.spread(
+            stats.ratios(rec["bound"]["gflops"], rec["bound"]["numpy_gflops"])
+            if rec["bound"].get("numpy_gflops")
+            else []
+        ),
         "speedup": None,
         "speedup_range": None,
         "varlen_ratio": None,

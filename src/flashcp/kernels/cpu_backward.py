@@ -1,5 +1,7 @@
 """CPU reference FlashMask backward: FlashAttention-2 style, recomputing P per tile from LSE.
 
+Element-wise work in numpy, matrix multiplies through `flashcp.kernels.numpy_bridge`.
+
 With scaled scores S = scale * Q Kᵀ (masked entries -inf), P = exp(S - LSE) and
 D = rowsum(dO ∘ O), the gradients are
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.kernels.cpu_plan import TilePlan, head_units, heads_first
+from flashcp.kernels.numpy_bridge import matmul
 
 
 def flash_backward(
@@ -73,18 +76,19 @@ def flash_backward(
                 for seg in segments:
                     kseg = ku[:, seg.k0 : seg.k1]
                     vseg = vu[:, seg.k0 : seg.k1]
-                    p = np.matmul(q2, kseg.transpose(0, 2, 1))
+                    p = matmul(q2, kseg, transpose_b=True)
                     if seg.partial:
                         p4 = p.reshape(n_kv, g, rows, -1)
                         plan.apply_mask(p4, b, unit.mask_head, r0, r1, seg)
                     p -= lse2
                     np.exp(p, out=p)  # P, exactly 0 on masked entries
-                    dvu[:, seg.k0 : seg.k1] += np.matmul(p.transpose(0, 2, 1), do2)
-                    ds = np.matmul(do2, vseg.transpose(0, 2, 1))  # dP
+                    dvu[:, seg.k0 : seg.k1] += matmul(p, do2, transpose_a=True)
+                    ds = matmul(do2, vseg, transpose_b=True)  # dP
                     ds -= delta2
                     ds *= p  # dS
-                    dq2 += np.matmul(ds, kseg)
-                    dku[:, seg.k0 : seg.k1] += np.matmul(ds.transpose(0, 2, 1), q2)
+                    dq2 += matmul(ds, kseg)
+                    dku[:, seg.k0 : seg.k1] += matmul(ds, q2, transpose_a=True)
+                    del p, ds  # freed before the next segment's: two tiles alive, not three
                 dq2 *= scale_t
                 dqu[:, :, r0:r1] = dq2.reshape(n_kv, g, rows, D)
 

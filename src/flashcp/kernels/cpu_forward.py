@@ -1,4 +1,7 @@
-"""CPU reference FlashMask forward: tiled attention with an online softmax, in numpy.
+"""CPU reference FlashMask forward: tiled attention with an online softmax.
+
+Element-wise work in numpy, matrix multiplies through `flashcp.kernels.numpy_bridge` (Paddle's CPU
+GEMM on the same buffers).
 
 For each query block the kernel walks the merged key segments of the tiling plan, keeping a
 running row maximum `m`, a running sum `l` and an unnormalised accumulator; the output is
@@ -14,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.kernels.cpu_plan import TilePlan, head_units, heads_first
+from flashcp.kernels.numpy_bridge import matmul
 
 
 def flash_forward(
@@ -56,7 +60,7 @@ def flash_forward(
                 q2 = qu[:, :, r0:r1].reshape(n_kv, g * rows, -1)
                 m_run = l_run = acc = None
                 for seg in segments:
-                    s = np.matmul(q2, ku[:, seg.k0 : seg.k1].transpose(0, 2, 1))
+                    s = matmul(q2, ku[:, seg.k0 : seg.k1], transpose_b=True)
                     if seg.partial:
                         s4 = s.reshape(n_kv, g, rows, -1)
                         plan.apply_mask(s4, b, unit.mask_head, r0, r1, seg)
@@ -66,7 +70,7 @@ def flash_forward(
                     m_safe = np.where(m_new == neg_inf, 0, m_new).astype(dtype, copy=False)
                     s -= m_safe
                     np.exp(s, out=s)  # s is now P (unnormalised)
-                    pv = np.matmul(s, vu[:, seg.k0 : seg.k1])
+                    pv = matmul(s, vu[:, seg.k0 : seg.k1])
                     if m_run is None:
                         l_run = s.sum(axis=-1, keepdims=True)
                         acc = pv
@@ -76,6 +80,7 @@ def flash_forward(
                         acc *= alpha
                         acc += pv
                     m_run = m_new
+                    del s  # freed before the next segment's scores
                 assert m_run is not None and l_run is not None and acc is not None
                 nonzero = l_run > 0
                 l_div = np.where(nonzero, l_run, 1)
