@@ -26,6 +26,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from flashcp.models import cpu_elementwise
 from flashcp.models.init import normal_attr, ones_attr, zeros_attr
 from flashcp.models.precision import as_dtype, cast_linear, needs_cast
 
@@ -75,10 +76,13 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([hidden], attr=ones_attr())
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        weight = as_dtype(self.weight, x.dtype)  # bf16 storage: cast, as below
+        if cpu_elementwise.applies(x, weight):
+            return cpu_elementwise.rms_norm(x, weight, self.eps)
         dtype = x.dtype
         h = x.astype("float32")
         h = h * paddle.rsqrt(h.pow(2).mean(axis=-1, keepdim=True) + self.eps)
-        return as_dtype(self.weight, dtype) * h.astype(dtype)
+        return weight * h.astype(dtype)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -128,6 +132,10 @@ def rotary_tables(
 def apply_rotary(x: paddle.Tensor, tables: RotaryTables) -> paddle.Tensor:
     """Rotate the first `rotary_dim` dims of each head of `x` `[B, L, H, D]`."""
     r = tables.rotary_dim
+    if cpu_elementwise.applies(x, tables.cos):
+        return cpu_elementwise.rotary(
+            x, tables.cos, tables.sin, rotary_dim=r, interleaved=tables.interleaved
+        )
     d = int(x.shape[-1])
     rot = x[..., :r] if r < d else x
     cos, sin = tables.cos.astype(x.dtype), tables.sin.astype(x.dtype)
