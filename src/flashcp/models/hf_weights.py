@@ -61,6 +61,7 @@ from flashcp.models.hf_config import (  # noqa: F401 - re-exported
     args_from_hf_config,
     hf_config,
 )
+from flashcp.models.hf_mtp import missing_mtp_layers, mtp_layers_in
 from flashcp.models.moe import TopkRouter
 from flashcp.models.safetensors_io import (
     RAW_DTYPES,
@@ -75,8 +76,6 @@ from flashcp.models.weight_files import (  # noqa: F401 - re-exported
     INDEX_FILE,
     SINGLE_FILE,
     locate,
-    missing_mtp_layers,
-    mtp_layers_in,
 )
 
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -302,8 +301,8 @@ def index_problems(
     layer `args` builds must have tensors there. Each problem is (config key, what is wrong,
     the change that fixes it, or {}). (A `model.from_pretrained` directory whose config.json
     declares MTP layers its weights lack is refused by the config's own check,
-    `hf_config.mtp_refusal`; this covers `checkpoint.init_from`, with the same rule,
-    `weight_files.missing_mtp_layers`.) A checkpoint that cannot be opened raises as
+    `hf_mtp.mtp_refusal`; this covers `checkpoint.init_from`, with the same rule,
+    `hf_mtp.missing_mtp_layers`.) A checkpoint that cannot be opened raises as
     `load_hf_checkpoint`."""
     ckpt = _open_checkpoint(path, ReadCounter())
     where = ckpt.index or ckpt.files[0]
