@@ -8,9 +8,9 @@ the layer. The rule, read from tensor names alone (`flashcp.models.weight_files`
 data): a layer the run asks for is missing when the checkpoint holds none of its tensors
 (`missing_mtp_layers`; one partly there is the loader's to name tensor by tensor), and a
 checkpoint layer from ``num_layers`` on is an MTP layer a smaller model skips when it has an
-``eh_proj`` (`mtp_layers_in`). `mtp_refusal` is the refusal `flashcp validate` gives a model
-directory that declares layers its weights lack; the notes (`NOTE_MTP`, `NOTE_MTP_SKIPPED`)
-say what a load does with them.
+``eh_proj`` (`mtp_layers_in`); `mtp_depth` names the depth a model's MTP key belongs to.
+`mtp_refusal` is the refusal `flashcp validate` gives a model directory that declares layers
+its weights lack; the notes (`NOTE_MTP`, `NOTE_MTP_SKIPPED`) say what a load does with them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Collection
 
+from flashcp.models.config import ModelArgs
 from flashcp.models.weight_files import checkpoint_keys
 
 MTP_KEY = "num_nextn_predict_layers"
@@ -88,3 +89,11 @@ def mtp_refusal(
         f"model.mtp_layers={missing[0] - num_layers} to train without "
         f"{'them' if some else 'it'}"
     )
+
+
+def mtp_depth(key: str, args: ModelArgs) -> int | None:
+    """The MTP depth (0-based) of the model's MTP layer `key` belongs to; None for other keys."""
+    m = _LAYER_RE.match(key)
+    if m is None or not args.num_layers <= int(m.group(1)) < args.num_layers + args.mtp_layers:
+        return None
+    return int(m.group(1)) - args.num_layers

@@ -367,7 +367,7 @@ def test_a_run_from_a_directory_with_0_or_1_booleans_reloads_its_config(tmp_path
 
     from flashcp.config import build_config, to_yaml
     from flashcp.models import build_model
-    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.models.hf_save import save_hf_checkpoint
 
     directory = tmp_path / "model"
     save_hf_checkpoint(build_model(args_from_hf_config(MOE_5X), seed=0), directory)
