@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashcp import cli, masks
+from flashcp import cli, mask_indices, masks
 from flashcp.config import ConfigValidationError, load_config
 from flashcp.cp.work import mask_pairs
 from flashcp.metrics.flops import causal_keys, flops_per_token
@@ -378,7 +378,7 @@ def attended_keys(m: masks.Mask) -> float:
 
 
 def test_causal_keys_count_what_the_mask_computes() -> None:
-    """`mask_pairs` against the dense oracle (`masks.to_dense`), and causal = (S+1)/2."""
+    """`mask_pairs` against the dense oracle (`mask_indices.to_dense`), and causal = (S+1)/2."""
     cases = [
         masks.causal_mask(2, 300),
         masks.causal_document_mask([100, 150, 50], batch=2),
@@ -386,7 +386,7 @@ def test_causal_keys_count_what_the_mask_computes() -> None:
         masks.share_question_mask([(40, 20, 30), (100, 60, 50)], 300),
     ]
     for m in cases:
-        dense = masks.to_dense(m.indices, causal=m.causal)  # True = masked
+        dense = mask_indices.to_dense(m.indices, causal=m.causal)  # True = masked
         want = float((~dense).sum(axis=(-1, -2)).mean() / dense.shape[-1])
         assert attended_keys(m) == pytest.approx(want, rel=1e-12)
     causal = masks.causal_mask(1, 300)
