@@ -23,7 +23,8 @@ from pathlib import Path
 import paddle
 
 from flashcp.models import build_model, preset
-from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
+from flashcp.models.hf_load import load_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.pipeline.stage import stage_spec
 
 MODELS = {

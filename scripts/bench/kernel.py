@@ -7,7 +7,7 @@ family. Per (family, S) point, in ONE fresh subprocess, the implementations are 
   `flashmask_attention_with_version(..., fa_version=2)`, the CPU kernel with the tile sizes
   given here; on GPU `flashmask_attention`, the dispatched FA2/FA3 kernel);
 * `sdpa`: `paddle.nn.functional.scaled_dot_product_attention` with the same mask as a dense
-  additive float mask `[1, Hm, S, S]` (0 / -inf) built from `flashcp.masks.to_dense`;
+  additive float mask `[1, Hm, S, S]` (0 / -inf) built from `flashcp.mask_indices.to_dense`;
 * `varlen`: for masks that are block-diagonal documents (causal within each document, or
   bidirectional within each), every document attended alone with dense SDPA (`is_causal` for
   causal documents) and the outputs concatenated: what a per-document (varlen) kernel does,
@@ -135,9 +135,9 @@ def dense_bias(mask: Any):
     """The additive float32 mask `[1, Hm, S, S]`: -inf where `to_dense` says masked, else 0."""
     import numpy as np
 
-    from flashcp import masks
+    from flashcp import mask_indices
 
-    masked = masks.to_dense(mask.indices, causal=mask.causal)
+    masked = mask_indices.to_dense(mask.indices, causal=mask.causal)
     return np.where(masked, np.float32(-np.inf), np.float32(0.0))
 
 
@@ -148,13 +148,13 @@ def _dense_columns(mask: Any, block: int = 512):
     array exists: this runs in the parent process, whose peak RSS a forked worker inherits
     (Linux keeps `ru_maxrss` across fork and exec), so it must stay small.
     """
-    from flashcp import masks
+    from flashcp import mask_indices
 
-    nc = masks.to_noncausal(mask.indices, causal=mask.causal)
+    nc = mask_indices.to_noncausal(mask.indices, causal=mask.causal)
     s = nc.shape[2]
     for c0 in range(0, s, block):
         cols = nc[:, :, c0 : c0 + block]
-        yield c0, ~masks.to_dense(cols, causal=False, q_len=s)[0, 0]
+        yield c0, ~mask_indices.to_dense(cols, causal=False, q_len=s)[0, 0]
 
 
 def document_segments(mask: Any) -> dict[str, Any] | None:

@@ -423,7 +423,7 @@ def _export(args: argparse.Namespace) -> int:
     from flashcp.checkpoint.export import ExportError, export_run
     from flashcp.config import ConfigValidationError
     from flashcp.log import readable_count
-    from flashcp.models.hf_weights import CheckpointMismatchError
+    from flashcp.models.hf_check import CheckpointMismatchError
 
     try:
         report = export_run(

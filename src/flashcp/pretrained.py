@@ -4,7 +4,7 @@ What `model.from_pretrained` does for a run, for a researcher's own script or no
 ``config.json`` as the family's transformers class would (`flashcp.models.hf_config`: every
 registered family, refusals named before anything is built), build the model — or only
 pipeline stage `stage` of `num_stages`, which then reads only its own tensors — and fill it
-from the directory's safetensors (`flashcp.models.hf_weights`, every tensor checked by name,
+from the directory's safetensors (`flashcp.models.hf_load`, every tensor checked by name,
 shape and dtype before one is read).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from flashcp.models import CausalLM, build_model
 from flashcp.models.hf_config import TRAINING_FIELDS, args_from_hf_config
-from flashcp.models.hf_weights import load_hf_checkpoint
+from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.pipeline.stage import stage_spec
 
 

@@ -54,7 +54,7 @@ from flashcp.models import build_model
 from flashcp.models.base import StageSpec
 from flashcp.models.expert_parallel import expert_tensors
 from flashcp.models.hf_config import directory_notes
-from flashcp.models.hf_weights import load_hf_checkpoint
+from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.moe_balance import loss_scale_context
 from flashcp.models.offload import take_host_peak
 from flashcp.optim.grads import all_reduce_values, trainable
@@ -116,7 +116,7 @@ def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) 
 
     `model` is the whole model or one pipeline stage: a stage reads only its own tensors.
     `on_tensor` and the returned `LoadReport` (None without init_from): see
-    `flashcp.models.hf_weights.load_hf_checkpoint`.
+    `flashcp.models.hf_load.load_hf_checkpoint`.
     """
     if cfg.checkpoint.init_from is None:
         return None

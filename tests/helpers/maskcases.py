@@ -3,7 +3,7 @@
 `overshoot` writes a mask in upstream FlashMask's "values >= Sq" form: every threshold at or
 past the last query row ("through the last row") gets a random value in [Sq, 2**31 - 1]
 instead of Sq. Upstream reads all of them as Sq, so the result must be indistinguishable from
-the original (`flashcp.masks.clip_rows` maps it back exactly).
+the original (`flashcp.mask_indices.clip_rows` maps it back exactly).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The independent dense float64 attention reference used by kernel and CP parity tests.
 
-`softmax(Q·Kᵀ·scale + M)·V` with M = −inf where `flashcp.masks.to_dense` says masked, and its
+`softmax(Q·Kᵀ·scale + M)·V` with M = −inf where `flashcp.mask_indices.to_dense` says masked, and its
 gradients written out by hand, one head at a time. Fully masked rows give zero output and
 gradients, and LSE −inf. `compare_attention` measures float32 results against it under the
 rule of `bench.numerics`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench import numerics
-from flashcp import masks
+from flashcp import mask_indices
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -40,7 +40,7 @@ def dense_mask(idx, B: int, Sq: int, Sk: int, *, causal: bool) -> np.ndarray:
     """The boolean `[B, H_mask, Sq, Sk]` mask (True = masked) of `idx`; `idx` None: none, or
     the bottom-right-aligned causal one."""
     if idx is not None:
-        return masks.to_dense(idx, causal=causal, q_len=Sq)
+        return mask_indices.to_dense(idx, causal=causal, q_len=Sq)
     dense = np.zeros((B, 1, Sq, Sk), dtype=bool)
     if causal:
         dense |= np.arange(Sq)[:, None] < np.arange(Sk)[None, :] - (Sk - Sq)
@@ -61,7 +61,7 @@ def dense_reference(q, k, v, dout, idx, *, causal, scale=None):
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for b in range(B):
         for h in range(Hq):
-            kv, m = h // g, masks.mask_head_index(h, Hq, hm)
+            kv, m = h // g, mask_indices.mask_head_index(h, Hq, hm)
             s = np.where(dense[b, m], -np.inf, q[b, :, h] @ k[b, :, kv].T * scale)
             row_max = s.max(axis=1, keepdims=True)
             row_max = np.where(np.isfinite(row_max), row_max, 0.0)

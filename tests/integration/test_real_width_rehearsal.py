@@ -11,7 +11,7 @@ embedding instead of another 4.7 GB MoE layer.)
 
 1. A synthetic checkpoint of the whole 3-layer model in the Hugging Face layout (per-expert
    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``[out, in]`` linears, bf16; its key list
-   derived here from the planner's inventory, independently of `flashcp.models.hf_weights`) is
+   derived here from the planner's inventory, independently of `flashcp.models.hf_state`) is
    written shard by shard, tensor by tensor (`flashcp.models.safetensors_stream`), in shards of
    at most 1 GiB plus the index.
 2. Stage 1 is built alone, directly in bf16, and filled from that checkpoint as the trainer does

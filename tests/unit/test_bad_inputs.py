@@ -32,7 +32,7 @@ import pytest
 
 import flashcp.distributed
 from flashcp import cli as flashcp_cli
-from flashcp import dispatch, faults, masks
+from flashcp import dispatch, faults, mask_indices, masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.flashmask import flashmask_attention
 from flashcp.checkpoint.format import verify_checkpoint
@@ -81,7 +81,7 @@ def _idx(*shape: int, fill: int = 0, dtype: Any = np.int32, at: tuple | None = N
 
 
 def _validate(idx: np.ndarray, **kw: Any) -> Callable[[], Any]:
-    return lambda: masks.validate(idx, **kw)
+    return lambda: mask_indices.validate(idx, **kw)
 
 
 def _qkv(
@@ -426,7 +426,7 @@ ROWS = [
     worker("worker_recipe_placeholder", {"PADDLE_TRAINERS_NUM": "16"},
            r"model\.from_pretrained: '/path/to/GLM-4\.5-Air' is a placeholder still to fill in",
            config="@configs/glm/glm45_air_dpo_lora_pp_cp.yaml"),
-    # -- masks (flashcp.masks.validate, CP attention's global mask) ----------------------------
+    # -- masks (flashcp.mask_indices.validate, CP attention's global mask) ---------------------
     call("mask_int64", _validate(_idx(1, 1, 8, 1, dtype=np.int64), causal=True),
          ValueError, r"startend_row_indices must be int32, got int64; cast it with "
                      r"\.astype\(np\.int32\)"),

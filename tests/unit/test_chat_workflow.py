@@ -33,7 +33,7 @@ from flashcp.metrics import tracking
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
-from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
 from helpers.configs import Sections, merged, tiny_config
 from helpers.trainruns import fit

@@ -131,7 +131,7 @@ def test_a_model_alone_is_its_own_dpo_reference(
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n".join(DPO_FILE.read_text().splitlines()[-5:]) + "\n")
     from flashcp.models import build_model
-    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.models.hf_save import save_hf_checkpoint
 
     cfg = tiny_config(tmp_path, base=DPO, eval={"path": str(pairs)})
     start = tmp_path / "start"
@@ -178,7 +178,7 @@ def test_eval_of_a_hugging_face_model_directory_as_it_is(
     (issue 37): the loss of its own weights, not of a seeded initialisation."""
     from flashcp.data.tokenizer import ByteTokenizer
     from flashcp.models import build_model, preset
-    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.models.hf_save import save_hf_checkpoint
 
     directory = tmp_path / "Qwen3-tiny"
     save_hf_checkpoint(build_model(preset("tiny_qwen3"), seed=3), directory)

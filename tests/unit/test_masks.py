@@ -15,17 +15,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from flashcp import masks
+from flashcp import mask_indices, masks
 from flashcp.mask_families import FAMILIES
-from flashcp.masks import (
+from flashcp.mask_indices import (
     TILE_FULL,
     TILE_MASKED,
     TILE_PARTIAL,
+    classify_tiles,
+    to_dense,
+    to_noncausal,
+    validate,
+)
+from flashcp.masks import (
     Mask,
     causal_blockwise_mask,
     causal_document_mask,
     causal_mask,
-    classify_tiles,
     document_mask,
     global_sliding_window_mask,
     prefix_lm_causal_mask,
@@ -34,9 +39,6 @@ from flashcp.masks import (
     random_eviction_mask,
     share_question_mask,
     sliding_window_mask,
-    to_dense,
-    to_noncausal,
-    validate,
 )
 from helpers.maskcases import INT32_MAX, overshoot
 
@@ -793,8 +795,11 @@ def test_per_head_family_differs_by_head() -> None:
 
 
 def test_module_exports() -> None:
-    for name in ("Mask", "to_noncausal", "validate", "to_dense", "classify_tiles"):
+    """The record and the builders in `masks`, the index format's functions in `mask_indices`."""
+    for name in ("Mask", "DocumentMasking", "causal_mask", "causal_document_mask"):
         assert hasattr(masks, name)
+    for name in ("to_noncausal", "validate", "to_dense", "classify_tiles", "clip_rows"):
+        assert hasattr(mask_indices, name)
     assert not hasattr(masks, "FAMILIES")  # the seeded generators are not production code
 
 
@@ -817,7 +822,7 @@ def overshooting_masks(draw: st.DrawFn) -> tuple[np.ndarray, bool, int]:
 
 def test_clip_rows_is_an_int32_copy() -> None:
     idx = np.array([0, 3, 8, 9, BIG], dtype=np.int32).reshape(1, 1, 5, 1)
-    out = masks.clip_rows(idx, 8)
+    out = mask_indices.clip_rows(idx, 8)
     assert out.dtype == np.int32 and out is not idx
     np.testing.assert_array_equal(out.ravel(), [0, 3, 8, 8, 8])
     np.testing.assert_array_equal(idx.ravel(), [0, 3, 8, 9, BIG])  # input untouched
@@ -828,7 +833,7 @@ def test_clip_rows_is_an_int32_copy() -> None:
 def test_values_beyond_sq_mean_sq(case: tuple[np.ndarray, bool, int], bq: int, bk: int) -> None:
     """Dense mask, tile classes, to_noncausal and validate agree with the clipped mask."""
     over, causal, sq = case
-    clipped = masks.clip_rows(over, sq)
+    clipped = mask_indices.clip_rows(over, sq)
     assert clipped.max(initial=0) <= sq
     np.testing.assert_array_equal(
         to_dense(over, causal=causal, q_len=sq), to_dense(clipped, causal=causal, q_len=sq)
@@ -854,7 +859,7 @@ def test_every_family_accepts_values_beyond_sq(name: str) -> None:
     assert (over > s).any(), f"{name}: no entry at Sq, the test would be vacuous"
     validate(over, causal=m.causal, batch=b, q_len=s, k_len=s, num_q_heads=h)
     np.testing.assert_array_equal(to_dense(over, causal=m.causal), m.dense())
-    np.testing.assert_array_equal(masks.clip_rows(over, s), m.indices)
+    np.testing.assert_array_equal(mask_indices.clip_rows(over, s), m.indices)
     for bq, bk in ((8, 4), (5, 16)):
         _check_tiles(over, m.causal, s, bq, bk)
         np.testing.assert_array_equal(

@@ -15,7 +15,7 @@ import flashcp
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
 from flashcp.models import build_model, preset
-from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 
 
 def _logits(model, ids: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ from flashcp.distributed.collectives import all_gather_tensor, reduce_scatter_ch
 from flashcp.distributed.groups import world_group
 from flashcp.kernels.base import resolve_scale
 from flashcp.kernels.registry import device_of, get_backend
-from flashcp.masks import as_numpy, validate
+from flashcp.mask_indices import as_numpy, validate
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ from flashcp.cp.rebase import rebase_rows
 from flashcp.distributed.collectives import all_gather_tensor, reduce_scatter_chunks
 from flashcp.distributed.groups import NamedGroup
 from flashcp.kernels.registry import get_backend
-from flashcp.masks import as_numpy, causal_mask
+from flashcp.mask_indices import as_numpy
+from flashcp.masks import causal_mask
 
 ACC_DTYPE = "float32"
 """The merge accumulators, dQ and the dK/dV partial sums are float32 whatever q's dtype."""

@@ -19,7 +19,7 @@ import paddle
 from flashcp.attention.interface import AttentionImpl, PlanT
 from flashcp.attention.registry import DEFAULT_MODE
 from flashcp.dispatch import Policy
-from flashcp.masks import as_numpy
+from flashcp.mask_indices import as_numpy
 
 
 def _call_key(t: paddle.Tensor) -> tuple[Any, ...]:

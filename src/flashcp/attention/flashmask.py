@@ -67,7 +67,7 @@ def flashmask_attention(
 
     q `[B, Sq, Hq, D]`, k `[B, Sk, Hkv, D]`, v `[B, Sk, Hkv, Dv]` (Hq a multiple of Hkv);
     float32/float64 on CPU, float16/bfloat16 on GPU. `startend_row_indices` is the int32
-    FlashMask mask `[B, Hm, Sk, C]` (see `flashcp.masks`) or None; `causal` is bottom-right
+    FlashMask mask `[B, Hm, Sk, C]` (see `flashcp.mask_indices`) or None; `causal` is bottom-right
     aligned when Sq != Sk. `softmax_scale` defaults to `D ** -0.5`. `dropout` must be 0.
     `fa4_unavailable` is the FA4-unavailable policy ("error" or "fallback"; None reads
     FLASHCP_FA4_UNAVAILABLE, default "error").

@@ -19,7 +19,7 @@ from typing import Any
 
 import paddle
 
-from flashcp import dispatch, masks
+from flashcp import dispatch, mask_indices
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.interface import AttentionImpl, AttentionPlan
 from flashcp.kernels import registry
@@ -49,7 +49,7 @@ def validate_attention_inputs(
     """Check everything `flashmask_attention` needs; return the device string. Raises on bad input.
 
     NotImplementedError for dropout > 0; TypeError for non-tensors and wrong dtypes;
-    ValueError for bad shapes, scale or mask (mask values via `flashcp.masks.validate`).
+    ValueError for bad shapes, scale or mask (mask values via `flashcp.mask_indices.validate`).
     """
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool):
         raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
@@ -126,7 +126,7 @@ def validate_attention_inputs(
                 f"startend_row_indices is on {registry.device_of(idx)} but q is on {device}; "
                 "move it to the same device."
             )
-        masks.validate(
+        mask_indices.validate(
             idx.numpy(),
             causal=causal,
             batch=B,

@@ -61,7 +61,7 @@ from flashcp.checkpoint.state import load_model_arrays, model_arrays, rng_state,
 from flashcp.config import Config, config_changes, config_hash, hashed_dict
 from flashcp.distributed import ParallelGroups, all_gather_object, barrier
 from flashcp.lora.setup import LoRASetup
-from flashcp.models.hf_weights import read_hf_float32
+from flashcp.models.hf_load import read_hf_float32
 from flashcp.optim.master_optimizer import MasterOptimizer
 from flashcp.optim.param_optimizer import ParamOptimizer
 
@@ -186,7 +186,7 @@ class Checkpointer:
     def init_masters(self) -> None:
         """With `checkpoint.init_from` and parameters stored in bfloat16/float16, the float32
         master weights this rank holds start from the checkpoint's own values (its slices
-        only, `flashcp.models.hf_weights.read_hf_float32`), not from the rounded parameters.
+        only, `flashcp.models.hf_load.read_hf_float32`), not from the rounded parameters.
         (A resumed run then overwrites them with the checkpoint's masters.)"""
         opt = self.optimizer
         path = self.cfg.checkpoint.init_from

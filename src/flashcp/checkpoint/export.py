@@ -61,7 +61,7 @@ from flashcp.data.tokenizer import ByteTokenizer, build_tokenizer
 from flashcp.lora.model import apply_lora
 from flashcp.models import StageSpec, build_model, estimate_parameters
 from flashcp.models.hf_config import TOKEN_ID_KEYS, read_config_json
-from flashcp.models.hf_weights import load_hf_checkpoint
+from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.models.safetensors_stream import write_streaming
 

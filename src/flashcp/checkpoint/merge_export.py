@@ -3,10 +3,10 @@
 No rank ever holds more than its stage: stage `s`'s writer computes, one tensor at a time,
 ``W + A·B·alpha/rank`` (float32, cast back to W's storage dtype) for its adapted layers and
 copies every other weight, transposed to the Hugging Face `[out, in]` layout
-(`flashcp.models.hf_weights.hf_state_map` names and orientations), straight into
+(`flashcp.models.hf_state.hf_state_map` names and orientations), straight into
 `model-0000{s+1}-of-0000{pp}.safetensors` (`flashcp.models.safetensors_stream`). Rank 0 then
 writes `model.safetensors.index.json` (read from the shards' headers) and `config.json`, so the
-directory loads with `flashcp.models.hf_weights.load_hf_checkpoint` (or Hugging Face's
+directory loads with `flashcp.models.hf_load.load_hf_checkpoint` (or Hugging Face's
 loaders) whatever the pipeline layout was. A tied embedding is written once, by the first
 stage (the last stage's copy is equal).
 
@@ -34,13 +34,9 @@ from safetensors import safe_open
 
 from flashcp.lora.experts import is_expert_lora, merged_piece
 from flashcp.lora.model import lora_layers
-from flashcp.models.hf_weights import (
-    CONFIG_FILE,
-    HFEntry,
-    hf_config,
-    hf_state_map,
-    mtp_depth,
-)
+from flashcp.models.hf_config import CONFIG_FILE, hf_config
+from flashcp.models.hf_mtp import mtp_depth
+from flashcp.models.hf_state import HFEntry, hf_state_map
 from flashcp.models.precision import float32_math
 from flashcp.models.safetensors_stream import (
     ITEM_SIZE,

@@ -262,10 +262,10 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
         FIELD_KEYS,
         TRAINING_FIELDS,
         HFConfigError,
-        mtp_refusal,
         parse_hf_config,
         read_config_json,
     )
+    from flashcp.models.hf_mtp import mtp_refusal
     from flashcp.models.weight_files import WEIGHT_FILES
 
     ModelArgs, _ = _model_api()

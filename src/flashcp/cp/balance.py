@@ -10,7 +10,7 @@ per-block min/max of the mask columns and skips fully masked tiles; every other 
 full block matmul pair (partial tiles add element-wise masking). So the kernel's cost tracks
 the number of non-skipped tiles, not the number of unmasked (row, column) pairs: a tile with
 one visible entry costs as much as a full one. `unit="tiles"` (default) counts them with
-`masks.classify_tiles` on each chunk's rebased mask; `unit="pairs"` counts unmasked pairs in
+`mask_indices.classify_tiles` on each chunk's rebased mask; `unit="pairs"` counts unmasked pairs in
 O(S·C) per chunk (no dense S×S array) for comparison. `partial_weight` lets a partial tile
 cost more than an unmasked one if a kernel's profile says so.
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from flashcp.cp.layout import Assignment
 from flashcp.cp.rebase import rebase_mask
-from flashcp.masks import TILE_MASKED, TILE_PARTIAL, as_numpy, classify_tiles
+from flashcp.mask_indices import TILE_MASKED, TILE_PARTIAL, as_numpy, classify_tiles
 
 __all__ = [
     "assign_chunks",

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.masks import as_numpy
+from flashcp.mask_indices import as_numpy
 
 __all__ = [
     "Assignment",
@@ -309,7 +309,7 @@ def pad_to_multiple(x: Any, multiple: int, axis: int = 1, value: float | int = 0
 def pad_mask(indices: Any, new_len: int, *, causal: bool) -> np.ndarray:
     """A `[B, Hm, new_len, C]` mask for a sequence padded from S to `new_len` tokens.
 
-    Guarantees, checked against `masks.to_dense`:
+    Guarantees, checked against `mask_indices.to_dense`:
     * real rows against real columns are masked exactly as before (so real tokens' outputs
       and gradients are unchanged);
     * padded columns (keys j >= S) are masked for every row, so padding keys are never seen;

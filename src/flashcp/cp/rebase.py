@@ -12,14 +12,15 @@ rows l >= t and "global row < g" for l < t, where
     t = #{ l : p_l < g }          (a binary search: `np.searchsorted(p, g)`)
 
 so every column (LTS, LTE, UTS, UTE) maps element-wise and exactly. A threshold g >= S (upstream
-FlashMask's "through the last row", e.g. a mask filled with Sk; see `flashcp.masks`) counts
+FlashMask's "through the last row", e.g. a mask filled with Sk; see `flashcp.mask_indices`) counts
 every local row, t = L: through the last local row, the same as g = S. For the dual-chunk layout
 this is PaddleFleet's `preprocess_index_dual_chunks` ("max of two clips, keep 0", reference §2.2)
 and for the contiguous layout `clip(g − r·L, 0, L)`; the tests check both equalities.
 
 FlashMask's built-in `causal=True` is aligned to the bottom-right corner when Sq != Sk and
 assumes contiguous rows, so CP always runs with `causal=False`: causal masks are first made
-non-causal (`masks.to_noncausal`: `[LTS]` → `[LTS, UTE=j]`, `[LTS, LTE]` → `[LTS, LTE, 0, j]`).
+non-causal (`mask_indices.to_noncausal`: `[LTS]` → `[LTS, UTE=j]`, `[LTS, LTE]` →
+`[LTS, LTE, 0, j]`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from flashcp.cp.layout import Assignment
-from flashcp.masks import as_numpy, to_noncausal
+from flashcp.mask_indices import as_numpy, to_noncausal
 
 __all__ = ["local_positions", "rebase_mask", "rebase_rows", "rebase_thresholds"]
 

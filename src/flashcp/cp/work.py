@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.masks import DocumentMasking, as_numpy, to_noncausal
+from flashcp.mask_indices import as_numpy, to_noncausal
+from flashcp.masks import DocumentMasking
 
 LINEAR_TRAIN = 6.0
 """Matmul FLOPs per weight and token of a trained step: forward 2, backward 4."""

@@ -7,7 +7,7 @@ same family.
 
 Layout (Paddle's): q `[B, Sq, Hq, D]`, k `[B, Sk, Hkv, D]`, v `[B, Sk, Hkv, Dv]`, with
 `Hq % Hkv == 0` (GQA / MQA). `startend_row_indices` is the FlashMask column mask
-`[B, Hm, Sk, C]` int32 with `Hm in {1, Hkv, Hq}` (see `flashcp.masks`), or None for "no mask"
+`[B, Hm, Sk, C]` int32 with `Hm in {1, Hkv, Hq}` (see `flashcp.mask_indices`), or None for "no mask"
 (the `causal` flag still applies). Results: out `[B, Sq, Hq, Dv]` in q's dtype and lse
 `[B, Hq, Sq]` (natural log, float32). Gradients: dq like q, dk/dv like k/v, with dk/dv summed
 over the query heads of each KV group.

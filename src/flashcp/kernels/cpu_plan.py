@@ -4,7 +4,7 @@ The plan is built once per kernel call from the FlashMask column mask. It says, 
 b, mask head m and query block i, which key columns to visit and where the exact mask must be
 applied:
 
-* tiles are classified once by `flashcp.masks.classify_tiles` (per-block min/max of the mask
+* tiles are classified once by `flashcp.mask_indices.classify_tiles` (per-block min/max of the mask
   columns): TILE_MASKED tiles are skipped, TILE_FULL tiles get no mask math, and only
   TILE_PARTIAL tiles build a boolean mask, just for their own rows and columns;
 * adjacent non-masked key blocks are merged into one *segment* (one matmul), capped at
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcp.masks import TILE_MASKED, TILE_PARTIAL, classify_tiles, clip_rows
+from flashcp.mask_indices import TILE_MASKED, TILE_PARTIAL, classify_tiles, clip_rows
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -90,7 +90,7 @@ def column_ranges(
 ) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
     """Masked row ranges `[start, end)` per column; None stands for 0 (start) or Sq (end).
 
-    Mirrors the table in `flashcp.masks`: causal [LTS] / [LTS, LTE]; non-causal [LTS, UTE] /
+    Mirrors the table in `flashcp.mask_indices`: causal [LTS] / [LTS, LTE]; non-causal [LTS, UTE] /
     [LTS, LTE, UTS, UTE].
     """
     ncol = idx.shape[-1]
@@ -153,7 +153,7 @@ class TilePlan:
             self.ranges: list[tuple[np.ndarray | None, np.ndarray | None]] = []
         else:
             # Upstream FlashMask reads any value >= Sq as "through the last row" (Paddle's
-            # `flashmask_attention` docstring; see `flashcp.masks`), e.g. a causal mask for
+            # `flashmask_attention` docstring; see `flashcp.mask_indices`), e.g. a causal mask for
             # Sq != Sk filled with Sk. Writing such values as Sq once, here, means the mask and
             # its clipped form take the same code path and give bitwise-equal results.
             idx = clip_rows(np.asarray(startend_row_indices), q_len)

@@ -351,11 +351,11 @@ def machine_problems(cfg: Config) -> list[ConfigError]:
 def model_dir_problems(cfg: Config) -> list[ConfigError]:
     """The weights the ranks will load (`checkpoint.init_from`, implied by
     `model.from_pretrained`): their index holds every layer the model builds
-    (`flashcp.models.hf_weights.index_problems`; no tensor is read)."""
+    (`flashcp.models.hf_check.index_problems`; no tensor is read)."""
     path = cfg.checkpoint.init_from
     if path is None or is_placeholder(path):
         return []
-    from flashcp.models.hf_weights import index_problems
+    from flashcp.models.hf_check import index_problems
 
     key = "model.from_pretrained" if cfg.model_from_pretrained else "checkpoint.init_from"
     try:

@@ -12,7 +12,8 @@ A forward pass takes `flashcp.attention.context.AttentionContext` (the mask, the
 
 The names below load on first use (PEP 562), so the declarative parts — `ModelArgs`
 (`models/config.py`), the families (`models/families/`), config.json reading
-(`models/hf_config.py`), the weights' files (`models/weight_files.py`) — import without Paddle
+(`models/hf_config.py`, `models/hf_rope.py`), the checkpoint's MTP layers (`models/hf_mtp.py`),
+the weights' files (`models/weight_files.py`) — import without Paddle
 (`tests/unit/repo/test_no_paddle.py`).
 """
 

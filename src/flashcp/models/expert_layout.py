@@ -2,7 +2,7 @@
 matmul runs (`Group`, `cost_chosen_groups`), the weights taken out of the stack at once
 (`CAST_CHUNK_BYTES`) and the rows per expert of a capacity factor (`capacity_for`) — one
 definition that the model (`flashcp.models.experts`, `grouped_matmul`, `moe_dispatch`) computes
-with and the memory planner (`flashcp.plan.activations`) evaluates on expected counts."""
+with and the memory planner (`flashcp.plan.moe_rows`) evaluates on expected counts."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def cost_chosen_groups(counts: Sequence[int]) -> tuple[Group, ...]:
     """The CPU "grouped" layout of rows `counts` per expert (module docstring): the experts
     sorted by count, largest first, cut into runs of E, E/2, ..., 1 experts; the cut with the
     fewest ``padded rows + GROUP_COST_ROWS · groups``. Pure (host ints), so the memory planner
-    (`flashcp.plan.activations`) evaluates it on expected counts."""
+    (`flashcp.plan.moe_rows`) evaluates it on expected counts."""
     counts = tuple(int(c) for c in counts)
     order = np.argsort(-np.asarray(counts), kind="stable")  # largest first
     best: tuple[Group, ...] = ()

@@ -8,7 +8,7 @@ stacked parameters in Paddle's `[in, out]` orientation, the layout of PaddleForm
   in `[I, 2I)` (HF keys ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight``, `[I, H]`);
 * ``down_proj`` `[E, I, H]` (HF ``mlp.experts.{e}.down_proj.weight``, `[H, I]`).
 
-`flashcp.models.hf_weights` maps the per-expert HF keys to these slices. Each expert's slice is
+`flashcp.models.hf_state` maps the per-expert HF keys to these slices. Each expert's slice is
 initialised from its own (seed, name, expert index) stream (`flashcp.models.init`), so a rank
 holding a subset of the experts builds exactly its slices of the whole tensors.
 
@@ -184,7 +184,7 @@ class GroupedExperts(nn.Layer):
     """
 
     STACKED_EXPERTS = True
-    """Marks a stacked-experts layer for `flashcp.models.hf_weights` (per-expert HF keys)."""
+    """Marks a stacked-experts layer for `flashcp.models.hf_state` (per-expert HF keys)."""
 
     def __init__(
         self,

@@ -10,20 +10,17 @@ file is refused with every reason at once.
   `HFSide.defaults`), never a flashcp default.
 * The keys every decoder shares (`flashcp.models.families.hf.COMMON_FIELDS`) are read here, the
   family's own by its `HFSide.read`.
-* RoPE in both layouts: 4.x top-level ``rope_theta`` / ``rope_scaling`` /
-  ``partial_rotary_factor``, 5.x ``rope_parameters: {rope_type, rope_theta, ...}``. Plain RoPE
-  (``rope_type`` "default") and Llama-3.1's ``llama3`` frequency scaling (``factor``,
-  ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``;
-  `flashcp.models.rope`) are implemented; any other type or key (per-layer-type dicts) is
-  refused, and so are the two layouts giving different values.
+* RoPE in both layouts (4.x top-level keys, 5.x ``rope_parameters``): `flashcp.models.hf_rope`,
+  which refuses what flashcp's RoPE does not compute and the two layouts disagreeing.
 * Refused because flashcp would compute another model: a ``hidden_act`` other than the
   family's, non-zero ``attention_dropout``, ``quantization_config``, ``use_sliding_window``
   true, a value the family's class fixes otherwise, an architecture / model_type no family has.
 * ``num_nextn_predict_layers`` (GLM-4.5's multi-token-prediction layers) of families that build
   them (`Family.mtp`): `ModelArgs.mtp_layers`, so they are built (on the last pipeline stage)
   and their weights ``model.layers.{num_hidden_layers + d}.*`` loaded and exported
-  (`flashcp.models.mtp`); transformers' ``Glm4MoeForCausalLM`` ignores them (`NOTE_MTP`). A run
-  may carry fewer of them (``model.mtp_layers`` is free, `TRAINING_FIELDS`: 0 skips them).
+  (`flashcp.models.mtp`); transformers' ``Glm4MoeForCausalLM`` ignores them
+  (`hf_mtp.NOTE_MTP`). A run may carry fewer of them (``model.mtp_layers`` is free,
+  `TRAINING_FIELDS`: 0 skips them).
 * Keys a library writes: those that steer only its own training or inference are accepted
   with a note (`NOTE_IGNORED`: `IGNORED_KEYS` and the family's `HFSide.ignored`); those that
   change the maths are accepted at the value flashcp computes and refused with the reason at
@@ -31,17 +28,16 @@ file is refused with every reason at once.
 * Every other key must be one flashcp knows (the family's keys and metadata such as
   ``torch_dtype``, token ids, ``use_cache``): an unknown key might change the model, so it is
   refused with the advice to remove it if it is only metadata.
-* `mtp_refusal` reads a directory's tensor index (`flashcp.models.weight_files`, no tensor
-  data) to find declared MTP
-  layers without tensors, as transformers' ``save_pretrained`` writes GLM-4.5 (it keeps
-  ``num_nextn_predict_layers: 1`` but drops the layer): `flashcp validate` refuses that in one
-  line naming ``model.mtp_layers=0``.
+* Declared MTP layers without tensors (transformers' ``save_pretrained`` writes GLM-4.5 so: it
+  keeps ``num_nextn_predict_layers: 1`` but drops the layer) are refused by
+  `flashcp.models.hf_mtp.mtp_refusal`, from the directory's tensor index alone.
 
 Writing (`hf_config`): the common keys and the family's (`HFSide.write`), RoPE in BOTH layouts
-(top-level keys for transformers 4.x and PaddleFormers, ``rope_parameters`` for 5.x), with the
-family's ``architectures``; a `ModelArgs` that the family's class does not compute (e.g. GLM
-with another rotary pairing) is refused (`exportable`). flashcp's GPT, which no transformers
-class computes, carries its exact `ModelArgs` under `ARGS_KEY`.
+(`hf_rope.rope_config`: top-level keys for transformers 4.x and PaddleFormers,
+``rope_parameters`` for 5.x), with the family's ``architectures``; a `ModelArgs` that the
+family's class does not compute (e.g. GLM with another rotary pairing) is refused
+(`exportable`). flashcp's GPT, which no transformers class computes, carries its exact
+`ModelArgs` under `ARGS_KEY`.
 """
 
 from __future__ import annotations
@@ -56,20 +52,14 @@ from typing import Any
 from flashcp.models.config import ModelArgs
 from flashcp.models.families import FAMILIES
 from flashcp.models.families.gpt import ARGS_KEY
-from flashcp.models.families.hf import COMMON_FIELDS, COMMON_KEYS, HFSide, Reader
+from flashcp.models.families.hf import COMMON_FIELDS, COMMON_KEYS, HFSide, Reader, is_number
 from flashcp.models.families.spec import Family
-from flashcp.models.weight_files import checkpoint_keys, missing_mtp_layers
+from flashcp.models.hf_mtp import MTP_KEY, NOTE_MTP, NOTE_MTP_SKIPPED
+from flashcp.models.hf_rope import ROPE_FIELDS, read_rope, rope_config
 
 CONFIG_FILE = "config.json"
 __all__ = ["ARGS_KEY", "CONFIG_FILE", "HFConfigError", "args_from_hf_config", "hf_config"]
 
-NOTE_MTP = (
-    "num_nextn_predict_layers: the multi-token-prediction layers (model.layers.{L}...) are "
-    "built on the last pipeline stage and loaded (transformers' Glm4MoeForCausalLM ignores "
-    "them); model.mtp_layers: 0 skips them"
-)
-MTP_KEY = "num_nextn_predict_layers"
-"""config.json key of the number of multi-token-prediction layers (`ModelArgs.mtp_layers`)."""
 TRAINING_FIELDS = (
     "recompute",
     "residual_dtype",
@@ -86,14 +76,6 @@ the router's load balancing, the MTP loss weight), not which model it is. ``mtp_
 read from config.json (``num_nextn_predict_layers``) but a run may carry fewer of the
 checkpoint's MTP layers (0: their weights are skipped when loading, with a note); more than
 the checkpoint holds is refused when loading, naming the missing weights."""
-ROPE_FIELDS: dict[str, str] = {
-    "rope_scaling": "rope_parameters.rope_type",
-    "rope_factor": "rope_parameters.factor",
-    "rope_low_freq_factor": "rope_parameters.low_freq_factor",
-    "rope_high_freq_factor": "rope_parameters.high_freq_factor",
-    "rope_original_max_len": "rope_parameters.original_max_position_embeddings",
-}
-"""The scaled-RoPE fields and the config.json keys that set them."""
 _METADATA_KEYS = {
     "_name_or_path",
     "transformers_version",
@@ -135,10 +117,6 @@ NOTE_IGNORED = (
     "kernels, outputs, auxiliary losses), not the model: ignored"
 )
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")  # fmt: skip
-_ROPE_TYPES = ("default", "llama3")
 
 
 def supported() -> str:
@@ -192,12 +170,6 @@ def read_config_json(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]
     return data, str(file)
 
 
-def _same(a: Any, b: Any) -> bool:
-    if _number(a) and _number(b):
-        return float(a) == float(b)
-    return bool(a == b)
-
-
 def _same_value(a: Any, b: Any) -> bool:
     """`a == b` without True == 1 (a boolean key given 1 is not the value flashcp computes)."""
     return type(a) is type(b) and a == b or a is b
@@ -205,10 +177,6 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def _positive(*xs: Any) -> bool:
     return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in xs)
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def family_of_config(config: Mapping[str, Any], problems: list[tuple[str, str]]) -> Family | None:
@@ -257,100 +225,6 @@ def family_of_config(config: Mapping[str, Any], problems: list[tuple[str, str]])
             )
         )
     return fam
-
-
-def read_rope(
-    config: Mapping[str, Any], defaults: Mapping[str, Any], problems: list[tuple[str, str]]
-) -> dict[str, Any]:
-    """The RoPE fields of `ModelArgs` (`rotary_base`, `partial_rotary_factor`, `rope_scaling`
-    and its numbers) from either layout; unimplemented variants and contradictions between the
-    layouts go to `problems`."""
-    legacy = config.get("rope_scaling")
-    params = config.get("rope_parameters")
-    layouts: list[tuple[str, Mapping[str, Any]]] = [("", config)]
-    for name, value in (("rope_scaling", legacy), ("rope_parameters", params)):
-        if value in (None, {}):
-            continue
-        if not isinstance(value, Mapping):
-            problems.append((name, f"{value!r} must be an object"))
-        elif any(isinstance(v, Mapping) for v in value.values()):
-            problems.append(
-                (
-                    name,
-                    "per-layer-type RoPE parameters are not implemented (flashcp computes one "
-                    f"RoPE for every layer): {sorted(value)}",
-                )
-            )
-        else:
-            layouts.append((f"{name}.", value))
-    found: dict[str, tuple[str, Any]] = {}
-    for prefix, mapping in layouts:
-        keys = ("rope_theta", "partial_rotary_factor") if not prefix else tuple(mapping)
-        for key in keys:
-            value = mapping.get(key)
-            if value is None:
-                continue
-            canonical = "rope_type" if key == "type" else key
-            if canonical not in _ROPE_KEYS | set(_LLAMA3_KEYS):
-                problems.append(
-                    (
-                        f"{prefix}{key}",
-                        f"not implemented (flashcp's RoPE takes rope_type {_ROPE_TYPES}, "
-                        f"rope_theta, partial_rotary_factor and llama3's {list(_LLAMA3_KEYS)})",
-                    )
-                )
-                continue
-            if canonical in found and not _same(found[canonical][1], value):
-                first, got = found[canonical]
-                where = f"{first}{canonical}" if first else f"the top-level {canonical}"
-                problems.append(
-                    (f"{prefix}{key}", f"{value!r} contradicts {where} {got!r}: fix config.json")
-                )
-                continue
-            found.setdefault(canonical, (prefix, value))
-    rope_type = found.get("rope_type", ("", "default"))[1]
-    if rope_type not in _ROPE_TYPES:
-        problems.append(
-            (
-                "rope_parameters.rope_type",
-                f"{rope_type!r} is not implemented: flashcp computes plain RoPE ('default') and "
-                "Llama-3's 'llama3' scaling",
-            )
-        )
-    values: dict[str, Any] = {}
-    for field, key in (("rotary_base", "rope_theta"), ("partial_rotary_factor",
-                                                       "partial_rotary_factor")):  # fmt: skip
-        value = found[key][1] if key in found else defaults.get(key, 1.0)
-        if not _number(value):
-            problems.append((key, f"{value!r} must be a number"))
-            value = 0.0
-        values[field] = float(value)
-    values["rope_scaling"] = "llama3" if rope_type == "llama3" else "none"
-    if rope_type != "llama3":
-        stray = sorted(k for k in _LLAMA3_KEYS if k in found)
-        if stray:
-            problems.append(
-                ("rope_parameters", f"keys {stray} belong to rope_type 'llama3', not {rope_type!r}")
-            )
-        return values
-    for field, key in zip(("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                           "rope_original_max_len"), _LLAMA3_KEYS, strict=True):  # fmt: skip
-        if key not in found and key == "original_max_position_embeddings":
-            # transformers' standardize_rope_params: the model's max_position_embeddings
-            found[key] = ("", config.get("max_position_embeddings",
-                                         defaults.get("max_position_embeddings")))  # fmt: skip
-        if key not in found:
-            problems.append(
-                (f"rope_parameters.{key}", "rope_type 'llama3' needs it (transformers does too)")
-            )
-            continue
-        value = found[key][1]
-        integer = field == "rope_original_max_len"
-        if not _number(value) or integer and value != int(value):
-            problems.append((f"rope_parameters.{key}", f"{value!r} must be a number"))
-            continue
-        values[field] = int(value) if integer else float(value)
-    return values
 
 
 _BOOL_FIELDS = frozenset(
@@ -405,12 +279,12 @@ def parse_hf_config(
             if mtp:
                 notes.append(NOTE_MTP)
     for key in ("norm_eps", "initializer_range"):
-        if _number(values[key]):
+        if is_number(values[key]):
             values[key] = float(values[key])
     keys = hf.all_fields
     for key in _BOOL_FIELDS & set(values):  # transformers tests a flag's truth: 0 / 1 are flags
         value = values[key]
-        if not isinstance(value, bool) and _number(value) and value in (0, 1):
+        if not isinstance(value, bool) and is_number(value) and value in (0, 1):
             values[key] = bool(value)
         elif not isinstance(value, bool):
             problems.append((keys.get(key, key), f"{value!r} must be true or false"))
@@ -452,7 +326,7 @@ def _check_keys(
             ("hidden_act", f"{act!r}: {hf.architecture}'s MLPs here use {hf.activation!r}")
         )
     dropout = config.get("attention_dropout", 0.0)
-    if not _number(dropout) or dropout != 0:
+    if not is_number(dropout) or dropout != 0:
         problems.append(
             (
                 "attention_dropout",
@@ -486,12 +360,6 @@ def _check_family(fam: Family, values: dict[str, Any], problems: list[tuple[str,
     fam.validate(args, err)
 
 
-NOTE_MTP_SKIPPED = (
-    "num_nextn_predict_layers: model.mtp_layers is 0: the multi-token-prediction layers are "
-    "not built, their weights not read (an export leaves them out)"
-)
-
-
 def directory_notes(directory: str | os.PathLike[str], mtp_layers: int | None = None) -> list[str]:
     """The notes `parse_hf_config` gives for a model directory's config.json (keys accepted
     but ignored, MTP layers kept — or skipped when the run's `mtp_layers` is 0), each naming
@@ -519,36 +387,6 @@ def args_from_hf_config(
     return ModelArgs(**{**values, **overrides}).check()
 
 
-def mtp_refusal(
-    directory: str | os.PathLike[str], num_layers: int, declared: int, asked: int
-) -> str | None:
-    """One line refusing a run that asks for `asked` MTP layers (``model.mtp_layers``; config.json
-    ``num_nextn_predict_layers`` `declared` by default) the directory's weights do not hold —
-    transformers' ``save_pretrained`` writes GLM-4.5 so: the key kept, the layer dropped — with
-    the fix; None when they are there (or none is asked). A partly present layer is left to the
-    loader, which names each missing tensor."""
-    if asked <= 0:
-        return None
-    missing = missing_mtp_layers(checkpoint_keys(directory), num_layers, asked)
-    if not missing:
-        return None
-    layers = ", ".join(f"model.layers.{i}.*" for i in missing)
-    some = "s" if len(missing) > 1 else ""
-    why = (
-        f"{directory}/config.json declares {MTP_KEY}: {declared}"
-        if asked == declared
-        else f"model.mtp_layers is {asked}"
-    )
-    return (
-        f"{why}, but the weights in {directory} hold no tensor of the multi-token-prediction "
-        f"layer{some} {layers} (transformers' save_pretrained leaves them out): set "
-        f"model.mtp_layers={missing[0] - num_layers} to train without "
-        f"{'them' if some else 'it'}"
-    )
-
-
-
-
 def exportable(args: ModelArgs) -> list[str]:
     """Why `args` is not what its family's HF class computes (empty when an HF export is
     exact): a rotary pairing other than the family's, and the family's own `HFSide.exact`."""
@@ -564,28 +402,6 @@ def exportable(args: ModelArgs) -> list[str]:
     if fam.hf.exact is not None:
         problems += fam.hf.exact(args)
     return problems
-
-
-def rope_config(args: ModelArgs, partial: bool) -> dict[str, Any]:
-    """The RoPE keys of an export, in both layouts (`partial`: write partial_rotary_factor)."""
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rotary_base}
-    if partial:
-        params["partial_rotary_factor"] = args.partial_rotary_factor
-    scaling = None
-    if args.rope_scaling == "llama3":
-        scaling = {
-            "rope_type": "llama3",
-            "factor": args.rope_factor,
-            "low_freq_factor": args.rope_low_freq_factor,
-            "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_len,
-        }
-        params.update(scaling)
-    out: dict[str, Any] = {"rope_theta": args.rotary_base, "rope_scaling": scaling,
-                           "rope_parameters": params}  # fmt: skip
-    if partial:
-        out["partial_rotary_factor"] = args.partial_rotary_factor
-    return out
 
 
 def hf_config(

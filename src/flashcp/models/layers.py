@@ -5,7 +5,7 @@ Every parameter is created with a recorded init rule (`flashcp.models.init`) so
 in another dtype than its activations (`flashcp.models.precision`: bf16 storage on CPU).
 
 Parameter names follow the Hugging Face layouts (`gate_up_proj`, `down_proj`, ...) so
-`flashcp.models.hf_weights` maps a Paddle name to a checkpoint key by identity; only Linear
+`flashcp.models.hf_state` maps a Paddle name to a checkpoint key by identity; only Linear
 weights differ, by a transpose (Paddle stores `[in, out]`, HF `[out, in]`).
 
 Rotary conventions (`rotary_dim` leading dims of each head rotate, the rest pass through):

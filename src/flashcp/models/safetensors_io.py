@@ -1,6 +1,6 @@
 """Counted, range-limited reads of safetensors files, and the casts applied on read.
 
-Streaming checkpoint loading (`flashcp.models.hf_weights`) must show how many bytes each rank
+Streaming checkpoint loading (`flashcp.models.hf_load`) must show how many bytes each rank
 really reads, so this module reads safetensors itself instead of going through
 `safetensors.safe_open`: ``safe_open`` memory-maps the whole file and the bytes it touches are
 page faults, which Python cannot count per call (page cache, read-ahead). The format is small,

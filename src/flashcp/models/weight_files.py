@@ -2,21 +2,16 @@
 
 One ``model.safetensors``, or shards listed in ``model.safetensors.index.json`` (its
 ``weight_map``: tensor name → shard file). `locate` is the one reader of that layout: the
-loader (`flashcp.models.hf_weights`), the config checks (`flashcp.models.hf_config`,
+loader's checks (`flashcp.models.hf_check`), the config checks (`flashcp.models.hf_mtp`,
 `flashcp.config.load`) and the exporters all ask it. Nothing here reads tensor data: an
-index, or a single file's header (`flashcp.models.safetensors_io.SafetensorsFile`). The
-multi-token-prediction rules: a layer the run asks for is missing when the checkpoint holds
-none of its tensors (`missing_mtp_layers`; one partly there is the loader's to name tensor by
-tensor), and a checkpoint layer is an MTP layer a smaller model skips when it has an
-``eh_proj`` (`mtp_layers_in`).
+index, or a single file's header (`flashcp.models.safetensors_io.SafetensorsFile`). What the
+tensor names say about multi-token-prediction layers is `flashcp.models.hf_mtp`'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +21,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 """The files one of which a model directory's weights start from."""
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -95,32 +89,3 @@ def checkpoint_keys(path: str | os.PathLike[str]) -> list[str]:
     if found.single is not None:
         found.single.close()
     return sorted(found.key_files)
-
-
-def held_layers_from(keys: Collection[str], first: int) -> set[int]:
-    """The layer indices ``model.layers.{i}`` with i >= `first` of which `keys` hold any
-    tensor: from ``num_layers`` on, the checkpoint's multi-token-prediction layers."""
-    held = set()
-    for key in keys:
-        m = _LAYER_RE.match(key)
-        if m is not None and int(m.group(1)) >= first:
-            held.add(int(m.group(1)))
-    return held
-
-
-MTP_MARK = "eh_proj.weight"
-"""The key (after ``model.layers.{i}.``) that makes checkpoint layer i >= num_layers an MTP
-layer (a deeper plain decoder layer is not one: the loader refuses it as unexpected)."""
-
-
-def mtp_layers_in(keys: Collection[str], num_layers: int) -> set[int]:
-    """A checkpoint's MTP layers: those from `num_layers` on with an ``eh_proj`` (`MTP_MARK`),
-    which a load skips when the model builds fewer."""
-    return {i for i in held_layers_from(keys, num_layers) if f"model.layers.{i}.{MTP_MARK}" in keys}
-
-
-def missing_mtp_layers(keys: Collection[str], num_layers: int, mtp_layers: int) -> list[int]:
-    """The MTP layers ``model.layers.{num_layers + d}`` (d < `mtp_layers`) of which `keys` (a
-    checkpoint's tensor names) hold no tensor at all."""
-    held = held_layers_from(keys, num_layers)
-    return [num_layers + d for d in range(mtp_layers) if num_layers + d not in held]

@@ -6,8 +6,9 @@
 
 Pure arithmetic over the config (no Paddle tensors): `flashcp.plan.params` lists each stage's
 parameters exactly as the models build them, `flashcp.plan.activations` what autograd keeps
-per layer, `flashcp.plan.model` the moments of a step where a rank peaks (assembled from
-`state`, `layer`, `head`, `forward`, `optimizer` and `host`), and
+per layer (in `counts`' units; the routed experts' rows in `moe_rows`, attention's transient
+bytes in `attention_scratch`), `flashcp.plan.model` the moments of a step where a rank peaks
+(assembled from `state`, `layer`, `head`, `forward`, `optimizer` and `host`), and
 `flashcp.plan.report` the text, JSON and over-budget messages.
 """
 

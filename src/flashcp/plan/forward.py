@@ -7,6 +7,7 @@ of the token-wise parts, plus the attention's own chunk buffers."""
 from __future__ import annotations
 
 from flashcp.plan import activations as act
+from flashcp.plan import moe_rows
 from flashcp.plan.head import HeadPlan, InFlight
 from flashcp.plan.items import Moments
 from flashcp.plan.layer import LayerSet, exchange_bytes
@@ -28,12 +29,12 @@ def nograd(s: Setup, state: StageState, layers: LayerSet, index: int) -> tuple[f
     moe = args.is_moe_layer(index)
     tile = min(f.tile_tokens, T) if f.tile_tokens else 0
     if not tile:
-        buf = act.expert_rows(args, T, dt, s.ep) if args.num_experts else None
+        buf = moe_rows.expert_rows(args, T, dt, s.ep) if args.num_experts else None
         peak = act.nograd_forward_transient(args, index, buf).bytes(dt) * T
         if f.query_chunk or f.kv_chunk:  # attention's own buffers, chunk-sized
             peak += layers.attn_forward
         return peak, max(0.0, exchange_bytes(s, dt, index, T) - peak) if moe else 0.0
-    tile_buf = act.expert_rows(args, tile, dt, s.ep) if args.num_experts else None
+    tile_buf = moe_rows.expert_rows(args, tile, dt, s.ep) if args.num_experts else None
     per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
     H = args.hidden_size
     core = (act.attention_core(args).bytes(dt) + H * (dt.boundary + dt.res)) * T

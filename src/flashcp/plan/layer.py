@@ -18,6 +18,9 @@ from typing import NamedTuple
 
 from flashcp.models.config import ModelArgs
 from flashcp.plan import activations as act
+from flashcp.plan import moe_rows
+from flashcp.plan.attention_scratch import attention_backward_bytes, attention_forward_bytes
+from flashcp.plan.counts import Counts, Dtypes
 from flashcp.plan.params import layer_parameters
 from flashcp.plan.setup import Setup
 from flashcp.plan.state import StageState
@@ -42,7 +45,7 @@ class Work(NamedTuple):
 NO_WORK = Work(0.0, 0.0, 0.0, 0.0)
 
 
-def weight_copies(args: ModelArgs, index: int, tokens: int, dt: act.Dtypes) -> int:
+def weight_copies(args: ModelArgs, index: int, tokens: int, dt: Dtypes) -> int:
     """Bytes of the bf16 copies of layer `index`'s weight matrices that matmuls save under bf16
     O1 autocast over float32 weights: every matmul casts its weight and keeps the copy for
     backward; the stacked routed experts are not autocast. (bf16 storage with float32 compute
@@ -55,11 +58,11 @@ def weight_copies(args: ModelArgs, index: int, tokens: int, dt: act.Dtypes) -> i
     return int(total * dt.c)
 
 
-def upcast_transient(args: ModelArgs, index: int, dt: act.Dtypes, *, frozen: bool) -> int:
+def upcast_transient(args: ModelArgs, index: int, dt: Dtypes, *, frozen: bool) -> int:
     """bf16 storage with float32 compute (CPU): the largest 2-D weight of layer `index` upcast
     for one matmul and, in its backward, upcast again for dx plus (trained) its float32
     gradient, that gradient's bf16 cast and the main_grad hook's float32 cast: 4 (+ 10) bytes
-    each. (The stacked experts upcast chunk by chunk: `act.moe_backward_bytes`.)"""
+    each. (The stacked experts upcast chunk by chunk: `moe_rows.moe_backward_bytes`.)"""
     if not dt.upcast:
         return 0
     largest = max((x.numel for x in layer_parameters(args, index) if len(x.shape) == 2),
@@ -78,7 +81,7 @@ class TiledWork:
     ep: float
 
 
-def _tile_saved(s: Setup, index: int, dt: act.Dtypes, rows: act.ExpertRows | None) -> act.Counts:
+def _tile_saved(s: Setup, index: int, dt: Dtypes, rows: moe_rows.ExpertRows | None) -> Counts:
     """Per token of a tile: `act.tile_saved` of layer `index` (with LoRA's), an MoE layer's
     expert buffer sized for one tile (`rows`)."""
     lora_experts = act.experts_adapted(s.args, index, s.lora_targets)
@@ -90,9 +93,9 @@ def _tile_saved(s: Setup, index: int, dt: act.Dtypes, rows: act.ExpertRows | Non
 def tiled_working_sets(
     s: Setup,
     index: int,
-    dt: act.Dtypes,
+    dt: Dtypes,
     *,
-    saved_tile: act.Counts,
+    saved_tile: Counts,
     tile: int,
     copies: float,
     refined: bool,
@@ -113,13 +116,13 @@ def tiled_working_sets(
     attn_io = act.tiled_io(args, dt, mlp=False).bytes(dt) * T
     per_tile = act.tile_saved(saved_tile).bytes(dt) * tile
     if args.is_moe_layer(index):
-        rows = act.expert_rows(args, tile, dt, s.ep)
-        mlp_t = act.moe_backward_bytes(
+        rows = moe_rows.expert_rows(args, tile, dt, s.ep)
+        mlp_t = moe_rows.moe_backward_bytes(
             args, dt, rows, tile, experts_trained=s.lora_targets is None,
             lora_experts=act.experts_adapted(args, index, s.lora_targets), ep=s.ep,
         )  # fmt: skip
         lora_experts = act.experts_adapted(args, index, s.lora_targets)
-        exchange = act.ep_exchange_bytes(args, dt, tile, s.ep, experts_lora=lora_experts)
+        exchange = moe_rows.ep_exchange_bytes(args, dt, tile, s.ep, experts_lora=lora_experts)
         ep_t = max(0.0, exchange - mlp_t)
     else:
         mlp_t = act.mlp_backward_transient(args, index).bytes(dt) * tile
@@ -129,10 +132,10 @@ def tiled_working_sets(
 
 
 
-def exchange_bytes(s: Setup, dt: act.Dtypes, index: int, tokens: int) -> float:
-    """Layer `index`'s all-to-all buffers (`act.ep_exchange_bytes`) for `tokens` tokens."""
+def exchange_bytes(s: Setup, dt: Dtypes, index: int, tokens: int) -> float:
+    """Layer `index`'s all-to-all buffers (`moe_rows.ep_exchange_bytes`) for `tokens` tokens."""
     lora_experts = act.experts_adapted(s.args, index, s.lora_targets)
-    return act.ep_exchange_bytes(s.args, dt, tokens, s.ep, experts_lora=lora_experts)
+    return moe_rows.ep_exchange_bytes(s.args, dt, tokens, s.ep, experts_lora=lora_experts)
 
 
 @dataclass
@@ -184,20 +187,20 @@ def stage_layers(s: Setup, state: StageState) -> LayerSet:
     args, dt, T, H = s.args, state.dt, s.tokens, s.args.hidden_size
     mode, lora, f = args.recompute, s.lora_targets, s.features
     offload = f.offload_activations
-    buf = act.expert_rows(args, T, dt, s.ep) if args.num_experts else None
+    buf = moe_rows.expert_rows(args, T, dt, s.ep) if args.num_experts else None
     extras = act.stage_extras(args)
     if not offload:  # offloaded as the first layer's input (`offloaded` below)
         extras.add("stage input (embedding output / received activation)", "b", H)
     cp_mask = s.batch * s.seq * CP_MASK_COLUMNS * 4 if s.cp > 1 else 0
     chunks = {"cp": s.cp > 1, "query_chunk": f.query_chunk, "kv_chunk": f.kv_chunk}
-    attn = act.attention_backward_bytes(args, dt, T, s.batch * s.seq, **chunks)
+    attn = attention_backward_bytes(args, dt, T, s.batch * s.seq, **chunks)
     out = LayerSet(
-        attn_forward=act.attention_forward_bytes(args, dt, T, s.batch * s.seq, **chunks),
+        attn_forward=attention_forward_bytes(args, dt, T, s.batch * s.seq, **chunks),
         fixed=extras.bytes(dt) * T + cp_mask,
         norm=int(act.final_norm(args).bytes(dt) * T) if state.last else 0,
     )
     tile = min(f.tile_tokens, T) if f.tile_tokens else 0
-    tile_buf = act.expert_rows(args, tile, dt, s.ep) if args.num_experts and tile else None
+    tile_buf = moe_rows.expert_rows(args, tile, dt, s.ep) if args.num_experts and tile else None
     kept: list[float] = []
     backward: list[tuple[Work, Work]] = []
     # trained MTP layers (`flashcp.models.mtp`, last stage): each depth's block is planned as
@@ -215,7 +218,7 @@ def stage_layers(s: Setup, state: StageState) -> LayerSet:
         attn_t = attn.transient
         if args.is_moe_layer(index):
             assert buf is not None
-            mlp_t = act.moe_backward_bytes(
+            mlp_t = moe_rows.moe_backward_bytes(
                 args, dt, buf, T, experts_trained=lora is None,
                 lora_experts=act.experts_adapted(args, index, lora), ep=s.ep,
             )  # fmt: skip

@@ -39,7 +39,7 @@ Expert parallelism (`parallel.ep`): a rank holds E/ep routed experts per MoE lay
 gradients, masters and moments with them; under ZeRO-1 the experts' optimizer state is sharded
 over the dp·cp/ep ranks of their edp group instead of dp × cp), its experts compute the rows
 the ep ranks send them, and each MoE layer's all-to-all exchanges hold their buffers
-(`act.ep_exchange_bytes`) while the layer runs forward or backward: between the combine, the
+(`moe_rows.ep_exchange_bytes`) while the layer runs forward or backward: between the combine, the
 experts and the permute, so the layer's peak has the larger of them and the MoE backward's
 working set (``ep_buffers``: the excess).
 

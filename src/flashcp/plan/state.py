@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from flashcp.pipeline.split import split_layers
-from flashcp.plan import activations as act
+from flashcp.plan.counts import Dtypes
 from flashcp.plan.params import ParamSpec, is_expert, is_mtp, stage_buffers, stage_parameters
 from flashcp.plan.setup import Setup, numel
 
@@ -23,7 +23,7 @@ class StageState:
     """The decoder layers the stage runs (`flashcp.pipeline.split`)."""
     first: bool
     last: bool
-    dt: act.Dtypes
+    dt: Dtypes
     specs: list[ParamSpec]
     """The stage's parameters as each rank builds them (its ep share of the experts)."""
     n_state: int
@@ -56,7 +56,7 @@ class StageState:
 def stage_state(s: Setup, stage: int) -> StageState:
     """The persistent state of `stage` (module docstring)."""
     args = s.args
-    dt = act.Dtypes.of(s.compute, s.param_dtype, s.device, s.features.residual_dtype)
+    dt = Dtypes.of(s.compute, s.param_dtype, s.device, s.features.residual_dtype)
     P = dt.param
     specs = stage_parameters(
         args, stage, s.pp, s.pp_layers, lora_targets=s.lora_targets, lora_rank=s.lora_rank,

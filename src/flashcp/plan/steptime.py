@@ -57,6 +57,7 @@ from flashcp.models.families.inventory import (
 )
 from flashcp.pipeline.split import split_layers
 from flashcp.plan import activations as act
+from flashcp.plan.counts import Dtypes
 from flashcp.plan.documents import DocumentMix, keys_per_token
 from flashcp.plan.features import Features, features_of
 
@@ -350,7 +351,7 @@ def estimate(
     rate = est.rate or 0.0
     busiest = max(range(p.pp), key=lambda s: stage_executed[s])
     device = device or resolve_device(cfg)
-    dt = act.Dtypes.of(compute_dtype(cfg, device, check=False), t.param_dtype, device,
+    dt = Dtypes.of(compute_dtype(cfg, device, check=False), t.param_dtype, device,
                        f.residual_dtype)  # fmt: skip
     kept = act.layer_output(args)
     if args.recompute == "refined":

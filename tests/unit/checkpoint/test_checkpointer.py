@@ -36,7 +36,7 @@ from helpers.trainruns import Fit, losses
 SRC = ROOT / "src" / "flashcp"
 FIXTURE = FIXTURES / "checkpoints" / "plain" / "run"
 HF_DIRECTORIES = {
-    "models/hf_weights.py",
+    "models/hf_save.py",
     "models/safetensors_io.py",
     "models/safetensors_stream.py",
 }

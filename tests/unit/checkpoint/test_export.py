@@ -20,7 +20,7 @@ from flashcp.config import build_config
 from flashcp.data.tokenizer import ByteTokenizer
 from flashcp.models import build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
-from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.trainer import Trainer, default_model_factory
 from helpers.checkpoints import save_stages
 from helpers.configs import Sections, tiny_config

@@ -24,7 +24,7 @@ from flashcp.checkpoint.merge_export import merged_specs
 from flashcp.config import build_config
 from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.models import ModelArgs, build_model
-from flashcp.models.hf_weights import hf_state_map
+from flashcp.models.hf_state import hf_state_map
 from flashcp.models.init import InitRule, fill_parameter
 from flashcp.trainer import default_model_factory
 from helpers.configs import Sections, tiny_config

@@ -20,9 +20,10 @@ from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.merge_export import merged_specs, write_merged_index, write_merged_stage
 from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.models import build_model, preset
-from flashcp.models.hf_weights import INDEX_FILE, load_hf_checkpoint
+from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.init import InitRule, fill_parameter
 from flashcp.models.safetensors_stream import TensorSpec, safetensors_dtype, write_streaming
+from flashcp.models.weight_files import INDEX_FILE
 from flashcp.pipeline.stage import build_stage
 
 TARGETS = [".*q_proj", ".*o_proj", ".*down_proj", r".*mlp\.experts"]

@@ -31,7 +31,7 @@ from flashcp.cp.layout import Assignment
 from flashcp.launch.preflight import check_raw
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
-from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 from helpers.paths import ROOT
 
 GPT = "configs/gpt/tiny_cp2.yaml"

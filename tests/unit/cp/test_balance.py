@@ -23,7 +23,7 @@ from flashcp.cp.balance import (
 )
 from flashcp.cp.layout import Assignment
 from flashcp.mask_families import FAMILIES
-from flashcp.masks import TILE_MASKED, classify_tiles, to_dense
+from flashcp.mask_indices import TILE_MASKED, classify_tiles, to_dense
 
 S = 128
 BLOCK = 8

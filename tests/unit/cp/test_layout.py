@@ -26,7 +26,7 @@ from flashcp.cp.layout import (
     unshard_dualchunk,
 )
 from flashcp.mask_families import FAMILIES
-from flashcp.masks import to_dense, validate
+from flashcp.mask_indices import to_dense, validate
 from helpers.maskcases import overshoot
 
 

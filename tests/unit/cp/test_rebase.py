@@ -12,7 +12,7 @@ from flashcp.cp.balance import balanced_assignment
 from flashcp.cp.layout import Assignment
 from flashcp.cp.rebase import local_positions, rebase_mask, rebase_thresholds
 from flashcp.mask_families import FAMILIES
-from flashcp.masks import to_dense
+from flashcp.mask_indices import to_dense
 from helpers.maskcases import overshoot
 
 SEQ_LEN = 96  # divisible by 2·cp for every cp in CPS

@@ -17,7 +17,8 @@ from flashcp.data.dpo_packing import (
     unpack_dpo,
 )
 from flashcp.data.dpo_records import DPOExample, fit_example
-from flashcp.masks import causal_mask, to_dense
+from flashcp.mask_indices import to_dense
+from flashcp.masks import causal_mask
 from flashcp.models import build_model, preset
 from flashcp.recipes.dpo_loss import answer_logps
 from helpers.dpo import builtin_preferences, plain_dpo_examples

@@ -1,7 +1,7 @@
 """The CPU reference FlashMask kernel through the front door, against a dense float64 oracle.
 
 The oracle here is written independently of the kernel: a dense `softmax(Q Kᵀ·scale + M)·V`
-per head in float64, with M from `masks.to_dense`, and hand-derived gradients (themselves
+per head in float64, with M from `mask_indices.to_dense`, and hand-derived gradients (themselves
 cross-checked once against Paddle autograd). Every mask family, GQA/MQA, per-head masks,
 Sq != Sk, odd sizes and small tile sizes are compared for float32 inputs under the float32
 rule of `bench.numerics` (reductions over the query / key / head dimension, scale = each
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import numerics
-from flashcp import dispatch, mask_families, masks
+from flashcp import dispatch, mask_families, mask_indices, masks
 from flashcp.attention import interface, local
 from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import CpuReferenceBackend, registry
@@ -107,7 +107,8 @@ def test_oracle_matches_paddle_autograd() -> None:
     idx = random_mask(rng, 1, 2, 29, 23, 4)
     out, _lse, dq, dk, dv = dense_reference(q, k, v, dout, idx, causal=False)
     tq, tk, tv = (paddle.to_tensor(x, stop_gradient=False) for x in (q, k, v))
-    bias = np.where(masks.to_dense(idx, causal=False, q_len=23), -np.inf, 0.0)  # [1, 2, Sq, Sk]
+    dense = mask_indices.to_dense(idx, causal=False, q_len=23)
+    bias = np.where(dense, -np.inf, 0.0)  # [1, 2, Sq, Sk]
     bias = paddle.to_tensor(np.repeat(bias, 2, axis=1))  # mask head per KV head -> per q head
     kk = paddle.repeat_interleave(tk, 2, axis=2).transpose([0, 2, 1, 3])
     vv = paddle.repeat_interleave(tv, 2, axis=2).transpose([0, 2, 1, 3])
@@ -526,7 +527,7 @@ def test_values_beyond_sq_equal_the_clipped_mask(family: str, sq: int, blocks) -
     rng = np.random.default_rng(sq * 1000 + sorted(mask_families.FAMILIES).index(family))
     mask = mask_families.FAMILIES[family](2, sk, 1, 3)
     over = overshoot(mask.indices, sq, seed=sq)
-    clipped = masks.clip_rows(over, sq)
+    clipped = mask_indices.clip_rows(over, sq)
     assert (over > sq).any() and not np.array_equal(over, clipped)
     q, k, v, dout = make_inputs(rng, 2, sq, sk, 2, 1, 8)
     got = run_front_door(q, k, v, dout, over, causal=mask.causal)

@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch, mask_families, masks
+from flashcp import dispatch, mask_families, mask_indices
 from flashcp.attention.flashmask import flashmask_attention_with_version
 from flashcp.attention.registry import make_assignment
 from flashcp.cp.rebase import rebase_mask
@@ -68,7 +68,7 @@ def dense_oracle(q, k, v, dout, idx, *, causal):
     Sk, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
     dense = dense_mask(idx, B, Sq, Sk, causal=causal)
-    heads = [masks.mask_head_index(h, Hq, dense.shape[1]) for h in range(Hq)]
+    heads = [mask_indices.mask_head_index(h, Hq, dense.shape[1]) for h in range(Hq)]
     cpu = paddle.CPUPlace()
     bias = np.where(dense[:, heads], -np.inf, 0.0).astype(np.float32)
     bias = paddle.to_tensor(bias, place=cpu)

@@ -52,7 +52,7 @@ def _model_dir_without_mtp_tensors(directory: Path) -> Path:
     num_nextn_predict_layers 1, the weights hold no MTP layer."""
     from flashcp.models import build_model, preset
     from flashcp.models.hf_config import hf_config
-    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.models.hf_save import save_hf_checkpoint
 
     args = preset("tiny_glm_moe", vocab_size=300, max_seq_len=64)
     save_hf_checkpoint(build_model(args, seed=3), directory)
@@ -179,7 +179,8 @@ def test_model_directory_index_names_what_is_missing(tmp_path: Path) -> None:
     index names but the directory lacks."""
     from flashcp.config import build_config
     from flashcp.models import build_model, preset
-    from flashcp.models.hf_weights import index_problems, save_hf_checkpoint
+    from flashcp.models.hf_check import index_problems
+    from flashcp.models.hf_save import save_hf_checkpoint
 
     args = preset("tiny_glm_moe", vocab_size=300, max_seq_len=64, num_layers=3)
     directory = tmp_path / "sharded"

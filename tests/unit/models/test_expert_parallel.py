@@ -324,7 +324,8 @@ def test_checkpoint_arrays_are_sliced_to_the_ranks_experts() -> None:
 
 
 def test_hf_checkpoint_loads_one_ep_ranks_experts(tmp_path: Path) -> None:
-    from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
+    from flashcp.models.hf_load import load_hf_checkpoint
+    from flashcp.models.hf_save import save_hf_checkpoint
 
     args = _args()
     whole = build_model(args, seed=5)

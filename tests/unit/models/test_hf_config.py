@@ -13,13 +13,13 @@ import pytest
 
 from flashcp.models import ModelArgs, preset
 from flashcp.models.hf_config import (
-    NOTE_MTP,
     HFConfigError,
     args_from_hf_config,
     hf_config,
     parse_hf_config,
     read_config_json,
 )
+from flashcp.models.hf_mtp import NOTE_MTP
 
 MOE_5X: dict[str, Any] = {  # what transformers 5.3 writes for a tiny Glm4MoeForCausalLM
     "architectures": ["Glm4MoeForCausalLM"],
@@ -290,7 +290,7 @@ def test_mtp_refusal_reads_an_index_or_a_single_files_header(tmp_path: Path) -> 
     import numpy as np
     from safetensors.numpy import save_file
 
-    from flashcp.models.hf_config import mtp_refusal
+    from flashcp.models.hf_mtp import mtp_refusal
     from flashcp.models.weight_files import checkpoint_keys
 
     one = np.zeros(2, np.float32)
@@ -367,7 +367,7 @@ def test_a_run_from_a_directory_with_0_or_1_booleans_reloads_its_config(tmp_path
 
     from flashcp.config import build_config, to_yaml
     from flashcp.models import build_model
-    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.models.hf_save import save_hf_checkpoint
 
     directory = tmp_path / "model"
     save_hf_checkpoint(build_model(args_from_hf_config(MOE_5X), seed=0), directory)
@@ -385,7 +385,8 @@ def test_a_run_from_a_directory_with_0_or_1_booleans_reloads_its_config(tmp_path
 def test_a_run_without_the_mtp_layers_is_told_they_are_skipped(tmp_path: Path) -> None:
     """`model.mtp_layers=0` over a directory declaring them: the note says they are skipped,
     never that they 'are built on the last pipeline stage and loaded' (issue 37)."""
-    from flashcp.models.hf_config import NOTE_MTP_SKIPPED, directory_notes
+    from flashcp.models.hf_config import directory_notes
+    from flashcp.models.hf_mtp import NOTE_MTP_SKIPPED
 
     (tmp_path / "config.json").write_text(json.dumps({**MOE_5X, "num_nextn_predict_layers": 1}))
     kept, skipped = directory_notes(tmp_path), directory_notes(tmp_path, mtp_layers=0)

@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from flashcp.checkpoint.merge_export import write_merged_index, write_merged_stage
 from flashcp.models import ModelArgs, build_model
-from flashcp.models.hf_weights import CheckpointMismatchError, load_hf_checkpoint
+from flashcp.models.hf_check import CheckpointMismatchError
+from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.pipeline.stage import stage_spec
 from helpers.hf_glm45 import layer_shapes, random_checkpoint, write_checkpoint
 

@@ -20,15 +20,11 @@ from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save_file as np_save_file
 
 from flashcp.models import ModelArgs, build_model
-from flashcp.models.hf_weights import (
-    CheckpointMismatchError,
-    Float32Source,
-    args_from_hf_config,
-    hf_state_map,
-    load_hf_checkpoint,
-    read_hf_float32,
-    save_hf_checkpoint,
-)
+from flashcp.models.hf_check import CheckpointMismatchError
+from flashcp.models.hf_config import args_from_hf_config
+from flashcp.models.hf_load import Float32Source, load_hf_checkpoint, read_hf_float32
+from flashcp.models.hf_save import save_hf_checkpoint
+from flashcp.models.hf_state import hf_state_map
 from flashcp.models.safetensors_io import SafetensorsFormatError
 from flashcp.pipeline.stage import stage_spec
 

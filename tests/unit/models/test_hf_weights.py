@@ -16,12 +16,10 @@ from safetensors.paddle import save_file as pd_save_file
 from flashcp import masks
 from flashcp.attention.context import AttentionContext
 from flashcp.models import ModelArgs, build_model, preset
-from flashcp.models.hf_weights import (
-    CheckpointMismatchError,
-    args_from_hf_config,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-)
+from flashcp.models.hf_check import CheckpointMismatchError
+from flashcp.models.hf_config import args_from_hf_config
+from flashcp.models.hf_load import load_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 
 SMALL = dict(
     vocab_size=40,

@@ -10,7 +10,7 @@ import pytest
 
 from flashcp.config import ConfigValidationError, load_config
 from flashcp.models import build_model
-from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.trainer import default_model_factory
 from helpers.paths import ROOT
 
@@ -75,7 +75,7 @@ def test_init_from_draws_no_initial_values(
     state = load_file(str(tmp_path / "init" / "model.safetensors"))
     del state["model.norm.weight"]
     save_file(state, str(tmp_path / "init" / "model.safetensors"))
-    from flashcp.models.hf_weights import CheckpointMismatchError
+    from flashcp.models.hf_check import CheckpointMismatchError
 
     with pytest.raises(CheckpointMismatchError, match="model.norm.weight"):
         default_model_factory(cfg)

@@ -19,7 +19,8 @@ from flashcp.metrics.moe_stats import moe_layers
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import ModelArgs, build_model, preset
 from flashcp.models import moe_balance as mb
-from flashcp.models.hf_weights import load_hf_checkpoint, save_hf_checkpoint
+from flashcp.models.hf_load import load_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.models.moe import MoE
 from flashcp.trainer import default_model_factory
 from helpers.configs import Sections, tiny_config

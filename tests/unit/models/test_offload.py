@@ -29,6 +29,7 @@ from flashcp.config.errors import ConfigValidationError
 from flashcp.metrics import memory
 from flashcp.models import build_model, preset
 from flashcp.models import offload as off
+from flashcp.models.offload_transport import NumpyTransport, PinnedTransport, default_transport
 from flashcp.pipeline.stage import build_stage
 from helpers.batches import packed_batch
 from helpers.paths import CONFIGS
@@ -95,7 +96,7 @@ def test_offload_is_bitwise_and_counts_what_moved(name: str, mode: str) -> None:
     assert after_backward.host_peak_bytes == after_forward.offloaded_bytes
 
 
-class _StaleTransport(off.NumpyTransport):
+class _StaleTransport(NumpyTransport):
     """Negative control: brings back the FIRST tensor it sent whatever was asked for (a store
     that mixes up layers)."""
 
@@ -358,9 +359,9 @@ class FakePinned:
 
 
 class FakeStreams:
-    """`offload.CudaStreams` with Paddle's ordering semantics and a lazy side stream: a copy
-    reads its source when the side stream runs it, so a device buffer freed too early fails,
-    and a destination read before its copy landed holds NaN."""
+    """`offload_transport.CudaStreams` with Paddle's ordering semantics and a lazy side stream:
+    a copy reads its source when the side stream runs it, so a device buffer freed too early
+    fails, and a destination read before its copy landed holds NaN."""
 
     def __init__(self) -> None:
         self.compute = FakeStream("compute")
@@ -393,7 +394,7 @@ class FakeStreams:
 
         def copy() -> None:
             assert tensor._is_initialized(), "the device buffer was freed before its copy ran"
-            host.array = off.NumpyTransport().send(tensor)
+            host.array = NumpyTransport().send(tensor)
 
         self.active.ops.append(copy)
         return host
@@ -416,7 +417,7 @@ class FakeStreams:
 def test_pinned_transport_against_lazy_streams(mode: str) -> None:
     loss0, grads0, _, _ = _run("tiny_glm_moe", mode, offload=False, num_layers=4)
     streams = FakeStreams()
-    model = _model("tiny_glm_moe", mode, True, off.PinnedTransport(streams), num_layers=4)
+    model = _model("tiny_glm_moe", mode, True, PinnedTransport(streams), num_layers=4)
     offloader = off.offloader_of(model)
     off.reset_offload_stats()
     loss = _loss(model)
@@ -445,7 +446,7 @@ def test_pinned_transport_uses_the_original_while_its_copy_is_in_flight() -> Non
     uses the device tensor itself, then frees the host copy once the copy has run."""
     loss0, grads0, _, _ = _run("tiny_glm", "full", offload=False)
     streams = FakeStreams()
-    model = _model("tiny_glm", "full", True, off.PinnedTransport(streams))
+    model = _model("tiny_glm", "full", True, PinnedTransport(streams))
     loss = _loss(model)
     loss.backward()
     assert float(loss) == loss0
@@ -467,7 +468,7 @@ def test_a_tensor_back_from_the_host_keeps_its_values_and_stop_gradient(
     x = paddle.to_tensor(values).astype(dtype)
     x.stop_gradient = stop_gradient
     want = x.astype("float32").numpy()
-    transport = off.NumpyTransport()
+    transport = NumpyTransport()
     saved = off.SavedTensor(x)
     saved.send(transport)
     saved.release_device()
@@ -512,7 +513,7 @@ def test_restored_tensors_reach_backward_with_their_flags(
 
 
 def test_default_transport_on_cpu_is_numpy() -> None:
-    assert isinstance(off.default_transport(), off.NumpyTransport)
+    assert isinstance(default_transport(), NumpyTransport)
 
 
 # ------------------------------------------------------------------------- pipeline stages

@@ -28,7 +28,7 @@ from flashcp.metrics import memory
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import build_model, preset
 from flashcp.models import precision as precision_mod
-from flashcp.models.hf_weights import save_hf_checkpoint
+from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.dpo import DPORecipe
 from flashcp.runtime import forward_context

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from flashcp.models.hf_mtp import missing_mtp_layers, mtp_layers_in
 from flashcp.models.weight_files import (
     INDEX_FILE,
     SINGLE_FILE,
     checkpoint_keys,
     locate,
-    missing_mtp_layers,
-    mtp_layers_in,
 )
 
 ONE = np.zeros(2, np.float32)

@@ -648,7 +648,7 @@ def test_init_from_fills_bf16_masters_with_the_files_float32_values(
     """bf16 storage + `checkpoint.init_from` (a float32 HF checkpoint): the parameters are the
     file's values rounded to bf16, the float32 masters the file's values themselves."""
     from flashcp.models import build_model
-    from flashcp.models.hf_weights import save_hf_checkpoint
+    from flashcp.models.hf_save import save_hf_checkpoint
     from flashcp.trainer import init_weights
 
     hf = tmp_path / "hf"

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashcp import cli, masks
+from flashcp import cli, mask_indices, masks
 from flashcp.config import ConfigValidationError, load_config
 from flashcp.cp.work import mask_pairs
 from flashcp.metrics.flops import causal_keys, flops_per_token
@@ -378,7 +378,7 @@ def attended_keys(m: masks.Mask) -> float:
 
 
 def test_causal_keys_count_what_the_mask_computes() -> None:
-    """`mask_pairs` against the dense oracle (`masks.to_dense`), and causal = (S+1)/2."""
+    """`mask_pairs` against the dense oracle (`mask_indices.to_dense`), and causal = (S+1)/2."""
     cases = [
         masks.causal_mask(2, 300),
         masks.causal_document_mask([100, 150, 50], batch=2),
@@ -386,7 +386,7 @@ def test_causal_keys_count_what_the_mask_computes() -> None:
         masks.share_question_mask([(40, 20, 30), (100, 60, 50)], 300),
     ]
     for m in cases:
-        dense = masks.to_dense(m.indices, causal=m.causal)  # True = masked
+        dense = mask_indices.to_dense(m.indices, causal=m.causal)  # True = masked
         want = float((~dense).sum(axis=(-1, -2)).mean() / dense.shape[-1])
         assert attended_keys(m) == pytest.approx(want, rel=1e-12)
     causal = masks.causal_mask(1, 300)
@@ -646,7 +646,8 @@ def test_tiling_bounds_the_layer_working_set() -> None:
 
 
 def test_chunked_attention_bounds_the_kv_gather() -> None:
-    from flashcp.plan.activations import Dtypes, attention_backward_bytes
+    from flashcp.plan.attention_scratch import attention_backward_bytes
+    from flashcp.plan.counts import Dtypes
 
     args = _load(GLM9B).model
     dt = Dtypes.of("bfloat16", "bfloat16", "gpu", "bfloat16")
@@ -688,7 +689,8 @@ def test_chunked_attention_backward_matches_the_allocator() -> None:
     from flashcp.attention.context import AttentionContext
     from flashcp.metrics.memory import PeakMeter
     from flashcp.models import preset
-    from flashcp.plan.activations import Dtypes, attention_backward_bytes
+    from flashcp.plan.attention_scratch import attention_backward_bytes
+    from flashcp.plan.counts import Dtypes
 
     args = preset("small_glm")
     T, hq, hkv, d = 4096, args.num_heads, args.num_kv_heads, args.head_size
@@ -721,7 +723,8 @@ def test_attention_backward_scratch_is_paddles_kernels() -> None:
     expands dK/dV to the query heads for grouped KV heads, `[keys, Hq, d]` each in bf16;
     FA3 keeps float32 accumulators at the KV heads. The larger one counts: FA2's at GLM-4-9B's
     32/2 heads (1 GiB per 65,536 keys), FA3's rows without grouped heads, nothing on CPU."""
-    from flashcp.plan.activations import Dtypes, kernel_backward_scratch
+    from flashcp.plan.attention_scratch import kernel_backward_scratch
+    from flashcp.plan.counts import Dtypes
 
     args = _load(GLM9B).model
     gpu = Dtypes.of("bfloat16", "bfloat16", "gpu", "bfloat16")

@@ -22,7 +22,14 @@ from flashcp.models import build_model, preset
 from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.pipeline.stage import build_stage, stage_spec
 from flashcp.plan import GIB, ITEMS, plan
-from flashcp.plan.activations import Dtypes, ep_exchange_bytes, expert_rows, moe_backward_bytes
+from flashcp.plan.counts import Counts, Dtypes
+from flashcp.plan.moe_rows import (
+    ExpertRows,
+    ep_exchange_bytes,
+    expected_loads,
+    expert_rows,
+    moe_backward_bytes,
+)
 from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
 from flashcp.plan.report import fit_options, format_plan, refusal, variant
 from helpers.configs import PLANNED, Sections, TinyCfg, merged, tiny_config
@@ -312,7 +319,6 @@ def _moe_layer_memory(
     gradients exist: steady state). `mode`: frozen (all weights), lora (adapted experts) or
     trained (every weight)."""
     from flashcp.models import experts
-    from flashcp.plan.activations import ExpertRows
 
     layouts: list[Any] = []
     original = experts.plan_layout
@@ -380,9 +386,9 @@ def test_moe_layer_kept_and_backward_match_the_allocator(
 
     args = _moe_args(**sizes)
     rows, kept, backward = _moe_layer_memory(monkeypatch, args, tokens, mode)
-    dt = act.Dtypes.of("float32", "float32")
+    dt = Dtypes.of("float32", "float32")
     layer = act.layer_saved(args, 1, dt, rows)
-    moe = act.Counts()
+    moe = Counts()
     for what, cls, n in layer.parts:
         if what.startswith("MoE"):
             moe.add(what, cls, n)
@@ -390,14 +396,14 @@ def test_moe_layer_kept_and_backward_match_the_allocator(
     moe += act.lora_saved(args, 1, targets, 8, dt, rows)
     assert kept == pytest.approx(moe.bytes(dt) * tokens, rel=0.002)
     # negative control: an unpadded buffer (T·k rows) misses what the layer keeps
-    unpadded = act.layer_saved(args, 1, dt, act.ExpertRows(args.num_experts_per_tok, False, 0, 0))
+    unpadded = act.layer_saved(args, 1, dt, ExpertRows(args.num_experts_per_tok, False, 0, 0))
     missing = sum(n for w, _, n in unpadded.parts if w.startswith("MoE")) * 4 * tokens
     assert abs(kept - missing) > 0.03 * kept
-    planned = act.moe_backward_bytes(
+    planned = moe_backward_bytes(
         args, dt, rows, tokens, experts_trained=mode == "trained", lora_experts=mode == "lora"
     )
     assert backward == pytest.approx(planned, rel=0.05)
-    expected = act.expert_rows(args, tokens, dt)
+    expected = expert_rows(args, tokens, dt)
     assert expected.per_token == pytest.approx(rows.per_token, rel=0.10)
 
 
@@ -408,18 +414,18 @@ def test_expert_buffer_expectations() -> None:
     from flashcp.plan import activations as act
 
     args = _moe_args(hidden_size=64, num_experts=16, num_experts_per_tok=4)
-    cpu, gpu = act.Dtypes.of("float32", "float32"), act.Dtypes.of("bfloat16", "bfloat16", "gpu")
-    assert act.expert_rows(args, 1024, gpu).per_token == 4.0  # ragged: exactly T·k
-    padded = act.expert_rows(args, 1024, cpu)
+    cpu, gpu = Dtypes.of("float32", "float32"), Dtypes.of("bfloat16", "bfloat16", "gpu")
+    assert expert_rows(args, 1024, gpu).per_token == 4.0  # ragged: exactly T·k
+    padded = expert_rows(args, 1024, cpu)
     assert 4.0 < padded.per_token < 4.0 * 1.25 and padded.padded and padded.chunks >= 1
-    loads = act.expected_loads(args, 1024)
+    loads = expected_loads(args, 1024)
     assert loads == sorted(loads, reverse=True) and abs(sum(loads) - 4096) <= 16
     capped = preset("tiny_glm_moe", hidden_size=64, num_experts=16, num_experts_per_tok=4,
                     moe_capacity_factor=1.0)  # fmt: skip
-    assert max(act.expected_loads(capped, 1024)) == 4096 // 16
+    assert max(expected_loads(capped, 1024)) == 4096 // 16
     assert gpu.experts == 2 and cpu.experts == 4
     targets = [r".*mlp\.experts"]
-    rows = act.expert_rows(args, 1024, gpu)
+    rows = expert_rows(args, 1024, gpu)
     on_gpu = act.lora_saved(args, 1, targets, 8, gpu, rows)
     assert [w for w, _, _ in on_gpu.parts] == [
         "MoE LoRA x @ A per buffer row",
@@ -429,7 +435,7 @@ def test_expert_buffer_expectations() -> None:
     assert on_cpu.res == 2 * 8 * padded.per_token  # x @ A of both projections, per row
     # a GPU full fine-tune: the gate/up backward holds Paddle's grouped-GEMM weight gradient,
     # its zeros_like and the masked copy (3 × the stacked weight in bf16)
-    trained = act.moe_backward_bytes(args, gpu, rows, 64, experts_trained=True, lora_experts=False)
+    trained = moe_backward_bytes(args, gpu, rows, 64, experts_trained=True, lora_experts=False)
     h, im = args.hidden_size, args.moe_intermediate_size
     w_gu = args.num_experts * h * 2 * im
     assert trained == 4 * 64 * (h - im) * 4 + 3 * w_gu * 2

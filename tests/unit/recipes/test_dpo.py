@@ -15,7 +15,7 @@ from flashcp.config import build_config
 from flashcp.data.dpo_stream import DPOData
 from flashcp.lora.model import disable_adapters, load_adapters
 from flashcp.models import build_model
-from flashcp.models.hf_weights import load_hf_checkpoint
+from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.pipeline.runner import PipelineRunner
 from flashcp.trainer import Trainer
 from helpers.configs import TINY_GLM_ACCUM, Sections, TinyCfg, merged

@@ -1,9 +1,9 @@
 """The declarative layers import without Paddle: the config (`flashcp.config`), the model
-families and config.json reading (`flashcp.models.families`, `flashcp.models.hf_config`), the
-weights' files (`flashcp.models.weight_files`), the experts' row layouts
-(`flashcp.models.expert_layout`), the memory planner (`flashcp.plan`) and the layout
-(`flashcp.distributed.dims`) —
-checked in a fresh interpreter in which any import of ``paddle`` fails."""
+families and config.json reading (`flashcp.models.families`, `flashcp.models.hf_config`,
+`flashcp.models.hf_rope`), the checkpoint's MTP layers (`flashcp.models.hf_mtp`), the weights'
+files (`flashcp.models.weight_files`), the experts' row layouts (`flashcp.models.expert_layout`),
+the memory planner (`flashcp.plan`) and the layout (`flashcp.distributed.dims`) — checked in a
+fresh interpreter in which any import of ``paddle`` fails."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ DECLARATIVE = (
     "flashcp.models.config",
     "flashcp.models.families",
     "flashcp.models.hf_config",
+    "flashcp.models.hf_rope",
+    "flashcp.models.hf_mtp",
     "flashcp.models.weight_files",
     "flashcp.models.rope",
     "flashcp.models.expert_layout",

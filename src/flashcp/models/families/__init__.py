@@ -5,7 +5,7 @@ building blocks, the values its reference class always computes, its presets, an
 Face side (`flashcp.models.families.hf.HFSide`). Everyone else asks this registry — the builder
 (`flashcp.models.build_model`), `ModelArgs` (validation, which layers are MoE, the rotary
 pairing), the config.json reader and writer (`flashcp.models.hf_config`), the weight loader and
-exporter (`flashcp.models.hf_weights`), the parameter inventory and FLOPs
+exporter (`flashcp.models.hf_state`), the parameter inventory and FLOPs
 (`flashcp.models.families.inventory`), the planner and the config checks — and no module outside
 this package compares `arch` to a family's name (`tests/unit/repo/test_family_registry.py`).
 `docs/models.md` ("Adding a model family") walks through one file.

@@ -63,6 +63,11 @@ PADDLEFORMERS_IGNORED: dict[str, str] = {
 inference (parallelism, kernels, its aux-loss style), never the model's function."""
 
 
+def is_number(x: Any) -> bool:
+    """A config.json value that is a number (JSON's true / false are not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class Rename:
     """A checkpoint key that differs from flashcp's parameter name: flashcp's name ends with
