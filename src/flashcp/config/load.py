@@ -39,7 +39,8 @@ from flashcp.config.errors import (
 )
 from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.placeholders import find_placeholders, is_placeholder, placeholder_message
-from flashcp.config.schema import RECIPES, SECTIONS, Config, config_key, extra_sections
+from flashcp.config.recipe_spec import RECIPES, extra_sections
+from flashcp.config.schema import SECTIONS, Config, config_key
 
 """A `model.from_pretrained` directory holds one of these."""
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
