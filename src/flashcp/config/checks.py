@@ -2,8 +2,8 @@
 cascades) and the small helpers rules share.
 
 `flashcp.config.validate.check_config` makes one `Checks` and runs the core rules
-(`flashcp.config.validate`) and the run's recipe's own (`RecipeSpec.rules`,
-`flashcp.config.recipes`) against it.
+(`flashcp.config.validate`, `flashcp.config.layout_rules`) and the run's recipe's own
+(`RecipeSpec.rules`, `flashcp.config.recipes`) against it.
 """
 
 from __future__ import annotations
