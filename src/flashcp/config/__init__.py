@@ -12,21 +12,18 @@ A training recipe (`run.recipe`) is declared once, as a `RecipeSpec`
 
 from flashcp.config.aliases import ALIASES
 from flashcp.config.errors import ConfigError, ConfigValidationError
-from flashcp.config.load import (
-    build_config,
-    collect,
+from flashcp.config.load import build_config, collect, load_config, read_yaml
+from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
+from flashcp.config.recipe_spec import RECIPES, RecipeSpec, data_formats, register_recipe
+from flashcp.config.recipes import DPOConfig, LoRAConfig  # registers the built-in recipes
+from flashcp.config.saved import (
     config_changes,
     config_hash,
     diff_dicts,
     hashed_dict,
-    load_config,
-    read_yaml,
     to_dict,
     to_yaml,
 )
-from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
-from flashcp.config.recipe_spec import RECIPES, RecipeSpec, data_formats, register_recipe
-from flashcp.config.recipes import DPOConfig, LoRAConfig  # registers the built-in recipes
 from flashcp.config.schema import (
     IGNORE_INDEX,
     REPORT_BACKENDS,

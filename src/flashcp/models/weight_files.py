@@ -3,7 +3,7 @@
 One ``model.safetensors``, or shards listed in ``model.safetensors.index.json`` (its
 ``weight_map``: tensor name → shard file). `locate` is the one reader of that layout: the
 loader (`flashcp.models.hf_weights`), the config checks (`flashcp.models.hf_config`,
-`flashcp.config.load`) and the exporters all ask it. Nothing here reads tensor data: an
+`flashcp.config.model_section`) and the exporters all ask it. Nothing here reads tensor data: an
 index, or a single file's header (`flashcp.models.safetensors_io.SafetensorsFile`). The
 multi-token-prediction rules: a layer the run asks for is missing when the checkpoint holds
 none of its tensors (`missing_mtp_layers`; one partly there is the loader's to name tensor by
