@@ -411,7 +411,7 @@ def formats_of(recipe: str) -> tuple[Format, ...]:
     return tuple(readers[name] for name in spec.formats)
 
 
-def _examples(recipe: str) -> Examples | None:
+def examples_of(recipe: str) -> Examples | None:
     """The kind of example `recipe` reads (None: an unknown recipe, or one without formats)."""
     spec = RECIPES.get(recipe)
     return None if spec is None else spec.examples
@@ -442,7 +442,7 @@ def no_format(record: dict[str, Any], recipe: str, fields: Fields) -> BadRecordE
     """The bad record of a row in none of `recipe`'s formats: "missing field" of the recipe's
     first flashcp field (as before formats were detected), the formats and the row's keys."""
     first = {"text": fields.text, "supervised": fields.messages,
-             "preference": fields.prompt}[_examples(recipe) or "text"]  # fmt: skip
+             "preference": fields.prompt}[examples_of(recipe) or "text"]  # fmt: skip
     keys = ", ".join(sorted(map(str, record))) or "none"
     accepted = "; ".join(f.layout for f in formats_of(recipe))
     return BadRecordError(
@@ -496,7 +496,7 @@ def _settings(rows: Sequence[dict[str, Any]], recipe: str, fields: Fields) -> li
         for key, value in r.items():
             kinds.setdefault(str(key), _kind(value))
     maps: list[dict[str, str]] = []
-    kind = _examples(recipe)
+    kind = examples_of(recipe)
     if kind == "supervised":
         chat = [k for k, v in kinds.items() if v.startswith("list of {") and "role" in v]
         maps += [{"messages": k} for k in chat[:1]]

@@ -25,7 +25,10 @@ from flashcp.config import (
 )
 from flashcp.config.checks import Checks
 from flashcp.config.schema import Config
+from flashcp.data.dataset import DocumentBuilder
 from flashcp.data.formats import FORMATS, DataFormatError, detect, formats_of
+from flashcp.data.records import BadRecordError
+from flashcp.data.tokenizer import build_tokenizer
 from flashcp.recipes import build_recipe, recipe_class
 from helpers.configs import TINY_LM, merged
 
@@ -143,3 +146,18 @@ def test_a_format_without_a_reader_is_refused_by_name(monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match="run.recipe bad lists data format.s. text, which have "
                                          "no reader of preference examples"):  # fmt: skip
         formats_of("bad")
+
+
+def test_the_data_reader_reads_what_the_declaration_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM data's record reader asks the declaration too: a supervised recipe listing only
+    `prompt_response` reads those rows (prompt untrained, response trained) and refuses a chat
+    row that sft itself would read, naming its one format."""
+    monkeypatch.setitem(RECIPES, "toy_sft", RecipeSpec(
+        "toy_sft", "a test's", examples="supervised", formats=("prompt_response",)))  # fmt: skip
+    build = DocumentBuilder(build_tokenizer("byte"), recipe="toy_sft")
+    doc = build({"prompt": "Q?", "response": "A."})
+    assert doc.targets.sum() == len("A.") + 1  # the response and EOS
+    chat = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    with pytest.raises(BadRecordError, match=r"an toy_sft record needs one of: `prompt`, "
+                                              r"`response` strings \(no chat template\)"):
+        build(chat)
