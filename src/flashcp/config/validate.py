@@ -35,7 +35,7 @@ _WINDOWED = ("sliding_window", "global_window")
 
 def _check_mask(cfg: Config, c: Checks) -> None:
     """`attention.mask` and its parameters: each parameter set exactly for the masks that read
-    it, in range, and a mask the recipe can train with."""
+    it, in range (which masks a recipe trains with, and what its prefix is, are its rules)."""
     a = cfg.attention
     mask = a.mask
     if not c.ok("attention.mask"):
