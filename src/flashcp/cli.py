@@ -376,14 +376,14 @@ def _data_stats(args: argparse.Namespace) -> int:
 
     from flashcp.config import ConfigValidationError, load_config
     from flashcp.data.stats import data_stats, format_stats
-    from flashcp.recipes import RECIPE_CLASSES
+    from flashcp.recipes import recipe_class
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigValidationError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
-    data = RECIPE_CLASSES[cfg.run.recipe].data_class(cfg, dp_rank=0, dp_size=cfg.parallel.dp)
+    data = recipe_class(cfg.run.recipe).data_class(cfg, dp_rank=0, dp_size=cfg.parallel.dp)
     report = data_stats(data, args.steps)  # type: ignore[arg-type]  # LM or DPO data
     print(json.dumps(report) if args.json else format_stats(report))
     return EXIT_OK

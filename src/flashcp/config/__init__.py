@@ -6,27 +6,26 @@
 
 A bad config raises `ConfigValidationError` whose `.errors` lists every problem as
 `ConfigError(key="train.lr", message="expected a number, got 'fast' (a string)")`.
+A training recipe (`run.recipe`) is declared once, as a `RecipeSpec`
+(`flashcp.config.recipe_spec`; the built-in ones: `flashcp.config.recipes`).
 """
 
 from flashcp.config.aliases import ALIASES
 from flashcp.config.errors import ConfigError, ConfigValidationError
-from flashcp.config.load import (
-    build_config,
-    collect,
+from flashcp.config.load import build_config, collect, load_config, read_yaml
+from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
+from flashcp.config.recipe_spec import RECIPES, RecipeSpec, data_formats, register_recipe
+from flashcp.config.recipes import DPOConfig, LoRAConfig  # registers the built-in recipes
+from flashcp.config.saved import (
     config_changes,
     config_hash,
     diff_dicts,
     hashed_dict,
-    load_config,
-    read_yaml,
     to_dict,
     to_yaml,
 )
-from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
-from flashcp.config.recipes import DPOConfig, LoRAConfig  # registers the dpo recipe
 from flashcp.config.schema import (
     IGNORE_INDEX,
-    RECIPES,
     REPORT_BACKENDS,
     SECTIONS,
     AttentionConfig,
@@ -37,10 +36,8 @@ from flashcp.config.schema import (
     EvalConfig,
     HardwareConfig,
     ParallelConfig,
-    RecipeSpec,
     RunConfig,
     TrainConfig,
-    register_recipe,
 )
 from flashcp.config.validate import BYTE_VOCAB_SIZE, check_config
 
@@ -73,6 +70,7 @@ __all__ = [
     "collect",
     "config_changes",
     "config_hash",
+    "data_formats",
     "diff_dicts",
     "hashed_dict",
     "load_config",

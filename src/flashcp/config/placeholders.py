@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from flashcp.config.recipe_spec import RECIPES
+
 PREFIX = "/path/to/"
 """A value starting with this is a placeholder (never a real path on any machine)."""
 
@@ -45,20 +47,23 @@ def _field(raw: Mapping[str, Any], name: str, default: str) -> str:
 
 
 def data_format(raw: Mapping[str, Any]) -> str:
-    """What `data.path` must hold for the recipe of `raw` (`run.recipe`), in its field names."""
+    """What `data.path` must hold for the recipe of `raw` (`run.recipe`: the kind of example
+    it reads, `RecipeSpec.examples`), in its field names."""
     run = raw.get("run")
     recipe = run.get("recipe", "pretrain") if isinstance(run, Mapping) else "pretrain"
+    spec = RECIPES.get(recipe) if isinstance(recipe, str) else None
+    examples = spec.examples if spec is not None else "text"
     f = {
         name: _field(raw, f"{name}_field", name)
         for name in ("messages", "prompt", "response", "chosen", "rejected", "text")
     }
-    if recipe == "dpo":
+    if examples == "preference":
         return (
             f"{_DATA_FILES} preference records, {f['prompt']!r}, {f['chosen']!r} and "
             f"{f['rejected']!r} strings (or a {f['prompt']!r} list of messages with the answers "
             "as assistant turns)"
         )
-    if recipe == "sft":
+    if examples == "supervised":
         return (
             f"{_DATA_FILES} conversations, a {f['messages']!r} list of "
             '{"role", "content"} messages per record (loss on the assistant turns; or '

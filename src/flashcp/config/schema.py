@@ -5,9 +5,9 @@ docstring (the string under it) says what it does; `flashcp validate` and the lo
 messages name fields by their dotted key (`train.lr`). The `model` section is not defined
 here: it is `flashcp.models.ModelArgs` (optionally started from a preset, `model.preset`).
 
-Recipes (`run.recipe`) live in a small registry so later recipes (LoRA, DPO, ...) can add their
-own sections (`register_recipe(RecipeSpec("dpo", sections={"dpo": DPOConfig}))`) without
-touching the core schema.
+The sections a recipe adds (`lora`, `dpo`) are declared with the recipe
+(`flashcp.config.recipe_spec.RecipeSpec`, the built-in ones in `flashcp.config.recipes`), not
+here: they land in `Config.extras`.
 """
 
 from __future__ import annotations
@@ -33,21 +33,6 @@ JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".json")
 PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
 DATA_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
 """File name endings data.path may have (JSON Lines, Parquet); a directory holds such files."""
-
-DATA_FORMATS: dict[str, tuple[str, ...]] = {
-    "auto": ("pretrain", "sft", "dpo"),
-    "text": ("pretrain",),
-    "messages": ("sft",),
-    "sharegpt": ("sft",),
-    "alpaca": ("sft",),
-    "prompt_response": ("sft",),
-    "paddleformers": ("sft", "dpo"),
-    "preference": ("dpo",),
-    "ultrafeedback": ("dpo",),
-    "implicit_prompt": ("dpo",),
-}
-"""`data.format` values → the recipes that read them (`flashcp.data.formats` holds the
-formats themselves)."""
 
 IGNORE_INDEX = -100
 """Label value of a position that has no target (end of a document, prompt, padding)."""
@@ -510,41 +495,6 @@ SECTIONS: dict[str, type] = {
 """Core sections besides `model`, in file order."""
 
 
-@dataclass(frozen=True)
-class RecipeSpec:
-    """A training recipe known to the config system: its name and any extra sections."""
-
-    name: str
-    description: str
-    sections: dict[str, type] = field(default_factory=dict)
-    """Extra top-level sections this recipe reads (e.g. `lora`, `dpo`), name → dataclass."""
-    settings: tuple[str, ...] = ()
-    """Those of `sections` the recipe reads with or without them (absent: their defaults, as
-    `dpo` for the dpo recipe), unlike a section whose presence turns something on (`lora`):
-    `SECTION=null` on the command line cannot remove them (it would silently reset them)."""
-
-
-RECIPES: dict[str, RecipeSpec] = {}
-
-
-def register_recipe(spec: RecipeSpec) -> RecipeSpec:
-    """Make `spec.name` a valid `run.recipe` and its sections valid top-level keys."""
-    RECIPES[spec.name] = spec
-    return spec
-
-
-register_recipe(RecipeSpec("pretrain", "next-token loss on every token of packed documents"))
-register_recipe(RecipeSpec("sft", "loss on response tokens only (prompt/response JSONL)"))
-
-
-def extra_sections() -> dict[str, type]:
-    """Every section some registered recipe adds, name → dataclass."""
-    out: dict[str, type] = {}
-    for spec in RECIPES.values():
-        out.update(spec.sections)
-    return out
-
-
 @dataclass(kw_only=True)
 class Config:
     """A whole run: the model plus every section, resolved and typed."""
@@ -566,7 +516,8 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     extras: dict[str, Any] = field(default_factory=dict)
-    """Sections added by recipes (`RecipeSpec.sections`), by name."""
+    """Sections added by recipes (`flashcp.config.recipe_spec.RecipeSpec.sections`), by
+    name."""
     source: str | None = None
     """The file this config was read from (None when built in code)."""
     overrides: tuple[str, ...] = ()

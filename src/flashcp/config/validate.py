@@ -1,4 +1,7 @@
-"""Cross-field checks of a typed `Config`: arithmetic, files, device and recipe rules.
+"""Cross-field checks of a typed `Config`: `check_config` runs every rule, in order — the
+layout's (`flashcp.config.layout_rules`), the run's recipe's (`RecipeSpec.rules`,
+`flashcp.config.recipes`), and those here: attention masks, model, training, files, run,
+reporting, evaluation and hardware.
 
 Everything here runs without building the model or touching a GPU, so the real-shape configs
 (GLM-4 9B on 8 GPUs) validate on a laptop. Each problem names its dotted key and the change
@@ -9,282 +12,34 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from flashcp.attention import registry as cp_modes
-from flashcp.config.errors import ConfigError, as_fix, suggest
-from flashcp.config.schema import (
-    DATA_FORMATS,
-    DATA_SUFFIXES,
-    PREEMPT_SIGNALS,
-    RECIPES,
-    REPORT_BACKENDS,
-    Config,
+from flashcp.config.checks import Checks, positive
+from flashcp.config.errors import ConfigError, suggest
+from flashcp.config.layout_rules import (
+    check_attention,
+    check_cp_mode,
+    check_lengths,
+    check_parallel,
 )
+from flashcp.config.recipe_spec import RECIPES, data_formats
+from flashcp.config.schema import DATA_SUFFIXES, PREEMPT_SIGNALS, REPORT_BACKENDS, Config
 
 BYTE_VOCAB_SIZE = 259
 """256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
 
 
-class _Checks:
-    """Collects errors, dropping those about keys that already have a type error."""
-
-    def __init__(self, skip: Iterable[str]) -> None:
-        self.skip = set(skip)
-        self.errors: list[ConfigError] = []
-
-    def ok(self, *keys: str) -> bool:
-        return not any(k in self.skip for k in keys)
-
-    def add(
-        self,
-        key: str,
-        message: str,
-        *also: str,
-        fixes: Iterable[dict[str, Any]] = (),
-        other: str = "",
-    ) -> None:
-        """Report `message` about `key` (unless it or one of `also` already failed), with the
-        `fixes` that resolve it (`{dotted key: value}` each, validated before printing:
-        `flashcp.config.errors.prune_fixes`) and any `other` way out."""
-        if self.ok(key, *also):
-            unique: list[Any] = []
-            for fix in map(as_fix, fixes):
-                if fix not in unique:
-                    unique.append(fix)
-            self.errors.append(ConfigError(key, message, tuple(unique), other))
-            self.skip.add(key)
-
-
-def _positive(c: _Checks, key: str, value: float, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        bound = ">= 0" if zero_ok else "> 0"
-        c.add(key, f"must be {bound}, got {value}")
-
-
-def _fit_length(cfg: Config, length: int, divisor: int) -> int:
-    """The multiple of `divisor` nearest above `length`, or below it when above exceeds
-    model.max_seq_len (and below is a sequence of >= 2 tokens)."""
-    up = -(-length // divisor) * divisor
-    max_len = getattr(cfg.model, "max_seq_len", None)
-    down = length // divisor * divisor
-    if isinstance(max_len, int) and up > max_len and down >= 2:
-        return down
-    return up
-
-
-def _with_lengths(cfg: Config, fix: dict[str, Any]) -> dict[str, Any]:
-    """`fix` plus what a changed parallel.cp / cp_mode needs: data.seq_len a multiple of the
-    new divisor (unless parallel.pad), attention.kv_chunk a multiple of the new cp."""
-    p = cfg.parallel
-    cp, mode = fix.get("parallel.cp", p.cp), cp_modes.MODES.get(fix.get("parallel.cp_mode",
-                                                                           p.cp_mode))  # fmt: skip
-    out = dict(fix)
-    if mode is None or cp < 1:
-        return out
-    divisor = cp * mode.chunks_per_rank
-    if not p.pad and cfg.data.seq_len % divisor:
-        out["data.seq_len"] = _fit_length(cfg, cfg.data.seq_len, divisor)
-    kv = cfg.attention.kv_chunk
-    if kv > 0 and kv % cp:
-        out["attention.kv_chunk"] = -(-kv // cp) * cp
-    return out
-
-
-def _nearest(values: Iterable[int], target: int, n: int = 3) -> list[int]:
-    """The `n` of `values` closest to `target` (ties: the smaller first), in that order."""
-    return sorted(values, key=lambda v: (abs(v - target), v))[:n]
-
-
-def _check_parallel(cfg: Config, c: _Checks, world_size: int | None, nnodes: int = 1) -> None:
-    p = cfg.parallel
-    for dim in ("dp", "pp", "cp"):
-        if getattr(p, dim) < 1:
-            c.add(f"parallel.{dim}", f"must be an integer >= 1, got {getattr(p, dim)}")
-    _positive(c, "parallel.grad_bucket_mb", p.grad_bucket_mb)
-    if p.shard_gradients and not p.shard_optimizer:
-        c.add(
-            "parallel.shard_gradients",
-            "true shards the float32 gradients over the ranks that hold the optimizer's shards, "
-            "but parallel.shard_optimizer is false (ZeRO-2 is ZeRO-1 plus sharded gradients)",
-            "parallel.shard_optimizer",
-            fixes=[{"parallel.shard_optimizer": True}, {"parallel.shard_gradients": False}],
-        )
-    if p.shard_optimizer and cfg.debug.dump_grads:
-        c.add(
-            "debug.dump_grads",
-            "needs the full summed gradients, but under parallel.shard_optimizer: true each "
-            "rank keeps only its shard of them",
-            "parallel.shard_optimizer",
-            fixes=[{"debug.dump_grads": False}, {"parallel.shard_optimizer": False}],
-        )
-    if not c.ok("parallel.dp", "parallel.pp", "parallel.cp"):
-        return
-    _check_ep(cfg, c)
-    degrees = f"dp({p.dp}) × pp({p.pp}) × cp({p.cp}) = {p.world_size}"
-    if world_size is not None and p.world_size != world_size:
-        fixes = [
-            _with_lengths(cfg, {f"parallel.{dim}": world_size // others})
-            for dim, others in (("cp", p.dp * p.pp), ("dp", p.pp * p.cp))
-            if world_size % others == 0
-        ]
-        job = f"{world_size} process{'es' if world_size != 1 else ''}"
-        launch = f"--nproc_per_node {p.world_size}"
-        if nnodes > 1:
-            job += f" ({nnodes} nodes × {world_size // nnodes} per node)"
-            launch = (
-                f"--nnodes {nnodes} --nproc_per_node {p.world_size // nnodes}"
-                if p.world_size % nnodes == 0
-                else f"a node count that divides {p.world_size}"
-            )
-        c.add("parallel", f"{degrees} but the job has {job}", fixes=fixes,
-              other=f"launch with {launch}")  # fmt: skip
-    elif world_size is None and nnodes > 1 and p.world_size % nnodes:
-        dp = p.dp * nnodes // math.gcd(p.world_size, nnodes)
-        c.add(
-            "parallel",
-            f"{degrees} processes cannot be split over --nnodes {nnodes} nodes (dp·pp·cp must "
-            f"equal nnodes × nproc_per_node, a multiple of {nnodes})",
-            fixes=[{"parallel.dp": dp}],
-            other="use another --nnodes",
-        )
-    _check_pipeline(cfg, c)
-
-
-def _moe_archs() -> list[str]:
-    from flashcp.models.families import FAMILIES
-
-    return [arch for arch, fam in FAMILIES.items() if fam.is_moe]
-
-
-def _check_ep(cfg: Config, c: _Checks) -> None:
-    """`parallel.ep`: divides dp × cp and model.num_experts, on a MoE model only."""
-    p, m = cfg.parallel, cfg.model
-    if isinstance(p.ep, bool) or not isinstance(p.ep, int) or p.ep < 1:
-        c.add("parallel.ep", f"must be an integer >= 1, got {p.ep!r}")
-        return
-    if p.ep == 1:
-        return
-    if not getattr(m, "is_moe", False):
-        c.add(
-            "parallel.ep",
-            f"parallel.ep={p.ep} splits the routed experts of a MoE model, but model.arch is "
-            f"{getattr(m, 'arch', None)} (no experts)",
-            "model.arch",
-            fixes=[{"parallel.ep": 1}],
-            other="use a MoE model (" + ", ".join(_moe_archs()) + ")",
-        )
-        return
-    experts = getattr(m, "num_experts", None)
-    fits = [
-        d
-        for d in range(1, p.dp * p.cp + 1)
-        if (p.dp * p.cp) % d == 0 and (not isinstance(experts, int) or experts % max(d, 1) == 0)
-    ]
-    if (p.dp * p.cp) % p.ep:
-        c.add(
-            "parallel.ep",
-            f"parallel.ep={p.ep} does not divide dp×cp={p.dp * p.cp} (parallel.dp={p.dp}, "
-            f"parallel.cp={p.cp}): the expert-parallel groups are carved from the dp × cp "
-            "ranks of a pipeline stage",
-            fixes=[{"parallel.ep": d} for d in _nearest(fits, p.ep)],
-        )
-    if isinstance(experts, int) and experts > 0 and experts % p.ep:
-        c.add(
-            "parallel.ep",
-            f"model.num_experts={experts} % parallel.ep={p.ep} = {experts % p.ep}: every ep "
-            "rank holds the same number of experts",
-            "model.num_experts",
-            fixes=[{"parallel.ep": d} for d in _nearest(fits, p.ep)],
-        )
-
-
-def _check_pipeline(cfg: Config, c: _Checks) -> None:
-    """The layer split (`parallel.pp_layers`) and enough micro-batches for the schedule."""
-    p = cfg.parallel
-    layers = getattr(cfg.model, "num_layers", None)
-    if p.pp_layers is not None and isinstance(layers, int) and c.ok("parallel.pp_layers"):
-        from flashcp.pipeline.split import split_layers
-
-        try:
-            split_layers(layers, p.pp, p.pp_layers)
-        except ValueError as exc:
-            c.add("parallel.pp_layers", str(exc), "model.num_layers",
-                  fixes=[{"parallel.pp_layers": None}])  # fmt: skip
-    if p.pp > 1 and cfg.train.grad_accum < p.pp:
-        c.add(
-            "train.grad_accum",
-            f"{cfg.train.grad_accum} micro-batches cannot fill a {p.pp_schedule} pipeline of "
-            f"parallel.pp = {p.pp} stages (train.grad_accum >= {p.pp}: the micro-batches per "
-            "step; more shrink the pipeline bubble)",
-            "parallel.pp",
-            fixes=[{"train.grad_accum": p.pp}],
-        )
-
-
-def _check_cp_mode(cfg: Config, c: _Checks) -> None:
-    """`parallel.cp_mode` names a mode of the one registry (`flashcp.attention.registry`)."""
-    mode = cfg.parallel.cp_mode
-    if mode not in cp_modes.MODES:
-        modes = ", ".join(repr(name) for name in cp_modes.names())
-        c.add("parallel.cp_mode", f"expected one of {modes}, got {mode!r}")
-
-
-def _check_attention(cfg: Config, c: _Checks) -> None:
-    """`attention.query_chunk` / `attention.kv_chunk`: >= 0, kv_chunk a multiple of cp, and a
-    CP mode with a chunked implementation (`flashcp.attention.registry`)."""
-    a, p = cfg.attention, cfg.parallel
-    for key in ("query_chunk", "kv_chunk"):
-        value = getattr(a, key)
-        if value < 0:
-            c.add(f"attention.{key}", f"must be an integer >= 0 (0 = one chunk), got {value}")
-    if p.cp >= 1 and a.kv_chunk > 0 and a.kv_chunk % p.cp and c.ok("parallel.cp"):
-        up = -(-a.kv_chunk // p.cp) * p.cp
-        c.add(
-            "attention.kv_chunk",
-            f"{a.kv_chunk} is not a multiple of parallel.cp = {p.cp}: each cp rank contributes "
-            "kv_chunk / cp of its rows to a gathered key chunk",
-            "parallel.cp",
-            fixes=[{"attention.kv_chunk": up}],
-        )
-    chunked = a.query_chunk > 0 or a.kv_chunk > 0
-    mode = cp_modes.MODES.get(p.cp_mode)
-    if chunked and mode is not None and mode.chunked_implementation is None:
-        chunked_modes = [n for n, m in cp_modes.MODES.items() if m.chunked_implementation]
-        c.add(
-            "attention.query_chunk",
-            f"chunked attention (attention.query_chunk {a.query_chunk}, attention.kv_chunk "
-            f"{a.kv_chunk}) has no implementation for parallel.cp_mode {p.cp_mode}",
-            "parallel.cp_mode",
-            fixes=[
-                {"attention.query_chunk": 0, "attention.kv_chunk": 0},
-                *(_with_lengths(cfg, {"parallel.cp_mode": n}) for n in chunked_modes[:2]),
-            ],
-        )
-
-
 _WINDOWED = ("sliding_window", "global_window")
 
 
-def _check_mask(cfg: Config, c: _Checks) -> None:
+def _check_mask(cfg: Config, c: Checks) -> None:
     """`attention.mask` and its parameters: each parameter set exactly for the masks that read
-    it, in range, and a mask the recipe can train with."""
-    a, recipe = cfg.attention, cfg.run.recipe
+    it, in range (which masks a recipe trains with, and what its prefix is, are its rules)."""
+    a = cfg.attention
     mask = a.mask
     if not c.ok("attention.mask"):
         return
-    if recipe == "dpo" and mask != "causal":
-        c.add(
-            "attention.mask",
-            f"{mask} cannot be used with the dpo recipe: dpo packs preference pairs under its "
-            "share-question mask (each answer sees its prompt and itself), which has no "
-            "window or prefix form here; set attention.mask: causal (or train the windowed / "
-            "prefix model with pretrain or sft)",
-            "run.recipe",
-        )
     if mask == "prefix_lm" and getattr(cfg.model, "mtp_trained", False):
         c.add(
             "attention.mask",
@@ -332,89 +87,20 @@ def _check_mask(cfg: Config, c: _Checks) -> None:
     _check_prefix(cfg, c)
 
 
-def _check_prefix(cfg: Config, c: _Checks) -> None:
-    """`attention.prefix_len`: pretrain's prefix under prefix_lm; sft's prefix is the prompt."""
-    a, recipe = cfg.attention, cfg.run.recipe
-    n = a.prefix_len
-    if a.mask != "prefix_lm":
-        if n is not None:
-            c.add(
-                "attention.prefix_len",
-                f"is read only with attention.mask prefix_lm, but attention.mask is {a.mask}: "
-                "set attention.mask: prefix_lm, or remove attention.prefix_len",
-                "attention.mask",
-            )
-        return
-    if recipe == "sft" and n is not None:
+def _check_prefix(cfg: Config, c: Checks) -> None:
+    """`attention.prefix_len` is read only under prefix_lm (what the prefix is there is the
+    recipe's rule: `flashcp.config.recipes`)."""
+    a = cfg.attention
+    if a.mask != "prefix_lm" and a.prefix_len is not None:
         c.add(
             "attention.prefix_len",
-            f"{n}: with the sft recipe each example's prefix is its prompt (every token "
-            "before the first trained one); remove attention.prefix_len",
-            "run.recipe",
-        )
-    elif recipe == "pretrain" and n is None:
-        c.add(
-            "attention.prefix_len",
-            "attention.mask prefix_lm with the pretrain recipe needs attention.prefix_len: "
-            "the first tokens of each document that see each other both ways and get no "
-            f"loss (e.g. {max(1, cfg.data.seq_len // 4)})",
+            f"is read only with attention.mask prefix_lm, but attention.mask is {a.mask}: "
+            "set attention.mask: prefix_lm, or remove attention.prefix_len",
             "attention.mask",
         )
-    elif recipe == "pretrain" and n is not None and n < 1:
-        c.add("attention.prefix_len", f"must be >= 1 token, got {n}")
-    elif recipe == "pretrain" and n is not None and n >= cfg.data.seq_len:
-        c.add(
-            "attention.prefix_len",
-            f"{n} leaves no trained token in a {cfg.data.seq_len}-token sequence: set "
-            f"attention.prefix_len below data.seq_len (e.g. {max(1, cfg.data.seq_len // 4)})",
-            "data.seq_len",
-        )
 
 
-def _check_lengths(cfg: Config, c: _Checks) -> None:
-    d, p, m = cfg.data, cfg.parallel, cfg.model
-    if d.seq_len < 2:
-        c.add("data.seq_len", f"must be >= 2 (a sequence needs a next token), got {d.seq_len}")
-        return
-    if d.micro_batch_size < 1:
-        c.add("data.micro_batch_size", f"must be >= 1, got {d.micro_batch_size}")
-    if d.balance_window < 1:
-        c.add("data.balance_window", f"must be >= 1 (steps), got {d.balance_window}")
-    if p.cp < 1:
-        return
-    length = d.seq_len
-    chunks = cp_modes.MODES[p.cp_mode].chunks_per_rank if c.ok("parallel.cp_mode") else 0
-    divisor = p.cp * chunks
-    if chunks and d.seq_len % divisor:
-        up = -(-d.seq_len // divisor) * divisor
-        if p.pad:
-            length = up
-        else:
-            how = "cp" if chunks == 1 else f"{chunks}·cp"
-            c.add(
-                "data.seq_len",
-                f"{d.seq_len} is not a multiple of {how} = {divisor} (parallel.cp_mode "
-                f"{p.cp_mode}, parallel.cp {p.cp})",
-                "parallel.cp",
-                "parallel.cp_mode",
-                fixes=[{"data.seq_len": _fit_length(cfg, d.seq_len, divisor)},
-                       {"parallel.pad": True}],  # fmt: skip
-            )
-    max_len = getattr(m, "max_seq_len", None)
-    if isinstance(max_len, int) and length > max_len:
-        what = f"data.seq_len {d.seq_len}" + (f" (padded to {length})" if length != d.seq_len
-                                              else "")  # fmt: skip
-        lower = max_len // divisor * divisor if chunks else max_len
-        c.add(
-            "data.seq_len",
-            f"{what} exceeds model.max_seq_len {max_len}",
-            "model.max_seq_len",
-            # a from_pretrained model's max_seq_len is its config.json's: that fix is pruned
-            fixes=[{"data.seq_len": lower}, {"model.max_seq_len": length}],
-        )
-
-
-def _check_model(cfg: Config, c: _Checks) -> None:
+def _check_model(cfg: Config, c: Checks) -> None:
     m = cfg.model
     validate = getattr(m, "validate", None)
     reported: set[str] = set()
@@ -454,13 +140,13 @@ def _check_model(cfg: Config, c: _Checks) -> None:
         )
 
 
-def _check_train(cfg: Config, c: _Checks) -> None:
+def _check_train(cfg: Config, c: Checks) -> None:
     t = cfg.train
     if t.steps < 1:
         c.add("train.steps", f"must be >= 1, got {t.steps}")
-    _positive(c, "train.lr", t.lr)
+    positive(c, "train.lr", t.lr)
     if t.min_lr is not None:
-        _positive(c, "train.min_lr", t.min_lr, zero_ok=True)
+        positive(c, "train.min_lr", t.min_lr, zero_ok=True)
         if c.ok("train.lr", "train.min_lr") and t.min_lr > t.lr:
             c.add("train.min_lr", f"{t.min_lr} is above train.lr {t.lr} (the decay's floor)",
                   fixes=[{"train.min_lr": None}, {"train.min_lr": t.lr}])  # fmt: skip
@@ -471,12 +157,12 @@ def _check_train(cfg: Config, c: _Checks) -> None:
         c.add("train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     if t.epochs is not None and not (math.isfinite(t.epochs) and t.epochs > 0):
         c.add("train.epochs", f"must be > 0 (passes over the data), got {t.epochs}")
-    _positive(c, "train.weight_decay", t.weight_decay, zero_ok=True)
+    positive(c, "train.weight_decay", t.weight_decay, zero_ok=True)
     for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         if not 0.0 <= beta < 1.0:
             c.add(key, f"must be in [0, 1), got {beta}")
-    _positive(c, "train.eps", t.eps)
-    _positive(c, "train.grad_clip", t.grad_clip, zero_ok=True)
+    positive(c, "train.eps", t.eps)
+    positive(c, "train.grad_clip", t.grad_clip, zero_ok=True)
     if t.grad_accum < 1:
         c.add("train.grad_accum", f"must be >= 1, got {t.grad_accum}")
     if t.log_every < 1:
@@ -520,7 +206,7 @@ def _check_train(cfg: Config, c: _Checks) -> None:
         )
 
 
-def _check_files(cfg: Config, c: _Checks) -> None:
+def _check_files(cfg: Config, c: Checks) -> None:
     d = cfg.data
     path = None if d.path is None else Path(d.path)
     if path is not None and not path.exists():
@@ -543,13 +229,14 @@ def _check_files(cfg: Config, c: _Checks) -> None:
             f"the directory {d.path!r} holds no .jsonl, .json or .parquet files: give a data "
             "file or a directory of them, or null for the built-in data",
         )
-    if d.format not in DATA_FORMATS:
-        c.add("data.format", f"unknown format {d.format!r}" + suggest(d.format, DATA_FORMATS))
-    elif d.format != "auto" and cfg.run.recipe not in DATA_FORMATS[d.format]:
-        fits = [name for name, recipes in DATA_FORMATS.items() if cfg.run.recipe in recipes]
+    formats = data_formats()
+    if d.format not in formats:
+        c.add("data.format", f"unknown format {d.format!r}" + suggest(d.format, formats))
+    elif d.format != "auto" and cfg.run.recipe not in formats[d.format]:
+        fits = [name for name, recipes in formats.items() if cfg.run.recipe in recipes]
         c.add(
             "data.format",
-            f"{d.format} is a format of run.recipe {' / '.join(DATA_FORMATS[d.format])}, not "
+            f"{d.format} is a format of run.recipe {' / '.join(formats[d.format])}, not "
             f"{cfg.run.recipe}: set data.format to one of {', '.join(fits)}",
             "run.recipe",
         )
@@ -569,7 +256,7 @@ def _check_files(cfg: Config, c: _Checks) -> None:
         )
 
 
-def _check_run(cfg: Config, c: _Checks) -> None:
+def _check_run(cfg: Config, c: Checks) -> None:
     if cfg.run.recipe not in RECIPES:
         c.add("run.recipe", f"unknown recipe {cfg.run.recipe!r}" + suggest(cfg.run.recipe,
                                                                            RECIPES))  # fmt: skip
@@ -619,14 +306,14 @@ def _check_run(cfg: Config, c: _Checks) -> None:
             )
 
 
-def _check_long_jobs(cfg: Config, c: _Checks) -> None:
+def _check_long_jobs(cfg: Config, c: Checks) -> None:
     """Restarts, pre-emption and straggler detection (`run.*`)."""
     r = cfg.run
     if r.max_restarts < 0:
         c.add("run.max_restarts", f"must be >= 0 (0 = no automatic restart), got "
                                   f"{r.max_restarts}", fixes=[{"run.max_restarts": 0}])  # fmt: skip
-    _positive(c, "run.restart_backoff_s", r.restart_backoff_s, zero_ok=True)
-    _positive(c, "run.preempt_grace_s", r.preempt_grace_s)
+    positive(c, "run.restart_backoff_s", r.restart_backoff_s, zero_ok=True)
+    positive(c, "run.preempt_grace_s", r.preempt_grace_s)
     if r.preempt_signal is not None and r.preempt_signal not in PREEMPT_SIGNALS:
         c.add("run.preempt_signal", f"{r.preempt_signal!r} is not a pre-emption signal: use "
                                     f"one of {', '.join(PREEMPT_SIGNALS)}, or null for SIGTERM "
@@ -642,7 +329,7 @@ def _check_long_jobs(cfg: Config, c: _Checks) -> None:
               fixes=[{"run.straggler_window": 20}, {"run.straggler_window": 0}])  # fmt: skip
 
 
-def _check_report_to(cfg: Config, c: _Checks) -> None:
+def _check_report_to(cfg: Config, c: Checks) -> None:
     """Known backends, and the package each one needs importable here (before any launch)."""
     problems = []
     for name in cfg.run.report_to:
@@ -660,7 +347,7 @@ def _check_report_to(cfg: Config, c: _Checks) -> None:
         c.add("run.report_to", "; ".join(problems))
 
 
-def _check_eval(cfg: Config, c: _Checks) -> None:
+def _check_eval(cfg: Config, c: Checks) -> None:
     e = cfg.eval
     if e.every < 0:
         c.add("eval.every", f"must be >= 0 (0 = only after the last step), got {e.every}")
@@ -677,73 +364,7 @@ def _check_eval(cfg: Config, c: _Checks) -> None:
         c.add("hardware.peak_tflops", f"must be > 0 or null (no MFU), got {peak}")
 
 
-def _check_lora(cfg: Config, c: _Checks) -> None:
-    lora = cfg.extras.get("lora")
-    if lora is None:
-        return
-    rate = getattr(cfg.model, "router_bias_update_rate", 0.0)
-    if isinstance(rate, (int, float)) and rate > 0:
-        c.add(
-            "model.router_bias_update_rate",
-            f"is {rate}, but with a lora section the router is frozen and only the adapters "
-            "are trained and saved (the moved biases would be lost at resume)",
-            fixes=[{"model.router_bias_update_rate": 0}, {"lora": None}],
-        )
-    if lora.rank < 1:
-        c.add("lora.rank", f"must be an integer >= 1, got {lora.rank}")
-    _positive(c, "lora.alpha", lora.alpha)
-    if not 0.0 <= lora.dropout < 1.0:
-        c.add("lora.dropout", f"must be in [0, 1), got {lora.dropout}")
-    if not c.ok("lora.target_modules"):
-        return
-    if not lora.target_modules:
-        c.add("lora.target_modules", "is empty (regexes of the linear layers to adapt)",
-              fixes=[{"lora.target_modules": [".*q_proj", ".*v_proj"]}])  # fmt: skip
-    for pattern in lora.target_modules:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            c.add("lora.target_modules", f"{pattern!r} is not a regular expression ({exc})")
-
-
-def _check_dpo(cfg: Config, c: _Checks) -> None:
-    if cfg.run.recipe == "dpo":  # with or without a `dpo` section (its defaults)
-        _check_dpo_mtp(cfg, c)
-    dpo = cfg.extras.get("dpo")
-    if dpo is None:
-        return
-    _positive(c, "dpo.beta", dpo.beta)
-    if not 0.0 <= dpo.label_smoothing < 0.5:
-        c.add("dpo.label_smoothing", f"must be in [0, 0.5), got {dpo.label_smoothing}")
-    elif dpo.label_smoothing and dpo.loss_type != "sigmoid":
-        c.add(
-            "dpo.label_smoothing",
-            f"applies to the sigmoid loss only; dpo.loss_type is {dpo.loss_type}",
-            "dpo.loss_type",
-            fixes=[{"dpo.label_smoothing": 0}, {"dpo.loss_type": "sigmoid"}],
-        )
-    if dpo.max_prompt_len is not None and dpo.max_prompt_len < 2:
-        c.add("dpo.max_prompt_len", f"must be >= 2 or null, got {dpo.max_prompt_len}")
-    if cfg.data.seq_len < 3 and c.ok("data.seq_len"):
-        c.add("data.seq_len", f"a DPO row needs >= 3 tokens, got {cfg.data.seq_len}")
-
-
-def _check_dpo_mtp(cfg: Config, c: _Checks) -> None:
-    """The dpo recipe trains no MTP layer (`model.mtp_loss_weight` 0: carried frozen)."""
-    weight = getattr(cfg.model, "mtp_loss_weight", 0)
-    if isinstance(weight, (int, float)) and weight > 0 and c.ok("model.mtp_loss_weight"):
-        c.add(
-            "model.mtp_loss_weight",
-            f"{weight} trains the MTP layers with a cross-entropy, but the dpo recipe's loss "
-            "compares answer log-probabilities with its reference model's: an MTP "
-            "cross-entropy on both answers would also pull the policy toward the rejected "
-            "one (with 0 the MTP layers are carried frozen and exported unchanged; train them "
-            "with the sft recipe)",
-            fixes=[{"model.mtp_loss_weight": 0}],
-        )
-
-
-def _check_hardware(cfg: Config, c: _Checks) -> None:
+def _check_hardware(cfg: Config, c: Checks) -> None:
     """The host budget, the margins kept free, node size and host-link bandwidth of
     `hardware` (the device budget and peak TFLOP/s are checked with the keys they belong
     to)."""
@@ -775,24 +396,31 @@ def _check_hardware(cfg: Config, c: _Checks) -> None:
               fixes=[{"hardware.checkpoint_write_gb_per_s": None}])  # fmt: skip
 
 
+def _check_recipe(cfg: Config, c: Checks) -> None:
+    """The run's recipe's own rules (`RecipeSpec.rules`), before the core mask and length
+    rules: they say what the rest of the config may be under it (dpo: a causal mask)."""
+    spec = RECIPES.get(cfg.run.recipe)
+    for rule in spec.rules if spec is not None else ():
+        rule(cfg, c)
+
+
 def check_config(
     cfg: Config, *, world_size: int | None = None, nnodes: int = 1, skip: Iterable[str] = ()
 ) -> list[ConfigError]:
     """Every cross-field problem of `cfg` (for a job of `world_size` processes, if known, on
     `nnodes` nodes: dp·pp·cp must equal nnodes × processes per node)."""
-    c = _Checks(skip)
-    _check_parallel(cfg, c, world_size, nnodes)
-    _check_cp_mode(cfg, c)
-    _check_attention(cfg, c)
+    c = Checks(skip)
+    check_parallel(cfg, c, world_size, nnodes)
+    check_cp_mode(cfg, c)
+    check_attention(cfg, c)
+    _check_recipe(cfg, c)
     _check_mask(cfg, c)
-    _check_lengths(cfg, c)
+    check_lengths(cfg, c)
     _check_model(cfg, c)
     _check_train(cfg, c)
     _check_files(cfg, c)
     _check_run(cfg, c)
     _check_report_to(cfg, c)
     _check_eval(cfg, c)
-    _check_lora(cfg, c)
-    _check_dpo(cfg, c)
     _check_hardware(cfg, c)
     return c.errors

@@ -74,17 +74,21 @@ def _document(
 
 
 class DocumentBuilder:
-    """A record → its `Document` (or `BadRecordError`), per recipe:
+    """A record → its `Document` (or `BadRecordError`), per the kind of example its recipe
+    reads (`RecipeSpec.examples`):
 
-    * pretrain: `[BOS] text [EOS]`, every token after the first a target (`data.text_field`);
-    * sft, a conversation (`data.messages_field`, or a ShareGPT / Alpaca / PaddleFormers row:
-      `flashcp.data.formats`): rendered by the tokenizer's chat template (`flashcp.data.chat`,
-      no BOS of our own: the template writes any prefix), the assistant turns the targets,
-      then EOS (a target) unless the last turn already ends the text with it;
-    * sft, `prompt_response`: `[BOS] prompt response [EOS]` with `data.prompt_field` /
+    * text (pretrain): `[BOS] text [EOS]`, every token after the first a target
+      (`data.text_field`);
+    * supervised (sft), a conversation (`data.messages_field`, or a ShareGPT / Alpaca /
+      PaddleFormers row: `flashcp.data.formats`): rendered by the tokenizer's chat template
+      (`flashcp.data.chat`, no BOS of our own: the template writes any prefix), the assistant
+      turns the targets, then EOS (a target) unless the last turn already ends the text with
+      it;
+    * supervised, `prompt_response`: `[BOS] prompt response [EOS]` with `data.prompt_field` /
       `data.response_field` strings, the response and EOS the targets.
 
-    `format`: `data.format` (`auto`: each row in the first sft format whose fields it has).
+    `format`: `data.format` (`auto`: each row in the first of the recipe's formats whose
+    fields it has).
 
     `max_len`: with `data.packing: false` each document is cut to seq_len, so one whose targets
     all lie beyond it is a bad record ("too long"). `prefix_len` (pretrain under
@@ -117,7 +121,8 @@ class DocumentBuilder:
         self.fields = formats.Fields(
             text=text_field, prompt=prompt_field, response=response_field, messages=messages_field
         )
-        self.format = formats.get(format, "sft") if recipe == "sft" else None
+        self.supervised = formats.examples_of(recipe) == "supervised"
+        self.format = formats.get(format, recipe) if self.supervised else None
 
     def __call__(self, record: dict[str, Any]) -> Document:
         doc = self._build(record)
@@ -132,7 +137,7 @@ class DocumentBuilder:
 
     def _build(self, record: dict[str, Any]) -> Document:
         tok = self.tokenizer
-        if self.recipe != "sft":
+        if not self.supervised:
             text = string_field(record, self.text_field, key="data.text_field")
             ids = tok.encode(text)
             if not ids:
@@ -141,9 +146,9 @@ class DocumentBuilder:
             if self.prefix_len:
                 doc.targets[: min(self.prefix_len, len(doc) - 1)] = False
             return doc
-        fmt = self.format or formats.row_format(record, "sft", self.fields)
+        fmt = self.format or formats.row_format(record, self.recipe, self.fields)
         if fmt is None:
-            raise formats.no_format(record, "sft", self.fields)
+            raise formats.no_format(record, self.recipe, self.fields)
         fmt.check(record, self.fields)
         if fmt.messages is not None:
             require_template(tok, fmt.name, fmt.layout)

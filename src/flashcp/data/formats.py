@@ -22,8 +22,9 @@ flashcp formats (`text`, `messages`, `prompt`, `response`, `chosen`, `rejected`)
 `data.*_field`; the other formats' names are fixed by their tools.
 
 `data.format: auto` (the default) reads each row in the first format of its recipe's list
-(the table's order) whose fields it has, so one file (or a directory) may mix formats; a set
-format reads every row in it (a row without its fields is a bad record). `detect(rows, ...)`
+(`RecipeSpec.formats`, `flashcp.config.recipe_spec`: a recipe names the formats it reads)
+whose fields it has, so one file (or a directory) may mix formats; a set format reads every
+row in it (a row without its fields is a bad record). `detect(rows, ...)`
 is the pre-launch check of a sample (`check_data`: the rows a preflight's `SampleSource`
 read): it refuses data in which no row fits, naming the fields found, the formats accepted and
 the setting that would read it. docs/data.md has the details of each format and where
@@ -38,7 +39,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flashcp.config.schema import DATA_FORMATS, DataConfig
+from flashcp.config.recipe_spec import RECIPES, Examples
+from flashcp.config.schema import DataConfig
 from flashcp.data.records import ROLE_ASSISTANT, BadRecordError, has_field, message_list
 from flashcp.data.sources import SampleSource
 
@@ -73,13 +75,14 @@ class Fields:
 
 @dataclass(frozen=True)
 class Format:
-    """One data format of one recipe: how to tell a row is in it (`matches`) and, for chat
-    formats, the conversation (`messages`, sft) or preference (`preference`, dpo) it holds.
-    `messages` / `preference` None: the recipe's builder reads the row itself (flashcp's
-    plain-text formats)."""
+    """One data format read as one kind of example (`examples`, the kind a recipe declares:
+    `flashcp.config.recipe_spec.RecipeSpec`): how to tell a row is in it (`matches`) and, for
+    chat formats, the conversation (`messages`, supervised) or preference (`preference`) it
+    holds. `messages` / `preference` None: the recipe's builder reads the row itself
+    (flashcp's plain-text formats)."""
 
     name: str
-    recipe: str
+    examples: Examples
     layout: str
     """What a row holds, for messages (`conversations: [{from, value}]`)."""
     match: Callable[[dict[str, Any], Fields], bool]
@@ -365,41 +368,53 @@ def _ultrafeedback_match(r: dict[str, Any], f: Fields) -> bool:
 
 
 FORMATS: tuple[Format, ...] = (
-    Format("text", "pretrain", "`text`: a string", lambda r, f: has_field(r, f.text),
+    Format("text", "text", "`text`: a string", lambda r, f: has_field(r, f.text),
            field=lambda f: f.text),
-    Format("messages", "sft", "`messages`: [{role, content}]",
+    Format("messages", "supervised", "`messages`: [{role, content}]",
            lambda r, f: has_field(r, f.messages), messages=_messages, field=lambda f: f.messages),
-    Format("sharegpt", "sft", "ShareGPT `conversations`: [{from, value}] (human/gpt/system)",
+    Format("sharegpt", "supervised", "ShareGPT `conversations`: [{from, value}] (human/gpt/system)",
            _has("conversations"), messages=_sharegpt, field=lambda f: "conversations"),
-    Format("paddleformers", "sft", "PaddleFormers `src`, `tgt` (+ `system`)",
+    Format("paddleformers", "supervised", "PaddleFormers `src`, `tgt` (+ `system`)",
            lambda r, f: has_field(r, "src") and has_field(r, "tgt") and "response" not in r,
            messages=_paddleformers_sft, field=lambda f: "tgt"),
-    Format("alpaca", "sft", "Alpaca `instruction`, `input`, `output`",
+    Format("alpaca", "supervised", "Alpaca `instruction`, `input`, `output`",
            _has("instruction", "output"), messages=_alpaca, field=lambda f: "output"),
-    Format("prompt_response", "sft", "`prompt`, `response` strings (no chat template)",
+    Format("prompt_response", "supervised", "`prompt`, `response` strings (no chat template)",
            lambda r, f: has_field(r, f.prompt) and f.response in r, field=lambda f: f.prompt),
-    Format("paddleformers", "dpo", "PaddleFormers `src`, `tgt`, `response`, `sort`",
+    Format("paddleformers", "preference", "PaddleFormers `src`, `tgt`, `response`, `sort`",
            _has("src", "tgt", "response", "sort"), preference=_paddleformers_dpo),
-    Format("ultrafeedback", "dpo",
+    Format("ultrafeedback", "preference",
            "UltraFeedback `prompt` string + `chosen` / `rejected` conversations",
            _ultrafeedback_match, preference=_ultrafeedback),
-    Format("preference", "dpo", "`prompt`, `chosen`, `rejected` (strings, or TRL messages)",
+    Format("preference", "preference", "`prompt`, `chosen`, `rejected` (strings, or TRL messages)",
            lambda r, f: has_field(r, f.prompt), field=lambda f: f.prompt),
-    Format("implicit_prompt", "dpo",
+    Format("implicit_prompt", "preference",
            "TRL implicit prompt: `chosen` / `rejected` whole conversations",
            lambda r, f: f.prompt not in r and _is_turns(r.get(f.chosen))
            and _is_turns(r.get(f.rejected)), preference=_implicit),
 )  # fmt: skip
-"""Every format, each recipe's in the order `auto` tries them (the first whose fields a row
-has reads it)."""
-
-assert {f.name for f in FORMATS} | {"auto"} == set(DATA_FORMATS), "config names = formats"
-assert all(f.recipe in DATA_FORMATS[f.name] for f in FORMATS)
+"""Every format's reader, one per kind of example it serves. Which recipes read a format, and
+in which order `auto` tries them, is each recipe's declaration (`RecipeSpec.formats`)."""
 
 
 def formats_of(recipe: str) -> tuple[Format, ...]:
-    """The formats `recipe` reads, in detection order."""
-    return tuple(f for f in FORMATS if f.recipe == recipe)
+    """The formats `recipe` reads (its `RecipeSpec.formats`), in detection order, each as
+    its kind of example (`RecipeSpec.examples`); () for a recipe that reads none."""
+    spec = RECIPES.get(recipe)
+    if spec is None or not spec.formats:
+        return ()
+    readers = {f.name: f for f in FORMATS if f.examples == spec.examples}
+    missing = [name for name in spec.formats if name not in readers]
+    if missing:
+        raise ValueError(f"run.recipe {recipe} lists data format(s) {', '.join(missing)}, which "
+                         f"have no reader of {spec.examples} examples in flashcp.data.formats")
+    return tuple(readers[name] for name in spec.formats)
+
+
+def examples_of(recipe: str) -> Examples | None:
+    """The kind of example `recipe` reads (None: an unknown recipe, or one without formats)."""
+    spec = RECIPES.get(recipe)
+    return None if spec is None else spec.examples
 
 
 def get(name: str, recipe: str) -> Format | None:
@@ -426,7 +441,8 @@ def row_format(record: dict[str, Any], recipe: str, fields: Fields) -> Format | 
 def no_format(record: dict[str, Any], recipe: str, fields: Fields) -> BadRecordError:
     """The bad record of a row in none of `recipe`'s formats: "missing field" of the recipe's
     first flashcp field (as before formats were detected), the formats and the row's keys."""
-    first = {"pretrain": fields.text, "sft": fields.messages, "dpo": fields.prompt}[recipe]
+    first = {"text": fields.text, "supervised": fields.messages,
+             "preference": fields.prompt}[examples_of(recipe) or "text"]  # fmt: skip
     keys = ", ".join(sorted(map(str, record))) or "none"
     accepted = "; ".join(f.layout for f in formats_of(recipe))
     return BadRecordError(
@@ -472,7 +488,7 @@ def _settings(rows: Sequence[dict[str, Any]], recipe: str, fields: Fields) -> li
     """Settings that would read `rows`, each checked to: another recipe whose formats fit
     them, or field names of flashcp's formats mapped onto theirs."""
     out = []
-    for other in ("sft", "dpo", "pretrain"):
+    for other in RECIPES:
         if other != recipe and any(row_format(r, other, fields) for r in rows):
             out.append(f"run.recipe={other}")
     kinds: dict[str, str] = {}
@@ -480,13 +496,14 @@ def _settings(rows: Sequence[dict[str, Any]], recipe: str, fields: Fields) -> li
         for key, value in r.items():
             kinds.setdefault(str(key), _kind(value))
     maps: list[dict[str, str]] = []
-    if recipe == "sft":
+    kind = examples_of(recipe)
+    if kind == "supervised":
         chat = [k for k, v in kinds.items() if v.startswith("list of {") and "role" in v]
         maps += [{"messages": k} for k in chat[:1]]
         p, a = _pick(kinds, PROMPT_NAMES, "string"), _pick(kinds, RESPONSE_NAMES, "string")
         if p and a and p != a:
             maps.append({"prompt": p, "response": a})
-    elif recipe == "dpo":
+    elif kind == "preference":
         c, r = _pick(kinds, CHOSEN_NAMES, ""), _pick(kinds, REJECTED_NAMES, "")
         p = _pick(kinds, PROMPT_NAMES, "")
         if c and r:

@@ -54,7 +54,7 @@ def lm_source(cfg: Config, peers: Peers | None = None) -> RowSource:
     d = cfg.data
     if d.path is not None:
         return open_source(d.path, cache_dir=d.cache_dir, peers=peers)
-    if cfg.run.recipe == "sft":
+    if formats.examples_of(cfg.run.recipe) == "supervised":
         return ListSource(
             builtin_sft_records(d.prompt_field, d.response_field), "built-in instruction set"
         )

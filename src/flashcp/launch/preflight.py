@@ -376,10 +376,10 @@ def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[Config
     the setting that would read them), tokenizer, chat template, bad-record policy, no usable
     record. Placeholders are left to the config's check. Bad records the sample held (which
     training skips, `data.on_bad_record: skip`) go to `warnings`: how many, and why."""
-    from flashcp.recipes import RECIPE_CLASSES
+    from flashcp.recipes import recipe_class
     from flashcp.recipes.base import eval_config
 
-    data_class = RECIPE_CLASSES[cfg.run.recipe].data_class
+    data_class = recipe_class(cfg.run.recipe).data_class
     problems: list[ConfigError] = []
     sets = [("data.path", cfg.data.path, cfg)]
     if cfg.eval.path is not None:

@@ -3,7 +3,7 @@
 One ``model.safetensors``, or shards listed in ``model.safetensors.index.json`` (its
 ``weight_map``: tensor name → shard file). `locate` is the one reader of that layout: the
 loader's checks (`flashcp.models.hf_check`), the config checks (`flashcp.models.hf_mtp`,
-`flashcp.config.load`) and the exporters all ask it. Nothing here reads tensor data: an
+`flashcp.config.model_section`) and the exporters all ask it. Nothing here reads tensor data: an
 index, or a single file's header (`flashcp.models.safetensors_io.SafetensorsFile`). What the
 tensor names say about multi-token-prediction layers is `flashcp.models.hf_mtp`'s.
 """

@@ -154,11 +154,11 @@ def data_documents(cfg: Any, path: str) -> DocumentMix:
     import dataclasses
 
     from flashcp.data.dpo_stream import DPORows
-    from flashcp.recipes import RECIPE_CLASSES
+    from flashcp.recipes import recipe_class
 
     data_cfg = dataclasses.replace(cfg.data, path=path)
-    sample = RECIPE_CLASSES[cfg.run.recipe].data_class(dataclasses.replace(cfg, data=data_cfg),
-                                                      dp_rank=0, dp_size=1)  # fmt: skip
+    sample = recipe_class(cfg.run.recipe).data_class(dataclasses.replace(cfg, data=data_cfg),
+                                                    dp_rank=0, dp_size=1)  # fmt: skip
     lengths = np.asarray(sample.index.lengths, dtype=np.int64)
     rows = getattr(sample, "plan", None)
     pairs = None

@@ -8,24 +8,36 @@
   its data is `flashcp.data.dpo_records` / `dpo_packing` / `dpo_stream`.
 * `flashcp.recipes.dpo_loss`: answer log-prob sums over packed spans and the DPO losses.
 
-`RECIPE_CLASSES` maps `run.recipe` (its config spec: `flashcp.config.RECIPES`) to its class;
-`build_recipe` makes the run's.
+A recipe is declared once, in the config layer (`flashcp.config.recipe_spec.RecipeSpec`: its
+sections, data formats, rules and `implementation`, the class here as "module:attribute");
+`recipe_class` imports the class a declaration names, `build_recipe` makes the run's.
 """
 
 from __future__ import annotations
 
-from flashcp.config import Config
+import functools
+import importlib
+
+from flashcp.config import RECIPES, Config
 from flashcp.distributed import ParallelGroups
 from flashcp.recipes.base import Recipe
-from flashcp.recipes.dpo import DPORecipe
-from flashcp.recipes.lm import LMRecipe, SFTRecipe
 
-RECIPE_CLASSES: dict[str, type[Recipe]] = {"pretrain": LMRecipe, "sft": SFTRecipe, "dpo": DPORecipe}
+
+def recipe_class(name: str) -> type[Recipe]:
+    """The trainer class of `run.recipe` `name`: its declaration's `implementation`, imported
+    the first time it is asked for."""
+    spec = RECIPES.get(name)
+    if spec is None or spec.implementation is None:
+        raise ValueError(f"run.recipe {name!r} has no trainer recipe")
+    return _load(spec.implementation)
+
+
+@functools.cache
+def _load(path: str) -> type[Recipe]:
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def build_recipe(cfg: Config, groups: ParallelGroups) -> Recipe:
     """The recipe object of `run.recipe`."""
-    name = cfg.run.recipe
-    if name not in RECIPE_CLASSES:
-        raise ValueError(f"run.recipe {name!r} has no trainer recipe")
-    return RECIPE_CLASSES[name](cfg, groups)
+    return recipe_class(cfg.run.recipe)(cfg, groups)

@@ -5,7 +5,9 @@ key=value ...`), applies each one as a user would (the printed overrides after t
 and runs the same preflight again (`flashcp.launch.preflight.check_raw`: the config's
 validation, then this machine's device and dispatch, the memory plans, the model directory,
 a sample of the data): the problem is gone and no new one appears. The table reaches every
-place `flashcp.config.validate` offers fixes (checked against its source), and the cases the
+place a config rule offers fixes (`flashcp.config.validate` and every other module of
+`flashcp.config` that reports to `Checks`, a recipe's rules included; checked against their
+source), and the cases the
 issue names print the right fixes: a `from_pretrained` model's max_seq_len is never "raised",
 and `parallel.cp=3` comes with the data.seq_len it needs.
 """
@@ -26,7 +28,7 @@ import pytest
 from flashcp import dispatch
 from flashcp.attention import registry as cp_modes
 from flashcp.config import ConfigError, read_yaml
-from flashcp.config import validate as validator
+from flashcp.config.checks import Checks
 from flashcp.cp.layout import Assignment
 from flashcp.launch.preflight import check_raw
 from flashcp.models import build_model, preset
@@ -148,13 +150,16 @@ def _fill(items: list[str], places: dict[str, str]) -> list[str]:
     return out
 
 
-def _fix_sites() -> list[tuple[int, int]]:
-    """Source line spans of every `add(..., fixes=...)` call in `flashcp.config.validate`."""
-    source = inspect.getsource(validator)
-    offset = inspect.getsourcelines(validator)[1] - 1
+CONFIG = Path(inspect.getfile(Checks)).parent
+
+
+def _fix_sites() -> list[tuple[str, int, int]]:
+    """(file, first line, last line) of every `add(..., fixes=...)` call in `flashcp.config`
+    (the core rules, the layout rules, each recipe's rules)."""
     return [
-        (node.lineno + offset, node.end_lineno + offset)  # type: ignore[operator]
-        for node in ast.walk(ast.parse(source))
+        (path.name, node.lineno, node.end_lineno)  # type: ignore[misc]
+        for path in sorted(CONFIG.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == "add"
@@ -167,16 +172,17 @@ def test_every_printed_fix_is_valid(
 ) -> None:
     """Each case's refusal names at least one fix; each printed fix, applied after the case's
     own overrides, leaves no problem but the case's other ones; and the cases reach every
-    `add(..., fixes=...)` of `flashcp.config.validate`."""
-    hit: set[int] = set()
-    original = validator._Checks.add
+    `add(..., fixes=...)` of `flashcp.config`."""
+    hit: set[tuple[str, int]] = set()
+    original = Checks.add
 
     def recording(self: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("fixes"):
-            hit.add(sys._getframe(1).f_lineno)
+            caller = sys._getframe(1)
+            hit.add((Path(caller.f_code.co_filename).name, caller.f_lineno))
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(validator._Checks, "add", recording)
+    monkeypatch.setattr(Checks, "add", recording)
     for name, config, overrides, launch, key in CASES:
         given = _fill(overrides, places)
         errors = _check(config, given, launch)
@@ -190,8 +196,9 @@ def test_every_printed_fix_is_valid(
             assert all(e.key in others for e in after), f"{name}: {' '.join(fix)}: {after}"
     sites = _fix_sites()
     assert len(sites) >= 20
-    missed = [(a, b) for a, b in sites if not any(a <= line <= b for line in hit)]
-    assert missed == [], f"validate.py lines {missed} offer fixes no case checks"
+    missed = [(name, a, b) for name, a, b in sites
+              if not any(name == f and a <= line <= b for f, line in hit)]  # fmt: skip
+    assert missed == [], f"{missed} (file, lines) offer fixes no case checks"
 
 
 def test_the_fixes_the_issue_names(places: dict[str, str]) -> None:

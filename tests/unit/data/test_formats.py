@@ -531,7 +531,7 @@ def test_data_format_is_validated_against_the_recipe(tmp_path: Path) -> None:
     with pytest.raises(ConfigValidationError) as info:
         tiny_config(tmp_path, base=BASE, data={"format": "sharegpt"}, run={"recipe": "dpo"})
     assert "data.format: sharegpt is a format of run.recipe sft, not dpo: set data.format to " \
-           "one of auto, paddleformers, preference, ultrafeedback, implicit_prompt" in str(
+           "one of auto, paddleformers, ultrafeedback, preference, implicit_prompt" in str(
                info.value)  # fmt: skip
     with pytest.raises(ConfigValidationError, match="unknown format 'sharegtp'.*sharegpt"):
         tiny_config(tmp_path, base=BASE, data={"format": "sharegtp"}, run={"recipe": "sft"})
