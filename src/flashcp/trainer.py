@@ -31,11 +31,11 @@ from typing import Any, TextIO
 import numpy as np
 import paddle
 
-from flashcp import dispatch, rundir
+from flashcp import dispatch, runstart
 from flashcp.attempt import current as current_attempt
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
-from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
+from flashcp.checkpoint.format import list_checkpoints
 from flashcp.checkpoint.saving import SAVED, STALL, SaveReport
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
@@ -78,6 +78,7 @@ from flashcp.run_info import (
     summary,
     write_run_info,
 )
+from flashcp.rundir import CHECKPOINT_DIR, CONFIG_FILE
 from flashcp.runtime import forward_context, process_groups, resolve_runtime, seed_rngs, use_device
 
 _SIGNALS = {int(s) for s in signal.Signals}
@@ -302,8 +303,8 @@ class Trainer:
     def resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` selects, if any; returns its path. (The run
         directory check `flashcp train` and every rank made before, here for in-process use.)"""
-        rundir.check_start(self.cfg.run.output_dir, self.cfg.checkpoint.resume,
-                           self.cfg.run.overwrite)  # fmt: skip
+        runstart.check_start(self.cfg.run.output_dir, self.cfg.checkpoint.resume,
+                             self.cfg.run.overwrite)  # fmt: skip
         resumed = self.checkpointer.resume(self.facts.global_batch["tokens"])
         if resumed is None:
             return None
@@ -435,7 +436,7 @@ class Trainer:
             barrier(self.groups.world, op="barrier after resuming")
             if main:
                 output_dir.mkdir(parents=True, exist_ok=True)
-                (output_dir / "config.yaml").write_text(to_yaml(cfg))
+                (output_dir / CONFIG_FILE).write_text(to_yaml(cfg))
             write_run_info(self)
         self.echo(banner(self))
         if source is not None:

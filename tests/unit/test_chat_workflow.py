@@ -24,12 +24,11 @@ from bench.hfdir import (
     write_jsonl,
     write_tokenizer_files,
 )
-from flashcp import masks
+from flashcp import masks, rundir
 from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
 from flashcp.data import HFTokenizer
-from flashcp.metrics import tracking
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
@@ -82,7 +81,7 @@ def _check_visualdl(run: Path, tags: set[str]) -> None:
     step, with its value (VisualDL stores float32)."""
     from visualdl import LogReader
 
-    (log,) = (run / tracking.VISUALDL_DIR).glob("vdlrecords.*.log")
+    (log,) = (run / rundir.VISUALDL_DIR).glob("vdlrecords.*.log")
     want: dict[str, dict[int, float]] = {}
     for record in read_metrics(run):
         for tag, value in scalars(record).items():

@@ -86,12 +86,14 @@ def test_a_cycle_is_found() -> None:
 
 
 def test_the_leaves_import_nothing_of_flashcp() -> None:
-    """The bottom layer: masks, the FA dispatch, logging, faults, the device query and the
-    launch attempt (faults fire in one attempt)."""
+    """The bottom layer: masks, the FA dispatch, logging, faults, the device query, the
+    launch attempt (faults fire in one attempt) and the run directory's names (every layer
+    asks them; the run lock only them)."""
     graph = package_graph()
-    for leaf in ("masks", "device", "log", "attempt"):
+    for leaf in ("masks", "device", "log", "attempt", "rundir"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
     assert graph["dispatch"] <= {"log"} and graph["faults"] <= {"log", "attempt"}
+    assert graph["runlock"] <= {"rundir"}
 
 
 def test_the_optimizer_knows_no_model() -> None:
