@@ -271,7 +271,7 @@ def _eval(args: argparse.Namespace) -> int:
     from flashcp import runlock
     from flashcp.checkpoint.format import CheckpointError
     from flashcp.config import ConfigValidationError, load_config
-    from flashcp.evaluation import EvalError, Evaluation, check
+    from flashcp.evaluation.command import EvalError, Evaluation, check
     from flashcp.launch.job import run_job
     from flashcp.launch.preflight import Nodes
     from flashcp.launch.worker import set_runtime_flags

@@ -84,8 +84,8 @@ WANDB_DIR = "wandb"
 directory): its local copy of the run."""
 
 EVAL_RESULTS_FILE = "eval_results.json"
-"""`flashcp.evaluation`, rank 0, at the end of `flashcp eval`: the metrics, what was evaluated,
-the layout, provenance (an earlier one is kept as `eval_results.old-<stamp>.json`)."""
+"""`flashcp.evaluation.command`, rank 0, at the end of `flashcp eval`: the metrics, what was
+evaluated, the layout, provenance (an earlier one is kept as `eval_results.old-<stamp>.json`)."""
 
 PLOT_FILE = "metrics.png"
 """`flashcp plot RUN_DIR` (`flashcp.metrics.plot`) unless told where: the metrics drawn."""

@@ -33,7 +33,8 @@ from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_weights import save_hf_checkpoint
-from flashcp.trainer import Trainer, default_model_factory
+from flashcp.parallelize import default_model_factory
+from flashcp.trainer import Trainer
 from helpers.configs import Sections, merged, tiny_config
 from helpers.trainruns import fit
 

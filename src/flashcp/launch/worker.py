@@ -14,7 +14,7 @@ start there (`flashcp.runstart`; a rank never moves an earlier run aside for `ru
 process's runtime flags (`set_runtime_flags`: the `Trainer` writes no environment variable),
 initialises the distributed runtime, builds the process groups and the `Trainer`, installs
 injected faults (`flashcp.faults`) and fits. With `--eval` (`flashcp eval`) it builds a
-`flashcp.evaluation.Evaluation` instead and evaluates (no run directory check: nothing of a
+`flashcp.evaluation.command.Evaluation` instead and evaluates (no run directory check: nothing of a
 run is written but `eval_results.json`).
 
 Exit codes (`flashcp.launch.outcome`): 0 done, 2 bad config, a run directory another job holds
@@ -41,8 +41,8 @@ from flashcp import dispatch, distributed, faults, runlock, runstart
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import Config, ConfigValidationError
 from flashcp.data.records import DataError
-from flashcp.evaluation import EvalError, Evaluation
-from flashcp.evaluation import check as check_evaluation
+from flashcp.evaluation.command import EvalError, Evaluation
+from flashcp.evaluation.command import check as check_evaluation
 from flashcp.launch.outcome import (
     EXIT_CHECKPOINT,
     EXIT_CONFIG,

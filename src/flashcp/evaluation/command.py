@@ -12,13 +12,13 @@ What is evaluated (`select_weights`):
 With neither there is nothing to evaluate (a seeded random model is refused, `EvalError`), and
 checkpoints that are all broken are refused rather than silently skipped.
 
-The ranks are built as for training (`flashcp.trainer.build_stage`: each rank its pipeline
-stage and ep share, the config's dp × cp × pp × ep layout; one process when the world is 1) but
-without optimizer, gradients or training data, and the held-out set runs through the training
-evaluation itself (`flashcp.evaluate.Evaluator`: one pass, or `eval.max_batches`): pretrain /
-SFT report the token-weighted cross-entropy over the targets (`eval/loss`, the assistant tokens
-of conversations), its perplexity and the target count; DPO the mean DPO loss, the rewards of
-chosen and rejected answers, their margin and the reward accuracy, as TRL's evaluation does.
+The ranks are built as for training (`flashcp.parallelize.build_stage`: each rank its pipeline stage
+and ep share, the config's dp × cp × pp × ep layout; one process when the world is 1) but without
+optimizer, gradients or training data, and the held-out set runs through the training evaluation
+itself (`evaluator.Evaluator`: one pass, or `eval.max_batches`): pretrain / SFT report the token-
+weighted cross-entropy over the targets (`eval/loss`, the assistant tokens of conversations), its
+perplexity and the target count; DPO the mean DPO loss, the rewards of chosen and rejected answers,
+their margin and the reward accuracy, as TRL's evaluation does.
 
 The DPO reference is what DPO trains against: the weights the run starts from (a frozen copy,
 or with LoRA the policy with its adapters off; `DPORecipe.setup`, run before the checkpoint is
@@ -47,12 +47,12 @@ from flashcp.checkpoint.checkpointer import load_weights
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.config import Config, config_changes, config_hash
 from flashcp.distributed import ParallelGroups, startup_phase
-from flashcp.evaluate import PREFIX
+from flashcp.evaluation.evaluator import PREFIX, build_evaluator
+from flashcp.parallelize import build_runner, build_stage
 from flashcp.recipes import build_recipe
 from flashcp.run_info import duration, provenance
 from flashcp.rundir import ASIDE, CHECKPOINT_DIR, EVAL_RESULTS_FILE
 from flashcp.runtime import process_groups, resolve_runtime, seed_rngs, use_device
-from flashcp.trainer import build_evaluator, build_runner, build_stage
 
 LAYOUT_AND_TRAINING = ("parallel.", "train.", "data.path", "data.shuffle", "data.balance")
 """Config keys a checkpoint may be evaluated under other values of without a note: the layout

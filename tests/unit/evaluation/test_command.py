@@ -1,4 +1,4 @@
-"""`flashcp eval` (`flashcp.evaluation`) in one process, through the CLI as a user runs it.
+"""`flashcp eval` (`flashcp.evaluation.command`) in one process, through the CLI as a user runs it.
 
 * A run's checkpoint evaluated on its eval set gives what the run's own evaluation after that
   step gave (the held-out loss, perplexity and targets; DPO: loss, rewards, margin, accuracy,
