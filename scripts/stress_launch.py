@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import jobs, stats
-from flashcp.checkpoint.format import CHECKPOINT_DIR, step_dir, verify_checkpoint
+from flashcp.checkpoint.format import step_dir, verify_checkpoint
+from flashcp.rundir import CHECKPOINT_DIR
 
 CONFIG_FOR = {2: "configs/gpt/tiny_cp2.yaml", 4: "configs/gpt/tiny_cp4.yaml"}
 QUICK_LAUNCHES = 3

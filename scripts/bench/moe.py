@@ -261,7 +261,8 @@ def balance_run(steps: int, rate: float, seed: int) -> dict[str, Any]:
     from flashcp.config import build_config
     from flashcp.metrics.moe_stats import moe_layers
     from flashcp.metrics.writer import read_metrics
-    from flashcp.trainer import Trainer, default_model_factory
+    from flashcp.parallelize import default_model_factory
+    from flashcp.trainer import Trainer
 
     def skewed(cfg: Any, stage: Any) -> Any:
         model = default_model_factory(cfg, stage)

@@ -65,9 +65,9 @@ from flashcp.checkpoint.format import MODEL_FILE, OPTIMIZER_FILE
 from flashcp.distributed import ports
 from flashcp.launch import supervise
 from flashcp.launch.outcome import EXIT_PREEMPTED
-from flashcp.launch.restart import read_records
 from flashcp.metrics.goodput import read_goodput
 from flashcp.metrics.writer import read_metrics
+from flashcp.rundir import restart_records
 
 CONFIG = "configs/gpt/tiny_cp2.yaml"
 WORLD = 4
@@ -261,7 +261,7 @@ def measure(
         "faults": [asdict(f) for f in faults],
         "runs": runs,
         "uninterrupted_run": reference,
-        "restarts": read_records(faulted),
+        "restarts": restart_records(faulted),
         "goodput": None if ledger is None else ledger.to_json(),
         "uninterrupted_goodput": None if ref_ledger is None else ref_ledger.to_json(),
         "bitwise": bitwise(faulted, ref, steps),

@@ -16,13 +16,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 ENV_ATTEMPT = "FLASHCP_ATTEMPT"
 ENV_STARTED_AT = "FLASHCP_STARTED_AT"
 ENV_LAUNCHED_AT = "FLASHCP_LAUNCHED_AT"
-RESTARTS_FILE = "restarts.jsonl"
-"""One JSON line per automatic restart, in the run directory (`flashcp.launch.restart`)."""
 
 _IMPORTED_AT = time.time()
 
@@ -65,12 +62,3 @@ def _seconds(raw: str | None) -> float:
         return float(raw) if raw else _IMPORTED_AT
     except ValueError:
         return _IMPORTED_AT
-
-
-def restarts(output_dir: str | Path) -> int:
-    """How many automatic restarts the run in `output_dir` has had (lines of `restarts.jsonl`)."""
-    path = Path(output_dir) / RESTARTS_FILE
-    try:
-        return sum(1 for line in path.read_text().splitlines() if line.strip())
-    except OSError:
-        return 0

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flashcp.launch.outcome import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
+from flashcp.rundir import CONFIG_FILE
 
 CONFIG_DIR = Path("configs")
 
@@ -234,12 +235,12 @@ def _eval_target(config: str, overrides: list[str]) -> tuple[str, list[str]]:
     path = Path(config)
     if not path.is_dir():
         return config, overrides
-    saved = path / "config.yaml"
+    saved = path / CONFIG_FILE
     if not saved.is_file() and (path / "config.json").is_file():
         return _model_dir_config(path), overrides
     if not saved.is_file():
         raise FileNotFoundError(
-            f"{path} is a directory without config.yaml or config.json: give a run directory "
+            f"{path} is a directory without {CONFIG_FILE} or config.json: give a run directory "
             "(what `flashcp train` wrote), a Hugging Face model directory or a config file"
         )
     return str(saved), [f"run.output_dir={path}", *overrides]
@@ -270,7 +271,7 @@ def _eval(args: argparse.Namespace) -> int:
     from flashcp import runlock
     from flashcp.checkpoint.format import CheckpointError
     from flashcp.config import ConfigValidationError, load_config
-    from flashcp.evaluation import EvalError, Evaluation, check
+    from flashcp.evaluation.command import EvalError, Evaluation, check
     from flashcp.launch.job import run_job
     from flashcp.launch.preflight import Nodes
     from flashcp.launch.worker import set_runtime_flags

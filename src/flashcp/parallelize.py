@@ -1,4 +1,9 @@
-"""What is applied to this rank's freshly built stage, in one place and in order.
+"""This rank's stage of the model: built, parallelized in one place and in order, and run.
+
+`build_stage` builds a rank's part of the model (`default_model_factory`: its pipeline stage
+and ep share, from `train.seed` or `checkpoint.init_from`) and parallelizes it; `build_runner`
+is the pipeline runner over it. Training (`flashcp.trainer`) and `flashcp eval`
+(`flashcp.evaluation.command`) build their ranks with these two.
 
 `parallelize(model, cfg, groups)` (torchtitan's `parallelize_llama` shape) takes the stage
 `flashcp.models.build_model` built — the whole model at pp = 1, else this rank's pipeline stage,
@@ -25,17 +30,29 @@ on the parallelized stage.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import paddle
 
+from flashcp import dispatch
 from flashcp.config import Config
-from flashcp.distributed import ParallelGroups
+from flashcp.distributed import ParallelGroups, barrier
+from flashcp.log import log_once
 from flashcp.lora.setup import LoRASetup, apply_lora_config
-from flashcp.models.base import DecoderLayer, DecoderStack
+from flashcp.models import build_model
+from flashcp.models.base import DecoderLayer, DecoderStack, StageSpec
 from flashcp.models.config import RECOMPUTE_MODES
 from flashcp.models.expert_parallel import attach_exchange
+from flashcp.models.hf_config import directory_notes
+from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.models.offload import apply_activation_offload
 from flashcp.models.tiling import check_tile_tokens
+from flashcp.pipeline.runner import PipelineRunner
+from flashcp.pipeline.stage import stage_spec
+from flashcp.runtime import forward_context
 
 
 def apply_expert_parallel(model: paddle.nn.Layer, groups: ParallelGroups) -> int:
@@ -82,3 +99,62 @@ def parallelize(model: paddle.nn.Layer, cfg: Config, groups: ParallelGroups) -> 
     if not cfg.model.mtp_trained:
         freeze_mtp_layers(model)
     return lora
+
+
+def default_model_factory(cfg: Config, stage: StageSpec | None = None) -> paddle.nn.Layer:
+    """Build the configured model — only pipeline stage `stage` of it when given — directly in
+    `train.param_dtype`, initialised from `train.seed` (`flashcp.models.build_model`), or
+    with `checkpoint.init_from` filled from that checkpoint instead (every parameter is read
+    from it, so none is drawn first)."""
+    fresh = cfg.checkpoint.init_from is None
+    model = build_model(cfg.model, stage=stage, param_dtype=cfg.train.param_dtype,
+                        seed=cfg.train.seed, initialise=fresh)  # fmt: skip
+    init_weights(model, cfg)
+    return model
+
+
+def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) -> Any:
+    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes).
+
+    `model` is the whole model or one pipeline stage: a stage reads only its own tensors.
+    `on_tensor` and the returned `LoadReport` (None without init_from): see
+    `flashcp.models.hf_load.load_hf_checkpoint`.
+    """
+    if cfg.checkpoint.init_from is None:
+        return None
+    if cfg.model_from_pretrained is not None:
+        for note in directory_notes(cfg.model_from_pretrained, cfg.model.mtp_layers):
+            log_once(f"hf-config-note:{note}", note)
+    return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
+
+
+def build_stage(
+    cfg: Config,
+    groups: ParallelGroups,
+    model_factory: Callable[[Config, StageSpec], paddle.nn.Layer] | None = None,
+) -> tuple[paddle.nn.Layer, StageSpec, LoRASetup | None]:
+    """This rank's part of the model: its pipeline stage and ep share built by
+    `model_factory` (default: `default_model_factory`), every rank met after the build (load
+    times differ), then parallelized (`flashcp.parallelize`); with its spec and LoRA setup."""
+    stage = stage_spec(
+        cfg.model, int(groups.pp.rank), int(groups.pp.nranks), cfg.parallel.pp_layers
+    )
+    spec = dataclasses.replace(stage, ep_rank=int(groups.ep.rank), ep_size=cfg.parallel.ep)
+    model = (model_factory or default_model_factory)(cfg, spec)
+    # Load times differ between ranks (weights from shared storage): meet here first.
+    barrier(groups.world, op="barrier after building the model")
+    lora = parallelize(model, cfg, groups)
+    return model, spec, lora
+
+
+def build_runner(
+    cfg: Config, groups: ParallelGroups, model: paddle.nn.Layer, dtype: str
+) -> PipelineRunner:
+    """The pipeline runner of this rank's stage under the config's layout."""
+    return PipelineRunner(
+        model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
+        forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
+        fa4_unavailable=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
+        query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
+        mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
+    )  # fmt: skip

@@ -68,8 +68,8 @@ from flashcp.optim.lr import describe as lr_schedule
 from flashcp.optim.master_optimizer import MasterOptimizer
 from flashcp.plan import plan
 from flashcp.plan.steptime import estimate
+from flashcp.rundir import RUN_INFO_FILE
 
-RUN_INFO_FILE = "run_info.json"
 COMMAND_ENV = "FLASHCP_COMMAND"
 """The command line `flashcp train` was given, handed to every rank it launches."""
 GIT_TIMEOUT_S = 10.0

@@ -1,175 +1,131 @@
-"""The run directory: may a run start in it, and moving an earlier run aside (`run.overwrite`).
+"""The run directory (`run.output_dir`): the name of every entry a run writes there, who writes
+it, when, and what it holds. Every module asks here for these names; none spells them itself
+(`tests/unit/repo/test_rundir_names.py`). Whether a run may start in a directory, and moving an
+earlier run aside, is `flashcp.runstart`; the one job that may write it, `flashcp.runlock`.
 
-A run writes `checkpoints/`, `metrics.jsonl`, `config.yaml`, `run_info.json` and `logs/` to
-`run.output_dir`. A fresh run (`checkpoint.resume: never`) in a directory that already holds
-checkpoints would mix two runs, so it is refused, with the three ways out (`start_conflict`):
-continue the run (`checkpoint.resume=auto`), start over in the same place (`run.overwrite=true`), or
-write elsewhere (another `run.output_dir`). A run that would start from step 0 (no checkpoint to
-continue from, whatever `checkpoint.resume` says) over the `metrics.jsonl` of an earlier run would
-truncate it, so it is refused too (`metrics_conflict`), with the two ways out that apply. `flashcp
-train` checks this before launching (`flashcp.launch.preflight`); every rank
-(`flashcp.launch.worker`) and the `Trainer` check it again with the same message, for jobs
-started by `paddle.distributed.launch` directly and for in-process use. This module sits below
-both the trainer and `flashcp.launch`, which import it.
-
-`run.overwrite: true` never deletes: `flashcp train` renames the directory to
-`<output_dir>.old-<YYYYmmdd-HHMMSS>[-N]` (`move_aside`: one rename in the same parent, to a name
-reserved with `mkdir` first, so two moves cannot collide) before any process starts, and the job
-writes into a fresh directory; a directory another job holds (`flashcp.runlock`) is never moved.
-Ranks never move anything (ranks of one job would race, and a
-job may span hosts): a rank that finds an earlier run while `run.overwrite` is true refuses and
-points at `flashcp train`. A directory holding only `logs/` (what the launcher writes before
-the ranks start) and the job's lock (`flashcp.runlock.LOCK_FILE`) is not an earlier run. Ranks
-relaunched by an automatic restart (`flashcp.attempt`: attempt > 0) skip the check: what they
-find there is their own run's.
+Nothing here imports the rest of flashcp: every layer may ask it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import time
+import json
 from pathlib import Path
+from typing import Any
 
-from flashcp.attempt import current as current_attempt
-from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
-from flashcp.metrics.writer import METRICS_FILE
-from flashcp.runlock import LOCK_FILE
+LOCK_FILE = ".flashcp.lock"
+"""`flashcp.runlock`, taken by `flashcp train` / `flashcp eval` (or the first rank of a job
+started by `paddle.distributed.launch`) before anything else is written, held for the job's
+life: the holding job (what, host, PID, command). Not part of a run (`runstart.earlier_run`)."""
 
 LOG_DIR = "logs"
+"""`flashcp.launch.job`, before the ranks start: `paddle.distributed.launch`'s log directory
+(`LAUNCHER_LOG`, `worker_log`, `EVAL_LOG_DIR`, `SYNC_DIR`). Not part of a run on its own."""
+
+LAUNCHER_LOG = "launcher.log"
+"""In `LOG_DIR`: `flashcp.launch.job` / `launch.supervise`, for each launch: the output of
+`paddle.distributed.launch` itself (appended to after a restart)."""
+
+WORKER_LOG = "workerlog.{rank}"
+"""In `LOG_DIR`: `paddle.distributed.launch`, one per local rank: everything the rank printed
+(`worker_log`); flashcp reads them to say why a rank failed (`flashcp.launch.outcome`)."""
+
+EVAL_LOG_DIR = "eval"
+"""In `LOG_DIR`: the launcher's log directory of a `flashcp eval` job (`flashcp.launch.preflight`),
+so an evaluation never mixes its logs into the training run's."""
+
+SYNC_DIR = "restarts"
+"""In `LOG_DIR`: `flashcp.launch.nodesync`, at a failure of a multi-node job: each node's report
+and node 0's decision for each attempt (`attempt<N>.<who>.json`)."""
+
+CONFIG_FILE = "config.yaml"
+"""`flashcp.trainer`, rank 0, at the start of a run: the resolved config it trains (read back by
+`flashcp export` and by `flashcp eval RUN_DIR`)."""
+
+METRICS_FILE = "metrics.jsonl"
+"""`flashcp.metrics.writer`, rank 0, one JSON line per logged step (and evaluation): the run's
+metrics (`flashcp plot` draws them)."""
+
+RUN_INFO_FILE = "run_info.json"
+"""`flashcp.run_info`, rank 0, at the start of a run (again at its end): provenance, the layout,
+the plan, the start-up times."""
+
+GOODPUT_FILE = "goodput.json"
+"""`flashcp.metrics.goodput`, rank 0, at the start, each step, each checkpoint and the end: the
+run's productive and lost time over all its attempts."""
+
+RESTARTS_FILE = "restarts.jsonl"
+"""`flashcp.launch.restart`, the launcher, one JSON line per automatic restart: cause, rank,
+node, exit code, the step it resumed from (`restart_records`)."""
+
+CHECKPOINT_DIR = "checkpoints"
+"""`flashcp.checkpoint.checkpointer`, when `checkpoint.every` falls due and at the end: one
+`step_<N>/` per checkpoint (layout: `flashcp.checkpoint.format`)."""
+
+ADAPTER_DIR = "adapters"
+"""`flashcp.checkpoint.checkpointer`, at the end of a LoRA run: the final adapters
+(PaddleFormers' format, `flashcp.checkpoint.adapters`)."""
+
+MERGED_DIR = "merged"
+"""`flashcp.checkpoint.checkpointer`, at the end of a LoRA run with `lora.merge_at_end`: the
+base weights with the adapters merged in, a Hugging Face model directory."""
+
+GRADS_DIR = "grads"
+"""`flashcp.checkpoint.checkpointer`, rank 0, every step with `debug.dump_grads`: the summed
+gradients as `step_<N>.safetensors`."""
+
+VISUALDL_DIR = "visualdl"
+"""`flashcp.metrics.tracking` with `run.tracking: visualdl`: VisualDL's log."""
+
+TENSORBOARD_DIR = "tensorboard"
+"""`flashcp.metrics.tracking` with `run.tracking: tensorboard`: TensorBoard event files."""
+
+WANDB_DIR = "wandb"
+"""`wandb` itself with `run.tracking: wandb` (`flashcp.metrics.tracking` passes it the run
+directory): its local copy of the run."""
+
+EVAL_RESULTS_FILE = "eval_results.json"
+"""`flashcp.evaluation.command`, rank 0, at the end of `flashcp eval`: the metrics, what was
+evaluated, the layout, provenance (an earlier one is kept as `eval_results.old-<stamp>.json`)."""
+
+PLOT_FILE = "metrics.png"
+"""`flashcp plot RUN_DIR` (`flashcp.metrics.plot`) unless told where: the metrics drawn."""
+
 ASIDE = ".old-"
-"""`<output_dir><ASIDE><timestamp>`: where `run.overwrite` moves an earlier run."""
+"""`<output_dir><ASIDE><YYYYmmdd-HHMMSS>`, beside the run directory: where `run.overwrite` moves
+an earlier run (`flashcp.runstart.move_aside`); `<stem><ASIDE><stamp><suffix>`, inside it: an
+earlier `EVAL_RESULTS_FILE` kept aside."""
+
+ENTRIES: tuple[str, ...] = (
+    LOCK_FILE, LOG_DIR, CONFIG_FILE, METRICS_FILE, RUN_INFO_FILE, GOODPUT_FILE, RESTARTS_FILE,
+    CHECKPOINT_DIR, ADAPTER_DIR, MERGED_DIR, GRADS_DIR, VISUALDL_DIR, TENSORBOARD_DIR, WANDB_DIR,
+    EVAL_RESULTS_FILE, PLOT_FILE,
+)  # fmt: skip
+"""Every name a run (its launcher, its ranks, `flashcp eval`, `flashcp plot`) writes at the top
+of the run directory."""
+
+LOG_ENTRIES: tuple[str, ...] = (LAUNCHER_LOG, WORKER_LOG, EVAL_LOG_DIR, SYNC_DIR)
+"""Every name written inside `LOG_DIR`."""
 
 
-class RunDirError(RuntimeError):
-    """The run cannot start in `run.output_dir`; the message names the ways out."""
+def worker_log(log_dir: str | Path, rank: int) -> Path:
+    """Local rank `rank`'s log in the launcher's log directory `log_dir`."""
+    return Path(log_dir) / WORKER_LOG.format(rank=rank)
 
 
-def earlier_run(output_dir: str | Path) -> list[str]:
-    """Names of what an earlier run left in `output_dir` (all entries but `logs/` and the
-    lock), sorted."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    return sorted(p.name for p in out.iterdir() if p.name not in (LOG_DIR, LOCK_FILE))
-
-
-def checkpoint_conflict(output_dir: str | Path, resume: str) -> str | None:
-    """The refusal of a fresh run (`resume` never) over checkpoints; None when there is none."""
-    if resume != "never":
-        return None
-    found = list_checkpoints(Path(output_dir) / CHECKPOINT_DIR)
-    if not found:
-        return None
-    return (
-        f"run.output_dir {output_dir} already holds checkpoints ({found[-1][1].name}) and "
-        "checkpoint.resume is never: set checkpoint.resume=auto to continue that run, "
-        "run.overwrite=true to move it aside and start over, or choose another run.output_dir"
-    )
-
-
-def metrics_conflict(output_dir: str | Path, resume: str) -> str | None:
-    """The refusal of a run that would start from step 0 over an earlier run's metrics.
-
-    None when `resume` names a checkpoint, when there is a checkpoint to continue from (resume
-    `auto`; `never` over checkpoints is `checkpoint_conflict`), or when `metrics.jsonl` is
-    missing or empty.
-    """
-    out = Path(output_dir)
-    if resume not in ("never", "auto") or list_checkpoints(out / CHECKPOINT_DIR):
-        return None
-    metrics = out / METRICS_FILE
+def restart_records(output_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of the run's `RESTARTS_FILE`, oldest first (empty when there is none). The
+    one reader of that file: a line that is not a JSON object (torn by a crash while it was
+    written) is skipped, so counting restarts never fails a run."""
     try:
-        records = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+        text = (Path(output_dir) / RESTARTS_FILE).read_text()
     except (OSError, UnicodeDecodeError):
-        return None
-    if not records:
-        return None
-    return (
-        f"run.output_dir {output_dir} holds {METRICS_FILE} of an earlier run ({records} "
-        "step record(s)) and no checkpoint to continue from, so this run would start from step "
-        f"0 and overwrite it: set run.overwrite=true to move the earlier run aside and start "
-        "over, or choose another run.output_dir"
-    )
-
-
-def fresh_start_conflict(output_dir: str | Path, resume: str) -> str | None:
-    """`checkpoint_conflict`, else `metrics_conflict`: why a run may not write here."""
-    return checkpoint_conflict(output_dir, resume) or metrics_conflict(output_dir, resume)
-
-
-def holds_cwd(output_dir: str | Path) -> bool:
-    """Whether the current directory is `output_dir` or inside it (it cannot be moved away)."""
-    out = Path(output_dir).resolve()
-    cwd = Path.cwd().resolve()
-    return cwd == out or out in cwd.parents
-
-
-def start_conflict(output_dir: str | Path, resume: str, overwrite: bool) -> str | None:
-    """Why a rank cannot start in `output_dir` (None: it can). Ranks never move a run aside."""
-    if overwrite:
-        found = earlier_run(output_dir)
-        if not found:
-            return None
-        return (
-            f"run.overwrite is true and run.output_dir {output_dir} holds an earlier run "
-            f"({', '.join(found)}): `flashcp train` moves it aside before launching, the ranks "
-            "of a job started by paddle.distributed.launch do not: run `flashcp train CONFIG "
-            f"run.overwrite=true`, or move {output_dir} away yourself"
-        )
-    return fresh_start_conflict(output_dir, resume)
-
-
-def check_start(output_dir: str | Path, resume: str, overwrite: bool) -> None:
-    """Raise `RunDirError` when a run cannot start in `output_dir` (`start_conflict`); never
-    in a relaunch of the same run (`flashcp.attempt`)."""
-    if current_attempt().relaunch:
-        return
-    if (problem := start_conflict(output_dir, resume, overwrite)) is not None:
-        raise RunDirError(problem)
-
-
-def aside_path(output_dir: str | Path, when: float | None = None) -> Path:
-    """`<output_dir>.old-<YYYYmmdd-HHMMSS>` for local time `when` (default: now)."""
-    out = Path(output_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
-    return out.with_name(f"{out.name}{ASIDE}{stamp}")
-
-
-def move_aside(output_dir: str | Path, when: float | None = None) -> Path | None:
-    """Rename a non-empty `output_dir` to a new `aside_path` and return it (None: nothing to
-    move). The target name is reserved with `mkdir` (`-2`, `-3`, ... when taken), then the
-    directory is renamed onto that empty placeholder: nothing is copied or deleted."""
-    out = Path(output_dir)
-    if not out.is_dir() or not any(p.name != LOCK_FILE for p in out.iterdir()):
-        return None
-    if holds_cwd(out):
-        raise RunDirError(
-            f"run.overwrite=true would move run.output_dir {out}, which holds the current "
-            "directory: run from another directory or choose another run.output_dir"
-        )
-    base = aside_path(out, when)
-    target, n = base, 1
-    while True:
+        return []
+    records = []
+    for line in text.splitlines():
         try:
-            target.mkdir()
-            break
-        except FileExistsError:
-            n += 1
-            target = base.with_name(f"{base.name}-{n}")
-        except OSError as exc:
-            raise RunDirError(_cannot_move(out, target, exc)) from None
-    try:
-        os.rename(out, target)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            target.rmdir()
-        raise RunDirError(_cannot_move(out, target, exc)) from None
-    return target
-
-
-def _cannot_move(out: Path, target: Path, exc: OSError) -> str:
-    return (
-        f"run.overwrite=true: cannot move run.output_dir {out} aside to {target}: "
-        f"{exc.strerror or exc}; move it yourself or choose another run.output_dir"
-    )
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

@@ -21,7 +21,8 @@ that is gone is taken over, with a note (`Held.note`): on the same machine (the 
 whose heartbeat (the file's mtime, refreshed every `HEARTBEAT_S` s) is older than
 `FLASHCP_LOCK_STALE_S` (`STALE_S` by default). The holder removes the file when it ends.
 
-Nothing here imports the rest of flashcp: `flashcp.rundir` and `flashcp.launch` use it.
+It imports only the run directory's names (`flashcp.rundir`); `flashcp.runstart` and
+`flashcp.launch` use it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-LOCK_FILE = ".flashcp.lock"
-"""The lock's file, in the run directory (not part of a run: `flashcp.rundir.earlier_run`)."""
+from flashcp.rundir import LOCK_FILE
+
 ENV_TOKEN = "FLASHCP_RUN_LOCK"
 """The token of the lock a job's `flashcp train` (or `flashcp eval`) holds, in its ranks'
 environment."""

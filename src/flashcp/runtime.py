@@ -41,6 +41,11 @@ def process_groups(cfg: Config, groups: ParallelGroups | None = None) -> Paralle
     return groups
 
 
+def step_groups(groups: ParallelGroups) -> list[Any]:
+    """A step's (and an evaluation's) statistics are summed over these: cp, dp, pp."""
+    return [groups.cp, groups.dp, groups.pp]
+
+
 def gpu_visible() -> bool:
     """Whether Paddle sees a GPU on this machine (a CUDA build with a device)."""
     return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0

@@ -31,30 +31,25 @@ from typing import Any, TextIO
 import numpy as np
 import paddle
 
-from flashcp import dispatch, rundir
+from flashcp import runstart
 from flashcp.attempt import current as current_attempt
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
-from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
+from flashcp.checkpoint.format import list_checkpoints
 from flashcp.checkpoint.saving import SAVED, STALL, SaveReport
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
 from flashcp.data.epochs import steps_for_epochs
 from flashcp.distributed import ParallelGroups, barrier, startup_phase, waited_seconds
-from flashcp.evaluate import Evaluator, ep_lockstep, format_eval, is_due
-from flashcp.log import log_once
-from flashcp.lora.setup import LoRASetup
+from flashcp.evaluation.evaluator import Evaluator, build_evaluator, format_eval, is_due
 from flashcp.metrics import memory, tracking
 from flashcp.metrics.goodput import Goodput
 from flashcp.metrics.moe_stats import RouterStats
 from flashcp.metrics.step_sums import StepSums
 from flashcp.metrics.straggler import StragglerWatch
 from flashcp.metrics.writer import MetricsWriter, StepMetrics, layout_text
-from flashcp.models import build_model
 from flashcp.models.base import StageSpec
 from flashcp.models.expert_parallel import expert_tensors
-from flashcp.models.hf_config import directory_notes
-from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.moe_balance import loss_scale_context
 from flashcp.models.offload import take_host_peak
 from flashcp.optim.grads import all_reduce_values, trainable
@@ -63,11 +58,9 @@ from flashcp.optim.master_optimizer import MasterOptimizer
 from flashcp.optim.optimizer import build_distributed_optimizer
 from flashcp.optim.param_optimizer import ParamOptimizer
 from flashcp.optim.trainable import RowSlice
-from flashcp.parallelize import parallelize
-from flashcp.pipeline.runner import PipelineRunner
-from flashcp.pipeline.stage import stage_spec
+from flashcp.parallelize import build_runner, build_stage
 from flashcp.recipes import build_recipe
-from flashcp.recipes.base import Recipe, StepSource, normalised
+from flashcp.recipes.base import StepSource, normalised
 from flashcp.run_info import (
     RunEnd,
     RunFacts,
@@ -78,7 +71,8 @@ from flashcp.run_info import (
     summary,
     write_run_info,
 )
-from flashcp.runtime import forward_context, process_groups, resolve_runtime, seed_rngs, use_device
+from flashcp.rundir import CHECKPOINT_DIR, CONFIG_FILE
+from flashcp.runtime import process_groups, resolve_runtime, seed_rngs, step_groups, use_device
 
 _SIGNALS = {int(s) for s in signal.Signals}
 
@@ -99,57 +93,6 @@ class TrainResult:
     """Stopped early at a pre-emption request, after saving a checkpoint."""
 
 
-def default_model_factory(cfg: Config, stage: StageSpec | None = None) -> paddle.nn.Layer:
-    """Build the configured model — only pipeline stage `stage` of it when given — directly in
-    `train.param_dtype`, initialised from `train.seed` (`flashcp.models.build_model`), or
-    with `checkpoint.init_from` filled from that checkpoint instead (every parameter is read
-    from it, so none is drawn first)."""
-    fresh = cfg.checkpoint.init_from is None
-    model = build_model(cfg.model, stage=stage, param_dtype=cfg.train.param_dtype,
-                        seed=cfg.train.seed, initialise=fresh)  # fmt: skip
-    init_weights(model, cfg)
-    return model
-
-
-def init_weights(model: paddle.nn.Layer, cfg: Config, *, on_tensor: Any = None) -> Any:
-    """Load the HF-layout weights named by `checkpoint.init_from`, if any (strict keys/shapes).
-
-    `model` is the whole model or one pipeline stage: a stage reads only its own tensors.
-    `on_tensor` and the returned `LoadReport` (None without init_from): see
-    `flashcp.models.hf_load.load_hf_checkpoint`.
-    """
-    if cfg.checkpoint.init_from is None:
-        return None
-    if cfg.model_from_pretrained is not None:
-        for note in directory_notes(cfg.model_from_pretrained, cfg.model.mtp_layers):
-            log_once(f"hf-config-note:{note}", note)
-    return load_hf_checkpoint(model, cfg.checkpoint.init_from, on_tensor=on_tensor)
-
-
-def step_groups(groups: ParallelGroups) -> list[Any]:
-    """A step's (and an evaluation's) statistics are summed over these: cp, dp, pp."""
-    return [groups.cp, groups.dp, groups.pp]
-
-
-def build_stage(
-    cfg: Config,
-    groups: ParallelGroups,
-    model_factory: Callable[[Config, StageSpec], paddle.nn.Layer] | None = None,
-) -> tuple[paddle.nn.Layer, StageSpec, LoRASetup | None]:
-    """This rank's part of the model: its pipeline stage and ep share built by
-    `model_factory` (default: `default_model_factory`), every rank met after the build (load
-    times differ), then parallelized (`flashcp.parallelize`); with its spec and LoRA setup."""
-    stage = stage_spec(
-        cfg.model, int(groups.pp.rank), int(groups.pp.nranks), cfg.parallel.pp_layers
-    )
-    spec = dataclasses.replace(stage, ep_rank=int(groups.ep.rank), ep_size=cfg.parallel.ep)
-    model = (model_factory or default_model_factory)(cfg, spec)
-    # Load times differ between ranks (weights from shared storage): meet here first.
-    barrier(groups.world, op="barrier after building the model")
-    lora = parallelize(model, cfg, groups)
-    return model, spec, lora
-
-
 def expert_rows(model: paddle.nn.Layer) -> dict[str, RowSlice]:
     """The expert-parallel parameters of `model` as the optimizer takes them: structured name
     → the rows this rank holds (`flashcp.models.expert_parallel.expert_tensors`; empty
@@ -166,32 +109,6 @@ def build_optimizer(
         model, cfg.train, scheduler, groups, shard=cfg.parallel.shard_optimizer,
         shard_gradients=cfg.parallel.shard_gradients,
         bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20), experts=expert_rows(model),
-    )  # fmt: skip
-
-
-def build_runner(
-    cfg: Config, groups: ParallelGroups, model: paddle.nn.Layer, dtype: str
-) -> PipelineRunner:
-    """The pipeline runner of this rank's stage under the config's layout."""
-    return PipelineRunner(
-        model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
-        forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
-        fa4_unavailable=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
-        query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
-        mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
-    )  # fmt: skip
-
-
-def build_evaluator(
-    cfg: Config, groups: ParallelGroups, recipe: Recipe, path: str
-) -> Evaluator:
-    """The evaluator of `recipe` on the eval set at `path` under the run's layout (an eval
-    batch is one step's rows, `flashcp.evaluate`)."""
-    return Evaluator(
-        recipe, path, max_batches=cfg.eval.max_batches, groups=step_groups(groups),
-        dp_rank=int(groups.dp.rank), dp_size=int(groups.dp.nranks),
-        rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
-        lockstep=ep_lockstep(cfg.parallel.ep, cfg.parallel.cp),
     )  # fmt: skip
 
 
@@ -261,7 +178,7 @@ class Trainer:
         self.checkpointer.init_masters()
         self.runner = build_runner(cfg, groups, self.model, dtype)
         self.evaluator: Evaluator | None = None
-        """Held-out evaluation (`eval.path`; `flashcp.evaluate`), None without."""
+        """Held-out evaluation (`eval.path`; `flashcp.evaluation.evaluator`), None without."""
         if cfg.eval.path is not None:
             self.evaluator = build_evaluator(cfg, groups, self.recipe, cfg.eval.path)
         self.facts = RunFacts.of(
@@ -302,8 +219,8 @@ class Trainer:
     def resume(self) -> Path | None:
         """Load the checkpoint `checkpoint.resume` selects, if any; returns its path. (The run
         directory check `flashcp train` and every rank made before, here for in-process use.)"""
-        rundir.check_start(self.cfg.run.output_dir, self.cfg.checkpoint.resume,
-                           self.cfg.run.overwrite)  # fmt: skip
+        runstart.check_start(self.cfg.run.output_dir, self.cfg.checkpoint.resume,
+                             self.cfg.run.overwrite)  # fmt: skip
         resumed = self.checkpointer.resume(self.facts.global_batch["tokens"])
         if resumed is None:
             return None
@@ -435,7 +352,7 @@ class Trainer:
             barrier(self.groups.world, op="barrier after resuming")
             if main:
                 output_dir.mkdir(parents=True, exist_ok=True)
-                (output_dir / "config.yaml").write_text(to_yaml(cfg))
+                (output_dir / CONFIG_FILE).write_text(to_yaml(cfg))
             write_run_info(self)
         self.echo(banner(self))
         if source is not None:

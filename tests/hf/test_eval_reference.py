@@ -22,7 +22,7 @@ import pytest
 from bench import numerics
 from bench.hfdir import GLM4_CHAT_TEMPLATE, chat_records, write_jsonl, write_tokenizer_files
 from flashcp import cli
-from flashcp.evaluation import RESULTS_FILE
+from flashcp.rundir import EVAL_RESULTS_FILE
 
 from .test_hf_reference import COMMON, MOE, _torch, _transformers, perturbed
 
@@ -121,7 +121,7 @@ def test_flashcp_eval_equals_transformers_cross_entropy_on_assistant_tokens(
     }))  # fmt: skip
     assert cli.main(["eval", str(config)]) == 0
     assert "flashcp eval sft: loss" in capsys.readouterr().out
-    metrics = json.loads((tmp_path / "out" / RESULTS_FILE).read_text())["metrics"]
+    metrics = json.loads((tmp_path / "out" / EVAL_RESULTS_FILE).read_text())["metrics"]
     nll, targets, every = _reference(model, directory, records)
     assert metrics["eval/targets"] == targets
     want = nll / targets

@@ -28,7 +28,7 @@ from flashcp.checkpoint.export import export_run
 from flashcp.config import Config
 from flashcp.models import build_model
 from flashcp.models.hf_load import load_hf_checkpoint
-from flashcp.trainer import default_model_factory
+from flashcp.parallelize import default_model_factory
 from helpers.configs import Sections, tiny_config
 from helpers.trainruns import Fit
 

@@ -25,7 +25,7 @@ import pytest
 
 from bench import numerics
 from bench.hfdir import chat_records, preference_records, write_jsonl
-from flashcp.evaluation import RESULTS_FILE
+from flashcp.rundir import EVAL_RESULTS_FILE
 from helpers.paths import CONFIGS, ROOT
 
 from .test_eval_reference import SEQ_LEN, _directory, _reference
@@ -92,7 +92,7 @@ def test_hf_directory_sft_dpo_lora_eval_export_through_the_cli(tmp_path: Path) -
 
     # flashcp eval of the DPO run on held-out preferences (its layout, launched)
     out = flashcp("eval", str(dpo), f"eval.path={held_out_prefs}", cwd=ROOT)
-    results = json.loads((dpo / RESULTS_FILE).read_text())["metrics"]
+    results = json.loads((dpo / EVAL_RESULTS_FILE).read_text())["metrics"]
     assert results["eval/examples"] == 6
     assert {"eval/rewards/accuracy", "eval/rewards/margin", "eval/loss"} <= results.keys()
 
@@ -112,7 +112,7 @@ def test_hf_directory_sft_dpo_lora_eval_export_through_the_cli(tmp_path: Path) -
         "run": {"recipe": "sft", "device": "cpu", "output_dir": str(tmp_path / "eval_merged")},
     }))  # fmt: skip
     flashcp("eval", str(config), cwd=ROOT)
-    got = json.loads((tmp_path / "eval_merged" / RESULTS_FILE).read_text())["metrics"]
+    got = json.loads((tmp_path / "eval_merged" / EVAL_RESULTS_FILE).read_text())["metrics"]
     nll, targets, _ = _reference(model, merged, held_out)
     assert got["eval/targets"] == targets
     want = nll / targets

@@ -26,8 +26,8 @@ import pytest
 from bench import numerics
 from bench.jobs import leftover_after, start_job
 from flashcp.data.sources import BUILTIN_CORPUS, read_records
-from flashcp.evaluation import RESULTS_FILE
 from flashcp.metrics.writer import read_metrics
+from flashcp.rundir import EVAL_RESULTS_FILE
 from helpers.paths import ROOT
 from helpers.trainruns import train_in_process, train_launched
 
@@ -120,7 +120,7 @@ def test_flashcp_eval_of_a_checkpoint_at_cp2(tmp_path: Path) -> None:
     assert code == 0 and not timed_out, output
     assert leftover_after(marker) == []
     assert "launching 2 process(es)" in output and "flashcp eval pretrain: loss" in output
-    result = json.loads((run / RESULTS_FILE).read_text())
+    result = json.loads((run / EVAL_RESULTS_FILE).read_text())
     assert result["degrees"]["cp"] == 2 and result["weights"]["step"] == STEPS
     got, want = result["metrics"], _evals(run)
     for key in ("eval/rows", "eval/batches", "eval/targets"):

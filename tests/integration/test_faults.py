@@ -38,8 +38,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from bench import jobs
+from flashcp import rundir
 from flashcp.checkpoint.format import MODEL_FILE, OPTIMIZER_FILE, verify_checkpoint
-from flashcp.launch import outcome, restart
+from flashcp.launch import outcome
 from flashcp.launch.supervise import alive
 from helpers.launch import kill_marked, marked_pids
 
@@ -177,7 +178,7 @@ def test_a_long_job_survives_a_kill_a_hang_and_two_preemptions(
                            env={"FLASHCP_FAULT": faults, "FLASHCP_COLLECTIVE_TIMEOUT": WATCHDOG_S})
     assert one.returncode == outcome.EXIT_PREEMPTED and not one.timed_out, one.summary()
     assert one.leftover == [], one.summary()
-    records = restart.read_records(out)
+    records = rundir.restart_records(out)
     assert [(r["restart"], r["cause"], r["rank"], r["resume_step"], r["backoff_s"])
             for r in records] == [(1, "killed", 1, 2, 0.5), (2, "hang", 0, 4, 1.0)]  # fmt: skip
     for step in (2, 4):
@@ -223,7 +224,7 @@ def test_a_long_job_survives_a_kill_a_hang_and_two_preemptions(
     three = jobs.run_flashcp(GPT2, args, out)
     assert jobs.hygiene_problems(three) == [], three.summary()
     assert f"resumed from {ckpts / f'step_{stopped_at}'}" in three.output
-    assert len(restart.read_records(out)) == 2
+    assert len(rundir.restart_records(out)) == 2
     _same_run(out, uninterrupted)
     ledger = json.loads((out / "goodput.json").read_text())
     assert ledger["complete"] and ledger["restarts"] == 2 and ledger["step"] == STEPS
@@ -253,7 +254,7 @@ def test_crash_during_checkpoint_write_then_resume_and_corruption(tmp_path: Path
     assert crashed.returncode == 0 and not crashed.timed_out, crashed.summary()
     assert "rank 0 died without writing an error" in crashed.output, crashed.output
     assert crashed.leftover == []
-    (record,) = restart.read_records(out)
+    (record,) = rundir.restart_records(out)
     assert (record["cause"], record["rank"], record["resume_step"]) == ("killed", 0, 2)
     assert f"resumed from {ckpts / 'step_2'} at step 2" in crashed.output
     assert "skipping broken checkpoint" not in crashed.output
@@ -275,7 +276,7 @@ def test_crash_during_checkpoint_write_then_resume_and_corruption(tmp_path: Path
     assert "is broken and was not loaded" in refused.output
     assert "optimizer.safetensors does not match its sha256 checksum" in refused.output
     assert "not restarting: a broken checkpoint (exit 4)" in refused.output
-    assert refused.leftover == [] and len(restart.read_records(out)) == 1
+    assert refused.leftover == [] and len(rundir.restart_records(out)) == 1
 
     # 4. resume: auto skips it with a warning and continues from the intact step_2
     fallback = jobs.run_flashcp(GPT2, ["train.steps=6", *args[1:]], out)
@@ -361,7 +362,7 @@ def test_nan_loss_stops_naming_step_and_rank(tmp_path: Path) -> None:
     assert "flashcp: the job failed (exit 3)" in run.output
     assert "not restarting: a non-finite loss (exit 3) is not fixed by a relaunch" in run.output
     assert run.output.count("flashcp: launching") == 1
-    assert restart.read_records(run.out_dir) == []
+    assert rundir.restart_records(run.out_dir) == []
     assert [r["step"] for r in _metrics(run.out_dir)] == [1, 2]  # nothing trained on garbage
 
 

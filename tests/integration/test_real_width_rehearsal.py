@@ -216,8 +216,8 @@ def test_glm45_air_stage_at_real_width_loads_its_share_and_fits_its_plan(
 ) -> None:
     from flashcp.lora.setup import apply_lora_config
     from flashcp.models import build_model
+    from flashcp.parallelize import init_weights
     from flashcp.pipeline.stage import stage_spec
-    from flashcp.trainer import init_weights
 
     monkeypatch.setattr(flashcp.models.build, "CPU_MAX_PARAMETERS", 10**12)  # real width
     args = _config(tmp_path, None).model

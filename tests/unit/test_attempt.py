@@ -3,8 +3,6 @@ it starts and relaunches, and how a run's restarts are counted."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from flashcp import attempt
 
 
@@ -23,8 +21,3 @@ def test_unset_or_malformed_means_a_first_launch_now() -> None:
     assert odd.index == 0 and odd.launched_at == plain.launched_at
     assert attempt.current({attempt.ENV_ATTEMPT: "-3"}).index == 0
 
-
-def test_restarts_count_the_records(tmp_path: Path) -> None:
-    assert attempt.restarts(tmp_path) == 0
-    (tmp_path / attempt.RESTARTS_FILE).write_text('{"restart": 1}\n\n{"restart": 2}\n')
-    assert attempt.restarts(tmp_path) == 2

@@ -24,17 +24,17 @@ from bench.hfdir import (
     write_jsonl,
     write_tokenizer_files,
 )
-from flashcp import masks
+from flashcp import masks, rundir
 from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import export_run
 from flashcp.config import build_config
 from flashcp.data import HFTokenizer
-from flashcp.metrics import tracking
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_save import save_hf_checkpoint
-from flashcp.trainer import Trainer, default_model_factory
+from flashcp.parallelize import default_model_factory
+from flashcp.trainer import Trainer
 from helpers.configs import Sections, merged, tiny_config
 from helpers.trainruns import fit
 
@@ -82,7 +82,7 @@ def _check_visualdl(run: Path, tags: set[str]) -> None:
     step, with its value (VisualDL stores float32)."""
     from visualdl import LogReader
 
-    (log,) = (run / tracking.VISUALDL_DIR).glob("vdlrecords.*.log")
+    (log,) = (run / rundir.VISUALDL_DIR).glob("vdlrecords.*.log")
     want: dict[str, dict[int, float]] = {}
     for record in read_metrics(run):
         for tag, value in scalars(record).items():

@@ -13,13 +13,12 @@ from pathlib import Path
 import paddle
 import pytest
 
-from flashcp.checkpoint.format import CHECKPOINT_DIR, MODEL_FILE, OPTIMIZER_FILE
+from flashcp.checkpoint.format import MODEL_FILE, OPTIMIZER_FILE
 from flashcp.config import load_config
 from flashcp.metrics.writer import read_metrics
 from flashcp.plan import plan
 from flashcp.run_info import (
     COMMAND_ENV,
-    RUN_INFO_FILE,
     command_line,
     duration,
     grace_warning,
@@ -27,6 +26,7 @@ from flashcp.run_info import (
     preempt_seconds,
     source_revision,
 )
+from flashcp.rundir import CHECKPOINT_DIR, RUN_INFO_FILE
 from flashcp.trainer import NonFiniteError
 from helpers.configs import TinyCfg
 from helpers.paths import CONFIGS, ROOT

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flashcp import rundir, runlock
+from flashcp import rundir, runlock, runstart
 from flashcp.runlock import LOCK_FILE, Holder, RunLockError
 
 
@@ -195,8 +195,8 @@ def test_a_held_lock_whose_record_is_not_written_yet_is_waited_for(tmp_path: Pat
 def test_a_directory_holding_only_the_lock_and_logs_is_no_earlier_run(tmp_path: Path) -> None:
     held = runlock.acquire(tmp_path, _holder())
     (tmp_path / rundir.LOG_DIR).mkdir()
-    assert rundir.earlier_run(tmp_path) == []
-    assert rundir.start_conflict(tmp_path, "never", overwrite=True) is None
+    assert runstart.earlier_run(tmp_path) == []
+    assert runstart.start_conflict(tmp_path, "never", overwrite=True) is None
     held.release()
 
 
@@ -206,7 +206,7 @@ def test_a_run_moved_aside_takes_its_lock_file_along_and_the_release_removes_it(
     out = tmp_path / "run"
     held = runlock.acquire(out, _holder())
     (out / "metrics.jsonl").write_text("{}\n")
-    moved = rundir.move_aside(out)
+    moved = runstart.move_aside(out)
     assert moved is not None and (moved / LOCK_FILE).exists()
     held.release(moved_to=moved)
     assert not (moved / LOCK_FILE).exists() and (moved / "metrics.jsonl").exists()

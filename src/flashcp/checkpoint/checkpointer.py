@@ -48,7 +48,7 @@ from flashcp.checkpoint.adapters import (
 )
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.checkpoint.export import finish_hf_directory
-from flashcp.checkpoint.merge_export import MERGED_DIR, write_merged_stage
+from flashcp.checkpoint.merge_export import write_merged_stage
 from flashcp.checkpoint.saving import (
     CLASSIC_FILES,
     Commit,
@@ -64,9 +64,8 @@ from flashcp.lora.setup import LoRASetup
 from flashcp.models.hf_load import read_hf_float32
 from flashcp.optim.master_optimizer import MasterOptimizer
 from flashcp.optim.param_optimizer import ParamOptimizer
+from flashcp.rundir import GRADS_DIR, MERGED_DIR
 
-GRADS_DIR = "grads"
-"""`debug.dump_grads` writes `<output_dir>/grads/step_N[.stageS].safetensors`."""
 SAVE_BARRIER_TIMEOUT = 3600.0
 """Other ranks wait this long (s) for the writers of a checkpoint or an export."""
 FORMAT_META = {"format": str(ckpt.FORMAT_VERSION)}

@@ -64,8 +64,8 @@ from flashcp.models.hf_config import TOKEN_ID_KEYS, read_config_json
 from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.models.safetensors_stream import write_streaming
+from flashcp.rundir import CONFIG_FILE as RUN_CONFIG
 
-RUN_CONFIG = "config.yaml"
 EXPORT_DTYPES = ("float32", "bfloat16")
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """Shard size HF uses by default (5 GB); each shard is built alone while exporting."""

@@ -39,13 +39,13 @@ import numpy as np
 from safetensors import safe_open
 
 from flashcp.log import logger
+from flashcp.rundir import CHECKPOINT_DIR as CHECKPOINT_DIR
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

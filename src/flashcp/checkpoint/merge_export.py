@@ -46,8 +46,6 @@ from flashcp.models.safetensors_stream import (
 )
 from flashcp.models.weight_files import INDEX_FILE, SINGLE_FILE
 
-MERGED_DIR = "merged"
-"""Where a run's merged model is exported in run.output_dir (`lora.merge_at_end`)."""
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-ADAPTER_DIR = "adapters"
+from flashcp.rundir import ADAPTER_DIR
 
 
 def part_names(num_parts: int, *, adapters: bool) -> tuple[list[str], list[str]]:

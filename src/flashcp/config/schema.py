@@ -415,7 +415,7 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Held-out evaluation during training (`flashcp.evaluate`)."""
+    """Held-out evaluation during training (`flashcp.evaluation.evaluator`)."""
 
     path: str | None = None
     """Eval data in the training data's format (`data.*` fields and tokenizer apply); null =

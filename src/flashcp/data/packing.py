@@ -18,7 +18,7 @@ The stream plans from the documents' lengths alone: `skip()` moves past a sequen
 touching its documents, `next()` builds one, fetching only the documents it holds (so with
 `flashcp.data.index.LazyItems` a process tokenizes only the documents of its own sequences).
 
-`one_pass` (evaluation, `flashcp.evaluate`): the rows of one pass over the documents, each
+`one_pass` (evaluation, `flashcp.evaluation`): the rows of one pass over the documents, each
 document exactly once and whole. A document that does not fit the rest of a row starts the
 next row (one longer than seq_len fills rows of its own, cut where a row ends), and the row that
 takes the last document is padded instead of continuing into the next epoch, so a pass scores

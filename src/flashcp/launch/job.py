@@ -56,9 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from flashcp import runlock
+from flashcp import rundir, runlock
 from flashcp.attempt import Attempt
-from flashcp.attempt import restarts as count_restarts
 from flashcp.config import Config
 from flashcp.distributed.watchdog import resolve_timeout
 from flashcp.launch import lifeline, outcome, restart, supervise
@@ -333,14 +332,14 @@ def _launch(
 ) -> Ended:
     """Run one launch of the job to its end (module docstring); never outlives a stop, nor this
     process (the launcher is tethered to it, `lifeline`)."""
-    launcher_log = log_dir / "launcher.log"
+    launcher_log = log_dir / rundir.LAUNCHER_LOG
     offset = launcher_log.stat().st_size if attempt and launcher_log.is_file() else 0
     job = supervise.Job.start(
         cmd, env, tether=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         errors="replace",
     )  # fmt: skip
     stopped, elsewhere, unmet = "", None, False
-    echo = RankZeroEcho(log_dir / "workerlog.0", offsets.get(0, 0))
+    echo = RankZeroEcho(rundir.worker_log(log_dir, 0), offsets.get(0, 0))
     with open(launcher_log, "a" if attempt else "w") as log:
         assert job.proc.stdout is not None
         copier = threading.Thread(target=pump, args=(job.proc.stdout, log, out, echo),
@@ -547,7 +546,7 @@ def _run_launches(
                 print(f"flashcp: not restarting: {decision.why}", file=out, flush=True)
             return Ending(_failed(ended, decision), decision.code,
                           ended.launcher_signal is not None)  # fmt: skip
-        done = count_restarts(cfg.run.output_dir) + 1
+        done = len(rundir.restart_records(cfg.run.output_dir)) + 1
         wait = restart.backoff_s(cfg.run.restart_backoff_s, attempt.index + 1)
         if nodes.rank == 0:
             record = restart.RestartRecord.of(decision, done, step, wait)

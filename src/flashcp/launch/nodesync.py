@@ -31,7 +31,6 @@ from typing import Any
 from flashcp import rundir
 from flashcp.launch.restart import Decision, Report
 
-SYNC_DIR = "restarts"
 POLL_SECONDS = 0.5
 
 
@@ -39,7 +38,7 @@ class NodeSync:
     """Node `node` of `nodes` agreeing with the others about restarts (module docstring)."""
 
     def __init__(self, output_dir: str | Path, node: int, nodes: int) -> None:
-        self.dir = Path(output_dir) / rundir.LOG_DIR / SYNC_DIR
+        self.dir = Path(output_dir) / rundir.LOG_DIR / rundir.SYNC_DIR
         self.node, self.nodes = node, nodes
 
     def _path(self, attempt: int, who: str) -> Path:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashcp.distributed.watchdog import TIMEOUT_EXIT_CODE
+from flashcp.rundir import worker_log
 
 EXIT_OK = 0
 """Done: trained, evaluated, validated, planned within the budget."""
@@ -288,7 +289,7 @@ def failure_report(
     log = logs.get(first.rank)
     if log and (first.rank != 0 or first.kind == "killed"):  # local rank 0's log was streamed
         lines.append(f"flashcp: last lines of rank {head}'s log "
-                     f"({log_dir / f'workerlog.{first.rank}'}):")  # fmt: skip
+                     f"({worker_log(log_dir, first.rank)}):")  # fmt: skip
         lines += [f"    {line}" for line in _tail(log, TAIL_LINES)]
     return "\n".join(lines)
 
@@ -335,7 +336,7 @@ def log_sizes(log_dir: Path, nproc: int) -> dict[int, int]:
     """Current sizes of the rank logs: the launcher appends, so a run's part starts there."""
     sizes = {}
     for rank in range(nproc):
-        path = log_dir / f"workerlog.{rank}"
+        path = worker_log(log_dir, rank)
         sizes[rank] = path.stat().st_size if path.is_file() else 0
     return sizes
 
@@ -344,7 +345,7 @@ def read_rank_logs(log_dir: Path, offsets: Mapping[int, int]) -> dict[int, str |
     """Each rank's log written since `offsets` (None when the rank wrote none)."""
     logs: dict[int, str | None] = {}
     for rank, offset in offsets.items():
-        path = log_dir / f"workerlog.{rank}"
+        path = worker_log(log_dir, rank)
         if not path.is_file():
             logs[rank] = None
             continue

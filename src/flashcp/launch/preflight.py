@@ -18,10 +18,10 @@ The second part is `flashcp train`'s launch (`preflight`): no other job holds `r
 fixed port for the launcher's master) is free (`master_port`), the launcher's ports can be
 leased (`launcher_ports`), the `--master` of a multi-node job is usable (`check_master`), the
 run may start in `run.output_dir` (`check_run_dir`: no fresh run over an earlier run's
-checkpoints, see `flashcp.rundir`), and `run.output_dir` can be written (`check_output_dir`). A
+checkpoints, see `flashcp.runstart`), and `run.output_dir` can be written (`check_output_dir`). A
 problem raises `PreflightError` (printed as one line, exit code `EXIT_PREFLIGHT`), with
 nothing launched and nothing written or moved. Only then, with `run.overwrite: true`, node 0
-moves an earlier run aside (`rundir.move_aside`, holding its lock meanwhile), the last check
+moves an earlier run aside (`runstart.move_aside`, holding its lock meanwhile), the last check
 creates the log directory, and the job takes `run.output_dir`'s lock for its whole life
 (`Prepared.lock`; a lock left by a job that is gone is taken over, said through `say`).
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashcp import dispatch, rundir, runlock
+from flashcp import dispatch, rundir, runlock, runstart
 from flashcp.config import Config, ConfigError, ConfigValidationError, collect, to_dict
 from flashcp.config import load as config_load
 from flashcp.config.device import DeviceError, compute_dtype, resolve_device
@@ -61,8 +61,6 @@ from flashcp.plan.report import host_refusal, refusal
 
 EXIT_PREFLIGHT = EXIT_CONFIG
 """`flashcp train`'s exit code when a check refuses the launch."""
-EVAL_LOG_DIR = "eval"
-"""`flashcp eval`'s launcher logs: `<run.output_dir>/logs/eval`."""
 DATA_SAMPLE_ROWS = 64
 """Rows of `data.path` (and `eval.path`) the preflight reads, spread over the data."""
 DISPATCH_KEY = "FlashAttention dispatch"
@@ -264,7 +262,7 @@ def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> No
     after every other check has passed)."""
     if overwrite:
         return
-    if (problem := rundir.fresh_start_conflict(output_dir, resume)) is not None:
+    if (problem := runstart.fresh_start_conflict(output_dir, resume)) is not None:
         raise PreflightError(problem)
 
 
@@ -490,17 +488,17 @@ def refusal_text(problems: list[ConfigError], source: str | None) -> str:
 
 
 def move_aside(output_dir: str | Path) -> Path | None:
-    """`rundir.move_aside`, its refusals (checked before anything moves) as `PreflightError`."""
+    """`runstart.move_aside`, its refusals (checked before anything moves) as `PreflightError`."""
     try:
-        return rundir.move_aside(output_dir)
-    except rundir.RunDirError as exc:
+        return runstart.move_aside(output_dir)
+    except runstart.RunDirError as exc:
         raise PreflightError(str(exc)) from None
 
 
 def _overwrite(output_dir: str | Path, holder: runlock.Holder) -> Path | None:
     """`run.overwrite` on node 0: move the earlier run aside while holding its lock (a run
     directory another job holds is never moved)."""
-    if not rundir.earlier_run(output_dir) and not (Path(output_dir) / rundir.LOG_DIR).exists():
+    if not runstart.earlier_run(output_dir) and not (Path(output_dir) / rundir.LOG_DIR).exists():
         return None
     held = take_lock(output_dir, holder)
     moved = None
@@ -549,7 +547,7 @@ def preflight(
         job = job_lock(output_dir, nodes) if nodes.rank > 0 else None
         logs = nodes.log_dir(output_dir)
         if evaluating:
-            logs = logs / EVAL_LOG_DIR
+            logs = logs / rundir.EVAL_LOG_DIR
         else:
             check_run_dir(output_dir, resume=cfg.checkpoint.resume, overwrite=cfg.run.overwrite)
             if nodes.rank == 0 and cfg.run.overwrite and (moved := _overwrite(output_dir, holder)):

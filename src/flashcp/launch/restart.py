@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from flashcp.attempt import RESTARTS_FILE
-from flashcp.checkpoint.format import CHECKPOINT_DIR, list_checkpoints
+from flashcp.checkpoint.format import list_checkpoints
 from flashcp.config import Config
 from flashcp.launch.outcome import FINAL_CODES, SEVERITY, Verdict
+from flashcp.rundir import CHECKPOINT_DIR, RESTARTS_FILE
 
 BACKOFF_MAX_S = 300.0
 """The longest wait before a relaunch, however many came before."""
@@ -190,11 +190,3 @@ def append_record(output_dir: str | Path, record: RestartRecord) -> Path:
         f.flush()
         os.fsync(f.fileno())
     return path
-
-
-def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record of the run's `restarts.jsonl` (empty when there is none)."""
-    path = Path(output_dir) / RESTARTS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

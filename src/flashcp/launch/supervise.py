@@ -31,6 +31,7 @@ from typing import Any
 
 from flashcp.distributed import ports
 from flashcp.launch import lifeline
+from flashcp.rundir import LAUNCHER_LOG, worker_log
 
 JOB_MARKER = "FLASHCP_JOB_ID"
 """The default environment variable that marks every process of a job."""
@@ -275,7 +276,7 @@ def run_launch(
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = launcher_command(script, args, nproc=nproc, log_dir=out_dir,
                            launcher_args=launcher_args)  # fmt: skip
-    launcher_log = out_dir / "launcher.log"
+    launcher_log = out_dir / LAUNCHER_LOG
     start = time.monotonic()
     with contextlib.ExitStack() as held:
         lease = launcher_lease(child_env, nproc)
@@ -290,7 +291,7 @@ def run_launch(
     left = job.leftover(settle)
     logs = {}
     for rank in range(nproc):
-        path = out_dir / f"workerlog.{rank}"
+        path = worker_log(out_dir, rank)
         logs[rank] = path.read_text(errors="replace") if path.exists() else ""
     return LaunchResult(
         cmd=cmd,

@@ -9,12 +9,12 @@ launcher's environment), runs the preflight `flashcp train` and `flashcp validat
 model directory, a sample of the data), checks that the run directory is its job's
 (`run_dir_lock`: the lock its `flashcp train` holds, or, for ranks started by
 `paddle.distributed.launch` directly, the lock the job's first rank takes), that the run may
-start there (`flashcp.rundir`; a rank never moves an earlier run aside for `run.overwrite`,
+start there (`flashcp.runstart`; a rank never moves an earlier run aside for `run.overwrite`,
 `flashcp train` does) and `FLASHCP_FAULT`, sets the
 process's runtime flags (`set_runtime_flags`: the `Trainer` writes no environment variable),
 initialises the distributed runtime, builds the process groups and the `Trainer`, installs
 injected faults (`flashcp.faults`) and fits. With `--eval` (`flashcp eval`) it builds a
-`flashcp.evaluation.Evaluation` instead and evaluates (no run directory check: nothing of a
+`flashcp.evaluation.command.Evaluation` instead and evaluates (no run directory check: nothing of a
 run is written but `eval_results.json`).
 
 Exit codes (`flashcp.launch.outcome`): 0 done, 2 bad config, a run directory another job holds
@@ -37,12 +37,12 @@ from collections.abc import Sequence
 
 import paddle
 
-from flashcp import dispatch, distributed, faults, rundir, runlock
+from flashcp import dispatch, distributed, faults, runlock, runstart
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import Config, ConfigValidationError
 from flashcp.data.records import DataError
-from flashcp.evaluation import EvalError, Evaluation
-from flashcp.evaluation import check as check_evaluation
+from flashcp.evaluation.command import EvalError, Evaluation
+from flashcp.evaluation.command import check as check_evaluation
 from flashcp.launch.outcome import (
     EXIT_CHECKPOINT,
     EXIT_CONFIG,
@@ -132,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.eval:  # evaluating writes no checkpoint or metrics: any run dir will do
             check_evaluation(cfg)
         else:
-            rundir.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
-    except (ConfigValidationError, faults.FaultSpecError, rundir.RunDirError, EvalError,
+            runstart.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
+    except (ConfigValidationError, faults.FaultSpecError, runstart.RunDirError, EvalError,
             runlock.RunLockError) as exc:  # fmt: skip
         if lock is not None:
             lock.release()

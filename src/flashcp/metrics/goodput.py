@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.attempt import Attempt
-from flashcp.attempt import restarts as count_restarts
+from flashcp.rundir import GOODPUT_FILE, restart_records
 
-GOODPUT_FILE = "goodput.json"
 KEEP_SAVES = 16
 """Checkpoints whose productive time the ledger remembers (newest first kept)."""
 
@@ -124,7 +123,7 @@ class Goodput:
             t.wall_s += gap
         t.step = resumed_step or 0
         t.complete = False
-        t.restarts = count_restarts(self.path.parent)
+        t.restarts = len(restart_records(self.path.parent))
         t.updated = now
         self.totals = t
         self._write()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.metrics.writer import read_metrics
+from flashcp.rundir import PLOT_FILE
 
 EVAL_COUNTS = ("eval/batches", "eval/rows", "eval/time_s", "eval/targets", "eval/examples")
 """Eval bookkeeping that is not plotted."""
@@ -133,7 +134,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not records:
         raise ValueError(f"{run_dir}: metrics.jsonl has no steps yet")
     fig = figure(records, Path(run_dir).name)
-    target = Path(out) if out else Path(run_dir) / "metrics.png"
+    target = Path(out) if out else Path(run_dir) / PLOT_FILE
     fig.savefig(target, dpi=100)
     plt.close(fig)
     return target

@@ -27,9 +27,7 @@ from pathlib import Path
 
 from flashcp.config import REPORT_BACKENDS, Config, to_dict
 from flashcp.metrics.writer import Reporter
-
-VISUALDL_DIR = "visualdl"
-TENSORBOARD_DIR = "tensorboard"
+from flashcp.rundir import TENSORBOARD_DIR, VISUALDL_DIR
 
 
 class VisualDLReporter:

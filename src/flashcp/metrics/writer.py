@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-METRICS_FILE = "metrics.jsonl"
+from flashcp.rundir import METRICS_FILE
+
 LOGGED_EXTRAS: tuple[str, ...] = ("rewards/margin", "rewards/accuracy", "moe/max_over_mean_max")
 """Recipe metrics that also appear in the human log line (all go to metrics.jsonl)."""
 ENV_PROGRESS = "FLASHCP_PROGRESS"

@@ -15,10 +15,10 @@ import sys
 import time
 from typing import Any
 
-from flashcp import trainer
+from flashcp import parallelize
 from flashcp.log import process_rank
 
-_build = trainer.default_model_factory
+_build = parallelize.default_model_factory
 
 
 def slow_factory(cfg: Any, stage: Any = None) -> Any:
@@ -29,7 +29,7 @@ def slow_factory(cfg: Any, stage: Any = None) -> Any:
     return model
 
 
-trainer.default_model_factory = slow_factory
+parallelize.default_model_factory = slow_factory
 
 if __name__ == "__main__":
     from flashcp.launch.worker import run

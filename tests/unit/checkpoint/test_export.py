@@ -21,7 +21,8 @@ from flashcp.data.tokenizer import ByteTokenizer
 from flashcp.models import build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_save import save_hf_checkpoint
-from flashcp.trainer import Trainer, default_model_factory
+from flashcp.parallelize import default_model_factory
+from flashcp.trainer import Trainer
 from helpers.checkpoints import save_stages
 from helpers.configs import Sections, tiny_config
 from helpers.trainruns import fit

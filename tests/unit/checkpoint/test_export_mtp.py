@@ -26,7 +26,7 @@ from flashcp.lora.model import apply_lora, lora_layers
 from flashcp.models import ModelArgs, build_model
 from flashcp.models.hf_state import hf_state_map
 from flashcp.models.init import InitRule, fill_parameter
-from flashcp.trainer import default_model_factory
+from flashcp.parallelize import default_model_factory
 from helpers.configs import Sections, tiny_config
 from helpers.hf_glm45 import hf_config_json, random_checkpoint, write_checkpoint
 from helpers.trainruns import fit

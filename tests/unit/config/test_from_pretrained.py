@@ -27,7 +27,7 @@ from flashcp.config import (
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_save import save_hf_checkpoint
-from flashcp.trainer import default_model_factory
+from flashcp.parallelize import default_model_factory
 from helpers.paths import ROOT
 
 ARGS = preset(

@@ -98,7 +98,7 @@ def test_every_collective_before_the_first_step_waits_the_startup_timeout(
     built: list[int] = []
 
     def factory(cfg: Any, stage: Any) -> Any:
-        from flashcp.trainer import default_model_factory
+        from flashcp.parallelize import default_model_factory
 
         built.append(len(dog.armed))  # what was armed before the model existed
         return default_model_factory(cfg, stage)

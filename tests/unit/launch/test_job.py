@@ -133,10 +133,12 @@ def test_the_launchers_script_imports_only_the_rank_entry() -> None:
 
 
 def test_supervisor_and_outcomes_know_no_training() -> None:
-    """`supervise` and `outcome` are process and text plumbing: no config, trainer, model."""
+    """`supervise` and `outcome` are process and text plumbing: no config, trainer, model (the
+    log files' names from `flashcp.rundir`, which imports nothing; the watchdog's exit code)."""
     for name in ("supervise.py", "outcome.py"):
         imported = _flashcp_imports(SRC / "launch" / name)
-        assert {m for m in imported if not m.startswith("flashcp.distributed.ports")} <= {
+        plumbing = ("flashcp.distributed.ports", "flashcp.distributed.watchdog", "flashcp.rundir")
+        assert {m for m in imported if not m.startswith(plumbing)} <= {
             "flashcp.distributed", "flashcp.launch", "flashcp.launch.lifeline",
             "flashcp.distributed.watchdog",  # the hang's exit code (process plumbing, no Paddle)
             "flashcp.distributed.watchdog.TIMEOUT_EXIT_CODE",

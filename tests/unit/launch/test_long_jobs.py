@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from flashcp import attempt
+from flashcp import rundir
 from flashcp.config import load_config
 from flashcp.launch import job, outcome, preflight, restart
 from helpers.paths import ROOT
@@ -116,13 +116,16 @@ def test_a_killed_rank_is_relaunched_from_the_latest_checkpoint(tmp_path: Path, 
     resume = f"checkpoint.resume={json.dumps(str(tmp_path / 'run' / 'checkpoints' / 'step_4'))}"
     assert launches[0]["argv"][-1] == "run.max_restarts=3"  # the command's own alone
     assert launches[1]["argv"][-2:] == ["run.overwrite=false", resume]
-    records = restart.read_records(tmp_path / "run")
+    records = rundir.restart_records(tmp_path / "run")
     assert [(r["restart"], r["cause"], r["rank"], r["resume_step"]) for r in records] == [
         (1, "killed", 0, 4), (2, "killed", 0, 4),
     ]  # fmt: skip
     assert "restart 1 of 3 (run.max_restarts) after killed of rank 0" in out
     assert "launching 2 process(es) (restart 2)" in out
-    assert attempt.restarts(tmp_path / "run") == 2
+    # what the launcher wrote is named in flashcp.rundir
+    assert {p.name for p in (tmp_path / "run").iterdir()} <= set(rundir.ENTRIES)
+    assert {p.name for p in (tmp_path / "run" / rundir.LOG_DIR).iterdir()} >= {
+        rundir.LAUNCHER_LOG}
 
 
 def test_no_restart_without_budget_or_after_a_final_exit(tmp_path: Path, fake: Any) -> None:
@@ -136,7 +139,7 @@ def test_no_restart_without_budget_or_after_a_final_exit(tmp_path: Path, fake: A
     assert code == outcome.EXIT_NONFINITE
     assert "not restarting: a non-finite loss (exit 3) is not fixed by a relaunch" in out
     assert [s["attempt"] for s in _seen(seen)] == [0]
-    assert restart.read_records(tmp_path / "run") == []
+    assert rundir.restart_records(tmp_path / "run") == []
 
 
 @pytest.mark.parametrize(
@@ -176,7 +179,7 @@ def test_a_sigterm_or_ctrl_c_to_flashcp_train_is_passed_on_and_the_ranks_save(
     step = tmp_path / "run" / "checkpoints" / "step_3"
     assert out.endswith(f"saved checkpoint {step}\n{how}; saved step 3 ({step}); run the same "
                         f"command again to resume from it; exit {code}\n"), out
-    assert "the job failed" not in out and restart.read_records(tmp_path / "run") == []
+    assert "the job failed" not in out and rundir.restart_records(tmp_path / "run") == []
     assert signal.getsignal(signum) == before  # flashcp train's handlers are gone
 
 

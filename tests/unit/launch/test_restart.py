@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flashcp import rundir
 from flashcp.checkpoint import format as ck
 from flashcp.config import load_config
 from flashcp.config.overrides import parse_override
@@ -89,11 +90,11 @@ def test_a_relaunch_resumes_from_the_latest_complete_checkpoint_by_name(tmp_path
 
 
 def test_records_append_to_the_runs_restarts_file(tmp_path: Path) -> None:
-    assert restart.read_records(tmp_path) == []
+    assert rundir.restart_records(tmp_path) == []
     d = restart.decide({0: _report()}, restarts=0, max_restarts=1)
     for n in (1, 2):
         restart.append_record(tmp_path, restart.RestartRecord.of(d, n, 2 * n, 0.5 * n))
-    got = restart.read_records(tmp_path)
+    got = rundir.restart_records(tmp_path)
     assert [(r["restart"], r["resume_step"], r["backoff_s"]) for r in got] == [(1, 2, 0.5),
                                                                                 (2, 4, 1.0)]
     assert got[0]["cause"] == "killed" and got[0]["rank"] == 1 and got[0]["exit_code"] == 247

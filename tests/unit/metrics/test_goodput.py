@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flashcp import attempt
-from flashcp.metrics.goodput import GOODPUT_FILE, KEEP_SAVES, Goodput, Totals, read_goodput
+from flashcp import attempt, rundir
+from flashcp.metrics.goodput import KEEP_SAVES, Goodput, Totals, read_goodput
 
 
 def _ledger(tmp: Path, index: int = 0, started: float = 100.0, launched: float = 100.0) -> Goodput:
@@ -26,8 +26,8 @@ def test_a_run_from_its_launch_to_its_end(tmp_path: Path) -> None:
     assert (t.wall_s, t.productive_s, t.startup_s, t.checkpoint_s) == (15.5, 4.0, 10.0, 1.0)
     assert t.other_s == pytest.approx(0.5) and t.goodput == pytest.approx(4.0 / 15.5)
     assert t.saves == {"1": 2.0}
-    assert g.finish(complete=True) == tmp_path / GOODPUT_FILE
-    on_disk = json.loads((tmp_path / GOODPUT_FILE).read_text())
+    assert g.finish(complete=True) == tmp_path / rundir.GOODPUT_FILE
+    on_disk = json.loads((tmp_path / rundir.GOODPUT_FILE).read_text())
     assert on_disk["complete"] and on_disk["goodput"] == pytest.approx(4.0 / 15.5)
     assert g.metrics()["goodput/ratio"] == pytest.approx(4.0 / 15.5)
     assert g.metrics()["restarts"] == 0.0
@@ -42,7 +42,7 @@ def test_a_restart_charges_the_downtime_and_the_steps_redone(tmp_path: Path) -> 
         g.step(step, 1.0, now=now)
     g.checkpoint(2, 0.0, now=102.0)
     g.step(3, 1.0, now=103.0)  # lost with the failure
-    (tmp_path / attempt.RESTARTS_FILE).write_text('{"restart": 1}\n')
+    (tmp_path / rundir.RESTARTS_FILE).write_text('{"restart": 1}\n')
     again = _ledger(tmp_path, index=1, started=100.0, launched=110.0)
     again.start(2, now=120.0)
     t = again.totals
@@ -67,13 +67,13 @@ def test_a_later_command_resumes_the_ledger_without_the_time_between(tmp_path: P
 
 def test_a_fresh_start_ignores_an_old_ledger_and_estimates_missing_saves(tmp_path: Path) -> None:
     old = Totals(wall_s=50, productive_s=40, step=4, saves={})
-    (tmp_path / GOODPUT_FILE).write_text(json.dumps(old.to_json()))
+    (tmp_path / rundir.GOODPUT_FILE).write_text(json.dumps(old.to_json()))
     fresh = _ledger(tmp_path)
     fresh.start(None, now=101.0)
     assert fresh.totals.wall_s == 1.0 and fresh.totals.productive_s == 0.0
     assert old.productive_at(2) == 20.0  # no record of step 2's save: the mean step's share
     assert Totals().productive_at(3) == 0.0
-    (tmp_path / GOODPUT_FILE).write_text("{not json")
+    (tmp_path / rundir.GOODPUT_FILE).write_text("{not json")
     assert read_goodput(tmp_path) is None
 
 
@@ -83,7 +83,7 @@ def test_only_rank_0_keeps_a_ledger(tmp_path: Path) -> None:
     off.step(1, 1.0)
     off.checkpoint(1, 1.0)
     assert off.finish(True) is None and off.metrics() == {}
-    assert not (tmp_path / GOODPUT_FILE).exists()
+    assert not (tmp_path / rundir.GOODPUT_FILE).exists()
 
 
 def test_the_ledger_remembers_the_newest_saves(tmp_path: Path) -> None:

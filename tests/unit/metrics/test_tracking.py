@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashcp import cli
+from flashcp import cli, rundir
 from flashcp.config import ConfigValidationError
 from flashcp.cp.work import matmul_parameters
 from flashcp.metrics import tracking
@@ -62,7 +62,7 @@ def test_visualdl_log_holds_the_metrics_scalars(
     out = fit(cfg).out
     assert "reporting to jsonl, visualdl" in out and "mfu vs 0.5 TFLOP/s per device" in out
     records = read_metrics(cfg.run.output_dir)
-    (log,) = (Path(cfg.run.output_dir) / tracking.VISUALDL_DIR).glob("vdlrecords.*.log")
+    (log,) = (Path(cfg.run.output_dir) / rundir.VISUALDL_DIR).glob("vdlrecords.*.log")
     reader = LogReader(file_path=str(log))
     want: dict[str, dict[int, float]] = {}
     for record in records:

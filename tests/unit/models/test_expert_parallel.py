@@ -384,7 +384,7 @@ def test_a_valid_ep_config() -> None:
 
 
 def test_eval_refuses_a_short_last_batch_when_ep_spans_dp() -> None:
-    from flashcp.evaluate import Evaluator, ep_lockstep
+    from flashcp.evaluation.evaluator import Evaluator, ep_lockstep
 
     assert ep_lockstep(1, 3) is None and ep_lockstep(2, 4) is None
     assert "parallel.ep=4 with parallel.cp=2" in str(ep_lockstep(4, 2))

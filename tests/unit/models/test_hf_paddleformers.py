@@ -25,7 +25,7 @@ from flashcp.config import build_config, collect
 from flashcp.models import preset
 from flashcp.models.families.glm4 import PADDLEFORMERS_IGNORED
 from flashcp.models.hf_config import IGNORED_KEYS, parse_hf_config
-from flashcp.trainer import default_model_factory
+from flashcp.parallelize import default_model_factory
 from helpers.configs import tiny_config
 from helpers.paddleformers_glm import glm_logits, load_glm, random_glm, save_glm
 from helpers.trainruns import fit

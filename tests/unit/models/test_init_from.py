@@ -11,7 +11,7 @@ import pytest
 from flashcp.config import ConfigValidationError, load_config
 from flashcp.models import build_model
 from flashcp.models.hf_save import save_hf_checkpoint
-from flashcp.trainer import default_model_factory
+from flashcp.parallelize import default_model_factory
 from helpers.paths import ROOT
 
 CONFIG = ROOT / "configs" / "glm" / "tiny_cp2.yaml"

@@ -22,7 +22,7 @@ from flashcp.models import moe_balance as mb
 from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.models.moe import MoE
-from flashcp.trainer import default_model_factory
+from flashcp.parallelize import default_model_factory
 from helpers.configs import Sections, tiny_config
 from helpers.hf_glm45 import hf_config_json, random_checkpoint, write_checkpoint
 from helpers.trainruns import Fit, losses

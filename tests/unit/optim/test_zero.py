@@ -649,7 +649,7 @@ def test_init_from_fills_bf16_masters_with_the_files_float32_values(
     file's values rounded to bf16, the float32 masters the file's values themselves."""
     from flashcp.models import build_model
     from flashcp.models.hf_save import save_hf_checkpoint
-    from flashcp.trainer import init_weights
+    from flashcp.parallelize import init_weights
 
     hf = tmp_path / "hf"
     cfg0 = tiny_cfg(tmp_path)

@@ -27,8 +27,8 @@ def _git(repo: Path, *args: str) -> None:
 def repo(tmp_path: Path) -> Path:
     """A repository shaped like flashcp's: a package, its tests, a committed main."""
     for name in ("src/flashcp/data/epochs.py", "src/flashcp/data/packing.py",
-                 "src/flashcp/evaluate.py", "src/flashcp/__init__.py",
-                 "tests/unit/data/test_epochs.py", "tests/unit/test_evaluate.py",
+                 "src/flashcp/trainer.py", "src/flashcp/__init__.py",
+                 "tests/unit/data/test_epochs.py", "tests/unit/test_trainer.py",
                  "configs/a.yaml", "README.md"):  # fmt: skip
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"# {name}\n")
@@ -44,12 +44,12 @@ def test_changed_modules_are_those_that_differ_from_main(repo: Path) -> None:
     _git(repo, "checkout", "-qb", "feature")
     (repo / "src/flashcp/data/epochs.py").write_text("# changed, committed\n")
     _git(repo, "commit", "-qam", "change")
-    (repo / "src/flashcp/evaluate.py").write_text("# changed, not committed\n")
+    (repo / "src/flashcp/trainer.py").write_text("# changed, not committed\n")
     (repo / "src/flashcp/data/new.py").write_text("# untracked\n")
     (repo / "src/flashcp/data/packing.py").unlink()  # deleted: nothing to mutate
     (repo / "README.md").write_text("# not a module\n")
     assert mutation.changed_modules("main", repo) == [
-        "src/flashcp/data/epochs.py", "src/flashcp/data/new.py", "src/flashcp/evaluate.py",
+        "src/flashcp/data/epochs.py", "src/flashcp/data/new.py", "src/flashcp/trainer.py",
     ]  # fmt: skip
     _git(repo, "checkout", "-q", "-f", "main")
     (repo / "src/flashcp/data/new.py").unlink()
@@ -61,8 +61,8 @@ def test_each_module_runs_against_its_packages_unit_tests(
 ) -> None:
     monkeypatch.delenv("FLASHCP_MUTATION_TESTS", raising=False)
     assert mutation.unit_tests_for("src/flashcp/data/epochs.py", repo) == ["tests/unit/data"]
-    assert mutation.unit_tests_for("src/flashcp/evaluate.py", repo) == [
-        "tests/unit/test_evaluate.py"
+    assert mutation.unit_tests_for("src/flashcp/trainer.py", repo) == [
+        "tests/unit/test_trainer.py"
     ]
     missing = (r"no unit tests of src/flashcp/__init__\.py at tests/unit/test___init__\.py: "
                r"name them with FLASHCP_MUTATION_TESTS")  # fmt: skip
@@ -74,7 +74,7 @@ def test_each_module_runs_against_its_packages_unit_tests(
     ]  # fmt: skip
     # the real tree: a package's tests and a top-level module's file exist
     monkeypatch.delenv("FLASHCP_MUTATION_TESTS")
-    for module in ("src/flashcp/data/epochs.py", "src/flashcp/evaluate.py"):
+    for module in ("src/flashcp/data/epochs.py", "src/flashcp/trainer.py"):
         (tests,) = mutation.unit_tests_for(module)
         assert (ROOT / tests).exists()
 
@@ -82,7 +82,7 @@ def test_each_module_runs_against_its_packages_unit_tests(
 def test_module_paths_are_files_under_src(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     assert mutation.module_path("src/flashcp/data/epochs.py") == "src/flashcp/data/epochs.py"
-    assert mutation.module_path(str(ROOT / "src/flashcp/evaluate.py")) == "src/flashcp/evaluate.py"
+    assert mutation.module_path(str(ROOT / "src/flashcp/trainer.py")) == "src/flashcp/trainer.py"
     with pytest.raises(SystemExit, match=r"tests/unit/data is not under .*/src"):
         mutation.module_path("tests/unit/data")
     with pytest.raises(SystemExit, match=r"src/flashcp/data is not a Python file"):

@@ -12,13 +12,13 @@ What is evaluated (`select_weights`):
 With neither there is nothing to evaluate (a seeded random model is refused, `EvalError`), and
 checkpoints that are all broken are refused rather than silently skipped.
 
-The ranks are built as for training (`flashcp.trainer.build_stage`: each rank its pipeline
-stage and ep share, the config's dp × cp × pp × ep layout; one process when the world is 1) but
-without optimizer, gradients or training data, and the held-out set runs through the training
-evaluation itself (`flashcp.evaluate.Evaluator`: one pass, or `eval.max_batches`): pretrain /
-SFT report the token-weighted cross-entropy over the targets (`eval/loss`, the assistant tokens
-of conversations), its perplexity and the target count; DPO the mean DPO loss, the rewards of
-chosen and rejected answers, their margin and the reward accuracy, as TRL's evaluation does.
+The ranks are built as for training (`flashcp.parallelize.build_stage`: each rank its pipeline stage
+and ep share, the config's dp × cp × pp × ep layout; one process when the world is 1) but without
+optimizer, gradients or training data, and the held-out set runs through the training evaluation
+itself (`evaluator.Evaluator`: one pass, or `eval.max_batches`): pretrain / SFT report the token-
+weighted cross-entropy over the targets (`eval/loss`, the assistant tokens of conversations), its
+perplexity and the target count; DPO the mean DPO loss, the rewards of chosen and rejected answers,
+their margin and the reward accuracy, as TRL's evaluation does.
 
 The DPO reference is what DPO trains against: the weights the run starts from (a frozen copy,
 or with LoRA the policy with its adapters off; `DPORecipe.setup`, run before the checkpoint is
@@ -47,15 +47,12 @@ from flashcp.checkpoint.checkpointer import load_weights
 from flashcp.checkpoint.experts import ExpertArrays
 from flashcp.config import Config, config_changes, config_hash
 from flashcp.distributed import ParallelGroups, startup_phase
-from flashcp.evaluate import PREFIX
+from flashcp.evaluation.evaluator import PREFIX, build_evaluator
+from flashcp.parallelize import build_runner, build_stage
 from flashcp.recipes import build_recipe
 from flashcp.run_info import duration, provenance
+from flashcp.rundir import ASIDE, CHECKPOINT_DIR, EVAL_RESULTS_FILE
 from flashcp.runtime import process_groups, resolve_runtime, seed_rngs, use_device
-from flashcp.trainer import build_evaluator, build_runner, build_stage
-
-RESULTS_FILE = "eval_results.json"
-"""What `flashcp eval` writes into `run.output_dir`."""
-
 
 LAYOUT_AND_TRAINING = ("parallel.", "train.", "data.path", "data.shuffle", "data.balance")
 """Config keys a checkpoint may be evaluated under other values of without a note: the layout
@@ -90,7 +87,7 @@ def select_weights(cfg: Config, *, verify: bool = True, warn: bool = True) -> We
     policy = cfg.checkpoint.resume
     checkpoint: Path | None = None
     if policy == "auto":
-        root = Path(cfg.run.output_dir) / ckpt.CHECKPOINT_DIR
+        root = Path(cfg.run.output_dir) / CHECKPOINT_DIR
         found = ckpt.list_checkpoints(root)
         if found:
             checkpoint = ckpt.latest_checkpoint(root, warn=warn) if verify else found[-1][1]
@@ -109,7 +106,7 @@ def select_weights(cfg: Config, *, verify: bool = True, warn: bool = True) -> We
             )
     if checkpoint is None and start is None:
         raise EvalError(
-            f"nothing to evaluate: {Path(cfg.run.output_dir) / ckpt.CHECKPOINT_DIR} holds no "
+            f"nothing to evaluate: {Path(cfg.run.output_dir) / CHECKPOINT_DIR} holds no "
             "checkpoint and neither model.from_pretrained nor checkpoint.init_from is set: "
             "give a run directory (flashcp eval RUN_DIR) or set run.output_dir to a run's, "
             "set model.from_pretrained=DIR, or checkpoint.init_from=PATH"
@@ -132,7 +129,7 @@ def keep_aside(path: Path) -> Path | None:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1000):
-        tag = f".old-{stamp}" + (f"-{n}" if n else "")
+        tag = f"{ASIDE}{stamp}" + (f"-{n}" if n else "")
         target = path.with_name(f"{path.stem}{tag}{path.suffix}")
         if not target.exists():
             os.replace(path, target)
@@ -251,9 +248,9 @@ class Evaluation:
     def _write(self, metrics: dict[str, float]) -> Path:
         out = Path(self.cfg.run.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / RESULTS_FILE
+        path = out / EVAL_RESULTS_FILE
         if (moved := keep_aside(path)) is not None:
-            self.echo(f"kept the earlier {RESULTS_FILE} as {moved}")
+            self.echo(f"kept the earlier {EVAL_RESULTS_FILE} as {moved}")
         g = self.groups
         document = {
             "recipe": self.cfg.run.recipe,

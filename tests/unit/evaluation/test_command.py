@@ -1,4 +1,4 @@
-"""`flashcp eval` (`flashcp.evaluation`) in one process, through the CLI as a user runs it.
+"""`flashcp eval` (`flashcp.evaluation.command`) in one process, through the CLI as a user runs it.
 
 * A run's checkpoint evaluated on its eval set gives what the run's own evaluation after that
   step gave (the held-out loss, perplexity and targets; DPO: loss, rewards, margin, accuracy,
@@ -23,8 +23,8 @@ import pytest
 from bench import numerics
 from flashcp import cli
 from flashcp.data.sources import BUILTIN_CORPUS, read_records
-from flashcp.evaluation import RESULTS_FILE
 from flashcp.metrics.writer import read_metrics
+from flashcp.rundir import EVAL_RESULTS_FILE
 from helpers.configs import TINY_GLM, TINY_LM, merged, tiny_config
 from helpers.paths import ROOT
 from helpers.trainruns import Fit
@@ -39,7 +39,7 @@ def _eval(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
 
 
 def _results(run: Path) -> dict[str, Any]:
-    return json.loads((run / RESULTS_FILE).read_text())
+    return json.loads((run / EVAL_RESULTS_FILE).read_text())
 
 
 def _evals(run: Path) -> dict[int, dict[str, float]]:
@@ -73,7 +73,7 @@ def test_a_run_checkpoint_evaluates_as_the_run_did(
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"flashcp eval pretrain: loss {metrics['eval/loss']:.4f} | perplexity")
     assert f"{int(n):,} targets in {int(want['eval/rows'])} rows" in last
-    assert f"results {run / RESULTS_FILE}" in last
+    assert f"results {run / EVAL_RESULTS_FILE}" in last
     assert got["provenance"]["command"] and got["degrees"] == {"dp": 1, "pp": 1, "cp": 1,
                                                                 "ep": 1}  # fmt: skip
     # negative control: step 1's checkpoint (named by checkpoint.resume) is another model
@@ -167,7 +167,7 @@ def test_what_eval_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     (broken / "model.safetensors").write_bytes(b"torn")
     code, _, err = _eval([str(config), f"eval.path={held_out}"], capsys)
     assert code == 2 and "no intact checkpoint" in err
-    assert not (tmp_path / "empty" / RESULTS_FILE).exists()
+    assert not (tmp_path / "empty" / EVAL_RESULTS_FILE).exists()
 
 
 def test_eval_of_a_hugging_face_model_directory_as_it_is(

@@ -1,4 +1,4 @@
-"""Held-out evaluation (`eval.*`, `flashcp.evaluate`) in one process.
+"""Held-out evaluation (`eval.*`, `flashcp.evaluation.evaluator`) in one process.
 
 * The eval loss equals an independent computation: the trained model's full float32 logits on
   the same eval sequences, `paddle.nn.functional.cross_entropy` summed and divided by the
@@ -32,7 +32,7 @@ from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.sources import BUILTIN_CORPUS, read_records
-from flashcp.evaluate import Evaluator, data_epoch, format_eval, is_due, pass_rows
+from flashcp.evaluation.evaluator import Evaluator, data_epoch, format_eval, is_due, pass_rows
 from flashcp.lora.model import disable_adapters
 from flashcp.metrics.writer import read_metrics
 from flashcp.recipes import build_recipe
@@ -370,7 +370,7 @@ def test_data_epoch_and_a_source_without_epochs() -> None:
 
     assert pass_rows(NoEpoch(4, lazy=True), {"row": 0}, limit=3) == 3
 
-    from flashcp.evaluate import Evaluator
+    from flashcp.evaluation.evaluator import Evaluator
 
     class Recipe:
         def data(self, path: str) -> Any:
@@ -382,7 +382,7 @@ def test_data_epoch_and_a_source_without_epochs() -> None:
 
 
 def test_a_pass_too_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    import flashcp.evaluate as evaluate
+    import flashcp.evaluation.evaluator as evaluate
 
     monkeypatch.setattr(evaluate, "MAX_PASS_ROWS", 5)
     with pytest.raises(ValueError, match=r"more than 5 rows: set eval\.max_batches"):

@@ -39,10 +39,13 @@ from typing import Any
 import numpy as np
 import paddle
 
+from flashcp.config import Config
+from flashcp.distributed import ParallelGroups
 from flashcp.models import HeadInput
 from flashcp.optim.grads import all_reduce_values
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
 from flashcp.recipes.base import Recipe, StepSource
+from flashcp.runtime import step_groups
 
 PREFIX = "eval/"
 MAX_PASS_ROWS = 10_000_000
@@ -221,6 +224,19 @@ class Evaluator:
         """The statistics of the recipe's loss of one micro-batch (no gradient)."""
         _, stats = self.recipe.loss(out, mb)
         return np.asarray([float(x) for x in stats], dtype=np.float64)
+
+
+def build_evaluator(
+    cfg: Config, groups: ParallelGroups, recipe: Recipe, path: str
+) -> Evaluator:
+    """The evaluator of `recipe` on the eval set at `path` under the run's layout (an eval
+    batch is one step's rows, module docstring)."""
+    return Evaluator(
+        recipe, path, max_batches=cfg.eval.max_batches, groups=step_groups(groups),
+        dp_rank=int(groups.dp.rank), dp_size=int(groups.dp.nranks),
+        rows_per_rank=cfg.train.grad_accum * cfg.data.micro_batch_size,
+        lockstep=ep_lockstep(cfg.parallel.ep, cfg.parallel.cp),
+    )  # fmt: skip
 
 
 def format_eval(step: int, metrics: Mapping[str, float]) -> str:
