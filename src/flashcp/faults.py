@@ -37,9 +37,10 @@ launch attempt only (`flashcp.attempt`: 0, the first launch of a `flashcp train`
 * `sigterm`: the rank sends itself SIGTERM right after its forward pass of that step: a
   pre-emption of one rank (`flashcp.launch.preempt`).
 
-Wiring: `install(trainer)` (called by `flashcp.launch.worker` after building the trainer) adds the
-forward/gradient hooks; the checkpoint writers call `on_checkpoint_write` (after each file) and
-`on_save_write` (before a rank's part) at their fault points.
+Wiring: `install(model, params, steps_done)` (called by `flashcp.launch.worker` with the built
+trainer's model, trainable parameters and step count) adds the forward/gradient hooks; the
+checkpoint writers call `on_checkpoint_write` (after each file) and `on_save_write` (before a
+rank's part) at their fault points.
 """
 
 from __future__ import annotations
@@ -52,12 +53,15 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashcp.attempt import current as current_attempt
+
+if TYPE_CHECKING:  # annotations only: the fault points import no Paddle
+    import paddle
 
 ENV_FAULT = "FLASHCP_FAULT"
 KINDS: tuple[str, ...] = (
@@ -252,26 +256,33 @@ def grad_hook(
     return hook
 
 
-def install(trainer: Any, faults: list[Fault] | None = None) -> list[Fault]:
-    """Hook `trainer`'s model for the forward/gradient faults that apply to its rank.
+def install(
+    model: paddle.nn.Layer,
+    params: Sequence[tuple[str, paddle.Tensor]],
+    steps_done: Callable[[], int],
+    faults: list[Fault] | None = None,
+    *,
+    rank: int | None = None,
+) -> list[Fault]:
+    """Hook `model` (a rank's trained module) for the forward/gradient faults that apply to
+    `rank` (default: this process's, from the launcher's environment).
 
-    Uses only `trainer.model`, `trainer.step` (steps done; the running step is step + 1),
-    `trainer.rank` and `trainer.params` (`(name, parameter)` pairs). Returns the faults installed
-    (empty, and nothing touched, when `FLASHCP_FAULT` is unset).
+    `params` are its trainable `(name, parameter)` pairs (`nan_grad` poisons the first);
+    `steps_done()` the steps done so far (the running step is one more). Returns the faults
+    installed (empty, and nothing touched, when `FLASHCP_FAULT` is unset).
     """
     faults = active_faults() if faults is None else faults
-    rank = int(getattr(trainer, "rank", _rank()))
+    rank = _rank() if rank is None else int(rank)
     mine = [f for f in faults if f.rank is None or f.rank == rank]
     if not mine:
         return []
 
     def current_step() -> int:
-        return int(trainer.step) + 1
+        return int(steps_done()) + 1
 
     if any(f.kind in FORWARD_KINDS for f in mine):
-        trainer.model.register_forward_post_hook(forward_hook(mine, rank, current_step))
+        model.register_forward_post_hook(forward_hook(mine, rank, current_step))
     if any(f.kind == "nan_grad" for f in mine):
-        params = list(getattr(trainer, "params", []))
         if not params:
             raise FaultSpecError(f"{ENV_FAULT}: nan_grad needs a trainable parameter")
         params[0][1].register_hook(grad_hook(mine, rank, current_step))

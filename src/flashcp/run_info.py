@@ -38,7 +38,9 @@ the run ends (`finish_run_info`): end time, wall time since the trainer was buil
 the steps it ran, the final loss and the last evaluation.
 
 The same facts make the trainer's start line (`banner`), its last line (`summary`) and the
-`mfu` metric (`RunFacts`).
+`mfu` metric (`RunFacts`). What this module reads of a run comes typed — `RunStart` (filled by
+the trainer after `resume`) and `RunEnd.of`'s arguments — never the trainer itself, so its
+imports show what it depends on. The pre-emption grace arithmetic is `flashcp.preemption`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,17 +61,20 @@ from typing import Any
 import numpy as np
 import paddle
 
+from flashcp.checkpoint.format import list_checkpoints
 from flashcp.config import Config
 from flashcp.data.epochs import format_passes, passes
 from flashcp.data.packing import document_masking
 from flashcp.distributed import ParallelGroups, all_gather_object
 from flashcp.log import readable_count
 from flashcp.metrics import flops, memory, tracking
+from flashcp.optim.grads import trainable
 from flashcp.optim.lr import describe as lr_schedule
 from flashcp.optim.master_optimizer import MasterOptimizer
+from flashcp.optim.param_optimizer import ParamOptimizer
 from flashcp.plan import plan
-from flashcp.plan.steptime import estimate
-from flashcp.rundir import RUN_INFO_FILE
+from flashcp.recipes.base import StepSource
+from flashcp.rundir import CHECKPOINT_DIR, RUN_INFO_FILE
 
 COMMAND_ENV = "FLASHCP_COMMAND"
 """The command line `flashcp train` was given, handed to every rank it launches."""
@@ -129,11 +135,40 @@ class RunFacts:
         return flops.mfu(self.flops_per_token, tokens_per_s, self.peak_tflops, self.devices)
 
 
-def banner(trainer: Any) -> str:
+@dataclass(frozen=True)
+class RunStart:
+    """What the start line and `run_info.json` tell of this rank's built run: the trainer
+    fills it after `resume` (so `last_step` counts from the step it resumed)."""
+
+    cfg: Config
+    groups: ParallelGroups
+    facts: RunFacts
+    model: paddle.nn.Layer
+    """This rank's trained module (its stage; LoRA adapters included)."""
+    reference: paddle.nn.Layer | None
+    """A recipe's frozen copy (DPO's reference model), counted apart; None without one."""
+    data: StepSource
+    optimizer: ParamOptimizer | MasterOptimizer
+    checkpoints: str
+    """Where checkpoints are written (`Checkpointer.root`)."""
+    last_step: int
+    """The step this run stops after (`train.steps` or `run.stop_after_steps`)."""
+    evaluation: tuple[int, int] | None
+    """(rows, batches) of each held-out evaluation; None without `eval.path`."""
+    started: float
+    """When the run began (its build included), seconds since the epoch."""
+
+
+def trainable_count(model: paddle.nn.Layer) -> int:
+    """Elements of `model`'s trainable parameters."""
+    return sum(int(np.prod(p.shape)) for _, p in trainable(model))
+
+
+def banner(run: RunStart) -> str:
     """The trainer's start line: recipe, model, parameters, layout, global batch, device,
     data, optimizer, steps and epochs, LR schedule, reporting, mfu basis and evaluation."""
-    c, g, f = trainer.cfg, trainer.groups, trainer.facts
-    n = sum(int(np.prod(p.shape)) for _, p in trainer.params)
+    c, g, f = run.cfg, run.groups, run.facts
+    n = trainable_count(run.model)
     lora = c.extras.get("lora") is not None
     what = "trainable parameters (LoRA adapters)" if lora else "parameters"
     pp, ep = int(g.pp.nranks), int(g.ep.nranks)
@@ -141,23 +176,24 @@ def banner(trainer: Any) -> str:
     if pp > 1:
         stage = f", stage 0 layers [{f.layers.start}, {f.layers.stop}) {c.parallel.pp_schedule}"
     b = f.global_batch
-    masters = isinstance(trainer.optimizer, MasterOptimizer)
+    masters = isinstance(run.optimizer, MasterOptimizer)
     peak = c.hardware.peak_tflops
     parts = [
-        run_length(c, b["sequences"], getattr(trainer.data, "rows_per_epoch", None)),
+        run_length(c, b["sequences"], getattr(run.data, "rows_per_epoch", None)),
         lr_schedule(c.train),
         f"reporting to {tracking.describe(c.run.report_to)}",
         f"mfu vs {peak:g} TFLOP/s per device ({f.flops_per_token / 1e9:.3g} GFLOP/token)"
         if peak is not None
         else "mfu not reported (set hardware.peak_tflops)",
     ]
-    parts.append(c.checkpoint.describe(trainer.last_step, str(trainer.checkpointer.root)))
+    parts.append(c.checkpoint.describe(run.last_step, run.checkpoints))
     parts += c.notes  # what the loader decided for the user (`Config.notes`)
-    if trainer.evaluator is not None:
+    if run.evaluation is not None:
+        rows, batches = run.evaluation
         when = f"every {c.eval.every} steps and " if c.eval.every else ""
         parts.append(
-            f"eval {c.eval.path}: {trainer.evaluator.rows} rows in {trainer.evaluator.batches} "
-            f"batches {when}after step {c.train.steps}"
+            f"eval {c.eval.path}: {rows} rows in {batches} batches {when}after step "
+            f"{c.train.steps}"
         )
     mask = ""
     if c.attention.mask != "causal":
@@ -172,8 +208,8 @@ def banner(trainer: Any) -> str:
         f"{stage}){mask} | global batch {b['sequences']} seq × {b['seq_len']} = "
         f"{b['tokens']:,} tokens/step (micro-batch {b['micro_batch_size']} × accum "
         f"{b['grad_accum']} × dp {b['dp']}) | {f.device} {f.dtype} | "
-        f"{trainer.data.describe()}"
-        + (f" | {trainer.optimizer.describe()}" if masters else "")
+        f"{run.data.describe()}"
+        + (f" | {run.optimizer.describe()}" if masters else "")
         + f" | {' | '.join(parts)}"
     )
 
@@ -203,18 +239,18 @@ def parameter_totals(module: paddle.nn.Layer | None) -> tuple[int, int]:
     return count, nbytes
 
 
-def rank_record(trainer: Any) -> dict[str, Any]:
+def rank_record(run: RunStart) -> dict[str, Any]:
     """This rank's entry of `run_info.json`."""
-    params, nbytes = parameter_totals(trainer.model)
-    ref_params, ref_bytes = parameter_totals(getattr(trainer.recipe, "reference", None))
-    r = trainer.facts.layers
+    params, nbytes = parameter_totals(run.model)
+    ref_params, ref_bytes = parameter_totals(run.reference)
+    r = run.facts.layers
     return {
-        "rank": int(trainer.groups.rank),
-        "stage": int(trainer.groups.pp.rank),
+        "rank": int(run.groups.rank),
+        "stage": int(run.groups.pp.rank),
         "layers": [r.start, r.stop],
         "params_local": params,
         "param_bytes_local": nbytes,
-        "trainable_params_local": sum(int(np.prod(p.shape)) for _, p in trainer.params),
+        "trainable_params_local": trainable_count(run.model),
         "reference_params_local": ref_params,
         "reference_param_bytes_local": ref_bytes,
         "allocated_bytes": memory.allocated_bytes(),
@@ -222,7 +258,7 @@ def rank_record(trainer: Any) -> dict[str, Any]:
     }
 
 
-def plan_summary(cfg: Any, device: str | None = None) -> dict[str, Any]:
+def plan_summary(cfg: Config, device: str | None = None) -> dict[str, Any]:
     """The memory plan of `cfg` on `device` (`flashcp.plan`, what `flashcp plan --json`
     prints: every rank's planned bytes item by item, the budget and whether it fits), plus the
     device and dtypes it assumed, each stage's peak moment, and the largest rank — to compare
@@ -241,9 +277,9 @@ def plan_summary(cfg: Any, device: str | None = None) -> dict[str, Any]:
     }
 
 
-def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def run_info(run: RunStart, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The `run_info.json` document from every rank's `rank_record`."""
-    g, f = trainer.groups, trainer.facts
+    cfg, g, f = run.cfg, run.groups, run.facts
     return {
         "world": int(g.world.nranks),
         "degrees": {
@@ -258,15 +294,15 @@ def run_info(cfg: Any, trainer: Any, ranks: list[dict[str, Any]]) -> dict[str, A
         "global_batch": f.global_batch,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
         "plan": plan_summary(cfg, f.device),
-        "data": data_report(trainer),
-        "provenance": provenance(getattr(trainer, "started", time.time())),
+        "data": data_report(run.data),
+        "provenance": provenance(run.started),
     }
 
 
-def data_report(trainer: Any) -> dict[str, Any] | None:
+def data_report(data: StepSource) -> dict[str, Any] | None:
     """The recipe data's `data_report()`: source, rows, usable documents/pairs, tokens and the
     bad records skipped (by reason, with their first rows); None if the data has none."""
-    report = getattr(getattr(trainer, "data", None), "data_report", None)
+    report = getattr(data, "data_report", None)
     return report() if callable(report) else None
 
 
@@ -342,7 +378,8 @@ class RunEnd:
     """How a `fit` ended, for `run_info.json`'s `end` and the last line (`summary`)."""
 
     status: str
-    """`completed` (train.steps reached), `stopped` (run.stop_after_steps) or `failed: ...`."""
+    """`completed` (train.steps reached), `stopped` (run.stop_after_steps), `pre-empted` or
+    `failed: ...`."""
     started: float
     ended: float
     first_step: int
@@ -355,6 +392,30 @@ class RunEnd:
     """The last evaluation's `eval/...` metrics (empty without one)."""
     checkpoint: str | None
     """The newest checkpoint in the run directory when it ended."""
+
+    @classmethod
+    def of(
+        cls, cfg: Config, *, started: float, first_step: int, final_step: int,
+        losses: Sequence[float], evaluated: Mapping[str, float], failure: BaseException | None,
+        preempted: bool,
+    ) -> RunEnd:  # fmt: skip
+        """How the run of `cfg` ended, now: `failed: <exception>` (`failure`), `pre-empted`,
+        `completed` (train.steps reached) or `stopped`; the steps it trained from `first_step`
+        to `final_step`, their first and last `losses`, the last evaluation, and the newest
+        checkpoint in its run directory."""
+        if failure is not None:
+            status = f"failed: {type(failure).__name__}"
+        elif preempted:
+            status = "pre-empted"
+        else:
+            status = "completed" if final_step >= cfg.train.steps else "stopped"
+        saved = list_checkpoints(Path(cfg.run.output_dir) / CHECKPOINT_DIR)
+        return cls(
+            status=status, started=started, ended=time.time(), first_step=first_step,
+            final_step=final_step, total_steps=cfg.train.steps,
+            first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
+            eval=dict(evaluated), checkpoint=str(saved[-1][1]) if saved else None,
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -389,6 +450,15 @@ def summary(recipe: str, output_dir: str | Path, end: RunEnd) -> str:
     return " | ".join(parts)
 
 
+def finish_run(cfg: Config, end: RunEnd) -> str | None:
+    """Rank 0, when a `fit` ends: add `end` to the run's `run_info.json`; returns the run's
+    last line (`summary`), or None when it failed (its error is the last word)."""
+    finish_run_info(cfg.run.output_dir, end)
+    if end.status.startswith("failed"):
+        return None
+    return summary(cfg.run.recipe, cfg.run.output_dir, end)
+
+
 def finish_run_info(output_dir: str | Path, end: RunEnd) -> Path | None:
     """Add `end` to `<output_dir>/run_info.json` (rank 0, after `write_run_info`); None when
     there is no such file (nothing to add to)."""
@@ -403,54 +473,14 @@ def finish_run_info(output_dir: str | Path, end: RunEnd) -> Path | None:
     return path
 
 
-def write_run_info(trainer: Any) -> Path | None:
+def write_run_info(run: RunStart) -> Path | None:
     """Gather every rank's record (collective over the world) and write `run_info.json` on
     rank 0; returns its path there (None elsewhere)."""
-    ranks = all_gather_object(rank_record(trainer), trainer.groups.world)
-    if int(trainer.groups.rank) != 0:
+    ranks = all_gather_object(rank_record(run), run.groups.world)
+    if int(run.groups.rank) != 0:
         return None
-    path = Path(trainer.cfg.run.output_dir) / RUN_INFO_FILE
+    path = Path(run.cfg.run.output_dir) / RUN_INFO_FILE
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(run_info(trainer.cfg, trainer, ranks), indent=2) + "\n")
+    tmp.write_text(json.dumps(run_info(run, ranks), indent=2) + "\n")
     os.replace(tmp, path)
     return path
-
-
-def preempt_seconds(step_s: float | None, save_s: float) -> float:
-    """Seconds a pre-emption may take: up to two steps (a signal that arrives after a step's
-    numbers were exchanged is acted on at the next step, `flashcp.launch.preempt`), then the
-    save."""
-    return 2.0 * (step_s or 0.0) + save_s
-
-
-def grace_warning(cfg: Config, *, step_s: float | None, save_s: float, basis: str) -> str | None:
-    """The warning when `run.preempt_grace_s` cannot fit a pre-emption (`preempt_seconds`) of
-    steps of `step_s` (None: unknown) and a save of `save_s` (`basis`: where that comes from);
-    None when it fits."""
-    need = preempt_seconds(step_s, save_s)
-    grace = cfg.run.preempt_grace_s
-    if need <= grace:
-        return None
-    steps = f"up to two steps of {step_s:.3g} s and " if step_s else ""
-    return (
-        f"warning: run.preempt_grace_s is {grace:g} s but a pre-emption here needs about "
-        f"{need:.3g} s ({steps}a save of {basis}): raise run.preempt_grace_s and the "
-        "scheduler's grace period to fit it, or a pre-empted run loses the steps since its last "
-        "checkpoint"
-    )
-
-
-def planned_grace_warning(cfg: Config, device: str | None = None) -> str | None:
-    """`grace_warning` by the plan, at start: the most bytes one rank writes per checkpoint
-    (`flashcp.plan`) at `hardware.checkpoint_write_gb_per_s`, and the plan's step-time estimate
-    (with `hardware.peak_tflops`); None without a write bandwidth (the first save is judged
-    instead) or when it fits."""
-    bandwidth = cfg.hardware.checkpoint_write_gb_per_s
-    if bandwidth is None:
-        return None
-    p = plan(cfg, device=device)
-    most = max((r.checkpoint_bytes for r in p.host.ranks), default=0) if p.host else 0
-    step = estimate(cfg, device=device).seconds
-    return grace_warning(cfg, step_s=step, save_s=most / (bandwidth * 1e9),
-                         basis=f"{most / 2**30:.3g} GiB per writer at {bandwidth:g} GB/s, by the "
-                         "plan")  # fmt: skip

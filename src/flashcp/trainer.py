@@ -19,9 +19,7 @@ goodput ledger (`flashcp.metrics.goodput`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,13 +33,12 @@ from flashcp import runstart
 from flashcp.attempt import current as current_attempt
 from flashcp.checkpoint.checkpointer import Checkpointer
 from flashcp.checkpoint.experts import ExpertArrays
-from flashcp.checkpoint.format import list_checkpoints
-from flashcp.checkpoint.saving import SAVED, STALL, SaveReport
+from flashcp.checkpoint.saving import STALL, SaveReport
 from flashcp.config import Config, to_yaml
 from flashcp.cp.balance import imbalance
-from flashcp.data.epochs import steps_for_epochs
+from flashcp.data.epochs import epoch_steps
 from flashcp.distributed import ParallelGroups, barrier, startup_phase, waited_seconds
-from flashcp.evaluation.evaluator import Evaluator, build_evaluator, format_eval, is_due
+from flashcp.evaluation.evaluator import format_eval, run_if_due, training_evaluator
 from flashcp.metrics import memory, tracking
 from flashcp.metrics.goodput import Goodput
 from flashcp.metrics.moe_stats import RouterStats
@@ -59,22 +56,12 @@ from flashcp.optim.optimizer import build_distributed_optimizer
 from flashcp.optim.param_optimizer import ParamOptimizer
 from flashcp.optim.trainable import RowSlice
 from flashcp.parallelize import build_runner, build_stage
+from flashcp.preemption import GraceCheck, planned_grace_warning, stop_message
 from flashcp.recipes import build_recipe
 from flashcp.recipes.base import StepSource, normalised
-from flashcp.run_info import (
-    RunEnd,
-    RunFacts,
-    banner,
-    finish_run_info,
-    grace_warning,
-    planned_grace_warning,
-    summary,
-    write_run_info,
-)
-from flashcp.rundir import CHECKPOINT_DIR, CONFIG_FILE
+from flashcp.run_info import RunEnd, RunFacts, RunStart, banner, finish_run, write_run_info
+from flashcp.rundir import CONFIG_FILE
 from flashcp.runtime import process_groups, resolve_runtime, seed_rngs, step_groups, use_device
-
-_SIGNALS = {int(s) for s in signal.Signals}
 
 
 class NonFiniteError(RuntimeError):
@@ -110,20 +97,6 @@ def build_optimizer(
         shard_gradients=cfg.parallel.shard_gradients,
         bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20), experts=expert_rows(model),
     )  # fmt: skip
-
-
-def epoch_steps(cfg: Config, data: StepSource) -> Config:
-    """`cfg` with `train.steps` counted from `train.epochs` and `data`'s rows per pass
-    (`flashcp.data.epochs`)."""
-    rows = getattr(data, "rows_per_epoch", None)
-    if rows is None:
-        raise ValueError(
-            f"train.epochs is set but the {type(data).__name__} data source does not count its "
-            "rows per pass: set train.steps"
-        )
-    per_step = cfg.data.micro_batch_size * cfg.train.grad_accum * cfg.parallel.dp
-    steps = steps_for_epochs(float(cfg.train.epochs or 0.0), float(rows), per_step)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
 
 
 class Trainer:
@@ -162,8 +135,7 @@ class Trainer:
         seed_rngs(cfg)
         self.recipe = build_recipe(cfg, groups)
         self.data = data or self.recipe.data()
-        if cfg.train.epochs is not None:  # the steps of train.epochs passes over this data
-            cfg = self.cfg = epoch_steps(cfg, self.data)
+        cfg = self.cfg = epoch_steps(cfg, self.data)  # train.epochs: passes over this data
         self.model, spec, lora = build_stage(cfg, groups, model_factory)
         self.model.train()
         self.router = RouterStats(self.model, cfg.model) if cfg.model.is_moe else None
@@ -177,25 +149,18 @@ class Trainer:
         )  # fmt: skip
         self.checkpointer.init_masters()
         self.runner = build_runner(cfg, groups, self.model, dtype)
-        self.evaluator: Evaluator | None = None
+        self.evaluator = training_evaluator(cfg, groups, self.recipe)
         """Held-out evaluation (`eval.path`; `flashcp.evaluation.evaluator`), None without."""
-        if cfg.eval.path is not None:
-            self.evaluator = build_evaluator(cfg, groups, self.recipe, cfg.eval.path)
         self.facts = RunFacts.of(
             cfg, groups, device=device, dtype=dtype, layers=spec.layers, seq_len=self.data.seq_len
         )
         """Device, compute dtype, layers, global batch, FLOPs per token of this run."""
-        dims = groups.dims
-        self.stragglers = StragglerWatch(
-            [dims.coords(r)["pp"] for r in range(int(groups.world.nranks))],
-            ratio=cfg.run.straggler_ratio, window=cfg.run.straggler_window,
-        )  # fmt: skip
+        self.stragglers = StragglerWatch.of(cfg, groups)
         self.goodput = Goodput(cfg.run.output_dir, attempt=current_attempt(),
                                enabled=int(groups.rank) == 0)  # fmt: skip
         """Rank 0's goodput ledger (`goodput.json`)."""
-        self._grace_judged = False
-        self._save_stalls: dict[int, float] = {}
-        """The stall of each save by step, until the first commit is judged (grace)."""
+        self.grace = GraceCheck(cfg, lambda: self.checkpointer.saves.last_write_s)
+        """Whether a pre-emption fits `run.preempt_grace_s`, judged at the first commit."""
         self.step = self.consumed_tokens = 0
         """The last step done, and the tokens (padding included) the whole job trained on."""
 
@@ -203,11 +168,6 @@ class Trainer:
     def params(self) -> list[tuple[str, paddle.Tensor]]:
         """This rank's trainable `(name, parameter)` pairs."""
         return trainable(self.model)
-
-    @property
-    def step_groups(self) -> list[Any]:
-        """Step statistics (loss, flags, recipe sums) are summed over these."""
-        return step_groups(self.groups)
 
     @property
     def last_step(self) -> int:
@@ -226,6 +186,17 @@ class Trainer:
             return None
         self.step, self.consumed_tokens = resumed.step, resumed.consumed_tokens
         return resumed.path
+
+    def run_start(self) -> RunStart:
+        """What the start line and `run_info.json` tell of this run (after `resume`)."""
+        ev = self.evaluator
+        return RunStart(
+            cfg=self.cfg, groups=self.groups, facts=self.facts, model=self.model,
+            reference=getattr(self.recipe, "reference", None), data=self.data,
+            optimizer=self.optimizer, checkpoints=str(self.checkpointer.root),
+            last_step=self.last_step, evaluation=None if ev is None else (ev.rows, ev.batches),
+            started=self.started,
+        )  # fmt: skip
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -311,7 +282,7 @@ class Trainer:
         mine = stats if counted and stats is not None else np.zeros(len(self.recipe.stats))
         sums.add("recipe", mine)
         sums.add("routing", self.router.local_vector() if self.router is not None else [])
-        return sums.all_reduce(self.step_groups)
+        return sums.all_reduce(step_groups(self.groups))
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate on `eval.path` now (collective); returns the `eval/...` metrics."""
@@ -353,8 +324,9 @@ class Trainer:
             if main:
                 output_dir.mkdir(parents=True, exist_ok=True)
                 (output_dir / CONFIG_FILE).write_text(to_yaml(cfg))
-            write_run_info(self)
-        self.echo(banner(self))
+            run = self.run_start()
+            write_run_info(run)
+        self.echo(banner(run))
         if source is not None:
             self.echo(f"resumed from {source} at step {start}")
         if main and (warning := planned_grace_warning(cfg, self.facts.device)):
@@ -366,17 +338,15 @@ class Trainer:
             start={"layout": layout_text(cfg), "resumed": source is not None},
         )  # fmt: skip
         result = TrainResult(start_step=start, final_step=start, resumed_from=source)
-        end, end_all = self.last_step, cfg.train.steps
+        end = self.last_step
         evaluated: dict[str, float] = {}
         failure: BaseException | None = None
         self.goodput.start(start if source is not None else None)
         try:
             while self.step < end:
                 m = self.train_step()
-                results = {}
-                if self.evaluator is not None and is_due(self.step, cfg.eval.every, end_all):
-                    results = self.evaluate()
-                    m.extra.update(results)  # the step's record carries its eval/... values
+                results = run_if_due(self.evaluator, self.runner, self.step, cfg)
+                m.extra.update(results)  # the step's record carries its eval/... values
                 # "stop now?": every rank has the same answer, from the step's exchange
                 stopping = bool(self.stop_ranks) and self.step < end
                 # every checkpoint.every steps, the last one (checkpoint.save_last), and a
@@ -384,14 +354,17 @@ class Trainer:
                 due = cfg.checkpoint.due(self.step, end) or stopping
                 saved = self._checkpoint(due, last=self.step == end or stopping)
                 m.extra.update(saved.metrics)  # checkpoint/stall_s, ... of this boundary
-                warning = self._account(m, saved, due)
+                stall = float(saved.metrics.get(STALL, 0.0))  # the goodput ledger's step
+                self.goodput.step(self.step, m.step_time_s)
+                self.goodput.checkpoint(self.step if due else None, stall)
+                warning = self.grace.observe(self.step, m.step_time_s, saved, due)
                 m.extra.update(self.goodput.metrics())
                 writer.log(m)
                 if results:
                     writer.echo(format_eval(self.step, results))
                     evaluated = results
                 if stopping:
-                    writer.echo(self._stop_message())
+                    writer.echo(stop_message(self.step, self.stop_ranks))
                 for line in [*saved.messages, *([warning] if warning else [])]:
                     writer.echo(line)
                 result.metrics.append(m)
@@ -399,16 +372,22 @@ class Trainer:
                 if stopping:
                     result.preempted = True
                     break
-            if self.checkpointer.lora is not None and self.step >= cfg.train.steps:
-                self._finish_lora(writer)
+            if self.step >= cfg.train.steps:  # LoRA: the adapters, and the merged model
+                self.checkpointer.export_lora(writer.echo)
             self.goodput.finish(complete=self.step >= cfg.train.steps)
         except BaseException as exc:
             failure = exc
             raise
         finally:
             writer.close()
-            if main:
-                self._finish(result, evaluated, failure)
+            if main:  # how the run ended: into run_info.json, and its last line
+                done = RunEnd.of(
+                    cfg, started=self.started, first_step=result.start_step + 1,
+                    final_step=self.step, losses=[r.loss for r in result.metrics],
+                    evaluated=evaluated, failure=failure, preempted=result.preempted,
+                )  # fmt: skip
+                if (last := finish_run(cfg, done)) is not None:
+                    self.echo(last)
         return result
 
     def _checkpoint(self, due: bool, *, last: bool) -> SaveReport:
@@ -418,68 +397,3 @@ class Trainer:
         ck = self.checkpointer
         report = ck.save(self.step, self.consumed_tokens) if due else ck.poll()
         return report.merge(ck.finish()) if last else report
-
-    def _finish(
-        self, result: TrainResult, evaluated: dict[str, float], failure: BaseException | None
-    ) -> None:
-        """Rank 0: how the run ended into `run_info.json` (`end`), and, when it did not fail,
-        its last line (`flashcp.run_info.summary`)."""
-        cfg = self.cfg
-        if failure is not None:
-            status = f"failed: {type(failure).__name__}"
-        elif result.preempted:
-            status = "pre-empted"
-        else:
-            status = "completed" if self.step >= cfg.train.steps else "stopped"
-        saved = list_checkpoints(Path(cfg.run.output_dir) / CHECKPOINT_DIR)
-        done = RunEnd(
-            status=status, started=self.started, ended=time.time(),
-            first_step=result.start_step + 1, final_step=self.step, total_steps=cfg.train.steps,
-            first_loss=result.metrics[0].loss if result.metrics else None,
-            final_loss=result.metrics[-1].loss if result.metrics else None,
-            eval=evaluated, checkpoint=str(saved[-1][1]) if saved else None,
-        )  # fmt: skip
-        finish_run_info(cfg.run.output_dir, done)
-        if failure is None:
-            self.echo(summary(cfg.run.recipe, cfg.run.output_dir, done))
-
-    def _account(self, m: StepMetrics, saved: SaveReport, due: bool) -> str | None:
-        """The step and its boundary's checkpoint stall in the goodput ledger; once the first
-        save has committed, whether a pre-emption (up to two steps and a whole save: its
-        stall, and with `checkpoint.async` its background write) fits `run.preempt_grace_s`
-        (the warning to print when it does not)."""
-        stall = float(saved.metrics.get(STALL, 0.0))
-        self.goodput.step(self.step, m.step_time_s)
-        self.goodput.checkpoint(self.step if due else None, stall)
-        if due:
-            self._save_stalls[self.step] = stall
-        committed = saved.metrics.get(SAVED)
-        if self._grace_judged or committed is None:
-            return None
-        self._grace_judged = True
-        step = int(committed)
-        save_s = self._save_stalls.get(step, stall)
-        if self.cfg.checkpoint.async_:
-            save_s += self.checkpointer.saves.last_write_s
-        basis = f"{save_s:.3g} s, as the one of step {step} took"
-        return grace_warning(self.cfg, step_s=m.step_time_s, save_s=save_s, basis=basis)
-
-    def _stop_message(self) -> str:
-        """What rank 0 says when the step's exchange carried a pre-emption request."""
-        asked = ", ".join(
-            f"{r} ({signal.Signals(s).name if s in _SIGNALS else f'signal {s}'})"
-            for r, s in sorted(self.stop_ranks.items())
-        )
-        return (
-            f"pre-emption requested on rank(s) {asked}: saving step {self.step} and stopping "
-            "(run the same command again to resume)"
-        )
-
-    def _finish_lora(self, writer: MetricsWriter) -> None:
-        """Export the adapters (and the merged model when `lora.merge_at_end`)."""
-        out = self.checkpointer.export_adapters()
-        writer.echo(f"saved LoRA adapters (PaddleFormers format) to {out}")
-        if self.cfg.extras["lora"].merge_at_end and out is not None:
-            merged = self.checkpointer.export_merged()
-            writer.echo(f"saved the merged model to {merged}")
-

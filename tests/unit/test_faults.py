@@ -42,21 +42,26 @@ def test_parse_faults() -> None:
 
 
 def _trainer(rank: int = 1) -> SimpleNamespace:
+    """A model, its parameters and a step count, as `install` takes them from a trainer."""
     paddle.seed(0)
     model = paddle.nn.Linear(3, 2)
     return SimpleNamespace(model=model, step=0, rank=rank, params=list(model.named_parameters()))
 
 
+def _install(t: SimpleNamespace, given: list[Fault] | None = None) -> list[Fault]:
+    return faults.install(t.model, t.params, lambda: t.step, given, rank=t.rank)
+
+
 def test_install_nothing_without_faults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(faults.ENV_FAULT, raising=False)
     t = _trainer()
-    assert faults.install(t) == []
-    assert faults.install(t, [Fault("nan_loss", 1, 0)]) == []  # another rank's fault
+    assert _install(t) == []
+    assert _install(t, [Fault("nan_loss", 1, 0)]) == []  # another rank's fault
 
 
 def test_nan_and_inf_loss_hit_only_their_step(capsys: pytest.CaptureFixture[str]) -> None:
     t = _trainer(rank=1)
-    installed = faults.install(t, [Fault("nan_loss", 2, 1), Fault("inf_loss", 3, None)])
+    installed = _install(t, [Fault("nan_loss", 2, 1), Fault("inf_loss", 3, None)])
     assert len(installed) == 2
     x = paddle.ones([4, 3])
     assert np.isfinite(t.model(x).numpy()).all()  # step 1
@@ -74,7 +79,7 @@ def test_nan_and_inf_loss_hit_only_their_step(capsys: pytest.CaptureFixture[str]
 
 def test_nan_grad_poisons_one_gradient() -> None:
     t = _trainer(rank=0)
-    faults.install(t, [Fault("nan_grad", 1, 0)])
+    _install(t, [Fault("nan_grad", 1, 0)])
     t.model(paddle.ones([2, 3])).sum().backward()
     first, second = (p for _, p in t.params)
     assert np.isnan(first.grad.numpy()).all() and np.isfinite(second.grad.numpy()).all()
@@ -83,8 +88,7 @@ def test_nan_grad_poisons_one_gradient() -> None:
     t.model(paddle.ones([2, 3])).sum().backward()
     assert np.isfinite(first.grad.numpy()).all()
     with pytest.raises(faults.FaultSpecError, match="trainable parameter"):
-        faults.install(SimpleNamespace(model=t.model, step=0, rank=0, params=[]),
-                       [Fault("nan_grad", 1, None)])  # fmt: skip
+        faults.install(t.model, [], lambda: 0, [Fault("nan_grad", 1, None)], rank=0)
 
 
 class _KilledError(BaseException):
@@ -98,7 +102,7 @@ def _no_kill() -> None:
 def test_sigkill_fault_kills_after_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(faults, "_kill_self", _no_kill)
     t = _trainer(rank=2)
-    faults.install(t, [Fault("sigkill", 2, 2)])
+    _install(t, [Fault("sigkill", 2, 2)])
     t.model(paddle.ones([1, 3]))
     t.step = 1
     with pytest.raises(_KilledError):
@@ -177,14 +181,14 @@ def test_slow_sleeps_every_step_from_its_own(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(faults.time, "sleep", slept.append)
     monkeypatch.setenv(faults.ENV_SLOW, "0.05")
     t = _trainer(rank=1)
-    faults.install(t, [Fault("slow", 2, 1)])
+    _install(t, [Fault("slow", 2, 1)])
     for step in range(4):
         t.step = step
         t.model(paddle.ones([1, 3]))
     assert slept == [0.05, 0.05, 0.05]  # steps 2, 3, 4
     monkeypatch.setenv(faults.ENV_SLOW, "soon")
     with pytest.raises(faults.FaultSpecError, match="FLASHCP_FAULT_SLOW_S"):
-        faults.install(_trainer(rank=1), [Fault("slow", 2, 1)])
+        _install(_trainer(rank=1), [Fault("slow", 2, 1)])
 
 
 def test_sigterm_fault_signals_once_and_hang_never_returns(
@@ -193,7 +197,7 @@ def test_sigterm_fault_signals_once_and_hang_never_returns(
     sent: list[tuple[int, int]] = []
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
     t = _trainer(rank=0)
-    faults.install(t, [Fault("sigterm", 1, 0), Fault("hang", 3, 0)])
+    _install(t, [Fault("sigterm", 1, 0), Fault("hang", 3, 0)])
     t.model(paddle.ones([1, 3]))
     t.model(paddle.ones([1, 3]))  # same step again: not twice
     assert sent == [(os.getpid(), signal.SIGTERM)]

@@ -1,7 +1,7 @@
 """`flashcp.run_info`: a run's provenance (versions, git commit, command line, times) and how
 it ended, in `run_info.json`, and its last line; each checked against its own source (the
-installed packages, `git` itself, the metrics the run wrote). And whether a pre-emption fits
-`run.preempt_grace_s`: by the plan's checkpoint bytes at start, by the first save's time."""
+installed packages, `git` itself, the metrics the run wrote). (Whether a pre-emption fits
+`run.preempt_grace_s`: tests/unit/test_preemption.py.)"""
 
 from __future__ import annotations
 
@@ -13,23 +13,20 @@ from pathlib import Path
 import paddle
 import pytest
 
-from flashcp.checkpoint.format import MODEL_FILE, OPTIMIZER_FILE
-from flashcp.config import load_config
+from flashcp.config import build_config
 from flashcp.metrics.writer import read_metrics
-from flashcp.plan import plan
 from flashcp.run_info import (
     COMMAND_ENV,
+    RunEnd,
     command_line,
     duration,
-    grace_warning,
-    planned_grace_warning,
-    preempt_seconds,
+    finish_run,
     source_revision,
 )
 from flashcp.rundir import CHECKPOINT_DIR, RUN_INFO_FILE
 from flashcp.trainer import NonFiniteError
 from helpers.configs import TinyCfg
-from helpers.paths import CONFIGS, ROOT
+from helpers.paths import ROOT
 from helpers.trainruns import Fit, nan_model
 
 
@@ -98,46 +95,35 @@ def test_command_line_and_source_revision(
     assert [duration(s) for s in (4.25, 245, 7380)] == ["4.2 s", "4m 05s", "2h 03m"]
 
 
-# -- pre-emption grace -----------------------------------------------------------------------
-
-CP2 = CONFIGS / "gpt" / "tiny_cp2.yaml"
-
-
-def test_a_preemption_takes_up_to_two_steps_and_a_save() -> None:
-    assert preempt_seconds(3.0, 4.0) == 10.0 and preempt_seconds(None, 4.0) == 4.0
-    cfg = load_config(CP2, ["run.preempt_grace_s=9"])
-    text = grace_warning(cfg, step_s=3.0, save_s=4.0, basis="4 s, measured")
-    assert text is not None and text.startswith("warning: run.preempt_grace_s is 9 s")
-    assert "about 10 s (up to two steps of 3 s and a save of 4 s, measured)" in text
-    assert grace_warning(cfg, step_s=2.0, save_s=4.0, basis="x") is None  # 8 s fits
+def _end(cfg, **given: object) -> RunEnd:  # type: ignore[no-untyped-def]
+    """`RunEnd.of` with the arguments of a completed three-step run, some of them `given`."""
+    args: dict = dict(started=100.0, first_step=1, final_step=3, losses=[2.5, 2.0, 1.5],
+                      evaluated={}, failure=None, preempted=False)  # fmt: skip
+    return RunEnd.of(cfg, **{**args, **given})
 
 
-def test_the_plan_says_at_start_when_the_grace_cannot_fit_the_save() -> None:
-    """The most bytes a rank writes per checkpoint (the stage writer's model and optimizer
-    state: 1.5 MB for the tiny GPT) at `hardware.checkpoint_write_gb_per_s`."""
-    slow = ["hardware.checkpoint_write_gb_per_s=0.0001", "run.preempt_grace_s=5"]
-    text = planned_grace_warning(load_config(CP2, slow))
-    assert text is not None and "a save of 0.00139 GiB per writer at 0.0001 GB/s" in text
-    assert "about 15 s" in text  # 1,496,064 B at 10^5 B/s; no peak_tflops: no step estimate
-    assert planned_grace_warning(load_config(CP2, [*slow, "run.preempt_grace_s=20"])) is None
-    assert planned_grace_warning(load_config(CP2)) is None  # no bandwidth: judged later
-
-
-@pytest.mark.usefixtures("isolated_environ")
-def test_the_planned_checkpoint_bytes_are_what_a_save_writes(
-    tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit
-) -> None:
-    cfg = tiny_cfg(tmp_path, train={"steps": 1}, checkpoint={"every": 1})
-    planned = [r.checkpoint_bytes for r in plan(cfg).host.ranks]
-    _, _, out = fit(cfg)
-    step = Path(cfg.run.output_dir) / CHECKPOINT_DIR / "step_1"
-    written = sum((step / name).stat().st_size for name in (MODEL_FILE, OPTIMIZER_FILE))
-    assert len(planned) == 1 and planned[0] == pytest.approx(written, rel=0.02)
-    # the first save is judged against the grace period: 120 s fits a tiny save
-    assert "preempt_grace_s" not in out
-    tight = tiny_cfg(tmp_path / "tight", train={"steps": 1}, checkpoint={"every": 1},
-                     run={"preempt_grace_s": 1e-6})  # fmt: skip
-    assert "warning: run.preempt_grace_s is 1e-06 s but a pre-emption here needs" in fit(tight).out
-    planned = tiny_cfg(tmp_path / "planned", train={"steps": 1}, run={"preempt_grace_s": 1e-6},
-                       hardware={"checkpoint_write_gb_per_s": 1.0})  # fmt: skip
-    assert "per writer at 1 GB/s, by the plan" in fit(planned).out  # said at start
+def test_the_end_record_status_losses_and_newest_checkpoint(tmp_path: Path) -> None:
+    """`RunEnd.of` (what the trainer fills at the end of `fit`): a failure wins over a
+    pre-emption, a pre-emption over the step count; the first and last losses of the steps
+    run; the newest checkpoint in the run directory by step, not by name."""
+    cfg = build_config({"model": {"preset": "tiny"}, "train": {"steps": 3},
+                        "run": {"output_dir": str(tmp_path)}})  # fmt: skip
+    done = _end(cfg)
+    assert (done.status, done.first_loss, done.final_loss) == ("completed", 2.5, 1.5)
+    assert done.checkpoint is None and done.total_steps == 3 and done.ended >= done.started
+    assert _end(cfg, final_step=2).status == "stopped"
+    assert _end(cfg, preempted=True).status == "pre-empted"
+    failed = _end(cfg, preempted=True, failure=KeyboardInterrupt())
+    assert failed.status == "failed: KeyboardInterrupt"
+    assert _end(cfg, losses=[]).final_loss is None
+    for step in (2, 10):
+        (tmp_path / CHECKPOINT_DIR / f"step_{step}").mkdir(parents=True)
+    assert _end(cfg).checkpoint == str(tmp_path / CHECKPOINT_DIR / "step_10")
+    # finish_run: the end into run_info.json; the last line unless the run failed
+    (tmp_path / RUN_INFO_FILE).write_text(json.dumps({"world": 1}))
+    line = finish_run(cfg, _end(cfg, evaluated={"eval/loss": 1.25}))
+    assert line is not None and line.startswith("flashcp pretrain: completed at step 3 of 3")
+    assert "loss 2.5000 -> 1.5000 | eval/loss 1.2500 | checkpoint " in line
+    assert _info(tmp_path)["end"]["eval"] == {"eval/loss": 1.25}
+    assert finish_run(cfg, failed) is None
+    assert _info(tmp_path)["end"]["status"] == "failed: KeyboardInterrupt"

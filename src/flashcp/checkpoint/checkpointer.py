@@ -19,8 +19,9 @@ stage), optimizer, LR scheduler and data stream, the LoRA setup — and calls:
   with a warning when the config changed; returns the step and consumed tokens it restored.
 * `init_masters()` once the optimizer exists: with `checkpoint.init_from` and parameters
   stored in bfloat16/float16, the float32 master weights start from the file's own values.
-* `export_adapters()` / `export_merged()` when a LoRA run ends (`flashcp.checkpoint.adapters`,
-  `flashcp.checkpoint.merge_export`); `dump_grads(step)` for `debug.dump_grads`.
+* `export_lora()` (`export_adapters()`, then `export_merged()`) when a LoRA run ends
+  (`flashcp.checkpoint.adapters`, `flashcp.checkpoint.merge_export`); `dump_grads(step)` for
+  `debug.dump_grads`.
 
 Nothing here decides when to save or what a step computes: that is the trainer's (it asks
 "save now?" at each step boundary and calls `save` or `poll`).
@@ -403,6 +404,17 @@ class Checkpointer:
             finish_hf_directory(out, self.cfg, shards, self.cfg.train.param_dtype)
         barrier(g.world, timeout=SAVE_BARRIER_TIMEOUT)
         return out
+
+    def export_lora(self, echo: Callable[[str], None]) -> None:
+        """A LoRA run's end (collective): the adapters (`export_adapters`) and, with
+        `lora.merge_at_end`, the merged model (`export_merged`), each told to `echo` once
+        written; nothing without LoRA."""
+        out = self.export_adapters()
+        if out is None:
+            return
+        echo(f"saved LoRA adapters (PaddleFormers format) to {out}")
+        if self.cfg.extras["lora"].merge_at_end:
+            echo(f"saved the merged model to {self.export_merged()}")
 
     def dump_grads(self, step: int, grads: Callable[[], Mapping[str, np.ndarray]]) -> None:
         """`grads/step_N.safetensors` (pp = 1) or one `step_N.stageS.safetensors` per stage of

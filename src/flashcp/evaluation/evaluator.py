@@ -239,6 +239,24 @@ def build_evaluator(
     )  # fmt: skip
 
 
+def training_evaluator(cfg: Config, groups: ParallelGroups, recipe: Recipe) -> Evaluator | None:
+    """The evaluator a training run runs (`run_if_due`) on `eval.path`; None without one."""
+    if cfg.eval.path is None:
+        return None
+    return build_evaluator(cfg, groups, recipe, cfg.eval.path)
+
+
+def run_if_due(
+    evaluator: Evaluator | None, runner: PipelineRunner, step: int, cfg: Config
+) -> dict[str, float]:
+    """The `eval/...` metrics of an evaluation after training step `step` when one is due then
+    (`is_due`: every `eval.every` steps and after `train.steps`), else none (nor without an
+    evaluator)."""
+    if evaluator is None or not is_due(step, cfg.eval.every, cfg.train.steps):
+        return {}
+    return evaluator.run(runner)
+
+
 def format_eval(step: int, metrics: Mapping[str, float]) -> str:
     """The log line of an evaluation."""
     parts = [f"eval step {step}"]

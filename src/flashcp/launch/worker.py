@@ -162,7 +162,8 @@ def _run(args: argparse.Namespace, cfg: Config, injected: list[faults.Fault], ra
             Evaluation(cfg, groups).run()
         else:
             trainer = Trainer(cfg, groups, stop=stop)
-            faults.install(trainer, injected)  # FLASHCP_FAULT (tests); nothing when unset
+            # FLASHCP_FAULT (tests); nothing when unset
+            faults.install(trainer.model, trainer.params, lambda: trainer.step, injected)
             if trainer.fit().preempted:
                 code = EXIT_PREEMPTED
     except NonFiniteError as exc:

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashcp.config import Config
+from flashcp.distributed import ParallelGroups
+
 
 @dataclass(frozen=True)
 class Straggler:
@@ -61,6 +64,14 @@ class StragglerWatch:
         self.window = int(window)
         self.history: deque[np.ndarray] = deque(maxlen=max(self.window, 1))
         self.named: Straggler | None = None
+
+    @classmethod
+    def of(cls, cfg: Config, groups: ParallelGroups) -> StragglerWatch:
+        """The watch of a run: every rank's pipeline stage from `groups`, the ratio and window
+        from `run.straggler_ratio` / `run.straggler_window`."""
+        world = int(groups.world.nranks)
+        stages = [groups.dims.coords(r)["pp"] for r in range(world)]
+        return cls(stages, ratio=cfg.run.straggler_ratio, window=cfg.run.straggler_window)
 
     def observe(self, compute: Sequence[float] | np.ndarray) -> tuple[Straggler | None, str | None]:
         """Add one step; returns (the straggler named now, the line to log if that changed)."""

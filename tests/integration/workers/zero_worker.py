@@ -169,7 +169,8 @@ def main() -> None:
         correct = overwrite_bug() if run.get("bug") == "zero2_overwrite" else None
         trainer = Trainer(cfg, groups, model_factory=factory)
         if "fault" in run:
-            install(trainer, parse_faults(run["fault"]))
+            install(trainer.model, trainer.params, lambda t=trainer: t.step,
+                    parse_faults(run["fault"]))  # fmt: skip
         if "measure" in run:
             Path(run["measure"]).mkdir(parents=True, exist_ok=True)
             measure(trainer, Path(run["measure"]), env.rank)

@@ -11,7 +11,7 @@ import pytest
 
 from flashcp.config import ConfigValidationError, build_config, to_dict, to_yaml
 from flashcp.data.dpo_stream import DPOData
-from flashcp.data.epochs import format_passes, passes, steps_for_epochs
+from flashcp.data.epochs import epoch_steps, format_passes, passes, steps_for_epochs
 from flashcp.recipes.lm import LMData
 
 TINY = {"model": {"preset": "tiny"}, "data": {"seq_len": 64, "micro_batch_size": 2}}
@@ -108,3 +108,27 @@ def test_steps_and_epochs_are_alternatives() -> None:
 
     again = build_config(yaml.safe_load(to_yaml(replace(cfg, train=replace(cfg.train, steps=9)))))
     assert again.train.epochs == 1.5
+
+
+class _Counted:
+    """A data source that counts its rows per pass."""
+
+    rows_per_epoch = 20.0
+
+
+class _Uncounted:
+    """A data source that does not."""
+
+
+def test_a_config_of_epochs_gets_its_steps_from_the_data() -> None:
+    """`epoch_steps` (what the trainer asks before building): `train.steps` from the data's
+    rows per pass and a step's rows (micro_batch_size × grad_accum × dp); a config without
+    `train.epochs` comes back as it is; a source that cannot count is refused, naming it."""
+    cfg = build_config({**TINY, "train": {"epochs": 2, "grad_accum": 3}})
+    assert epoch_steps(cfg, _Counted()).train.steps == 7  # 40 rows at 2 × 3 a step: 6.7
+    wide = replace(cfg, parallel=replace(cfg.parallel, dp=2))
+    assert epoch_steps(wide, _Counted()).train.steps == 4  # 12 rows a step: 3.3
+    plain = build_config(TINY)
+    assert epoch_steps(plain, _Uncounted()) is plain
+    with pytest.raises(ValueError, match="the _Uncounted data source does not count its rows"):
+        epoch_steps(cfg, _Uncounted())

@@ -32,12 +32,21 @@ from flashcp.attention.context import AttentionContext
 from flashcp.config import build_config
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.sources import BUILTIN_CORPUS, read_records
-from flashcp.evaluation.evaluator import Evaluator, data_epoch, format_eval, is_due, pass_rows
+from flashcp.evaluation.evaluator import (
+    Evaluator,
+    data_epoch,
+    format_eval,
+    is_due,
+    pass_rows,
+    run_if_due,
+    training_evaluator,
+)
 from flashcp.lora.model import disable_adapters
 from flashcp.metrics.writer import read_metrics
 from flashcp.recipes import build_recipe
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMData
+from flashcp.runtime import step_groups
 from flashcp.trainer import Trainer
 from helpers.configs import TINY_GLM, TINY_LM, Sections, TinyCfg, merged, tiny_config
 from helpers.paths import ROOT
@@ -210,7 +219,7 @@ def test_every_eval_document_counts_once_packed_or_not(
     for packing in (True, False):
         c = replace(cfg, data=replace(cfg.data, packing=packing))
         evaluator = Evaluator(build_recipe(c, trainer.groups), str(many), max_batches=None,
-                              groups=trainer.step_groups, rows_per_rank=2)  # fmt: skip
+                              groups=step_groups(trainer.groups), rows_per_rank=2)  # fmt: skip
         results[packing] = evaluator.run(trainer.runner)
     packed, unpacked = results[True], results[False]
     want = _targets(SFT_PAIRS[1:])
@@ -225,10 +234,36 @@ def test_is_due() -> None:
     assert [s for s in range(1, 8) if is_due(s, 0, 7)] == [7]
 
 
+class _Counting:
+    """Stands in for an `Evaluator`: counts its runs."""
+
+    def __init__(self) -> None:
+        self.runs: list[Any] = []
+
+    def run(self, runner: Any) -> dict[str, float]:
+        self.runs.append(runner)
+        return {"eval/loss": float(len(self.runs))}
+
+
+def test_an_evaluation_runs_when_it_is_due() -> None:
+    """`run_if_due` (the trainer's question after each step): every `eval.every` steps and
+    after `train.steps`, through the runner it is given; nothing without an evaluator."""
+    cfg = build_config({"model": {"preset": "tiny"}, "train": {"steps": 7}})
+    cfg = replace(cfg, eval=replace(cfg.eval, every=3))
+    counting, runner = _Counting(), object()
+    got = {s: run_if_due(counting, runner, s, cfg) for s in range(1, 8)}  # type: ignore[arg-type]
+    assert {s: r for s, r in got.items() if r} == {
+        3: {"eval/loss": 1.0}, 6: {"eval/loss": 2.0}, 7: {"eval/loss": 3.0},
+    }  # fmt: skip
+    assert counting.runs == [runner] * 3
+    assert run_if_due(None, runner, 7, cfg) == {}  # type: ignore[arg-type]
+
+
 def test_no_eval_set() -> None:
     cfg = build_config({"model": {"preset": "tiny"}, "train": {"steps": 1}})
     trainer = Trainer(cfg, stream=io.StringIO())
     assert trainer.evaluator is None
+    assert training_evaluator(cfg, trainer.groups, trainer.recipe) is None
     with pytest.raises(ValueError, match="no eval set: set eval.path"):
         trainer.evaluate()
 

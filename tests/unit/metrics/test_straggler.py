@@ -3,8 +3,12 @@ the threshold for a whole window of steps, and cleared after a window without.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
+from flashcp.config import build_config
+from flashcp.distributed.dims import ParallelDims
 from flashcp.metrics.straggler import Straggler, StragglerWatch, stage_ratios
 
 
@@ -41,3 +45,15 @@ def test_one_slow_step_is_noise_and_a_watch_can_be_off() -> None:
     assert [off.observe([1.0, 9.0]) for _ in range(3)] == [(None, None)] * 3
     alone = StragglerWatch([0], ratio=1.2, window=1)
     assert alone.observe([5.0]) == (None, None)
+
+
+def test_a_runs_watch_knows_each_ranks_stage_and_the_run_settings() -> None:
+    """`StragglerWatch.of`: rank r's pipeline stage from the layout (dp, pp, cp outermost
+    first: with pp = cp = 2 ranks 0-1 are stage 0, 2-3 stage 1, then again for dp 1)."""
+    cfg = build_config({"model": {"preset": "tiny"},
+                        "run": {"straggler_ratio": 1.5, "straggler_window": 4}})  # fmt: skip
+    dims = ParallelDims(dp=2, pp=2, cp=2, world_size=8)
+    groups = SimpleNamespace(world=SimpleNamespace(nranks=8), dims=dims)
+    watch = StragglerWatch.of(cfg, groups)  # type: ignore[arg-type]
+    assert watch.stages == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert (watch.ratio, watch.window) == (1.5, 4)

@@ -109,6 +109,47 @@ def test_the_optimizer_knows_no_model() -> None:
 DOC = SRC.parents[1] / "docs" / "architecture.md"
 
 
+def trainer_parameters(source: str) -> list[str]:
+    """`function(parameter)` for every parameter named `trainer` in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                if arg is not None and arg.arg == "trainer":
+                    found.append(f"{getattr(node, 'name', 'lambda')}({arg.arg})")
+    return found
+
+
+def test_no_module_below_the_trainer_takes_the_trainer() -> None:
+    """What a lower module needs of a run comes as typed data (`run_info.RunStart`,
+    `faults.install`'s model, parameters and step counter), never the trainer as `Any` read
+    attribute by attribute: that dependency has no import, so this file could not see it
+    (docs/architecture.md, "What the layer test cannot see")."""
+    found = {
+        str(path.relative_to(SRC)): hits
+        for path in sorted(SRC.rglob("*.py"))
+        if path != SRC / "trainer.py" and (hits := trainer_parameters(path.read_text()))
+    }
+    assert found == {}
+    # negative control: the old start line's signature is found
+    assert trainer_parameters("def banner(trainer: Any) -> str: ...") == ["banner(trainer)"]
+    assert "What the layer test cannot see" in DOC.read_text()
+
+
+def test_the_doc_names_this_test_and_only_units_that_exist() -> None:
+    """The diagram matches the tree both ways (`test_imports_go_down_the_documented_layers`:
+    every unit is drawn; here: every drawn unit exists), and the doc gives this file's path."""
+    text = DOC.read_text()
+    here = Path(__file__).resolve()
+    assert str(here.relative_to(SRC.parents[1])) in text
+    drawn = set(documented_layers(text))
+    assert drawn - set(package_graph()) == set()
+    # negative control: a unit drawn but gone from the tree is found
+    stale = text.replace("runtime.py ", "runtime.py · gone.py ", 1)
+    assert set(documented_layers(stale)) - set(package_graph()) == {"gone"}
+
+
 def documented_layers(text: str) -> dict[str, int]:
     """Unit → its line in the diagram under "## Package layers" (0 = the bottom line)."""
     block = text.split("## Package layers", 1)[1].split("```", 2)[1]
