@@ -160,7 +160,29 @@ def floor_by_phase(gemm_seconds: dict[str, float], gemms: Sequence[Gemm]) -> dic
 # -- the variants a cut is compared against ----------------------------------------------------
 
 
-VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {}
+@contextlib.contextmanager
+def _numpy_kernel_gemms_paddle_norms() -> Iterator[None]:
+    """Before `flashcp.kernels.numpy_bridge` and `flashcp.models.cpu_elementwise`: the CPU
+    attention kernel's GEMMs in numpy's own matmul, RMSNorm and rotary as Paddle ops."""
+    from flashcp.kernels import cpu_backward, cpu_forward
+    from flashcp.models import cpu_elementwise
+
+    def numpy_matmul(a: Any, b: Any, *, transpose_a: bool = False, transpose_b: bool = False):
+        return np.matmul(a.swapaxes(-1, -2) if transpose_a else a,
+                         b.swapaxes(-1, -2) if transpose_b else b)  # fmt: skip
+
+    saved = (cpu_forward.matmul, cpu_backward.matmul, cpu_elementwise.applies)
+    cpu_forward.matmul = cpu_backward.matmul = numpy_matmul
+    cpu_elementwise.applies = lambda *tensors: False
+    try:
+        yield
+    finally:
+        cpu_forward.matmul, cpu_backward.matmul, cpu_elementwise.applies = saved
+
+
+VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "numpy_kernel_gemms_paddle_norms": _numpy_kernel_gemms_paddle_norms,
+}
 """`--compare` choices: a context manager under which the step runs as before a cut."""
 
 

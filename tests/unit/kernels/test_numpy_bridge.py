@@ -121,3 +121,19 @@ def test_autocast_leaves_the_kernels_gemms_in_float32(amp_dtype: str) -> None:
     # Negative control: the product of 16-bit-rounded operands, what a lowered GEMM would give.
     low_a, low_b = (paddle.to_tensor(x).astype(amp_dtype).astype("float64").numpy() for x in (a, b))
     numerics.assert_rejects(low_a @ low_b, want, n=256, margin=4)
+
+
+@pytest.mark.parametrize(("shape_a", "shape_b"), [((3, 20, 8), (8, 5)), ((20, 8), (3, 8, 5))])
+def test_batch_axes_broadcast_as_numpys(shape_a, shape_b) -> None:
+    """Either operand may lack the batch axes (numpy's matmul broadcasting)."""
+    a, b = _pair(shape_a, shape_b)
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    got = matmul(a, b)
+    assert got.shape == want.shape == (3, 20, 5)
+    numerics.assert_close(got, want, n=8)
+
+
+def test_empty_has_the_asked_dtype_on_the_cpu() -> None:
+    tensor, arr = empty((2, 3), np.dtype(np.float64))
+    assert arr.dtype == np.float64 and tensor.dtype == paddle.float64
+    assert tensor.place.is_cpu_place()

@@ -34,10 +34,12 @@ def _norm_ref(x: paddle.Tensor, w: paddle.Tensor, eps: float = 1e-5) -> paddle.T
     return w * (x * paddle.rsqrt((x * x).mean(axis=-1, keepdim=True) + eps))
 
 
-@pytest.mark.parametrize("shape", [(2, 37, 64), (300, 128)])
-def test_rms_norm_matches_float64_autograd(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(("shape", "scale"), [((2, 37, 64), 3.0), ((300, 128), 3.0),
+                                             ((4, 16), 1e-3)])  # fmt: skip
+def test_rms_norm_matches_float64_autograd(shape: tuple[int, ...], scale: float) -> None:
+    """(At scale 1e-3, mean(x²) is below eps: eps's place in the formula shows.)"""
     hidden = shape[-1]
-    x = RNG.standard_normal(shape) * 3.0
+    x = RNG.standard_normal(shape) * scale
     w = RNG.uniform(0.5, 1.5, hidden)
     dy = RNG.standard_normal(shape)
     want = _grads(_norm_ref, [x, w], dy, "float64")
