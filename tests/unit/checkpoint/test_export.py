@@ -13,11 +13,13 @@ import paddle
 import pytest
 from safetensors import safe_open
 
+from bench import numerics
 from flashcp import cli, masks
 from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import ExportError, copy_tokenizer, export_run, plan_shards
 from flashcp.config import build_config
 from flashcp.data.tokenizer import ByteTokenizer
+from flashcp.lora.model import disable_adapters
 from flashcp.models import build_model, estimate_parameters, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_save import save_hf_checkpoint
@@ -91,6 +93,17 @@ def _bf16_rne(x: np.ndarray) -> np.ndarray:
 
 
 IDS = np.random.default_rng(1).integers(0, 300, (2, 24))
+
+
+def _assert_merged_logits(got: np.ndarray, trainer: Trainer, what: str) -> None:
+    """The merged export's logits (W + A·B·s) against the adapted run's, another float32
+    order: the float32 rule (bench.numerics), n = the hidden size (the reduction a merged
+    weight's rounding enters); negative control: the run with its adapters off."""
+    want = _logits(trainer.model, IDS)
+    numerics.assert_close(got, want, n=ARGS.hidden_size, what=what)
+    with disable_adapters(trainer.model):
+        base = _logits(trainer.model, IDS)
+    numerics.assert_rejects(base, want, n=ARGS.hidden_size)
 
 
 def test_full_run_round_trips_bitwise_through_several_shards(
@@ -168,12 +181,7 @@ def test_lora_run_exports_base_plus_adapters(
     assert len(report.shards) == 3  # one layer per shard: nothing bigger is ever built
     with safe_open(str(out / report.shards[0]), "numpy") as f:
         assert not any("lora" in k for k in f.keys())  # noqa: SIM118
-    got, want = _logits(_reload(out), IDS), _logits(trainer.model, IDS)
-    # merged W + A·B·s vs the adapted forward: float32 reassociation only
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    control = _logits(_reload(base_dir), IDS) if pretrained else None
-    if control is not None:
-        assert np.abs(control - want).max() > 100 * 1e-5 * np.abs(want).max()
+    _assert_merged_logits(_logits(_reload(out), IDS), trainer, "merged export")
 
 
 CHAT_TEMPLATE = (
@@ -211,9 +219,8 @@ def test_merge_at_end_writes_the_export_directory(base_dir: Path, tmp_path: Path
     chat = [{"role": "user", "content": "hi"}]
     assert hf.apply_chat_template(chat, tokenize=False) == "<|user|>hi"
     assert json.loads((merged / "generation_config.json").read_text())["top_p"] == 0.8
-    want = _logits(trainer.model, IDS)
     got = _logits(_reload(merged, tokenizer=None), IDS)  # its own tokenizer too
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    _assert_merged_logits(got, trainer, "merge_at_end")
 
 
 def hf_config_section() -> dict[str, Any]:
@@ -382,8 +389,7 @@ def test_sources_and_staging(base_dir: Path, tmp_path: Path) -> None:
     report = export_run(lora_run / "run", out, merge_lora=True)
     assert report.source == lora_run / "run" / "adapters"
     assert json.loads((out / "generation_config.json").read_text()) == TOKEN_IDS
-    want = _logits(trainer.model, IDS)
-    np.testing.assert_allclose(_logits(_reload(out), IDS), want, atol=1e-5 * np.abs(want).max())
+    _assert_merged_logits(_logits(_reload(out), IDS), trainer, "final adapters export")
 
     full_run = tmp_path / "full"
     _train(full_run, ARGS.to_dict(), train={"steps": 1}, checkpoint={"every": 1})

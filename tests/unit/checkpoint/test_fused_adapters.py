@@ -94,8 +94,12 @@ def test_qkv_columns_are_paddleformers_fusion(base: Path) -> None:
 def test_block_diagonal_fusion_is_the_separate_adapters() -> None:
     """x·A·B of the fused adapter = each piece's x·A_i·B_i in its own columns (float64)."""
     rng = np.random.default_rng(0)
+
+    def normal(*shape: int) -> np.ndarray:  # float32 values: the fused float32 A, B hold them
+        return rng.standard_normal(shape).astype(np.float32).astype(np.float64)
+
     shapes = ((2, 4, np.array([5, 0, 3, 1])), (3, 2, np.array([2, 4])))
-    pieces = [(rng.standard_normal((6, r)), rng.standard_normal((r, k)), c) for r, k, c in shapes]
+    pieces = [(normal(6, r), normal(r, k), c) for r, k, c in shapes]
     module = FusedModule(6, pieces)  # type: ignore[arg-type]
     assert module.rank == 5
     a, b = module.arrays(8)  # padded: 3 zero columns of A, zero rows of B
@@ -103,8 +107,14 @@ def test_block_diagonal_fusion_is_the_separate_adapters() -> None:
     want = np.zeros((3, 6))
     for pa, pb, cols in pieces:
         want[:, cols] = x @ pa @ pb
-    np.testing.assert_allclose(x @ a.astype(np.float64) @ b.astype(np.float64), want,
-                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    # exactly the pieces' values in A and B, the products in float64 on both sides: only
+    # float64 summation order differs, so a float64-tight tolerance
+    got = x @ a.astype(np.float64) @ b.astype(np.float64)
+    tight = 1e-12 * float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=tight)
+    # negative control: pieces side by side, their columns ignored
+    naive = np.concatenate([x @ pa @ pb for pa, pb, _ in pieces], axis=1)
+    assert np.abs(got - naive).max() > 1e6 * tight
     assert not a[:, 5:].any() and not b[5:].any()
 
 

@@ -86,8 +86,14 @@ def test_tied_embeddings_share_one_matrix() -> None:
     names = [n for n, _ in model.named_parameters()]
     assert "lm_head.weight" not in names
     hidden = model.hidden_states(_ids(), _pos(B, 0, S), _causal())
-    want = hidden.numpy() @ model.model.embed_tokens.weight.numpy().T
-    np.testing.assert_allclose(model.logits(hidden).numpy(), want, rtol=1e-5, atol=1e-5)
+    table = model.model.embed_tokens.weight.numpy().astype(np.float64)
+    want = hidden.numpy() @ table.T  # in float64
+    # float32 logits vs float64: the float32 rule (bench.numerics), n = the hidden size
+    numerics.assert_close(model.logits(hidden).numpy(), want, n=64, what="tied logits")
+    # negative control: the same seed untied (its own lm_head) gives other logits
+    with paddle.no_grad():
+        untied = _model("tiny_glm").logits(hidden).numpy()
+    numerics.assert_rejects(untied, want, n=64)
     model.logits(model(_ids(), _pos(B, 0, S), _causal())).mean().backward()
     assert model.model.embed_tokens.weight.grad is not None
 
@@ -246,12 +252,17 @@ def test_token_logprobs() -> None:
     labels = rng.integers(0, 7, (2, 5))
     labels[0, 1] = labels[1, 4] = -100
     got = token_logprobs(paddle.to_tensor(logits), paddle.to_tensor(labels)).numpy()
-    shifted = logits - logits.max(-1, keepdims=True)
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)  # reference: float64
     logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     want = np.take_along_axis(logp, np.maximum(labels, 0)[..., None], -1)[..., 0]
     want[labels == -100] = 0.0
     assert got.shape == (2, 5)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    # float32 vs float64: the float32 rule (bench.numerics), n = the vocabulary (the sum of
+    # the log-softmax), scale = max |log-prob|
+    numerics.assert_close(got, want, n=7, what="token log-probs")
+    # negative control: the logit itself, not normalised by the log-sum-exp
+    raw = np.take_along_axis(logits, np.maximum(labels, 0)[..., None], -1)[..., 0]
+    numerics.assert_rejects(np.where(labels == -100, 0.0, raw), want, n=7)
 
 
 # --------------------------------------------------------------------- presets, validate

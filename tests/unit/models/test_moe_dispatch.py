@@ -458,7 +458,9 @@ def test_ragged_buffer_through_enter_and_leave_equals_the_relayout_path() -> Non
     (direct * probe).sum().backward()
     g2 = [x.grad.numpy(), moe.experts.gate_up_proj.grad.numpy(), moe.gate.weight.grad.numpy()]
     np.testing.assert_array_equal(via_enter.numpy(), direct.numpy())
-    for a, b in zip(g1, g2, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
+    # gradients: the float32 rule (bench.numerics), norm-wise; the input's over the hidden
+    # size, the weights' over the 20 tokens
+    for what, a, b, n in zip(("x", "gate_up_proj", "gate"), g1, g2, (H, 20, 20), strict=True):
+        numerics.assert_close(a, b, n=n, norm="l2", what=what)
     with pytest.raises(ValueError, match="3 row counts for 16 experts"):
         moe.experts.plan([1, 2, 3], flat)

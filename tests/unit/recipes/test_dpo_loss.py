@@ -55,9 +55,22 @@ def _pf_self(loss_type: str, beta: float, label_smoothing: float) -> SimpleNames
 def test_loss_matches_paddleformers_cal_dpo_loss(loss_type: str, beta: float, ls: float) -> None:
     """flashcp's loss == `paddleformers.nn.criterion.dpo_loss.cal_dpo_loss` on the same inputs."""
     pc, pr, rc, rr = _logps()
+    pc.stop_gradient = False
     ours, _ = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=loss_type, label_smoothing=ls)
     ref = pf_dpo.cal_dpo_loss(_pf_self(loss_type, beta, ls), pc, pr, rc, rr, None)
-    np.testing.assert_allclose(float(ours), float(ref), rtol=1e-6, atol=1e-6)
+    # Two float32 computations of the mean over the N pairs of ℓ(h), h = (π_c - π_r) -
+    # (ρ_c - ρ_r) a small difference of log-probs of ~-60: the float32 rule (bench.numerics),
+    # n = N, scale = what the loss's rounding scales with, Σ_i |∂L/∂h_i|·Σ|log-probs of pair i|
+    # (∂L/∂h_i = ∂L/∂π_c,i; h's rounding) plus |L| (the loss's own)
+    ours.backward()
+    magnitude = sum(np.abs(t.numpy().astype(np.float64)) for t in (pc, pr, rc, rr))
+    scale = float(np.abs(pc.grad.numpy()) @ magnitude) + abs(float(ours))
+    n = int(pc.shape[0])
+    numerics.assert_close(float(ours), float(ref), n=n, scale=scale, what=loss_type)
+    # negative control: the reference's log-probs left out of h
+    zero = paddle.zeros_like(rc)
+    wrong, _ = dpo_loss(pc, pr, zero, zero, beta=beta, loss_type=loss_type, label_smoothing=ls)
+    numerics.assert_rejects(float(wrong), float(ref), n=n, scale=scale)
 
 
 def test_sigmoid_formula_and_metrics() -> None:
@@ -125,8 +138,13 @@ def test_sequence_logps_matches_paddleformers_dpo_logps() -> None:
     ref_c, ref_r, _ = pf_dpo.dpo_logps(
         _pf_self("sigmoid", 0.1, 0.0), logits, labels, paddle.to_tensor(batch.response_indexs())
     )
-    np.testing.assert_allclose(ours_c.numpy(), ref_c.numpy(), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(ours_r.numpy(), ref_r.numpy(), rtol=1e-6, atol=1e-6)
+    # two float32 sums of the same answer tokens' log-probs: the float32 rule, n = the row,
+    # scale = |sum| (the log-probs all share a sign), as in the CP shard test below
+    seq = batch.shape[1]
+    numerics.assert_close(ours_c.numpy(), ref_c.numpy(), n=seq, what="chosen")
+    numerics.assert_close(ours_r.numpy(), ref_r.numpy(), n=seq, what="rejected")
+    # negative control: chosen and rejected answers swapped
+    numerics.assert_rejects(ours_r.numpy(), ref_c.numpy(), n=seq)
 
 
 def test_sequence_logps_sums_average_and_grad() -> None:
