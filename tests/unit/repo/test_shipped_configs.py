@@ -18,6 +18,7 @@ import pytest
 from flashcp import cli
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import make_assignment
+from flashcp.commands.run import node_problem
 from flashcp.config import ConfigValidationError, collect, load_config, read_yaml
 from flashcp.config.device import compute_dtype
 from flashcp.config.placeholders import find_placeholders
@@ -291,7 +292,7 @@ def test_air_recipe_header_shows_the_two_node_commands(monkeypatch: pytest.Monke
         args, extra = cli.build_parser().parse_known_args(argv)
         assert (args.command, args.nnodes, args.node_rank) == ("train", 2, int(rank))
         assert args.master == "10.0.0.1:29500" and args.config == _rel(path)
-        assert cli._node_problem(args) is None
+        assert node_problem(args) is None
         assert {o.split("=")[0] for o in args.overrides + extra} == {
             "model.from_pretrained", "data.path"}  # fmt: skip
     launch = two_node[1]
