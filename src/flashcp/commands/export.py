@@ -27,9 +27,9 @@ def parse_size(text: str) -> int:
 
 def export_command(args: argparse.Namespace) -> int:
     from flashcp.checkpoint.export import ExportError, export_run
-    from flashcp.config import ConfigValidationError
     from flashcp.log import readable_count
     from flashcp.models.hf_check import CheckpointMismatchError
+    from flashcp.problems import ProblemsError
 
     try:
         report = export_run(
@@ -41,7 +41,7 @@ def export_command(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_size,
             adapters_for=args.adapters_for,
         )
-    except (ExportError, ConfigValidationError, CheckpointMismatchError, OSError) as exc:
+    except (ExportError, ProblemsError, CheckpointMismatchError, OSError) as exc:
         print(f"flashcp export: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.adapters_for is not None:

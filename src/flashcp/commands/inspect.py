@@ -68,11 +68,12 @@ def explain_dispatch_command(args: argparse.Namespace) -> int:
 def plan_command(args: argparse.Namespace) -> int:
     import json
 
-    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.config import load_config
     from flashcp.plan import plan
     from flashcp.plan.longest import longest, with_seq_len
     from flashcp.plan.report import format_longest, format_plan, format_step_time, format_summary
     from flashcp.plan.steptime import DEFAULT_MFU, estimate
+    from flashcp.problems import ProblemsError
 
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
     if not 0 < mfu <= 1:
@@ -80,7 +81,7 @@ def plan_command(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     try:
         cfg = load_config(args.config, args.overrides, allow_placeholders=True)
-    except ConfigValidationError as exc:
+    except ProblemsError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
     budgets = {"device": args.device, "budget_gib": args.device_memory,
@@ -124,13 +125,14 @@ def plan_command(args: argparse.Namespace) -> int:
 def data_stats_command(args: argparse.Namespace) -> int:
     import json
 
-    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.config import load_config
     from flashcp.data.stats import data_stats, format_stats
+    from flashcp.problems import ProblemsError
     from flashcp.recipes import recipe_class
 
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigValidationError as exc:
+    except ProblemsError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
     data = recipe_class(cfg.run.recipe).data_class(cfg, dp_rank=0, dp_size=cfg.parallel.dp)

@@ -66,9 +66,9 @@ def validate_command(args: argparse.Namespace) -> int:
     recipe with `/path/to/...` placeholders is checked as shipped: its machine checks wait for
     the placeholders (it says what is left to fill in). Exit 2 when any config is refused."""
     from flashcp.config import read_yaml
-    from flashcp.config.errors import ConfigValidationError
     from flashcp.config.placeholders import find_placeholders
     from flashcp.launch.preflight import EXIT_PREFLIGHT, check_raw
+    from flashcp.problems import ProblemsError
 
     names, overrides = _split_overrides(args.files)
     files = [Path(f) for f in names]
@@ -88,11 +88,11 @@ def validate_command(args: argparse.Namespace) -> int:
                 raw, source=str(path), overrides=overrides, world_size=args.world_size,
                 nnodes=args.nnodes, machine=not unfilled, allow_placeholders=True,
             )  # fmt: skip
-        except ConfigValidationError as exc:
-            cfg, errors = None, exc.errors
+        except ProblemsError as exc:
+            cfg, errors = None, exc.problems
         if errors or cfg is None:
             failed += 1
-            print(f"FAIL  {ConfigValidationError(errors, str(path))}")
+            print(f"FAIL  {ProblemsError(errors, str(path))}")
             continue
         print(f"ok    {path}: {_config_summary(cfg, nnodes)}")
         if cfg.model_from_pretrained is not None:
@@ -141,9 +141,9 @@ def node_problem(args: argparse.Namespace) -> str | None:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from flashcp.config import ConfigValidationError
     from flashcp.launch.job import run_job
     from flashcp.launch.preflight import EXIT_PREFLIGHT, Nodes, check_config_file
+    from flashcp.problems import ProblemsError
 
     problem = node_problem(args)
     if problem is not None:
@@ -151,11 +151,11 @@ def train_command(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     try:  # the one load in this process, with the preflight `flashcp validate` runs
         cfg, problems = check_config_file(args.config, args.overrides, nnodes=args.nnodes)
-    except ConfigValidationError as exc:
+    except ProblemsError as exc:
         print(exc, file=sys.stderr)
         return EXIT_PREFLIGHT
     if problems or cfg is None:
-        print(ConfigValidationError(problems, args.config), file=sys.stderr)
+        print(ProblemsError(problems, args.config), file=sys.stderr)
         return EXIT_PREFLIGHT
     nodes = Nodes(count=args.nnodes, rank=args.node_rank, master=args.master)
     return run_job(cfg, args.config, args.overrides, nodes=nodes, command=args.command_line,
@@ -203,11 +203,12 @@ def _model_dir_config(path: Path) -> str:
 def eval_command(args: argparse.Namespace) -> int:
     from flashcp import runlock
     from flashcp.checkpoint.format import CheckpointError
-    from flashcp.config import ConfigValidationError, load_config
+    from flashcp.config import load_config
     from flashcp.evaluation.command import EvalError, Evaluation, check
     from flashcp.launch.job import run_job
     from flashcp.launch.preflight import Nodes
     from flashcp.launch.worker import set_runtime_flags
+    from flashcp.problems import ProblemsError
 
     problem = node_problem(args)
     if problem is not None:
@@ -217,7 +218,7 @@ def eval_command(args: argparse.Namespace) -> int:
         config, overrides = _eval_target(args.config, list(args.overrides))
         cfg = load_config(config, overrides, nnodes=args.nnodes)
         check(cfg)
-    except ConfigValidationError as exc:
+    except ProblemsError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
     except (EvalError, FileNotFoundError) as exc:

@@ -8,7 +8,7 @@ memory plan against `hardware.memory_gib` per device and `hardware.host_memory_g
 (`flashcp plan`), the model directory's tensor index (`checkpoint.init_from` /
 `model.from_pretrained`: every layer the model builds has tensors there), and a sample of the
 data (`data.path` and `eval.path`, `DATA_SAMPLE_ROWS` rows read by the recipe's own data class:
-its tokenizer, format, chat template and bad-record rules). Every problem is a `ConfigError`
+its tokenizer, format, chat template and bad-record rules). Every problem is a `Problem`
 naming its key and the fix, each fix validated through this same preflight before it is
 printed; `flashcp validate` lists them, `flashcp train` and a rank refuse with them (exit code
 `EXIT_PREFLIGHT`, 2: bad config), one line per problem.
@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from flashcp import dispatch, rundir, runlock, runstart
-from flashcp.config import Config, ConfigError, ConfigValidationError, collect, to_dict
+from flashcp.config import Config, collect, to_dict
 from flashcp.config import load as config_load
 from flashcp.config.device import DeviceError, compute_dtype, resolve_device
-from flashcp.config.errors import as_fix, prune_fixes
+from flashcp.config.errors import prune_fixes
 from flashcp.config.placeholders import is_placeholder
 from flashcp.distributed.groups import wait_for_port
 from flashcp.distributed.ports import PortLease
@@ -58,6 +58,7 @@ from flashcp.launch.outcome import EXIT_CONFIG
 from flashcp.launch.supervise import launcher_lease
 from flashcp.plan import plan
 from flashcp.plan.report import host_refusal, refusal
+from flashcp.problems import Problem, ProblemsError, as_fix
 
 EXIT_PREFLIGHT = EXIT_CONFIG
 """`flashcp train`'s exit code when a check refuses the launch."""
@@ -306,17 +307,17 @@ def host_memory_refusal(cfg: Config, nnodes: int | None = None) -> str | None:
     return host_refusal(plan(cfg, nnodes=nnodes))
 
 
-def memory_problems(cfg: Config, nnodes: int | None = None) -> list[ConfigError]:
+def memory_problems(cfg: Config, nnodes: int | None = None) -> list[Problem]:
     """The memory plan against `hardware.memory_gib` per device and `hardware.host_memory_gib`
     per node (`flashcp.plan`; no check of a budget that is null)."""
     problems = []
     if (message := memory_refusal(cfg)) is not None:
-        problems.append(ConfigError(
+        problems.append(Problem(
             "hardware.memory_gib",
             f"{message}; or set hardware.memory_gib=null to launch without the memory check",
         ))  # fmt: skip
     if (message := host_memory_refusal(cfg, nnodes)) is not None:
-        problems.append(ConfigError(
+        problems.append(Problem(
             "hardware.host_memory_gib",
             f"{message}; or set hardware.host_memory_gib=null to launch without the host "
             "memory check",
@@ -330,7 +331,7 @@ def check_memory(cfg: Config, nnodes: int | None = None) -> None:
         raise PreflightError(problem.message)
 
 
-def machine_problems(cfg: Config) -> list[ConfigError]:
+def machine_problems(cfg: Config) -> list[Problem]:
     """This machine against `cfg`: a device and compute dtype Paddle runs here
     (`flashcp.config.device`, the rule every rank applies) and the FlashAttention dispatch
     (`dispatch_refusal`)."""
@@ -342,11 +343,11 @@ def machine_problems(cfg: Config) -> list[ConfigError]:
     except DeviceError as exc:
         problems.append(exc.error)
     if (message := dispatch_refusal(cfg)) is not None:
-        problems.append(ConfigError(DISPATCH_KEY, message))
+        problems.append(Problem(DISPATCH_KEY, message))
     return problems
 
 
-def model_dir_problems(cfg: Config) -> list[ConfigError]:
+def model_dir_problems(cfg: Config) -> list[Problem]:
     """The weights the ranks will load (`checkpoint.init_from`, implied by
     `model.from_pretrained`): their index holds every layer the model builds
     (`flashcp.models.hf_check.index_problems`; no tensor is read)."""
@@ -359,15 +360,16 @@ def model_dir_problems(cfg: Config) -> list[ConfigError]:
     try:
         found = index_problems(path, cfg.model)
     except (OSError, ValueError) as exc:
-        return [ConfigError(key, _one_line(str(exc)))]
+        return [Problem(key, _one_line(str(exc)))]
     return [
-        ConfigError(key if name == "checkpoint.init_from" else name, problem,
-                    (as_fix(fix),) if fix else ())  # fmt: skip
+        Problem(
+            key if name == "checkpoint.init_from" else name, problem, (as_fix(fix),) if fix else ()
+        )  # fmt: skip
         for name, problem, fix in found
     ]
 
 
-def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[ConfigError]:
+def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[Problem]:
     """A sample of `data.path` and `eval.path` (`DATA_SAMPLE_ROWS` rows, spread over each, each
     read once) read by the recipe's own data class as a rank reads it: a format the recipe
     reads (`flashcp.data.formats.check_data`: else the fields found, the formats accepted and
@@ -378,7 +380,7 @@ def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[Config
     from flashcp.recipes.base import eval_config
 
     data_class = recipe_class(cfg.run.recipe).data_class
-    problems: list[ConfigError] = []
+    problems: list[Problem] = []
     sets = [("data.path", cfg.data.path, cfg)]
     if cfg.eval.path is not None:
         sets.append(("eval.path", cfg.eval.path, eval_config(cfg, cfg.eval.path)))
@@ -396,7 +398,7 @@ def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[Config
         except (ValueError, OSError) as exc:
             message = _one_line(str(exc))
             if not any(p.problem == message for p in problems):  # one tokenizer, one message
-                problems.append(ConfigError(key, message))
+                problems.append(Problem(key, message))
     return problems
 
 
@@ -410,7 +412,7 @@ def static_problems(
     nnodes: int | None = None,
     machine: bool = True,
     warnings: list[str] | None = None,
-) -> list[ConfigError]:
+) -> list[Problem]:
     """Every check of a loaded (and so validated) `cfg` that needs no compute and no launch:
     this `machine`'s (device, dispatch), the memory plans, the model directory's index, a
     sample of the data (its bad records, which do not refuse, go to `warnings`). Fixes are not
@@ -431,7 +433,7 @@ def check_raw(
     nnodes: int = 1,
     machine: bool = True,
     allow_placeholders: bool = False,
-) -> tuple[Config | None, list[ConfigError]]:
+) -> tuple[Config | None, list[Problem]]:
     """THE preflight of a config (a file's mapping plus `key=value` overrides, for
     `world_size` processes on `nnodes` nodes): its validation (`flashcp.config.collect`), then,
     when it is valid, `static_problems`. Every problem keeps only the fixes that pass this whole
@@ -439,7 +441,7 @@ def check_raw(
     change that would be refused in turn."""
     per_node = nnodes if nnodes > 1 else None
 
-    def run(extra: Sequence[str]) -> tuple[Config | None, list[ConfigError]]:
+    def run(extra: Sequence[str]) -> tuple[Config | None, list[Problem]]:
         cfg, errors = collect(
             raw, source=source, overrides=[*overrides, *extra], world_size=world_size,
             nnodes=nnodes, allow_placeholders=allow_placeholders, validate_fixes=False,
@@ -459,8 +461,8 @@ def check_raw(
 
 def check_config_file(
     path: str | Path, overrides: Sequence[str] = (), **kwargs: Any
-) -> tuple[Config | None, list[ConfigError]]:
-    """`check_raw` of the YAML file at `path` (unreadable: `ConfigValidationError`)."""
+) -> tuple[Config | None, list[Problem]]:
+    """`check_raw` of the YAML file at `path` (unreadable: `ProblemsError`)."""
     return check_raw(config_load.read_yaml(path), source=str(path), overrides=overrides, **kwargs)
 
 
@@ -471,7 +473,7 @@ def preflight_problems(
     nnodes: int = 1,
     machine: bool = True,
     allow_placeholders: bool = False,
-) -> list[ConfigError]:
+) -> list[Problem]:
     """`check_raw` of a loaded `cfg` (from `cfg.source` and `cfg.overrides`, or its resolved
     mapping when built in code): what its launch (`preflight`) refuses."""
     raw = config_load.read_yaml(cfg.source) if cfg.source else to_dict(cfg)
@@ -482,9 +484,9 @@ def preflight_problems(
     return problems
 
 
-def refusal_text(problems: list[ConfigError], source: str | None) -> str:
+def refusal_text(problems: list[Problem], source: str | None) -> str:
     """The problems as printed: one line for one, a heading and one line each for several."""
-    return ConfigValidationError(problems, source).render()
+    return ProblemsError(problems, source).render()
 
 
 def move_aside(output_dir: str | Path) -> Path | None:

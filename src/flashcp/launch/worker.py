@@ -39,7 +39,7 @@ import paddle
 
 from flashcp import dispatch, distributed, faults, runlock, runstart
 from flashcp.checkpoint.format import CheckpointError
-from flashcp.config import Config, ConfigValidationError
+from flashcp.config import Config
 from flashcp.data.records import DataError
 from flashcp.evaluation.command import EvalError, Evaluation
 from flashcp.evaluation.command import check as check_evaluation
@@ -54,6 +54,7 @@ from flashcp.launch.outcome import (
 from flashcp.launch.preempt import StopSignals, preempt_signals
 from flashcp.launch.preflight import check_config_file
 from flashcp.log import own_console_format, process_rank, quiet_third_party
+from flashcp.problems import ProblemsError
 from flashcp.run_info import command_line
 from flashcp.trainer import NonFiniteError, Trainer
 
@@ -126,14 +127,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes
         )
         if problems or cfg is None:
-            raise ConfigValidationError(problems, args.config)
+            raise ProblemsError(problems, args.config)
         injected = faults.active_faults()
         lock = run_dir_lock(cfg.run.output_dir)  # before anything may write there
         if args.eval:  # evaluating writes no checkpoint or metrics: any run dir will do
             check_evaluation(cfg)
         else:
             runstart.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
-    except (ConfigValidationError, faults.FaultSpecError, runstart.RunDirError, EvalError,
+    except (ProblemsError, faults.FaultSpecError, runstart.RunDirError, EvalError,
             runlock.RunLockError) as exc:  # fmt: skip
         if lock is not None:
             lock.release()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flashcp import cli, mask_indices, masks
-from flashcp.config import ConfigValidationError, load_config
+from flashcp.config import load_config
 from flashcp.cp.work import mask_pairs
 from flashcp.metrics.flops import causal_keys, flops_per_token
 from flashcp.plan import GIB, plan
@@ -25,6 +25,7 @@ from flashcp.plan.model import ranks_per_node
 from flashcp.plan.params import stage_parameters
 from flashcp.plan.report import format_plan, format_step_time, host_refusal
 from flashcp.plan.steptime import estimate, layer_flops
+from flashcp.problems import ProblemsError
 from helpers.configs import PLANNED, Sections, TinyCfg, merged
 from helpers.paths import ROOT
 
@@ -58,9 +59,9 @@ def _load(path: Path, *overrides: str) -> Any:
 def test_bad_hardware_values_are_refused_naming_the_key(
     key: str, value: float, tiny_cfg: TinyCfg
 ) -> None:
-    with pytest.raises(ConfigValidationError) as exc:
+    with pytest.raises(ProblemsError) as exc:
         tiny_cfg(hardware={key: value})
-    assert [e.key for e in exc.value.errors] == [f"hardware.{key}"]
+    assert [e.key for e in exc.value.problems] == [f"hardware.{key}"]
 
 
 def test_hardware_defaults_plan_no_host_budget(tiny_cfg: TinyCfg) -> None:
@@ -266,8 +267,10 @@ def test_longest_leaves_the_stated_margins(
     assert found.without_margins == longest(cfg, features=f, margins=False).seq_len
     full = plan(with_seq_len(cfg, found.without_margins), features=f)
     assert 0.8 * gib * GIB < full.peak.total_bytes <= gib * GIB  # the margin, used up
-    assert full.fits is False and plan(with_seq_len(cfg, found.without_margins),
-                                       features=f, margins=False).fits
+    assert (
+        full.fits is False
+        and plan(with_seq_len(cfg, found.without_margins), features=f, margins=False).fits
+    )
     # the host side: a node's planned host memory within the budget less its reserve
     host_gib = plan(with_seq_len(base, 3000), features=f).host.peak.total_bytes
     host_gib /= GIB  # type: ignore[union-attr]
@@ -438,8 +441,9 @@ def test_step_time_counts_the_runs_mask(attention: list[str], keys: Any) -> None
         assert est.flops < estimate(_load(GLM9B, "hardware.peak_tflops=148")).flops
 
 
-@pytest.mark.parametrize("overrides", [(), ("parallel.pp=2", "train.grad_accum=4",
-                                             "parallel.pp_layers=null")])
+@pytest.mark.parametrize(
+    "overrides", [(), ("parallel.pp=2", "train.grad_accum=4", "parallel.pp_layers=null")]
+)
 def test_step_time_parts_add_up_to_the_step(overrides: tuple[str, ...]) -> None:
     """One basis: the busiest stage's parts (layers, head), per micro-batch, add up to the
     stage's compute and, with one stage, to the step; their model FLOPs over every rank add up
