@@ -62,12 +62,13 @@ def _split_overrides(items: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def validate_command(args: argparse.Namespace) -> int:
     """`flashcp train`'s checks without the launch: the config, then the preflight every
-    launch and every rank runs (`flashcp.launch.preflight.preflight_problems`). A shipped
+    launch and every rank runs (`flashcp.preflight.check_raw`). A shipped
     recipe with `/path/to/...` placeholders is checked as shipped: its machine checks wait for
     the placeholders (it says what is left to fill in). Exit 2 when any config is refused."""
     from flashcp.config import read_yaml
     from flashcp.config.placeholders import find_placeholders
-    from flashcp.launch.preflight import EXIT_PREFLIGHT, check_raw
+    from flashcp.launch.preflight import EXIT_PREFLIGHT
+    from flashcp.preflight import check_raw
     from flashcp.problems import ProblemsError
 
     names, overrides = _split_overrides(args.files)
@@ -142,7 +143,8 @@ def node_problem(args: argparse.Namespace) -> str | None:
 
 def train_command(args: argparse.Namespace) -> int:
     from flashcp.launch.job import run_job
-    from flashcp.launch.preflight import EXIT_PREFLIGHT, Nodes, check_config_file
+    from flashcp.launch.preflight import EXIT_PREFLIGHT, Nodes
+    from flashcp.preflight import check_config_file
     from flashcp.problems import ProblemsError
 
     problem = node_problem(args)
@@ -201,13 +203,16 @@ def _model_dir_config(path: Path) -> str:
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    """`flashcp eval`: the config's preflight (`flashcp.preflight`, as an evaluation reads it)
+    and the evaluation's own checks (`eval_problems`), all refused at once before anything is
+    built or launched; then the launched job, or this process when the world is 1."""
     from flashcp import runlock
     from flashcp.checkpoint.format import CheckpointError
-    from flashcp.config import load_config
-    from flashcp.evaluation.command import EvalError, Evaluation, check
+    from flashcp.evaluation.command import EvalError, Evaluation, eval_problems
     from flashcp.launch.job import run_job
-    from flashcp.launch.preflight import Nodes
+    from flashcp.launch.preflight import EXIT_PREFLIGHT, Nodes
     from flashcp.launch.worker import set_runtime_flags
+    from flashcp.preflight import check_config_file
     from flashcp.problems import ProblemsError
 
     problem = node_problem(args)
@@ -216,18 +221,23 @@ def eval_command(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     try:
         config, overrides = _eval_target(args.config, list(args.overrides))
-        cfg = load_config(config, overrides, nnodes=args.nnodes)
-        check(cfg)
+        cfg, problems = check_config_file(config, overrides, nnodes=args.nnodes,
+                                          evaluating=True)  # fmt: skip
     except ProblemsError as exc:
         print(exc, file=sys.stderr)
-        return EXIT_CONFIG
-    except (EvalError, FileNotFoundError) as exc:
+        return EXIT_PREFLIGHT
+    except FileNotFoundError as exc:
         print(f"flashcp eval: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if cfg is not None:
+        problems += eval_problems(cfg)
+    if problems or cfg is None:
+        print(ProblemsError(problems, config), file=sys.stderr)
+        return EXIT_PREFLIGHT
     if cfg.parallel.world_size > 1 or args.nnodes > 1:  # the same launcher as training
         nodes = Nodes(count=args.nnodes, rank=args.node_rank, master=args.master)
         return run_job(cfg, config, overrides, nodes=nodes, command=args.command_line,
-                       evaluate=True)  # fmt: skip
+                       evaluate=True, checked=True)  # fmt: skip
     set_runtime_flags(cfg)  # one process: here, as a launched rank would
     try:  # it writes eval_results.json there: not into a run directory another job holds
         lock = runlock.acquire(cfg.run.output_dir, runlock.Holder(

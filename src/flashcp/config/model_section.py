@@ -100,7 +100,7 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[Problem]) -> dict[st
         parse_hf_config,
         read_config_json,
     )
-    from flashcp.models.hf_mtp import mtp_refusal
+    from flashcp.models.hf_mtp import mtp_problems
     from flashcp.models.weight_files import WEIGHT_FILES
 
     ModelArgs, _ = _model_api()
@@ -165,11 +165,11 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[Problem]) -> dict[st
     asked = raw.get("mtp_layers", declared)
     if convert(asked, int)[0]:  # a bad value is build_section's to report
         try:
-            refusal = mtp_refusal(directory, values["num_layers"], declared, asked)
+            found = mtp_problems(directory, values["num_layers"], declared, asked)
         except (OSError, ValueError) as exc:
-            refusal = str(exc)
-        if refusal is not None:
-            errors.append(Problem("model.mtp_layers", refusal))
+            found = [Problem("model.mtp_layers", str(exc))]
+        if found:
+            errors += found
             ok = False
     return values if ok else None
 

@@ -2,7 +2,7 @@
 
 Each case below is a refused config; the test reads the fixes off the printed line (`set
 key=value ...`), applies each one as a user would (the printed overrides after the case's own)
-and runs the same preflight again (`flashcp.launch.preflight.check_raw`: the config's
+and runs the same preflight again (`flashcp.preflight.check_raw`: the config's
 validation, then this machine's device and dispatch, the memory plans, the model directory,
 a sample of the data): the problem is gone and no new one appears. The table reaches every
 place a config rule offers fixes (`flashcp.config.validate` and every other module of
@@ -30,10 +30,10 @@ from flashcp.attention import registry as cp_modes
 from flashcp.config import read_yaml
 from flashcp.config.checks import Checks
 from flashcp.cp.layout import Assignment
-from flashcp.launch.preflight import check_raw
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_save import save_hf_checkpoint
+from flashcp.preflight import check_raw
 from flashcp.problems import Problem
 from helpers.paths import ROOT
 

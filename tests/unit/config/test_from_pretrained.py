@@ -160,7 +160,7 @@ def test_mtp_layers_come_from_the_directory_and_may_be_dropped(tmp_path: Path) -
     assert errors == {
         "model.mtp_layers": f"model.mtp_layers is 2, but the weights in {directory} hold no "
         "tensor of the multi-token-prediction layer model.layers.3.* (transformers' "
-        "save_pretrained leaves them out): set model.mtp_layers=1 to train without it"
+        "save_pretrained leaves them out): set model.mtp_layers=1"
     }
 
 
@@ -181,7 +181,7 @@ def test_declared_mtp_layer_without_tensors_is_refused_in_one_line(
         f"model.mtp_layers: {directory}/config.json declares num_nextn_predict_layers: 1, but "
         f"the weights in {directory} hold no tensor of the multi-token-prediction layer "
         "model.layers.2.* (transformers' save_pretrained leaves them out): set "
-        "model.mtp_layers=0 to train without it"
+        "model.mtp_layers=0"
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(_raw(directory)))
