@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from flashcp import cli
-from flashcp.config import ALIASES, ConfigValidationError, build_config, to_yaml
+from flashcp.config import ALIASES, build_config, to_yaml
+from flashcp.problems import ProblemsError
 from flashcp.trainer import Trainer
 
 BASE = {"model": {"preset": "tiny", "max_seq_len": 64}, "data": {"seq_len": 64}}
@@ -48,14 +49,14 @@ def test_every_alias_sets_its_key_in_the_file_and_as_an_override() -> None:
 
 
 def test_alias_and_key_in_one_layer_are_refused_naming_both() -> None:
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ProblemsError) as info:
         build_config({**BASE, "train": {"lr": 1e-3}, "learning_rate": 1e-4, "save_steps": 2,
                       "checkpoint": {"every": 3}})  # fmt: skip
     text = str(info.value)
     assert "learning_rate: is an alias of train.lr, which is also set: keep one of " \
            "learning_rate and train.lr" in text  # fmt: skip
     assert "save_steps: is an alias of checkpoint.every, which is also set" in text
-    with pytest.raises(ConfigValidationError, match=r"max_steps: is an alias of train\.steps, "
+    with pytest.raises(ProblemsError, match=r"max_steps: is an alias of train\.steps, "
                        r"which is also set on the command line: keep one of max_steps and "
                        r"train\.steps"):  # fmt: skip
         build_config(BASE, overrides=["train.steps=3", "max_steps=4"])
@@ -69,20 +70,20 @@ def test_the_command_line_overrides_the_file_across_spellings() -> None:
 
 
 def test_errors_say_which_spelling_was_used() -> None:
-    with pytest.raises(ConfigValidationError, match=r"train\.steps: expected an integer, got "
+    with pytest.raises(ProblemsError, match=r"train\.steps: expected an integer, got "
                        r"2\.5 \(a number\) \[given as max_steps\]"):  # fmt: skip
         build_config({**BASE, "max_steps": 2.5})
     fast = r"train\.lr: expected a number, got 'fast' \(a string\) \[set on the command line: "
-    with pytest.raises(ConfigValidationError, match=fast + r"learning_rate=fast\]"):
+    with pytest.raises(ProblemsError, match=fast + r"learning_rate=fast\]"):
         build_config(BASE, overrides=["learning_rate=fast"])
     # aliases live at the top level only: inside a section the name is unknown
-    with pytest.raises(ConfigValidationError, match=r"train\.max_steps: unknown key: max_steps "
+    with pytest.raises(ProblemsError, match=r"train\.max_steps: unknown key: max_steps "
                        r"is an alias of train\.steps, accepted at the top level of the file or "
                        r"as the override max_steps=VALUE, not inside a section: write "
                        r"train\.steps \(or a top-level max_steps\)"):  # fmt: skip
         build_config({**BASE, "train": {"max_steps": 3}})
     # a malformed section is reported once, the alias does not hide it
-    with pytest.raises(ConfigValidationError, match=r"train: must be a mapping"):
+    with pytest.raises(ProblemsError, match=r"train: must be a mapping"):
         build_config({**BASE, "train": 3, "max_steps": 4})
 
 

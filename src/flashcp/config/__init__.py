@@ -4,14 +4,13 @@
     cfg = load_config("configs/gpt/tiny_cp2.yaml", ["train.steps=3"], world_size=2)
     cfg.parallel.cp, cfg.train.lr, cfg.model.hidden_size
 
-A bad config raises `ConfigValidationError` whose `.errors` lists every problem as
-`ConfigError(key="train.lr", message="expected a number, got 'fast' (a string)")`.
+A bad config raises `flashcp.problems.ProblemsError` whose `.problems` lists every problem as
+`Problem(key="train.lr", message="expected a number, got 'fast' (a string)")`.
 A training recipe (`run.recipe`) is declared once, as a `RecipeSpec`
 (`flashcp.config.recipe_spec`; the built-in ones: `flashcp.config.recipes`).
 """
 
 from flashcp.config.aliases import ALIASES
-from flashcp.config.errors import ConfigError, ConfigValidationError
 from flashcp.config.load import build_config, collect, load_config, read_yaml
 from flashcp.config.overrides import Override, apply_overrides, parse_override, parse_overrides
 from flashcp.config.recipe_spec import RECIPES, RecipeSpec, data_formats, register_recipe
@@ -52,8 +51,6 @@ __all__ = [
     "AttentionConfig",
     "CheckpointConfig",
     "Config",
-    "ConfigError",
-    "ConfigValidationError",
     "DPOConfig",
     "DataConfig",
     "DebugConfig",

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
-from flashcp.config.errors import ConfigError, with_note
 from flashcp.config.overrides import Override
+from flashcp.problems import Problem, with_note
 
 ALIASES: dict[str, str] = {
     "max_steps": "train.steps",
@@ -39,24 +39,23 @@ def _has(raw: MutableMapping[str, Any], dotted: str) -> bool:
     return isinstance(values, MutableMapping) and key in values
 
 
-def resolve_file_aliases(raw: MutableMapping[str, Any]) -> tuple[dict[str, str], list[ConfigError]]:
+def resolve_file_aliases(raw: MutableMapping[str, Any]) -> tuple[dict[str, str], list[Problem]]:
     """Move top-level aliases of a config mapping (in place) to their dotted keys.
 
     Returns `({dotted key: alias}, errors)`: the keys that were set through an alias (so later
     messages about them can say so) and one error per alias whose key is also given.
     """
     used: dict[str, str] = {}
-    errors: list[ConfigError] = []
+    errors: list[Problem] = []
     for alias, dotted in ALIASES.items():
         if alias not in raw:
             continue
         value = raw.pop(alias)
         if _has(raw, dotted):
             errors.append(
-                ConfigError(
+                Problem(
                     alias,
-                    f"is an alias of {dotted}, which is also set: keep one of {alias} and "
-                    f"{dotted}",
+                    f"is an alias of {dotted}, which is also set: keep one of {alias} and {dotted}",
                 )
             )
             continue
@@ -73,19 +72,19 @@ def resolve_file_aliases(raw: MutableMapping[str, Any]) -> tuple[dict[str, str],
 
 def resolve_override_aliases(
     overrides: Sequence[Override],
-) -> tuple[list[Override], list[ConfigError]]:
+) -> tuple[list[Override], list[Problem]]:
     """The overrides with every alias (`max_steps=10`) rewritten to its key (`train.steps=10`,
     the text kept as given); an error when an alias and its key are both given."""
     given = {o.key for o in overrides}
     out: list[Override] = []
-    errors: list[ConfigError] = []
+    errors: list[Problem] = []
     for ov in overrides:
         dotted = ALIASES.get(ov.key)
         if dotted is None:
             out.append(ov)
         elif dotted in given:
             errors.append(
-                ConfigError(
+                Problem(
                     ov.key,
                     f"is an alias of {dotted}, which is also set on the command line: keep "
                     f"one of {ov.key} and {dotted}",
@@ -96,7 +95,7 @@ def resolve_override_aliases(
     return out, errors
 
 
-def mark_aliases(errors: Sequence[ConfigError], used: dict[str, str]) -> list[ConfigError]:
+def mark_aliases(errors: Sequence[Problem], used: dict[str, str]) -> list[Problem]:
     """Errors about a key that the file set through an alias say so (`[given as max_steps]`)."""
     out = []
     for err in errors:
@@ -107,7 +106,7 @@ def mark_aliases(errors: Sequence[ConfigError], used: dict[str, str]) -> list[Co
     return out
 
 
-def explain_misplaced(errors: Sequence[ConfigError]) -> list[ConfigError]:
+def explain_misplaced(errors: Sequence[Problem]) -> list[Problem]:
     """An alias written inside a section (`train.max_steps`) is an unknown key there; say
     where it is accepted instead."""
     out = []
@@ -115,7 +114,7 @@ def explain_misplaced(errors: Sequence[ConfigError]) -> list[ConfigError]:
         name = err.key.rpartition(".")[2]
         dotted = ALIASES.get(name)
         if "." in err.key and dotted is not None and err.message.startswith("unknown key"):
-            err = ConfigError(
+            err = Problem(
                 err.key,
                 f"unknown key: {name} is an alias of {dotted}, accepted at the top level of the "
                 f"file or as the override {name}=VALUE, not inside a section: write {dotted} "

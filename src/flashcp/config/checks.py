@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from flashcp.config.errors import ConfigError, as_fix
+from flashcp.problems import Problem, as_fix
 
 
 class Checks:
-    """Collects errors, dropping those about keys that already have a type error (or an
+    """Collects problems, dropping those about keys that already have a type error (or an
     earlier rule's error)."""
 
     def __init__(self, skip: Iterable[str]) -> None:
         self.skip = set(skip)
-        self.errors: list[ConfigError] = []
+        self.problems: list[Problem] = []
 
     def ok(self, *keys: str) -> bool:
         """None of `keys` has a problem yet."""
@@ -42,7 +42,7 @@ class Checks:
             for fix in map(as_fix, fixes):
                 if fix not in unique:
                     unique.append(fix)
-            self.errors.append(ConfigError(key, message, tuple(unique), other))
+            self.problems.append(Problem(key, message, tuple(unique), other))
             self.skip.add(key)
 
 

@@ -16,8 +16,9 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from flashcp.config.errors import ConfigError, suggest
+from flashcp.config.errors import suggest
 from flashcp.config.schema import config_key
+from flashcp.problems import Problem
 
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -91,12 +92,11 @@ def type_name(value: Any) -> str:
     )
 
 
-
 def build_section(
     cls: type,
     raw: Any,
     prefix: str,
-    errors: list[ConfigError],
+    errors: list[Problem],
     *,
     base: Mapping[str, Any] | None = None,
     ignore: Iterable[str] = (),
@@ -110,16 +110,14 @@ def build_section(
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        errors.append(
-            ConfigError(prefix, f"must be a mapping of keys to values, got {type_name(raw)}")
-        )
+        errors.append(Problem(prefix, f"must be a mapping of keys to values, got {type_name(raw)}"))
         raw = {}
     hints = typing.get_type_hints(cls)
     fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}  # by YAML key
     skip = set(ignore)
     for key in raw:
         if key not in fields and key not in skip:
-            errors.append(ConfigError(f"{prefix}.{key}", "unknown key" + suggest(str(key), fields)))
+            errors.append(Problem(f"{prefix}.{key}", "unknown key" + suggest(str(key), fields)))
     values: dict[str, Any] = dict(base or {})
     complete = True
     for key, f in fields.items():
@@ -130,7 +128,7 @@ def build_section(
                 values[name] = value
                 continue
             errors.append(
-                ConfigError(
+                Problem(
                     f"{prefix}.{key}",
                     f"expected {describe(hints.get(name, Any))}, got {raw[key]!r} "
                     f"({type_name(raw[key])})",
@@ -144,13 +142,13 @@ def build_section(
         if not has_default:
             complete = False
             if key not in raw:
-                errors.append(ConfigError(f"{prefix}.{key}", "required key is missing"))
+                errors.append(Problem(f"{prefix}.{key}", "required key is missing"))
     if not complete:
         return None
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
-        errors.append(ConfigError(prefix, str(exc)))
+        errors.append(Problem(prefix, str(exc)))
         return None
 
 

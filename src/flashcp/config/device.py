@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashcp.config.errors import ConfigError, as_fix
 from flashcp.config.schema import Config
+from flashcp.problems import Problem, as_fix
 
 
 class DeviceError(RuntimeError):
     """A `run.device` / `train.dtype` no kernel of this machine runs: `error` names the key and
-    the changes that fix it (a `ConfigError`, so preflight validates them like any other)."""
+    the changes that fix it (a `Problem`, so preflight validates them like any other)."""
 
     def __init__(self, key: str, problem: str, fixes: list[dict[str, Any]]) -> None:
-        self.error = ConfigError(key, problem, tuple(as_fix(f) for f in fixes))
+        self.error = Problem(key, problem, tuple(as_fix(f) for f in fixes))
         super().__init__(str(self.error))
 
 

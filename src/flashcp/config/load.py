@@ -2,7 +2,7 @@
 
     cfg = load_config("configs/gpt/tiny_cp2.yaml", ["train.steps=3"], world_size=2)
 
-raises `ConfigValidationError` listing all problems, each with its dotted key and the fix.
+raises `ProblemsError` listing all problems, each with its dotted key and the fix.
 The type rules are `flashcp.config.convert`'s; the `model` section (a preset, a Hugging Face
 model directory, or every field) is `flashcp.config.model_section`'s; the cross-field rules
 are `flashcp.config.validate.check_config`'s. A config saved and hashed is
@@ -25,13 +25,7 @@ from flashcp.config.aliases import (
     resolve_override_aliases,
 )
 from flashcp.config.convert import build_section, type_name
-from flashcp.config.errors import (
-    ConfigError,
-    ConfigValidationError,
-    prune_fixes,
-    suggest,
-    with_note,
-)
+from flashcp.config.errors import prune_fixes, suggest
 from flashcp.config.model_section import (
     build_model_args,
     command_line_model,
@@ -42,35 +36,34 @@ from flashcp.config.overrides import Override, apply_overrides, parse_overrides
 from flashcp.config.placeholders import find_placeholders, is_placeholder, placeholder_message
 from flashcp.config.recipe_spec import RECIPES, extra_sections
 from flashcp.config.schema import SECTIONS, Config
+from flashcp.problems import Problem, ProblemsError, with_note
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The raw mapping in a YAML file; `ConfigValidationError` when unreadable or not a mapping."""
+    """The raw mapping in a YAML file; `ProblemsError` when unreadable or not a mapping."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
-        raise ConfigValidationError(
-            [ConfigError("<file>", f"cannot read {p}: {exc.strerror or exc}")], str(p)
+        raise ProblemsError(
+            [Problem("<file>", f"cannot read {p}: {exc.strerror or exc}")], str(p)
         ) from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigValidationError(
-            [ConfigError("<file>", f"not valid YAML: {exc}")], str(p)
-        ) from None
+        raise ProblemsError([Problem("<file>", f"not valid YAML: {exc}")], str(p)) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigValidationError(
-            [ConfigError("<file>", f"the top level must be a mapping of sections, got "
+        raise ProblemsError(
+            [Problem("<file>", f"the top level must be a mapping of sections, got "
                                    f"{type_name(raw)}")],
             str(p),
         )  # fmt: skip
     return raw
 
 
-def _mark_overrides(errors: list[ConfigError], overrides: Sequence[Override]) -> list[ConfigError]:
+def _mark_overrides(errors: list[Problem], overrides: Sequence[Override]) -> list[Problem]:
     out = []
     for err in errors:
         hits = [o for o in overrides if err.key == o.key or err.key.startswith(o.key + ".")]
@@ -93,7 +86,7 @@ def build_config(
 ) -> Config:
     """A validated `Config` from a raw mapping plus `key=value` overrides.
 
-    Raises `ConfigValidationError` with every problem: parse errors of the overrides, unknown
+    Raises `ProblemsError` with every problem: parse errors of the overrides, unknown
     sections or keys, wrong types, placeholders still to fill in (`/path/to/...`,
     `flashcp.config.placeholders`; unless `allow_placeholders`), and (when `check`) the
     cross-field checks of `flashcp.config.validate.check_config` (for `world_size` processes
@@ -104,7 +97,7 @@ def build_config(
                           nnodes=nnodes, check=check,
                           allow_placeholders=allow_placeholders)  # fmt: skip
     if errors or cfg is None:
-        raise ConfigValidationError(errors, source)
+        raise ProblemsError(errors, source)
     return cfg
 
 
@@ -118,7 +111,7 @@ def collect(
     check: bool = True,
     allow_placeholders: bool = False,
     validate_fixes: bool = True,
-) -> tuple[Config | None, list[ConfigError]]:
+) -> tuple[Config | None, list[Problem]]:
     """`(config or None, every problem)` without raising: what `flashcp validate` reports.
 
     A placeholder path (`/path/to/...`, `flashcp.config.placeholders`) is a problem naming its
@@ -128,7 +121,7 @@ def collect(
     `validate_fixes`, each problem keeps only the fixes that pass this same check once applied
     (`flashcp.config.errors.prune_fixes`)."""
 
-    def finish(errors: list[ConfigError]) -> list[ConfigError]:
+    def finish(errors: list[Problem]) -> list[Problem]:
         errors = _mark_overrides(mark_aliases(errors, aliased), parsed)
         if not validate_fixes or not any(e.fixes for e in errors):
             return errors
@@ -154,10 +147,10 @@ def collect(
     known = ["model", *SECTIONS, *extras]
     for key in data:
         if key not in known:
-            errors.append(ConfigError(str(key), "unknown section" + suggest(str(key), known)))
+            errors.append(Problem(str(key), "unknown section" + suggest(str(key), known)))
     placeholders = find_placeholders(data)
     if not allow_placeholders:
-        errors += [ConfigError(k, placeholder_message(k, v, data)) for k, v in placeholders]
+        errors += [Problem(k, placeholder_message(k, v, data)) for k, v in placeholders]
     pretrained = pretrained_path(data)
     unfilled = is_placeholder(pretrained)
     if unfilled:  # the model section's own keys give the model; nothing to read or load
@@ -195,7 +188,7 @@ def collect(
     spec = RECIPES.get(cfg.run.recipe)
     for name in sorted(removed & set(spec.settings if spec else ())):
         errors.append(
-            ConfigError(
+            Problem(
                 name,
                 f"{name}=null cannot remove the {name} section: run.recipe {cfg.run.recipe} "
                 f"reads it with or without it, so it would silently fall back to its defaults; "
@@ -214,13 +207,13 @@ def collect(
 
 def _remove_null_sections(
     data: dict[str, Any], overrides: Sequence[Override], extras: Mapping[str, type]
-) -> tuple[set[str], list[ConfigError]]:
+) -> tuple[set[str], list[Problem]]:
     """`SECTION=null` on the command line removes an optional section (a recipe's, e.g.
     `lora=null`: no adapters) and is refused for a core one, which has no "absent" (its keys
     would silently fall back to their defaults). Returns the removed names and the refusals;
     an unknown name is left to the unknown-section check."""
     removed: set[str] = set()
-    errors: list[ConfigError] = []
+    errors: list[Problem] = []
     for ov in overrides:
         name = ov.key
         if len(ov.parts) != 1 or ov.value is not None or data.get(name) is not None:
@@ -230,7 +223,7 @@ def _remove_null_sections(
             removed.add(name)
         elif name in SECTIONS:  # (model=null: "required section is missing")
             errors.append(
-                ConfigError(
+                Problem(
                     name,
                     f"{name}=null: the {name} section is not optional and cannot be removed "
                     f"(null would silently reset every {name}.* key to its default): set the "
@@ -240,7 +233,7 @@ def _remove_null_sections(
     return removed, errors
 
 
-def _steps_or_epochs(data: dict[str, Any], command_line: set[str]) -> list[ConfigError]:
+def _steps_or_epochs(data: dict[str, Any], command_line: set[str]) -> list[Problem]:
     """`train.steps` and `train.epochs` are alternatives: given in the same place (both in
     the file, or both on the command line) they are refused; one in the file and the other on
     the command line, the command line's wins (as for any key) and the file's is dropped."""
@@ -253,7 +246,7 @@ def _steps_or_epochs(data: dict[str, Any], command_line: set[str]) -> list[Confi
         return []
     where = "on the command line" if typed else "in the file"
     return [
-        ConfigError(
+        Problem(
             "train.epochs",
             f"train.steps ({train['steps']}) and train.epochs ({train['epochs']}) are both set "
             f"{where}: set exactly one (train.epochs counts the steps from the data's size at "

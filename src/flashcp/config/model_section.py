@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.config.convert import build_section, convert, section_dict
-from flashcp.config.errors import ConfigError, as_fix, suggest
+from flashcp.config.errors import suggest
 from flashcp.config.overrides import Override
+from flashcp.problems import Problem, as_fix
 
 
 def _model_api() -> tuple[type, dict[str, Any]]:
@@ -27,7 +28,7 @@ def _model_api() -> tuple[type, dict[str, Any]]:
 
 
 def build_model_args(
-    raw: Any, errors: list[ConfigError], *, given: Collection[str] = ()
+    raw: Any, errors: list[Problem], *, given: Collection[str] = ()
 ) -> tuple[Any, str | None]:
     """`(ModelArgs | None, preset name | None)` from the `model` section.
 
@@ -40,7 +41,7 @@ def build_model_args(
     ModelArgs, presets = _model_api()
     if raw is None:
         errors.append(
-            ConfigError(
+            Problem(
                 "model",
                 "required section is missing: give model.preset (one of "
                 f"{', '.join(sorted(presets))}), model.from_pretrained (a Hugging Face model "
@@ -57,7 +58,7 @@ def build_model_args(
             fix = ("add model.from_pretrained=null to build the preset instead (the file's "
                    "other model keys then change the preset)")  # fmt: skip
         errors.append(
-            ConfigError(
+            Problem(
                 "model.preset",
                 f"{preset!r} cannot be combined with model.from_pretrained {pretrained!r} (its "
                 f"config.json defines the model): {fix}",
@@ -73,7 +74,7 @@ def build_model_args(
     elif preset is not None:
         if not isinstance(preset, str) or preset not in presets:
             errors.append(
-                ConfigError(
+                Problem(
                     "model.preset",
                     f"unknown preset {preset!r}"
                     + suggest(str(preset), presets).replace("valid keys", "presets"),
@@ -88,7 +89,7 @@ def build_model_args(
     return args, preset
 
 
-def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dict[str, Any] | None:
+def _pretrained_values(raw: Mapping[str, Any], errors: list[Problem]) -> dict[str, Any] | None:
     """ModelArgs values from `model.from_pretrained`'s config.json (None after an error): the
     directory must hold a config.json flashcp builds exactly and safetensors weights, and no
     other key of the section may contradict it."""
@@ -99,19 +100,19 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
         parse_hf_config,
         read_config_json,
     )
-    from flashcp.models.hf_mtp import mtp_refusal
+    from flashcp.models.hf_mtp import mtp_problems
     from flashcp.models.weight_files import WEIGHT_FILES
 
     ModelArgs, _ = _model_api()
     path = raw["from_pretrained"]
     key = "model.from_pretrained"
     if not isinstance(path, str) or not path.strip():
-        errors.append(ConfigError(key, f"expected a directory path, got {path!r}"))
+        errors.append(Problem(key, f"expected a directory path, got {path!r}"))
         return None
     directory = Path(path)
     if not directory.is_dir():
         errors.append(
-            ConfigError(key, f"no directory at {path!r}: give a Hugging Face model directory "
+            Problem(key, f"no directory at {path!r}: give a Hugging Face model directory "
                              "(config.json, model.safetensors[.index.json], tokenizer files)")
         )  # fmt: skip
         return None
@@ -120,14 +121,14 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
         values, _notes = parse_hf_config(config, source)
     except HFConfigError as exc:
         for hf_key, message in exc.problems:
-            errors.append(ConfigError(key, f"{exc.source}: {hf_key}: {message}"))
+            errors.append(Problem(key, f"{exc.source}: {hf_key}: {message}"))
         return None
     except (OSError, ValueError) as exc:
-        errors.append(ConfigError(key, str(exc)))
+        errors.append(Problem(key, str(exc)))
         return None
     if not any((directory / f).is_file() for f in WEIGHT_FILES):
         errors.append(
-            ConfigError(key, f"{path} has no {' or '.join(WEIGHT_FILES)}: the weights are "
+            Problem(key, f"{path} has no {' or '.join(WEIGHT_FILES)}: the weights are "
                              "missing (download them, or point at the complete directory)")
         )  # fmt: skip
         return None
@@ -155,7 +156,7 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
                     f"{value!r} contradicts config.json {hf_key} {shown!r} in {path}; "
                     "config.json defines the model"
                 )
-            errors.append(ConfigError(
+            errors.append(Problem(
                 f"model.{name}", problem, fixes=(as_fix({f"model.{name}": None}),),
                 other=f"remove model.{name} from the file",
             ))  # fmt: skip
@@ -164,11 +165,11 @@ def _pretrained_values(raw: Mapping[str, Any], errors: list[ConfigError]) -> dic
     asked = raw.get("mtp_layers", declared)
     if convert(asked, int)[0]:  # a bad value is build_section's to report
         try:
-            refusal = mtp_refusal(directory, values["num_layers"], declared, asked)
+            found = mtp_problems(directory, values["num_layers"], declared, asked)
         except (OSError, ValueError) as exc:
-            refusal = str(exc)
-        if refusal is not None:
-            errors.append(ConfigError("model.mtp_layers", refusal))
+            found = [Problem("model.mtp_layers", str(exc))]
+        if found:
+            errors += found
             ok = False
     return values if ok else None
 
@@ -199,14 +200,14 @@ def pretrained_path(data: Mapping[str, Any]) -> str | None:
     return path if isinstance(path, str) else None
 
 
-def pretrained_weights(checkpoint: Any, pretrained: str, errors: list[ConfigError]) -> None:
+def pretrained_weights(checkpoint: Any, pretrained: str, errors: list[Problem]) -> None:
     """`model.from_pretrained` implies `checkpoint.init_from` (the same directory's weights); a
     different `init_from` contradicts it. A resumed run restores its own checkpoint either way."""
     if checkpoint.init_from is None:
         checkpoint.init_from = pretrained
     elif Path(checkpoint.init_from).resolve() != Path(pretrained).resolve():
         errors.append(
-            ConfigError(
+            Problem(
                 "checkpoint.init_from",
                 f"{checkpoint.init_from!r} contradicts model.from_pretrained {pretrained!r}, "
                 "which loads that directory's weights: remove checkpoint.init_from (or "

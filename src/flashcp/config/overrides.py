@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from flashcp.config.errors import ConfigError
+from flashcp.problems import Problem
 
 
 @dataclass(frozen=True)
@@ -62,26 +62,24 @@ def parse_override(text: str) -> Override:
     return Override(key=key, value=value, text=text)
 
 
-def parse_overrides(texts: Iterable[str]) -> tuple[list[Override], list[ConfigError]]:
+def parse_overrides(texts: Iterable[str]) -> tuple[list[Override], list[Problem]]:
     """Parse every override, collecting one error per malformed argument."""
     out: list[Override] = []
-    errors: list[ConfigError] = []
+    errors: list[Problem] = []
     for text in texts:
         try:
             out.append(parse_override(text))
         except ValueError as exc:
-            errors.append(ConfigError(text.partition("=")[0].strip() or text, str(exc)))
+            errors.append(Problem(text.partition("=")[0].strip() or text, str(exc)))
     return out, errors
 
 
-def apply_overrides(
-    raw: MutableMapping[str, Any], overrides: Iterable[Override]
-) -> list[ConfigError]:
+def apply_overrides(raw: MutableMapping[str, Any], overrides: Iterable[Override]) -> list[Problem]:
     """Set each override in the nested mapping `raw` (in place), creating sections as needed.
 
     Returns errors for overrides that would descend into a scalar (e.g. `train.steps.x=1`).
     """
-    errors: list[ConfigError] = []
+    errors: list[Problem] = []
     for ov in overrides:
         node: MutableMapping[str, Any] = raw
         parts = ov.parts
@@ -92,7 +90,7 @@ def apply_overrides(
             if not isinstance(child, MutableMapping):
                 where = ".".join(parts[: depth + 1])
                 errors.append(
-                    ConfigError(
+                    Problem(
                         ov.key,
                         f"cannot set {ov.key}: {where} is a {type(child).__name__}, not a "
                         "section (check the key)",

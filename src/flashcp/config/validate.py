@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from flashcp.config.checks import Checks, positive
-from flashcp.config.errors import ConfigError, suggest
+from flashcp.config.errors import suggest
 from flashcp.config.layout_rules import (
     check_attention,
     check_cp_mode,
@@ -25,6 +25,7 @@ from flashcp.config.layout_rules import (
 )
 from flashcp.config.recipe_spec import RECIPES, data_formats
 from flashcp.config.schema import DATA_SUFFIXES, PREEMPT_SIGNALS, REPORT_BACKENDS, Config
+from flashcp.problems import Problem
 
 BYTE_VOCAB_SIZE = 259
 """256 byte ids + BOS, EOS and PAD (`flashcp.data.tokenizer.ByteTokenizer`)."""
@@ -177,8 +178,11 @@ def _check_train(cfg: Config, c: Checks) -> None:
             "model.recompute is none (autograd keeps every layer's intermediates, which are not "
             "moved)",
             "model.recompute",
-            fixes=[{"model.recompute": "full"}, {"model.recompute": "refined"},
-                   {"train.offload_activations": False}],  # fmt: skip
+            fixes=[
+                {"model.recompute": "full"},
+                {"model.recompute": "refined"},
+                {"train.offload_activations": False},
+            ],  # fmt: skip
         )
     if t.loss_chunk_tokens < 0:
         c.add(
@@ -221,8 +225,10 @@ def _check_files(cfg: Config, c: Checks) -> None:
             f"{d.path!r} is not a JSON Lines (.jsonl, .json) or Parquet (.parquet) file: give "
             "one of those, a directory of them, or null for the built-in data",
         )
-    elif path is not None and path.is_dir() and not any(
-        f.suffix.lower() in DATA_SUFFIXES for f in path.iterdir() if f.is_file()
+    elif (
+        path is not None
+        and path.is_dir()
+        and not any(f.suffix.lower() in DATA_SUFFIXES for f in path.iterdir() if f.is_file())
     ):
         c.add(
             "data.path",
@@ -251,8 +257,7 @@ def _check_files(cfg: Config, c: Checks) -> None:
     elif d.tokenizer != "byte" and not (tok.is_file() or tok.is_dir()):
         c.add(
             "data.tokenizer",
-            f"{d.tokenizer!r} is neither 'byte', a tokenizer.json file nor a directory holding "
-            "one",
+            f"{d.tokenizer!r} is neither 'byte', a tokenizer.json file nor a directory holding one",
         )
 
 
@@ -406,7 +411,7 @@ def _check_recipe(cfg: Config, c: Checks) -> None:
 
 def check_config(
     cfg: Config, *, world_size: int | None = None, nnodes: int = 1, skip: Iterable[str] = ()
-) -> list[ConfigError]:
+) -> list[Problem]:
     """Every cross-field problem of `cfg` (for a job of `world_size` processes, if known, on
     `nnodes` nodes: dp·pp·cp must equal nnodes × processes per node)."""
     c = Checks(skip)
@@ -423,4 +428,4 @@ def check_config(
     _check_report_to(cfg, c)
     _check_eval(cfg, c)
     _check_hardware(cfg, c)
-    return c.errors
+    return c.problems

@@ -91,7 +91,7 @@ class ListSource:
 
 class SampleSource:
     """At most `rows` rows of `source`, spread evenly over it (its first and last row
-    included): what a preflight reads of a dataset (`flashcp.launch.preflight`), through the
+    included): what a preflight reads of a dataset (`flashcp.preflight`), through the
     same data classes training uses. Each row is read once, here: the format check
     (`flashcp.data.formats.check_data`) and the indexing that follow read these copies."""
 

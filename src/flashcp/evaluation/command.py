@@ -49,6 +49,7 @@ from flashcp.config import Config, config_changes, config_hash
 from flashcp.distributed import ParallelGroups, startup_phase
 from flashcp.evaluation.evaluator import PREFIX, build_evaluator
 from flashcp.parallelize import build_runner, build_stage
+from flashcp.problems import Problem
 from flashcp.recipes import build_recipe
 from flashcp.run_info import duration, provenance
 from flashcp.rundir import ASIDE, CHECKPOINT_DIR, EVAL_RESULTS_FILE
@@ -60,7 +61,12 @@ LAYOUT_AND_TRAINING = ("parallel.", "train.", "data.path", "data.shuffle", "data
 
 
 class EvalError(ValueError):
-    """Nothing to evaluate, or no eval set: the message names the keys to set."""
+    """Nothing to evaluate, or no eval set: the message names the keys to set; `key` is the
+    config key it is about (`eval_problems` reports it so)."""
+
+    def __init__(self, message: str, key: str = "checkpoint.resume") -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -109,17 +115,26 @@ def select_weights(cfg: Config, *, verify: bool = True, warn: bool = True) -> We
             f"nothing to evaluate: {Path(cfg.run.output_dir) / CHECKPOINT_DIR} holds no "
             "checkpoint and neither model.from_pretrained nor checkpoint.init_from is set: "
             "give a run directory (flashcp eval RUN_DIR) or set run.output_dir to a run's, "
-            "set model.from_pretrained=DIR, or checkpoint.init_from=PATH"
+            "set model.from_pretrained=DIR, or checkpoint.init_from=PATH",
+            key="model.from_pretrained",
         )
     return Weights(checkpoint, start)
 
 
-def check(cfg: Config) -> Weights:
-    """What `flashcp eval` checks before it builds or launches anything: an eval set, and
-    weights to evaluate (`EvalError` naming the key to set)."""
-    if cfg.eval.path is None:
-        raise EvalError("eval.path is null: set eval.path to the held-out set (eval.path=FILE)")
-    return select_weights(cfg, verify=False, warn=False)
+NO_EVAL_SET = Problem("eval.path", "null: set eval.path to the held-out set (eval.path=FILE)")
+"""The refusal of an evaluation with nothing to evaluate on."""
+
+
+def eval_problems(cfg: Config) -> list[Problem]:
+    """What `flashcp eval` (and each of its ranks) checks beyond the config's preflight
+    (`flashcp.preflight`, `evaluating=True`) before it builds or launches anything: an eval
+    set, and weights to evaluate (`select_weights`, the newest checkpoint unverified)."""
+    problems = [] if cfg.eval.path is not None else [NO_EVAL_SET]
+    try:
+        select_weights(cfg, verify=False, warn=False)
+    except EvalError as exc:
+        problems.append(Problem(exc.key, str(exc)))
+    return problems
 
 
 def keep_aside(path: Path) -> Path | None:
@@ -172,7 +187,7 @@ class Evaluation:
         self.started = time.time()
         self.cfg, self.stream = cfg, stream
         if cfg.eval.path is None:
-            raise EvalError("eval.path is null: set eval.path to the held-out set")
+            raise EvalError(NO_EVAL_SET.message, key=NO_EVAL_SET.key)
         self.groups = groups = process_groups(cfg, groups)
         self.main = int(groups.rank) == 0
         device, dtype = resolve_runtime(cfg)

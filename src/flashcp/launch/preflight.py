@@ -1,25 +1,15 @@
-"""What `flashcp validate`, `flashcp train` and every launched rank check before compute.
+"""What `flashcp train` and `flashcp eval` check on this machine before they launch.
 
-One preflight, in two parts. The first needs no launch and is shared by all three
-(`preflight_problems`): after the config's own validation (`flashcp.config.load`), this
-machine's device and compute dtype (`flashcp.config.device`) and the FlashAttention version
-the ranks will resolve under this environment's flags and FA4 policy (`flashcp.dispatch`), the
-memory plan against `hardware.memory_gib` per device and `hardware.host_memory_gib` per node
-(`flashcp plan`), the model directory's tensor index (`checkpoint.init_from` /
-`model.from_pretrained`: every layer the model builds has tensors there), and a sample of the
-data (`data.path` and `eval.path`, `DATA_SAMPLE_ROWS` rows read by the recipe's own data class:
-its tokenizer, format, chat template and bad-record rules). Every problem is a `ConfigError`
-naming its key and the fix, each fix validated through this same preflight before it is
-printed; `flashcp validate` lists them, `flashcp train` and a rank refuse with them (exit code
-`EXIT_PREFLIGHT`, 2: bad config), one line per problem.
-
-The second part is `flashcp train`'s launch (`preflight`): no other job holds `run.output_dir`
-(`flashcp.runlock`: said first, it is the reason to know), `FLASHCP_MASTER_PORT` (an optional
-fixed port for the launcher's master) is free (`master_port`), the launcher's ports can be
-leased (`launcher_ports`), the `--master` of a multi-node job is usable (`check_master`), the
-run may start in `run.output_dir` (`check_run_dir`: no fresh run over an earlier run's
-checkpoints, see `flashcp.runstart`), and `run.output_dir` can be written (`check_output_dir`). A
-problem raises `PreflightError` (printed as one line, exit code `EXIT_PREFLIGHT`), with
+The config's own preflight (config, device, dispatch, memory plans, model directory, data
+sample) is `flashcp.preflight`'s, shared with `flashcp validate` and every rank; `preflight`
+runs it unless the caller has (`checked`). Then the launch's checks: no other job holds
+`run.output_dir` (`flashcp.runlock`: said first, it is the reason to know),
+`FLASHCP_MASTER_PORT` (an optional fixed port for the launcher's master) is free
+(`master_port`), the launcher's ports can be leased (`launcher_ports`), the `--master` of a
+multi-node job is usable (`check_master`), the run may start in `run.output_dir`
+(`check_run_dir`: no fresh run over an earlier run's checkpoints, see `flashcp.runstart`), and
+`run.output_dir` can be written (`check_output_dir`). A problem raises `PreflightError` (printed
+as one line, exit code `EXIT_PREFLIGHT`), with
 nothing launched and nothing written or moved. Only then, with `run.overwrite: true`, node 0
 moves an earlier run aside (`runstart.move_aside`, holding its lock meanwhile), the last check
 creates the log directory, and the job takes `run.output_dir`'s lock for its whole life
@@ -36,35 +26,25 @@ has done its checks before they start, then check that node 0 of their job (the 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from flashcp import dispatch, rundir, runlock, runstart
-from flashcp.config import Config, ConfigError, ConfigValidationError, collect, to_dict
-from flashcp.config import load as config_load
-from flashcp.config.device import DeviceError, compute_dtype, resolve_device
-from flashcp.config.errors import as_fix, prune_fixes
-from flashcp.config.placeholders import is_placeholder
+from flashcp import rundir, runlock, runstart
+from flashcp.config import Config
 from flashcp.distributed.groups import wait_for_port
 from flashcp.distributed.ports import PortLease
 from flashcp.distributed.watchdog import resolve_timeout
 from flashcp.launch.outcome import EXIT_CONFIG
 from flashcp.launch.supervise import launcher_lease
-from flashcp.plan import plan
-from flashcp.plan.report import host_refusal, refusal
+from flashcp.preflight import preflight_problems
+from flashcp.problems import Problem, ProblemsError
 
 EXIT_PREFLIGHT = EXIT_CONFIG
 """`flashcp train`'s exit code when a check refuses the launch."""
-DATA_SAMPLE_ROWS = 64
-"""Rows of `data.path` (and `eval.path`) the preflight reads, spread over the data."""
-DISPATCH_KEY = "FlashAttention dispatch"
-"""The key a dispatch refusal is reported under (its message names the flag and the policy)."""
 ENV_MASTER_PORT = "FLASHCP_MASTER_PORT"
 """A fixed port for the launcher's master (default: the launcher picks a free one)."""
 
@@ -266,225 +246,9 @@ def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> No
         raise PreflightError(problem)
 
 
-def dispatch_refusal(cfg: Config) -> str | None:
-    """Why the ranks could not resolve a FlashAttention version for `cfg`'s model under this
-    environment's flags and the FA4 policy (`dispatch.resolve_policy`: config > environment >
-    error, as every rank resolves it), or None. The head dims are checked against FA4's kernel
-    limits; a mask's limits show per call."""
-    try:
-        inputs = dispatch.probe_inputs(
-            policy=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
-            deterministic=cfg.train.deterministic,
-        )
-        head_dim = int(cfg.model.head_size)
-        limit = None
-        if inputs.requested == 4:
-            limit = dispatch.fa4_call_limit(
-                mask_shape=None, num_kv_heads=int(cfg.model.num_kv_heads), head_dim=head_dim
-            )
-        # FA3/FA4 availability on this card included (`dispatch.probe_inputs`).
-        dispatch.explain_inputs(inputs, head_dim, fa4_limit=limit)
-    except (ValueError, NotImplementedError) as exc:
-        return str(exc)
-    return None
-
-
-def memory_refusal(cfg: Config) -> str | None:
-    """The over-budget message of `cfg`'s memory plan (None: it fits, or no
-    `hardware.memory_gib` to check against)."""
-    if cfg.hardware.memory_gib is None:
-        return None
-    return refusal(cfg, plan(cfg))
-
-
-def host_memory_refusal(cfg: Config, nnodes: int | None = None) -> str | None:
-    """The over-budget message of `cfg`'s host plan per node (None: it fits, or no
-    `hardware.host_memory_gib`); `nnodes`: the launch's nodes (ranks per node = dp·pp·cp /
-    nnodes; default `hardware.gpus_per_node`)."""
-    if cfg.hardware.host_memory_gib is None:
-        return None
-    return host_refusal(plan(cfg, nnodes=nnodes))
-
-
-def memory_problems(cfg: Config, nnodes: int | None = None) -> list[ConfigError]:
-    """The memory plan against `hardware.memory_gib` per device and `hardware.host_memory_gib`
-    per node (`flashcp.plan`; no check of a budget that is null)."""
-    problems = []
-    if (message := memory_refusal(cfg)) is not None:
-        problems.append(ConfigError(
-            "hardware.memory_gib",
-            f"{message}; or set hardware.memory_gib=null to launch without the memory check",
-        ))  # fmt: skip
-    if (message := host_memory_refusal(cfg, nnodes)) is not None:
-        problems.append(ConfigError(
-            "hardware.host_memory_gib",
-            f"{message}; or set hardware.host_memory_gib=null to launch without the host "
-            "memory check",
-        ))  # fmt: skip
-    return problems
-
-
-def check_memory(cfg: Config, nnodes: int | None = None) -> None:
-    """`memory_problems` as a `PreflightError` (the first)."""
-    for problem in memory_problems(cfg, nnodes):
-        raise PreflightError(problem.message)
-
-
-def machine_problems(cfg: Config) -> list[ConfigError]:
-    """This machine against `cfg`: a device and compute dtype Paddle runs here
-    (`flashcp.config.device`, the rule every rank applies) and the FlashAttention dispatch
-    (`dispatch_refusal`)."""
-    from flashcp.runtime import gpu_visible
-
-    problems = []
-    try:
-        compute_dtype(cfg, resolve_device(cfg, gpu_visible()))
-    except DeviceError as exc:
-        problems.append(exc.error)
-    if (message := dispatch_refusal(cfg)) is not None:
-        problems.append(ConfigError(DISPATCH_KEY, message))
-    return problems
-
-
-def model_dir_problems(cfg: Config) -> list[ConfigError]:
-    """The weights the ranks will load (`checkpoint.init_from`, implied by
-    `model.from_pretrained`): their index holds every layer the model builds
-    (`flashcp.models.hf_check.index_problems`; no tensor is read)."""
-    path = cfg.checkpoint.init_from
-    if path is None or is_placeholder(path):
-        return []
-    from flashcp.models.hf_check import index_problems
-
-    key = "model.from_pretrained" if cfg.model_from_pretrained else "checkpoint.init_from"
-    try:
-        found = index_problems(path, cfg.model)
-    except (OSError, ValueError) as exc:
-        return [ConfigError(key, _one_line(str(exc)))]
-    return [
-        ConfigError(key if name == "checkpoint.init_from" else name, problem,
-                    (as_fix(fix),) if fix else ())  # fmt: skip
-        for name, problem, fix in found
-    ]
-
-
-def data_problems(cfg: Config, warnings: list[str] | None = None) -> list[ConfigError]:
-    """A sample of `data.path` and `eval.path` (`DATA_SAMPLE_ROWS` rows, spread over each, each
-    read once) read by the recipe's own data class as a rank reads it: a format the recipe
-    reads (`flashcp.data.formats.check_data`: else the fields found, the formats accepted and
-    the setting that would read them), tokenizer, chat template, bad-record policy, no usable
-    record. Placeholders are left to the config's check. Bad records the sample held (which
-    training skips, `data.on_bad_record: skip`) go to `warnings`: how many, and why."""
-    from flashcp.recipes import recipe_class
-    from flashcp.recipes.base import eval_config
-
-    data_class = recipe_class(cfg.run.recipe).data_class
-    problems: list[ConfigError] = []
-    sets = [("data.path", cfg.data.path, cfg)]
-    if cfg.eval.path is not None:
-        sets.append(("eval.path", cfg.eval.path, eval_config(cfg, cfg.eval.path)))
-    for key, path, each in sets:
-        if path is not None and is_placeholder(path):
-            continue
-        try:
-            data = data_class(each, dp_rank=0, dp_size=1, sample=DATA_SAMPLE_ROWS)
-            bad = getattr(data, "bad_records", None)
-            if warnings is not None and bad is not None and bad.total:
-                reasons = bad.summary().split(": ", 1)[1]
-                warnings.append(f"{key}: {bad.total} bad record(s) in a sample of "
-                                f"{DATA_SAMPLE_ROWS} rows, which training skips "
-                                f"(data.on_bad_record: skip): {reasons}")  # fmt: skip
-        except (ValueError, OSError) as exc:
-            message = _one_line(str(exc))
-            if not any(p.problem == message for p in problems):  # one tokenizer, one message
-                problems.append(ConfigError(key, message))
-    return problems
-
-
-def _one_line(text: str) -> str:
-    return "; ".join(line.strip() for line in text.strip().splitlines() if line.strip())
-
-
-def static_problems(
-    cfg: Config,
-    *,
-    nnodes: int | None = None,
-    machine: bool = True,
-    warnings: list[str] | None = None,
-) -> list[ConfigError]:
-    """Every check of a loaded (and so validated) `cfg` that needs no compute and no launch:
-    this `machine`'s (device, dispatch), the memory plans, the model directory's index, a
-    sample of the data (its bad records, which do not refuse, go to `warnings`). Fixes are not
-    validated here (`preflight_problems` does)."""
-    problems = machine_problems(cfg) if machine else []
-    problems += memory_problems(cfg, nnodes)
-    problems += model_dir_problems(cfg)
-    problems += data_problems(cfg, warnings)
-    return problems
-
-
-def check_raw(
-    raw: Mapping[str, Any],
-    *,
-    source: str | None = None,
-    overrides: Sequence[str] = (),
-    world_size: int | None = None,
-    nnodes: int = 1,
-    machine: bool = True,
-    allow_placeholders: bool = False,
-) -> tuple[Config | None, list[ConfigError]]:
-    """THE preflight of a config (a file's mapping plus `key=value` overrides, for
-    `world_size` processes on `nnodes` nodes): its validation (`flashcp.config.collect`), then,
-    when it is valid, `static_problems`. Every problem keeps only the fixes that pass this whole
-    preflight once applied (`flashcp.config.errors.prune_fixes`), so no refusal suggests a
-    change that would be refused in turn."""
-    per_node = nnodes if nnodes > 1 else None
-
-    def run(extra: Sequence[str]) -> tuple[Config | None, list[ConfigError]]:
-        cfg, errors = collect(
-            raw, source=source, overrides=[*overrides, *extra], world_size=world_size,
-            nnodes=nnodes, allow_placeholders=allow_placeholders, validate_fixes=False,
-        )  # fmt: skip
-        if errors or cfg is None:
-            return cfg, errors
-        return cfg, static_problems(cfg, nnodes=per_node, machine=machine, warnings=warnings)
-
-    warnings: list[str] = []
-    cfg, problems = run(())
-    if cfg is not None and warnings:  # the first run's: shown with the config's own notes
-        cfg = dataclasses.replace(cfg, notes=(*cfg.notes, *(f"warning: {w}" for w in warnings)))
-    if any(p.fixes for p in problems):
-        problems = prune_fixes(problems, lambda extra: run(extra)[1])
-    return cfg, problems
-
-
-def check_config_file(
-    path: str | Path, overrides: Sequence[str] = (), **kwargs: Any
-) -> tuple[Config | None, list[ConfigError]]:
-    """`check_raw` of the YAML file at `path` (unreadable: `ConfigValidationError`)."""
-    return check_raw(config_load.read_yaml(path), source=str(path), overrides=overrides, **kwargs)
-
-
-def preflight_problems(
-    cfg: Config,
-    *,
-    world_size: int | None = None,
-    nnodes: int = 1,
-    machine: bool = True,
-    allow_placeholders: bool = False,
-) -> list[ConfigError]:
-    """`check_raw` of a loaded `cfg` (from `cfg.source` and `cfg.overrides`, or its resolved
-    mapping when built in code): what its launch (`preflight`) refuses."""
-    raw = config_load.read_yaml(cfg.source) if cfg.source else to_dict(cfg)
-    _, problems = check_raw(
-        raw, source=cfg.source, overrides=cfg.overrides, world_size=world_size, nnodes=nnodes,
-        machine=machine, allow_placeholders=allow_placeholders,
-    )  # fmt: skip
-    return problems
-
-
-def refusal_text(problems: list[ConfigError], source: str | None) -> str:
+def refusal_text(problems: list[Problem], source: str | None) -> str:
     """The problems as printed: one line for one, a heading and one line each for several."""
-    return ConfigValidationError(problems, source).render()
+    return ProblemsError(problems, source).render()
 
 
 def move_aside(output_dir: str | Path) -> Path | None:
@@ -536,7 +300,8 @@ def preflight(
         master=nodes.master if nodes.multi else None, nnodes=nodes.count,
     )  # fmt: skip
     try:
-        if not checked and (problems := preflight_problems(cfg, nnodes=nodes.count)):
+        if not checked and (problems := preflight_problems(cfg, nnodes=nodes.count,
+                                                           evaluating=evaluating)):
             raise PreflightError(refusal_text(problems, cfg.source))
         if nodes.rank == 0:
             check_lock(output_dir)

@@ -5,7 +5,7 @@
 
 `main` loads the config (once: this process's own copy; world size and node count from the
 launcher's environment), runs the preflight `flashcp train` and `flashcp validate` run
-(`flashcp.launch.preflight.preflight_problems`: device, FlashAttention dispatch, memory plan,
+(`flashcp.preflight.preflight_problems`: device, FlashAttention dispatch, memory plan,
 model directory, a sample of the data), checks that the run directory is its job's
 (`run_dir_lock`: the lock its `flashcp train` holds, or, for ranks started by
 `paddle.distributed.launch` directly, the lock the job's first rank takes), that the run may
@@ -39,10 +39,9 @@ import paddle
 
 from flashcp import dispatch, distributed, faults, runlock, runstart
 from flashcp.checkpoint.format import CheckpointError
-from flashcp.config import Config, ConfigValidationError
+from flashcp.config import Config
 from flashcp.data.records import DataError
-from flashcp.evaluation.command import EvalError, Evaluation
-from flashcp.evaluation.command import check as check_evaluation
+from flashcp.evaluation.command import EvalError, Evaluation, eval_problems
 from flashcp.launch.outcome import (
     EXIT_CHECKPOINT,
     EXIT_CONFIG,
@@ -52,8 +51,9 @@ from flashcp.launch.outcome import (
     EXIT_PREEMPTED,
 )
 from flashcp.launch.preempt import StopSignals, preempt_signals
-from flashcp.launch.preflight import check_config_file
 from flashcp.log import own_console_format, process_rank, quiet_third_party
+from flashcp.preflight import check_config_file
+from flashcp.problems import ProblemsError
 from flashcp.run_info import command_line
 from flashcp.trainer import NonFiniteError, Trainer
 
@@ -123,17 +123,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         launched = distributed.launch_env()
         # the checks `flashcp train` and `flashcp validate` run (config, device, dispatch, data)
         cfg, problems = check_config_file(
-            args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes
-        )
+            args.config, args.overrides, world_size=launched.world_size, nnodes=launched.nnodes,
+            evaluating=args.eval,
+        )  # fmt: skip
+        if args.eval and cfg is not None:  # the checks `flashcp eval` ran (`eval_problems`)
+            problems += eval_problems(cfg)
         if problems or cfg is None:
-            raise ConfigValidationError(problems, args.config)
+            raise ProblemsError(problems, args.config)
         injected = faults.active_faults()
         lock = run_dir_lock(cfg.run.output_dir)  # before anything may write there
-        if args.eval:  # evaluating writes no checkpoint or metrics: any run dir will do
-            check_evaluation(cfg)
-        else:
+        if not args.eval:  # evaluating writes no checkpoint or metrics: any run dir will do
             runstart.check_start(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite)
-    except (ConfigValidationError, faults.FaultSpecError, runstart.RunDirError, EvalError,
+    except (ProblemsError, faults.FaultSpecError, runstart.RunDirError, EvalError,
             runlock.RunLockError) as exc:  # fmt: skip
         if lock is not None:
             lock.release()

@@ -20,7 +20,6 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import paddle
@@ -38,6 +37,7 @@ from flashcp.models.safetensors_io import (
     cast_raw,
 )
 from flashcp.models.weight_files import locate
+from flashcp.problems import Problem, as_fix
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.")
@@ -69,40 +69,37 @@ def open_checkpoint(path: str | os.PathLike[str], counter: ReadCounter) -> OpenC
     return OpenCheckpoint(found.path, found.key_files, found.files, opened, found.index)
 
 
-def index_problems(
-    path: str | os.PathLike[str], args: ModelArgs
-) -> list[tuple[str, str, dict[str, Any]]]:
+def index_problems(path: str | os.PathLike[str], args: ModelArgs) -> list[Problem]:
     """What the checkpoint at `path` lacks for a model of `args`, from its index (or its single
     file's header) alone, no tensor read: the embeddings, every decoder layer and every MTP
-    layer `args` builds must have tensors there. Each problem is (config key, what is wrong,
-    the change that fixes it, or {}). (A `model.from_pretrained` directory whose config.json
+    layer `args` builds must have tensors there, each problem under its config key with the
+    change that fixes it, if any. (A `model.from_pretrained` directory whose config.json
     declares MTP layers its weights lack is refused by the config's own check,
-    `hf_mtp.mtp_refusal`; this covers `checkpoint.init_from`, with the same rule,
+    `hf_mtp.mtp_problems`; this covers `checkpoint.init_from`, with the same rule,
     `hf_mtp.missing_mtp_layers`.) A checkpoint that cannot be opened raises as
     `load_hf_checkpoint`."""
     ckpt = open_checkpoint(path, ReadCounter())
     where = ckpt.index or ckpt.files[0]
     keys = list(ckpt.key_files)
     layers = {int(m.group(1)) for k in keys if (m := _LAYER_RE.match(k))}
-    problems: list[tuple[str, str, dict[str, Any]]] = []
+    problems: list[Problem] = []
     missing = [i for i in range(args.num_layers) if i not in layers]
     if missing or not any(k.startswith("model.embed_tokens.") for k in keys):
         what = f"decoder layers {_ranges(missing)}" if missing else "model.embed_tokens"
-        problems.append((
+        problems.append(Problem(
             "checkpoint.init_from",
             f"{where} has no tensors of {what} (model.num_layers {args.num_layers}): it is not a "
             "complete checkpoint of this model; download the missing shards or point at the "
             "complete directory",
-            {},
         ))  # fmt: skip
     absent = missing_mtp_layers(keys, args.num_layers, args.mtp_layers)
     if absent:
-        problems.append((
+        problems.append(Problem(
             "model.mtp_layers",
             f"{args.mtp_layers} multi-token-prediction layer(s) are built (model.mtp_layers), "
             f"but {where} holds no tensor of model.layers.{absent[0]}.* (MTP layer "
             f"{_ranges(absent)} is absent)",
-            {"model.mtp_layers": absent[0] - args.num_layers},
+            (as_fix({"model.mtp_layers": absent[0] - args.num_layers}),),
         ))  # fmt: skip
     return problems
 

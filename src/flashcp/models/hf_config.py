@@ -30,7 +30,7 @@ file is refused with every reason at once.
   refused with the advice to remove it if it is only metadata.
 * Declared MTP layers without tensors (transformers' ``save_pretrained`` writes GLM-4.5 so: it
   keeps ``num_nextn_predict_layers: 1`` but drops the layer) are refused by
-  `flashcp.models.hf_mtp.mtp_refusal`, from the directory's tensor index alone.
+  `flashcp.models.hf_mtp.mtp_problems`, from the directory's tensor index alone.
 
 Writing (`hf_config`): the common keys and the family's (`HFSide.write`), RoPE in BOTH layouts
 (`hf_rope.rope_config`: top-level keys for transformers 4.x and PaddleFormers,

@@ -9,7 +9,7 @@ data): a layer the run asks for is missing when the checkpoint holds none of its
 (`missing_mtp_layers`; one partly there is the loader's to name tensor by tensor), and a
 checkpoint layer from ``num_layers`` on is an MTP layer a smaller model skips when it has an
 ``eh_proj`` (`mtp_layers_in`); `mtp_depth` names the depth a model's MTP key belongs to.
-`mtp_refusal` is the refusal `flashcp validate` gives a model directory that declares layers
+`mtp_problems` is the refusal `flashcp validate` gives a model directory that declares layers
 its weights lack; the notes (`NOTE_MTP`, `NOTE_MTP_SKIPPED`) say what a load does with them.
 """
 
@@ -21,6 +21,7 @@ from collections.abc import Collection
 
 from flashcp.models.config import ModelArgs
 from flashcp.models.weight_files import checkpoint_keys
+from flashcp.problems import Problem, as_fix
 
 MTP_KEY = "num_nextn_predict_layers"
 """config.json key of the number of multi-token-prediction layers (`ModelArgs.mtp_layers`)."""
@@ -63,19 +64,19 @@ def missing_mtp_layers(keys: Collection[str], num_layers: int, mtp_layers: int) 
     return [num_layers + d for d in range(mtp_layers) if num_layers + d not in held]
 
 
-def mtp_refusal(
+def mtp_problems(
     directory: str | os.PathLike[str], num_layers: int, declared: int, asked: int
-) -> str | None:
-    """One line refusing a run that asks for `asked` MTP layers (``model.mtp_layers``; config.json
+) -> list[Problem]:
+    """The refusal (``model.mtp_layers``) of a run that asks for `asked` MTP layers (config.json
     ``num_nextn_predict_layers`` `declared` by default) the directory's weights do not hold —
     transformers' ``save_pretrained`` writes GLM-4.5 so: the key kept, the layer dropped — with
-    the fix; None when they are there (or none is asked). A partly present layer is left to the
-    loader, which names each missing tensor."""
+    the fix (the layers held); none when they are there (or none is asked). A partly present
+    layer is left to the loader, which names each missing tensor."""
     if asked <= 0:
-        return None
+        return []
     missing = missing_mtp_layers(checkpoint_keys(directory), num_layers, asked)
     if not missing:
-        return None
+        return []
     layers = ", ".join(f"model.layers.{i}.*" for i in missing)
     some = "s" if len(missing) > 1 else ""
     why = (
@@ -83,12 +84,12 @@ def mtp_refusal(
         if asked == declared
         else f"model.mtp_layers is {asked}"
     )
-    return (
+    problem = (
         f"{why}, but the weights in {directory} hold no tensor of the multi-token-prediction "
-        f"layer{some} {layers} (transformers' save_pretrained leaves them out): set "
-        f"model.mtp_layers={missing[0] - num_layers} to train without "
-        f"{'them' if some else 'it'}"
+        f"layer{some} {layers} (transformers' save_pretrained leaves them out)"
     )
+    fix = as_fix({"model.mtp_layers": missing[0] - num_layers})
+    return [Problem("model.mtp_layers", problem, (fix,))]
 
 
 def mtp_depth(key: str, args: ModelArgs) -> int | None:

@@ -21,6 +21,7 @@ from flashcp.config import Config, collect, to_dict
 from flashcp.plan.comms import NCCL_COMMUNICATOR_BYTES
 from flashcp.plan.host import HOST_ITEM_DOCS
 from flashcp.plan.model import GIB, ITEM_DOCS, Plan, plan
+from flashcp.problems import Problem
 
 GPUS_PER_NODE = 8
 MAX_WORLD = 256
@@ -217,20 +218,13 @@ def host_over_budget(p: Plan) -> str | None:
     )
 
 
-def host_refusal(p: Plan) -> str | None:
-    """`host_over_budget` plus what to change."""
-    message = host_over_budget(p)
-    if message is None:
-        return None
-    return f"{message}. To fit: {HOST_FIXES} (`flashcp plan` shows every item)"
-
-
-def refusal(cfg: Config, p: Plan, device: str | None = None) -> str | None:
-    """`over_budget` plus what to change (`fit_options`), for `flashcp validate` (the device
-    budget; the host budget's is `host_refusal`)."""
+def device_budget_problems(cfg: Config, p: Plan, device: str | None = None) -> list[Problem]:
+    """The plan `p` of `cfg` over its per-device budget (`hardware.memory_gib`,
+    `over_budget`) with what to change (`fit_options`, each checked to fit); none when it
+    fits or has no budget."""
     message = over_budget(p)
     if message is None:
-        return None
+        return []
     assert p.budget_bytes is not None
     options = fit_options(cfg, budget_gib=p.budget_bytes / GIB, device=device, limit=3)
     if options:
@@ -244,7 +238,17 @@ def refusal(cfg: Config, p: Plan, device: str | None = None) -> str | None:
             "model.recompute=full, train.loss_chunk_tokens, parallel.shard_optimizer=true and "
             "train.param_dtype=bfloat16"
         )
-    return message + " (`flashcp plan` shows every item)"
+    return [Problem("hardware.memory_gib", message + " (`flashcp plan` shows every item)")]
+
+
+def host_budget_problems(p: Plan) -> list[Problem]:
+    """The host plan of `p` over its per-node budget (`hardware.host_memory_gib`,
+    `host_over_budget`) with what to change; none when it fits or has no budget."""
+    message = host_over_budget(p)
+    if message is None:
+        return []
+    text = f"{message}. To fit: {HOST_FIXES} (`flashcp plan` shows every item)"
+    return [Problem("hardware.host_memory_gib", text)]
 
 
 def format_plan(p: Plan, cfg: Config, *, source: str = "") -> str:
@@ -303,9 +307,9 @@ def _has_budget(p: Plan) -> bool:
 
 def _fits_lines(cfg: Config, p: Plan) -> list[str]:
     """"fits: yes", or "fits: NO" with what is over and the fixes `flashcp validate` prints
-    (`refusal`, `host_refusal`: the same changes, each checked to fit)."""
-    problems = [m for m in (refusal(cfg, p, p.device), host_refusal(p)) if m is not None]
-    return ["fits: yes"] if not problems else [f"fits: NO — {m}" for m in problems]
+    (`device_budget_problems`, `host_budget_problems`: the same changes, each checked to fit)."""
+    problems = device_budget_problems(cfg, p, p.device) + host_budget_problems(p)
+    return ["fits: yes"] if not problems else [f"fits: NO — {x.problem}" for x in problems]
 
 
 def _fits_text(usable: int | None, peak: int) -> str:

@@ -23,11 +23,12 @@ from flashcp.attention import registry
 from flashcp.attention.allgather_kv import ALLGATHER_KV
 from flashcp.attention.allgather_kv_chunked import ALLGATHER_KV_CHUNKED, key_order, merge_partial
 from flashcp.attention.context import AttentionContext
-from flashcp.config import ConfigValidationError, load_config
+from flashcp.config import load_config
 from flashcp.cp.layout import Assignment, chunk_bounds
 from flashcp.cp.rebase import rebase_rows, rebase_thresholds
 from flashcp.kernels.registry import get_backend
 from flashcp.models import build_model, preset
+from flashcp.problems import ProblemsError
 from helpers.paths import ROOT
 from helpers.reference import compare_attention, dense_reference
 
@@ -35,6 +36,7 @@ B, S, HQ, HKV, D = 2, 48, 4, 2, 8
 FAMILIES = ("causal", "causal_document", "share_question", "sliding_window", "document",
             "qk_sparse", "random_eviction")  # fmt: skip
 CHUNKS = [(16, 0), (0, 16), (13, 24), (7, 5), (48, 48)]
+
 
 def _inputs(seed: int = 0, seq: int = S):
     rng = np.random.default_rng(seed)
@@ -272,7 +274,7 @@ def test_a_mode_without_chunked_attention_is_refused() -> None:
         with pytest.raises(ValueError, match="has no chunked attention"):
             registry.implementation_for(AttentionContext(None, True, mode="ring_like",
                                                          query_chunk=4))  # fmt: skip
-        with pytest.raises(ConfigValidationError) as info:
+        with pytest.raises(ProblemsError) as info:
             load_config(ROOT / "configs/gpt/tiny_cp2.yaml",
                         ["parallel.cp_mode=ring_like", "attention.query_chunk=8"])  # fmt: skip
         assert "attention.query_chunk" in str(info.value)
@@ -289,7 +291,7 @@ def test_a_mode_without_chunked_attention_is_refused() -> None:
     ],
 )
 def test_config_refuses_bad_chunks(overrides, key, words) -> None:
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ProblemsError) as info:
         load_config(ROOT / "configs/gpt/tiny_cp2.yaml", overrides)
     assert key in str(info.value) and words in str(info.value), str(info.value)
 

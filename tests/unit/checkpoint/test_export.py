@@ -17,6 +17,7 @@ from bench import numerics
 from flashcp import cli, masks
 from flashcp.attention.context import AttentionContext
 from flashcp.checkpoint.export import ExportError, copy_tokenizer, export_run, plan_shards
+from flashcp.commands.export import parse_size
 from flashcp.config import build_config
 from flashcp.data.tokenizer import ByteTokenizer
 from flashcp.lora.model import disable_adapters
@@ -337,7 +338,7 @@ def test_cli_export(base_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "exists and is not empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["export", "a", "b", "--max-shard-size", "lots"])
-    assert cli._parse_size("2GiB") == 2 * 2**30 and cli._parse_size("500") == 500
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("500") == 500
 
 
 def test_tokenizer_files_and_shard_plan(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 Each case below is a refused config; the test reads the fixes off the printed line (`set
 key=value ...`), applies each one as a user would (the printed overrides after the case's own)
-and runs the same preflight again (`flashcp.launch.preflight.check_raw`: the config's
+and runs the same preflight again (`flashcp.preflight.check_raw`: the config's
 validation, then this machine's device and dispatch, the memory plans, the model directory,
 a sample of the data): the problem is gone and no new one appears. The table reaches every
 place a config rule offers fixes (`flashcp.config.validate` and every other module of
@@ -27,13 +27,14 @@ import pytest
 
 from flashcp import dispatch
 from flashcp.attention import registry as cp_modes
-from flashcp.config import ConfigError, read_yaml
+from flashcp.config import read_yaml
 from flashcp.config.checks import Checks
 from flashcp.cp.layout import Assignment
-from flashcp.launch.preflight import check_raw
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_save import save_hf_checkpoint
+from flashcp.preflight import check_raw
+from flashcp.problems import Problem
 from helpers.paths import ROOT
 
 GPT = "configs/gpt/tiny_cp2.yaml"
@@ -120,7 +121,7 @@ def _no_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key, raising=False)
 
 
-def printed_fixes(error: ConfigError) -> list[list[str]]:
+def printed_fixes(error: Problem) -> list[list[str]]:
     """The fixes as the printed line gives them: each `set key=value ...` of the message."""
     fixes = []
     for part in re.split(r"(?:^|, or |: )set ", error.message)[1:]:
@@ -135,7 +136,7 @@ def printed_fixes(error: ConfigError) -> list[list[str]]:
     return fixes
 
 
-def _check(config: str, overrides: list[str], launch: dict[str, int]) -> list[ConfigError]:
+def _check(config: str, overrides: list[str], launch: dict[str, int]) -> list[Problem]:
     _, errors = check_raw(read_yaml(ROOT / config), source=config, overrides=overrides,
                           **launch)  # fmt: skip
     return errors
@@ -219,10 +220,10 @@ def test_the_fixes_the_issue_names(places: dict[str, str]) -> None:
 
 def test_printed_fixes_parse_what_the_message_says() -> None:
     """The reader of the printed line (what the test applies) against known lines."""
-    err = ConfigError("k", "bad", ((("a.b", 1), ("c.d", [3, 2])), (("e", None),)), "go away")
+    err = Problem("k", "bad", ((("a.b", 1), ("c.d", [3, 2])), (("e", None),)), "go away")
     assert err.message == "bad: set a.b=1 c.d=[3,2], or set e=null, or go away"
     assert printed_fixes(err) == [["a.b=1", "c.d=[3,2]"], ["e=null"]]
-    assert printed_fixes(ConfigError("k", "bad [set on the command line: x=1]")) == []
+    assert printed_fixes(Problem("k", "bad [set on the command line: x=1]")) == []
 
 
 @pytest.mark.parametrize("path", sorted(Path(ROOT / "configs").rglob("tiny_*.yaml")), ids=str)

@@ -16,18 +16,12 @@ import yaml
 
 from flashcp import cli, masks
 from flashcp.attention.context import AttentionContext
-from flashcp.config import (
-    ConfigValidationError,
-    build_config,
-    collect,
-    config_hash,
-    load_config,
-    to_yaml,
-)
+from flashcp.config import build_config, collect, config_hash, load_config, to_yaml
 from flashcp.models import build_model, preset
 from flashcp.models.hf_config import hf_config
 from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.parallelize import default_model_factory
+from flashcp.problems import ProblemsError
 from helpers.paths import ROOT
 
 ARGS = preset(
@@ -132,6 +126,7 @@ def test_a_null_removes_any_restated_key(model_dir: Path) -> None:
     wrong = _errors(_raw(model_dir, {"head_dim": 8}))["model.head_dim"]
     assert "set model.head_dim=null" in wrong
 
+
 def test_training_side_keys_are_free_and_equal_keys_fine(model_dir: Path) -> None:
     """How the run trains (recompute, MoE capacity, router balancing) is not in config.json;
     a shape key that restates config.json's value is accepted."""
@@ -165,7 +160,7 @@ def test_mtp_layers_come_from_the_directory_and_may_be_dropped(tmp_path: Path) -
     assert errors == {
         "model.mtp_layers": f"model.mtp_layers is 2, but the weights in {directory} hold no "
         "tensor of the multi-token-prediction layer model.layers.3.* (transformers' "
-        "save_pretrained leaves them out): set model.mtp_layers=1 to train without it"
+        "save_pretrained leaves them out): set model.mtp_layers=1"
     }
 
 
@@ -186,7 +181,7 @@ def test_declared_mtp_layer_without_tensors_is_refused_in_one_line(
         f"model.mtp_layers: {directory}/config.json declares num_nextn_predict_layers: 1, but "
         f"the weights in {directory} hold no tensor of the multi-token-prediction layer "
         "model.layers.2.* (transformers' save_pretrained leaves them out): set "
-        "model.mtp_layers=0 to train without it"
+        "model.mtp_layers=0"
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(_raw(directory)))
@@ -251,7 +246,7 @@ def test_validate_reads_config_json_only(model_dir: Path, tmp_path: Path, capsys
     assert cli.main(["validate", str(path)]) == 2
     out = capsys.readouterr().out
     assert "model.hidden_size" in out and "contradicts config.json hidden_size" in out
-    with pytest.raises(ConfigValidationError):
+    with pytest.raises(ProblemsError):
         build_config(_raw(model_dir, {"hidden_size": 8}))
 
 

@@ -13,8 +13,6 @@ from flashcp import cli
 from flashcp.attention import registry as cp_modes
 from flashcp.config import (
     RECIPES,
-    ConfigError,
-    ConfigValidationError,
     RecipeSpec,
     build_config,
     collect,
@@ -27,6 +25,7 @@ from flashcp.config import (
     to_dict,
     to_yaml,
 )
+from flashcp.problems import Problem, ProblemsError
 from helpers.paths import ROOT
 
 BASE: dict[str, Any] = {
@@ -44,12 +43,12 @@ def _raw(**sections: Any) -> dict[str, Any]:
     return raw
 
 
-def _errors(raw: dict[str, Any], overrides: tuple[str, ...] = (), **kw: Any) -> list[ConfigError]:
+def _errors(raw: dict[str, Any], overrides: tuple[str, ...] = (), **kw: Any) -> list[Problem]:
     _, errors = collect(raw, overrides=overrides, **kw)
     return errors
 
 
-def _by_key(errors: list[ConfigError]) -> dict[str, str]:
+def _by_key(errors: list[Problem]) -> dict[str, str]:
     return {e.key: e.message for e in errors}
 
 
@@ -70,9 +69,9 @@ def test_every_problem_is_reported_at_once() -> None:
         "checkpoint": {"every": 1.5},
         "trian": {},
     }
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ProblemsError) as info:
         build_config(raw, source="x.yaml")
-    errors = _by_key(info.value.errors)
+    errors = _by_key(info.value.problems)
     assert set(errors) == {
         "model.hiden_size",
         "parallel.cp_mode",
@@ -123,8 +122,12 @@ def test_every_problem_is_reported_at_once() -> None:
         ("run", {"preempt_signal": "SIGKILL"}, "run.preempt_signal", "SIGUSR1, SIGUSR2"),
         ("run", {"straggler_ratio": 1.0}, "run.straggler_ratio", "must be > 1"),
         ("run", {"straggler_window": -1}, "run.straggler_window", "0 = no straggler"),
-        ("hardware", {"checkpoint_write_gb_per_s": 0.0}, "hardware.checkpoint_write_gb_per_s",
-         "judged from the first save"),
+        (
+            "hardware",
+            {"checkpoint_write_gb_per_s": 0.0},
+            "hardware.checkpoint_write_gb_per_s",
+            "judged from the first save",
+        ),
         ("parallel", {"dp": 0}, "parallel.dp", ">= 1"),
         ("parallel", {"grad_bucket_mb": 0}, "parallel.grad_bucket_mb", "> 0"),
         ("parallel", {"pp": 2}, "train.grad_accum", "set train.grad_accum=2"),
@@ -427,8 +430,9 @@ def test_a_key_that_is_a_python_keyword() -> None:
     bad = _by_key(_errors(_raw(), ("checkpoint.async=3",)))
     assert bad["checkpoint.async"].startswith("expected true or false, got 3")
     # async and fail_on_error do not change what a step computes: a checkpoint binds neither
-    assert config_hash(build_config(_raw(checkpoint={"async": True, "fail_on_error": True}))) \
-        == config_hash(build_config(_raw()))
+    assert config_hash(
+        build_config(_raw(checkpoint={"async": True, "fail_on_error": True}))
+    ) == config_hash(build_config(_raw()))
 
 
 def test_config_changes_since_a_checkpoint_ignore_new_keys_at_their_default() -> None:
@@ -461,14 +465,14 @@ def test_cp_modes_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_unreadable_files(tmp_path: Path) -> None:
-    with pytest.raises(ConfigValidationError, match="cannot read"):
+    with pytest.raises(ProblemsError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1,\n")
-    with pytest.raises(ConfigValidationError, match="not valid YAML"):
+    with pytest.raises(ProblemsError, match="not valid YAML"):
         load_config(bad)
     bad.write_text("- 1\n")
-    with pytest.raises(ConfigValidationError, match="top level must be a mapping"):
+    with pytest.raises(ProblemsError, match="top level must be a mapping"):
         load_config(bad)
 
 
@@ -535,9 +539,10 @@ def test_min_lr_follows_lr_unless_set() -> None:
     assert ratio.final_lr == pytest.approx(5e-7, rel=1e-12)
     explicit = build_config(_raw(train={"lr": 3e-3, "min_lr": 3e-4})).train
     assert explicit.final_ratio == 3e-4 / 3e-3 and explicit.final_lr == 3e-4
-    assert "must be in [0, 1]" in _by_key(_errors(_raw(train={"min_lr_ratio": 1.5})))[
-        "train.min_lr_ratio"
-    ]
+    assert (
+        "must be in [0, 1]"
+        in _by_key(_errors(_raw(train={"min_lr_ratio": 1.5})))["train.min_lr_ratio"]
+    )
 
 
 def test_section_null_on_the_command_line_removes_or_is_refused(

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from flashcp import cli
-from flashcp.config import AttentionConfig, ConfigValidationError, build_config
+from flashcp.config import AttentionConfig, build_config
 from flashcp.launch import job
 from flashcp.masks import DOCUMENT_MASKS
+from flashcp.problems import ProblemsError
 from helpers.paths import ROOT
 
 TINY = {
@@ -63,36 +64,72 @@ def test_valid_masks(attention: dict[str, Any], recipe: str) -> None:
 
 BAD = [
     ({"mask": "banana"}, "pretrain", "attention.mask", r"expected one of 'causal', 'sliding"),
-    ({"mask": "sliding_window"}, "pretrain", "attention.sliding_window",
-     r"needs attention\.sliding_window"),
-    ({"mask": "sliding_window", "sliding_window": 0}, "pretrain", "attention.sliding_window",
-     r"must be >= 1"),
-    ({"sliding_window": 16}, "pretrain", "attention.sliding_window",
-     r"read only with attention\.mask sliding_window or global_window.*is causal"),
-    ({"mask": "global_window", "sliding_window": 8}, "pretrain", "attention.global_tokens",
-     r"needs attention\.global_tokens >= 1"),
-    ({"mask": "sliding_window", "sliding_window": 8, "global_tokens": 2}, "pretrain",
-     "attention.global_tokens", r"read only with attention\.mask global_window"),
+    (
+        {"mask": "sliding_window"},
+        "pretrain",
+        "attention.sliding_window",
+        r"needs attention\.sliding_window",
+    ),
+    (
+        {"mask": "sliding_window", "sliding_window": 0},
+        "pretrain",
+        "attention.sliding_window",
+        r"must be >= 1",
+    ),
+    (
+        {"sliding_window": 16},
+        "pretrain",
+        "attention.sliding_window",
+        r"read only with attention\.mask sliding_window or global_window.*is causal",
+    ),
+    (
+        {"mask": "global_window", "sliding_window": 8},
+        "pretrain",
+        "attention.global_tokens",
+        r"needs attention\.global_tokens >= 1",
+    ),
+    (
+        {"mask": "sliding_window", "sliding_window": 8, "global_tokens": 2},
+        "pretrain",
+        "attention.global_tokens",
+        r"read only with attention\.mask global_window",
+    ),
     ({"mask": "prefix_lm"}, "pretrain", "attention.prefix_len", r"needs attention\.prefix_len"),
     ({"mask": "prefix_lm", "prefix_len": 0}, "pretrain", "attention.prefix_len", r">= 1 token"),
-    ({"mask": "prefix_lm", "prefix_len": 64}, "pretrain", "attention.prefix_len",
-     r"leaves no trained token in a 64-token sequence.*e\.g\. 16"),
-    ({"mask": "prefix_lm", "prefix_len": 8}, "sft", "attention.prefix_len",
-     r"sft recipe each example's prefix is its prompt"),
+    (
+        {"mask": "prefix_lm", "prefix_len": 64},
+        "pretrain",
+        "attention.prefix_len",
+        r"leaves no trained token in a 64-token sequence.*e\.g\. 16",
+    ),
+    (
+        {"mask": "prefix_lm", "prefix_len": 8},
+        "sft",
+        "attention.prefix_len",
+        r"sft recipe each example's prefix is its prompt",
+    ),
     ({"prefix_len": 8}, "pretrain", "attention.prefix_len", r"read only with attention\.mask"),
-    ({"mask": "sliding_window", "sliding_window": 8}, "dpo", "attention.mask",
-     r"cannot be used with the dpo recipe.*share-question"),
-    ({"mask": "prefix_lm", "mtp": True}, "sft", "attention.mask",
-     r"trained multi-token prediction .* model\.mtp_loss_weight: 0"),
+    (
+        {"mask": "sliding_window", "sliding_window": 8},
+        "dpo",
+        "attention.mask",
+        r"cannot be used with the dpo recipe.*share-question",
+    ),
+    (
+        {"mask": "prefix_lm", "mtp": True},
+        "sft",
+        "attention.mask",
+        r"trained multi-token prediction .* model\.mtp_loss_weight: 0",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("attention", "recipe", "key", "match"), BAD)
 def test_bad_masks_name_the_key(attention: dict[str, Any], recipe: str, key: str,
                                 match: str) -> None:  # fmt: skip
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ProblemsError) as info:
         build_config(_raw(attention, recipe))
-    errors = info.value.errors
+    errors = info.value.problems
     assert [e.key for e in errors] == [key], errors
     assert re.search(match, errors[0].message), errors[0].message
 

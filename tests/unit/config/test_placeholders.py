@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from flashcp.config import ConfigValidationError, build_config, collect
+from flashcp.config import build_config, collect
 from flashcp.config.placeholders import (
     data_format,
     find_placeholders,
@@ -18,6 +18,7 @@ from flashcp.config.placeholders import (
     what_to_put,
 )
 from flashcp.models import preset
+from flashcp.problems import ProblemsError
 
 
 def _raw(**sections: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def test_what_to_put_follows_the_recipe_and_its_field_names() -> None:
     assert "documents with a 'text' field" in data_format({})
     assert "'body' field" in data_format({"data": {"text_field": "body"}})
     sft = data_format({"run": {"recipe": "sft"}, "data": {"messages_field": "conversation"}})
-    assert "a 'conversation' list of {\"role\", \"content\"} messages per record" in sft
+    assert 'a \'conversation\' list of {"role", "content"} messages per record' in sft
     assert "'prompt'/'response' strings" in sft
     dpo = data_format({"run": {"recipe": "dpo"}, "data": {"chosen_field": "good"}})
     assert "'prompt', 'good' and 'rejected' strings" in dpo
@@ -63,12 +64,12 @@ def test_refused_with_every_key_named_and_nothing_else_about_them() -> None:
         checkpoint={"init_from": "/path/to/ckpt", "resume": "/path/to/run/step_4"},
         run={"output_dir": "/path/to/out"},
     )
-    with pytest.raises(ConfigValidationError) as refused:
+    with pytest.raises(ProblemsError) as refused:
         build_config(raw)
     keys = ["checkpoint.init_from", "checkpoint.resume", "data.path", "data.tokenizer",
             "eval.path", "run.output_dir"]  # fmt: skip
-    assert sorted(e.key for e in refused.value.errors) == keys  # one each, no "no file at"
-    assert all("is a placeholder still to fill in" in e.message for e in refused.value.errors)
+    assert sorted(e.key for e in refused.value.problems) == keys  # one each, no "no file at"
+    assert all("is a placeholder still to fill in" in e.message for e in refused.value.problems)
     cfg, errors = collect(raw, allow_placeholders=True)  # the static check accepts them
     assert errors == [] and cfg is not None and cfg.data.path == "/path/to/data.jsonl"
 

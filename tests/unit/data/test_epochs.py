@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from flashcp.config import ConfigValidationError, build_config, to_dict, to_yaml
+from flashcp.config import build_config, to_dict, to_yaml
 from flashcp.data.dpo_stream import DPOData
 from flashcp.data.epochs import epoch_steps, format_passes, passes, steps_for_epochs
+from flashcp.problems import ProblemsError
 from flashcp.recipes.lm import LMData
 
 TINY = {"model": {"preset": "tiny"}, "data": {"seq_len": 64, "micro_batch_size": 2}}
@@ -90,16 +91,16 @@ def test_passes_and_their_text_at_the_edges() -> None:
 
 def test_steps_and_epochs_are_alternatives() -> None:
     both = {**TINY, "train": {"steps": 5, "epochs": 2}}
-    with pytest.raises(ConfigValidationError, match=r"both set in the file: set exactly one"):
+    with pytest.raises(ProblemsError, match=r"both set in the file: set exactly one"):
         build_config(both)
-    with pytest.raises(ConfigValidationError, match=r"both set on the command line"):
+    with pytest.raises(ProblemsError, match=r"both set on the command line"):
         build_config(TINY, overrides=["train.steps=5", "train.epochs=2"])
     # one in the file, the other on the command line: the command line's wins
     cfg = build_config({**TINY, "train": {"steps": 5}}, overrides=["train.epochs=2"])
     assert cfg.train.epochs == 2.0
     cfg = build_config({**TINY, "train": {"epochs": 2}}, overrides=["max_steps=7"])
     assert (cfg.train.steps, cfg.train.epochs) == (7, None)
-    with pytest.raises(ConfigValidationError, match=r"train\.epochs: must be > 0"):
+    with pytest.raises(ProblemsError, match=r"train\.epochs: must be > 0"):
         build_config(TINY, overrides=["train.epochs=0"])
     # a run's written config (config.yaml) reloads: the epochs, no steps
     cfg = build_config({**TINY, "train": {"epochs": 1.5}})

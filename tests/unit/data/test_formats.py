@@ -23,7 +23,6 @@ import pytest
 
 from bench.hfdir import write_tokenizer_files
 from flashcp.config import Config
-from flashcp.config.errors import ConfigValidationError
 from flashcp.data import HFTokenizer, TrainData
 from flashcp.data.dataset import Document, DocumentBuilder
 from flashcp.data.dpo_records import DPOExample, DPORecords
@@ -39,6 +38,7 @@ from flashcp.data.formats import (
 )
 from flashcp.data.records import BadRecordError
 from flashcp.data.sources import JsonlSource, SampleSource, open_source
+from flashcp.problems import ProblemsError
 from helpers.configs import TINY_GLM, merged, tiny_config
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures" / "data_formats"
@@ -86,9 +86,11 @@ def _same_doc(a: Document, b: Document) -> bool:
 
 HH_PROMPTS = [
     [_msg("user", "What is a good way to learn to cook?")],
-    [_msg("user", "Can you help me plan a trip?"),
-     _msg("assistant", "Sure. Where would you like to go?"),
-     _msg("user", "Somewhere warm in winter.")],  # fmt: skip
+    [
+        _msg("user", "Can you help me plan a trip?"),
+        _msg("assistant", "Sure. Where would you like to go?"),
+        _msg("user", "Somewhere warm in winter."),
+    ],  # fmt: skip
     [_msg("user", "How do I keep my plants alive?")],
 ]
 HH_ANSWERS = [
@@ -152,11 +154,15 @@ def test_bad_preference_conversations(glm: HFTokenizer) -> None:
         ({"chosen": [u, a, u, a], "rejected": [u, b]}, "an answer is not one assistant turn"),
         ({"chosen": [u, a], "rejected": [u]}, "field 'rejected' is not a list of messages"),
         ({"chosen": [u, u], "rejected": [u, a]}, "an answer is not one assistant turn"),
-        ({"prompt": "Q?", "chosen": [u, a], "rejected": [u, _msg("assistant", " ")]},
-         "empty answer"),  # fmt: skip
+        (
+            {"prompt": "Q?", "chosen": [u, a], "rejected": [u, _msg("assistant", " ")]},
+            "empty answer",
+        ),  # fmt: skip
         # a string prompt with bare answer turns is not UltraFeedback (nothing to split)
-        ({"prompt": "Q?", "chosen": [a], "rejected": [b]},
-         "prompt is a string but an answer is a message"),  # fmt: skip
+        (
+            {"prompt": "Q?", "chosen": [a], "rejected": [b]},
+            "prompt is a string but an answer is a message",
+        ),  # fmt: skip
     ]
     for row, reason in cases:
         with pytest.raises(BadRecordError) as info:
@@ -186,8 +192,13 @@ def test_sharegpt_rows_are_their_conversations(
         assert sharegpt.messages is not None and sharegpt.messages(row, Fields()) == messages
         assert _same_doc(build(row), build({"messages": messages}))
     # LLaMA-Factory's `system` column; `from`/`value` or `role`/`content`
-    row = {"system": "Be brief.", "conversations": [{"from": "human", "value": "Hi"},
-                                                    {"role": "assistant", "content": "Hello"}]}
+    row = {
+        "system": "Be brief.",
+        "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+        ],
+    }
     assert _same_doc(build(row), build({"messages": [_msg("system", "Be brief."),
                                                      _msg("user", "Hi"),
                                                      _msg("assistant", "Hello")]}))  # fmt: skip
@@ -304,11 +315,20 @@ def test_paddleformers_sft_rows_match_paddleformers_own_reader(
     assert ids.count(gmask) == 1 and tokens.count(gmask) == 2
     assert rows[1]["label"] == [0, 1] and sum(docs[1].targets) > sum(docs[0].targets)
     # the conversation flashcp reads, written out (PaddleFormers' convert_txt_data layout)
-    assert _same_doc(docs[1], build({"messages": [
-        _msg("system", "You are a small life assistant"),
-        _msg("user", "How can we save water at home?"),
-        _msg("assistant", "Use water-saving shower heads."),
-        _msg("user", "Any other suggestions?"), _msg("assistant", "Fix leaking pipes quickly.")]}))
+    assert _same_doc(
+        docs[1],
+        build(
+            {
+                "messages": [
+                    _msg("system", "You are a small life assistant"),
+                    _msg("user", "How can we save water at home?"),
+                    _msg("assistant", "Use water-saving shower heads."),
+                    _msg("user", "Any other suggestions?"),
+                    _msg("assistant", "Fix leaking pipes quickly."),
+                ]
+            }
+        ),
+    )
 
 
 def test_paddleformers_eos_after_a_template_that_closes_turns_with_it(tmp_path: Path) -> None:
@@ -478,8 +498,10 @@ def _refusal(rows: list[Any], recipe: str, **data: Any) -> str:
 def test_data_in_no_format_is_refused_naming_fields_formats_and_the_setting() -> None:
     qa = [{"question": "Q", "answer": "A", "id": 1}]
     msg = _refusal(qa, "sft")
-    assert msg.startswith("data.path d.jsonl: none of the 1 rows sampled is in a format "
-                          "run.recipe sft reads (`messages`: [{role, content}]; ShareGPT")
+    assert msg.startswith(
+        "data.path d.jsonl: none of the 1 rows sampled is in a format "
+        "run.recipe sft reads (`messages`: [{role, content}]; ShareGPT"
+    )
     assert "the rows' fields are question (string), answer (string), id (int)" in msg
     assert "Alpaca `instruction`, `input`, `output`" in msg and "PaddleFormers `src`" in msg
     assert msg.endswith("to read them set data.prompt_field=question data.response_field=answer")
@@ -516,24 +538,30 @@ def test_data_in_no_format_is_refused_naming_fields_formats_and_the_setting() ->
 def test_a_set_format_reads_every_row_in_it(glm: HFTokenizer) -> None:
     alpaca = {"instruction": "Q", "output": "A"}
     build = DocumentBuilder(glm, recipe="sft", format="sharegpt")
-    with pytest.raises(BadRecordError, match="not a sharegpt row: data.format sharegpt reads "
-                                             "ShareGPT .* the record's keys: instruction, output"):
+    with pytest.raises(
+        BadRecordError,
+        match="not a sharegpt row: data.format sharegpt reads "
+        "ShareGPT .* the record's keys: instruction, output",
+    ):
         build(alpaca)
     assert len(DocumentBuilder(glm, recipe="sft", format="alpaca")(alpaca)) > 0
     with pytest.raises(BadRecordError, match="not a preference row"):
         DPORecords(glm, budget=64, format="preference").tokenize({"chosen": [], "rejected": []})
-    with pytest.raises(ValueError, match="data.format 'sharegpt' is not a format of run.recipe "
-                                         "dpo: use auto or one of paddleformers, ultrafeedback"):
+    with pytest.raises(
+        ValueError,
+        match="data.format 'sharegpt' is not a format of run.recipe "
+        "dpo: use auto or one of paddleformers, ultrafeedback",
+    ):
         DPORecords(glm, budget=64, format="sharegpt")
 
 
 def test_data_format_is_validated_against_the_recipe(tmp_path: Path) -> None:
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ProblemsError) as info:
         tiny_config(tmp_path, base=BASE, data={"format": "sharegpt"}, run={"recipe": "dpo"})
     assert "data.format: sharegpt is a format of run.recipe sft, not dpo: set data.format to " \
            "one of auto, paddleformers, ultrafeedback, preference, implicit_prompt" in str(
                info.value)  # fmt: skip
-    with pytest.raises(ConfigValidationError, match="unknown format 'sharegtp'.*sharegpt"):
+    with pytest.raises(ProblemsError, match="unknown format 'sharegtp'.*sharegpt"):
         tiny_config(tmp_path, base=BASE, data={"format": "sharegtp"}, run={"recipe": "sft"})
     ok = tiny_config(tmp_path, base=BASE, data={"format": "paddleformers"}, run={"recipe": "dpo"})
     assert ok.data.format == "paddleformers"
@@ -547,10 +575,15 @@ def test_existing_formats_read_as_before(glm: HFTokenizer) -> None:
                      ("prompt_response", {"prompt": "Q", "response": "A"})):  # fmt: skip
         assert _same_doc(DocumentBuilder(glm, recipe="sft")(row),
                          DocumentBuilder(glm, recipe="sft", format=fmt)(row))  # fmt: skip
-    for row in ({"prompt": "Question?", "chosen": "A", "rejected": "B"},
-                {"prompt": conv[:1], "chosen": conv[1:], "rejected": [_msg("assistant", "B")]}):
+    for row in (
+        {"prompt": "Question?", "chosen": "A", "rejected": "B"},
+        {"prompt": conv[:1], "chosen": conv[1:], "rejected": [_msg("assistant", "B")]},
+    ):
         assert DPORecords(glm, budget=64).tokenize(row) == DPORecords(
             glm, budget=64, format="preference").tokenize(row)  # fmt: skip
-    with pytest.raises(BadRecordError, match=r"^missing field 'messages': an sft record needs "
-                                             r"one of: .* its keys: text$"):
+    with pytest.raises(
+        BadRecordError,
+        match=r"^missing field 'messages': an sft record needs "
+        r"one of: .* its keys: text$",
+    ):
         DocumentBuilder(glm, recipe="sft")({"text": "x"})

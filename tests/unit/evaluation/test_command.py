@@ -162,7 +162,14 @@ def test_what_eval_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     code, _, err = _eval([str(config), f"eval.path={held_out}"], capsys)
     assert code == 2 and "nothing to evaluate" in err and "model.from_pretrained" in err
     code, _, err = _eval([str(config)], capsys)
-    assert code == 2 and "eval.path is null: set eval.path" in err
+    assert code == 2 and "eval.path: null: set eval.path" in err
+    # the config's preflight, as `flashcp train` and `flashcp validate` run it, on what an
+    # evaluation reads (issue 38): a held-out set with no usable record is refused before any
+    # model is built; the same set with a record passes that check (the control, above)
+    empty = tmp_path / "empty_text.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n")
+    code, _, err = _eval([str(config), f"eval.path={empty}"], capsys)
+    assert code == 2 and f"eval.path: {empty}: no usable records" in err, err
     code, _, err = _eval([str(tmp_path)], capsys)
     assert code == 2 and "without config.yaml or config.json" in err
     broken = tmp_path / "empty" / "checkpoints" / "step_3"

@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 
 from flashcp import cli, runlock
-from flashcp.config import ConfigValidationError, load_config
+from flashcp.config import load_config
 from flashcp.distributed import launch_env
 from flashcp.launch import job, outcome, preflight, supervise
 from flashcp.launch.preflight import Nodes, PreflightError
+from flashcp.problems import ProblemsError
 from helpers.paths import ROOT
 
 CP2 = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
@@ -148,11 +149,11 @@ def test_failure_report_names_job_ranks(tmp_path: Path) -> None:
 
 def test_degrees_against_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     load_config(CP2, nnodes=2)  # 2 processes over 2 nodes: one each
-    with pytest.raises(ConfigValidationError, match=r"= 2 processes cannot be split over "
+    with pytest.raises(ProblemsError, match=r"= 2 processes cannot be split over "
                        r"--nnodes 3 nodes"):  # fmt: skip
         load_config(CP2, nnodes=3)
     load_config(CP2, world_size=2, nnodes=2)
-    with pytest.raises(ConfigValidationError, match=r"the job has 6 processes \(3 nodes × 2 per "
+    with pytest.raises(ProblemsError, match=r"the job has 6 processes \(3 nodes × 2 per "
                        r"node\): set parallel\.cp=6 data\.seq_len=252, or set parallel\.dp=3, "
                        r"or launch with a node count that divides 2"):  # fmt: skip
         load_config(CP2, world_size=6, nnodes=3)

@@ -213,7 +213,7 @@ def test_verdict_without_any_rank_log() -> None:
 
 def test_the_exit_codes_are_one_table() -> None:
     """docs/training.md's table is `EXIT_CODES`, row for row; every `EXIT_*` constant is in it;
-    `flashcp.cli` returns no literal exit code (issue 38, item 2)."""
+    `flashcp.cli` and its `flashcp.commands` return no literal exit code (issue 38, item 2)."""
     import ast
     import re
 
@@ -228,7 +228,9 @@ def test_the_exit_codes_are_one_table() -> None:
     constants = {v for k, v in vars(outcome).items()
                  if k.startswith("EXIT_") and isinstance(v, int)}  # fmt: skip
     assert {str(c) for c in constants if c != outcome.EXIT_SIGNAL_BASE} <= set(outcome.EXIT_CODES)
-    tree = ast.parse(Path(cli.__file__).read_text())
-    literal = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Return)
-               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)]
-    assert literal == [], f"cli.py returns literal exit codes at lines {literal}"
+    commands = Path(cli.__file__).parent / "commands"
+    for path in [Path(cli.__file__), *sorted(commands.glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        literal = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Return)
+                   and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)]
+        assert literal == [], f"{path.name} returns literal exit codes at lines {literal}"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flashcp import dispatch
+from flashcp import preflight as config_preflight
 from flashcp.launch import job, preflight
 from helpers.paths import ROOT
 
@@ -192,16 +193,17 @@ def test_model_directory_index_names_what_is_missing(tmp_path: Path) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     deeper = dataclasses.replace(args, mtp_layers=2)
     (layers, mtp) = index_problems(directory, deeper)
-    assert layers[0] == "checkpoint.init_from" and "no tensors of decoder layers 0, 2" in layers[1]
-    assert mtp[0] == "model.mtp_layers" and "MTP layer 3-4 is absent" in mtp[1]
-    assert "no tensor of model.layers.3.*" in mtp[1]
-    assert mtp[2] == {"model.mtp_layers": 0}
+    assert layers.key == "checkpoint.init_from"
+    assert "no tensors of decoder layers 0, 2" in layers.message
+    assert mtp.key == "model.mtp_layers" and "MTP layer 3-4 is absent" in mtp.message
+    assert "no tensor of model.layers.3.*" in mtp.message
+    assert mtp.fixes == ((("model.mtp_layers", 0),),)
     shard = sorted(directory.glob("model-*.safetensors"))[-1]
     shard.unlink()
     raw = {"model": {"preset": "tiny_glm_moe", "vocab_size": 300, "max_seq_len": 64,
                      "num_layers": 3},
            "checkpoint": {"init_from": str(directory)}, "data": {"seq_len": 64}}  # fmt: skip
-    (problem,) = preflight.model_dir_problems(build_config(raw))
+    (problem,) = config_preflight.model_dir_problems(build_config(raw))
     assert problem.key == "checkpoint.init_from" and f"to {shard.name}, which does not exist" in (
         problem.message
     )
@@ -219,11 +221,11 @@ def test_one_tokenizer_problem_is_reported_once_and_a_config_built_in_code_is_ch
            "eval": {"path": chat},
            "run": {"recipe": "sft", "output_dir": str(tmp_path)}}  # fmt: skip
     cfg = build_config(raw)
-    (problem,) = preflight.preflight_problems(cfg)
+    (problem,) = config_preflight.preflight_problems(cfg)
     assert problem.key == "data.path" and "has no chat template" in problem.message
     raw["data"]["path"] = raw["eval"]["path"] = f"{inputs['tmp']}/docs.jsonl"
     raw["run"]["recipe"] = "pretrain"
-    assert preflight.preflight_problems(build_config(raw)) == []
+    assert config_preflight.preflight_problems(build_config(raw)) == []
 
 
 @pytest.mark.parametrize(
@@ -254,8 +256,10 @@ def test_preflight_honours_the_configs_fa4_policy(
     over = [] if config_policy is None else [f"attention.fa4_unavailable={config_policy}"]
     cfg = load_config(ROOT / GPT, over)
     assert cfg.attention.fa4_unavailable == config_policy
-    refusal = preflight.dispatch_refusal(cfg)
+    problems = config_preflight.dispatch_problems(cfg)
     if refused:
-        assert refusal is not None and "FLAGS_flash_attn_version=4 asks for FA4" in refusal
+        (problem,) = problems
+        assert problem.key == config_preflight.DISPATCH_KEY
+        assert "FLAGS_flash_attn_version=4 asks for FA4" in problem.message
     else:
-        assert refusal is None, refusal
+        assert problems == [], problems

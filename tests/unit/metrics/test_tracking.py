@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 
 from flashcp import cli, rundir
-from flashcp.config import ConfigValidationError
 from flashcp.cp.work import matmul_parameters
 from flashcp.metrics import tracking
 from flashcp.metrics.flops import flops_per_token, mfu
 from flashcp.metrics.plot import figure, plot_groups, plot_run
 from flashcp.metrics.writer import read_metrics, scalars
 from flashcp.models import build_model, preset
+from flashcp.problems import ProblemsError
 from helpers.configs import TINY_LM, Sections, TinyCfg, merged
 from helpers.trainruns import Fit
 
@@ -160,7 +160,7 @@ def test_missing_backend_is_a_config_error_naming_key_and_package(
     monkeypatch: pytest.MonkeyPatch,
     tiny_cfg: TinyCfg,
 ) -> None:
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ProblemsError) as info:
         tiny_cfg(tmp_path, run={"report_to": ["jsonl", "wandb", "tensorboard", "mlflow"]})
     text = str(info.value)
     assert "run.report_to: 'wandb' needs the wandb package, which is not installed here: " \
@@ -172,7 +172,7 @@ def test_missing_backend_is_a_config_error_naming_key_and_package(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "visualdl" else real(n, *a)
     )
-    with pytest.raises(ConfigValidationError, match="pip install visualdl"):
+    with pytest.raises(ProblemsError, match="pip install visualdl"):
         tiny_cfg(tmp_path, run={"report_to": ["visualdl"]})
     with pytest.raises(ValueError, match="unknown backend 'csv'"):
         tracking.build_reporters(tiny_cfg(tmp_path), ["csv"])

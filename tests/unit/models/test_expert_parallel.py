@@ -17,7 +17,7 @@ import pytest
 
 from flashcp.checkpoint.experts import ExpertArrays, model_key
 from flashcp.checkpoint.optimizer_state import ClassicSource, optimizer_key
-from flashcp.config import ConfigValidationError, build_config
+from flashcp.config import build_config
 from flashcp.distributed import (
     Exchange,
     ParallelDims,
@@ -42,6 +42,7 @@ from flashcp.models.expert_parallel import (
 from flashcp.models.moe import MoE
 from flashcp.models.moe_dispatch import build_dispatch, combine, permute, relayout
 from flashcp.optim.trainable import RowSlice, Trainable
+from flashcp.problems import ProblemsError
 from flashcp.trainer import expert_rows
 from helpers.fakegroups import FakeNewGroup, ep_groups
 
@@ -367,14 +368,17 @@ def _config(**parallel):
     ("raw", "message"),
     [
         (_config(ep=3), r"parallel\.ep=3 does not divide dp×cp=2"),
-        (_config(dp=4, ep=8), r"model\.num_experts=4 % parallel\.ep=8 = 4: .*set parallel\.ep=4, "
-                              r"or set parallel\.ep=2, or set parallel\.ep=1"),
+        (
+            _config(dp=4, ep=8),
+            r"model\.num_experts=4 % parallel\.ep=8 = 4: .*set parallel\.ep=4, "
+            r"or set parallel\.ep=2, or set parallel\.ep=1",
+        ),
         ({**_config(ep=2), "model": {"preset": "tiny"}}, r"model\.arch is gpt \(no experts\)"),
         (_config(ep=0), r"parallel\.ep: must be an integer >= 1"),
     ],
 )
 def test_config_rules_name_the_keys(raw: dict, message: str) -> None:
-    with pytest.raises(ConfigValidationError, match=message):
+    with pytest.raises(ProblemsError, match=message):
         build_config(raw)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from bench import numerics
 from flashcp.attention.context import AttentionContext
-from flashcp.config import ConfigValidationError, TrainConfig, build_config
+from flashcp.config import TrainConfig, build_config
 from flashcp.data.dpo_packing import pack_dpo
 from flashcp.data.dpo_records import DPOExample
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups
@@ -40,6 +40,7 @@ from flashcp.models import (
 )
 from flashcp.models import head as head_mod
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.problems import ProblemsError
 from flashcp.recipes.base import normalised
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMRecipe, summed_cross_entropy
@@ -163,9 +164,9 @@ TINY = {"model": {"preset": "tiny"}}
 
 def test_config_key_default_and_validation() -> None:
     assert TrainConfig().loss_chunk_tokens == DEFAULT_LOSS_CHUNK_TOKENS == 4096
-    with pytest.raises(ConfigValidationError, match=r"train.loss_chunk_tokens: must be >= 0"):
+    with pytest.raises(ProblemsError, match=r"train.loss_chunk_tokens: must be >= 0"):
         build_config({**TINY, "train": {"loss_chunk_tokens": -5}})
-    with pytest.raises(ConfigValidationError, match="train.loss_chunk_tokens"):
+    with pytest.raises(ProblemsError, match="train.loss_chunk_tokens"):
         build_config({**TINY, "train": {"loss_chunk_tokens": 1.5}})
     assert build_config({**TINY, "train": {"loss_chunk_tokens": 0}}).train.loss_chunk_tokens == 0
 

@@ -284,25 +284,26 @@ def test_keys_steering_only_a_librarys_own_outputs_are_noted_not_refused() -> No
     assert parse_hf_config(MOE_5X)[1] == []  # negative control: nothing to note without it
 
 
-def test_mtp_refusal_reads_an_index_or_a_single_files_header(tmp_path: Path) -> None:
+def test_mtp_problems_read_an_index_or_a_single_files_header(tmp_path: Path) -> None:
     """The MTP check reads tensor names only: from the index, or from ``model.safetensors``'s
     header; unreadable ones are errors naming the file."""
     import numpy as np
     from safetensors.numpy import save_file
 
-    from flashcp.models.hf_mtp import mtp_refusal
+    from flashcp.models.hf_mtp import mtp_problems
     from flashcp.models.weight_files import checkpoint_keys
 
     one = np.zeros(2, np.float32)
     save_file({"model.layers.2.eh_proj.weight": one, "model.norm.weight": one},
               str(tmp_path / "model.safetensors"))  # fmt: skip
     assert checkpoint_keys(tmp_path) == ["model.layers.2.eh_proj.weight", "model.norm.weight"]
-    assert mtp_refusal(tmp_path, 2, declared=1, asked=1) is None
-    assert mtp_refusal(tmp_path, 2, declared=2, asked=0) is None
-    two = mtp_refusal(tmp_path, 2, declared=2, asked=2)
-    assert two is not None and "num_nextn_predict_layers: 2" in two
-    assert "layer model.layers.3.* (" in two
-    assert two.endswith("set model.mtp_layers=1 to train without it")
+    assert mtp_problems(tmp_path, 2, declared=1, asked=1) == []
+    assert mtp_problems(tmp_path, 2, declared=2, asked=0) == []
+    (two,) = mtp_problems(tmp_path, 2, declared=2, asked=2)
+    assert two.key == "model.mtp_layers" and "num_nextn_predict_layers: 2" in two.message
+    assert "layer model.layers.3.* (" in two.message
+    assert two.fixes == ((("model.mtp_layers", 1),),)
+    assert two.message.endswith("leaves them out): set model.mtp_layers=1")
     (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"not json")
     with pytest.raises(ValueError, match="model.safetensors is not a valid safetensors file"):
         checkpoint_keys(tmp_path)

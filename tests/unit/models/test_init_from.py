@@ -8,10 +8,11 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp.config import ConfigValidationError, load_config
+from flashcp.config import load_config
 from flashcp.models import build_model
 from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.parallelize import default_model_factory
+from flashcp.problems import ProblemsError
 from helpers.paths import ROOT
 
 CONFIG = ROOT / "configs" / "glm" / "tiny_cp2.yaml"
@@ -42,9 +43,7 @@ def test_model_starts_from_the_checkpoint(tmp_path: Path) -> None:
     assert any(not np.array_equal(seeded[n], want[n]) for n in want)
 
 
-def test_init_from_draws_no_initial_values(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_init_from_draws_no_initial_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With `checkpoint.init_from` every parameter is read from the checkpoint, so the build
     draws none of them first (a real-size stage would spend minutes on host random numbers);
     a missing parameter is still an error, never a silently zero weight."""
@@ -82,6 +81,6 @@ def test_init_from_draws_no_initial_values(
 
 
 def test_missing_checkpoint_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ProblemsError) as info:
         load_config(CONFIG, [f"checkpoint.init_from={tmp_path / 'nope'}"], world_size=2)
     assert "checkpoint.init_from" in str(info.value) and "no checkpoint at" in str(info.value)

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from flashcp import cli
-from flashcp.config import Config, ConfigValidationError, build_config, check_config
+from flashcp.config import Config, build_config, check_config
 from flashcp.metrics.moe_stats import moe_layers
 from flashcp.metrics.writer import read_metrics
 from flashcp.models import ModelArgs, build_model, preset
@@ -23,6 +23,7 @@ from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.models.moe import MoE
 from flashcp.parallelize import default_model_factory
+from flashcp.problems import ProblemsError
 from helpers.configs import Sections, tiny_config
 from helpers.hf_glm45 import hf_config_json, random_checkpoint, write_checkpoint
 from helpers.trainruns import Fit, losses
@@ -262,7 +263,7 @@ def test_config_refuses_bias_updates_under_lora_and_bad_values() -> None:
         "model": {"preset": "tiny_glm_moe", "router_bias_update_rate": 0.001},
         "lora": {"rank": 4, "alpha": 8, "target_modules": [".*q_proj"]},
     }
-    with pytest.raises(ConfigValidationError, match=r"model.router_bias_update_rate: .*frozen"):
+    with pytest.raises(ProblemsError, match=r"model.router_bias_update_rate: .*frozen"):
         build_config(raw)
     raw["model"]["router_bias_update_rate"] = 0.0
     assert check_config(build_config(raw)) == []

@@ -18,13 +18,14 @@ import pytest
 
 from bench import numerics
 from flashcp.attention.context import AttentionContext
-from flashcp.config import ConfigValidationError, collect
+from flashcp.config import collect
 from flashcp.masks import causal_document_mask
 from flashcp.models import StageSpec, build_model, estimate_parameters, preset
 from flashcp.models.config import ModelArgs
 from flashcp.models.head import IGNORE_INDEX
 from flashcp.models.mtp import MTP_PARTS, is_mtp_layer, mtp_targets
 from flashcp.optim.grads import trainable
+from flashcp.problems import ProblemsError
 from helpers.configs import TinyCfg, tiny_config
 from helpers.trainruns import Fit, load_grads
 
@@ -177,10 +178,10 @@ def test_config_loading_names_the_mtp_keys() -> None:
     assert "model.mtp_layers is 0" in errors[0].message
     # dpo refuses a trained MTP layer, saying why and what to set
     dpo = {**base, "run": {"recipe": "dpo"}, "model": {**base["model"], "mtp_layers": 1}}
-    with pytest.raises(ConfigValidationError) as bad:
+    with pytest.raises(ProblemsError) as bad:
         tiny_config(base={**dpo, "model": {**dpo["model"], "mtp_loss_weight": 0.3}})
-    assert [e.key for e in bad.value.errors] == ["model.mtp_loss_weight"]
-    assert "set model.mtp_loss_weight=0" in bad.value.errors[0].message
+    assert [e.key for e in bad.value.problems] == ["model.mtp_loss_weight"]
+    assert "set model.mtp_loss_weight=0" in bad.value.problems[0].message
     assert tiny_config(base=dpo).model.mtp_layers == 1  # carried frozen: fine under dpo
 
 

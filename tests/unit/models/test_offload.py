@@ -25,12 +25,12 @@ import pytest
 
 from flashcp.attention import registry as cp_modes
 from flashcp.config import config_changes, config_hash, hashed_dict, load_config
-from flashcp.config.errors import ConfigValidationError
 from flashcp.metrics import memory
 from flashcp.models import build_model, preset
 from flashcp.models import offload as off
 from flashcp.models.offload_transport import NumpyTransport, PinnedTransport, default_transport
 from flashcp.pipeline.stage import build_stage
+from flashcp.problems import ProblemsError
 from helpers.batches import packed_batch
 from helpers.paths import CONFIGS
 
@@ -280,11 +280,11 @@ def test_apply_refuses_without_recompute() -> None:
 
 
 def test_config_refuses_offload_without_recompute() -> None:
-    with pytest.raises(ConfigValidationError) as err:
+    with pytest.raises(ProblemsError) as err:
         load_config(GLM, ["train.offload_activations=true", "model.recompute=none"])
-    keys = [e.key for e in err.value.errors]
+    keys = [e.key for e in err.value.problems]
     assert keys == ["train.offload_activations"]
-    assert "model.recompute" in err.value.errors[0].message
+    assert "model.recompute" in err.value.problems[0].message
     for mode in ("full", "refined"):
         cfg = load_config(GLM, ["train.offload_activations=true", f"model.recompute={mode}"])
         assert cfg.train.offload_activations is True

@@ -24,11 +24,11 @@ import pytest
 from paddle.autograd import PyLayer
 
 from flashcp.config import load_config
-from flashcp.config.errors import ConfigValidationError
 from flashcp.models import build_model, preset
 from flashcp.models.layers import rotary_tables
 from flashcp.models.rope import model_inverse_frequencies
 from flashcp.pipeline.stage import build_stage
+from flashcp.problems import ProblemsError
 from helpers.batches import packed_batch
 from helpers.paths import CONFIGS
 
@@ -223,10 +223,10 @@ def test_unknown_residual_dtype_names_the_key() -> None:
 
 def test_config_key_is_checked_before_compute() -> None:
     config = CONFIGS / "glm" / "tiny_cp2.yaml"
-    with pytest.raises(ConfigValidationError) as err:
+    with pytest.raises(ProblemsError) as err:
         load_config(config, ["model.residual_dtype=float16"])
-    assert [e.key for e in err.value.errors] == ["model.residual_dtype"]
-    assert "bfloat16" in err.value.errors[0].message
+    assert [e.key for e in err.value.problems] == ["model.residual_dtype"]
+    assert "bfloat16" in err.value.problems[0].message
     assert load_config(config).model.residual_dtype == "float32"
     assert load_config(config, ["model.residual_dtype=bfloat16"]).model.residual_dtype == (
         "bfloat16"

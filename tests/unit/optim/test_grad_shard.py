@@ -33,7 +33,7 @@ import pytest
 from paddle.distributed.fleet.utils import recompute
 
 from bench import numerics
-from flashcp.config import ConfigValidationError, build_config
+from flashcp.config import build_config
 from flashcp.distributed import NamedGroup, ParallelDims, ParallelGroups, build_groups
 from flashcp.metrics import memory
 from flashcp.models import build_model
@@ -44,6 +44,7 @@ from flashcp.optim.layout import ShardLayout, shard_layout
 from flashcp.optim.master_optimizer import MasterOptimizer
 from flashcp.optim.optimizer import build_distributed_optimizer
 from flashcp.optim.trainable import attach_main_grad
+from flashcp.problems import ProblemsError
 from flashcp.trainer import Trainer
 from helpers.configs import Sections, TinyCfg
 from helpers.trainruns import Fit, losses
@@ -366,7 +367,7 @@ def test_no_full_float32_gradient_is_ever_held(calls: list, dtype: str) -> None:
 def test_config_needs_shard_optimizer(tmp_path: Path) -> None:
     raw = {"model": {"preset": "tiny"}, "run": {"output_dir": str(tmp_path)},
            "parallel": {"shard_gradients": True}}  # fmt: skip
-    with pytest.raises(ConfigValidationError) as err:
+    with pytest.raises(ProblemsError) as err:
         build_config(raw)
     text = str(err.value)
     assert "parallel.shard_gradients" in text and "set parallel.shard_optimizer=true" in text

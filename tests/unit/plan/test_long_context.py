@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flashcp import cli, mask_indices, masks
-from flashcp.config import ConfigValidationError, load_config
+from flashcp.config import load_config
 from flashcp.cp.work import mask_pairs
 from flashcp.metrics.flops import causal_keys, flops_per_token
 from flashcp.plan import GIB, plan
@@ -23,8 +23,9 @@ from flashcp.plan.host import HOST_ITEMS, HOST_PROCESS_BYTES
 from flashcp.plan.longest import granularity, longest, with_seq_len
 from flashcp.plan.model import ranks_per_node
 from flashcp.plan.params import stage_parameters
-from flashcp.plan.report import format_plan, format_step_time, host_refusal
+from flashcp.plan.report import format_plan, format_step_time, host_budget_problems
 from flashcp.plan.steptime import estimate, layer_flops
+from flashcp.problems import ProblemsError
 from helpers.configs import PLANNED, Sections, TinyCfg, merged
 from helpers.paths import ROOT
 
@@ -58,9 +59,9 @@ def _load(path: Path, *overrides: str) -> Any:
 def test_bad_hardware_values_are_refused_naming_the_key(
     key: str, value: float, tiny_cfg: TinyCfg
 ) -> None:
-    with pytest.raises(ConfigValidationError) as exc:
+    with pytest.raises(ProblemsError) as exc:
         tiny_cfg(hardware={key: value})
-    assert [e.key for e in exc.value.errors] == [f"hardware.{key}"]
+    assert [e.key for e in exc.value.problems] == [f"hardware.{key}"]
 
 
 def test_hardware_defaults_plan_no_host_budget(tiny_cfg: TinyCfg) -> None:
@@ -153,11 +154,12 @@ def test_host_budget_refused_naming_node_item_and_key(
                  "hardware.host_memory_gib=500"]  # fmt: skip
     cfg = _load(GLM9B, *overrides)
     fits = plan(cfg)
-    assert fits.host_fits and host_refusal(fits) is None  # no offload: processes only
+    assert fits.host_fits and host_budget_problems(fits) == []  # no offload: processes only
     p = plan(cfg, features=AFTER.with_(residual_dtype="float32"))
     assert not p.host_fits and not p.fits and p.device_fits
-    message = host_refusal(p)
-    assert message is not None
+    (problem,) = host_budget_problems(p)
+    message = problem.problem
+    assert problem.key == "hardware.host_memory_gib"
     assert "per node" in message and "node 0 (ranks 0-7, 8 per node)" in message
     assert "offloaded_activations" in message and "--longest" in message
     text = format_plan(p, cfg)
@@ -178,18 +180,19 @@ def test_host_budget_refused_naming_node_item_and_key(
     assert halved < node and f"host {halved:.1f} of 1000" in capsys.readouterr().out
 
     from flashcp.launch import job, preflight
+    from flashcp.preflight import memory_problems
 
     out_dir = tmp_path / "run"
     tiny = ROOT / "configs/gpt/tiny_cp2.yaml"
     over = ["hardware.host_memory_gib=1e-9", "run.device=cpu", f"run.output_dir={out_dir}"]
     # CPU plans count no process memory: without checkpoints nothing is outside the allocator
-    preflight.check_memory(load_config(tiny, [*over, "checkpoint.every=0",
-                                              "checkpoint.save_last=false"]))  # fmt: skip
-    with pytest.raises(preflight.PreflightError, match="checkpoint_arrays"):
-        preflight.check_memory(load_config(tiny, [*over, "checkpoint.every=5"]))
+    assert memory_problems(load_config(tiny, [*over, "checkpoint.every=0",
+                                              "checkpoint.save_last=false"])) == []  # fmt: skip
+    (problem,) = memory_problems(load_config(tiny, [*over, "checkpoint.every=5"]))
+    assert "checkpoint_arrays" in problem.message
     big = load_config(GLM9B, [*small, f"run.output_dir={out_dir}"], allow_placeholders=True)
-    with pytest.raises(preflight.PreflightError, match="hardware.host_memory_gib=null"):
-        preflight.check_memory(big)
+    (problem,) = memory_problems(big)
+    assert "hardware.host_memory_gib=null" in problem.message
     code = job.run_job(big, GLM9B, small, out=io.StringIO())
     assert code == preflight.EXIT_PREFLIGHT and not out_dir.exists()
 
@@ -266,8 +269,10 @@ def test_longest_leaves_the_stated_margins(
     assert found.without_margins == longest(cfg, features=f, margins=False).seq_len
     full = plan(with_seq_len(cfg, found.without_margins), features=f)
     assert 0.8 * gib * GIB < full.peak.total_bytes <= gib * GIB  # the margin, used up
-    assert full.fits is False and plan(with_seq_len(cfg, found.without_margins),
-                                       features=f, margins=False).fits
+    assert (
+        full.fits is False
+        and plan(with_seq_len(cfg, found.without_margins), features=f, margins=False).fits
+    )
     # the host side: a node's planned host memory within the budget less its reserve
     host_gib = plan(with_seq_len(base, 3000), features=f).host.peak.total_bytes
     host_gib /= GIB  # type: ignore[union-attr]
@@ -323,7 +328,7 @@ def test_validate_and_train_fit_the_budget_less_its_headroom(
     """A config whose peak fits the device memory but not the memory less its headroom is
     refused by `flashcp validate` and by `flashcp train`'s preflight, naming
     hardware.memory_headroom; with memory_headroom=0 both accept it (the control)."""
-    from flashcp.launch import preflight
+    from flashcp.preflight import memory_problems
 
     peak = plan(_load(GLM9B)).peak.total_bytes / GIB
     budget = f"hardware.memory_gib={peak / 0.97:.3f}"  # 3 % above the peak: < 5 % headroom
@@ -333,9 +338,9 @@ def test_validate_and_train_fit_the_budget_less_its_headroom(
     assert cli.main(["validate", str(GLM9B), budget, "hardware.memory_headroom=0"]) == 0
     assert "planned peak" in capsys.readouterr().out
     run = [f"run.output_dir={tmp_path / 'run'}", budget]
-    with pytest.raises(preflight.PreflightError, match="hardware.memory_headroom"):
-        preflight.check_memory(_load(GLM9B, *run))
-    preflight.check_memory(_load(GLM9B, *run, "hardware.memory_headroom=0"))
+    (problem,) = memory_problems(_load(GLM9B, *run))
+    assert "hardware.memory_headroom" in problem.message
+    assert memory_problems(_load(GLM9B, *run, "hardware.memory_headroom=0")) == []
     for bad in ("1", "-0.1", "1.5"):
         assert cli.main(["validate", str(GLM9B), f"hardware.memory_headroom={bad}"]) == 2
         assert "hardware.memory_headroom: must be a fraction in [0, 1)" in capsys.readouterr().out
@@ -438,8 +443,9 @@ def test_step_time_counts_the_runs_mask(attention: list[str], keys: Any) -> None
         assert est.flops < estimate(_load(GLM9B, "hardware.peak_tflops=148")).flops
 
 
-@pytest.mark.parametrize("overrides", [(), ("parallel.pp=2", "train.grad_accum=4",
-                                             "parallel.pp_layers=null")])
+@pytest.mark.parametrize(
+    "overrides", [(), ("parallel.pp=2", "train.grad_accum=4", "parallel.pp_layers=null")]
+)
 def test_step_time_parts_add_up_to_the_step(overrides: tuple[str, ...]) -> None:
     """One basis: the busiest stage's parts (layers, head), per micro-batch, add up to the
     stage's compute and, with one stage, to the step; their model FLOPs over every rank add up

@@ -31,7 +31,7 @@ from flashcp.plan.moe_rows import (
     moe_backward_bytes,
 )
 from flashcp.plan.params import is_expert, stage_buffers, stage_parameters
-from flashcp.plan.report import fit_options, format_plan, refusal, variant
+from flashcp.plan.report import device_budget_problems, fit_options, format_plan, variant
 from helpers.configs import PLANNED, Sections, TinyCfg, merged, tiny_config
 from helpers.paths import ROOT
 
@@ -521,8 +521,9 @@ def test_refusal_names_rank_item_and_a_change_that_fits() -> None:
     cfg = _glm9b(**UNSHARDED)
     p = plan(cfg)
     assert not p.fits and p.budget_bytes == 96 * GIB
-    message = refusal(cfg, p)
-    assert message is not None
+    (problem,) = device_budget_problems(cfg, p)
+    message = problem.problem
+    assert problem.key == "hardware.memory_gib"
     assert "rank" in message and "stage 0" in message and "optimizer_states" in message
     assert "To fit, set:" in message and "parallel.shard_optimizer=true" in message
     options = fit_options(cfg, budget_gib=96)
@@ -533,7 +534,7 @@ def test_refusal_names_rank_item_and_a_change_that_fits() -> None:
             ROOT / "configs/glm/glm4_9b_cp8.yaml", overrides, allow_placeholders=True
         )
         assert plan(fixed, budget_gib=96).fits
-    assert refusal(cfg, plan(cfg, budget_gib=10_000)) is None
+    assert device_budget_problems(cfg, plan(cfg, budget_gib=10_000)) == []
 
 
 def test_format_plan_lists_items_per_stage(tiny_cfg: TinyCfg) -> None:
@@ -602,6 +603,7 @@ def test_train_preflight_refuses_over_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from flashcp.launch import job, preflight
+    from flashcp.preflight import memory_problems
 
     monkeypatch.setattr(job, "launch_command", lambda *a, **k: pytest.fail("launched"))
     config = ROOT / "configs/gpt/tiny_cp2.yaml"
@@ -613,7 +615,7 @@ def test_train_preflight_refuses_over_budget(
     assert err.startswith("flashcp: cannot launch: config problem in ") and err.count("\n") == 1
     assert "hardware.memory_gib: the memory plan exceeds 0.00 GiB" in err
     assert "hardware.memory_gib=null" in err
-    preflight.check_memory(load_config(config, ["hardware.memory_gib=1"]))  # fits: no error
+    assert memory_problems(load_config(config, ["hardware.memory_gib=1"])) == []  # fits
 
 
 def test_fit_options_add_devices_when_the_knobs_are_not_enough(tiny_cfg: TinyCfg) -> None:
@@ -672,8 +674,8 @@ def test_plan_summary_one_line_per_stage_and_the_fixes_validate_prints(
 ) -> None:
     """`flashcp plan --summary`: a line per pipeline stage (peak, fits, largest item) and the
     host's, then "fits"; a plan that does not fit prints the changes `flashcp validate`
-    prints (the same `refusal`), and the change it names does fit (issue 27)."""
-    from flashcp.launch.preflight import memory_refusal
+    prints (the same `device_budget_problems`), and the change it names does fit (issue 27)."""
+    from flashcp.preflight import memory_problems
 
     config = str(ROOT / "configs" / "glm" / "glm45_air_dpo_lora_pp_cp.yaml")
     assert cli.main(["plan", config, "--summary"]) == 0
@@ -687,8 +689,9 @@ def test_plan_summary_one_line_per_stage_and_the_fixes_validate_prints(
     out = capsys.readouterr().out
     assert re.search(r"^stage 0: peak [\d.]+ GiB at '[^']+', DOES NOT FIT \([\d.]+ GiB over\); "
                      r"largest activations", out, re.M), out
-    refused = memory_refusal(load_config(nine, over, allow_placeholders=True))
-    assert refused is not None and f"fits: NO — {refused}" in out
+    (problem,) = memory_problems(load_config(nine, over, allow_placeholders=True))
+    refused = problem.problem.split("; or set hardware.memory_gib=null")[0]
+    assert f"fits: NO — {refused}" in out
     assert "To fit, set: model.recompute=full (→ 78.72 GiB, 8 devices)" in out
     # the full plan prints the same fixes; the change they name fits
     assert cli.main(["plan", nine, *over]) == 1

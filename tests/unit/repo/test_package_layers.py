@@ -87,10 +87,11 @@ def test_a_cycle_is_found() -> None:
 
 def test_the_leaves_import_nothing_of_flashcp() -> None:
     """The bottom layer: the mask format, the FA dispatch, logging, faults, the device query,
-    the launch attempt (faults fire in one attempt) and the run directory's names (every layer
-    asks them; the run lock only them); the mask builders on the format alone."""
+    the launch attempt (faults fire in one attempt), the run directory's names (every layer
+    asks them; the run lock only them) and the refusal (`Problem`: every layer's checks speak
+    it); the mask builders on the format alone."""
     graph = package_graph()
-    for leaf in ("mask_indices", "device", "log", "attempt", "rundir"):
+    for leaf in ("mask_indices", "device", "log", "attempt", "rundir", "problems"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
     assert graph["masks"] == {"mask_indices"}, graph["masks"]
     assert graph["dispatch"] <= {"log"} and graph["faults"] <= {"log", "attempt"}

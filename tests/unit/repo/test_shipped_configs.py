@@ -18,7 +18,8 @@ import pytest
 from flashcp import cli
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import make_assignment
-from flashcp.config import ConfigValidationError, collect, load_config, read_yaml
+from flashcp.commands.run import node_problem
+from flashcp.config import collect, load_config, read_yaml
 from flashcp.config.device import compute_dtype
 from flashcp.config.placeholders import find_placeholders
 from flashcp.data import TrainData
@@ -28,6 +29,7 @@ from flashcp.models import build_model, preset
 from flashcp.models.hf_config import TRAINING_FIELDS, hf_config
 from flashcp.plan import GIB, plan
 from flashcp.plan.report import GPUS_PER_NODE, over_budget
+from flashcp.problems import ProblemsError
 from helpers.paths import ROOT
 
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -234,11 +236,11 @@ def test_gpu_recipe_needs_its_model_directory_and_data(name: str, tmp_path: Path
     longer = {"max_seq_len": LONG[name]} if name in LONG else {}
     assert static.model == dataclasses.replace(preset(shape, **longer), **training)
 
-    with pytest.raises(ConfigValidationError) as refused:  # unfilled: refused, both named
+    with pytest.raises(ProblemsError) as refused:  # unfilled: refused, both named
         load_config(path)
-    assert [e.key for e in refused.value.errors] == ["model.from_pretrained", "data.path"]
+    assert [e.key for e in refused.value.problems] == ["model.from_pretrained", "data.path"]
     wants = {"sft": "'messages' list", "dpo": "'prompt', 'chosen' and 'rejected'"}[recipe]
-    assert wants in refused.value.errors[1].message
+    assert wants in refused.value.problems[1].message
 
     # filled in with that model's directory (config.json as transformers 4.x writes it for the
     # checkpoint, with its multi-token-prediction layer and token ids): the same model
@@ -258,7 +260,7 @@ def test_gpu_recipe_needs_its_model_directory_and_data(name: str, tmp_path: Path
     # negative control: a directory of another depth is refused, naming the key and both values
     config["num_hidden_layers"] = static.model.num_layers - 1
     other = _model_dir(tmp_path / "other", config)
-    with pytest.raises(ConfigValidationError, match=(
+    with pytest.raises(ProblemsError, match=(
         rf"model\.num_layers: {static.model.num_layers} contradicts config\.json "
         rf"num_hidden_layers {static.model.num_layers - 1} in {other}"
     )):  # fmt: skip
@@ -291,7 +293,7 @@ def test_air_recipe_header_shows_the_two_node_commands(monkeypatch: pytest.Monke
         args, extra = cli.build_parser().parse_known_args(argv)
         assert (args.command, args.nnodes, args.node_rank) == ("train", 2, int(rank))
         assert args.master == "10.0.0.1:29500" and args.config == _rel(path)
-        assert cli._node_problem(args) is None
+        assert node_problem(args) is None
         assert {o.split("=")[0] for o in args.overrides + extra} == {
             "model.from_pretrained", "data.path"}  # fmt: skip
     launch = two_node[1]
@@ -306,9 +308,7 @@ def test_air_recipe_header_shows_the_two_node_commands(monkeypatch: pytest.Monke
     assert parsed.training_script_args[:2] == ["--config", _rel(path)]
 
 
-HOST = [
-    p for p in GPU_CONFIGS if load_config(p, allow_placeholders=True).hardware.host_memory_gib
-]
+HOST = [p for p in GPU_CONFIGS if load_config(p, allow_placeholders=True).hardware.host_memory_gib]
 
 
 @pytest.mark.parametrize("path", HOST, ids=_rel)
@@ -337,9 +337,7 @@ def test_long_context_header_numbers_come_from_the_plan(path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["glm4_9b_sft_4m_cp8", "glm4_9b_dpo_lora_4m_cp8"])
-def test_the_4m_recipes_meet_the_issue_goal(
-    name: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_4m_recipes_meet_the_issue_goal(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 20: GLM-4-9B full fine-tune and LoRA-DPO at >= 4,194,304 tokens per sequence on
     one node of 8, by the plan (device and host), and `flashcp plan --longest --json` says at
     least that."""
