@@ -4,12 +4,12 @@
         --config configs/gpt/tiny_cp2.yaml train.steps=10
 
 (Paddle's launcher takes a script path, not `-m module`: `-m` abbreviates its `--master`
-flag. `flashcp train CONFIG` runs this file too, `flashcp.launch.job.train_script`.) On several
-nodes, each runs the launcher with `--nnodes N --rank R --master HOST:PORT --nproc_per_node
-dp·pp·cp/N`; the launcher's `PADDLE_NNODES` makes the degree check name the node count. What a
-rank does, its exit codes and its last line: `flashcp.launch.worker`. Without `--log_dir` the
-launcher writes its logs to `./log/` (git-ignored here); `flashcp train` puts them in
-`<run.output_dir>/logs`.
+flag. `flashcp train CONFIG` runs this file too, `flashcp.launch.launcher.train_script`.) On
+several nodes, each runs the launcher with `--nnodes N --rank R --master HOST:PORT
+--nproc_per_node dp·pp·cp/N`; the launcher's `PADDLE_NNODES` makes the degree check name the
+node count. What a rank does, its exit codes and its last line: `flashcp.launch.worker`.
+Without `--log_dir` the launcher writes its logs to `./log/` (git-ignored here); `flashcp
+train` puts them in `<run.output_dir>/logs`.
 
 First of all, before its imports (Paddle's take seconds), a rank ties itself to its launcher
 (`flashcp.launch.lifeline.hold`): it ends when the launcher does, however that ends.

@@ -64,6 +64,7 @@ from flashcp.models.hf_config import TOKEN_ID_KEYS, read_config_json
 from flashcp.models.hf_load import load_hf_checkpoint
 from flashcp.models.mtp import freeze_mtp_layers
 from flashcp.models.safetensors_stream import write_streaming
+from flashcp.models.weight_files import shard_file
 from flashcp.rundir import CONFIG_FILE as RUN_CONFIG
 
 EXPORT_DTYPES = ("float32", "bfloat16")
@@ -189,10 +190,6 @@ def plan_shards(args: Any, item_bytes: int, max_shard_bytes: int) -> list[range]
             groups.append(range(start, i))
             start = i
     return groups
-
-
-def shard_name(index: int, count: int) -> str:
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def _build_shard(cfg: Config, spec: StageSpec, reader: ckpt.TensorReader, lora: bool) -> Any:
@@ -413,7 +410,7 @@ def export_run(
                                     last=spec.is_last)  # fmt: skip
             report.max_shard_parameters = max(report.max_shard_parameters, n)
             write_streaming(
-                tmp / shard_name(index, len(groups)),
+                tmp / shard_file(index, len(groups)),
                 merged_specs(model, dtype),
                 metadata={"format": "pt"},
             )

@@ -24,7 +24,6 @@ gathered.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +43,7 @@ from flashcp.models.safetensors_stream import (
     safetensors_dtype,
     write_streaming,
 )
-from flashcp.models.weight_files import INDEX_FILE, SINGLE_FILE
-
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-
-
-def merged_shard_name(stage: int, num_stages: int) -> str:
-    """The merged export's weight file of pipeline stage `stage` (HF shard naming)."""
-    return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
+from flashcp.models.weight_files import is_weight_file, shard_file, write_index
 
 
 def _merged(layer: Any, transposed: bool, dtype: str | None = None) -> np.ndarray:
@@ -133,7 +125,7 @@ def write_merged_stage(
     out.mkdir(parents=True, exist_ok=True)
     stage = int(getattr(module, "stage", 0))
     num_stages = int(getattr(module, "num_stages", 1))
-    path = out / merged_shard_name(stage * ep + ep_rank, num_stages * ep)
+    path = out / shard_file(stage * ep + ep_rank, num_stages * ep)
     specs = merged_specs(module, experts_only=ep_rank > 0)
     write_streaming(path, specs, metadata={"format": "pt"})
     return path
@@ -146,7 +138,7 @@ def write_merged_index(
     value as an explicit null: see `flashcp.models.hf_config.hf_config`), and the removal of
     weight files an earlier export (another layout) left; returns the shard names.
     `num_stages`: the number of shards (pp, or pp × ep under expert parallelism)."""
-    names = [merged_shard_name(s, num_stages) for s in range(num_stages)]
+    names = [shard_file(s, num_stages) for s in range(num_stages)]
     weight_map: dict[str, str] = {}
     total = 0
     for name in names:
@@ -155,11 +147,10 @@ def write_merged_index(
                 weight_map[key] = name
                 meta = f.get_slice(key)
                 total += int(np.prod(meta.get_shape())) * ITEM_SIZE[meta.get_dtype()]
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    write_index(out, weight_map, total)
     config = hf_config(args, dtype, token_ids=token_ids, nulls=True)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     for stale in out.iterdir():
-        if (stale.name == SINGLE_FILE or _SHARD_RE.match(stale.name)) and stale.name not in names:
+        if is_weight_file(stale.name) and stale.name not in names:
             stale.unlink()
     return names

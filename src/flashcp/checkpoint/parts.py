@@ -29,26 +29,35 @@ from pathlib import Path
 from flashcp.rundir import ADAPTER_DIR
 
 
+def _of(index: int, count: int) -> str:
+    return f"{index + 1:05d}-of-{count:05d}"
+
+
+def part_file(prefix: str, stage: int, num_stages: int) -> str:
+    """Stage `stage`'s part (`prefix`: "model", "optimizer" or the adapters' "adapters/peft_model"),
+    relative to the checkpoint: `{prefix}-0000s-of-0000n.safetensors`."""
+    return f"{prefix}-{_of(stage, num_stages)}.safetensors"
+
+
+def optimizer_shard_file(stage: int, num_stages: int, shard: int, shards: int) -> str:
+    """Stage `stage`'s optimizer shard `shard` (`flashcp.checkpoint.optimizer_state`):
+    `optimizer-0000s-of-0000n.shard-0000i-of-0000N.safetensors`."""
+    return f"optimizer-{_of(stage, num_stages)}.shard-{_of(shard, shards)}.safetensors"
+
+
 def part_names(num_parts: int, *, adapters: bool) -> tuple[list[str], list[str]]:
     """(model part files, optimizer part files), one each per stage, relative to the dir."""
-    n = num_parts
-
-    def name(prefix: str, s: int) -> str:
-        return f"{prefix}-{s + 1:05d}-of-{n:05d}.safetensors"
-
     model_prefix = f"{ADAPTER_DIR}/peft_model" if adapters else "model"
-    return [name(model_prefix, s) for s in range(n)], [name("optimizer", s) for s in range(n)]
+    return (
+        [part_file(model_prefix, s, num_parts) for s in range(num_parts)],
+        [part_file("optimizer", s, num_parts) for s in range(num_parts)],
+    )
 
 
 def shard_names(num_stages: int, shards: int) -> list[list[str]]:
-    """Optimizer shard files (`flashcp.checkpoint.optimizer_state`), per stage, one per shard index:
-    `optimizer-0000s-of-0000n.shard-0000i-of-0000N.safetensors`."""
+    """Optimizer shard files, per stage, one per shard index (`optimizer_shard_file`)."""
     return [
-        [
-            f"optimizer-{s + 1:05d}-of-{num_stages:05d}.shard-{i + 1:05d}-of-{shards:05d}"
-            ".safetensors"
-            for i in range(shards)
-        ]
+        [optimizer_shard_file(s, num_stages, i, shards) for i in range(shards)]
         for s in range(num_stages)
     ]
 

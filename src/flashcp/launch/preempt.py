@@ -2,7 +2,7 @@
 it is in, with a checkpoint; the process keeps running until then.
 
 A scheduler may signal `flashcp train` (which passes the signal on to every rank,
-`flashcp.launch.job`), one rank, or every rank. The rank only notes it (`StopSignals`): the
+`flashcp.launch.signals`), one rank, or every rank. The rank only notes it (`StopSignals`): the
 trainer exchanges each rank's note with the step's other numbers (one all-reduce,
 `flashcp.metrics.step_sums`), so every rank learns at the same step that some rank was asked to
 stop, finishes that step, saves, and exits with `EXIT_PREEMPTED` (75). Nothing else in the

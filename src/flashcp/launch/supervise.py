@@ -11,7 +11,7 @@ even by SIGKILL (`flashcp.launch.lifeline`: its ranks end with it in turn).
 `run_launch` is the blocking form used by the test harness (`tests/helpers/launch.py`)
 and the benchmark scripts: the launcher draws its ports from a lease (`launcher_lease`), the
 whole tree is killed when it outlives `timeout`, and the result carries every rank's log.
-`flashcp train` (`flashcp.launch.job`) starts the same way (`Job.start`) and streams instead.
+`flashcp train` (`flashcp.launch.launcher`) starts the same way (`Job.start`) and streams instead.
 Nothing here knows about configs or training.
 """
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,13 @@ from safetensors.paddle import save_file
 
 from flashcp.models.hf_config import CONFIG_FILE, hf_config
 from flashcp.models.hf_state import hf_state_map
-from flashcp.models.weight_files import INDEX_FILE, SINGLE_FILE
-
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+from flashcp.models.weight_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    is_weight_file,
+    shard_file,
+    write_index,
+)
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -79,7 +82,7 @@ def save_hf_checkpoint(
     if len(shards) == 1:
         names = [SINGLE_FILE]
     else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        names = [shard_file(i, len(shards)) for i in range(len(shards))]
     written = []
     for name, shard in zip(names, shards, strict=True):
         tmp = out / (name + ".tmp")
@@ -89,12 +92,10 @@ def save_hf_checkpoint(
     if len(shards) > 1:
         weight_map = {k: n for n, shard in zip(names, shards, strict=True) for k in shard}
         total = sum(_nbytes(t) for t in tensors.values())
-        _atomic_json(
-            out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}
-        )
+        write_index(out, weight_map, total)
     for stale in out.iterdir():
-        is_weights = stale.name == SINGLE_FILE or _SHARD_RE.match(stale.name)
-        if (is_weights and stale not in written) or (stale.name == INDEX_FILE and len(shards) == 1):
+        stale_index = stale.name == INDEX_FILE and len(shards) == 1
+        if (is_weight_file(stale.name) and stale not in written) or stale_index:
             stale.unlink()
     saved_dtype = dtype or str(next(iter(tensors.values())).dtype).replace("paddle.", "")
     _atomic_json(out / CONFIG_FILE, hf_config(model.args, saved_dtype))  # type: ignore[attr-defined]

@@ -1,17 +1,22 @@
 """A Hugging Face model's weights on disk (no Paddle): which files hold which tensors.
 
-One ``model.safetensors``, or shards listed in ``model.safetensors.index.json`` (its
-``weight_map``: tensor name → shard file). `locate` is the one reader of that layout: the
-loader's checks (`flashcp.models.hf_check`), the config checks (`flashcp.models.hf_mtp`,
-`flashcp.config.model_section`) and the exporters all ask it. Nothing here reads tensor data: an
-index, or a single file's header (`flashcp.models.safetensors_io.SafetensorsFile`). What the
-tensor names say about multi-token-prediction layers is `flashcp.models.hf_mtp`'s.
+One ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` listed in
+``model.safetensors.index.json`` (its ``weight_map``: tensor name → shard file). The names are
+spelled here only: the writers (`flashcp.models.hf_save`, `flashcp.checkpoint.export`,
+`flashcp.checkpoint.merge_export`) name shards with `shard_file`, write the index with
+`write_index` and sweep an earlier save's files with `is_weight_file`; `locate` is the one
+reader of that layout: the loader's checks (`flashcp.models.hf_check`), the config checks
+(`flashcp.models.hf_mtp`, `flashcp.config.model_section`) and the exporters all ask it.
+Nothing here reads tensor data: an index, or a single file's header
+(`flashcp.models.safetensors_io.SafetensorsFile`). What the tensor names say about
+multi-token-prediction layers is `flashcp.models.hf_mtp`'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +26,31 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 """The files one of which a model directory's weights start from."""
+
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def shard_file(index: int, count: int) -> str:
+    """The name of shard `index` (0-based) of `count`: ``model-0000i-of-0000n.safetensors``
+    (i = index + 1), Hugging Face's sharded-checkpoint naming."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether `name` is a weight file a save writes (`SINGLE_FILE` or a `shard_file` name):
+    the files a writer removes when an earlier save left ones it did not rewrite."""
+    return name == SINGLE_FILE or _SHARD_RE.match(name) is not None
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> Path:
+    """Write `directory`'s `INDEX_FILE` (tensor name → shard file, the tensors' total bytes),
+    keys sorted, through a temporary name and a rename so a reader never sees half of it."""
+    path = directory / INDEX_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 @dataclass

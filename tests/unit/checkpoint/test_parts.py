@@ -51,6 +51,13 @@ def test_a_damaged_part_is_refused_and_skipped(tmp_path: Path) -> None:
 def test_part_names_and_pruning(tmp_path: Path) -> None:
     model, _ = sharded.part_names(2, adapters=True)
     assert model[1] == "adapters/peft_model-00002-of-00002.safetensors"
+    assert sharded.part_names(2, adapters=False) == (
+        ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
+        ["optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"],
+    )
+    assert sharded.shard_names(2, 3)[1][2] == (
+        "optimizer-00002-of-00002.shard-00003-of-00003.safetensors"
+    )
     tmp = sharded.begin(tmp_path, 3, adapters=True)
     assert (tmp / sharded.ADAPTER_DIR).is_dir()
     for step in (4, 5, 6):

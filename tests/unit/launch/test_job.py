@@ -20,7 +20,7 @@ import pytest
 import flashcp.config.load
 from flashcp import cli, dispatch, runlock
 from flashcp.config import load_config
-from flashcp.launch import job, lifeline, preflight, supervise, worker
+from flashcp.launch import console, job, launcher, lifeline, preflight, supervise, worker
 from helpers.paths import ROOT
 
 SRC = ROOT / "src" / "flashcp"
@@ -131,7 +131,7 @@ def test_the_launchers_script_imports_only_the_rank_entry() -> None:
         "flashcp.launch.worker.run",
     }
     assert _flashcp_imports(SRC / "launch" / "lifeline.py") == set()
-    assert job.train_script() == (SRC / "train.py").resolve()
+    assert launcher.train_script() == (SRC / "train.py").resolve()
 
 
 def test_supervisor_and_outcomes_know_no_training() -> None:
@@ -289,10 +289,10 @@ def test_rank_zero_lines_the_launcher_did_not_echo_are_found(tmp_path: Path) -> 
     offset = log.stat().st_size
     with open(log, "a") as f:
         f.write("step 1\nstep 2\nsaved checkpoint x/step_2\n[flashcp] rank 0 exit 75\nlast")
-    echo = job.RankZeroEcho(log, offset)
+    echo = console.RankZeroEcho(log, offset)
     for line in ("LAUNCH INFO banner\n", "step 1\n", "I1202 glog\n", "step 2\n"):
         echo.saw(line)
     assert echo.rest() == ["saved checkpoint x/step_2\n", "[flashcp] rank 0 exit 75\n", "last\n"]
-    missing = job.RankZeroEcho(tmp_path / "workerlog.9", 0)
+    missing = console.RankZeroEcho(tmp_path / "workerlog.9", 0)
     missing.saw("step 1\n")
     assert missing.rest() == []

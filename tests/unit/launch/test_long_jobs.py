@@ -20,7 +20,9 @@ import pytest
 
 from flashcp import rundir
 from flashcp.config import load_config
-from flashcp.launch import job, outcome, preflight, restart
+from flashcp.launch import job, launcher, outcome, preflight, restart
+from flashcp.launch.nodesync import NodeSync
+from flashcp.launch.signals import Signals
 from helpers.paths import ROOT
 
 CONFIG = ROOT / "configs" / "gpt" / "tiny_cp2.yaml"
@@ -87,7 +89,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
                     *_: Any) -> list[str]:  # fmt: skip
             # the train script among the arguments: the stand-in is a "rank" to signal
             return [sys.executable, str(script), str(log_dir), str(seen), json.dumps(plan),
-                    str(job.train_script()), *overrides]  # fmt: skip
+                    str(launcher.train_script()), *overrides]  # fmt: skip
 
         monkeypatch.setattr(job, "launch_command", command)
         return seen
@@ -208,7 +210,7 @@ def test_a_killed_launcher_is_named_and_the_last_line_says_no_step_was_saved(
 
 
 def test_signals_a_second_one_stops_and_a_sleep_ends_early() -> None:
-    sig = job.Signals((signal.SIGTERM, signal.SIGUSR1))
+    sig = Signals((signal.SIGTERM, signal.SIGUSR1))
     assert sig.pass_on([os.getpid()]) == []  # nothing to pass on yet
     assert sig.sleep(0.01) and sig.code == 128 + signal.SIGTERM
     sig._on(signal.SIGUSR1, None)
@@ -216,7 +218,7 @@ def test_signals_a_second_one_stops_and_a_sleep_ends_early() -> None:
     assert not sig.sleep(5.0)  # ends at once: a pre-emption came
     sig._on(signal.SIGTERM, None)  # a second one: stop now
     assert sig.stop == signal.SIGTERM and sig.code == 128 + signal.SIGTERM
-    ctrl_c = job.Signals((signal.SIGTERM,))
+    ctrl_c = Signals((signal.SIGTERM,))
     ctrl_c._on(signal.SIGINT, None)  # Ctrl-C: the ranks save and stop, on SIGTERM
     assert (ctrl_c.preempting, ctrl_c.stop, ctrl_c.code) == (signal.SIGINT, None, 130)
     assert ctrl_c.ctrl_c and ctrl_c.passed == signal.SIGTERM
@@ -224,8 +226,8 @@ def test_signals_a_second_one_stops_and_a_sleep_ends_early() -> None:
     assert ctrl_c.stop == signal.SIGINT and ctrl_c.code == 130
 
 
-def _ended(node_logs: dict[int, str | None], launcher: str = "") -> job.Ended:
-    return job.Ended(247, node_logs, launcher)
+def _ended(node_logs: dict[int, str | None], output: str = "") -> launcher.Ended:
+    return launcher.Ended(247, node_logs, output)
 
 
 def test_every_node_takes_node_0s_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,11 +236,11 @@ def test_every_node_takes_node_0s_decision(tmp_path: Path, monkeypatch: pytest.M
     cfg = load_config(CONFIG, [f"run.output_dir={tmp_path}", "run.max_restarts=2"])
     (tmp_path / "checkpoints" / "step_6").mkdir(parents=True)
     nodes = [preflight.Nodes(2, r, "127.0.0.1:1") for r in (0, 1)]
-    syncs = [job.NodeSync(tmp_path, r, 2) for r in (0, 1)]
+    syncs = [NodeSync(tmp_path, r, 2) for r in (0, 1)]
     killed = _ended({0: "I1202 connected\n", 1: "I1202 connected\n"},
                     "Container rank 0 status failed cmd ['python'] code -9 log x\n")  # fmt: skip
     theirs = restart.Report(1, 247, "killed", 2, "died", time.time(), "killed")
-    elsewhere = job.Ended(-15, {}, "", "node 1 reports ...", theirs)
+    elsewhere = launcher.Ended(-15, {}, "", "node 1 reports ...", theirs)
     assert job._report(elsewhere, io.StringIO(), tmp_path, 0) == 247
     got: dict[int, Any] = {}
     follower = threading.Thread(target=lambda: got.update(

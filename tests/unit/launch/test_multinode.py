@@ -24,7 +24,7 @@ import pytest
 from flashcp import cli, runlock
 from flashcp.config import load_config
 from flashcp.distributed import launch_env
-from flashcp.launch import job, outcome, preflight, supervise
+from flashcp.launch import job, launcher, outcome, preflight, supervise
 from flashcp.launch.preflight import Nodes, PreflightError
 from flashcp.problems import ProblemsError
 from helpers.paths import ROOT
@@ -47,7 +47,7 @@ def test_launch_command_of_one_node(tmp_path: Path) -> None:
     assert cmd[i + 1 :] == [
         "--nproc_per_node", "4", "--log_dir", str(tmp_path),
         "--nnodes", "2", "--rank", "1", "--master", "10.0.0.1:29500",
-        str(job.train_script()), "--config", "c.yaml", "train.steps=2",
+        str(launcher.train_script()), "--config", "c.yaml", "train.steps=2",
     ]  # fmt: skip
     one = job.launch_command("c.yaml", [], 2, tmp_path, 4000, Nodes(master="127.0.0.1:29511"))
     assert "--nnodes" not in one and one[one.index("--master") + 1] == "127.0.0.1:29511"
@@ -106,33 +106,33 @@ def test_other_nodes_wait_for_node0(listening: int) -> None:
 
 
 def test_rendezvous_watch(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not job.workers_started("no-such-job")
+    assert not launcher.workers_started("no-such-job")
     # the launcher has the training script among its arguments, a worker runs it
     marker = uuid.uuid4().hex
     env = {**os.environ, supervise.JOB_MARKER: marker}
     sleep = "import time; time.sleep(30)"
-    script = str(job.train_script())
-    launcher = subprocess.Popen(
+    script = str(launcher.train_script())
+    fake = subprocess.Popen(
         [sys.executable, "-c", sleep, "paddle.distributed.launch", script], env=env
     )
     try:
         deadline = time.monotonic() + 10
         while not supervise.marked_pids(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert supervise.marked_pids(marker) == [launcher.pid]
-        assert not job.workers_started(marker)
+        assert supervise.marked_pids(marker) == [fake.pid]
+        assert not launcher.workers_started(marker)
         worker = subprocess.Popen([sys.executable, "-c", sleep, script], env=env)
         try:
-            assert job.workers_started(marker)
+            assert launcher.workers_started(marker)
         finally:
             worker.kill()
             worker.wait()
     finally:
-        launcher.kill()
-        launcher.wait()
+        fake.kill()
+        fake.wait()
     monkeypatch.setenv("FLASHCP_INIT_TIMEOUT", "7")
-    assert job.rendezvous_timeout() == 7.0
-    text = job.rendezvous_lost(Nodes(count=3, rank=0, master="h:1"))
+    assert launcher.rendezvous_timeout() == 7.0
+    text = launcher.rendezvous_lost(Nodes(count=3, rank=0, master="h:1"))
     assert "node 0: the 3 nodes did not all join at --master h:1 within 7 s" in text
     assert "--node-rank R --master h:1` on every node R = 0..2" in text
 

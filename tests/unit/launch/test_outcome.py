@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import flashcp.distributed
-from flashcp.launch import job, outcome, worker
+from flashcp.launch import console, outcome, worker
 from helpers.paths import CONFIGS
 
 # -- the per-rank exit line -------------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_pump_hides_banner_exit_lines_and_the_launchers_repeat() -> None:
         "step 1/2 | loss 5.5\n",
     ]
     log, out = io.StringIO(), io.StringIO()
-    job.pump(io.StringIO("".join(lines)), log, out)
+    console.pump(io.StringIO("".join(lines)), log, out)
     assert log.getvalue() == "".join(lines)
     assert out.getvalue() == "step 1/2 | loss 5.5\n"
 

@@ -16,7 +16,10 @@ from flashcp.models.weight_files import (
     INDEX_FILE,
     SINGLE_FILE,
     checkpoint_keys,
+    is_weight_file,
     locate,
+    shard_file,
+    write_index,
 )
 
 ONE = np.zeros(2, np.float32)
@@ -39,6 +42,27 @@ def test_a_sharded_directory(tmp_path: Path) -> None:
     assert found.path == str(d) and found.index == d / INDEX_FILE and found.single is None
     assert found.files == [d / "model-a.safetensors", d / "model-b.safetensors"]
     assert found.key_files["model.norm.weight"] == d / "model-b.safetensors"
+
+
+def test_written_shard_names_and_index_read_back_by_locate(tmp_path: Path) -> None:
+    """The writers' names (`shard_file`, `write_index`) are the ones `locate` reads, and the
+    stale-file sweep (`is_weight_file`) takes exactly a save's weight files."""
+    names = [shard_file(i, 3) for i in range(3)]
+    assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    weight_map = {f"model.layers.{i}.x.weight": names[i] for i in range(3)}
+    for key, name in weight_map.items():
+        save_file({key: ONE}, str(tmp_path / name))
+    write_index(tmp_path, weight_map, 3 * ONE.nbytes)
+    found = locate(tmp_path)
+    assert found.index == tmp_path / INDEX_FILE
+    assert found.files == [tmp_path / n for n in names]
+    assert {k: p.name for k, p in found.key_files.items()} == weight_map
+    assert json.loads(found.index.read_text())["metadata"] == {"total_size": 3 * ONE.nbytes}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, INDEX_FILE])  # no .tmp
+    assert all(is_weight_file(n) for n in [SINGLE_FILE, *names, shard_file(99998, 99999)])
+    kept = [INDEX_FILE, "model-1-of-2.safetensors", f"{names[0]}.tmp", "model-a.safetensors",
+            "optimizer-00001-of-00001.safetensors", "peft_model-00001-of-00001.safetensors"]
+    assert not any(is_weight_file(n) for n in kept)
 
 
 def test_a_missing_shard_is_named_for_a_load_and_ignored_for_the_key_list(tmp_path: Path) -> None:
