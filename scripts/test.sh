@@ -156,9 +156,9 @@ if [ "$TIER" = all ]; then
   "$VPY" -m coverage combine --quiet
   "$VPY" -m coverage xml --quiet -o coverage.xml
   "$VPY" -m coverage report --skip-covered --sort=cover | tail -n 25
-  echo "== gate 1: src/flashcp/dispatch.py at 100% line and branch coverage"
-  "$VPY" -m coverage report --include="*/flashcp/dispatch.py" --fail-under=100 \
-    || gate_fail+=("dispatch.py below 100% line+branch coverage")
+  echo "== gate 1: src/flashcp/fa_dispatch.py at 100% line and branch coverage"
+  "$VPY" -m coverage report --include="*/flashcp/fa_dispatch.py" --fail-under=100 \
+    || gate_fail+=("fa_dispatch.py below 100% line+branch coverage")
   TOTAL_MIN=$(cat scripts/coverage_min.txt)
   echo "== gate 2: project total >= ${TOTAL_MIN}%"
   "$VPY" -m coverage report --fail-under="$TOTAL_MIN" >/dev/null \

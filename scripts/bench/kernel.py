@@ -318,10 +318,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     active_tile_heads = (stats["partial"] + stats["full"]) * (H // mask.indices.shape[1])
     impls: dict[str, Callable[[], Any]] = {}
     if gpu:
-        from flashcp import dispatch
+        from flashcp import fa_dispatch
         from flashcp.attention.flashmask import flashmask_attention
 
-        fa_version = dispatch.resolve_current(D).version
+        fa_version = fa_dispatch.resolve_current(D).version
         impls["flashcp"] = lambda: flashmask_attention(q, k, v, idx, causal=mask.causal)
     else:
         from flashcp.attention.flashmask import flashmask_attention_with_version

@@ -36,7 +36,7 @@ from typing import Any
 
 import paddle
 
-from flashcp import dispatch
+from flashcp import fa_dispatch
 from flashcp.config import Config
 from flashcp.distributed import ParallelGroups, barrier
 from flashcp.log import log_once
@@ -52,7 +52,7 @@ from flashcp.models.offload import apply_activation_offload
 from flashcp.models.tiling import check_tile_tokens
 from flashcp.pipeline.runner import PipelineRunner
 from flashcp.pipeline.stage import stage_spec
-from flashcp.runtime import forward_context
+from flashcp.rank_setup import forward_context
 
 
 def apply_expert_parallel(model: paddle.nn.Layer, groups: ParallelGroups) -> int:
@@ -154,7 +154,7 @@ def build_runner(
     return PipelineRunner(
         model, groups, kind=cfg.parallel.pp_schedule,  # type: ignore[arg-type]
         forward_context=forward_context(dtype), cp_mode=cfg.parallel.cp_mode,
-        fa4_unavailable=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
+        fa4_unavailable=fa_dispatch.resolve_policy(cfg.attention.fa4_unavailable),
         query_chunk=cfg.attention.query_chunk, kv_chunk=cfg.attention.kv_chunk,
         mtp_depth=cfg.model.mtp_layers if cfg.model.mtp_trained else 0,
     )  # fmt: skip

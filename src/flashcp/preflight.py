@@ -6,8 +6,8 @@ launch's own checks — ports, the master, the run directory, the lock — are
 `check_raw` (of a file's mapping plus `key=value` overrides; `check_config_file`,
 `preflight_problems` for a file or a loaded config): the config's own validation
 (`flashcp.config.load`), then `static_problems`: this machine's device and compute dtype
-(`flashcp.config.device`) and the FlashAttention version the ranks will resolve under this
-environment's flags and FA4 policy (`flashcp.dispatch`), the memory plan against
+(`flashcp.config.device_rule`) and the FlashAttention version the ranks will resolve under this
+environment's flags and FA4 policy (`flashcp.fa_dispatch`), the memory plan against
 `hardware.memory_gib` per device and `hardware.host_memory_gib` per node (`flashcp plan`), the
 model directory's tensor index (`checkpoint.init_from` / `model.from_pretrained`: every layer
 the model builds has tensors there), and a sample of the data (`data.path` and `eval.path`,
@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashcp import dispatch
+from flashcp import fa_dispatch
 from flashcp.config import Config, collect, to_dict
 from flashcp.config import load as config_load
-from flashcp.config.device import DeviceError, compute_dtype, resolve_device
+from flashcp.config.device_rule import DeviceError, compute_dtype, resolve_device
 from flashcp.config.errors import prune_fixes
 from flashcp.config.placeholders import is_placeholder
 from flashcp.plan import plan
@@ -45,22 +45,22 @@ DISPATCH_KEY = "FlashAttention dispatch"
 
 def dispatch_problems(cfg: Config) -> list[Problem]:
     """Why the ranks could not resolve a FlashAttention version for `cfg`'s model under this
-    environment's flags and the FA4 policy (`dispatch.resolve_policy`: config > environment >
+    environment's flags and the FA4 policy (`fa_dispatch.resolve_policy`: config > environment >
     error, as every rank resolves it), under `DISPATCH_KEY`. The head dims are checked against
     FA4's kernel limits; a mask's limits show per call."""
     try:
-        inputs = dispatch.probe_inputs(
-            policy=dispatch.resolve_policy(cfg.attention.fa4_unavailable),
+        inputs = fa_dispatch.probe_inputs(
+            policy=fa_dispatch.resolve_policy(cfg.attention.fa4_unavailable),
             deterministic=cfg.train.deterministic,
         )
         head_dim = int(cfg.model.head_size)
         limit = None
         if inputs.requested == 4:
-            limit = dispatch.fa4_call_limit(
+            limit = fa_dispatch.fa4_call_limit(
                 mask_shape=None, num_kv_heads=int(cfg.model.num_kv_heads), head_dim=head_dim
             )
-        # FA3/FA4 availability on this card included (`dispatch.probe_inputs`).
-        dispatch.explain_inputs(inputs, head_dim, fa4_limit=limit)
+        # FA3/FA4 availability on this card included (`fa_dispatch.probe_inputs`).
+        fa_dispatch.explain_inputs(inputs, head_dim, fa4_limit=limit)
     except (ValueError, NotImplementedError) as exc:
         return [Problem(DISPATCH_KEY, str(exc))]
     return []
@@ -86,9 +86,9 @@ def memory_problems(cfg: Config, nnodes: int | None = None) -> list[Problem]:
 
 def machine_problems(cfg: Config) -> list[Problem]:
     """This machine against `cfg`: a device and compute dtype Paddle runs here
-    (`flashcp.config.device`, the rule every rank applies) and the FlashAttention dispatch
+    (`flashcp.config.device_rule`, the rule every rank applies) and the FlashAttention dispatch
     (`dispatch_problems`)."""
-    from flashcp.runtime import gpu_visible
+    from flashcp.rank_setup import gpu_visible
 
     problems = []
     try:

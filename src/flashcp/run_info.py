@@ -104,7 +104,7 @@ class RunFacts:
 
     device: str
     dtype: str
-    """The compute dtype (`train.dtype` resolved, `flashcp.config.device`)."""
+    """The compute dtype (`train.dtype` resolved, `flashcp.config.device_rule`)."""
     layers: range
     """This rank's decoder layers (its pipeline stage's)."""
     global_batch: dict[str, int]

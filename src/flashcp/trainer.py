@@ -57,11 +57,11 @@ from flashcp.optim.param_optimizer import ParamOptimizer
 from flashcp.optim.trainable import RowSlice
 from flashcp.parallelize import build_runner, build_stage
 from flashcp.preemption import GraceCheck, planned_grace_warning, stop_message
+from flashcp.rank_setup import process_groups, resolve_runtime, seed_rngs, step_groups, use_device
 from flashcp.recipes import build_recipe
 from flashcp.recipes.base import StepSource, normalised
 from flashcp.run_info import RunEnd, RunFacts, RunStart, banner, finish_run, write_run_info
 from flashcp.rundir import CONFIG_FILE
-from flashcp.runtime import process_groups, resolve_runtime, seed_rngs, step_groups, use_device
 
 
 class NonFiniteError(RuntimeError):

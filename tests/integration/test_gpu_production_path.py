@@ -2,7 +2,7 @@
 
 Skipped without GPUs (marked `gpu`; `scripts/gpu_check.sh` runs it). The tiny configs have
 head_dim 16; the shipped GLM recipes have 128, where the FlashAttention kernels pick other tile
-shapes and the deterministic FA3 rules differ (`flashcp.dispatch`). And the golden jobs run
+shapes and the deterministic FA3 rules differ (`flashcp.fa_dispatch`). And the golden jobs run
 with `train.deterministic: true`, so the kernels of a run without it (FA3's non-deterministic
 backward on SM90) are exercised only here:
 

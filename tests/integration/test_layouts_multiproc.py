@@ -30,8 +30,8 @@ from bench.jobs import dpo_beta
 from flashcp.attention.registry import make_assignment
 from flashcp.config import IGNORE_INDEX, Config, load_config
 from flashcp.cp.layout import assigned_positions
+from flashcp.rank_setup import process_groups
 from flashcp.recipes import build_recipe
-from flashcp.runtime import process_groups
 from helpers.launch import run_launch
 from helpers.paths import CONFIGS
 from helpers.trainruns import assert_training_matches, train_in_process

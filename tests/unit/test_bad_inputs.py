@@ -32,7 +32,7 @@ import pytest
 
 import flashcp.distributed
 from flashcp import cli as flashcp_cli
-from flashcp import dispatch, faults, mask_indices, masks
+from flashcp import fa_dispatch, faults, mask_indices, masks
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.flashmask import flashmask_attention
 from flashcp.checkpoint.format import verify_checkpoint
@@ -121,7 +121,7 @@ def _cp(q_: dict | None = None, k_: dict | None = None, mask: Any = "causal",
 
 
 def _explain(requested: Any = 2, policy: str = "error", head_dim: int = 64) -> Callable[[], Any]:
-    return lambda: dispatch.explain_fa_version(
+    return lambda: fa_dispatch.explain_fa_version(
         requested,
         fa4_available=False,
         block_mask_api=False,
@@ -599,7 +599,7 @@ def test_bad_input(
     monkeypatch.setattr(job, "launch_command", _fail("launching the job"))
     monkeypatch.setattr(flashcp.distributed, "init_distributed", _fail("init_distributed"))
     monkeypatch.setattr(registry, "get_backend", _fail("the attention kernel"))
-    monkeypatch.setattr(dispatch, "resolve_current", _fail("the FlashAttention dispatch"))
+    monkeypatch.setattr(fa_dispatch, "resolve_current", _fail("the FlashAttention dispatch"))
     for key in ("FLASHCP_MASTER_PORT", "FLAGS_flash_attn_version", "FLASHCP_FAULT",
                 "FLASHCP_INIT_TIMEOUT", "PADDLE_NNODES"):
         monkeypatch.delenv(key, raising=False)

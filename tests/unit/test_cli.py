@@ -7,12 +7,13 @@ import sys
 
 import pytest
 
-from flashcp import cli, dispatch
+from flashcp import cli, fa_dispatch
 
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in (dispatch.FLAG_VERSION, dispatch.FLAG_DETERMINISTIC, dispatch.ENV_FA4_POLICY):
+    flags = (fa_dispatch.FLAG_VERSION, fa_dispatch.FLAG_DETERMINISTIC, fa_dispatch.ENV_FA4_POLICY)
+    for key in flags:
         monkeypatch.delenv(key, raising=False)
 
 
@@ -27,7 +28,7 @@ def test_explain_dispatch_default(capsys: pytest.CaptureFixture[str]) -> None:
 def test_explain_dispatch_deterministic_downgrade(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "3")
     args = ["explain-dispatch", "--head-dim", "192", "--deterministic", "--capability", "9.0"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
@@ -40,7 +41,7 @@ def test_explain_dispatch_fa3_needs_hopper(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """FA3 on an A100 (or with no card at all) is refused, naming the compute capability."""
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "3")
     assert cli.main(["explain-dispatch", "--capability", "8.0"]) == 2
     out = capsys.readouterr().out
     assert "Effective fa_version: none" in out and "compute capability 8.0" in out
@@ -55,7 +56,7 @@ def test_explain_dispatch_fa3_needs_hopper(
 def test_explain_dispatch_fa4_unavailable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "4")
     assert cli.main(["explain-dispatch"]) == 2
     out = capsys.readouterr().out
     assert "paddlefleet_ops CuTe FlashMask kernels" in out and "no CUDA device" in out
@@ -70,12 +71,12 @@ def test_explain_dispatch_fa4_unavailable(
     assert cli.main(args) == 0
     assert "Effective fa_version: 3" in capsys.readouterr().out
     # the environment's policy, named as such (defect 1)
-    monkeypatch.setenv(dispatch.ENV_FA4_POLICY, "fallback")
+    monkeypatch.setenv(fa_dispatch.ENV_FA4_POLICY, "fallback")
     assert cli.main(["explain-dispatch", "--capability", "9.0"]) == 0
     out = capsys.readouterr().out
     assert "Effective fa_version: 3" in out and "from FLASHCP_FA4_UNAVAILABLE=fallback" in out
     # on an SM100 card without the CuTe kernels: name them, never "needs SM100 ... has SM100"
-    monkeypatch.delenv(dispatch.ENV_FA4_POLICY)
+    monkeypatch.delenv(fa_dispatch.ENV_FA4_POLICY)
     assert cli.main(["explain-dispatch", "--capability", "10.0"]) == 2
     out = capsys.readouterr().out
     assert "which this SM100 (compute capability 10.0) card does not have" in out
@@ -86,8 +87,8 @@ def test_explain_dispatch_fa4_mask_limit(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A 4-column mask is beyond the SM100 CuTe kernel: FA4 is unavailable for that call."""
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
-    monkeypatch.setattr(dispatch, "_probe_cute", lambda: (True, "CuTe FlashMask importable"))
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "4")
+    monkeypatch.setattr(fa_dispatch, "_probe_cute", lambda: (True, "CuTe FlashMask importable"))
     base = ["explain-dispatch", "--capability", "10.0", "--kv-heads", "2"]
     assert cli.main([*base, "--mask-columns", "2"]) == 0
     out = capsys.readouterr().out

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from bench import numerics
-from flashcp import cli, dispatch, faults
+from flashcp import cli, fa_dispatch, faults
 from flashcp.checkpoint.checkpointer import GRADS_DIR
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import TrainConfig, to_dict
@@ -291,10 +291,10 @@ def test_the_trainer_writes_no_environment_variable(
 ) -> None:
     """Deterministic mode's runtime flags are the process's, set by its entry before the
     trainer is built (`flashcp.launch.worker.set_runtime_flags`); the trainer only seeds."""
-    before, seen = dict(os.environ), dispatch.probe_deterministic()
+    before, seen = dict(os.environ), fa_dispatch.probe_deterministic()
     fit(tiny_cfg(tmp_path, train={"steps": 1, "deterministic": True}))
     assert dict(os.environ) == before
-    assert dispatch.probe_deterministic() == seen
+    assert fa_dispatch.probe_deterministic() == seen
 
 
 def test_fa4_policy_from_the_environment_reaches_the_rank(
@@ -308,8 +308,8 @@ def test_fa4_policy_from_the_environment_reaches_the_rank(
     FLASHCP_FA4_UNAVAILABLE > error): the environment's fallback reaches its attention when the
     config sets none, the config's own value wins over it, and every message names where the
     policy came from."""
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")  # no FA4 (nor FA3) on this CPU machine
-    monkeypatch.setenv(dispatch.ENV_FA4_POLICY, "fallback")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "4")  # no FA4 (nor FA3) on this CPU machine
+    monkeypatch.setenv(fa_dispatch.ENV_FA4_POLICY, "fallback")
     reset_once("dispatch:")
     with caplog.at_level(logging.WARNING, logger="flashcp"):
         fit(tiny_cfg(tmp_path / "env", train={"steps": 1}))
@@ -318,11 +318,11 @@ def test_fa4_policy_from_the_environment_reaches_the_rank(
     error = tiny_cfg(
         tmp_path / "config", train={"steps": 1}, attention={"fa4_unavailable": "error"}
     )
-    with pytest.raises(dispatch.FlashAttnUnavailableError) as info:
+    with pytest.raises(fa_dispatch.FlashAttnUnavailableError) as info:
         fit(error)
     assert "the policy is 'error', from attention.fa4_unavailable: error" in str(info.value)
     assert "set attention.fa4_unavailable: fallback" in str(info.value)  # the env cannot help
-    monkeypatch.delenv(dispatch.ENV_FA4_POLICY)
+    monkeypatch.delenv(fa_dispatch.ENV_FA4_POLICY)
     reset_once("dispatch:")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flashcp"):

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from flashcp import dispatch
+from flashcp import fa_dispatch
 from flashcp.attention import registry
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.interface import AttentionImpl, AttentionPlan
@@ -128,7 +128,7 @@ def plan_cp_attention(
     softmax_scale: float | None = None,
     mode: str = registry.DEFAULT_MODE,
     assignment: Assignment | None = None,
-    fa4_unavailable: str | dispatch.Policy | None = None,
+    fa4_unavailable: str | fa_dispatch.Policy | None = None,
 ) -> CPPlan:
     """Validate, pick the layout, rebase the mask and resolve the FA version — before compute.
 
@@ -178,7 +178,7 @@ def plan_cp_attention(
     assignment.chunk_len(seq)  # raises, naming data.seq_len, if S doesn't split evenly
     local = rebase_mask(idx, causal=causal, assignment_or_positions=assignment, rank=rank)
     head_dim = int(q.shape[3])
-    version = dispatch.resolve_current(  # FA4's per-call limits see the rebased local mask
+    version = fa_dispatch.resolve_current(  # FA4's per-call limits see the rebased local mask
         head_dim, policy=fa4_unavailable, mask_shape=local.shape, num_kv_heads=int(k.shape[2])
     ).version
     device = device_of(q)
@@ -249,7 +249,7 @@ def flashmask_attention_cp(
     return_lse: bool = False,
     dropout: float = 0.0,
     fixed_seed_offset: Any = None,
-    fa4_unavailable: str | dispatch.Policy | None = None,
+    fa4_unavailable: str | fa_dispatch.Policy | None = None,
 ) -> Any:
     """Exact FlashMask attention of this rank's query shard against the whole sequence.
 

@@ -18,7 +18,7 @@ import paddle
 
 from flashcp.attention.interface import AttentionImpl, PlanT
 from flashcp.attention.registry import DEFAULT_MODE
-from flashcp.dispatch import Policy
+from flashcp.fa_dispatch import Policy
 from flashcp.mask_indices import as_numpy
 
 

@@ -2,7 +2,7 @@
 
 The public face of `flashcp.attention.local`: `flashmask_attention` plans the call
 (`plan_local`: every input checked before any compute, the effective FlashAttention version
-resolved once with `flashcp.dispatch.resolve_current`) and runs it through `LOCAL.apply`, whose
+resolved once with `flashcp.fa_dispatch.resolve_current`) and runs it through `LOCAL.apply`, whose
 one PyLayer (`flashcp.attention.interface.AttentionFn`) runs backward on the version forward
 used — never re-reading a flag (the PaddleFleet PR #1396 bug).
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from flashcp.attention.interface import AttentionPlan
 from flashcp.attention.local import LOCAL, plan_local, validate_attention_inputs
-from flashcp.dispatch import Policy
+from flashcp.fa_dispatch import Policy
 from flashcp.kernels import registry
 
 

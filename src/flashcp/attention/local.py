@@ -1,7 +1,7 @@
 """The local attention implementation: the whole sequence on this rank, one FlashMask call.
 
 `LocalAttention.plan` checks every input before any compute (`validate_attention_inputs`) and
-resolves the effective FlashAttention version ONCE with `flashcp.dispatch.resolve_current` (on
+resolves the effective FlashAttention version ONCE with `flashcp.fa_dispatch.resolve_current` (on
 every device, so a bad `FLAGS_flash_attn_version` fails the same way on CPU and GPU);
 `forward` / `backward` call `get_backend(plan.version, plan.device)`, and the differentiable
 `apply` (`flashcp.attention.interface.AttentionFn`) hands backward the same plan, so forward
@@ -19,7 +19,7 @@ from typing import Any
 
 import paddle
 
-from flashcp import dispatch, mask_indices
+from flashcp import fa_dispatch, mask_indices
 from flashcp.attention.context import AttentionContext
 from flashcp.attention.interface import AttentionImpl, AttentionPlan
 from flashcp.kernels import registry
@@ -139,7 +139,7 @@ def validate_attention_inputs(
 
 
 def dispatch_call_shape(k: Any, v: Any, startend_row_indices: Any) -> dict[str, Any]:
-    """The call's shape as `dispatch.resolve_current` checks it against FA4's kernel limits."""
+    """The call's shape as `fa_dispatch.resolve_current` checks it against FA4's kernel limits."""
     return {
         "mask_shape": None if startend_row_indices is None else _shape(startend_row_indices),
         "num_kv_heads": int(k.shape[2]),
@@ -156,18 +156,18 @@ def plan_local(
     causal: bool = False,
     softmax_scale: float | None = None,
     dropout: float = 0.0,
-    fa4_unavailable: str | dispatch.Policy | None = None,
+    fa4_unavailable: str | fa_dispatch.Policy | None = None,
 ) -> AttentionPlan:
     """Validate the inputs and resolve the FlashAttention version: the call's plan.
 
     `fa4_unavailable` is the FA4-unavailable policy ("error" or "fallback"; None reads
     FLASHCP_FA4_UNAVAILABLE). Raises as `validate_attention_inputs` and
-    `dispatch.resolve_current` do, before any compute.
+    `fa_dispatch.resolve_current` do, before any compute.
     """
     device = validate_attention_inputs(
         q, k, v, startend_row_indices, causal=causal, softmax_scale=softmax_scale, dropout=dropout
     )
-    resolution = dispatch.resolve_current(
+    resolution = fa_dispatch.resolve_current(
         int(q.shape[-1]),
         policy=fa4_unavailable,
         **dispatch_call_shape(k, v, startend_row_indices),

@@ -10,9 +10,9 @@ from flashcp.launch.outcome import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
 
 
 def explain_dispatch_command(args: argparse.Namespace) -> int:
-    from flashcp import dispatch
+    from flashcp import fa_dispatch
 
-    inputs = dispatch.probe_inputs(
+    inputs = fa_dispatch.probe_inputs(
         policy=args.fa4_unavailable,
         policy_source="--fa4-unavailable",
         deterministic=True if args.deterministic else None,
@@ -20,11 +20,11 @@ def explain_dispatch_command(args: argparse.Namespace) -> int:
     )
     print("Inputs probed:")
     rows = [
-        (dispatch.FLAG_VERSION, inputs.requested, inputs.sources[dispatch.FLAG_VERSION]),
+        (fa_dispatch.FLAG_VERSION, inputs.requested, inputs.sources[fa_dispatch.FLAG_VERSION]),
         (
-            dispatch.FLAG_DETERMINISTIC,
+            fa_dispatch.FLAG_DETERMINISTIC,
             inputs.deterministic,
-            inputs.sources[dispatch.FLAG_DETERMINISTIC],
+            inputs.sources[fa_dispatch.FLAG_DETERMINISTIC],
         ),
         (
             "compute capability",
@@ -43,7 +43,7 @@ def explain_dispatch_command(args: argparse.Namespace) -> int:
         heads = args.mask_heads
         rows.append(("mask [B, Hm, S, C]", f"Hm={heads} C={args.mask_columns}", "--mask-*"))
         rows.append(("kv heads", args.kv_heads, "--kv-heads"))
-        limit = dispatch.fa4_call_limit(
+        limit = fa_dispatch.fa4_call_limit(
             mask_shape=(1, heads, 1, args.mask_columns),
             num_kv_heads=args.kv_heads,
             head_dim=args.head_dim,
@@ -52,7 +52,7 @@ def explain_dispatch_command(args: argparse.Namespace) -> int:
     for name, value, source in rows:
         print(f"  {name:<28} {value!s:<8} ({source})")
     try:
-        res = dispatch.explain_inputs(inputs, args.head_dim, fa4_limit=limit)
+        res = fa_dispatch.explain_inputs(inputs, args.head_dim, fa4_limit=limit)
     except (ValueError, NotImplementedError) as exc:
         print(f"Effective fa_version: none: {exc}")
         return EXIT_CONFIG

@@ -110,7 +110,7 @@ class AttentionConfig:
     """When FLAGS_flash_attn_version asks for a version this card (or call) cannot run - FA4
     without SM100 + CuTe kernels or beyond their mask limits, FA3 off SM90: fail (error), or fall
     back FA4 → FA3 → FA2 with one warning (fallback). null: the environment's
-    FLASHCP_FA4_UNAVAILABLE, else error (`flashcp.dispatch.resolve_policy`: config >
+    FLASHCP_FA4_UNAVAILABLE, else error (`flashcp.fa_dispatch.resolve_policy`: config >
     environment > error, the one resolution preflight, every rank and `flashcp
     explain-dispatch` use)."""
     mask: Literal["causal", "sliding_window", "global_window", "prefix_lm"] = "causal"

@@ -50,10 +50,10 @@ from flashcp.distributed import ParallelGroups, startup_phase
 from flashcp.evaluation.evaluator import PREFIX, build_evaluator
 from flashcp.parallelize import build_runner, build_stage
 from flashcp.problems import Problem
+from flashcp.rank_setup import process_groups, resolve_runtime, seed_rngs, use_device
 from flashcp.recipes import build_recipe
 from flashcp.run_info import duration, provenance
 from flashcp.rundir import ASIDE, CHECKPOINT_DIR, EVAL_RESULTS_FILE
-from flashcp.runtime import process_groups, resolve_runtime, seed_rngs, use_device
 
 LAYOUT_AND_TRAINING = ("parallel.", "train.", "data.path", "data.shuffle", "data.balance")
 """Config keys a checkpoint may be evaluated under other values of without a note: the layout

@@ -44,8 +44,8 @@ from flashcp.distributed import ParallelGroups
 from flashcp.models import HeadInput
 from flashcp.optim.grads import all_reduce_values
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.rank_setup import step_groups
 from flashcp.recipes.base import Recipe, StepSource
-from flashcp.runtime import step_groups
 
 PREFIX = "eval/"
 MAX_PASS_ROWS = 10_000_000

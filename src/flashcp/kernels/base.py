@@ -82,11 +82,11 @@ def _flag_store() -> tuple[Callable[[], Any], Callable[[Any], None]]:
 
     GPU builds register the flag (`paddle.get_flags` / `paddle.set_flags`); the CPU build does
     not (get_flags raises ValueError), and then the environment value is the one that counts
-    (`flashcp.dispatch` reads it there too).
+    (`flashcp.fa_dispatch` reads it there too).
     """
     import paddle
 
-    from flashcp.dispatch import FLAG_VERSION
+    from flashcp.fa_dispatch import FLAG_VERSION
 
     def env_get() -> Any:
         return os.environ.get(FLAG_VERSION)

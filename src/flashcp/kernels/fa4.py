@@ -1,6 +1,6 @@
 """FA4 backend: the CuTe-DSL FlashMask kernels of `paddlefleet_ops` (SM100 only).
 
-Imported lazily through `flashcp.dispatch.import_cute_fa4()`, so this module loads anywhere.
+Imported lazily through `flashcp.fa_dispatch.import_cute_fa4()`, so this module loads anywhere.
 Calls (reference §1.6):
 
 * forward `_flash_attn_fwd(q, k, v, causal=..., return_lse=True, startend_row_indices=...,
@@ -26,13 +26,13 @@ from flashcp.kernels.base import flash_attn_version_flag, resolve_scale
 
 
 def _cute() -> tuple[Any, Any, Any]:
-    from flashcp.dispatch import import_cute_fa4
+    from flashcp.fa_dispatch import import_cute_fa4
 
     return import_cute_fa4()
 
 
 def _deterministic() -> bool:
-    from flashcp.dispatch import probe_deterministic
+    from flashcp.fa_dispatch import probe_deterministic
 
     return probe_deterministic()[0]
 

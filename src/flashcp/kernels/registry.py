@@ -1,7 +1,7 @@
 """Map (resolved FlashAttention version, device) to the backend that runs it.
 
 `get_backend(version, device)` is the only place a kernel family is chosen from a version.
-Callers resolve the version once (`flashcp.dispatch.resolve_current`) and pass the same
+Callers resolve the version once (`flashcp.fa_dispatch.resolve_current`) and pass the same
 value here for the forward and, later, for the backward, so the two can never disagree.
 
 =========  ===========================  ================================================
@@ -63,7 +63,7 @@ def backend_class(version: int, device: str) -> type:
     if isinstance(version, bool) or version not in GPU_BACKENDS:
         raise ValueError(
             f"fa_version={version!r} is not a FlashAttention version: expected 2, 3 or 4 "
-            "(resolve it with flashcp.dispatch.resolve_current)."
+            "(resolve it with flashcp.fa_dispatch.resolve_current)."
         )
     kind = device_kind(device)
     if kind == "cpu":

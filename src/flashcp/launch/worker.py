@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import paddle
 
-from flashcp import dispatch, distributed, faults, runlock, runstart
+from flashcp import distributed, fa_dispatch, faults, runlock, runstart
 from flashcp.checkpoint.format import CheckpointError
 from flashcp.config import Config
 from flashcp.data.records import DataError
@@ -57,7 +57,7 @@ from flashcp.problems import ProblemsError
 from flashcp.run_info import command_line
 from flashcp.trainer import NonFiniteError, Trainer
 
-DETERMINISTIC_FLAGS = (dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
+DETERMINISTIC_FLAGS = (fa_dispatch.FLAG_DETERMINISTIC, "FLAGS_embedding_deterministic")
 """The runtime flags `train.deterministic` turns on in a rank's process."""
 
 
@@ -66,7 +66,7 @@ def set_runtime_flags(cfg: Config) -> None:
     determinism flags.
 
     They go both to `paddle.set_flags` (GPU builds read them there) and to the environment (the
-    CPU build refuses set_flags for them; `flashcp.dispatch` then reads the environment), so
+    CPU build refuses set_flags for them; `flashcp.fa_dispatch` then reads the environment), so
     Paddle's kernels and the FlashAttention dispatch see one deterministic mode. A process-wide
     setting, hence made here by the process's entry and not by the `Trainer`.
     """
@@ -76,7 +76,7 @@ def set_runtime_flags(cfg: Config) -> None:
         os.environ[name] = "1"
         # A flag unknown to this build (CPU) raises; the environment value is what counts then.
         with contextlib.suppress(ValueError, RuntimeError):
-            paddle.set_flags({name: True if name == dispatch.FLAG_DETERMINISTIC else 1})
+            paddle.set_flags({name: True if name == fa_dispatch.FLAG_DETERMINISTIC else 1})
 
 
 def run_dir_lock(output_dir: str, environ: dict[str, str] | None = None) -> runlock.Held | None:

@@ -55,7 +55,6 @@ from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import DEFAULT_MODE, make_assignment
 from flashcp.cp.layout import shard_assigned
 from flashcp.cp.shard import shard_batch
-from flashcp.dispatch import Policy
 from flashcp.distributed.collectives import group_label
 from flashcp.distributed.groups import ParallelGroups
 from flashcp.distributed.p2p import (
@@ -65,6 +64,7 @@ from flashcp.distributed.p2p import (
     send_tensor,
     swap_tensor,
 )
+from flashcp.fa_dispatch import Policy
 from flashcp.log import process_rank
 from flashcp.models.head import HeadInput, backward_follows
 from flashcp.models.mtp import mtp_targets

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashcp.attention import registry as cp_modes
-from flashcp.config.device import compute_dtype, resolve_device
+from flashcp.config.device_rule import compute_dtype, resolve_device
 from flashcp.config.schema import Config
 from flashcp.plan.features import Features, features_of
 from flashcp.plan.model import GIB, Plan, plan, ranks_per_node

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flashcp.config.device import compute_dtype, resolve_device
+from flashcp.config.device_rule import compute_dtype, resolve_device
 from flashcp.config.schema import Config
 from flashcp.models.config import ModelArgs
 from flashcp.plan.features import Features, features_of

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from flashcp.config.device import compute_dtype, resolve_device
+from flashcp.config.device_rule import compute_dtype, resolve_device
 from flashcp.config.schema import Config
 from flashcp.cp.work import (
     ATTENTION_REFERENCE,

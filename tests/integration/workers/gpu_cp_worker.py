@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from flashcp import dispatch, mask_families
+from flashcp import fa_dispatch, mask_families
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.attention.registry import MODES, make_assignment
 from flashcp.cp.layout import shard_assigned
@@ -66,7 +66,7 @@ def main() -> None:
         rounded(rng.standard_normal(s).astype(np.float32), dtype)
         for s in ((B, seq, HQ, D), (B, seq, HKV, D), (B, seq, HKV, D), (B, seq, HQ, D))
     )
-    version = dispatch.resolve_current(D, policy="fallback").version
+    version = fa_dispatch.resolve_current(D, policy="fallback").version
     cases = []
     for family in FAMILIES:
         mask = mask_families.FAMILIES[family](B, seq, 1, 5)

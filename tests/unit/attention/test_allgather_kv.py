@@ -9,13 +9,13 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch, mask_families, masks
+from flashcp import fa_dispatch, mask_families, masks
 from flashcp.attention import allgather_kv as cp_attention
 from flashcp.attention import registry
 from flashcp.attention.allgather_kv import flashmask_attention_cp
 from flashcp.cp.layout import Assignment, shard_assigned, unshard_assigned
-from flashcp.dispatch import FlashAttnUnavailableError
 from flashcp.distributed import WORLD, NamedGroup
+from flashcp.fa_dispatch import FlashAttnUnavailableError
 from flashcp.kernels.registry import get_backend
 from helpers.maskcases import overshoot
 from helpers.reference import compare_attention, dense_reference
@@ -111,10 +111,10 @@ def test_backward_uses_the_version_forward_saved(
 ) -> None:
     recorder = _Recorder()
     monkeypatch.setattr(cp_attention, "get_backend", recorder)
-    monkeypatch.setattr(dispatch, "probe_fa4", lambda: (fa4, "test"))
-    monkeypatch.setattr(dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
-    monkeypatch.setenv(dispatch.FLAG_VERSION, str(req))
-    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "1" if det else "0")
+    monkeypatch.setattr(fa_dispatch, "probe_fa4", lambda: (fa4, "test"))
+    monkeypatch.setattr(fa_dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, str(req))
+    monkeypatch.setenv(fa_dispatch.FLAG_DETERMINISTIC, "1" if det else "0")
     rng = np.random.default_rng(1)
     q = paddle.to_tensor(rng.standard_normal((1, 16, 2, hd)).astype("float32"), stop_gradient=False)
     k = paddle.to_tensor(rng.standard_normal((1, 16, 2, hd)).astype("float32"), stop_gradient=False)
@@ -126,8 +126,8 @@ def test_backward_uses_the_version_forward_saved(
         return
     out = flashmask_attention_cp(q, k, k, idx, causal=True, fa4_unavailable=policy)
     # Flags change between forward and backward: backward must not re-read them.
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "2" if req != 2 else "3")
-    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "0" if det else "1")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "2" if req != 2 else "3")
+    monkeypatch.setenv(fa_dispatch.FLAG_DETERMINISTIC, "0" if det else "1")
     out.sum().backward()
     assert recorder.calls == [("forward", expected), ("backward", expected)]
 

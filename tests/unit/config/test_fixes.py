@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from flashcp import dispatch
+from flashcp import fa_dispatch
 from flashcp.attention import registry as cp_modes
 from flashcp.config import read_yaml
 from flashcp.config.checks import Checks
@@ -117,7 +117,7 @@ def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
 
 @pytest.fixture(autouse=True)
 def _no_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in (dispatch.FLAG_VERSION, dispatch.ENV_FA4_POLICY):
+    for key in (fa_dispatch.FLAG_VERSION, fa_dispatch.ENV_FA4_POLICY):
         monkeypatch.delenv(key, raising=False)
 
 

@@ -184,7 +184,7 @@ def test_float32_refused_on_gpu_naming_train_dtype(tmp_path: Path, capsys) -> No
     ],
 )
 def test_compute_dtype(dtype: str, device: str, want: str) -> None:
-    from flashcp.config.device import compute_dtype
+    from flashcp.config.device_rule import compute_dtype
 
     cfg = build_config(_raw(train={"dtype": dtype}))
     if want in ("float32", "bfloat16"):
@@ -198,7 +198,7 @@ def test_compute_dtype(dtype: str, device: str, want: str) -> None:
 
 def test_resolve_device_for_the_trainer_and_the_planner() -> None:
     """The trainer passes whether Paddle sees a GPU; the planner (None) cannot see the machine."""
-    from flashcp.config.device import resolve_device
+    from flashcp.config.device_rule import resolve_device
 
     auto, gpu = build_config(_raw()), build_config(_raw(run={"device": "gpu"}))
     assert [resolve_device(auto, seen) for seen in (True, False, None)] == ["gpu", "cpu", "cpu"]
@@ -211,7 +211,7 @@ def test_resolve_device_auto_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -
     """run.device auto + a visible GPU: auto dtype runs bf16, an explicit float32 is refused."""
     import paddle
 
-    from flashcp.runtime import resolve_runtime
+    from flashcp.rank_setup import resolve_runtime
 
     class _Cuda:
         @staticmethod

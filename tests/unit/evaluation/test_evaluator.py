@@ -43,10 +43,10 @@ from flashcp.evaluation.evaluator import (
 )
 from flashcp.lora.model import disable_adapters
 from flashcp.metrics.writer import read_metrics
+from flashcp.rank_setup import step_groups
 from flashcp.recipes import build_recipe
 from flashcp.recipes.dpo_loss import answer_logps, dpo_terms
 from flashcp.recipes.lm import LMData
-from flashcp.runtime import step_groups
 from flashcp.trainer import Trainer
 from helpers.configs import TINY_GLM, TINY_LM, Sections, TinyCfg, merged, tiny_config
 from helpers.paths import ROOT

@@ -20,7 +20,7 @@ layouts come from:
   `flash_attn_v3_grad` ending in (softmax_scale, is_causal, window left, window right,
   softcap, sm_margin); `test_op_binding.py` checks every one of these against the real
   binding of the installed Paddle;
-* the "group" and "legacy" FA3 variants: reference §1.6 (paddlefleet-cp-and-dispatch.md);
+* the "group" and "legacy" FA3 variants: reference §1.6 (paddlefleet-cp-and-fa_dispatch.md);
 * FA4: PaddlePaddle/flash-attention `flashmask/flash_mask/cute/interface.py` at
   9985af538d20bd7a56c7a5f5ea13294d454a011a - `_flash_attn_fwd(q, k, v, ..., softmax_scale,
   causal, ..., pack_gqa, ..., return_lse, ..., startend_row_indices, ...)` and
@@ -39,7 +39,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from flashcp import dispatch, mask_families
+from flashcp import fa_dispatch, mask_families
 from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import (
     AttentionBackend,
@@ -70,7 +70,7 @@ DQ, DK, DV, DSINK, SOFTMAX, SEED = (FakeTensor(n) for n in ("dq", "dk", "dv", "d
 
 def flag_now() -> str | None:
     """`FLAGS_flash_attn_version` as an op would read it right now (CPU build: environment)."""
-    return os.environ.get(dispatch.FLAG_VERSION)
+    return os.environ.get(fa_dispatch.FLAG_VERSION)
 
 
 class Recorder:
@@ -125,7 +125,8 @@ def ops(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture(autouse=True)
 def _clean_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in (dispatch.FLAG_VERSION, dispatch.FLAG_DETERMINISTIC, dispatch.ENV_FA4_POLICY):
+    flags = (fa_dispatch.FLAG_VERSION, fa_dispatch.FLAG_DETERMINISTIC, fa_dispatch.ENV_FA4_POLICY)
+    for key in flags:
         monkeypatch.delenv(key, raising=False)
 
 
@@ -273,7 +274,7 @@ class FakeInfo:
 def cute(monkeypatch: pytest.MonkeyPatch):
     fwd = Recorder((OUT, LSE))
     bwd = Recorder((DQ, DK, DV, DSINK))  # newer builds: (dq, dk, dv, dsink)
-    monkeypatch.setattr(dispatch, "import_cute_fa4", lambda: (fwd, bwd, FakeInfo))
+    monkeypatch.setattr(fa_dispatch, "import_cute_fa4", lambda: (fwd, bwd, FakeInfo))
     return fwd, bwd
 
 
@@ -291,7 +292,7 @@ def test_fa4_layout(cute, monkeypatch, causal: bool) -> None:
         "softmax_scale": SCALE,
         "pack_gqa": False,
     }
-    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "1")
+    monkeypatch.setenv(fa_dispatch.FLAG_DETERMINISTIC, "1")
     grads = be.backward(Q, K, V, OUT, LSE, IDX, DOUT, causal=causal, softmax_scale=0.5)
     assert grads == (DQ, DK, DV)  # the sink gradient is dropped
     args, kwargs = bwd.only
@@ -325,7 +326,7 @@ def test_fa4_unavailable_import_error_propagates(monkeypatch) -> None:
     def missing():
         raise ImportError("No module named 'paddlefleet_ops'")
 
-    monkeypatch.setattr(dispatch, "import_cute_fa4", missing)
+    monkeypatch.setattr(fa_dispatch, "import_cute_fa4", missing)
     with pytest.raises(ImportError, match="paddlefleet_ops"):
         FA4Backend().forward(Q, K, V, IDX, causal=False, softmax_scale=None)
 
@@ -349,7 +350,7 @@ def test_op_sees_the_effective_version_in_the_flag(
     every backend the flag says the backend's (effective) version, and it is restored after."""
     monkeypatch.setattr(F, "flashmask_attention", _api_block_mask)
     if before is not None:
-        monkeypatch.setenv(dispatch.FLAG_VERSION, before)
+        monkeypatch.setenv(fa_dispatch.FLAG_VERSION, before)
     be = BACKENDS[version]()
     for idx in (IDX, None):
         _run_both(be, idx)
@@ -361,7 +362,7 @@ def test_op_sees_the_effective_version_in_the_flag(
 
 
 def test_flag_restored_when_the_op_raises(ops, monkeypatch) -> None:
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "3")
 
     def boom(*args: Any) -> Any:
         assert flag_now() == "2"
@@ -379,7 +380,7 @@ def test_flag_held_through_paddles_registry(ops, monkeypatch) -> None:
     """On a GPU build the flag lives in Paddle's registry (get_flags / set_flags)."""
     import paddle
 
-    registry_flags = {dispatch.FLAG_VERSION: 3}
+    registry_flags = {fa_dispatch.FLAG_VERSION: 3}
     sets: list[dict[str, Any]] = []
 
     def get_flags(names: list[str]) -> dict[str, Any]:
@@ -392,11 +393,11 @@ def test_flag_held_through_paddles_registry(ops, monkeypatch) -> None:
     monkeypatch.setattr(paddle, "get_flags", get_flags)
     monkeypatch.setattr(paddle, "set_flags", set_flags)
     rec = ops["flashmask_attention"]
-    rec.result = lambda *a: (registry_flags[dispatch.FLAG_VERSION], None, LSE, SEED)
+    rec.result = lambda *a: (registry_flags[fa_dispatch.FLAG_VERSION], None, LSE, SEED)
     out, _ = FA2Backend().forward(Q, K, V, IDX, causal=True, softmax_scale=None)
     assert out == 2  # what the op saw
-    assert registry_flags[dispatch.FLAG_VERSION] == 3  # restored
-    assert sets == [{dispatch.FLAG_VERSION: 2}, {dispatch.FLAG_VERSION: 3}]
+    assert registry_flags[fa_dispatch.FLAG_VERSION] == 3  # restored
+    assert sets == [{fa_dispatch.FLAG_VERSION: 2}, {fa_dispatch.FLAG_VERSION: 3}]
     # already the effective version: left alone
     sets.clear()
     FA3Backend().forward(Q, K, V, IDX, causal=True, softmax_scale=None)
@@ -522,11 +523,11 @@ def _qkv(hq: int = 4, hkv: int = 2):
 def test_backward_uses_forward_version(spy, monkeypatch, flag, policy, expect, later_flag) -> None:
     """Flags changed between forward and backward never change the backward's version."""
     q, k, v = _qkv()
-    monkeypatch.setattr(dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
-    monkeypatch.setenv(dispatch.FLAG_VERSION, flag)
+    monkeypatch.setattr(fa_dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, flag)
     out = flashmask_attention(q, k, v, causal=True, fa4_unavailable=policy)
-    monkeypatch.setenv(dispatch.FLAG_VERSION, later_flag)  # would resolve differently now
-    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "1")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, later_flag)  # would resolve differently now
+    monkeypatch.setenv(fa_dispatch.FLAG_DETERMINISTIC, "1")
     out.sum().backward()
     assert spy == [(expect, "forward"), (expect, "backward")]
     assert q.grad is not None and k.grad is not None
@@ -534,8 +535,8 @@ def test_backward_uses_forward_version(spy, monkeypatch, flag, policy, expect, l
 
 def test_fa4_unavailable_raises_before_any_kernel(spy, monkeypatch) -> None:
     q, k, v = _qkv()
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
-    with pytest.raises(dispatch.FlashAttnUnavailableError):
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "4")
+    with pytest.raises(fa_dispatch.FlashAttnUnavailableError):
         flashmask_attention(q, k, v, causal=True)
     assert spy == []
 
@@ -594,7 +595,7 @@ def _fake_gpu_ops(monkeypatch, cpu: CpuReferenceBackend) -> list[str]:
     monkeypatch.setattr(_C_ops, "flashmask_attention_v2_grad", logged("fa3_grad", fm3_grad))
     monkeypatch.setattr(F, "flashmask_attention", _api_block_mask)
     cute = (logged("fa4", c4_fwd), logged("fa4_grad", c4_bwd), FakeInfo)
-    monkeypatch.setattr(dispatch, "import_cute_fa4", lambda: cute)
+    monkeypatch.setattr(fa_dispatch, "import_cute_fa4", lambda: cute)
     return ran
 
 
@@ -616,7 +617,7 @@ def test_gpu_backends_through_pylayer(monkeypatch, version: int) -> None:
     out = flashmask_attention_with_version(
         q, k, v, idx, causal=True, fa_version=version, validate=False
     )
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "2" if version != 2 else "3")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "2" if version != 2 else "3")
     out.sum().backward()
     assert ran == [f"fa{version}", f"fa{version}_grad"]
     assert flags_seen == [str(version)] * 2  # the ops saw the version they belong to
@@ -640,16 +641,16 @@ def test_fa2_op_sees_2_when_the_flag_says_otherwise(
     which read the flag themselves, must see 2; the user's flag is back afterwards."""
     cpu = CpuReferenceBackend(block_q=8, block_k=8)
     ran = _fake_gpu_ops(monkeypatch, cpu)
-    monkeypatch.setattr(dispatch, "probe_fa3", lambda: (fa3_card, "test"))
-    monkeypatch.setenv(dispatch.FLAG_VERSION, flag)
-    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, det)
+    monkeypatch.setattr(fa_dispatch, "probe_fa3", lambda: (fa3_card, "test"))
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, flag)
+    monkeypatch.setenv(fa_dispatch.FLAG_DETERMINISTIC, det)
     rng = np.random.default_rng(3)
     q, k, v = (
         paddle.to_tensor(rng.standard_normal((1, 16, 2, head_dim)).astype("float32"),
                          stop_gradient=False)
         for _ in range(3)
     )  # fmt: skip
-    version = dispatch.resolve_current(head_dim, policy=policy).version
+    version = fa_dispatch.resolve_current(head_dim, policy=policy).version
     assert version == 2
     monkeypatch.setattr(registry, "device_of", lambda t: "gpu:0")
     idx = paddle.to_tensor(np.full((1, 1, 16, 1), 16, dtype=np.int32))
@@ -667,9 +668,9 @@ def test_fa2_op_sees_2_when_the_flag_says_otherwise(
 @pytest.fixture
 def sm100(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """Pretend an SM100 card with the CuTe kernels importable, FLAGS_flash_attn_version=4."""
-    monkeypatch.setattr(dispatch, "probe_capability", lambda: (10, 0))
-    monkeypatch.setattr(dispatch, "_probe_cute", lambda: (True, "test"))
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
+    monkeypatch.setattr(fa_dispatch, "probe_capability", lambda: (10, 0))
+    monkeypatch.setattr(fa_dispatch, "_probe_cute", lambda: (True, "test"))
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "4")
     return monkeypatch
 
 
@@ -691,7 +692,7 @@ def test_cp_rebasing_makes_fa4_unavailable_for_causal_two_column_masks(sm100) ->
     assert plan.version == 4 and plan.mask.shape[-1] == 2
     two_col = mask_families.FAMILIES["causal_blockwise"](1, 32, 1, 0)
     assert two_col.causal and two_col.indices.shape[-1] == 2
-    with pytest.raises(dispatch.FlashAttnUnavailableError, match="4-column"):
+    with pytest.raises(fa_dispatch.FlashAttnUnavailableError, match="4-column"):
         plan_cp_attention(q, k, two_col.indices, group=Rank0Of2(), causal=True, assignment=asg)
     plan = plan_cp_attention(
         q, k, two_col.indices, group=Rank0Of2(), causal=True, assignment=asg,
@@ -704,7 +705,7 @@ def test_front_door_checks_mask_heads_against_fa4(sm100) -> None:
     """Mask heads = query heads != KV heads: beyond the CuTe kernel, refused before compute."""
     q, k, v = _qkv(hq=4, hkv=2)
     per_q_head = paddle.to_tensor(np.full((1, 4, 16, 1), 16, dtype=np.int32))
-    with pytest.raises(dispatch.FlashAttnUnavailableError, match="4 mask heads"):
+    with pytest.raises(fa_dispatch.FlashAttnUnavailableError, match="4 mask heads"):
         flashmask_attention(q, k, v, per_q_head, causal=True)
     per_kv_head = paddle.to_tensor(np.full((1, 2, 16, 1), 16, dtype=np.int32))
     out = flashmask_attention(q, k, v, per_kv_head, causal=True)  # FA4 -> CPU reference here

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import numerics
-from flashcp import dispatch, mask_families, mask_indices, masks
+from flashcp import fa_dispatch, mask_families, mask_indices, masks
 from flashcp.attention import interface, local
 from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import CpuReferenceBackend, registry
@@ -35,7 +35,8 @@ BLOCKS = [(16, 16), (32, 8)]  # (block_q, block_k): neither divides the odd size
 @pytest.fixture(autouse=True)
 def _fa2_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """A known FA version (2) on CPU, whatever the calling environment exports."""
-    for key in (dispatch.FLAG_VERSION, dispatch.FLAG_DETERMINISTIC, dispatch.ENV_FA4_POLICY):
+    flags = (fa_dispatch.FLAG_VERSION, fa_dispatch.FLAG_DETERMINISTIC, fa_dispatch.ENV_FA4_POLICY)
+    for key in flags:
         monkeypatch.delenv(key, raising=False)
 
 
@@ -444,7 +445,7 @@ def test_input_validation(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("compute or dispatch ran before validation")
 
     monkeypatch.setattr(registry, "get_backend", boom)
-    monkeypatch.setattr(dispatch, "resolve_current", boom)
+    monkeypatch.setattr(fa_dispatch, "resolve_current", boom)
     rewrite, error, match = BAD_INPUTS[case]
     q, k, v = _tensors(B=2, Sq=8, Sk=8, Hq=4, Hkv=2)
     q, k, v, mask, kwargs = rewrite(q, k, v, _mask(8, (2, 1, 8, 1)), {"causal": True})
@@ -455,12 +456,12 @@ def test_input_validation(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fa4_requested_on_cpu_fails_like_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The version is resolved on every device: FLAGS=4 without FA4 raises under "error"."""
     q, k, v = _tensors()
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
-    with pytest.raises(dispatch.FlashAttnUnavailableError, match="FA4"):
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "4")
+    with pytest.raises(fa_dispatch.FlashAttnUnavailableError, match="FA4"):
         flashmask_attention(q, k, v, causal=True)
     out = flashmask_attention(q, k, v, causal=True, fa4_unavailable="fallback")
     assert out.shape == [1, 8, 2, 4]
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "7")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "7")
     with pytest.raises(ValueError, match="FLAGS_flash_attn_version"):
         flashmask_attention(q, k, v, causal=True)
 

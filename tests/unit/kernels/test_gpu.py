@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import dispatch, mask_families, mask_indices
+from flashcp import fa_dispatch, mask_families, mask_indices
 from flashcp.attention.flashmask import flashmask_attention_with_version
 from flashcp.attention.registry import make_assignment
 from flashcp.cp.rebase import rebase_mask
@@ -56,7 +56,7 @@ def _version_params() -> list:
             4,
             id="fa4",
             marks=pytest.mark.skipif(
-                has_cuda() and not dispatch.probe_fa4()[0], reason="FA4 needs SM100 + CuTe"
+                has_cuda() and not fa_dispatch.probe_fa4()[0], reason="FA4 needs SM100 + CuTe"
             ),
         ),
     ]
@@ -106,11 +106,11 @@ def _fa4_refuses(version, idx, hkv, d) -> bool:
     if version != 4:
         return False
     shape = None if idx is None else tuple(np.asarray(idx).shape)
-    limit = dispatch.fa4_call_limit(mask_shape=shape, num_kv_heads=hkv, head_dim=d)
+    limit = fa_dispatch.fa4_call_limit(mask_shape=shape, num_kv_heads=hkv, head_dim=d)
     if limit is None:
         return False
-    with pytest.raises(dispatch.FlashAttnUnavailableError, match="beyond the SM100 CuTe"):
-        dispatch.explain_fa_version(
+    with pytest.raises(fa_dispatch.FlashAttnUnavailableError, match="beyond the SM100 CuTe"):
+        fa_dispatch.explain_fa_version(
             4, fa4_available=True, block_mask_api=True, deterministic=False, head_dim=d,
             fa4_limit=limit,
         )  # fmt: skip
@@ -163,7 +163,7 @@ def test_no_mask(version: int, causal: bool, dtype: str) -> None:
 @pytest.mark.parametrize("family", ["causal", "causal_document", "sliding_window"])
 def test_production_head_dim_128(version: int, family: str, dtype: str) -> None:
     """The shipped GLM recipes' head_dim (the tiny configs have 16): other kernel tiles, and
-    the dispatch's deterministic FA3 rules depend on it (`flashcp.dispatch`)."""
+    the dispatch's deterministic FA3 rules depend on it (`flashcp.fa_dispatch`)."""
     mask = mask_families.FAMILIES[family](1, 256, 1, 4)
     _compare(version, 1, 256, 4, 2, 128, mask.indices, mask.causal, 4, dtype)
 

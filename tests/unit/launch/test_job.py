@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import flashcp.config.load
-from flashcp import cli, dispatch, runlock
+from flashcp import cli, fa_dispatch, runlock
 from flashcp.config import load_config
 from flashcp.launch import console, job, launcher, lifeline, preflight, supervise, worker
 from helpers.paths import ROOT
@@ -51,7 +51,7 @@ def test_flashcp_train_loads_the_config_once(
     processes, each load their own copy). Before: 3 loads in this process."""
     monkeypatch.setattr(job, "launch_command", lambda *a, **k: [sys.executable, "-c", "pass"])
     monkeypatch.delenv(preflight.ENV_MASTER_PORT, raising=False)
-    monkeypatch.delenv(dispatch.FLAG_VERSION, raising=False)
+    monkeypatch.delenv(fa_dispatch.FLAG_VERSION, raising=False)
     assert cli.main(["train", str(CONFIG), f"run.output_dir={tmp_path / 'run'}"]) == 0
     assert yaml_reads == [str(CONFIG)]
     yaml_reads.clear()
@@ -215,11 +215,11 @@ def test_job_env_drops_a_surrounding_jobs_identity() -> None:
 def test_the_rank_entry_sets_deterministic_mode_for_the_dispatch() -> None:
     for name in worker.DETERMINISTIC_FLAGS:
         os.environ.pop(name, None)
-    assert dispatch.probe_deterministic()[0] is False
+    assert fa_dispatch.probe_deterministic()[0] is False
     worker.set_runtime_flags(load_config(CONFIG, ["train.deterministic=false"]))
-    assert dispatch.probe_deterministic()[0] is False
+    assert fa_dispatch.probe_deterministic()[0] is False
     worker.set_runtime_flags(load_config(CONFIG))  # train.deterministic: true
-    assert dispatch.probe_deterministic()[0] is True
+    assert fa_dispatch.probe_deterministic()[0] is True
     assert all(os.environ[name] == "1" for name in worker.DETERMINISTIC_FLAGS)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flashcp import dispatch
+from flashcp import fa_dispatch
 from flashcp import preflight as config_preflight
 from flashcp.launch import job, preflight
 from helpers.paths import ROOT
@@ -143,7 +143,7 @@ def test_validate_train_and_a_rank_refuse_before_compute(
     from flashcp import cli, distributed
     from flashcp.launch import worker
 
-    for key in (dispatch.FLAG_VERSION, dispatch.ENV_FA4_POLICY):
+    for key in (fa_dispatch.FLAG_VERSION, fa_dispatch.ENV_FA4_POLICY):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -249,10 +249,10 @@ def test_preflight_honours_the_configs_fa4_policy(
     FLASHCP_FA4_UNAVAILABLE, then error; only an `error` policy refuses."""
     from flashcp.config import load_config
 
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "4")
-    monkeypatch.delenv(dispatch.ENV_FA4_POLICY, raising=False)
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "4")
+    monkeypatch.delenv(fa_dispatch.ENV_FA4_POLICY, raising=False)
     if env_policy is not None:
-        monkeypatch.setenv(dispatch.ENV_FA4_POLICY, env_policy)
+        monkeypatch.setenv(fa_dispatch.ENV_FA4_POLICY, env_policy)
     over = [] if config_policy is None else [f"attention.fa4_unavailable={config_policy}"]
     cfg = load_config(ROOT / GPT, over)
     assert cfg.attention.fa4_unavailable == config_policy

@@ -30,8 +30,8 @@ from flashcp.models import build_model, preset
 from flashcp.models import precision as precision_mod
 from flashcp.models.hf_save import save_hf_checkpoint
 from flashcp.pipeline.runner import MicroBatch, PipelineRunner
+from flashcp.rank_setup import forward_context
 from flashcp.recipes.dpo import DPORecipe
-from flashcp.runtime import forward_context
 from flashcp.trainer import Trainer
 from helpers.batches import causal_batch
 

@@ -12,7 +12,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from flashcp import dispatch
+from flashcp import fa_dispatch
 from flashcp.attention import allgather_kv as cp_attention
 from flashcp.attention import registry as cp_modes
 from flashcp.attention.context import AttentionContext
@@ -129,14 +129,14 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
 @pytest.fixture
 def resolutions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
-    real = dispatch.resolve_current
+    real = fa_dispatch.resolve_current
 
     def counting(head_dim: int, *, policy=None, **call_shape):
         res = real(head_dim, policy=policy, **call_shape)
         seen.append(res.version)
         return res
 
-    monkeypatch.setattr(dispatch, "resolve_current", counting)
+    monkeypatch.setattr(fa_dispatch, "resolve_current", counting)
     return seen
 
 
@@ -165,15 +165,15 @@ def test_backward_uses_the_first_forwards_version(
 ) -> None:
     if cp:
         force_cp(monkeypatch)
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "3")
-    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "0")
-    monkeypatch.setattr(dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "3")
+    monkeypatch.setenv(fa_dispatch.FLAG_DETERMINISTIC, "0")
+    monkeypatch.setattr(fa_dispatch, "probe_fa3", lambda: (True, "test"))  # an FA3 card
     paddle.seed(0)
     model = build_model(preset("tiny_glm", recompute=mode))
     loss = _step(model)
     # Between forward and backward the flags change: a re-read would give version 2.
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "2")
-    monkeypatch.setenv(dispatch.FLAG_DETERMINISTIC, "1")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "2")
+    monkeypatch.setenv(fa_dispatch.FLAG_DETERMINISTIC, "1")
     loss.backward()
     assert recorder.calls and {v for _, v in recorder.calls} == {3}, recorder.calls
     assert resolutions == [3]  # one plan for both layers, forward and backward

@@ -94,7 +94,7 @@ def test_the_leaves_import_nothing_of_flashcp() -> None:
     for leaf in ("mask_indices", "device", "log", "attempt", "rundir", "problems"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
     assert graph["masks"] == {"mask_indices"}, graph["masks"]
-    assert graph["dispatch"] <= {"log"} and graph["faults"] <= {"log", "attempt"}
+    assert graph["fa_dispatch"] <= {"log"} and graph["faults"] <= {"log", "attempt"}
     assert graph["runlock"] <= {"rundir"}
 
 
@@ -147,7 +147,7 @@ def test_the_doc_names_this_test_and_only_units_that_exist() -> None:
     drawn = set(documented_layers(text))
     assert drawn - set(package_graph()) == set()
     # negative control: a unit drawn but gone from the tree is found
-    stale = text.replace("runtime.py ", "runtime.py · gone.py ", 1)
+    stale = text.replace("rank_setup.py ", "rank_setup.py · gone.py ", 1)
     assert set(documented_layers(stale)) - set(package_graph()) == {"gone"}
 
 

@@ -20,7 +20,7 @@ from flashcp.attention.context import AttentionContext
 from flashcp.attention.registry import make_assignment
 from flashcp.commands.run import node_problem
 from flashcp.config import collect, load_config, read_yaml
-from flashcp.config.device import compute_dtype
+from flashcp.config.device_rule import compute_dtype
 from flashcp.config.placeholders import find_placeholders
 from flashcp.data import TrainData
 from flashcp.data.dpo_stream import DPOData

@@ -1,7 +1,7 @@
 """`run.device` and `train.dtype` resolved: ONE rule, for the trainer and the memory planner.
 
 The trainer knows whether Paddle sees a GPU here (`gpu_visible`, probed by
-`flashcp.runtime.resolve_runtime`) and refuses what no kernel runs; the planner (`flashcp.plan`)
+`flashcp.rank_setup.resolve_runtime`) and refuses what no kernel runs; the planner (`flashcp.plan`)
 plans for a machine it cannot see: there `run.device: auto` counts as cpu and nothing is
 refused (a what-if).
 """

@@ -1,7 +1,7 @@
 """What one process of a job runs on: its process groups, device, compute dtype and autocast,
 and its RNG seeds.
 
-The device and dtype rule is the one the memory planner shares (`flashcp.config.device`); here
+The device and dtype rule is the one the memory planner shares (`flashcp.config.device_rule`); here
 Paddle is asked whether it sees a GPU. The deterministic runtime flags are the process's too,
 but its entry sets them before anything is built (`flashcp.launch.worker.set_runtime_flags`).
 """
@@ -18,7 +18,7 @@ import numpy as np
 import paddle
 
 from flashcp.config import Config
-from flashcp.config.device import compute_dtype, resolve_device
+from flashcp.config.device_rule import compute_dtype, resolve_device
 from flashcp.distributed import ParallelDims, ParallelGroups, build_groups
 
 

@@ -1,7 +1,7 @@
 """The fa_version rule: all 144 rows of the decision table, both policies, XPU, bad input.
 
 Expected values are written out, not recomputed, so a broken rule fails here. Rows 1-48 are
-the reference table (paddlefleet-cp-and-dispatch.md §1.4, column D) on a card with FA3
+the reference table (paddlefleet-cp-and-fa_dispatch.md §1.4, column D) on a card with FA3
 (SM90); rows 49-96 repeat them without FA3 (SM80/SM100: "FA3 only supports Hopper GPUs");
 rows 97-144 have the FA4 backend but a call beyond its kernel's limits ("M", issue 13 point 3),
 which must behave exactly like an unavailable FA4.
@@ -13,8 +13,8 @@ import logging
 
 import pytest
 
-from flashcp import dispatch
-from flashcp.dispatch import (
+from flashcp import fa_dispatch
+from flashcp.fa_dispatch import (
     FlashAttnUnavailableError,
     explain_fa_version,
     resolve_fa_version,
@@ -383,14 +383,14 @@ def test_fa4_refusal_names_what_is_missing_and_what_this_card_runs(
 def test_one_policy_resolution_names_its_origin(clean_env) -> None:
     """Issue 27, defect 1: config > FLASHCP_FA4_UNAVAILABLE > error, resolved in one place;
     each refusal and each fallback names where the policy came from and how to change it."""
-    Policy = dispatch.Policy
-    assert dispatch.resolve_policy() == Policy("error", "default")
-    clean_env.setenv(dispatch.ENV_FA4_POLICY, " fallback ")
-    assert dispatch.resolve_policy() == Policy("fallback", "environment")
-    assert dispatch.resolve_policy("error") == Policy("error", "config")  # the config wins
+    Policy = fa_dispatch.Policy
+    assert fa_dispatch.resolve_policy() == Policy("error", "default")
+    clean_env.setenv(fa_dispatch.ENV_FA4_POLICY, " fallback ")
+    assert fa_dispatch.resolve_policy() == Policy("fallback", "environment")
+    assert fa_dispatch.resolve_policy("error") == Policy("error", "config")  # the config wins
     given = Policy("fallback", "config")
-    assert dispatch.resolve_policy(given) is given  # resolved once, then passed along
-    flag = dispatch.resolve_policy("error", source="--fa4-unavailable")
+    assert fa_dispatch.resolve_policy(given) is given  # resolved once, then passed along
+    flag = fa_dispatch.resolve_policy("error", source="--fa4-unavailable")
     assert (flag.origin, flag.how_to_fallback) == (
         "--fa4-unavailable error", "pass --fa4-unavailable fallback"
     )
@@ -449,7 +449,7 @@ FA4_LIMITS = [
 
 @pytest.mark.parametrize(("mask", "kv", "hd", "hdv", "why"), FA4_LIMITS)
 def test_fa4_call_limit(mask, kv, hd, hdv, why) -> None:
-    got = dispatch.fa4_call_limit(mask_shape=mask, num_kv_heads=kv, head_dim=hd, head_dim_v=hdv)
+    got = fa_dispatch.fa4_call_limit(mask_shape=mask, num_kv_heads=kv, head_dim=hd, head_dim_v=hdv)
     if why is None:
         assert got is None
     else:
@@ -461,82 +461,83 @@ def test_fa4_call_limit(mask, kv, hd, hdv, why) -> None:
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch):
-    for key in (dispatch.FLAG_VERSION, dispatch.FLAG_DETERMINISTIC, dispatch.ENV_FA4_POLICY):
+    flags = (fa_dispatch.FLAG_VERSION, fa_dispatch.FLAG_DETERMINISTIC, fa_dispatch.ENV_FA4_POLICY)
+    for key in flags:
         monkeypatch.delenv(key, raising=False)
     return monkeypatch
 
 
 def test_probe_defaults_on_cpu(clean_env) -> None:
-    inputs = dispatch.probe_inputs()
+    inputs = fa_dispatch.probe_inputs()
     assert inputs.requested == 2
     assert inputs.deterministic is False
     assert inputs.fa4_available is False
     assert inputs.fa4_unavailable == "error"
     assert inputs.device.startswith("cpu")
     assert inputs.block_mask_api is True  # paddle 3.3.1's flashmask_attention takes block_mask
-    assert inputs.sources[dispatch.FLAG_VERSION] == "default"
+    assert inputs.sources[fa_dispatch.FLAG_VERSION] == "default"
     assert inputs.fa3_available is False and inputs.capability is None
     assert inputs.sources["fa3_available"] == "no CUDA device"
     # a stand-in capability (explain-dispatch --capability) rehearses a card's dispatch
-    hopper = dispatch.probe_inputs(capability=(9, 0))
+    hopper = fa_dispatch.probe_inputs(capability=(9, 0))
     assert (hopper.fa3_available, hopper.fa4_available, hopper.capability) == (True, False, (9, 0))
     assert hopper.sources["capability"] == "argument"
 
 
 def test_probe_reads_environment(clean_env) -> None:
-    clean_env.setenv(dispatch.FLAG_VERSION, "3")
-    clean_env.setenv(dispatch.FLAG_DETERMINISTIC, "true")
-    clean_env.setenv(dispatch.ENV_FA4_POLICY, "fallback")
-    inputs = dispatch.probe_inputs()
+    clean_env.setenv(fa_dispatch.FLAG_VERSION, "3")
+    clean_env.setenv(fa_dispatch.FLAG_DETERMINISTIC, "true")
+    clean_env.setenv(fa_dispatch.ENV_FA4_POLICY, "fallback")
+    inputs = fa_dispatch.probe_inputs()
     assert (inputs.requested, inputs.deterministic, inputs.fa4_unavailable) == (3, True, "fallback")
-    assert inputs.sources[dispatch.FLAG_VERSION] == "environment"
+    assert inputs.sources[fa_dispatch.FLAG_VERSION] == "environment"
     assert inputs.sources["fa4_unavailable"] == "environment"
     # An explicit config policy wins over the environment.
-    assert dispatch.probe_inputs(policy="error").fa4_unavailable == "error"
-    assert dispatch.probe_inputs(deterministic=False).deterministic is False
+    assert fa_dispatch.probe_inputs(policy="error").fa4_unavailable == "error"
+    assert fa_dispatch.probe_inputs(deterministic=False).deterministic is False
 
 
 def test_probe_rejects_garbage(clean_env) -> None:
-    clean_env.setenv(dispatch.FLAG_VERSION, "three")
+    clean_env.setenv(fa_dispatch.FLAG_VERSION, "three")
     with pytest.raises(ValueError, match="FLAGS_flash_attn_version='three'"):
-        dispatch.probe_inputs()
-    clean_env.setenv(dispatch.FLAG_VERSION, "3")
-    clean_env.setenv(dispatch.FLAG_DETERMINISTIC, "maybe")
+        fa_dispatch.probe_inputs()
+    clean_env.setenv(fa_dispatch.FLAG_VERSION, "3")
+    clean_env.setenv(fa_dispatch.FLAG_DETERMINISTIC, "maybe")
     with pytest.raises(ValueError, match="FLAGS_cudnn_deterministic"):
-        dispatch.probe_inputs()
-    clean_env.setenv(dispatch.FLAG_DETERMINISTIC, "0")
-    clean_env.setenv(dispatch.ENV_FA4_POLICY, "sometimes")
+        fa_dispatch.probe_inputs()
+    clean_env.setenv(fa_dispatch.FLAG_DETERMINISTIC, "0")
+    clean_env.setenv(fa_dispatch.ENV_FA4_POLICY, "sometimes")
     with pytest.raises(ValueError, match="FLASHCP_FA4_UNAVAILABLE"):
-        dispatch.probe_inputs()
+        fa_dispatch.probe_inputs()
 
 
 def test_read_flag_prefers_paddle_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     import paddle
 
     monkeypatch.setattr(paddle, "get_flags", lambda names: {names[0]: 3})
-    monkeypatch.setenv(dispatch.FLAG_VERSION, "2")
-    assert dispatch.probe_requested_version() == (3, "paddle.get_flags")
+    monkeypatch.setenv(fa_dispatch.FLAG_VERSION, "2")
+    assert fa_dispatch.probe_requested_version() == (3, "paddle.get_flags")
 
 
 def test_resolve_current_on_cpu(clean_env, caplog: pytest.LogCaptureFixture) -> None:
     reset_once("dispatch:")
     with caplog.at_level(logging.INFO, logger="flashcp"):
-        assert dispatch.resolve_current(64).version == 2
-        assert dispatch.resolve_current(64).version == 2
+        assert fa_dispatch.resolve_current(64).version == 2
+        assert fa_dispatch.resolve_current(64).version == 2
     assert sum("fa_version=2" in r.getMessage() for r in caplog.records) == 1
-    clean_env.setenv(dispatch.FLAG_VERSION, "4")
+    clean_env.setenv(fa_dispatch.FLAG_VERSION, "4")
     with pytest.raises(FlashAttnUnavailableError):
-        dispatch.resolve_current(64)
-    res = dispatch.resolve_current(64, policy="fallback")  # no FA4, no FA3 without a card
+        fa_dispatch.resolve_current(64)
+    res = fa_dispatch.resolve_current(64, policy="fallback")  # no FA4, no FA3 without a card
     assert res.version == 2 and "FA3 unavailable" in res.reason
-    clean_env.setenv(dispatch.FLAG_VERSION, "3")
+    clean_env.setenv(fa_dispatch.FLAG_VERSION, "3")
     with pytest.raises(FlashAttnUnavailableError, match="SM90"):
-        dispatch.resolve_current(64)
+        fa_dispatch.resolve_current(64)
 
 
 def _pretend_card(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], cute: bool):
-    monkeypatch.setattr(dispatch, "probe_capability", lambda: capability)
-    monkeypatch.setattr(dispatch, "_probe_cute", lambda: (cute, "test"))
+    monkeypatch.setattr(fa_dispatch, "probe_capability", lambda: capability)
+    monkeypatch.setattr(fa_dispatch, "_probe_cute", lambda: (cute, "test"))
 
 
 def test_resolve_current_checks_the_call_against_fa4_limits(
@@ -544,36 +545,36 @@ def test_resolve_current_checks_the_call_against_fa4_limits(
 ) -> None:
     """On an SM100 card with CuTe, a 4-column or Hq-head mask makes FA4 unavailable per call."""
     _pretend_card(clean_env, (10, 0), True)
-    clean_env.setenv(dispatch.FLAG_VERSION, "4")
+    clean_env.setenv(fa_dispatch.FLAG_VERSION, "4")
     reset_once("dispatch:")
-    ok = dispatch.resolve_current(64, mask_shape=(1, 1, 32, 2), num_kv_heads=2)
+    ok = fa_dispatch.resolve_current(64, mask_shape=(1, 1, 32, 2), num_kv_heads=2)
     assert ok.version == 4
     with pytest.raises(FlashAttnUnavailableError, match="4-column"):
-        dispatch.resolve_current(64, mask_shape=(1, 1, 32, 4), num_kv_heads=2)
+        fa_dispatch.resolve_current(64, mask_shape=(1, 1, 32, 4), num_kv_heads=2)
     with caplog.at_level(logging.WARNING, logger="flashcp"):
         for _ in range(2):
-            res = dispatch.resolve_current(
+            res = fa_dispatch.resolve_current(
                 64, policy="fallback", mask_shape=(1, 4, 32, 2), num_kv_heads=2
             )
             # SM100 has no FA3 either: FA4 -> 3 -> 2
             assert res.version == 2 and "4 mask heads" in res.reason
     assert sum("4 mask heads" in r.getMessage() for r in caplog.records) == 1
     # the check applies only when FA4 is asked for, and only with the call's shape given
-    assert dispatch.resolve_current(64, mask_shape=(1, 1, 32, 4)).version == 4
-    clean_env.setenv(dispatch.FLAG_VERSION, "2")
-    assert dispatch.resolve_current(64, mask_shape=(1, 1, 32, 4), num_kv_heads=2).version == 2
+    assert fa_dispatch.resolve_current(64, mask_shape=(1, 1, 32, 4)).version == 4
+    clean_env.setenv(fa_dispatch.FLAG_VERSION, "2")
+    assert fa_dispatch.resolve_current(64, mask_shape=(1, 1, 32, 4), num_kv_heads=2).version == 2
 
 
 def test_block_mask_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     import paddle.nn.functional as F
 
-    dispatch.probe_block_mask_api.cache_clear()
+    fa_dispatch.probe_block_mask_api.cache_clear()
     monkeypatch.setattr(F, "flashmask_attention", lambda q, k, v, startend_row_indices=None: q)
-    assert dispatch.probe_block_mask_api() is False
-    dispatch.probe_block_mask_api.cache_clear()
+    assert fa_dispatch.probe_block_mask_api() is False
+    fa_dispatch.probe_block_mask_api.cache_clear()
     monkeypatch.delattr(F, "flashmask_attention")
-    assert dispatch.probe_block_mask_api() is False
-    dispatch.probe_block_mask_api.cache_clear()
+    assert fa_dispatch.probe_block_mask_api() is False
+    fa_dispatch.probe_block_mask_api.cache_clear()
 
 
 class _FakeCuda:
@@ -589,9 +590,9 @@ class _FakeCuda:
 
 @pytest.fixture
 def fresh_probes():
-    dispatch.clear_probe_caches()
+    fa_dispatch.clear_probe_caches()
     yield
-    dispatch.clear_probe_caches()
+    fa_dispatch.clear_probe_caches()
 
 
 @pytest.mark.parametrize(
@@ -617,21 +618,21 @@ def test_capability_probes(
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: compiled)
     monkeypatch.setattr(paddle.device, "cuda", _FakeCuda(count, major))
     if importable:
-        iface = types.ModuleType(dispatch.CUTE_INTERFACE_MODULE)
+        iface = types.ModuleType(fa_dispatch.CUTE_INTERFACE_MODULE)
         iface._flash_attn_fwd = lambda *a, **k: None
         iface._flash_attn_bwd = lambda *a, **k: None
-        utils = types.ModuleType(dispatch.CUTE_UTILS_MODULE)
+        utils = types.ModuleType(fa_dispatch.CUTE_UTILS_MODULE)
         utils.FlashMaskInfoPaddle = object
-        monkeypatch.setitem(sys.modules, dispatch.CUTE_INTERFACE_MODULE, iface)
-        monkeypatch.setitem(sys.modules, dispatch.CUTE_UTILS_MODULE, utils)
+        monkeypatch.setitem(sys.modules, fa_dispatch.CUTE_INTERFACE_MODULE, iface)
+        monkeypatch.setitem(sys.modules, fa_dispatch.CUTE_UTILS_MODULE, utils)
     else:
-        monkeypatch.setitem(sys.modules, dispatch.CUTE_INTERFACE_MODULE, None)
-    ok4, why4 = dispatch.probe_fa4()
-    ok3, why3 = dispatch.probe_fa3()
+        monkeypatch.setitem(sys.modules, fa_dispatch.CUTE_INTERFACE_MODULE, None)
+    ok4, why4 = fa_dispatch.probe_fa4()
+    ok3, why3 = fa_dispatch.probe_fa3()
     assert ok4 is fa4 and detail in why4
     assert ok3 is fa3
     assert ("SM90" in why3) if count and compiled else why3 == "no CUDA device"
-    inputs = dispatch.probe_inputs()
+    inputs = fa_dispatch.probe_inputs()
     assert (inputs.fa3_available, inputs.fa4_available) == (fa3, fa4)
     want_cap = (major, 0) if compiled and count else None
     assert inputs.capability == want_cap
@@ -721,7 +722,7 @@ def _table_failures(module) -> int:
 
 
 def test_real_rule_passes_the_table() -> None:
-    assert _table_failures(dispatch) == 0
+    assert _table_failures(fa_dispatch) == 0
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -732,7 +733,7 @@ def test_broken_rule_fails_the_table(name: str, monkeypatch: pytest.MonkeyPatch)
     import types
 
     old, new = MUTANTS[name]
-    source = inspect.getsource(dispatch)
+    source = inspect.getsource(fa_dispatch)
     assert source.count(old) >= 1, f"mutation site for {name!r} no longer exists"
     mutant = types.ModuleType("flashcp_dispatch_mutant")
     monkeypatch.setitem(sys.modules, mutant.__name__, mutant)  # dataclasses look it up
