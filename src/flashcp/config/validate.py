@@ -103,13 +103,12 @@ def _check_prefix(cfg: Config, c: Checks) -> None:
 
 def _check_model(cfg: Config, c: Checks) -> None:
     m = cfg.model
-    validate = getattr(m, "validate", None)
+    problems = getattr(m, "problems", None)
     reported: set[str] = set()
-    if callable(validate):
-        for key, message in validate():
-            dotted = key if str(key).startswith("model") else f"model.{key}"
-            reported.add(dotted)
-            c.add(dotted, message)
+    if callable(problems):
+        for found in problems():
+            reported.add(found.key)
+            c.add(found.key, found.problem)
     heads, kv = getattr(m, "num_heads", None), getattr(m, "num_kv_heads", None)
     if (
         isinstance(heads, int)

@@ -24,8 +24,9 @@ plan; keep ``float32`` for CPU runs compared against float32 references (the gol
 and wherever the per-layer rounding is not wanted. On CPU a bf16 stream is stored and cast
 only (no bf16 matmul there), with the same rounding as on a GPU.
 
-`validate()` returns every problem as ``(key, message)`` pairs (keys are ``model.<field>``)
-so the config layer can report them all at once; `check()` raises on the first batch.
+`problems()` returns every problem as a `flashcp.problems.Problem` (keys are
+``model.<field>``) so the config layer can report them all at once; `check()` raises them,
+all together, as one `ProblemsError`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
+
+from flashcp.problems import Problem, ProblemsError
 
 if TYPE_CHECKING:
     from flashcp.models.families.spec import Family, LayerBlocks
@@ -173,12 +176,12 @@ class ModelArgs:
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self) -> list[tuple[str, str]]:
-        """All problems as `(key, message)` pairs; empty when the args build a model."""
-        errs: list[tuple[str, str]] = []
+    def problems(self) -> list[Problem]:
+        """Every problem, keyed `model.<field>`; empty when the args build a model."""
+        errs: list[Problem] = []
 
         def err(name: str, message: str) -> None:
-            errs.append((f"model.{name}", message))
+            errs.append(Problem(f"model.{name}", message))
 
         from flashcp.models.families import FAMILIES
 
@@ -425,11 +428,9 @@ class ModelArgs:
             err("mlp_only_layers", f"mlp_only_layers {only!r} must be a list of layer indices")
 
     def check(self) -> ModelArgs:
-        """Raise `ValueError` listing every problem; return self when valid."""
-        errs = self.validate()
-        if errs:
-            lines = "\n".join(f"  {key}: {msg}" for key, msg in errs)
-            raise ValueError(f"invalid model arguments:\n{lines}")
+        """Raise `ProblemsError` (a `ValueError`) with every problem; return self when valid."""
+        if errs := self.problems():
+            raise ProblemsError(errs, "the model arguments")
         return self
 
     def to_dict(self) -> dict[str, object]:

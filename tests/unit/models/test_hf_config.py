@@ -253,7 +253,7 @@ def test_models_hf_cannot_compute_are_not_exported() -> None:
 
 
 def test_qk_norm_is_glm45_only() -> None:
-    errs = dict(ModelArgs(arch="glm", use_qk_norm=True).validate())
+    errs = {e.key: e.problem for e in ModelArgs(arch="glm", use_qk_norm=True).problems()}
     assert "always computes use_qk_norm=False" in errs["model.use_qk_norm"]
 
 

@@ -1,5 +1,5 @@
 """Models: shapes, GQA, tied embeddings, positions (rotary on GLOBAL positions, learned),
-the rotary conventions against independent numpy versions of HF's, presets and validate()."""
+the rotary conventions against independent numpy versions of HF's, presets and problems()."""
 
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def test_token_logprobs() -> None:
 
 def test_real_presets_validate_everywhere_but_build_only_on_gpu() -> None:
     air, glm9 = preset("glm45_air"), preset("glm4_9b")
-    assert air.validate() == [] and glm9.validate() == []
+    assert air.problems() == [] and glm9.problems() == []
     assert (air.num_layers, air.hidden_size, air.num_heads, air.num_kv_heads) == (46, 4096, 96, 8)
     assert (air.num_experts, air.num_experts_per_tok, air.first_k_dense_replace) == (128, 8, 1)
     assert air.mtp_layers == 1  # its NextN layer: a MoE block, embedding, head (~3.6B)
@@ -302,8 +302,8 @@ def test_unknown_preset() -> None:
 )
 def test_validate_messages(overrides: dict, key: str, text: str) -> None:
     args = dataclasses.replace(preset("tiny_glm"), **overrides)
-    errs = args.validate()
-    assert any(k == key and text in msg for k, msg in errs), errs
+    errs = args.problems()
+    assert any(e.key == key and text in e.problem for e in errs), errs
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         args.check()
 
@@ -319,15 +319,15 @@ def test_validate_messages(overrides: dict, key: str, text: str) -> None:
     ],
 )
 def test_validate_moe_messages(overrides: dict, key: str, text: str) -> None:
-    errs = dataclasses.replace(preset("tiny_glm_moe"), **overrides).validate()
-    assert any(k == key and text in msg for k, msg in errs), errs
+    errs = dataclasses.replace(preset("tiny_glm_moe"), **overrides).problems()
+    assert any(e.key == key and text in e.problem for e in errs), errs
 
 
 def test_validate_reports_every_problem_and_moe_fields_on_dense() -> None:
     args = ModelArgs(arch="gpt", num_heads=6, num_kv_heads=4, hidden_size=60, num_experts=8)
-    keys = {k for k, _ in args.validate()}
+    keys = {e.key for e in args.problems()}
     assert {"model.num_heads", "model.num_experts"} <= keys
-    assert preset("tiny").validate() == []
+    assert preset("tiny").problems() == []
 
 
 @pytest.mark.equivalence

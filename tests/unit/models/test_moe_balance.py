@@ -268,10 +268,11 @@ def test_config_refuses_bias_updates_under_lora_and_bad_values() -> None:
     raw["model"]["router_bias_update_rate"] = 0.0
     assert check_config(build_config(raw)) == []
     for field in ("router_bias_update_rate", "router_aux_loss_coef", "moe_capacity_factor"):
-        errs = preset("tiny_glm_moe").__class__(arch="glm_moe", **{field: -1.0}).validate()
-        assert any(k == f"model.{field}" and ">= 0" in m for k, m in errs)
-        dense = preset("tiny_glm").__class__(arch="glm", **{field: 0.5}).validate()
-        assert any(k == f"model.{field}" and "only used by MoE families" in m for k, m in dense)
+        errs = preset("tiny_glm_moe").__class__(arch="glm_moe", **{field: -1.0}).problems()
+        assert any(e.key == f"model.{field}" and ">= 0" in e.problem for e in errs)
+        dense = preset("tiny_glm").__class__(arch="glm", **{field: 0.5}).problems()
+        assert any(e.key == f"model.{field}" and "only used by MoE families" in e.problem
+                   for e in dense)
 
 
 def test_a_pipeline_stage_packs_and_updates_only_its_layers() -> None:

@@ -159,7 +159,7 @@ def test_estimate_parameters_counts_the_mtp_layers(name: str, depths: int) -> No
 )
 def test_bad_mtp_arguments_are_named(overrides: dict, key: str, text: str) -> None:
     args = dataclasses.replace(_args(), **overrides)
-    errors = dict(args.validate())
+    errors = {e.key: e.problem for e in args.problems()}
     assert list(errors) == [f"model.{key}"] and text in errors[f"model.{key}"], errors
     with pytest.raises(ValueError, match=f"model.{key}"):
         build_model(args)
@@ -167,7 +167,7 @@ def test_bad_mtp_arguments_are_named(overrides: dict, key: str, text: str) -> No
 
 def test_learned_positions_refuse_mtp_layers() -> None:
     args = dataclasses.replace(preset("tiny", position="learned"), mtp_layers=1)
-    errors = dict(args.validate())
+    errors = {e.key: e.problem for e in args.problems()}
     assert "model.position: rotary" in errors["model.mtp_layers"]
 
 
