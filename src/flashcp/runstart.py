@@ -7,9 +7,11 @@ same place (`run.overwrite=true`), or write elsewhere (another `run.output_dir`)
 start from step 0 (no checkpoint to continue from, whatever `checkpoint.resume` says) over the
 `metrics.jsonl` of an earlier run would truncate it, so it is refused too (`metrics_conflict`), with
 the two ways out that apply. `flashcp train` checks this before launching
-(`flashcp.launch.preflight`); every rank (`flashcp.launch.worker`) and the `Trainer` check it again
-with the same message, for jobs started by `paddle.distributed.launch` directly and for in-process
-use. This module sits below both the trainer and `flashcp.launch`, which import it.
+(`flashcp.launch.preflight`); every rank checks it again, once per process and run, with the
+same message, for jobs started by `paddle.distributed.launch` directly: `flashcp.launch.worker`
+before building (its `Trainer` is told `start_checked`), or the `Trainer` itself when used
+in-process (`Trainer(cfg).fit()`). This module sits below both the trainer and `flashcp.launch`,
+which import it.
 
 `run.overwrite: true` never deletes: `flashcp train` renames the directory to
 `<output_dir>.old-<YYYYmmdd-HHMMSS>[-N]` (`move_aside`: one rename in the same parent, to a name

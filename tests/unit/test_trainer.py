@@ -248,6 +248,32 @@ def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     assert "train.steps changed from 2 to 3" in out
 
 
+@pytest.mark.usefixtures("isolated_environ")  # the rank entry sets the runtime flags
+def test_the_run_directory_is_checked_once_per_process(
+    tmp_path: Path, tiny_cfg: TinyCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank (`worker.main`) checks the run directory before building and its Trainer does
+    not check again; a library `Trainer(cfg).fit()` checks it itself, every run."""
+    from flashcp import runstart
+
+    calls: list[str] = []
+    check = runstart.check_start
+
+    def counted(output_dir: Any, resume: str, overwrite: bool) -> None:
+        calls.append(str(output_dir))
+        check(output_dir, resume, overwrite)
+
+    monkeypatch.setattr(runstart, "check_start", counted)
+    path = _yaml(tmp_path, train={"steps": 1})
+    assert worker.main(["--config", path, f"run.output_dir={tmp_path / 'w'}"]) == 0
+    assert calls == [str(tmp_path / "w")]
+    calls.clear()
+    for name in ("a", "b"):  # two library runs in one process: each is checked
+        cfg = tiny_cfg(tmp_path, train={"steps": 1}, run={"output_dir": str(tmp_path / name)})
+        Trainer(cfg, stream=io.StringIO()).fit()
+    assert calls == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
 def test_the_last_step_is_saved_by_default(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     """Issue 27, defect 10: with checkpoint.every 0 (the default) the last step is still saved,
     also where run.stop_after_steps stops a run; the start line says what is saved and where;
