@@ -233,9 +233,9 @@ def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
         Trainer(never, stream=io.StringIO()).fit()
     # the Trainer never moves a run aside (that is `flashcp train`'s job, before launch)
     overwrite = tiny_cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
-    with pytest.raises(RuntimeError, match=r"run\.overwrite is true and .* holds an earlier "
+    with pytest.raises(RuntimeError, match=r"run\.output_dir: .* holds an earlier "
                        r"run \(checkpoints, config\.yaml, goodput\.json, metrics\.jsonl, "
-                       r"run_info\.json\)"):  # fmt: skip
+                       r"run_info\.json\) and run\.overwrite is true"):  # fmt: skip
         Trainer(overwrite, stream=io.StringIO()).fit()
     step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
     (step1 / "model.safetensors").write_bytes(b"broken")
