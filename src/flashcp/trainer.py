@@ -122,10 +122,11 @@ class Trainer:
         data: StepSource | None = None,
         stream: TextIO | None = None,
         stop: Callable[[], int] | None = None,
+        start_checked: bool = False,
     ) -> None:
         self.started = time.time()
         """When this run began (its build included): `run_info.json` and the last line."""
-        self.cfg, self.stream = cfg, stream
+        self.cfg, self.stream, self.start_checked = cfg, stream, start_checked
         self.stop_requested: Callable[[], int] = stop or (lambda: 0)
         self.stop_ranks: dict[int, int] = {}
         """Ranks that asked to stop, as the last step's exchange told (rank → signal)."""
@@ -177,10 +178,11 @@ class Trainer:
         return min(self.cfg.train.steps, self.step + stop) if stop else self.cfg.train.steps
 
     def resume(self) -> Path | None:
-        """Load the checkpoint `checkpoint.resume` selects, if any; returns its path. (The run
-        directory check `flashcp train` and every rank made before, here for in-process use.)"""
-        runstart.check_start(self.cfg.run.output_dir, self.cfg.checkpoint.resume,
-                             self.cfg.run.overwrite)  # fmt: skip
+        """Load the checkpoint `checkpoint.resume` selects, if any; returns its path. First the
+        run-directory check, unless this process made it (`start_checked`: the worker did)."""
+        if not self.start_checked:  # for `Trainer(cfg).fit()`; `flashcp train`'s is another process
+            runstart.check_start(self.cfg.run.output_dir, self.cfg.checkpoint.resume,
+                                 self.cfg.run.overwrite)  # fmt: skip
         resumed = self.checkpointer.resume(self.facts.global_batch["tokens"])
         if resumed is None:
             return None

@@ -82,7 +82,7 @@ def test_quickstart_twice_refusal_between_and_overwrite_keeps_the_old_run(tmp_pa
 
     # flashcp train: a fresh run over those checkpoints is refused before launching
     refusal = (
-        f"flashcp: cannot launch: run.output_dir {run_dir} already holds checkpoints "
+        f"flashcp: cannot launch: run.output_dir: {run_dir} already holds checkpoints "
         f"(step_{STEPS}) and checkpoint.resume is never: set checkpoint.resume=auto to continue "
         "that run, run.overwrite=true to move it aside and start over, or choose another "
         "run.output_dir"

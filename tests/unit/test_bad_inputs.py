@@ -285,13 +285,13 @@ ROWS = [
         r"run\.output_dir /proc/flashcp-out is not a writable directory: [^;\n]+; set "
         r"run\.output_dir to a directory you can write"),
     cli("fresh_run_over_checkpoints", ["checkpoint.resume=never"],
-        r"\Aflashcp: cannot launch: run\.output_dir {out} already holds checkpoints \(step_2\) "
+        r"\Aflashcp: cannot launch: run\.output_dir: {out} already holds checkpoints \(step_2\) "
         r"and checkpoint\.resume is never: set checkpoint\.resume=auto to continue that run, "
         r"run\.overwrite=true to move it aside and start over, or choose another "
         r"run\.output_dir\n\Z"),
     cli("overwrite_would_move_the_cwd", ["run.overwrite=true", "run.output_dir={tmp}"],
-        r"\Aflashcp: cannot launch: run\.overwrite=true would move run\.output_dir {tmp}, which "
-        r"holds the current directory: run from another directory or choose another "
+        r"\Aflashcp: cannot launch: run\.output_dir: {tmp} holds the current directory, so "
+        r"run\.overwrite=true cannot move it: run from another directory or choose another "
         r"run\.output_dir\n\Z"),
     cli("port_in_use", [],
         r"FLASHCP_MASTER_PORT=(\d+): binding 127\.0\.0\.1:\1 is already in use \(another job or "
@@ -405,13 +405,14 @@ ROWS = [
            r"FLASHCP_FAULT: cannot parse 'nan_loss:step3': expected "
            r"KIND@stepN\[:rankR\]\[:attemptA\] \(e\.g\. nan_loss@step3:rank1\)"),
     worker("worker_fresh_run_over_checkpoints", W2,
-           r"\Arun\.output_dir {out} already holds checkpoints \(step_2\) and checkpoint\.resume "
+           r"\Arun\.output_dir: {out} already holds checkpoints \(step_2\) and checkpoint\.resume "
            r"is never: set checkpoint\.resume=auto to continue that run, run\.overwrite=true to "
            r"move it aside and start over, or choose another run\.output_dir\n\Z",
            ["checkpoint.resume=never"]),
     worker("worker_overwrite_over_an_earlier_run", W2,
-           r"\Arun\.overwrite is true and run\.output_dir {out} holds an earlier run "
-           r"\(checkpoints, config\.yaml, goodput\.json, metrics\.jsonl, run_info\.json\): "
+           r"\Arun\.output_dir: {out} holds an earlier run "
+           r"\(checkpoints, config\.yaml, goodput\.json, metrics\.jsonl, run_info\.json\) and "
+           r"run\.overwrite is true: "
            r"`flashcp train` "
            r"moves it aside before launching, the ranks of a job started by "
            r"paddle\.distributed\.launch do not: run "

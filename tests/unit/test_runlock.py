@@ -196,7 +196,7 @@ def test_a_directory_holding_only_the_lock_and_logs_is_no_earlier_run(tmp_path: 
     held = runlock.acquire(tmp_path, _holder())
     (tmp_path / rundir.LOG_DIR).mkdir()
     assert runstart.earlier_run(tmp_path) == []
-    assert runstart.start_conflict(tmp_path, "never", overwrite=True) is None
+    assert runstart.start_problems(tmp_path, "never", overwrite=True) == []
     held.release()
 
 

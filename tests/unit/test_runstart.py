@@ -51,16 +51,18 @@ def test_earlier_run_ignores_logs_only(tmp_path: Path) -> None:
 def test_fresh_run_over_checkpoints_is_refused_with_three_ways_out(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _earlier_run(out)
-    line = runstart.checkpoint_conflict(out, "never")
+    problems = runstart.checkpoint_problems(out, "never")
+    line = str(problems[0])
+    assert [p.key for p in problems] == ["run.output_dir"]
     assert line == (
-        f"run.output_dir {out} already holds checkpoints (step_4) and checkpoint.resume is "
+        f"run.output_dir: {out} already holds checkpoints (step_4) and checkpoint.resume is "
         "never: set checkpoint.resume=auto to continue that run, run.overwrite=true to move it "
         "aside and start over, or choose another run.output_dir"
     )
     assert "\n" not in line
-    assert runstart.checkpoint_conflict(out, "auto") is None
-    assert runstart.checkpoint_conflict(tmp_path / "empty", "never") is None
-    assert runstart.start_conflict(out, "never", False) == line
+    assert runstart.checkpoint_problems(out, "auto") == []
+    assert runstart.checkpoint_problems(tmp_path / "empty", "never") == []
+    assert runstart.start_problems(out, "never", False) == problems
     with pytest.raises(runstart.RunDirError) as err:
         runstart.check_start(out, "never", False)
     assert str(err.value) == line
@@ -85,8 +87,9 @@ def test_ranks_never_move_an_earlier_run(tmp_path: Path) -> None:
     (out / "logs").mkdir(parents=True)
     runstart.check_start(out, "never", True)  # only logs: what `flashcp train` left after moving
     before = _earlier_run(tmp_path / "old")
-    with pytest.raises(runstart.RunDirError, match=r"run\.overwrite is true and run\.output_dir "
-                       r".*old holds an earlier run \(checkpoints, metrics\.jsonl\): "
+    with pytest.raises(runstart.RunDirError, match=r"run\.output_dir: "
+                       r".*old holds an earlier run \(checkpoints, metrics\.jsonl\) and "
+                       r"run\.overwrite is true: "
                        r"`flashcp train` moves it aside before launching.*run `flashcp train "
                        r"CONFIG run\.overwrite=true`, or move .*old away yourself"):  # fmt: skip
         runstart.check_start(tmp_path / "old", "auto", True)
@@ -117,7 +120,7 @@ def test_move_aside_refuses_to_move_the_current_directory(
     assert runstart.holds_cwd(out) and runstart.holds_cwd(".")
     assert not runstart.holds_cwd(tmp_path / "x")
     for target in (out, Path("..")):
-        with pytest.raises(runstart.RunDirError, match="which holds the current directory"):
+        with pytest.raises(runstart.RunDirError, match="holds the current directory, so"):
             runstart.move_aside(target)
     assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
@@ -132,8 +135,9 @@ def test_move_aside_failure_leaves_everything_in_place(
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
 
     monkeypatch.setattr(runstart.os, "rename", cross_device)
-    moved = r"cannot move run\.output_dir .*run aside to .*run\.old-\d{8}-\d{6}: "
-    with pytest.raises(runstart.RunDirError, match=moved + "Invalid cross-device link; move it"):
+    moved = r"run\.output_dir: run\.overwrite=true cannot move .*run aside"
+    moved += r" to .*run\.old-\d{8}-\d{6}: "
+    with pytest.raises(runstart.RunDirError, match=moved + "Invalid cross-device link: move it"):
         runstart.move_aside(out)
     assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
@@ -146,7 +150,7 @@ def test_move_aside_cannot_reserve_a_name(tmp_path: Path, monkeypatch: pytest.Mo
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
 
     monkeypatch.setattr(Path, "mkdir", no_space)
-    with pytest.raises(runstart.RunDirError, match="No space left on device; move it yourself"):
+    with pytest.raises(runstart.RunDirError, match="No space left on device: move it yourself"):
         runstart.move_aside(out)
     monkeypatch.undo()
     assert _files(out) == before
@@ -196,7 +200,7 @@ def test_run_job_refuses_fresh_run_over_checkpoints_in_one_line(
     code = _run_job(out, "checkpoint.resume=never")
     err = capsys.readouterr().err
     assert code == preflight.EXIT_PREFLIGHT
-    assert err == f"flashcp: cannot launch: {runstart.checkpoint_conflict(out, 'never')}\n"
+    assert err == f"flashcp: cannot launch: {runstart.checkpoint_problems(out, 'never')[0]}\n"
     assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -210,7 +214,7 @@ def test_run_job_overwrite_refuses_to_move_the_current_directory(
     monkeypatch.chdir(out)
     code = _run_job(".", "run.overwrite=true")
     assert code == preflight.EXIT_PREFLIGHT
-    assert "which holds the current directory" in capsys.readouterr().err
+    assert "holds the current directory, so run.overwrite=true cannot" in capsys.readouterr().err
     assert _files(out) == before
 
 
@@ -221,29 +225,29 @@ def test_run_from_step_0_over_earlier_metrics_is_refused(tmp_path: Path) -> None
     (out / "logs").mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 5.1}\n')
     want = (
-        f"run.output_dir {out} holds metrics.jsonl of an earlier run (2 step record(s)) and no "
+        f"run.output_dir: {out} holds metrics.jsonl of an earlier run (2 step record(s)) and no "
         "checkpoint to continue from, so this run would start from step 0 and overwrite it: "
         "set run.overwrite=true to move the earlier run aside and start over, or choose "
         "another run.output_dir"
     )
     for resume in ("never", "auto"):
-        assert runstart.metrics_conflict(out, resume) == want
-        assert runstart.start_conflict(out, resume, False) == want
+        assert [str(p) for p in runstart.metrics_problems(out, resume)] == [want]
+        assert [str(p) for p in runstart.start_problems(out, resume, False)] == [want]
         with pytest.raises(runstart.RunDirError, match="would start from step 0"):
             runstart.check_start(out, resume, False)
-    assert runstart.metrics_conflict(out, str(out / "checkpoints" / "step_2")) is None
-    assert runstart.start_conflict(out, "auto", True) is not None  # ranks never move a run
+    assert runstart.metrics_problems(out, str(out / "checkpoints" / "step_2")) == []
+    assert runstart.start_problems(out, "auto", True) != []  # ranks never move a run
     (out / "metrics.jsonl").write_text("\n")  # an empty file holds no run
-    assert runstart.metrics_conflict(out, "never") is None
-    assert runstart.metrics_conflict(tmp_path / "missing", "auto") is None
+    assert runstart.metrics_problems(out, "never") == []
+    assert runstart.metrics_problems(tmp_path / "missing", "auto") == []
 
 
 def test_resume_auto_over_checkpoints_and_metrics_continues(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _earlier_run(out)
-    assert runstart.metrics_conflict(out, "auto") is None  # the checkpoint continues the run
-    assert runstart.fresh_start_conflict(out, "auto") is None
-    assert runstart.fresh_start_conflict(out, "never") == runstart.checkpoint_conflict(out, "never")
+    assert runstart.metrics_problems(out, "auto") == []  # the checkpoint continues the run
+    assert runstart.fresh_start_problems(out, "auto") == []
+    assert runstart.fresh_start_problems(out, "never") == runstart.checkpoint_problems(out, "never")
 
 
 def test_run_job_refuses_run_over_earlier_metrics_in_one_line(
@@ -258,5 +262,5 @@ def test_run_job_refuses_run_over_earlier_metrics_in_one_line(
     code = _run_job(out, "checkpoint.resume=auto")
     assert code == preflight.EXIT_PREFLIGHT
     err = capsys.readouterr().err
-    assert err == f"flashcp: cannot launch: {runstart.metrics_conflict(out, 'auto')}\n"
+    assert err == f"flashcp: cannot launch: {runstart.metrics_problems(out, 'auto')[0]}\n"
     assert _files(out) == before

@@ -233,9 +233,9 @@ def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
         Trainer(never, stream=io.StringIO()).fit()
     # the Trainer never moves a run aside (that is `flashcp train`'s job, before launch)
     overwrite = tiny_cfg(tmp_path, train={"steps": 2}, run={"overwrite": True})
-    with pytest.raises(RuntimeError, match=r"run\.overwrite is true and .* holds an earlier "
+    with pytest.raises(RuntimeError, match=r"run\.output_dir: .* holds an earlier "
                        r"run \(checkpoints, config\.yaml, goodput\.json, metrics\.jsonl, "
-                       r"run_info\.json\)"):  # fmt: skip
+                       r"run_info\.json\) and run\.overwrite is true"):  # fmt: skip
         Trainer(overwrite, stream=io.StringIO()).fit()
     step1 = Path(cfg.run.output_dir) / "checkpoints" / "step_1"
     (step1 / "model.safetensors").write_bytes(b"broken")
@@ -246,6 +246,32 @@ def test_resume_policies(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:
     _, result, out = fit(changed)
     assert result.start_step == 2 and "changed config (train.lr)" in out
     assert "train.steps changed from 2 to 3" in out
+
+
+@pytest.mark.usefixtures("isolated_environ")  # the rank entry sets the runtime flags
+def test_the_run_directory_is_checked_once_per_process(
+    tmp_path: Path, tiny_cfg: TinyCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank (`worker.main`) checks the run directory before building and its Trainer does
+    not check again; a library `Trainer(cfg).fit()` checks it itself, every run."""
+    from flashcp import runstart
+
+    calls: list[str] = []
+    check = runstart.check_start
+
+    def counted(output_dir: Any, resume: str, overwrite: bool) -> None:
+        calls.append(str(output_dir))
+        check(output_dir, resume, overwrite)
+
+    monkeypatch.setattr(runstart, "check_start", counted)
+    path = _yaml(tmp_path, train={"steps": 1})
+    assert worker.main(["--config", path, f"run.output_dir={tmp_path / 'w'}"]) == 0
+    assert calls == [str(tmp_path / "w")]
+    calls.clear()
+    for name in ("a", "b"):  # two library runs in one process: each is checked
+        cfg = tiny_cfg(tmp_path, train={"steps": 1}, run={"output_dir": str(tmp_path / name)})
+        Trainer(cfg, stream=io.StringIO()).fit()
+    assert calls == [str(tmp_path / "a"), str(tmp_path / "b")]
 
 
 def test_the_last_step_is_saved_by_default(tmp_path: Path, tiny_cfg: TinyCfg, fit: Fit) -> None:

@@ -242,8 +242,8 @@ def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> No
     after every other check has passed)."""
     if overwrite:
         return
-    if (problem := runstart.fresh_start_conflict(output_dir, resume)) is not None:
-        raise PreflightError(problem)
+    if problems := runstart.fresh_start_problems(output_dir, resume):
+        raise PreflightError(runstart.RunDirError(problems).render())
 
 
 def refusal_text(problems: list[Problem], source: str | None) -> str:

@@ -162,7 +162,8 @@ def _run(args: argparse.Namespace, cfg: Config, injected: list[faults.Fault], ra
         if args.eval:
             Evaluation(cfg, groups).run()
         else:
-            trainer = Trainer(cfg, groups, stop=stop)
+            # `main` checked the run directory (check_start): the Trainer does not again
+            trainer = Trainer(cfg, groups, stop=stop, start_checked=True)
             # FLASHCP_FAULT (tests); nothing when unset
             faults.install(trainer.model, trainer.params, lambda: trainer.step, injected)
             if trainer.fit().preempted:

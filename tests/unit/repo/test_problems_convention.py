@@ -1,6 +1,6 @@
 """One refusal vocabulary (issue 38, item 1): a check reports `list[Problem]`
 (`flashcp.problems`) under a `*_problems` name; no function is a `*_refusal` returning a message
-or None, and no `*_problems` / `check_*` function returns `str | None`."""
+or None, and no `*_problems` / `check_*` / `*_conflict` function returns `str | None`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def violations(source: str, where: str = "<text>") -> list[str]:
             found.append(f"{at}: a `*_refusal`; report `list[Problem]` as `*_problems`")
         if name.endswith("_problems") and returns != "list[Problem]":
             found.append(f"{at}: returns {returns or 'unannotated'}, not list[Problem]")
-        if (name.startswith("check_") or name.endswith("_problems")) and returns in (
+        checks = name.startswith("check_") or name.endswith(("_problems", "_conflict"))
+        if checks and returns in (
             "str|None", "None|str", "Optional[str]"
         ):  # fmt: skip
             found.append(f"{at}: a check returning a message or None")
@@ -45,8 +46,9 @@ def test_a_refusal_returning_a_message_is_found() -> None:
 def memory_refusal(cfg) -> str | None: ...
 def data_problems(cfg) -> list[str]: ...
 def check_dispatch(cfg) -> str | None: ...
+def start_conflict(out, resume) -> str | None: ...
 def good_problems(cfg) -> list[Problem]: ...
 '''
     found = violations(bad)
     assert [f.split(":")[1].split()[1] for f in found] == [
-        "memory_refusal", "data_problems", "check_dispatch"]  # fmt: skip
+        "memory_refusal", "data_problems", "check_dispatch", "start_conflict"]  # fmt: skip
