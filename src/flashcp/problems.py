@@ -80,18 +80,30 @@ def one_line(text: str) -> str:
 
 
 class ProblemsError(ValueError):
-    """The one refusal an entry point raises: every problem found (never just the first)."""
+    """The one refusal an entry point raises: every problem found (never just the first).
+    `kind` names them in the printed text ("config problem in SOURCE: key: message"); a
+    subclass whose caller already says what failed (the launcher's "cannot launch: ") sets it
+    empty, and one problem prints as `key: message` alone."""
 
-    def __init__(self, problems: Sequence[Problem], source: str | None = None) -> None:
+    kind = "config problem"
+
+    def __init__(
+        self, problems: Sequence[Problem], source: str | None = None, *, kind: str | None = None
+    ) -> None:
         self.problems = list(problems)
         self.source = source
+        if kind is not None:
+            self.kind = kind
         super().__init__(self.render())
 
     def render(self) -> str:
         """One line for one problem; a heading and one line per problem for several."""
         where = f" in {self.source}" if self.source else ""
         n = len(self.problems)
+        kind = self.kind or "problem"
         if n == 1:
-            return f"config problem{where}: {self.problems[0]}"
-        head = f"{n} config problems{where}:"
+            return f"{kind}{where}: {self.problems[0]}" if self.kind or where else (
+                str(self.problems[0])
+            )  # fmt: skip
+        head = f"{n} {kind}s{where}:"
         return "\n".join([head, *(f"  - {e}" for e in self.problems)])

@@ -21,8 +21,9 @@ that is gone is taken over, with a note (`Held.note`): on the same machine (the 
 whose heartbeat (the file's mtime, refreshed every `HEARTBEAT_S` s) is older than
 `FLASHCP_LOCK_STALE_S` (`STALE_S` by default). The holder removes the file when it ends.
 
-It imports only the run directory's names (`flashcp.rundir`); `flashcp.runstart` and
-`flashcp.launch` use it.
+It imports only the run directory's names (`flashcp.rundir`) and the refusal
+(`flashcp.problems`: a refusal is a `Problem` keyed `run.output_dir`, `lock_problem`);
+`flashcp.runstart` and `flashcp.launch` use it.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flashcp.problems import Problem, ProblemsError
 from flashcp.rundir import LOCK_FILE
 
+OUTPUT_DIR = "run.output_dir"
+"""The key a lock's refusal is reported under."""
 ENV_TOKEN = "FLASHCP_RUN_LOCK"
 """The token of the lock a job's `flashcp train` (or `flashcp eval`) holds, in its ranks'
 environment."""
@@ -105,12 +109,16 @@ class Holder:
         return f"{self.what} (pid {self.pid} on {self.host}, started {when}{command})"
 
 
-class RunLockError(RuntimeError):
-    """The run directory is in use by another job; the message names it and the ways out."""
+class RunLockError(ProblemsError, RuntimeError):
+    """The run directory is in use by another job: its problem (`lock_problem`, keyed
+    `run.output_dir`) names the holder and the ways out, printed as one line `key: message`.
+    (A `RuntimeError` too, as it was.)"""
 
-    def __init__(self, message: str, holder: Holder | None = None) -> None:
-        super().__init__(message)
+    kind = ""
+
+    def __init__(self, problem: Problem, holder: Holder | None = None) -> None:
         self.holder = holder
+        super().__init__([problem])
 
 
 def stale_seconds(environ: Mapping[str, str] | None = None) -> float:
@@ -187,25 +195,26 @@ def judge(holder: Holder | None, flock: str, age_s: float, stale_s: float) -> Ve
     return Verdict(True)
 
 
-def refusal(output_dir: str | Path, holder: Holder | None, *, stale_s: float) -> str:
-    """The one line that refuses a second job on `output_dir`: the holder and the ways out."""
+def lock_problem(output_dir: str | Path, holder: Holder | None, *, stale_s: float) -> Problem:
+    """The refusal of a second job on `output_dir` (keyed `run.output_dir`): the holder and the
+    ways out."""
     path = Path(output_dir) / LOCK_FILE
     if holder is None:
-        return (
-            f"run.output_dir {output_dir} is in use by another job (its lock {path} is held "
-            "and names no holder yet): wait for that job to end, or choose another "
-            "run.output_dir"
-        )
+        return Problem(
+            OUTPUT_DIR, f"{output_dir} is in use by another job (its lock {path} is held and "
+            "names no holder yet)",
+            other="wait for that job to end, or choose another run.output_dir",
+        )  # fmt: skip
     here = holder.host == socket.gethostname()
     stop = f"kill {holder.pid}" + ("" if here else f" on {holder.host}")
     tail = "" if here else (
         f"; a lock whose heartbeat stopped is taken over after {ENV_STALE_S} {stale_s:g} s"
     )  # fmt: skip
-    return (
-        f"run.output_dir {output_dir} is in use by {holder.describe()}: wait for that job to "
-        f"end or stop it ({stop}; run the same command again to resume it), or choose another "
-        f"run.output_dir{tail}"
-    )
+    return Problem(
+        OUTPUT_DIR, f"{output_dir} is in use by {holder.describe()}",
+        other=f"wait for that job to end or stop it ({stop}; run the same command again to "
+        f"resume it), or choose another run.output_dir{tail}",
+    )  # fmt: skip
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -285,7 +294,7 @@ def probe(output_dir: str | Path, *, stale_s: float | None = None) -> None:
         state = _flock(fd, fcntl.LOCK_SH)
         holder = _read(fd)
         if judge(holder, state, _age(fd), limit).live:
-            raise RunLockError(refusal(output_dir, holder, stale_s=limit), holder)
+            raise RunLockError(lock_problem(output_dir, holder, stale_s=limit), holder)
     finally:
         os.close(fd)
 
@@ -320,7 +329,7 @@ def acquire(
             found = _read(fd)
             verdict = judge(found, state, _age(fd), limit)
             if verdict.live:
-                raise RunLockError(refusal(out, found, stale_s=limit), found)
+                raise RunLockError(lock_problem(out, found, stale_s=limit), found)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -359,12 +368,12 @@ def check_token(output_dir: str | Path, token: str) -> None:
         return
     limit = stale_seconds()
     if holder is None:
-        raise RunLockError(
-            f"run.output_dir {output_dir} is not locked by this rank's job (no "
-            f"{LOCK_FILE}): start the job with `flashcp train`, or run.output_dir is not the "
-            "directory its flashcp train locked (a shared directory on every node?)"
-        )
-    raise RunLockError(refusal(output_dir, holder, stale_s=limit), holder)
+        raise RunLockError(Problem(
+            OUTPUT_DIR, f"{output_dir} is not locked by this rank's job (no {LOCK_FILE})",
+            other="start the job with `flashcp train`, or run.output_dir is not the directory "
+            "its flashcp train locked (a shared directory on every node?)",
+        ))  # fmt: skip
+    raise RunLockError(lock_problem(output_dir, holder, stale_s=limit), holder)
 
 
 def paddle_token(environ: Mapping[str, str] | None = None) -> str | None:

@@ -276,13 +276,13 @@ ROWS = [
     cli("on_bad_record_unknown", ["data.on_bad_record=ignore"],
         r"data\.on_bad_record: expected one of"),
     cli("output_dir_under_a_file", ["run.output_dir={tmp}/a_file/out"],
-        r"run\.output_dir {tmp}/a_file/out is not a writable directory: Not a directory "
-        r"\({tmp}/a_file/out/logs\); set run\.output_dir to a directory you can write"),
+        r"run\.output_dir: {tmp}/a_file/out is not a writable directory: Not a directory "
+        r"\({tmp}/a_file/out/logs\): set run\.output_dir to a directory you can write"),
     cli("output_dir_is_a_file", ["run.output_dir={tmp}/a_file"],
-        r"run\.output_dir {tmp}/a_file is not a writable directory: Not a directory "
-        r"\({tmp}/a_file/logs\); set run\.output_dir to a directory you can write"),
+        r"run\.output_dir: {tmp}/a_file is not a writable directory: Not a directory "
+        r"\({tmp}/a_file/logs\): set run\.output_dir to a directory you can write"),
     cli("output_dir_read_only_fs", ["run.output_dir=/proc/flashcp-out"],
-        r"run\.output_dir /proc/flashcp-out is not a writable directory: [^;\n]+; set "
+        r"run\.output_dir: /proc/flashcp-out is not a writable directory: [^\n]+: set "
         r"run\.output_dir to a directory you can write"),
     cli("fresh_run_over_checkpoints", ["checkpoint.resume=never"],
         r"\Aflashcp: cannot launch: run\.output_dir: {out} already holds checkpoints \(step_2\) "
@@ -294,14 +294,14 @@ ROWS = [
         r"run\.overwrite=true cannot move it: run from another directory or choose another "
         r"run\.output_dir\n\Z"),
     cli("port_in_use", [],
-        r"FLASHCP_MASTER_PORT=(\d+): binding 127\.0\.0\.1:\1 is already in use \(another job or "
+        r"FLASHCP_MASTER_PORT: binding 127\.0\.0\.1:(\d+) is already in use \(another job or "
         r"service holds it\): pick a free port or unset FLASHCP_MASTER_PORT",
         env={"FLASHCP_MASTER_PORT": PORT}),
     cli("port_not_a_number", [],
-        r"FLASHCP_MASTER_PORT='http' is not a port number \(1-65535\): set a free port or unset "
+        r"FLASHCP_MASTER_PORT: 'http' is not a port number \(1-65535\): set a free port or unset "
         r"it", env={"FLASHCP_MASTER_PORT": "http"}),
     cli("port_out_of_range", [],
-        r"FLASHCP_MASTER_PORT='70000' is not a port number \(1-65535\): set a free port or unset "
+        r"FLASHCP_MASTER_PORT: '70000' is not a port number \(1-65535\): set a free port or unset "
         r"it", env={"FLASHCP_MASTER_PORT": "70000"}),
     cli("fa_version_unknown", [],
         r"FlashAttention dispatch: FLAGS_flash_attn_version=7 is not a FlashAttention version: "
@@ -376,12 +376,13 @@ ROWS = [
         r"flashcp train: --nnodes 2 needs --master HOST:PORT: node 0's address and a free port, "
         r"given the same on every node"),
     cli("master_not_host_port", ["--nnodes", "2", "--master", "node0"],
-        r"flashcp: cannot launch: --master 'node0' is not HOST:PORT \(a port 1-65535; a "
+        r"flashcp: cannot launch: --master: 'node0' is not HOST:PORT \(a port 1-65535; a "
         r"hostname or IPv4 address, as Paddle's launcher reads it\): give node 0's address and "
         r"a free port, the same on every node"),
     cli("master_unreachable", ["--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:1"],
-        r"flashcp: cannot launch: node 1: node 0's launcher \(--master 127\.0\.0\.1:1\) at "
-        r"127\.0\.0\.1:1 did not accept connections within 0\.5 s .*: start node 0 first "
+        r"flashcp: cannot launch: --master: node 1: node 0's launcher \(--master "
+        r"127\.0\.0\.1:1\) at 127\.0\.0\.1:1 did not accept connections within 0\.5 s .*: "
+        r"start node 0 first "
         r"\(`flashcp train CONFIG --nnodes 2 --node-rank 0 --master 127\.0\.0\.1:1`\)",
         env={"FLASHCP_INIT_TIMEOUT": "0.5"}),
     # -- one rank of a launched job ------------------------------------------------------------

@@ -37,7 +37,7 @@ def test_a_second_holder_is_refused_naming_the_first_and_the_ways_out(tmp_path: 
         runlock.acquire(tmp_path / "run", _holder(), retry_s=0.1)
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith(f"run.output_dir {tmp_path / 'run'} is in use by flashcp train "
+    assert message.startswith(f"run.output_dir: {tmp_path / 'run'} is in use by flashcp train "
                               f"(pid {os.getpid()} on ")  # fmt: skip
     assert "`flashcp train c.yaml`" in message
     assert message.endswith(f"wait for that job to end or stop it (kill {os.getpid()}; run the "

@@ -26,10 +26,11 @@ has done its checks before they start, then check that node 0 of their job (the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +50,24 @@ ENV_MASTER_PORT = "FLASHCP_MASTER_PORT"
 """A fixed port for the launcher's master (default: the launcher picks a free one)."""
 
 
-class PreflightError(RuntimeError):
-    """The job cannot start; the message names the problem and the fix."""
+class PreflightError(ProblemsError, RuntimeError):
+    """The job cannot start: its problems (`flashcp.problems.Problem`), each keyed by what it is
+    about (a flag such as `--master`, an environment variable such as `FLASHCP_MASTER_PORT`,
+    `run.output_dir`) with the way out. Printed after the launcher's "cannot launch: " as
+    `key: message` (no "config problem" heading: `kind` is empty), or with the config's
+    heading when the config's own preflight refused (`kind="config problem"`)."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        problems: Problem | Sequence[Problem],
+        source: str | None = None,
+        *,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__([problems] if isinstance(problems, Problem) else problems, source,
+                         kind=kind)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -72,11 +89,12 @@ class Nodes:
         host, sep, port = (self.master or "").rpartition(":")
         ok = sep and host and ":" not in host and port.isdigit() and 1 <= int(port) <= 65535
         if not ok:
-            raise PreflightError(
-                f"--master {self.master!r} is not HOST:PORT (a port 1-65535; a hostname or "
-                "IPv4 address, as Paddle's launcher reads it): give node 0's address and a free "
-                "port, the same on every node, e.g. --master 10.0.0.1:29500"
-            )
+            raise PreflightError(Problem(
+                "--master", f"{self.master!r} is not HOST:PORT (a port 1-65535; a hostname or "
+                "IPv4 address, as Paddle's launcher reads it)",
+                other="give node 0's address and a free port, the same on every node, e.g. "
+                "--master 10.0.0.1:29500",
+            ))  # fmt: skip
         return host, int(port)
 
     def log_dir(self, output_dir: str | Path) -> Path:
@@ -113,23 +131,24 @@ def master_port(environ: Mapping[str, str] | None = None) -> int | None:
     if not raw:
         return None
     if not raw.isdigit() or not 1 <= int(raw) <= 65535:
-        raise PreflightError(
-            f"{ENV_MASTER_PORT}={raw!r} is not a port number (1-65535): set a free port or "
-            "unset it to let the launcher choose"
-        )
+        raise PreflightError(Problem(
+            ENV_MASTER_PORT, f"{raw!r} is not a port number (1-65535)",
+            other="set a free port or unset it to let the launcher choose",
+        ))  # fmt: skip
     port = int(raw)
-    _check_free("127.0.0.1", port, f"{ENV_MASTER_PORT}={port}",
+    _check_free("127.0.0.1", port, ENV_MASTER_PORT,
                 f"pick a free port or unset {ENV_MASTER_PORT} to let the launcher choose",
                 where=f"127.0.0.1:{port}")  # fmt: skip
     return port
 
 
 def launcher_ports(environ: Mapping[str, str], nproc: int) -> PortLease | None:
-    """`supervise.launcher_lease`, a machine out of ports as `PreflightError`."""
+    """`supervise.launcher_lease`, a machine out of ports as `PreflightError` (keyed
+    `PORT_RANGE`, the variable that names the launcher's ports; its message says the way out)."""
     try:
         return launcher_lease(environ, nproc)
     except RuntimeError as exc:
-        raise PreflightError(str(exc)) from None
+        raise PreflightError(Problem("PORT_RANGE", str(exc))) from None
 
 
 def check_master(nodes: Nodes, *, timeout: float | None = None) -> None:
@@ -140,18 +159,19 @@ def check_master(nodes: Nodes, *, timeout: float | None = None) -> None:
     if nodes.rank == 0:
         if host in _local_hosts():
             bind = "0.0.0.0" if host not in ("127.0.0.1", "localhost") else host
-            _check_free(bind, port, f"--master {nodes.master}",
-                        "pick a free port (the same on every node)")  # fmt: skip
+            _check_free(bind, port, "--master", "pick a free port (the same on every node)",
+                        where=nodes.master)  # fmt: skip
         return
     seconds = resolve_timeout(timeout, init=True)
     try:
         wait_for_port(host, port, seconds, what=f"node 0's launcher (--master {nodes.master})")
     except TimeoutError as exc:
-        raise PreflightError(
-            f"node {nodes.rank}: {exc}: start node 0 first (`flashcp train CONFIG --nnodes "
-            f"{nodes.count} --node-rank 0 --master {nodes.master}`), check the address and the "
-            "firewall; FLASHCP_INIT_TIMEOUT sets how long to wait"
-        ) from None
+        raise PreflightError(Problem(
+            "--master", f"node {nodes.rank}: {exc}",
+            other=f"start node 0 first (`flashcp train CONFIG --nnodes {nodes.count} "
+            f"--node-rank 0 --master {nodes.master}`), check the address and the firewall; "
+            "FLASHCP_INIT_TIMEOUT sets how long to wait",
+        )) from None  # fmt: skip
 
 
 def _local_hosts() -> set[str]:
@@ -162,18 +182,19 @@ def _local_hosts() -> set[str]:
     return names
 
 
-def _check_free(host: str, port: int, what: str, fix: str, *, where: str | None = None) -> None:
-    """`PreflightError` naming `what` when `host:port` cannot be bound here."""
+def _check_free(host: str, port: int, key: str, fix: str, *, where: str | None = None) -> None:
+    """`PreflightError` keyed `key` (the flag or variable that named the port) when
+    `host:port` cannot be bound here; `where`: the address as the user gave it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
             why = "is already in use" if exc.errno == errno.EADDRINUSE else f"failed: {exc}"
-            raise PreflightError(
-                f"{what}: binding {where or f'port {port}'} {why} (another job or service "
-                f"holds it): {fix}"
-            ) from None
+            raise PreflightError(Problem(
+                key, f"binding {where or f'port {port}'} {why} (another job or service holds "
+                "it)", other=fix,
+            )) from None  # fmt: skip
 
 
 def check_output_dir(output_dir: str | Path, log_dir: Path | None = None) -> Path:
@@ -192,11 +213,12 @@ def check_output_dir(output_dir: str | Path, log_dir: Path | None = None) -> Pat
 
 
 def _not_writable(out: str | Path, exc: OSError) -> PreflightError:
+    """`run.output_dir` (`out`) cannot be written, as `PreflightError`."""
     where = f" ({exc.filename})" if exc.filename else ""
-    return PreflightError(
-        f"run.output_dir {out} is not a writable directory: {exc.strerror or exc}{where}; "
-        "set run.output_dir to a directory you can write"
-    )
+    return PreflightError(Problem(
+        runlock.OUTPUT_DIR, f"{out} is not a writable directory: {exc.strerror or exc}{where}",
+        other="set run.output_dir to a directory you can write",
+    ))  # fmt: skip
 
 
 def take_lock(output_dir: str | Path, holder: runlock.Holder) -> runlock.Held:
@@ -204,7 +226,7 @@ def take_lock(output_dir: str | Path, holder: runlock.Holder) -> runlock.Held:
     try:
         return runlock.acquire(output_dir, holder)
     except runlock.RunLockError as exc:
-        raise PreflightError(str(exc)) from None
+        raise PreflightError(exc.problems) from None
     except OSError as exc:
         raise _not_writable(output_dir, exc) from None
 
@@ -214,7 +236,7 @@ def check_lock(output_dir: str | Path) -> None:
     try:
         runlock.probe(output_dir)
     except runlock.RunLockError as exc:
-        raise PreflightError(str(exc)) from None
+        raise PreflightError(exc.problems) from None
 
 
 def job_lock(output_dir: str | Path, nodes: Nodes) -> runlock.Holder:
@@ -227,13 +249,15 @@ def job_lock(output_dir: str | Path, nodes: Nodes) -> runlock.Holder:
     if holder is not None and ours:
         return holder
     if live and holder is not None:
-        why = runlock.refusal(output_dir, holder, stale_s=runlock.stale_seconds())
-        raise PreflightError(f"node {nodes.rank}: {why}")
-    raise PreflightError(
-        f"node {nodes.rank}: node 0's launcher serves --master {nodes.master} but holds no lock "
-        f"on run.output_dir {output_dir} ({runlock.LOCK_FILE}): run.output_dir must be one "
-        "directory shared by every node (and node 0 started with the same --master and --nnodes)"
-    )
+        held = runlock.lock_problem(output_dir, holder, stale_s=runlock.stale_seconds())
+        seen = f"node {nodes.rank}: {held.problem}"
+        raise PreflightError(dataclasses.replace(held, problem=seen))
+    raise PreflightError(Problem(
+        runlock.OUTPUT_DIR, f"node {nodes.rank}: node 0's launcher serves --master "
+        f"{nodes.master} but holds no lock on {output_dir} ({runlock.LOCK_FILE})",
+        other="run.output_dir must be one directory shared by every node (and node 0 started "
+        "with the same --master and --nnodes)",
+    ))  # fmt: skip
 
 
 def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> None:
@@ -243,12 +267,7 @@ def check_run_dir(output_dir: str | Path, *, resume: str, overwrite: bool) -> No
     if overwrite:
         return
     if problems := runstart.fresh_start_problems(output_dir, resume):
-        raise PreflightError(runstart.RunDirError(problems).render())
-
-
-def refusal_text(problems: list[Problem], source: str | None) -> str:
-    """The problems as printed: one line for one, a heading and one line each for several."""
-    return ProblemsError(problems, source).render()
+        raise PreflightError(problems)
 
 
 def move_aside(output_dir: str | Path) -> Path | None:
@@ -256,7 +275,7 @@ def move_aside(output_dir: str | Path) -> Path | None:
     try:
         return runstart.move_aside(output_dir)
     except runstart.RunDirError as exc:
-        raise PreflightError(str(exc)) from None
+        raise PreflightError(exc.problems) from None
 
 
 def _overwrite(output_dir: str | Path, holder: runlock.Holder) -> Path | None:
@@ -302,7 +321,7 @@ def preflight(
     try:
         if not checked and (problems := preflight_problems(cfg, nnodes=nodes.count,
                                                            evaluating=evaluating)):
-            raise PreflightError(refusal_text(problems, cfg.source))
+            raise PreflightError(problems, cfg.source, kind=ProblemsError.kind)
         if nodes.rank == 0:
             check_lock(output_dir)
         ready.master_port = master_port(environ) if nodes.master is None else None

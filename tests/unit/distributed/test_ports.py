@@ -161,6 +161,7 @@ def test_no_free_ports_is_a_preflight_refusal(
     out = tmp_path / "run"
     assert _run_job(out, io.StringIO()) == 2
     assert capsys.readouterr().err.strip() == (
-        "flashcp: cannot launch: no 4 consecutive free ports in 20000-32767 after 200 tries"
+        "flashcp: cannot launch: PORT_RANGE: no 4 consecutive free ports in 20000-32767 after "
+        "200 tries"
     )
     assert not out.exists()

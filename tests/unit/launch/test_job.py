@@ -247,7 +247,7 @@ def test_a_second_job_on_a_run_directory_in_use_is_refused_before_launch(
             err = capsys.readouterr().err
             assert code == 2 and not dump.exists(), err
             assert err.count("\n") == 1 and err.startswith(
-                f"flashcp: cannot launch: run.output_dir {out} is in use by flashcp train "
+                f"flashcp: cannot launch: run.output_dir: {out} is in use by flashcp train "
                 "(pid 4321 on "
             ), err
             assert "`flashcp train x`): wait for that job to end or stop it (kill 4321" in err

@@ -59,15 +59,17 @@ def test_launch_command_of_one_node(tmp_path: Path) -> None:
     "master", ["node0", "h:", ":29500", "h:port", "h:70000", "fd00::2:29500", None]
 )
 def test_master_must_be_host_and_port(master: str | None) -> None:
-    with pytest.raises(PreflightError, match=r"is not HOST:PORT \(a port 1-65535;"):
+    with pytest.raises(PreflightError, match=r"^--master: .* is not HOST:PORT \(a port 1-65535;"
+                       ) as refused:  # fmt: skip
         Nodes(count=2, master=master).endpoint()
+    assert [p.key for p in refused.value.problems] == ["--master"]
     assert Nodes(count=2, master="node-0.cluster:29500").endpoint() == ("node-0.cluster", 29500)
 
 
 def test_node0_needs_the_master_port_free(listening: int) -> None:
     busy = Nodes(count=2, rank=0, master=f"127.0.0.1:{listening}")
-    with pytest.raises(PreflightError, match=rf"--master 127\.0\.0\.1:{listening}: binding port "
-                       rf"{listening} is already in use .*: pick a free port \(the same on every "
+    with pytest.raises(PreflightError, match=rf"^--master: binding 127\.0\.0\.1:{listening} is "
+                       r"already in use .*: pick a free port \(the same on every "
                        r"node\)"):  # fmt: skip
         preflight.check_master(busy)
     with socket.socket() as probe:
@@ -206,15 +208,15 @@ def test_the_other_nodes_check_that_node_0_of_their_job_holds_the_lock(tmp_path:
     goes on under it, and is refused when another job holds it or none does."""
     master = "127.0.0.1:29517"
     node1 = Nodes(count=2, rank=1, master=master)
-    with pytest.raises(PreflightError, match=r"node 1: node 0's launcher serves --master "
-                       r"127\.0\.0\.1:29517 but holds no lock on run\.output_dir .* shared by "
+    with pytest.raises(PreflightError, match=r"^run\.output_dir: node 1: node 0's launcher serves "
+                       r"--master 127\.0\.0\.1:29517 but holds no lock on .* shared by "
                        r"every node"):  # fmt: skip
         preflight.job_lock(tmp_path, node1)
     held = runlock.acquire(tmp_path, runlock.Holder("flashcp train", os.getpid(), master=master,
                                                     nnodes=2))  # fmt: skip
     try:
         assert preflight.job_lock(tmp_path, node1).token == held.token
-        with pytest.raises(PreflightError, match=r"node 1: run\.output_dir .* is in use by "
+        with pytest.raises(PreflightError, match=r"^run\.output_dir: node 1: .* is in use by "
                            r"flashcp train \(pid"):  # fmt: skip
             preflight.job_lock(tmp_path, Nodes(count=2, rank=1, master="127.0.0.1:29518"))
     finally:

@@ -88,14 +88,14 @@ def test_a_cycle_is_found() -> None:
 def test_the_leaves_import_nothing_of_flashcp() -> None:
     """The bottom layer: the mask format, the FA dispatch, logging, faults, the device query,
     the launch attempt (faults fire in one attempt), the run directory's names (every layer
-    asks them; the run lock only them) and the refusal (`Problem`: every layer's checks speak
-    it); the mask builders on the format alone."""
+    asks them; the run lock only them and the refusal) and the refusal (`Problem`: every
+    layer's checks speak it); the mask builders on the format alone."""
     graph = package_graph()
     for leaf in ("mask_indices", "device", "log", "attempt", "rundir", "problems"):
         assert graph[leaf] == set(), (leaf, graph[leaf])
     assert graph["masks"] == {"mask_indices"}, graph["masks"]
     assert graph["fa_dispatch"] <= {"log"} and graph["faults"] <= {"log", "attempt"}
-    assert graph["runlock"] <= {"rundir"}
+    assert graph["runlock"] <= {"rundir", "problems"}
 
 
 def test_the_optimizer_knows_no_model() -> None:

@@ -1,6 +1,8 @@
 """One refusal vocabulary (issue 38, item 1): a check reports `list[Problem]`
 (`flashcp.problems`) under a `*_problems` name; no function is a `*_refusal` returning a message
-or None, and no `*_problems` / `check_*` / `*_conflict` function returns `str | None`."""
+or None, and no `*_problems` / `check_*` / `*_conflict` function returns `str | None`; a
+refusal that is a `ProblemsError` (`PreflightError`, `RunLockError`) is raised with `Problem`s,
+never with a message written in place."""
 
 from __future__ import annotations
 
@@ -30,7 +32,23 @@ def violations(source: str, where: str = "<text>") -> list[str]:
             "str|None", "None|str", "Optional[str]"
         ):  # fmt: skip
             found.append(f"{at}: a check returning a message or None")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and _name(node.func) in PROBLEM_ERRORS and node.args and (
+            isinstance(node.args[0], (ast.JoinedStr, ast.BinOp))
+            or isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+        ):  # fmt: skip
+            found.append(f"{where}:{node.lineno} {_name(node.func)}: raised with a message, "
+                         "not a Problem")  # fmt: skip
     return found
+
+
+PROBLEM_ERRORS = {"ProblemsError", "PreflightError", "RunLockError"}
+"""The refusals that carry `Problem`s."""
+
+
+def _name(func: ast.expr) -> str:
+    """`X` of a call to `X(...)` or `module.X(...)`."""
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
 
 
 def test_every_check_reports_problems() -> None:
@@ -48,7 +66,15 @@ def data_problems(cfg) -> list[str]: ...
 def check_dispatch(cfg) -> str | None: ...
 def start_conflict(out, resume) -> str | None: ...
 def good_problems(cfg) -> list[Problem]: ...
+def master(m):
+    raise PreflightError(f"--master {m!r} is not HOST:PORT")
+def lock(d):
+    raise runlock.RunLockError("run.output_dir " + d + " is in use")
+def good(d):
+    raise PreflightError(Problem("run.output_dir", f"{d} is in use"))
 '''
     found = violations(bad)
     assert [f.split(":")[1].split()[1] for f in found] == [
-        "memory_refusal", "data_problems", "check_dispatch", "start_conflict"]  # fmt: skip
+        "memory_refusal", "data_problems", "check_dispatch", "start_conflict", "PreflightError",
+        "RunLockError",
+    ]  # fmt: skip
