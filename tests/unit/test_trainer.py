@@ -470,6 +470,24 @@ def test_rank_entry_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back after training
 
 
+def test_a_rank_whose_init_fails_puts_its_signal_handlers_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank's pre-emption handlers are installed before the process group starts; when
+    that start fails (an unreachable master, a lost launcher) they are put back all the same,
+    so the process (and a test run after it in the same interpreter) keeps its own handlers."""
+    from flashcp import distributed
+
+    def unreachable() -> Any:
+        raise RuntimeError("the master is unreachable")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(distributed, "init_distributed", unreachable)
+    with pytest.raises(RuntimeError, match="unreachable"):
+        worker.main(["--config", _yaml(tmp_path, train={"steps": 1})])
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_metrics_writer_progress_and_truncation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

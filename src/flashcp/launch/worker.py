@@ -152,6 +152,22 @@ def _run(args: argparse.Namespace, cfg: Config, injected: list[faults.Fault], ra
     """`main` once the checks passed: initialise, build, train (or evaluate), tear down."""
     # From here a pre-emption signal is a request to stop at the next step boundary.
     stop = StopSignals(preempt_signals(cfg.run.preempt_signal), rank).install()
+    try:
+        code = _train_or_evaluate(args, cfg, injected, stop)
+    finally:
+        stop.uninstall()  # also when the init fails: the process's handlers are put back
+    # Reached on success and on the errors `_train_or_evaluate` reports, which every rank
+    # raises at the same step; any other exception propagates (exit 1) and the launcher stops
+    # the other ranks.
+    distributed.shutdown()
+    return code
+
+
+def _train_or_evaluate(
+    args: argparse.Namespace, cfg: Config, injected: list[faults.Fault], stop: StopSignals
+) -> int:
+    """Initialise the process group, build and train (or evaluate); the exit code of the
+    errors every rank meets alike."""
     env = distributed.init_distributed()
     p = cfg.parallel
     dims = distributed.ParallelDims(dp=p.dp, pp=p.pp, cp=p.cp, world_size=env.world_size, ep=p.ep)
@@ -177,11 +193,6 @@ def _run(args: argparse.Namespace, cfg: Config, injected: list[faults.Fault], ra
     except DataError as exc:
         print(f"[rank {env.rank}] error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_DATA
-    finally:
-        stop.uninstall()  # the teardown below ends at once on the launcher's SIGTERM again
-    # Reached on success and on the errors above, which every rank raises at the same step;
-    # any other exception propagates (exit 1) and the launcher stops the other ranks.
-    distributed.shutdown()
     return code
 
 
