@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from flashcp import attempt, runstart
 from flashcp.config import load_config
 from flashcp.launch import job, preflight
+from flashcp.problems import Problem
 from flashcp.rundir import CHECKPOINT_DIR
 from helpers.paths import CONFIGS
 
@@ -103,7 +105,8 @@ def test_move_aside_renames_whole_and_never_collides(tmp_path: Path) -> None:
     assert runstart.move_aside(out, STAMP) is None  # empty: nothing to keep
     first = _earlier_run(out)
     moved = runstart.move_aside(out, STAMP)
-    assert moved == runstart.aside_path(out, STAMP) and moved.name.startswith("run.old-")
+    assert moved == runstart.aside_path(out, STAMP)
+    assert re.fullmatch(r"run\.old-\d{8}-\d{6}", moved.name), moved.name  # YYYYmmdd-HHMMSS
     assert not out.exists() and _files(moved) == first
     second = _earlier_run(out, steps=(6,))
     again = runstart.move_aside(out, STAMP)  # same second: the next free name
@@ -120,8 +123,12 @@ def test_move_aside_refuses_to_move_the_current_directory(
     assert runstart.holds_cwd(out) and runstart.holds_cwd(".")
     assert not runstart.holds_cwd(tmp_path / "x")
     for target in (out, Path("..")):
-        with pytest.raises(runstart.RunDirError, match="holds the current directory, so"):
+        with pytest.raises(runstart.RunDirError, match="holds the current directory, so") as info:
             runstart.move_aside(target)
+        assert str(info.value) == (
+            f"run.output_dir: {target} holds the current directory, so run.overwrite=true cannot "
+            "move it: run from another directory or choose another run.output_dir"
+        )
     assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -264,3 +271,12 @@ def test_run_job_refuses_run_over_earlier_metrics_in_one_line(
     err = capsys.readouterr().err
     assert err == f"flashcp: cannot launch: {runstart.metrics_problems(out, 'auto')[0]}\n"
     assert _files(out) == before
+
+
+def test_several_run_directory_problems_print_one_line_each() -> None:
+    """`RunDirError` prints its problems one per line, with no heading (the caller's line
+    says what could not start)."""
+    a = Problem("run.output_dir", "first", other="way one")
+    b = Problem("run.output_dir", "second")
+    want = "run.output_dir: first: way one\nrun.output_dir: second"
+    assert str(runstart.RunDirError([a, b])) == want
