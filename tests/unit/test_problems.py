@@ -25,6 +25,8 @@ def test_one_problem_prints_on_one_line() -> None:
     assert str(ProblemsError([B], "c.yaml", kind="")).startswith(
         "problem in c.yaml: run.output_dir:"
     )
+    bare = "run.output_dir: runs/x is in use: wait for that job to end"
+    assert str(ProblemsError([B], kind="launch problem")) == "launch problem: " + bare
 
 
 def test_several_problems_print_a_heading_and_a_line_each() -> None:
