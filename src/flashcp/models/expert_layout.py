@@ -1,8 +1,8 @@
-"""The experts' row layouts as host arithmetic, without Paddle: the padded groups a CPU grouped
-matmul runs (`Group`, `cost_chosen_groups`), the weights taken out of the stack at once
-(`CAST_CHUNK_BYTES`) and the rows per expert of a capacity factor (`capacity_for`) — one
-definition that the model (`flashcp.models.experts`, `grouped_matmul`, `moe_dispatch`) computes
-with and the memory planner (`flashcp.plan.moe_rows`) evaluates on expected counts."""
+"""The experts' row layouts as host arithmetic, without Paddle: the groups a CPU grouped matmul runs
+(`Group`, `cpu_groups`: one per expert, or `cost_chosen_groups`), the weights taken out of the stack
+at once (`CAST_CHUNK_BYTES`) and the rows per expert of a capacity factor (`capacity_for`) — one
+definition that the model (`flashcp.models.experts`, `grouped_matmul`, `moe_dispatch`) computes with
+and the memory planner (`flashcp.plan.moe_rows`) evaluates on expected counts."""
 
 from __future__ import annotations
 
@@ -70,6 +70,17 @@ def cost_chosen_groups(counts: Sequence[int]) -> tuple[Group, ...]:
             break
         size = max(1, size // 2)
     return best
+
+
+def cpu_groups(counts: Sequence[int], *, per_expert: bool) -> tuple[Group, ...]:
+    """The CPU layout of rows `counts` per expert: with `per_expert` (weights stored in the rows'
+    dtype: one 2-D matmul per expert on the stack's own slice, `grouped_matmul._ExpertMatmuls`)
+    one group per expert, no padding — a padded row would only add work, the calls are one per
+    expert anyway; else (weights cast out of the stack, one batched matmul per group) the
+    cost-chosen padded groups."""
+    if per_expert:
+        return layout_groups(counts, range(len(counts)), 1)
+    return cost_chosen_groups(counts)
 
 
 def capacity_for(factor: float, tokens: int, top_k: int, num_experts: int) -> int | None:

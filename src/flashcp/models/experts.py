@@ -17,12 +17,16 @@ weights, the rows laid out as `layout` (an `ExpertLayout`, from `plan_layout` ov
 host-known per-expert row counts):
 
 * on GPU, **ragged**: expert `e`'s rows contiguous in index order, Paddle's grouped GEMM;
-* on CPU, **groups**: the experts sorted by row count (largest first) and cut into `G` groups
-  of consecutive experts, each padded to its largest count, one batched matmul per group
-  (`flashcp.models.grouped_matmul`). `G` minimises ``padded rows + G · GROUP_COST_ROWS``
-  over G = 1, 2, 4, ..., E: one group for an even load (one bmm, a little padding), more when
-  the load is skewed (a hot expert would otherwise pad every expert to its count). Measured
-  here (`scripts/bench_moe.py`): faster than both one padded bmm and the per-expert loop.
+* on CPU with weights stored in the rows' dtype (float32 training), **one group per expert**:
+  one 2-D matmul per expert on the stack's own slice, written in place (no padding, no copies
+  of the weights or the products; `flashcp.models.grouped_matmul`);
+* on CPU with a cast (bf16-stored weights), **groups**: the experts sorted by row count
+  (largest first) and cut into `G` groups of consecutive experts, each padded to its largest
+  count, one batched matmul per group on upcast weights. `G` minimises
+  ``padded rows + G · GROUP_COST_ROWS`` over G = 1, 2, 4, ..., E: one group for an even load
+  (one bmm, a little padding), more when the load is skewed (a hot expert would otherwise pad
+  every expert to its count). Measured here (`scripts/bench_moe.py`): faster than both one
+  padded bmm and the per-expert loop.
 
 Row dtype (`GroupedExperts.row_dtype`): Paddle's grouped GEMM computes in the weights' dtype,
 so with bf16-stored weights on a GPU the MoE layer casts its rows to bf16 BEFORE dispatching
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import paddle
@@ -49,7 +54,7 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.autograd import PyLayer
 
-from flashcp.models.expert_layout import Group, cost_chosen_groups, layout_groups
+from flashcp.models.expert_layout import Group, cost_chosen_groups, cpu_groups, layout_groups
 from flashcp.models.grouped_matmul import batched_gemm_matmul, grouped_matmul
 from flashcp.models.init import normal_attr
 from flashcp.models.precision import as_dtype
@@ -75,9 +80,22 @@ class ExpertLayout:
             return int(sum(self.counts))
         return sum(g.rows for g in self.groups)
 
-    def row_index(self) -> paddle.Tensor | None:
-        """`[M]` int64: the laid-out row of each ragged row (expert order); None if ragged."""
+    def is_ragged_order(self) -> bool:
+        """Whether the groups lay the rows out as the ragged buffer does: one group per
+        expert, experts in index order, no padding."""
         if self.groups is None:
+            return True
+        held = [e for g in self.groups for e in g.experts]
+        return (
+            all(len(g.experts) == 1 for g in self.groups)
+            and held == sorted(held)
+            and self.rows == int(sum(self.counts))
+        )
+
+    def row_index(self) -> paddle.Tensor | None:
+        """`[M]` int64: the laid-out row of each ragged row (expert order); None if ragged or
+        the groups are the ragged buffer itself (one per expert, index order, no padding)."""
+        if self.groups is None or self.is_ragged_order():
             return None
         starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
         index = np.zeros(int(sum(self.counts)), dtype=np.int64)
@@ -126,18 +144,25 @@ def on_grouped_gemm(x: paddle.Tensor) -> bool:
     return bool(x.place.is_gpu_place())
 
 
-def plan_layout(counts: Sequence[int], x: paddle.Tensor, mode: str = "auto") -> ExpertLayout:
-    """The layout of one call (module docstring): `mode` auto — ragged on GPU, cost-chosen
-    groups on CPU — or forced: "padded" (one group, index order), "ragged" (one group per
-    expert on CPU; Paddle's grouped GEMM on GPU), "grouped" (cost-chosen groups)."""
+def plan_layout(
+    counts: Sequence[int], x: paddle.Tensor, mode: str = "auto", weight_dtype: Any = None
+) -> ExpertLayout:
+    """The layout of one call (module docstring): `mode` auto — ragged on GPU; on CPU one group
+    per expert when the weights (`weight_dtype`, default `x`'s) are in the rows' dtype, else
+    cost-chosen groups (`expert_layout.cpu_groups`) — or forced: "padded" (one group, index
+    order), "ragged" (one group per expert on CPU; Paddle's grouped GEMM on GPU), "grouped"
+    (cost-chosen groups)."""
     if mode not in LAYOUTS:
         raise ValueError(f"expert layout {mode!r}: use one of {LAYOUTS}")
     counts = tuple(int(c) for c in counts)
     experts = len(counts)
-    if mode == "auto":
-        mode = "ragged" if on_grouped_gemm(x) else "grouped"
+    if mode == "auto" and on_grouped_gemm(x):
+        mode = "ragged"
     if mode == "ragged" and on_grouped_gemm(x):
         return ExpertLayout(counts, None)
+    if mode == "auto":
+        same = weight_dtype is None or weight_dtype == x.dtype
+        return ExpertLayout(counts, cpu_groups(counts, per_expert=same))
     if mode == "padded":
         return ExpertLayout(counts, layout_groups(counts, range(experts), experts))
     if mode == "ragged":
@@ -219,7 +244,7 @@ class GroupedExperts(nn.Layer):
         """The layout for rows `counts` per expert (`plan_layout` under `self.layout`)."""
         if len(counts) != self.num_experts:
             raise ValueError(f"{len(counts)} row counts for {self.num_experts} experts")
-        return plan_layout(counts, x, self.layout)
+        return plan_layout(counts, x, self.layout, self.gate_up_proj.dtype)
 
     def row_dtype(self, x: paddle.Tensor) -> paddle.dtype:
         """The dtype the MoE layer sends rows of activations `x` to these experts in: the

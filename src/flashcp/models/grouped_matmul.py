@@ -72,31 +72,41 @@ class _ExpertMatmuls(PyLayer):
     """The groups' rows expert by expert, one 2-D matmul each on the stacked weights' own
     slice: when no cast is needed (weights in the rows' dtype) nothing is copied out of the
     stack, and the transposes of the backward are GEMM flags (`scripts/bench/moe_step.py`: a
-    2-D GEMM runs closer to the core's peak than a batched one with a transposed operand)."""
+    2-D GEMM runs closer to the core's peak than a batched one with a transposed operand).
+    Each product is written in place into its rows (or its expert's block) of one output
+    (`paddle.matmul(out=)` on a slice view), so no concat or stack copies the results again."""
 
     @staticmethod
     def forward(ctx, x, w, groups):  # type: ignore[no-untyped-def, override]
-        ctx.rows = _expert_rows(groups)
+        ctx.rows = [r for r in _expert_rows(groups) if r[2] > 0]
         ctx.save_for_backward(x, w)
-        parts = [paddle.matmul(x[a : a + n], w[e]) for e, a, n in ctx.rows]
-        if not parts:
-            return paddle.zeros([int(x.shape[0]), int(w.shape[2])], dtype=x.dtype)
-        return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
+        return _row_products(x, w, ctx.rows, transpose_w=False)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
         x, w = ctx.saved_tensor()
         dx = dw = None
         if not x.stop_gradient:
-            parts = [paddle.matmul(dy[a : a + n], w[e], transpose_y=True) for e, a, n in ctx.rows]
-            dx = paddle.concat(parts, axis=0) if parts else paddle.zeros_like(x)
+            dx = _row_products(dy, w, ctx.rows, transpose_w=True)
         if not w.stop_gradient:
-            blocks: list[Any] = [None] * int(w.shape[0])
+            dw = paddle.empty(w.shape, dtype=w.dtype)
             for e, a, n in ctx.rows:
-                blocks[e] = paddle.matmul(x[a : a + n], dy[a : a + n], transpose_x=True)
-            zero = paddle.zeros(w.shape[1:], dtype=w.dtype)
-            dw = paddle.stack([zero if b is None else b for b in blocks])
+                paddle.matmul(x[a : a + n], dy[a : a + n], transpose_x=True, out=dw[e])
+            for e in sorted(set(range(int(w.shape[0]))) - {e for e, _, _ in ctx.rows}):
+                dw[e].zero_()  # an expert without rows: exactly zero
         return dx, dw
+
+
+def _row_products(
+    x: paddle.Tensor, w: paddle.Tensor, rows: Sequence[tuple[int, int, int]], *, transpose_w: bool
+) -> paddle.Tensor:
+    """`[R, N]`: rows `a .. a + n` of `x` times `w[e]` (transposed: `w[e]ᵀ`) for each
+    `(e, a, n)` of `rows` (which cover all R rows: `grouped_matmul` checks), written in place."""
+    n_out = int(w.shape[1] if transpose_w else w.shape[2])
+    out = paddle.empty([int(x.shape[0]), n_out], dtype=x.dtype)
+    for e, a, n in rows:
+        paddle.matmul(x[a : a + n], w[e], transpose_y=transpose_w, out=out[a : a + n])
+    return out
 
 
 class _GroupedMatmul(PyLayer):

@@ -247,9 +247,10 @@ def nograd_forward_transient(
     """Peak tensors of one layer's forward without gradients (recompute's first pass, DPO
     reference pass): the MLP's intermediates (SwiGLU ``4·I``, GELU ``2·I``) or attention's
     ``3·q + 3·kv`` plus the hidden in and out. A grouped MoE layer (r buffer rows per token)
-    peaks at its gate/up projection — the gathered rows and the gate/up output, in chunk parts
-    and concatenated — at the down projection (rows, SwiGLU output, expert output in parts
-    and concatenated), or at the combine (expert output, every token's k rows, the sum)."""
+    peaks at its gate/up projection — the gathered rows and the gate/up output (with more
+    than one chunk: in parts and concatenated) — at the down projection (rows, SwiGLU output,
+    expert output, likewise), or at the combine (expert output, every token's k rows, the
+    sum)."""
     h, hd = args.hidden_size, args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
     n = Counts()

@@ -2,7 +2,8 @@
 backward, and the bytes their backward and their token exchange hold at once.
 
 An MoE layer's routed part is counted in buffer rows, not tokens: ``T·k`` entries, fewer under
-a capacity, plus the padding of the CPU's grouped matmuls (`flashcp.models.expert_layout`),
+a capacity, plus the padding of the CPU's batched matmuls on cast weights
+(`flashcp.models.expert_layout.cpu_groups`),
 spread over the experts as a uniform router spreads them (`expected_loads`). `expert_rows`
 turns that into the `ExpertRows` the other formulas take: rows per token, padded or ragged, and
 the chunks the CPU's grouped matmul takes out of the weight stack. From it: what a layer keeps
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from flashcp.models.config import ModelArgs
-from flashcp.models.expert_layout import CAST_CHUNK_BYTES, capacity_for, cost_chosen_groups
+from flashcp.models.expert_layout import CAST_CHUNK_BYTES, capacity_for, cpu_groups
 from flashcp.plan.counts import Counts, Dtypes
 
 
@@ -28,17 +29,25 @@ class ExpertRows:
     (`flashcp.models.experts.plan_layout`)."""
 
     per_token: float
-    """Buffer rows per token: T·k entries (fewer under a capacity), plus padding on CPU."""
+    """Buffer rows per token: T·k entries (fewer under a capacity), plus the padding of CPU
+    groups with a cast."""
     padded: bool
-    """CPU padded groups (padding rows); False: GPU ragged (Paddle's grouped GEMM)."""
+    """CPU padded groups (padding rows); False: no padding (GPU ragged, Paddle's grouped GEMM;
+    CPU one group per expert)."""
     chunk_experts: int
     """Experts whose weights one grouped-matmul chunk takes out of the stack at once (CPU with
     bf16 storage: a copy, upcast to the compute dtype,
     `flashcp.models.expert_layout.CAST_CHUNK_BYTES`); 0 without copies (GPU; CPU weights in
     the rows' dtype)."""
     chunks: int
-    """Matmuls per projection (CPU: per chunk, or per expert without a cast; > 1: their
-    outputs are concatenated)."""
+    """Batched matmuls per projection (CPU with a cast: per chunk; > 1: their outputs are
+    concatenated); 0: one output (GPU; CPU without a cast, each expert's product written in
+    place)."""
+
+    def in_place(self, gpu: bool) -> bool:
+        """Whether the CPU experts write every product into one output (no cast: no parts,
+        no concatenation, the weight gradient assembled in place)."""
+        return not gpu and self.chunk_experts == 0
 
 
 def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
@@ -58,10 +67,11 @@ def expected_loads(args: ModelArgs, tokens: int) -> list[int]:
 
 def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes, ep: int = 1) -> ExpertRows:
     """The `ExpertRows` of a call of `tokens` tokens (see `expected_loads`): on GPU ragged, on
-    CPU the cost-chosen padded groups of `flashcp.models.expert_layout.cost_chosen_groups`:
-    with weights stored in the rows' dtype each expert is one 2-D matmul on its own slice of the
-    stack (no copy, its output one part of many); with bf16 storage each group is cut into
-    chunks of at most `CAST_CHUNK_BYTES` of gate/up weights upcast to the compute dtype.
+    CPU the groups of `flashcp.models.expert_layout.cpu_groups`: with weights stored in the
+    rows' dtype one group per expert, each one 2-D matmul on its own slice of the stack (no
+    copy, no padding, written in place into one output); with bf16 storage the cost-chosen
+    padded groups, each cut into chunks of at most `CAST_CHUNK_BYTES` of gate/up weights
+    upcast to the compute dtype.
 
     Under expert parallelism (`ep` > 1) a rank's E/ep experts receive the rows of all ep
     ranks' `tokens`: every ep-th of the expected loads of ``ep · tokens`` tokens over the E
@@ -69,10 +79,10 @@ def expert_rows(args: ModelArgs, tokens: int, dt: Dtypes, ep: int = 1) -> Expert
     loads = expected_loads(args, tokens * ep)[::ep] if ep > 1 else expected_loads(args, tokens)
     if dt.gpu:
         return ExpertRows(sum(loads) / max(tokens, 1), False, 0, 0)
-    groups = cost_chosen_groups(loads)
+    groups = cpu_groups(loads, per_expert=dt.param == dt.experts)
     if dt.param == dt.experts:  # no cast: one 2-D matmul per expert on the stack's own slices
-        rows = sum(g.rows for g in groups)  # (`grouped_matmul._ExpertMatmuls`), in parts
-        return ExpertRows(rows / max(tokens, 1), True, 0, sum(len(g.experts) for g in groups))
+        rows = sum(g.rows for g in groups)  # (`grouped_matmul._ExpertMatmuls`), no padding,
+        return ExpertRows(rows / max(tokens, 1), False, 0, 0)  # one output written in place
     per_expert = args.hidden_size * 2 * args.moe_intermediate_size * dt.c
     per_chunk = max(1, CAST_CHUNK_BYTES // per_expert)
     rows = sum(g.rows for g in groups)
@@ -139,18 +149,23 @@ def moe_backward_bytes(
     (read from `flashcp.models.moe_dispatch` / `experts` / `grouped_matmul` and measured on
     CPU, float32: `tests/unit/plan/test_memory.py`). With r buffer rows per token (R = r·T rows):
 
-    * the combine: the output gradient's copy, on CPU its zero-row extension `[T+1, H]`, the
-      gathered rows and their weighted copy ``2·R·H``, the row→token index (int64), and the
-      rows' gradient in the rows' dtype when that is narrower (bf16 rows on GPU);
-    * the down projection: its input gradient in parts and concatenated ``2·R·Im`` (on GPU
-      the grouped GEMM's ``R·Im`` in the weights' dtype and its float32 cast), the last
-      chunk's weight copy (CPU), with adapted experts the adapter branch's pending ``R·H``;
-      trained experts add the weight gradient in parts plus the zero tensor it is assembled in
-      (CPU; GPU: the gradient, `zeros_like` and the masked copy), or with bf16 storage the
-      float32 cast `main_grad` accumulates, whichever is larger;
-    * the gate/up projection: likewise, by when the expert output, SwiGLU output and the
-      gate/up output are freed (``R·(H + Im)`` less);
-    * the shared expert's SwiGLU backward ``2·Is + H`` (as a dense unfused MLP).
+    * the combine: the output gradient's copy, with padding rows its zero-row extension
+      `[T+1, H]`, the gathered rows and their weighted copy ``2·R·H``, the row→token index
+      (int64), and the rows' gradient in the rows' dtype when that is narrower (bf16 rows on
+      GPU);
+    * the down projection: its input gradient ``R·Im`` (CPU with a cast: in parts and
+      concatenated, ``2·R·Im``, and the last chunk's weight copy; on GPU the grouped GEMM's
+      ``R·Im`` in the weights' dtype and its float32 cast), with adapted experts the adapter
+      branch's pending ``R·H``; trained experts add the weight gradient (CPU without a cast:
+      written in place; with a cast: in parts plus the zero tensor it is assembled in; GPU:
+      the gradient, `zeros_like` and the masked copy), or with bf16 storage the float32 cast
+      `main_grad` accumulates, whichever is larger;
+    * the gate/up projection: likewise (its input gradient ``R·H``), by when the expert
+      output, SwiGLU output and the gate/up output are freed (``R·(H + Im)`` less);
+    * the shared expert's SwiGLU backward (an unfused `flashcp.models.layers.SwiGLU`, measured
+      alone on CPU): its gate and up gradients ``2·Is`` per token, or when ``Is < H`` one of
+      them and its input gradient ``Is + H`` plus a weight gradient ``H·Is`` before it is
+      accumulated.
 
     Under expert parallelism (`ep`) the weight gradients are those of the E/ep experts held.
     """
@@ -162,10 +177,12 @@ def moe_backward_bytes(
     w_down = args.num_experts // ep * im * h
     w_gu = 2 * w_down
 
+    in_place = rows.in_place(dt.gpu)
+
     def weight_grad(w: int) -> float:
         if not experts_trained:
             return 0.0
-        formed = (3 if dt.gpu else 2) * w * p
+        formed = (3 if dt.gpu else 1 if in_place else 2) * w * p
         return max(formed, w * (p + 4) if p < 4 else 0)
 
     def chunk(k_dim: int, n_dim: int) -> float:
@@ -175,13 +192,18 @@ def moe_backward_bytes(
     combine = T * h * f + (T * h * f if rows.padded else 0) + 2 * R * h * f + 2 * R * 4
     combine += R * h * row if row < f else 0
     # GPU: the grouped GEMM's dx in the weights' dtype and its float32 cast, the output
-    # gradient cast to the weights' dtype; CPU: dx in parts and concatenated, a weight chunk
-    down = R * im * (p + f) + R * h * p if dt.gpu else 2 * R * im * f + chunk(im, h)
+    # gradient cast to the weights' dtype; CPU: dx (with a cast: in parts and concatenated,
+    # and a weight chunk)
+    if dt.gpu:
+        down = R * im * (p + f) + R * h * p
+    else:
+        down = (1 if in_place else 2) * R * im * f + chunk(im, h)
     down += (R * h * f if lora_experts else 0) + weight_grad(w_down)
-    gate_up = R * (h - im) * f + chunk(h, 2 * im) + weight_grad(w_gu)
+    gate_up = R * ((0 if in_place else h) - im) * f + chunk(h, 2 * im) + weight_grad(w_gu)
     shared = 0.0
     if args.num_shared_experts:
-        shared = T * (2 * im * args.num_shared_experts + h) * c
+        i_s = im * args.num_shared_experts
+        shared = max(2 * i_s * T, (i_s + h) * T + h * i_s) * c
     return max(combine, down, gate_up, shared)
 
 

@@ -18,7 +18,7 @@ from flashcp.distributed.groups import NamedGroup
 from flashcp.metrics import memory
 from flashcp.models import grouped_matmul as gm
 from flashcp.models import preset
-from flashcp.models.expert_layout import capacity_for
+from flashcp.models.expert_layout import capacity_for, layout_groups
 from flashcp.models.expert_parallel import expert_parallel_rows
 from flashcp.models.experts import LAYOUTS, plan_layout
 from flashcp.models.moe import MoE, Routing
@@ -127,14 +127,22 @@ def test_grouped_is_bitwise_deterministic() -> None:
 
 def test_layouts_from_counts() -> None:
     x = paddle.zeros([1, 4])
-    even = plan_layout([5, 6, 4, 5], x, "auto")
+    bf16 = paddle.bfloat16  # weights stored narrower than the rows: cast, batched matmuls
+    even = plan_layout([5, 6, 4, 5], x, "auto", bf16)
     assert len(even.groups) == 1 and even.rows == 4 * 6  # one padded bmm
     skewed = [200, 3, 2, 0, 4, 1, 0, 2]
-    layout = plan_layout(skewed, x, "auto")
+    layout = plan_layout(skewed, x, "auto", bf16)
     assert layout.rows < 2 * sum(skewed) and len(layout.groups) > 1
+    assert layout == plan_layout(skewed, x, "grouped")
     assert 3 not in {e for g in layout.groups for e in g.experts}  # no rows, no compute
     ragged = plan_layout(skewed, x, "ragged")
     assert ragged.rows == sum(skewed) and all(len(g.experts) == 1 for g in ragged.groups)
+    # weights in the rows' dtype (given or default): one matmul per expert, so no padding —
+    # the ragged buffer itself, which needs no relayout
+    for same in (plan_layout(skewed, x, "auto"), plan_layout(skewed, x, "auto", x.dtype)):
+        assert same == ragged and same.row_index() is None and same.is_ragged_order()
+    assert plan_layout([2, 1], x, "auto").row_index() is None
+    assert not layout.is_ragged_order() and layout.row_index() is not None
     assert plan_layout(skewed, x, "padded").rows == 6 * 200  # experts 3 and 6 left out
     with pytest.raises(ValueError, match="expert layout 'bogus'"):
         plan_layout(skewed, x, "bogus")
@@ -392,6 +400,34 @@ def test_grouped_matmul_checks_its_rows() -> None:
         gm.batched_gemm_matmul(paddle.zeros([3, 3]), w, [1, 1])
 
 
+def test_per_expert_products_are_written_in_place_and_a_rowless_expert_gets_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU float32 path (one group per expert): every product lands in its own rows or its
+    expert's block of one output, and an expert without rows gets an exact zero weight
+    gradient even when the outputs' uninitialised memory holds NaNs."""
+    rng = np.random.default_rng(4)
+    xs, ws, probe = (rng.standard_normal(s).astype("float32") for s in ([6, 4], [3, 4, 5], [6, 5]))
+    x, w = paddle.to_tensor(xs), paddle.to_tensor(ws)
+    x.stop_gradient = w.stop_gradient = False
+    groups = layout_groups([4, 0, 2], range(3), 1)
+    assert [g.experts for g in groups] == [(0,), (2,)]
+    full = paddle.full  # uninitialised outputs as NaNs: only what is written is defined
+    monkeypatch.setattr(paddle, "empty", lambda shape, dtype=None: full(shape, np.nan, dtype))
+    y = gm.grouped_matmul(x, w, groups)
+    (y * paddle.to_tensor(probe)).sum().backward()
+    want_y = np.concatenate([xs[:4] @ ws[0], xs[4:] @ ws[2]])
+    want_dx = np.concatenate([probe[:4] @ ws[0].T, probe[4:] @ ws[2].T])
+    numerics.assert_close(y.numpy(), want_y, n=4, norm="l2", what="products")
+    numerics.assert_close(x.grad.numpy(), want_dx, n=5, norm="l2", what="input grad")
+    dw = w.grad.numpy()
+    numerics.assert_close(dw[0], xs[:4].T @ probe[:4], n=4, norm="l2", what="expert 0")
+    numerics.assert_close(dw[2], xs[4:].T @ probe[4:], n=2, norm="l2", what="expert 2")
+    np.testing.assert_array_equal(dw[1], np.zeros((4, 5), np.float32))
+    # negative control: a swapped expert block is rejected by the same comparison
+    numerics.assert_rejects(dw[2], xs[:4].T @ probe[:4], n=4, norm="l2")
+
+
 @pytest.mark.gpu
 def test_batched_gemm_on_gpu_equals_the_grouped_cpu_path() -> None:
     """Paddle's GPU grouped GEMM (forward and the PyLayer's backward) against the CPU groups."""
@@ -444,6 +480,7 @@ def test_ragged_buffer_through_enter_and_leave_equals_the_relayout_path() -> Non
     probe = paddle.to_tensor(np.random.default_rng(2).standard_normal((20, H)).astype("float32"))
     routing = moe.gate.route(flat)
     d = build_dispatch(routing.ids, 16)
+    moe.experts.layout = "grouped"  # padded groups (the cast path's layout), to move rows
     layout = moe.experts.plan(d.counts, flat)
     assert layout.rows > d.rows  # padded groups
     ragged = permute(flat, d)

@@ -313,11 +313,11 @@ class _MoEBlock(paddle.nn.Layer):
 
 def _moe_layer_memory(
     monkeypatch: pytest.MonkeyPatch, args: Any, tokens: int, mode: str
-) -> tuple[Any, int, int]:
-    """(the call's `ExpertRows` as laid out, bytes the layer keeps after its forward — output
-    excluded —, the backward's peak above that), measured on the second of two steps (the
-    gradients exist: steady state). `mode`: frozen (all weights), lora (adapted experts) or
-    trained (every weight)."""
+) -> tuple[Any, tuple[int, ...], int, int]:
+    """(the call's `ExpertRows` as laid out, its rows per expert, bytes the layer keeps after its
+    forward — output excluded —, the backward's peak above that), measured on the second of two
+    steps (the gradients exist: steady state). `mode`: frozen (all weights), lora (adapted experts)
+    or trained (every weight)."""
     from flashcp.models import experts
 
     layouts: list[Any] = []
@@ -351,9 +351,10 @@ def _moe_layer_memory(
         backward = core.host_memory_stat_peak_value("Allocated", 0) - start
         del out, grad
         x.clear_gradient()
-    lay = layouts[-1]  # float32 weights: one matmul per expert on its slice, no copies
-    rows = ExpertRows(lay.rows / tokens, True, 0, sum(len(g.experts) for g in lay.groups))
-    return rows, int(kept), int(backward)
+    lay = layouts[-1]  # float32 weights: one matmul per expert on its slice, written in place
+    assert lay.groups and all(len(g.experts) == 1 for g in lay.groups)
+    rows = ExpertRows(lay.rows / tokens, lay.rows > sum(lay.counts), 0, 0)
+    return rows, lay.counts, int(kept), int(backward)
 
 
 def _moe_args(**sizes: int) -> Any:
@@ -385,7 +386,7 @@ def test_moe_layer_kept_and_backward_match_the_allocator(
     from flashcp.plan import activations as act
 
     args = _moe_args(**sizes)
-    rows, kept, backward = _moe_layer_memory(monkeypatch, args, tokens, mode)
+    rows, counts, kept, backward = _moe_layer_memory(monkeypatch, args, tokens, mode)
     dt = Dtypes.of("float32", "float32")
     layer = act.layer_saved(args, 1, dt, rows)
     moe = Counts()
@@ -395,9 +396,11 @@ def test_moe_layer_kept_and_backward_match_the_allocator(
     targets = [r".*mlp\.experts"] if mode == "lora" else None
     moe += act.lora_saved(args, 1, targets, 8, dt, rows)
     assert kept == pytest.approx(moe.bytes(dt) * tokens, rel=0.002)
-    # negative control: an unpadded buffer (T·k rows) misses what the layer keeps
-    unpadded = act.layer_saved(args, 1, dt, ExpertRows(args.num_experts_per_tok, False, 0, 0))
-    missing = sum(n for w, _, n in unpadded.parts if w.startswith("MoE")) * 4 * tokens
+    # negative control: the same counts in one padded batched matmul (every expert padded to
+    # the largest count) miss what this layer keeps
+    padded = ExpertRows(args.num_experts * max(counts) / tokens, True, 0, 0)
+    wrong = act.layer_saved(args, 1, dt, padded)
+    missing = sum(n for w, _, n in wrong.parts if w.startswith("MoE")) * 4 * tokens
     assert abs(kept - missing) > 0.03 * kept
     planned = moe_backward_bytes(
         args, dt, rows, tokens, experts_trained=mode == "trained", lora_experts=mode == "lora"
@@ -408,7 +411,8 @@ def test_moe_layer_kept_and_backward_match_the_allocator(
 
 
 def test_expert_buffer_expectations() -> None:
-    """The expected expert buffer: T·k rows on GPU (ragged), padded groups on CPU, a capacity
+    """The expected expert buffer: T·k rows on GPU (ragged) and on CPU without a cast, padded
+    groups on CPU with bf16 storage, a capacity
     caps every expert's rows; bf16 storage on GPU keeps the grouped GEMMs' inputs in bf16 and
     float32 adapters on the experts keep float32 copies of them as well."""
     from flashcp.plan import activations as act
@@ -416,10 +420,15 @@ def test_expert_buffer_expectations() -> None:
     args = _moe_args(hidden_size=64, num_experts=16, num_experts_per_tok=4)
     cpu, gpu = Dtypes.of("float32", "float32"), Dtypes.of("bfloat16", "bfloat16", "gpu")
     assert expert_rows(args, 1024, gpu).per_token == 4.0  # ragged: exactly T·k
-    padded = expert_rows(args, 1024, cpu)
-    assert 4.0 < padded.per_token < 4.0 * 1.25 and padded.padded and padded.chunks >= 1
     loads = expected_loads(args, 1024)
     assert loads == sorted(loads, reverse=True) and abs(sum(loads) - 4096) <= 16
+    # CPU, weights in the rows' dtype: one group per expert, no padding, one output in place
+    in_place = expert_rows(args, 1024, cpu)
+    assert in_place == ExpertRows(sum(loads) / 1024, False, 0, 0) and in_place.in_place(False)
+    # CPU, bf16 storage (weights cast out of the stack): padded groups in chunks
+    padded = expert_rows(args, 1024, Dtypes.of("bfloat16", "bfloat16"))
+    assert 4.0 < padded.per_token < 4.0 * 1.25 and padded.padded and padded.chunks >= 1
+    assert padded.chunk_experts >= 1 and not padded.in_place(False)
     capped = preset("tiny_glm_moe", hidden_size=64, num_experts=16, num_experts_per_tok=4,
                     moe_capacity_factor=1.0)  # fmt: skip
     assert max(expected_loads(capped, 1024)) == 4096 // 16
@@ -431,8 +440,8 @@ def test_expert_buffer_expectations() -> None:
         "MoE LoRA x @ A per buffer row",
         "MoE LoRA float32 inputs per buffer row",
     ]
-    on_cpu = act.lora_saved(args, 1, targets, 8, cpu, padded)
-    assert on_cpu.res == 2 * 8 * padded.per_token  # x @ A of both projections, per row
+    on_cpu = act.lora_saved(args, 1, targets, 8, cpu, in_place)
+    assert on_cpu.res == 2 * 8 * in_place.per_token  # x @ A of both projections, per row
     # a GPU full fine-tune: the gate/up backward holds Paddle's grouped-GEMM weight gradient,
     # its zeros_like and the masked copy (3 × the stacked weight in bf16)
     trained = moe_backward_bytes(args, gpu, rows, 64, experts_trained=True, lora_experts=False)
