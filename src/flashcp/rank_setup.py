@@ -20,6 +20,7 @@ import paddle
 from flashcp.config import Config
 from flashcp.config.device_rule import compute_dtype, resolve_device
 from flashcp.distributed import ParallelDims, ParallelGroups, build_groups
+from flashcp.host_alloc import retain_freed_memory
 
 
 def process_groups(cfg: Config, groups: ParallelGroups | None = None) -> ParallelGroups:
@@ -59,7 +60,10 @@ def resolve_runtime(cfg: Config) -> tuple[str, str]:
 
 
 def use_device(device: str) -> None:
-    """Compute on `device` from now on (a GPU: the one Paddle already selected, if any)."""
+    """Compute on `device` from now on (a GPU: the one Paddle already selected, if any); on CPU
+    the process keeps freed host memory for reuse (`flashcp.host_alloc`)."""
+    if device == "cpu":
+        retain_freed_memory()
     current = str(paddle.get_device())
     paddle.set_device("cpu" if device == "cpu" else current if current.startswith("gpu") else "gpu")
 
