@@ -29,8 +29,10 @@ The model FLOPs come from `flashcp.metrics.flops` (the family's inventory: one s
 floor's GEMM list matches it, `tests/unit/bench/test_moe_step.py`). The phase shares are those
 of the median round (by timed step), so they add up to 100 % exactly.
 
-`--compare NAME` (a key of `VARIANTS`) also times the plain step with that change undone,
-interleaved with the rest: the before/after of a cut, side by side in one run.
+`--compare NAME[,NAME...]` (keys of `VARIANTS`) also times the plain step with each change undone
+on its own, interleaved with the rest: the before/after of each cut, side by side in one run. The
+step runs as a CPU run's trainer runs it (`flashcp.rank_setup.use_device`, which keeps freed host
+memory for reuse: `flashcp.host_alloc`).
 
 Results: `docs/moe_step.json`, rendered into `docs/moe_step.md`.
 """
@@ -44,6 +46,7 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -180,8 +183,74 @@ def _numpy_kernel_gemms_paddle_norms() -> Iterator[None]:
         cpu_forward.matmul, cpu_backward.matmul, cpu_elementwise.applies = saved
 
 
+@contextlib.contextmanager
+def _system_malloc() -> Iterator[None]:
+    """Before `flashcp.host_alloc`: glibc's default malloc, a fresh mapping for every big buffer
+    (its pages faulted in and zeroed again each time) and unmapped when freed."""
+    from flashcp import host_alloc
+
+    host_alloc.system_defaults()
+    try:
+        yield
+    finally:
+        host_alloc.retain_freed_memory(again=True)
+
+
+class _PaddedExpertMatmuls:
+    """The routed experts as before their in-place products: the cost-chosen padded groups,
+    each expert's products concatenated (forward, dX) and stacked (dW)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, w: Any, groups: Any) -> Any:
+        import paddle
+
+        from flashcp.models import grouped_matmul as gm
+
+        ctx.rows = gm._expert_rows(groups)
+        ctx.save_for_backward(x, w)
+        parts = [paddle.matmul(x[a : a + n], w[e]) for e, a, n in ctx.rows]
+        return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Any) -> Any:
+        import paddle
+
+        x, w = ctx.saved_tensor()
+        dx = dw = None
+        if not x.stop_gradient:
+            parts = [paddle.matmul(dy[a : a + n], w[e], transpose_y=True) for e, a, n in ctx.rows]
+            dx = paddle.concat(parts, axis=0)
+        if not w.stop_gradient:
+            blocks: list[Any] = [None] * int(w.shape[0])
+            for e, a, n in ctx.rows:
+                blocks[e] = paddle.matmul(x[a : a + n], dy[a : a + n], transpose_x=True)
+            zero = paddle.zeros(w.shape[1:], dtype=w.dtype)
+            dw = paddle.stack([zero if b is None else b for b in blocks])
+        return dx, dw
+
+
+@contextlib.contextmanager
+def _padded_experts_concat_stack() -> Iterator[None]:
+    """Before the experts' in-place products: padded groups on CPU float32 too, and the
+    products concatenated and stacked (`_PaddedExpertMatmuls`)."""
+    from paddle.autograd import PyLayer
+
+    from flashcp.models import expert_layout, experts, grouped_matmul
+
+    old = type("_OldExpertMatmuls", (PyLayer,), dict(vars(_PaddedExpertMatmuls)))
+    saved = (grouped_matmul._ExpertMatmuls, experts.cpu_groups)
+    grouped_matmul._ExpertMatmuls = old
+    experts.cpu_groups = lambda counts, per_expert: expert_layout.cost_chosen_groups(counts)
+    try:
+        yield
+    finally:
+        grouped_matmul._ExpertMatmuls, experts.cpu_groups = saved
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "numpy_kernel_gemms_paddle_norms": _numpy_kernel_gemms_paddle_norms,
+    "system_malloc": _system_malloc,
+    "padded_experts_concat_stack": _padded_experts_concat_stack,
 }
 """`--compare` choices: a context manager under which the step runs as before a cut."""
 
@@ -190,9 +259,23 @@ VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
 
 
 def _cpu(fn: Callable[[], Any]) -> float:
+    """Process CPU seconds of `fn()`, or the seconds it returns (a part that times itself)."""
     start = time.process_time()
-    fn()
-    return time.process_time() - start
+    own = fn()
+    return own if isinstance(own, float) else time.process_time() - start
+
+
+def _before(undo: Callable[[], contextlib.AbstractContextManager[None]],
+            step: Callable[[], None]) -> float:  # fmt: skip
+    """One step with a cut undone, timed; then one untimed plain step, so that the next part
+    starts from the state a plain step leaves (e.g. the heap grown back after the system
+    malloc returned it)."""
+    start = time.process_time()
+    with undo():
+        step()
+    seconds = time.process_time() - start
+    step()
+    return seconds
 
 
 def instrument(model: Any, clock: phase_timer.PhaseClock) -> phase_timer.Patches:
@@ -250,7 +333,7 @@ def _grads(model: Any) -> dict[str, np.ndarray]:
 
 
 def measure_shape(name: str, spec: dict[str, Any], rounds: int,
-                  compare: str | None = None) -> dict[str, Any]:  # fmt: skip
+                  compare: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     import paddle
 
     from flashcp import masks
@@ -339,14 +422,8 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
         "plain step": step, "timed step": timed_step, "gemm floor": floor,
         "peak": lambda: paddle.matmul(big, big),
     }  # fmt: skip
-    if compare is not None:
-        undo = VARIANTS[compare]
-
-        def before() -> None:
-            with undo():
-                step()
-
-        parts[f"plain step, before {compare}"] = before
+    for variant in compare:
+        parts[f"plain step, before {variant}"] = partial(_before, VARIANTS[variant], step)
     times: dict[str, list[float]] = {k: [] for k in parts}
     timed_rounds: list[dict[str, Any]] = []
     floor_rounds: list[dict[str, float]] = []
@@ -391,14 +468,17 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
         "step_over_floor": med["plain step"] / med["gemm floor"],
         "expert_rows_max_over_mean": float(max(max(c) / np.mean(c) for c in routed)),
     }
-    if compare is not None:
-        key = f"plain step, before {compare}"
-        out["compare"] = {
-            "variant": compare,
-            "before": stats.spread(times[key]),
+    out["compare"] = [
+        {
+            "variant": variant,
+            "before": stats.spread(times[f"plain step, before {variant}"]),
             "after": stats.spread(times["plain step"]),
-            "speedup": stats.spread(stats.ratios(times[key], times["plain step"])),
+            "speedup": stats.spread(
+                stats.ratios(times[f"plain step, before {variant}"], times["plain step"])
+            ),
         }
+        for variant in compare
+    ]
     return out
 
 
@@ -422,38 +502,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (>= 3 for docs)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES keys")
-    parser.add_argument("--compare", default=None, choices=sorted(VARIANTS) or None,
-                        help="also time the step with this cut undone (before/after)")  # fmt: skip
+    parser.add_argument("--compare", default="",
+                        help="also time the step with these cuts undone, each on its own "
+                             f"(before/after; comma-separated, of {sorted(VARIANTS)})")  # fmt: skip
     PAGE.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.report_only:
         return PAGE.rewrite(args)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    compare = [v.strip() for v in args.compare.split(",") if v.strip()]
+    if unknown := [v for v in compare if v not in VARIANTS]:
+        raise SystemExit(f"--compare {unknown}: use names from {sorted(VARIANTS)}")
     bad = [s for s in names if s not in SHAPES]
     if bad or not names or args.rounds < 1:
         raise SystemExit(f"--shapes {bad or names}: use names from {list(SHAPES)}; --rounds >= 1")
     import paddle
 
-    paddle.set_device("cpu")
+    from flashcp.rank_setup import use_device
+
+    use_device("cpu")  # as a CPU run's trainer does (`flashcp.host_alloc` included)
     cases = []
     for name in names:
         print(f"== {name}", flush=True)
-        case = measure_shape(name, SHAPES[name], args.rounds, args.compare)
+        case = measure_shape(name, SHAPES[name], args.rounds, compare)
         print(f"   step {case['seconds']['plain step']['median']:.2f} s, "
               f"{case['fraction_of_peak']:.2f} of the GEMM peak, "
               f"{case['step_over_floor']:.2f}× its GEMM floor; timed-step gradients "
               f"{case['timers_grad_units']:.2f} units of the rule", flush=True)  # fmt: skip
         for phase, row in case["accounting"]["phases"].items():
             print(f"     {phase:24s} {row['total']:7.3f} s {100 * row['share']:5.1f} %")
-        if "compare" in case:
-            print(f"   before/after {args.compare}: {case['compare']['speedup']}")
+        for c in case["compare"]:
+            print(f"   before/after {c['variant']}: {c['speedup']}")
         cases.append(case)
     rec = {
         "environment": {"paddle": paddle.__version__, "python": platform.python_version(),
                         "machine": platform.machine(), "cpus": os.cpu_count(),
                         "threads": os.environ.get("OMP_NUM_THREADS"),
                         "loadavg": list(os.getloadavg())},  # fmt: skip
-        "compare": args.compare,
+        "compare": compare,
         "cases": cases,
     }
     PAGE.write(args, rec)

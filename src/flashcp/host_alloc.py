@@ -34,18 +34,33 @@ TRIM_THRESHOLD_BYTES = 2**31 - 1
 """Free bytes at the heap's top before glibc returns them to the kernel: the largest value
 `mallopt` takes (an int), 2 GiB."""
 
+DEFAULTS = {M_MMAP_MAX: 65536, M_TRIM_THRESHOLD: 128 * 1024}
+"""glibc's defaults of both (malloc(3))."""
+
 _done: list[bool] = [False]
 
 
-def retain_freed_memory() -> bool:
-    """Make glibc keep freed memory for reuse (module docstring), once per process. True when
-    it is in effect, False where there is no glibc `mallopt` (another C library)."""
-    if _done[0]:
-        return True
+def _mallopt(values: dict[int, int]) -> bool:
+    """`mallopt(param, value)` for each; False outside glibc or when one is refused."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    ok = libc.mallopt(M_MMAP_MAX, 0) == 1
-    ok = ok and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-    _done[0] = ok
+    return all(libc.mallopt(param, value) == 1 for param, value in values.items())
+
+
+def retain_freed_memory(*, again: bool = False) -> bool:
+    """Make glibc keep freed memory for reuse (module docstring), once per process (`again`:
+    even if done before, after `system_defaults`). True when it is in effect, False where
+    there is no glibc `mallopt` (another C library)."""
+    if _done[0] and not again:
+        return True
+    _done[0] = _mallopt({M_MMAP_MAX: 0, M_TRIM_THRESHOLD: TRIM_THRESHOLD_BYTES})
+    return _done[0]
+
+
+def system_defaults() -> bool:
+    """glibc's defaults back for the allocations that follow (a mapping per big buffer, freed
+    memory trimmed): the "before" of `scripts/bench/moe_step.py`'s comparison."""
+    ok = _mallopt(DEFAULTS)
+    _done[0] = _done[0] and not ok
     return ok

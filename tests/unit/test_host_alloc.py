@@ -15,8 +15,10 @@ import json, resource, sys
 import paddle
 from flashcp import host_alloc
 from flashcp.rank_setup import use_device
-if sys.argv[1] == "retain":
+if sys.argv[1] in ("retain", "restored"):
     use_device("cpu")  # what a CPU run's trainer and evaluation call
+if sys.argv[1] == "restored":
+    host_alloc.system_defaults()  # the benchmark's "before"
 faults = []
 for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -40,7 +42,8 @@ def test_a_cpu_run_reuses_freed_buffers_instead_of_faulting_them_in_again() -> N
     """Allocating, filling and freeing a 64 MiB tensor four times: by default glibc maps and
     unmaps it each time, so each round faults in every page (the negative control); once a CPU
     run's `use_device("cpu")` retained freed memory, the later rounds reuse the first round's
-    pages and fault in almost none. (Outside glibc nothing is done, and said: False.)"""
+    pages and fault in almost none; `system_defaults` undoes it. (Outside glibc nothing is
+    done, and said: False.)"""
     if platform.libc_ver()[0] != "glibc":
         assert host_alloc.retain_freed_memory() is False
         return
@@ -51,3 +54,6 @@ def test_a_cpu_run_reuses_freed_buffers_instead_of_faulting_them_in_again() -> N
     assert kept["retained"]
     assert kept["faults"][0] > 0.9 * PAGES  # the first round still maps its pages once
     assert all(f < 0.05 * PAGES for f in kept["faults"][1:]), kept
+    restored = _faults("restored")  # glibc's defaults back: every round faults again
+    assert not restored["retained"]
+    assert all(f > 0.9 * PAGES for f in restored["faults"][1:]), restored

@@ -85,3 +85,36 @@ def test_the_page_is_its_json() -> None:
     for case in rec["cases"]:
         shares = [r["share"] for r in case["accounting"]["phases"].values()]
         assert sum(shares) == pytest.approx(1.0)
+
+
+def test_the_padded_experts_variant_is_the_same_maths_and_is_undone() -> None:
+    """`--compare padded_experts_concat_stack` times the experts as they were: padded groups,
+    concatenated and stacked products — the same values under the numerics rule (a real
+    before), a different buffer while it is on, and nothing of it left afterwards."""
+    import paddle
+
+    from bench import numerics
+    from flashcp.models import experts, grouped_matmul
+    from flashcp.models.moe import MoE
+
+    args = preset("tiny_glm_moe", hidden_size=32, num_experts=8, moe_intermediate_size=16,
+                  num_shared_experts=0)  # fmt: skip
+    paddle.seed(0)
+    moe = MoE(args)
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((1, 64, 32)).astype("float32"))
+
+    def run() -> tuple[np.ndarray, np.ndarray, int]:
+        moe.clear_gradients()
+        out = moe(x)
+        (out * out).sum().backward()
+        layout = moe.experts.plan(moe.last_tokens_per_expert.tolist(), x.reshape([-1, 32]))
+        return out.numpy(), moe.experts.gate_up_proj.grad.numpy(), layout.rows
+
+    saved = (grouped_matmul._ExpertMatmuls, experts.cpu_groups)
+    out, grad, rows = run()
+    with moe_step.VARIANTS["padded_experts_concat_stack"]():
+        old_out, old_grad, old_rows = run()
+    assert (grouped_matmul._ExpertMatmuls, experts.cpu_groups) == saved
+    assert old_rows > rows == 64 * args.num_experts_per_tok  # padded then, ragged now
+    numerics.assert_close(old_out, out, n=32, norm="l2", what="MoE output")
+    numerics.assert_close(old_grad, grad, n=64, norm="l2", what="gate/up gradient")
