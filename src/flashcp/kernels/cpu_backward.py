@@ -12,6 +12,10 @@ against an extra column of ones on K and V (`heads_first_augmented`), so `[Qs, -
 is S - LSE and `[dO, -D] [V, 1]ᵀ` is dP - D with no element-wise pass over the tile; the
 products with Q, dO and K as right-hand operands (dK, dV, dQ) use plain copies (V has none).
 
+dK and dV are accumulated transposed, `[D, Sk]` per KV head: `(dSᵀ Qs)ᵀ = Qsᵀ dS` transposes
+the thin `[rows, D]` operand, not the score tile, which Paddle's CPU GEMM does about a third
+faster (its transposed-A product over a wide tile is the slowest of the kernel's GEMMs).
+
 The same tiling plan as the forward is used (masked tiles skipped, exact mask on partial
 tiles only). Query heads of a KV group are stacked into one matmul, so dK/dV come out already
 summed over the group. Rows with LSE -inf (fully masked) use LSE 0 instead: all their scores
@@ -52,8 +56,8 @@ def flash_backward(
     ka = heads_first_augmented(k, 1)  # [K, 1]
     va = heads_first_augmented(v, 1)  # [V, 1]
     dqh = np.zeros((B, Hq, Sq, D), dtype=dtype)
-    dkh = np.zeros((B, Hkv, Sk, D), dtype=dtype)
-    dvh = np.zeros((B, Hkv, Sk, Dv), dtype=dtype)
+    dkh = np.zeros((B, Hkv, D, Sk), dtype=dtype)  # dKᵀ, dVᵀ: see the module docstring
+    dvh = np.zeros((B, Hkv, Dv, Sk), dtype=dtype)
     scale_t = dtype.type(scale)
 
     for b in range(B):
@@ -90,17 +94,17 @@ def flash_backward(
                         p4 = p.reshape(n_kv, g, rows, -1)
                         plan.apply_mask(p4, b, unit.mask_head, r0, r1, seg)
                     np.exp(p, out=p)  # P, exactly 0 on masked entries
-                    dvu[:, seg.k0 : seg.k1] += matmul(p, do2, transpose_a=True)
+                    dvu[..., seg.k0 : seg.k1] += matmul(do2, p, transpose_a=True)  # (Pᵀ dO)ᵀ
                     ds = matmul(doa2, vau[:, seg.k0 : seg.k1], transpose_b=True)  # dP - D
                     ds *= p  # dS
                     dq2 += matmul(ds, ku[:, seg.k0 : seg.k1])
-                    dku[:, seg.k0 : seg.k1] += matmul(ds, q2, transpose_a=True)
+                    dku[..., seg.k0 : seg.k1] += matmul(q2, ds, transpose_a=True)  # (dSᵀ Qs)ᵀ
                     del p, ds  # freed before the next segment's: two tiles alive, not three
                 dq2 *= scale_t
                 dqu[:, :, r0:r1] = dq2.reshape(n_kv, g, rows, D)
 
     return (
         np.ascontiguousarray(dqh.transpose(0, 2, 1, 3)),
-        np.ascontiguousarray(dkh.transpose(0, 2, 1, 3)),
-        np.ascontiguousarray(dvh.transpose(0, 2, 1, 3)),
+        np.ascontiguousarray(dkh.transpose(0, 3, 1, 2)),
+        np.ascontiguousarray(dvh.transpose(0, 3, 1, 2)),
     )
