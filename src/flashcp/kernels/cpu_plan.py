@@ -121,6 +121,22 @@ def heads_first(x: np.ndarray, scale: float | None = None) -> np.ndarray:
     return out
 
 
+def heads_first_augmented(x: np.ndarray, last: float | np.ndarray) -> np.ndarray:
+    """`[B, S, H, X]` -> a new contiguous `[B, H, S, X + 1]` whose extra last column is `last`
+    (a scalar, or `[B, H, S]`).
+
+    A GEMM against such an operand does a rank-one update for free: `[A, a] [B, 1]ᵀ = A Bᵀ + a`
+    subtracts a per-row value inside the matmul (the backward's LSE and D), and `P [V, 1]`
+    gives `P V` and P's row sums in one product (the forward's softmax denominator), saving
+    a pass of numpy element-wise work over every score tile.
+    """
+    b, s, h, n = x.shape
+    out = np.empty((b, h, s, n + 1), dtype=x.dtype)
+    out[..., :n] = x.transpose(0, 2, 1, 3)
+    out[..., n] = last
+    return out
+
+
 class TilePlan:
     """Which tiles to visit and how to mask them, for one kernel call (forward or backward)."""
 

@@ -23,7 +23,7 @@ from flashcp import fa_dispatch, mask_families, mask_indices, masks
 from flashcp.attention import interface, local
 from flashcp.attention.flashmask import flashmask_attention, flashmask_attention_with_version
 from flashcp.kernels import CpuReferenceBackend, registry
-from flashcp.kernels.cpu_plan import TilePlan, head_units
+from flashcp.kernels.cpu_plan import TilePlan, head_units, heads_first_augmented
 from helpers.maskcases import overshoot
 from helpers.reference import NAMES, compare_attention, dense_reference
 
@@ -305,6 +305,24 @@ def test_head_units() -> None:
     ]
     with pytest.raises(ValueError, match="divide"):
         head_units(6, 4, 1)
+
+
+def test_heads_first_augmented_layout_and_rank_one_product() -> None:
+    """`[B, S, H, X]` -> `[B, H, S, X + 1]` with the given last column, the input untouched;
+    a matmul against a column of ones then adds that column to every row of the product."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5, 3, 4))
+    keep = x.copy()
+    col = rng.standard_normal((2, 3, 5))
+    xa = heads_first_augmented(x, col)
+    assert xa.shape == (2, 3, 5, 5) and xa.flags.c_contiguous
+    np.testing.assert_array_equal(xa[..., :4], x.transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(xa[..., 4], col)
+    np.testing.assert_array_equal(x, keep)
+    ones = heads_first_augmented(x, 1)
+    np.testing.assert_array_equal(ones[..., 4], 1)
+    want = xa[..., :4] @ ones[..., :4].swapaxes(-1, -2) + col[..., None]
+    np.testing.assert_allclose(xa @ ones.swapaxes(-1, -2), want, rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------ front door
