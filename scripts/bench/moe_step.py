@@ -66,16 +66,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_kv_heads=1, head_dim=64, intermediate_size=1536, num_experts=128,
         num_experts_per_tok=8, moe_intermediate_size=192, mlp_only_layers=(),
     ),
+    "glm4_9b / 8 (dense)": dict(
+        preset="tiny_glm", vocab_size=32768, hidden_size=512, num_layers=2, num_heads=4,
+        num_kv_heads=1, head_dim=128, intermediate_size=1712,
+    ),
 }  # fmt: skip
 """Each shape: GLM-4.5-Air's widths ÷ 8 (hidden 4096 → 512, heads 96/8 → 12/1, expert 1408 →
 176), Qwen3-30B-A3B's ÷ 4 (2048 → 512, 32/4 → 8/1, expert 768 → 192); 128 experts top-8 kept;
-the vocabulary 32,768 (÷ 4.6); two MoE layers; 2,048 tokens (one causal document)."""
+and, for the dense step (the same loss, norms and rotary without experts), GLM-4-9B's ÷ 8
+(4096 → 512, heads 32/2 → 4/1 of 128, MLP 13696 → 1712, its sandwich norms); the vocabulary
+32,768 (÷ 4.6); two layers; 2,048 tokens (one causal document)."""
 TOKENS = 2048
 PEAK_N = 2048
 PHASES = (
     "embedding", "norms", "rotary", "attention projections", "attention kernel",
     "router and top-k", "dispatch / permute", "expert GEMMs", "expert SwiGLU",
-    "combine / unpermute", "shared expert", "head and loss", "optimizer",
+    "combine / unpermute", "shared expert", "dense MLP", "head and loss", "optimizer",
 )  # fmt: skip
 """The phases of a step, in the order the page lists them (module docstring)."""
 UNATTRIBUTED = "unattributed"
@@ -105,8 +111,8 @@ def kernel_keys(tokens: int) -> int:
 
 def gemm_shapes(args: Any, tokens: int, expert_rows: Sequence[Sequence[int]]) -> list[Gemm]:
     """Every GEMM of a step of `tokens` tokens (one causal document) through `args`' decoder
-    layers (each a MoE layer here, `expert_rows[layer][e]` rows routed to expert e) and the LM
-    head, each in its phase (`PHASES`)."""
+    layers (a MoE layer: `expert_rows[layer][e]` rows routed to expert e; a dense layer: its
+    SwiGLU MLP) and the LM head, each in its phase (`PHASES`)."""
     h, d = int(args.hidden_size), int(args.head_size)
     heads = int(args.num_heads)
     q, kv = heads * d, int(args.num_kv_heads) * d
@@ -116,8 +122,12 @@ def gemm_shapes(args: Any, tokens: int, expert_rows: Sequence[Sequence[int]]) ->
         out += [Gemm("attention projections", tokens, h, q + 2 * kv),
                 Gemm("attention projections", tokens, q, h),
                 Gemm("attention kernel", tokens, d, keys, heads),  # QKᵀ (dQ, dK)
-                Gemm("attention kernel", tokens, keys, d, heads),  # PV (dP, dV)
-                Gemm("router and top-k", tokens, h, int(args.num_experts))]  # fmt: skip
+                Gemm("attention kernel", tokens, keys, d, heads)]  # PV (dP, dV)  # fmt: skip
+        if args.layer_blocks(layer).moe is None:
+            inter = int(args.layer_blocks(layer).mlp.intermediate)
+            out += [Gemm("dense MLP", tokens, h, 2 * inter), Gemm("dense MLP", tokens, inter, h)]
+            continue
+        out.append(Gemm("router and top-k", tokens, h, int(args.num_experts)))
         inter = int(args.moe_intermediate_size)
         for rows in expert_rows[layer]:
             if rows:
@@ -308,7 +318,13 @@ def instrument(model: Any, clock: phase_timer.PhaseClock) -> phase_timer.Patches
             p.wrap(clock, attn.q_norm, "forward", "norms")
             p.wrap(clock, attn.k_norm, "forward", "norms")
         p.wrap(clock, attn, "core", "attention kernel")
+        if layer.sandwich_norms:
+            p.wrap(clock, layer.post_self_attn_layernorm, "forward", "norms")
+            p.wrap(clock, layer.post_mlp_layernorm, "forward", "norms")
         moe = layer.mlp
+        if not isinstance(moe, moe_module.MoE):
+            p.wrap(clock, moe, "forward", "dense MLP")
+            continue
         p.wrap(clock, moe.gate, "route", "router and top-k")
         p.wrap(clock, moe.experts, "plan", "dispatch / permute", backward=False)
         p.wrap(clock, moe.experts, "forward", "expert SwiGLU")
@@ -391,7 +407,7 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
         raise RuntimeError(f"the timers changed the step: loss {timed_loss} vs {plain_loss}, "
                            f"gradients {units:.2f} units of the numerics rule")  # fmt: skip
     for layer in model.decoder_layers():  # this step's routing per layer, for the floor
-        routed.append(np.asarray(layer.mlp.last_tokens_per_expert).tolist())
+        routed.append(np.asarray(getattr(layer.mlp, "last_tokens_per_expert", [])).tolist())
     gemms = gemm_shapes(args, TOKENS, routed)
     by_phase: dict[str, list[tuple[Any, Any, Any]]] = {}
     for g in gemms:
@@ -447,7 +463,8 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
         "name": name,
         "shape": {k: getattr(args, k) for k in ("hidden_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "num_experts", "num_experts_per_tok",
-                  "moe_intermediate_size", "num_shared_experts", "vocab_size")},  # fmt: skip
+                  "moe_intermediate_size", "num_shared_experts", "intermediate_size",
+                  "vocab_size")},  # fmt: skip
         "tokens": TOKENS,
         "rounds": rounds,
         "seconds": {k: stats.spread(v) for k, v in times.items()},
@@ -466,7 +483,8 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
         "fraction_of_peak": model_flops / med["plain step"] / peak_flops,
         "floor_fraction_of_peak": model_flops / med["gemm floor"] / peak_flops,
         "step_over_floor": med["plain step"] / med["gemm floor"],
-        "expert_rows_max_over_mean": float(max(max(c) / np.mean(c) for c in routed)),
+        "expert_rows_max_over_mean": max((max(c) / float(np.mean(c)) for c in routed if c),
+                                         default=None),  # fmt: skip
     }
     out["compare"] = [
         {

@@ -20,8 +20,11 @@ def _args_and_routing(name: str, tokens: int) -> tuple[object, list[list[int]]]:
     spec = dict(moe_step.SHAPES[name])
     args = preset(spec.pop("preset"), **spec)
     rng = np.random.default_rng(0)
-    counts = []
+    counts: list[list[int]] = []
     for _ in range(args.num_layers):
+        if not args.num_experts:  # the dense shape: no routing
+            counts.append([])
+            continue
         picks = np.stack([rng.choice(args.num_experts, args.num_experts_per_tok, replace=False)
                           for _ in range(tokens)])  # fmt: skip
         counts.append(np.bincount(picks.ravel(), minlength=args.num_experts).tolist())
@@ -41,9 +44,14 @@ def test_the_gemms_are_the_model_flops(name: str) -> None:
     model = flops_per_token(args, tokens, keys=causal_keys(tokens)) * tokens
     total = sum(g.flops for g in gemms)
     assert total < model and total == pytest.approx(model, rel=1 / tokens)
-    fewer = [c[:-1] + [0] for c in counts]  # control: an expert's rows lost
-    lost = sum(g.flops for g in moe_step.gemm_shapes(args, tokens, fewer))
-    assert lost < total
+    if args.num_experts:
+        fewer = [c[:-1] + [0] for c in counts]  # control: an expert's rows lost
+        lost = sum(g.flops for g in moe_step.gemm_shapes(args, tokens, fewer))
+        assert lost < total
+    else:  # control: the dense MLP's GEMMs are in the list (without them, not the FLOPs)
+        without = [g for g in gemms if g.phase != "dense MLP"]
+        assert {g.phase for g in gemms} >= {"dense MLP"}
+        assert sum(g.flops for g in without) < total
 
 
 def test_every_gemm_belongs_to_a_phase() -> None:
