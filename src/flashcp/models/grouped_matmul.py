@@ -8,7 +8,10 @@ input rows come in an `ExpertLayout` (chosen per call from the host-known row co
   batched matmul ``[n, C, K] @ [n, K, N]``. One group of all experts in index order is the
   plain padded layout; one group per expert (capacity = its count) is the ragged loop; sorting
   the experts by count and cutting them into a few groups keeps both the padding and the
-  number of calls small (`plan_layout`).
+  number of calls small (`plan_layout`). With the weights in the rows' dtype (float32
+  training) the layout is one group per expert and `_ExpertMatmuls` multiplies each expert's
+  rows by its own slice of the stack, writing every product in place into one output; the
+  padded groups serve the cast path (`_GroupedMatmul`, bf16 storage).
 * **ragged** (GPU): expert `e`'s rows contiguous, no padding, experts in index order — for
   Paddle's grouped GEMM, `paddle.incubate.nn.functional.batched_gemm`
   (``paddle/phi/kernels/legacy/gpu/batched_gemm.cu``: cuBLAS per expert inside one op, host
