@@ -14,11 +14,10 @@ Paddle's allocator counts what the model keeps), with hand-derived gradients:
   opposite angle, `dx1 = dy1 · cos + dy2 · sin`, `dx2 = dy2 · cos − dy1 · sin`;
 * log p(label) from logits `[rows, V]` (the loss, `models.head.token_logprobs`):
   `x[label] − max − log Σ exp(x − max)`, row block by row block so each block's max, exp and
-  sum stay in cache; it keeps the logits and the per-row `lse` (no softmax buffer, which
-  Paddle's cross-entropy allocates: a fresh `[rows, V]` buffer also costs its page faults) and
-  the backward turns the logits in place into `dx = dlp · (onehot(label) − exp(x − lse))`,
-  zero rows for ignored labels. Forward + backward at `[2048, 32768]`: 0.21 s against
-  Paddle's 0.34 s (process CPU time, medians of 7 interleaved rounds).
+  sum stay in cache; with a backward to come it writes the softmax `p` over the logits it
+  owns (no new `[rows, V]` buffer, which Paddle's cross-entropy allocates for its softmax: a
+  fresh buffer also costs its page faults) and the backward turns `p` in place into
+  `dx = dlp · (onehot(label) − p)`, zero rows for ignored labels.
 
 `models.layers` and `models.head` call these only for float32 tensors on a CPU place
 (`applies`); any other dtype or device runs its Paddle ops, which GPU kernels serve. Both
@@ -170,17 +169,18 @@ def _check_labels(labels: np.ndarray, vocab: int, ignore_index: int) -> np.ndarr
 
 
 class _LabelLogprob(PyLayer):
-    """log p(label) per row of float32 logits `[..., V]`. Keeps the logits themselves and the
-    per-row log-sum-exp, and turns the logits into their own gradient in place, so no
-    `[rows, V]` buffer besides the logits ever exists (Paddle's cross-entropy adds its
-    softmax): the caller must own the logits (`label_logprobs`)."""
+    """log p(label) per row of float32 logits `[..., V]`. With a backward to come, the forward
+    turns the logits into their softmax in place and keeps them, and the backward turns that
+    into the gradient in place: no `[rows, V]` buffer besides the logits ever exists (Paddle's
+    cross-entropy allocates its softmax), and one exp per logit. The caller must own the
+    logits (`label_logprobs`)."""
 
     @staticmethod
     def forward(
         ctx: Any, logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int, keep: bool
     ) -> paddle.Tensor:
         vocab = int(logits.shape[-1])
-        x = _np(logits).reshape(-1, vocab)
+        x = (view(logits) if keep else _np(logits)).reshape(-1, vocab)
         y = _np(labels).reshape(-1)
         if y.shape[0] != x.shape[0]:
             raise ValueError(
@@ -190,47 +190,43 @@ class _LabelLogprob(PyLayer):
         valid = _check_labels(y, vocab, ignore_index)
         lp, lpn = empty(tuple(int(d) for d in labels.shape), np.dtype(np.float32))
         lpn = lpn.reshape(-1)
-        lse = np.empty(x.shape[0], np.float32)
         step = max(1, _BLOCK_ELEMENTS // vocab)
-        scratch = np.empty((min(step, x.shape[0]), vocab), np.float32)  # one block, in cache
+        # without a backward the logits stay as they are: one block of scratch, in cache
+        scratch = None if keep else np.empty((min(step, x.shape[0]), vocab), np.float32)
         picked = x[np.arange(x.shape[0]), np.where(valid, y, 0)]  # x[label] (any, if ignored)
         for start in range(0, x.shape[0], step):
             stop = min(start + step, x.shape[0])
-            xb, sb = x[start:stop], scratch[: stop - start]
+            xb = x[start:stop]
+            pb = xb if scratch is None else scratch[: stop - start]
             m = xb.max(axis=1)
-            np.subtract(xb, m[:, None], out=sb)
-            np.exp(sb, out=sb)
-            log_s = np.log(sb.sum(axis=1))
-            lse[start:stop] = m + log_s
+            np.subtract(xb, m[:, None], out=pb)
+            np.exp(pb, out=pb)
+            s = pb.sum(axis=1)
+            if keep:
+                pb *= (np.float32(1.0) / s)[:, None]  # the softmax, in the logits' place
             # log p(label) = (x[label] − max) − log Σ exp(x − max)
-            lpn[start:stop] = (picked[start:stop] - m) - log_s
+            lpn[start:stop] = (picked[start:stop] - m) - np.log(s)
         lpn[~valid] = 0.0
         if keep:
+            # another op that saved these logits for its backward now fails loudly, not silently
+            logits._bump_inplace_version()
             ctx.save_for_backward(logits)
-            ctx.rows = (y.copy(), valid, lse)
+            ctx.rows = (y.copy(), valid)
         return lp
 
     @staticmethod
     def backward(ctx: Any, dlp: paddle.Tensor) -> tuple[paddle.Tensor, None]:
-        (logits,) = ctx.saved_tensor()
-        y, valid, lse = ctx.rows
-        vocab = int(logits.shape[-1])
-        g = view(logits).reshape(-1, vocab)  # writable: the gradient replaces the logits
+        (probs,) = ctx.saved_tensor()
+        y, valid = ctx.rows
+        g = view(probs).reshape(-1, int(probs.shape[-1]))  # the gradient replaces the softmax
         coef = np.where(valid, -_np(dlp).reshape(-1), np.float32(0.0))
-        # dlogits = dlp · (onehot − softmax), softmax = exp(x − lse), block by block in cache
-        step = max(1, _BLOCK_ELEMENTS // vocab)
-        for start in range(0, g.shape[0], step):
-            gb = g[start : start + step]
-            gb -= lse[start : start + step, None]
-            np.exp(gb, out=gb)
-            gb *= coef[start : start + step, None]
+        # dlogits = dlp · (onehot − softmax): one streaming pass, then the labels' entries
+        np.multiply(g, coef[:, None], out=g)
         if not valid.all():
             g[~valid] = 0.0  # exactly zero even where an ignored row's logits were not finite
         hit = np.nonzero(valid)[0]
         g[hit, y[hit]] -= coef[hit]
-        # another op that saved these logits for its backward now fails loudly, not silently
-        logits._bump_inplace_version()
-        return logits, None
+        return probs, None
 
 
 def label_logprobs(
@@ -241,7 +237,8 @@ def label_logprobs(
     gradient where `labels == ignore_index` — `-F.cross_entropy(..., reduction="none")`. A
     label outside `[0, V)` that is not `ignore_index` raises IndexError, as Paddle's does.
 
-    The backward overwrites `logits` with their gradient: pass logits nobody reads after this
+    With a backward to come (grad enabled, logits not stop_gradient), the logits are
+    overwritten (by their softmax, then their gradient): pass logits nobody reads after this
     call (a head's fresh output); an op that saved them for its own backward then raises."""
     keep = paddle.is_grad_enabled() and not logits.stop_gradient
     return _LabelLogprob.apply(logits, labels, ignore_index, keep)

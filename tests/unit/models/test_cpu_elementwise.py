@@ -224,8 +224,10 @@ def test_label_logprobs_own_their_logits() -> None:
     with pytest.raises(Exception, match="modified by an inplace operation"):
         cpu_elementwise.label_logprobs(e, y, -100).sum().backward()
     with paddle.no_grad():
-        free = cpu_elementwise.label_logprobs(paddle.to_tensor(x), y, -100)
+        kept = paddle.to_tensor(x)
+        free = cpu_elementwise.label_logprobs(kept, y, -100)
     np.testing.assert_array_equal(free.numpy(), lp.numpy())
+    np.testing.assert_array_equal(kept.numpy(), x)  # no backward to come: left as they were
 
 
 def test_token_logprobs_takes_numpy_only_for_owned_float32_cpu_logits() -> None:
