@@ -151,7 +151,7 @@ _BLOCK_ELEMENTS = 1 << 17
 """Elements per row block of the log-softmax (512 KiB of float32, 4 rows of a 32k vocabulary):
 a block's max, subtraction, exp, sum and scaling run while it sits in the core's L2 cache, so
 the forward crosses the memory bus once (blocks of 2-16 rows at `[2048, 32768]` measured alike
-within the noise, 135-160 ms forward + backward; a whole-array pass per step is slower)."""
+within the noise, 135-160 ms forward + backward)."""
 
 
 def _check_labels(labels: np.ndarray, vocab: int, ignore_index: int) -> np.ndarray:
