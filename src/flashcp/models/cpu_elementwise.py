@@ -241,4 +241,6 @@ def label_logprobs(
     overwritten (by their softmax, then their gradient): pass logits nobody reads after this
     call (a head's fresh output); an op that saved them for its own backward then raises."""
     keep = paddle.is_grad_enabled() and not logits.stop_gradient
+    if keep and not logits.is_contiguous():  # a strided view: its buffer is not the logits'
+        logits = logits.contiguous()
     return _LabelLogprob.apply(logits, labels, ignore_index, keep)

@@ -223,6 +223,12 @@ def test_label_logprobs_own_their_logits() -> None:
     e = paddle.exp(z)  # exp saves its output for backward: the logits here
     with pytest.raises(Exception, match="modified by an inplace operation"):
         cpu_elementwise.label_logprobs(e, y, -100).sum().backward()
+    # strided logits (a transposed view) are made contiguous first: the same values
+    wide = paddle.to_tensor(np.ascontiguousarray(x.T), stop_gradient=False)
+    strided = cpu_elementwise.label_logprobs(wide.t(), y, -100)
+    numerics.assert_close(strided.numpy(), lp.numpy(), n=30, what="strided")
+    strided.sum().backward()
+    np.testing.assert_array_equal(wide.numpy(), x.T)  # the caller's buffer is not written
     with paddle.no_grad():
         kept = paddle.to_tensor(x)
         free = cpu_elementwise.label_logprobs(kept, y, -100)
