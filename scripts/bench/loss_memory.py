@@ -2,7 +2,7 @@
 
 One forward + backward of `-sum(log p(label)) / T` from hidden states `[1, T, H]` through a
 bias-free `nn.Linear(H, V)` head (the GLM head), once unchunked (`train.loss_chunk_tokens: 0`:
-the whole `[T, V]` float32 logits, Paddle's cross-entropy) and once chunked
+the whole `[T, V]` float32 logits, `flashcp.models.head.token_logprobs`) and once chunked
 (`flashcp.models.head.chunked_token_logprobs`, chunks of `n` tokens recomputed in backward).
 Peak = the allocator's highest tensor bytes above the start of the pass
 (`flashcp.metrics.memory.PeakMeter`: Paddle's host allocator statistics on CPU, exact bytes of
@@ -10,8 +10,9 @@ Paddle tensors). The two variants alternate, `--repeats` times each; the table g
 (the peak is the same every repeat) and the time's spread. Next to the measurements, the sizes
 that bound them (`tests/unit/models/test_head.py` asserts the same bounds):
 
-* unchunked >= 2·T·V·4: the float32 logits (or the cross-entropy's softmax) and their gradient
-  are alive together;
+* unchunked >= T·V·4: the float32 logits (on CPU the numpy log-softmax of
+  `flashcp.models.cpu_elementwise` turns them into their gradient in place; Paddle's
+  cross-entropy, on a GPU, has its softmax and then the gradient beside them: 2·T·V·4);
 * chunked <= 3·n·V·4 + 2·H·V·4 + 4·T·H·4: one chunk's logits, softmax and gradient, the head
   weight's gradient plus the chunk's partial being added to it, and hidden-sized tensors.
 
@@ -74,7 +75,7 @@ class Size:
         return f"{self.tokens}x{self.vocab}x{self.hidden}:{self.chunk}"
 
     def unchunked_floor(self) -> int:
-        return 2 * self.tokens * self.vocab * 4
+        return self.tokens * self.vocab * 4
 
     def chunked_bound(self) -> int:
         t, v, h, n = self.tokens, self.vocab, self.hidden, min(self.chunk, self.tokens)

@@ -10,7 +10,9 @@ GLM-4's 151,552-token vocabulary and 16k local tokens that is ~10 GB each.
    gathered from the flattened hidden states `[T, H]`, and their log-probs scattered back into
    a zero `[T]` vector (ignored tokens get exactly 0 and no gradient, as in the unchunked path).
 2. Each chunk runs `logits_fn` (the model's real head: a Linear, the tied embedding matrix or a
-   PaddleFormers `LoRALinear`) and the same `F.cross_entropy` as the unchunked path, under
+   PaddleFormers `LoRALinear`) and the same `token_logprobs` as the unchunked path (on CPU
+   float32 logits the numpy log-softmax of `cpu_elementwise`, which turns the logits it owns
+   into their gradient in place; elsewhere `F.cross_entropy`), under
    Paddle's reentrant recompute (`paddle.distributed.fleet.utils.recompute`): the first pass
    runs without grad and keeps only the chunk's hidden rows and labels, so its logits die with
    the chunk; backward reruns the chunk with grad (restoring the RNG state and the autocast
@@ -54,6 +56,7 @@ import paddle.nn.functional as F
 from paddle.distributed.fleet.utils import recompute as fleet_recompute
 
 from flashcp.cp.layout import chunk_bounds
+from flashcp.models import cpu_elementwise
 
 IGNORE_INDEX = -100
 DEFAULT_LOSS_CHUNK_TOKENS = 4096
@@ -79,10 +82,21 @@ def backward_follows(enabled: bool = True) -> Iterator[None]:
 
 
 def token_logprobs(
-    logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int = IGNORE_INDEX
+    logits: paddle.Tensor,
+    labels: paddle.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    *,
+    owned: bool = False,
 ) -> paddle.Tensor:
     """log p(label) per token from logits `[..., V]`, float32 `[...]`; 0 where
-    `labels == ignore_index`."""
+    `labels == ignore_index`.
+
+    `owned`: the logits are this call's alone (the head's fresh output, read by nothing
+    else). Then float32 CPU logits take the numpy log-softmax (`cpu_elementwise.label_logprobs`:
+    the same values, faster, and no softmax buffer: the backward turns the logits into their
+    gradient in place); any other logits take Paddle's cross-entropy."""
+    if owned and cpu_elementwise.applies(logits):
+        return cpu_elementwise.label_logprobs(logits, labels.astype("int64"), ignore_index)
     lp = -F.cross_entropy(
         logits.astype("float32"),
         labels.astype("int64"),
@@ -111,7 +125,7 @@ def _chunk_logprobs(
     logits_fn: LogitsFn, hidden: paddle.Tensor, labels: paddle.Tensor
 ) -> paddle.Tensor:
     """log p(label) of `hidden` rows `[n, H]` with labels `[n]` (no ignored label among them)."""
-    return token_logprobs(logits_fn(hidden), labels)
+    return token_logprobs(logits_fn(hidden), labels, owned=True)
 
 
 def chunked_token_logprobs(
@@ -138,7 +152,7 @@ def chunked_token_logprobs(
             "hidden size (one final hidden state per labelled token)"
         )
     if chunk == 0:
-        return token_logprobs(logits_fn(hidden), labels, ignore_index)
+        return token_logprobs(logits_fn(hidden), labels, ignore_index, owned=True)
     count = int(np.prod(lead))
     flat_h = hidden.reshape([count, int(hidden.shape[-1])])
     flat_y = labels.reshape([count]).astype("int64")

@@ -3,11 +3,13 @@ depths' heads), the embedding's gradient on the first — what they hold, and th
 ``forward: loss``, ``backward: head``, the MTP moments and ``backward: embedding``.
 
 The loss takes the final hidden states (`flashcp.models.head`): unchunked, the cross-entropy
-keeps its float32 softmax `[T, V]` until backward; chunked (`train.loss_chunk_tokens`), one
-chunk's logits and softmax exist at a time and each chunk's hidden rows are kept for its
-recompute. A weight gradient being formed (head, embedding) is in its storage dtype plus, with
-bf16 storage, the float32 cast the main_grad hook adds (not under ZeRO-2, which casts piece by
-piece).
+keeps its float32 softmax `[T, V]` until backward (on CPU the numpy log-softmax of
+`flashcp.models.cpu_elementwise` writes the softmax over the logits instead, so the logits and
+a softmax are never both alive, and turns it into the gradient in place); chunked
+(`train.loss_chunk_tokens`), one chunk's logits and softmax exist at a time and each chunk's
+hidden rows are kept for its recompute. A weight gradient being formed (head, embedding) is
+in its storage dtype plus, with bf16 storage, the float32 cast the main_grad hook adds (not
+under ZeRO-2, which casts piece by piece).
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ def head_plan(s: Setup, state: StageState, layers: LayerSet) -> HeadPlan:
     args, dt, T = s.args, state.dt, s.tokens
     H, V, specs, last = args.hidden_size, args.vocab_size, state.specs, state.last
     rows = min(s.chunk, T) if s.chunk > 0 else T
-    # float32 logits and the cross-entropy's softmax (a bf16 matmul output is cast to float32
-    # and dropped before the softmax exists)
-    loss_peak = rows * V * 8
+    # float32 logits and (GPU: Paddle's cross-entropy) its softmax; a bf16 matmul output is cast
+    # to float32 and dropped before the softmax exists. On CPU the numpy log-softmax has no
+    # softmax buffer: the logits alone, overwritten by their softmax, then their gradient.
+    loss_peak = rows * V * (8 if dt.gpu else 4)
     softmax_kept = 0 if s.chunk > 0 else T * V * 4
     head_trained = any(x.trained and x.name in ("lm_head.weight",) for x in specs) or (
         args.tie_embeddings

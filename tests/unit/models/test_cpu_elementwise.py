@@ -133,3 +133,130 @@ def test_rms_norm_with_a_frozen_weight_or_input() -> None:
         assert (xt.grad is None, wt.grad is None) == (frozen == 0, frozen == 1)
         live = wt if frozen == 0 else xt
         np.testing.assert_array_equal(live.grad.numpy(), both[2 - frozen].astype(np.float32))
+
+
+# -- log p(label): the loss's numpy log-softmax ------------------------------------------------
+
+
+def _logsoftmax64(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis (the reference both paths are held to)."""
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _label_lp(x: np.ndarray, y: np.ndarray, dy: np.ndarray, ignore: int = -100):
+    """The numpy path on fresh float32 logits: log p(label) and d <lp, dy> / d logits."""
+    logits = paddle.to_tensor(x.astype(np.float32), stop_gradient=False)
+    assert cpu_elementwise.applies(logits)
+    lp = cpu_elementwise.label_logprobs(logits * 1.0, paddle.to_tensor(y), ignore)
+    lp.backward(paddle.to_tensor(dy.astype(np.float32)))
+    return lp.numpy().astype(np.float64), logits.grad.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize(("shape", "vocab", "offset"), [((37,), 1000, 0.0), ((2, 9), 300, 100.0),
+                                                        ((5,), 40_000, -50.0)])  # fmt: skip
+def test_label_logprobs_match_float64(shape: tuple[int, ...], vocab: int, offset: float) -> None:
+    """Values and the logits' gradient against float64, ignored labels exactly 0 with zero
+    gradient rows. Offset 100: exp of an unshifted logit overflows float32 (the max shift
+    shows); 40k vocabulary: several row blocks' worth of elements in one row."""
+    x = RNG.standard_normal((*shape, vocab)) * 3 + offset
+    x = x.astype(np.float32).astype(np.float64)  # the float32 inputs, exactly
+    y = RNG.integers(0, vocab, shape)
+    y.flat[1] = y.flat[-1] = -100
+    dy = RNG.standard_normal(shape)
+    got_lp, got_dx = _label_lp(x, y, dy)
+    ignored = y == -100
+    logp = _logsoftmax64(x)
+    safe = np.where(ignored, 0, y)
+    want_lp = np.where(ignored, 0.0, np.take_along_axis(logp, safe[..., None], -1)[..., 0])
+    onehot = np.eye(vocab)[safe]
+    want_dx = np.where(ignored[..., None], 0.0, dy[..., None] * (onehot - np.exp(logp)))
+    numerics.assert_close(got_lp, want_lp, n=vocab, scale=np.abs(x).max(), what="log p")
+    numerics.assert_close(got_dx, want_dx, n=vocab, norm="l2", what="dx")
+    assert (got_lp[ignored] == 0).all() and (got_dx[ignored] == 0).all()
+    # Negative controls: the backward without the one-hot, the log-sum-exp without the shift
+    numerics.assert_rejects(-dy[..., None] * np.exp(logp), want_dx, n=vocab, norm="l2")
+    x32 = x.astype(np.float32)
+    with np.errstate(over="ignore"):
+        unshifted = np.take_along_axis(x32, safe[..., None], -1)[..., 0] - np.log(
+            np.exp(x32).sum(-1)
+        )
+    if offset > 88:  # exp overflows float32 beyond ~88.7
+        numerics.assert_rejects(np.where(ignored, 0, unshifted), want_lp, n=vocab,
+                                scale=np.abs(x).max())  # fmt: skip
+
+
+def test_label_logprobs_equal_paddle_cross_entropy_and_check_labels() -> None:
+    """The same function as `-F.cross_entropy(reduction="none")` (any ignore_index); a label
+    outside the vocabulary raises IndexError naming it, as Paddle's does, before compute."""
+    vocab = 50
+    x = (RNG.standard_normal((6, vocab)) * 4).astype(np.float32)
+    y = np.array([3, 7, 0, 49, 7, 1])
+    dy = RNG.standard_normal(6)
+    got = _label_lp(x, y, dy, ignore=7)
+    xt = paddle.to_tensor(x, stop_gradient=False)
+    ref = -paddle.nn.functional.cross_entropy(
+        xt, paddle.to_tensor(y), reduction="none", ignore_index=7
+    )
+    ref.backward(paddle.to_tensor(dy.astype(np.float32)))
+    numerics.assert_close(got[0], ref.numpy(), n=vocab, scale=np.abs(x).max(), what="log p")
+    numerics.assert_close(got[1], xt.grad.numpy(), n=vocab, norm="l2", what="dx")
+    assert (got[0][[1, 4]] == 0).all() and (got[1][[1, 4]] == 0).all()
+    for bad in (vocab, -5):
+        with pytest.raises(IndexError, match=f"label value {bad} is outside the vocabulary"):
+            cpu_elementwise.label_logprobs(paddle.to_tensor(x[:2]), paddle.to_tensor([1, bad]), 7)
+        with pytest.raises(IndexError):  # what Paddle's cross-entropy does with it
+            paddle.nn.functional.cross_entropy(
+                paddle.to_tensor(x[:2]), paddle.to_tensor([1, bad]), reduction="none"
+            )
+
+
+def test_label_logprobs_own_their_logits() -> None:
+    """The backward turns the logits into their gradient in place: an op that saved the same
+    logits for its own backward raises rather than read the overwritten buffer. Without grad
+    nothing is kept, and the values are those with grad."""
+    x = RNG.standard_normal((4, 30)).astype(np.float32)
+    y = paddle.to_tensor([1, 2, 3, 4])
+    xt = paddle.to_tensor(x, stop_gradient=False)
+    lp = cpu_elementwise.label_logprobs(xt * 1.0, y, -100)
+    z = paddle.to_tensor(x, stop_gradient=False)
+    e = paddle.exp(z)  # exp saves its output for backward: the logits here
+    with pytest.raises(Exception, match="modified by an inplace operation"):
+        cpu_elementwise.label_logprobs(e, y, -100).sum().backward()
+    # strided logits (a transposed view) are made contiguous first: the same values
+    wide = paddle.to_tensor(np.ascontiguousarray(x.T), stop_gradient=False)
+    strided = cpu_elementwise.label_logprobs(wide.t(), y, -100)
+    numerics.assert_close(strided.numpy(), lp.numpy(), n=30, what="strided")
+    strided.sum().backward()
+    np.testing.assert_array_equal(wide.numpy(), x.T)  # the caller's buffer is not written
+    with paddle.no_grad():
+        kept = paddle.to_tensor(x)
+        free = cpu_elementwise.label_logprobs(kept, y, -100)
+    np.testing.assert_array_equal(free.numpy(), lp.numpy())
+    np.testing.assert_array_equal(kept.numpy(), x)  # no backward to come: left as they were
+
+
+def test_token_logprobs_takes_numpy_only_for_owned_float32_cpu_logits() -> None:
+    """`models.head.token_logprobs`: logits it owns, float32 on CPU, go to the numpy layer;
+    logits the caller keeps (`owned=False`) or of another dtype take Paddle's cross-entropy."""
+    from flashcp.models import head
+
+    x = paddle.to_tensor(RNG.standard_normal((3, 20)).astype(np.float32))
+    y = paddle.to_tensor([0, 5, -100])
+    calls: list[int] = []
+    real = cpu_elementwise.label_logprobs
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    cpu_elementwise.label_logprobs = counted
+    try:
+        a = head.token_logprobs(x, y, owned=True)
+        b = head.token_logprobs(x, y)
+        c = head.token_logprobs(x.astype("bfloat16"), y, owned=True)
+    finally:
+        cpu_elementwise.label_logprobs = real
+    assert calls == [1]
+    numerics.assert_close(a.numpy(), b.numpy(), n=20, what="numpy vs Paddle")
+    assert c.dtype == paddle.float32 and c.numpy()[2] == 0

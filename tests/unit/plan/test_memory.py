@@ -261,7 +261,11 @@ def test_plan_counts_trained_mtp_within_15_percent_of_measured_peak(
     model = {"preset": "tiny_glm_moe", "recompute": recompute, "mtp_layers": 1}
     cfg = tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.3})
     predicted = plan(cfg).ranks[0]
-    assert predicted.moment.startswith(("forward: mtp", "backward: mtp"))
+    # the peak is (or ties with) an MTP moment (on CPU 'backward: head' ties 'backward: mtp head')
+    assert any(
+        k.startswith(("forward: mtp", "backward: mtp")) and v == predicted.total_bytes
+        for k, v in predicted.totals.items()
+    ), predicted.totals
     measured = _measured_peak(cfg)
     assert abs(measured / predicted.total_bytes - 1) <= 0.15, (measured, predicted.total_bytes)
     frozen = plan(tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.0}))
@@ -656,14 +660,18 @@ def test_fit_options_add_devices_when_the_knobs_are_not_enough(tiny_cfg: TinyCfg
 
 
 def test_unchunked_loss_keeps_only_its_softmax(tiny_cfg: TinyCfg) -> None:
+    """On CPU the numpy log-softmax (`models.cpu_elementwise`) keeps the logits alone and turns
+    them into their gradient: one [rows, V] float32 buffer at every loss moment (a GPU's
+    Paddle cross-entropy has its softmax beside the logits in the forward)."""
     cfg = tiny_cfg()  # pp = 1, unchunked: no executor holds the logits (the loss takes hidden)
     tv = cfg.data.seq_len * cfg.model.vocab_size * 4
     moments = plan(cfg).ranks[0].moments
-    assert moments["forward: loss"]["logits_loss"] == 2 * tv  # logits + softmax
-    assert moments["backward: head"]["logits_loss"] == tv  # the softmax, turned gradient
+    assert moments["forward: loss"]["logits_loss"] == tv  # the logits
+    assert moments["backward: head"]["logits_loss"] == tv  # the logits, turned gradient
     assert moments["backward: layer"]["logits_loss"] == 0
-    chunked = plan(tiny_cfg(train={"loss_chunk_tokens": 32})).ranks[0].moments
-    assert chunked["forward: loss"]["logits_loss"] == 32 * cfg.model.vocab_size * 8
+    chunked = tiny_cfg(train={"loss_chunk_tokens": 32})
+    rows = 32 * cfg.model.vocab_size * 4
+    assert plan(chunked).ranks[0].moments["forward: loss"]["logits_loss"] == rows
 
 
 def test_only_the_last_stage_plans_the_loss(tiny_cfg: TinyCfg) -> None:
