@@ -257,10 +257,30 @@ def _padded_experts_concat_stack() -> Iterator[None]:
         grouped_matmul._ExpertMatmuls, experts.cpu_groups = saved
 
 
+@contextlib.contextmanager
+def _paddle_cross_entropy() -> Iterator[None]:
+    """Before the numpy log-softmax (`flashcp.models.cpu_elementwise.label_logprobs`): the
+    head's loss through Paddle's cross-entropy, which keeps a softmax buffer beside the
+    logits."""
+    from flashcp.models import head
+
+    original = head.token_logprobs
+
+    def paddle_ce(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, "owned": False})
+
+    head.token_logprobs = paddle_ce
+    try:
+        yield
+    finally:
+        head.token_logprobs = original
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "numpy_kernel_gemms_paddle_norms": _numpy_kernel_gemms_paddle_norms,
     "system_malloc": _system_malloc,
     "padded_experts_concat_stack": _padded_experts_concat_stack,
+    "paddle_cross_entropy": _paddle_cross_entropy,
 }
 """`--compare` choices: a context manager under which the step runs as before a cut."""
 

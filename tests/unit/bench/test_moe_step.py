@@ -126,3 +126,40 @@ def test_the_padded_experts_variant_is_the_same_maths_and_is_undone() -> None:
     assert old_rows > rows == 64 * args.num_experts_per_tok  # padded then, ragged now
     numerics.assert_close(old_out, out, n=32, norm="l2", what="MoE output")
     numerics.assert_close(old_grad, grad, n=64, norm="l2", what="gate/up gradient")
+
+
+def test_the_paddle_cross_entropy_variant_takes_paddles_path_and_is_undone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--compare paddle_cross_entropy` sends the head's own logits through Paddle's
+    cross-entropy instead of the numpy log-softmax: the same log-probs under the numerics
+    rule, the numpy layer not called while it is on, and the head as it was afterwards."""
+    import paddle
+
+    from bench import numerics
+    from flashcp.models import cpu_elementwise, head
+
+    calls: list[int] = []
+    original_layer = cpu_elementwise.label_logprobs
+
+    def counting(*args: object) -> object:
+        calls.append(1)
+        return original_layer(*args)
+
+    monkeypatch.setattr(cpu_elementwise, "label_logprobs", counting)
+    rng = np.random.default_rng(1)
+    hidden = paddle.to_tensor(rng.standard_normal((1, 16, 8)).astype("float32"))
+    weight = paddle.to_tensor(rng.standard_normal((8, 40)).astype("float32"))
+    labels = paddle.to_tensor(rng.integers(0, 40, (1, 16)))
+
+    def run() -> np.ndarray:
+        return head.chunked_token_logprobs(lambda h: paddle.matmul(h, weight), hidden,
+                                           labels).numpy()  # fmt: skip
+
+    saved = head.token_logprobs
+    numpy_lp = run()
+    assert calls == [1]
+    with moe_step.VARIANTS["paddle_cross_entropy"]():
+        paddle_lp = run()
+    assert calls == [1] and head.token_logprobs is saved
+    numerics.assert_close(paddle_lp, numpy_lp, n=40, norm="l2", what="log-probs")
