@@ -35,7 +35,7 @@ def applies(*tensors: paddle.Tensor) -> bool:
     )
 
 
-def _np(t: paddle.Tensor) -> np.ndarray:
+def view(t: paddle.Tensor) -> np.ndarray:
     """A read-only numpy view of `t`'s buffer."""
     return np.from_dlpack(t.detach())
 
@@ -56,12 +56,12 @@ class _RMSNorm(PyLayer):
 
     @staticmethod
     def forward(ctx: Any, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-        xn = _np(x)
+        xn = view(x)
         r = np.float32(1.0) / np.sqrt(_row_mean(xn, xn) + np.float32(eps))
         h, hn = _out(xn)
         np.multiply(xn, r, out=hn)
         y, yn = _out(xn)
-        np.multiply(hn, _np(weight), out=yn)
+        np.multiply(hn, view(weight), out=yn)
         ctx.save_for_backward(h, weight)
         ctx.r = r
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
@@ -70,7 +70,7 @@ class _RMSNorm(PyLayer):
     @staticmethod
     def backward(ctx: Any, dy: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
         h, weight = ctx.saved_tensor()
-        hn, wn, dyn = _np(h), _np(weight), _np(dy)
+        hn, wn, dyn = view(h), view(weight), view(dy)
         need_x, need_w = ctx.needs  # Paddle wants None for an input that takes no gradient
         dw = None
         if need_w:
@@ -123,12 +123,12 @@ class _Rotary(PyLayer):
     ) -> paddle.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.geometry = (rotary_dim, interleaved)
-        return _rotate(_np(x), _np(cos), _np(sin), rotary_dim, interleaved)
+        return _rotate(view(x), view(cos), view(sin), rotary_dim, interleaved)
 
     @staticmethod
     def backward(ctx: Any, dy: paddle.Tensor) -> tuple[paddle.Tensor, None, None]:
         cos, sin = ctx.saved_tensor()
-        return _rotate(_np(dy), _np(cos), -_np(sin), *ctx.geometry), None, None
+        return _rotate(view(dy), view(cos), -view(sin), *ctx.geometry), None, None
 
 
 def rotary(
