@@ -276,11 +276,26 @@ def _paddle_cross_entropy() -> Iterator[None]:
         head.token_logprobs = original
 
 
+@contextlib.contextmanager
+def _paddle_permute_combine() -> Iterator[None]:
+    """Before the dispatch's numpy bodies: the permute and the combine as Paddle ops on CPU
+    float32 too (`flashcp.models.moe_dispatch`)."""
+    from flashcp.models import moe_dispatch
+
+    saved = moe_dispatch.applies
+    moe_dispatch.applies = lambda *tensors: False
+    try:
+        yield
+    finally:
+        moe_dispatch.applies = saved
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "numpy_kernel_gemms_paddle_norms": _numpy_kernel_gemms_paddle_norms,
     "system_malloc": _system_malloc,
     "padded_experts_concat_stack": _padded_experts_concat_stack,
     "paddle_cross_entropy": _paddle_cross_entropy,
+    "paddle_permute_combine": _paddle_permute_combine,
 }
 """`--compare` choices: a context manager under which the step runs as before a cut."""
 

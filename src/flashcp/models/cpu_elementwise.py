@@ -42,7 +42,7 @@ def applies(*tensors: paddle.Tensor) -> bool:
     )
 
 
-def _np(t: paddle.Tensor) -> np.ndarray:
+def read_view(t: paddle.Tensor) -> np.ndarray:
     """A read-only numpy view of `t`'s buffer."""
     return np.from_dlpack(t.detach())
 
@@ -63,12 +63,12 @@ class _RMSNorm(PyLayer):
 
     @staticmethod
     def forward(ctx: Any, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-        xn = _np(x)
+        xn = read_view(x)
         r = np.float32(1.0) / np.sqrt(_row_mean(xn, xn) + np.float32(eps))
         h, hn = _out(xn)
         np.multiply(xn, r, out=hn)
         y, yn = _out(xn)
-        np.multiply(hn, _np(weight), out=yn)
+        np.multiply(hn, read_view(weight), out=yn)
         ctx.save_for_backward(h, weight)
         ctx.r = r
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
@@ -77,7 +77,7 @@ class _RMSNorm(PyLayer):
     @staticmethod
     def backward(ctx: Any, dy: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
         h, weight = ctx.saved_tensor()
-        hn, wn, dyn = _np(h), _np(weight), _np(dy)
+        hn, wn, dyn = read_view(h), read_view(weight), read_view(dy)
         need_x, need_w = ctx.needs  # Paddle wants None for an input that takes no gradient
         dw = None
         if need_w:
@@ -130,12 +130,12 @@ class _Rotary(PyLayer):
     ) -> paddle.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.geometry = (rotary_dim, interleaved)
-        return _rotate(_np(x), _np(cos), _np(sin), rotary_dim, interleaved)
+        return _rotate(read_view(x), read_view(cos), read_view(sin), rotary_dim, interleaved)
 
     @staticmethod
     def backward(ctx: Any, dy: paddle.Tensor) -> tuple[paddle.Tensor, None, None]:
         cos, sin = ctx.saved_tensor()
-        return _rotate(_np(dy), _np(cos), -_np(sin), *ctx.geometry), None, None
+        return _rotate(read_view(dy), read_view(cos), -read_view(sin), *ctx.geometry), None, None
 
 
 def rotary(
@@ -180,8 +180,8 @@ class _LabelLogprob(PyLayer):
         ctx: Any, logits: paddle.Tensor, labels: paddle.Tensor, ignore_index: int, keep: bool
     ) -> paddle.Tensor:
         vocab = int(logits.shape[-1])
-        x = (view(logits) if keep else _np(logits)).reshape(-1, vocab)
-        y = _np(labels).reshape(-1)
+        x = (view(logits) if keep else read_view(logits)).reshape(-1, vocab)
+        y = read_view(labels).reshape(-1)
         if y.shape[0] != x.shape[0]:
             raise ValueError(
                 f"labels {list(labels.shape)} do not give one label per row of the logits "
@@ -219,7 +219,7 @@ class _LabelLogprob(PyLayer):
         (probs,) = ctx.saved_tensor()
         y, valid = ctx.rows
         g = view(probs).reshape(-1, int(probs.shape[-1]))  # the gradient replaces the softmax
-        coef = np.where(valid, -_np(dlp).reshape(-1), np.float32(0.0))
+        coef = np.where(valid, -read_view(dlp).reshape(-1), np.float32(0.0))
         # dlogits = dlp · (onehot − softmax): one streaming pass, then the labels' entries
         np.multiply(g, coef[:, None], out=g)
         if not valid.all():

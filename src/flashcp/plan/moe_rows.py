@@ -149,10 +149,11 @@ def moe_backward_bytes(
     (read from `flashcp.models.moe_dispatch` / `experts` / `grouped_matmul` and measured on
     CPU, float32: `tests/unit/plan/test_memory.py`). With r buffer rows per token (R = r·T rows):
 
-    * the combine: the output gradient's copy, with padding rows its zero-row extension
-      `[T+1, H]`, the gathered rows and their weighted copy ``2·R·H``, the row→token index
-      (int64), and the rows' gradient in the rows' dtype when that is narrower (bf16 rows on
-      GPU);
+    * the combine: the output gradient's copy and, on GPU, with padding rows its zero-row
+      extension `[T+1, H]`, the gathered rows and their weighted copy ``2·R·H``, the row→token
+      index (int64), and the rows' gradient in the rows' dtype when that is narrower (bf16
+      rows); on CPU (float32 rows: numpy bodies, their index and block scratch outside Paddle's
+      allocator) the rows' gradient ``R·H`` and the routing weights' ``[T, k]``;
     * the down projection: its input gradient ``R·Im`` (CPU with a cast: in parts and
       concatenated, ``2·R·Im``, and the last chunk's weight copy; on GPU the grouped GEMM's
       ``R·Im`` in the weights' dtype and its float32 cast), with adapted experts the adapter
@@ -189,8 +190,11 @@ def moe_backward_bytes(
         return rows.chunk_experts * k_dim * n_dim * c
 
     row = 4 if lora_experts else dt.experts
-    combine = T * h * f + (T * h * f if rows.padded else 0) + 2 * R * h * f + 2 * R * 4
-    combine += R * h * row if row < f else 0
+    if dt.gpu:
+        combine = T * h * f + (T * h * f if rows.padded else 0) + 2 * R * h * f + 2 * R * 4
+        combine += R * h * row if row < f else 0
+    else:
+        combine = T * h * f + R * h * f + T * args.num_experts_per_tok * f
     # GPU: the grouped GEMM's dx in the weights' dtype and its float32 cast, the output
     # gradient cast to the weights' dtype; CPU: dx (with a cast: in parts and concatenated,
     # and a weight chunk)

@@ -163,3 +163,41 @@ def test_the_paddle_cross_entropy_variant_takes_paddles_path_and_is_undone(
         paddle_lp = run()
     assert calls == [1] and head.token_logprobs is saved
     numerics.assert_close(paddle_lp, numpy_lp, n=40, norm="l2", what="log-probs")
+
+
+def test_the_paddle_permute_combine_variant_is_the_same_maths_and_is_undone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--compare paddle_permute_combine` runs the dispatch's Paddle bodies on CPU float32: no
+    numpy sum while it is on (and again afterwards), the same MoE output and input gradient
+    under the numerics rule."""
+    import paddle
+
+    from bench import numerics
+    from flashcp.models import moe_dispatch
+    from flashcp.models.moe import MoE
+
+    args = preset("tiny_glm_moe", hidden_size=32, num_experts=8, moe_intermediate_size=16,
+                  num_shared_experts=0)  # fmt: skip
+    paddle.seed(0)
+    moe = MoE(args)
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((1, 64, 32)).astype("float32"))
+    x.stop_gradient = False
+    sums: list[int] = []
+    real = moe_dispatch._entry_sums
+    monkeypatch.setattr(moe_dispatch, "_entry_sums", lambda *a: sums.append(1) or real(*a))
+
+    def run() -> tuple[np.ndarray, np.ndarray, int]:
+        x.clear_gradient()
+        sums.clear()
+        out = moe(x)
+        (out * out).sum().backward()
+        return out.numpy(), x.grad.numpy(), len(sums)
+
+    out, grad, numpy_sums = run()
+    with moe_step.VARIANTS["paddle_permute_combine"]():
+        old_out, old_grad, old_sums = run()
+    assert numpy_sums == 2 and old_sums == 0  # combine forward and permute backward, or none
+    assert run()[2] == 2  # undone
+    numerics.assert_close(old_out, out, n=32, norm="l2", what="MoE output")
+    numerics.assert_close(old_grad, grad, n=64, norm="l2", what="input gradient")

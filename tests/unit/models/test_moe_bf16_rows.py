@@ -8,8 +8,9 @@ layout (`paddle/phi/kernels/legacy/gpu/batched_gemm.cu`, as `flashcp.models.grou
 calls it: row blocks of `lhs` per batch times `rhs[e]`, `trans_rhs` for the input gradient,
 `trans_lhs` for the per-expert weight gradient `[E, K, N]`; computed in the inputs' dtype:
 float32 accumulation, one rounding of the output) stands in for it, the layer is told it runs
-on the grouped GEMM (`experts.on_grouped_gemm`), and `paddle.where`, whose CPU kernel lacks
-bf16, picks through float32 (exact). Checked:
+on the grouped GEMM (`experts.on_grouped_gemm`) and the dispatch runs its Paddle bodies (not
+CPU float32's numpy ones), and `paddle.where`, whose CPU kernel lacks bf16, picks through
+float32 (exact). Checked:
 
 * the bf16 GEMM case itself, weight gradients included (an expert without rows gets exactly
   zero), against a float64 reference on the bf16 inputs; the gpu-marked twin runs the real
@@ -33,7 +34,7 @@ import pytest
 from flashcp.distributed import Exchange
 from flashcp.distributed.collectives import nbytes
 from flashcp.distributed.groups import NamedGroup
-from flashcp.models import expert_parallel, experts, moe, preset
+from flashcp.models import expert_parallel, experts, moe, moe_dispatch, preset
 from flashcp.models.experts import GroupedExperts, plan_layout
 from flashcp.models.grouped_matmul import batched_gemm_matmul
 from flashcp.models.moe import MoE
@@ -82,6 +83,9 @@ def grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     monkeypatch.setattr(incubate_f, "batched_gemm", fake)
     monkeypatch.setattr(paddle, "where", where)
     monkeypatch.setattr(experts, "on_grouped_gemm", lambda x: True)
+    # as on a GPU, the permute and the combine run their Paddle bodies (the numpy ones are
+    # CPU float32's: float32 rows there would be summed by other code than bf16 rows)
+    monkeypatch.setattr(moe_dispatch, "applies", lambda *tensors: False)
     yield calls
 
 

@@ -501,3 +501,75 @@ def test_ragged_buffer_through_enter_and_leave_equals_the_relayout_path() -> Non
         numerics.assert_close(a, b, n=n, norm="l2", what=what)
     with pytest.raises(ValueError, match="3 row counts for 16 experts"):
         moe.experts.plan([1, 2, 3], flat)
+
+
+@pytest.mark.parametrize("body", ["numpy", "paddle"])
+@pytest.mark.parametrize(
+    ("padded", "capacity", "frozen"),
+    [(False, None, False), (True, None, False), (False, 20, False), (True, 20, True)],
+    ids=["dropless", "padded", "capacity", "padded-capacity-frozen-weights"],
+)
+def test_permute_and_combine_bodies_match_a_float64_reference(
+    monkeypatch: pytest.MonkeyPatch, body: str, padded: bool, capacity: int | None, frozen: bool
+) -> None:
+    """CPU float32 runs the permute's and the combine's numpy bodies, every other dtype or
+    device their Paddle ones (`moe_dispatch.applies` False here): both give the buffer, the
+    combined tokens and the gradients of tokens, rows and weights of the formulas in float64
+    (padding rows zero, dropped entries nothing, frozen weights no gradient) under the
+    numerics rule; the numpy sums are bitwise the float32 sum over j = 0..k-1 in order."""
+    from flashcp.models import moe_dispatch
+
+    tokens, experts, top_k = 40, 6, 3
+    rng = np.random.default_rng(7)
+    ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    d = build_dispatch(paddle.to_tensor(ids), experts, capacity)
+    assert (d.dropped > 0) == (capacity is not None)
+    layout = plan_layout(d.counts, paddle.zeros([1]), "padded" if padded else "ragged")
+    laid = relayout(d, layout.row_index(), layout.rows)
+    assert laid.padded == padded
+    calls: list[str] = []
+    real_sums = moe_dispatch._entry_sums
+    spy = lambda *a: calls.append("sum") or real_sums(*a)  # noqa: E731
+    monkeypatch.setattr(moe_dispatch, "_entry_sums", spy)
+    if body == "paddle":
+        monkeypatch.setattr(moe_dispatch, "applies", lambda *tensors: False)
+
+    x0 = rng.standard_normal((tokens, H)).astype(np.float32)
+    y0 = rng.standard_normal((laid.rows, H)).astype(np.float32)
+    w0 = rng.random((tokens, top_k)).astype(np.float32)
+    probe_rows = rng.standard_normal((laid.rows, H)).astype(np.float32)
+    probe = rng.standard_normal((tokens, H)).astype(np.float32)
+    x, y, w = (paddle.to_tensor(a, stop_gradient=False) for a in (x0, y0, w0))
+    w.stop_gradient = frozen
+    buf = permute(x, laid)
+    out = combine(y, laid, w)
+    ((buf * paddle.to_tensor(probe_rows)).sum() + (out * paddle.to_tensor(probe)).sum()).backward()
+    assert calls == (["sum"] * 2 if body == "numpy" else [])  # combine forward, permute backward
+
+    entry, slot = laid.entry.numpy(), laid.slot.numpy().reshape(tokens, top_k)
+    keep = np.ones((tokens, top_k)) if d.keep is None else d.keep.numpy().astype(np.float64)
+    real = entry < tokens * top_k
+    want_buf = np.zeros((laid.rows, H))
+    want_buf[real] = x0[entry[real] // top_k]
+    kw = keep * w0
+    want_out = np.einsum("tj,tjh->th", kw, y0.astype(np.float64)[slot])
+    want_dx = np.einsum("tj,tjh->th", keep, probe_rows.astype(np.float64)[slot])
+    want_dy = np.zeros((laid.rows, H))
+    want_dy[real] = kw.reshape(-1)[entry[real], None] * probe[entry[real] // top_k]
+    want_dw = keep * np.einsum("tjh,th->tj", y0.astype(np.float64)[slot], probe)
+    np.testing.assert_array_equal(buf.numpy(), want_buf)  # a gather: exact
+    numerics.assert_close(out.numpy(), want_out, n=top_k, what="combined tokens")
+    numerics.assert_close(x.grad.numpy(), want_dx, n=top_k, what="token gradient")
+    numerics.assert_close(y.grad.numpy(), want_dy, n=1, what="row gradient")
+    assert not y.grad.numpy()[~real].any()  # padding rows: exactly zero
+    if frozen:
+        assert w.grad is None
+    else:
+        numerics.assert_close(w.grad.numpy(), want_dw, n=H, norm="l2", what="weight gradient")
+        assert not w.grad.numpy()[keep == 0].any()  # a dropped entry: exactly zero
+    if body == "numpy":  # the fixed order: ((w₀·y₀ + w₁·y₁) + w₂·y₂), in float32
+        kw32 = (w0 * keep).astype(np.float32)
+        seq = kw32[:, 0, None] * y0[slot[:, 0]]
+        for j in range(1, top_k):
+            seq = seq + kw32[:, j, None] * y0[slot[:, j]]
+        np.testing.assert_array_equal(out.numpy(), seq)

@@ -370,7 +370,11 @@ def _moe_args(**sizes: int) -> Any:
     [
         ({"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48}, 1024, "frozen"),
         ({"hidden_size": 64, "num_experts": 16, "moe_intermediate_size": 160}, 1024, "frozen"),
-        ({"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48}, 1024, "lora"),
+        # no shared expert: with one, Paddle's engine runs its backward between the adapter
+        # branch's R·H gradient and the down projection's dX, which then never coexist (the
+        # planner's bound, reached here, overestimates that order by ~15 %)
+        ({"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 48,
+          "num_shared_experts": 0}, 1024, "lora"),
         (
             {"hidden_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
              "moe_intermediate_size": 160, "num_shared_experts": 0},
