@@ -8,9 +8,10 @@ Variants, on the same weights and the same input:
 * ``loop`` — the MoE before issue 12 (`bench/moe_loop.py`, `LoopMoE`): one SwiGLU module
   per expert with its own Linears; per expert a host-synchronised `nonzero`, `index_select`,
   the expert, `index_add`;
-* ``grouped`` — the default path now: one stable sort by expert, the experts sorted by row
-  count and cut into a few padded groups, one batched matmul per group
-  (`flashcp.models.experts`, layout "auto" on CPU);
+* ``grouped`` — one stable sort by expert, the experts sorted by row count and cut into a few
+  padded groups, one batched matmul per group (`flashcp.models.experts`, layout "grouped":
+  the CPU default with bf16-stored weights; float32 weights default to one matmul per expert
+  written in place, `ragged`);
 * ``padded`` / ``ragged`` — the same grouped path forced into its two extreme layouts: every
   expert padded to the largest count (one batched matmul) / one matmul per expert (no
   padding, a loop inside one PyLayer). They show why "auto" groups.
@@ -195,7 +196,7 @@ def _grads(module: Any) -> dict[str, np.ndarray]:
 def run_case(case: Case, repeats: int, seed: int) -> dict[str, Any]:
     moe, loop, x, probe = build(case, seed)
     modules = {"loop": loop, "grouped": moe, "padded": moe, "ragged": moe}
-    layouts = {"grouped": "auto", "padded": "padded", "ragged": "ragged"}
+    layouts = {"grouped": "grouped", "padded": "padded", "ragged": "ragged"}
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
     diffs: dict[str, float] = {}
@@ -221,7 +222,7 @@ def run_case(case: Case, repeats: int, seed: int) -> dict[str, Any]:
     moe.experts.layout = "auto"
     from flashcp.models.experts import plan_layout
 
-    auto = plan_layout(counts.tolist(), moe.gate.weight, "auto")
+    auto = plan_layout(counts.tolist(), moe.gate.weight, "grouped")  # the grouped variant's
     out: dict[str, Any] = {
         "case": case.label,
         "tokens": case.tokens,
