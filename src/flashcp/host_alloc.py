@@ -60,7 +60,11 @@ def retain_freed_memory(*, again: bool = False) -> bool:
 
 def system_defaults() -> bool:
     """glibc's defaults back for the allocations that follow (a mapping per big buffer, freed
-    memory trimmed): the "before" of `scripts/bench/moe_step.py`'s comparison."""
+    memory trimmed), and the memory kept so far returned (`malloc_trim`), so that what follows
+    runs as in a process that never kept any: the "before" of `scripts/bench/moe_step.py`'s
+    comparison."""
     ok = _mallopt(DEFAULTS)
+    if ok:  # and the kept memory back to the kernel, as a process that never kept it
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     _done[0] = _done[0] and not ok
     return ok
