@@ -211,6 +211,7 @@ def view(docs: Path) -> Record:
     )
     balance = balance_view(_load(docs, "cp_balance.json"), _load(docs, "cp_balance_time.json"))
     packing = _load(docs, "balance.json")
+    step = _load(docs, "moe_step.json")
     return {
         "kernel": kernel_view(kernel) if kernel else None,
         "balance": balance,
@@ -224,6 +225,7 @@ def view(docs: Path) -> Record:
         "loss_case": max(loss["cases"], key=lambda c: (c["vocab"], c["tokens"])) if loss else None,
         "memory": memory_view(memory) if memory else None,
         "moe": moe_view(moe) if moe else None,
+        "step": step,
         "long": long_context_view(long) if long else None,
         "packing": packing_view(packing) if packing else None,
     }

@@ -173,7 +173,9 @@ class _LabelLogprob(PyLayer):
     turns the logits into their softmax in place and keeps them, and the backward turns that
     into the gradient in place: no `[rows, V]` buffer besides the logits ever exists (Paddle's
     cross-entropy allocates its softmax), and one exp per logit. The caller must own the
-    logits (`label_logprobs`)."""
+    logits (`label_logprobs`). Measured at `[2048, 32768]`, forward + backward, interleaved
+    medians of 9: 155 ms, Paddle's cross-entropy 332 ms (`scripts/bench_moe_step.py --compare
+    paddle_cross_entropy` times it in a whole step)."""
 
     @staticmethod
     def forward(
