@@ -8,6 +8,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from flashcp import host_alloc
 
 _PROBE = """
@@ -57,3 +59,26 @@ def test_a_cpu_run_reuses_freed_buffers_instead_of_faulting_them_in_again() -> N
     restored = _faults("restored")  # glibc's defaults back: every round faults again
     assert not restored["retained"]
     assert all(f > 0.9 * PAGES for f in restored["faults"][1:]), restored
+
+
+def test_retained_once_per_process_undone_by_the_defaults_and_refused_outside_glibc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`retain_freed_memory` asks glibc once (no mmap per block, a 2 GiB trim threshold) unless
+    told `again`; `system_defaults` asks for glibc's defaults and forgets it was done; without
+    glibc nothing is asked and both say False."""
+    calls: list[dict[int, int]] = []
+    real = host_alloc._mallopt
+    monkeypatch.setattr(host_alloc, "_mallopt", lambda values: calls.append(dict(values)) or True)
+    monkeypatch.setattr(host_alloc, "_done", [False])
+    keep = {host_alloc.M_MMAP_MAX: 0, host_alloc.M_TRIM_THRESHOLD: 2**31 - 1}
+    assert host_alloc.retain_freed_memory() and host_alloc.retain_freed_memory()
+    assert calls == [keep]  # once
+    assert host_alloc.system_defaults() and not host_alloc._done[0]
+    assert calls[-1] == {host_alloc.M_MMAP_MAX: 65536, host_alloc.M_TRIM_THRESHOLD: 128 * 1024}
+    assert host_alloc.retain_freed_memory() and calls[-1] == keep  # asked again after that
+    assert host_alloc.retain_freed_memory(again=True) and calls[-2:] == [keep, keep]
+    monkeypatch.setattr(host_alloc, "_mallopt", real)
+    monkeypatch.setattr(host_alloc, "_done", [False])
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert host_alloc.retain_freed_memory() is False and host_alloc.system_defaults() is False
