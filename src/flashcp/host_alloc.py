@@ -40,11 +40,16 @@ DEFAULTS = {M_MMAP_MAX: 65536, M_TRIM_THRESHOLD: 128 * 1024}
 _done: list[bool] = [False]
 
 
+def _libc() -> ctypes.CDLL:
+    """The C library (glibc: the caller checked)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def _mallopt(values: dict[int, int]) -> bool:
     """`mallopt(param, value)` for each; False outside glibc or when one is refused."""
     if platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = _libc()
     return all(libc.mallopt(param, value) == 1 for param, value in values.items())
 
 
@@ -65,6 +70,6 @@ def system_defaults() -> bool:
     comparison."""
     ok = _mallopt(DEFAULTS)
     if ok:  # and the kept memory back to the kernel, as a process that never kept it
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     _done[0] = _done[0] and not ok
     return ok
