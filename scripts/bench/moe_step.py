@@ -32,7 +32,8 @@ of the median round (by timed step), so they add up to 100 % exactly.
 `--compare NAME[,NAME...]` (keys of `VARIANTS`) also times the plain step with each change undone
 on its own, interleaved with the rest: the before/after of each cut, side by side in one run. The
 step runs as a CPU run's trainer runs it (`flashcp.rank_setup.use_device`, which keeps freed host
-memory for reuse: `flashcp.host_alloc`).
+memory for reuse: `flashcp.host_alloc`; its gradients released after each step, as
+`flashcp.optim.param_optimizer.ParamOptimizer.clear_grad` does).
 
 Results: `docs/moe_step.json`, rendered into `docs/moe_step.md`.
 """
@@ -174,7 +175,7 @@ def floor_by_phase(gemm_seconds: dict[str, float], gemms: Sequence[Gemm]) -> dic
 
 
 @contextlib.contextmanager
-def _numpy_kernel_gemms_paddle_norms() -> Iterator[None]:
+def _numpy_kernel_gemms_paddle_norms(model: Any = None) -> Iterator[None]:
     """Before `flashcp.kernels.numpy_bridge` and `flashcp.models.cpu_elementwise`: the CPU
     attention kernel's GEMMs in numpy's own matmul, RMSNorm and rotary as Paddle ops."""
     from flashcp.kernels import cpu_backward, cpu_forward
@@ -194,7 +195,7 @@ def _numpy_kernel_gemms_paddle_norms() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _system_malloc() -> Iterator[None]:
+def _system_malloc(model: Any = None) -> Iterator[None]:
     """Before `flashcp.host_alloc`: glibc's default malloc, a fresh mapping for every big buffer
     (its pages faulted in and zeroed again each time) and unmapped when freed."""
     from flashcp import host_alloc
@@ -240,7 +241,7 @@ class _PaddedExpertMatmuls:
 
 
 @contextlib.contextmanager
-def _padded_experts_concat_stack() -> Iterator[None]:
+def _padded_experts_concat_stack(model: Any = None) -> Iterator[None]:
     """Before the experts' in-place products: padded groups on CPU float32 too, and the
     products concatenated and stacked (`_PaddedExpertMatmuls`)."""
     from paddle.autograd import PyLayer
@@ -258,7 +259,7 @@ def _padded_experts_concat_stack() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _paddle_cross_entropy() -> Iterator[None]:
+def _paddle_cross_entropy(model: Any = None) -> Iterator[None]:
     """Before the numpy log-softmax (`flashcp.models.cpu_elementwise.label_logprobs`): the
     head's loss through Paddle's cross-entropy, which keeps a softmax buffer beside the
     logits."""
@@ -277,7 +278,7 @@ def _paddle_cross_entropy() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _paddle_permute_combine() -> Iterator[None]:
+def _paddle_permute_combine(model: Any = None) -> Iterator[None]:
     """Before the dispatch's numpy bodies: the permute and the combine as Paddle ops on CPU
     float32 too (`flashcp.models.moe_dispatch`)."""
     from flashcp.models import moe_dispatch
@@ -290,12 +291,26 @@ def _paddle_permute_combine() -> Iterator[None]:
         moe_dispatch.applies = saved
 
 
-VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+@contextlib.contextmanager
+def _zeroed_grads(model: Any = None) -> Iterator[None]:
+    """Before the trainer released its gradients (`ParamOptimizer.clear_grad`): Paddle's
+    default `clear_grad` zeroes them, so each step writes zeros over every gradient (here, on
+    entry) and its backward adds into them rather than writing fresh ones."""
+    import paddle
+
+    for p in model.parameters():
+        if not p.stop_gradient:
+            p.grad = paddle.zeros_like(p)
+    yield
+
+
+VARIANTS: dict[str, Callable[..., contextlib.AbstractContextManager[None]]] = {
     "numpy_kernel_gemms_paddle_norms": _numpy_kernel_gemms_paddle_norms,
     "system_malloc": _system_malloc,
     "padded_experts_concat_stack": _padded_experts_concat_stack,
     "paddle_cross_entropy": _paddle_cross_entropy,
     "paddle_permute_combine": _paddle_permute_combine,
+    "zeroed_grads": _zeroed_grads,
 }
 """`--compare` choices: a context manager under which the step runs as before a cut."""
 
@@ -416,7 +431,7 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
     def update() -> None:
         with clock.phase("optimizer", "update"):
             opt.step()
-            opt.clear_grad()
+            opt.clear_grad(set_to_zero=False)  # released, as the trainer's optimizer does
 
     def step() -> None:
         forward_backward()
@@ -427,11 +442,11 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
     # order once the phases are separate graphs)
     plain_loss = forward_backward()
     plain_grads = _grads(model)
-    opt.clear_grad()
+    opt.clear_grad(set_to_zero=False)
     with _installed(lambda: instrument(model, clock)):
         timed_loss = forward_backward()
     timed_grads = _grads(model)
-    opt.clear_grad()
+    opt.clear_grad(set_to_zero=False)
     clock.reset()
     if plain_grads.keys() != timed_grads.keys():
         missing = plain_grads.keys() ^ timed_grads.keys()
@@ -474,7 +489,8 @@ def measure_shape(name: str, spec: dict[str, Any], rounds: int,
         "peak": lambda: paddle.matmul(big, big),
     }  # fmt: skip
     for variant in compare:
-        parts[f"plain step, before {variant}"] = partial(_before, VARIANTS[variant], step)
+        undo = partial(VARIANTS[variant], model)
+        parts[f"plain step, before {variant}"] = partial(_before, undo, step)
     times: dict[str, list[float]] = {k: [] for k in parts}
     timed_rounds: list[dict[str, Any]] = []
     floor_rounds: list[dict[str, float]] = []

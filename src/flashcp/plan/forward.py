@@ -79,6 +79,7 @@ def forward_moments(
         )  # fmt: skip
         m.add(
             "forward: layer",
+            **state.live_grads("forward"),
             activations=fly.others + forward[0],
             mtp_activations=fly.others_mtp,
             logits_loss=fly.held,
@@ -98,6 +99,7 @@ def forward_moments(
         )
         m.add(
             "forward: mtp layer",
+            **state.live_grads("forward"),
             activations=fly.others + micro_acts,
             mtp_activations=fly.others_mtp + own_j,
             logits_loss=fly.held + head.softmax_kept * (1 + depth),
@@ -110,6 +112,7 @@ def forward_moments(
                         key=lambda x: x[0], default=(0.0, 0.0))  # fmt: skip
         m.add(
             "reference forward",
+            **state.live_grads("forward"),
             activations=int(reference[0]) + (layers.norm if state.last else 0),
             logits_loss=head.loss_peak if state.last else 0,
             ep_buffers=reference[1],

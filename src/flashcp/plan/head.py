@@ -146,7 +146,7 @@ def _mtp(s: Setup, state: StageState, layers: LayerSet, out: HeadPlan, head_copy
     best = NO_WORK
     for j in range(len(layers.mtp)):
         below = sum(out.mtp_own[:j]) + out.mtp_in
-        for acts_j, work_j, gather_j, ep_j in layers.mtp_backward[j]:
+        for acts_j, work_j, gather_j, ep_j, _ in layers.mtp_backward[j]:
             cand = Work(below + acts_j, work_j + T * H * 4, gather_j, ep_j)
             if sum(cand) > sum(best):
                 best = cand
@@ -156,6 +156,7 @@ def _mtp(s: Setup, state: StageState, layers: LayerSet, out: HeadPlan, head_copy
 def loss_moments(
     m: Moments,
     s: Setup,
+    state: StageState,
     head: HeadPlan,
     layers: LayerSet,
     fly: InFlight,
@@ -173,12 +174,14 @@ def loss_moments(
     micro_mtp = head.micro_mtp
     m.add(
         "forward: loss",
+        **state.live_grads("forward"),
         activations=fly.others + micro_acts,
         mtp_activations=fly.others_mtp,
         logits_loss=fly.held + head.loss_peak,
     )
     m.add(
         "backward: head",
+        **state.live_grads("head"),
         activations=fly.others + micro_acts,
         mtp_activations=fly.others_mtp + micro_mtp,
         # the softmax turned gradient in place (chunked: the recomputed chunk's; its re-run
@@ -192,12 +195,14 @@ def loss_moments(
         return
     m.add(
         "forward: mtp loss",  # the last depth's head: every depth's activations kept
+        **state.live_grads("forward"),
         activations=fly.others + micro_acts,
         mtp_activations=fly.others_mtp + micro_mtp,
         logits_loss=fly.held + head.softmax_all - head.softmax_kept + head.loss_peak,
     )
     m.add(
         "backward: mtp head",  # its softmax turned gradient, its head's weight gradient
+        **state.live_grads("mtp"),
         activations=fly.others + micro_acts,
         mtp_activations=fly.others_mtp + micro_mtp,
         logits_loss=fly.held + head.softmax_all - head.softmax_kept + head.rows * V * 4,
@@ -207,6 +212,7 @@ def loss_moments(
     worst = head.worst_mtp
     m.add(
         "backward: mtp layer",
+        **state.live_grads("mtp"),
         activations=fly.others + stage_kept,
         mtp_activations=fly.others_mtp + worst.acts,
         logits_loss=fly.held,
@@ -218,6 +224,7 @@ def loss_moments(
     if head.mtp_emb_grad:
         m.add(
             "backward: mtp embedding",  # its dense weight gradient being formed
+            **state.live_grads("mtp"),
             activations=fly.others + stage_kept,
             mtp_activations=fly.others_mtp + head.mtp_in,
             logits_loss=fly.held,
@@ -226,12 +233,15 @@ def loss_moments(
         )
 
 
-def embedding_moment(m: Moments, head: HeadPlan, fly: InFlight, buckets: dict[str, int]) -> None:
+def embedding_moment(
+    m: Moments, state: StageState, head: HeadPlan, fly: InFlight, buckets: dict[str, int]
+) -> None:
     """``backward: embedding`` (first stage, trained embedding): its dense weight gradient
     being formed, every layer freed already."""
     if head.emb_grad:
         m.add(
             "backward: embedding",
+            **state.live_grads("embedding"),
             activations=fly.others,
             mtp_activations=fly.others_mtp,
             logits_loss=fly.held,

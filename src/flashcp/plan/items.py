@@ -38,8 +38,11 @@ ITEM_DOCS: dict[str, str] = {
     "params_trained": "trained parameters in train.param_dtype (LoRA: the adapters)",
     "params_frozen": "frozen parameters in train.param_dtype (LoRA: the base weights)",
     "buffers": "persistent buffers (MoE router selection bias), float32",
-    "gradients": "parameter .grad of the trained parameters, in the storage dtype",
-    "main_grads": "float32 gradient accumulators (main_grad) when storage is bf16",
+    "gradients": "parameter .grad of the trained parameters, in the storage dtype: those "
+    "formed by this moment (released after each step; kept from an earlier micro-batch "
+    "under train.grad_accum > 1 or pp > 1)",
+    "main_grads": "float32 gradient accumulators (main_grad) when storage is bf16, formed "
+    "by this moment as .grad",
     "grad_shard": "ZeRO-2 (gradient sharding): this rank's dp×cp shard of the float32 "
     "gradients, which replaces the full-size gradients and main_grads",
     "master_weights": "float32 master copies of trained parameters (bf16 storage or ZeRO), "

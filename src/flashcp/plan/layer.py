@@ -13,6 +13,7 @@ buffers are reported as their excess over the layer's own working set (``ep``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,13 +34,15 @@ micro-batch, shared by its layers and their recompute)."""
 
 class Work(NamedTuple):
     """One moment of a layer's backward (bytes): the activations kept besides the layers
-    below, the working set, the gathered K/V (CP) and the excess of the all-to-all buffers
-    (ep). Moments compare by their sum."""
+    below, the working set, the gathered K/V (CP), the excess of the all-to-all buffers
+    (ep) and the gradients formed by then (`flashcp.plan.state.StageState.layer_grads`).
+    Moments compare by their sum."""
 
     acts: float
     working: float
     gather: float
     ep: float
+    grads: float = 0.0
 
 
 NO_WORK = Work(0.0, 0.0, 0.0, 0.0)
@@ -165,18 +168,20 @@ class LayerSet:
         """What one micro-batch keeps on the device for the stage's layers and final norm."""
         return int(self.fixed + sum(self.kept)) + self.norm
 
-    def worst(self) -> Work:
+    def worst(self, grads: Sequence[tuple[float, float]] = ()) -> Work:
         """The worst moment of a micro-batch's layer backward: layer i back-propagating with
         the layers below it kept (the layers above are freed already; under offload the
         layer's input is back on the device, and the next one to run, the layer below's
-        input, is being prefetched)."""
+        input, is being prefetched) and the gradients formed by then, `grads[i]` for its MLP's
+        and its attention's moment."""
         best = NO_WORK
         for i in range(len(self.kept)):
             below = self.fixed + sum(self.kept[:i])
             if self.offloaded:
                 below += self.offloaded[i] + (self.offloaded[i - 1] if i > 0 else 0.0)
-            for acts_i, work_i, gather_i, ep_i in self.backward[i]:
-                cand = Work(below + acts_i, work_i, gather_i, ep_i)
+            formed = grads[i] if grads else (0.0, 0.0)
+            for part, g in zip(self.backward[i], formed, strict=True):
+                cand = Work(below + part.acts, part.working, part.gather, part.ep, g)
                 if sum(cand) > sum(best):
                     best = cand
         return best

@@ -214,12 +214,13 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
     )
     buckets = backward_bucket_set(s, state)
     if state.last:
-        loss_moments(m, s, head, layers, fly, micro_acts=micro_acts,
+        loss_moments(m, s, state, head, layers, fly, micro_acts=micro_acts,
                      stage_kept=layers.micro_bytes, buckets=buckets)  # fmt: skip
-    worst = layers.worst()
+    worst = layers.worst([state.layer_grads(i) for i in state.layers])
     p2p = s.tokens * s.args.hidden_size * state.dt.boundary if s.pp > 1 and not state.last else 0
     m.add(
         "backward: layer",
+        **{state.grad_item: worst.grads},
         activations=fly.others + worst.acts,
         mtp_activations=fly.others_mtp,
         logits_loss=fly.held,
@@ -229,7 +230,7 @@ def stage_plan(s: Setup, stage: int) -> tuple[dict[str, dict[str, int]], range, 
         p2p_buffers=p2p,
         grad_buckets=buckets["layers"],
     )
-    embedding_moment(m, head, fly, buckets)
+    embedding_moment(m, state, head, fly, buckets)
     forward_moments(m, s, state, layers, head, fly, micro_acts=micro_acts)
     optimizer_moments(m, s, state)
     if s.device == "gpu":

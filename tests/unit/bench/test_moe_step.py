@@ -201,3 +201,27 @@ def test_the_paddle_permute_combine_variant_is_the_same_maths_and_is_undone(
     assert run()[2] == 2  # undone
     numerics.assert_close(old_out, out, n=32, norm="l2", what="MoE output")
     numerics.assert_close(old_grad, grad, n=64, norm="l2", what="input gradient")
+
+
+def test_the_zeroed_grads_variant_adds_into_zeros_and_changes_no_value() -> None:
+    """`--compare zeroed_grads` gives every trained parameter a zero gradient before the step
+    (Paddle's default `clear_grad`), so backward adds into it: the same gradients, bitwise
+    (0 + g = g), where the released step writes fresh ones."""
+    import paddle
+
+    paddle.seed(0)
+    layer = paddle.nn.Linear(8, 4)
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((16, 8)).astype("float32"))
+
+    def step() -> np.ndarray:
+        (layer(x) ** 2).sum().backward()
+        grad = layer.weight.grad.numpy().copy()
+        layer.clear_gradients(set_to_zero=False)
+        return grad
+
+    released = step()
+    assert layer.weight.grad is None
+    with moe_step.VARIANTS["zeroed_grads"](layer):
+        assert not np.any(layer.weight.grad.numpy()) and not np.any(layer.bias.grad.numpy())
+        zeroed = step()
+    np.testing.assert_array_equal(zeroed, released)

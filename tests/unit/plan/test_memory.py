@@ -159,7 +159,8 @@ def test_planned_expert_bytes_divide_by_ep() -> None:
     one, two = plan(_moe_cfg(1)).ranks[0], plan(_moe_cfg(2)).ranks[0]
     # parameters, their gradients and Adam moments: the experts' share halves, nothing else
     assert one.items["params_trained"] - two.items["params_trained"] == experts // 2
-    assert one.items["gradients"] - two.items["gradients"] == experts // 2
+    step = "optimizer step"  # every gradient formed
+    assert one.moments[step]["gradients"] - two.moments[step]["gradients"] == experts // 2
     assert one.items["optimizer_states"] - two.items["optimizer_states"] == 2 * experts // 2
     # LoRA on the experts: frozen base experts and their adapters both divide by ep
     lora = {"lora": {"rank": 4, "target_modules": [".*mlp\\.experts"]}, "run": {"recipe": "sft"}}
@@ -226,7 +227,9 @@ def _measured_peak(cfg: Any) -> int:
 @pytest.mark.parametrize(
     "sections",
     [
-        {"model": {"preset": "tiny"}, "data": {"micro_batch_size": 2}},
+        # two micro-batches: the second's moments have the first's gradients (the peak as with
+        # gradients kept; released ones: `test_plan_counts_released_gradients`)
+        {"model": {"preset": "tiny"}, "data": {"micro_batch_size": 2}, "train": {"grad_accum": 2}},
         {
             "model": {"preset": "tiny_glm_moe", "recompute": "full"},
             "train": {"grad_accum": 2},
@@ -251,6 +254,37 @@ def test_plan_within_15_percent_of_measured_peak(
     assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
 
 
+def test_plan_counts_released_gradients(tmp_path: Path, tiny_cfg: TinyCfg) -> None:
+    """One micro-batch per step: the step starts without gradients (`clear_grad` releases
+    them), each exists from the backward that forms it. The plan says so (none in a forward,
+    the head's and the layers' from theirs up in the layers' backward, all at the optimizer
+    step) and is within 15 % above the allocator's peak; the negative control, the same plan with
+    every gradient at every moment (as when they were zeroed, not released), is not."""
+    cfg = tiny_cfg(tmp_path, model={"preset": "tiny"}, data={"micro_batch_size": 1, "seq_len": 64})
+    rank = plan(cfg).ranks[0]
+    full = rank.moments["optimizer step"]["gradients"]
+    assert full == 4 * sum(s.numel for s in stage_parameters(cfg.model) if s.trained)
+    assert rank.moments["forward: loss"]["gradients"] == 0
+    assert 0 < rank.moments["backward: layer"]["gradients"] < full
+    measured = _measured_peak(cfg)
+    # a bound (gradients zeroed by the trainer would put the peak above it)
+    assert rank.total_bytes * 0.85 <= measured <= rank.total_bytes, (measured, rank.total_bytes)
+    kept = max(rank.totals[k] - m["gradients"] + full for k, m in rank.moments.items())
+    assert abs(measured / kept - 1) > 0.15, (measured, kept)
+    # two micro-batches: the second's moments have the first's gradients, every one of them
+    two = plan(tiny_cfg(tmp_path, model={"preset": "tiny"}, train={"grad_accum": 2}))
+    assert {m["gradients"] for m in two.ranks[0].moments.values()} == {full}
+    # GPipe runs every forward before the first backward: none in its forwards
+    gpipe = {"pp": 2, "pp_schedule": "gpipe"}
+    ranks = plan(tiny_cfg(tmp_path, model={"preset": "tiny"}, train={"grad_accum": 2},
+                          parallel=gpipe)).ranks  # fmt: skip
+    stage = next(r for r in ranks if "forward: loss" in r.moments)  # the last stage
+    assert {stage.moments[k]["gradients"] for k in stage.moments if k.startswith("forward")} == {0}
+    assert stage.moments["backward: layer"]["gradients"] == stage.moments["optimizer step"][
+        "gradients"
+    ] > 0
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_plan_counts_trained_mtp_within_15_percent_of_measured_peak(
     tmp_path: Path, recompute: str, tiny_cfg: TinyCfg
@@ -259,7 +293,8 @@ def test_plan_counts_trained_mtp_within_15_percent_of_measured_peak(
     gradients, AdamW moments, block, input part and head as planned are what the allocator
     sees; the negative control, the plan that carries it frozen (weights only), is far off."""
     model = {"preset": "tiny_glm_moe", "recompute": recompute, "mtp_layers": 1}
-    cfg = tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.3})
+    train = {"grad_accum": 2}  # every gradient live in the second micro-batch's moments
+    cfg = tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.3}, train=train)
     predicted = plan(cfg).ranks[0]
     # the peak is (or ties with) an MTP moment (on CPU 'backward: head' ties 'backward: mtp head')
     assert any(
@@ -268,7 +303,7 @@ def test_plan_counts_trained_mtp_within_15_percent_of_measured_peak(
     ), predicted.totals
     measured = _measured_peak(cfg)
     assert abs(measured / predicted.total_bytes - 1) <= 0.15, (measured, predicted.total_bytes)
-    frozen = plan(tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.0}))
+    frozen = plan(tiny_cfg(tmp_path, model={**model, "mtp_loss_weight": 0.0}, train=train))
     assert abs(measured / frozen.ranks[0].total_bytes - 1) > 0.15
 
 
@@ -277,7 +312,8 @@ def test_plan_mtp_parameter_bytes_equal_the_model() -> None:
     layer's; with a loss weight they are trained (gradients and AdamW moments grow with them),
     without one carried frozen: weights only, the other items as without an MTP layer."""
     base = {"preset": "tiny_glm_moe", "mtp_layers": 1}
-    none = plan(build_config({"model": {"preset": "tiny_glm_moe"}})).ranks[0].items
+    none_cfg = build_config({"model": {"preset": "tiny_glm_moe"}})
+    none = plan(none_cfg).ranks[0].moments["optimizer step"]
     for weight in (0.3, 0.0):
         cfg = build_config({"model": {**base, "mtp_loss_weight": weight}})
         model = build_model(cfg.model, seed=0)
@@ -286,7 +322,7 @@ def test_plan_mtp_parameter_bytes_equal_the_model() -> None:
         mtp = model.model.layers[model.args.num_layers]
         layer = sum(int(np.prod(p.shape)) * 4 for p in mtp.parameters())
         trained = sum(int(np.prod(p.shape)) * 4 for p in model.parameters() if not p.stop_gradient)
-        items = plan(cfg).ranks[0].items
+        items = plan(cfg).ranks[0].moments["optimizer step"]  # every gradient formed
         assert items["mtp_params"] == layer
         assert items["params_trained"] == none["params_trained"]
         assert items["params_frozen"] == none["params_frozen"] == 0
@@ -482,7 +518,7 @@ def test_zero_bf16_and_chunking_items(tiny_cfg: TinyCfg) -> None:
     assert zero["optimizer_states"] < plain["optimizer_states"] / 3.9  # ÷ dp×cp = 4
     assert zero["master_weights"] == pytest.approx(plain["params_trained"] / 4, abs=4)
     bf16 = plan(tiny_cfg(**big, train={"param_dtype": "bfloat16"})).ranks[0].moments
-    held = bf16["backward: layer"]  # float32 main_grad held; the bf16 .grad released by hooks
+    held = bf16["optimizer step: reduce"]  # float32 main_grad held; the bf16 .grad released
     assert held["params_trained"] * 2 == plain["params_trained"] and held["gradients"] == 0
     assert held["main_grads"] == held["master_weights"] == plain["params_trained"]
     update = bf16["optimizer step: update"]  # main_grad released into the masters' gradients
