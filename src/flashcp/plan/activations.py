@@ -32,17 +32,25 @@ from flashcp.plan.moe_rows import ExpertRows, moe_saved, unpadded
 from flashcp.plan.params import ParamSpec, is_adapted, layer_parameters
 
 
-def _attention(args: ModelArgs, counts: Counts, qk_norm: bool = False) -> None:
+def _attention(
+    args: ModelArgs, counts: Counts, qk_norm: bool = False, numpy_ops: bool = False
+) -> None:
     """Self-attention (`flashcp.models.attention`): the q/k/v projection outputs stay alive
     (rotary keeps slices of them), the rotated q/k, v and the output are saved by the FlashMask
     PyLayer (and the output by o_proj), plus the float32 LSE `[Hq]` per token. QK-norm (an
-    RMSNorm per head of q and k) also keeps its normalised q and k and their rsqrt."""
+    RMSNorm per head of q and k) also keeps its normalised q and k and their rsqrt. With the
+    numpy norm and rotary (`numpy_ops`, CPU float32) q and k before rotary are freed (only v
+    of the projections stays, as the kernel's input) and no rsqrt is a Paddle tensor."""
     hd = args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    counts.add("q/k/v projections", "c", q + 2 * kv)
+    if numpy_ops and not args.uses_learned_positions:
+        counts.add("v projection", "c", kv)
+    else:
+        counts.add("q/k/v projections", "c", q + 2 * kv)
     if qk_norm:
         counts.add("q/k QK-norm: normalised q, k", "c", q + kv)
-        counts.add("q/k QK-norm: rsqrt", "f", args.num_heads + args.num_kv_heads)
+        if not numpy_ops:
+            counts.add("q/k QK-norm: rsqrt", "f", args.num_heads + args.num_kv_heads)
     if not args.uses_learned_positions:
         counts.add("rotated q, k", "c", q + kv)
     counts.add("attention output", "c", q)
@@ -69,16 +77,22 @@ def layer_saved(
     mean/var `[2]` and a new input. A norm's output counts when a matmul consumes it (it is
     then saved as the matmul's input), not when it is added to the residual (`add` saves
     nothing). Under bf16 autocast every matmul on a float32 input also saves its bf16 copy.
+    On CPU float32 (`Dtypes.numpy_elementwise`) RMSNorm keeps only its normalised input (its
+    rsqrt is a numpy array), so no input of an RMSNorm is kept: not the layer's input, nor its
+    output for the next layer's norm (`layer output`, kept only where a stage ends before the
+    last: `stage_output_kept`).
     """
     h = args.hidden_size
     n = Counts()
+    numpy_norms = dt.numpy_elementwise
 
     def norm(name: str, *, new_input: bool, out_saved: bool, rms: bool = True) -> None:
-        if new_input:
+        if new_input and not (rms and numpy_norms):
             n.add(f"{name}: input", "res", h)
         if rms:
             n.add(f"{name}: normalised input", "res", h)
-            n.add(f"{name}: rsqrt", "f", 1)
+            if not numpy_norms:
+                n.add(f"{name}: rsqrt", "f", 1)
         else:
             n.add(f"{name}: mean, variance", "f", 2)
         if out_saved:
@@ -91,7 +105,7 @@ def layer_saved(
         n.add("input_layernorm: mean, variance", "f", 2)
     else:
         norm("input_layernorm", new_input=False, out_saved=True)
-    _attention(args, n, blocks.attention.qk_norm)
+    _attention(args, n, blocks.attention.qk_norm, numpy_ops=dt.numpy_elementwise)
     if blocks.sandwich_norms:
         norm("post_self_attn_layernorm", new_input=True, out_saved=False, rms=rms)
     norm("post_attention_layernorm", new_input=True, out_saved=True, rms=rms)
@@ -104,8 +118,9 @@ def layer_saved(
         n.add("MLP gate/up, silu, product", "c", 4 * mlp.intermediate)
     if blocks.sandwich_norms:
         norm("post_mlp_layernorm", new_input=True, out_saved=False, rms=rms)
-    n.add("layer output", "b", h)
-    if dt.boundary < dt.res:  # the layer computes on its input upcast (`from_residual`)
+    if not (rms and numpy_norms):  # kept by the next layer's input norm (or the final norm)
+        n.add("layer output", "b", h)
+    if dt.boundary < dt.res and not (rms and numpy_norms):  # `from_residual`'s upcast
         n.add("layer input upcast to float32 (kept by the input norm)", "res", h)
     if dt.autocast:
         n.add("bf16 copies of float32 matmul inputs", "c", h * _float32_matmul_inputs(args, index))
@@ -310,9 +325,11 @@ def mtp_input_saved(args: ModelArgs, dt: Dtypes) -> Counts:
     autocast eh_proj also saves its bf16 input copy."""
     h = args.hidden_size
     n = Counts()
-    n.add("MTP embedding output (enorm input)", "res", h)
+    if not dt.numpy_elementwise:  # the numpy RMSNorm keeps no input and no Paddle rsqrt
+        n.add("MTP embedding output (enorm input)", "res", h)
     n.add("MTP enorm, hnorm: normalised inputs", "res", 2 * h)
-    n.add("MTP enorm, hnorm: rsqrt", "f", 2)
+    if not dt.numpy_elementwise:
+        n.add("MTP enorm, hnorm: rsqrt", "f", 2)
     if dt.boundary < dt.res:  # hnorm upcasts the previous depth's bf16 block output
         n.add("MTP hnorm: input upcast to float32", "res", h)
     n.add("MTP eh_proj input (concat)", "res", 2 * h)

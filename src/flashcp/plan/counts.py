@@ -91,6 +91,13 @@ class Dtypes:
                    boundary=sizes[residual])  # fmt: skip
 
     @property
+    def numpy_elementwise(self) -> bool:
+        """CPU float32 compute: RMSNorm and rotary run as numpy PyLayers
+        (`flashcp.models.cpu_elementwise`), which save only what their backward reads (the
+        normalised input; the cos/sin tables), not their inputs as Paddle's ops do."""
+        return not self.gpu and self.c == 4
+
+    @property
     def autocast(self) -> bool:
         """bf16 O1 autocast: matmuls cast their float32 inputs (and float32 weights) to bf16
         and save those copies for backward."""

@@ -194,8 +194,14 @@ def stage_layers(s: Setup, state: StageState) -> LayerSet:
     offload = f.offload_activations
     buf = moe_rows.expert_rows(args, T, dt, s.ep) if args.num_experts else None
     extras = act.stage_extras(args)
-    if not offload:  # offloaded as the first layer's input (`offloaded` below)
+    # CPU float32 RMSNorm keeps no input (`act.layer_saved`): without recompute the embedding
+    # output is kept by nothing; a received activation and a sent output are held by the
+    # pipeline schedule for the stage's backward
+    numpy_norms = dt.numpy_elementwise and args.family.norm != "layer" and mode == "none"
+    if not offload and not (numpy_norms and state.first):  # offloaded: `offloaded` below
         extras.add("stage input (embedding output / received activation)", "b", H)
+    if numpy_norms and not state.last:
+        extras.add("stage output (held for the pipeline's backward)", "b", H)
     cp_mask = s.batch * s.seq * CP_MASK_COLUMNS * 4 if s.cp > 1 else 0
     chunks = {"cp": s.cp > 1, "query_chunk": f.query_chunk, "kv_chunk": f.kv_chunk}
     attn = attention_backward_bytes(args, dt, T, s.batch * s.seq, **chunks)

@@ -59,8 +59,8 @@ def _grad_elements(
     per_layer, above = {}, head + sum(x.numel for x in mtp)
     for index in reversed(layers):
         mlp = above + parts[index]["mlp"]
-        per_layer[index] = (above, mlp)  # (its MLP's backward, its attention's)
         above = mlp + parts[index]["attention"]
+        per_layer[index] = (mlp, above)  # (its MLP's backward, its attention's)
     kinds = {"forward": 0, "head": head if chunked else 0,
              "mtp": head + sum(x.numel for x in mtp) - mtp_embeddings,
              "embedding": n - embedding}  # fmt: skip
@@ -102,9 +102,9 @@ class StageState:
     the step starts without any."""
     layer_grad_elements: dict[int, tuple[int, int]] = field(default_factory=dict)
     """The same while decoder layer i (global index) back-propagates its MLP, then its
-    attention: the head's, the MTP depths', those of the layers above it, and for its
-    attention its own MLP's (a part's own gradients form as its backward runs, within
-    its working set)."""
+    attention: the head's, the MTP depths', those of the layers above it and the part's own
+    and earlier ones (a weight gradient forms during its part's backward and becomes the
+    `.grad`; the working sets, measured with every gradient allocated, do not hold it)."""
 
     @property
     def trained(self) -> list[ParamSpec]:

@@ -254,6 +254,43 @@ def test_plan_within_15_percent_of_measured_peak(
     assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
 
 
+@pytest.mark.parametrize("preset_name", ["tiny_glm", "tiny_qwen3", "tiny_llama", "tiny"])
+def test_cpu_float32_forward_keeps_what_the_numpy_norms_and_rotary_save(
+    preset_name: str, monkeypatch: pytest.MonkeyPatch, tiny_cfg: TinyCfg
+) -> None:
+    """On CPU float32 RMSNorm and rotary are numpy PyLayers (`cpu_elementwise`) that keep only
+    the normalised input and the cos/sin tables: what a forward leaves for backward (the
+    layers, the final norm, the tables) is the plan's activations to one float per token, for
+    GLM-4 (sandwich RMSNorms), Qwen3 (QK-norm), Llama and GPT (LayerNorm: Paddle's own). The
+    negative control: with Paddle's norm and rotary ops the same forward keeps more."""
+    from flashcp import masks
+    from flashcp.attention.context import AttentionContext
+    from flashcp.models import cpu_elementwise
+
+    cfg = tiny_cfg(model={"preset": preset_name}, data={"micro_batch_size": 2, "seq_len": 128})
+    planned = plan(cfg).ranks[0].moments["forward: loss"]["activations"]
+    model = build_model(cfg.model, seed=0)
+    B, S = 2, 128
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, S)))
+    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
+    ctx = AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
+    core = paddle.base.core
+
+    def kept() -> int:
+        gc.collect()
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        hidden = model(ids, pos, ctx)
+        after = core.host_memory_stat_current_value("Allocated", 0)
+        del hidden
+        return int(after - before)
+
+    tokens = B * S  # to one float per token: a first forward's caches (1 KiB) come and go
+    assert abs(kept() - planned) <= 4 * tokens, planned
+    assert abs(kept() - planned) <= 4 * tokens, planned
+    monkeypatch.setattr(cpu_elementwise, "applies", lambda *tensors: False)
+    assert kept() > planned * 1.05
+
+
 def test_plan_counts_released_gradients(tmp_path: Path, tiny_cfg: TinyCfg) -> None:
     """One micro-batch per step: the step starts without gradients (`clear_grad` releases
     them), each exists from the backward that forms it. The plan says so (none in a forward,
