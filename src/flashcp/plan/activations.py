@@ -79,8 +79,8 @@ def layer_saved(
     nothing). Under bf16 autocast every matmul on a float32 input also saves its bf16 copy.
     On CPU float32 (`Dtypes.numpy_elementwise`) RMSNorm keeps only its normalised input (its
     rsqrt is a numpy array), so no input of an RMSNorm is kept: not the layer's input, nor its
-    output for the next layer's norm (`layer output`, kept only where a stage ends before the
-    last: `stage_output_kept`).
+    output for the next layer's norm (`layer output`; a stage input or output the pipeline
+    holds is counted once per stage, `flashcp.plan.layer.stage_layers`).
     """
     h = args.hidden_size
     n = Counts()
