@@ -254,6 +254,44 @@ def test_plan_within_15_percent_of_measured_peak(
     assert abs(measured / wrong.ranks[0].total_bytes - 1) > 0.15
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_released_gradients_by_moment_follow_the_backward_order(tied: bool) -> None:
+    """Which gradients exist at each moment of a one-micro-batch step, from the inventory: none
+    in a forward; the head's while the layers' backward begins (its MLP's first, then its
+    attention's and input norm's), one layer after another downward; all but the untied
+    embedding's while the embedding's forms (tied: the head's gradient is the embedding's,
+    formed first); all at the optimizer step."""
+    from flashcp.plan.setup import setup
+    from flashcp.plan.state import stage_state
+
+    cfg = build_config({"model": {"preset": "tiny_glm", "tie_embeddings": tied}})
+    state = stage_state(setup(cfg), 0)
+    numel = {x.name: x.numel for x in state.specs if x.trained}
+    layer = {i: {n: v for n, v in numel.items() if n.startswith(f"model.layers.{i}.")}
+             for i in state.layers}  # fmt: skip
+    attention = {i: sum(v for n, v in ps.items() if ".self_attn." in n or "input_layernorm" in n)
+                 for i, ps in layer.items()}  # fmt: skip
+    mlp = {i: sum(ps.values()) - attention[i] for i, ps in layer.items()}
+    assert all(attention.values()) and all(mlp.values())
+    embedding = numel["model.embed_tokens.weight"]
+    head = numel["model.norm.weight"] + (embedding if tied else numel["lm_head.weight"])
+    # a chunked loss (the default) adds each chunk's head gradient into the first one's
+    assert state.grad_elements["forward"] == 0 and state.grad_elements["head"] == head
+    unchunked = {"model": {"preset": "tiny_glm"}, "train": {"loss_chunk_tokens": 0}}
+    assert stage_state(setup(build_config(unchunked)), 0).grad_elements["head"] == 0
+    assert state.grad_elements["embedding"] == sum(numel.values()) - (0 if tied else embedding)
+    above = head
+    for i in reversed(state.layers):
+        assert state.layer_grad_elements[i] == (above + mlp[i], above + mlp[i] + attention[i])
+        above += mlp[i] + attention[i]
+    assert above == sum(numel.values()) - (0 if tied else embedding)
+    full = state.items["gradients"]
+    assert state.live_grads("embedding")["gradients"] == full * above // sum(numel.values())
+    kept = stage_state(setup(build_config({"model": {"preset": "tiny_glm"},
+                                           "train": {"grad_accum": 2}})), 0)  # fmt: skip
+    assert kept.live_grads("forward") == {"gradients": kept.items["gradients"]}
+
+
 @pytest.mark.parametrize("preset_name", ["tiny_glm", "tiny_qwen3", "tiny_llama", "tiny"])
 def test_cpu_float32_forward_keeps_what_the_numpy_norms_and_rotary_save(
     preset_name: str, monkeypatch: pytest.MonkeyPatch, tiny_cfg: TinyCfg
