@@ -84,14 +84,14 @@ def layer_saved(
     """
     h = args.hidden_size
     n = Counts()
-    numpy_norms = dt.numpy_elementwise
 
     def norm(name: str, *, new_input: bool, out_saved: bool, rms: bool = True) -> None:
-        if new_input and not (rms and numpy_norms):
+        numpy_norm = dt.numpy_rmsnorm("rms" if rms else "layer")
+        if new_input and not numpy_norm:
             n.add(f"{name}: input", "res", h)
         if rms:
             n.add(f"{name}: normalised input", "res", h)
-            if not numpy_norms:
+            if not numpy_norm:
                 n.add(f"{name}: rsqrt", "f", 1)
         else:
             n.add(f"{name}: mean, variance", "f", 2)
@@ -118,9 +118,9 @@ def layer_saved(
         n.add("MLP gate/up, silu, product", "c", 4 * mlp.intermediate)
     if blocks.sandwich_norms:
         norm("post_mlp_layernorm", new_input=True, out_saved=False, rms=rms)
-    if not (rms and numpy_norms):  # kept by the next layer's input norm (or the final norm)
+    if not dt.numpy_rmsnorm(blocks.norm):  # kept by the next layer's (or the final) norm
         n.add("layer output", "b", h)
-    if dt.boundary < dt.res and not (rms and numpy_norms):  # `from_residual`'s upcast
+    if dt.boundary < dt.res and not dt.numpy_rmsnorm(blocks.norm):  # `from_residual`'s upcast
         n.add("layer input upcast to float32 (kept by the input norm)", "res", h)
     if dt.autocast:
         n.add("bf16 copies of float32 matmul inputs", "c", h * _float32_matmul_inputs(args, index))
@@ -325,10 +325,11 @@ def mtp_input_saved(args: ModelArgs, dt: Dtypes) -> Counts:
     autocast eh_proj also saves its bf16 input copy."""
     h = args.hidden_size
     n = Counts()
-    if not dt.numpy_elementwise:  # the numpy RMSNorm keeps no input and no Paddle rsqrt
+    numpy_norms = dt.numpy_rmsnorm(args.family.norm)
+    if not numpy_norms:  # the numpy RMSNorm keeps no input and no Paddle rsqrt
         n.add("MTP embedding output (enorm input)", "res", h)
     n.add("MTP enorm, hnorm: normalised inputs", "res", 2 * h)
-    if not dt.numpy_elementwise:
+    if not numpy_norms:
         n.add("MTP enorm, hnorm: rsqrt", "f", 2)
     if dt.boundary < dt.res:  # hnorm upcasts the previous depth's bf16 block output
         n.add("MTP hnorm: input upcast to float32", "res", h)

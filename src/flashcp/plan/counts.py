@@ -97,6 +97,11 @@ class Dtypes:
         normalised input; the cos/sin tables), not their inputs as Paddle's ops do."""
         return not self.gpu and self.c == 4
 
+    def numpy_rmsnorm(self, norm: str) -> bool:
+        """Whether a norm of kind `norm` (``rms`` or ``layer``) is the numpy RMSNorm of
+        `numpy_elementwise`: it keeps no input, so nothing keeps a tensor only it read."""
+        return self.numpy_elementwise and norm == "rms"
+
     @property
     def autocast(self) -> bool:
         """bf16 O1 autocast: matmuls cast their float32 inputs (and float32 weights) to bf16

@@ -197,7 +197,7 @@ def stage_layers(s: Setup, state: StageState) -> LayerSet:
     # CPU float32 RMSNorm keeps no input (`act.layer_saved`): without recompute the embedding
     # output is kept by nothing; a received activation and a sent output are held by the
     # pipeline schedule for the stage's backward
-    numpy_norms = dt.numpy_elementwise and args.family.norm != "layer" and mode == "none"
+    numpy_norms = dt.numpy_rmsnorm(args.family.norm) and mode == "none"
     if not offload and not (numpy_norms and state.first):  # offloaded: `offloaded` below
         extras.add("stage input (embedding output / received activation)", "b", H)
     if numpy_norms and not state.last:

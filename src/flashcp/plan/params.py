@@ -51,10 +51,19 @@ def is_expert(spec: ParamSpec) -> bool:
     return ".mlp.experts." in spec.name
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The index i of a parameter named `model.layers.{i}.*`; None outside the layers."""
+    m = _LAYER.match(name)
+    return None if m is None else int(m.group(1))
+
+
 def is_mtp(spec: ParamSpec, args: ModelArgs) -> bool:
     """Whether `spec` belongs to an MTP layer (`model.layers.{i}` with i >= num_layers)."""
-    m = re.match(r"model\.layers\.(\d+)\.", spec.name)
-    return m is not None and int(m.group(1)) >= args.num_layers
+    index = layer_index(spec.name)
+    return index is not None and index >= args.num_layers
 
 
 def stage_layers(args: ModelArgs, stage: int, pp: int, pp_layers: Sequence[int] | None) -> range:

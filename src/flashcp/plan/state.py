@@ -10,13 +10,19 @@ one stage they exist only from the backward that forms them to the optimizer ste
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from flashcp.models.config import ModelArgs
 from flashcp.pipeline.split import split_layers
 from flashcp.plan.counts import Dtypes
-from flashcp.plan.params import ParamSpec, is_expert, is_mtp, stage_buffers, stage_parameters
+from flashcp.plan.params import (
+    ParamSpec,
+    is_expert,
+    is_mtp,
+    layer_index,
+    stage_buffers,
+    stage_parameters,
+)
 from flashcp.plan.setup import Setup, numel
 
 GRAD_MOMENTS = ("forward", "head", "mtp", "embedding")
@@ -32,9 +38,11 @@ def _layer_part(name: str) -> str | None:
     """Which part of its layer's backward forms the gradient of parameter `name`: ``mlp``
     (first: the MLP and its norm) or ``attention`` (the projections and the input norm); None
     outside a decoder layer."""
-    if re.match(r"model\.layers\.\d+\.(self_attn\.|input_layernorm)", name):
-        return "attention"
-    return "mlp" if re.match(r"model\.layers\.\d+\.", name) else None
+    index = layer_index(name)
+    if index is None:
+        return None
+    local = name.removeprefix(f"model.layers.{index}.")
+    return "attention" if local.startswith(("self_attn.", "input_layernorm")) else "mlp"
 
 
 def _grad_elements(
@@ -52,10 +60,9 @@ def _grad_elements(
     mtp_embeddings = sum(x.numel for x in mtp if x.name.endswith(".embed_tokens.weight"))
     parts = {i: {"mlp": 0, "attention": 0} for i in layers}
     for x in trained:
-        m = re.match(r"model\.layers\.(\d+)\.", x.name)
-        part = _layer_part(x.name)
-        if m is not None and part is not None and int(m.group(1)) in parts:
-            parts[int(m.group(1))][part] += x.numel
+        index, part = layer_index(x.name), _layer_part(x.name)
+        if index in parts and part is not None:
+            parts[index][part] += x.numel
     per_layer, above = {}, head + sum(x.numel for x in mtp)
     for index in reversed(layers):
         mlp = above + parts[index]["mlp"]
