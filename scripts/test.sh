@@ -111,8 +111,10 @@ fi
 echo "== pytest ${SEL[*]}"
 set +e
 # -n 2: the integration tests in two xdist lanes, each lane's multi-process jobs one after
-# another on its worker, the unit tests filling in (see tests/conftest.py).
-"$VPY" -m coverage run -m pytest "${SEL[@]}" -n 2 --dist loadgroup -p no:cacheprovider 2>&1 | tee "$LOG"
+# another on its worker, the unit tests filling in (see tests/conftest.py). --durations: the
+# slowest 25 in the log, to keep the run inside its time budget.
+"$VPY" -m coverage run -m pytest "${SEL[@]}" -n 2 --dist loadgroup -p no:cacheprovider --durations=25 \
+  2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
 summary=$(grep -E "^=+ .*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" "$LOG" | tail -n 1)
