@@ -75,8 +75,8 @@ class ParamOptimizer(NormOnce):
     def _scale(self, factor: paddle.Tensor) -> None:
         for p in self.tensors:
             g = p.grad
-            if g is not None:  # in place, as Paddle's clip scales a dense gradient
-                g.multiply_(factor if factor.dtype == g.dtype else factor.astype(g.dtype))
+            if g is not None:  # in place, as Paddle's clip scales a dense gradient; float32
+                g.multiply_(factor)  # like the factor (low-precision ones: MasterOptimizer)
 
     def step(self) -> None:
         """Clip by the global norm, then Paddle's AdamW."""
