@@ -63,14 +63,16 @@ def weight_copies(args: ModelArgs, index: int, tokens: int, dt: Dtypes) -> int:
 
 def upcast_transient(args: ModelArgs, index: int, dt: Dtypes, *, frozen: bool) -> int:
     """bf16 storage with float32 compute (CPU): the largest 2-D weight of layer `index` upcast
-    for one matmul and, in its backward, upcast again for dx plus (trained) its float32
-    gradient, that gradient's bf16 cast and the main_grad hook's float32 cast: 4 (+ 10) bytes
-    each. (The stacked experts upcast chunk by chunk: `moe_rows.moe_backward_bytes`.)"""
+    for one matmul (4 bytes per element: in its backward for dx, freed before dW forms); a
+    trained one then holds its float32 gradient with that gradient's bf16 cast, then the bf16
+    one with the main_grad hook's float32 cast: 6 bytes (measured with Paddle's allocator,
+    `tests/unit/plan/test_layer.py`). (The stacked experts upcast chunk by chunk:
+    `moe_rows.moe_backward_bytes`.)"""
     if not dt.upcast:
         return 0
     largest = max((x.numel for x in layer_parameters(args, index) if len(x.shape) == 2),
                   default=0)  # fmt: skip
-    return largest * (4 if frozen else 4 + 4 + 2 + 4)
+    return largest * (4 if frozen else 4 + 2)
 
 
 @dataclass(frozen=True)
