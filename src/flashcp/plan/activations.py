@@ -187,23 +187,34 @@ def frozen_input_savings(
     """What the first layer does NOT keep when its input takes no gradient (a frozen
     embedding under LoRA) and it runs without recompute: its input norm has nothing to
     differentiate (no normalised input, rsqrt or LayerNorm stats), so the embedding output is
-    freed; the q/k projection outputs of non-adapted q_proj/k_proj take no gradient, so rotary
-    keeps no slice of them. Returned as positive counts to subtract."""
+    freed (the numpy RMSNorm keeps none anyway: `stage_layers` plans none); the q/k projection
+    outputs of non-adapted q_proj/k_proj take no gradient, so rotary keeps no slice of them —
+    with the numpy rotary, which keeps none, a QK-norm keeps no normalised q/k instead.
+    Returned as positive counts to subtract (measured: `tests/unit/plan/test_layer.py`)."""
     h, hd = args.hidden_size, args.head_size
+    blocks = args.layer_blocks(index)
+    numpy_norm = dt.numpy_rmsnorm(blocks.norm)
     n = Counts()
-    n.add("stage input (not saved)", "b", h)
-    if args.family.norm == "layer":
+    if not numpy_norm:
+        n.add("stage input (not saved)", "b", h)
+    if blocks.norm == "layer":
         n.add("input_layernorm mean/var (not saved)", "f", 2)
     else:
         n.add("input_layernorm normalised input (not saved)", "res", h)
-        n.add("input_layernorm rsqrt (not saved)", "f", 1)
-    if not args.uses_learned_positions:
-        patterns = [re.compile(t) for t in targets or []]
-        p = f"model.layers.{index}.self_attn"
-        if not any(x.fullmatch(f"{p}.q_proj") for x in patterns):
-            n.add("q projection (no gradient)", "c", args.num_heads * hd)
-        if not any(x.fullmatch(f"{p}.k_proj") for x in patterns):
-            n.add("k projection (no gradient)", "c", args.num_kv_heads * hd)
+        if not numpy_norm:
+            n.add("input_layernorm rsqrt (not saved)", "f", 1)
+    if args.uses_learned_positions:
+        return n
+    patterns = [re.compile(t) for t in targets or []]
+    p = f"model.layers.{index}.self_attn"
+    free_q = not any(x.fullmatch(f"{p}.q_proj") for x in patterns)
+    free_k = not any(x.fullmatch(f"{p}.k_proj") for x in patterns)
+    numpy_ops, qk_norm = dt.numpy_elementwise, blocks.attention.qk_norm
+    what = "QK-norm normalised" if numpy_ops else "projection"
+    if free_q and (qk_norm or not numpy_ops):
+        n.add(f"q {what} (no gradient)", "c", args.num_heads * hd)
+    if free_k and (qk_norm or not numpy_ops):
+        n.add(f"k {what} (no gradient)", "c", args.num_kv_heads * hd)
     return n
 
 

@@ -253,14 +253,17 @@ def stage_layers(s: Setup, state: StageState) -> LayerSet:
         keep = act.layer_output(args)
         if mode == "refined":
             keep = keep + act.refined_extra(args)
+        # the last layer's output: the final norm holds it (or the pipeline the sent one),
+        # unless that is the numpy RMSNorm, which keeps no input (`act.layer_saved`)
+        out_freed = pos == len(layers) - 1 and state.last and dt.numpy_rmsnorm(args.family.norm)
         if offload and index < args.num_layers:
             # the layer's input moves to host (the stage input, or the previous layer's
             # output), with refined recompute its stored attention output and LSE; the last
-            # layer's output stays: the final norm (or the send to the next stage) holds it
+            # layer's output stays where something holds it
             out.offloaded.append(keep.bytes(dt) * T)
-            own = H * dt.boundary * T if pos == len(layers) - 1 else 0.0
+            own = H * dt.boundary * T if pos == len(layers) - 1 and not out_freed else 0.0
         else:
-            own = keep.bytes(dt) * T
+            own = (keep.bytes(dt) - (H * dt.boundary if out_freed else 0)) * T
         kept.append(own)
         if tile:
             work = tiled_working_sets(
@@ -271,7 +274,10 @@ def stage_layers(s: Setup, state: StageState) -> LayerSet:
                              Work(own, work.attention + attn_t + upcast, attn.kv_gather, 0.0)))
             continue
         replay = act.recompute_replay_extra(args).bytes(dt) * T + copies
-        rerun = saved.bytes(dt) * T - keep.bytes(dt) * T + replay
+        # the re-run forward's saved set, less what stays kept (`layer_saved` counts the
+        # output only where the next norm keeps it: not the numpy RMSNorm's)
+        counted = keep.bytes(dt) - (H * dt.boundary if dt.numpy_rmsnorm(args.family.norm) else 0)
+        rerun = (saved.bytes(dt) - counted) * T + replay
         backward.append((Work(own, rerun + mlp_t + upcast, 0.0, ep_t),
                          Work(own, attn_part + replay + attn_t + upcast, attn.kv_gather, 0.0)))
     # the MTP depths' entries apart from the stage's layers

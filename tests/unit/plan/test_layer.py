@@ -9,10 +9,15 @@ import numpy as np
 import paddle
 import pytest
 
+from flashcp import masks
+from flashcp.attention.context import AttentionContext
+from flashcp.lora.model import apply_lora
 from flashcp.models import build_model, preset
 from flashcp.optim.trainable import attach_main_grad, holder
+from flashcp.plan import plan
 from flashcp.plan.counts import Dtypes
 from flashcp.plan.layer import upcast_transient, weight_copies
+from helpers.configs import PLANNED, Sections, TinyCfg
 
 
 def _largest_linear(model: Any, index: int) -> tuple[Any, paddle.Tensor]:
@@ -94,3 +99,65 @@ def test_weight_copies_are_the_layers_2d_weights_in_bf16() -> None:
         assert stacked > 0 or not args.is_moe_layer(index)
     assert weight_copies(args, 0, 128, Dtypes.of("bfloat16", "bfloat16", device="gpu")) == 0
     assert weight_copies(args, 0, 128, Dtypes.of("float32", "float32", device="gpu")) == 0
+
+
+@pytest.fixture
+def tiny_base() -> Sections:
+    return PLANNED
+
+
+KEPT_CASES = [
+    ({"preset": "tiny_glm", "recompute": "full"}, None),
+    ({"preset": "tiny_glm", "recompute": "refined"}, None),
+    ({"preset": "tiny_llama", "recompute": "full"}, [".*q_proj", ".*down_proj"]),
+    # the first layer's frozen input: nothing but a frozen weight reads the embedding output
+    ({"preset": "tiny_glm"}, [".*q_proj", ".*gate_up_proj"]),
+    ({"preset": "tiny_qwen3"}, [".*k_proj", ".*o_proj", ".*up_proj"]),
+]
+
+
+@pytest.mark.parametrize(("model", "lora"), KEPT_CASES,
+                         ids=["full", "refined", "full-lora", "lora", "qwen3-lora"])  # fmt: skip
+def test_forward_keeps_what_the_plan_says_per_mode(
+    model: dict[str, Any], lora: list[str] | None, tiny_cfg: TinyCfg
+) -> None:
+    """What a CPU float32 forward leaves for backward under full and refined recompute (each
+    layer's output; refined: with its attention output and LSE) and with LoRA adapters (their
+    rank-r inputs; the frozen first layer's input kept by nothing) equals the plan's
+    `forward: loss` activations to one float per token. Negative control: the plan of another
+    recompute mode, or (without recompute) without LoRA, is off by more than that."""
+    sections: dict[str, Any] = {"model": model, "data": {"micro_batch_size": 2, "seq_len": 128}}
+    if lora:
+        sections |= {"run": {"recipe": "sft"}, "lora": {"rank": 4, "target_modules": lora}}
+    cfg = tiny_cfg(**sections)
+    planned = plan(cfg).ranks[0].moments["forward: loss"]["activations"]
+    built = build_model(cfg.model, seed=0)
+    if lora:
+        apply_lora(built, rank=4, alpha=8.0, target_modules=lora, seed=0)
+    B, S = 2, 128
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, S)))
+    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
+    ctx = AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
+    core = paddle.base.core
+
+    def kept() -> int:
+        gc.collect()
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        hidden = built(ids, pos, ctx)
+        after = core.host_memory_stat_current_value("Allocated", 0)
+        del hidden
+        return int(after - before)
+
+    tokens = B * S
+    kept()  # a first forward's caches come and go
+    measured = kept()
+    assert abs(measured - planned) <= 4 * tokens, (measured, planned)
+    others = [m for m in ("none", "full", "refined") if m != cfg.model.recompute]
+    for other in others:
+        wrong = tiny_cfg(**{**sections, "model": {**model, "recompute": other}})
+        off = plan(wrong).ranks[0].moments["forward: loss"]["activations"]
+        assert abs(measured - off) > 4 * tokens, other
+    if lora and cfg.model.recompute == "none":  # recomputed layers keep their outputs only
+        bare = tiny_cfg(model=model, data=sections["data"])
+        off = plan(bare).ranks[0].moments["forward: loss"]["activations"]
+        assert abs(measured - off) > 4 * tokens
