@@ -38,20 +38,29 @@ def _attention(
     """Self-attention (`flashcp.models.attention`): the q/k/v projection outputs stay alive
     (rotary keeps slices of them), the rotated q/k, v and the output are saved by the FlashMask
     PyLayer (and the output by o_proj), plus the float32 LSE `[Hq]` per token. QK-norm (an
-    RMSNorm per head of q and k) also keeps its normalised q and k and their rsqrt. With the
+    RMSNorm per head of q and k) keeps its float32 input (the q/k projections themselves in
+    float32, else a float32 copy of them: the bf16 ones are freed), normalised q and k and
+    their rsqrt, and rotary keeps slices of its output instead of the projections'. With the
     numpy norm and rotary (`numpy_ops`, CPU float32) q and k before rotary are freed (only v
-    of the projections stays, as the kernel's input) and no rsqrt is a Paddle tensor."""
+    of the projections stays, as the kernel's input) and no rsqrt is a Paddle tensor.
+    Measured per family with Paddle's ops and with the numpy ones:
+    `tests/unit/plan/test_layer.py`."""
     hd = args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    if numpy_ops and not args.uses_learned_positions:
+    rotary = not args.uses_learned_positions
+    if (numpy_ops or qk_norm) and rotary:
         counts.add("v projection", "c", kv)
     else:
         counts.add("q/k/v projections", "c", q + 2 * kv)
     if qk_norm:
+        if not numpy_ops and rotary:
+            counts.add("q/k QK-norm: input (float32)", "res", q + kv)
         counts.add("q/k QK-norm: normalised q, k", "c", q + kv)
         if not numpy_ops:
             counts.add("q/k QK-norm: rsqrt", "f", args.num_heads + args.num_kv_heads)
-    if not args.uses_learned_positions:
+            if rotary:
+                counts.add("q/k QK-norm: output (rotary keeps slices of it)", "c", q + kv)
+    if rotary:
         counts.add("rotated q, k", "c", q + kv)
     counts.add("attention output", "c", q)
     counts.add("attention LSE", "f", args.num_heads)
@@ -252,7 +261,8 @@ def attention_part(saved: Counts) -> Counts:
     """The part of a layer's saved set the attention backward still needs (the input norm, the
     projections, rotated q/k, the attention output and LSE, LoRA's `x @ A`): everything after
     the attention output is freed by the time the backward reaches attention."""
-    keep = ("input_layernorm", "q/k/v", "rotated", "attention ", "LoRA", "bf16 copies")
+    keep = ("input_layernorm", "q/k/v", "v projection", "q/k QK-norm", "rotated", "attention ",
+            "LoRA", "bf16 copies")
     out = Counts()
     for what, cls, n in saved.parts:
         if what.startswith(keep):
