@@ -16,7 +16,7 @@ from flashcp.models import build_model, preset
 from flashcp.optim.trainable import attach_main_grad, holder
 from flashcp.plan import activations as act
 from flashcp.plan import plan
-from flashcp.plan.counts import Dtypes
+from flashcp.plan.counts import Counts, Dtypes
 from flashcp.plan.layer import upcast_transient, weight_copies
 from helpers.configs import PLANNED, Sections, TinyCfg
 
@@ -206,3 +206,33 @@ def test_layer_saved_per_family_with_numpy_and_paddle_ops(
     other = Dtypes(c=4, res=4, param=4, gpu=numpy_ops)
     missed = act.layer_saved(args, 2, other).bytes(other) * B * S
     assert abs(per_layer - missed) > 4 * B * S
+
+
+def test_qk_norm_on_bf16_heads_keeps_a_float32_copy() -> None:
+    """bf16 compute (the GPU path): Paddle's RMSNorm over bf16 q/k heads keeps a float32 copy
+    of its input, its bf16 normalised output and the float32 rsqrt, not the bf16 input — the
+    `layer_saved` QK-norm parts besides its output (which rotary keeps), to 1 %."""
+    args = preset("tiny_qwen3")
+    model = build_model(args, param_dtype="bfloat16", seed=0)
+    attn = dict(model.named_sublayers())["model.layers.0.self_attn"]
+    T, hd = 512, args.head_size
+    core = paddle.base.core
+    measured = 0
+    for norm, heads in ((attn.q_norm, args.num_heads), (attn.k_norm, args.num_kv_heads)):
+        x = paddle.randn([T, heads, hd]).astype("bfloat16")
+        x.stop_gradient = False
+        gc.collect()
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        y = norm(x)
+        measured += core.host_memory_stat_current_value("Allocated", 0) - before - 2 * y.size
+        del y
+    dt = Dtypes.of("bfloat16", "bfloat16", device="gpu")
+    parts = Counts()
+    for what, cls, n in act.layer_saved(args, 0, dt).parts:
+        if what.startswith("q/k QK-norm") and "output" not in what:
+            parts.add(what, cls, n)
+    assert measured == pytest.approx(parts.bytes(dt) * T, rel=0.01)
+    # negative control: the input counted in bf16 (the q/k projections, as before) misses
+    # the float32 copy
+    q_kv = (args.num_heads + args.num_kv_heads) * hd
+    assert abs(measured - (parts.bytes(dt) - 2 * q_kv) * T) > 0.1 * measured
