@@ -18,6 +18,7 @@ from flashcp.plan import activations as act
 from flashcp.plan import plan
 from flashcp.plan.counts import Counts, Dtypes
 from flashcp.plan.layer import upcast_transient, weight_copies
+from flashcp.plan.moe_rows import ExpertRows
 from helpers.configs import PLANNED, Sections, TinyCfg
 
 
@@ -166,20 +167,31 @@ def test_forward_keeps_what_the_plan_says_per_mode(
 
 @pytest.mark.parametrize("numpy_ops", [True, False], ids=["numpy-ops", "paddle-ops"])
 @pytest.mark.parametrize(
-    "preset_name", ["tiny_glm", "tiny_llama", "tiny_qwen3", "tiny", "tiny_ernie", "tiny_qwen2"]
-)
+    "preset_name",
+    ["tiny_glm", "tiny_llama", "tiny_qwen3", "tiny", "tiny_ernie", "tiny_qwen2", "tiny_glm_moe",
+     "tiny_qwen3_moe"],
+)  # fmt: skip
 def test_layer_saved_per_family_with_numpy_and_paddle_ops(
     preset_name: str, numpy_ops: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What one more decoder layer keeps for backward (a 3-layer forward less a 2-layer one)
     is `layer_saved` of that layer, to one float per token: with the numpy RMSNorm and rotary
     (CPU float32) and with Paddle's own ops — the GPU path's saved set at float32 (sandwich
-    norms, QK-norm keeping its float32 input and rotary slices of its output, LayerNorm, biases).
-    Negative control: the other path's plan misses it for every family."""
-    from flashcp.models import cpu_elementwise
+    norms, QK-norm keeping its float32 input and rotary slices of its output, LayerNorm, biases,
+    a MoE layer at the expert buffer it laid out). Negative control: the other path's plan
+    misses it for every family."""
+    from flashcp.models import cpu_elementwise, experts
 
     if not numpy_ops:
         monkeypatch.setattr(cpu_elementwise, "applies", lambda *tensors: False)
+    layouts: list[Any] = []
+    original = experts.plan_layout
+
+    def spy(*a: Any) -> Any:
+        layouts.append(original(*a))
+        return layouts[-1]
+
+    monkeypatch.setattr(experts, "plan_layout", spy)
     B, S = 2, 128
     ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 256, (B, S)))
     pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
@@ -190,6 +202,7 @@ def test_layer_saved_per_family_with_numpy_and_paddle_ops(
         model = build_model(preset(preset_name, num_layers=layers), seed=0)
         sizes = []
         for _ in range(2):  # a first forward's caches come and go
+            layouts.clear()
             gc.collect()
             before = core.host_memory_stat_current_value("Allocated", 0)
             hidden = model(ids, pos, ctx)
@@ -197,14 +210,19 @@ def test_layer_saved_per_family_with_numpy_and_paddle_ops(
             del hidden
         return int(sizes[-1])
 
-    per_layer = kept(3) - kept(2)
     args = preset(preset_name, num_layers=3)
+    three = kept(3)
+    rows = None
+    if args.is_moe_layer(2):  # the last layer's buffer as laid out (layers 0-1 route alike)
+        lay = layouts[-1]
+        rows = ExpertRows(lay.rows / (B * S), lay.rows > sum(lay.counts), 0, 0)
+    per_layer = three - kept(2)
     dt = Dtypes(c=4, res=4, param=4, gpu=not numpy_ops)
     assert dt.numpy_elementwise == numpy_ops
-    planned = act.layer_saved(args, 2, dt).bytes(dt) * B * S
+    planned = act.layer_saved(args, 2, dt, rows).bytes(dt) * B * S
     assert abs(per_layer - planned) <= 4 * B * S, (per_layer, planned)
     other = Dtypes(c=4, res=4, param=4, gpu=numpy_ops)
-    missed = act.layer_saved(args, 2, other).bytes(other) * B * S
+    missed = act.layer_saved(args, 2, other, rows).bytes(other) * B * S
     assert abs(per_layer - missed) > 4 * B * S
 
 
