@@ -254,3 +254,43 @@ def test_qk_norm_on_bf16_heads_keeps_a_float32_copy() -> None:
     # the float32 copy
     q_kv = (args.num_heads + args.num_kv_heads) * hd
     assert abs(measured - (parts.bytes(dt) - 2 * q_kv) * T) > 0.1 * measured
+
+
+@pytest.mark.parametrize(
+    ("preset_name", "recompute"),
+    [("tiny_glm", "none"), ("tiny_glm", "full"), ("tiny_glm", "refined"), ("tiny_qwen3", "none"),
+     ("tiny_qwen3", "refined"), ("tiny", "none")],
+)  # fmt: skip
+def test_gpu_plan_forward_keeps_what_paddle_ops_keep(
+    preset_name: str, recompute: str, monkeypatch: pytest.MonkeyPatch, tiny_cfg: TinyCfg
+) -> None:
+    """The GPU plan at float32 compute (`plan(cfg, device="gpu")`): its `forward: loss`
+    activations are what a forward through Paddle's own norm and rotary ops — the GPU path's
+    code, run here on the CPU — leaves for backward, exactly, per recompute mode (the final
+    norm holding the last layer's output, QK-norm, LayerNorm). Negative control: the CPU plan
+    (numpy ops) of the same config differs."""
+    from flashcp.models import cpu_elementwise
+
+    monkeypatch.setattr(cpu_elementwise, "applies", lambda *tensors: False)
+    B, S = 2, 128
+    cfg = tiny_cfg(
+        model={"preset": preset_name, "recompute": recompute},
+        data={"micro_batch_size": B, "seq_len": S},
+        train={"dtype": "float32"},
+    )
+    planned = plan(cfg, device="gpu").ranks[0].moments["forward: loss"]["activations"]
+    model = build_model(cfg.model, seed=0)
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, S)))
+    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
+    ctx = AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
+    core = paddle.base.core
+    measured = 0
+    for _ in range(2):  # a first forward's caches come and go
+        gc.collect()
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        hidden = model(ids, pos, ctx)
+        measured = core.host_memory_stat_current_value("Allocated", 0) - before
+        del hidden
+    assert abs(measured - planned) <= 4 * B * S, (measured, planned)
+    on_cpu = plan(cfg, device="cpu").ranks[0].moments["forward: loss"]["activations"]
+    assert abs(measured - on_cpu) > 4 * B * S
