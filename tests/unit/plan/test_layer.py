@@ -9,8 +9,6 @@ import numpy as np
 import paddle
 import pytest
 
-from flashcp import masks
-from flashcp.attention.context import AttentionContext
 from flashcp.lora.model import apply_lora
 from flashcp.models import build_model, preset
 from flashcp.optim.trainable import attach_main_grad, holder
@@ -20,6 +18,7 @@ from flashcp.plan.counts import Counts, Dtypes
 from flashcp.plan.layer import upcast_transient, weight_copies
 from flashcp.plan.moe_rows import ExpertRows
 from helpers.configs import PLANNED, Sections, TinyCfg
+from helpers.kept import forward_kept
 
 
 def _largest_linear(model: Any, index: int) -> tuple[Any, paddle.Tensor]:
@@ -137,22 +136,8 @@ def test_forward_keeps_what_the_plan_says_per_mode(
     if lora:
         apply_lora(built, rank=4, alpha=8.0, target_modules=lora, seed=0)
     B, S = 2, 128
-    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, S)))
-    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
-    ctx = AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
-    core = paddle.base.core
-
-    def kept() -> int:
-        gc.collect()
-        before = core.host_memory_stat_current_value("Allocated", 0)
-        hidden = built(ids, pos, ctx)
-        after = core.host_memory_stat_current_value("Allocated", 0)
-        del hidden
-        return int(after - before)
-
     tokens = B * S
-    kept()  # a first forward's caches come and go
-    measured = kept()
+    measured = forward_kept(built, cfg.model.vocab_size, B, S)
     assert abs(measured - planned) <= 4 * tokens, (measured, planned)
     others = [m for m in ("none", "full", "refined") if m != cfg.model.recompute]
     for other in others:
@@ -193,22 +178,11 @@ def test_layer_saved_per_family_with_numpy_and_paddle_ops(
 
     monkeypatch.setattr(experts, "plan_layout", spy)
     B, S = 2, 128
-    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 256, (B, S)))
-    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
-    ctx = AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
-    core = paddle.base.core
 
     def kept(layers: int) -> int:
+        layouts.clear()
         model = build_model(preset(preset_name, num_layers=layers), seed=0)
-        sizes = []
-        for _ in range(2):  # a first forward's caches come and go
-            layouts.clear()
-            gc.collect()
-            before = core.host_memory_stat_current_value("Allocated", 0)
-            hidden = model(ids, pos, ctx)
-            sizes.append(core.host_memory_stat_current_value("Allocated", 0) - before)
-            del hidden
-        return int(sizes[-1])
+        return forward_kept(model, 256, B, S)
 
     args = preset(preset_name, num_layers=3)
     three = kept(3)
@@ -279,18 +253,7 @@ def test_gpu_plan_forward_keeps_what_paddle_ops_keep(
         train={"dtype": "float32"},
     )
     planned = plan(cfg, device="gpu").ranks[0].moments["forward: loss"]["activations"]
-    model = build_model(cfg.model, seed=0)
-    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, S)))
-    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
-    ctx = AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
-    core = paddle.base.core
-    measured = 0
-    for _ in range(2):  # a first forward's caches come and go
-        gc.collect()
-        before = core.host_memory_stat_current_value("Allocated", 0)
-        hidden = model(ids, pos, ctx)
-        measured = core.host_memory_stat_current_value("Allocated", 0) - before
-        del hidden
+    measured = forward_kept(build_model(cfg.model, seed=0), cfg.model.vocab_size, B, S)
     assert abs(measured - planned) <= 4 * B * S, (measured, planned)
     on_cpu = plan(cfg, device="cpu").ranks[0].moments["forward: loss"]["activations"]
     assert abs(measured - on_cpu) > 4 * B * S
