@@ -82,14 +82,15 @@ class DecoderLayer(nn.Layer):
         if not 0 < tile < int(h.shape[1]):
             h = from_residual(h)  # one upcast; the blocks' `from_residual` are then no ops
         if rotary is None:
-            q, k, v = tiled(lambda x: self.before(from_residual(x), None), [h], tile)
+            qkv = tiled(lambda x: self.before(from_residual(x), None), [h], tile)
         else:
 
             def before(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor):
                 return self.before(from_residual(x), replace(rotary, cos=cos, sin=sin))
 
-            q, k, v = tiled(before, [h], tile, tables=(rotary.cos, rotary.sin))
-        o = self.self_attn.core(q, k, v, attn)
+            qkv = tiled(before, [h], tile, tables=(rotary.cos, rotary.sin))
+        o = self.self_attn.core(*qkv, attn)
+        del qkv  # without gradients (recompute's first pass, DPO's reference) q, k, v die here
 
         def after(x: paddle.Tensor, y: paddle.Tensor) -> tuple[paddle.Tensor]:
             out = self.after(from_residual(x), y, attn)

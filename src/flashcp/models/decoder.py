@@ -71,6 +71,7 @@ class Block(DecoderLayer):
         if self.sandwich_norms:
             a = self.post_self_attn_layernorm(a)
         h = h + a
+        del a  # without gradients it dies here, before the MLP
         x = self.post_attention_layernorm(h)
         m = self.mlp(x, attn.group) if isinstance(self.mlp, MoE) else self.mlp(x)
         if self.sandwich_norms:

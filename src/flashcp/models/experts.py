@@ -267,4 +267,5 @@ class GroupedExperts(nn.Layer):
             gate_up = gate_up.astype("float32")
         # silu(gate) · up, gate the first half of the fused projection, in one kernel
         act = F.swiglu(gate_up)
+        del gate_up  # without gradients it dies before the down GEMM (with them swiglu keeps it)
         return self.project("down_proj", as_dtype(act, x.dtype), layout)

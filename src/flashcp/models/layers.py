@@ -194,4 +194,6 @@ class SwiGLU(nn.Layer):
             gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) * up
+        del gate, up  # without gradients they die before the down GEMM
+        return self.down_proj(act)

@@ -223,6 +223,7 @@ class MoE(nn.Layer):
             laid = relayout(dispatch, layout.row_index(), layout.rows)  # tokens to the layout
             y = self.experts(permute(flat, laid, dtype), layout)
             out = combine(y, laid, routing.weights).astype(x.dtype).reshape(shape)
+            del y  # without gradients it dies before the shared expert
         self.last_tokens_per_expert = dispatch.routed
         if paddle.is_grad_enabled():
             self._load += dispatch.routed

@@ -277,40 +277,71 @@ def recompute_replay_extra(args: ModelArgs) -> Counts:
     return n.add("recompute: input gradient", "res", args.hidden_size)
 
 
+CPU_KERNEL_FORWARD = 3
+"""q-sized tensors the CPU FlashMask forward allocates in Paddle besides the LSE, measured
+(`flashcp.kernels.cpu_reference`: its output and two transient copies of it on the way from
+numpy)."""
+GPU_KERNEL_FORWARD = 1
+"""q-sized tensors a GPU FlashAttention / FlashMask forward op returns besides its
+`softmax_lse`: its output `out` (in the compute dtype)."""
+
+
 def nograd_forward_transient(
-    args: ModelArgs, index: int, rows: ExpertRows | None = None
+    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None, *,
+    pinned: bool = False,
 ) -> Counts:
     """Peak tensors of one layer's forward without gradients (recompute's first pass, DPO
-    reference pass): the MLP's intermediates (SwiGLU ``4·I``, GELU ``2·I``) or attention's
-    ``3·q + 3·kv`` plus the hidden in and out. A grouped MoE layer (r buffer rows per token)
-    peaks at its gate/up projection — the gathered rows and the gate/up output (with more
-    than one chunk: in parts and concatenated) — at the down projection (rows, SwiGLU output,
-    expert output, likewise), or at the combine (expert output, every token's k rows, the
-    sum)."""
-    h, hd = args.hidden_size, args.head_size
-    q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    n = Counts()
+    reference pass) besides its input, measured per family on CPU with numpy's and Paddle's
+    element-wise ops (`tests/unit/plan/test_forward_peak.py`). The layer drops q, k, v once
+    attention ran and each block's intermediates once used (`flashcp.models.base`), so the
+    peak is the larger of two moments (`pinned`: refined recompute's first pass, which keeps
+    the attention's LSE through the MLP too, `flashcp.models.recompute`):
+
+    * attention: rotated q, k and v, and the kernel's output and LSE (on CPU plus two
+      transient copies of the output, `CPU_KERNEL_FORWARD`);
+    * the MLP: the attention output, the residual sum and the MLP's normalised input, plus
+      the MLP's own peak — SwiGLU ``4·I`` (gate, up, silu, product), GELU ``max(2·I, I + H)``;
+      a MoE layer the routing and dispatch state ``5·k + E + 2·r`` (and the relaid dispatch
+      ``2·k + 2·r`` with padding rows) and the largest of the routed experts (the buffer
+      ``r·H`` and ``3·Im`` per row for the gate/up output and SwiGLU, or ``Im + H`` at the
+      down projection; with more than one chunk in parts and concatenated), the combine
+      (the experts' output and every token's k rows) and the shared expert (the combined
+      output and its SwiGLU, ``max(4·Is, Is + H)``)."""
+    h, q = args.hidden_size, args.num_heads * args.head_size
+    attention = nograd_attention(args, dt)
+    held = q + 2 * h  # the attention output, the residual sum, the MLP's normalised input
     blocks = args.layer_blocks(index)
-    if isinstance(blocks.mlp, DenseMLP) and blocks.mlp.kind == "gelu":
-        mlp = 2 * args.intermediate_size
-    elif blocks.moe is not None:
+    n = Counts()
+    if blocks.moe is not None:
         rows = rows or unpadded(args)
         r, im, k = rows.per_token, args.moe_intermediate_size, args.num_experts_per_tok
         parts = 2 if rows.chunks > 1 else 1
-        routed = max(
-            r * (h + parts * 2 * im),
-            r * (h + 3 * im),
-            r * (h + im + parts * h),
-            r * h + k * h + h,
-        )
-        routed += 2 * args.num_experts + 7 * k + 1 + 2 * r  # router and dispatch
-        if routed < 3 * q + 3 * kv:
-            return n.add("no-grad forward peak (attention)", "c", 3 * q + 3 * kv + 2 * h)
-        n.add("MoE no-grad forward peak", "res", routed)
-        return n.add("hidden in and out", "c", 2 * h)
+        experts = r * (h + max(parts * 2 * im, 3 * im, im + parts * h))
+        combine = r * h + k * h
+        shared = args.moe_intermediate_size * args.num_shared_experts
+        after = h + max(4 * shared, shared + h) if shared else 0
+        state = 5 * k + args.num_experts + 2 * r + (2 * k + 2 * r if rows.padded else 0)
+        mlp = held + state + max(experts, combine, after)
+    elif isinstance(blocks.mlp, DenseMLP) and blocks.mlp.kind == "gelu":
+        i = blocks.mlp.intermediate
+        mlp = held + max(2 * i, i + h)
     else:
-        mlp = 4 * args.intermediate_size
-    return n.add("no-grad forward peak", "c", max(mlp, 3 * q + 3 * kv) + 2 * h)
+        mlp = held + 4 * blocks.mlp.intermediate
+    lse = args.num_heads  # float32
+    if attention.bytes(dt) >= mlp * dt.c + (lse * 4 if pinned else 0):
+        return attention
+    n.add("no-grad forward peak (MLP)", "c", mlp)
+    return n.add("attention LSE (pinned)", "f", lse) if pinned else n
+
+
+def nograd_attention(args: ModelArgs, dt: Dtypes) -> Counts:
+    """The attention moment of `nograd_forward_transient`: rotated q, k and v, and the
+    kernel's output (`CPU_KERNEL_FORWARD` / `GPU_KERNEL_FORWARD`) and LSE."""
+    hd = args.head_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    kernel = (GPU_KERNEL_FORWARD if dt.gpu else CPU_KERNEL_FORWARD) * q
+    n = Counts().add("no-grad forward peak (attention)", "c", q + 2 * kv + kernel)
+    return n.add("attention LSE", "f", args.num_heads)
 
 
 def stage_extras(args: ModelArgs) -> Counts:

@@ -20,22 +20,30 @@ oldest (`flashcp.models.offload.MAX_LEAVING`): that many earlier layer inputs ma
 the device while a layer runs forward."""
 
 
-def nograd(s: Setup, state: StageState, layers: LayerSet, index: int) -> tuple[float, float]:
+def nograd(
+    s: Setup, state: StageState, layers: LayerSet, index: int, *, first_pass: bool = True
+) -> tuple[float, float]:
     """(peak bytes, excess all-to-all bytes) of layer `index`'s forward without gradients
-    (recompute's first pass, the DPO reference pass): whole, or under tiling the attention
-    core and the hidden in/out for all tokens, one tile of the token-wise parts, and with key
-    chunks the float32 output and LSE the chunks merge into."""
+    beyond its input (recompute's first pass, or the DPO reference pass: `first_pass` False):
+    whole, or under tiling the attention core and the hidden in/out for all tokens, one tile
+    of the token-wise parts, and with key chunks the float32 output and LSE the chunks merge
+    into."""
     args, dt, T, f = s.args, state.dt, s.tokens, s.features
+    pinned = first_pass and args.recompute == "refined"
     moe = args.is_moe_layer(index)
     tile = min(f.tile_tokens, T) if f.tile_tokens else 0
     if not tile:
         buf = moe_rows.expert_rows(args, T, dt, s.ep) if args.num_experts else None
-        peak = act.nograd_forward_transient(args, index, buf).bytes(dt) * T
+        peak = act.nograd_forward_transient(args, index, dt, buf, pinned=pinned).bytes(dt) * T
         if f.query_chunk or f.kv_chunk:  # attention's own buffers, chunk-sized
             peak += layers.attn_forward
+        else:  # under CP the gathered K/V, while attention runs
+            attention = act.nograd_attention(args, dt).bytes(dt) * T + layers.attn_forward
+            peak = max(peak, attention)
         return peak, max(0.0, exchange_bytes(s, dt, index, T) - peak) if moe else 0.0
     tile_buf = moe_rows.expert_rows(args, tile, dt, s.ep) if args.num_experts else None
-    per_tile = act.nograd_forward_transient(args, index, tile_buf).bytes(dt) * tile
+    per_tile = act.nograd_forward_transient(args, index, dt, tile_buf, pinned=pinned).bytes(dt)
+    per_tile *= tile
     H = args.hidden_size
     core = (act.attention_core(args).bytes(dt) + H * (dt.boundary + dt.res)) * T
     peak = core + max(per_tile, layers.attn_forward)
@@ -108,7 +116,7 @@ def forward_moments(
         )
     if s.dpo:
         # the reference pass runs with the adapters off (LoRA) or on the reference copy
-        reference = max((nograd(s, state, layers, i) for i in state.layers),
+        reference = max((nograd(s, state, layers, i, first_pass=False) for i in state.layers),
                         key=lambda x: x[0], default=(0.0, 0.0))  # fmt: skip
         m.add(
             "reference forward",

@@ -1,0 +1,165 @@
+"""A layer's forward without gradients (recompute's first pass, DPO's reference pass) against
+the planner's `nograd_forward_transient`, by Paddle's allocator."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import paddle
+import pytest
+
+from flashcp import masks
+from flashcp.attention.context import AttentionContext
+from flashcp.models import build_model, preset
+from flashcp.plan import activations as act
+from flashcp.plan import plan
+from flashcp.plan.counts import Dtypes
+from flashcp.plan.moe_rows import ExpertRows
+from helpers.configs import PLANNED, Sections, TinyCfg
+
+B, S = 2, 128
+CASES = [
+    ("tiny_glm", {}), ("tiny_llama", {}), ("tiny_qwen3", {}), ("tiny", {}), ("tiny_ernie", {}),
+    ("tiny_qwen2", {}), ("tiny_glm_moe", {}), ("tiny_qwen3_moe", {}),
+    ("tiny_glm_moe", {"num_experts_per_tok": 3}), ("tiny_qwen3_moe", {"num_experts_per_tok": 1}),
+]  # fmt: skip
+
+
+@pytest.fixture
+def tiny_base() -> Sections:
+    return PLANNED
+
+
+def _batch(vocab: int) -> tuple[Any, Any, AttentionContext]:
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, vocab, (B, S)))
+    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
+    return ids, pos, AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
+
+
+def _nograd_peak(model: Any, index: int, hold: list[Any] | None = None) -> tuple[int, Any]:
+    """The allocator's peak above the start of decoder layer `index`'s forward without
+    gradients (its input already allocated), on the second of two forwards, and the expert
+    layout that layer laid out (None for a dense layer)."""
+    from flashcp.models import experts
+
+    layer = dict(model.named_sublayers())[f"model.layers.{index}"]
+    core = paddle.base.core
+    seen: dict[str, Any] = {}
+    layouts: list[Any] = []
+    original = experts.plan_layout
+
+    def spy(*a: Any) -> Any:
+        layouts.append(original(*a))
+        return layouts[-1]
+
+    def enter(*_: Any) -> None:
+        gc.collect()
+        seen["start"] = core.host_memory_stat_current_value("Allocated", 0)
+        core.host_memory_stat_reset_peak_value("Allocated", 0)
+        layouts.clear()
+
+    def leave(*_: Any) -> None:
+        seen["peak"] = core.host_memory_stat_peak_value("Allocated", 0) - seen["start"]
+        seen["layout"] = layouts[-1] if layouts else None
+        if hold is not None:
+            hold.clear()
+
+    hooks = [layer.register_forward_pre_hook(enter), layer.register_forward_post_hook(leave)]
+    ids, pos, ctx = _batch(256)
+    experts.plan_layout = spy
+    try:
+        for _ in range(2):
+            with paddle.no_grad():
+                out = model(ids, pos, ctx)
+            del out
+    finally:
+        experts.plan_layout = original
+        for h in hooks:
+            h.remove()
+    return int(seen["peak"]), seen["layout"]
+
+
+@pytest.mark.parametrize("numpy_ops", [True, False], ids=["numpy-ops", "paddle-ops"])
+@pytest.mark.parametrize(("preset_name", "overrides"), CASES,
+                         ids=[f"{n}{'-k' + str(o['num_experts_per_tok']) if o else ''}"
+                              for n, o in CASES])  # fmt: skip
+def test_nograd_layer_forward_peaks_where_the_plan_says(
+    preset_name: str, overrides: dict[str, int], numpy_ops: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One decoder layer's no-grad forward peaks at `nograd_forward_transient` above its
+    input, to one float per token, for every family (dense, sandwich norms,
+    QK-norm, GELU, MoE with and without a shared expert, k = 1, 2, 3 experts per token at the
+    buffer it laid out), with numpy's element-wise ops and with Paddle's (the GPU path's
+    code; the attention kernel is still the CPU one, so its `CPU_KERNEL_FORWARD` applies)."""
+    from flashcp.models import cpu_elementwise
+
+    if not numpy_ops:
+        monkeypatch.setattr(cpu_elementwise, "applies", lambda *tensors: False)
+        monkeypatch.setattr(act, "GPU_KERNEL_FORWARD", act.CPU_KERNEL_FORWARD)
+    args = preset(preset_name, num_layers=2, **overrides)
+    index = 1 if args.is_moe_layer(1) else 0
+    measured, layout = _nograd_peak(build_model(args, seed=0), index)
+    rows = None
+    if layout is not None:
+        rows = ExpertRows(layout.rows / (B * S), layout.rows > sum(layout.counts), 0, 0)
+    dt = Dtypes(c=4, res=4, param=4, gpu=not numpy_ops)
+    planned = act.nograd_forward_transient(args, index, dt, rows).bytes(dt) * B * S
+    assert abs(measured - planned) <= 4 * B * S, (measured / (4 * B * S), planned / (4 * B * S))
+
+
+def test_a_layer_holding_a_dead_tensor_is_caught() -> None:
+    """Negative control: a layer that still holds its v projection through the MLP (as the
+    layer's forward did before it dropped q, k and v after attention) peaks `kv` floats per
+    token above the plan — the measurement sees a held tensor."""
+    args = preset("tiny_glm", num_layers=2)
+    model = build_model(args, seed=0)
+    attn = dict(model.named_sublayers())["model.layers.0.self_attn"]
+    held: list[Any] = []
+    attn.v_proj.register_forward_post_hook(lambda _layer, _inp, out: held.append(out))
+    measured, _ = _nograd_peak(model, 0, hold=held)
+    dt = Dtypes(c=4, res=4, param=4)
+    planned = act.nograd_forward_transient(args, 0, dt).bytes(dt) * B * S
+    kv = args.num_kv_heads * args.head_size
+    assert measured - planned == pytest.approx(kv * 4 * B * S, abs=4 * B * S)
+
+
+@pytest.mark.parametrize("mode", ["full", "refined"])
+@pytest.mark.parametrize("preset_name", ["tiny_glm", "tiny_qwen3", "tiny", "tiny_glm_moe",
+                                         "tiny_qwen3_moe"])  # fmt: skip
+def test_recompute_forward_peaks_at_the_planned_moment(
+    preset_name: str, mode: str, tiny_cfg: TinyCfg
+) -> None:
+    """The plan's `forward: layer` moment (the layers below kept, and one layer's no-grad
+    forward: `activations` + `layer_working_set`) is the allocator's peak over a recompute
+    forward of the whole model, to one float per token — refined recompute's first pass
+    holding each layer's LSE through its MLP too. Negative control: the other mode's plan."""
+
+    def config(recompute: str) -> Any:
+        return tiny_cfg(
+            model={"preset": preset_name, "recompute": recompute},
+            data={"micro_batch_size": B, "seq_len": S},
+            train={"dtype": "float32"},
+        )
+
+    def planned(recompute: str) -> float:
+        moment = plan(config(recompute), device="cpu").ranks[0].moments["forward: layer"]
+        return moment["activations"] + moment["layer_working_set"]
+
+    cfg = config(mode)
+
+    model = build_model(cfg.model, seed=0)
+    ids, pos, ctx = _batch(cfg.model.vocab_size)
+    core = paddle.base.core
+    measured = 0
+    for _ in range(2):
+        gc.collect()
+        start = core.host_memory_stat_current_value("Allocated", 0)
+        core.host_memory_stat_reset_peak_value("Allocated", 0)
+        hidden = model(ids, pos, ctx)
+        measured = core.host_memory_stat_peak_value("Allocated", 0) - start
+        del hidden
+    assert abs(measured - planned(mode)) <= 4 * B * S, (measured, planned(mode))
+    other = "full" if mode == "refined" else "refined"
+    assert abs(measured - planned(other)) > 4 * B * S
