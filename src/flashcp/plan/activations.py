@@ -371,18 +371,23 @@ def mtp_input_saved(args: ModelArgs, dt: Dtypes) -> Counts:
     """Per token and trained MTP depth (`flashcp.models.mtp.mtp_block_input`), besides its
     decoder block (`layer_saved` of index num_layers + d): the embedding output `[H]` (float32,
     kept by `enorm`'s pow), `enorm`'s and `hnorm`'s normalised inputs and rsqrt (hnorm's input
-    is the final norm's output, or the previous depth's block output, already kept), the
+    is the final norm's output, or the previous depth's block output, already kept; LayerNorm
+    keeps its input and mean/var instead), the
     concat `[2H]` eh_proj saves as its input, and eh_proj's output, the block's input in the
     residual dtype (the block does not count its own input, `layer_saved`). Under bf16
     autocast eh_proj also saves its bf16 input copy."""
     h = args.hidden_size
     n = Counts()
-    numpy_norms = dt.numpy_rmsnorm(args.family.norm)
-    if not numpy_norms:  # the numpy RMSNorm keeps no input and no Paddle rsqrt
+    if args.family.norm == "layer":  # LayerNorm keeps its input (hnorm's: kept already)
         n.add("MTP embedding output (enorm input)", "res", h)
-    n.add("MTP enorm, hnorm: normalised inputs", "res", 2 * h)
-    if not numpy_norms:
-        n.add("MTP enorm, hnorm: rsqrt", "f", 2)
+        n.add("MTP enorm, hnorm: mean/var", "f", 4)
+    else:
+        numpy_norms = dt.numpy_rmsnorm(args.family.norm)
+        if not numpy_norms:  # the numpy RMSNorm keeps no input and no Paddle rsqrt
+            n.add("MTP embedding output (enorm input)", "res", h)
+        n.add("MTP enorm, hnorm: normalised inputs", "res", 2 * h)
+        if not numpy_norms:
+            n.add("MTP enorm, hnorm: rsqrt", "f", 2)
     if dt.boundary < dt.res:  # hnorm upcasts the previous depth's bf16 block output
         n.add("MTP hnorm: input upcast to float32", "res", h)
     n.add("MTP eh_proj input (concat)", "res", 2 * h)

@@ -257,3 +257,42 @@ def test_gpu_plan_forward_keeps_what_paddle_ops_keep(
     assert abs(measured - planned) <= 4 * B * S, (measured, planned)
     on_cpu = plan(cfg, device="cpu").ranks[0].moments["forward: loss"]["activations"]
     assert abs(measured - on_cpu) > 4 * B * S
+
+
+@pytest.mark.parametrize("numpy_ops", [True, False], ids=["numpy-ops", "paddle-ops"])
+@pytest.mark.parametrize("preset_name", ["tiny_glm", "tiny_glm_moe", "tiny"])
+def test_mtp_block_input_keeps_what_the_plan_says(
+    preset_name: str, numpy_ops: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An MTP depth's input (`mtp_block_input`: enorm of the embedding, hnorm of the hidden
+    states, their concat through eh_proj) keeps `mtp_input_saved` for backward, to one float
+    per token: RMSNorm on numpy's and on Paddle's ops, GPT's LayerNorm (its input and
+    mean/var). Negative control: for RMSNorm the other path's count, for LayerNorm RMSNorm's."""
+    from flashcp.models import cpu_elementwise
+    from flashcp.models.mtp import is_mtp_layer, mtp_block_input
+
+    if not numpy_ops:
+        monkeypatch.setattr(cpu_elementwise, "applies", lambda *tensors: False)
+    args = preset(preset_name, num_layers=1, mtp_layers=1, mtp_loss_weight=0.3)
+    layer = next(m for m in build_model(args, seed=0).sublayers() if is_mtp_layer(m))
+    B, S = 2, 128
+    hidden = paddle.randn([B, S, args.hidden_size])
+    hidden.stop_gradient = False
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 256, (B, S)))
+    core = paddle.base.core
+    kept = 0
+    for _ in range(2):
+        gc.collect()
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        out = mtp_block_input(layer, hidden, ids)
+        kept = int(core.host_memory_stat_current_value("Allocated", 0) - before)
+        del out
+    dt = Dtypes(c=4, res=4, param=4, gpu=not numpy_ops)
+    assert abs(kept - act.mtp_input_saved(args, dt).bytes(dt) * B * S) <= 4 * B * S
+    if args.family.norm == "layer":
+        rms = preset("tiny_glm", hidden_size=args.hidden_size)
+        other = act.mtp_input_saved(rms, dt).bytes(dt) * B * S
+    else:
+        flipped = Dtypes(c=4, res=4, param=4, gpu=numpy_ops)
+        other = act.mtp_input_saved(args, flipped).bytes(flipped) * B * S
+    assert abs(kept - other) > 4 * B * S
