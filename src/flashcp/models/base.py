@@ -508,13 +508,6 @@ class CausalLM(LMHead, nn.Layer):
         """First stage: token (+ learned position) embeddings."""
         return self.model.embed(input_ids, positions)
 
-    def run_layers(
-        self, h: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
-    ) -> paddle.Tensor:
-        """This stage's decoder layers (with the model's recompute mode) on hidden `h`."""
-        r = self.layer_range
-        return self.model.run_layers(h, positions, attn, r.start, r.stop)
-
     def hidden_states(
         self, input_ids: paddle.Tensor, positions: paddle.Tensor, attn: AttentionContext
     ) -> paddle.Tensor:
@@ -529,11 +522,15 @@ class CausalLM(LMHead, nn.Layer):
     ) -> paddle.Tensor:
         if self.is_first:
             self._check_inputs(x, positions, attn)
-            h = self.embed(x, positions)
         else:
             self._check_hidden(x, positions, attn)
-            h = x
-        h = self.run_layers(h, positions, attn)
+        # the embeddings pass as an argument only, so what does not keep them (a forward
+        # without gradients, a first layer whose numpy RMSNorm keeps no input) frees them after
+        # the first layer: a local here would hold them through every layer's forward
+        r = self.layer_range
+        h = self.model.run_layers(
+            self.embed(x, positions) if self.is_first else x, positions, attn, r.start, r.stop
+        )
         return self.model.final_norm(h) if self.is_last else h
 
     def extra_repr(self) -> str:

@@ -115,13 +115,16 @@ def forward_moments(
             ep_buffers=ep_j,
         )
     if s.dpo:
-        # the reference pass runs with the adapters off (LoRA) or on the reference copy
+        # the reference pass runs with the adapters off (LoRA) or on the reference copy: one
+        # layer's no-grad peak over its input (the stream between layers) and the rotary tables
         reference = max((nograd(s, state, layers, i, first_pass=False) for i in state.layers),
                         key=lambda x: x[0], default=(0.0, 0.0))  # fmt: skip
+        args, dt, T = s.args, state.dt, s.tokens
+        held = (args.hidden_size * dt.boundary + act.stage_extras(args).bytes(dt)) * T
         m.add(
             "reference forward",
             **state.live_grads("forward"),
-            activations=int(reference[0]) + (layers.norm if state.last else 0),
+            activations=int(reference[0] + held) + (layers.norm if state.last else 0),
             logits_loss=head.loss_peak if state.last else 0,
             ep_buffers=reference[1],
         )

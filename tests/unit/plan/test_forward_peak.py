@@ -163,3 +163,38 @@ def test_recompute_forward_peaks_at_the_planned_moment(
     assert abs(measured - planned(mode)) <= 4 * B * S, (measured, planned(mode))
     other = "full" if mode == "refined" else "refined"
     assert abs(measured - planned(other)) > 4 * B * S
+
+
+@pytest.mark.parametrize("preset_name", ["tiny_glm", "tiny_qwen3", "tiny", "tiny_glm_moe"])
+def test_dpo_reference_forward_peaks_at_the_planned_moment(
+    preset_name: str, tiny_cfg: TinyCfg
+) -> None:
+    """The plan's `reference forward` moment (DPO's reference log-probs: the model without
+    gradients), its activations less the final norm's, is the allocator's peak over a no-grad
+    forward of the whole model, to one float per token — a layer's peak over its input, and
+    the input and rotary tables. Negative control: the peak of the layer alone."""
+    cfg = tiny_cfg(
+        model={"preset": preset_name},
+        data={"micro_batch_size": B, "seq_len": S},
+        train={"dtype": "float32"},
+        run={"recipe": "dpo", "output_dir": "/nonexistent/run"},
+    )
+    args, dt = cfg.model, Dtypes(c=4, res=4, param=4)
+    norm = int(act.final_norm(args).bytes(dt) * B * S)  # after the layers, counted with them
+    planned = plan(cfg, device="cpu").ranks[0].moments["reference forward"]["activations"] - norm
+    model = build_model(cfg.model, seed=0)
+    ids, pos, ctx = _batch(cfg.model.vocab_size)
+    core = paddle.base.core
+    measured = 0
+    for _ in range(2):
+        gc.collect()
+        start = core.host_memory_stat_current_value("Allocated", 0)
+        core.host_memory_stat_reset_peak_value("Allocated", 0)
+        with paddle.no_grad():
+            hidden = model(ids, pos, ctx)
+        measured = core.host_memory_stat_peak_value("Allocated", 0) - start
+        del hidden
+    assert abs(measured - planned) <= 4 * B * S, (measured, planned)
+    layers = range(args.num_layers)
+    alone = max(act.nograd_forward_transient(args, i, dt).bytes(dt) for i in layers) * B * S
+    assert abs(measured - alone) > 4 * B * S
