@@ -163,18 +163,26 @@ def test_recompute_forward_peaks_at_the_planned_moment(
     assert abs(measured - planned(mode)) <= 4 * B * S, (measured, planned(mode))
     other = "full" if mode == "refined" else "refined"
     assert abs(measured - planned(other)) > 4 * B * S
+    # without recompute no layer runs a forward without gradients
+    assert "forward: layer" not in plan(config("none"), device="cpu").ranks[0].moments
 
 
-@pytest.mark.parametrize("preset_name", ["tiny_glm", "tiny_qwen3", "tiny", "tiny_glm_moe"])
+@pytest.mark.parametrize(
+    ("preset_name", "recompute"),
+    [("tiny_glm", "none"), ("tiny_qwen3", "none"), ("tiny", "none"), ("tiny_glm_moe", "none"),
+     ("tiny_glm", "refined")],
+)  # fmt: skip
 def test_dpo_reference_forward_peaks_at_the_planned_moment(
-    preset_name: str, tiny_cfg: TinyCfg
+    preset_name: str, recompute: str, tiny_cfg: TinyCfg
 ) -> None:
     """The plan's `reference forward` moment (DPO's reference log-probs: the model without
     gradients), its activations less the final norm's, is the allocator's peak over a no-grad
     forward of the whole model, to one float per token — a layer's peak over its input, and
-    the input and rotary tables. Negative control: the peak of the layer alone."""
+    the input and rotary tables; under refined recompute too (the reference pass pins no
+    LSE: recompute runs only while gradients are recorded). Negative control: the peak of
+    the layer alone."""
     cfg = tiny_cfg(
-        model={"preset": preset_name},
+        model={"preset": preset_name, "recompute": recompute},
         data={"micro_batch_size": B, "seq_len": S},
         train={"dtype": "float32"},
         run={"recipe": "dpo", "output_dir": "/nonexistent/run"},
