@@ -277,15 +277,6 @@ def recompute_replay_extra(args: ModelArgs) -> Counts:
     return n.add("recompute: input gradient", "res", args.hidden_size)
 
 
-CPU_KERNEL_FORWARD = 3
-"""q-sized tensors the CPU FlashMask forward allocates in Paddle besides the LSE, measured
-(`flashcp.kernels.cpu_reference`: its output and two transient copies of it on the way from
-numpy)."""
-GPU_KERNEL_FORWARD = 1
-"""q-sized tensors a GPU FlashAttention / FlashMask forward op returns besides its
-`softmax_lse`: its output `out` (in the compute dtype)."""
-
-
 def nograd_forward_transient(
     args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None, *,
     pinned: bool = False,
@@ -297,8 +288,8 @@ def nograd_forward_transient(
     peak is the larger of two moments (`pinned`: refined recompute's first pass, which keeps
     the attention's LSE through the MLP too, `flashcp.models.recompute`):
 
-    * attention: rotated q, k and v, and the kernel's output and LSE (on CPU plus two
-      transient copies of the output, `CPU_KERNEL_FORWARD`);
+    * attention: rotated q, k and v, and the kernel's output and LSE (on CPU plus its copies
+      of q, k and v, `kernel_input_copies`);
     * the MLP: the attention output, the residual sum and the MLP's normalised input, plus
       the MLP's own peak — SwiGLU ``4·I`` (gate, up, silu, product), GELU ``max(2·I, I + H)``;
       a MoE layer the routing and dispatch state ``5·k + E + 2·r`` (and the relaid dispatch
@@ -335,13 +326,22 @@ def nograd_forward_transient(
 
 
 def nograd_attention(args: ModelArgs, dt: Dtypes) -> Counts:
-    """The attention moment of `nograd_forward_transient`: rotated q, k and v, and the
-    kernel's output (`CPU_KERNEL_FORWARD` / `GPU_KERNEL_FORWARD`) and LSE."""
+    """The attention moment of `nograd_forward_transient`: rotated q, k and v, the kernel's
+    output and LSE, and on CPU the kernel's copies of q, k and v."""
     hd = args.head_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    kernel = (GPU_KERNEL_FORWARD if dt.gpu else CPU_KERNEL_FORWARD) * q
-    n = Counts().add("no-grad forward peak (attention)", "c", q + 2 * kv + kernel)
+    n = Counts().add("no-grad forward peak (attention)", "c", 2 * q + 2 * kv)
+    if not dt.gpu:
+        n.add("attention kernel: its copies of q, k, v", "c", kernel_input_copies(args))
     return n.add("attention LSE", "f", args.num_heads)
+
+
+def kernel_input_copies(args: ModelArgs) -> int:
+    """Per token, the Paddle copies of q, k and v the CPU FlashMask kernel holds while it
+    runs (`flashcp.kernels.cpu_reference` reads its inputs through `.numpy()`, a copy in
+    Paddle's allocator, measured); a GPU FlashAttention / FlashMask forward op allocates only
+    its `out` and `softmax_lse`."""
+    return (args.num_heads + 2 * args.num_kv_heads) * args.head_size
 
 
 def stage_extras(args: ModelArgs) -> Counts:

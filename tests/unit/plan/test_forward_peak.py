@@ -24,6 +24,7 @@ CASES = [
     ("tiny_glm", {}), ("tiny_llama", {}), ("tiny_qwen3", {}), ("tiny", {}), ("tiny_ernie", {}),
     ("tiny_qwen2", {}), ("tiny_glm_moe", {}), ("tiny_qwen3_moe", {}),
     ("tiny_glm_moe", {"num_experts_per_tok": 3}), ("tiny_qwen3_moe", {"num_experts_per_tok": 1}),
+    ("tiny_qwen3", {"num_kv_heads": 4}), ("tiny_qwen3", {"num_kv_heads": 1}),
 ]  # fmt: skip
 
 
@@ -82,9 +83,11 @@ def _nograd_peak(model: Any, index: int, hold: list[Any] | None = None) -> tuple
 
 
 @pytest.mark.parametrize("numpy_ops", [True, False], ids=["numpy-ops", "paddle-ops"])
-@pytest.mark.parametrize(("preset_name", "overrides"), CASES,
-                         ids=[f"{n}{'-k' + str(o['num_experts_per_tok']) if o else ''}"
-                              for n, o in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset_name", "overrides"),
+    CASES,
+    ids=[n + "".join(f"-{k}{v}" for k, v in o.items()) for n, o in CASES],
+)
 def test_nograd_layer_forward_peaks_where_the_plan_says(
     preset_name: str, overrides: dict[str, int], numpy_ops: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -92,12 +95,18 @@ def test_nograd_layer_forward_peaks_where_the_plan_says(
     input, to one float per token, for every family (dense, sandwich norms,
     QK-norm, GELU, MoE with and without a shared expert, k = 1, 2, 3 experts per token at the
     buffer it laid out), with numpy's element-wise ops and with Paddle's (the GPU path's
-    code; the attention kernel is still the CPU one, so its `CPU_KERNEL_FORWARD` applies)."""
+    code; the attention kernel is still the CPU one, with its copies of q, k and v), with
+    grouped and ungrouped KV heads."""
     from flashcp.models import cpu_elementwise
 
     if not numpy_ops:
         monkeypatch.setattr(cpu_elementwise, "applies", lambda *tensors: False)
-        monkeypatch.setattr(act, "GPU_KERNEL_FORWARD", act.CPU_KERNEL_FORWARD)
+        cpu_attention = act.nograd_attention  # the kernel here is the CPU one, copies and all
+
+        def attention(args: Any, dt: Dtypes) -> Any:
+            return cpu_attention(args, Dtypes(c=4, res=4, param=4))
+
+        monkeypatch.setattr(act, "nograd_attention", attention)
     args = preset(preset_name, num_layers=2, **overrides)
     index = 1 if args.is_moe_layer(1) else 0
     measured, layout = _nograd_peak(build_model(args, seed=0), index)
