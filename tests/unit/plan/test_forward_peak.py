@@ -6,18 +6,16 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-import numpy as np
 import paddle
 import pytest
 
-from flashcp import masks
-from flashcp.attention.context import AttentionContext
 from flashcp.models import build_model, preset
 from flashcp.plan import activations as act
 from flashcp.plan import plan
 from flashcp.plan.counts import Dtypes
 from flashcp.plan.moe_rows import ExpertRows
 from helpers.configs import PLANNED, Sections, TinyCfg
+from helpers.kept import allocated_by, causal_batch
 
 B, S = 2, 128
 CASES = [
@@ -31,12 +29,6 @@ CASES = [
 @pytest.fixture
 def tiny_base() -> Sections:
     return PLANNED
-
-
-def _batch(vocab: int) -> tuple[Any, Any, AttentionContext]:
-    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, vocab, (B, S)))
-    pos = paddle.arange(S, dtype="int64").unsqueeze(0).expand([B, S])
-    return ids, pos, AttentionContext(mask=masks.causal_mask(B, S).indices, causal=True)
 
 
 def _nograd_peak(model: Any, index: int, hold: list[Any] | None = None) -> tuple[int, Any]:
@@ -68,7 +60,7 @@ def _nograd_peak(model: Any, index: int, hold: list[Any] | None = None) -> tuple
             hold.clear()
 
     hooks = [layer.register_forward_pre_hook(enter), layer.register_forward_post_hook(leave)]
-    ids, pos, ctx = _batch(256)
+    ids, pos, ctx = causal_batch(256, B, S)
     experts.plan_layout = spy
     try:
         for _ in range(2):
@@ -159,16 +151,8 @@ def test_recompute_forward_peaks_at_the_planned_moment(
     cfg = config(mode)
 
     model = build_model(cfg.model, seed=0)
-    ids, pos, ctx = _batch(cfg.model.vocab_size)
-    core = paddle.base.core
-    measured = 0
-    for _ in range(2):
-        gc.collect()
-        start = core.host_memory_stat_current_value("Allocated", 0)
-        core.host_memory_stat_reset_peak_value("Allocated", 0)
-        hidden = model(ids, pos, ctx)
-        measured = core.host_memory_stat_peak_value("Allocated", 0) - start
-        del hidden
+    ids, pos, ctx = causal_batch(cfg.model.vocab_size, B, S)
+    measured = allocated_by(lambda: model(ids, pos, ctx))[1]
     assert abs(measured - planned(mode)) <= 4 * B * S, (measured, planned(mode))
     other = "full" if mode == "refined" else "refined"
     assert abs(measured - planned(other)) > 4 * B * S
@@ -200,17 +184,8 @@ def test_dpo_reference_forward_peaks_at_the_planned_moment(
     norm = int(act.final_norm(args).bytes(dt) * B * S)  # after the layers, counted with them
     planned = plan(cfg, device="cpu").ranks[0].moments["reference forward"]["activations"] - norm
     model = build_model(cfg.model, seed=0)
-    ids, pos, ctx = _batch(cfg.model.vocab_size)
-    core = paddle.base.core
-    measured = 0
-    for _ in range(2):
-        gc.collect()
-        start = core.host_memory_stat_current_value("Allocated", 0)
-        core.host_memory_stat_reset_peak_value("Allocated", 0)
-        with paddle.no_grad():
-            hidden = model(ids, pos, ctx)
-        measured = core.host_memory_stat_peak_value("Allocated", 0) - start
-        del hidden
+    ids, pos, ctx = causal_batch(cfg.model.vocab_size, B, S)
+    measured = allocated_by(paddle.no_grad()(lambda: model(ids, pos, ctx)))[1]
     assert abs(measured - planned) <= 4 * B * S, (measured, planned)
     layers = range(args.num_layers)
     alone = max(act.nograd_forward_transient(args, i, dt).bytes(dt) for i in layers) * B * S

@@ -18,7 +18,7 @@ from flashcp.plan.counts import Counts, Dtypes
 from flashcp.plan.layer import upcast_transient, weight_copies
 from flashcp.plan.moe_rows import ExpertRows
 from helpers.configs import PLANNED, Sections, TinyCfg
-from helpers.kept import forward_kept
+from helpers.kept import allocated_by, forward_kept
 
 
 def _largest_linear(model: Any, index: int) -> tuple[Any, paddle.Tensor]:
@@ -279,14 +279,7 @@ def test_mtp_block_input_keeps_what_the_plan_says(
     hidden = paddle.randn([B, S, args.hidden_size])
     hidden.stop_gradient = False
     ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 256, (B, S)))
-    core = paddle.base.core
-    kept = 0
-    for _ in range(2):
-        gc.collect()
-        before = core.host_memory_stat_current_value("Allocated", 0)
-        out = mtp_block_input(layer, hidden, ids)
-        kept = int(core.host_memory_stat_current_value("Allocated", 0) - before)
-        del out
+    kept = allocated_by(lambda: mtp_block_input(layer, hidden, ids))[0]
     dt = Dtypes(c=4, res=4, param=4, gpu=not numpy_ops)
     assert abs(kept - act.mtp_input_saved(args, dt).bytes(dt) * B * S) <= 4 * B * S
     if args.family.norm == "layer":
