@@ -299,11 +299,11 @@ def nograd_forward_transient(
       (the experts' output and every token's k rows) and the shared expert (the combined
       output and its SwiGLU, ``max(4·Is, Is + H)``)."""
     h, q = args.hidden_size, args.num_heads * args.head_size
-    attention = nograd_attention(args, dt)
     held = q + 2 * h  # the attention output, the residual sum, the MLP's normalised input
     blocks = args.layer_blocks(index)
-    n = Counts()
+    cls = "c"
     if blocks.moe is not None:
+        cls = "res"  # float32 routing state and combine: counted at the residual width
         rows = rows or unpadded(args)
         r, im, k = rows.per_token, args.moe_intermediate_size, args.num_experts_per_tok
         parts = 2 if rows.chunks > 1 else 1
@@ -318,11 +318,11 @@ def nograd_forward_transient(
         mlp = held + max(2 * i, i + h)
     else:
         mlp = held + 4 * blocks.mlp.intermediate
-    lse = args.num_heads  # float32
-    if attention.bytes(dt) >= mlp * dt.c + (lse * 4 if pinned else 0):
-        return attention
-    n.add("no-grad forward peak (MLP)", "c", mlp)
-    return n.add("attention LSE (pinned)", "f", lse) if pinned else n
+    n = Counts().add("no-grad forward peak (MLP)", cls, mlp)
+    if pinned:
+        n.add("attention LSE (pinned)", "f", args.num_heads)
+    attention = nograd_attention(args, dt)
+    return attention if attention.bytes(dt) >= n.bytes(dt) else n
 
 
 def nograd_attention(args: ModelArgs, dt: Dtypes) -> Counts:
