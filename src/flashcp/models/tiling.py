@@ -136,14 +136,13 @@ def _run_tiles(
         if states is not None:
             states.append(_rng_state())
         parts = fn(*(_rows(x, start, stop) for x in inputs))
-        if not outs:
-            for p in parts:
-                shape = [int(p.shape[0]), length, *(int(d) for d in p.shape[2:])]
-                outs.append(paddle.empty(shape, dtype=p.dtype))
+        if not outs:  # (no loop variable outlives the loop: it would hold a tile's output)
+            outs = [paddle.empty([int(p.shape[0]), length, *(int(d) for d in p.shape[2:])],
+                                 dtype=p.dtype) for p in parts]  # fmt: skip
         with paddle.no_grad():
-            for out, p in zip(outs, parts, strict=True):
-                out[:, start:stop] = p
-        del parts
+            for out, part in zip(outs, parts, strict=True):
+                out[:, start:stop] = part
+        del parts, part  # the tile's outputs die before the next tile runs
     return tuple(outs)
 
 

@@ -298,6 +298,17 @@ def nograd_forward_transient(
       down projection; with more than one chunk in parts and concatenated), the combine
       (the experts' output and every token's k rows) and the shared expert (the combined
       output and its SwiGLU, ``max(4·Is, Is + H)``)."""
+    n = nograd_mlp(args, index, dt, rows, pinned=pinned)
+    attention = nograd_attention(args, dt)
+    return attention if attention.bytes(dt) >= n.bytes(dt) else n
+
+
+def nograd_mlp(
+    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None, *,
+    pinned: bool = False,
+) -> Counts:
+    """The MLP moment of `nograd_forward_transient` (per token; under tiling per token of
+    the tile, with the tile's expert buffer `rows`)."""
     h, q = args.hidden_size, args.num_heads * args.head_size
     held = q + 2 * h  # the attention output, the residual sum, the MLP's normalised input
     blocks = args.layer_blocks(index)
@@ -319,10 +330,7 @@ def nograd_forward_transient(
     else:
         mlp = held + 4 * blocks.mlp.intermediate
     n = Counts().add("no-grad forward peak (MLP)", cls, mlp)
-    if pinned:
-        n.add("attention LSE (pinned)", "f", args.num_heads)
-    attention = nograd_attention(args, dt)
-    return attention if attention.bytes(dt) >= n.bytes(dt) else n
+    return n.add("attention LSE (pinned)", "f", args.num_heads) if pinned else n
 
 
 def nograd_attention(args: ModelArgs, dt: Dtypes) -> Counts:

@@ -1,8 +1,8 @@
 """A stage's forward passes without gradients: recompute's first pass over each layer
 (``forward: layer``, and ``forward: mtp layer`` for a trained MTP depth) and the DPO reference
 pass (``reference forward``). Each holds the layers below kept and one layer's no-grad peak:
-whole, or under tiling the attention core and the hidden in/out for all tokens with one tile
-of the token-wise parts, plus the attention's own chunk buffers."""
+whole, or under tiling the larger of its attention moment and its `after` block's (`nograd`),
+plus the attention's own chunk buffers."""
 
 from __future__ import annotations
 
@@ -24,30 +24,32 @@ def nograd(
     s: Setup, state: StageState, layers: LayerSet, index: int, *, first_pass: bool = True
 ) -> tuple[float, float]:
     """(peak bytes, excess all-to-all bytes) of layer `index`'s forward without gradients
-    beyond its input (recompute's first pass, or the DPO reference pass: `first_pass` False):
-    whole, or under tiling the attention core and the hidden in/out for all tokens, one tile
-    of the token-wise parts, and with key chunks the float32 output and LSE the chunks merge
-    into."""
+    beyond its input (recompute's first pass, or the DPO reference pass: `first_pass` False).
+
+    Whole: `act.nograd_forward_transient`, under CP the gathered K/V joining its attention
+    moment, with key chunks the chunks' buffers. Tiled (`flashcp.models.tiling`, measured in
+    `tests/unit/plan/test_forward_peak.py`): the attention moment over full-length q, k, v as
+    untiled, or the `after` block's: the full-length attention output and layer output, and
+    per token of one tile its rows of the layer input and of the attention output (copies)
+    and the MLP moment."""
     args, dt, T, f = s.args, state.dt, s.tokens, s.features
     pinned = first_pass and args.recompute == "refined"
     moe = args.is_moe_layer(index)
-    tile = min(f.tile_tokens, T) if f.tile_tokens else 0
+    chunked = bool(f.query_chunk or f.kv_chunk)
+    attention = act.nograd_attention(args, dt).bytes(dt) * T + layers.attn_forward
+    tile = s.tile
     if not tile:
         buf = moe_rows.expert_rows(args, T, dt, s.ep) if args.num_experts else None
         peak = act.nograd_forward_transient(args, index, dt, buf, pinned=pinned).bytes(dt) * T
-        if f.query_chunk or f.kv_chunk:  # attention's own buffers, chunk-sized
-            peak += layers.attn_forward
-        else:  # under CP the gathered K/V, while attention runs
-            attention = act.nograd_attention(args, dt).bytes(dt) * T + layers.attn_forward
-            peak = max(peak, attention)
+        # chunked attention's own buffers count at either moment, CP's gathered K/V at its own
+        peak = peak + layers.attn_forward if chunked else max(peak, attention)
         return peak, max(0.0, exchange_bytes(s, dt, index, T) - peak) if moe else 0.0
     tile_buf = moe_rows.expert_rows(args, tile, dt, s.ep) if args.num_experts else None
-    per_tile = act.nograd_forward_transient(args, index, dt, tile_buf, pinned=pinned).bytes(dt)
-    per_tile *= tile
-    H = args.hidden_size
-    core = (act.attention_core(args).bytes(dt) + H * (dt.boundary + dt.res)) * T
-    peak = core + max(per_tile, layers.attn_forward)
-    excess = exchange_bytes(s, dt, index, tile) - per_tile
+    H, q = args.hidden_size, args.num_heads * args.head_size
+    per_tile = act.nograd_mlp(args, index, dt, tile_buf).bytes(dt) + H * dt.boundary
+    full = q * dt.c + H * dt.boundary + (args.num_heads * 4 if pinned else 0)
+    peak = max(attention, full * T + per_tile * tile)
+    excess = exchange_bytes(s, dt, index, tile) - per_tile * tile
     return peak, max(0.0, excess) if moe else 0.0
 
 

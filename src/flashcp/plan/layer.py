@@ -212,7 +212,7 @@ def stage_layers(s: Setup, state: StageState) -> LayerSet:
         fixed=extras.bytes(dt) * T + cp_mask,
         norm=int(act.final_norm(args).bytes(dt) * T) if state.last else 0,
     )
-    tile = min(f.tile_tokens, T) if f.tile_tokens else 0
+    tile = s.tile
     tile_buf = moe_rows.expert_rows(args, tile, dt, s.ep) if args.num_experts and tile else None
     kept: list[float] = []
     backward: list[tuple[Work, Work]] = []

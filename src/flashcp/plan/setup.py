@@ -43,6 +43,16 @@ class Setup:
     """The long-context mechanisms planned (`flashcp.plan.features`; all off by default)."""
 
     @property
+    def tile(self) -> int:
+        """Local tokens of one sequence tile (`model.tile_tokens` of every row of the
+        micro-batch at once: the tiles cut the token axis, `flashcp.models.tiling`), at most
+        all of them; 0 untiled."""
+        if not self.features.tile_tokens:
+            return 0
+        rows = self.tokens // self.batch
+        return min(self.features.tile_tokens, rows) * self.batch
+
+    @property
     def shard_degree(self) -> int:
         return self.dp * self.cp if self.shard else 1
 
