@@ -297,10 +297,16 @@ def nograd_forward_transient(
       ``r·H`` and ``3·Im`` per row for the gate/up output and SwiGLU, or ``Im + H`` at the
       down projection; with more than one chunk in parts and concatenated), the combine
       (the experts' output and every token's k rows) and the shared expert (the combined
-      output and its SwiGLU, ``max(4·Is, Is + H)``)."""
+      output and its SwiGLU, ``max(4·Is, Is + H)``).
+
+    A stream narrower than float32 adds the layer's float32 copy of its input, alive
+    throughout (`DecoderLayer.forward`'s one upcast)."""
     n = nograd_mlp(args, index, dt, rows, pinned=pinned)
     attention = nograd_attention(args, dt)
-    return attention if attention.bytes(dt) >= n.bytes(dt) else n
+    peak = attention if attention.bytes(dt) >= n.bytes(dt) else n
+    if dt.boundary < dt.res:
+        peak = peak + Counts().add("layer input upcast to float32", "res", args.hidden_size)
+    return peak
 
 
 def nograd_mlp(

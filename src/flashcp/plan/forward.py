@@ -46,6 +46,8 @@ def nograd(
         return peak, max(0.0, exchange_bytes(s, dt, index, T) - peak) if moe else 0.0
     tile_buf = moe_rows.expert_rows(args, tile, dt, s.ep) if args.num_experts else None
     H, q = args.hidden_size, args.num_heads * args.head_size
+    # the tile's rows of the layer input in the stream's dtype (their float32 upcast, if any,
+    # dies at the residual add: it is an argument of the block only)
     per_tile = act.nograd_mlp(args, index, dt, tile_buf).bytes(dt) + H * dt.boundary
     full = q * dt.c + H * dt.boundary + (args.num_heads * 4 if pinned else 0)
     peak = max(attention, full * T + per_tile * tile)

@@ -229,3 +229,31 @@ def test_tiled_recompute_forward_peaks_at_the_planned_moment(
 
         monkeypatch.setattr(Setup, "tile", property(lambda s: s.features.tile_tokens))
         assert abs(measured - planned()) > 4 * tokens
+
+
+@pytest.mark.parametrize("tile", [0, 64])
+@pytest.mark.parametrize("mode", ["full", "refined"])
+@pytest.mark.parametrize("preset_name", ["tiny_glm", "tiny_qwen3", "tiny_glm_moe"])
+def test_bf16_stream_recompute_forward_peaks_at_the_planned_moment(
+    preset_name: str, mode: str, tile: int, tiny_cfg: TinyCfg
+) -> None:
+    """With a bf16 residual stream (`model.residual_dtype`) the `forward: layer` moment is
+    still the measured peak, to one float per token: untiled, the layer's float32 copy of its
+    input lives through the layer; tiled, a tile's upcast dies at its residual add and the
+    bf16 rows stay. Negative control: the tiled plan with the untiled layer's upcast."""
+    B, S = 2, 128
+    cfg = tiny_cfg(
+        model={"preset": preset_name, "recompute": mode, "tile_tokens": tile,
+               "residual_dtype": "bfloat16"},
+        data={"micro_batch_size": B, "seq_len": S},
+        train={"dtype": "float32"},
+    )  # fmt: skip
+    moment = plan(cfg, device="cpu").ranks[0].moments["forward: layer"]
+    planned = moment["activations"] + moment["layer_working_set"]
+    model = build_model(cfg.model, seed=0)
+    ids, pos, ctx = causal_batch(cfg.model.vocab_size, B, S)
+    measured = allocated_by(lambda: model(ids, pos, ctx))[1]
+    assert abs(measured - planned) <= 4 * B * S, (measured, planned)
+    if tile and preset_name == "tiny_glm":  # its `after` moment peaks: half the tokens a tile
+        upcast = cfg.model.hidden_size * 4 * B * S // 2
+        assert abs(measured - (planned + upcast)) > 4 * B * S
