@@ -100,7 +100,7 @@ class ModelArgs:
     # training
     recompute: Recompute = "none"
     residual_dtype: ResidualDtype = "float32"  # the stream between layers (see module doc)
-    tile_tokens: int = 0  # > 0: token-wise layer parts run over tiles of this many local tokens
+    tile_tokens: int = 0  # > 0: token-wise layer parts run over tiles of this many positions a row
     initializer_range: float = 0.02
     # multi-token prediction (`flashcp.models.mtp`)
     mtp_layers: int = 0  # MTP depths after the last layer (GLM-4.5's num_nextn_predict_layers)
