@@ -301,7 +301,7 @@ def nograd_forward_transient(
 
     A stream narrower than float32 adds the layer's float32 copy of its input, alive
     throughout (`DecoderLayer.forward`'s one upcast)."""
-    n = nograd_mlp(args, index, dt, rows, pinned=pinned)
+    n = nograd_mlp(args, index, rows, pinned=pinned)
     attention = nograd_attention(args, dt)
     peak = attention if attention.bytes(dt) >= n.bytes(dt) else n
     if dt.boundary < dt.res:
@@ -310,8 +310,7 @@ def nograd_forward_transient(
 
 
 def nograd_mlp(
-    args: ModelArgs, index: int, dt: Dtypes, rows: ExpertRows | None = None, *,
-    pinned: bool = False,
+    args: ModelArgs, index: int, rows: ExpertRows | None = None, *, pinned: bool = False
 ) -> Counts:
     """The MLP moment of `nograd_forward_transient` (per token; under tiling per token of
     the tile, with the tile's expert buffer `rows`)."""

@@ -48,7 +48,7 @@ def nograd(
     H, q = args.hidden_size, args.num_heads * args.head_size
     # the tile's rows of the layer input in the stream's dtype (their float32 upcast, if any,
     # dies at the residual add: it is an argument of the block only)
-    per_tile = act.nograd_mlp(args, index, dt, tile_buf).bytes(dt) + H * dt.boundary
+    per_tile = act.nograd_mlp(args, index, tile_buf).bytes(dt) + H * dt.boundary
     full = q * dt.c + H * dt.boundary + (args.num_heads * 4 if pinned else 0)
     peak = max(attention, full * T + per_tile * tile)
     excess = exchange_bytes(s, dt, index, tile) - per_tile * tile
